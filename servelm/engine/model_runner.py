@@ -1,0 +1,126 @@
+"""ModelRunner: a scheduled batch -> tensors -> one forward pass -> next-token logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelm.models.config import ModelConfig
+from servelm.models.layers import AttnGroup, ForwardBatch
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a step: the tokens to run and where their KV goes."""
+
+    token_ids: list[int]    # tokens computed this step (a prefill chunk, or the one decode token)
+    start_pos: int          # position of token_ids[0] == tokens already in the cache
+    block_table: list[int]  # blocks holding positions [0, start_pos + len(token_ids))
+    sample: bool = True     # whether next-token logits are wanted (last chunk of a prompt, decode)
+
+
+class KVCache:
+    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D]."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # One allocation; the cache holds only the KV heads (grouped-query attention).
+        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                                cfg.head_dim, dtype=dtype, device=device)
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
+                        device: torch.device) -> tuple[ForwardBatch, list[int]]:
+    """Flatten sequences into one batch: single-token sequences first (the decode group),
+    then the multi-token ones (prefill chunks). Returns the batch and, for each sampled
+    row of the logits, the index of its sequence in `seqs`."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > 1)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    sampled: list[int] = []
+    for i in order:
+        s = seqs[i]
+        n = len(s.token_ids)
+        input_ids += s.token_ids
+        pos = range(s.start_pos, s.start_pos + n)
+        positions += pos
+        slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
+        if s.sample:
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(i)
+    groups = []
+    start = 0
+    num_single = sum(1 for i in order if len(seqs[i].token_ids) == 1)
+    for members in (order[:num_single], order[num_single:]):
+        if members:
+            g = _build_group([seqs[i] for i in members], start, block_size,
+                             num_queries_per_kv, device)
+            groups.append(g)
+            start = g.end
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    batch = ForwardBatch(input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots),
+                         groups=groups, logits_indices=t(logits_indices))
+    return batch, sampled
+
+
+def _build_group(seqs: list[SeqInput], start: int, block_size: int, g: int,
+                 device: torch.device) -> AttnGroup:
+    B = len(seqs)
+    q_lens = [len(s.token_ids) for s in seqs]
+    Q = max(q_lens)
+    num_blocks = [-(-(s.start_pos + n) // block_size) for s, n in zip(seqs, q_lens)]
+    max_blocks = max(num_blocks)
+    tables = [s.block_table[:nb] + [0] * (max_blocks - nb) for s, nb in zip(seqs, num_blocks)]
+    pad_index, query_pos, unpad_index = [], [], []
+    offset = 0
+    for b, (s, n) in enumerate(zip(seqs, q_lens)):
+        pad_index.append([offset + q if q < n else 0 for q in range(Q)])
+        # A padding query sees key 0 only, so no attention row is empty (which gives NaN).
+        query_pos.append([s.start_pos + q if q < n else 0 for q in range(Q)])
+        unpad_index += range(b * Q, b * Q + n)
+        offset += n
+    qpos = torch.tensor(query_pos, dtype=torch.long, device=device)        # [B, Q]
+    keys = torch.arange(max_blocks * block_size, device=device)           # [L]
+    mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)                      # [B, Q, L], causal
+    mask = mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
+    return AttnGroup(
+        start=start, end=start + offset,
+        pad_index=torch.tensor(pad_index, dtype=torch.long, device=device),
+        unpad_index=torch.tensor(unpad_index, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        mask=mask,
+    )
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; runs one step's forward and returns logits."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        cfg: ModelConfig = model.config
+        self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
+        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
+        batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
+                                             self.num_queries_per_kv, self.device)
+        hidden = self.model(batch, self.kv_cache.layers)
+        # Only the rows that sample go through the LM head: no logits for prompt positions.
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return logits, sampled

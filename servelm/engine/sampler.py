@@ -1,0 +1,265 @@
+"""Sampler: turns one decode step's logits into one next token per request.
+
+Pipeline, each stage one batched tensor op over the rows that use it and
+skipped entirely when no row does:
+
+    raw logprobs -> min_tokens ban -> repetition penalty
+    -> frequency/presence penalties -> greedy argmax
+    | temperature -> top-k -> top-p -> min-p -> sample
+
+Sampling uses the exponential-race trick: ``argmax(probs / q)`` with
+``q ~ Exp(1)`` draws a token with probability ``probs``. Drawing ``q`` per row
+from the row's own generator makes seeded requests reproducible whatever else
+shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from servelm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities (under the raw model logits) for one sampled token."""
+
+    token_id: int
+    logprob: float  # log-probability of the sampled token
+    rank: int  # 1 = it was the most likely token
+    top: list[tuple[int, float]]  # top-N (token_id, logprob), most likely first
+
+
+@dataclass
+class SamplerOutput:
+    """One sampling step's result, in the order of the rows passed in."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+class SamplerRow(Protocol):
+    """What the sampler needs from a request (the engine's Request satisfies this)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set when sampling_params.seed is not None
+
+
+class Sampler:
+    """Chooses the next token for every row of a batch of logits."""
+
+    def __init__(self, eos_token_ids: frozenset[int] | set[int]):
+        """``eos_token_ids``: banned while a row has fewer than min_tokens outputs."""
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOutput:
+        """Sample one token per row.
+
+        ``logits`` is ``[len(rows), vocab]``; all work happens on its device and
+        it is never modified. A row's ``generator`` may live on any device.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [{len(rows)}, vocab], got {tuple(logits.shape)}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        logits = logits.float()
+        params = [row.sampling_params for row in rows]
+
+        # Reported logprobs come from the model's own distribution, before any
+        # penalty or warping (vLLM's default "raw_logprobs" mode).
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+
+        logits = self._ban_stop_tokens(logits, rows)
+        logits = self._apply_penalties(logits, rows)
+        token_ids = self._choose(logits, rows)  # [B]
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprobs = self._gather_logprobs(raw_logprobs, token_ids, params)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _ban_stop_tokens(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+        """Forbid EOS and stop tokens for rows still short of min_tokens."""
+        vocab = logits.shape[1]
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.sampling_params
+            if len(row.output_token_ids) < p.min_tokens:
+                for tok in self.eos_token_ids.union(p.stop_token_ids):
+                    if tok < vocab:
+                        row_idx.append(i)
+                        tok_idx.append(tok)
+        if not row_idx:
+            return logits
+        logits = logits.clone()  # the caller's tensor stays untouched
+        index = torch.tensor([row_idx, tok_idx], dtype=torch.long, device=logits.device)
+        logits[index[0], index[1]] = _NEG_INF
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+        """Repetition (HF, prompt + output) then frequency/presence (OpenAI, output only)."""
+        params = [row.sampling_params for row in rows]
+        device = logits.device
+        vocab = logits.shape[1]
+
+        rep = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in rep):
+            seen = _token_counts(
+                [row.prompt_token_ids + row.output_token_ids if r != 1.0 else []
+                 for row, r in zip(rows, rep)],
+                vocab, device,
+            ) > 0  # [B, V]
+            penalty = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+            # Dividing a negative logit would make it *more* likely, hence the split.
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalised, logits)
+
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        if any(f != 0.0 or q != 0.0 for f, q in zip(freq, pres)):
+            counts = _token_counts(
+                [row.output_token_ids if f != 0.0 or q != 0.0 else []
+                 for row, f, q in zip(rows, freq, pres)],
+                vocab, device,
+            ).to(logits.dtype)  # [B, V]
+            freq_t = torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+            pres_t = torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+            logits = logits - freq_t * counts - pres_t * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+        """Argmax for greedy rows, random sampling for the rest; returns [B] long."""
+        greedy = [row.sampling_params.greedy for row in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        if not any(greedy):
+            return self._sample(logits, rows)
+        token_ids = logits.argmax(dim=-1)  # [B]; sampled rows overwritten below
+        keep = [i for i, g in enumerate(greedy) if not g]
+        idx = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        token_ids[idx] = self._sample(logits[idx], [rows[i] for i in keep])
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one random draw per row; [B] long."""
+        params = [row.sampling_params for row in rows]
+        device = logits.device
+
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, dtype=logits.dtype, device=device).unsqueeze(1)
+
+        logits = _top_k_top_p(logits, params)
+
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            # prob / max_prob is unchanged by renormalisation, so earlier masking doesn't matter.
+            probs = logits.softmax(dim=-1)  # [B, V]
+            threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) \
+                * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+            logits = logits.masked_fill(probs < threshold, _NEG_INF)
+
+        probs = logits.softmax(dim=-1)  # [B, V]
+        return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(
+        raw_logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+    ) -> list[TokenLogprobs | None]:
+        """Sampled-token logprob, rank and top-N for rows that asked for logprobs."""
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        idx = torch.tensor(wanted, dtype=torch.long, device=raw_logprobs.device)
+        lp = raw_logprobs[idx]  # [R, V]
+        chosen_lp = lp.gather(1, token_ids[idx].unsqueeze(1))  # [R, 1]
+        ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]; ties share the better rank
+        n = min(max(params[i].logprobs for i in wanted), lp.shape[1])
+        top_lp, top_ids = lp.topk(n, dim=-1)  # [R, n], sorted most likely first
+
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        rows = zip(wanted, token_ids[idx].tolist(), chosen_lp.squeeze(1).tolist(),
+                   ranks.tolist(), top_ids.tolist(), top_lp.tolist())
+        for i, tok, tok_lp, rank, ids, lps in rows:
+            k = params[i].logprobs
+            out[i] = TokenLogprobs(token_id=tok, logprob=tok_lp, rank=rank,
+                                   top=list(zip(ids[:k], lps[:k])))
+        return out
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's list: [B, V] long, via one scatter_add."""
+    width = max((len(toks) for toks in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.long, device=device)
+    if width == 0:
+        return counts[:, :vocab]
+    # Pad with id `vocab`: a spare column that is dropped afterwards. Out-of-range
+    # ids land there too rather than crashing the step.
+    padded = [toks + [vocab] * (width - len(toks)) for toks in token_lists]
+    ids = torch.tensor(padded, dtype=torch.long, device=device).clamp_(0, vocab)  # [B, L]
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab]
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Both work on one descending sort. Top-p sees the distribution renormalised
+    after top-k, as in HF and vLLM.
+    """
+    vocab = logits.shape[1]
+    use_k = any(0 < p.top_k < vocab for p in params)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if not (use_k or use_p):
+        return logits
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V] each
+
+    if use_k:
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         dtype=torch.long, device=device)  # [B]
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
+        # Compare by value so tokens tied with the k-th survive (HF semantics).
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+
+    if use_p:
+        # Disabled rows get p = inf: rounding in cumsum can exceed 1.0 and
+        # must not clip their tail.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                             dtype=logits.dtype, device=device).unsqueeze(1)  # [B, 1]
+        probs = sorted_logits.softmax(dim=-1)  # [B, V]
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly earlier tokens
+        # Keep a token while the tokens before it have not yet reached p: the
+        # smallest prefix whose mass reaches p. The first token is always kept.
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, _NEG_INF)
+
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+    """Exp(1) noise [B, V]: seeded rows from their own generator, others from the default RNG."""
+    batch, vocab = probs.shape
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if not seeded:
+        q = torch.empty_like(probs).exponential_()
+    else:
+        q = torch.empty_like(probs)
+        for i in seeded:
+            gen = rows[i].generator
+            # Draw on the generator's device so a CPU generator works with CUDA logits.
+            q[i] = torch.empty(vocab, dtype=probs.dtype, device=gen.device).exponential_(generator=gen)
+        unseeded = [i for i in range(batch) if rows[i].generator is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
+            q[idx] = torch.empty(len(unseeded), vocab, dtype=probs.dtype,
+                                 device=probs.device).exponential_()
+    # A zero draw would turn probs / q into inf or nan (0 / 0).
+    return q.clamp_(min=torch.finfo(q.dtype).tiny)

@@ -1,0 +1,162 @@
+"""Building blocks shared by model families: RMSNorm, rotary embedding, paged attention, gated MLP."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttnGroup:
+    """Sequences whose attention runs as one padded batch (all decodes, or all prefills).
+
+    The group covers the flat tokens [start, end). Its sequences are padded to the
+    longest query (Q) and the longest context (L = num_blocks * block_size).
+    """
+
+    start: int
+    end: int
+    pad_index: torch.Tensor     # [B, Q] long: flat token (relative to start) of each padded slot
+    unpad_index: torch.Tensor   # [end - start] long: padded slot (b * Q + q) of each flat token
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
+    mask: torch.Tensor          # [B, 1, G * Q, L] bool, True = may attend; rows ordered (group, query)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs besides weights and the cache: explicit, no globals."""
+
+    input_ids: torch.Tensor       # [T] long, all scheduled tokens flattened
+    positions: torch.Tensor       # [T] long
+    slot_mapping: torch.Tensor    # [T] long: block_id * block_size + offset of each token's KV
+    groups: list[AttnGroup]
+    logits_indices: torch.Tensor  # [S] long: flat tokens whose next-token logits are needed
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the weight dtype, as the reference does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a precomputed cos/sin table over all positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by factor, blend in between.
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    group: AttnGroup, scale: float) -> torch.Tensor:
+    """Attention of one group's queries over keys/values read through its block tables.
+
+    q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
+    Returns [n, H * D]. Grouped-query heads share their KV head without copying it:
+    the G query heads of one KV head are laid out as G * Q rows of one attention call.
+    """
+    B, Q = group.pad_index.shape
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    h = q.shape[1]
+    g = h // kvh
+    qp = q[group.pad_index]                                          # [B, Q, H, D]
+    qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
+    k = k_cache[group.block_tables].view(B, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache[group.block_tables].view(B, -1, kvh, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.mask, scale=scale)
+    o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
+    return o[group.unpad_index]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query KV heads over a paged KV cache."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # q, k and v projections fused into one matmul (rows: q, then k, then v).
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        # Each token's K/V is written once, into its slot; attention then reads the cache.
+        k_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
+        v_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+        if len(batch.groups) == 1:
+            g = batch.groups[0]
+            out = paged_attention(q, k_cache, v_cache, g, self.scale)
+        else:
+            out = torch.cat([paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
+                             for g in batch.groups])
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

