@@ -255,7 +255,8 @@ def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplerRow]) -> torch
         for i in seeded:
             gen = rows[i].generator
             # Draw on the generator's device so a CPU generator works with CUDA logits.
-            q[i] = torch.empty(vocab, dtype=probs.dtype, device=gen.device).exponential_(generator=gen)
+            draw = torch.empty(vocab, dtype=probs.dtype, device=gen.device)
+            q[i] = draw.exponential_(generator=gen)
         unseeded = [i for i in range(batch) if rows[i].generator is None]
         if unseeded:
             idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
