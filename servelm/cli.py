@@ -1,0 +1,198 @@
+"""servelm command line: generate | chat."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Iterator
+
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
+
+
+def _size(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    t = text.strip().lower()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
+                   help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="max tokens per step (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
+    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_llm(args):
+    from servelm.entrypoints.llm import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len, num_threads=args.num_threads)
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=args.stop)
+
+
+def stream(llm, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+    """Drive the engine for one request, yielding each step's output as it comes."""
+    engine = llm.engine
+    rid = engine.add_request(None, None, params, prompt_token_ids=prompt_ids)
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+    finally:
+        engine.abort_request(rid)  # no-op once finished; frees blocks on Ctrl-C
+
+
+def _stream_to(out_file, llm, prompt_ids, params) -> RequestOutput:
+    last = None
+    for last in stream(llm, prompt_ids, params):
+        out_file.write(last.outputs[0].delta_text)
+        out_file.flush()
+    return last
+
+
+def _print_stats(out: RequestOutput) -> None:
+    m = out.metrics
+    parts = [f"{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} output tokens"]
+    if m.ttft is not None:
+        parts.append(f"TTFT {m.ttft * 1000:.0f} ms")
+    if m.tpot is not None:
+        parts.append(f"TPOT {m.tpot * 1000:.1f} ms ({1 / m.tpot:.1f} tok/s)")
+    parts.append(f"finish: {out.outputs[0].finish_reason}")
+    print(f"[{' | '.join(parts)}]", file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    llm = build_llm(args)
+    tok = llm.get_tokenizer()
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    else:
+        ids = tok.encode(args.prompt)
+    out = _stream_to(sys.stdout, llm, ids, sampling_params(args))
+    print()
+    _print_stats(out)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = build_llm(args)
+    tok = llm.get_tokenizer()
+    params = sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("servelm chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if args.system else []
+            print("[history cleared]", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": text})
+        ids = tok.encode(tok.apply_chat_template(history), add_special_tokens=False)
+        if len(ids) >= llm.engine.max_model_len:
+            print(f"[conversation is {len(ids)} tokens, over the context of "
+                  f"{llm.engine.max_model_len}: /reset to start again]", file=sys.stderr)
+            history.pop()
+            continue
+        room = llm.engine.max_model_len - len(ids)
+        turn = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        try:
+            out = _stream_to(sys.stdout, llm, ids, turn)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            history.pop()
+            continue
+        print()
+        _print_stats(out)
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servelm", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=256)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one line, no traceback
+        print(f"servelm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

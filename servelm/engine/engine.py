@@ -1,0 +1,300 @@
+"""LLMEngine: add_request / step / abort over the scheduler, the model runner and the sampler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from servelm.config import EngineConfig
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.engine.request import Request, RequestStatus
+from servelm.engine.sampler import Sampler
+from servelm.engine.scheduler import Scheduler
+from servelm.models.loader import load_model, load_model_config, resolve_model_path
+from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.sampling_params import SamplingParams
+from servelm.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 is the CPU reference; bf16 is what GPUs are built for.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _default_kv_bytes(device: torch.device, reserve: int) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(64 << 20, min(_DEFAULT_CPU_KV_BYTES, (avail - reserve) // 4))
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: the engine-level request and its detokenizer."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list | None
+    emitted_tokens: int = 0
+
+
+@dataclass
+class _Group:
+    """Everything added by one add_request call (n samples of one prompt)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    """Continuous batching engine: requests join and leave the running batch at every step."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = load_model_config(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+
+        sched_cfg, cache_cfg = config.scheduler, config.cache
+        max_len = self.model_config.max_position_embeddings
+        if sched_cfg.max_model_len is not None:
+            max_len = min(max_len, sched_cfg.max_model_len)
+        self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len)
+
+        block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size, self.dtype)
+        kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device, reserve=0)
+        num_blocks = kv_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
+                             f"(one block takes {block_bytes} bytes)")
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
+                                self.dtype, self.device)
+        # A sequence longer than the whole pool could never run.
+        self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._owner: dict[str, _Group] = {}  # engine request id -> its group
+        self._counter = 0
+        self.stats = EngineStats()
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
+                    num_blocks, cache_cfg.block_size, num_blocks * block_bytes / 2**20,
+                    self.max_model_len)
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a prompt (text or token ids); returns the request id. ValueError if it cannot run.
+
+        prompt_token_ids, when given, are used as they are (prompt is then only reported back).
+        """
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is not None:
+            text, ids = prompt, list(prompt_token_ids)
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt or [])
+        if prompt_token_ids is not None or not isinstance(prompt, str):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        max_tokens = self._check_length(ids, params)
+        group = _Group(request_id, text, ids)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            req = Request(rid, ids, params, max_tokens, arrival, gen)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
+                                           params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
+            group.samples.append(_Sample(req, detok, [] if params.logprobs is not None else None))
+            self._owner[rid] = group
+            self.scheduler.add_request(req)
+        self._groups[request_id] = group
+        return request_id
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> int:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt is {len(ids)} tokens, but the maximum context length is "
+                             f"{self.max_model_len} tokens (including at least one output token)")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(ids) + params.max_tokens} exceeds the maximum context length "
+                             f"of {self.max_model_len} tokens")
+        return room if params.max_tokens is None else params.max_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already done."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for s in group.samples:
+            self._owner.pop(s.request.request_id, None)
+            if not s.request.is_finished:
+                self._finish(s.request, RequestStatus.FINISHED_ABORTED)
+        self.stats.num_aborted += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass over the mixed batch, sample, and report progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.perf_counter()
+        seqs = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            seqs.append(SeqInput(req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
+                                 self.block_manager.block_table(req.request_id), s.samples))
+        logits, rows = self.runner.execute(seqs)
+        sampled_reqs = [sched.scheduled[i].request for i in rows]
+        result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
+        self.scheduler.update_after_step(sched)
+        self.stats.record_step(sched)
+
+        now = time.perf_counter()
+        touched: dict[str, _Group] = {}
+        for j, req in enumerate(sampled_reqs):
+            group = self._owner[req.request_id]
+            sample = group.samples[_sample_index(group, req)]
+            req.append_output_token(result.token_ids[j], now)
+            if sample.logprobs is not None:
+                sample.logprobs.append(result.logprobs[j])
+            self._check_stop(sample, result.token_ids[j])
+            touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _check_stop(self, sample: _Sample, token: int) -> None:
+        req = sample.request
+        p = req.sampling_params
+        past_min = req.num_output_tokens >= p.min_tokens
+        if token in self.tokenizer.eos_token_ids and not p.ignore_eos and past_min:
+            return self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if token in p.stop_token_ids and past_min:
+            req.stop_reason = token
+            return self._finish(req, RequestStatus.FINISHED_STOPPED)
+        stop = sample.detok.add_token(token)
+        if stop is not None and past_min:
+            req.stop_reason = stop
+            return self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.num_output_tokens >= req.max_tokens:
+            return self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(req, status)
+        req.finished_time = time.perf_counter()
+        if status is not RequestStatus.FINISHED_ABORTED:
+            self.stats.record_finish(req)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, s in enumerate(group.samples):
+            req = s.request
+            new_ids = req.output_token_ids[s.emitted_tokens:]
+            s.emitted_tokens = req.num_output_tokens
+            reason = req.finish_reason
+            outs.append(CompletionOutput(
+                index=i, text=s.detok.text, token_ids=list(req.output_token_ids),
+                finish_reason=reason.value if reason else None, stop_reason=req.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                delta_text=s.detok.get_delta(final=req.is_finished), delta_token_ids=new_ids,
+                metrics=RequestMetrics.of(req)))
+        finished = group.finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for s in group.samples:
+                self._owner.pop(s.request.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                             finished)
+
+
+def _sample_index(group: _Group, req: Request) -> int:
+    if len(group.samples) == 1:
+        return 0
+    return int(req.request_id.rpartition("#")[2])
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, for metrics and benchmarks."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+
+    def record_step(self, sched) -> None:
+        self.num_steps += 1
+        for s in sched.scheduled:
+            if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += s.num_new_tokens
+            self.num_generated_tokens += int(s.samples)
+
+    def record_finish(self, req: Request) -> None:
+        self.num_finished += 1

@@ -1,0 +1,129 @@
+"""Scheduler: continuous batching under a token budget, with recompute preemption (no torch)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from servelm.config import SchedulerConfig
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens
+    start: int = field(init=False)     # request.num_computed_tokens when scheduled
+    samples: bool = field(init=False)  # the step reaches the request's last token: sample
+
+    def __post_init__(self) -> None:
+        self.start = self.request.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Running requests go first (their decode token, or the next chunk of their prompt),
+    in admission order; then waiting requests are admitted in arrival order while the
+    token budget, the sequence limit and the free KV blocks allow. When a running
+    request needs a block and none is free, the most recently admitted request is
+    preempted: its blocks are freed and it goes back to the front of the queue, to be
+    recomputed later.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it is left to run
+            bm.allocate(req.request_id, req.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(req, n))
+            budget -= n
+            i += 1
+        # Only admit new work when no running request had to give up its blocks.
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            bm.allocate(req.request_id, req.num_computed_tokens + n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledSeq(req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0  # recompute prompt and outputs so far when readmitted
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Record that every scheduled request's new tokens are now in the cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and free its blocks at once."""
+        assert status.is_finished
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif not req.is_finished and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.block_manager.free(req.request_id)

@@ -1,0 +1,112 @@
+"""LLM: the offline Python API, in the shape vLLM's users know."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from servelm.config import CacheConfig, EngineConfig, SchedulerConfig
+from servelm.engine.engine import LLMEngine
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    >>> llm = LLM(dtype="float32")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 kv_cache_memory: int | None = None, block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 max_model_len: int | None = None, seed: int = 0,
+                 num_threads: int | None = None):
+        self.engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len)))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = []
+        for conv in convs:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                if isinstance(prompt, dict):
+                    engine.add_request(rid, prompt.get("prompt"), p,
+                                       prompt_token_ids=prompt.get("prompt_token_ids"))
+                else:
+                    engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", file=sys.stderr,
+                   disable=not use_tqdm or None, leave=False)
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return params
