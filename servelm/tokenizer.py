@@ -1,0 +1,462 @@
+"""Tokenizer: text <-> token ids, special ids and chat-template rendering.
+
+A model's tokenizer comes either from the metadata of its GGUF file or from a Hugging Face model
+directory (`tokenizer.json` and friends). Both end up as a `tokenizers.Tokenizer`, built so that its
+ids match what transformers produces for the same files, and the chat template renders exactly as
+transformers' `apply_chat_template(..., tokenize=False)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Split regexes for the GGUF `tokenizer.ggml.pre` names whose merges were learned on a split other
+# than GPT-2's. The names and regexes are the ones transformers uses when it loads a GGUF, so ids
+# match it; any other name (including SmolLM's 'smollm') gets GPT-2's byte-level split, as there.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_PRE_SPLITS = {
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT
+    ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
+    **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2"], _GPT4O_SPLIT),
+}
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Tokenizer:
+    """Wraps a Hugging Face `tokenizers.Tokenizer` plus the chat template and special ids.
+
+    Build one with `from_gguf`, `from_dir` or `load_tokenizer`. `encode` adds BOS/EOS only where the
+    model asks for them (`add_bos_token` / `add_eos_token`, or the post-processor in `tokenizer.json`).
+    """
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+    ):
+        """`add_bos_token`/`add_eos_token` of None keep the backend's own post-processor, if it has one."""
+        self._backend = backend
+        self._special_tokens = {
+            name: token
+            for name, token in (
+                ("bos_token", bos_token),
+                ("eos_token", eos_token),
+                ("unk_token", unk_token),
+                ("pad_token", pad_token),
+            )
+            if token is not None
+        }
+        self.bos_token_id = self._token_id(bos_token)
+        self.eos_token_id = self._token_id(eos_token)
+        self.pad_token_id = self._token_id(pad_token)
+        self.unk_token_id = self._token_id(unk_token)
+        eos_ids = {i for i in (self.eos_token_id, *extra_eos_token_ids) if i is not None}
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self.chat_template = chat_template
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        added_special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        named = {self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id} - {None}
+        self.special_token_ids: frozenset[int] = frozenset(added_special | named | eos_ids)
+        # Mirrors transformers: explicit flags (or a missing post-processor) rebuild the post-processor.
+        if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
+            self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
+        self._compiled_template: jinja2.Template | None = None
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        add_bos = add_bos and self.bos_token_id is not None
+        add_eos = add_eos and self.eos_token_id is not None
+        bos, eos = self.bos_token, self.eos_token
+        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+        specials = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
+        self._backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=specials
+        )
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes (`reader` is a `gguf.GGUFReader`).
+
+        Only byte-level BPE ('gpt2') vocabularies are supported; ValueError otherwise.
+        """
+        meta = _GGUFMeta(reader)
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
+        tokens = meta.require("tokenizer.ggml.tokens")
+        merges = meta.require("tokenizer.ggml.merges")
+        token_types = meta.get("tokenizer.ggml.token_type") or []
+
+        # Tokens are stored in the byte alphabet; a token using other characters is spelled as raw
+        # UTF-8 and needs re-spelling so the BPE model can find it.
+        alphabet = _byte_alphabet()
+        letters = set(alphabet.values())
+        spelled = [
+            tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8")) for tok in tokens
+        ]
+        vocab = {tok: i for i, tok in enumerate(spelled)}
+        backend = HFTokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=[tuple(m.split(" ")) for m in merges],
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
+        split = _GGUF_PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        backend.decoder = decoders.ByteLevel()
+
+        # Control tokens must be matched whole in text and skipped when decoding; one spelled outside
+        # the byte alphabet is a mislabel in the file, and transformers skips it too.
+        control = [
+            AddedToken(tok, normalized=False, special=True)
+            for tok, token_type in zip(tokens, token_types)
+            if token_type == _CONTROL and set(tok) <= letters
+        ]
+        user_defined = [
+            AddedToken(tok, normalized=False, special=False)
+            for tok, token_type in zip(tokens, token_types)
+            if token_type == _USER_DEFINED and tok in vocab
+        ]
+        if control:
+            backend.add_special_tokens(control)
+        if user_defined:
+            backend.add_tokens(user_defined)
+
+        def token_at(key: str) -> str | None:
+            index = meta.get(key)
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        extra_eos = tuple(
+            i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
+            if i is not None
+        )
+        return cls(
+            backend,
+            bos_token=token_at("tokenizer.ggml.bos_token_id"),
+            eos_token=token_at("tokenizer.ggml.eos_token_id"),
+            unk_token=token_at("tokenizer.ggml.unknown_token_id"),
+            pad_token=token_at("tokenizer.ggml.padding_token_id"),
+            extra_eos_token_ids=extra_eos,
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> Tokenizer:
+        """Load from a Hugging Face model directory.
+
+        Reads `tokenizer.json` (required), `tokenizer_config.json`, and where present
+        `special_tokens_map.json`, `chat_template.jinja` / `chat_template.json` and
+        `generation_config.json` (whose `eos_token_id` list adds end-of-turn ids).
+        BOS/EOS are added as `tokenizer.json`'s post-processor says; like transformers 5, the
+        `add_bos_token` / `add_eos_token` of `tokenizer_config.json` are then ignored.
+        """
+        tokenizer_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_file):
+            raise ValueError(f"{tokenizer_file}: not found (a model directory needs a tokenizer.json)")
+        backend = HFTokenizer.from_file(tokenizer_file)
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
+        generation = _read_json(os.path.join(path, "generation_config.json"))
+
+        def special(name: str) -> str | None:
+            value = config.get(name, special_map.get(name))
+            return value.get("content") if isinstance(value, dict) else value
+
+        extra_eos = generation.get("eos_token_id", ())
+        if isinstance(extra_eos, int):
+            extra_eos = (extra_eos,)
+        return cls(
+            backend,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            unk_token=special("unk_token"),
+            pad_token=special("pad_token"),
+            extra_eos_token_ids=tuple(extra_eos),
+            chat_template=_read_dir_chat_template(path, config),
+        )
+
+    # ---- text <-> ids ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; special tokens written in the text are matched whole.
+
+        `add_special_tokens` adds BOS/EOS only where the model asks for them.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text for `ids`; invalid or incomplete UTF-8 shows as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> list[str]:
+        """The vocabulary strings (byte-alphabet spelling) of `ids`."""
+        if isinstance(ids, int):
+            ids = [ids]
+        return [self._backend.id_to_token(i) for i in ids]
+
+    # ---- chat template --------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as transformers does (tokenize=False).
+
+        A message's `content` may be a string or a list of `{"type": "text", "text": ...}` parts,
+        which are joined with newlines. ValueError if the model has no template, a part is not text,
+        or the template rejects the conversation.
+        """
+        if not self.chat_template:
+            raise ValueError("the model has no chat template")
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        conversation = [_flatten_message(m) for m in messages]
+        try:
+            return self._compiled_template.render(
+                messages=conversation,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load the tokenizer of a `.gguf` file or of a Hugging Face model directory.
+
+    ValueError naming `path` and the reason if it is missing or unusable.
+    """
+    if os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file or directory")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        return Tokenizer.from_gguf(reader)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"{path}: cannot build a tokenizer: {e}") from e
+
+
+class _GGUFMeta:
+    """Reads GGUF metadata values as plain Python (str, int, bool, lists)."""
+
+    def __init__(self, reader: Any):
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        if isinstance(value, list) or not hasattr(value, "item"):
+            return value
+        return value.item()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata has no {key!r}")
+        return value
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable JSON: {e}") from e
+
+
+def _read_dir_chat_template(path: str, config: dict) -> str | None:
+    """The template transformers would use: chat_template.jinja, else tokenizer_config, else chat_template.json."""
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template") or _read_json(os.path.join(path, "chat_template.json")).get(
+        "chat_template"
+    )
+    if isinstance(template, list):
+        # Named templates: [{"name": ..., "template": ...}]; plain chat uses "default".
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def _flatten_message(message: dict) -> dict:
+    """A copy of `message` with None values dropped (as transformers does) and content as one string."""
+    flat = {key: value for key, value in message.items() if value is not None}
+    content = flat.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"unsupported message content part of type {kind!r} (only 'text' is supported)")
+            texts.append(part["text"])
+        flat["content"] = "\n".join(texts)
+    return flat
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts `{% generation %}...{% endgeneration %}` (used by training templates) and renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """`dict` for templates, limited to construction so it offers no attribute access to escape by."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace` for templates that refuses underscore names, which could reach interpreter internals."""
+
+    def __init__(*args: Any, **kwargs: Any):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+    # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the same sandboxed environment transformers uses."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template does not compile: {e}") from e
