@@ -154,7 +154,8 @@ class LLMEngine:
             req = Request(rid, ids, params, max_tokens, arrival, gen)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
                                            params.include_stop_str_in_output,
-                                           params.skip_special_tokens)
+                                           params.skip_special_tokens,
+                                           min_tokens=params.min_tokens)
             group.samples.append(_Sample(req, detok, [] if params.logprobs is not None else None))
             self._owner[rid] = group
             self.scheduler.add_request(req)
@@ -235,8 +236,8 @@ class LLMEngine:
         if token in p.stop_token_ids and past_min:
             req.stop_reason = token
             return self._finish(req, RequestStatus.FINISHED_STOPPED)
-        stop = sample.detok.add_token(token)
-        if stop is not None and past_min:
+        stop = sample.detok.add_token(token)  # matches only past min_tokens
+        if stop is not None:
             req.stop_reason = stop
             return self._finish(req, RequestStatus.FINISHED_STOPPED)
         if req.num_output_tokens >= req.max_tokens:
@@ -255,12 +256,12 @@ class LLMEngine:
             new_ids = req.output_token_ids[s.emitted_tokens:]
             s.emitted_tokens = req.num_output_tokens
             reason = req.finish_reason
+            delta = s.detok.get_delta(final=req.is_finished)  # before .text: final flushes
             outs.append(CompletionOutput(
                 index=i, text=s.detok.text, token_ids=list(req.output_token_ids),
                 finish_reason=reason.value if reason else None, stop_reason=req.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                delta_text=s.detok.get_delta(final=req.is_finished), delta_token_ids=new_ids,
-                metrics=RequestMetrics.of(req)))
+                delta_text=delta, delta_token_ids=new_ids, metrics=RequestMetrics.of(req)))
         finished = group.finished
         if finished:
             self._groups.pop(group.request_id, None)

@@ -1,0 +1,61 @@
+"""Shared fixtures: the embedded model, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from servelm.models.loader import default_model_path
+
+# Two threads, as on CI; tests compare results, never timings.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Explain the KV cache in one sentence."}],
+    [{"role": "user", "content": "List three prime numbers."},
+     {"role": "assistant", "content": "2, 3, 5."},
+     {"role": "user", "content": "Three more, please."}],
+    [{"role": "user", "content": "def fib(n): -- finish this Python function."}],
+]
+
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 5, 8, 13,",
+    "The KV cache stores",
+]
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The fp32 reference engine on the embedded model, with a modest KV pool."""
+    from servelm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """transformers' own load of the same GGUF, dequantised to fp32: the numerical reference."""
+    transformers = pytest.importorskip("transformers")
+    d, f = os.path.split(gguf_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    transformers = pytest.importorskip("transformers")
+    d, f = os.path.split(gguf_path)
+    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
