@@ -45,7 +45,7 @@ class EngineConfig:
     """Everything an LLMEngine is built from."""
 
     model: str | None = None  # GGUF file or HF directory; None = the embedded default
-    dtype: str = "auto"       # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"       # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = physical cores

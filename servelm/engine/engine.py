@@ -35,10 +35,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # fp32 is the CPU reference; bf16 is what GPUs are built for.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 where the hardware has it (it halves the bytes each decode step reads);
+        # otherwise fp32, the reference.
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[name]
 
 
@@ -130,20 +143,7 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if prompt_token_ids is not None:
-            text, ids = prompt, list(prompt_token_ids)
-        elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt or [])
-        if prompt_token_ids is not None or not isinstance(prompt, str):
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
-                                 f"[0, {vocab})")
-        max_tokens = self._check_length(ids, params)
+        text, ids, max_tokens = self.prepare_prompt(prompt, params, prompt_token_ids)
         group = _Group(request_id, text, ids)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         for i in range(params.n):
@@ -161,6 +161,28 @@ class LLMEngine:
             self.scheduler.add_request(req)
         self._groups[request_id] = group
         return request_id
+
+    def prepare_prompt(self, prompt: str | list[int] | None, params: SamplingParams,
+                       prompt_token_ids: list[int] | None = None
+                       ) -> tuple[str | None, list[int], int]:
+        """Tokenise and check a prompt without queueing it: (text, token ids, max_tokens).
+
+        Raises ValueError naming the problem; safe to call from another thread.
+        """
+        if prompt_token_ids is not None:
+            text, ids = prompt, list(prompt_token_ids)
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt or [])
+        if prompt_token_ids is not None or not isinstance(prompt, str):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        return text, ids, self._check_length(ids, params)
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> int:
         if not ids:

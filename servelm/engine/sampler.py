@@ -7,10 +7,11 @@ skipped entirely when no row does:
     -> frequency/presence penalties -> greedy argmax
     | temperature -> top-k -> top-p -> min-p -> sample
 
-Sampling uses the exponential-race trick: ``argmax(probs / q)`` with
-``q ~ Exp(1)`` draws a token with probability ``probs``. Drawing ``q`` per row
-from the row's own generator makes seeded requests reproducible whatever else
-shares the batch.
+Sampling inverts each row's cumulative distribution at one uniform draw
+``u``: the first token whose cumulative probability exceeds ``u`` is taken.
+One random number per row (not one per vocabulary entry) keeps the draw cheap,
+and drawing ``u`` from the row's own generator makes seeded requests
+reproducible whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
         probs = logits.softmax(dim=-1)  # [B, V]
-        return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+        cdf = probs.cumsum(dim=-1)      # [B, V]
+        u = _uniform(rows, device).unsqueeze(1) * cdf[:, -1:]  # [B, 1], scaled to the total mass
+        return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
     @staticmethod
     def _gather_logprobs(
@@ -244,23 +247,17 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
-    """Exp(1) noise [B, V]: seeded rows from their own generator, others from the default RNG."""
-    batch, vocab = probs.shape
-    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
-    if not seeded:
-        q = torch.empty_like(probs).exponential_()
-    else:
-        q = torch.empty_like(probs)
-        for i in seeded:
-            gen = rows[i].generator
-            # Draw on the generator's device so a CPU generator works with CUDA logits.
-            draw = torch.empty(vocab, dtype=probs.dtype, device=gen.device)
-            q[i] = draw.exponential_(generator=gen)
-        unseeded = [i for i in range(batch) if rows[i].generator is None]
-        if unseeded:
-            idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), vocab, dtype=probs.dtype,
-                                 device=probs.device).exponential_()
-    # A zero draw would turn probs / q into inf or nan (0 / 0).
-    return q.clamp_(min=torch.finfo(q.dtype).tiny)
+def _uniform(rows: Sequence[SamplerRow], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row [B] (float32): seeded rows from their own generator."""
+    seeded = [row.generator is not None for row in rows]
+    u = torch.empty(len(rows), dtype=torch.float64)
+    if not all(seeded):
+        # The default RNG is touched only for unseeded rows, so a seeded run leaves it alone.
+        fresh = torch.rand(len(rows) - sum(seeded), dtype=torch.float64)
+        u[torch.tensor([not s for s in seeded])] = fresh
+    for i, row in enumerate(rows):
+        if seeded[i]:
+            gen = row.generator
+            # Draw on the generator's device so a CUDA generator works too.
+            u[i] = torch.rand(1, generator=gen, device=gen.device, dtype=torch.float64).item()
+    return u.to(device=device, dtype=torch.float32)
