@@ -102,6 +102,7 @@ def _print_stats(out: RequestOutput) -> None:
 
 
 def cmd_generate(args) -> int:
+    params = sampling_params(args)  # bad values fail before the model loads
     llm = build_llm(args)
     tok = llm.get_tokenizer()
     if args.chat:
@@ -110,16 +111,16 @@ def cmd_generate(args) -> int:
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     else:
         ids = tok.encode(args.prompt)
-    out = _stream_to(sys.stdout, llm, ids, sampling_params(args))
+    out = _stream_to(sys.stdout, llm, ids, params)
     print()
     _print_stats(out)
     return 0
 
 
 def cmd_chat(args) -> int:
+    params = sampling_params(args)
     llm = build_llm(args)
     tok = llm.get_tokenizer()
-    params = sampling_params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("servelm chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
           file=sys.stderr)

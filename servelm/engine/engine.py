@@ -16,10 +16,9 @@ from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.sampler import Sampler
 from servelm.engine.scheduler import Scheduler
-from servelm.models.loader import load_model, load_model_config, resolve_model_path
+from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from servelm.sampling_params import SamplingParams
-from servelm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +95,17 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = load_model_config(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
+        ckpt = open_checkpoint(config.model)
+        self.model_path = ckpt.path
+        self.model_config = ckpt.config()
+        self.tokenizer = ckpt.tokenizer()
 
         sched_cfg, cache_cfg = config.scheduler, config.cache
         max_len = self.model_config.max_position_embeddings
         if sched_cfg.max_model_len is not None:
             max_len = min(max_len, sched_cfg.max_model_len)
-        self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len)
+        self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
+                                max_positions=max_len)
 
         block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size, self.dtype)
         kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device, reserve=0)

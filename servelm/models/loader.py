@@ -72,10 +72,6 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path)
-
-
 class GGUFFile:
     """A GGUF file's metadata as plain Python values, and its tensors dequantised on demand."""
 
@@ -100,6 +96,11 @@ class GGUFFile:
             return ModelConfig.from_gguf(self.metadata, self.tensor_names)
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: {e}") from e
+
+    def tokenizer(self):
+        from servelm.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(self.reader)
 
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named fp32 tensors; q/k rows un-permuted from llama.cpp's rotary layout."""
@@ -142,50 +143,64 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w2.swapaxes(1, 2).reshape(w.shape)
 
 
-def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """One tensor at a time, so peak memory stays near the model's own size."""
-    from safetensors import safe_open
+class HFCheckpoint:
+    """A Hugging Face model directory: config.json, *.safetensors, tokenizer files."""
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    names = []
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            names += [(f, k) for k in st.keys()]
-    handles: dict[str, Any] = {}
-    for f, key in tqdm(names, desc="loading weights", unit="tensor", file=sys.stderr,
-                       disable=None, leave=False):
-        if f not in handles:
-            handles[f] = safe_open(f, framework="pt")
-        yield key, handles[f].get_tensor(key)
+    def __init__(self, path: str):
+        self.path = path
+
+    def config(self) -> ModelConfig:
+        try:
+            return ModelConfig.from_hf_dir(self.path)
+        except (KeyError, ValueError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{os.path.join(self.path, 'config.json')}: {e}") from e
+
+    def tokenizer(self):
+        from servelm.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.path)
+
+    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """One tensor at a time, so peak memory stays near the model's own size."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+        names = []
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                names += [(f, k) for k in st.keys()]
+        handles: dict[str, Any] = {}
+        for f, key in tqdm(names, desc="loading weights", unit="tensor", file=sys.stderr,
+                           disable=None, leave=False):
+            if f not in handles:
+                handles[f] = safe_open(f, framework="pt")
+            yield key, handles[f].get_tensor(key)
 
 
-def load_model_config(path: str) -> ModelConfig:
-    if is_gguf(path):
-        return GGUFFile(path).config()
-    try:
-        return ModelConfig.from_hf_dir(path)
-    except (KeyError, ValueError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{os.path.join(path, 'config.json')}: {e}") from e
+Checkpoint = GGUFFile | HFCheckpoint
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device,
+def open_checkpoint(model: str | None) -> Checkpoint:
+    """Resolve the path (None: the embedded model) and open it; one read of GGUF metadata."""
+    path = resolve_model_path(model)
+    return HFCheckpoint(path) if os.path.isdir(path) else GGUFFile(path)
+
+
+def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int) -> torch.nn.Module:
     """Build the registered class for the checkpoint and fill its weights."""
-    gg = GGUFFile(path) if is_gguf(path) else None
-    cfg = gg.config() if gg else load_model_config(path)
     try:
         cls = get_model_class(cfg.architecture)
     except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from e
+        raise ModelLoadError(f"{ckpt.path}: {e}") from e
     # Build on the meta device: no time spent on random initialisation we overwrite.
     with torch.device("meta"):
         model = cls(cfg, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = type(model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling).to(device)
-    weights = gg.weights(cfg) if gg else _safetensors_weights(path)
     try:
-        model.load_weights(weights)
+        model.load_weights(ckpt.weights(cfg))
     except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from e
+        raise ModelLoadError(f"{ckpt.path}: {e}") from e
     return model.eval()

@@ -1,0 +1,94 @@
+"""Other ways in: a Hugging Face directory, bf16 weights, the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import CHAT_PROMPTS, TEXT_PROMPTS
+from helpers import prompt_logits
+from servelm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, hf_model, hf_tokenizer):
+    """A real HF model directory (config.json, safetensors, tokenizer.json) written by transformers.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the weights go through
+    safetensors directly (tied head left out, as transformers writes it).
+    """
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("hf-smollm2")
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    hf_model.config.save_pretrained(d)
+    hf_tokenizer.save_pretrained(d)
+    return d
+
+
+def test_hf_directory_gives_the_same_tokens_as_the_gguf(llm, hf_dir):
+    from_dir = LLM(model=str(hf_dir), dtype="float32", kv_cache_memory=64 << 20)
+    assert from_dir.engine.model_config.num_kv_heads == llm.engine.model_config.num_kv_heads == 3
+    prompts = TEXT_PROMPTS[:3]
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in from_dir.generate(prompts, GREEDY, use_tqdm=False)]
+    assert a == b
+    chat = from_dir.chat(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=32),
+                         use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and "Paris" in chat.text
+
+
+def test_bf16_stays_close_to_fp32(llm):
+    bf16 = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    assert bf16.engine.kv_cache.data.dtype == torch.bfloat16
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in TEXT_PROMPTS]
+    ref = prompt_logits(llm.engine, prompts)
+    got = prompt_logits(bf16.engine, prompts)
+    p, q = ref.log_softmax(-1), got.log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)  # KL(fp32 || bf16) per prompt
+    assert kl.max().item() < 0.05, kl
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean().item() >= 0.8
+
+
+def _cli(*args, input=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "servelm.cli", *args], input=input,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generate_streams_text_and_prints_timings(llm):
+    r = _cli("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "8",
+             "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    expected = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
+                            use_tqdm=False)[0].outputs[0].text
+    assert r.stdout.strip() == expected.strip()
+    assert "TTFT" in r.stderr and "prompt tokens" in r.stderr
+
+
+def test_cli_chat_keeps_history():
+    r = _cli("chat", "--temperature", "0", "--max-tokens", "24", "--dtype", "float32",
+             input="My name is Bob.\n/reset\nHello\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("prompt tokens") == 2
+    assert "[history cleared]" in r.stderr
+
+
+def test_cli_bad_model_is_one_line_error(tmp_path):
+    r = _cli("generate", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == \
+        f"servelm: error: {tmp_path / 'missing.gguf'}: no such file or directory"
+
+
+def test_cli_bad_sampling_value_names_the_field():
+    r = _cli("generate", "hi", "--top-p", "0")
+    assert r.returncode == 2 and "top_p" in r.stderr
