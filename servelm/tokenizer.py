@@ -143,12 +143,12 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
-        """Build the tokenizer a GGUF file describes (`reader` is a `gguf.GGUFReader`).
+    def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes from its metadata (key -> Python value).
 
         Only byte-level BPE ('gpt2') vocabularies are supported; ValueError otherwise.
         """
-        meta = _GGUFMeta(reader)
+        meta = _GGUFMeta(metadata)
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
@@ -316,11 +316,10 @@ def load_tokenizer(path: str) -> Tokenizer:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-    import gguf
+    from servelm.models.gguf_file import GGUFReader
 
     try:
-        reader = gguf.GGUFReader(path)
-        return Tokenizer.from_gguf(reader)
+        return Tokenizer.from_gguf(GGUFReader(path).metadata)
     except (ValueError, KeyError, IndexError, OSError) as e:
         raise ValueError(f"{path}: cannot build a tokenizer: {e}") from e
 
@@ -328,17 +327,11 @@ def load_tokenizer(path: str) -> Tokenizer:
 class _GGUFMeta:
     """Reads GGUF metadata values as plain Python (str, int, bool, lists)."""
 
-    def __init__(self, reader: Any):
-        self._fields = reader.fields
+    def __init__(self, metadata: dict[str, Any]):
+        self._meta = metadata
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        if isinstance(value, list) or not hasattr(value, "item"):
-            return value
-        return value.item()
+        return self._meta.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)

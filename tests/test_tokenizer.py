@@ -195,34 +195,17 @@ def test_from_dir_generation_config_eos_and_post_processor(saved_dir, tmp_path):
         assert with_bos.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
 
 
-class _Field:
-    def __init__(self, value):
-        self._value = value
-
-    def contents(self):
-        return self._value
-
-
-class _PatchedReader:
-    """A GGUF reader with some metadata values replaced."""
-
-    def __init__(self, reader, **overrides):
-        self.fields = {**reader.fields, **{key: _Field(value) for key, value in overrides.items()}}
-
-
 def test_from_gguf_add_bos_and_eot(gguf_path):
-    import gguf
+    from servelm.models.gguf_file import GGUFReader
 
-    reader = gguf.GGUFReader(gguf_path)
-    patched = _PatchedReader(
-        reader, **{"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.eot_token_id": 0}
-    )
+    meta = GGUFReader(gguf_path).metadata
+    patched = {**meta, "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.eot_token_id": 0}
     tok = Tokenizer.from_gguf(patched)
     assert tok.encode("Hello") == [1, 19556]
     assert tok.encode("Hello", add_special_tokens=False) == [19556]
     assert tok.eos_token_ids == frozenset({0, 2})
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
-        Tokenizer.from_gguf(_PatchedReader(reader, **{"tokenizer.ggml.model": "llama"}))
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "llama"})
 
 
 def test_from_dir_template_in_config(tok, saved_dir, tmp_path):

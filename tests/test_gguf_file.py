@@ -1,0 +1,51 @@
+"""servelm's GGUF reader against the gguf package's own reader on the embedded model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from servelm.models.gguf_file import GGUFReader
+
+
+@pytest.fixture(scope="module")
+def readers(gguf_path):
+    gguf = pytest.importorskip("gguf")
+    return GGUFReader(gguf_path), gguf.GGUFReader(gguf_path)
+
+
+def test_metadata_equals_the_reference_reader(readers):
+    ours, ref = readers
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+    assert sorted(ours.metadata) == sorted(keys)
+    for k in keys:
+        want = ref.fields[k].contents()
+        got = ours.metadata[k]
+        if isinstance(want, float):
+            assert got == pytest.approx(want), k
+        else:
+            assert got == want, k
+
+
+def test_tensors_equal_the_reference_reader(readers):
+    import gguf
+
+    ours, ref = readers
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.qtype == b.tensor_type and a.shape == tuple(int(x) for x in reversed(b.shape))
+    for i in (0, 1, 2, len(ref.tensors) - 1):  # Q8_0, F32, Q4_1, ...
+        a, b = ours.tensors[i], ref.tensors[i]
+        np.testing.assert_array_equal(
+            gguf.quants.dequantize(a.data, b.tensor_type).reshape(a.shape),
+            gguf.quants.dequantize(b.data, b.tensor_type).reshape(a.shape))
+
+
+def test_truncated_file_is_a_clear_error(tmp_path, gguf_path):
+    from servelm.models.loader import GGUFFile, ModelLoadError
+
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(5000))
+    with pytest.raises(ModelLoadError, match=f"{cut}: cannot read GGUF file"):
+        GGUFFile(str(cut))
