@@ -1,0 +1,255 @@
+"""`servelm bench`: the argument parser and the command that drives a run.
+
+Only argparse is imported at module level: `servelm generate` builds this parser too, and
+must not pay for httpx or tqdm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+
+class BenchError(Exception):
+    """A run that cannot start or go on: reported as one line, no traceback."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str, allow_inf: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or (math.isinf(value) and not allow_inf):
+        what = "a positive number" + (" or 'inf'" if allow_inf else "")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    return _positive_float(text, allow_inf=True)
+
+
+def _slo(text: str) -> dict[str, float]:
+    from servelm.bench.report import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `bench` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "bench", help="load-test an OpenAI-compatible server",
+        description="Load generator for any OpenAI-compatible completions endpoint: streams "
+                    "requests at a fixed concurrency or Poisson rate and reports TTFT, TPOT, "
+                    "inter-token latency, end-to-end latency, throughput and goodput.")
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions (token-id prompts, exact input length) or "
+                        "/v1/chat/completions (word prompts)")
+    p.add_argument("--model", default=None,
+                   help="model name to send (default: the first one listed at /v1/models)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--concurrency", type=_positive_int, metavar="N",
+                      help="keep N requests in flight")
+    mode.add_argument("--request-rate", type=_rate, metavar="R",
+                      help="Poisson arrivals at R requests/s ('inf': all at once)")
+    p.add_argument("--num-prompts", type=_positive_int, metavar="N",
+                   help="requests to send (default with --dataset: one per line)")
+    p.add_argument("--input-len", type=_positive_int, metavar="N",
+                   help="prompt length in tokens for random prompts")
+    p.add_argument("--output-len", type=_positive_int, metavar="N",
+                   help="max_tokens per request (with --dataset: for lines without output_len)")
+    p.add_argument("--dataset", default=None, metavar="FILE.jsonl",
+                   help='prompts, one {"prompt": ..., "output_len": ...} per line')
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (for servers that reject the field)")
+    p.add_argument("--slo", type=_slo, default=None, metavar="SPEC",
+                   help="goodput limits in seconds, e.g. ttft=0.5,tpot=0.05 (or 500ms)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="FILE",
+                   help="write config, aggregates and per-request records as JSON")
+    p.add_argument("--timeout", type=_positive_float, default=600.0, metavar="SECONDS",
+                   help="per-request read timeout")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the untimed warm-up request")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (also off when stderr is not a terminal)")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def _check_args(args) -> None:
+    if not args.base_url.startswith(("http://", "https://")):
+        raise BenchError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    if args.dataset is None:
+        for flag, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
+                            ("--output-len", args.output_len)):
+            if value is None:
+                raise BenchError(f"{flag} is required for random prompts (or give --dataset)")
+
+
+def _urls(base_url: str, endpoint: str) -> tuple[str, str]:
+    """(request URL, models URL); a base URL ending in /v1 is not doubled up."""
+    base = base_url.rstrip("/")
+    if not endpoint.startswith("/"):
+        endpoint = "/" + endpoint
+    if base.endswith("/v1") and endpoint.startswith("/v1/"):
+        base = base[:-3]
+    return base + endpoint, base + "/v1/models"
+
+
+def _prompts(args, kind: str):
+    from servelm.bench import datasets
+
+    if args.dataset is not None:
+        try:
+            return datasets.load_jsonl(args.dataset, args.num_prompts, args.output_len,
+                                       allow_token_ids=kind == "completions")
+        except datasets.DatasetError as e:
+            raise BenchError(str(e)) from None
+    if kind == "completions":
+        return datasets.random_token_prompts(args.num_prompts, args.input_len, args.output_len,
+                                             seed=args.seed)
+    return datasets.random_word_prompts(args.num_prompts, args.input_len, args.output_len,
+                                        seed=args.seed)
+
+
+def _config(args, url: str, model: str | None, kind: str, n: int) -> dict[str, Any]:
+    import datetime
+
+    rate = args.request_rate
+    return {
+        "url": url, "endpoint_kind": kind, "model": model, "num_prompts": n,
+        "concurrency": args.concurrency,
+        # JSON has no infinity; keep the file readable by strict parsers.
+        "request_rate": "inf" if rate is not None and math.isinf(rate) else rate,
+        "input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
+        "seed": args.seed, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "slo": args.slo, "warmup": args.warmup,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+async def _discover(client, models_url: str, headers: dict[str, str], model: str | None) -> str:
+    """Fail fast if the server is unreachable; the model to use (given, or the first listed)."""
+    import httpx
+
+    try:
+        resp = await client.get(models_url, headers=headers, timeout=10.0)
+    except httpx.TimeoutException:
+        raise BenchError(f"no answer from {models_url} within 10 s") from None
+    except httpx.ConnectError as e:
+        raise BenchError(f"cannot connect to {models_url} ({e}): is the server running?") from None
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise BenchError(f"cannot reach {models_url}: {e or type(e).__name__}") from None
+    if model is not None:
+        return model  # any answer at all means the server is there
+    try:
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"no model listed at {models_url} (HTTP {resp.status_code}); "
+                         f"pass --model") from None
+
+
+async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
+    import gc
+    import time
+
+    import httpx
+    from tqdm import tqdm
+
+    from servelm.bench import client as bc
+    from servelm.bench import report
+    from servelm.bench.datasets import BenchPrompt, random_word_prompts
+    from servelm.bench.runner import run_requests
+
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # Enough connections that the pool never queues a request the scheduler released
+    # (None: unbounded, for rate mode).
+    n = args.concurrency
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 10.0), pool=None)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = await _discover(client, models_url, headers, args.model)
+
+        def payload(p: BenchPrompt) -> dict[str, Any]:
+            return bc.build_payload(kind, model, p.prompt, p.output_len, args.temperature,
+                                    args.ignore_eos)
+
+        if args.warmup:
+            warm = random_word_prompts(1, 8, min(4, prompts[0].output_len), seed=args.seed + 1)[0]
+            rec = await bc.send_request(client, url, payload(warm), -1, warm, headers)
+            if not rec.success:
+                raise BenchError(f"warm-up request to {url} failed: {rec.error}")
+
+        mode = (f"concurrency {args.concurrency}" if args.concurrency is not None
+                else f"request rate {args.request_rate:g}/s")
+        print(f"servelm bench: {len(prompts)} requests to {url} (model {model}), {mode}",
+              file=sys.stderr)
+        bar = tqdm(total=len(prompts), unit="req", file=sys.stderr,
+                   disable=not args.progress or not sys.stderr.isatty())
+
+        async def send(i: int, p: BenchPrompt):
+            return await bc.send_request(client, url, payload(p), i, p, headers)
+
+        # The process holds all of torch's objects (servelm imports it); a full collection
+        # over them stalls the event loop for 100+ ms mid-run and shows up as fake latency.
+        # Frozen objects are skipped by the collector.
+        gc.collect()
+        gc.freeze()
+        t0 = time.perf_counter()
+        try:
+            records, duration = await run_requests(
+                prompts, send, concurrency=args.concurrency,
+                request_rate=args.request_rate or math.inf, seed=args.seed,
+                on_done=lambda _: bar.update(1))
+        finally:
+            gc.unfreeze()
+            bar.close()
+
+    summary = report.summarize(records, duration, args.slo)
+    print(report.format_table(summary))
+    if args.json_path:
+        config = _config(args, url, model, kind, len(prompts))
+        report.write_json(args.json_path, config, summary, records, t0)
+    return 0 if summary["completed"] else 1
+
+
+def run_bench(args) -> int:
+    """Run a benchmark from parsed `bench` arguments; the process exit status."""
+    import asyncio
+
+    from servelm.bench.client import endpoint_kind
+
+    try:
+        _check_args(args)
+        try:
+            kind = endpoint_kind(args.endpoint)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        url, models_url = _urls(args.base_url, args.endpoint)
+        prompts = _prompts(args, kind)
+        return asyncio.run(_bench(args, prompts, kind, url, models_url))
+    except (BenchError, OSError) as e:
+        print(f"servelm bench: error: {e}", file=sys.stderr)
+        return 2
