@@ -14,6 +14,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a default that fits the machine
+    enable_prefix_caching: bool = True  # share full blocks of identical prefixes
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

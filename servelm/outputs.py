@@ -58,6 +58,7 @@ class RequestMetrics:
             finished_time=req.finished_time,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
             num_preemptions=req.num_preemptions,
             inter_token_latencies=[b - a for a, b in zip(times, times[1:])],
         )

@@ -1,27 +1,47 @@
-"""BlockManager: the paged KV pool's bookkeeping: which blocks each request owns (no torch)."""
+"""BlockManager: the paged KV pool's bookkeeping: block tables, reference counts, prefix cache (no torch)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+# A full block's identity: (the key id of the block before it, or -1, its tokens).
+# Chaining through the previous block makes a key stand for the whole prefix, and the
+# dict compares the tokens themselves, so a hash collision can never alias two prefixes.
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 class BlockManager:
-    """Hands out fixed-size KV blocks from a free list and takes them back.
+    """Hands out fixed-size KV blocks and takes them back; optionally shares full blocks.
 
-    Invariant: every block id is either in the free list or in exactly one request's table.
+    Invariants: a block's ref count equals the number of block tables holding it; a
+    block with ref count 0 is in the free queue; with prefix caching, a free block may
+    still hold a cached prefix, and is only overwritten (evicted) when the pool needs
+    room, least recently freed first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._ref = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        # Prefix cache: key -> block, block -> (key, key id); per request, how many of its
+        # leading blocks are registered and the key id of the last of them (its chain so far).
+        self._cached: dict[BlockKey, int] = {}
+        self._block_key: dict[int, tuple[BlockKey, int]] = {}
+        self._num_registered: dict[str, int] = {}
+        self._chain: dict[str, int] = {}
+        self._next_key_id = 0
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks not in any table (cached-but-unreferenced blocks count: they are evictable)."""
         return len(self._free)
 
     @property
@@ -29,31 +49,141 @@ class BlockManager:
         """Fraction of the pool held by requests."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up."""
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's blocks in position order (the live list: read it, don't keep it)."""
         return self._tables.get(request_id, [])
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of token_ids, in order (whole blocks only).
+
+        At least one token is always left out, so the caller has something to compute and
+        gets next-token logits for it.
+        """
+        if not self.enable_caching:
+            return []
+        hits: list[int] = []
+        parent = -1
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            block = self._cached.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            if block is None:
+                break
+            hits.append(block)
+            parent = self._block_key[block][1]
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register the request's blocks that are now full of computed tokens.
+
+        token_ids must hold at least the first num_computed tokens of the request.
+        """
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request_id, [])
+        done = self._num_registered.get(request_id, 0)
+        full = min(num_computed // self.block_size, len(table))
+        bs = self.block_size
+        parent = self._chain.get(request_id, -1)
+        for i in range(done, full):
+            block = table[i]
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            if block in self._block_key:  # shared from the cache already
+                parent = self._block_key[block][1]
+                continue
+            owner = self._cached.get(key)
+            if owner is not None:
+                # Another request computed the same prefix first; keep this copy private.
+                parent = self._block_key[owner][1]
+                continue
+            key_id = self._next_key_id
+            self._next_key_id += 1
+            self._cached[key] = block
+            self._block_key[block] = (key, key_id)
+            parent = key_id
+        self._num_registered[request_id] = full
+        self._chain[request_id] = parent
+
+    # ---- allocation ----------------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks the request still needs so that its table holds num_tokens tokens."""
         return max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id)))
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= len(self._free)
+    def can_allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Whether the table can grow to num_tokens tokens, starting from `cached` blocks
+        (for a request that holds none yet)."""
+        # Cached blocks sitting in the free queue stop being free once taken.
+        taken = sum(1 for b in cached if self._ref[b] == 0)
+        need = max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id))
+                   - len(cached))
+        return need + taken <= len(self._free)
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's table to hold num_tokens tokens; returns the new block ids."""
-        need = self.num_new_blocks(request_id, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
-        new = [self._free.popleft() for _ in range(need)]
-        self._tables.setdefault(request_id, []).extend(new)
+    def allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> list[int]:
+        """Grow the request's table to hold num_tokens tokens; returns the new block ids.
+
+        `cached` (from find_cached_prefix, for a request with no table yet) become the
+        start of its table, shared with whoever else holds them.
+        """
+        if not self.can_allocate(request_id, num_tokens, cached):
+            raise RuntimeError(f"out of KV blocks for {request_id!r}: "
+                               f"{len(self._free)} free")
+        table = self._tables.setdefault(request_id, [])
+        if cached:
+            assert not table, "cached prefix blocks go into an empty table"
+            for b in cached:
+                self._take(b)
+            table.extend(cached)
+            self._num_registered[request_id] = len(cached)
+            self._chain[request_id] = self._block_key[cached[-1]][1]
+        new = []
+        for _ in range(self.num_blocks_for(num_tokens) - len(table)):
+            block, _ = self._free.popitem(last=False)  # least recently freed first
+            self._evict(block)
+            self._ref[block] = 1
+            new.append(block)
+        table.extend(new)
         return new
 
     def free(self, request_id: str) -> None:
-        """Return all of the request's blocks to the pool (no-op if it holds none)."""
-        self._free.extend(self._tables.pop(request_id, []))
+        """Drop the request's hold on its blocks (no-op if it holds none)."""
+        table = self._tables.pop(request_id, [])
+        self._num_registered.pop(request_id, None)
+        self._chain.pop(request_id, None)
+        # Last blocks first: a prefix's tail is the least likely to be shared, so it is
+        # the first to be evicted.
+        for block in reversed(table):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None  # a cached block keeps its content until evicted
+                if block not in self._block_key:
+                    self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse first
+
+    def _take(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._free[block]
+        self._ref[block] += 1
+
+    def _evict(self, block: int) -> None:
+        entry = self._block_key.pop(block, None)
+        if entry is not None:
+            del self._cached[entry[0]]
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
 
     def owners(self) -> dict[str, list[int]]:
         """A copy of every request's table, for checks and metrics."""

@@ -117,7 +117,8 @@ class LLMEngine:
                                 self.dtype, self.device)
         # A sequence longer than the whole pool could never run.
         self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
+                                          enable_caching=cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
@@ -153,6 +154,8 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             req = Request(rid, ids, params, max_tokens, arrival, gen)
+            if i > 0 and self.block_manager.enable_caching:
+                req.wait_for = group.samples[0].request  # share its prompt blocks
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
                                            params.include_stop_str_in_output,
                                            params.skip_special_tokens,

@@ -56,6 +56,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        # A sibling sample (n > 1) waits for this one to compute the shared prompt.
+        self.wait_for: Request | None = None
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None

@@ -93,11 +93,20 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
+            if req.wait_for is not None and not _prompt_done(req.wait_for):
+                break  # a sibling sample: admitted once the first has cached the prompt
+            cached = bm.find_cached_prefix(req.token_slice(0, req.num_tokens))
+            num_cached = len(cached) * bm.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not bm.can_allocate(req.request_id, num_cached + n, cached):
                 break
             self.waiting.popleft()
-            bm.allocate(req.request_id, req.num_computed_tokens + n)
+            bm.allocate(req.request_id, num_cached + n, cached)
+            bm.record_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_output_tokens == 0:
+                req.num_cached_tokens = num_cached
+            req.wait_for = None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledSeq(req, n))
@@ -105,6 +114,8 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request) -> None:
+        """Free the request's blocks and requeue it at the front; it is recomputed later
+        (from its cached prefix, when prefix caching is on)."""
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -114,9 +125,16 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Record that every scheduled request's new tokens are now in the cache."""
+        """Record that every scheduled request's new tokens are now in the cache, and offer
+        newly filled blocks to the prefix cache."""
+        bs = self.block_manager.block_size
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if self.block_manager.enable_caching and req.num_computed_tokens // bs > s.start // bs:
+                self.block_manager.cache_full_blocks(
+                    req.request_id, req.token_slice(0, req.num_computed_tokens),
+                    req.num_computed_tokens)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and free its blocks at once."""
@@ -127,3 +145,9 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.block_manager.free(req.request_id)
+
+
+def _prompt_done(req: Request) -> bool:
+    """Whether the request's prompt is computed (so its blocks are in the prefix cache)."""
+    return req.is_finished or (req.status is RequestStatus.RUNNING
+                               and req.num_computed_tokens >= req.num_prompt_tokens)

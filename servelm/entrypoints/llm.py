@@ -26,10 +26,11 @@ class LLM:
                  kv_cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, seed: int = 0,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, enable_prefix_caching: bool = True):
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len)))
