@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="max tokens per step (longer prompts are prefilled in chunks)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not share KV blocks of identical prompt prefixes")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -57,7 +59,8 @@ def build_llm(args):
     return LLM(model=args.model, dtype=args.dtype, device=args.device,
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, num_threads=args.num_threads)
+               max_model_len=args.max_model_len, num_threads=args.num_threads,
+               enable_prefix_caching=args.enable_prefix_caching)
 
 
 def sampling_params(args) -> SamplingParams:
@@ -180,6 +183,27 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    def cmd_serve(args) -> int:  # imported here so that generate and chat never load FastAPI
+        from servelm.server.launcher import serve
+
+        return serve(args)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serve.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every /v1 route")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="max sequences waiting to run; past it requests get 503")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name in the API (default: the model file's basename)")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    from servelm.bench.cli import add_bench_parser  # argparse only: keeps startup fast
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,270 @@
+"""AsyncLLMEngine: the engine stepped by one background thread, with an asyncio face.
+
+The engine is not thread-safe, so one thread owns it. Adds and aborts reach that thread
+through an inbox (a list under a condition variable) and are applied between steps; each
+step's outputs go back to the event loop through one asyncio.Queue per request. Model
+compute therefore never runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from servelm.engine.engine import LLMEngine
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Admission refused: max_queue sequences are already waiting."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; every request in flight at that moment gets this error."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (by abort()) before it finished."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state published by the engine thread after every iteration (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_aborted: int = 0
+    num_steps: int = 0
+
+
+class RequestStream:
+    """One request's outputs in step order: `async for out in stream`.
+
+    Leaving early (break, cancellation, `aclose()`, or `async with` exit) aborts the request,
+    which frees its KV blocks before the engine's next step.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread -> event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.abort()
+
+
+class AsyncLLMEngine:
+    """Serves many asyncio callers from one engine thread.
+
+    max_queue bounds the sequences waiting to run (queued but not yet scheduled); a
+    generate() past it raises QueueFullError at once.
+    """
+
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None):
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.snapshot = EngineSnapshot()
+        self.error: BaseException | None = None  # set when the thread died
+        self._cond = threading.Condition()
+        self._inbox: list[tuple] = []          # guarded by _cond
+        self._num_pending = 0                  # sequences in the inbox; guarded by _cond
+        self._streams: dict[str, RequestStream] = {}  # live requests; guarded by _cond
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (thread-safe to use from the event loop)."""
+        return self.engine.tokenizer
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine thread is running and accepting requests."""
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if not self._thread.is_alive() and not self._stopping:
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine thread; requests still in flight get EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- event-loop side -------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[int] | None, params: SamplingParams,
+                 request_id: str | None = None,
+                 prompt_token_ids: list[int] | None = None) -> RequestStream:
+        """Validate and queue a request; returns its stream of outputs.
+
+        Must be called from a running event loop. Raises at once (nothing is queued):
+        ValueError for a prompt that cannot run, QueueFullError, EngineDeadError.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
+        text, ids, _ = self.engine.prepare_prompt(prompt, params, prompt_token_ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        stream = RequestStream(self, rid, asyncio.get_running_loop())
+        with self._cond:
+            if (self.max_queue is not None
+                    and self._num_pending + self.snapshot.num_waiting >= self.max_queue):
+                raise QueueFullError(f"the server is at capacity: {self.max_queue} sequences are "
+                                     f"already waiting; retry later")
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self._streams[rid] = stream
+            self._inbox.append(("add", rid, text, ids, params, time.perf_counter()))
+            self._num_pending += params.n
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its blocks are freed before the next step."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            # Counted up front so that the pending count stays right even if _apply raises.
+            num_added = sum(item[4].n for item in inbox if item[0] == "add")
+            try:
+                self._apply(inbox)
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+            except Exception as e:
+                logger.exception("engine step failed; failing every request in flight")
+                if not self._fail_all(EngineStepError(f"engine error: {e!r}")):
+                    self.error = e
+                    break
+            finally:
+                self._publish(num_added)
+        self._fail_all(EngineDeadError(f"the engine has stopped: {self.error or 'shut down'}"))
+
+    def _apply(self, inbox: list[tuple]) -> None:
+        """Apply queued adds and aborts in order."""
+        for item in inbox:
+            if item[0] == "abort":
+                self.engine.abort_request(item[1])  # frees its blocks before the next step
+                self._deliver_error(item[1], RequestAbortedError(f"request {item[1]} was aborted"))
+                continue
+            _, rid, text, ids, params, arrival = item
+            with self._cond:
+                live = rid in self._streams
+            if not live:  # failed by an engine error while it sat in the inbox
+                continue
+            try:
+                self.engine.add_request(rid, text, params, arrival, prompt_token_ids=ids)
+            except Exception as e:  # e.g. the context shrank since validation: tell the caller
+                self._deliver_error(rid, e)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            targets = []
+            for out in outputs:
+                stream = (self._streams.pop(out.request_id, None) if out.finished
+                          else self._streams.get(out.request_id))
+                if stream is not None:
+                    targets.append((stream, out))
+        for stream, out in targets:
+            stream._put(out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(error)
+
+    def _fail_all(self, error: BaseException) -> bool:
+        """Give every live request the error and abort it; False if the engine is left unclean."""
+        with self._cond:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._put(error)
+        try:
+            for rid in streams:
+                self.engine.abort_request(rid)
+            return not self.engine.has_unfinished_requests()
+        except Exception:
+            logger.exception("could not abort requests after an engine error")
+            return False
+
+    def _publish(self, num_added: int) -> None:
+        sched, stats = self.engine.scheduler, self.engine.stats
+        snap = EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                              kv_cache_usage=self.engine.block_manager.usage,
+                              num_preemptions=sched.num_preemptions,
+                              num_aborted=stats.num_aborted, num_steps=stats.num_steps)
+        with self._cond:
+            self.snapshot = snap
+            self._num_pending -= num_added

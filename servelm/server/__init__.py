@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol schemas, routes, metrics, `servelm serve`."""

@@ -1,0 +1,62 @@
+"""`servelm serve`: load the model, then serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# How long SIGTERM waits for in-flight requests before closing their connections.
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def default_model_name(model: str | None) -> str:
+    """The name /v1/models reports: the model file's (or directory's) basename."""
+    if model is None:
+        return EMBEDDED_MODEL_NAME
+    return os.path.basename(os.path.normpath(model))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket; port 0 picks a free one (the real port is printed at start-up)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(args) -> int:
+    """Entry point of `servelm serve` (args from servelm.cli's parser); returns the exit status."""
+    import uvicorn
+
+    from servelm.cli import build_llm
+    from servelm.engine.async_engine import AsyncLLMEngine
+    from servelm.server.api import build_app
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
+    engine = AsyncLLMEngine(build_llm(args).engine, max_queue=args.max_queue)
+    name = args.served_model_name or default_model_name(args.model)
+    app = build_app(engine, name, api_key=args.api_key)
+    config = uvicorn.Config(app, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    # After a graceful shutdown uvicorn re-raises the SIGTERM it caught, under the handler
+    # that was installed before it ran; a no-op handler there lets the process exit with 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    host, port = sock.getsockname()[:2]
+    print(f"servelm: serving {name} on http://{host}:{port} (OpenAI API under /v1)",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,99 @@
+"""Prometheus metrics of one server: per-request latencies and counts, engine state.
+
+Each ServerMetrics has its own CollectorRegistry, so several apps can live in one process.
+Engine state (running, waiting, KV usage, preemptions, aborts) is read at scrape time from
+the snapshot the engine thread publishes, never from the engine itself.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from servelm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Gauges and engine-side counters, from the engine thread's latest snapshot."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._engine.snapshot
+        yield GaugeMetricFamily("servelm_num_requests_running",
+                                "Sequences in the running batch.", value=s.num_running)
+        yield GaugeMetricFamily("servelm_num_requests_waiting",
+                                "Sequences waiting to be scheduled.", value=s.num_waiting)
+        yield GaugeMetricFamily("servelm_kv_cache_usage_ratio",
+                                "Fraction of the KV block pool in use.", value=s.kv_cache_usage)
+        yield CounterMetricFamily("servelm_num_preemptions",
+                                  "Sequences preempted (KV blocks freed, recomputed later).",
+                                  value=s.num_preemptions)
+        yield CounterMetricFamily("servelm_requests_aborted",
+                                  "Requests aborted before they finished (e.g. client gone).",
+                                  value=s.num_aborted)
+
+
+class ServerMetrics:
+    """The server's metrics; record() is called once per API request when it ends."""
+
+    def __init__(self, engine, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.ttft = Histogram("servelm_time_to_first_token_seconds",
+                              "Arrival to first generated token.", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("servelm_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("servelm_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a sequence.",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("servelm_e2e_request_latency_seconds",
+                             "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("servelm_request_queue_time_seconds",
+                                    "Arrival to first scheduled.", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.prompt_tokens = Counter("servelm_prompt_tokens", "Prompt tokens of requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("servelm_generation_tokens",
+                                         "Tokens generated (all samples).", registry=r)
+        self.success = Counter("servelm_request_success",
+                               "Sequences that finished, by finish reason.", ["finish_reason"],
+                               registry=r)
+        for reason in ("stop", "length"):  # exported at 0 before the first request
+            self.success.labels(finish_reason=reason)
+        r.register(_EngineCollector(engine))
+
+    def record(self, prompt_lens: list[int], outputs: list[RequestOutput | None],
+               finished: bool) -> None:
+        """Count one API request's tokens; time it if it finished (not aborted)."""
+        self.prompt_tokens.inc(sum(prompt_lens))
+        samples = [o for out in outputs if out is not None for o in out.outputs]
+        self.generation_tokens.inc(sum(len(o.token_ids) for o in samples))
+        if not finished:
+            return
+        for o in samples:
+            self.success.labels(finish_reason=o.finish_reason).inc()
+            m = o.metrics
+            if m is None:
+                continue
+            for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot),
+                                (self.e2e, m.e2e_latency), (self.queue_time, m.queue_time)):
+                if value is not None:
+                    hist.observe(value)
+            for v in m.inter_token_latencies:
+                self.itl.observe(v)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,312 @@
+"""Pydantic schemas of the OpenAI-compatible API: requests (strict) and responses.
+
+Requests forbid unknown fields, and fields of the OpenAI API that servelm does not implement
+are declared only so that setting them gets a 400 naming them, never silent neglect.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from servelm.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16
+_SEED_MAX = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i
+
+
+def _unsupported(name: str) -> ValueError:
+    return ValueError(f"'{name}' is not supported by servelm")
+
+
+class _Request(BaseModel):
+    # strict: a JSON true is not an integer and "3" is not a number.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    """What a stream carries besides choices: include_usage adds a final usage chunk."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=_SEED_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # identifies the caller; accepted and not used
+    # servelm extensions (vLLM's names)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    # OpenAI fields servelm does not implement: only their no-op values pass.
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise _unsupported("logit_bias")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return v
+
+
+class ChatMessage(_Request):
+    """One turn; content is a string or a list of {"type": "text", "text": ...} parts."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if v is None:
+            raise ValueError("content is required")
+        if not isinstance(v, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type",
+                                                                                      "text"}:
+                raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are "
+                                 f"supported, got {part!r:.80}")
+        return v
+
+    def to_template(self) -> dict:
+        """The message as the chat template expects it ('developer' is OpenAI's new 'system')."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Not implemented; declared so that using them is a 400 that names them.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                     "audio", "modalities", "prediction", "reasoning_effort",
+                     "web_search_options")
+    @classmethod
+    def _unset_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not (info.field_name == "tool_choice" and v == "none"):
+            raise _unsupported(info.field_name)
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: Any) -> Any:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError("'response_format' other than {'type': 'text'} is not supported "
+                             "by servelm")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
+        return v
+
+
+class CompletionRequest(SamplingRequest):
+    """Body of POST /v1/completions."""
+
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> list[str | list[int]]:
+        """A string, a list of strings, a list of token ids, or a list of token id lists."""
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            return [v]
+        if is_ids(v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(p, str) or is_ids(p) for p in v):
+            return v
+        raise ValueError("prompt must be a string, a list of strings, a non-empty list of token "
+                         "ids, or a list of token id lists")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise _unsupported("echo")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise _unsupported("suffix")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("'best_of' different from 'n' is not supported by servelm")
+        return v
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RequestTimings(BaseModel):
+    """servelm's per-request timings (seconds): an extension to the OpenAI responses."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    queue_time_s: float | None = None
+    e2e_s: float | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    metrics: RequestTimings
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    metrics: RequestTimings | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    metrics: RequestTimings
+
+
+class CompletionChunk(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    metrics: RequestTimings | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "servelm"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

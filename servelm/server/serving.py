@@ -1,0 +1,175 @@
+"""What chat and completions share: sampling params from a request, the engine requests behind
+one API request, usage, timings, logprobs and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from pydantic import BaseModel
+
+from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
+                                         RequestStream)
+from servelm.outputs import CompletionOutput, RequestOutput
+from servelm.sampling_params import SamplingParams
+from servelm.server.errors import APIError, from_value_error
+from servelm.server.metrics import ServerMetrics
+from servelm.server.protocol import RequestTimings, TopLogprob, UsageInfo, SamplingRequest
+
+
+@dataclass
+class ServingContext:
+    """What a handler needs: the engine, the metrics, and the name the model is served under."""
+
+    engine: AsyncLLMEngine
+    metrics: ServerMetrics
+    model_name: str
+
+
+def new_id(prefix: str) -> str:
+    """A response or request id, unique across servers: 'chatcmpl-<32 hex digits>'."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    fields: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams; an invalid combination is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except ValueError as e:
+        raise from_value_error(e, fields) from None
+
+
+class Generation:
+    """The engine requests behind one API request (one per prompt), read as one stream.
+
+    close() aborts whatever has not finished (a client that went away) and records the
+    request in the metrics exactly once.
+    """
+
+    def __init__(self, ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
+                 params: SamplingParams, fields: dict[str, str]):
+        self.ctx = ctx
+        self.prompt_lens = [len(ids) for _, ids in prompts]
+        self.last: list[RequestOutput | None] = [None] * len(prompts)
+        self.streams: list[RequestStream] = []
+        self._closed = False
+        base = new_id("req")
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                self.streams.append(ctx.engine.generate(text, params, f"{base}-{i}",
+                                                        prompt_token_ids=ids))
+        except (ValueError, QueueFullError, EngineDeadError) as e:
+            self._closed = True  # refused: nothing to record
+            for s in self.streams:
+                s.abort()
+            if isinstance(e, QueueFullError):
+                raise APIError(503, str(e), code="queue_full") from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), code="engine_unavailable") from None
+            raise from_value_error(e, fields) from None
+
+    @property
+    def finished(self) -> bool:
+        return all(out is not None and out.finished for out in self.last)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as each engine step reports them, across all prompts."""
+        reads = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(self.streams)}
+        try:
+            while reads:
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    i = reads.pop(fut)
+                    try:
+                        out = fut.result()
+                    except StopAsyncIteration:
+                        continue
+                    except Exception as e:  # the engine failed this request
+                        raise APIError(500, f"generation failed: {e}", code="engine_error") from e
+                    self.last[i] = out
+                    if not out.finished:
+                        reads[asyncio.ensure_future(self.streams[i].__anext__())] = i
+                    yield i, out
+        finally:
+            for fut in reads:
+                fut.cancel()
+            self.close()
+
+    async def run(self) -> list[RequestOutput]:
+        """Wait for every prompt to finish; the final outputs in prompt order."""
+        async for _ in self.outputs():
+            pass
+        return self.last
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.abort()
+        if not self._closed:
+            self._closed = True
+            self.ctx.metrics.record(self.prompt_lens, self.last, self.finished)
+
+    def usage(self) -> UsageInfo:
+        """Prompt tokens once per prompt; completion tokens summed over every sample."""
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(o.token_ids) for out in self.last if out for o in out.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)
+
+    def timings(self) -> RequestTimings:
+        """Request-level timings: first queue exit and first token, last finish, mean TPOT."""
+        ms = [o.metrics for out in self.last if out for o in out.outputs if o.metrics]
+
+        def pick(values, fn):
+            values = [v for v in values if v is not None]
+            return fn(values) if values else None
+
+        return RequestTimings(
+            ttft_s=pick((m.ttft for m in ms), min),
+            tpot_s=pick((m.tpot for m in ms), lambda v: sum(v) / len(v)),
+            queue_time_s=pick((m.queue_time for m in ms), min),
+            e2e_s=pick((m.e2e_latency for m in ms), max))
+
+
+class TokenText:
+    """Token id -> its text and bytes, for logprobs."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+    def top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self(token_id)
+        # A token holding part of a UTF-8 character decodes to U+FFFD; its bytes are approximate.
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def new_logprobs(sample: CompletionOutput, num_sent: int) -> list:
+    """The sample's TokenLogprobs not yet sent (the engine's list is cumulative)."""
+    return list(sample.logprobs[num_sent:]) if sample.logprobs is not None else []
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    """One server-sent event; usage and metrics appear only on the chunks that carry them."""
+    if isinstance(chunk, BaseModel):
+        drop = {k for k in ("usage", "metrics") if getattr(chunk, k, 0) is None}
+        return f"data: {chunk.model_dump_json(exclude=drop)}\n\n"
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,164 @@
+"""AsyncLLMEngine in-process, over the session's fp32 engine: outputs, validation, aborts,
+admission, and what happens when a step raises."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conftest import TEXT_PROMPTS
+from servelm import SamplingParams
+from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError,
+                                         QueueFullError)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def aengine(llm):
+    engine = AsyncLLMEngine(llm.engine, max_queue=8)
+    engine.start()
+    yield engine
+    engine.stop()
+    # The shared engine must be left as it was found.
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+async def _collect(stream) -> list:
+    return [out async for out in stream]
+
+
+def test_outputs_equal_llm_generate_and_stream_step_by_step(aengine, llm):
+    expected = [o.outputs[0] for o in llm.generate(TEXT_PROMPTS[:3], GREEDY, use_tqdm=False)]
+
+    async def main():
+        streams = [aengine.generate(p, GREEDY) for p in TEXT_PROMPTS[:3]]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    for outs, exp in zip(asyncio.run(main()), expected):
+        assert len(outs) == 8 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == exp.token_ids
+        assert "".join(o.outputs[0].delta_text for o in outs) == exp.text
+
+
+def test_event_loop_is_not_blocked_by_compute(aengine):
+    async def main():
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await _collect(aengine.generate("Tell me a story.", SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True)))
+        done.set()
+        await tick
+        return gaps
+
+    gaps = asyncio.run(main())
+    assert len(gaps) > 20 and max(gaps) < 0.5, max(gaps)
+
+
+def test_validation_errors_raise_at_once(aengine, llm):
+    async def main():
+        with pytest.raises(ValueError, match="maximum context length"):
+            aengine.generate([1] * (llm.engine.max_model_len + 1), GREEDY)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            aengine.generate([10**9], GREEDY)
+
+    asyncio.run(main())
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_within_one_step(aengine, llm):
+    bm = llm.engine.block_manager
+
+    async def main():
+        stream = aengine.generate("Count to a thousand:", SamplingParams(
+            temperature=0, max_tokens=500, ignore_eos=True))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        assert bm.num_free_blocks < bm.num_blocks
+        steps_at_abort = aengine.snapshot.num_steps
+        await stream.aclose()
+        while aengine.snapshot.num_running:
+            await asyncio.sleep(0.005)
+        return steps_at_abort
+
+    steps_at_abort = asyncio.run(main())
+    assert aengine.snapshot.num_steps - steps_at_abort <= 1
+    assert bm.num_free_blocks == bm.num_blocks and aengine.snapshot.num_aborted >= 1
+
+
+def test_queue_full_is_refused_at_once(llm):
+    engine = AsyncLLMEngine(llm.engine, max_queue=1)
+    engine.start()
+
+    async def main():
+        streams, refused = [], 0
+        for i in range(4):  # no await in between: the engine thread cannot catch up
+            try:
+                streams.append(engine.generate(f"Prompt {i}", GREEDY))
+            except QueueFullError:
+                refused += 1
+        return refused, await asyncio.gather(*(_collect(s) for s in streams))
+
+    try:
+        refused, results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert refused >= 1 and len(results) >= 1
+    assert all(len(r[-1].outputs[0].token_ids) == 8 for r in results)
+
+
+def test_step_error_reaches_every_request_and_loop_survives(aengine, llm, monkeypatch):
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(seqs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # blocks are allocated by now: cleanup must free them
+            raise RuntimeError("injected fault")
+        return real_execute(seqs)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+
+    async def main():
+        streams = [aengine.generate(p, GREEDY) for p in TEXT_PROMPTS[:2]]
+        results = await asyncio.gather(*(_collect(s) for s in streams), return_exceptions=True)
+        after = await _collect(aengine.generate(TEXT_PROMPTS[0], GREEDY))
+        return results, after
+
+    results, after = asyncio.run(main())
+    assert all(isinstance(r, EngineStepError) and "injected fault" in str(r) for r in results)
+    assert aengine.healthy and after[-1].finished and len(after[-1].outputs[0].token_ids) == 8
+
+
+def test_stop_fails_requests_in_flight(llm):
+    engine = AsyncLLMEngine(llm.engine)
+    engine.start()
+
+    async def main():
+        stream = engine.generate("Go on forever:", SamplingParams(max_tokens=400,
+                                                                  ignore_eos=True))
+        await stream.__anext__()
+        await asyncio.to_thread(engine.stop)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            engine.generate("Too late", GREEDY)
+
+    asyncio.run(main())
+    assert not engine.healthy and not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
