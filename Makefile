@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test chat generate test test-fast bench clean
+.PHONY: install install-test serve chat generate test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ install: $(STAMP)
 
 install-test: $(TEST_STAMP)
 
+serve: install
+	$(VENV)/bin/servelm serve
+
 chat: install
 	$(VENV)/bin/servelm chat
 
@@ -35,9 +38,6 @@ generate: install
 
 test: install-test
 	$(PY) -m pytest -q
-
-test-fast: install-test
-	$(PY) -m pytest -q -m "not slow"
 
 bench: install-test
 	$(PY) benchmarks/offline_throughput.py

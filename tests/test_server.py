@@ -375,6 +375,23 @@ def test_still_serving_after_bad_inputs(server, client):
     assert r.usage.completion_tokens >= 1
 
 
+def test_prefix_cache_reported_in_usage_and_metrics(server, client):
+    """A repeated prompt comes back with its whole blocks served from the prefix cache."""
+    prompt = "Shared system prompt about the paged KV cache. " * 12  # well over one block
+    before = scrape(server.url)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens == n
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert second.choices[0].text == first.choices[0].text
+    after = scrape(server.url)
+    hits = after["servelm_prefix_cache_hits_total"] - before["servelm_prefix_cache_hits_total"]
+    assert hits >= (n - 1) // 16 * 16
+    assert after["servelm_engine_steps_total"] > before["servelm_engine_steps_total"]
+    assert after["servelm_step_prefill_tokens_total"] > before["servelm_step_prefill_tokens_total"]
+
+
 # ---- admission control, shutdown ------------------------------------------------------------
 
 

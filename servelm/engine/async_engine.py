@@ -49,6 +49,10 @@ class EngineSnapshot:
     num_preemptions: int = 0
     num_aborted: int = 0
     num_steps: int = 0
+    num_prefill_tokens: int = 0     # prompt tokens computed by all steps so far
+    num_decode_tokens: int = 0      # decode tokens computed by all steps so far
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # of which found cached
 
 
 class RequestStream:
@@ -264,7 +268,11 @@ class AsyncLLMEngine:
         snap = EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
                               kv_cache_usage=self.engine.block_manager.usage,
                               num_preemptions=sched.num_preemptions,
-                              num_aborted=stats.num_aborted, num_steps=stats.num_steps)
+                              num_aborted=stats.num_aborted, num_steps=stats.num_steps,
+                              num_prefill_tokens=stats.num_prefill_tokens,
+                              num_decode_tokens=stats.num_decode_tokens,
+                              prefix_cache_queries=self.engine.block_manager.num_queried_tokens,
+                              prefix_cache_hits=self.engine.block_manager.num_hit_tokens)
         with self._cond:
             self.snapshot = snap
             self._num_pending -= num_added

@@ -42,6 +42,24 @@ class _EngineCollector:
         yield CounterMetricFamily("servelm_requests_aborted",
                                   "Requests aborted before they finished (e.g. client gone).",
                                   value=s.num_aborted)
+        yield CounterMetricFamily("servelm_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily("servelm_prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not recomputed).",
+                                  value=s.prefix_cache_hits)
+        yield GaugeMetricFamily("servelm_prefix_cache_hit_rate",
+                                "Prefix cache hits / queries, in tokens, since start.",
+                                value=s.prefix_cache_hits / max(1, s.prefix_cache_queries))
+        yield CounterMetricFamily("servelm_engine_steps", "Engine steps (forward passes).",
+                                  value=s.num_steps)
+        # Step composition: these over engine_steps give prefill and decode tokens per step.
+        yield CounterMetricFamily("servelm_step_prefill_tokens",
+                                  "Prompt tokens computed, summed over steps.",
+                                  value=s.num_prefill_tokens)
+        yield CounterMetricFamily("servelm_step_decode_tokens",
+                                  "Decode tokens computed, summed over steps.",
+                                  value=s.num_decode_tokens)
 
 
 class ServerMetrics:

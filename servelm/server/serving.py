@@ -17,7 +17,8 @@ from servelm.outputs import CompletionOutput, RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server.errors import APIError, from_value_error
 from servelm.server.metrics import ServerMetrics
-from servelm.server.protocol import RequestTimings, TopLogprob, UsageInfo, SamplingRequest
+from servelm.server.protocol import (PromptTokensDetails, RequestTimings, SamplingRequest,
+                                     TopLogprob, UsageInfo)
 
 
 @dataclass
@@ -121,8 +122,12 @@ class Generation:
         """Prompt tokens once per prompt; completion tokens summed over every sample."""
         prompt = sum(self.prompt_lens)
         completion = sum(len(o.token_ids) for out in self.last if out for o in out.outputs)
+        # Each prompt's first sample says how much of it came from the prefix cache.
+        cached = sum(out.outputs[0].metrics.num_cached_tokens for out in self.last
+                     if out and out.outputs and out.outputs[0].metrics)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion)
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def timings(self) -> RequestTimings:
         """Request-level timings: first queue exit and first token, last finish, mean TPOT."""
