@@ -161,18 +161,21 @@ def test_abort_frees_blocks_at_once(llm):
 
 
 def test_preemption_under_a_tiny_pool_keeps_outputs_identical(llm):
-    """A pool of a few blocks forces preemption; recomputed requests give the same tokens."""
+    """32 requests through a pool a few blocks larger than one sequence: constant preemption,
+    recompute from the prefix cache, and every request's tokens equal running it alone."""
     from servelm import LLM
 
-    small = LLM(dtype="float32", kv_cache_memory=10 * 16 * 30 * 2 * 3 * 64 * 4,
-                max_model_len=160)
-    assert small.engine.block_manager.num_blocks == 10
-    prompts = [f"Item {i}: the quick brown fox" for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    block_bytes = 16 * 30 * 2 * 3 * 64 * 4  # tokens x layers x (K, V) x KV heads x dim x fp32
+    small = LLM(dtype="float32", kv_cache_memory=5 * block_bytes, max_model_len=64)
+    assert small.engine.block_manager.num_blocks == 5
+    prompts = [f"Item {i}: the quick brown fox" for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = small.generate(prompts, params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    engine = small.engine
+    assert engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == _alone(llm, prompts, params)
-    assert sum(o.metrics.num_preemptions for o in got) == small.engine.scheduler.num_preemptions
+    assert sum(o.metrics.num_preemptions for o in got) == engine.scheduler.num_preemptions
+    assert engine.block_manager.num_free_blocks == 5 and not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("prompt, params, match", [
