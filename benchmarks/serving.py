@@ -1,0 +1,150 @@
+"""Serving benchmarks: `servelm bench` against `servelm serve` processes, side by side in one run.
+
+    python benchmarks/serving.py serve      # 64 concurrent and 1 concurrent, 128 in / 128 out
+    python benchmarks/serving.py prefix     # TTFT with a cached 1,000-token prefix vs caching off
+    python benchmarks/serving.py capacity   # KV pool for ~20 sequences vs unconstrained, 64 clients
+
+Each scenario starts its servers on free loopback ports, runs the bench command line
+(printed, so it can be rerun by hand), and prints the figures and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `servelm serve` process on a free port; stopped with SIGTERM on exit."""
+
+    def __init__(self, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [PY, "-m", "servelm.cli", "serve", "--port", str(self.port), *flags]
+        print("$", " ".join(self.cmd[2:]), flush=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def __enter__(self) -> "Server":
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server did not become healthy")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def bench(url: str, *flags: str) -> dict:
+    """Run `servelm bench` and return its JSON summary."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [PY, "-m", "servelm.cli", "bench", "--base-url", url, "--no-progress", "--json", out,
+           *flags]
+    print("$", "servelm", " ".join(cmd[3:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        summary = json.load(f)["summary"]
+    os.unlink(out)
+    return summary
+
+
+def line(name: str, s: dict) -> str:
+    return (f"{name:<28} ok {s['completed']:>4} fail {s['failed']:>3}  "
+            f"out {s['output_throughput']:8.1f} tok/s  "
+            f"TTFT p50 {s['ttft_ms']['p50']:8.1f} p99 {s['ttft_ms']['p99']:8.1f} ms  "
+            f"TPOT p50 {s['tpot_ms']['p50']:6.1f} p99 {s['tpot_ms']['p99']:6.1f} ms  "
+            f"ITL p99 {s['itl_ms']['p99']:6.1f} ms")
+
+
+def scenario_serve(args) -> None:
+    with Server(*args.server_flags) as srv:
+        c64 = bench(srv.url, "--concurrency", "64", "--num-prompts", str(args.num_prompts),
+                    "--input-len", "128", "--output-len", "128")
+        c1 = bench(srv.url, "--concurrency", "1", "--num-prompts", "8",
+                   "--input-len", "128", "--output-len", "128")
+    print(line("concurrency 64", c64))
+    print(line("concurrency 1", c1))
+    print(f"throughput ratio 64 vs 1: {c64['output_throughput'] / c1['output_throughput']:.2f}x")
+
+
+def scenario_prefix(args) -> None:
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000, 20000) for _ in range(1000)]
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for _ in range(args.prefix_requests):
+            suffix = [rng.randrange(1000, 20000) for _ in range(24)]
+            f.write(json.dumps({"prompt": prefix + suffix, "output_len": 16}) + "\n")
+        data = f.name
+    flags = ["--concurrency", "1", "--dataset", data]
+    results = {}
+    for name, extra in (("prefix caching on", []), ("prefix caching off", ["--no-prefix-caching"])):
+        with Server(*args.server_flags, *extra) as srv:
+            results[name] = bench(srv.url, *flags)
+    os.unlink(data)
+    for name, s in results.items():
+        print(line(name, s))
+    on, off = results["prefix caching on"], results["prefix caching off"]
+    print(f"TTFT p50 off / on: {off['ttft_ms']['p50'] / on['ttft_ms']['p50']:.1f}x lower with "
+          f"the cached 1,000-token prefix (the first request of the run fills the cache)")
+
+
+def scenario_capacity(args) -> None:
+    # ~20 full sequences of 128 + 128 tokens: 20 * 16 blocks of 16 tokens.
+    seq_blocks, block_bytes = 16, 16 * 30 * 2 * 3 * 64 * 2  # bf16 KV of SmolLM2-135M
+    small = str(20 * seq_blocks * block_bytes)
+    flags = ["--concurrency", "64", "--num-prompts", str(args.num_prompts),
+             "--input-len", "128", "--output-len", "128"]
+    results = {}
+    for name, extra in (("unconstrained pool", []),
+                        ("pool for ~20 sequences", ["--kv-cache-memory", small])):
+        with Server(*args.server_flags, *extra) as srv:
+            results[name] = bench(srv.url, *flags)
+            metrics = httpx.get(f"{srv.url}/metrics").text
+        pre = [ln for ln in metrics.splitlines() if ln.startswith("servelm_num_preemptions_total")]
+        results[name]["preemptions"] = float(pre[0].split()[-1]) if pre else 0.0
+    for name, s in results.items():
+        print(line(name, s) + f"  preemptions {s['preemptions']:.0f}")
+    a, b = results["unconstrained pool"], results["pool for ~20 sequences"]
+    print(f"throughput constrained / unconstrained: "
+          f"{b['output_throughput'] / a['output_throughput']:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("scenario", choices=["serve", "prefix", "capacity"])
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--prefix-requests", type=int, default=8)
+    ap.add_argument("--server-flags", default="", help="extra flags for servelm serve")
+    args = ap.parse_args()
+    args.server_flags = args.server_flags.split()
+    {"serve": scenario_serve, "prefix": scenario_prefix, "capacity": scenario_capacity}[
+        args.scenario](args)
+
+
+if __name__ == "__main__":
+    main()
