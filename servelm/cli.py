@@ -165,6 +165,61 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": out.outputs[0].text})
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(float(text)) if kind is int else kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return parse
+
+
+def cmd_roofline(args) -> int:
+    import torch
+
+    from servelm import roofline as rl
+    from servelm.engine.engine import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    dname = str(dtype).removeprefix("torch.")
+    if args.params is not None:
+        model = rl.ModelShape(num_params=int(args.params), weight_bits=args.bits or 16,
+                              num_layers=args.layers, num_kv_heads=args.kv_heads,
+                              head_dim=args.head_dim, num_heads=args.heads,
+                              kv_bits=args.bits or 16)
+    else:
+        from servelm.models.loader import open_checkpoint
+
+        cfg = open_checkpoint(args.model).config()
+        bits = args.bits or rl.BYTES[dname] * 8
+        model = rl.ModelShape.from_config(cfg, weight_bits=bits, kv_bits=rl.BYTES[dname] * 8)
+    if args.bandwidth is not None and args.flops is not None:
+        hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
+    else:
+        print(f"measuring {device.type} bandwidth and {dname} matmul throughput ...",
+              file=sys.stderr)
+        torch.set_num_threads(args.num_threads or torch.get_num_threads())
+        measured = rl.measure_hardware(dname, device.type)
+        hw = rl.Hardware(args.bandwidth * 1e9 if args.bandwidth else measured.bandwidth,
+                         args.flops * 1e12 if args.flops else measured.flops,
+                         source="given and measured" if (args.bandwidth or args.flops)
+                         else measured.source)
+    print(rl.report(model, hw, prompt_lens=args.prompt_lens, batches=args.batches,
+                    context=args.context, kv_pool_bytes=args.kv_cache_memory))
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="servelm", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -200,6 +255,31 @@ def make_parser() -> argparse.ArgumentParser:
                        help="model name in the API (default: the model file's basename)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    roof = sub.add_parser("roofline", help="predicted prefill/decode limits for a model here")
+    roof.add_argument("--model", default=None, help="GGUF file or HF directory (config only)")
+    roof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    roof.add_argument("--device", default="auto")
+    roof.add_argument("--bandwidth", type=_positive(float), default=None, metavar="GB/s",
+                      help="memory bandwidth (default: measured)")
+    roof.add_argument("--flops", type=_positive(float), default=None, metavar="TFLOP/s",
+                      help="peak matmul throughput in the dtype (default: measured)")
+    roof.add_argument("--params", type=_positive(float), default=None,
+                      help="describe a model instead of loading one: parameter count, e.g. 7e9")
+    roof.add_argument("--bits", type=_positive(float), default=None,
+                      help="bits per weight (default: the dtype's)")
+    roof.add_argument("--layers", type=_positive(int), default=None)
+    roof.add_argument("--heads", type=_positive(int), default=None)
+    roof.add_argument("--kv-heads", type=_positive(int), default=None)
+    roof.add_argument("--head-dim", type=_positive(int), default=None)
+    roof.add_argument("--context", type=_positive(int), default=512,
+                      help="tokens per sequence for the decode table")
+    roof.add_argument("--prompt-lens", type=_int_list, default=[128, 512, 2048])
+    roof.add_argument("--batches", type=_int_list, default=[1, 4, 16, 64, 256])
+    roof.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
+                      help="KV pool size, to show how many sequences fit")
+    roof.add_argument("--num-threads", type=int, default=None)
+    roof.set_defaults(func=cmd_roofline)
 
     from servelm.bench.cli import add_bench_parser  # argparse only: keeps startup fast
 

@@ -1,0 +1,185 @@
+"""Roofline: what the machine's bandwidth and arithmetic allow for a model, phase by phase.
+
+Decode reads every weight once per step (plus each sequence's KV cache) and does ~2 FLOPs
+per weight per sequence, so at small batch it is bound by memory bandwidth; prefill does
+the same arithmetic for every prompt token while reading the weights once, so it is bound
+by matmul throughput. The model: time = max(bytes / bandwidth, FLOPs / peak).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    bandwidth: float  # bytes/s of memory read
+    flops: float      # FLOP/s of matmul in the compute dtype
+    source: str = "given"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Just the sizes the roofline needs; weights are not required."""
+
+    num_params: int            # all parameters (tied embedding counted once)
+    weight_bits: float         # bits per weight as stored for compute
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    num_heads: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    tied_embeddings: bool = False
+    kv_bits: float = 16
+
+    @property
+    def weight_bytes_per_step(self) -> float:
+        """Bytes read per decode step: every weight once. An untied input embedding is only
+        indexed (one row per token), so it is not read whole."""
+        params = self.num_params
+        if self.vocab_size and self.hidden_size and not self.tied_embeddings:
+            params -= self.vocab_size * self.hidden_size
+        return params * self.weight_bits / 8
+
+    @property
+    def kv_bytes_per_token(self) -> float | None:
+        """K and V of one token in every layer, counting only the KV heads."""
+        if None in (self.num_layers, self.num_kv_heads, self.head_dim):
+            return None
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bits / 8
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Matmul FLOPs for one token: 2 per weight it multiplies, plus attention over
+        `context` earlier tokens (QK^T and PV: 4 * layers * context * heads * head_dim)."""
+        params = self.num_params
+        if self.vocab_size and self.hidden_size and not self.tied_embeddings:
+            params -= self.vocab_size * self.hidden_size  # the input embedding is a lookup
+        attn = 0.0
+        if None not in (self.num_layers, self.num_heads, self.head_dim):
+            attn = 4.0 * self.num_layers * context * self.num_heads * self.head_dim
+        return 2.0 * params + attn
+
+    @classmethod
+    def from_config(cls, cfg, weight_bits: float, kv_bits: float) -> "ModelShape":
+        return cls(num_params=cfg.num_params, weight_bits=weight_bits, num_layers=cfg.num_layers,
+                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_heads=cfg.num_heads,
+                   hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                   tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float
+    memory_seconds: float
+    compute_seconds: float
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_seconds >= self.compute_seconds else "compute"
+
+
+def predict_prefill(m: ModelShape, hw: Hardware, prompt_len: int) -> Prediction:
+    """Time to first token for one prompt: all its tokens in one pass, weights read once.
+    Attention FLOPs use the causal average context (prompt_len / 2)."""
+    flops = prompt_len * m.flops_per_token(context=prompt_len // 2)
+    mem = m.weight_bytes_per_step + prompt_len * (m.kv_bytes_per_token or 0)
+    return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
+                      flops / hw.flops)
+
+
+def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Prediction:
+    """One decode step for `batch` sequences each attending to `context` tokens."""
+    mem = m.weight_bytes_per_step + batch * context * (m.kv_bytes_per_token or 0)
+    flops = batch * m.flops_per_token(context=context)
+    return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
+                      flops / hw.flops)
+
+
+def max_batch(m: ModelShape, kv_pool_bytes: float, context: int) -> int | None:
+    """How many sequences of `context` tokens the KV pool holds."""
+    per_token = m.kv_bytes_per_token
+    if not per_token or context <= 0:
+        return None
+    return int(kv_pool_bytes // (per_token * context))
+
+
+# ---- measuring the machine ---------------------------------------------------------------
+
+
+def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
+                     seconds: float = 0.5) -> Hardware:
+    """Measure read bandwidth (summing a buffer far larger than the caches) and matmul
+    throughput in `dtype` (square matmuls), best of several repeats."""
+    import torch
+
+    dev = torch.device(device)
+
+    def best(fn, work: float) -> float:
+        fn()
+        rate, start = 0.0, time.perf_counter()
+        while time.perf_counter() - start < seconds or rate == 0.0:
+            t = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rate = max(rate, work / (time.perf_counter() - t))
+        return rate
+
+    buf = torch.ones(256 << 20 if dev.type == "cpu" else 1 << 30, dtype=torch.uint8, device=dev)
+    words = buf.view(torch.int64)
+    bandwidth = best(lambda: words.sum(), buf.numel())
+    n = 2048 if dev.type == "cpu" else 8192
+    tdtype = getattr(torch, dtype)
+    a = torch.randn(n, n, device=dev).to(tdtype)
+    b = torch.randn(n, n, device=dev).to(tdtype)
+    flops = best(lambda: a @ b, 2.0 * n ** 3)
+    return Hardware(bandwidth, flops, source=f"measured on {device} ({dtype})")
+
+
+# ---- the report --------------------------------------------------------------------------
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
+           batches=(1, 4, 16, 64, 256), context: int = 512,
+           kv_pool_bytes: float | None = None) -> str:
+    """The roofline table as text."""
+    lines = [f"machine: {hw.bandwidth / 1e9:.1f} GB/s memory read, "
+             f"{hw.flops / 1e12:.2f} TFLOP/s matmul ({hw.source})",
+             f"model: {m.num_params / 1e9:.3f} B parameters at {m.weight_bits:g} bits",
+             f"  weight bytes read per decode step: {_fmt_bytes(m.weight_bytes_per_step)}",
+             f"  FLOPs per token (no context): {m.flops_per_token() / 1e9:.3f} GFLOP"]
+    kv = m.kv_bytes_per_token
+    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads): {_fmt_bytes(kv)}"
+                 if kv else "  KV cache per token: unknown (give --layers, --kv-heads, --head-dim)")
+    ridge = hw.flops / hw.bandwidth
+    lines.append(f"  ridge point: {ridge:.0f} FLOP/byte; decode does about "
+                 f"{2 * 8 / m.weight_bits:.0f} FLOP per weight byte per sequence")
+    lines.append("")
+    lines.append("prefill (time to first token, one prompt)")
+    lines.append(f"  {'prompt':>8}{'predicted':>12}{'bound':>10}")
+    for n in prompt_lens:
+        p = predict_prefill(m, hw, n)
+        lines.append(f"  {n:>8}{p.seconds * 1e3:>10.1f}ms{p.bound:>10}")
+    lines.append("")
+    lines.append(f"decode (context {context} tokens per sequence)")
+    lines.append(f"  {'batch':>8}{'step':>12}{'tok/s':>12}{'bound':>10}")
+    limit = max_batch(m, kv_pool_bytes, context) if kv_pool_bytes else None
+    for b in batches:
+        p = predict_decode(m, hw, b, context)
+        note = "  (beyond the KV pool)" if limit is not None and b > limit else ""
+        lines.append(f"  {b:>8}{p.seconds * 1e3:>10.2f}ms{b / p.seconds:>12.1f}{p.bound:>10}{note}")
+    if limit is not None:
+        lines.append(f"  the KV pool ({_fmt_bytes(kv_pool_bytes)}) holds {limit} sequences "
+                     f"of {context} tokens")
+    return "\n".join(lines)

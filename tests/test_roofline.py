@@ -1,0 +1,85 @@
+"""The roofline model: textbook figures, the embedded model's sizes, phase labels, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from servelm import roofline as rl
+from servelm.models.loader import open_checkpoint
+
+GPU = rl.Hardware(bandwidth=2000e9, flops=990e12)
+CPU = rl.Hardware(bandwidth=30e9, flops=2.3e12)
+
+
+def test_textbook_7b_at_16_bits():
+    m = rl.ModelShape(num_params=7_000_000_000, weight_bits=16)
+    assert m.weight_bytes_per_step == pytest.approx(14e9)
+    step = rl.predict_decode(m, GPU, batch=1, context=0)
+    assert step.seconds == pytest.approx(7e-3)
+    assert 1 / step.seconds == pytest.approx(142.9, abs=0.1)
+    assert step.bound == "memory"
+
+
+def test_embedded_model_sizes(gguf_path):
+    cfg = open_checkpoint(gguf_path).config()
+    m = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
+    assert 134e6 < m.num_params < 136e6  # SmolLM2-135M, tied embeddings counted once
+    assert m.weight_bytes_per_step == pytest.approx(m.num_params * 2)
+    # Only the 3 KV heads are cached, not the 9 query heads.
+    assert m.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    assert 1 / rl.predict_decode(m, CPU, 1, 0).seconds == pytest.approx(30e9 / (m.num_params * 2))
+
+
+def test_phases_are_labelled_by_what_limits_them():
+    m = rl.ModelShape(num_params=135_000_000, weight_bits=16, num_layers=30, num_kv_heads=3,
+                      head_dim=64, num_heads=9)
+    assert rl.predict_decode(m, CPU, batch=1, context=512).bound == "memory"
+    assert rl.predict_prefill(m, CPU, 512).bound == "compute"
+    # Batching amortises the weights: throughput rises with batch until compute or KV dominates.
+    tps = [b / rl.predict_decode(m, CPU, b, 512).seconds for b in (1, 4, 16, 64)]
+    assert tps == sorted(tps) and tps[-1] > 10 * tps[0]
+    # Quantised weights cut the bytes per step and so the memory-bound decode time.
+    m4 = rl.ModelShape(num_params=135_000_000, weight_bits=4)
+    assert rl.predict_decode(m4, CPU, 1, 0).seconds == pytest.approx(
+        rl.predict_decode(rl.ModelShape(num_params=135_000_000, weight_bits=16), CPU, 1, 0)
+        .seconds / 4)
+
+
+def test_max_batch_from_the_kv_pool():
+    m = rl.ModelShape(num_params=1, weight_bits=16, num_layers=2, num_kv_heads=1, head_dim=4)
+    assert m.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
+    assert rl.max_batch(m, kv_pool_bytes=32 * 100 * 10, context=100) == 10
+
+
+def test_measure_hardware_gives_positive_rates():
+    hw = rl.measure_hardware("float32", "cpu", seconds=0.05)
+    assert hw.bandwidth > 1e8 and hw.flops > 1e9
+
+
+def _roofline(*args):
+    return subprocess.run([sys.executable, "-m", "servelm.cli", "roofline", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_from_a_description():
+    r = _roofline("--params", "7e9", "--bits", "16", "--bandwidth", "2000", "--flops", "990")
+    assert r.returncode == 0, r.stderr
+    assert "weight bytes read per decode step: 14.00 GB" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["1"])
+    assert row.split()[1:] == ["7.00ms", "142.9", "memory"]
+
+
+def test_cli_on_the_embedded_model():
+    r = _roofline("--bandwidth", "30", "--flops", "2.3", "--dtype", "bfloat16",
+                  "--kv-cache-memory", "1GiB")
+    assert r.returncode == 0, r.stderr
+    assert "KV cache per token (3 KV heads): 23.04 KB" in r.stdout
+    assert "compute" in r.stdout and "memory" in r.stdout and "holds" in r.stdout
+
+
+def test_cli_rejects_bad_numbers():
+    r = _roofline("--bandwidth", "-3", "--flops", "1")
+    assert r.returncode == 2 and "--bandwidth" in r.stderr
