@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
@@ -330,3 +330,541 @@ class BlockManagerMachine(RuleBasedStateMachine):
 BlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40,
                                                  deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ---- prefix caching: unit tests -------------------------------------------------------------
+
+def cached_bm(num_blocks: int, block_size: int) -> BlockManager:
+    return BlockManager(num_blocks, block_size, enable_caching=True)
+
+
+def admit(bm: BlockManager, rid: str, tokens: list[int], compute: int | None = None) -> list[int]:
+    """What the scheduler does: look up the prefix, allocate from it, compute, register.
+
+    Computes `compute` tokens (all of them by default) and returns the cached blocks found.
+    """
+    cached = bm.find_cached_prefix(tokens)
+    end = len(tokens) if compute is None else compute
+    bm.allocate(rid, end, cached)
+    bm.cache_full_blocks(rid, tokens[:end], end)
+    return cached
+
+
+def check_refs(bm: BlockManager) -> None:
+    """Caching-safe pool check (no probe allocation: that would evict the cache)."""
+    owners = bm.owners()
+    for table in owners.values():
+        assert len(table) == len(set(table)), f"a block twice in one table: {table}"
+    for b in range(bm.num_blocks):
+        assert bm.ref_count(b) == sum(b in t for t in owners.values()), f"block {b}"
+    assert bm.num_free_blocks == sum(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+
+
+def test_caching_off_never_hits():
+    bm = BlockManager(8, 2)
+    tokens = list(range(7))
+    admit(bm, "a", tokens)
+    assert bm.find_cached_prefix(tokens) == []
+    bm.free("a")
+    assert bm.find_cached_prefix(tokens) == []
+    assert bm.hit_rate == 0.0
+
+
+def test_same_prompt_shares_full_blocks_but_not_the_partial_one():
+    bm = cached_bm(10, 4)
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    assert admit(bm, "a", prompt) == []
+    a = bm.block_table("a")
+    assert len(a) == 3
+    hits = bm.find_cached_prefix(prompt)
+    assert hits == a[:2]
+    bm.allocate("b", len(prompt), hits)
+    b = bm.block_table("b")
+    assert b[:2] == a[:2]
+    assert b[2] != a[2]  # the partial last block is never shared
+    assert [bm.ref_count(x) for x in a] == [2, 2, 1]
+    assert bm.ref_count(b[2]) == 1
+    assert bm.num_free_blocks == 10 - 4
+    check_refs(bm)
+    # Longer prompts with the same start hit the same blocks; a partial block is no hit.
+    assert bm.find_cached_prefix(prompt + [1, 2, 3]) == a[:2]
+    assert bm.find_cached_prefix(prompt[:8]) == a[:1]  # one token always left over
+    assert bm.find_cached_prefix(prompt[:5]) == a[:1]
+    assert bm.find_cached_prefix(prompt[:4]) == []
+    bm.record_lookup(10, 8)
+    bm.record_lookup(10, 0)
+    assert bm.hit_rate == pytest.approx(0.4)
+    bm.free("a")
+    # a's shared blocks are still held by b; only its private partial block is free.
+    assert [bm.ref_count(x) for x in a] == [1, 1, 0]
+    assert bm.num_free_blocks == 10 - 3
+    check_refs(bm)
+    bm.free("b")
+    assert bm.num_free_blocks == 10
+    check_refs(bm)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_prompt_of_whole_blocks_leaves_its_last_block_to_compute(block_size):
+    bm = cached_bm(16, block_size)
+    prompt = [7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 0, 11][:3 * block_size]  # exactly 3 blocks
+    admit(bm, "a", prompt)
+    a = bm.block_table("a")
+    assert len(a) == 3
+    hits = bm.find_cached_prefix(prompt)
+    assert hits == a[:2]  # not all three: the last token must still be computed
+    assert len(prompt) - len(hits) * block_size == block_size >= 1
+    assert bm.find_cached_prefix(prompt + [0]) == a  # one more token: all three hit
+    assert bm.find_cached_prefix(prompt[:1]) == []
+    assert bm.find_cached_prefix([]) == []
+
+
+def test_diverging_prompts_share_only_the_blocks_before_the_divergence():
+    bm = cached_bm(16, 2)
+    a_tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    b_tokens = [1, 2, 3, 4, 5, 0, 7, 8, 9]  # differs inside the third block
+    admit(bm, "a", a_tokens)
+    a = bm.block_table("a")
+    hits = admit(bm, "b", b_tokens)
+    assert hits == a[:2]
+    b = bm.block_table("b")
+    assert not set(b[2:]) & set(a)
+    # b registered its own third and fourth blocks, chained after the shared two.
+    assert bm.find_cached_prefix(b_tokens + [0]) == b[:4]
+    assert bm.find_cached_prefix(a_tokens + [0]) == a[:4]
+    # A third prompt following b's branch and then a's tokens again hits b's branch only.
+    c_tokens = [1, 2, 3, 4, 5, 0, 7, 8, 9, 9, 9]
+    assert bm.find_cached_prefix(c_tokens) == b[:4]
+    check_refs(bm)
+
+
+def test_chain_key_same_block_elsewhere_is_no_hit():
+    bm = cached_bm(16, 4)
+    admit(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    a = bm.block_table("a")
+    # The same tokens [5..8] at position 0, or after a different first block: no hit.
+    assert bm.find_cached_prefix([5, 6, 7, 8, 0]) == []
+    assert bm.find_cached_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0]) == []
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 0]) == a[:2]
+    # A request whose second block has a's second block's tokens after other history
+    # registers its own block; lookups follow each one's own chain.
+    admit(bm, "b", [9, 9, 9, 9, 5, 6, 7, 8, 0])
+    b = bm.block_table("b")
+    assert not set(b) & set(a)
+    assert bm.find_cached_prefix([9, 9, 9, 9, 5, 6, 7, 8, 1]) == b[:2]
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1]) == a[:2]
+    # Repeated blocks inside one prompt are different positions, so different keys.
+    admit(bm, "c", [4, 4, 4, 4, 4, 4, 4, 4, 4])
+    c = bm.block_table("c")
+    assert len(set(c)) == 3
+    assert bm.find_cached_prefix([4] * 9) == c[:2]
+    assert bm.find_cached_prefix([4] * 5) == c[:1]
+    check_refs(bm)
+
+
+def test_freed_cached_blocks_stay_hits_until_evicted():
+    bm = cached_bm(8, 2)
+    prompt = [1, 2, 3, 4, 5]
+    admit(bm, "a", prompt)
+    a = bm.block_table("a")
+    bm.free("a")
+    assert bm.num_free_blocks == 8  # cached but unreferenced blocks count as free
+    assert all(bm.ref_count(x) == 0 for x in a)
+    assert bm.find_cached_prefix(prompt) == a[:2]
+    # Taking them back out of the free queue: they are referenced again, not free.
+    hits = admit(bm, "b", prompt)
+    assert hits == a[:2]
+    assert bm.block_table("b")[:2] == a[:2]
+    assert [bm.ref_count(x) for x in a[:2]] == [1, 1]
+    assert bm.num_free_blocks == 8 - 3
+    check_refs(bm)
+    bm.free("b")
+    # Fill the pool with other work: the cached prefix is gone only once the pool needs it.
+    bm.allocate("x", 8 * 2)
+    assert bm.find_cached_prefix(prompt) == []
+    bm.free("x")
+    assert bm.find_cached_prefix(prompt) == []
+    check_refs(bm)
+
+
+def test_eviction_only_when_uncached_blocks_run_out_least_recently_freed_first():
+    bm = cached_bm(8, 2)
+    pa = [1, 1, 2, 2, 3]   # two cached blocks + one private partial
+    pb = [7, 7, 8, 8, 9]
+    admit(bm, "a", pa)
+    a = bm.block_table("a")
+    admit(bm, "b", pb)
+    b = bm.block_table("b")
+    bm.free("a")   # a's blocks freed first: evicted first
+    bm.free("b")
+    # 8 free: 4 cached (a0, a1, b0, b1) and 4 without a prefix worth keeping.
+    assert bm.num_free_blocks == 8
+    uncached = set(range(8)) - set(a[:2]) - set(b[:2])
+    got = bm.allocate("x", 4 * 2)
+    assert set(got) == uncached  # no eviction while uncached blocks are free
+    assert bm.find_cached_prefix(pa) == a[:2]
+    assert bm.find_cached_prefix(pb) == b[:2]
+    # One more block: a's, the least recently freed; and a's tail before its head.
+    got = bm.allocate("y", 2)
+    assert got == [a[1]]
+    assert bm.find_cached_prefix(pa) == a[:1]
+    assert bm.find_cached_prefix(pb) == b[:2]
+    got = bm.allocate("y", 4)
+    assert got == [a[0]]
+    assert bm.find_cached_prefix(pa) == []
+    assert bm.find_cached_prefix(pb) == b[:2]
+    got = bm.allocate("y", 6)
+    assert got == [b[1]]
+    assert bm.find_cached_prefix(pb) == b[:1]
+    check_refs(bm)
+
+
+def test_reusing_a_cached_block_makes_it_recently_used():
+    bm = cached_bm(4, 2)
+    pa, pb = [1, 1, 0], [2, 2, 0]
+    admit(bm, "a", pa)
+    a0 = bm.block_table("a")[0]
+    admit(bm, "b", pb)
+    b0 = bm.block_table("b")[0]
+    bm.free("a")
+    bm.free("b")
+    # a is used again (a hit) and freed after b: now b's block is the older one.
+    assert admit(bm, "a2", pa) == [a0]
+    bm.free("a2")
+    assert bm.allocate("x", 2 * 2) and bm.num_free_blocks == 2  # the two uncached ones
+    assert bm.allocate("y", 2) == [b0]
+    assert bm.find_cached_prefix(pa) == [a0]
+    assert bm.find_cached_prefix(pb) == []
+
+
+def test_uncached_freed_blocks_are_reused_before_cached_ones():
+    bm = cached_bm(3, 2)
+    prompt = [1, 2, 3, 4, 5]
+    admit(bm, "a", prompt)  # takes the whole pool
+    a = bm.block_table("a")
+    bm.free("a")
+    assert bm.allocate("x", 2) == [a[2]]  # the private partial block, not a cached one
+    assert bm.find_cached_prefix(prompt) == a[:2]
+    # A private duplicate (computed while the prefix was already cached) is not kept either.
+    bm.free("x")
+    bm.allocate("p", 5)  # 3 blocks, no lookup: a's cached ones get evicted
+    assert bm.find_cached_prefix(prompt) == []
+    bm.free("p")
+    bm2 = cached_bm(6, 2)
+    admit(bm2, "a", prompt)
+    bm2.allocate("d", 5)            # computed the same prompt without a lookup
+    bm2.cache_full_blocks("d", prompt, 5)
+    d = bm2.block_table("d")
+    a = bm2.block_table("a")
+    assert bm2.find_cached_prefix(prompt) == a[:2]  # the first copy stays the cached one
+    bm2.free("a")
+    bm2.free("d")
+    # d's blocks are all private (its two full ones duplicate a's): reused first.
+    got = bm2.allocate("x", 6)
+    assert set(got) == set(d)
+    assert bm2.find_cached_prefix(prompt) == a[:2]
+    check_refs(bm2)
+
+
+def test_can_allocate_counts_cached_blocks_taken_from_the_free_queue():
+    bm = cached_bm(4, 2)
+    prompt = [1, 2, 3, 4, 5]
+    admit(bm, "a", prompt)
+    a = bm.block_table("a")
+    bm.free("a")
+    hits = bm.find_cached_prefix(prompt)
+    assert hits == a[:2]
+    # The two hit blocks are in the free queue: taking them leaves 2 free blocks, not 4.
+    assert bm.can_allocate("b", 8, hits)       # 2 hits + 2 new = 4
+    assert not bm.can_allocate("b", 9, hits)   # 2 hits + 3 new = 5 > 4
+    with pytest.raises(RuntimeError):
+        bm.allocate("b", 9, hits)
+    assert bm.block_table("b") == [] and bm.num_free_blocks == 4
+    assert all(bm.ref_count(x) == 0 for x in range(4))
+    assert bm.find_cached_prefix(prompt) == hits  # the failed call evicted nothing
+    new = bm.allocate("b", 8, hits)
+    assert len(new) == 2 and not set(new) & set(hits)
+    assert bm.block_table("b") == hits + new
+    assert bm.num_free_blocks == 0
+    check_refs(bm)
+
+
+def test_can_allocate_with_hits_held_by_a_running_request():
+    bm = cached_bm(4, 2)
+    prompt = [1, 2, 3, 4, 5]
+    admit(bm, "a", prompt)  # 3 blocks held, 1 free
+    hits = bm.find_cached_prefix(prompt)
+    assert len(hits) == 2
+    # The hits are not free blocks: sharing them costs nothing.
+    assert bm.can_allocate("b", 5, hits)      # 1 new
+    assert not bm.can_allocate("b", 7, hits)  # 2 new > 1 free
+    assert not bm.can_allocate("b", 5)        # without the hits: 3 new > 1 free
+    bm.allocate("b", 5, hits)
+    assert bm.num_free_blocks == 0
+    assert [bm.ref_count(x) for x in hits] == [2, 2]
+    check_refs(bm)
+
+
+def test_duplicate_blocks_stay_private_and_later_blocks_still_register():
+    bm = cached_bm(16, 2)
+    shared = [1, 2, 3, 4]
+    # a and b compute the same prefix at the same time (neither found it in the cache).
+    bm.allocate("a", 5)
+    bm.allocate("b", 5)
+    a_tokens = shared + [5, 6, 7]
+    b_tokens = shared + [8, 9, 9]
+    bm.cache_full_blocks("a", a_tokens[:5], 5)
+    a = bm.block_table("a")
+    # b registers one block at a time, first its two duplicates, then new ones after them
+    # (this used to crash).
+    bm.cache_full_blocks("b", b_tokens[:2], 2)
+    bm.cache_full_blocks("b", b_tokens[:5], 5)
+    b = bm.block_table("b")
+    assert bm.find_cached_prefix(shared + [0]) == a[:2]
+    bm.allocate("b", 7)
+    b = bm.block_table("b")
+    bm.cache_full_blocks("b", b_tokens, 6)
+    bm.allocate("b", 8)
+    bm.cache_full_blocks("b", b_tokens + [0], 8)
+    b = bm.block_table("b")
+    # b's third block is registered after a's chain: a lookup mixes a's and b's blocks.
+    assert bm.find_cached_prefix(b_tokens + [0, 1]) == a[:2] + b[2:4]
+    assert bm.find_cached_prefix(b_tokens + [0]) == a[:2] + b[2:3]
+    assert [bm.ref_count(x) for x in a + b] == [1] * (len(a) + len(b))
+    check_refs(bm)
+    # a's third block registers too (its own chain), and b's duplicates never became hits.
+    bm.allocate("a", 7)
+    bm.cache_full_blocks("a", a_tokens, 6)
+    assert bm.find_cached_prefix(a_tokens) == a[:3]
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 16
+    # b's private duplicates go first; the chain through a's blocks still works.
+    got = bm.allocate("x", 2 * 2)
+    assert set(got) == set(b[:2])
+    assert bm.find_cached_prefix(b_tokens + [0, 1]) == a[:2] + b[2:4]
+    check_refs(bm)
+
+
+def test_duplicate_of_a_cached_prefix_then_eviction_of_both():
+    """A private duplicate and the cached original must be evictable in any order."""
+    for first in ("a", "b"):
+        bm = cached_bm(4, 2)
+        bm.allocate("a", 3)
+        bm.allocate("b", 3)
+        bm.cache_full_blocks("a", [1, 2, 3], 3)
+        bm.cache_full_blocks("b", [1, 2, 4], 3)
+        bm.free(first)
+        bm.free("b" if first == "a" else "a")
+        bm.allocate("x", 8)  # evicts everything
+        assert bm.find_cached_prefix([1, 2, 3]) == []
+        bm.free("x")
+        admit(bm, "c", [1, 2, 3])
+        c = bm.block_table("c")
+        assert bm.find_cached_prefix([1, 2, 5]) == c[:1]
+        check_refs(bm)
+
+
+def test_partial_blocks_are_not_registered_until_full():
+    bm = cached_bm(8, 4)
+    prompt = list(range(10, 20))
+    bm.allocate("a", 6)
+    bm.cache_full_blocks("a", prompt[:6], 6)  # block 0 full, block 1 half
+    a = bm.block_table("a")
+    assert bm.find_cached_prefix(prompt) == a[:1]
+    bm.allocate("a", 10)
+    bm.cache_full_blocks("a", prompt[:7], 7)   # still only one full block
+    assert bm.find_cached_prefix(prompt) == a[:1]
+    bm.cache_full_blocks("a", prompt[:10], 10)
+    assert bm.find_cached_prefix(prompt) == bm.block_table("a")[:2]
+
+
+# ---- prefix caching: stateful property test -------------------------------------------------
+
+# Prompts start with one of a few shared prefixes (so lookups hit) and go on with tokens from a
+# tiny alphabet (so different requests often agree on whole blocks, and the same block of
+# tokens turns up at different positions and after different histories).
+PREFIXES = [
+    [],
+    [1, 1, 1, 1, 1, 1, 1, 1],
+    [1, 1, 1, 1, 2, 2, 2, 2],
+    [2, 2, 2, 2, 1, 1, 1, 1],
+    [0, 1, 2, 0, 1, 2, 0, 1, 2],
+]
+CACHE_IDS = ["c0", "c1", "c2", "c3"]
+tail_tokens = st.lists(st.integers(0, 2), max_size=7)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Requests look up, share, compute, register and free blocks, against a fake KV store.
+
+    The fake KV store maps (block, offset) to the whole token prefix up to and including the
+    token computed there: what a real KV entry depends on. A block handed out by
+    find_cached_prefix must hold exactly the prefix asked for, and a request's own computed
+    positions must never change under it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bm: BlockManager | None = None
+        self.tokens: dict[str, list[int]] = {}   # admitted requests' tokens (known so far)
+        self.computed: dict[str, int] = {}
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.hits = 0
+        self.seen: list[tuple[int, ...]] = []
+
+    @initialize(num_blocks=st.one_of(st.integers(1, 6), st.integers(6, 24)),
+                block_size=st.sampled_from([1, 2, 3, 4]))
+    def make_pool(self, num_blocks, block_size):
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=True)
+
+    def check_hits(self, tokens: list[int], hits: list[int]) -> None:
+        bs = self.bm.block_size
+        assert len(hits) * bs <= max(0, len(tokens) - 1), "no token left to compute"
+        assert len(set(hits)) == len(hits)
+        for i, b in enumerate(hits):
+            for j in range(bs):
+                pos = i * bs + j
+                assert self.kv.get((b, j)) == tuple(tokens[:pos + 1]), \
+                    f"cached block {b} does not hold the prefix up to position {pos}"
+
+    def compute(self, rid: str, end: int) -> None:
+        """The forward pass: write positions [computed, end) into the request's blocks."""
+        bs = self.bm.block_size
+        table = self.bm.block_table(rid)
+        tokens = self.tokens[rid]
+        for pos in range(self.computed[rid], end):
+            b = table[pos // bs]
+            assert self.bm.ref_count(b) == 1, f"writing into shared block {b}"
+            self.kv[(b, pos % bs)] = tuple(tokens[:pos + 1])
+        self.computed[rid] = end
+
+    @precondition(lambda self: len(self.tokens) < len(CACHE_IDS))
+    @rule(data=st.data(), prefix=st.sampled_from(range(len(PREFIXES))),
+          tail=tail_tokens, frac=st.floats(0, 1),
+          register=st.sampled_from([True, True, True, False]))
+    def admit(self, data, prefix, tail, frac, register):
+        bm = self.bm
+        rid = data.draw(st.sampled_from([r for r in CACHE_IDS if r not in self.tokens]))
+        # Often the very tokens of an earlier request (n > 1 samples, a retried prompt).
+        if self.seen and data.draw(st.booleans()):
+            tokens = list(data.draw(st.sampled_from(self.seen)))
+        else:
+            tokens = PREFIXES[prefix] + tail
+        if not tokens:
+            return
+        hits = bm.find_cached_prefix(tokens)
+        self.check_hits(tokens, hits)
+        self.hits += bool(hits)
+        start = len(hits) * bm.block_size
+        end = start + 1 + int(frac * (len(tokens) - start - 1))
+        refs = [bm.ref_count(b) for b in hits]
+        free = bm.num_free_blocks
+        taken = sum(r == 0 for r in refs)
+        new = bm.num_blocks_for(end) - len(hits)
+        fits = new + taken <= free
+        assert bm.can_allocate(rid, end, hits) == fits
+        if not fits:
+            with pytest.raises(RuntimeError):
+                bm.allocate(rid, end, hits)
+            assert bm.block_table(rid) == [] and bm.num_free_blocks == free
+            assert [bm.ref_count(b) for b in hits] == refs
+            return
+        got = bm.allocate(rid, end, hits)
+        table = bm.block_table(rid)
+        assert table == hits + got and len(got) == new
+        assert [bm.ref_count(b) for b in hits] == [r + 1 for r in refs]
+        assert bm.num_free_blocks == free - new - taken
+        self.tokens[rid] = tokens
+        self.seen.append(tuple(tokens))
+        self.computed[rid] = start
+        self.compute(rid, end)
+        if register:
+            bm.cache_full_blocks(rid, tokens[:end], end)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), more=tail_tokens, n=st.integers(1, 9), register=st.booleans())
+    def grow(self, data, more, n, register):
+        """Compute further (prompt chunks or decoded tokens appended on the way)."""
+        bm = self.bm
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[rid]
+        tokens += more
+        end = min(len(tokens), self.computed[rid] + n)
+        free = bm.num_free_blocks
+        need = bm.num_new_blocks(rid, end)
+        assert bm.can_allocate(rid, end) == (need <= free)
+        if need > free:
+            with pytest.raises(RuntimeError):
+                bm.allocate(rid, end)
+            return
+        bm.allocate(rid, end)
+        assert bm.num_free_blocks == free - need
+        self.compute(rid, end)
+        if register:
+            # The scheduler passes exactly the computed tokens; more is allowed.
+            bm.cache_full_blocks(rid, tokens[:end + data.draw(st.integers(0, 2))], end)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def register(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        end = self.computed[rid]
+        self.bm.cache_full_blocks(rid, self.tokens[rid][:end], end)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens) + ["nobody"]))
+        held = self.bm.block_table(rid)
+        freed = sum(self.bm.ref_count(b) == 1 for b in held)
+        free = self.bm.num_free_blocks
+        self.bm.free(rid)
+        assert self.bm.num_free_blocks == free + freed
+        self.tokens.pop(rid, None)
+        self.computed.pop(rid, None)
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=tail_tokens)
+    def lookup(self, prefix, tail):
+        tokens = PREFIXES[prefix] + tail
+        hits = self.bm.find_cached_prefix(tokens)
+        self.check_hits(tokens, hits)
+        self.hits += bool(hits)
+
+    @invariant()
+    def refs_match_tables(self):
+        if self.bm is not None:
+            check_refs(self.bm)
+            assert set(self.bm.owners()) == set(self.tokens)
+
+    @invariant()
+    def own_kv_intact(self):
+        if self.bm is None:
+            return
+        bs = self.bm.block_size
+        for rid, tokens in self.tokens.items():
+            table = self.bm.block_table(rid)
+            end = self.computed[rid]
+            assert len(table) == self.bm.num_blocks_for(end)
+            for pos in range(end):
+                assert self.kv.get((table[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), \
+                    f"{rid}'s KV at position {pos} was overwritten"
+
+    def teardown(self):
+        if self.bm is None:
+            return
+        event(f"prefix cache hits: {min(self.hits, 3)}{'+' if self.hits >= 3 else ''}")
+        for rid in CACHE_IDS:
+            self.bm.free(rid)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.owners() == {}
+        assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
+        # Freeing keeps the cache: every lookup still returns the right content.
+        for p in PREFIXES:
+            for t in ([], [0], [1, 2], [2, 2, 2, 2, 0]):
+                self.check_hits(p + t, self.bm.find_cached_prefix(p + t))
+
+
+PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
+                                                deadline=None)
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase

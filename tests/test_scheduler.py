@@ -7,6 +7,7 @@ samples=True, finish_request when done.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -29,15 +30,21 @@ class Sim:
     """A tiny engine: the scheduler's step protocol with a fake model and sampler."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 4096):
-        self.bm = BlockManager(num_blocks, block_size)
+                 max_num_batched_tokens: int = 4096, enable_caching: bool = False):
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens)
         self.sched = Scheduler(self.config, self.bm)
         self.now = 0.0
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int) -> Request:
+    def add(self, rid: str, prompt_len: int, max_tokens: int, prompt: list[int] | None = None,
+            wait_for: Request | None = None) -> Request:
+        """Queue a request; `prompt` overrides the made-up one, `wait_for` makes it a sibling
+        sample of an earlier request (as the engine does for n > 1 with prefix caching)."""
         req = make_request(rid, prompt_len, max_tokens)
+        if prompt is not None:
+            req.prompt_token_ids = list(prompt)
+        req.wait_for = wait_for
         self.sched.add_request(req)
         return req
 
@@ -425,12 +432,182 @@ def test_finish_stopped_frees_blocks_at_once():
     assert a.finish_reason.value == "stop"
 
 
+# ---- prefix caching -------------------------------------------------------------------------
+
+PROMPT = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]  # 2 full blocks of 4 + 2 tokens
+
+
+def test_caching_off_by_default_no_hits_for_the_same_prompt():
+    sim = Sim(num_blocks=16, block_size=4)
+    a = sim.add("a", 0, 1, prompt=PROMPT)
+    sim.step()
+    b = sim.add("b", 0, 1, prompt=PROMPT)
+    assert summary(sim.step()) == [("b", 0, 10, True)]
+    assert a.num_cached_tokens == b.num_cached_tokens == 0
+
+
+def test_sibling_waits_for_the_first_prompt_then_shares_its_blocks():
+    sim = Sim(num_blocks=16, block_size=4, enable_caching=True)
+    a = sim.add("a", 0, 3, prompt=PROMPT)
+    b = sim.add("b", 0, 3, prompt=PROMPT, wait_for=a)
+    out = sim.step()
+    assert summary(out) == [("a", 0, 10, True)]
+    assert b.status is RequestStatus.WAITING and sim.bm.block_table("b") == []
+    out = sim.schedule()
+    # b starts after a's two full prompt blocks: only the last two prompt tokens are computed.
+    assert summary(out) == [("a", 10, 1, True), ("b", 8, 2, True)]
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    assert b.wait_for is None
+    ta, tb = sim.bm.block_table("a"), sim.bm.block_table("b")
+    assert tb[:2] == ta[:2] and tb[2] != ta[2]
+    assert [sim.bm.ref_count(x) for x in ta] == [2, 2, 1]
+    assert sim.bm.num_free_blocks == 16 - 4
+    sim.finish_step(out)
+    sim.run_to_end()
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
+    assert sim.bm.num_free_blocks == 16 and sim.bm.owners() == {}
+    assert sim.bm.hit_rate == pytest.approx(8 / 20)
+
+
+def test_sibling_waits_through_a_chunked_prompt():
+    sim = Sim(num_blocks=16, block_size=4, max_num_batched_tokens=4, enable_caching=True)
+    a = sim.add("a", 0, 2, prompt=PROMPT)
+    b = sim.add("b", 0, 2, prompt=PROMPT, wait_for=a)
+    c = sim.add("c", 0, 2, prompt=PROMPT, wait_for=a)
+    assert summary(sim.step()) == [("a", 0, 4, False)]
+    assert summary(sim.step()) == [("a", 4, 4, False)]
+    assert summary(sim.step()) == [("a", 8, 2, True)]  # budget left, but b must wait
+    assert b.status is RequestStatus.WAITING and c.status is RequestStatus.WAITING
+    assert summary(sim.step()) == [("a", 10, 1, True), ("b", 8, 2, True), ("c", 8, 1, False)]
+    assert b.num_cached_tokens == c.num_cached_tokens == 8
+    assert summary(sim.step()) == [("b", 10, 1, True), ("c", 9, 1, True)]
+    sim.run_to_end()
+    assert [r.num_output_tokens for r in (a, b, c)] == [2, 2, 2]
+    assert sim.bm.num_free_blocks == 16
+
+
+def test_aborting_the_first_sample_releases_its_sibling_and_keeps_its_work():
+    sim = Sim(num_blocks=16, block_size=4, max_num_batched_tokens=4, enable_caching=True)
+    a = sim.add("a", 0, 2, prompt=PROMPT)
+    b = sim.add("b", 0, 2, prompt=PROMPT, wait_for=a)
+    sim.step()  # a computed its first block
+    sim.abort(a)
+    assert sim.bm.num_free_blocks == 16
+    # b no longer waits, and a's full block is a hit even though a is gone.
+    assert summary(sim.step()) == [("b", 4, 4, False)]
+    assert b.num_cached_tokens == 4
+    sim.run_to_end()
+    assert b.num_output_tokens == 2
+
+
+def test_later_request_hits_the_blocks_of_a_finished_one():
+    sim = Sim(num_blocks=16, block_size=4, enable_caching=True)
+    a = sim.add("a", 0, 1, prompt=PROMPT)
+    sim.step()
+    assert a.is_finished and sim.bm.num_free_blocks == 16
+    b = sim.add("b", 0, 2, prompt=PROMPT + [7, 7, 7])
+    assert summary(sim.step()) == [("b", 8, 5, True)]
+    assert b.num_cached_tokens == 8
+    # Exactly whole blocks: the last one is recomputed, so there is a token to sample from.
+    c = sim.add("c", 0, 1, prompt=PROMPT[:8])
+    d = sim.add("d", 0, 1, prompt=PROMPT[:4])
+    assert summary(sim.step()) == [("b", 13, 1, True), ("c", 4, 4, True), ("d", 0, 4, True)]
+    assert c.num_cached_tokens == 4 and d.num_cached_tokens == 0
+    # A different first block: no hit, even for the same later tokens.
+    e = sim.add("e", 0, 1, prompt=[9, 9, 9, 9] + PROMPT[4:])
+    assert summary(sim.step()) == [("e", 0, 10, True)]
+    assert e.num_cached_tokens == 0
+    assert sim.bm.num_free_blocks == 16
+
+
+def test_preempted_request_resumes_from_what_is_left_of_its_cached_blocks():
+    sim = Sim(num_blocks=5, block_size=2, max_num_batched_tokens=100, enable_caching=True)
+    a = sim.add("a", 0, 4, prompt=[1, 2, 3, 4])
+    b = sim.add("b", 0, 2, prompt=[6, 7, 8, 9])
+    assert summary(sim.step()) == [("a", 0, 4, True), ("b", 0, 4, True)]
+    # a needs a third block: the one free block. b needs one too and preempts itself; its
+    # two full blocks stay cached.
+    out = sim.step()
+    assert summary(out) == [("a", 4, 1, True)] and out.preempted == [b]
+    b0, b1 = sim.bm.find_cached_prefix(b.token_slice(0, b.num_tokens))
+    # b would fit from its cached blocks (2 of them free, 1 new) only with 3 free: it waits.
+    assert summary(sim.step()) == [("a", 5, 1, True)]
+    # a's fourth block evicts b's tail block (least recently freed, tail first), not its head.
+    assert summary(sim.step()) == [("a", 6, 1, True)]
+    assert a.is_finished
+    assert sim.bm.find_cached_prefix(b.token_slice(0, b.num_tokens)) == [b0]
+    # b is recomputed from its cached first block, outputs included.
+    assert summary(sim.step()) == [("b", 2, 3, True)]
+    assert b.num_cached_tokens == 0  # what it found at its first admission
+    assert b.is_finished and b.output_token_ids == [TOKEN, TOKEN]
+    assert sim.bm.num_free_blocks == 5
+
+
+def test_preempted_request_resumes_after_its_cached_outputs():
+    sim = Sim(num_blocks=5, block_size=2, max_num_batched_tokens=100, enable_caching=True)
+    a = sim.add("a", 0, 3, prompt=[1, 2, 3, 4])
+    b = sim.add("b", 0, 3, prompt=[6, 7, 8])
+    assert summary(sim.step()) == [("a", 0, 4, True), ("b", 0, 3, True)]
+    assert summary(sim.step()) == [("a", 4, 1, True), ("b", 3, 1, True)]
+    # b's second block [8, TOKEN] is full: registered, with an output token in it.
+    out = sim.step()
+    assert summary(out) == [("a", 5, 1, True)] and out.preempted == [b]
+    assert a.is_finished
+    # Both of b's blocks survived; the lookup covers its outputs, not just its prompt.
+    assert summary(sim.step()) == [("b", 4, 1, True)]
+    assert b.output_token_ids == [TOKEN] * 3
+    assert sim.bm.hit_rate == pytest.approx(4 / (4 + 3 + 5))
+
+
+def test_sibling_shares_blocks_a_second_copy_would_not_fit_in():
+    sim = Sim(num_blocks=4, block_size=4, enable_caching=True)
+    a = sim.add("a", 0, 2, prompt=PROMPT)   # 3 blocks
+    b = sim.add("b", 0, 2, prompt=PROMPT, wait_for=a)
+    sim.step()
+    assert sim.bm.num_free_blocks == 1
+    # b needs only one block of its own: its first two are a's.
+    out = sim.schedule()
+    assert summary(out) == [("a", 10, 1, True), ("b", 8, 2, True)]
+    assert sim.bm.num_free_blocks == 0
+    sim.finish_step(out)
+    sim.run_to_end()
+    assert a.num_output_tokens == b.num_output_tokens == 2
+
+
+def test_block_filled_by_a_decode_step_is_registered_at_once():
+    sim = Sim(num_blocks=8, block_size=4, enable_caching=True)
+    a = sim.add("a", 0, 4, prompt=[1, 2, 3])
+    sim.step()
+    assert sim.bm.find_cached_prefix([1, 2, 3, TOKEN, 0]) == []
+    sim.step()  # position 3 (the first output) fills block 0
+    assert a.num_computed_tokens == 4
+    assert sim.bm.find_cached_prefix([1, 2, 3, TOKEN, 0]) == sim.bm.block_table("a")[:1]
+    c = sim.add("c", 0, 1, prompt=[1, 2, 3, TOKEN, 9])
+    assert summary(sim.step()) == [("a", 4, 1, True), ("c", 4, 1, True)]
+    assert c.num_cached_tokens == 4
+
+
 # ---- property test --------------------------------------------------------------------------
 
+# With prefix caching, prompts start with one of a few shared prefixes and go on with tokens
+# from a tiny alphabet, so whole blocks repeat across requests.
+SHARED_PREFIXES = [
+    [],
+    [10, 11, 12, 13, 14, 15, 16, 17],
+    [10, 11, 12, 13, 20, 21, 22, 23, 24, 25],
+    [30, 30, 30, 30, 30, 30],
+    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+]
+cached_prompts = st.builds(lambda p, t: (p + t) or [1], st.sampled_from(SHARED_PREFIXES),
+                           st.lists(st.sampled_from([1, 2, 3]), max_size=8))
+
+
 @st.composite
-def scenarios(draw):
+def scenarios(draw, caching: bool = False):
+    """Requests (rid, prompt_len, max_tokens, arrival, abort_after, prompt, first); with
+    caching, also prompts from shared prefixes and sibling samples that wait for `first`."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    n = draw(st.integers(1, 8))
+    n = draw(st.integers(1, 8 if not caching else 5))
     reqs = []
     for i in range(n):
         prompt_len = draw(st.integers(1, 24))
@@ -438,10 +615,18 @@ def scenarios(draw):
         arrival = draw(st.integers(0, 12))
         # None: never aborted; else aborted this many steps after arriving.
         abort_after = draw(st.one_of(st.none(), st.none(), st.integers(0, 15)))
-        reqs.append((f"r{i}", prompt_len, max_tokens, arrival, abort_after))
+        if not caching:
+            reqs.append((f"r{i}", prompt_len, max_tokens, arrival, abort_after, None, None))
+            continue
+        prompt = draw(cached_prompts)
+        reqs.append((f"r{i}", len(prompt), max_tokens, arrival, abort_after, prompt, None))
+        # n > 1: sibling samples arrive with it and wait for its prompt.
+        for j in range(draw(st.sampled_from([0, 0, 1, 2]))):
+            abort = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 15)))
+            reqs.append((f"r{i}s{j}", len(prompt), max_tokens, arrival, abort, prompt, f"r{i}"))
     # Big enough for any one request alone: its prompt and all outputs but the last, which is
     # sampled and never computed.
-    largest = max(-(-(p + m - 1) // block_size) for _, p, m, _, _ in reqs)
+    largest = max(-(-(spec[1] + spec[2] - 1) // block_size) for spec in reqs)
     num_blocks = largest + draw(st.sampled_from([0, 0, 1, 1, 2, 3, 5, 10]))
     max_num_seqs = draw(st.integers(1, 6))
     budget = draw(st.integers(1, 32))
@@ -449,38 +634,66 @@ def scenarios(draw):
 
 
 def check_blocks(sim: Sim) -> None:
-    owners = sim.bm.owners()
+    bm = sim.bm
+    owners = bm.owners()
     running = {r.request_id for r in sim.sched.running}
     assert set(owners) <= running, "a non-running request owns blocks"
+    for table in owners.values():
+        assert len(table) == len(set(table)), "a block twice in one table"
     owned = [b for table in owners.values() for b in table]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert all(0 <= b < sim.bm.num_blocks for b in owned)
-    assert len(owned) + sim.bm.num_free_blocks == sim.bm.num_blocks
+    if not bm.enable_caching:
+        assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert all(0 <= b < bm.num_blocks for b in owned)
+    for b in range(bm.num_blocks):
+        assert bm.ref_count(b) == owned.count(b), f"block {b}'s ref count"
+    assert len(set(owned)) + bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_blocks == sum(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @settings(max_examples=200, deadline=None)
-@given(scenarios())
-def test_random_workloads_keep_invariants_and_finish(scenario):
+@given(data=st.data())
+def test_random_workloads_keep_invariants_and_finish(caching, data):
+    scenario = data.draw(scenarios(caching), label="scenario")
     block_size, num_blocks, max_num_seqs, budget, specs = scenario
-    sim = Sim(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    sim = Sim(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+              enable_caching=caching)
     sched, bm = sim.sched, sim.bm
     reqs: dict[str, Request] = {}
     aborted: set[str] = set()
-    # The fake KV cache: slot (block, offset) -> (request, position, token) written there.
-    kv: dict[tuple[int, int], tuple[str, int, int]] = {}
+    admitted_once: set[str] = set()
+    firsts = {spec[0]: spec[6] for spec in specs}
+    prompts = {spec[0]: spec[5] for spec in specs}
+    # The fake KV cache: slot (block, offset) -> (request, every token up to that position):
+    # what a real KV entry depends on. With caching a slot may be read by any request with
+    # the same tokens so far, so the writer is not recorded.
+    kv: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
+    queried = hit = 0  # expected prefix cache statistics
+    sibling_hits = 0
 
     def slot(req: Request, pos: int) -> tuple[int, int]:
         table = bm.block_table(req.request_id)
         return table[pos // block_size], pos % block_size
 
+    def entry(rid: str, tokens: list[int], pos: int) -> tuple[str | None, tuple[int, ...]]:
+        return (None if caching else rid), tuple(tokens[:pos + 1])
+
+    def unique_first_block(rid: str) -> bool:
+        """No request outside rid's group can build rid's first prompt block (so all of its
+        cached blocks are the group's own)."""
+        mine = prompts[rid][:block_size]
+        return all(prompts[o][:block_size] != mine[:len(prompts[o][:block_size])]
+                   for o in prompts if o != rid and firsts[o] != rid)
+
     chunked = False
     step = 0
     max_steps = 2000
     while step < max_steps:
-        for rid, p, m, arrival, _ in specs:
+        for rid, p, m, arrival, _, prompt, first in specs:
             if arrival == step:
-                reqs[rid] = sim.add(rid, p, m)
-        for rid, _, _, arrival, abort_after in specs:
+                reqs[rid] = sim.add(rid, p, m, prompt=prompt,
+                                    wait_for=reqs[first] if first is not None else None)
+        for rid, _, _, arrival, abort_after, _, _ in specs:
             if abort_after is not None and arrival + abort_after == step:
                 req = reqs[rid]
                 if not req.is_finished:
@@ -539,17 +752,41 @@ def test_random_workloads_keep_invariants_and_finish(scenario):
             assert s.samples == (s.start + s.num_new_tokens == req.num_tokens)
             assert len(bm.block_table(req.request_id)) == bm.num_blocks_for(
                 s.start + s.num_new_tokens)
+        for s in out.scheduled[len(carried):]:
+            # Admission starts after whole cached blocks, leaving at least one token.
+            req, rid = s.request, s.request.request_id
+            assert s.start % block_size == 0 and s.start < req.num_tokens
+            if not caching:
+                assert s.start == 0
+            queried += req.num_tokens
+            hit += s.start
+            if req.num_output_tokens == 0:
+                assert req.num_cached_tokens == s.start
+            first = reqs.get(firsts[rid]) if firsts[rid] is not None else None
+            if first is not None and rid not in admitted_once:
+                # A sibling is only admitted once the first sample's prompt is computed.
+                assert first.is_finished or (
+                    first.status is RequestStatus.RUNNING
+                    and first.num_computed_tokens >= first.num_prompt_tokens)
+                # While the first sample runs, it holds its prompt's blocks: all of their
+                # whole blocks but the one with the last token are hits.
+                if first.status is RequestStatus.RUNNING and unique_first_block(first.request_id):
+                    assert s.start == (req.num_prompt_tokens - 1) // block_size * block_size
+                sibling_hits += s.start > 0
+            admitted_once.add(rid)
+        assert (bm.num_queried_tokens, bm.num_hit_tokens) == (queried, hit)
         check_blocks(sim)
 
-        # The fake forward pass: what the request cached before must still be there, intact;
-        # then this step's tokens are written into its blocks.
+        # The fake forward pass: what the request cached before (or found in the prefix cache)
+        # must be there, intact; then this step's tokens are written into its own blocks.
         for s in out.scheduled:
             req, rid = s.request, s.request.request_id
             tokens = req.token_slice(0, s.start + s.num_new_tokens)
             for pos in range(s.start):
-                assert kv.get(slot(req, pos)) == (rid, pos, tokens[pos]), "KV cache clobbered"
+                assert kv.get(slot(req, pos)) == entry(rid, tokens, pos), "KV cache clobbered"
             for pos in range(s.start, s.start + s.num_new_tokens):
-                kv[slot(req, pos)] = (rid, pos, tokens[pos])
+                assert bm.ref_count(slot(req, pos)[0]) == 1, "writing into a shared block"
+                kv[slot(req, pos)] = entry(rid, tokens, pos)
 
         outputs_before = {rid: r.num_output_tokens for rid, r in reqs.items()}
         sim.finish_step(out)
@@ -574,6 +811,8 @@ def test_random_workloads_keep_invariants_and_finish(scenario):
     event(f"preemptions: {min(sched.num_preemptions, 3)}{'+' if sched.num_preemptions >= 3 else ''}")
     event(f"aborted: {bool(aborted)}")
     event(f"chunked prefill: {chunked}")
+    if caching:
+        event(f"prefix cache hits: {hit > 0}; sibling hits: {sibling_hits > 0}")
     assert len(reqs) == len(specs)
     assert not sched.has_unfinished()
     assert sched.schedule().is_empty
@@ -587,4 +826,5 @@ def test_random_workloads_keep_invariants_and_finish(scenario):
             assert req.output_token_ids == [TOKEN] * req.max_tokens
     assert bm.num_free_blocks == num_blocks
     assert bm.owners() == {}
+    assert all(bm.ref_count(b) == 0 for b in range(num_blocks))
     assert sim.sched.num_running == 0 and sim.sched.num_waiting == 0
