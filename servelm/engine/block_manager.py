@@ -51,7 +51,8 @@ class BlockManager:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens found in the prefix cache / prompt tokens looked up."""
+        """Tokens found in the prefix cache / tokens looked up at admission (a readmitted
+        request looks up its outputs so far too)."""
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def num_blocks_for(self, num_tokens: int) -> int:
