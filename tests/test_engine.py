@@ -168,8 +168,10 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_identical(llm):
     block_bytes = 16 * 30 * 2 * 3 * 64 * 4  # tokens x layers x (K, V) x KV heads x dim x fp32
     small = LLM(dtype="float32", kv_cache_memory=5 * block_bytes, max_model_len=64)
     assert small.engine.block_manager.num_blocks == 5
-    prompts = [f"Item {i}: the quick brown fox" for i in range(32)]
+    prompts = [f"Item {i}: the quick brown fox jumps over the lazy dog" for i in range(32)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # Every request outgrows its first block while others hold theirs: the pool must thrash.
+    assert all(len(small.get_tokenizer().encode(p)) + 8 > 20 for p in prompts)
     got = small.generate(prompts, params, use_tqdm=False)
     engine = small.engine
     assert engine.scheduler.num_preemptions > 0
