@@ -43,6 +43,22 @@ def test_decode_and_prefill_in_one_batch(llm):
     assert torch.allclose(mixed, alone, atol=1e-4 * alone.abs().max().item())
 
 
+def test_decodes_of_different_lengths_in_one_batch(llm):
+    """A 300-token and a 10-token sequence decode in one step (different attention groups)."""
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    short = tok.encode("Hello there, how")
+    long = tok.encode("A long, winding story about the sea and its sailors. " * 25)
+    try:
+        s = int(run_seqs(engine, [(short, 0, "short")])[0].argmax())
+        lg = int(run_seqs(engine, [(long, 0, "long")])[0].argmax())
+        both = run_seqs(engine, [([s], len(short), "short"), ([lg], len(long), "long")])
+    finally:
+        release(engine, "short", "long")
+    alone = prompt_logits(engine, [short + [s], long + [lg]])
+    assert torch.allclose(both, alone, atol=1e-4 * alone.abs().max().item())
+
+
 def _alone(llm, prompts, params):
     return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 

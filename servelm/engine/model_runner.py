@@ -37,12 +37,20 @@ class KVCache:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def _bucket(s: SeqInput, block_size: int) -> tuple[bool, int]:
+    """Attention group of a sequence: decodes apart from prompt chunks, and within each,
+    contexts of similar length (same power-of-two block count) together, so padding every
+    member to the longest context costs at most 2x the keys actually attended to."""
+    num_blocks = -(-(s.start_pos + len(s.token_ids)) // block_size)
+    return len(s.token_ids) > 1, num_blocks.bit_length()
+
+
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
                         device: torch.device) -> tuple[ForwardBatch, list[int]]:
-    """Flatten sequences into one batch: single-token sequences first (the decode group),
-    then the multi-token ones (prefill chunks). Returns the batch and, for each sampled
-    row of the logits, the index of its sequence in `seqs`."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > 1)
+    """Flatten sequences into one batch, grouped for attention (see _bucket). Returns the
+    batch and, for each sampled row of the logits, the index of its sequence in `seqs`."""
+    keys = [_bucket(s, block_size) for s in seqs]
+    order = sorted(range(len(seqs)), key=lambda i: keys[i])
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -60,13 +68,13 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
             sampled.append(i)
     groups = []
     start = 0
-    num_single = sum(1 for i in order if len(seqs[i].token_ids) == 1)
-    for members in (order[:num_single], order[num_single:]):
-        if members:
-            g = _build_group([seqs[i] for i in members], start, block_size,
-                             num_queries_per_kv, device)
+    members: list[SeqInput] = []
+    for j, i in enumerate(order):
+        members.append(seqs[i])
+        if j + 1 == len(order) or keys[order[j + 1]] != keys[i]:
+            g = _build_group(members, start, block_size, num_queries_per_kv, device)
             groups.append(g)
-            start = g.end
+            start, members = g.end, []
 
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=device)

@@ -108,8 +108,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     g = h // kvh
     qp = q[group.pad_index]                                          # [B, Q, H, D]
     qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
-    k = k_cache[group.block_tables].view(B, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[group.block_tables].view(B, -1, kvh, d).transpose(1, 2)
+    # Whole blocks are copied as rows (index_select on a 2-D view is several times faster
+    # than advanced indexing of the 4-D cache).
+    flat = group.block_tables.view(-1)
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat)
+    k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
+    v = v.view(B, -1, kvh, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.mask, scale=scale)
     o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
     return o[group.unpad_index]
