@@ -208,6 +208,19 @@ def test_bad_requests_are_rejected_with_a_clear_error(llm, prompt, params, match
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_request_ids_must_be_unique_including_samples(llm):
+    engine = llm.engine
+    engine.add_request("dup#1", "Hello", SamplingParams(max_tokens=2))
+    try:
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup#1", "Again", SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already in use"):  # its samples are dup#0, dup#1
+            engine.add_request("dup", "Again", SamplingParams(n=2, max_tokens=2))
+    finally:
+        engine.abort_request("dup#1")
+    assert not engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),

@@ -124,7 +124,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
-        self._owner: dict[str, _Group] = {}  # engine request id -> its group
+        self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
         self.stats = EngineStats()
         # Everything allocated so far lives as long as the engine (vocabulary, weights'
@@ -149,13 +149,13 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
-        if request_id in self._groups:
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._groups or any(c in self._owner for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, max_tokens = self.prepare_prompt(prompt, params, prompt_token_ids)
         group = _Group(request_id, text, ids)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i, rid in enumerate(child_ids):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
@@ -167,7 +167,7 @@ class LLMEngine:
                                            params.skip_special_tokens,
                                            min_tokens=params.min_tokens)
             group.samples.append(_Sample(req, detok, [] if params.logprobs is not None else None))
-            self._owner[rid] = group
+            self._owner[rid] = (group, i)
             self.scheduler.add_request(req)
         self._groups[request_id] = group
         return request_id
@@ -250,8 +250,8 @@ class LLMEngine:
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
         for j, req in enumerate(sampled_reqs):
-            group = self._owner[req.request_id]
-            sample = group.samples[_sample_index(group, req)]
+            group, index = self._owner[req.request_id]
+            sample = group.samples[index]
             req.append_output_token(result.token_ids[j], now)
             if sample.logprobs is not None:
                 sample.logprobs.append(result.logprobs[j])
@@ -278,8 +278,6 @@ class LLMEngine:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(req, status)
         req.finished_time = time.perf_counter()
-        if status is not RequestStatus.FINISHED_ABORTED:
-            self.stats.record_finish(req)
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []
@@ -303,12 +301,6 @@ class LLMEngine:
                              finished)
 
 
-def _sample_index(group: _Group, req: Request) -> int:
-    if len(group.samples) == 1:
-        return 0
-    return int(req.request_id.rpartition("#")[2])
-
-
 @dataclass
 class EngineStats:
     """Counters since start, for metrics and benchmarks."""
@@ -316,8 +308,6 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_finished: int = 0
     num_aborted: int = 0
 
     def record_step(self, sched) -> None:
@@ -327,7 +317,3 @@ class EngineStats:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += s.num_new_tokens
-            self.num_generated_tokens += int(s.samples)
-
-    def record_finish(self, req: Request) -> None:
-        self.num_finished += 1
