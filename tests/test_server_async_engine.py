@@ -162,3 +162,34 @@ def test_stop_fails_requests_in_flight(llm):
     asyncio.run(main())
     assert not engine.healthy and not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_build_runs_the_engine_on_the_thread_that_built_it(llm):
+    import threading
+
+    built_on = {}
+
+    def factory():
+        built_on["thread"] = threading.current_thread()
+        return llm.engine
+
+    engine = AsyncLLMEngine.build(factory, max_queue=4)
+    try:
+        assert built_on["thread"] is engine._thread and engine.healthy
+        expected = llm.generate(TEXT_PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+        async def main():
+            return await _collect(engine.generate(TEXT_PROMPTS[0], GREEDY))
+
+        outs = asyncio.run(main())
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == expected
+    finally:
+        engine.stop()
+
+
+def test_build_raises_what_the_factory_raised():
+    def factory():
+        raise ValueError("/nowhere.gguf: no such file or directory")
+
+    with pytest.raises(ValueError, match="nowhere.gguf"):
+        AsyncLLMEngine.build(factory)

@@ -46,7 +46,8 @@ def serve(args) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
-    engine = AsyncLLMEngine(build_llm(args).engine, max_queue=args.max_queue)
+    # Built on its own thread, which then runs it: all torch work stays on one thread.
+    engine = AsyncLLMEngine.build(lambda: build_llm(args).engine, max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key=args.api_key)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
