@@ -253,6 +253,12 @@ def make_parser() -> argparse.ArgumentParser:
                        help="max sequences waiting to run; past it requests get 503")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model file's basename)")
+    serve.add_argument("--roofline-bandwidth", type=_positive(float), default=None,
+                       metavar="GB/s", help="memory bandwidth for /metrics utilisation "
+                       "(default: measured at start)")
+    serve.add_argument("--roofline-flops", type=_positive(float), default=None,
+                       metavar="TFLOP/s", help="matmul peak for /metrics utilisation "
+                       "(default: measured at start)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -464,3 +464,20 @@ def test_load_jsonl_errors(tmp_path):
         f.write_text(text)
         with pytest.raises(datasets.DatasetError, match=message):
             datasets.load_jsonl(f, None, None, allow_token_ids=False)
+
+
+def test_server_utilization_over_the_run_window():
+    from servelm.bench.report import server_utilization
+
+    before = {"servelm_decode_step_seconds_total": 1.0, "servelm_decode_step_bytes_total": 10e9,
+              "servelm_prefill_step_seconds_total": 2.0, "servelm_prefill_step_flops_total": 1e12}
+    after = {"servelm_decode_step_seconds_total": 3.0, "servelm_decode_step_bytes_total": 50e9,
+             "servelm_prefill_step_seconds_total": 2.5, "servelm_prefill_step_flops_total": 1.5e12,
+             "servelm_roofline_bandwidth_bytes_per_second": 40e9,
+             "servelm_roofline_flops_per_second": 2e12}
+    u = server_utilization(before, after)
+    assert u["decode_bandwidth_gb_s"] == pytest.approx(20.0)       # 40 GB in 2 s
+    assert u["decode_bandwidth_utilization"] == pytest.approx(0.5)
+    assert u["prefill_tflops"] == pytest.approx(1.0)                # 0.5 TFLOP in 0.5 s
+    assert u["prefill_flops_utilization"] == pytest.approx(0.5)
+    assert server_utilization(None, after) is None  # not a servelm server

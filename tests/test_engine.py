@@ -242,3 +242,21 @@ def test_unknown_model_path_names_the_file(tmp_path):
         LLM(model=str(junk))
     with pytest.raises(ValueError, match="no config.json"):
         LLM(model=str(tmp_path))
+
+
+def test_step_accounting_against_the_roofline_model(llm):
+    """Decode steps are charged weights + context KV bytes; prefill steps the prompt's FLOPs."""
+    engine = llm.engine
+    st, shape = engine.stats, engine.shape
+    assert shape.weight_bits == 32 and shape.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
+    ids = [1000 + i for i in range(40)]  # no prefix cache hit: fresh tokens
+    before = (st.decode_bytes, st.prefill_flops, st.decode_seconds, st.prefill_seconds)
+    llm.generate([{"prompt_token_ids": ids}],
+                 SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    p = len(ids)
+    decode_bytes = sum(shape.weight_bytes_per_step + (p + i) * shape.kv_bytes_per_token
+                       for i in range(1, 5))  # four decode steps, context p+1 .. p+4
+    assert st.decode_bytes - before[0] == pytest.approx(decode_bytes)
+    assert st.prefill_flops - before[1] == pytest.approx(p * shape.flops_per_token(p // 2))
+    assert st.decode_seconds > before[2] and st.prefill_seconds > before[3]
+    assert st.decode_bandwidth > 0 and st.prefill_flops_rate > 0

@@ -76,7 +76,8 @@ class Server:
 def processes():
     # Both start at once, so their model loads overlap.
     servers = {"main": Server("--api-key", KEY),
-               "small": Server("--max-num-seqs", "1", "--max-queue", "1")}
+               "small": Server("--max-num-seqs", "1", "--max-queue", "1",
+                               "--roofline-bandwidth", "30", "--roofline-flops", "2.3")}
     yield servers
     for s in servers.values():
         s.stop()
@@ -390,6 +391,31 @@ def test_prefix_cache_reported_in_usage_and_metrics(server, client):
     assert hits >= (n - 1) // 16 * 16
     assert after["servelm_engine_steps_total"] > before["servelm_engine_steps_total"]
     assert after["servelm_step_prefill_tokens_total"] > before["servelm_step_prefill_tokens_total"]
+
+
+def test_metrics_report_utilisation_against_the_roofline(server, client):
+    client.completions.create(model=MODEL, prompt="The roofline of decode " * 20, max_tokens=8,
+                              temperature=0)
+    m = scrape(server.url)
+    bw = m["servelm_decode_step_bytes_total"] / m["servelm_decode_step_seconds_total"]
+    assert 1e8 < bw < 1e12  # bytes/s achieved by decode steps
+    assert 0 < m["servelm_decode_bandwidth_utilization"] < 5
+    assert 0 < m["servelm_prefill_flops_utilization"] < 5
+    assert m["servelm_prefill_step_flops_total"] > 0
+
+
+def test_bench_reports_the_servers_utilisation(server, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "servelm.cli", "bench", "--base-url", server.url,
+                        "--api-key", KEY, "--concurrency", "2",
+                        "--num-prompts", "4", "--input-len", "32", "--output-len", "8",
+                        "--no-progress", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Decode bandwidth utilisation" in r.stdout
+    util = json.loads(out.read_text())["summary"]["server"]
+    assert 0 < util["decode_bandwidth_utilization"] < 5
+    assert 0 < util["prefill_flops_utilization"] < 5
 
 
 # ---- admission control, shutdown ------------------------------------------------------------

@@ -170,6 +170,25 @@ async def _discover(client, models_url: str, headers: dict[str, str], model: str
                          f"pass --model") from None
 
 
+async def _scrape_servelm(client, url: str) -> dict[str, float] | None:
+    """A servelm server's Prometheus counters ({name: value}); None from other servers."""
+    try:
+        r = await client.get(url, timeout=5)
+    except Exception:
+        return None
+    if r.status_code != 200 or "servelm_" not in r.text:
+        return None
+    out = {}
+    for line in r.text.splitlines():
+        if line.startswith("servelm_") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
 async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
     import gc
     import time
@@ -215,6 +234,8 @@ async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
         # The process holds all of torch's objects (servelm imports it); a full collection
         # over them stalls the event loop for 100+ ms mid-run and shows up as fake latency.
         # Frozen objects are skipped by the collector.
+        metrics_url = url.split("/v1/")[0] + "/metrics"
+        before = await _scrape_servelm(client, metrics_url)
         gc.collect()
         gc.freeze()
         t0 = time.perf_counter()
@@ -226,8 +247,10 @@ async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
         finally:
             gc.unfreeze()
             bar.close()
+        after = await _scrape_servelm(client, metrics_url) if before else None
 
     summary = report.summarize(records, duration, args.slo)
+    summary["server"] = report.server_utilization(before, after)
     print(report.format_table(summary))
     if args.json_path:
         config = _config(args, url, model, kind, len(prompts))

@@ -136,6 +136,31 @@ def summarize(records: Sequence[RequestRecord], duration: float,
     return summary
 
 
+def server_utilization(before: dict[str, float] | None,
+                       after: dict[str, float] | None) -> dict[str, float] | None:
+    """What a servelm server achieved during the run against its roofline, from its
+    /metrics counters before and after: decode bandwidth and prefill FLOP/s."""
+    if not before or not after:
+        return None
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    out: dict[str, float] = {}
+    bw = after.get("servelm_roofline_bandwidth_bytes_per_second")
+    peak = after.get("servelm_roofline_flops_per_second")
+    dec_s, pre_s = delta("servelm_decode_step_seconds_total"), delta("servelm_prefill_step_seconds_total")
+    if dec_s > 0:
+        out["decode_bandwidth_gb_s"] = delta("servelm_decode_step_bytes_total") / dec_s / 1e9
+        if bw:
+            out["decode_bandwidth_utilization"] = out["decode_bandwidth_gb_s"] * 1e9 / bw
+    if pre_s > 0:
+        out["prefill_tflops"] = delta("servelm_prefill_step_flops_total") / pre_s / 1e12
+        if peak:
+            out["prefill_flops_utilization"] = out["prefill_tflops"] * 1e12 / peak
+    return out or None
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The human-readable report: aligned plain text."""
     width = 50
@@ -166,6 +191,16 @@ def format_table(summary: dict[str, Any]) -> str:
         stats = summary[f"{name}_ms"]
         cells = ["-" if stats is None else f"{stats[c]:.2f}" for c in cols]
         lines.append(f"{name.upper():<10}" + "".join(f"{c:>10}" for c in cells))
+    server = summary.get("server")
+    if server:
+        lines.append(" Server vs its roofline ".center(width, "-"))
+        for key, label, fmt in (
+                ("decode_bandwidth_gb_s", "Decode bandwidth (GB/s)", ".1f"),
+                ("decode_bandwidth_utilization", "Decode bandwidth utilisation", ".1%"),
+                ("prefill_tflops", "Prefill (TFLOP/s)", ".3f"),
+                ("prefill_flops_utilization", "Prefill FLOP utilisation", ".1%")):
+            if key in server:
+                row(label, server[key], fmt)
     if summary["errors"]:
         lines.append(" Errors ".center(width, "-"))
         for e in summary["errors"]:

@@ -53,6 +53,10 @@ class EngineSnapshot:
     num_decode_tokens: int = 0      # decode tokens computed by all steps so far
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # of which found cached
+    decode_seconds: float = 0.0     # time in decode-only steps, and what they read
+    decode_bytes: float = 0.0
+    prefill_seconds: float = 0.0    # time in steps with prompt tokens, and their FLOPs
+    prefill_flops: float = 0.0
 
 
 class RequestStream:
@@ -303,7 +307,11 @@ class AsyncLLMEngine:
                               num_prefill_tokens=stats.num_prefill_tokens,
                               num_decode_tokens=stats.num_decode_tokens,
                               prefix_cache_queries=self.engine.block_manager.num_queried_tokens,
-                              prefix_cache_hits=self.engine.block_manager.num_hit_tokens)
+                              prefix_cache_hits=self.engine.block_manager.num_hit_tokens,
+                              decode_seconds=stats.decode_seconds,
+                              decode_bytes=stats.decode_bytes,
+                              prefill_seconds=stats.prefill_seconds,
+                              prefill_flops=stats.prefill_flops)
         with self._cond:
             self.snapshot = snap
             self._num_pending -= num_added

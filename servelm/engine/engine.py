@@ -19,6 +19,7 @@ from servelm.engine.sampler import Sampler
 from servelm.engine.scheduler import Scheduler
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ class LLMEngine:
                                           enable_caching=cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        bits = torch.empty(0, dtype=self.dtype).element_size() * 8
+        self.shape = ModelShape.from_config(self.model_config, weight_bits=bits, kv_bits=bits)
+        self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
@@ -241,11 +245,13 @@ class LLMEngine:
                 req.first_scheduled_time = now
             seqs.append(SeqInput(req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
                                  self.block_manager.block_table(req.request_id), s.samples))
+        t0 = time.perf_counter()
         logits, rows = self.runner.execute(seqs)
         sampled_reqs = [sched.scheduled[i].request for i in rows]
         result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
         self.scheduler.update_after_step(sched)
-        self.stats.record_step(sched)
+        # The sampler has read the logits back, so the step's device work is done.
+        self.stats.record_step(sched, time.perf_counter() - t0, self.shape)
 
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
@@ -303,17 +309,49 @@ class LLMEngine:
 
 @dataclass
 class EngineStats:
-    """Counters since start, for metrics and benchmarks."""
+    """Counters since start, for metrics and benchmarks.
+
+    Steps with prompt tokens count as prefill steps (their time is mostly arithmetic),
+    steps of decodes only as decode steps (their time is mostly reading weights and KV).
+    """
 
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_aborted: int = 0
+    decode_seconds: float = 0.0
+    decode_bytes: float = 0.0    # weights + KV read by decode-only steps (roofline model)
+    prefill_seconds: float = 0.0
+    prefill_flops: float = 0.0   # matmul FLOPs of the prompt tokens of prefill steps
 
-    def record_step(self, sched) -> None:
+    def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
+        kv_per_token = shape.kv_bytes_per_token or 0
+        read = shape.weight_bytes_per_step
+        flops = 0.0
+        prefill_tokens = 0
         for s in sched.scheduled:
-            if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens:
+            n = s.num_new_tokens
+            read += (s.start + n) * kv_per_token  # each sequence's context is read once
+            if n == 1 and s.start >= s.request.num_prompt_tokens:
                 self.num_decode_tokens += 1
             else:
-                self.num_prefill_tokens += s.num_new_tokens
+                prefill_tokens += n
+                flops += n * shape.flops_per_token(context=s.start + n // 2)
+        self.num_prefill_tokens += prefill_tokens
+        if prefill_tokens:
+            self.prefill_seconds += seconds
+            self.prefill_flops += flops
+        else:
+            self.decode_seconds += seconds
+            self.decode_bytes += read
+
+    @property
+    def decode_bandwidth(self) -> float | None:
+        """Achieved bytes/s of decode-only steps."""
+        return self.decode_bytes / self.decode_seconds if self.decode_seconds else None
+
+    @property
+    def prefill_flops_rate(self) -> float | None:
+        """Achieved prompt FLOP/s of prefill steps."""
+        return self.prefill_flops / self.prefill_seconds if self.prefill_seconds else None

@@ -33,6 +33,22 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _build_engine(args, build_llm):
+    """The engine, with the machine's roofline figures (given, or measured in about a
+    second) so /metrics can report utilisation."""
+    from servelm.roofline import Hardware, measure_hardware
+
+    engine = build_llm(args).engine
+    bw, fl = args.roofline_bandwidth, args.roofline_flops
+    if bw is None or fl is None:
+        dtype = str(engine.dtype).removeprefix("torch.")
+        hw = measure_hardware(dtype, engine.device.type, seconds=0.2)
+        bw = bw if bw is not None else hw.bandwidth / 1e9
+        fl = fl if fl is not None else hw.flops / 1e12
+    engine.hardware = Hardware(bw * 1e9, fl * 1e12)
+    return engine
+
+
 def serve(args) -> int:
     """Entry point of `servelm serve` (args from servelm.cli's parser); returns the exit status."""
     import uvicorn
@@ -47,7 +63,8 @@ def serve(args) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
     # Built on its own thread, which then runs it: all torch work stays on one thread.
-    engine = AsyncLLMEngine.build(lambda: build_llm(args).engine, max_queue=args.max_queue)
+    engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
+                                  max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key=args.api_key)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),

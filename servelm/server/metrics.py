@@ -60,6 +60,37 @@ class _EngineCollector:
         yield CounterMetricFamily("servelm_step_decode_tokens",
                                   "Decode tokens computed, summed over steps.",
                                   value=s.num_decode_tokens)
+        # Against the roofline: bytes and FLOPs the model says each step needs, over the
+        # time the steps took (rate(bytes) / rate(seconds) is the achieved bandwidth).
+        yield CounterMetricFamily("servelm_decode_step_seconds",
+                                  "Time spent in decode-only steps.", value=s.decode_seconds)
+        yield CounterMetricFamily("servelm_decode_step_bytes",
+                                  "Weight and KV bytes those steps read (roofline model).",
+                                  value=s.decode_bytes)
+        yield CounterMetricFamily("servelm_prefill_step_seconds",
+                                  "Time spent in steps with prompt tokens.",
+                                  value=s.prefill_seconds)
+        yield CounterMetricFamily("servelm_prefill_step_flops",
+                                  "Matmul FLOPs of the prompt tokens of those steps.",
+                                  value=s.prefill_flops)
+        hw = getattr(self._engine.engine, "hardware", None)
+        if hw is not None:
+            yield GaugeMetricFamily("servelm_roofline_bandwidth_bytes_per_second",
+                                    "The machine's memory bandwidth (measured or given).",
+                                    value=hw.bandwidth)
+            yield GaugeMetricFamily("servelm_roofline_flops_per_second",
+                                    "The machine's matmul peak in the compute dtype.",
+                                    value=hw.flops)
+            if s.decode_seconds:
+                yield GaugeMetricFamily(
+                    "servelm_decode_bandwidth_utilization",
+                    "Achieved decode bytes/s over the machine's memory bandwidth.",
+                    value=s.decode_bytes / s.decode_seconds / hw.bandwidth)
+            if s.prefill_seconds:
+                yield GaugeMetricFamily(
+                    "servelm_prefill_flops_utilization",
+                    "Achieved prefill FLOP/s over the machine's matmul peak.",
+                    value=s.prefill_flops / s.prefill_seconds / hw.flops)
 
 
 class ServerMetrics:
