@@ -26,7 +26,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run(dtype: str, budget: int, long_prompt: bool, streams: int, out_len: int) -> list[float]:
-    llm = LLM(dtype=dtype, max_num_batched_tokens=budget)
+    llm = LLM(dtype=dtype, max_num_batched_tokens=budget, max_num_seqs=min(budget, 256))
     engine = llm.engine
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)

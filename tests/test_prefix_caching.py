@@ -75,7 +75,8 @@ def test_chunked_prefill_at_several_chunk_sizes(llm_nocache, budget):
     prompts = _prompts()[:3]
     expected = _tokens(llm_nocache, prompts)
     cfg = engine.scheduler.config
-    engine.scheduler.config = dataclasses.replace(cfg, max_num_batched_tokens=budget)
+    engine.scheduler.config = dataclasses.replace(cfg, max_num_batched_tokens=budget,
+                                                  max_num_seqs=min(budget, cfg.max_num_seqs))
     try:
         steps0 = engine.stats.num_steps
         got = _tokens(llm_nocache, prompts)

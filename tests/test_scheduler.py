@@ -29,9 +29,11 @@ def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
 class Sim:
     """A tiny engine: the scheduler's step protocol with a fake model and sampler."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = 4096, enable_caching: bool = False):
         self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
+        if max_num_seqs is None:  # the config requires a budget of a token per sequence
+            max_num_seqs = min(256, max_num_batched_tokens)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens)
         self.sched = Scheduler(self.config, self.bm)
@@ -629,7 +631,7 @@ def scenarios(draw, caching: bool = False):
     largest = max(-(-(spec[1] + spec[2] - 1) // block_size) for spec in reqs)
     num_blocks = largest + draw(st.sampled_from([0, 0, 1, 1, 2, 3, 5, 10]))
     max_num_seqs = draw(st.integers(1, 6))
-    budget = draw(st.integers(1, 32))
+    budget = draw(st.integers(max_num_seqs, 32))
     return block_size, num_blocks, max_num_seqs, budget, reqs
 
 
@@ -828,3 +830,11 @@ def test_random_workloads_keep_invariants_and_finish(caching, data):
     assert bm.owners() == {}
     assert all(bm.ref_count(b) == 0 for b in range(num_blocks))
     assert sim.sched.num_running == 0 and sim.sched.num_waiting == 0
+
+
+def test_config_needs_a_budget_token_per_running_sequence():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8)

@@ -56,12 +56,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _default_kv_bytes(device: torch.device, reserve: int) -> int:
+def _default_kv_bytes(device: torch.device) -> int:
+    """After the weights are loaded: most of what the GPU has free; on CPU a quarter of
+    the available memory, at most 2 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.85)
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(64 << 20, min(_DEFAULT_CPU_KV_BYTES, (avail - reserve) // 4))
+    return max(64 << 20, min(_DEFAULT_CPU_KV_BYTES, avail // 4))
 
 
 @dataclass
@@ -110,7 +112,7 @@ class LLMEngine:
                                 max_positions=max_len)
 
         block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size, self.dtype)
-        kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device, reserve=0)
+        kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
         num_blocks = kv_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
