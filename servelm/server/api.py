@@ -125,23 +125,22 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name)])
 
+    async def generate(request: Request, schema: type[BaseModel], endpoint):
+        """Parse, check the model, start; then stream (SSE) or answer once."""
+        req = await _parse(request, schema)
+        check_model(req.model)
+        gen = endpoint.start(ctx, req)
+        if req.stream:
+            return EventStreamResponse(endpoint.stream(ctx, req, gen), on_close=gen.close)
+        return await _unless_disconnected(request, endpoint.complete(ctx, req, gen), gen)
+
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        req = await _parse(request, ChatCompletionRequest)
-        check_model(req.model)
-        gen = chat.start(ctx, req)
-        if req.stream:
-            return EventStreamResponse(chat.stream(ctx, req, gen), on_close=gen.close)
-        return await _unless_disconnected(request, chat.complete(ctx, req, gen), gen)
+        return await generate(request, ChatCompletionRequest, chat)
 
     @v1.post("/completions")
     async def create_completion(request: Request):
-        req = await _parse(request, CompletionRequest)
-        check_model(req.model)
-        gen = completions.start(ctx, req)
-        if req.stream:
-            return EventStreamResponse(completions.stream(ctx, req, gen), on_close=gen.close)
-        return await _unless_disconnected(request, completions.complete(ctx, req, gen), gen)
+        return await generate(request, CompletionRequest, completions)
 
     app.include_router(v1)
 
