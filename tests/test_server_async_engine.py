@@ -88,15 +88,15 @@ def test_abort_frees_blocks_within_one_step(aengine, llm):
             if len(out.outputs[0].token_ids) >= 3:
                 break
         assert bm.num_free_blocks < bm.num_blocks
-        steps_at_abort = aengine.snapshot.num_steps
+        steps_at_abort = aengine.snapshot.stats.num_steps
         await stream.aclose()
         while aengine.snapshot.num_running:
             await asyncio.sleep(0.005)
         return steps_at_abort
 
     steps_at_abort = asyncio.run(main())
-    assert aengine.snapshot.num_steps - steps_at_abort <= 1
-    assert bm.num_free_blocks == bm.num_blocks and aengine.snapshot.num_aborted >= 1
+    assert aengine.snapshot.stats.num_steps - steps_at_abort <= 1
+    assert bm.num_free_blocks == bm.num_blocks and aengine.snapshot.stats.num_aborted >= 1
 
 
 def test_queue_full_is_refused_at_once(llm):

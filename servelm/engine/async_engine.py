@@ -13,10 +13,10 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from servelm.engine.engine import LLMEngine
+from servelm.engine.engine import EngineStats, LLMEngine
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 
@@ -47,16 +47,9 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
-    num_aborted: int = 0
-    num_steps: int = 0
-    num_prefill_tokens: int = 0     # prompt tokens computed by all steps so far
-    num_decode_tokens: int = 0      # decode tokens computed by all steps so far
-    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # of which found cached
-    decode_seconds: float = 0.0     # time in decode-only steps, and what they read
-    decode_bytes: float = 0.0
-    prefill_seconds: float = 0.0    # time in steps with prompt tokens, and their FLOPs
-    prefill_flops: float = 0.0
+    stats: EngineStats = field(default_factory=EngineStats)  # a copy of the engine's counters
 
 
 class RequestStream:
@@ -300,18 +293,11 @@ class AsyncLLMEngine:
 
     def _publish(self, num_added: int) -> None:
         sched, stats = self.engine.scheduler, self.engine.stats
+        bm = self.engine.block_manager
         snap = EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
-                              kv_cache_usage=self.engine.block_manager.usage,
-                              num_preemptions=sched.num_preemptions,
-                              num_aborted=stats.num_aborted, num_steps=stats.num_steps,
-                              num_prefill_tokens=stats.num_prefill_tokens,
-                              num_decode_tokens=stats.num_decode_tokens,
-                              prefix_cache_queries=self.engine.block_manager.num_queried_tokens,
-                              prefix_cache_hits=self.engine.block_manager.num_hit_tokens,
-                              decode_seconds=stats.decode_seconds,
-                              decode_bytes=stats.decode_bytes,
-                              prefill_seconds=stats.prefill_seconds,
-                              prefill_flops=stats.prefill_flops)
+                              kv_cache_usage=bm.usage, num_preemptions=sched.num_preemptions,
+                              prefix_cache_queries=bm.num_queried_tokens,
+                              prefix_cache_hits=bm.num_hit_tokens, stats=replace(stats))
         with self._cond:
             self.snapshot = snap
             self._num_pending -= num_added

@@ -41,7 +41,7 @@ class _EngineCollector:
                                   value=s.num_preemptions)
         yield CounterMetricFamily("servelm_requests_aborted",
                                   "Requests aborted before they finished (e.g. client gone).",
-                                  value=s.num_aborted)
+                                  value=s.stats.num_aborted)
         yield CounterMetricFamily("servelm_prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache.",
                                   value=s.prefix_cache_queries)
@@ -52,27 +52,27 @@ class _EngineCollector:
                                 "Prefix cache hits / queries, in tokens, since start.",
                                 value=s.prefix_cache_hits / max(1, s.prefix_cache_queries))
         yield CounterMetricFamily("servelm_engine_steps", "Engine steps (forward passes).",
-                                  value=s.num_steps)
+                                  value=s.stats.num_steps)
         # Step composition: these over engine_steps give prefill and decode tokens per step.
         yield CounterMetricFamily("servelm_step_prefill_tokens",
                                   "Prompt tokens computed, summed over steps.",
-                                  value=s.num_prefill_tokens)
+                                  value=s.stats.num_prefill_tokens)
         yield CounterMetricFamily("servelm_step_decode_tokens",
                                   "Decode tokens computed, summed over steps.",
-                                  value=s.num_decode_tokens)
+                                  value=s.stats.num_decode_tokens)
         # Against the roofline: bytes and FLOPs the model says each step needs, over the
         # time the steps took (rate(bytes) / rate(seconds) is the achieved bandwidth).
         yield CounterMetricFamily("servelm_decode_step_seconds",
-                                  "Time spent in decode-only steps.", value=s.decode_seconds)
+                                  "Time spent in decode-only steps.", value=s.stats.decode_seconds)
         yield CounterMetricFamily("servelm_decode_step_bytes",
                                   "Weight and KV bytes those steps read (roofline model).",
-                                  value=s.decode_bytes)
+                                  value=s.stats.decode_bytes)
         yield CounterMetricFamily("servelm_prefill_step_seconds",
                                   "Time spent in steps with prompt tokens.",
-                                  value=s.prefill_seconds)
+                                  value=s.stats.prefill_seconds)
         yield CounterMetricFamily("servelm_prefill_step_flops",
                                   "Matmul FLOPs of the prompt tokens of those steps.",
-                                  value=s.prefill_flops)
+                                  value=s.stats.prefill_flops)
         hw = getattr(self._engine.engine, "hardware", None)
         if hw is not None:
             yield GaugeMetricFamily("servelm_roofline_bandwidth_bytes_per_second",
@@ -81,16 +81,16 @@ class _EngineCollector:
             yield GaugeMetricFamily("servelm_roofline_flops_per_second",
                                     "The machine's matmul peak in the compute dtype.",
                                     value=hw.flops)
-            if s.decode_seconds:
+            if s.stats.decode_seconds:
                 yield GaugeMetricFamily(
                     "servelm_decode_bandwidth_utilization",
                     "Achieved decode bytes/s over the machine's memory bandwidth.",
-                    value=s.decode_bytes / s.decode_seconds / hw.bandwidth)
-            if s.prefill_seconds:
+                    value=s.stats.decode_bytes / s.stats.decode_seconds / hw.bandwidth)
+            if s.stats.prefill_seconds:
                 yield GaugeMetricFamily(
                     "servelm_prefill_flops_utilization",
                     "Achieved prefill FLOP/s over the machine's matmul peak.",
-                    value=s.prefill_flops / s.prefill_seconds / hw.flops)
+                    value=s.stats.prefill_flops / s.stats.prefill_seconds / hw.flops)
 
 
 class ServerMetrics:
