@@ -76,7 +76,7 @@ class CompletionOutput:
     logprobs: list | None = None          # list[TokenLogprobs] when asked for
     delta_text: str = ""                  # text released this step (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = None  # set once the sample has finished
 
     @property
     def finished(self) -> bool:

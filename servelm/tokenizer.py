@@ -22,7 +22,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-GGUF_MAGIC = b"GGUF"
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL = 3
@@ -310,18 +309,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     """
     if os.path.isdir(path):
         return Tokenizer.from_dir(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file or directory")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ValueError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-    from servelm.models.gguf_file import GGUFReader
+    from servelm.models.loader import GGUFFile, resolve_model_path
 
-    try:
-        return Tokenizer.from_gguf(GGUFReader(path).metadata)
-    except (ValueError, KeyError, IndexError, OSError) as e:
-        raise ValueError(f"{path}: cannot build a tokenizer: {e}") from e
+    return GGUFFile(resolve_model_path(path)).tokenizer()
 
 
 class _GGUFMeta:

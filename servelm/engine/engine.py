@@ -74,6 +74,7 @@ class _Sample:
     detok: IncrementalDetokenizer
     logprobs: list | None
     emitted_tokens: int = 0
+    metrics: RequestMetrics | None = None  # computed once, when the sample finishes
 
 
 @dataclass
@@ -295,11 +296,15 @@ class LLMEngine:
             s.emitted_tokens = req.num_output_tokens
             reason = req.finish_reason
             delta = s.detok.get_delta(final=req.is_finished)  # before .text: final flushes
+            # Timings are final only at the end; building them every step would walk every
+            # token time of every running request on the hot path.
+            if req.is_finished and s.metrics is None:
+                s.metrics = RequestMetrics.of(req)
             outs.append(CompletionOutput(
                 index=i, text=s.detok.text, token_ids=list(req.output_token_ids),
                 finish_reason=reason.value if reason else None, stop_reason=req.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                delta_text=delta, delta_token_ids=new_ids, metrics=RequestMetrics.of(req)))
+                delta_text=delta, delta_token_ids=new_ids, metrics=s.metrics))
         finished = group.finished
         if finished:
             self._groups.pop(group.request_id, None)

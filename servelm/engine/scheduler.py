@@ -95,7 +95,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
-            cached = bm.find_cached_prefix(req.token_slice(0, req.num_tokens))
+            cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens))
+                      if bm.enable_caching else [])
             num_cached = len(cached) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not bm.can_allocate(req.request_id, num_cached + n, cached):

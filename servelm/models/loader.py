@@ -96,7 +96,7 @@ class GGUFFile:
 
         try:
             return Tokenizer.from_gguf(self.metadata)
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, IndexError) as e:
             raise ModelLoadError(f"{self.path}: cannot build a tokenizer: {e}") from e
 
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -154,9 +154,9 @@ class HFCheckpoint:
             raise ModelLoadError(f"{os.path.join(self.path, 'config.json')}: {e}") from e
 
     def tokenizer(self):
-        from servelm.tokenizer import load_tokenizer
+        from servelm.tokenizer import Tokenizer
 
-        return load_tokenizer(self.path)
+        return Tokenizer.from_dir(self.path)
 
     def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """One tensor at a time, so peak memory stays near the model's own size."""
