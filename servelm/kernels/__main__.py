@@ -1,0 +1,3 @@
+from servelm.kernels import main
+
+raise SystemExit(main())
