@@ -21,6 +21,15 @@ from servelm.cli import main, make_parser
 TTFT = 0.05  # fake server: delay before the first token
 ITL = 0.01  # fake server: delay between tokens
 MODEL = "fake-model"
+# 1 GB of weights per step at 100 GB/s: a decode step takes >= 10 ms whatever the batch.
+ROOFLINE_METRICS = {
+    "servelm_roofline_weight_bytes_per_step": 1e9,
+    "servelm_roofline_kv_bytes_per_token": 1e5,
+    "servelm_roofline_flops_per_token": 2e9,
+    "servelm_roofline_attention_flops_per_token_context": 1e5,
+    "servelm_roofline_bandwidth_bytes_per_second": 100e9,
+    "servelm_roofline_flops_per_second": 1e13,
+}
 
 
 class FakeState:
@@ -108,6 +117,13 @@ def _fake_app() -> FastAPI:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    @app.get("/metrics")
+    async def metrics():
+        # A servelm-like server: the roofline gauges the sweep's ideal curve is drawn from.
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse("".join(f"{k} {v}\n" for k, v in ROOFLINE_METRICS.items()))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, chat=False)
@@ -193,6 +209,46 @@ def test_concurrency_timings_and_json(fake, tmp_path, capsys):
     assert e2e <= s["e2e_ms"]["p50"] < e2e * 1.5
     # 8 requests in two waves of 4
     assert 2 * e2e / 1000 <= s["duration_s"] < 2 * e2e / 1000 * 2
+
+
+def test_sweep_concurrency_plot_and_json(fake, tmp_path, capsys):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    rc = bench(fake, "--sweep-concurrency", "4,1,2", "--num-prompts", "4", "--input-len", "8",
+               "--output-len", "5", "--json", str(out), "--plot", str(png))
+    assert rc == 0
+    assert STATE.count == 1 + 3 * 4  # warm-up, then every level sends all its prompts
+    doc = load(out)
+    levels = doc["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2, 4]  # sorted, deduplicated
+    assert doc["config"]["sweep_concurrency"] == [1, 2, 4]
+    for lv in levels:
+        assert lv["summary"]["completed"] == 4 and len(lv["requests"]) == 4
+        assert lv["summary"]["peak_concurrency"] <= lv["concurrency"]
+        assert lv["roofline"]["tpot_s"] == pytest.approx(0.01, rel=0.01)  # 1 GB / 100 GB/s
+    # More streams in flight: more tokens per second from the fake server's fixed pace.
+    tput = [lv["summary"]["output_throughput"] for lv in levels]
+    assert tput[0] < tput[1] < tput[2]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    text = capsys.readouterr().out
+    assert "ideal tok/s" in text
+
+
+def test_roofline_prediction_textbook_case():
+    from servelm.bench.sweep import RooflineModel
+
+    # 7B parameters at 16 bits on 2 TB/s: 14 GB per decode step, 7 ms, ~143 tok/s alone.
+    m = RooflineModel(weight_bytes=14e9, kv_bytes_per_token=0.0, flops_per_token=14e9,
+                      attn_flops_per_context=0.0, bandwidth=2e12, peak_flops=1e15)
+    assert m.decode_step_seconds(1, 100) == pytest.approx(7e-3)
+    # Batch 256 is compute-bound: 256 * 14 GFLOP / 1 PFLOP/s = 3.6 ms < 7 ms, so still 7 ms;
+    # batch 1024: 14.3 ms.
+    assert m.decode_step_seconds(1024, 100) == pytest.approx(1024 * 14e9 / 1e15)
+    # A 1000-token prompt is compute-bound: 14 TFLOP at 1 PFLOP/s.
+    assert m.prefill_seconds(1000) == pytest.approx(14e-3)
+    p = m.predict(concurrency=8, input_len=1000, output_len=100)
+    # 8 prefills of 14 ms plus 100 steps of 7 ms for 800 tokens.
+    assert p["output_throughput"] == pytest.approx(800 / (8 * 14e-3 + 100 * 7e-3))
+    assert RooflineModel.from_metrics({"servelm_roofline_weight_bytes_per_step": 1}) is None
 
 
 def test_poisson_sends_all_requests(fake, tmp_path):
@@ -291,7 +347,9 @@ BASE = ["bench", "--base-url", "http://localhost:1"]
 
 @pytest.mark.parametrize("flags, message", [
     (["--concurrency", "2", "--request-rate", "3"], "not allowed with"),
-    ([], "one of the arguments --concurrency --request-rate is required"),
+    ([], "one of the arguments --concurrency --request-rate --sweep-concurrency is required"),
+    (["--sweep-concurrency", "1,x"], "expected a positive integer"),
+    (["--sweep-concurrency", "2", "--concurrency", "2"], "not allowed with"),
     (["--concurrency", "0"], "expected a positive integer"),
     (["--request-rate", "-1"], "expected a positive number"),
     (["--request-rate", "x"], "expected a positive number"),
@@ -316,6 +374,12 @@ def test_bad_combinations(flags, message, capsys):
     assert main(BASE + ["--concurrency", "1"] + flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_plot_needs_sweep(capsys):
+    assert main(BASE + ["--concurrency", "1", "--num-prompts", "1", "--input-len", "1",
+                        "--output-len", "1", "--plot", "x.png"]) == 2
+    assert "--plot needs --sweep-concurrency" in capsys.readouterr().err
 
 
 def test_bad_url_scheme(capsys):

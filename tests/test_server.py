@@ -402,6 +402,12 @@ def test_metrics_report_utilisation_against_the_roofline(server, client):
     assert 0 < m["servelm_decode_bandwidth_utilization"] < 5
     assert 0 < m["servelm_prefill_flops_utilization"] < 5
     assert m["servelm_prefill_step_flops_total"] > 0
+    # The model's side of the roofline (SmolLM2-135M: ~135M weights, 30 layers x 3 KV heads
+    # x 64 dims x K and V), for clients that draw the prediction.
+    assert 1e8 < m["servelm_roofline_weight_bytes_per_step"] < 6e8
+    assert m["servelm_roofline_kv_bytes_per_token"] in (2 * 30 * 3 * 64 * 2, 2 * 30 * 3 * 64 * 4)
+    assert m["servelm_roofline_flops_per_token"] == pytest.approx(2 * 134.5e6, rel=0.02)
+    assert m["servelm_roofline_attention_flops_per_token_context"] == 4 * 30 * 9 * 64
 
 
 def test_bench_reports_the_servers_utilisation(server, tmp_path):

@@ -38,6 +38,13 @@ def _positive_float(text: str, allow_inf: bool = False) -> float:
     return value
 
 
+def _level_list(text: str) -> list[int]:
+    levels = [_positive_int(t.strip()) for t in text.split(",") if t.strip()]
+    if not levels:
+        raise argparse.ArgumentTypeError(f"expected comma-separated concurrencies, got {text!r}")
+    return sorted(set(levels))
+
+
 def _rate(text: str) -> float:
     return _positive_float(text, allow_inf=True)
 
@@ -70,6 +77,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                       help="keep N requests in flight")
     mode.add_argument("--request-rate", type=_rate, metavar="R",
                       help="Poisson arrivals at R requests/s ('inf': all at once)")
+    mode.add_argument("--sweep-concurrency", type=_level_list, metavar="N,N,...",
+                      help="one run per concurrency level (e.g. 1,2,4,8,16,32,64), each "
+                           "sending --num-prompts requests")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="with --sweep-concurrency: draw tok/s, TTFT and TPOT against "
+                        "concurrency, with the server's roofline (servelm servers) as the ideal")
     p.add_argument("--num-prompts", type=_positive_int, metavar="N",
                    help="requests to send (default with --dataset: one per line)")
     p.add_argument("--input-len", type=_positive_int, metavar="N",
@@ -97,6 +110,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
+    if args.plot is not None and args.sweep_concurrency is None:
+        raise BenchError("--plot needs --sweep-concurrency")
     if not args.base_url.startswith(("http://", "https://")):
         raise BenchError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
     if args.dataset is None:
@@ -138,7 +153,7 @@ def _config(args, url: str, model: str | None, kind: str, n: int) -> dict[str, A
     rate = args.request_rate
     return {
         "url": url, "endpoint_kind": kind, "model": model, "num_prompts": n,
-        "concurrency": args.concurrency,
+        "concurrency": args.concurrency, "sweep_concurrency": args.sweep_concurrency,
         # JSON has no infinity; keep the file readable by strict parsers.
         "request_rate": "inf" if rate is not None and math.isinf(rate) else rate,
         "input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
@@ -190,22 +205,18 @@ async def _scrape_servelm(client, url: str) -> dict[str, float] | None:
 
 
 async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
-    import gc
-    import time
-
     import httpx
-    from tqdm import tqdm
 
     from servelm.bench import client as bc
     from servelm.bench import report
     from servelm.bench.datasets import BenchPrompt, random_word_prompts
-    from servelm.bench.runner import run_requests
 
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     # Enough connections that the pool never queues a request the scheduler released
     # (None: unbounded, for rate mode).
-    n = args.concurrency
+    levels = args.sweep_concurrency or [args.concurrency]
+    n = None if levels == [None] else max(levels)
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 10.0), pool=None)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -221,41 +232,101 @@ async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
             if not rec.success:
                 raise BenchError(f"warm-up request to {url} failed: {rec.error}")
 
-        mode = (f"concurrency {args.concurrency}" if args.concurrency is not None
-                else f"request rate {args.request_rate:g}/s")
-        print(f"servelm bench: {len(prompts)} requests to {url} (model {model}), {mode}",
-              file=sys.stderr)
-        bar = tqdm(total=len(prompts), unit="req", file=sys.stderr,
-                   disable=not args.progress or not sys.stderr.isatty())
+        runs = []
+        for c in levels:
+            summary, records, t0, metrics = await _run_level(
+                args, client, url, model, prompts, payload, headers, c)
+            print(report.format_table(summary))
+            runs.append({"concurrency": c, "summary": summary, "records": records, "t0": t0})
 
-        async def send(i: int, p: BenchPrompt):
-            return await bc.send_request(client, url, payload(p), i, p, headers)
+    config = _config(args, url, model, kind, len(prompts))
+    if args.sweep_concurrency is None:
+        if args.json_path:
+            report.write_json(args.json_path, config, runs[0]["summary"], runs[0]["records"],
+                              runs[0]["t0"])
+        return 0 if runs[0]["summary"]["completed"] else 1
+    _finish_sweep(args, config, runs, metrics, model)
+    return 0 if all(r["summary"]["completed"] for r in runs) else 1
 
-        # The process holds all of torch's objects (servelm imports it); a full collection
-        # over them stalls the event loop for 100+ ms mid-run and shows up as fake latency.
-        # Frozen objects are skipped by the collector.
-        metrics_url = url.split("/v1/")[0] + "/metrics"
-        before = await _scrape_servelm(client, metrics_url)
-        gc.collect()
-        gc.freeze()
-        t0 = time.perf_counter()
-        try:
-            records, duration = await run_requests(
-                prompts, send, concurrency=args.concurrency,
-                request_rate=args.request_rate or math.inf, seed=args.seed,
-                on_done=lambda _: bar.update(1))
-        finally:
-            gc.unfreeze()
-            bar.close()
-        after = await _scrape_servelm(client, metrics_url) if before else None
 
+def _finish_sweep(args, config, runs, metrics, model) -> None:
+    """The sweep's one-line-per-level table, its JSON and its picture."""
+    import json
+    from pathlib import Path
+
+    from servelm.bench import report, sweep
+
+    roof = sweep.RooflineModel.from_metrics(metrics)
+    in_len, out_len = args.input_len, args.output_len
+    print(f"{'conc':>5}{'tok/s':>10}{'TTFT p50':>11}{'TPOT p50':>11}"
+          + (f"{'ideal tok/s':>13}" if roof and in_len and out_len else ""))
+    for r in runs:
+        s = r["summary"]
+        ttft, tpot = s["ttft_ms"], s["tpot_ms"]
+        line = (f"{r['concurrency']:>5}{s['output_throughput']:>10.1f}"
+                f"{(ttft['p50'] if ttft else float('nan')):>9.1f}ms"
+                f"{(tpot['p50'] if tpot else float('nan')):>9.1f}ms")
+        if roof and in_len and out_len:
+            r["roofline"] = roof.predict(r["concurrency"], in_len, out_len)
+            line += f"{r['roofline']['output_throughput']:>13.1f}"
+        print(line)
+    if args.json_path:
+        doc = {"config": config,
+               "levels": [{"concurrency": r["concurrency"], "summary": r["summary"],
+                           "roofline": r.get("roofline"),
+                           "requests": [report.record_dict(x, r["t0"]) for x in r["records"]]}
+                          for r in runs]}
+        Path(args.json_path).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        shape = (f"{in_len} in / {out_len} out" if in_len and out_len
+                 else f"dataset {args.dataset}")
+        sweep.plot_sweep(runs, args.plot, f"servelm bench: {model}, {shape}, "
+                         f"{len(runs[0]['records'])} requests per level",
+                         roof, in_len, out_len)
+        print(f"servelm bench: wrote {args.plot}", file=sys.stderr)
+
+
+async def _run_level(args, client, url, model, prompts, payload, headers, concurrency):
+    """One timed run at a fixed concurrency (or at --request-rate when it is None)."""
+    import gc
+    import time
+
+    from tqdm import tqdm
+
+    from servelm.bench import client as bc
+    from servelm.bench import report
+    from servelm.bench.runner import run_requests
+
+    mode = (f"concurrency {concurrency}" if concurrency is not None
+            else f"request rate {args.request_rate:g}/s")
+    print(f"servelm bench: {len(prompts)} requests to {url} (model {model}), {mode}",
+          file=sys.stderr)
+    bar = tqdm(total=len(prompts), unit="req", file=sys.stderr,
+               disable=not args.progress or not sys.stderr.isatty())
+
+    async def send(i: int, p):
+        return await bc.send_request(client, url, payload(p), i, p, headers)
+
+    # The process holds all of torch's objects (servelm imports it); a full collection
+    # over them stalls the event loop for 100+ ms mid-run and shows up as fake latency.
+    # Frozen objects are skipped by the collector.
+    metrics_url = url.split("/v1/")[0] + "/metrics"
+    before = await _scrape_servelm(client, metrics_url)
+    gc.collect()
+    gc.freeze()
+    t0 = time.perf_counter()
+    try:
+        records, duration = await run_requests(
+            prompts, send, concurrency=concurrency,
+            request_rate=args.request_rate or math.inf, seed=args.seed,
+            on_done=lambda _: bar.update(1))
+    finally:
+        gc.unfreeze()
+        bar.close()
+    after = await _scrape_servelm(client, metrics_url) if before else None
     summary = report.summarize(records, duration, args.slo)
     summary["server"] = report.server_utilization(before, after)
-    print(report.format_table(summary))
-    if args.json_path:
-        config = _config(args, url, model, kind, len(prompts))
-        report.write_json(args.json_path, config, summary, records, t0)
-    return 0 if summary["completed"] else 1
+    return summary, records, t0, after
 
 
 def run_bench(args) -> int:

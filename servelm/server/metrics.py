@@ -73,6 +73,22 @@ class _EngineCollector:
         yield CounterMetricFamily("servelm_prefill_step_flops",
                                   "Matmul FLOPs of the prompt tokens of those steps.",
                                   value=s.stats.prefill_flops)
+        shape = getattr(self._engine.engine, "shape", None)
+        if shape is not None:
+            # The model's side of the roofline, so a client (servelm bench --plot) can draw
+            # the prediction: bytes per decode step, KV bytes per token, FLOPs per token.
+            yield GaugeMetricFamily("servelm_roofline_weight_bytes_per_step",
+                                    "Weight bytes one decode step reads.",
+                                    value=shape.weight_bytes_per_step)
+            yield GaugeMetricFamily("servelm_roofline_kv_bytes_per_token",
+                                    "KV-cache bytes of one token (KV heads only).",
+                                    value=shape.kv_bytes_per_token or 0.0)
+            yield GaugeMetricFamily("servelm_roofline_flops_per_token",
+                                    "Matmul FLOPs of one token, without attention.",
+                                    value=shape.flops_per_token(0))
+            yield GaugeMetricFamily("servelm_roofline_attention_flops_per_token_context",
+                                    "Attention FLOPs of one token per earlier token attended.",
+                                    value=shape.flops_per_token(1) - shape.flops_per_token(0))
         hw = getattr(self._engine.engine, "hardware", None)
         if hw is not None:
             yield GaugeMetricFamily("servelm_roofline_bandwidth_bytes_per_second",
