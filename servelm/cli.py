@@ -36,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="max tokens per step (longer prompts are prefilled in chunks)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
-    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (default: one per physical core)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes")
 

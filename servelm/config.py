@@ -54,7 +54,7 @@ class EngineConfig:
     dtype: str = "auto"       # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32
     device: str = "auto"
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None = physical cores
+    num_threads: int | None = None  # torch intra-op threads; None = physical cores (CPU)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

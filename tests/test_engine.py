@@ -260,3 +260,14 @@ def test_step_accounting_against_the_roofline_model(llm):
     assert st.prefill_flops - before[1] == pytest.approx(p * shape.flops_per_token(p // 2))
     assert st.decode_seconds > before[2] and st.prefill_seconds > before[3]
     assert st.decode_bandwidth > 0 and st.prefill_flops_rate > 0
+
+
+def test_default_threads_one_per_physical_core(llm):
+    import os
+
+    from servelm.engine.engine import physical_cores
+
+    n = physical_cores()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+    # The engine was built without num_threads: torch runs one thread per physical core.
+    assert torch.get_num_threads() == n

@@ -46,6 +46,23 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def physical_cores() -> int:
+    """Physical cores this process may run on: hyper-threads of one core share its vector
+    units, so matmul threads beyond one per core only contend."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return max(1, (os.cpu_count() or 2) // 2)
+    cores = set()
+    for cpu in cpus:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f1, open(f"{topo}/core_id") as f2:
+                cores.add((f1.read().strip(), f2.read().strip()))
+        except OSError:
+            cores.add(("?", str(cpu)))  # no topology: count each CPU as a core
+    return max(1, len(cores))
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 where the hardware has it (it halves the bytes each decode step reads);
@@ -96,9 +113,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if config.num_threads or self.device.type == "cpu":
+            # Default: one intra-op thread per physical core (torch may count hyper-threads).
+            torch.set_num_threads(config.num_threads or physical_cores())
         self.dtype = resolve_dtype(config.dtype, self.device)
         ckpt = open_checkpoint(config.model)
         self.model_path = ckpt.path
