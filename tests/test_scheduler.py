@@ -30,12 +30,14 @@ class Sim:
     """A tiny engine: the scheduler's step protocol with a fake model and sampler."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int = 4096, enable_caching: bool = False):
+                 max_num_batched_tokens: int = 4096, enable_caching: bool = False,
+                 admission_lookahead: int = 0):
         self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
         if max_num_seqs is None:  # the config requires a budget of a token per sequence
             max_num_seqs = min(256, max_num_batched_tokens)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens)
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      admission_lookahead=admission_lookahead)
         self.sched = Scheduler(self.config, self.bm)
         self.now = 0.0
 
@@ -224,6 +226,46 @@ def test_admission_stops_when_blocks_run_out():
     assert sim.bm.num_free_blocks == 4
     assert summary(sim.step()) == [("c", 0, 1, True)]
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in (a, b, c))
+
+
+@pytest.mark.parametrize("lookahead, admitted", [(0, ["a", "b", "c"]), (8, ["a", "b"])])
+def test_admission_keeps_the_blocks_running_requests_will_grow_into(lookahead, admitted):
+    sim = Sim(num_blocks=8, block_size=4, max_num_batched_tokens=100,
+              admission_lookahead=lookahead)
+    sim.add("a", 4, 10)  # 1 block now; 8 more tokens take 2 more
+    sim.step()
+    b = sim.add("b", 4, 10)  # 1 block, and 2 kept for its growth
+    c = sim.add("c", 4, 10)
+    out = sim.schedule()
+    running = ids(sim.sched.running)
+    assert running == admitted
+    if lookahead:
+        # 8 blocks: a holds 2 (its decode token opened a second) and keeps 2 for its next
+        # 8 tokens; b takes 1 and keeps 2; admitting c (1 + 2) would leave 2 free where
+        # a and b will need 4: c would soon force a preemption, so it waits.
+        assert c.status is RequestStatus.WAITING
+        assert sim.bm.num_free_blocks == 5
+    sim.finish_step(out)
+    sim.run_to_end()
+    assert b.num_output_tokens == c.num_output_tokens == 10
+
+
+def test_lookahead_stops_at_max_tokens_and_never_blocks_an_idle_engine():
+    # A pool that holds one 8-token request: with nothing running, admission ignores the
+    # lookahead (it would otherwise wait forever); a max_tokens=1 request reserves nothing
+    # beyond its prompt.
+    sim = Sim(num_blocks=2, block_size=4, max_num_batched_tokens=100, admission_lookahead=64)
+    a = sim.add("a", 7, 1)
+    b = sim.add("b", 1, 1)
+    out = sim.schedule()
+    assert ids(s.request for s in out.scheduled) == ["a"]  # b would take a's last block
+    sim.finish_step(out)
+    sim.run_to_end()
+    assert a.num_output_tokens == b.num_output_tokens == 1
+    sim2 = Sim(num_blocks=3, block_size=4, max_num_batched_tokens=100, admission_lookahead=64)
+    sim2.add("a", 4, 1)  # 1 block; its one output token needs no second block
+    sim2.add("b", 8, 1)  # 2 blocks
+    assert ids(s.request for s in sim2.schedule().scheduled) == ["a", "b"]
 
 
 def test_admission_is_in_arrival_order():
@@ -658,8 +700,9 @@ def check_blocks(sim: Sim) -> None:
 def test_random_workloads_keep_invariants_and_finish(caching, data):
     scenario = data.draw(scenarios(caching), label="scenario")
     block_size, num_blocks, max_num_seqs, budget, specs = scenario
+    lookahead = data.draw(st.sampled_from([0, 1, 8, 64]), label="admission_lookahead")
     sim = Sim(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-              enable_caching=caching)
+              enable_caching=caching, admission_lookahead=lookahead)
     sched, bm = sim.sched, sim.bm
     reqs: dict[str, Request] = {}
     aborted: set[str] = set()

@@ -89,7 +89,9 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(req, n))
             budget -= n
             i += 1
-        # Only admit new work when no running request had to give up its blocks.
+        # Only admit new work when no running request had to give up its blocks, and
+        # only into blocks the running requests will not need for their next tokens.
+        reserve = self._lookahead_blocks(self.running)
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
@@ -101,6 +103,13 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget)
             if not bm.can_allocate(req.request_id, num_cached + n, cached):
                 break
+            # Blocks this admission takes from the free pool: new ones, and cached ones
+            # that no one holds (they sit in the free queue until taken).
+            need = (bm.num_new_blocks(req.request_id, num_cached + n) - len(cached)
+                    + sum(1 for b in cached if bm.ref_count(b) == 0))
+            own = self._lookahead_blocks([req], num_cached + n)
+            if self.running and bm.num_free_blocks - need - own < reserve:
+                break  # the blocks are spoken for by running requests' next tokens
             self.waiting.popleft()
             bm.allocate(req.request_id, num_cached + n, cached)
             bm.record_lookup(req.num_tokens, num_cached)
@@ -112,7 +121,27 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledSeq(req, n))
             budget -= n
+            reserve += own
         return out
+
+    def _lookahead_blocks(self, reqs: list[Request], held_tokens: int | None = None) -> int:
+        """Blocks these requests will still take to finish their prompt and grow by
+        `admission_lookahead` tokens (no further than max_tokens), beyond the blocks they
+        hold (or would hold with `held_tokens`). Admission keeps them free, so that
+        admitting a request does not force a preemption, and a recompute, a few steps
+        later."""
+        h = self.config.admission_lookahead
+        if not h:
+            return 0
+        bm = self.block_manager
+        total = 0
+        for r in reqs:
+            # The last output token is sampled, never fed back: it takes no KV slot.
+            end = min(r.num_tokens + h, r.num_prompt_tokens + r.max_tokens - 1)
+            held = (len(bm.block_table(r.request_id)) if held_tokens is None
+                    else bm.num_blocks_for(held_tokens))
+            total += max(0, bm.num_blocks_for(end) - held)
+        return total
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and requeue it at the front; it is recomputed later
