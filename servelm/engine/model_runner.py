@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.layers import AttnGroup, ForwardBatch
 
@@ -46,9 +48,16 @@ def _bucket(s: SeqInput, block_size: int) -> tuple[bool, int]:
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
-                        device: torch.device) -> tuple[ForwardBatch, list[int]]:
+                        device: torch.device, kernels: bool = False
+                        ) -> tuple[ForwardBatch, list[int]]:
     """Flatten sequences into one batch, grouped for attention (see _bucket). Returns the
-    batch and, for each sampled row of the logits, the index of its sequence in `seqs`."""
+    batch and, for each sampled row of the logits, the index of its sequence in `seqs`.
+
+    With `kernels`, every single-token row (decode) comes first, in input order, and is
+    described by one padded int32 block table and its context lengths for the C++ decode
+    kernel (ragged lengths, so no grouping); only prompt chunks form padded groups."""
+    if kernels:
+        return _build_kernel_batch(seqs, block_size, num_queries_per_kv, device)
     keys = [_bucket(s, block_size) for s in seqs]
     order = sorted(range(len(seqs)), key=lambda i: keys[i])
     input_ids: list[int] = []
@@ -81,6 +90,62 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
 
     batch = ForwardBatch(input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots),
                          groups=groups, logits_indices=t(logits_indices))
+    return batch, sampled
+
+
+def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
+                        device: torch.device) -> tuple[ForwardBatch, list[int]]:
+    decodes = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+    nd = len(decodes)
+    if nd == len(seqs):
+        prompts, keys = [], []
+    else:
+        prompts = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        keys = [_bucket(seqs[i], block_size) for i in prompts]
+        prompts = [prompts[j] for j in sorted(range(len(prompts)), key=keys.__getitem__)]
+        keys.sort()
+    # Decodes: one token each, at position start_pos; metadata straight into numpy buffers.
+    lens = np.fromiter((seqs[i].start_pos + 1 for i in decodes), dtype=np.int32, count=nd)
+    input_ids = [seqs[i].token_ids[0] for i in decodes]
+    positions = (lens - 1).tolist()
+    max_blocks = (int(lens.max()) + block_size - 1) // block_size if nd else 0
+    tables = np.zeros((nd, max_blocks), dtype=np.int32)
+    slots = []
+    for r, i in enumerate(decodes):
+        s = seqs[i]
+        nb = (s.start_pos + block_size) // block_size
+        tables[r, :nb] = s.block_table[:nb]
+        slots.append(s.block_table[s.start_pos // block_size] * block_size
+                     + s.start_pos % block_size)
+    logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample]
+    sampled = [i for i in decodes if seqs[i].sample]
+    groups = []
+    start = nd
+    members: list[SeqInput] = []
+    for j, i in enumerate(prompts):
+        s = seqs[i]
+        n = len(s.token_ids)
+        input_ids += s.token_ids
+        pos = range(s.start_pos, s.start_pos + n)
+        positions += pos
+        slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
+        if s.sample:
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(i)
+        members.append(s)
+        if j + 1 == len(prompts) or keys[j + 1] != keys[j]:
+            g = _build_group(members, start, block_size, num_queries_per_kv, device)
+            groups.append(g)
+            start, members = g.end, []
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    batch = ForwardBatch(
+        input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots), groups=groups,
+        logits_indices=t(logits_indices), kernels=True, num_decodes=nd,
+        decode_block_tables=torch.from_numpy(tables).to(device),
+        decode_context_lens=torch.from_numpy(lens).to(device))
     return batch, sampled
 
 
@@ -122,12 +187,19 @@ class ModelRunner:
         self.device = device
         cfg: ModelConfig = model.config
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+        # The path is decided once: fused C++ kernels (decode attention in place over the
+        # block tables, fused norms/rotary/SiLU) on CPU when they build, else the eager
+        # PyTorch reference (CUDA, no compiler, SERVELM_NO_KERNELS=1). Tests may flip it.
+        self.use_kernels = (torch.device(device).type == "cpu"
+                            and kv_cache.data.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                            and load_ops("ops"))
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
         """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
-                                             self.num_queries_per_kv, self.device)
+                                             self.num_queries_per_kv, self.device,
+                                             kernels=self.use_kernels)
         hidden = self.model(batch, self.kv_cache.layers)
         # Only the rows that sample go through the LM head: no logits for prompt positions.
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -35,6 +35,66 @@ class ForwardBatch:
     slot_mapping: torch.Tensor    # [T] long: block_id * block_size + offset of each token's KV
     groups: list[AttnGroup]
     logits_indices: torch.Tensor  # [S] long: flat tokens whose next-token logits are needed
+    # C++ kernel path (decided once by the ModelRunner): the first `num_decodes` flat tokens
+    # are single-query rows attended by `paged_decode_attention` over these tables (ragged
+    # lengths, no padding groups); `groups` then cover only the prompt chunks after them.
+    kernels: bool = False
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
+
+
+# ---- fused CPU kernels (servelm/kernels/csrc/ops.cpp) and their PyTorch references ----------
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 whatever the weight dtype, as the reference does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    """residual += x (in place); returns rms_norm(residual)."""
+    residual.add_(x)
+    return rms_norm_ref(residual, weight, eps)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        num_heads: int, num_kv_heads: int) -> None:
+    """Rotates the q part of qkv [T, (H + 2 KVH) * D] in place; writes rotated k and v into
+    their cache slots."""
+    T, d = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q.copy_(apply_rotary(q.view(T, num_heads, d), cos, sin).view(T, -1))
+    k_cache.view(-1, num_kv_heads, d)[slot_mapping] = apply_rotary(k.view(T, num_kv_heads, d), cos, sin)
+    v_cache.view(-1, num_kv_heads, d)[slot_mapping] = v.view(T, num_kv_heads, d)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """q [B, H, D], one query per sequence attending its first context_lens[b] tokens."""
+    bs, kvh, d = k_cache.shape[1:]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        blocks = block_tables[b, :-(-n // bs)].long()
+        k = k_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)    # [KVH, n, D]
+        v = v_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)
+        qb = q[b].view(kvh, -1, d)                                       # [KVH, G, D]
+        out[b] = F.scaled_dot_product_attention(qb, k, v, scale=scale).reshape(-1, d)
+    return out
+
+
+def _ops():
+    return torch.ops.servelm_ops
 
 
 class RMSNorm(nn.Module):
@@ -43,11 +103,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the weight dtype, as the reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        if kernels:
+            return _ops().rms_norm(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kernels: bool = False
+                    ) -> torch.Tensor:
+        """residual += x (in place), then normalise it: one pass with the kernels."""
+        if kernels:
+            return _ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -135,6 +201,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if batch.kernels:
+            return self._forward_kernels(x, cos, sin, batch, kv_cache)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
@@ -152,6 +220,29 @@ class Attention(nn.Module):
                              for g in batch.groups])
         return self.o_proj(out)
 
+    def _forward_kernels(self, x, cos, sin, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        T, d = x.shape[0], self.head_dim
+        ops = _ops()
+        qkv = self.qkv_proj(x)
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        k_cache, v_cache = kv_cache
+        # Rotary on q (in place) and k, and k/v written into their slots: one pass.
+        ops.rotary_kv_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping,
+                            self.num_heads, self.num_kv_heads)
+        q = qkv[:, :self.q_size].view(T, self.num_heads, d)
+        nd = batch.num_decodes
+        outs = []
+        if nd:
+            # Decode rows read K/V in place through their block tables (ragged lengths).
+            o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache, batch.decode_block_tables,
+                                           batch.decode_context_lens, self.scale)
+            outs.append(o.view(nd, self.q_size))
+        outs += [paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
+                 for g in batch.groups]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.o_proj(out)
+
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
@@ -162,6 +253,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        if kernels:
+            gu = self.gate_up_proj(x)
+            if gu.stride(-1) != 1:
+                gu = gu.contiguous()
+            return self.down_proj(_ops().silu_and_mul(gu))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -24,6 +24,17 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, delta, residual, cos, sin, batch, kv_cache):
+        """Kernel path: residual += delta (the previous layer's MLP output, None for the first
+        layer) fused into the norms; returns this layer's MLP output and updates residual."""
+        if delta is None:
+            h = self.input_layernorm(residual, kernels=True)
+        else:
+            h = self.input_layernorm.add_forward(delta, residual, kernels=True)
+        a = self.self_attn(h, cos, sin, batch, kv_cache)
+        h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
+        return self.mlp(h, kernels=True)
+
 
 class LlamaForCausalLM(nn.Module):
     """Token ids -> hidden states over a paged KV cache; logits only where asked."""
@@ -46,6 +57,12 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states [T, hidden] of all scheduled tokens."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        if batch.kernels:
+            # The residual stream is updated in place by the fused add + RMSNorm kernels.
+            delta = None
+            for layer, kv in zip(self.layers, kv_caches):
+                delta = layer.forward_fused(delta, x, cos, sin, batch, kv)
+            return self.norm.add_forward(delta, x, kernels=True)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, batch, kv)
         return self.norm(x)

@@ -1,0 +1,140 @@
+"""Decode attention and decode step micro-benchmarks: C++ kernels vs the eager PyTorch path.
+
+    .venv/bin/python benchmarks/attention.py                 # attention + engine, bf16
+    .venv/bin/python benchmarks/attention.py --skip-engine   # attention only
+    .venv/bin/python benchmarks/attention.py --engine-context 32 1000  # long contexts too
+
+1. Decode attention for B streams x L-token contexts (SmolLM2 shape: 9 query heads, 3 KV
+   heads, head dim 64, block size 16), one layer: `paged_decode_attention` (reads K/V in place
+   through the block tables) vs the eager path (index_select gather of every block + padded
+   SDPA), blocks scattered over the pool as a long-running server leaves them.
+2. Engine decode throughput (tok/s) at batch 1 and 64 with and without kernels, in one run
+   (the same engine; the runner's path is flipped as SERVELM_NO_KERNELS=1 would set it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from servelm.engine.model_runner import SeqInput, _build_group
+from servelm.kernels import load_ops
+from servelm.models.layers import paged_attention
+
+
+def bench(fn, min_time=1.0, warmup=3):
+    for _ in range(warmup):
+        fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= min_time:
+            return el / n
+
+
+def attention(B: int, L: int, dtype: torch.dtype, bs: int = 16, kvh: int = 3, g: int = 3,
+              d: int = 64) -> dict:
+    per_seq = -(-L // bs)
+    num_blocks = B * per_seq + 16
+    k_cache = torch.randn(num_blocks, bs, kvh, d).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kvh, d).to(dtype)
+    perm = torch.randperm(num_blocks)[:B * per_seq].view(B, per_seq)
+    q = torch.randn(B, kvh * g, d).to(dtype)
+    scale = d ** -0.5
+    res = {}
+    if load_ops("ops"):
+        tables = perm.to(torch.int32).contiguous()
+        lens = torch.full((B,), L, dtype=torch.int32)
+        op = torch.ops.servelm_ops.paged_decode_attention
+        res["kernel"] = bench(lambda: op(q, k_cache, v_cache, tables, lens, scale))
+    # Eager path: one group (all the same length), built as the runner builds it.
+    seqs = [SeqInput([0], L - 1, perm[b].tolist()) for b in range(B)]
+    grp = _build_group(seqs, 0, bs, g, torch.device("cpu"))
+    res["gather+sdpa"] = bench(lambda: paged_attention(q, k_cache, v_cache, grp, scale))
+    kv_bytes = 2 * B * L * kvh * d * k_cache.element_size()
+    return {k: (v, kv_bytes / v / 1e9) for k, v in res.items()}
+
+
+def engine_decode(llm, batch: int, prompt_len: int, max_tokens: int = 64) -> float:
+    """Decode tok/s of `batch` greedy streams after their prompts are in the cache."""
+    from servelm import SamplingParams
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    base = list(range(1000, 1000 + prompt_len))
+    for i in range(batch):
+        eng.add_request(f"b{batch}-{prompt_len}-{i}-{time.monotonic_ns()}", [7 + i] + base[1:], sp)
+    # Prefill (and the first token) first; then time only steps where every stream decodes.
+    while True:
+        outs = eng.step()
+        if eng.scheduler.num_waiting == 0 and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running):
+            break
+    tokens, t0 = 0, time.perf_counter()
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        tokens += sum(1 for _ in outs)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--engine-context", type=int, nargs="*", default=[32],
+                    help="prompt lengths for the engine decode runs (e.g. 32 1000)")
+    args = ap.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    print(f"threads={torch.get_num_threads()}  kernels={'yes' if load_ops('ops') else 'NO'}")
+
+    if not args.skip_attention:
+        attention_table(args)
+    if not args.skip_engine:
+        engine_table(args)
+
+
+def attention_table(args) -> None:
+    print(f"\n# decode attention, one layer, {args.streams} streams x {args.context} tokens "
+          f"(9 q heads / 3 KV heads, d=64, block 16)")
+    print(f"{'dtype':8} {'path':12} {'ms':>8} {'GB/s of KV':>11}")
+    for dtype in (torch.bfloat16, torch.float32):
+        r = attention(args.streams, args.context, dtype)
+        for k, (t, gbs) in r.items():
+            print(f"{str(dtype).split('.')[-1]:8} {k:12} {t * 1e3:8.3f} {gbs:11.1f}")
+    for B, L in ((1, 1000), (1, 100), (64, 100)):
+        r = attention(B, L, torch.bfloat16)
+        print("bf16 B=%d L=%d: " % (B, L) + "  ".join(f"{k} {t * 1e3:.3f} ms" for k, (t, _) in r.items()))
+
+
+def engine_table(args) -> None:
+    from servelm import LLM
+    llm = LLM(dtype="bfloat16", kv_cache_memory=(5 << 29))
+    runner = llm.engine.runner
+    have = runner.use_kernels
+    paths = (True, False) if have else (False,)
+    for use in paths:  # warm-up: first calls, allocator, kernel load
+        runner.use_kernels = use
+        engine_decode(llm, 64, 32, max_tokens=8)
+    print(f"\n# engine decode, bf16 SmolLM2-135M, greedy, 64 new tokens per stream")
+    print(f"{'batch':>5} {'prompt':>6} {'kernels tok/s':>14} {'eager tok/s':>12} "
+          f"{'kernels ms/step':>16} {'eager ms/step':>14}")
+    runs = [(B, L) for L in args.engine_context for B in ((1, 64) if L <= 128 else (64,))]
+    for B, L in runs:
+        got = {}
+        for use in paths:
+            runner.use_kernels = use
+            got[use] = engine_decode(llm, B, L)
+        runner.use_kernels = have
+        k, e = got.get(True, float("nan")), got[False]
+        print(f"{B:5d} {L:6d} {k:14.1f} {e:12.1f} {B / k * 1e3:16.2f} {B / e * 1e3:14.2f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

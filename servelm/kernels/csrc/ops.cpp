@@ -1,0 +1,590 @@
+// servelm CPU kernels for the decode hot loop (namespace torch.ops.servelm_ops).
+//
+//   paged_decode_attention(q [B,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
+//                          context_lens int32 [B], scale) -> [B,H,D]
+//       One query per sequence over its first context_lens[b] cached tokens, read in place
+//       through the block table (no gather). The G = H / KVH query heads of one KV head are
+//       processed together, so each K/V row is loaded once; online softmax in fp32. Work is
+//       (sequence, KV head, context split), scheduled dynamically over OpenMP threads; long
+//       contexts are split when there are fewer (sequence, KV head) pairs than threads want.
+//   rms_norm(x [T,N], weight [N], eps) -> [T,N]
+//   fused_add_rms_norm(x [T,N], residual [T,N] (mutated: residual += x), weight, eps) -> [T,N]
+//   rotary_kv_write(qkv [T,(H+2KVH)*D] (q part rotated in place), cos, sin [T,D],
+//                   k_cache, v_cache (mutated), slot_mapping int64 [T], H, KVH) -> ()
+//   silu_and_mul(x [T,2I]) -> [T,I]
+//
+// Element-wise kernels round where the PyTorch reference rounds (e.g. bf16 RMSNorm output is
+// rounded before the weight multiply), so bf16 results stay close to the eager path.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+template <> inline float to_f<c10::BFloat16>(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+
+// Round through T (identity for float): mimics a PyTorch op that produces a T tensor.
+template <typename T> inline float round_to(float x) { return to_f<T>(from_f<T>(x)); }
+template <> inline float round_to<float>(float x) { return x; }
+
+#define SERVELM_DISPATCH(dtype, NAME, ...)                                      \
+  [&] {                                                                          \
+    if ((dtype) == at::kFloat) { using scalar_t = float; return __VA_ARGS__(); }  \
+    if ((dtype) == at::kBFloat16) { using scalar_t = c10::BFloat16; return __VA_ARGS__(); } \
+    if ((dtype) == at::kHalf) { using scalar_t = c10::Half; return __VA_ARGS__(); } \
+    TORCH_CHECK(false, NAME, ": unsupported dtype ", (dtype));                    \
+  }()
+
+constexpr int kMaxG = 32;     // query heads per KV head
+constexpr int kMaxD = 256;    // head dim
+constexpr int kTile = 32;     // keys scored at a time
+constexpr float kNegBig = -1e30f;  // not -inf: -ffast-math assumes finite values
+
+// Attend G pre-scaled fp32 queries to tokens [t0, t1) of one sequence's KV head.
+// acc [G*D] (unnormalised), m [G] (running max), l [G] (running sum) are updated.
+template <typename T, int DT>
+void attend_range(const float* qf, int G, int d_rt, const T* kc, const T* vc,
+                  int64_t blk_stride, int64_t tok_stride, int64_t head_off,
+                  const int32_t* table, int bs, int t0, int t1,
+                  float* acc, float* m, float* l) {
+  const int D = DT ? DT : d_rt;
+  alignas(64) float kf[kMaxD];
+  alignas(64) float s[kMaxG][kTile];
+  const T* krow[kTile];
+  const T* vrow[kTile];
+  for (int base = t0; base < t1; base += kTile) {
+    const int n = std::min(kTile, t1 - base);
+    for (int j = 0; j < n; ++j) {
+      const int t = base + j;
+      const int64_t off = static_cast<int64_t>(table[t / bs]) * blk_stride +
+                          static_cast<int64_t>(t % bs) * tok_stride + head_off;
+      krow[j] = kc + off;
+      vrow[j] = vc + off;
+    }
+    for (int j = 0; j < n; ++j) {
+      const T* kr = krow[j];
+      for (int d = 0; d < D; ++d) kf[d] = to_f<T>(kr[d]);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
+        s[g][j] = dot;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float mt = m[g];
+      for (int j = 0; j < n; ++j) mt = std::max(mt, s[g][j]);
+      const float alpha = std::exp(m[g] - mt);
+      float sum = 0.f;
+      for (int j = 0; j < n; ++j) {
+        const float p = std::exp(s[g][j] - mt);
+        s[g][j] = p;
+        sum += p;
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mt;
+      if (alpha != 1.f) {
+        float* ag = acc + g * D;
+        for (int d = 0; d < D; ++d) ag[d] *= alpha;
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const T* vr = vrow[j];
+      for (int d = 0; d < D; ++d) kf[d] = to_f<T>(vr[d]);
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g][j];
+        float* ag = acc + g * D;
+        for (int d = 0; d < D; ++d) ag[d] += p * kf[d];
+      }
+    }
+  }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+template <typename T> inline __m512 load16(const T* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Horizontal sums of 16 vectors at once: lane j of the result = sum of p[j]'s 16 lanes
+// (a transpose-and-add tree: ~3 instructions per vector instead of ~10 for one reduction).
+inline __m512 hsum16(const __m512* p) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// AVX-512 version of attend_range for D a multiple of 16 (known at compile time): each K/V
+// tile is converted to fp32 once, scores keep the G queries' vectors in registers, and the
+// P.V accumulation keeps each (head, 16 lanes) accumulator in a register over the tile.
+template <typename T, int D>
+void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G, const T* kc, const T* vc,
+                         int64_t blk_stride, int64_t tok_stride, int64_t head_off,
+                         const int32_t* table, int bs, int t0, int t1,
+                         float* acc, float* m, float* l) {
+  constexpr int NV = D / 16;
+  alignas(64) float kf[kTile][D];
+  alignas(64) float s[kMaxG][kTile];
+  for (int base = t0; base < t1; base += kTile) {
+    const int n = std::min(kTile, t1 - base);
+    const T* vrow[kTile];
+    const T* krow[kTile];
+    for (int j = 0; j < n; ++j) {
+      const int t = base + j;
+      const int64_t off = static_cast<int64_t>(table[t / bs]) * blk_stride +
+                          static_cast<int64_t>(t % bs) * tok_stride + head_off;
+      krow[j] = kc + off;
+      vrow[j] = vc + off;
+    }
+#if defined(__AVX512BF16__)
+    constexpr bool kDp = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
+#else
+    constexpr bool kDp = false;
+#endif
+    if constexpr (!kDp) {
+      for (int j = 0; j < n; ++j)
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(krow[j] + v * 16));
+    }
+    for (int g = 0; g < G; ++g) {
+#if defined(__AVX512BF16__)
+      if constexpr (kDp) {
+        // bf16 K and q: pairwise bf16 dot products into fp32 (products exact), scaled after.
+        constexpr int NB = D / 32;
+        __m512bh qb[NB];
+        for (int v = 0; v < NB; ++v)
+          qb[v] = (__m512bh)_mm512_loadu_si512(qraw + g * q_stride + v * 32);
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int j0 = 0; j0 < n; j0 += 16) {
+          __m512 part[16];
+          for (int jj = 0; jj < 16; ++jj) {
+            const int j = j0 + jj;
+            __m512 a = _mm512_setzero_ps();
+            if (j < n)
+              for (int v = 0; v < NB; ++v)
+                a = _mm512_dpbf16_ps(a, qb[v], (__m512bh)_mm512_loadu_si512(krow[j] + v * 32));
+            part[jj] = a;
+          }
+          _mm512_store_ps(&s[g][j0], _mm512_mul_ps(sv, hsum16(part)));
+        }
+      }
+#endif
+      if constexpr (!kDp) {
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qf + g * D + v * 16);
+      for (int j0 = 0; j0 < n; j0 += 16) {
+        __m512 part[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          const int j = j0 + jj;
+          if (j < n) {
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[j][0]));
+            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(&kf[j][v * 16]), a);
+            part[jj] = a;
+          } else {
+            part[jj] = _mm512_setzero_ps();
+          }
+        }
+        _mm512_store_ps(&s[g][j0], hsum16(part));
+      }
+      }
+      float mt = m[g];
+      for (int j = 0; j < n; ++j) mt = std::max(mt, s[g][j]);
+      const float alpha = std::exp(m[g] - mt);
+      float sum = 0.f;
+      for (int j = 0; j < n; ++j) {
+        const float p = std::exp(s[g][j] - mt);
+        s[g][j] = p;
+        sum += p;
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mt;
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int v = 0; v < NV; ++v)
+          _mm512_store_ps(acc + g * D + v * 16, _mm512_mul_ps(av, _mm512_load_ps(acc + g * D + v * 16)));
+      }
+    }
+    for (int j = 0; j < n; ++j)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(vrow[j] + v * 16));
+    for (int g = 0; g < G; ++g) {
+      __m512 a[NV];
+      for (int v = 0; v < NV; ++v) a[v] = _mm512_load_ps(acc + g * D + v * 16);
+      for (int j = 0; j < n; ++j) {
+        const __m512 p = _mm512_set1_ps(s[g][j]);
+        for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(p, _mm512_load_ps(&kf[j][v * 16]), a[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * D + v * 16, a[v]);
+    }
+  }
+}
+#endif
+
+template <typename T, int DT>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int B = q.size(0), H = q.size(1), D = q.size(2);
+  const int KVH = k_cache.size(2), bs = k_cache.size(1);
+  const int G = H / KVH;
+  const int MB = block_tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t blk_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+
+  int max_len = 0;
+  int64_t work = 0;
+  for (int b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= MB * bs, "paged_decode_attention: context_lens[", b,
+                "] = ", lens[b], " exceeds its block table (", MB, " blocks of ", bs, ")");
+    max_len = std::max(max_len, static_cast<int>(lens[b]));
+    work += static_cast<int64_t>(lens[b]) * KVH;
+  }
+  const int nthreads = std::max(1, at::get_num_threads());
+  // One work item = one sequence (all its KV heads, so each block's rows are read as one
+  // contiguous run) over a range of its context. Contexts are split when there are too few
+  // sequences to keep every thread busy; splits are combined by log-sum-exp afterwards.
+  int split = std::max(max_len, 1);
+  if (B < 4 * nthreads && max_len >= 256) {
+    const int want = (4 * nthreads + B - 1) / B;
+    split = std::max(128, (max_len + want - 1) / want);
+    split = (split + bs - 1) / bs * bs;
+  }
+  const int nsplit = (std::max(max_len, 1) + split - 1) / split;
+  const int64_t items = static_cast<int64_t>(B) * nsplit;
+  // Partial results when split: [B, nsplit, H, D + 2] (unnormalised acc, max, sum).
+  std::vector<float> part;
+  if (nsplit > 1) part.resize(static_cast<size_t>(items) * H * (D + 2));
+
+  auto run_item = [&](int64_t it) {
+    const int b = it / nsplit, sp = it % nsplit;
+    const int len = lens[b];
+    const int t0 = sp * split, t1 = std::min(len, t0 + split);
+    if (t0 >= t1 && nsplit > 1) {  // beyond this sequence's end: an empty partial
+      float* p = part.data() + static_cast<size_t>(it) * H * (D + 2);
+      for (int hg = 0; hg < H; ++hg) { p[hg * (D + 2) + D] = kNegBig; p[hg * (D + 2) + D + 1] = 0.f; }
+      return;
+    }
+    std::vector<float> buf(static_cast<size_t>(2 * H * D + 2 * H) + 16);
+    float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    float* acc = qf + H * D;
+    float* m = acc + H * D;
+    float* l = m + H;
+    const T* qb = qp + b * qs0;
+    for (int hg = 0; hg < H; ++hg) {
+      for (int d = 0; d < D; ++d) qf[hg * D + d] = to_f<T>(qb[hg * qs1 + d]) * sc;
+      m[hg] = kNegBig;
+      l[hg] = 0.f;
+    }
+    std::fill(acc, acc + H * D, 0.f);
+    const int32_t* table = tables + static_cast<int64_t>(b) * MB;
+    const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(T));
+    for (int base = t0; base < t1; base += kTile) {
+      const int end = std::min(t1, base + kTile);
+      // Blocks are scattered, so the hardware prefetcher stalls at each block boundary:
+      // prefetch the K/V rows (all heads, contiguous within a block) two tiles ahead.
+      for (int t = base == t0 ? end : std::min(t1, end + kTile), stop = std::min(t1, end + 2 * kTile);
+           t < stop;) {
+        const int in_blk = std::min(stop - t, bs - t % bs);
+        const int64_t off = static_cast<int64_t>(table[t / bs]) * blk_stride +
+                            static_cast<int64_t>(t % bs) * tok_stride;
+        const char* kp = reinterpret_cast<const char*>(kc + off);
+        const char* vp = reinterpret_cast<const char*>(vc + off);
+        for (int64_t x = 0, n = in_blk * row_bytes; x < n; x += 64) {
+          __builtin_prefetch(kp + x);
+          __builtin_prefetch(vp + x);
+        }
+        t += in_blk;
+      }
+      for (int h = 0; h < KVH; ++h) {
+        const int hg = h * G;
+#ifdef __AVX512F__
+        if constexpr (DT != 0 && DT % 16 == 0) {
+          attend_range_avx512<T, DT>(qf + hg * D, qb + hg * qs1, qs1, sc, G, kc, vc, blk_stride,
+                                     tok_stride, static_cast<int64_t>(h) * D, table, bs, base, end,
+                                     acc + hg * D, m + hg, l + hg);
+          continue;
+        }
+#endif
+        attend_range<T, DT>(qf + hg * D, G, D, kc, vc, blk_stride, tok_stride,
+                            static_cast<int64_t>(h) * D, table, bs, base, end,
+                            acc + hg * D, m + hg, l + hg);
+      }
+    }
+    if (nsplit == 1) {
+      for (int hg = 0; hg < H; ++hg) {
+        T* o = op + (static_cast<int64_t>(b) * H + hg) * D;
+        const float inv = l[hg] > 0.f ? 1.f / l[hg] : 0.f;
+        for (int d = 0; d < D; ++d) o[d] = from_f<T>(acc[hg * D + d] * inv);
+      }
+    } else {
+      float* p = part.data() + static_cast<size_t>(it) * H * (D + 2);
+      for (int hg = 0; hg < H; ++hg) {
+        std::memcpy(p + hg * (D + 2), acc + hg * D, sizeof(float) * D);
+        p[hg * (D + 2) + D] = m[hg];
+        p[hg * (D + 2) + D + 1] = l[hg];
+      }
+    }
+  };
+
+  // Tiny problems (one short sequence) run on the calling thread: a parallel region would
+  // cost more than the work, and much more when other processes hold the cores.
+  if (items == 1 || nthreads == 1 || work < 1024) {
+    for (int64_t it = 0; it < items; ++it) run_item(it);
+  } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t it = 0; it < items; ++it) run_item(it);
+  }
+
+  if (nsplit > 1) {
+    for (int b = 0; b < B; ++b) {
+      for (int hg = 0; hg < H; ++hg) {
+        float mx = kNegBig;
+        for (int sp = 0; sp < nsplit; ++sp)
+          mx = std::max(mx, part[((static_cast<size_t>(b) * nsplit + sp) * H + hg) * (D + 2) + D]);
+        float L = 0.f;
+        alignas(64) float o[kMaxD];
+        std::fill(o, o + D, 0.f);
+        for (int sp = 0; sp < nsplit; ++sp) {
+          const float* p = part.data() + ((static_cast<size_t>(b) * nsplit + sp) * H + hg) * (D + 2);
+          if (p[D + 1] == 0.f) continue;
+          const float w = std::exp(p[D] - mx);
+          L += p[D + 1] * w;
+          for (int d = 0; d < D; ++d) o[d] += p[d] * w;
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        T* dst = op + (static_cast<int64_t>(b) * H + hg) * D;
+        for (int d = 0; d < D; ++d) dst[d] = from_f<T>(o[d] * inv);
+      }
+    }
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B,H,D], last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "paged_decode_attention: caches must be contiguous [NB,BS,KVH,D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
+              "paged_decode_attention: block_tables must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "paged_decode_attention: context_lens must be contiguous int32 [B]");
+  const int H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H / KVH <= kMaxG && D <= kMaxD,
+              "paged_decode_attention: unsupported head layout");
+  auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return out;
+  SERVELM_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+    if (D == 64) decode_attention_impl<scalar_t, 64>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+    else if (D == 128) decode_attention_impl<scalar_t, 128>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+    else decode_attention_impl<scalar_t, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+  });
+  return out;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* y, int64_t N, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < N; ++i) { const float v = to_f<T>(x[i]); ss += v * v; }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+  for (int64_t i = 0; i < N; ++i)
+    y[i] = from_f<T>(to_f<T>(w[i]) * round_to<T>(to_f<T>(x[i]) * r));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [T,N] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              name, ": weight must be contiguous [N] of x's dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
+  SERVELM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) rms_row<scalar_t>(xp + t * xs, wp, yp + t * N, N, (float)eps);
+    });
+  });
+  return y;
+}
+
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                              double eps) {
+  check_rows(x, weight, "fused_add_rms_norm");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual must be contiguous, shaped and typed like x");
+  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
+  SERVELM_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        scalar_t* r = rp + t * N;
+        const scalar_t* xr = xp + t * xs;
+        for (int64_t i = 0; i < N; ++i) r[i] = from_f<scalar_t>(to_f<scalar_t>(r[i]) + to_f<scalar_t>(xr[i]));
+        rms_row<scalar_t>(r, wp, yp + t * N, N, (float)eps);
+      }
+    });
+  });
+  return y;
+}
+
+// ---- rotary + KV cache write ------------------------------------------------------------------
+
+void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                     int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_kv_write: qkv must be [T, W] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "rotary_kv_write: caches must be contiguous [NB,BS,KVH,D]");
+  const int64_t T_ = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "rotary_kv_write: qkv width does not match the heads");
+  TORCH_CHECK(D % 2 == 0, "rotary_kv_write: odd head dim");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T_ && cos.size(1) == D && cos.is_contiguous() &&
+                  sin.is_contiguous() && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rotary_kv_write: cos/sin must be contiguous [T, D] of qkv's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == T_,
+              "rotary_kv_write: slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "rotary_kv_write: caches must share qkv's dtype");
+  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < nslots, "rotary_kv_write: slot out of range");
+  const int64_t half = D / 2, H = num_heads, KVH = num_kv_heads, rs = qkv.stride(0);
+  SERVELM_DISPATCH(qkv.scalar_type(), "rotary_kv_write", [&] {
+    scalar_t* qp = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, T_, 16, [&](int64_t a, int64_t b) {
+      float c[kMaxD], s[kMaxD];
+      for (int64_t t = a; t < b; ++t) {
+        for (int64_t i = 0; i < D; ++i) { c[i] = to_f<scalar_t>(cp[t * D + i]); s[i] = to_f<scalar_t>(sp[t * D + i]); }
+        scalar_t* row = qp + t * rs;
+        auto rotate = [&](const scalar_t* x, scalar_t* y) {  // y may alias x
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_f<scalar_t>(x[i]), x2 = to_f<scalar_t>(x[i + half]);
+            // As the reference rounds: x*cos and rotated*sin are separate T tensors, then summed.
+            const float a1 = round_to<scalar_t>(x1 * c[i]), b1 = round_to<scalar_t>(-x2 * s[i]);
+            const float a2 = round_to<scalar_t>(x2 * c[i + half]), b2 = round_to<scalar_t>(x1 * s[i + half]);
+            y[i] = from_f<scalar_t>(a1 + b1);
+            y[i + half] = from_f<scalar_t>(a2 + b2);
+          }
+        };
+        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, row + h * D);
+        scalar_t* kdst = kc + slots[t] * KVH * D;
+        scalar_t* vdst = vc + slots[t] * KVH * D;
+        const scalar_t* ksrc = row + H * D;
+        const scalar_t* vsrc = row + (H + KVH) * D;
+        for (int64_t h = 0; h < KVH; ++h) rotate(ksrc + h * D, kdst + h * D);
+        std::memcpy(vdst, vsrc, sizeof(scalar_t) * KVH * D);
+      }
+    });
+  });
+}
+
+// ---- SiLU and mul -------------------------------------------------------------------------------
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [T, 2I] with contiguous rows");
+  const int64_t T_ = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  auto y = at::empty({T_, I}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  SERVELM_DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        const scalar_t* g = xp + t * xs;
+        const scalar_t* u = g + I;
+        scalar_t* o = yp + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float gv = to_f<scalar_t>(g[i]);
+          const float sv = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
+          o[i] = from_f<scalar_t>(sv * to_f<scalar_t>(u[i]));
+        }
+      }
+    });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_ops, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_kv_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_kv_write", &rotary_kv_write);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,163 @@
+"""C++ CPU kernels (servelm/kernels/csrc/ops.cpp) against their PyTorch references, and the
+engine with kernels against the eager reference path (greedy tokens identical in fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.engine.model_runner import SeqInput, build_forward_batch
+from servelm.kernels import load_ops
+from servelm.models.layers import (fused_add_rms_norm_ref, paged_decode_attention_ref,
+                                   rms_norm_ref, rotary_kv_write_ref, silu_and_mul_ref)
+
+pytestmark = pytest.mark.skipif(not load_ops("ops"), reason="servelm C++ kernels unavailable")
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=3e-3, rtol=3e-3)}
+LENS = [1, 15, 16, 17, 1000]
+
+
+def ops():
+    return torch.ops.servelm_ops
+
+
+def _paged_setup(lens, kvh, g, d, bs, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, not contiguous
+    max_blocks = max(need) + 1                                 # wider than any row needs
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, nb in enumerate(need):
+        tables[b, :nb] = torch.tensor(perm[used:used + nb], dtype=torch.int32)
+        used += nb
+    q = torch.randn(len(lens), kvh * g, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("lens", [LENS, [1000], [17], [300, 5]])
+def test_paged_decode_attention_matches_reference(dtype, g, lens):
+    q, kc, vc, tables, cl = _paged_setup(lens, kvh=3, g=g, d=64, bs=16, dtype=dtype)
+    scale = 64 ** -0.5
+    got = ops().paged_decode_attention(q, kc, vc, tables, cl, scale)
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, cl, scale)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+def test_paged_decode_attention_strided_q_and_other_head_dim():
+    # q as a view into a wider row (as qkv[:, :q_size] is), head dim 128, block size 32.
+    q, kc, vc, tables, cl = _paged_setup([5, 40, 700], kvh=2, g=4, d=128, bs=32,
+                                         dtype=torch.float32, seed=1)
+    wide = torch.randn(3, q.shape[1] * 128 + 100)
+    wide[:, :q.shape[1] * 128] = q.reshape(3, -1)
+    qv = wide[:, :q.shape[1] * 128].view(3, q.shape[1], 128)
+    got = ops().paged_decode_attention(qv, kc, vc, tables, cl, 0.1)
+    want = paged_decode_attention_ref(q, kc, vc, tables, cl, 0.1)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_norms_and_silu_match_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    res = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    tol = TOL[dtype]
+    torch.testing.assert_close(ops().rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **tol)
+    r1, r2 = res.clone(), res.clone()
+    y1 = ops().fused_add_rms_norm(x, r1, w, 1e-5)
+    y2 = fused_add_rms_norm_ref(x, r2, w, 1e-5)
+    assert torch.equal(r1, r2)  # the residual add rounds exactly as the eager add
+    torch.testing.assert_close(y1, y2, **tol)
+    gu = torch.randn(rows, 2 * 1536, generator=gen).to(dtype)
+    torch.testing.assert_close(ops().silu_and_mul(gu), silu_and_mul_ref(gu), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,kvh", [(9, 3), (4, 4)])
+def test_rotary_kv_write_matches_reference(dtype, h, kvh):
+    gen = torch.Generator().manual_seed(3)
+    T, d, nb, bs = 7, 64, 6, 16
+    qkv = torch.randn(T, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    ang = torch.rand(T, d // 2, generator=gen) * 50
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:T]
+    kc1, vc1 = torch.zeros(nb, bs, kvh, d, dtype=dtype), torch.zeros(nb, bs, kvh, d, dtype=dtype)
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    q1, q2 = qkv.clone(), qkv.clone()
+    ops().rotary_kv_write(q1, cos, sin, kc1, vc1, slots, h, kvh)
+    rotary_kv_write_ref(q2, cos, sin, kc2, vc2, slots, h, kvh)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q1, q2, **tol)
+    torch.testing.assert_close(kc1, kc2, **tol)
+    assert torch.equal(vc1, vc2)
+
+
+def test_kernel_batch_puts_decodes_first_with_ragged_tables():
+    bs = 16
+    seqs = [SeqInput([8, 9, 10], 0, [300]),                  # a 3-token prompt
+            SeqInput([5], 19, [0, 1]),                       # context 20
+            SeqInput([6], 1999, list(range(10, 135))),       # context 2000
+            SeqInput(list(range(20)), 16, [7, 8, 9], sample=False)]  # chunk, no logits
+    batch, sampled = build_forward_batch(seqs, bs, 3, torch.device("cpu"), kernels=True)
+    assert batch.kernels and batch.num_decodes == 2
+    assert batch.decode_context_lens.tolist() == [20, 2000]
+    assert batch.decode_block_tables.dtype == torch.int32
+    assert batch.decode_block_tables.shape == (2, 125)
+    assert batch.decode_block_tables[0, :3].tolist() == [0, 1, 0]
+    assert batch.input_ids.tolist()[:2] == [5, 6]
+    assert batch.slot_mapping.tolist()[:2] == [1 * bs + 3, 134 * bs + 15]
+    assert [(g.start, g.end) for g in batch.groups] == [(2, 5), (5, 25)]
+    assert sampled == [1, 2, 0] and batch.logits_indices.tolist() == [0, 1, 4]
+
+
+# ---- end to end: kernels vs the eager reference on the same engine ------------------------------
+
+def _greedy(llm, prompts, n):
+    from servelm import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+
+def _runner(llm):
+    return llm.engine.runner
+
+
+def test_fp32_engine_with_kernels_matches_eager_greedy(llm):
+    from tests.conftest import TEXT_PROMPTS
+    runner = _runner(llm)
+    if not runner.use_kernels:
+        pytest.skip("engine runs without kernels")
+    long_prompt = " ".join(TEXT_PROMPTS) * 8  # a few hundred tokens: several blocks
+    prompts = TEXT_PROMPTS[:3] + [long_prompt]
+    got = _greedy(llm, prompts, 12)
+    runner.use_kernels = False
+    try:
+        want = _greedy(llm, prompts, 12)
+    finally:
+        runner.use_kernels = True
+    assert got == want
+
+
+def test_fp32_chunked_prefill_mixed_steps_match_eager(gguf_path):
+    from servelm import LLM
+    from tests.conftest import TEXT_PROMPTS
+    # A small token budget: the long prompt is prefilled in chunks while others decode.
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=64,
+              max_num_seqs=8)
+    runner = _runner(llm)
+    if not runner.use_kernels:
+        pytest.skip("engine runs without kernels")
+    prompts = [TEXT_PROMPTS[0], " ".join(TEXT_PROMPTS) * 4, TEXT_PROMPTS[3]]
+    got = _greedy(llm, prompts, 10)
+    runner.use_kernels = False
+    want = _greedy(llm, prompts, 10)
+    assert got == want
