@@ -1,0 +1,377 @@
+// Weight-only int8 / int4 linear layers for x86 CPUs with AVX-512 and AVX512-BF16.
+//
+//   int4_linear(x, qweight, scales, mins, group_size, out_features, bias?) -> y
+//   int8_linear(x, qweight, scales, out_features, bias?) -> y
+// x: [..., K] float32 or bfloat16; y: [..., N] in x's dtype; bias: [N] or None.
+// Formats (packed by servelm/quantization.py; layouts next to each kernel below):
+//   int4: w = s * q + m, q in 0..15, s/m float16 per group of G inputs, 16-row tiles.
+//   int8: w = scale * q, q in -127..127, fp32 scale per row, 16-row tiles.
+//
+// The weight is streamed once per (up to 6 / 4) activation rows and decoded in registers:
+// a nibble q becomes the bf16 value 128 + q with one OR (bf16 0x4300 is 128.0 and its last
+// mantissa bit is worth 1), vdpbf16ps multiplies 16 rows x a k-pair by a broadcast
+// activation pair (products exact in fp32, 16 output rows in the 16 lanes, so no
+// horizontal sums), and the +128 is removed with the group's sum of x. fp32 activations are
+// split into bf16 hi + lo parts, so fp32 results stay accurate (~1e-5 relative for int4,
+// ~1e-4 for int8). Output tiles are split over the torch (OpenMP) threads.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/all.h>
+
+#include <type_traits>
+#include <vector>
+
+// Built with -march=native: on a CPU without these the file compiles to nothing, no op is
+// registered, and servelm.quantization uses its PyTorch paths.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+
+namespace {
+
+// ---------------------------------------------------------------- int4 (tiled)
+
+// Tile layout: output rows in tiles of 16; tile t is K/8 blocks of 64 bytes; block b holds
+// k = 8b..8b+7 as 32 uint16 lanes L = 2r + e (row r of the tile, e = 0/1), whose nibble j
+// (bits 4j..4j+3) is q[16t + r][8b + 2j + e]. Decoding nibble j of every lane gives a vector
+// of 32 bf16 = 16 rows x the k-pair (8b+2j, 8b+2j+1): exactly what vdpbf16ps multiplies by a
+// broadcast activation pair, accumulating 16 output rows in the 16 fp32 lanes (no
+// horizontal sums). Scales/mins: [N/16, K/G, 16] float16.
+//
+// xh/xl: bf16 activations [M, K] (xl: the low part of fp32 ones, only when SPLIT);
+// xs: fp32 group sums [M, K/G]. Writes rows [m0, m0+MT) of out [M, N] for tiles [t0, t1).
+template <int MT, bool SPLIT, typename OutT>
+void int4_tiles(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
+                const c10::BFloat16* xh, const c10::BFloat16* xl, const float* xs,
+                const float* bias, OutT* out, int64_t m0, int64_t N, int64_t K, int64_t G,
+                int64_t t0, int64_t t1) {
+  constexpr int CH = MT <= 2 ? 4 : 2;  // independent dpbf16 chains per activation row
+  const int64_t ng = K / G, bpg = G / 8;
+  const __m512i nib = _mm512_set1_epi16(0x000F);
+  const __m512i b128 = _mm512_set1_epi16(0x4300);
+  const __m512 m128 = _mm512_set1_ps(-128.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = qw + t * 8 * K;
+    const c10::Half* st = sc + t * ng * 16;
+    const c10::Half* mt = mn + t * ng * 16;
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + 16 * g)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + 16 * g)));
+      const __m512 ov = _mm512_fmadd_ps(sv, m128, mv);  // m - 128 s: removes the +128 of the decode
+      __m512 tc[MT][CH];
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xs[(m0 + m) * ng + g]), acc[m]);
+        for (int c = 0; c < CH; ++c) tc[m][c] = _mm512_setzero_ps();
+      }
+      for (int64_t b = 0; b < bpg; ++b) {
+        const int64_t blk = g * bpg + b, k0 = 8 * blk;
+        _mm_prefetch(reinterpret_cast<const char*>(wt + 64 * blk) + 2048, _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wt + 64 * blk);
+        __m512bh d[4];
+        d[0] = (__m512bh)_mm512_ternarylogic_epi32(v, nib, b128, 0xEA);
+        d[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, b128, 0xEA);
+        d[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nib, b128, 0xEA);
+        d[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), b128);
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* xp = reinterpret_cast<const int32_t*>(xh + (m0 + m) * K + k0);
+          for (int j = 0; j < 4; ++j)
+            tc[m][j % CH] = _mm512_dpbf16_ps(tc[m][j % CH], d[j], (__m512bh)_mm512_set1_epi32(xp[j]));
+          if constexpr (SPLIT) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(xl + (m0 + m) * K + k0);
+            for (int j = 0; j < 4; ++j)
+              tc[m][(j + 1) % CH] = _mm512_dpbf16_ps(tc[m][(j + 1) % CH], d[j], (__m512bh)_mm512_set1_epi32(xq[j]));
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        __m512 sum = tc[m][0];
+        for (int c = 1; c < CH; ++c) sum = _mm512_add_ps(sum, tc[m][c]);
+        acc[m] = _mm512_fmadd_ps(sum, sv, acc[m]);
+      }
+    }
+    const int64_t n0 = 16 * t;
+    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      const __m512 r = _mm512_add_ps(acc[m], bv);
+      OutT* o = out + (m0 + m) * N + n0;
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(o, mk, r);
+      else
+        _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
+    }
+  }
+}
+
+constexpr int kMaxRows4 = 6;  // activation rows per pass over a weight tile
+
+template <bool SPLIT, typename OutT>
+void int4_run(int64_t G, const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
+              const c10::BFloat16* xh, const c10::BFloat16* xl, const float* xs,
+              const float* bias, OutT* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (N + 15) / 16;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    // A few tiles at a time, so each stays in L1 while every activation row uses it.
+    for (int64_t tb = t0; tb < t1; tb += 2) {
+      const int64_t te = std::min(tb + 2, t1);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows4) {
+        switch (std::min<int64_t>(kMaxRows4, M - m0)) {
+          case 1: int4_tiles<1, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+          case 2: int4_tiles<2, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+          case 3: int4_tiles<3, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+          case 4: int4_tiles<4, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+          case 5: int4_tiles<5, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+          default: int4_tiles<6, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+        }
+      }
+    }
+  });
+}
+
+void check_int4(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+                int64_t N, int64_t group_size, int64_t K) {
+  TORCH_CHECK(qweight.device().is_cpu(), "servelm_quant: CPU tensors only");
+  TORCH_CHECK(group_size >= 8 && group_size % 8 == 0 && K % group_size == 0,
+              "int4 group_size must be a multiple of 8 dividing K=", K, ", got ", group_size);
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.numel() == tiles * 8 * K,
+              "int4 qweight must be contiguous uint8 with ceil(N/16)*8*K elements (tiled layout)");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() &&
+                    t->numel() == tiles * 16 * (K / group_size),
+                "int4 scales/mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
+}
+
+// Per-call scratch (activation copies, group sums), kept per calling thread: a decode step
+// makes ~120 calls, so no ATen ops or heap allocations on the way in.
+struct Scratch {
+  std::vector<float> xf, xs, bias;
+  std::vector<c10::BFloat16> xh, xl;
+};
+Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, Scratch& s) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "bias must be contiguous with ", N, " elements");
+  if (bias->scalar_type() == at::kFloat) return bias->data_ptr<float>();
+  at::Tensor b = bias->to(at::kFloat);
+  s.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
+  return s.bias.data();
+}
+
+// Activations as the kernels read them: bf16 (fp32 ones split into bf16 hi + lo) and fp32
+// sums over each group of G inputs.
+struct Acts {
+  const c10::BFloat16* xh;
+  const c10::BFloat16* xl;
+  const float* xs;
+};
+
+Acts prepare(const at::Tensor& x, int64_t M, int64_t K, int64_t G, Scratch& S) {
+  const int64_t ng = K / G;
+  S.xs.resize(M * ng);
+  if (x.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * ng; ++i) {
+      float a = 0.f;
+      for (int64_t k = 0; k < G; ++k) a += static_cast<float>(xp[i * G + k]);
+      S.xs[i] = a;
+    }
+    return {xp, nullptr, S.xs.data()};
+  }
+  const float* xp = x.data_ptr<float>();
+  S.xh.resize(M * K);
+  S.xl.resize(M * K);
+  for (int64_t i = 0; i < M * ng; ++i) {
+    float a = 0.f;
+    for (int64_t k = 0; k < G; ++k) {
+      const int64_t j = i * G + k;
+      const c10::BFloat16 h(xp[j]);
+      S.xh[j] = h;
+      S.xl[j] = c10::BFloat16(xp[j] - static_cast<float>(h));
+      a += xp[j];
+    }
+    S.xs[i] = a;
+  }
+  return {S.xh.data(), S.xl.data(), S.xs.data()};
+}
+
+at::Tensor make_out(const at::Tensor& x_in, int64_t K, int64_t N, at::Tensor& x, int64_t& M) {
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "servelm_quant kernels take float32 or bfloat16 activations, got ", dtype);
+  x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  M = x.numel() / K;
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  return at::empty(out_shape, x.options());
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t group_size, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t K = x_in.size(-1);
+  check_int4(qweight, scales, mins, N, group_size, K);
+  at::Tensor x;
+  int64_t M;
+  at::Tensor out = make_out(x_in, K, N, x, M);
+  if (M == 0) return out;
+  Scratch& S = scratch();
+  const float* bp = bias_ptr(bias, N, S);
+  const Acts a = prepare(x, M, K, group_size, S);
+  const auto* qw = qweight.data_ptr<uint8_t>();
+  const auto* sc = scales.data_ptr<c10::Half>();
+  const auto* mn = mins.data_ptr<c10::Half>();
+  if (x.scalar_type() == at::kBFloat16)
+    int4_run<false>(group_size, qw, sc, mn, a.xh, nullptr, a.xs, bp, out.data_ptr<c10::BFloat16>(), M, N, K);
+  else
+    int4_run<true>(group_size, qw, sc, mn, a.xh, a.xl, a.xs, bp, out.data_ptr<float>(), M, N, K);
+  return out;
+}
+
+// ---------------------------------------------------------------- int8 (tiled)
+
+// The int4 scheme twice: u = q + 128 (0..255) is split into nibbles, u = 16 h + l, each decoded
+// to the bf16 value 128 + nibble. Tile t (16 rows) is K/4 blocks of 64 bytes; block b holds
+// k = 4b..4b+3 as 32 uint16 lanes L = 2r + e: low byte u[16t + r][4b + e], high byte
+// u[16t + r][4b + 2 + e]. Then sum_k w x = s (16 T_h + T_l - 2304 sum_k x), where T_h, T_l
+// are the dot products of the decoded high and low nibbles (2304 = 17 * 128 + 128).
+template <int MT, bool SPLIT, typename OutT>
+void int8_tiles(const uint8_t* qw, const float* sc, const c10::BFloat16* xh,
+                const c10::BFloat16* xl, const float* xs, const float* bias, OutT* out,
+                int64_t m0, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const __m512i nib = _mm512_set1_epi16(0x000F);
+  const __m512i b128 = _mm512_set1_epi16(0x4300);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = qw + t * 16 * K;
+    constexpr int NC = 2;  // independent chains per row (dpbf16 latency)
+    __m512 tl[MT][NC], th[MT][NC];
+    for (int m = 0; m < MT; ++m)
+      for (int c = 0; c < NC; ++c) tl[m][c] = th[m][c] = _mm512_setzero_ps();
+    // Block b accumulates into chain C (compile-time, so the accumulators stay in registers).
+    auto step = [&](int64_t b, auto chain) {
+      constexpr int C = decltype(chain)::value % NC, C1 = (C + 1) % NC;
+      _mm_prefetch(reinterpret_cast<const char*>(wt + 64 * b) + 2048, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(wt + 64 * b);
+      const __m512bh d0 = (__m512bh)_mm512_ternarylogic_epi32(v, nib, b128, 0xEA);
+      const __m512bh d1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, b128, 0xEA);
+      const __m512bh d2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nib, b128, 0xEA);
+      const __m512bh d3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), b128);
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(xh + (m0 + m) * K + 4 * b);
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(xp[0]), x1 = (__m512bh)_mm512_set1_epi32(xp[1]);
+        tl[m][C] = _mm512_dpbf16_ps(tl[m][C], d0, x0);
+        th[m][C] = _mm512_dpbf16_ps(th[m][C], d1, x0);
+        tl[m][C] = _mm512_dpbf16_ps(tl[m][C], d2, x1);
+        th[m][C] = _mm512_dpbf16_ps(th[m][C], d3, x1);
+        if constexpr (SPLIT) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(xl + (m0 + m) * K + 4 * b);
+          const __m512bh y0 = (__m512bh)_mm512_set1_epi32(xq[0]), y1 = (__m512bh)_mm512_set1_epi32(xq[1]);
+          tl[m][C1] = _mm512_dpbf16_ps(tl[m][C1], d0, y0);
+          th[m][C1] = _mm512_dpbf16_ps(th[m][C1], d1, y0);
+          tl[m][C1] = _mm512_dpbf16_ps(tl[m][C1], d2, y1);
+          th[m][C1] = _mm512_dpbf16_ps(th[m][C1], d3, y1);
+        }
+      }
+    };
+    const int64_t nb = K / 4;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      step(b, std::integral_constant<int, 0>{});
+      step(b + 1, std::integral_constant<int, 1>{});
+    }
+    if (b < nb) step(b, std::integral_constant<int, 0>{});
+    const int64_t n0 = 16 * t;
+    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    const __m512 sv = _mm512_loadu_ps(sc + n0);  // scales are padded to the tile
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      __m512 h = th[m][0], l = tl[m][0];
+      if constexpr (NC == 2) {
+        h = _mm512_add_ps(h, th[m][1]);
+        l = _mm512_add_ps(l, tl[m][1]);
+      }
+      __m512 r = _mm512_fmadd_ps(h, _mm512_set1_ps(16.0f), l);
+      r = _mm512_fmadd_ps(_mm512_set1_ps(-2304.0f), _mm512_set1_ps(xs[m0 + m]), r);
+      r = _mm512_fmadd_ps(r, sv, bv);
+      OutT* o = out + (m0 + m) * N + n0;
+      if constexpr (std::is_same_v<OutT, float>)
+        _mm512_mask_storeu_ps(o, mk, r);
+      else
+        _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
+    }
+  }
+}
+
+template <bool SPLIT, typename OutT>
+void int8_run(const uint8_t* qw, const float* sc, const c10::BFloat16* xh, const c10::BFloat16* xl,
+              const float* xs, const float* bias, OutT* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (N + 15) / 16;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tb = t0; tb < t1; ++tb) {
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: int8_tiles<1, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+          case 2: int8_tiles<2, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+          case 3: int8_tiles<3, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+          default: int8_tiles<4, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+        }
+      }
+    }
+  });
+}
+
+void check_int8(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, int64_t K) {
+  TORCH_CHECK(qweight.device().is_cpu(), "servelm_quant: CPU tensors only");
+  TORCH_CHECK(K % 4 == 0, "int8 kernel needs K (in_features) divisible by 4, got ", K);
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.numel() == tiles * 16 * K,
+              "int8 qweight must be contiguous uint8 with ceil(N/16)*16*K elements (tiled layout)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == tiles * 16,
+              "int8 scales must be contiguous float32 with ceil(N/16)*16 elements");
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t N, const std::optional<at::Tensor>& bias) {
+  const int64_t K = x_in.size(-1);
+  check_int8(qweight, scales, N, K);
+  at::Tensor x;
+  int64_t M;
+  at::Tensor out = make_out(x_in, K, N, x, M);
+  if (M == 0) return out;
+  Scratch& S = scratch();
+  const float* bp = bias_ptr(bias, N, S);
+  const Acts a = prepare(x, M, K, K, S);
+  const auto* qw = qweight.data_ptr<uint8_t>();
+  const auto* sc = scales.data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16)
+    int8_run<false>(qw, sc, a.xh, nullptr, a.xs, bp, out.data_ptr<c10::BFloat16>(), M, N, K);
+  else
+    int8_run<true>(qw, sc, a.xh, a.xl, a.xs, bp, out.data_ptr<float>(), M, N, K);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_quant, m) {
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int out_features, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
+        "int out_features, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelm_quant, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+}
+
+#endif  // AVX-512 BF16

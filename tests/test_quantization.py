@@ -1,0 +1,269 @@
+"""Weight-only int8 / int4: formats, C++ kernels against PyTorch, the module swap, the
+engine end to end, and quality against fp32 (KL divergence and perplexity on a shipped text)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm import quantization as Q
+from servelm.config import EngineConfig
+from servelm.sampling_params import SamplingParams
+from helpers import prompt_logits
+
+TEXT = (Path(__file__).parent / "data" / "prose.txt").read_text()
+
+needs_kernels = pytest.mark.skipif(not Q.kernels_available(),
+                                   reason="servelm C++ quant kernels not built here")
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------- formats
+
+def test_int8_roundtrip():
+    w = torch.randn(40, 96)
+    q, s = Q.quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (40,)
+    err = (Q.dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_roundtrip_and_packing(group):
+    torch.manual_seed(0)
+    w = torch.randn(24, 256)  # 24 rows: two tiles of 16, the second padded
+    q, s, m = Q.quantize_int4(w, group)
+    assert q.shape == (2, 8 * 256) and q.dtype == torch.uint8
+    assert s.shape == m.shape == (2, 256 // group, 16) and s.dtype == torch.float16
+    codes = Q.unpack_int4(q, 24)
+    assert codes.shape == (24, 256) and int(codes.max()) <= 15
+    # Tiled layout: block b of tile t is 32 uint16 lanes L = 2r + e; nibble j = q[16t+r, 8b+2j+e].
+    lanes = q.reshape(2, 32, 32, 2).to(torch.int32)
+    lane = lanes[..., 0] | (lanes[..., 1] << 8)  # t, b, L
+    for t, b, r, e, j in [(0, 0, 0, 0, 0), (0, 3, 5, 1, 2), (1, 31, 7, 1, 3), (1, 2, 3, 0, 1)]:
+        assert (lane[t, b, 2 * r + e] >> (4 * j)) & 15 == codes[16 * t + r, 8 * b + 2 * j + e]
+    assert torch.equal(Q._pack_tiles(Q.unpack_int4(q).to(torch.int32)), q)
+    err = (Q.dequantize_int4(q, s, m, group, 24) - w).abs().reshape(24, -1, group)
+    sc = s.float().transpose(1, 2).reshape(32, -1)[:24]
+    assert (err <= sc[..., None] * 0.51 + 1e-3).all()
+
+
+def test_int8_packing_roundtrip():
+    q, s = Q.quantize_int8(torch.randn(21, 36))
+    p, ps = Q.pack_int8(q, s)
+    assert p.shape == (2, 16 * 36) and ps.shape == (32,)
+    assert torch.equal(Q.unpack_int8(p, 21), q)
+
+
+def test_int4_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="divisible by group_size"):
+        Q.quantize_int4(torch.randn(8, 100), 32)
+    with pytest.raises(ValueError, match="group_size"):
+        Q.quantize_int4(torch.randn(8, 128), 48)
+
+
+# ---------------------------------------------------------------- kernels vs reference
+
+SHAPES = [(960, 576), (576, 1536), (33, 64), (7, 96)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 7, 40])
+def test_int4_kernel_matches_reference(n, k, dtype, rows):
+    torch.manual_seed(n + k + rows)
+    w, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+    for group in (32, 64):
+        if k % group:
+            continue
+        q, s, m = Q.quantize_int4(w, group)
+        x = torch.randn(rows, k).to(dtype)
+        ref = x.float() @ Q.dequantize_int4(q, s, m, group, n).T + bias
+        y = torch.ops.servelm_quant.int4_linear(x, q, s, m, group, n, bias)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        # fp32: bf16 hi+lo split of the activations; bf16: the output's own rounding.
+        assert _rel_err(y, ref) < (2e-4 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", SHAPES + [(10, 68), (7, 20)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_kernel_matches_reference(n, k, dtype, rows):
+    torch.manual_seed(n + k + rows)
+    w, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+    q, s = Q.quantize_int8(w)
+    x = torch.randn(rows, k).to(dtype)
+    ref = x.float() @ Q.dequantize_int8(q, s).T + bias
+    p, ps = Q.pack_int8(q, s)
+    y = torch.ops.servelm_quant.int8_linear(x, p, ps, n, bias)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    # fp32: the nibble decode's +128 offsets cost a little cancellation (~1e-4).
+    assert _rel_err(y, ref) < (5e-4 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+def test_kernel_rejects_unsupported_shapes():
+    q = torch.zeros(1, 16 * 70, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="divisible by 4"):
+        torch.ops.servelm_quant.int8_linear(torch.randn(1, 70), q, torch.ones(16), 16, None)
+    s = torch.ones(1, 3, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="group_size"):
+        torch.ops.servelm_quant.int4_linear(
+            torch.randn(1, 96), torch.zeros(1, 768, dtype=torch.uint8), s, s, 48, 16, None)
+
+
+# ---------------------------------------------------------------- modules, fallback
+
+def _linear(n, k, bias):
+    torch.manual_seed(n * k)
+    lin = nn.Linear(k, n, bias=bias)
+    lin.weight.data.mul_(0.1)
+    return lin.requires_grad_(False)
+
+
+@pytest.mark.parametrize("method", ["int8", "int8-rowmajor", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_module_kernel_and_fallback_agree(method, dtype, rows, monkeypatch):
+    lin = _linear(200, 256, bias=True)
+    if method == "int8-rowmajor":  # the layout for PyTorch's _weight_int8pack_mm
+        qlin = Q.Int8Linear(*Q.quantize_int8(lin.weight), lin.bias, tiled=False)
+    else:
+        qlin = Q.quantize_linear(lin, method)
+    x = torch.randn(2, rows, 256).to(dtype)  # leading dims are kept
+    ref = F.linear(x.float(), qlin.dequantize(torch.float32), qlin.bias.float())
+    y_fast = qlin(x)
+    monkeypatch.setattr(Q, "kernels_available", lambda: False)
+    y_slow = qlin(x)
+    for y in (y_fast, y_slow):
+        assert y.shape == (2, rows, 200) and y.dtype == dtype
+        assert _rel_err(y, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_fallback_under_env(monkeypatch):
+    """SERVELM_NO_KERNELS=1 disables the C++ path (load_ops returns False)."""
+    from servelm import kernels
+
+    monkeypatch.setenv("SERVELM_NO_KERNELS", "1")
+    assert kernels.load_ops("quant") is False
+    qlin = Q.quantize_linear(_linear(64, 128, bias=False), "int4")
+    x = torch.randn(1, 128)
+    torch.testing.assert_close(qlin(x), x @ qlin.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_float16_activations():
+    qlin = Q.quantize_linear(_linear(64, 128, bias=False), "int4")
+    x = torch.randn(3, 128)
+    y = qlin(x.half())
+    assert y.dtype == torch.float16
+    assert _rel_err(y, x @ qlin.dequantize().T) < 1e-2
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(50, 128)
+        self.qkv_proj = nn.Linear(128, 192, bias=True)
+        self.down_proj = nn.Linear(100, 128, bias=False)  # K=100: int4 (groups of 32) cannot
+        self.other = nn.Linear(128, 128)
+        self.lm_head = nn.Linear(128, 50, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight  # tied
+
+
+def test_quantize_model_swaps_targets_and_keeps_tied_embedding():
+    model = _Tiny().requires_grad_(False)
+    emb = model.embed_tokens.weight.detach().clone()
+    Q.quantize_model(model, "int4")
+    assert isinstance(model.qkv_proj, Q.Int4Linear) and isinstance(model.lm_head, Q.Int4Linear)
+    assert isinstance(model.down_proj, Q.Int8Linear)  # kept at 8 bits, not dropped
+    assert type(model.other) is nn.Linear
+    assert torch.equal(model.embed_tokens.weight, emb)
+    assert isinstance(model.embed_tokens.weight, nn.Parameter)
+    with pytest.raises(ValueError, match="quantization"):
+        Q.quantize_model(_Tiny(), "int3")
+
+
+def test_config_rejects_unknown_quantization():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="fp8")
+    assert EngineConfig(quantization="int4").quantization == "int4"
+
+
+# ---------------------------------------------------------------- the engine, quality
+
+def _engine(dtype, quantization):
+    from servelm import LLM
+
+    return LLM(dtype=dtype, quantization=quantization, kv_cache_memory=128 << 20)
+
+
+@pytest.fixture(scope="module")
+def quant_llms():
+    return {q: _engine("float32", q) for q in ("int8", "int4")}
+
+
+def all_logits(engine, ids: list[int]) -> torch.Tensor:
+    """fp32 logits at every position of one prompt: the model's final hidden states,
+    captured while the runner computes the prompt, through the LM head."""
+    got = []
+    h = engine.model.register_forward_hook(lambda mod, inp, out: got.append(out))
+    try:
+        prompt_logits(engine, [ids])
+    finally:
+        h.remove()
+    with torch.inference_mode():
+        return engine.model.compute_logits(got[-1]).float()
+
+
+def quality(llm, quant_llms):
+    ids = llm.get_tokenizer().encode(TEXT)
+    ref = all_logits(llm.engine, ids)
+    out = {}
+    for name, lq in [("fp32", llm)] + sorted(quant_llms.items()):
+        logits = ref if name == "fp32" else all_logits(lq.engine, ids)
+        logp = torch.log_softmax(logits, -1)
+        nll = -logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+        ref_logp = torch.log_softmax(ref, -1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
+        out[name] = (kl, math.exp(nll))
+    return out
+
+
+def test_quality_kl_and_perplexity(llm, quant_llms):
+    q = quality(llm, quant_llms)
+    print({k: f"KL {kl:.4f} ppl {ppl:.2f}" for k, (kl, ppl) in q.items()})
+    kl8, ppl8 = q["int8"]
+    kl4, ppl4 = q["int4"]
+    ppl32 = q["fp32"][1]
+    assert 2 < ppl32 < 40
+    assert kl8 < 0.01 and abs(ppl8 / ppl32 - 1) < 0.02
+    assert kl4 < 0.1 and 0.98 < ppl4 / ppl32 < 1.12
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_engine_generates_coherent_text(quant, quant_llms):
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    out = quant_llms[quant].generate(["The capital of France is"], sp, use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_engine_bf16_int4_generates_and_reports_bits():
+    llm = _engine("bfloat16", "int4")
+    assert llm.engine.shape.weight_bits == Q.quantized_bits_per_weight("int4")
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["The capital of France is", "The capital of Italy is", "1, 2, 3, 4,",
+               "Water boils at", "The capital of Spain is"]
+    # Five sequences: the first steps run more rows than the GEMV threshold.
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert "Paris" in outs[0].outputs[0].text
+    assert "Rome" in outs[1].outputs[0].text
