@@ -168,7 +168,16 @@ class AsyncLLMEngine:
     @property
     def healthy(self) -> bool:
         """Whether the engine thread is running and accepting requests."""
-        return self._thread.is_alive() and self.error is None and not self._stopping
+        if not (self._thread.is_alive() and self.error is None and not self._stopping):
+            return False
+        check = getattr(self.engine, "check_health", None)
+        try:
+            if check is not None:
+                check()  # e.g. a tensor-parallel worker died while the engine idled
+        except Exception as e:
+            self.error = e
+            return False
+        return True
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -236,7 +245,9 @@ class AsyncLLMEngine:
                     self._deliver(engine.step())
             except Exception as e:
                 logger.exception("engine step failed; failing every request in flight")
-                if not self._fail_all(EngineStepError(f"engine error: {e!r}")):
+                # A fatal error (a tensor-parallel worker died) leaves no engine to step.
+                if (not self._fail_all(EngineStepError(f"engine error: {e!r}"))
+                        or getattr(e, "fatal", False)):
                     self.error = e
                     break
             finally:

@@ -8,7 +8,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -99,8 +99,12 @@ class GGUFFile:
         except (KeyError, ValueError, IndexError) as e:
             raise ModelLoadError(f"{self.path}: cannot build a tokenizer: {e}") from e
 
-    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named fp32 tensors; q/k rows un-permuted from llama.cpp's rotary layout."""
+    def weights(self, cfg: ModelConfig, slice_of: SliceOf | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named fp32 tensors; q/k rows un-permuted from llama.cpp's rotary layout.
+
+        slice_of (tensor parallelism): HF name -> (dim, start, end) of the part to keep;
+        only that part is dequantised."""
         import gguf
 
         for t in tqdm(self.reader.tensors, desc="loading weights", unit="tensor",
@@ -109,18 +113,24 @@ class GGUFFile:
             if name is None:
                 raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r}")
             qtype = gguf.GGMLQuantizationType(t.qtype)
+            data, shape, part = t.data, t.shape, slice_of and slice_of(name)
+            if part is not None:
+                data, shape, part = _slice_raw(t, qtype, *part)
             try:
-                arr = gguf.quants.dequantize(t.data, qtype)
+                arr = gguf.quants.dequantize(data, qtype)
             except NotImplementedError as e:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
                                      f"{qtype.name}") from e
-            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(t.shape)
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+            if part is not None:  # a column range not on quantisation block boundaries
+                arr = np.ascontiguousarray(arr[:, part[1]:part[2]])
             if not arr.flags.writeable:  # a view of the memory-mapped file
                 arr = arr.copy()
+            # Whole heads of rows (also when sliced): un-permute head by head.
             if ".q_proj." in name:
-                arr = _unpermute(arr, cfg.num_heads)
+                arr = _unpermute(arr, cfg.num_heads * arr.shape[0] // t.shape[0])
             elif ".k_proj." in name:
-                arr = _unpermute(arr, cfg.num_kv_heads)
+                arr = _unpermute(arr, cfg.num_kv_heads * arr.shape[0] // t.shape[0])
             yield name, torch.from_numpy(arr)
 
 
@@ -132,6 +142,25 @@ def _hf_name(gguf_name: str) -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     part = _GGUF_GLOBAL_NAMES.get(base)
     return part and f"{part}.{kind}"
+
+
+def _slice_raw(t, qtype, dim: int, start: int, end: int):
+    """A GGUF tensor's raw data cut to rows (dim 0) or columns (dim 1) [start, end) before
+    dequantising: (data, shape, None), or, for columns off the quantisation block grid,
+    (whole data, whole shape, the cut still to make after dequantising)."""
+    import gguf
+
+    shape = list(t.shape)
+    shape[dim] = end - start
+    if dim == 0:
+        return t.data[start:end], tuple(shape), None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if t.data.dtype != np.uint8:  # F32 / F16: values, not blocks
+        return t.data[:, start:end], tuple(shape), None
+    if start % block or end % block:
+        return t.data, t.shape, (dim, start, end)
+    return (t.data[:, start // block * type_size:end // block * type_size], tuple(shape),
+            None)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -158,8 +187,11 @@ class HFCheckpoint:
 
         return Tokenizer.from_dir(self.path)
 
-    def weights(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """One tensor at a time, so peak memory stays near the model's own size."""
+    def weights(self, cfg: ModelConfig, slice_of: SliceOf | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One tensor at a time, so peak memory stays near the model's own size.
+
+        slice_of (tensor parallelism): HF name -> (dim, start, end); only that part is read."""
         from safetensors import safe_open
 
         files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
@@ -172,10 +204,17 @@ class HFCheckpoint:
                            disable=None, leave=False):
             if f not in handles:
                 handles[f] = safe_open(f, framework="pt")
-            yield key, handles[f].get_tensor(key)
+            part = slice_of and slice_of(key)
+            if part is None:
+                yield key, handles[f].get_tensor(key)
+            else:
+                dim, start, end = part
+                sl = handles[f].get_slice(key)
+                yield key, (sl[start:end] if dim == 0 else sl[:, start:end])
 
 
 Checkpoint = GGUFFile | HFCheckpoint
+SliceOf = Callable[[str], "tuple[int, int, int] | None"]
 
 
 def open_checkpoint(model: str | None) -> Checkpoint:
@@ -185,8 +224,11 @@ def open_checkpoint(model: str | None) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> torch.nn.Module:
-    """Build the registered class for the checkpoint and fill its weights."""
+               max_positions: int, shard=None) -> torch.nn.Module:
+    """Build the registered class for the checkpoint and fill its weights.
+
+    shard (tensor parallelism, servelm.distributed.sharding.Shard): swaps the freshly built
+    modules for this rank's 1/N versions and reads only this rank's part of each tensor."""
     try:
         cls = get_model_class(cfg.architecture)
     except ValueError as e:
@@ -194,11 +236,14 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
     # Build on the meta device: no time spent on random initialisation we overwrite.
     with torch.device("meta"):
         model = cls(cfg, max_positions)
+        if shard is not None:
+            model = shard.apply(model)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = type(model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling).to(device)
     try:
-        model.load_weights(ckpt.weights(cfg))
+        model.load_weights(ckpt.weights(cfg) if shard is None
+                           else ckpt.weights(cfg, shard.slice_of))
     except ValueError as e:
         raise ModelLoadError(f"{ckpt.path}: {e}") from e
     return model.eval()

@@ -1,0 +1,250 @@
+"""TPExecutor: the engine's model runner when tensor_parallel_size > 1 (rank 0's side).
+
+It starts N-1 worker processes on this host (torch.multiprocessing, spawn, a store on a
+free loopback port), or, when the process was launched by torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set), joins the ranks torchrun started, on one host or several.
+Rank 0 runs the engine (scheduler, sampler, clients); on any other torchrun rank the
+constructor runs the worker loop and then exits the process: the same command line
+serves on rank 0 and works on the others.
+
+`execute(seqs) -> (logits, rows)` has ModelRunner's interface: it broadcasts the step's
+metadata, runs rank 0's shard, and gathers the logits. A worker that dies (or any failure
+inside a step: the ranks are then out of step) raises WorkerDiedError, which is fatal
+(`fatal = True`): the async engine fails every request in flight and reports unhealthy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import sys
+import time
+import weakref
+
+import torch
+
+from servelm.distributed.parallel_state import TPGroup, torchrun_env, torchrun_store
+from servelm.distributed.sharding import ShardPlan
+from servelm.distributed.worker import (STEP, STOP, allocate_kv, encode_seqs, load_rank,
+                                        run_step, spawn_main, worker_main)
+from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 300.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank died or the ranks fell out of step; the engine cannot go on."""
+
+    fatal = True
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Ranks:
+    """What must be cleaned up at shutdown; kept apart from the executor so that a
+    weakref.finalize (which runs at interpreter exit too) can own it."""
+
+    def __init__(self) -> None:
+        self.procs: list = []      # spawned workers (rank i + 1); empty under torchrun
+        self.group: TPGroup | None = None
+        self.usable = False        # the workers are in their step loop and in step with us
+        self.busy = False          # a step is in flight (on the engine thread)
+
+    def close(self) -> None:
+        if self.group is not None and self.usable and not self.busy:
+            self.usable = False
+            try:
+                self.group.broadcast_object((STOP,))
+            except Exception:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.procs = []
+
+
+def per_rank_threads(config, local_ranks: int) -> int:
+    """Intra-op threads for each rank: the engine's thread count (default: the physical
+    cores) shared among the ranks on this host, at least one each."""
+    total = config.num_threads or torch.get_num_threads()
+    return max(1, total // local_ranks)
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel world: owns rank 0's shard and KV pool, drives the rest."""
+
+    def __init__(self, config, ckpt, model_config, dtype: torch.dtype, device: torch.device,
+                 max_len: int):
+        tp = config.tensor_parallel_size
+        for rank in range(tp):  # a model that cannot be split fails here, before any process
+            ShardPlan.of(model_config, rank, tp)
+        self.ranks = _Ranks()
+        self._finalizer = weakref.finalize(self, self.ranks.close)
+        self.error: WorkerDiedError | None = None
+        env = torchrun_env()
+        if env is not None:
+            if env.world_size != tp:
+                raise ValueError(f"tensor_parallel_size is {tp} but the launcher started "
+                                 f"{env.world_size} processes (WORLD_SIZE); they must agree")
+            if device.type == "cuda":
+                device = torch.device("cuda", env.local_rank)
+            torch.set_num_threads(per_rank_threads(config, env.local_world_size))
+            group = TPGroup(torchrun_store(env), env.rank, tp, device)
+            if env.rank != 0:
+                # A worker: serve rank 0's steps, then leave (the engine is rank 0's alone).
+                logger.info("tensor-parallel rank %d of %d: serving as a worker", env.rank, tp)
+                worker_main(group, config, ckpt, model_config, dtype, device, max_len)
+                sys.exit(0)
+        else:
+            threads = per_rank_threads(config, tp)
+            torch.set_num_threads(threads)
+            group = self._spawn_workers(config, dtype, device, max_len, threads)
+        self.ranks.group = self.group = group
+        self.device = device
+        try:
+            self.model, self.plan = load_rank(group, ckpt, model_config, dtype, device, max_len,
+                                              getattr(config, "quantization", None))
+            self.kv_cache = self._allocate_kv(config, model_config, dtype, device)
+            group.control_all_reduce_max(0)  # every rank has loaded and allocated
+        except Exception as e:
+            self.ranks.close()
+            reported = self._reported()
+            if reported:
+                raise WorkerDiedError(f"tensor-parallel start-up failed: {reported}") from e
+            raise
+        self.runner = ModelRunner(self.model, self.kv_cache, device)
+        self.ranks.usable = True
+        logger.info("tensor parallelism: %d ranks; rank 0 holds query heads %s, KV heads %s",
+                    tp, self.plan.q_heads, self.plan.kv_heads)
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def _spawn_workers(self, config, dtype, device, max_len, threads) -> TPGroup:
+        import torch.multiprocessing as mp
+        from torch.distributed import TCPStore
+
+        tp = config.tensor_parallel_size
+        store = TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
+        ctx = mp.get_context("spawn")
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(1, tp):
+            p = ctx.Process(target=spawn_main, name=f"servelm-tp-worker-{rank}", daemon=True,
+                            args=(rank, tp, store.port, config, dtype, str(device), max_len,
+                                  threads, os.getpid(), level))
+            p.start()
+            self.ranks.procs.append(p)
+            logger.info("tensor-parallel worker %d: pid %d", rank, p.pid)
+        # Wait for every worker to reach the store, failing fast if one dies on the way.
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        self.ranks.group = None
+        try:
+            for rank, p in enumerate(self.ranks.procs, 1):
+                while not store.check([f"up/{rank}"]):
+                    if not p.is_alive():
+                        raise WorkerDiedError(f"tensor-parallel worker {rank} (pid {p.pid}) "
+                                              f"{_describe_exit(p.exitcode)} while starting")
+                    if time.monotonic() > deadline:
+                        raise WorkerDiedError(f"tensor-parallel worker {rank} did not start "
+                                              f"within {_START_TIMEOUT_S:.0f} s")
+                    time.sleep(0.05)
+            return TPGroup(store, 0, tp, device, hostname="127.0.0.1")
+        except BaseException:
+            self.ranks.close()
+            raise
+
+    def _allocate_kv(self, config, model_config, dtype, device) -> KVCache:
+        """Rank 0 decides the number of blocks for every rank: kv_cache_memory is per rank,
+        and the rank with the most KV heads must fit it."""
+        from servelm.engine.engine import _default_kv_bytes
+
+        cache = config.cache
+        most_kv = max(ShardPlan.of(model_config, r, self.group.world).num_kv_heads
+                      for r in range(self.group.world))
+        per_head = KVCache.bytes_per_block(model_config, cache.block_size, dtype) \
+            // model_config.num_kv_heads
+        kv_bytes = cache.kv_cache_memory or _default_kv_bytes(device)
+        num_blocks = kv_bytes // (per_head * most_kv)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
+                             f"(one block takes {per_head * most_kv} bytes on a rank)")
+        self.group.broadcast_object(num_blocks)
+        self.block_bytes = per_head * self.plan.num_kv_heads
+        return allocate_kv(self.model, num_blocks, cache.block_size, dtype, device)
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker has died (cheap: no collective)."""
+        if self.error is not None:
+            raise self.error
+        for rank, p in enumerate(self.ranks.procs, 1):
+            if not p.is_alive():
+                self._fail(f"tensor-parallel worker {rank} (pid {p.pid}) "
+                           f"{_describe_exit(p.exitcode)}")
+
+    def _reported(self) -> str:
+        group = self.ranks.group
+        errors = group.reported_errors() if group is not None else {}
+        return "; ".join(msg.strip().splitlines()[-1] for msg in errors.values())
+
+    def _fail(self, message: str, cause: BaseException | None = None):
+        reported = self._reported()
+        if reported:
+            message += f" ({reported})"
+        self.error = WorkerDiedError(f"{message}; the engine cannot continue, restart it")
+        self.ranks.usable = False
+        raise self.error from cause
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
+        """ModelRunner.execute over all ranks: fp32 logits [S, vocab] on rank 0, and rows."""
+        self.check_health()
+        self.ranks.busy = True
+        try:
+            self.group.broadcast_object((STEP, encode_seqs(seqs)))
+            return run_step(self.group, self.runner, self.plan, seqs)
+        except Exception as e:
+            # Let a dying worker finish dying, so the message can say what happened.
+            deadline = time.monotonic() + 2
+            while (time.monotonic() < deadline
+                   and all(p.is_alive() for p in self.ranks.procs) and self.ranks.procs):
+                time.sleep(0.05)
+            dead = [(r, p) for r, p in enumerate(self.ranks.procs, 1) if not p.is_alive()]
+            if dead:
+                msg = "; ".join(f"tensor-parallel worker {r} (pid {p.pid}) "
+                                f"{_describe_exit(p.exitcode)}" for r, p in dead)
+            else:
+                msg = f"a tensor-parallel step failed: {e}"
+            self._fail(msg, e)
+        finally:
+            self.ranks.busy = False
+
+    def shutdown(self) -> None:
+        """Stop the workers (they exit after the stop message); idempotent."""
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.ranks.procs]

@@ -1,0 +1,208 @@
+"""Megatron-style sharding of a loaded-shape Llama model, applied as an add-on.
+
+`shard_model` swaps modules of a freshly built model (on the meta device, before any
+weight is read) for their 1/N versions with the same call interface:
+
+- attention: this rank's query heads and the KV heads they read (column-parallel rows of
+  the fused [q | k | v] projection), `o_proj` row-parallel: the module's output is a
+  partial sum, all-reduced once;
+- gated MLP: this rank's slice of the intermediate size (column-parallel rows of each of
+  gate and up), `down_proj` row-parallel: one all-reduce;
+- embedding: this rank's slice of the vocabulary; tokens outside it embed to zero and one
+  all-reduce fills them in;
+- LM head: the same vocabulary slice (tied checkpoints share the embedding's shard); the
+  executor gathers the rank's logits columns on rank 0, the only rank that samples.
+
+Norms and the rotary table are replicated. `ShardPlan.slice_of` tells the loader which
+rows or columns of each checkpoint tensor this rank keeps, so no rank materialises the
+whole model. The model code itself knows nothing of this: TP=1 is the reference path.
+
+Heads need not divide evenly. With at least as many KV heads as ranks, each rank takes a
+contiguous run of KV heads with all of their query heads (SmolLM2's 3 KV heads over 2
+ranks: 1 and 2). With more ranks than KV heads, each rank takes one KV head (replicated
+on the ranks that share it) and a share of that head's query heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.models.config import ModelConfig
+from servelm.models.layers import Attention, GatedMLP
+
+
+def split_range(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Part i of [0, n) in `parts` contiguous pieces whose sizes differ by at most one
+    (the larger ones last: rank 0 also schedules and samples)."""
+    q, rem = divmod(n, parts)
+    start = i * q + max(0, i - (parts - rem))
+    return start, start + q + (1 if i >= parts - rem else 0)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which part of every sharded dimension one rank holds (ranges are [start, end))."""
+
+    rank: int
+    world: int
+    head_dim: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_per_rank: int  # width of every rank's logits block in the gather (padded)
+    vocab_size: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a world of {world}")
+        H, KVH = cfg.num_heads, cfg.num_kv_heads
+        if world > H:
+            raise ValueError(f"tensor_parallel_size {world} is more than the model's {H} "
+                             f"attention heads")
+        g = H // KVH
+        if world <= KVH:
+            k0, k1 = split_range(KVH, world, rank)
+            q_heads = (k0 * g, k1 * g)
+        else:  # more ranks than KV heads: share each KV head among consecutive ranks
+            k0 = rank * KVH // world
+            k1 = k0 + 1
+            sharers = [r for r in range(world) if r * KVH // world == k0]
+            if len(sharers) > g:
+                raise ValueError(f"tensor_parallel_size {world} cannot be spread over "
+                                 f"{KVH} KV heads of {g} query heads each")
+            a, b = split_range(g, len(sharers), sharers.index(rank))
+            q_heads = (k0 * g + a, k0 * g + b)
+        if world > cfg.intermediate_size:
+            raise ValueError(f"tensor_parallel_size {world} is more than the intermediate "
+                             f"size {cfg.intermediate_size}")
+        per = -(-cfg.vocab_size // world)
+        if (world - 1) * per >= cfg.vocab_size:
+            raise ValueError(f"vocabulary of {cfg.vocab_size} cannot be split {world} ways")
+        return cls(rank=rank, world=world, head_dim=cfg.head_dim, q_heads=q_heads,
+                   kv_heads=(k0, k1),
+                   intermediate=split_range(cfg.intermediate_size, world, rank),
+                   vocab=(rank * per, min(cfg.vocab_size, (rank + 1) * per)),
+                   vocab_per_rank=per, vocab_size=cfg.vocab_size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def local_vocab(self) -> int:
+        return self.vocab[1] - self.vocab[0]
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model config as this rank sees it: its heads (the KV pool holds only its own
+        KV heads) and its intermediate slice; the vocabulary stays the model's."""
+        return dataclasses.replace(cfg, num_heads=self.num_heads,
+                                   num_kv_heads=self.num_kv_heads,
+                                   intermediate_size=self.intermediate_size)
+
+    _RULES = (
+        # (name pattern, dim, which range, unit)
+        (r"\.self_attn\.q_proj\.(weight|bias)$", 0, "q_heads", "head"),
+        (r"\.self_attn\.(k|v)_proj\.(weight|bias)$", 0, "kv_heads", "head"),
+        (r"\.self_attn\.o_proj\.weight$", 1, "q_heads", "head"),
+        (r"\.mlp\.(gate|up)_proj\.weight$", 0, "intermediate", "one"),
+        (r"\.mlp\.down_proj\.weight$", 1, "intermediate", "one"),
+        (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
+        (r"(^|\.)lm_head\.weight$", 0, "vocab", "one"),
+    )
+
+    def slice_of(self, hf_name: str) -> tuple[int, int, int] | None:
+        """(dim, start, end) of this rank's part of a checkpoint tensor; None = replicated."""
+        for pattern, dim, attr, unit in self._RULES:
+            if re.search(pattern, hf_name):
+                a, b = getattr(self, attr)
+                scale = self.head_dim if unit == "head" else 1
+                return dim, a * scale, b * scale
+        return None
+
+
+class ParallelAttention(Attention):
+    """Attention over this rank's heads; o_proj's partial sums are all-reduced."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, group):
+        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias=bias)
+        self.tp_group = group
+
+    def forward(self, *args, **kwargs):
+        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
+
+
+class ParallelGatedMLP(GatedMLP):
+    """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
+
+    def __init__(self, hidden: int, intermediate: int, group):
+        super().__init__(hidden, intermediate)
+        self.tp_group = group
+
+    def forward(self, *args, **kwargs):
+        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_end) of the embedding; other tokens embed to zero here and
+    are filled in by the all-reduce."""
+
+    def __init__(self, vocab_start: int, vocab_end: int, hidden: int, group):
+        super().__init__(vocab_end - vocab_start, hidden)
+        self.vocab_start = vocab_start
+        self.tp_group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp_group.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
+    """Swap `model`'s modules for this rank's 1/N versions, in place (call it on the meta
+    device, before loading). model.config becomes the rank's local config."""
+    cfg: ModelConfig = model.config
+    device = next(model.parameters()).device
+    with device:
+        for layer in model.layers:
+            layer.self_attn = ParallelAttention(cfg.hidden_size, plan.num_heads,
+                                                plan.num_kv_heads, cfg.head_dim,
+                                                cfg.attention_bias, group)
+            layer.mlp = ParallelGatedMLP(cfg.hidden_size, plan.intermediate_size, group)
+        model.embed_tokens = VocabParallelEmbedding(*plan.vocab, cfg.hidden_size, group)
+        model.lm_head = nn.Linear(cfg.hidden_size, plan.local_vocab, bias=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.config = plan.local_config(cfg)
+    model.tp_plan = plan
+    return model
+
+
+class Shard:
+    """What the loader needs to build one rank's part: swap modules, slice tensors."""
+
+    def __init__(self, plan: ShardPlan, group):
+        self.plan, self.group = plan, group
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return shard_model(model, self.plan, self.group)
+
+    def slice_of(self, hf_name: str) -> tuple[int, int, int] | None:
+        return self.plan.slice_of(hf_name)

@@ -1,0 +1,152 @@
+"""One tensor-parallel rank: load its shard, hold its KV pool, run each step rank 0 sends.
+
+Rank 0 (servelm.distributed.executor) and every worker share the code here, so both
+build the same shapes and run the same collectives in the same order:
+
+    rank 0                                   workers
+    load shard                               load shard
+    broadcast num_blocks           ->        allocate KV pool
+    ready (all-reduce)             <->       ready
+    per step: broadcast metadata   ->        receive metadata
+              forward (61 all-reduces for SmolLM2) <-> forward
+              gather logits        <-        send logits block
+    at exit:  broadcast "stop"     ->        return
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from servelm.distributed.parallel_state import TPGroup
+from servelm.distributed.sharding import Shard, ShardPlan
+from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+STOP = "stop"
+STEP = "step"
+
+
+def load_rank(group: TPGroup, ckpt, cfg, dtype: torch.dtype, device: torch.device,
+              max_len: int, quantization: str | None = None
+              ) -> tuple[torch.nn.Module, ShardPlan]:
+    """This rank's shard of the model, read from the checkpoint's parts it needs only.
+
+    Weight quantisation swaps the shard's plain nn.Linear layers as on one device (the
+    all-reduces live in the parallel attention and MLP modules around them)."""
+    plan = ShardPlan.of(cfg, group.rank, group.world)
+    model = load_model(ckpt, cfg, dtype, device, max_positions=max_len,
+                       shard=Shard(plan, group))
+    if quantization:
+        from servelm.quantization import quantize_model
+
+        quantize_model(model, quantization)
+    return model, plan
+
+
+def allocate_kv(model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                device: torch.device) -> KVCache:
+    """The rank's own pool: its KV heads only (model.config is the rank's local config)."""
+    return KVCache(model.config, num_blocks, block_size, dtype, device)
+
+
+def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
+    return [(s.token_ids, s.start_pos, s.block_table, s.sample) for s in seqs]
+
+
+def decode_seqs(items: list[tuple]) -> list[SeqInput]:
+    return [SeqInput(*item) for item in items]
+
+
+def run_step(group: TPGroup, runner: ModelRunner, plan: ShardPlan,
+             seqs: list[SeqInput]) -> tuple[torch.Tensor | None, list[int]]:
+    """This rank's forward; on rank 0 the full fp32 logits [S, vocab] (None elsewhere)."""
+    local, sampled = runner.execute(seqs)  # [S, this rank's vocabulary slice]
+    if not sampled:
+        empty = torch.empty(0, plan.vocab_size, device=local.device)
+        return (empty if group.rank == 0 else None), sampled
+    pad = plan.vocab_per_rank - local.shape[1]
+    if pad:
+        local = F.pad(local, (0, pad))
+    parts = group.gather_to_rank0(local.contiguous())
+    if parts is None:
+        return None, sampled
+    return torch.cat(parts, dim=1)[:, :plan.vocab_size], sampled
+
+
+def serve_steps(group: TPGroup, runner: ModelRunner, plan: ShardPlan) -> None:
+    """A worker's loop: run every step rank 0 broadcasts, until it says stop."""
+    while True:
+        msg = group.broadcast_object()
+        if msg[0] == STOP:
+            return
+        with torch.inference_mode():
+            run_step(group, runner, plan, decode_seqs(msg[1]))
+
+
+def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: torch.device,
+                max_len: int) -> None:
+    """Everything a rank other than 0 does, from loading to the stop message."""
+    try:
+        model, plan = load_rank(group, ckpt, cfg, dtype, device, max_len,
+                                getattr(config, "quantization", None))
+        num_blocks = group.broadcast_object()
+        kv = allocate_kv(model, num_blocks, config.cache.block_size, dtype, device)
+        runner = ModelRunner(model, kv, device)
+        group.control_all_reduce_max(0)  # ready
+        serve_steps(group, runner, plan)
+    except BaseException:
+        group.report_error(f"rank {group.rank}: {traceback.format_exc()}")
+        raise
+
+
+def _watch_parent(parent: int) -> None:
+    """A spawned worker whose engine process is gone has nothing to serve: exit."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(1.0)
+    threading.Thread(target=watch, name="servelm-tp-parent-watch", daemon=True).start()
+
+
+def spawn_main(rank: int, world: int, port: int, config, dtype: torch.dtype, device: str,
+               max_len: int, threads: int, parent: int, log_level: int) -> None:
+    """Entry point of a worker process started by the executor (torch.multiprocessing spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    logging.basicConfig(level=log_level, format=f"%(levelname)s tp-rank{rank} %(name)s: "
+                                                f"%(message)s")
+    _watch_parent(parent)
+    torch.set_num_threads(threads)
+    from torch.distributed import TCPStore
+
+    from servelm.models.loader import open_checkpoint
+
+    store = TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False)
+    store.set(f"up/{rank}", "1")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank)
+    try:
+        group = TPGroup(store, rank, world, dev, hostname="127.0.0.1")
+    except BaseException:
+        store.set(f"error/{rank}", f"rank {rank}: {traceback.format_exc()}"[-2000:])
+        raise
+    try:
+        ckpt = open_checkpoint(config.model)
+        cfg = ckpt.config()
+    except BaseException:
+        group.report_error(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    worker_main(group, config, ckpt, cfg, dtype, dev, max_len)
+    sys.stdout.flush()
