@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantisation: int8 per channel, int4 in groups of 32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                    help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
@@ -38,8 +40,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: one per physical core)")
+    g.add_argument("--admission-lookahead", type=int, default=64, metavar="TOKENS",
+                   help="admit a request only if running ones keep room for this many more "
+                        "tokens each (fewer preemptions in a tight KV pool; 0: off)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (under torchrun: its WORLD_SIZE; "
+                        "--num-threads is then shared among the ranks on this host)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -61,7 +69,10 @@ def build_llm(args):
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, num_threads=args.num_threads,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching,
+               admission_lookahead=args.admission_lookahead,
+               tensor_parallel_size=args.tensor_parallel_size,
+               quantization=getattr(args, "quantization", None))
 
 
 def sampling_params(args) -> SamplingParams:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None = the model's context length
+    # Admission keeps free the blocks running requests need for this many more tokens:
+    # fewer preemptions (each one recomputes a sequence) when the KV pool is tight.
+    admission_lookahead: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -42,6 +46,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_num_seqs ({self.max_num_seqs}), or running sequences "
                              f"could be left out of steps")
+        if self.admission_lookahead < 0:
+            raise ValueError(f"admission_lookahead must be >= 0, got {self.admission_lookahead}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -55,6 +61,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = physical cores (CPU)
+    tensor_parallel_size: int = 1  # ranks sharing every weight (servelm.distributed); 1 = none
+    quantization: str | None = None  # weight-only: None, "int8" (per channel), "int4" (groups)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -65,3 +73,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of None, 'int8', 'int4', "
+                             f"got {self.quantization!r}")
+        if self.quantization and self.tensor_parallel_size > 1:
+            raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")

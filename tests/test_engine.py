@@ -182,7 +182,9 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_identical(llm):
     from servelm import LLM
 
     block_bytes = 16 * 30 * 2 * 3 * 64 * 4  # tokens x layers x (K, V) x KV heads x dim x fp32
-    small = LLM(dtype="float32", kv_cache_memory=5 * block_bytes, max_model_len=64)
+    # No admission lookahead: admit whatever fits now, so the pool thrashes.
+    small = LLM(dtype="float32", kv_cache_memory=5 * block_bytes, max_model_len=64,
+                admission_lookahead=0)
     assert small.engine.block_manager.num_blocks == 5
     prompts = [f"Item {i}: the quick brown fox jumps over the lazy dog" for i in range(32)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -194,6 +196,13 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_identical(llm):
     assert [o.outputs[0].token_ids for o in got] == _alone(llm, prompts, params)
     assert sum(o.metrics.num_preemptions for o in got) == engine.scheduler.num_preemptions
     assert engine.block_manager.num_free_blocks == 5 and not engine.has_unfinished_requests()
+
+    # The default admission lookahead keeps room for running requests' next tokens:
+    # the same tokens, with fewer preemptions.
+    careful = LLM(dtype="float32", kv_cache_memory=5 * block_bytes, max_model_len=64)
+    again = careful.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got]
+    assert careful.engine.scheduler.num_preemptions < engine.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize("prompt, params, match", [

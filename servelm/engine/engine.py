@@ -127,25 +127,47 @@ class LLMEngine:
         max_len = self.model_config.max_position_embeddings
         if sched_cfg.max_model_len is not None:
             max_len = min(max_len, sched_cfg.max_model_len)
-        self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
-                                max_positions=max_len)
+        if config.tensor_parallel_size > 1:
+            from servelm.distributed.executor import TPExecutor
 
-        block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size, self.dtype)
-        kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
-        num_blocks = kv_bytes // block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
-                             f"(one block takes {block_bytes} bytes)")
-        self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
-                                self.dtype, self.device)
+            # N ranks (spawned here, or started by torchrun), each with 1/N of every weight
+            # and its own KV pool; on a torchrun rank other than 0 this serves as a worker
+            # and exits. The executor stands in for the ModelRunner.
+            self.runner = TPExecutor(config, ckpt, self.model_config, self.dtype,
+                                     self.device, max_len)
+            self.model, self.kv_cache = self.runner.model, self.runner.kv_cache
+            num_blocks, block_bytes = self.runner.num_blocks, self.runner.block_bytes
+        else:
+            self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
+                                    max_positions=max_len)
+            if config.quantization:
+                from servelm.quantization import quantize_model
+
+                # Weight-only: the linear layers are swapped, activations keep self.dtype.
+                quantize_model(self.model, config.quantization)
+            block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
+                                                  self.dtype)
+            kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
+            num_blocks = kv_bytes // block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
+                                 f"(one block takes {block_bytes} bytes)")
+            self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
+                                    self.dtype, self.device)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         # A sequence longer than the whole pool could never run.
         self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
                                           enable_caching=cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         bits = torch.empty(0, dtype=self.dtype).element_size() * 8
-        self.shape = ModelShape.from_config(self.model_config, weight_bits=bits, kv_bits=bits)
+        weight_bits = bits
+        if config.quantization:
+            from servelm.quantization import quantized_bits_per_weight
+
+            weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
+        self.shape = ModelShape.from_config(self.model_config, weight_bits=weight_bits,
+                                            kv_bits=bits)
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
@@ -243,6 +265,16 @@ class LLMEngine:
                 self._finish(s.request, RequestStatus.FINISHED_ABORTED)
         self.stats.num_aborted += 1
         return True
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel worker has died)."""
+        if self.config.tensor_parallel_size > 1:
+            self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine object: tensor-parallel worker processes."""
+        if self.config.tensor_parallel_size > 1:
+            self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

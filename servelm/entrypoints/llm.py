@@ -26,14 +26,18 @@ class LLM:
                  kv_cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, seed: int = 0,
-                 num_threads: int | None = None, enable_prefix_caching: bool = True):
+                 num_threads: int | None = None, enable_prefix_caching: bool = True,
+                 admission_lookahead: int = 64, tensor_parallel_size: int = 1,
+                 quantization: str | None = None):
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len)))
+                                      max_model_len=max_model_len,
+                                      admission_lookahead=admission_lookahead)))
         self._next_id = 0
 
     def get_tokenizer(self):
