@@ -42,10 +42,13 @@ def load_ops(name: str, verbose: bool = False) -> bool:
     """Build (if needed) and load csrc/<name>.cpp; True when its ops are registered."""
     if kernels_disabled():
         return False
-    with _lock:
-        if name not in _loaded:
-            _loaded[name] = _build(name, verbose)
-        return _loaded[name]
+    ok = _loaded.get(name)
+    if ok is None:
+        with _lock:
+            if name not in _loaded:
+                _loaded[name] = _build(name, verbose)
+            ok = _loaded[name]
+    return ok
 
 
 def _build(name: str, verbose: bool) -> bool:
