@@ -213,21 +213,24 @@ def test_concurrency_timings_and_json(fake, tmp_path, capsys):
 
 def test_sweep_concurrency_plot_and_json(fake, tmp_path, capsys):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    rc = bench(fake, "--sweep-concurrency", "4,1,2", "--num-prompts", "4", "--input-len", "8",
+    rc = bench(fake, "--sweep-concurrency", "4,1,2,6", "--num-prompts", "4", "--input-len", "8",
                "--output-len", "5", "--json", str(out), "--plot", str(png))
     assert rc == 0
-    assert STATE.count == 1 + 3 * 4  # warm-up, then every level sends all its prompts
+    # Warm-up, then every level sends max(--num-prompts, concurrency) prompts.
+    assert STATE.count == 1 + 4 + 4 + 4 + 6
     doc = load(out)
     levels = doc["levels"]
-    assert [lv["concurrency"] for lv in levels] == [1, 2, 4]  # sorted, deduplicated
-    assert doc["config"]["sweep_concurrency"] == [1, 2, 4]
+    assert [lv["concurrency"] for lv in levels] == [1, 2, 4, 6]  # sorted, deduplicated
+    assert doc["config"]["sweep_concurrency"] == [1, 2, 4, 6]
     for lv in levels:
-        assert lv["summary"]["completed"] == 4 and len(lv["requests"]) == 4
+        n = max(4, lv["concurrency"])
+        assert lv["summary"]["completed"] == n and len(lv["requests"]) == n
         assert lv["summary"]["peak_concurrency"] <= lv["concurrency"]
         assert lv["roofline"]["tpot_s"] == pytest.approx(0.01, rel=0.01)  # 1 GB / 100 GB/s
     # More streams in flight: more tokens per second from the fake server's fixed pace.
     tput = [lv["summary"]["output_throughput"] for lv in levels]
-    assert tput[0] < tput[1] < tput[2]
+    assert tput[0] < tput[1] < tput[2] < tput[3]
+    assert levels[3]["summary"]["peak_concurrency"] == 6
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     text = capsys.readouterr().out
     assert "ideal tok/s" in text

@@ -79,7 +79,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                       help="Poisson arrivals at R requests/s ('inf': all at once)")
     mode.add_argument("--sweep-concurrency", type=_level_list, metavar="N,N,...",
                       help="one run per concurrency level (e.g. 1,2,4,8,16,32,64), each "
-                           "sending --num-prompts requests")
+                           "sending max(--num-prompts, level) requests")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="with --sweep-concurrency: draw tok/s, TTFT and TPOT against "
                         "concurrency, with the server's roofline (servelm servers) as the ideal")
@@ -140,10 +140,12 @@ def _prompts(args, kind: str):
                                        allow_token_ids=kind == "completions")
         except datasets.DatasetError as e:
             raise BenchError(str(e)) from None
+    # A sweep level sends at least as many requests as its concurrency.
+    n = max([args.num_prompts] + (args.sweep_concurrency or []))
     if kind == "completions":
-        return datasets.random_token_prompts(args.num_prompts, args.input_len, args.output_len,
+        return datasets.random_token_prompts(n, args.input_len, args.output_len,
                                              seed=args.seed)
-    return datasets.random_word_prompts(args.num_prompts, args.input_len, args.output_len,
+    return datasets.random_word_prompts(n, args.input_len, args.output_len,
                                         seed=args.seed)
 
 
@@ -234,12 +236,16 @@ async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
 
         runs = []
         for c in levels:
+            # Random prompts: each level sends max(--num-prompts, c) of them; a dataset is
+            # sent whole at every level.
+            level_prompts = (prompts if args.dataset is not None or c is None
+                             else prompts[:max(args.num_prompts, c)])
             summary, records, t0, metrics = await _run_level(
-                args, client, url, model, prompts, payload, headers, c)
+                args, client, url, model, level_prompts, payload, headers, c)
             print(report.format_table(summary))
             runs.append({"concurrency": c, "summary": summary, "records": records, "t0": t0})
 
-    config = _config(args, url, model, kind, len(prompts))
+    config = _config(args, url, model, kind, len(runs[0]["records"]))
     if args.sweep_concurrency is None:
         if args.json_path:
             report.write_json(args.json_path, config, runs[0]["summary"], runs[0]["records"],
@@ -281,7 +287,7 @@ def _finish_sweep(args, config, runs, metrics, model) -> None:
         shape = (f"{in_len} in / {out_len} out" if in_len and out_len
                  else f"dataset {args.dataset}")
         sweep.plot_sweep(runs, args.plot, f"servelm bench: {model}, {shape}, "
-                         f"{len(runs[0]['records'])} requests per level",
+                         f"max({args.num_prompts}, concurrency) requests per level",
                          roof, in_len, out_len)
         print(f"servelm bench: wrote {args.plot}", file=sys.stderr)
 
