@@ -3,6 +3,7 @@
     python benchmarks/serving.py serve      # 64 concurrent and 1 concurrent, 128 in / 128 out
     python benchmarks/serving.py prefix     # TTFT with a cached 1,000-token prefix vs caching off
     python benchmarks/serving.py capacity   # KV pool for ~20 sequences vs unconstrained, 64 clients
+    python benchmarks/serving.py sweep --plot sweep.png   # concurrency 1..64, with the roofline
 
 Each scenario starts its servers on free loopback ports, runs the bench command line
 (printed, so it can be rerun by hand), and prints the figures and their ratios.
@@ -134,16 +135,37 @@ def scenario_capacity(args) -> None:
           f"{b['output_throughput'] / a['output_throughput']:.2f}")
 
 
+def scenario_sweep(args) -> None:
+    """servelm bench --sweep-concurrency against one server, with the picture."""
+    with Server(*args.server_flags, "--roofline-bandwidth", str(args.bandwidth),
+                "--roofline-flops", str(args.flops)) as srv:
+        cmd = [PY, "-m", "servelm.cli", "bench", "--base-url", srv.url, "--no-progress",
+               "--sweep-concurrency", args.levels, "--num-prompts", str(args.sweep_prompts),
+               "--input-len", "128", "--output-len", str(args.sweep_output_len),
+               "--plot", args.plot, "--json", args.plot.rsplit(".", 1)[0] + ".json"]
+        print("$", "servelm", " ".join(cmd[3:]), flush=True)
+        subprocess.run(cmd, check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("scenario", choices=["serve", "prefix", "capacity"])
+    ap.add_argument("scenario", choices=["serve", "prefix", "capacity", "sweep"])
+    ap.add_argument("--levels", default="1,2,4,8,16,32,64", help="sweep: concurrencies")
+    ap.add_argument("--sweep-prompts", type=int, default=16,
+                    help="sweep: requests per level (at least the level's concurrency)")
+    ap.add_argument("--sweep-output-len", type=int, default=64)
+    ap.add_argument("--plot", default="sweep.png", help="sweep: the picture (and .json beside)")
+    ap.add_argument("--bandwidth", type=float, default=30.0,
+                    help="sweep: the machine's GB/s for the roofline (default: this machine's)")
+    ap.add_argument("--flops", type=float, default=0.9,
+                    help="sweep: bf16 matmul TFLOP/s for the roofline")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--prefix-requests", type=int, default=8)
     ap.add_argument("--server-flags", default="", help="extra flags for servelm serve")
     args = ap.parse_args()
     args.server_flags = args.server_flags.split()
-    {"serve": scenario_serve, "prefix": scenario_prefix, "capacity": scenario_capacity}[
-        args.scenario](args)
+    {"serve": scenario_serve, "prefix": scenario_prefix, "capacity": scenario_capacity,
+     "sweep": scenario_sweep}[args.scenario](args)
 
 
 if __name__ == "__main__":
