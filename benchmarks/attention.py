@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/attention.py                 # attention + engine, bf16
     .venv/bin/python benchmarks/attention.py --skip-engine   # attention only
     .venv/bin/python benchmarks/attention.py --engine-context 32 1000  # long contexts too
+    .venv/bin/python benchmarks/attention.py --prefill       # prompt attention + TTFT only
 
 1. Decode attention for B streams x L-token contexts (SmolLM2 shape: 9 query heads, 3 KV
    heads, head dim 64, block size 16), one layer: `paged_decode_attention` (reads K/V in place
@@ -10,6 +11,10 @@
    SDPA), blocks scattered over the pool as a long-running server leaves them.
 2. Engine decode throughput (tok/s) at batch 1 and 64 with and without kernels, in one run
    (the same engine; the runner's path is flipped as SERVELM_NO_KERNELS=1 would set it).
+3. Prompt attention, one layer, a Q-token chunk after C cached tokens: the kernel path's
+   `paged_prefill_attention` (bmm + fused causal softmax + bmm) vs `paged_attention` (SDPA).
+4. Engine time to first token for a 512-token prompt (bf16, median of 5): kernels, kernels
+   with SDPA prompt attention, and the eager path (as SERVELM_NO_KERNELS=1).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch
 
 from servelm.engine.model_runner import SeqInput, _build_group
 from servelm.kernels import load_ops
-from servelm.models.layers import paged_attention
+from servelm.models import layers
+from servelm.models.layers import paged_attention, paged_prefill_attention
 
 
 def bench(fn, min_time=1.0, warmup=3):
@@ -60,6 +66,65 @@ def attention(B: int, L: int, dtype: torch.dtype, bs: int = 16, kvh: int = 3, g:
     return {k: (v, kv_bytes / v / 1e9) for k, v in res.items()}
 
 
+def prefill_attention(Q: int, C: int, dtype: torch.dtype, B: int = 1, bs: int = 16, kvh: int = 3,
+                      g: int = 3, d: int = 64) -> dict:
+    """One layer's prompt attention for B sequences of a Q-token chunk after C cached tokens."""
+    per_seq = -(-(C + Q) // bs)
+    num_blocks = B * per_seq + 16
+    k_cache = torch.randn(num_blocks, bs, kvh, d).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kvh, d).to(dtype)
+    perm = torch.randperm(num_blocks)[:B * per_seq].view(B, per_seq)
+    q = torch.randn(B * Q, kvh * g, d).to(dtype)
+    seqs = [SeqInput([0] * Q, C, perm[b].tolist()) for b in range(B)]
+    grp = _build_group(seqs, 0, bs, g, torch.device("cpu"))
+    res = {}
+    if load_ops("ops"):
+        res["bmm+softmax"] = bench(lambda: paged_prefill_attention(q, k_cache, v_cache, grp, d ** -0.5),
+                                   min_time=0.5)
+    res["sdpa"] = bench(lambda: paged_attention(q, k_cache, v_cache, grp, d ** -0.5), min_time=0.5)
+    return res
+
+
+def prefill_table() -> None:
+    print("\n# prompt attention, one layer (9 q heads / 3 KV heads, d=64, block 16), ms")
+    cases = [(1, 512, 0), (1, 128, 0), (1, 64, 448), (1, 16, 0), (1, 4, 100), (4, 8, 200), (4, 128, 0)]
+    print(f"{'dtype':8} {'B':>2} {'Q':>4} {'ctx':>4} {'bmm+softmax':>12} {'sdpa':>8}")
+    for dtype in (torch.bfloat16, torch.float32):
+        for B, Q, C in cases:
+            r = prefill_attention(Q, C, dtype, B=B)
+            print(f"{str(dtype).split('.')[-1]:8} {B:2d} {Q:4d} {C:4d} "
+                  f"{r.get('bmm+softmax', float('nan')) * 1e3:12.3f} {r['sdpa'] * 1e3:8.3f}", flush=True)
+
+
+def engine_ttft(prompt_len: int = 512, reps: int = 5) -> None:
+    """TTFT (ms, median of `reps` after a warm-up) of one bf16 prompt of token ids."""
+    import statistics
+
+    from servelm import LLM, SamplingParams
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    have = runner.use_kernels
+    modes = {"kernels": (True, paged_prefill_attention),
+             "kernels, SDPA prompt attn": (True, paged_attention),
+             "eager (SERVELM_NO_KERNELS)": (False, paged_prefill_attention)}
+    print(f"\n# engine TTFT, bf16 SmolLM2-135M, {prompt_len}-token prompt, median of {reps}")
+    try:
+        for name, (use, fn) in modes.items():
+            if use and not have:
+                continue
+            runner.use_kernels, layers.paged_prefill_attention = use, fn
+            times = []
+            for i in range(reps + 1):
+                prompt = [1 + (7 * i + j) % 40000 for j in range(prompt_len)]
+                t0 = time.perf_counter()
+                llm.generate([prompt], sp)
+                times.append(time.perf_counter() - t0)
+            print(f"{name:28} {statistics.median(times[1:]) * 1e3:8.1f} ms", flush=True)
+    finally:
+        runner.use_kernels, layers.paged_prefill_attention = have, paged_prefill_attention
+
+
 def engine_decode(llm, batch: int, prompt_len: int, max_tokens: int = 64) -> float:
     """Decode tok/s of `batch` greedy streams after their prompts are in the cache."""
     from servelm import SamplingParams
@@ -87,16 +152,24 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only the prompt attention table and the engine TTFT")
     ap.add_argument("--engine-context", type=int, nargs="*", default=[32],
                     help="prompt lengths for the engine decode runs (e.g. 32 1000)")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     print(f"threads={torch.get_num_threads()}  kernels={'yes' if load_ops('ops') else 'NO'}")
 
+    if args.prefill:
+        prefill_table()
+        engine_ttft()
+        return
     if not args.skip_attention:
         attention_table(args)
+        prefill_table()
     if not args.skip_engine:
         engine_table(args)
+        engine_ttft()
 
 
 def attention_table(args) -> None:
