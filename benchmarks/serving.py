@@ -122,7 +122,9 @@ def scenario_capacity(args) -> None:
              "--input-len", "128", "--output-len", "128"]
     results = {}
     for name, extra in (("unconstrained pool", []),
-                        ("pool for ~20 sequences", ["--kv-cache-memory", small])):
+                        ("pool for ~20 sequences", ["--kv-cache-memory", small]),
+                        ("~20, no admission lookahead", ["--kv-cache-memory", small,
+                                                         "--admission-lookahead", "0"])):
         with Server(*args.server_flags, *extra) as srv:
             results[name] = bench(srv.url, *flags)
             metrics = httpx.get(f"{srv.url}/metrics").text
@@ -131,8 +133,10 @@ def scenario_capacity(args) -> None:
     for name, s in results.items():
         print(line(name, s) + f"  preemptions {s['preemptions']:.0f}")
     a, b = results["unconstrained pool"], results["pool for ~20 sequences"]
+    c = results["~20, no admission lookahead"]
     print(f"throughput constrained / unconstrained: "
-          f"{b['output_throughput'] / a['output_throughput']:.2f}")
+          f"{b['output_throughput'] / a['output_throughput']:.2f} "
+          f"(without the admission lookahead: {c['output_throughput'] / a['output_throughput']:.2f})")
 
 
 def scenario_sweep(args) -> None:
