@@ -60,30 +60,11 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         return _build_kernel_batch(seqs, block_size, num_queries_per_kv, device)
     keys = [_bucket(s, block_size) for s in seqs]
     order = sorted(range(len(seqs)), key=lambda i: keys[i])
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    sampled: list[int] = []
-    for i in order:
-        s = seqs[i]
-        n = len(s.token_ids)
-        input_ids += s.token_ids
-        pos = range(s.start_pos, s.start_pos + n)
-        positions += pos
-        slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
-        if s.sample:
-            logits_indices.append(len(input_ids) - 1)
-            sampled.append(i)
-    groups = []
-    start = 0
-    members: list[SeqInput] = []
-    for j, i in enumerate(order):
-        members.append(seqs[i])
-        if j + 1 == len(order) or keys[order[j + 1]] != keys[i]:
-            g = _build_group(members, start, block_size, num_queries_per_kv, device)
-            groups.append(g)
-            start, members = g.end, []
+    flat = _FlatTokens()
+    groups = flat.add_grouped(seqs, order, [keys[i] for i in order], 0, block_size,
+                              num_queries_per_kv, device)
+    input_ids, positions, slots = flat.input_ids, flat.positions, flat.slots
+    logits_indices, sampled = flat.logits_indices, flat.sampled
 
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -119,24 +100,8 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
                      + s.start_pos % block_size)
     logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample]
     sampled = [i for i in decodes if seqs[i].sample]
-    groups = []
-    start = nd
-    members: list[SeqInput] = []
-    for j, i in enumerate(prompts):
-        s = seqs[i]
-        n = len(s.token_ids)
-        input_ids += s.token_ids
-        pos = range(s.start_pos, s.start_pos + n)
-        positions += pos
-        slots += [s.block_table[p // block_size] * block_size + p % block_size for p in pos]
-        if s.sample:
-            logits_indices.append(len(input_ids) - 1)
-            sampled.append(i)
-        members.append(s)
-        if j + 1 == len(prompts) or keys[j + 1] != keys[j]:
-            g = _build_group(members, start, block_size, num_queries_per_kv, device)
-            groups.append(g)
-            start, members = g.end, []
+    flat = _FlatTokens(input_ids, positions, slots, logits_indices, sampled)
+    groups = flat.add_grouped(seqs, prompts, keys, nd, block_size, num_queries_per_kv, device)
 
     def t(x):
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -147,6 +112,42 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         decode_block_tables=torch.from_numpy(tables).to(device),
         decode_context_lens=torch.from_numpy(lens).to(device))
     return batch, sampled
+
+
+class _FlatTokens:
+    """The flat per-token lists of a batch, filled sequence by sequence."""
+
+    def __init__(self, input_ids=None, positions=None, slots=None, logits_indices=None,
+                 sampled=None):
+        self.input_ids: list[int] = input_ids if input_ids is not None else []
+        self.positions: list[int] = positions if positions is not None else []
+        self.slots: list[int] = slots if slots is not None else []
+        self.logits_indices: list[int] = logits_indices if logits_indices is not None else []
+        self.sampled: list[int] = sampled if sampled is not None else []
+
+    def add_grouped(self, seqs: list[SeqInput], order: list[int], keys: list, start: int,
+                    block_size: int, g: int, device: torch.device) -> list[AttnGroup]:
+        """Append seqs[order[j]] in turn (flat tokens from `start`); consecutive ones with
+        the same key (keys[j]) form one attention group."""
+        groups: list[AttnGroup] = []
+        members: list[SeqInput] = []
+        for j, i in enumerate(order):
+            s = seqs[i]
+            n = len(s.token_ids)
+            self.input_ids += s.token_ids
+            pos = range(s.start_pos, s.start_pos + n)
+            self.positions += pos
+            self.slots += [s.block_table[p // block_size] * block_size + p % block_size
+                           for p in pos]
+            if s.sample:
+                self.logits_indices.append(len(self.input_ids) - 1)
+                self.sampled.append(i)
+            members.append(s)
+            if j + 1 == len(order) or keys[j + 1] != keys[j]:
+                grp = _build_group(members, start, block_size, g, device)
+                groups.append(grp)
+                start, members = grp.end, []
+        return groups
 
 
 def _build_group(seqs: list[SeqInput], start: int, block_size: int, g: int,
