@@ -152,7 +152,6 @@ class _FlatTokens:
 
 def _build_group(seqs: list[SeqInput], start: int, block_size: int, g: int,
                  device: torch.device) -> AttnGroup:
-    B = len(seqs)
     q_lens = [len(s.token_ids) for s in seqs]
     Q = max(q_lens)
     num_blocks = [-(-(s.start_pos + n) // block_size) for s, n in zip(seqs, q_lens)]
@@ -166,18 +165,14 @@ def _build_group(seqs: list[SeqInput], start: int, block_size: int, g: int,
         query_pos.append([s.start_pos + q if q < n else 0 for q in range(Q)])
         unpad_index += range(b * Q, b * Q + n)
         offset += n
-    qpos = torch.tensor(query_pos, dtype=torch.long, device=device)        # [B, Q]
-    keys = torch.arange(max_blocks * block_size, device=device)           # [L]
-    mask = keys.view(1, 1, -1) <= qpos.unsqueeze(-1)                      # [B, Q, L], causal
-    mask = mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
     return AttnGroup(
         start=start, end=start + offset,
         pad_index=torch.tensor(pad_index, dtype=torch.long, device=device),
         unpad_index=torch.tensor(unpad_index, dtype=torch.long, device=device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        mask=mask,
-        query_pos=qpos,
+        query_pos=torch.tensor(query_pos, dtype=torch.long, device=device),
         start_pos=[s.start_pos for s in seqs],
+        block_size=block_size, num_queries_per_kv=g,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,11 +24,23 @@ class AttnGroup:
     pad_index: torch.Tensor     # [B, Q] long: flat token (relative to start) of each padded slot
     unpad_index: torch.Tensor   # [end - start] long: padded slot (b * Q + q) of each flat token
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
-    mask: torch.Tensor          # [B, 1, G * Q, L] bool, True = may attend; rows ordered (group, query)
-    # [B, Q] long: absolute position of each padded query slot (padding: 0, so it sees key 0);
-    # the kernel path's causal softmax masks with it instead of `mask`.
-    query_pos: torch.Tensor | None = None
-    start_pos: list[int] | None = None  # host copy: each sequence's first query position
+    # [B, Q] long: absolute position of each padded query slot (padding: 0, so it sees key 0).
+    query_pos: torch.Tensor
+    start_pos: list[int]        # host copy: each sequence's first query position
+    block_size: int
+    num_queries_per_kv: int     # G: query heads sharing one KV head
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, G * Q, L] bool, True = may attend; rows ordered (group, query). Built on
+        first use (the eager SDPA path, once per step); the kernel path's causal softmax
+        masks from query_pos and never builds it."""
+        B, Q = self.query_pos.shape
+        g = self.num_queries_per_kv
+        keys = torch.arange(self.block_tables.shape[1] * self.block_size,
+                            device=self.query_pos.device)                    # [L]
+        mask = keys.view(1, 1, -1) <= self.query_pos.unsqueeze(-1)          # [B, Q, L], causal
+        return mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
 
 
 @dataclass
@@ -222,7 +235,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = k.transpose(1, 2).reshape(B * kvh, L, d)
         v = v.transpose(1, 2).reshape(B * kvh, L, d)
     sl = _PREFILL_SLICE.get(q.dtype, _PREFILL_SLICE_DEFAULT)
-    if B == 1 and Q >= 2 * sl and group.start_pos is not None:
+    if B == 1 and Q >= 2 * sl:
         # One long chunk: query slice [q0, q1) only needs keys [0, start + q1), so the
         # matmuls skip most of the causal upper triangle (~3/8 of the work at 4 slices).
         start = group.start_pos[0]
