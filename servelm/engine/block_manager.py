@@ -124,14 +124,20 @@ class BlockManager:
         """Blocks the request still needs so that its table holds num_tokens tokens."""
         return max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id)))
 
-    def can_allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> bool:
-        """Whether the table can grow to num_tokens tokens, starting from `cached` blocks
-        (for a request that holds none yet)."""
+    def num_blocks_to_take(self, request_id: str, num_tokens: int,
+                           cached: list[int] = ()) -> int:
+        """Free blocks that growing the table to num_tokens tokens, starting from `cached`
+        blocks (for a request that holds none yet), would take out of the free queue."""
         # Cached blocks sitting in the free queue stop being free once taken.
         taken = sum(1 for b in cached if self._ref[b] == 0)
         need = max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id))
                    - len(cached))
-        return need + taken <= len(self._free)
+        return need + taken
+
+    def can_allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Whether the table can grow to num_tokens tokens, starting from `cached` blocks
+        (for a request that holds none yet)."""
+        return self.num_blocks_to_take(request_id, num_tokens, cached) <= len(self._free)
 
     def allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> list[int]:
         """Grow the request's table to hold num_tokens tokens; returns the new block ids.

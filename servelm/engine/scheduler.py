@@ -91,7 +91,7 @@ class Scheduler:
             i += 1
         # Only admit new work when no running request had to give up its blocks, and
         # only into blocks the running requests will not need for their next tokens.
-        reserve = self._lookahead_blocks(self.running)
+        reserve = None  # computed at the first admission attempt: most steps admit none
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
@@ -101,14 +101,13 @@ class Scheduler:
                       if bm.enable_caching else [])
             num_cached = len(cached) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
-            if not bm.can_allocate(req.request_id, num_cached + n, cached):
+            take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)
+            if take > bm.num_free_blocks:
                 break
-            # Blocks this admission takes from the free pool: new ones, and cached ones
-            # that no one holds (they sit in the free queue until taken).
-            need = (bm.num_new_blocks(req.request_id, num_cached + n) - len(cached)
-                    + sum(1 for b in cached if bm.ref_count(b) == 0))
             own = self._lookahead_blocks([req], num_cached + n)
-            if self.running and bm.num_free_blocks - need - own < reserve:
+            if reserve is None:
+                reserve = self._lookahead_blocks(self.running)
+            if self.running and bm.num_free_blocks - take - own < reserve:
                 break  # the blocks are spoken for by running requests' next tokens
             self.waiting.popleft()
             bm.allocate(req.request_id, num_cached + n, cached)
