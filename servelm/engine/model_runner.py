@@ -63,15 +63,7 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
     flat = _FlatTokens()
     groups = flat.add_grouped(seqs, order, [keys[i] for i in order], 0, block_size,
                               num_queries_per_kv, device)
-    input_ids, positions, slots = flat.input_ids, flat.positions, flat.slots
-    logits_indices, sampled = flat.logits_indices, flat.sampled
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.long, device=device)
-
-    batch = ForwardBatch(input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots),
-                         groups=groups, logits_indices=t(logits_indices))
-    return batch, sampled
+    return ForwardBatch(**flat.tensors(device), groups=groups), flat.sampled
 
 
 def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
@@ -103,12 +95,8 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
     flat = _FlatTokens(input_ids, positions, slots, logits_indices, sampled)
     groups = flat.add_grouped(seqs, prompts, keys, nd, block_size, num_queries_per_kv, device)
 
-    def t(x):
-        return torch.tensor(x, dtype=torch.long, device=device)
-
     batch = ForwardBatch(
-        input_ids=t(input_ids), positions=t(positions), slot_mapping=t(slots), groups=groups,
-        logits_indices=t(logits_indices), kernels=True, num_decodes=nd,
+        **flat.tensors(device), groups=groups, kernels=True, num_decodes=nd,
         decode_block_tables=torch.from_numpy(tables).to(device),
         decode_context_lens=torch.from_numpy(lens).to(device))
     return batch, sampled
@@ -124,6 +112,14 @@ class _FlatTokens:
         self.slots: list[int] = slots if slots is not None else []
         self.logits_indices: list[int] = logits_indices if logits_indices is not None else []
         self.sampled: list[int] = sampled if sampled is not None else []
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """ForwardBatch's per-token fields."""
+        def t(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return {"input_ids": t(self.input_ids), "positions": t(self.positions),
+                "slot_mapping": t(self.slots), "logits_indices": t(self.logits_indices)}
 
     def add_grouped(self, seqs: list[SeqInput], order: list[int], keys: list, start: int,
                     block_size: int, g: int, device: torch.device) -> list[AttnGroup]:
