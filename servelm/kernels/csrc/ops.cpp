@@ -63,6 +63,23 @@ constexpr int kMaxD = 256;    // head dim
 constexpr int kTile = 32;     // keys scored at a time
 constexpr float kNegBig = -1e30f;  // not -inf: -ffast-math assumes finite values
 
+// One tile of an online softmax: scores s[0..n) become exp(s - new max) in place, the running
+// max m and sum l are updated; returns the factor the accumulator must be rescaled by.
+inline float online_softmax_tile(float* s, int n, float& m, float& l) {
+  float mt = m;
+  for (int j = 0; j < n; ++j) mt = std::max(mt, s[j]);
+  const float alpha = std::exp(m - mt);
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) {
+    const float p = std::exp(s[j] - mt);
+    s[j] = p;
+    sum += p;
+  }
+  l = l * alpha + sum;
+  m = mt;
+  return alpha;
+}
+
 // Attend G pre-scaled fp32 queries to tokens [t0, t1) of one sequence's KV head.
 // acc [G*D] (unnormalised), m [G] (running max), l [G] (running sum) are updated.
 template <typename T, int DT>
@@ -95,17 +112,7 @@ void attend_range(const float* qf, int G, int d_rt, const T* kc, const T* vc,
       }
     }
     for (int g = 0; g < G; ++g) {
-      float mt = m[g];
-      for (int j = 0; j < n; ++j) mt = std::max(mt, s[g][j]);
-      const float alpha = std::exp(m[g] - mt);
-      float sum = 0.f;
-      for (int j = 0; j < n; ++j) {
-        const float p = std::exp(s[g][j] - mt);
-        s[g][j] = p;
-        sum += p;
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mt;
+      const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
       if (alpha != 1.f) {
         float* ag = acc + g * D;
         for (int d = 0; d < D; ++d) ag[d] *= alpha;
@@ -226,17 +233,7 @@ void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float
         _mm512_store_ps(&s[g][j0], hsum16(part));
       }
       }
-      float mt = m[g];
-      for (int j = 0; j < n; ++j) mt = std::max(mt, s[g][j]);
-      const float alpha = std::exp(m[g] - mt);
-      float sum = 0.f;
-      for (int j = 0; j < n; ++j) {
-        const float p = std::exp(s[g][j] - mt);
-        s[g][j] = p;
-        sum += p;
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mt;
+      const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
       if (alpha != 1.f) {
         const __m512 av = _mm512_set1_ps(alpha);
         for (int v = 0; v < NV; ++v)
