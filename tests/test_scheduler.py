@@ -881,3 +881,11 @@ def test_config_needs_a_budget_token_per_running_sequence():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8)
+
+
+def test_config_rejects_a_negative_admission_lookahead():
+    import pytest
+
+    with pytest.raises(ValueError, match="admission_lookahead must be >= 0, got -1"):
+        SchedulerConfig(admission_lookahead=-1)
+    assert SchedulerConfig(admission_lookahead=0).admission_lookahead == 0
