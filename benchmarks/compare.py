@@ -39,11 +39,21 @@ def _prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def bench_servelm(fmt: str, repeats: int) -> dict:
+    """fmt: a dtype or quantisation; "<fmt>/unpacked": the same without oneDNN prepacking."""
     from servelm import LLM, SamplingParams
 
-    dtype, quant = (fmt, None) if fmt in ("float32", "bfloat16") else ("bfloat16", fmt)
+    base, _, variant = fmt.partition("/")
+    if variant not in ("", "unpacked"):
+        raise SystemExit(f"unknown format variant {variant!r} in {fmt!r} (only /unpacked)")
+    dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
     kw = {"quantization": quant} if quant else {}
-    llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
+    saved = os.environ.get("SERVELM_NO_PREPACK")
+    os.environ["SERVELM_NO_PREPACK"] = "1" if variant == "unpacked" else "0"
+    try:
+        llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
+    finally:
+        os.environ.pop("SERVELM_NO_PREPACK") if saved is None else os.environ.update(
+            SERVELM_NO_PREPACK=saved)
     one = SamplingParams(temperature=0, max_tokens=1)
     gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     llm.generate([_prompt_ids(PROMPT_LEN, 99)], one, use_tqdm=False)  # warm-up
@@ -123,7 +133,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bfloat16,float32,int8,int4",
-                    help="servelm weight formats to run (dtype or quantisation)")
+                    help="servelm weight formats to run (dtype or quantisation; "
+                         "FMT/unpacked: without oneDNN weight prepacking)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",

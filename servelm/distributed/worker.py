@@ -30,6 +30,7 @@ from servelm.distributed.parallel_state import TPGroup
 from servelm.distributed.sharding import Shard, ShardPlan
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.loader import load_model
+from servelm.prepack import finalize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,7 @@ def load_rank(group: TPGroup, ckpt, cfg, dtype: torch.dtype, device: torch.devic
     plan = ShardPlan.of(cfg, group.rank, group.world)
     model = load_model(ckpt, cfg, dtype, device, max_positions=max_len,
                        shard=Shard(plan, group))
-    if quantization:
-        from servelm.quantization import quantize_model
-
-        quantize_model(model, quantization)
+    finalize_linears(model, quantization)
     return model, plan
 
 

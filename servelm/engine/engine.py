@@ -19,6 +19,7 @@ from servelm.engine.sampler import Sampler
 from servelm.engine.scheduler import Scheduler
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.prepack import finalize_linears
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
 
@@ -140,11 +141,9 @@ class LLMEngine:
         else:
             self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
                                     max_positions=max_len)
-            if config.quantization:
-                from servelm.quantization import quantize_model
-
-                # Weight-only: the linear layers are swapped, activations keep self.dtype.
-                quantize_model(self.model, config.quantization)
+            # Weight-only quantisation (activations keep self.dtype) and, on CPU, oneDNN
+            # prepacking of the linear layers left as nn.Linear: both are module swaps.
+            finalize_linears(self.model, config.quantization)
             block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
                                                   self.dtype)
             kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)

@@ -1,0 +1,131 @@
+"""oneDNN-prepacked linear layers (servelm/prepack.py) against F.linear, and the engine
+with them against the engine without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.prepack import PackedLinear, finalize_linears, prepack_model, prepack_supported
+
+needs_prepack = pytest.mark.skipif(not prepack_supported(torch.float32, "cpu"),
+                                   reason="oneDNN prepacking unavailable here")
+
+
+def _linear(n, k, bias, dtype, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    return lin.to(dtype)
+
+
+@needs_prepack
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 576), (0, 576), (200, 576)])
+def test_packed_linear_matches_f_linear(dtype, bias, shape):
+    if not prepack_supported(dtype, "cpu"):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    lin = _linear(1728, 576, bias, dtype)
+    packed = PackedLinear(lin)
+    x = torch.randn(*shape).to(dtype)
+    got, want = packed(x), F.linear(x, lin.weight, lin.bias)
+    assert got.shape == want.shape and got.dtype == dtype
+    if want.numel():
+        err = (got.float() - want.float()).abs().max().item()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding
+        assert err <= tol * want.float().abs().max().item()
+
+
+@needs_prepack
+def test_packed_linear_takes_non_contiguous_input():
+    lin = _linear(64, 96, True, torch.float32)
+    packed = PackedLinear(lin)
+    x = torch.randn(96, 10).t()  # [10, 96], transposed strides
+    torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_prepack
+def test_packed_linear_rejects_other_dtypes_by_name():
+    packed = PackedLinear(_linear(32, 64, False, torch.float32))
+    with pytest.raises(TypeError, match="float32 weights, got torch.bfloat16"):
+        packed(torch.randn(2, 64).to(torch.bfloat16))
+
+
+def test_prepack_supported_only_on_cpu_and_when_enabled(monkeypatch):
+    assert not prepack_supported(torch.float32, "meta")
+    assert not prepack_supported(torch.int8, "cpu")
+    monkeypatch.setenv("SERVELM_NO_PREPACK", "1")
+    assert not prepack_supported(torch.float32, "cpu")
+    monkeypatch.delenv("SERVELM_NO_PREPACK")
+    monkeypatch.setenv("SERVELM_NO_KERNELS", "1")
+    assert not prepack_supported(torch.float32, "cpu")
+
+
+@needs_prepack
+def test_prepack_model_swaps_every_plain_linear_and_keeps_a_tied_embedding():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight  # tied
+
+    torch.manual_seed(0)
+    m = Tiny()
+    x = torch.randint(0, 50, (4,))
+    want = m.head(m.inner(m.embed(x)))
+    assert prepack_model(m) == 3
+    assert isinstance(m.head, PackedLinear) and isinstance(m.inner[0], PackedLinear)
+    assert isinstance(m.embed.weight, nn.Parameter)  # the embedding keeps its plain weight
+    torch.testing.assert_close(m.head(m.inner(m.embed(x))), want, rtol=1e-5, atol=1e-5)
+    assert prepack_model(m) == 0  # nothing left to swap
+
+
+@needs_prepack
+def test_quantised_layers_are_not_prepacked():
+    from servelm.quantization import QuantLinear
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = nn.Linear(64, 64)
+            self.other = nn.Linear(64, 64)
+
+    m = finalize_linears(Block(), "int8")
+    assert isinstance(m.o_proj, QuantLinear)  # a quantisation target stays quantised
+    assert isinstance(m.other, PackedLinear)  # a plain linear left over is packed
+
+
+# ---- the engine with and without prepacking ----------------------------------------------------
+
+def _logits_and_tokens(llm, prompts, n):
+    from servelm import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, sp)
+    return ([o.outputs[0].token_ids for o in outs],
+            [o.outputs[0].logprobs[0] for o in outs])
+
+
+@needs_prepack
+def test_engine_prepacks_on_cpu_and_greedy_tokens_match_unpacked(llm, monkeypatch):
+    from servelm import LLM
+    from tests.conftest import TEXT_PROMPTS
+
+    model = llm.engine.model
+    assert isinstance(model.lm_head, PackedLinear)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    prompts = TEXT_PROMPTS + [" ".join(TEXT_PROMPTS) * 6]  # a few hundred tokens too
+    got_tokens, got_lp = _logits_and_tokens(llm, prompts, 16)
+
+    monkeypatch.setenv("SERVELM_NO_PREPACK", "1")
+    plain = LLM(dtype="float32", kv_cache_memory=64 << 20)
+    assert type(plain.engine.model.lm_head) is nn.Linear
+    want_tokens, want_lp = _logits_and_tokens(plain, prompts, 16)
+    assert got_tokens == want_tokens
+    for g, w in zip(got_lp, want_lp):  # first step's top-5 logprobs: same ids, same values
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        for (_, a), (_, b) in zip(g.top, w.top):
+            assert abs(a - b) < 1e-3
