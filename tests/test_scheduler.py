@@ -268,6 +268,48 @@ def test_lookahead_stops_at_max_tokens_and_never_blocks_an_idle_engine():
     assert ids(s.request for s in sim2.schedule().scheduled) == ["a", "b"]
 
 
+def test_admission_waits_while_the_running_request_grows_into_the_free_blocks():
+    # 6 blocks of 4. a (prompt 4, 14 outputs) grows to 5 blocks over the next 13 steps;
+    # b (prompt 4, 17 outputs) would take 1 block and grow too: with a's growth and b's
+    # there are not enough blocks for both inside the window, so b waits for a.
+    sim = Sim(num_blocks=6, block_size=4, max_num_batched_tokens=100, admission_lookahead=16)
+    a = sim.add("a", 4, 14)
+    sim.step()
+    b = sim.add("b", 4, 17)
+    out = sim.schedule()
+    assert ids(s.request for s in out.scheduled) == ["a"] and b.status is RequestStatus.WAITING
+    sim.finish_step(out)
+    sim.run_to_end()
+    assert (a.num_output_tokens, b.num_output_tokens) == (14, 17)
+    assert sim.sched.num_preemptions == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_whole_horizon_lookahead_never_preempts_requests_that_run_to_max_tokens(data):
+    # Prompts fit the budget (no chunking) and every request runs to max_tokens, as the
+    # lookahead assumes: then admission never lets the pool run short, whatever arrives when.
+    bs = data.draw(st.sampled_from([2, 4]), label="block_size")
+    num_blocks = data.draw(st.integers(3, 40), label="num_blocks")
+    sim = Sim(num_blocks=num_blocks, block_size=bs, max_num_batched_tokens=4096,
+              admission_lookahead=10_000)
+    cap = num_blocks * bs
+    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 20), st.integers(1, cap),
+                                            st.integers(1, 30)), min_size=1, max_size=12))
+    reqs, step = [], 0
+    pending = sorted(arrivals)
+    while pending or sim.sched.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, plen, mt = pending.pop(0)
+            mt = max(1, min(mt, cap - plen + 1))  # prompt + max_tokens - 1 fits the pool
+            reqs.append(sim.add(f"r{len(reqs)}", plen, mt))
+        sim.step()
+        step += 1
+        assert step < 2000
+    assert sim.sched.num_preemptions == 0
+    assert all(r.num_output_tokens == r.max_tokens for r in reqs)
+
+
 def test_admission_is_in_arrival_order():
     # b does not fit the free blocks, so c (which would) is not admitted ahead of it.
     sim = Sim(num_blocks=4, block_size=4, max_num_batched_tokens=100)
