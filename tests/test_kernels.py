@@ -217,7 +217,7 @@ def _prefill_setup(specs, kvh, g, d, bs, dtype, seed=0):
 @pytest.mark.parametrize("specs", [[(0, 37)], [(0, 5), (20, 17), (64, 2), (3, 40)],
                                    [(100, 16), (0, 16)], [(0, 200)], [(40, 520)]])
 def test_prefill_attention_matches_sdpa(dtype, g, specs):
-    # [(40, 520)]: one long chunk after cached context, run as query slices (causal skip).
+    # The kernel path's prompt attention (group -> int32 metadata -> the flash-style op) vs SDPA.
     from servelm.models.layers import paged_attention, paged_prefill_attention
     q, kc, vc, grp = _prefill_setup(specs, kvh=3, g=g, d=64, bs=16, dtype=dtype)
     got = paged_prefill_attention(q, kc, vc, grp, 0.125)
@@ -225,3 +225,143 @@ def test_prefill_attention_matches_sdpa(dtype, g, specs):
     want = paged_attention(q.float(), kc.float(), vc.float(), grp, 0.125)  # SDPA, fp32
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+# ---- prompt attention: the flash-style op over the block tables ---------------------------------
+
+def _prefill_op_setup(specs, kvh, g, d, bs, dtype, seed=0):
+    """specs: (cached context, chunk length) per sequence. Returns the op's arguments: q
+    [T, H, D] (sequences' chunks one after another), caches with the blocks of each sequence
+    scattered over the pool in shuffled order, int32 tables (wider than needed, padded with
+    block 0), cu_seqlens_q, start_pos."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(s + n) // bs) for s, n in specs]
+    nb = sum(need) + 3
+    kc = torch.randn(nb, bs, kvh, d, generator=gen).to(dtype)
+    vc = torch.randn(nb, bs, kvh, d, generator=gen).to(dtype)
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables = torch.zeros(len(specs), max(need) + 2, dtype=torch.int32)
+    used = 0
+    for b, k in enumerate(need):
+        tables[b, :k] = torch.tensor(perm[used:used + k], dtype=torch.int32)
+        used += k
+    q = (torch.randn(sum(n for _, n in specs), kvh * g, d, generator=gen) * 2).to(dtype)
+    cu = torch.tensor([0] + torch.tensor([n for _, n in specs]).cumsum(0).tolist(), dtype=torch.int32)
+    start = torch.tensor([s for s, _ in specs], dtype=torch.int32)
+    return q, kc, vc, tables, cu, start
+
+
+def _prefill_ref(q, kc, vc, tables, cu, start, scale):
+    """Dense causal attention per sequence in float64: query i of sequence b sits at position
+    start[b] + i and sees keys 0..start[b] + i, read through the block table."""
+    bs, kvh, d = kc.shape[1:]
+    h = q.shape[1]
+    out = torch.empty(q.shape[0], h * d, dtype=torch.float64)
+    for b in range(len(start)):
+        q0, q1, s = int(cu[b]), int(cu[b + 1]), int(start[b])
+        n = s + q1 - q0
+        blocks = tables[b, :-(-n // bs)].long()
+        k = kc[blocks].reshape(-1, kvh, d)[:n].double().repeat_interleave(h // kvh, 1)  # [n, H, D]
+        v = vc[blocks].reshape(-1, kvh, d)[:n].double().repeat_interleave(h // kvh, 1)
+        sc = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * scale
+        pos = torch.arange(s, n).view(-1, 1)
+        sc = sc.masked_fill(torch.arange(n).view(1, -1) > pos, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v).reshape(q1 - q0, -1)
+    return out
+
+
+PREFILL_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+               torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("specs", [
+    [(0, 1)], [(0, 17)], [(0, 300)],                  # one sequence from position 0
+    [(384, 128)], [(37, 17)], [(5, 1)], [(100, 300)],  # after cached tokens (block multiple or not)
+    [(0, 5), (20, 17), (64, 2), (3, 40), (0, 1)],      # ragged sequences in one call
+    [(0, 128)] * 4,
+])
+def test_paged_prefill_attention_op_matches_dense_reference(dtype, g, specs):
+    q, kc, vc, tables, cu, start = _prefill_op_setup(specs, kvh=3, g=g, d=64, bs=16, dtype=dtype)
+    got = ops().paged_prefill_attention(q, kc, vc, tables, cu, start, 0.125)
+    assert got.dtype == dtype and got.shape == (q.shape[0], q.shape[1] * 64)
+    want = _prefill_ref(q, kc, vc, tables, cu, start, 0.125)
+    torch.testing.assert_close(got.double(), want, **PREFILL_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_op_strided_q_other_head_dims(dtype):
+    # q as a view into wider rows (as qkv[:, :q_size] is); head dims 128 (block size 32, four
+    # query heads per KV head) and 80 (a multiple of 16 without a specialised kernel).
+    for d, bs, kvh, g in ((128, 32, 2, 4), (80, 16, 1, 2)):
+        specs = [(0, 40), (70, 33), (3, 1)]
+        q, kc, vc, tables, cu, start = _prefill_op_setup(specs, kvh=kvh, g=g, d=d, bs=bs, dtype=dtype, seed=5)
+        T, H = q.shape[:2]
+        wide = torch.randn(T, H * d + 3 * d).to(dtype)
+        wide[:, :H * d] = q.reshape(T, -1)
+        qv = wide[:, :H * d].view(T, H, d)
+        got = ops().paged_prefill_attention(qv, kc, vc, tables, cu, start, d ** -0.5)
+        want = _prefill_ref(q, kc, vc, tables, cu, start, d ** -0.5)
+        torch.testing.assert_close(got.double(), want, **PREFILL_TOL[dtype])
+
+
+def test_paged_prefill_attention_op_reads_only_visible_keys():
+    # Cache slots past each sequence's last position (rest of its last block, unused blocks)
+    # hold NaN: they must never be read, nor turn masked probabilities into NaN.
+    specs = [(0, 20), (30, 3), (16, 16)]
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, tables, cu, start = _prefill_op_setup(specs, kvh=3, g=3, d=64, bs=16, dtype=dtype)
+        want = _prefill_ref(q, kc, vc, tables, cu, start, 0.125)
+        used = torch.zeros(kc.shape[0] * 16, dtype=torch.bool)
+        for b, (s, n) in enumerate(specs):
+            for p in range(s + n):
+                used[int(tables[b, p // 16]) * 16 + p % 16] = True
+        kc.view(-1, 3, 64)[~used] = float("nan")
+        vc.view(-1, 3, 64)[~used] = float("nan")
+        got = ops().paged_prefill_attention(q, kc, vc, tables, cu, start, 0.125)
+        torch.testing.assert_close(got.double(), want, **PREFILL_TOL[dtype])
+
+
+def test_paged_prefill_attention_op_rejects_bad_arguments():
+    q, kc, vc, tables, cu, start = _prefill_op_setup([(0, 20), (8, 9)], kvh=3, g=3, d=64, bs=16,
+                                                     dtype=torch.float32)
+    op = ops().paged_prefill_attention
+    with pytest.raises(RuntimeError, match="block table holds"):
+        op(q, kc, vc, tables[:, :1].contiguous(), cu, start, 0.125)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q"):
+        op(q, kc, vc, tables, cu.long(), start, 0.125)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q"):
+        op(q, kc, vc, tables, torch.tensor([0, 20, 28], dtype=torch.int32), start, 0.125)
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, kc, vc, bad, cu, start, 0.125)
+    with pytest.raises(RuntimeError, match="head dim 40 unsupported"):
+        q2, kc2, vc2, t2, cu2, s2 = _prefill_op_setup([(0, 5)], kvh=1, g=1, d=40, bs=16, dtype=torch.float32)
+        op(q2, kc2, vc2, t2, cu2, s2, 0.125)
+
+
+def test_prefill_attention_other_head_dim_falls_back_to_sdpa():
+    # layers.paged_prefill_attention sends head dims the op does not take to SDPA.
+    from servelm.models.layers import paged_attention, paged_prefill_attention
+    q, kc, vc, grp = _prefill_setup([(0, 9), (17, 4)], kvh=2, g=2, d=40, bs=16, dtype=torch.float32)
+    got = paged_prefill_attention(q, kc, vc, grp, 0.2)
+    torch.testing.assert_close(got, paged_attention(q, kc, vc, grp, 0.2), atol=1e-6, rtol=1e-5)
+
+
+def test_fp32_prefix_cache_hit_with_kernels_matches_eager(gguf_path):
+    # A prompt whose first blocks are already cached: its prefill chunk starts at start_pos > 0
+    # and attends to the cached keys through the block table.
+    from servelm import LLM
+    from tests.conftest import TEXT_PROMPTS
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
+    runner = _runner(llm)
+    if not runner.use_kernels:
+        pytest.skip("engine runs without kernels")
+    base = " ".join(TEXT_PROMPTS) * 3
+    prompts = [base, base + " And then", base[:-7] + " The end of"]
+    got = [_greedy(llm, [p], 8)[0] for p in prompts]   # one by one: later ones hit the cache
+    runner.use_kernels = False
+    want = [_greedy(llm, [p], 8)[0] for p in prompts]
+    assert got == want

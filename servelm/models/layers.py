@@ -42,6 +42,22 @@ class AttnGroup:
         mask = keys.view(1, 1, -1) <= self.query_pos.unsqueeze(-1)          # [B, Q, L], causal
         return mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
 
+    @functools.cached_property
+    def prefill_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prompt-attention kernel's int32 view: block tables [B, max_blocks],
+        cumulative query counts [B + 1] (each sequence's tokens are consecutive) and first
+        positions [B]. Built on the first layer's call and shared by the others."""
+        B, Q = self.pad_index.shape
+        n = self.end - self.start
+        dev = self.block_tables.device
+        if n == B * Q:  # every sequence has Q queries
+            cu = torch.arange(0, n + 1, Q, dtype=torch.int32, device=dev)
+        else:
+            cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+            cu[1:] = torch.bincount(self.unpad_index // Q, minlength=B).cumsum(0)
+        return (self.block_tables.to(torch.int32).contiguous(), cu,
+                torch.tensor(self.start_pos, dtype=torch.int32, device=dev))
+
 
 @dataclass
 class ForwardBatch:
@@ -203,57 +219,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return o[group.unpad_index]
 
 
-# Query rows per matmul slice of one long prompt chunk (measured best on AVX-512: bf16
-# matmuls want larger slices; fp32 ones are slower, so skipping more of the triangle pays).
-_PREFILL_SLICE = {torch.float32: 128}
-_PREFILL_SLICE_DEFAULT = 256
-
-
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             group: AttnGroup, scale: float) -> torch.Tensor:
-    """`paged_attention` for prompt chunks on CPU with the C++ kernels: the same gather and
-    grouped-query rows layout, but scores by one batched matmul, the fused causal softmax
-    (`causal_softmax_`: scale, mask from each query's absolute position, fp32 softmax, in
-    place, probabilities in the model dtype), then one batched matmul with V. CPU SDPA's
-    flash kernel is several times slower on these shapes (see benchmarks/attention.py).
+    """`paged_attention` for prompt chunks on CPU with the C++ kernels: one flash-style op
+    (`servelm_ops.paged_prefill_attention`) reads K/V in place through the block tables,
+    keeps the softmax online in fp32 and skips the masked upper triangle; no padding, gather
+    or score matrix. Head dims it does not take (not a multiple of 16, or above 256) use SDPA.
     """
-    B, Q = group.pad_index.shape
-    nb, kvh, d = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
-    h = q.shape[1]
-    g = h // kvh
-    n = q.shape[0]
-    dense = n == B * Q  # every sequence has Q queries: no padding, no gather/scatter of q
-    qp = q.view(B, Q, h, d) if dense else q[group.pad_index]           # [B, Q, H, D]
-    qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B * kvh, g * Q, d)
-    flat = group.block_tables.view(-1)
-    k = k_cache.view(nb, -1).index_select(0, flat).view(B, -1, kvh, d)
-    v = v_cache.view(nb, -1).index_select(0, flat).view(B, -1, kvh, d)
-    L = k.shape[1]
-    if B == 1:  # [L, KVH, D] read per head in place: strided batches, no copy
-        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)              # [KVH, L, D]
-    else:
-        k = k.transpose(1, 2).reshape(B * kvh, L, d)
-        v = v.transpose(1, 2).reshape(B * kvh, L, d)
-    sl = _PREFILL_SLICE.get(q.dtype, _PREFILL_SLICE_DEFAULT)
-    if B == 1 and Q >= 2 * sl:
-        # One long chunk: query slice [q0, q1) only needs keys [0, start + q1), so the
-        # matmuls skip most of the causal upper triangle (~3/8 of the work at 4 slices).
-        start = group.start_pos[0]
-        q4 = qp.view(kvh, g, Q, d)
-        parts = []
-        for q0 in range(0, Q, sl):
-            q1 = min(Q, q0 + sl)
-            lc = min(L, start + q1)
-            s = torch.bmm(q4[:, :, q0:q1].reshape(kvh, g * (q1 - q0), d), k[:, :lc].transpose(1, 2))
-            _ops().causal_softmax_(s.view(1, -1, lc), group.query_pos[:, q0:q1].contiguous(), scale)
-            parts.append(torch.bmm(s, v[:, :lc]).view(kvh, g, q1 - q0, d))
-        o = torch.cat(parts, dim=2)
-    else:
-        s = torch.bmm(qp, k.transpose(1, 2))                            # [B*KVH, G*Q, L]
-        _ops().causal_softmax_(s.view(B, kvh * g * Q, L), group.query_pos, scale)
-        o = torch.bmm(s, v)                                             # [B*KVH, G*Q, D]
-    o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
-    return o if dense else o[group.unpad_index]
+    d = q.shape[-1]
+    if d % 16 or d > 256:
+        return paged_attention(q, k_cache, v_cache, group, scale)
+    tables, cu_q, start_pos = group.prefill_metadata
+    return _ops().paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, scale)
 
 
 class Attention(nn.Module):
@@ -308,7 +285,7 @@ class Attention(nn.Module):
             o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache, batch.decode_block_tables,
                                            batch.decode_context_lens, self.scale)
             outs.append(o.view(nd, self.q_size))
-        # Prompt chunks: matmul + fused causal softmax + matmul (SDPA without a query_pos).
+        # Prompt chunks: flash-style attention over the block tables (SDPA without a query_pos).
         outs += [paged_prefill_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
                  if g.query_pos is not None else
                  paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)

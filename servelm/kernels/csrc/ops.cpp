@@ -19,6 +19,13 @@
 //       heads of one KV head, each over the Q queries); it attends keys 0..pos. Scale, mask,
 //       fp32 max / exp / sum in one pass; masked entries are exactly 0; a row with pos < 0
 //       is all 0. Only the valid prefix of each row is read.
+//   paged_prefill_attention(q [T,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
+//                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale) -> [T, H*D]
+//       Prompt (prefill) attention, flash-style: sequence b's queries are the tokens
+//       cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q, at positions start_pos[b], start_pos[b]+1, ...;
+//       each attends causally to keys 0..its position, read in place through the block table
+//       (the chunk's own K/V are already in the cache). Online softmax in fp32, the masked upper
+//       triangle skipped; bf16 through AVX512-BF16 dot products. Head dim: a multiple of 16, <= 256.
 //
 // Element-wise kernels round where the PyTorch reference rounds (e.g. bf16 RMSNorm output is
 // rounded before the weight multiply), so bf16 results stay close to the eager path.
@@ -32,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -733,6 +741,520 @@ at::Tensor causal_softmax(const at::Tensor& scores, const at::Tensor& query_pos,
   return out;
 }
 
+
+// ---- prompt (prefill) attention: flash-style, K/V read through the block tables -----------------
+//
+// Work item = (sequence, KV head, block of up to kItemQ queries): the G query heads of the KV
+// head over those queries, as G * ceil(n / 16) "query tiles" of 16 consecutive queries. Items
+// run largest first (later blocks see more keys) over OpenMP threads. Queries sit
+// in the 16 fp32 lanes, so the online softmax (max, exp, sum, rescale) is all vertical. Keys
+// are walked in chunks of kChunkK (only up to the item's last position: the masked upper
+// triangle is skipped); each chunk of the KV head is copied from its scattered blocks into a
+// contiguous buffer once and reused by every query tile of the item:
+//   scores   S^T[key] (16 lanes) += Qpacked[d] * broadcast(K[key][d])   (16 keys per pass)
+//   softmax  per lane, online over chunks; masked keys (key pos > query pos) get p = 0
+//   output   O^T[d]   (16 lanes) += P^T[key] * broadcast(V[key][d])     (16 d per pass)
+// bf16 with AVX512-BF16: q and K as bf16 pairs (two dims per dword) through vdpbf16ps; p is
+// rounded to bf16 (as a bf16 matmul with V would) and V is packed as key pairs (V[2j][d],
+// V[2j+1][d]) so P.V is vdpbf16ps too; softmax state and accumulators stay fp32. fp32 (and
+// fp16 / bf16 without AVX512-BF16, converted to fp32 when packed) use fp32 FMAs.
+
+constexpr int kItemQ = 64;    // most queries per work item (a multiple of 16)
+constexpr int kChunkK = 128;  // keys per packed K/V chunk (a multiple of 16)
+constexpr float kLog2e = 1.44269504088896341f;
+
+struct PrefillTile {  // one query head x 16 queries
+  float* o;           // [D][16] unnormalised output, transposed
+  float m[16], l[16];
+  int32_t pos[16];    // absolute query positions (padding lanes repeat the last one)
+  int pos_min, pos_max;
+  void* q;            // packed query: [D/2][16] bf16 pairs (dp) or [D][16] fp32
+};
+
+#ifdef __AVX512F__
+// In-register transpose of 16 rows of 16 dwords (r[i] lane j -> r[j] lane i).
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4g + e], 128-bit lane L: rows 4g..4g+3 of column 4L + e. Gather the lanes.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// 2^t for t <= 0 (very negative t -> 0): t = n + f, |f| <= 1/2, 2^f by a polynomial fitted
+// for relative error (degree 4: 2.7e-6, enough for bf16 probabilities; degree 5: 7.7e-8).
+template <int kDeg>
+inline __m512 exp2_512(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p;
+  if constexpr (kDeg == 4) {
+    p = _mm512_set1_ps(0.009560519829392433f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591712146997452f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+  } else {
+    p = _mm512_set1_ps(0.001326697994954884f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675469249486923f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550742521882057f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022121727466583f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// Online-softmax update of one tile over nk scores S^T[0..nk) (fp32, pre-scaled by
+// scale * log2(e), masked ones at kNegBig): returns alpha, writes p = 2^(s - m) back into s
+// (masked -> 0), or, with kPairs, p rounded to bf16 as key pairs into `pairs`.
+template <bool kPairs>
+inline __m512 prefill_softmax(float* s, uint32_t* pairs, int nk, int key0, PrefillTile& t, __m512 mx) {
+  const __m512 mold = _mm512_loadu_ps(t.m);
+  const __m512 mnew = _mm512_max_ps(mold, mx);
+  constexpr int kDeg = kPairs ? 4 : 5;
+  const __m512 alpha = exp2_512<kDeg>(_mm512_sub_ps(mold, mnew));
+  __m512 sum = _mm512_setzero_ps();
+  const __m512i qp = _mm512_loadu_si512(t.pos);
+  const int unmasked = std::max(0, std::min(nk, t.pos_min - key0 + 1));  // keys every lane sees
+  auto prob = [&](int j) {
+    const __m512 p = exp2_512<kDeg>(_mm512_sub_ps(_mm512_load_ps(s + j * 16), mnew));
+    if (j < unmasked) return p;
+    return _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(key0 + j), qp), p);
+  };
+  if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+    // p rounded to bf16 as key pairs: lane i of dword j/2 = (p[j][i], p[j+1][i]).
+    const __m512i perm = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int j = 0; j < nk; j += 2) {
+      const __m512 p0 = prob(j), p1 = prob(j + 1);
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      const __m512bh pr = _mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_store_si512(pairs + (j / 2) * 16, _mm512_permutexvar_epi16(perm, (__m512i)pr));
+    }
+#endif
+  } else {
+    for (int j = 0; j < nk; ++j) {
+      const __m512 p = prob(j);
+      _mm512_store_ps(s + j * 16, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+  }
+  _mm512_storeu_ps(t.m, mnew);
+  _mm512_storeu_ps(t.l, _mm512_fmadd_ps(_mm512_loadu_ps(t.l), alpha, sum));
+  return alpha;
+}
+
+// Scores of 16 keys (rows of kc, D each) for one tile, scaled, masked; into s[16][16].
+template <bool kDp, int DT>
+inline __m512 prefill_scores16(const void* qpk, const void* kc, int d_rt, float scale, int key0,
+                               const PrefillTile& t, float* s) {
+  const int D = DT ? DT : d_rt;
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (kDp) {
+    const uint32_t* qp = static_cast<const uint32_t*>(qpk);
+    const int32_t* k = static_cast<const int32_t*>(kc);  // bf16 pairs
+    const int D2 = D / 2;
+    for (int p = 0; p < D2; ++p) {
+      const __m512bh qv = (__m512bh)_mm512_load_si512(qp + p * 16);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+        a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(k[j * D2 + p]));
+    }
+  }
+#endif
+  if constexpr (!kDp) {
+    const float* qp = static_cast<const float*>(qpk);
+    const float* k = static_cast<const float*>(kc);
+    for (int d = 0; d < D; ++d) {
+      const __m512 qv = _mm512_load_ps(qp + d * 16);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(k[j * D + d]), a[j]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  __m512 mx = _mm512_set1_ps(kNegBig);
+  const bool masked = key0 + 15 > t.pos_min;
+  const __m512i qp = _mm512_loadu_si512(t.pos);
+  for (int j = 0; j < 16; ++j) {
+    __m512 x = _mm512_mul_ps(a[j], sv);
+    if (masked) {
+      const __mmask16 drop = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(key0 + j), qp);
+      x = _mm512_mask_mov_ps(x, drop, _mm512_set1_ps(kNegBig));
+    }
+    mx = _mm512_max_ps(mx, x);
+    _mm512_store_ps(s + j * 16, x);
+  }
+  return mx;
+}
+
+// O^T (D x 16 lanes) = alpha * O^T + P . V over nk keys. dp: pk = bf16 key pairs of p
+// ([nk/2][16] dwords), vc = [nk/2][D] dwords (V[2j][d], V[2j+1][d]); else pk = p fp32
+// [nk][16], vc = [nk][D] fp32.
+template <bool kDp, int DT>
+inline void prefill_pv(float* o, __m512 alpha, bool rescale, const void* pk, const void* vc,
+                       int nk, int d_rt) {
+  const int D = DT ? DT : d_rt;
+  for (int c = 0; c < D; c += 16) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) {
+      a[i] = _mm512_load_ps(o + (c + i) * 16);
+      if (rescale) a[i] = _mm512_mul_ps(a[i], alpha);
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (kDp) {
+      const uint32_t* x = static_cast<const uint32_t*>(pk);
+      const int32_t* v = static_cast<const int32_t*>(vc);
+      for (int jp = 0, n2 = (nk + 1) / 2; jp < n2; ++jp) {
+        const __m512bh xv = (__m512bh)_mm512_load_si512(x + jp * 16);
+        const int32_t* vr = v + jp * D + c;
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], xv, (__m512bh)_mm512_set1_epi32(vr[i]));
+      }
+    }
+#endif
+    if constexpr (!kDp) {
+      const float* p = static_cast<const float*>(pk);
+      const float* v = static_cast<const float*>(vc);
+      for (int j = 0; j < nk; ++j) {
+        const __m512 pv = _mm512_load_ps(p + j * 16);
+        const float* vr = v + j * D + c;
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(pv, _mm512_set1_ps(vr[i]), a[i]);
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(o + (c + i) * 16, a[i]);
+  }
+}
+#endif  // __AVX512F__
+
+#ifndef __AVX512F__
+// Portable version (no AVX-512): the same layouts, fp32 only.
+inline void prefill_scores16_ref(const float* qp, const float* k, int D, float scale, int key0,
+                                 const PrefillTile& t, float* s, float* mx) {
+  for (int i = 0; i < 16; ++i) mx[i] = kNegBig;
+  for (int j = 0; j < 16; ++j) {
+    float a[16] = {0};
+    for (int d = 0; d < D; ++d)
+      for (int i = 0; i < 16; ++i) a[i] += qp[d * 16 + i] * k[j * D + d];
+    for (int i = 0; i < 16; ++i) {
+      const float x = key0 + j > t.pos[i] ? kNegBig : a[i] * scale;
+      s[j * 16 + i] = x;
+      mx[i] = std::max(mx[i], x);
+    }
+  }
+}
+#endif
+
+template <typename T, bool kDp, int DT>
+void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& cu_q,
+                            const at::Tensor& start_pos, double scale, at::Tensor& out) {
+  const int H = q.size(1), D = DT ? DT : q.size(2);
+  const int KVH = k_cache.size(2), bs = k_cache.size(1);
+  const int G = H / KVH;
+  const int B = start_pos.numel(), MB = block_tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t blk_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
+  const T* qptr = q.data_ptr<T>();
+  const T* kcache = k_cache.data_ptr<T>();
+  const T* vcache = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* sp = start_pos.data_ptr<int32_t>();
+  T* optr = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  // Packed element: a bf16 pair (dp) or one fp32 value per dword.
+  const int DQ = kDp ? D / 2 : D;  // dwords per packed q / K row
+
+  struct Item { int b, h, q0, q1; int64_t cost; };
+  std::vector<Item> items;
+  int64_t work = 0;
+  const int nthreads = std::max(1, at::get_num_threads());
+  // Larger items share each packed K/V chunk among more queries; smaller ones keep every
+  // thread busy: halve the item size while there are fewer than 4 items per thread.
+  int iq = kItemQ;
+  for (;;) {
+    int64_t count = 0;
+    for (int b = 0; b < B; ++b) count += (cu[b + 1] - cu[b] + iq - 1) / iq;
+    if (iq <= 16 || count * KVH >= 4 * nthreads) break;
+    iq /= 2;
+  }
+  for (int b = 0; b < B; ++b) {
+    const int n = cu[b + 1] - cu[b];
+    TORCH_CHECK(n >= 0 && sp[b] >= 0, "paged_prefill_attention: bad cu_seqlens_q / start_pos");
+    TORCH_CHECK(sp[b] + n <= static_cast<int64_t>(MB) * bs, "paged_prefill_attention: sequence ", b,
+                " needs ", sp[b] + n, " keys, its block table holds ", MB * bs);
+    for (int i = 0, nb = (sp[b] + n + bs - 1) / bs; i < nb; ++i) {
+      const int32_t blk = tables[static_cast<int64_t>(b) * MB + i];
+      TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "paged_prefill_attention: block ", blk,
+                  " out of range (", k_cache.size(0), " blocks)");
+    }
+    for (int q0 = 0; q0 < n; q0 += iq) {
+      const int q1 = std::min(n, q0 + iq);
+      const int64_t cost = static_cast<int64_t>(q1 - q0) * (sp[b] + q1 - (q1 - q0) / 2);
+      for (int h = 0; h < KVH; ++h) items.push_back({b, h, q0, q1, cost});
+      work += cost * KVH * G;
+    }
+  }
+  // Largest first (later query blocks see more keys): dynamic scheduling then balances.
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  auto run_item = [&](const Item& it) {
+    const int b = it.b, h = it.h, start = sp[b];
+    const int nq = it.q1 - it.q0, ntile = (nq + 15) / 16, nt = G * ntile;
+    const int kend = start + it.q1;  // keys [0, kend)
+    const int32_t* table = tables + static_cast<int64_t>(b) * MB;
+    // One allocation: tiles' o and q, K chunk, V chunk, scores, bf16 pairs of p.
+    const size_t o_sz = static_cast<size_t>(D) * 16, q_sz = static_cast<size_t>(DQ) * 16;
+    const size_t k_sz = static_cast<size_t>(kChunkK) * DQ;
+    const size_t v_sz = static_cast<size_t>(kDp ? kChunkK / 2 : kChunkK) * D;
+    const size_t s_sz = static_cast<size_t>(kChunkK) * 16, x_sz = s_sz / 2;
+    // Per-thread scratch, kept between items and calls (no allocation or zeroing per item).
+    static thread_local std::unique_ptr<float[]> mem;
+    static thread_local size_t mem_size = 0;
+    const size_t need = nt * (o_sz + q_sz) + k_sz + v_sz + s_sz + x_sz + 16;
+    if (mem_size < need) {
+      mem.reset(new float[need]);
+      mem_size = need;
+    }
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(mem.get()) + 63) & ~uintptr_t(63));
+    std::vector<PrefillTile> tiles(nt);
+    float* kbuf = base + nt * (o_sz + q_sz);
+    float* vbuf = kbuf + k_sz;
+    float* sbuf = vbuf + v_sz;
+    [[maybe_unused]] float* xbuf = sbuf + s_sz;
+    for (int g = 0; g < G; ++g) {
+      const int hq = h * G + g;
+      for (int tt = 0; tt < ntile; ++tt) {
+        PrefillTile& t = tiles[g * ntile + tt];
+        t.o = base + (g * ntile + tt) * (o_sz + q_sz);
+        t.q = t.o + o_sz;
+        std::fill(t.o, t.o + o_sz, 0.f);
+        const int r0 = it.q0 + tt * 16, rn = std::min(16, it.q1 - r0);
+        t.pos_min = start + r0;
+        t.pos_max = start + r0 + rn - 1;
+        for (int i = 0; i < 16; ++i) {
+          t.m[i] = kNegBig;
+          t.l[i] = 0.f;
+          t.pos[i] = start + r0 + std::min(i, rn - 1);
+        }
+        const T* qrow0 = qptr + static_cast<int64_t>(cu[b] + r0) * qs0 + static_cast<int64_t>(hq) * qs1;
+#ifdef __AVX512F__
+        // Transposed 16 x 16 dword blocks: dword p of query row i -> qp[p * 16 + i].
+        // (D is a multiple of 16: with bf16 pairs, DQ = D / 2 may end in a half block.)
+        for (int p0 = 0; p0 < DQ; p0 += 16) {
+          const int np = std::min(16, DQ - p0);
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) {
+            const T* src = qrow0 + i * qs0;
+            if (i >= rn) r[i] = _mm512_setzero_si512();
+            else if constexpr (kDp) r[i] = _mm512_maskz_loadu_epi32(__mmask16((1u << np) - 1), src + 2 * p0);
+            else r[i] = _mm512_castps_si512(load16<T>(src + p0));
+          }
+          transpose16x16(r);
+          uint32_t* qp = static_cast<uint32_t*>(t.q);
+          for (int i = 0; i < np; ++i) _mm512_store_si512(qp + (p0 + i) * 16, r[i]);
+        }
+#else
+        float* qp = static_cast<float*>(t.q);
+        for (int i = 0; i < 16; ++i)
+          for (int d = 0; d < D; ++d) qp[d * 16 + i] = i < rn ? to_f<T>(qrow0[i * qs0 + d]) : 0.f;
+#endif
+      }
+    }
+    const int64_t head_off = static_cast<int64_t>(h) * D;
+    auto row = [&](const T* cache, int key) {
+      return cache + static_cast<int64_t>(table[key / bs]) * blk_stride +
+             static_cast<int64_t>(key % bs) * tok_stride + head_off;
+    };
+    for (int c0 = 0; c0 < kend; c0 += kChunkK) {
+      const int n = std::min(kChunkK, kend - c0);
+      const int npad = (n + 15) / 16 * 16;
+      // Pack the chunk of this KV head (zero rows past n: their p is 0, 0 * V must be 0).
+      if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+        // K rows as they are (bf16 pairs); V as key pairs: dword d of pair j/2 = (V[j][d], V[j+1][d]).
+        alignas(64) static const T zero_row[kMaxD] = {};
+        uint16_t* kb = reinterpret_cast<uint16_t*>(kbuf);
+        uint32_t* vb = reinterpret_cast<uint32_t*>(vbuf);
+        for (int j = 0; j < npad; ++j) {
+          if (j < n) std::memcpy(kb + j * D, row(kcache, c0 + j), sizeof(T) * D);
+          else std::memset(kb + j * D, 0, sizeof(T) * D);
+        }
+        for (int j = 0; j < npad; j += 2) {
+          const __m256i* r0 = reinterpret_cast<const __m256i*>(j < n ? row(vcache, c0 + j) : zero_row);
+          const __m256i* r1 = reinterpret_cast<const __m256i*>(j + 1 < n ? row(vcache, c0 + j + 1) : zero_row);
+          __m512i* dst = reinterpret_cast<__m512i*>(vb + (j / 2) * D);
+          for (int c = 0; c < D / 16; ++c)
+            _mm512_store_si512(dst + c, _mm512_or_si512(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0 + c)),
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(r1 + c)), 16)));
+        }
+#endif
+      } else {  // fp32 rows
+
+        for (int j = 0; j < npad; ++j) {
+          float* kd = kbuf + j * D;
+          float* vd = vbuf + j * D;
+          if (j < n) {
+            const T* kr = row(kcache, c0 + j);
+            const T* vr = row(vcache, c0 + j);
+            for (int d = 0; d < D; ++d) { kd[d] = to_f<T>(kr[d]); vd[d] = to_f<T>(vr[d]); }
+          } else {
+            std::fill(kd, kd + D, 0.f);
+            std::fill(vd, vd + D, 0.f);
+          }
+        }
+      }
+      for (int ti = 0; ti < nt; ++ti) {
+        PrefillTile& t = tiles[ti];
+        const int nk = std::min(n, t.pos_max + 1 - c0);  // keys of this chunk any lane sees
+        if (nk <= 0) continue;
+        const int nk16 = (nk + 15) / 16 * 16;
+#ifdef __AVX512F__
+        __m512 mx = _mm512_set1_ps(kNegBig);
+        for (int j = 0; j < nk16; j += 16)
+          mx = _mm512_max_ps(mx, prefill_scores16<kDp, DT>(t.q, kbuf + j * DQ, D, sc * kLog2e, c0 + j, t,
+                                                           sbuf + j * 16));
+        const __m512 alpha = prefill_softmax<kDp>(sbuf, reinterpret_cast<uint32_t*>(xbuf), nk16, c0, t, mx);
+        prefill_pv<kDp, DT>(t.o, alpha, c0 > 0, kDp ? xbuf : sbuf, vbuf, nk16, D);
+#else
+        float mx[16], mnew[16], alpha[16];
+        for (int j = 0; j < nk16; j += 16) {
+          float m2[16];
+          prefill_scores16_ref(static_cast<const float*>(t.q), kbuf + j * D, D, sc, c0 + j, t, sbuf + j * 16, m2);
+          for (int i = 0; i < 16; ++i) mx[i] = j ? std::max(mx[i], m2[i]) : m2[i];
+        }
+        for (int i = 0; i < 16; ++i) {
+          mnew[i] = std::max(t.m[i], mx[i]);
+          alpha[i] = std::exp(t.m[i] - mnew[i]);
+          float sum = 0.f;
+          for (int j = 0; j < nk16; ++j) {
+            float& s = sbuf[j * 16 + i];
+            s = c0 + j > t.pos[i] ? 0.f : std::exp(s - mnew[i]);
+            sum += s;
+          }
+          t.l[i] = t.l[i] * alpha[i] + sum;
+          t.m[i] = mnew[i];
+        }
+        for (int d = 0; d < D; ++d) {
+          float* od = t.o + d * 16;
+          for (int i = 0; i < 16; ++i) od[i] *= alpha[i];
+          for (int j = 0; j < nk16; ++j) {
+            const float v = vbuf[j * D + d];
+            for (int i = 0; i < 16; ++i) od[i] += sbuf[j * 16 + i] * v;
+          }
+        }
+#endif
+      }
+    }
+    // Normalise and write [token, H * D].
+    for (int g = 0; g < G; ++g) {
+      const int hq = h * G + g;
+      for (int tt = 0; tt < ntile; ++tt) {
+        const PrefillTile& t = tiles[g * ntile + tt];
+        const int r0 = it.q0 + tt * 16, rn = std::min(16, it.q1 - r0);
+        T* dst0 = optr + static_cast<int64_t>(cu[b] + r0) * H * D + static_cast<int64_t>(hq) * D;
+#ifdef __AVX512F__
+        alignas(64) float inv[16];
+        for (int i = 0; i < 16; ++i) inv[i] = t.l[i] > 0.f ? 1.f / t.l[i] : 0.f;
+        for (int c = 0; c < D; c += 16) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(t.o + (c + i) * 16);
+          transpose16x16(r);
+          for (int i = 0; i < rn; ++i)
+            store16_mask<T>(dst0 + static_cast<int64_t>(i) * H * D + c,
+                            _mm512_mul_ps(_mm512_castsi512_ps(r[i]), _mm512_set1_ps(inv[i])), 0xFFFF);
+        }
+#else
+        for (int i = 0; i < rn; ++i) {
+          T* dst = dst0 + static_cast<int64_t>(i) * H * D;
+          const float inv = t.l[i] > 0.f ? 1.f / t.l[i] : 0.f;
+          for (int d = 0; d < D; ++d) dst[d] = from_f<T>(t.o[d * 16 + i] * inv);
+        }
+#endif
+      }
+    }
+  };
+
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  if (nitems <= 1 || nthreads == 1 || work * D < (1 << 18)) {
+    for (const Item& it : items) run_item(it);
+  } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = 0; i < nitems; ++i) run_item(items[i]);
+  }
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
+                                   double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_prefill_attention: q must be [T,H,D], last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "paged_prefill_attention: caches must be contiguous [NB,BS,KVH,D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_prefill_attention: q and caches must share a dtype");
+  TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
+              "paged_prefill_attention: start_pos must be contiguous int32 [B]");
+  const int64_t B = start_pos.numel();
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == B,
+              "paged_prefill_attention: block_tables must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
+                  cu_seqlens_q.numel() == B + 1,
+              "paged_prefill_attention: cu_seqlens_q must be contiguous int32 [B + 1]");
+  const int H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0,
+              "paged_prefill_attention: q heads must be a multiple of the KV heads, same head dim");
+  TORCH_CHECK(D % 16 == 0 && D <= kMaxD,
+              "paged_prefill_attention: head dim ", D, " unsupported (a multiple of 16, at most ", kMaxD, ")");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == q.size(0), "paged_prefill_attention: cu_seqlens_q must run from 0 to T");
+  auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return out;
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16) {
+    using BF = c10::BFloat16;
+    if (D == 64) prefill_attention_impl<BF, true, 64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    else if (D == 128) prefill_attention_impl<BF, true, 128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    else prefill_attention_impl<BF, true, 0>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    return out;
+  }
+#endif
+  SERVELM_DISPATCH(q.scalar_type(), "paged_prefill_attention", [&] {
+    if (D == 64) prefill_attention_impl<scalar_t, false, 64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    else if (D == 128) prefill_attention_impl<scalar_t, false, 128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    else prefill_attention_impl<scalar_t, false, 0>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_ops, m) {
@@ -745,6 +1267,8 @@ TORCH_LIBRARY(servelm_ops, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("causal_softmax_(Tensor(a!) scores, Tensor query_pos, float scale) -> ()");
   m.def("causal_softmax(Tensor scores, Tensor query_pos, float scale, ScalarType? dtype=None) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor start_pos, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
@@ -755,4 +1279,5 @@ TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("causal_softmax_", &causal_softmax_);
   m.impl("causal_softmax", &causal_softmax);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
