@@ -1,8 +1,9 @@
 """Micro-benchmark of the weight formats on all the embedded model's linear layers.
 
 For fp32, bf16, int8 and int4 weights, our C++ kernels (servelm/kernels/csrc/quant.cpp,
-through servelm.quantization) side by side with the stock PyTorch ops
-(`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`, oneDNN bf16/fp32 linear):
+through servelm.quantization) and oneDNN-prepacked weights (servelm.prepack) side by side
+with the stock PyTorch ops (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`,
+oneDNN bf16/fp32 `F.linear`):
 
 - batch 1: ms per token for one pass over every linear layer (qkv, o, gate_up, down of
   every layer and the LM head) and the weight bytes streamed per second (GB/s);
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from servelm import quantization as Q
 from servelm.engine.engine import resolve_device
 from servelm.models.loader import load_model, open_checkpoint
+from servelm.prepack import PackedLinear, prepack_supported
 
 
 def model_linears() -> list[torch.Tensor]:
@@ -88,6 +90,15 @@ def main() -> None:
     wbf = [w.to(torch.bfloat16) for w in ws]
     formats["bf16 linear (oneDNN)"] = (
         sum(w.numel() * 2 for w in wbf), [lin(w) for w in wbf], torch.bfloat16)
+    if prepack_supported(torch.bfloat16, "cpu"):
+        def packed(w):
+            m = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+            m.weight.data.copy_(w)
+            return PackedLinear(m)
+        formats["fp32 prepacked (oneDNN, servelm)"] = (
+            sum(w.numel() * 4 for w in ws), [packed(w) for w in ws], torch.float32)
+        formats["bf16 prepacked (oneDNN, servelm)"] = (
+            sum(w.numel() * 2 for w in wbf), [packed(w) for w in wbf], torch.bfloat16)
     i8 = []
     for w in ws:
         q, s = Q.quantize_int8(w)
