@@ -163,36 +163,7 @@ def test_fp32_chunked_prefill_mixed_steps_match_eager(gguf_path):
     assert got == want
 
 
-# ---- prompt (prefill) attention: fused causal softmax, matmul + softmax + matmul ----------------
-
-def _causal_softmax_ref(scores, query_pos, scale):
-    B, M, L = scores.shape
-    pos = query_pos.repeat(1, M // query_pos.shape[1])  # row m is query m % Q
-    allowed = torch.arange(L).view(1, 1, L) <= pos.unsqueeze(-1)
-    x = (scores.float() * scale).masked_fill(~allowed, float("-inf"))
-    return torch.softmax(x, -1).nan_to_num(nan=0.0)  # a row with no key is all 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,G,Q,L", [(1, 3, 5, 17), (3, 2, 7, 40), (2, 3, 33, 100), (1, 1, 300, 320)])
-def test_causal_softmax_matches_reference(dtype, B, G, Q, L):
-    gen = torch.Generator().manual_seed(4)
-    s = (torch.randn(B, G * Q, L, generator=gen) * 8).to(dtype)
-    # Ragged absolute positions: cached context before the chunk, past the end, padding (-1).
-    qpos = torch.randint(0, L + 3, (B, Q), generator=gen)
-    qpos[-1, -1] = -1
-    want = _causal_softmax_ref(s, qpos, 0.3)
-    got = ops().causal_softmax(s, qpos, 0.3)
-    assert got.dtype == dtype
-    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=1e-2)
-    torch.testing.assert_close(got.float(), want, **tol)
-    assert (got[want == 0] == 0).all()  # masked entries exactly 0
-    inplace = s.clone()
-    ops().causal_softmax_(inplace, qpos, 0.3)
-    assert torch.equal(inplace, got)
-    wide = ops().causal_softmax(s, qpos, 0.3, torch.float32)  # fp32 probabilities
-    torch.testing.assert_close(wide, want, atol=1e-6, rtol=1e-5)
-
+# ---- prompt (prefill) attention: the flash-style op over the block tables ----------------------
 
 def _prefill_setup(specs, kvh, g, d, bs, dtype, seed=0):
     """specs: (cached context, chunk length) per sequence; blocks scattered over the pool."""

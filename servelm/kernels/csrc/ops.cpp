@@ -12,13 +12,6 @@
 //   rotary_kv_write(qkv [T,(H+2KVH)*D] (q part rotated in place), cos, sin [T,D],
 //                   k_cache, v_cache (mutated), slot_mapping int64 [T], H, KVH) -> ()
 //   silu_and_mul(x [T,2I]) -> [T,I]
-//   causal_softmax_(scores [B,M,L] (mutated), query_pos int64 [B,Q], scale) -> ()
-//   causal_softmax(scores [B,M,L], query_pos int64 [B,Q], scale, dtype?) -> [B,M,L] of dtype
-//       Prompt attention's softmax: row m of batch b is the query at absolute position
-//       query_pos[b, m % Q] (M = G * Q: the grouped-query "rows" layout stacks the G query
-//       heads of one KV head, each over the Q queries); it attends keys 0..pos. Scale, mask,
-//       fp32 max / exp / sum in one pass; masked entries are exactly 0; a row with pos < 0
-//       is all 0. Only the valid prefix of each row is read.
 //   paged_prefill_attention(q [T,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
 //                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale) -> [T, H*D]
 //       Prompt (prefill) attention, flash-style: sequence b's queries are the tokens
@@ -581,39 +574,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
-// ---- causal softmax (prompt attention) ----------------------------------------------------------
+// ---- bf16 / fp16 / fp32 vector stores --------------------------------------------------------
 
 #ifdef __AVX512F__
-// exp(x) for x <= 0 (after max subtraction), Cephes polynomial on x - n ln2, 2^n by scalef:
-// ~1 ulp relative error; very negative inputs flush to 0.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-template <typename T> inline __m512 load16_mask(const T* p, __mmask16 k);
-template <> inline __m512 load16_mask<float>(const float* p, __mmask16 k) {
-  return _mm512_maskz_loadu_ps(k, p);
-}
-template <> inline __m512 load16_mask<c10::BFloat16>(const c10::BFloat16* p, __mmask16 k) {
-  const __m256i h = _mm256_maskz_loadu_epi16(k, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <> inline __m512 load16_mask<c10::Half>(const c10::Half* p, __mmask16 k) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-}
-
 template <typename T> inline void store16_mask(T* p, __m512 v, __mmask16 k);
 template <> inline void store16_mask<float>(float* p, __m512 v, __mmask16 k) {
   _mm512_mask_storeu_ps(p, k, v);
@@ -629,118 +592,6 @@ template <> inline void store16_mask<c10::Half>(c10::Half* p, __m512 v, __mmask1
   _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #endif
-
-// One row: in[0, n) scaled, softmaxed into out[0, n); out[n, L) = 0. `buf` holds n floats.
-// `out` may alias `in`.
-template <typename TI, typename TO>
-void softmax_row(const TI* in, TO* out, int64_t n, int64_t L, float scale, float* buf) {
-  int64_t j = 0;
-  if (n > 0) {
-#ifdef __AVX512F__
-    const __m512 sv = _mm512_set1_ps(scale);
-    __m512 mv = _mm512_set1_ps(kNegBig);
-    for (; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      const __m512 x = _mm512_mul_ps(sv, load16_mask<TI>(in + j, k));
-      _mm512_mask_storeu_ps(buf + j, k, x);
-      mv = _mm512_mask_max_ps(mv, k, mv, x);
-    }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, buf + j), mx));
-      _mm512_mask_storeu_ps(buf + j, k, e);
-      sum = _mm512_mask_add_ps(sum, k, sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    for (j = 0; j + 16 <= n; j += 16)
-      store16_mask<TO>(out + j, _mm512_mul_ps(inv, _mm512_loadu_ps(buf + j)), 0xFFFF);
-    if (j < n) {
-      const __mmask16 k = __mmask16((1u << (n - j)) - 1);
-      store16_mask<TO>(out + j, _mm512_mul_ps(inv, _mm512_maskz_loadu_ps(k, buf + j)), k);
-    }
-    j = n;
-#else
-    float mx = kNegBig;
-    for (; j < n; ++j) { buf[j] = to_f<TI>(in[j]) * scale; mx = std::max(mx, buf[j]); }
-    float sum = 0.f;
-    for (j = 0; j < n; ++j) { buf[j] = std::exp(buf[j] - mx); sum += buf[j]; }
-    const float inv = 1.f / sum;
-    for (j = 0; j < n; ++j) out[j] = from_f<TO>(buf[j] * inv);
-#endif
-  }
-  if (j < L) {
-    if constexpr (std::is_same<TO, float>::value) std::fill(out + j, out + L, 0.f);
-    else std::memset(static_cast<void*>(out + j), 0, sizeof(TO) * (L - j));
-  }
-}
-
-template <typename TI, typename TO>
-void causal_softmax_impl(const at::Tensor& scores, const at::Tensor& query_pos, double scale,
-                         at::Tensor& out) {
-  const int64_t B = scores.size(0), M = scores.size(1), L = scores.size(2);
-  const int64_t Q = query_pos.size(1);
-  const int64_t is0 = scores.stride(0), is1 = scores.stride(1);
-  const int64_t os0 = out.stride(0), os1 = out.stride(1);
-  const TI* ip = scores.data_ptr<TI>();
-  TO* op = out.data_ptr<TO>();
-  const int64_t* qp = query_pos.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
-  const int64_t rows = B * M;
-  auto run = [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(static_cast<size_t>(L) + 16);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / M, m = r % M;
-      const int64_t pos = qp[b * Q + m % Q];
-      const int64_t n = pos < 0 ? 0 : std::min(L, pos + 1);
-      softmax_row<TI, TO>(ip + b * is0 + m * is1, op + b * os0 + m * os1, n, L, sc, buf.data());
-    }
-  };
-  const int nthreads = std::max(1, at::get_num_threads());
-  if (nthreads == 1 || rows * L < 32768) {
-    run(0, rows);
-    return;
-  }
-  // Causal rows differ in length: small dynamic chunks keep the threads even.
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(64, rows / (8 * nthreads)));
-  const int64_t nchunks = (rows + chunk - 1) / chunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-  for (int64_t c = 0; c < nchunks; ++c) run(c * chunk, std::min(rows, (c + 1) * chunk));
-}
-
-void check_causal_softmax(const at::Tensor& scores, const at::Tensor& query_pos) {
-  TORCH_CHECK(scores.dim() == 3 && scores.stride(2) == 1,
-              "causal_softmax: scores must be [B, M, L] with contiguous rows");
-  TORCH_CHECK(query_pos.dim() == 2 && query_pos.scalar_type() == at::kLong &&
-                  query_pos.is_contiguous() && query_pos.size(0) == scores.size(0) &&
-                  query_pos.size(1) > 0 && scores.size(1) % query_pos.size(1) == 0,
-              "causal_softmax: query_pos must be contiguous int64 [B, Q] with Q dividing M");
-}
-
-void causal_softmax_(at::Tensor& scores, const at::Tensor& query_pos, double scale) {
-  check_causal_softmax(scores, query_pos);
-  if (scores.numel() == 0) return;
-  SERVELM_DISPATCH(scores.scalar_type(), "causal_softmax_", [&] {
-    causal_softmax_impl<scalar_t, scalar_t>(scores, query_pos, scale, scores);
-  });
-}
-
-at::Tensor causal_softmax(const at::Tensor& scores, const at::Tensor& query_pos, double scale,
-                          c10::optional<at::ScalarType> dtype) {
-  check_causal_softmax(scores, query_pos);
-  const auto od = dtype.value_or(scores.scalar_type());
-  auto out = at::empty(scores.sizes(), scores.options().dtype(od).memory_format(at::MemoryFormat::Contiguous));
-  if (scores.numel() == 0) return out;
-  SERVELM_DISPATCH(scores.scalar_type(), "causal_softmax", [&] {
-    using TI = scalar_t;
-    SERVELM_DISPATCH(od, "causal_softmax", [&] {
-      causal_softmax_impl<TI, scalar_t>(scores, query_pos, scale, out);
-    });
-  });
-  return out;
-}
-
 
 // ---- prompt (prefill) attention: flash-style, K/V read through the block tables -----------------
 //
@@ -1265,8 +1116,6 @@ TORCH_LIBRARY(servelm_ops, m) {
   m.def("rotary_kv_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("causal_softmax_(Tensor(a!) scores, Tensor query_pos, float scale) -> ()");
-  m.def("causal_softmax(Tensor scores, Tensor query_pos, float scale, ScalarType? dtype=None) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor cu_seqlens_q, Tensor start_pos, float scale) -> Tensor");
 }
@@ -1277,7 +1126,5 @@ TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_kv_write", &rotary_kv_write);
   m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("causal_softmax_", &causal_softmax_);
-  m.impl("causal_softmax", &causal_softmax);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
