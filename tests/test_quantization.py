@@ -78,7 +78,7 @@ SHAPES = [(960, 576), (576, 1536), (33, 64), (7, 96)]
 @needs_kernels
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 4, 7, 40, 33, 35, 37, 38])
+@pytest.mark.parametrize("rows", [1, 4, 7, 40, 47, 48, 77])
 def test_int4_kernel_matches_reference(n, k, dtype, rows):
     torch.manual_seed(n + k + rows)
     w, bias = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -97,7 +97,7 @@ def test_int4_kernel_matches_reference(n, k, dtype, rows):
 @needs_kernels
 @pytest.mark.parametrize("n,k", SHAPES + [(10, 68), (7, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 23, 24, 40, 77])
 def test_int8_kernel_matches_reference(n, k, dtype, rows):
     torch.manual_seed(n + k + rows)
     w, bias = torch.randn(n, k) * 0.05, torch.randn(n)

@@ -14,6 +14,8 @@
 // horizontal sums), and the +128 is removed with the group's sum of x. fp32 activations are
 // split into bf16 hi + lo parts, so fp32 results stay accurate (~1e-5 relative for int4,
 // ~1e-4 for int8). Output tiles are split over the torch (OpenMP) threads.
+// With bf16 activations and prefill-sized M (>= 48 rows int4, >= 24 int8) each tile is
+// instead decoded once to bf16 and multiplied by all the rows (see "decode once").
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -107,56 +109,55 @@ void int4_tiles(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
   }
 }
 
-// Two adjacent tiles per pass for bf16 activations and several rows (prefill, batched
-// decode): each broadcast activation pair feeds both tiles' vdpbf16ps, halving the
-// broadcast loads that bound int4_tiles at many rows. 2 x MT accumulator chains (MT >= 3)
-// cover the dot-product latency without splitting chains further.
-template <int MT, typename OutT>
-void int4_tiles2(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
-                 const c10::BFloat16* xh, const float* xs, const float* bias, OutT* out,
-                 int64_t m0, int64_t N, int64_t K, int64_t G, int64_t t) {
-  const int64_t ng = K / G, bpg = G / 8;
-  const __m512i nib = _mm512_set1_epi16(0x000F);
-  const __m512i b128 = _mm512_set1_epi16(0x4300);
-  const __m512 m128 = _mm512_set1_ps(-128.0f);
-  const uint8_t* w0 = qw + t * 8 * K;
-  const uint8_t* w1 = w0 + 8 * K;
-  __m512 acc[2][MT];
-  for (int m = 0; m < MT; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    __m512 tc[2][MT];
-    for (int m = 0; m < MT; ++m) tc[0][m] = tc[1][m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < bpg; ++b) {
-      const int64_t blk = g * bpg + b, k0 = 8 * blk;
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + 64 * blk) + 2048, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + 64 * blk) + 2048, _MM_HINT_T0);
-      const __m512i v0 = _mm512_loadu_si512(w0 + 64 * blk);
-      const __m512i v1 = _mm512_loadu_si512(w1 + 64 * blk);
-      for (int j = 0; j < 4; ++j) {
-        const __m512bh d0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 4 * j), nib, b128, 0xEA);
-        const __m512bh d1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 4 * j), nib, b128, 0xEA);
-        for (int m = 0; m < MT; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(
-              reinterpret_cast<const int32_t*>(xh + (m0 + m) * K + k0)[j]);
-          tc[0][m] = _mm512_dpbf16_ps(tc[0][m], d0, xv);
-          tc[1][m] = _mm512_dpbf16_ps(tc[1][m], d1, xv);
-        }
-      }
-    }
-    for (int u = 0; u < 2; ++u) {
-      const c10::Half* st = sc + (t + u) * ng * 16 + 16 * g;
-      const c10::Half* mt = mn + (t + u) * ng * 16 + 16 * g;
-      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st)));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt)));
-      const __m512 ov = _mm512_fmadd_ps(sv, m128, mv);  // m - 128 s: removes the +128
-      for (int m = 0; m < MT; ++m) {
-        acc[u][m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xs[(m0 + m) * ng + g]), acc[u][m]);
-        acc[u][m] = _mm512_fmadd_ps(tc[u][m], sv, acc[u][m]);
-      }
+// ---------------------------------------------------------------- decode once, then GEMM
+
+// For prefill-sized M with bf16 activations, streaming the packed weight once per few rows
+// would decode it M/6 times (and int8's nibble split doubles its dot products): instead
+// each thread decodes a pair of 16-row tiles once into bf16, in the vdpbf16ps operand
+// layout (k-pair kp: 32 bf16 = 16 rows x (k = 2kp, 2kp+1)), and runs a bf16 micro-kernel
+// over all M rows, 12 at a time: 2 tiles x 12 rows = 24 fp32 accumulator chains, one
+// broadcast activation pair feeding both tiles. The weights are rounded to bf16 once
+// decoded (s * q + m), as dequantise-then-matmul in the model dtype would.
+// From these many rows (measured over the embedded model's layers, against the row-streaming
+// kernels below): int4 keeps streaming up to ~48 rows (its decode is cheap and the stream
+// bound), int8 only to ~24 (its nibble split doubles the dot products).
+constexpr int64_t kDecodeOnceRows4 = 48, kDecodeOnceRows8 = 24;
+constexpr int kGemmRows = 12;
+
+inline __m512i kRowLo() {  // lane i -> row i / 2 (lanes 2r, 2r+1 hold row r)
+  return _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+}
+inline __m512i kRowHi() {
+  return _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+}
+
+// 32 integer lanes q (uint16, lane 2r + e) -> bf16 s[r] * q + m[r], stored at dst (64 bytes).
+inline void store_pair_row(c10::BFloat16* dst, __m512i q, __m512 s_lo, __m512 s_hi,
+                           __m512 m_lo, __m512 m_hi) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+  const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, m_hi), _mm512_fmadd_ps(lo, s_lo, m_lo));
+  _mm512_storeu_si512(dst, (__m512i)w);
+}
+
+// out rows [m0, m0 + MT), tiles t0 .. t0 + NT - 1, from decoded tiles w[0..NT).
+template <int MT, int NT, typename OutT>
+void decoded_rows(const c10::BFloat16* const* w, const c10::BFloat16* xh, const float* bias,
+                  OutT* out, int64_t m0, int64_t N, int64_t K, int64_t t0) {
+  __m512 acc[NT][MT];
+  for (int u = 0; u < NT; ++u)
+    for (int m = 0; m < MT; ++m) acc[u][m] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512bh wv[NT];
+    for (int u = 0; u < NT; ++u) wv[u] = (__m512bh)_mm512_loadu_si512(w[u] + kp * 32);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(
+          reinterpret_cast<const int32_t*>(xh + (m0 + m) * K)[kp]);
+      for (int u = 0; u < NT; ++u) acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv[u], xv);
     }
   }
-  for (int u = 0; u < 2; ++u) {
-    const int64_t n0 = 16 * (t + u);
+  for (int u = 0; u < NT; ++u) {
+    const int64_t n0 = 16 * (t0 + u);
     const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < MT; ++m) {
@@ -170,54 +171,68 @@ void int4_tiles2(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
   }
 }
 
-constexpr int kMaxRows4 = 6;  // activation rows per pass over a weight tile
+template <int NT, typename OutT, int MT = kGemmRows>
+void decoded_rows_n(int mt, const c10::BFloat16* const* w, const c10::BFloat16* xh,
+                    const float* bias, OutT* out, int64_t m0, int64_t N, int64_t K, int64_t t0) {
+  if constexpr (MT >= 1) {
+    if (mt == MT) return decoded_rows<MT, NT>(w, xh, bias, out, m0, N, K, t0);
+    decoded_rows_n<NT, OutT, MT - 1>(mt, w, xh, bias, out, m0, N, K, t0);
+  }
+}
 
-// Rows from which bf16 activations take the two-tile kernel. Measured over the embedded
-// model's layers (benchmarks/kernels.py shapes): 9% faster at 64 rows, 12% at 128, 15% at
-// 512; slower below ~32 rows, where the one-tile kernel's extra chains and the weight
-// stream matter more than broadcast loads.
-constexpr int64_t kPairRows = 32;
+// decode(t, buf) writes tile t as K/2 k-pairs of 32 bf16; K is even for both formats.
+template <typename Decode, typename OutT>
+void decoded_gemm(const Decode& decode, const c10::BFloat16* xh, const float* bias, OutT* out,
+                  int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    static thread_local std::vector<c10::BFloat16> buf;
+    buf.resize(2 * 16 * K);
+    const c10::BFloat16* w[2] = {buf.data(), buf.data() + 16 * K};
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t0 = 2 * p;
+      const int nt = tiles - t0 >= 2 ? 2 : 1;
+      for (int u = 0; u < nt; ++u) decode(t0 + u, buf.data() + u * 16 * K);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
+        if (nt == 2) decoded_rows_n<2>(mt, w, xh, bias, out, m0, N, K, t0);
+        else decoded_rows_n<1>(mt, w, xh, bias, out, m0, N, K, t0);
+      }
+    }
+  });
+}
+
+constexpr int kMaxRows4 = 6;  // activation rows per pass over a weight tile
 
 template <bool SPLIT, typename OutT>
 void int4_run(int64_t G, const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
               const c10::BFloat16* xh, const c10::BFloat16* xl, const float* xs,
               const float* bias, OutT* out, int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + 15) / 16;
-  if (!SPLIT && M >= kPairRows && tiles >= 2) {  // bf16 activations, prefill-sized M
-    // Tile pairs over the threads; rows in passes of up to 6, a last pass of >= 3 rows
-    // (a 1- or 2-row remainder goes with the previous pass as 4 + 3 or 4 + 4 rows).
-    const int64_t pairs = tiles / 2;
-    at::parallel_for(0, pairs + (tiles & 1), 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        if (p == pairs) {  // odd tile count: the last tile alone
-          for (int64_t m0 = 0; m0 < M; m0 += kMaxRows4) {
-            const int64_t mt = std::min<int64_t>(kMaxRows4, M - m0);
-            switch (mt) {
-              case 1: int4_tiles<1, false>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, 2 * p, 2 * p + 1); break;
-              case 2: int4_tiles<2, false>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, 2 * p, 2 * p + 1); break;
-              case 3: int4_tiles<3, false>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, 2 * p, 2 * p + 1); break;
-              case 4: int4_tiles<4, false>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, 2 * p, 2 * p + 1); break;
-              case 5: int4_tiles<5, false>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, 2 * p, 2 * p + 1); break;
-              default: int4_tiles<6, false>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, 2 * p, 2 * p + 1); break;
+  if constexpr (!SPLIT) {
+    if (M >= kDecodeOnceRows4) {  // prefill-sized: decode each tile once, bf16 GEMM on it
+      const int64_t ng = K / G;
+      const __m512i lo4 = _mm512_set1_epi16(0x000F);
+      auto decode = [&](int64_t t, c10::BFloat16* buf) {
+        const uint8_t* wt = qw + t * 8 * K;
+        for (int64_t g = 0; g < ng; ++g) {
+          const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t * ng + g) * 16));
+          const __m256i m16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + (t * ng + g) * 16));
+          const __m512 sv = _mm512_cvtph_ps(s16), mv = _mm512_cvtph_ps(m16);
+          const __m512 s_lo = _mm512_permutexvar_ps(kRowLo(), sv), s_hi = _mm512_permutexvar_ps(kRowHi(), sv);
+          const __m512 m_lo = _mm512_permutexvar_ps(kRowLo(), mv), m_hi = _mm512_permutexvar_ps(kRowHi(), mv);
+          for (int64_t b = g * (G / 8); b < (g + 1) * (G / 8); ++b) {
+            const __m512i v = _mm512_loadu_si512(wt + 64 * b);
+            for (int j = 0; j < 4; ++j) {  // nibble j of every lane: the k-pair 4b + j
+              const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 4 * j), lo4);
+              store_pair_row(buf + (4 * b + j) * 32, q, s_lo, s_hi, m_lo, m_hi);
             }
           }
-          continue;
         }
-        int64_t m0 = 0;
-        while (m0 < M) {
-          int64_t mt = std::min<int64_t>(6, M - m0);
-          if (M - m0 - mt > 0 && M - m0 - mt < 3) mt = 4;  // keep the last pass >= 3 rows
-          switch (mt) {
-            case 3: int4_tiles2<3>(qw, sc, mn, xh, xs, bias, out, m0, N, K, G, 2 * p); break;
-            case 4: int4_tiles2<4>(qw, sc, mn, xh, xs, bias, out, m0, N, K, G, 2 * p); break;
-            case 5: int4_tiles2<5>(qw, sc, mn, xh, xs, bias, out, m0, N, K, G, 2 * p); break;
-            default: int4_tiles2<6>(qw, sc, mn, xh, xs, bias, out, m0, N, K, G, 2 * p); break;
-          }
-          m0 += mt;
-        }
-      }
-    });
-    return;
+      };
+      decoded_gemm(decode, xh, bias, out, M, N, K);
+      return;
+    }
   }
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     // A few tiles at a time, so each stays in L1 while every activation row uses it.
@@ -420,6 +435,25 @@ template <bool SPLIT, typename OutT>
 void int8_run(const uint8_t* qw, const float* sc, const c10::BFloat16* xh, const c10::BFloat16* xl,
               const float* xs, const float* bias, OutT* out, int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + 15) / 16;
+  if constexpr (!SPLIT) {
+    if (M >= kDecodeOnceRows8) {  // prefill-sized: decode each tile once, bf16 GEMM on it
+      const __m512i lo8 = _mm512_set1_epi16(0x00FF);
+      auto decode = [&](int64_t t, c10::BFloat16* buf) {
+        const uint8_t* wt = qw + t * 16 * K;
+        const __m512 sv = _mm512_loadu_ps(sc + 16 * t);  // scales are padded to the tile
+        const __m512 s_lo = _mm512_permutexvar_ps(kRowLo(), sv), s_hi = _mm512_permutexvar_ps(kRowHi(), sv);
+        const __m512 m_lo = _mm512_mul_ps(s_lo, _mm512_set1_ps(-128.f));  // u = q + 128
+        const __m512 m_hi = _mm512_mul_ps(s_hi, _mm512_set1_ps(-128.f));
+        for (int64_t b = 0; b < K / 4; ++b) {  // low bytes: k-pair 2b; high bytes: 2b + 1
+          const __m512i v = _mm512_loadu_si512(wt + 64 * b);
+          store_pair_row(buf + (2 * b) * 32, _mm512_and_si512(v, lo8), s_lo, s_hi, m_lo, m_hi);
+          store_pair_row(buf + (2 * b + 1) * 32, _mm512_srli_epi16(v, 8), s_lo, s_hi, m_lo, m_hi);
+        }
+      };
+      decoded_gemm(decode, xh, bias, out, M, N, K);
+      return;
+    }
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tb = t0; tb < t1; ++tb) {
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
