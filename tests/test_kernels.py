@@ -166,21 +166,13 @@ def test_fp32_chunked_prefill_mixed_steps_match_eager(gguf_path):
 # ---- prompt (prefill) attention: the flash-style op over the block tables ----------------------
 
 def _prefill_setup(specs, kvh, g, d, bs, dtype, seed=0):
-    """specs: (cached context, chunk length) per sequence; blocks scattered over the pool."""
+    """The same data as _prefill_op_setup (below), as the engine's AttnGroup for the layer
+    function: q, the caches and the group built from each sequence's block table."""
     from servelm.engine.model_runner import _build_group
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(s + n) // bs) for s, n in specs]
-    nb = sum(need) + 2
-    kc = torch.randn(nb, bs, kvh, d, generator=gen).to(dtype)
-    vc = torch.randn(nb, bs, kvh, d, generator=gen).to(dtype)
-    perm = torch.randperm(nb, generator=gen).tolist()
-    seqs, used = [], 0
-    for (s, n), k in zip(specs, need):
-        seqs.append(SeqInput(list(range(n)), s, perm[used:used + k]))
-        used += k
-    grp = _build_group(seqs, 0, bs, g, torch.device("cpu"))
-    q = (torch.randn(sum(n for _, n in specs), kvh * g, d, generator=gen) * 2).to(dtype)
-    return q, kc, vc, grp
+    q, kc, vc, tables, _, _ = _prefill_op_setup(specs, kvh, g, d, bs, dtype, seed)
+    seqs = [SeqInput(list(range(n)), s, tables[b, :-(-(s + n) // bs)].tolist())
+            for b, (s, n) in enumerate(specs)]
+    return q, kc, vc, _build_group(seqs, 0, bs, g, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
