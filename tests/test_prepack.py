@@ -24,10 +24,11 @@ def _linear(n, k, bias, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 576), (0, 576), (200, 576)])
-def test_packed_linear_matches_f_linear(dtype, bias, shape):
+@pytest.mark.parametrize("n", [1728, 33, 7])
+def test_packed_linear_matches_f_linear(dtype, bias, shape, n):
     if not prepack_supported(dtype, "cpu"):
         pytest.skip(f"oneDNN cannot pack {dtype} here")
-    lin = _linear(1728, 576, bias, dtype)
+    lin = _linear(n, 576, bias, dtype)
     packed = PackedLinear(lin)
     x = torch.randn(*shape).to(dtype)
     got, want = packed(x), F.linear(x, lin.weight, lin.bias)
