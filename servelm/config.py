@@ -78,5 +78,3 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of None, 'int8', 'int4', "
                              f"got {self.quantization!r}")
-        if self.quantization and self.tensor_parallel_size > 1:
-            raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")

@@ -197,10 +197,8 @@ def test_config_rejects_unknown_quantization():
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="fp8")
     assert EngineConfig(quantization="int4").quantization == "int4"
-    # Not wired and tested with tensor parallelism yet: refused, naming both fields.
-    with pytest.raises(ValueError, match="quantization is not supported with "
-                                         "tensor_parallel_size > 1"):
-        EngineConfig(quantization="int8", tensor_parallel_size=2)
+    # With tensor parallelism each rank quantises its own shard (tests/test_tensor_parallel.py).
+    assert EngineConfig(quantization="int8", tensor_parallel_size=2).tensor_parallel_size == 2
 
 
 # ---------------------------------------------------------------- the engine, quality
