@@ -63,6 +63,18 @@ class ModelShape:
             attn = 4.0 * self.num_layers * context * self.num_heads * self.head_dim
         return 2.0 * params + attn
 
+    @property
+    def lm_head_flops(self) -> float:
+        """FLOPs of one row through the LM head (2 x vocab x hidden; 0 when unknown). A
+        prompt needs it only for its last position: the others' logits are never used."""
+        return 2.0 * self.vocab_size * self.hidden_size if self.vocab_size and self.hidden_size else 0.0
+
+    def prefill_flops(self, num_tokens: int, context: float, sampled_rows: int = 1) -> float:
+        """Matmul FLOPs of a prompt chunk: every token through the layers (attention over
+        `context` tokens on average), only `sampled_rows` of them through the LM head."""
+        return num_tokens * (self.flops_per_token(context) - self.lm_head_flops) \
+            + sampled_rows * self.lm_head_flops
+
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float) -> "ModelShape":
         return cls(num_params=cfg.num_params, weight_bits=weight_bits, num_layers=cfg.num_layers,
@@ -83,9 +95,10 @@ class Prediction:
 
 
 def predict_prefill(m: ModelShape, hw: Hardware, prompt_len: int) -> Prediction:
-    """Time to first token for one prompt: all its tokens in one pass, weights read once.
-    Attention FLOPs use the causal average context (prompt_len / 2)."""
-    flops = prompt_len * m.flops_per_token(context=prompt_len // 2)
+    """Time to first token for one prompt: all its tokens in one pass, weights read once,
+    the LM head for the last position only. Attention FLOPs use the causal average context
+    (prompt_len / 2)."""
+    flops = m.prefill_flops(prompt_len, context=prompt_len // 2)
     mem = m.weight_bytes_per_step + prompt_len * (m.kv_bytes_per_token or 0)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
                       flops / hw.flops)

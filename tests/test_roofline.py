@@ -48,6 +48,20 @@ def test_phases_are_labelled_by_what_limits_them():
         .seconds / 4)
 
 
+def test_prefill_charges_the_lm_head_once(gguf_path):
+    # 512 prompt tokens go through every layer; only the last one through the LM head.
+    cfg = open_checkpoint(gguf_path).config()
+    m = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
+    head = 2 * 49152 * 576
+    assert m.lm_head_flops == head
+    assert m.prefill_flops(512, 256) == pytest.approx(512 * m.flops_per_token(256) - 511 * head)
+    assert m.prefill_flops(32, 100, sampled_rows=0) == pytest.approx(
+        32 * (m.flops_per_token(100) - head))
+    p = rl.predict_prefill(m, CPU, 512)
+    assert p.compute_seconds == pytest.approx(m.prefill_flops(512, 256) / CPU.flops)
+    assert rl.ModelShape(num_params=10, weight_bits=16).lm_head_flops == 0  # shape unknown
+
+
 def test_max_batch_from_the_kv_pool():
     m = rl.ModelShape(num_params=1, weight_bits=16, num_layers=2, num_kv_heads=1, head_dim=4)
     assert m.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2

@@ -378,7 +378,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_bytes: float = 0.0    # weights + KV read by decode-only steps (roofline model)
     prefill_seconds: float = 0.0
-    prefill_flops: float = 0.0   # matmul FLOPs of the prompt tokens of prefill steps
+    prefill_flops: float = 0.0   # matmul FLOPs of prefill steps' prompt tokens (LM head: sampled rows)
 
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
@@ -393,7 +393,8 @@ class EngineStats:
                 self.num_decode_tokens += 1
             else:
                 prefill_tokens += n
-                flops += n * shape.flops_per_token(context=s.start + n // 2)
+                flops += shape.prefill_flops(n, context=s.start + n // 2,
+                                             sampled_rows=1 if s.samples else 0)
         self.num_prefill_tokens += prefill_tokens
         if prefill_tokens:
             self.prefill_seconds += seconds

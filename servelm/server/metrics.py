@@ -89,6 +89,10 @@ class _EngineCollector:
             yield GaugeMetricFamily("servelm_roofline_attention_flops_per_token_context",
                                     "Attention FLOPs of one token per earlier token attended.",
                                     value=shape.flops_per_token(1) - shape.flops_per_token(0))
+            yield GaugeMetricFamily("servelm_roofline_lm_head_flops_per_token",
+                                    "LM-head FLOPs of one token (within flops_per_token; "
+                                    "a prompt runs it for its last position only).",
+                                    value=shape.lm_head_flops)
         hw = getattr(self._engine.engine, "hardware", None)
         if hw is not None:
             yield GaugeMetricFamily("servelm_roofline_bandwidth_bytes_per_second",
