@@ -335,26 +335,39 @@ at::Tensor make_out(const at::Tensor& x_in, int64_t K, int64_t N, at::Tensor& x,
   return at::empty(out_shape, x.options());
 }
 
-at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t group_size, int64_t N,
-                       const std::optional<at::Tensor>& bias) {
+// The entry points' shared part: output allocated, activations and bias prepared (G: the
+// group of inputs summed per activation row), then run(split, out, acts, bias, M, K) with
+// split a std::bool_constant (fp32 activations: split into bf16 hi + lo).
+template <typename Run>
+at::Tensor linear_call(const at::Tensor& x_in, int64_t N, int64_t G,
+                       const std::optional<at::Tensor>& bias, const Run& run) {
   const int64_t K = x_in.size(-1);
-  check_int4(qweight, scales, mins, N, group_size, K);
   at::Tensor x;
   int64_t M;
   at::Tensor out = make_out(x_in, K, N, x, M);
   if (M == 0) return out;
   Scratch& S = scratch();
   const float* bp = bias_ptr(bias, N, S);
-  const Acts a = prepare(x, M, K, group_size, S);
+  const Acts a = prepare(x, M, K, G, S);
+  if (x.scalar_type() == at::kBFloat16)
+    run(std::false_type{}, out.data_ptr<c10::BFloat16>(), a, bp, M, K);
+  else
+    run(std::true_type{}, out.data_ptr<float>(), a, bp, M, K);
+  return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t group_size, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  check_int4(qweight, scales, mins, N, group_size, x_in.size(-1));
   const auto* qw = qweight.data_ptr<uint8_t>();
   const auto* sc = scales.data_ptr<c10::Half>();
   const auto* mn = mins.data_ptr<c10::Half>();
-  if (x.scalar_type() == at::kBFloat16)
-    int4_run<false>(group_size, qw, sc, mn, a.xh, nullptr, a.xs, bp, out.data_ptr<c10::BFloat16>(), M, N, K);
-  else
-    int4_run<true>(group_size, qw, sc, mn, a.xh, a.xl, a.xs, bp, out.data_ptr<float>(), M, N, K);
-  return out;
+  return linear_call(x_in, N, group_size, bias,
+                     [&](auto split, auto* out, const Acts& a, const float* bp, int64_t M, int64_t K) {
+                       int4_run<decltype(split)::value>(group_size, qw, sc, mn, a.xh, a.xl, a.xs, bp,
+                                                        out, M, N, K);
+                     });
 }
 
 // ---------------------------------------------------------------- int8 (tiled)
@@ -481,22 +494,13 @@ void check_int8(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, 
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t N, const std::optional<at::Tensor>& bias) {
-  const int64_t K = x_in.size(-1);
-  check_int8(qweight, scales, N, K);
-  at::Tensor x;
-  int64_t M;
-  at::Tensor out = make_out(x_in, K, N, x, M);
-  if (M == 0) return out;
-  Scratch& S = scratch();
-  const float* bp = bias_ptr(bias, N, S);
-  const Acts a = prepare(x, M, K, K, S);
+  check_int8(qweight, scales, N, x_in.size(-1));
   const auto* qw = qweight.data_ptr<uint8_t>();
   const auto* sc = scales.data_ptr<float>();
-  if (x.scalar_type() == at::kBFloat16)
-    int8_run<false>(qw, sc, a.xh, nullptr, a.xs, bp, out.data_ptr<c10::BFloat16>(), M, N, K);
-  else
-    int8_run<true>(qw, sc, a.xh, a.xl, a.xs, bp, out.data_ptr<float>(), M, N, K);
-  return out;
+  return linear_call(x_in, N, x_in.size(-1), bias,  // one group: the whole row's sum
+                     [&](auto split, auto* out, const Acts& a, const float* bp, int64_t M, int64_t K) {
+                       int8_run<decltype(split)::value>(qw, sc, a.xh, a.xl, a.xs, bp, out, M, N, K);
+                     });
 }
 
 }  // namespace
