@@ -27,7 +27,7 @@ import torch
 
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
-from servelm.models.registry import get_model_class
+from servelm.models.loader import build_model
 from servelm.prepack import finalize_linears
 from servelm.roofline import ModelShape
 
@@ -46,11 +46,7 @@ SHAPES = {
 def build(shape: str, dtype: torch.dtype, device: torch.device, max_len: int,
           quantization: str | None):
     cfg = ModelConfig(**SHAPES[shape])
-    with torch.device("meta"):
-        model = get_model_class(cfg.architecture)(cfg, max_len)
-    model = model.to_empty(device=device).to(dtype)
-    model.rotary = type(model.rotary)(cfg.head_dim, max_len, cfg.rope_theta,
-                                      cfg.rope_scaling).to(device)
+    model = build_model(cfg, dtype, device, max_len)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

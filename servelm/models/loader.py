@@ -223,6 +223,23 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     return HFCheckpoint(path) if os.path.isdir(path) else GGUFFile(path)
 
 
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                shard=None) -> torch.nn.Module:
+    """The registered class for cfg on `device`, its weights allocated but not filled.
+
+    Built on the meta device (no time spent on a random initialisation the weights
+    overwrite); shard (tensor parallelism) swaps in this rank's 1/N modules first. Raises
+    ValueError for an unknown architecture."""
+    with torch.device("meta"):
+        model = get_model_class(cfg.architecture)(cfg, max_positions)
+        if shard is not None:
+            model = shard.apply(model)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = type(model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling).to(device)
+    return model
+
+
 def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, shard=None) -> torch.nn.Module:
     """Build the registered class for the checkpoint and fill its weights.
@@ -230,17 +247,10 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
     shard (tensor parallelism, servelm.distributed.sharding.Shard): swaps the freshly built
     modules for this rank's 1/N versions and reads only this rank's part of each tensor."""
     try:
-        cls = get_model_class(cfg.architecture)
+        get_model_class(cfg.architecture)
     except ValueError as e:
         raise ModelLoadError(f"{ckpt.path}: {e}") from e
-    # Build on the meta device: no time spent on random initialisation we overwrite.
-    with torch.device("meta"):
-        model = cls(cfg, max_positions)
-        if shard is not None:
-            model = shard.apply(model)
-    model = model.to_empty(device=device).to(dtype)
-    model.rotary = type(model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
-                                      cfg.rope_scaling).to(device)
+    model = build_model(cfg, dtype, device, max_positions, shard)
     try:
         model.load_weights(ckpt.weights(cfg) if shard is None
                            else ckpt.weights(cfg, shard.slice_of))
