@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -47,13 +48,9 @@ def bench_servelm(fmt: str, repeats: int) -> dict:
         raise SystemExit(f"unknown format variant {variant!r} in {fmt!r} (only /unpacked)")
     dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
     kw = {"quantization": quant} if quant else {}
-    saved = os.environ.get("SERVELM_NO_PREPACK")
-    os.environ["SERVELM_NO_PREPACK"] = "1" if variant == "unpacked" else "0"
-    try:
+    # The switch is read while the engine loads; the environment is restored afterwards.
+    with mock.patch.dict(os.environ, {"SERVELM_NO_PREPACK": "1" if variant else "0"}):
         llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
-    finally:
-        os.environ.pop("SERVELM_NO_PREPACK") if saved is None else os.environ.update(
-            SERVELM_NO_PREPACK=saved)
     one = SamplingParams(temperature=0, max_tokens=1)
     gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     llm.generate([_prompt_ids(PROMPT_LEN, 99)], one, use_tqdm=False)  # warm-up

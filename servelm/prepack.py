@@ -58,10 +58,6 @@ class PackedLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else bias.detach().to(w.dtype).contiguous()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
-        return cls(linear)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             raise TypeError(f"PackedLinear holds {self.dtype} weights, got {x.dtype} input")
