@@ -29,6 +29,7 @@ from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
 from servelm.models.loader import build_model
 from servelm.prepack import finalize_linears
+from servelm.quantization import quantized_bits_per_weight
 from servelm.roofline import ModelShape
 
 SHAPES = {
@@ -106,8 +107,8 @@ def main() -> None:
     kv = KVCache(cfg, num_blocks, block, dtype, device)
     runner = ModelRunner(model, kv, device)
     bits = torch.empty(0, dtype=dtype).element_size() * 8
-    shape = ModelShape.from_config(cfg, weight_bits=bits if not args.quantization else
-                                   {"int8": 8.0, "int4": 5.0}[args.quantization], kv_bits=bits)
+    shape = ModelShape.from_config(cfg, weight_bits=quantized_bits_per_weight(
+        args.quantization, dtype_bits=bits), kv_bits=bits)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{args.shape} ({cfg.num_params / 1e9:.2f} B params), {args.dtype}"
           f"{', ' + args.quantization if args.quantization else ''}, {name}; roofline at "
