@@ -61,6 +61,16 @@ def build(shape: str, dtype: torch.dtype, device: torch.device, max_len: int,
     return cfg, model
 
 
+def _batches(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes comma-separated integers, got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -87,7 +97,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--context", type=int, default=512, help="tokens each decoding sequence holds")
-    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--batch", default="1,64", type=_batches, help="comma-separated batch sizes")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
                     help="for the roofline (default: H200's 4800 on CUDA, 30 on CPU)")
@@ -98,7 +108,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     bw = (args.bandwidth or (4800 if device.type == "cuda" else 30)) * 1e9
     peak = (args.flops or (990 if device.type == "cuda" else 0.9)) * 1e12
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = args.batch
     max_len = max(args.prompt, args.context) + 64
     block = 16
     cfg, model = build(args.shape, dtype, device, max_len, args.quantization)

@@ -22,3 +22,11 @@ def test_synthetic_benchmark_runs_on_cpu():
     for b in (1, 3):
         m = re.search(rf"decode, batch +{b}, context 40: +([\d.]+) tok/s", out)
         assert m and float(m.group(1)) > 0
+
+
+def test_synthetic_benchmark_rejects_bad_batch_sizes():
+    for bad in ("1,x", "0"):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synthetic.py"), "--device",
+                            "cpu", "--batch", bad], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT)
+        assert r.returncode == 2 and "--batch" in r.stderr and "Traceback" not in r.stderr
