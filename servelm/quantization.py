@@ -274,6 +274,16 @@ class Int4Linear(QuantLinear):
         return super().extra_repr() + f", group_size={self.group_size}"
 
 
+def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
+    """A quantised layer's tensors as `servelm_quant.decode_layer` takes them, with its int4
+    group size (0 for int8); None when the layer does not run on the C++ kernels."""
+    if isinstance(module, Int4Linear) and module.use_kernel:
+        return [module.qweight, module.scales, module.mins], module.group_size
+    if isinstance(module, Int8Linear) and module.use_kernel and module.tiled:
+        return [module.qweight, module.scales], 0
+    return None
+
+
 # ---------------------------------------------------------------- the swap
 
 def quantize_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,

@@ -204,6 +204,8 @@ class ModelRunner:
         self.use_kernels = (torch.device(device).type == "cpu"
                             and kv_cache.data.dtype in (torch.float32, torch.bfloat16, torch.float16)
                             and load_ops("ops"))
+        if self.use_kernels and hasattr(model, "bind_decode_layers"):
+            model.bind_decode_layers()  # one C++ call per layer for decode-only batches
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:

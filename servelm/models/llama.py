@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, ForwardBatch, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+# servelm_quant.decode_layer serves batches below this many decode rows: from 24 rows on,
+# int8_linear (48 for int4) decodes each weight tile once rather than streaming it, and the
+# per-op path keeps that.
+DECODE_LAYER_MAX_ROWS = 24
 
 
 class DecoderLayer(nn.Module):
@@ -35,6 +43,30 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
         return self.mlp(h, kernels=True)
 
+    def bind_decode_layer(self) -> bool:
+        """Prepare `forward_decode`: True when all four linear layers run on the int4/int8
+        C++ kernels (and only qkv has a bias), the case `servelm_quant.decode_layer` fuses."""
+        from servelm.quantization import kernel_weights
+
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [kernel_weights(m) for m in linears]
+        self._decode_args = None
+        if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
+            return False
+        self._decode_args = ([t for ts, _ in parts for t in ts], [g for _, g in parts],
+                             attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.scale)
+        return True
+
+    def forward_decode(self, delta, residual, cos, sin, batch, kv_cache):
+        """`forward_fused` for a batch of decode rows only, in one C++ call (bit-identical)."""
+        weights, groups, qkv_bias, heads, kv_heads, scale = self._decode_args
+        return torch.ops.servelm_quant.decode_layer.default(
+            delta, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, weights, groups, qkv_bias, cos, sin, kv_cache[0],
+            kv_cache[1], batch.slot_mapping, batch.decode_block_tables,
+            batch.decode_context_lens, heads, kv_heads, scale)
+
 
 class LlamaForCausalLM(nn.Module):
     """Token ids -> hidden states over a paged KV cache; logits only where asked."""
@@ -51,6 +83,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fused_decode = False  # set by bind_decode_layers once the weights are final
+
+    def bind_decode_layers(self) -> bool:
+        """Once the weights are final (quantised, on the CPU with the C++ kernels): decode-only
+        batches then run each decoder layer as one `servelm_quant.decode_layer` call when
+        every layer's linears are int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never
+        (the per-op kernel path, for side-by-side runs)."""
+        ok = (os.environ.get("SERVELM_NO_FUSED_DECODE", "") in ("", "0")
+              and load_ops("quant") and load_ops("ops")
+              and all([layer.bind_decode_layer() for layer in self.layers]))
+        self.fused_decode = bool(ok)
+        return self.fused_decode
 
     def forward(self, batch: ForwardBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -60,8 +104,14 @@ class LlamaForCausalLM(nn.Module):
         if batch.kernels:
             # The residual stream is updated in place by the fused add + RMSNorm kernels.
             delta = None
-            for layer, kv in zip(self.layers, kv_caches):
-                delta = layer.forward_fused(delta, x, cos, sin, batch, kv)
+            n = x.shape[0]
+            if (self.fused_decode and batch.num_decodes == n < DECODE_LAYER_MAX_ROWS
+                    and x.dtype == torch.bfloat16):
+                for layer, kv in zip(self.layers, kv_caches):
+                    delta = layer.forward_decode(delta, x, cos, sin, batch, kv)
+            else:
+                for layer, kv in zip(self.layers, kv_caches):
+                    delta = layer.forward_fused(delta, x, cos, sin, batch, kv)
             return self.norm.add_forward(delta, x, kernels=True)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, batch, kv)

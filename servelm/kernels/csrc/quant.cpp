@@ -23,6 +23,11 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <torch/all.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
+
+#include <atomic>
+#include <exception>
 
 #include <type_traits>
 #include <vector>
@@ -32,6 +37,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 
 namespace {
+
+// Software prefetch distance of the weight streams (bytes ahead; 1-8 KB measured alike
+// beyond 2 KB on the embedded model).
+constexpr int kPrefetch = 2048;
+
+// acc += w . (the bf16 pair at p, broadcast): vdpbf16ps with an embedded-broadcast memory
+// operand, one instruction. GCC does not fold _mm512_set1_epi32 into vdpbf16ps as it does
+// for FMAs, and the separate broadcasts cost issue slots in the weight-streaming loops.
+inline __m512 dpbf16_bcast(__m512 acc, __m512bh w, const void* p) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+}
 
 // ---------------------------------------------------------------- int4 (tiled)
 
@@ -71,7 +88,7 @@ void int4_tiles(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
       }
       for (int64_t b = 0; b < bpg; ++b) {
         const int64_t blk = g * bpg + b, k0 = 8 * blk;
-        _mm_prefetch(reinterpret_cast<const char*>(wt + 64 * blk) + 2048, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wt + 64 * blk) + kPrefetch, _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(wt + 64 * blk);
         __m512bh d[4];
         d[0] = (__m512bh)_mm512_ternarylogic_epi32(v, nib, b128, 0xEA);
@@ -80,12 +97,11 @@ void int4_tiles(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
         d[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), b128);
         for (int m = 0; m < MT; ++m) {
           const int32_t* xp = reinterpret_cast<const int32_t*>(xh + (m0 + m) * K + k0);
-          for (int j = 0; j < 4; ++j)
-            tc[m][j % CH] = _mm512_dpbf16_ps(tc[m][j % CH], d[j], (__m512bh)_mm512_set1_epi32(xp[j]));
+          for (int j = 0; j < 4; ++j) tc[m][j % CH] = dpbf16_bcast(tc[m][j % CH], d[j], xp + j);
           if constexpr (SPLIT) {
             const int32_t* xq = reinterpret_cast<const int32_t*>(xl + (m0 + m) * K + k0);
             for (int j = 0; j < 4; ++j)
-              tc[m][(j + 1) % CH] = _mm512_dpbf16_ps(tc[m][(j + 1) % CH], d[j], (__m512bh)_mm512_set1_epi32(xq[j]));
+              tc[m][(j + 1) % CH] = dpbf16_bcast(tc[m][(j + 1) % CH], d[j], xq + j);
           }
         }
       }
@@ -204,6 +220,28 @@ void decoded_gemm(const Decode& decode, const c10::BFloat16* xh, const float* bi
 
 constexpr int kMaxRows4 = 6;  // activation rows per pass over a weight tile
 
+// Output tiles [t0, t1) of all M rows, streaming the weight (one thread's share).
+template <bool SPLIT, typename OutT>
+void int4_range(int64_t G, const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
+                const c10::BFloat16* xh, const c10::BFloat16* xl, const float* xs,
+                const float* bias, OutT* out, int64_t M, int64_t N, int64_t K, int64_t t0,
+                int64_t t1) {
+  // A few tiles at a time, so each stays in L1 while every activation row uses it.
+  for (int64_t tb = t0; tb < t1; tb += 2) {
+    const int64_t te = std::min(tb + 2, t1);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows4) {
+      switch (std::min<int64_t>(kMaxRows4, M - m0)) {
+        case 1: int4_tiles<1, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+        case 2: int4_tiles<2, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+        case 3: int4_tiles<3, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+        case 4: int4_tiles<4, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+        case 5: int4_tiles<5, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+        default: int4_tiles<6, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
+      }
+    }
+  }
+}
+
 template <bool SPLIT, typename OutT>
 void int4_run(int64_t G, const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
               const c10::BFloat16* xh, const c10::BFloat16* xl, const float* xs,
@@ -235,20 +273,7 @@ void int4_run(int64_t G, const uint8_t* qw, const c10::Half* sc, const c10::Half
     }
   }
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    // A few tiles at a time, so each stays in L1 while every activation row uses it.
-    for (int64_t tb = t0; tb < t1; tb += 2) {
-      const int64_t te = std::min(tb + 2, t1);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows4) {
-        switch (std::min<int64_t>(kMaxRows4, M - m0)) {
-          case 1: int4_tiles<1, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
-          case 2: int4_tiles<2, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
-          case 3: int4_tiles<3, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
-          case 4: int4_tiles<4, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
-          case 5: int4_tiles<5, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
-          default: int4_tiles<6, SPLIT>(qw, sc, mn, xh, xl, xs, bias, out, m0, N, K, G, tb, te); break;
-        }
-      }
-    }
+    int4_range<SPLIT>(G, qw, sc, mn, xh, xl, xs, bias, out, M, N, K, t0, t1);
   });
 }
 
@@ -392,7 +417,7 @@ void int8_tiles(const uint8_t* qw, const float* sc, const c10::BFloat16* xh,
     // Block b accumulates into chain C (compile-time, so the accumulators stay in registers).
     auto step = [&](int64_t b, auto chain) {
       constexpr int C = decltype(chain)::value % NC, C1 = (C + 1) % NC;
-      _mm_prefetch(reinterpret_cast<const char*>(wt + 64 * b) + 2048, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wt + 64 * b) + kPrefetch, _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(wt + 64 * b);
       const __m512bh d0 = (__m512bh)_mm512_ternarylogic_epi32(v, nib, b128, 0xEA);
       const __m512bh d1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, b128, 0xEA);
@@ -444,6 +469,23 @@ void int8_tiles(const uint8_t* qw, const float* sc, const c10::BFloat16* xh,
   }
 }
 
+// Output tiles [t0, t1) of all M rows (one thread's share).
+template <bool SPLIT, typename OutT>
+void int8_range(const uint8_t* qw, const float* sc, const c10::BFloat16* xh, const c10::BFloat16* xl,
+                const float* xs, const float* bias, OutT* out, int64_t M, int64_t N, int64_t K,
+                int64_t t0, int64_t t1) {
+  for (int64_t tb = t0; tb < t1; ++tb) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int8_tiles<1, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+        case 2: int8_tiles<2, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+        case 3: int8_tiles<3, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+        default: int8_tiles<4, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
+      }
+    }
+  }
+}
+
 template <bool SPLIT, typename OutT>
 void int8_run(const uint8_t* qw, const float* sc, const c10::BFloat16* xh, const c10::BFloat16* xl,
               const float* xs, const float* bias, OutT* out, int64_t M, int64_t N, int64_t K) {
@@ -468,16 +510,7 @@ void int8_run(const uint8_t* qw, const float* sc, const c10::BFloat16* xh, const
     }
   }
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t tb = t0; tb < t1; ++tb) {
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: int8_tiles<1, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
-          case 2: int8_tiles<2, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
-          case 3: int8_tiles<3, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
-          default: int8_tiles<4, SPLIT>(qw, sc, xh, xl, xs, bias, out, m0, N, K, tb, tb + 1); break;
-        }
-      }
-    }
+    int8_range<SPLIT>(qw, sc, xh, xl, xs, bias, out, M, N, K, t0, t1);
   });
 }
 
@@ -503,6 +536,241 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
                      });
 }
 
+
+// ---------------------------------------------------------------- one decoder layer, decode rows
+
+// A Llama-family decoder layer for M single-token (decode) rows whose four linear layers are
+// int4 / int8, in one C++ call and two parallel regions. Called from Python, the same work
+// is ~12 operator calls: each pays Python and dispatcher time, and each matmul opens its own
+// parallel region whose threads then stream a weight of 0.2-1 MB starting cold. Here the
+// threads split each matmul's tiles exactly as int4_linear / int8_linear would (so results
+// are bit-identical to theirs) and meet at a barrier between steps; while the calling thread
+// runs a serial step (a norm, the activation sums) the others prefetch the head of their
+// share of the next weight into L2. Norms, rotary + KV write, attention and SiLU are the
+// servelm_ops operators (called through the dispatcher), so they match the unfused path too;
+// rotary and attention run between the two regions, parallel as they are unfused.
+//
+// weights: per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] or int8
+// [qweight, scales]; group_sizes[i]: its int4 group size, 0 for int8. Returns the MLP output
+// (the next layer's delta); residual is updated in place (+= delta, + attention output).
+
+struct QLinear {
+  int64_t G = 0;  // int4 group size; 0: int8
+  const uint8_t* qw = nullptr;
+  const void* sc = nullptr;
+  const c10::Half* mn = nullptr;
+  const float* bias = nullptr;
+  int64_t N = 0, K = 0;
+
+  int64_t tiles() const { return (N + 15) / 16; }
+  int64_t tile_bytes() const { return G ? 8 * K : 16 * K; }
+  int64_t group() const { return G ? G : K; }
+  void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
+    t0 = tiles() * tid / nt;
+    t1 = tiles() * (tid + 1) / nt;
+  }
+  void run(const c10::BFloat16* x, const float* xs, c10::BFloat16* out, int64_t M, int64_t t0,
+           int64_t t1) const {
+    if (G)
+      int4_range<false>(G, qw, static_cast<const c10::Half*>(sc), mn, x, nullptr, xs, bias, out, M, N, K, t0, t1);
+    else
+      int8_range<false>(qw, static_cast<const float*>(sc), x, nullptr, xs, bias, out, M, N, K, t0, t1);
+  }
+  // The activation sums the kernels need (as prepare() computes them for bf16 rows).
+  void sums(const c10::BFloat16* x, int64_t M, std::vector<float>& xs) const {
+    const int64_t g = group(), ng = K / g;
+    xs.resize(M * ng);
+    for (int64_t i = 0; i < M * ng; ++i) {
+      float a = 0.f;
+      for (int64_t k = 0; k < g; ++k) a += static_cast<float>(x[i * g + k]);
+      xs[i] = a;
+    }
+  }
+  // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
+  void prefetch(int tid, int nt, int64_t bytes) const {
+    int64_t t0, t1;
+    share(tid, nt, t0, t1);
+    const char* p = reinterpret_cast<const char*>(qw) + t0 * tile_bytes();
+    const int64_t n = std::min(bytes, (t1 - t0) * tile_bytes());
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  }
+};
+
+QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int64_t N, int64_t K,
+                     const char* name) {
+  QLinear L;
+  L.G = G;
+  L.N = N;
+  L.K = K;
+  TORCH_CHECK(j + (G ? 3 : 2) <= w.size(), "decode_layer: too few weight tensors for ", name);
+  try {
+    if (G) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
+    else check_int8(w[j], w[j + 1], N, K);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "decode_layer ", name, ": ", e.what_without_backtrace());
+  }
+  if (G) {
+    L.qw = w[j].data_ptr<uint8_t>();
+    L.sc = w[j + 1].data_ptr<c10::Half>();
+    L.mn = w[j + 2].data_ptr<c10::Half>();
+    j += 3;
+  } else {
+    L.qw = w[j].data_ptr<uint8_t>();
+    L.sc = w[j + 1].data_ptr<float>();
+    j += 2;
+  }
+  return L;
+}
+
+// One thread's part in a parallel region of matmuls (split over the team's threads as
+// int4_linear / int8_linear split them) and serial steps (run by the calling thread, whose
+// thread-local state the operators it calls need), with a barrier after each.
+struct Team {
+  int tid, n;
+  std::atomic<bool>& failed;
+  std::exception_ptr& err;
+  // Bytes of its share of the next weight each idle thread pulls into L2 during a serial
+  // step (more measured no better: the stream then starts warm anyway).
+  static constexpr int64_t kWarm = 16 << 10;
+
+  template <typename F>
+  void guarded(F&& f) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    try {
+      f();
+    } catch (...) {  // an exception must not leave the region: kept, rethrown after it
+#pragma omp critical(servelm_team_error)
+      if (!err) err = std::current_exception();
+      failed = true;
+    }
+  }
+  template <typename F>
+  void serial(F&& f, const QLinear& next) {
+    if (tid == 0) guarded(f);
+    else next.prefetch(tid, n, kWarm);
+#pragma omp barrier
+  }
+  void matmul(const QLinear& L, const at::Tensor& x, const std::vector<float>& xs, at::Tensor& y,
+              int64_t M, const QLinear* next) {
+    guarded([&] {
+      int64_t t0, t1;
+      L.share(tid, n, t0, t1);
+      L.run(x.data_ptr<c10::BFloat16>(), xs.data(), y.data_ptr<c10::BFloat16>(), M, t0, t1);
+      if (next) next->prefetch(tid, n, kWarm);
+    });
+#pragma omp barrier
+  }
+};
+
+template <typename Body>
+void team_region(const Body& body) {
+  std::atomic<bool> failed{false};
+  std::exception_ptr err;
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    Team t{omp_get_thread_num(), omp_get_num_threads(), failed, err};
+    body(t);
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> ops_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor decode_layer(const std::optional<at::Tensor>& delta, at::Tensor& residual,
+                        const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        at::TensorList weights_in, at::IntArrayRef group_sizes,
+                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                        double scale) {
+  using T = at::Tensor;
+  static auto rms = ops_handle<T(const T&, const T&, double)>("servelm_ops::rms_norm");
+  static auto add_rms = ops_handle<T(const T&, T&, const T&, double)>("servelm_ops::fused_add_rms_norm");
+  static auto rotary = ops_handle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)>(
+      "servelm_ops::rotary_kv_write");
+  static auto attend = ops_handle<T(const T&, const T&, const T&, const T&, const T&, double)>(
+      "servelm_ops::paged_decode_attention");
+  static auto silu = ops_handle<T(const T&)>("servelm_ops::silu_and_mul");
+
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
+                  residual.device().is_cpu(),
+              "decode_layer: residual must be contiguous bfloat16 [M, hidden] on the CPU");
+  const int64_t M = residual.size(0), hidden = residual.size(1);
+  // Beyond this many rows the unfused kernels decode each weight tile once instead.
+  TORCH_CHECK(M >= 1 && M < kDecodeOnceRows8, "decode_layer takes 1 to ", kDecodeOnceRows8 - 1,
+              " rows, got ", M);
+  const int64_t D = k_cache.size(-1), qkv_n = (num_heads + 2 * num_kv_heads) * D;
+  TORCH_CHECK(group_sizes.size() == 4, "decode_layer: group_sizes needs 4 entries (qkv, o, gate_up, down)");
+  const std::vector<at::Tensor> w = weights_in.vec();
+  // gate_up's width is implied by its qweight: int4 tiles hold 8K bytes each, int8 16K.
+  size_t j = 0;
+  const QLinear qkv = parse_linear(w, j, group_sizes[0], qkv_n, hidden, "qkv_proj");
+  const QLinear o = parse_linear(w, j, group_sizes[1], hidden, num_heads * D, "o_proj");
+  TORCH_CHECK(j < w.size(), "decode_layer: too few weight tensors for gate_up_proj");
+  const int64_t gu_tiles = w[j].numel() / ((group_sizes[2] ? 8 : 16) * hidden);
+  const QLinear gu = parse_linear(w, j, group_sizes[2], 16 * gu_tiles, hidden, "gate_up_proj");
+  const int64_t inter = gu.N / 2;
+  const QLinear down = parse_linear(w, j, group_sizes[3], hidden, inter, "down_proj");
+  TORCH_CHECK(j == w.size(), "decode_layer: ", w.size() - j, " weight tensors left over");
+  std::vector<float> qkv_b;
+  QLinear qkv_l = qkv;
+  if (qkv_bias.has_value() && qkv_bias->defined()) {
+    TORCH_CHECK(qkv_bias->numel() == qkv_n, "decode_layer: qkv_bias must have ", qkv_n, " elements");
+    at::Tensor b = qkv_bias->to(at::kFloat).contiguous();
+    qkv_b.assign(b.data_ptr<float>(), b.data_ptr<float>() + qkv_n);
+    qkv_l.bias = qkv_b.data();
+  }
+  if (delta.has_value() && delta->defined())
+    TORCH_CHECK(delta->sizes() == residual.sizes() && delta->scalar_type() == at::kBFloat16,
+                "decode_layer: delta must be bfloat16 shaped like residual");
+  TORCH_CHECK(block_tables.size(0) == M && context_lens.numel() == M && slot_mapping.numel() == M,
+              "decode_layer: block_tables, context_lens and slot_mapping need one row per token");
+
+  const auto opts = residual.options();
+  at::Tensor qkv_out = at::empty({M, qkv_n}, opts);
+  at::Tensor o_out = at::empty({M, hidden}, opts);
+  at::Tensor gu_out = at::empty({M, gu.N}, opts);
+  at::Tensor out = at::empty({M, hidden}, opts);
+  at::Tensor h1, h2, act;
+  std::vector<float> xs1, xs2, xs3, xs4;
+
+  // Before attention: norm, qkv.
+  team_region([&](Team& t) {
+    t.serial([&] {
+      h1 = delta.has_value() && delta->defined() ? add_rms.call(*delta, residual, ln1, eps)
+                                                 : rms.call(residual, ln1, eps);
+      qkv.sums(h1.data_ptr<c10::BFloat16>(), M, xs1);
+    }, qkv);
+    t.matmul(qkv_l, h1, xs1, qkv_out, M, nullptr);
+  });
+  // Rotary + KV write and attention outside the region, so they parallelise as they do
+  // unfused (over sequences, or over a long context's splits).
+  rotary.call(qkv_out, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+  const at::Tensor attn = attend.call(qkv_out.narrow(1, 0, num_heads * D).view({M, num_heads, D}),
+                                      k_cache, v_cache, block_tables, context_lens, scale)
+                              .view({M, num_heads * D});
+  // After it: o, norm, gate_up, SiLU, down.
+  team_region([&](Team& t) {
+    t.serial([&] { o.sums(attn.data_ptr<c10::BFloat16>(), M, xs2); }, o);
+    t.matmul(o, attn, xs2, o_out, M, &gu);
+    t.serial([&] {
+      h2 = add_rms.call(o_out, residual, ln2, eps);
+      gu.sums(h2.data_ptr<c10::BFloat16>(), M, xs3);
+    }, gu);
+    t.matmul(gu, h2, xs3, gu_out, M, &down);
+    t.serial([&] {
+      act = silu.call(gu_out);
+      down.sums(act.data_ptr<c10::BFloat16>(), M, xs4);
+    }, down);
+    t.matmul(down, act, xs4, out, M, nullptr);
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(servelm_quant, m) {
@@ -510,11 +778,16 @@ TORCH_LIBRARY(servelm_quant, m) {
         "Tensor? bias=None) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
         "int out_features, Tensor? bias=None) -> Tensor");
+  m.def("decode_layer(Tensor? delta, Tensor(a!) residual, Tensor ln1, Tensor ln2, float eps, "
+        "Tensor[] weights, int[] group_sizes, Tensor? qkv_bias, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_quant, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("decode_layer", &decode_layer);
 }
 
 #endif  // AVX-512 BF16
