@@ -1,8 +1,8 @@
-"""servelm_quant.decode_layer: a whole decoder layer for decode rows in one C++ call.
+"""servelm_quant.DecodeStack: all decoder layers of a decode-only step in one C++ call.
 
 It must give exactly (bit for bit) what the per-op kernel path gives, since it runs the
 same kernels with the same split of the work; these tests compare the two on random
-layers and through the engine, and check when the engine takes it and when it does not.
+models and through the engine, and check when the engine takes it and when it does not.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from servelm import quantization as Q
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
-from servelm.models.layers import RotaryEmbedding
-from servelm.models.llama import DECODE_LAYER_MAX_ROWS, DecoderLayer
+from servelm.models.llama import DECODE_LAYER_MAX_ROWS, LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
@@ -31,27 +30,30 @@ def _config(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def _layer(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> DecoderLayer:
-    """A random bf16 decoder layer with each linear quantised as formats says."""
+def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaForCausalLM:
+    """A random bf16 model with each linear of every layer quantised as formats says."""
     torch.manual_seed(seed)
-    layer = DecoderLayer(cfg)
+    model = LlamaForCausalLM(cfg, max_positions=cfg.max_position_embeddings)
     with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0))
-    layer = layer.to(torch.bfloat16)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(torch.bfloat16)
     for name, method in formats.items():
-        Q.quantize_model(layer, method, targets=(name,))
-    return layer.eval()
+        Q.quantize_model(model.layers, method, targets=(name,))
+    return model.eval()
 
 
 def _setup(cfg, lens, seed=1):
-    """Decode rows whose contexts (after this token) have the given lengths, a KV pool filled
-    with random keys/values, and the batch the model runner would build for them."""
+    """Decode rows whose contexts (after this token) have the given lengths, per-layer KV
+    pools filled with random keys/values, and the batch the model runner would build."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n in lens) + 4
-    shape = (num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.randn(shape, generator=g).bfloat16()
-    v = torch.randn(shape, generator=g).bfloat16()
+    shape = (cfg.num_layers, 2, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
+    data = torch.randn(shape, generator=g).bfloat16()
+    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
     perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()  # scattered blocks
     seqs, at = [], 0
     for i, n in enumerate(lens):
@@ -60,27 +62,20 @@ def _setup(cfg, lens, seed=1):
         at += nb
     batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
                                    torch.device("cpu"), kernels=True)
-    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, 10000.0)
-    cos, sin = rope.cos_sin(batch.positions, torch.bfloat16)
-    residual = torch.randn(len(lens), cfg.hidden_size, generator=g).bfloat16()
-    delta = torch.randn(len(lens), cfg.hidden_size, generator=g).bfloat16() * 0.5
-    return batch, cos, sin, (k, v), residual, delta
+    return batch, data, caches
 
 
-def _both(layer, batch, cos, sin, kv, residual, delta):
-    """(out, residual, k, v) from the per-op path and from decode_layer, on copies."""
+def _both(model, batch, data, caches):
+    """(hidden, KV pool) from the per-op kernel path and from the stack."""
+    assert model.bind_decode_layers(caches)
     results = []
     for fused in (False, True):
-        r = residual.clone()
-        cache = (kv[0].clone(), kv[1].clone())
-        d = None if delta is None else delta.clone()
+        saved = data.clone()
+        model.fused_decode = fused
         with torch.inference_mode():
-            if fused:
-                assert layer.bind_decode_layer()
-                out = layer.forward_decode(d, r, cos, sin, batch, cache)
-            else:
-                out = layer.forward_fused(d, r, cos, sin, batch, cache)
-        results.append((out, r, *cache))
+            hidden = model(batch, caches)
+        results.append((hidden, data.clone()))
+        data.copy_(saved)
     return results
 
 
@@ -94,64 +89,77 @@ FORMATS = {
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("lens", [[1], [37], [300], [5, 300, 17], [3] * 7 + [90] * 6,
                                   list(range(1, 4 * DECODE_LAYER_MAX_ROWS, 4))[:23]])
-@pytest.mark.parametrize("first", [False, True])
-def test_decode_layer_is_bit_identical_to_the_per_op_path(fmt, lens, first):
-    cfg = _config()
-    layer = _layer(cfg, FORMATS[fmt])
-    batch, cos, sin, kv, residual, delta = _setup(cfg, lens)
-    (o0, r0, k0, v0), (o1, r1, k1, v1) = _both(layer, batch, cos, sin, kv, residual,
-                                               None if first else delta)
-    assert torch.equal(o0, o1)
-    assert torch.equal(r0, r1)  # residual += delta and the attention output, in place
-    assert torch.equal(k0, k1) and torch.equal(v0, v1)  # the new token's K/V written alike
-    assert not torch.equal(r0, residual)
+@pytest.mark.parametrize("layers", [1, 3])
+def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
+    cfg = _config(num_layers=layers)
+    model = _model(cfg, FORMATS[fmt])
+    batch, data, caches = _setup(cfg, lens)
+    before = data.clone()
+    (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+    assert torch.equal(h0, h1)
+    assert torch.equal(kv0, kv1)  # each layer's new K/V written alike
+    assert not torch.equal(kv0, before)
 
 
-def test_decode_layer_with_qkv_bias_and_other_head_dims():
+def test_decode_stack_with_qkv_bias_and_other_head_dims():
     # Qwen2-style qkv bias; head_dim 64 (the AVX-512 attention path) and 5 query heads per KV.
     cfg = _config(hidden_size=320, num_heads=5, num_kv_heads=1, head_dim=64,
-                  intermediate_size=128, attention_bias=True)
-    layer = _layer(cfg, FORMATS["int4"])
-    assert layer.self_attn.qkv_proj.bias is not None
-    batch, cos, sin, kv, residual, delta = _setup(cfg, [9, 64, 130])
-    (o0, r0, k0, v0), (o1, r1, k1, v1) = _both(layer, batch, cos, sin, kv, residual, delta)
-    assert torch.equal(o0, o1) and torch.equal(r0, r1) and torch.equal(k0, k1)
+                  intermediate_size=128, attention_bias=True, num_layers=2)
+    model = _model(cfg, FORMATS["int4"])
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    batch, data, caches = _setup(cfg, [9, 64, 130])
+    (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+    assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
 
 
-def test_decode_layer_binds_only_quantised_kernel_layers():
-    cfg = _config()
-    assert not _layer(cfg, {}).bind_decode_layer()  # bf16 nn.Linear: the oneDNN path
-    assert not _layer(cfg, {"qkv_proj": "int4", "o_proj": "int4"}).bind_decode_layer()
-    assert _layer(cfg, FORMATS["mixed"]).bind_decode_layer()
+def test_decode_stack_binds_only_quantised_kernel_layers():
+    cfg = _config(num_layers=2)
+    _, _, caches = _setup(cfg, [4])
+    assert not _model(cfg, {}).bind_decode_layers(caches)  # bf16 nn.Linear: the oneDNN path
+    assert not _model(cfg, {"qkv_proj": "int4", "o_proj": "int4"}).bind_decode_layers(caches)
+    model = _model(cfg, FORMATS["mixed"])
+    assert model.bind_decode_layers(caches) and model.fused_decode
+    assert not model.float().bind_decode_layers(caches)  # fp32 activations: per-op path
 
 
-def test_decode_layer_rejects_bad_arguments():
-    cfg = _config()
-    layer = _layer(cfg, FORMATS["int4"])
-    assert layer.bind_decode_layer()
-    op = torch.ops.servelm_quant.decode_layer.default
-    weights, groups, bias, heads, kv_heads, scale = layer._decode_args
+def test_decode_stack_rejects_bad_arguments():
+    cfg = _config(num_layers=2)
+    model = _model(cfg, FORMATS["int4"])
+    batch, data, caches = _setup(cfg, [20] * DECODE_LAYER_MAX_ROWS)
+    parts = [layer.decode_stack_args() for layer in model.layers]
+    attn = model.layers[0].self_attn
 
-    def call(n=1, w=weights, gs=groups, residual_dtype=torch.bfloat16):
-        batch, cos, sin, kv, residual, delta = _setup(cfg, [20] * n)
-        with torch.inference_mode():
-            return op(delta, residual.to(residual_dtype), layer.input_layernorm.weight,
-                      layer.post_attention_layernorm.weight, 1e-5, w, gs, bias, cos, sin,
-                      kv[0], kv[1], batch.slot_mapping, batch.decode_block_tables,
-                      batch.decode_context_lens, heads, kv_heads, scale)
+    def stack(weights=None, groups=None, norms=None, caches=caches):
+        return torch.classes.servelm_quant.DecodeStack(
+            [t for p in parts for t in p[0]] if weights is None else weights,
+            [g for p in parts for g in p[1]] if groups is None else groups,
+            [t for p in parts for t in p[2]] if norms is None else norms,
+            [p[3] for p in parts], [k for k, _ in caches], [v for _, v in caches], 1e-5,
+            attn.num_heads, attn.num_kv_heads, attn.scale)
 
-    with pytest.raises(RuntimeError, match="decode_layer takes 1 to 23 rows, got 24"):
-        call(n=DECODE_LAYER_MAX_ROWS)
-    with pytest.raises(RuntimeError, match="group_sizes needs 4 entries"):
-        call(gs=groups[:3])
+    weights = [t for p in parts for t in p[0]]
+    with pytest.raises(RuntimeError, match="per layer 2 norms, 4 group sizes"):
+        stack(groups=[32] * 7)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
-        call(w=weights[:-1])
+        stack(weights=weights[:-1])
     with pytest.raises(RuntimeError, match="left over"):
-        call(w=weights + [weights[0]])
-    with pytest.raises(RuntimeError, match="residual must be contiguous bfloat16"):
-        call(residual_dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="decode_layer o_proj: int8 qweight"):  # int4 as int8
-        call(gs=[32, 0, 32, 32])
+        stack(weights=weights + [weights[0]])
+    with pytest.raises(RuntimeError, match="DecodeStack o_proj: int8 qweight"):  # int4 as int8
+        stack(groups=[32, 0, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
+        stack(norms=[t.float() for p in parts for t in p[2]])
+    s = stack()
+    assert s.num_layers() == 2
+    x = torch.randn(DECODE_LAYER_MAX_ROWS, cfg.hidden_size).bfloat16()
+    cos = sin = torch.ones(DECODE_LAYER_MAX_ROWS, cfg.head_dim).bfloat16()
+    args = (batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="DecodeStack takes 1 to 23 rows, got 24"):
+            s.run(x, cos, sin, *args)
+        with pytest.raises(RuntimeError, match="residual must be contiguous bfloat16"):
+            s.run(x[:2].float(), cos[:2], sin[:2], *(a[:2] for a in args))
+        with pytest.raises(RuntimeError, match="one row per token"):
+            s.run(x[:2], cos[:2], sin[:2], *args)
 
 
 # ---------------------------------------------------------------- through the engine
@@ -165,42 +173,39 @@ def bf16_quant_llms():
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
-def test_engine_decode_layer_matches_per_op_path(quant, bf16_quant_llms):
+def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     llm = bf16_quant_llms[quant]
     model = llm.engine.model
     assert model.fused_decode
-    calls = []
-    real = DecoderLayer.forward_decode
+    runs = []
+    real = model._decode_stack
 
-    def counting(self, *a):
-        calls.append(1)
-        return real(self, *a)
+    class Counting:  # the stack, counting its calls
+        def run(self, *a):
+            runs.append(a[0].shape[0])
+            return real.run(*a)
 
     ids = llm.get_tokenizer().encode("The first rule of serving language models is")
     prompts = [ids, ids[:3], list(range(1000, 1300))]  # one context past 256 tokens
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     try:
-        DecoderLayer.forward_decode = counting
+        model._decode_stack = Counting()
         fused = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         model.fused_decode = False
         per_op = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     finally:
-        DecoderLayer.forward_decode = real
-        model.fused_decode = True
-    assert calls  # decode steps went through decode_layer
+        model._decode_stack, model.fused_decode = real, True
+    assert 3 in runs  # decode steps of all three went through the stack
     for a, b in zip(fused, per_op):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_engine_keeps_per_op_path_where_decode_layer_does_not_apply(monkeypatch):
-    # fp32 activations (the kernels split them into bf16 hi + lo): bound, never called.
-    llm = LLM(dtype="float32", quantization="int4", kv_cache_memory=32 << 20)
-    assert llm.engine.model.fused_decode
-    monkeypatch.setattr(DecoderLayer, "forward_decode", lambda *a: pytest.fail("called"))
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                       use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+def test_engine_binds_the_stack_only_where_it_applies(monkeypatch):
+    # fp32 activations (the kernels split them into bf16 hi + lo): the per-op path.
+    assert not LLM(dtype="float32", quantization="int4",
+                   kv_cache_memory=32 << 20).engine.model.fused_decode
+    assert not LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
     # The switch for side-by-side runs.
     monkeypatch.setenv("SERVELM_NO_FUSED_DECODE", "1")
     assert not LLM(dtype="bfloat16", quantization="int4",

@@ -205,7 +205,7 @@ class ModelRunner:
                             and kv_cache.data.dtype in (torch.float32, torch.bfloat16, torch.float16)
                             and load_ops("ops"))
         if self.use_kernels and hasattr(model, "bind_decode_layers"):
-            model.bind_decode_layers()  # one C++ call per layer for decode-only batches
+            model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:

@@ -13,7 +13,7 @@ from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, ForwardBatch, GatedMLP, RMSNorm, RotaryEmbedding
 
 
-# servelm_quant.decode_layer serves batches below this many decode rows: from 24 rows on,
+# servelm_quant.DecodeStack serves batches below this many decode rows: from 24 rows on,
 # int8_linear (48 for int4) decodes each weight tile once rather than streaming it, and the
 # per-op path keeps that.
 DECODE_LAYER_MAX_ROWS = 24
@@ -43,29 +43,21 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
         return self.mlp(h, kernels=True)
 
-    def bind_decode_layer(self) -> bool:
-        """Prepare `forward_decode`: True when all four linear layers run on the int4/int8
-        C++ kernels (and only qkv has a bias), the case `servelm_quant.decode_layer` fuses."""
+    def decode_stack_args(self) -> tuple | None:
+        """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
+        qkv bias), when all four linear layers run on the int4/int8 C++ kernels and only qkv
+        has a bias; else None."""
         from servelm.quantization import kernel_weights
 
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         parts = [kernel_weights(m) for m in linears]
-        self._decode_args = None
         if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
-            return False
-        self._decode_args = ([t for ts, _ in parts for t in ts], [g for _, g in parts],
-                             attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.scale)
-        return True
-
-    def forward_decode(self, delta, residual, cos, sin, batch, kv_cache):
-        """`forward_fused` for a batch of decode rows only, in one C++ call (bit-identical)."""
-        weights, groups, qkv_bias, heads, kv_heads, scale = self._decode_args
-        return torch.ops.servelm_quant.decode_layer.default(
-            delta, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-            self.input_layernorm.eps, weights, groups, qkv_bias, cos, sin, kv_cache[0],
-            kv_cache[1], batch.slot_mapping, batch.decode_block_tables,
-            batch.decode_context_lens, heads, kv_heads, scale)
+            return None
+        bias = attn.qkv_proj.bias
+        return ([t for ts, _ in parts for t in ts], [g for _, g in parts],
+                [self.input_layernorm.weight, self.post_attention_layernorm.weight],
+                torch.empty(0) if bias is None else bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -83,18 +75,33 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.fused_decode = False  # set by bind_decode_layers once the weights are final
+        self.fused_decode = False  # set by bind_decode_layers
+        self._decode_stack, self._decode_kv = None, None
 
-    def bind_decode_layers(self) -> bool:
-        """Once the weights are final (quantised, on the CPU with the C++ kernels): decode-only
-        batches then run each decoder layer as one `servelm_quant.decode_layer` call when
-        every layer's linears are int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never
-        (the per-op kernel path, for side-by-side runs)."""
-        ok = (os.environ.get("SERVELM_NO_FUSED_DECODE", "") in ("", "0")
-              and load_ops("quant") and load_ops("ops")
-              and all([layer.bind_decode_layer() for layer in self.layers]))
-        self.fused_decode = bool(ok)
-        return self.fused_decode
+    def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
+        decoder layer and its KV cache into one `servelm_quant.DecodeStack`, which then runs
+        decode-only bf16 batches of fewer than DECODE_LAYER_MAX_ROWS rows in one C++ call per
+        step, bit-identical to the per-op path. Only when every layer's linear layers are
+        int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never (the per-op kernel path,
+        for side-by-side runs)."""
+        self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
+        if (os.environ.get("SERVELM_NO_FUSED_DECODE", "") not in ("", "0")
+                or not (load_ops("quant") and load_ops("ops"))
+                or not hasattr(torch.classes.servelm_quant, "DecodeStack")):
+            return False
+        parts = [layer.decode_stack_args() for layer in self.layers]
+        if any(p is None for p in parts) or self.embed_tokens.weight.dtype != torch.bfloat16:
+            return False
+        attn = self.layers[0].self_attn
+        self._decode_stack = torch.classes.servelm_quant.DecodeStack(
+            [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
+            [t for p in parts for t in p[2]], [p[3] for p in parts],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
+            attn.num_heads, attn.num_kv_heads, attn.scale)
+        self._decode_kv = kv_caches
+        self.fused_decode = True
+        return True
 
     def forward(self, batch: ForwardBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -106,9 +113,9 @@ class LlamaForCausalLM(nn.Module):
             delta = None
             n = x.shape[0]
             if (self.fused_decode and batch.num_decodes == n < DECODE_LAYER_MAX_ROWS
-                    and x.dtype == torch.bfloat16):
-                for layer, kv in zip(self.layers, kv_caches):
-                    delta = layer.forward_decode(delta, x, cos, sin, batch, kv)
+                    and kv_caches is self._decode_kv):
+                delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
+                                               batch.decode_block_tables, batch.decode_context_lens)
             else:
                 for layer, kv in zip(self.layers, kv_caches):
                     delta = layer.forward_fused(delta, x, cos, sin, batch, kv)

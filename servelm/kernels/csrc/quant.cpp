@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <torch/all.h>
+#include <torch/custom_class.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
@@ -537,22 +538,20 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 }
 
 
-// ---------------------------------------------------------------- one decoder layer, decode rows
+// ---------------------------------------------------------------- decoder layers, decode rows
 
-// A Llama-family decoder layer for M single-token (decode) rows whose four linear layers are
-// int4 / int8, in one C++ call and two parallel regions. Called from Python, the same work
-// is ~12 operator calls: each pays Python and dispatcher time, and each matmul opens its own
-// parallel region whose threads then stream a weight of 0.2-1 MB starting cold. Here the
-// threads split each matmul's tiles exactly as int4_linear / int8_linear would (so results
-// are bit-identical to theirs) and meet at a barrier between steps; while the calling thread
-// runs a serial step (a norm, the activation sums) the others prefetch the head of their
-// share of the next weight into L2. Norms, rotary + KV write, attention and SiLU are the
-// servelm_ops operators (called through the dispatcher), so they match the unfused path too;
-// rotary and attention run between the two regions, parallel as they are unfused.
-//
-// weights: per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] or int8
-// [qweight, scales]; group_sizes[i]: its int4 group size, 0 for int8. Returns the MLP output
-// (the next layer's delta); residual is updated in place (+= delta, + attention output).
+// A Llama-family model's decoder layers for M single-token (decode) rows, when all their
+// linear layers are int4 / int8: one C++ call per step (DecodeStack.run) and one parallel
+// region per layer. From Python the same work is ~12 operator calls per layer: each pays
+// Python and dispatcher time, and each matmul opens its own parallel region whose threads
+// then stream a weight of 0.2-1 MB starting cold. Here the threads split each matmul's tiles
+// exactly as int4_linear / int8_linear would (so results are bit-identical to theirs) and
+// meet at a barrier between steps; while the calling thread runs a serial step (a norm, the
+// activation sums) the others prefetch the head of their share of the next weight into L2.
+// Norms, rotary + KV write, attention and SiLU are the servelm_ops operators (called
+// through the dispatcher), so they match the per-op path too; rotary and attention run
+// between two regions, parallel as they are per-op. A layer's o_proj .. down_proj and the
+// next layer's norm + qkv_proj share one region.
 
 struct QLinear {
   int64_t G = 0;  // int4 group size; 0: int8
@@ -602,12 +601,12 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   L.G = G;
   L.N = N;
   L.K = K;
-  TORCH_CHECK(j + (G ? 3 : 2) <= w.size(), "decode_layer: too few weight tensors for ", name);
+  TORCH_CHECK(j + (G ? 3 : 2) <= w.size(), "DecodeStack: too few weight tensors for ", name);
   try {
     if (G) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
     else check_int8(w[j], w[j + 1], N, K);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "decode_layer ", name, ": ", e.what_without_backtrace());
+    TORCH_CHECK(false, "DecodeStack ", name, ": ", e.what_without_backtrace());
   }
   if (G) {
     L.qw = w[j].data_ptr<uint8_t>();
@@ -680,97 +679,167 @@ c10::TypedOperatorHandle<Sig> ops_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-at::Tensor decode_layer(const std::optional<at::Tensor>& delta, at::Tensor& residual,
-                        const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                        at::TensorList weights_in, at::IntArrayRef group_sizes,
-                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                        double scale) {
+// The servelm_ops operators the stack calls (through the dispatcher: they live in the other
+// extension, and this way they match the per-op path exactly).
+struct Ops {
   using T = at::Tensor;
-  static auto rms = ops_handle<T(const T&, const T&, double)>("servelm_ops::rms_norm");
-  static auto add_rms = ops_handle<T(const T&, T&, const T&, double)>("servelm_ops::fused_add_rms_norm");
-  static auto rotary = ops_handle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)>(
-      "servelm_ops::rotary_kv_write");
-  static auto attend = ops_handle<T(const T&, const T&, const T&, const T&, const T&, double)>(
-      "servelm_ops::paged_decode_attention");
-  static auto silu = ops_handle<T(const T&)>("servelm_ops::silu_and_mul");
-
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
-                  residual.device().is_cpu(),
-              "decode_layer: residual must be contiguous bfloat16 [M, hidden] on the CPU");
-  const int64_t M = residual.size(0), hidden = residual.size(1);
-  // Beyond this many rows the unfused kernels decode each weight tile once instead.
-  TORCH_CHECK(M >= 1 && M < kDecodeOnceRows8, "decode_layer takes 1 to ", kDecodeOnceRows8 - 1,
-              " rows, got ", M);
-  const int64_t D = k_cache.size(-1), qkv_n = (num_heads + 2 * num_kv_heads) * D;
-  TORCH_CHECK(group_sizes.size() == 4, "decode_layer: group_sizes needs 4 entries (qkv, o, gate_up, down)");
-  const std::vector<at::Tensor> w = weights_in.vec();
-  // gate_up's width is implied by its qweight: int4 tiles hold 8K bytes each, int8 16K.
-  size_t j = 0;
-  const QLinear qkv = parse_linear(w, j, group_sizes[0], qkv_n, hidden, "qkv_proj");
-  const QLinear o = parse_linear(w, j, group_sizes[1], hidden, num_heads * D, "o_proj");
-  TORCH_CHECK(j < w.size(), "decode_layer: too few weight tensors for gate_up_proj");
-  const int64_t gu_tiles = w[j].numel() / ((group_sizes[2] ? 8 : 16) * hidden);
-  const QLinear gu = parse_linear(w, j, group_sizes[2], 16 * gu_tiles, hidden, "gate_up_proj");
-  const int64_t inter = gu.N / 2;
-  const QLinear down = parse_linear(w, j, group_sizes[3], hidden, inter, "down_proj");
-  TORCH_CHECK(j == w.size(), "decode_layer: ", w.size() - j, " weight tensors left over");
-  std::vector<float> qkv_b;
-  QLinear qkv_l = qkv;
-  if (qkv_bias.has_value() && qkv_bias->defined()) {
-    TORCH_CHECK(qkv_bias->numel() == qkv_n, "decode_layer: qkv_bias must have ", qkv_n, " elements");
-    at::Tensor b = qkv_bias->to(at::kFloat).contiguous();
-    qkv_b.assign(b.data_ptr<float>(), b.data_ptr<float>() + qkv_n);
-    qkv_l.bias = qkv_b.data();
+  c10::TypedOperatorHandle<T(const T&, const T&, double)> rms =
+      ops_handle<T(const T&, const T&, double)>("servelm_ops::rms_norm");
+  c10::TypedOperatorHandle<T(const T&, T&, const T&, double)> add_rms =
+      ops_handle<T(const T&, T&, const T&, double)>("servelm_ops::fused_add_rms_norm");
+  c10::TypedOperatorHandle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)> rotary =
+      ops_handle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)>("servelm_ops::rotary_kv_write");
+  c10::TypedOperatorHandle<T(const T&, const T&, const T&, const T&, const T&, double)> attend =
+      ops_handle<T(const T&, const T&, const T&, const T&, const T&, double)>("servelm_ops::paged_decode_attention");
+  c10::TypedOperatorHandle<T(const T&)> silu = ops_handle<T(const T&)>("servelm_ops::silu_and_mul");
+  static const Ops& get() {
+    static const Ops ops;
+    return ops;
   }
-  if (delta.has_value() && delta->defined())
-    TORCH_CHECK(delta->sizes() == residual.sizes() && delta->scalar_type() == at::kBFloat16,
-                "decode_layer: delta must be bfloat16 shaped like residual");
-  TORCH_CHECK(block_tables.size(0) == M && context_lens.numel() == M && slot_mapping.numel() == M,
-              "decode_layer: block_tables, context_lens and slot_mapping need one row per token");
+};
 
-  const auto opts = residual.options();
-  at::Tensor qkv_out = at::empty({M, qkv_n}, opts);
-  at::Tensor o_out = at::empty({M, hidden}, opts);
-  at::Tensor gu_out = at::empty({M, gu.N}, opts);
-  at::Tensor out = at::empty({M, hidden}, opts);
-  at::Tensor h1, h2, act;
-  std::vector<float> xs1, xs2, xs3, xs4;
+struct StackLayer {
+  at::Tensor ln1, ln2, k_cache, v_cache;
+  QLinear qkv, o, gu, down;
+  std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
+};
 
-  // Before attention: norm, qkv.
-  team_region([&](Team& t) {
-    t.serial([&] {
-      h1 = delta.has_value() && delta->defined() ? add_rms.call(*delta, residual, ln1, eps)
-                                                 : rms.call(residual, ln1, eps);
-      qkv.sums(h1.data_ptr<c10::BFloat16>(), M, xs1);
-    }, qkv);
-    t.matmul(qkv_l, h1, xs1, qkv_out, M, nullptr);
-  });
-  // Rotary + KV write and attention outside the region, so they parallelise as they do
-  // unfused (over sequences, or over a long context's splits).
-  rotary.call(qkv_out, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
-  const at::Tensor attn = attend.call(qkv_out.narrow(1, 0, num_heads * D).view({M, num_heads, D}),
-                                      k_cache, v_cache, block_tables, context_lens, scale)
-                              .view({M, num_heads * D});
-  // After it: o, norm, gate_up, SiLU, down.
-  team_region([&](Team& t) {
-    t.serial([&] { o.sums(attn.data_ptr<c10::BFloat16>(), M, xs2); }, o);
-    t.matmul(o, attn, xs2, o_out, M, &gu);
-    t.serial([&] {
-      h2 = add_rms.call(o_out, residual, ln2, eps);
-      gu.sums(h2.data_ptr<c10::BFloat16>(), M, xs3);
-    }, gu);
-    t.matmul(gu, h2, xs3, gu_out, M, &down);
-    t.serial([&] {
-      act = silu.call(gu_out);
-      down.sums(act.data_ptr<c10::BFloat16>(), M, xs4);
-    }, down);
-    t.matmul(down, act, xs4, out, M, nullptr);
-  });
-  return out;
-}
+// The decoder layers of a model, bound once (weights, norms, KV cache views), run for a batch
+// of decode rows by one call per step. Python holds it as torch.classes.servelm_quant.DecodeStack.
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] or
+  // int8 [qweight, scales]; group_sizes: per layer and linear, the int4 group size or 0
+  // (int8); norms: per layer input and post-attention RMSNorm weights; qkv_biases: per
+  // layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
+  DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
+              std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
+              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double eps,
+              int64_t num_heads, int64_t num_kv_heads, double scale)
+      : keep_(std::move(weights)), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads), scale_(scale) {
+    const size_t L = norms.size() / 2;
+    TORCH_CHECK(L >= 1 && norms.size() == 2 * L && group_sizes.size() == 4 * L &&
+                    qkv_biases.size() == L && k_caches.size() == L && v_caches.size() == L,
+                "DecodeStack: per layer 2 norms, 4 group sizes, a qkv bias and K/V caches, got ",
+                norms.size(), " norms, ", group_sizes.size(), " group sizes, ", qkv_biases.size(),
+                " biases, ", k_caches.size(), "/", v_caches.size(), " caches");
+    Ops::get();  // fails here, not mid-step, when servelm_ops is not loaded
+    const int64_t hidden = norms[0].numel();
+    layers_.reserve(L);
+    size_t j = 0;
+    for (size_t l = 0; l < L; ++l) {
+      StackLayer s;
+      s.ln1 = norms[2 * l];
+      s.ln2 = norms[2 * l + 1];
+      s.k_cache = k_caches[l];
+      s.v_cache = v_caches[l];
+      for (const auto* t : {&s.ln1, &s.ln2})
+        TORCH_CHECK(t->dim() == 1 && t->numel() == hidden && t->is_contiguous() &&
+                        t->scalar_type() == at::kBFloat16,
+                    "DecodeStack: norm weights must be contiguous bfloat16 [", hidden, "]");
+      TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
+                      s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == num_kv_heads,
+                  "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
+      const int64_t D = s.k_cache.size(3), qkv_n = (num_heads + 2 * num_kv_heads) * D;
+      const int64_t* g = group_sizes.data() + 4 * l;
+      s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
+      s.o = parse_linear(keep_, j, g[1], hidden, num_heads * D, "o_proj");
+      // gate_up's width is implied by its qweight: int4 tiles hold 8K bytes each, int8 16K.
+      TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
+      const int64_t gu_tiles = keep_[j].numel() / ((g[2] ? 8 : 16) * hidden);
+      s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
+      s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
+      const at::Tensor& b = qkv_biases[l];
+      if (b.numel()) {
+        TORCH_CHECK(b.numel() == qkv_n, "DecodeStack: qkv bias must have ", qkv_n, " elements");
+        const at::Tensor bf = b.to(at::kFloat).contiguous();
+        s.qkv_bias.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + qkv_n);
+      }
+      layers_.push_back(std::move(s));
+      layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
+    }
+    TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // All layers for M decode rows: residual [M, hidden] (the embeddings) is updated in place
+  // and the last layer's MLP output returned (the model adds it before its final norm).
+  at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                 at::Tensor block_tables, at::Tensor context_lens) {
+    const Ops& ops = Ops::get();
+    TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
+                    residual.device().is_cpu() && residual.size(1) == layers_[0].ln1.numel(),
+                "DecodeStack: residual must be contiguous bfloat16 [M, ", layers_[0].ln1.numel(), "] on the CPU");
+    const int64_t M = residual.size(0), hidden = residual.size(1);
+    // Beyond this many rows the per-op kernels decode each weight tile once instead.
+    TORCH_CHECK(M >= 1 && M < kDecodeOnceRows8, "DecodeStack takes 1 to ", kDecodeOnceRows8 - 1,
+                " rows, got ", M);
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
+                    slot_mapping.numel() == M,
+                "DecodeStack: block_tables, context_lens and slot_mapping need one row per token");
+    const int64_t D = layers_[0].k_cache.size(3);
+    const auto opts = residual.options();
+    at::Tensor qkv_out, o_out, gu_out, out, h1, h2, act;
+    std::vector<float> xs1, xs2, xs3, xs4;
+
+    // Layer l's norm + qkv; its tail (o .. down) and the next layer's head share a region.
+    auto head = [&](Team& t, size_t l, const at::Tensor* delta) {
+      const StackLayer& s = layers_[l];
+      t.serial([&] {
+        h1 = delta ? ops.add_rms.call(*delta, residual, s.ln1, eps_) : ops.rms.call(residual, s.ln1, eps_);
+        s.qkv.sums(h1.data_ptr<c10::BFloat16>(), M, xs1);
+        qkv_out = at::empty({M, s.qkv.N}, opts);
+      }, s.qkv);
+      t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
+    };
+    at::Tensor attn;
+    auto tail = [&](Team& t, size_t l) {
+      const StackLayer& s = layers_[l];
+      t.serial([&] {
+        s.o.sums(attn.data_ptr<c10::BFloat16>(), M, xs2);
+        o_out = at::empty({M, hidden}, opts);
+      }, s.o);
+      t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
+      t.serial([&] {
+        h2 = ops.add_rms.call(o_out, residual, s.ln2, eps_);
+        s.gu.sums(h2.data_ptr<c10::BFloat16>(), M, xs3);
+        gu_out = at::empty({M, s.gu.N}, opts);
+      }, s.gu);
+      t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
+      t.serial([&] {
+        act = ops.silu.call(gu_out);
+        s.down.sums(act.data_ptr<c10::BFloat16>(), M, xs4);
+        out = at::empty({M, hidden}, opts);
+      }, s.down);
+      t.matmul(s.down, act, xs4, out, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+    };
+
+    team_region([&](Team& t) { head(t, 0, nullptr); });
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      StackLayer& s = layers_[l];
+      // Rotary + KV write and attention between the regions, so they parallelise as they do
+      // per-op (over sequences, or over a long context's splits).
+      ops.rotary.call(qkv_out, cos, sin, s.k_cache, s.v_cache, slot_mapping, heads_, kv_heads_);
+      attn = ops.attend.call(qkv_out.narrow(1, 0, heads_ * D).view({M, heads_, D}), s.k_cache,
+                             s.v_cache, block_tables, context_lens, scale_)
+                 .view({M, heads_ * D});
+      team_region([&](Team& t) {
+        tail(t, l);
+        if (l + 1 < layers_.size()) head(t, l + 1, &out);
+      });
+    }
+    return out;
+  }
+
+ private:
+  std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
+  std::vector<StackLayer> layers_;
+  double eps_;
+  int64_t heads_, kv_heads_;
+  double scale_;
+};
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_quant, m) {
@@ -778,16 +847,17 @@ TORCH_LIBRARY(servelm_quant, m) {
         "Tensor? bias=None) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
         "int out_features, Tensor? bias=None) -> Tensor");
-  m.def("decode_layer(Tensor? delta, Tensor(a!) residual, Tensor ln1, Tensor ln2, float eps, "
-        "Tensor[] weights, int[] group_sizes, Tensor? qkv_bias, Tensor cos, Tensor sin, "
-        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, int num_kv_heads, float scale) -> Tensor");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       double, int64_t, int64_t, double>())
+      .def("run", &DecodeStack::run)
+      .def("num_layers", &DecodeStack::num_layers);
 }
 
 TORCH_LIBRARY_IMPL(servelm_quant, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
-  m.impl("decode_layer", &decode_layer);
 }
 
 #endif  // AVX-512 BF16
