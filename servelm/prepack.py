@@ -86,11 +86,13 @@ def prepack_model(model: nn.Module) -> int:
 
 def finalize_linears(model: nn.Module, quantization: str | None) -> nn.Module:
     """The linear layers as the engine runs them, once the weights are loaded (and
-    sharded): quantised when asked (weight-only, any device), and every layer still a
-    plain `nn.Linear` prepacked for oneDNN where supported."""
+    sharded): quantised when asked (weight-only, any device; on the CPU packed into huge
+    pages in the order a step reads them), and every layer still a plain `nn.Linear`
+    prepacked for oneDNN where supported."""
     if quantization:
-        from servelm.quantization import quantize_model
+        from servelm.quantization import pack_weights, quantize_model
 
         quantize_model(model, quantization)
+        pack_weights(model)
     prepack_model(model)
     return model

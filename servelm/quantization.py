@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm import hugepages
 from servelm.kernels import load_ops
 
 METHODS = ("int8", "int4")
@@ -315,6 +316,19 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
         q = quantize_linear(child, m, group_size, symmetric)
         setattr(parent, name, q.to(child.weight.device))
     return model
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Move every CPU quantised layer's tensors into one region of 2 MB huge pages, in
+    module order (the order a step reads them): the weight stream then crosses ~40 pages a
+    step instead of ~19,000 (servelm.hugepages). Returns the bytes packed."""
+    fields = [(m, name) for m in model.modules() if isinstance(m, QuantLinear)
+              and m.qweight.device.type == "cpu"
+              for name in ("qweight", "scales", "mins", "bias") if getattr(m, name, None) is not None]
+    views = hugepages.pack([getattr(m, name) for m, name in fields])
+    for (m, name), v in zip(fields, views):
+        setattr(m, name, v)
+    return sum(v.numel() * v.element_size() for v in views)
 
 
 def quantized_bits_per_weight(method: str | None, group_size: int = DEFAULT_GROUP_SIZE,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from servelm import hugepages
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.layers import AttnGroup, ForwardBatch
@@ -28,9 +29,14 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
-        # One allocation; the cache holds only the KV heads (grouped-query attention).
-        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                                cfg.head_dim, dtype=dtype, device=device)
+        # One allocation; the cache holds only the KV heads (grouped-query attention). On
+        # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if torch.device(device).type == "cpu":
+            n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            self.data = hugepages.empty(n).view(dtype).view(shape).zero_()
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @staticmethod
@@ -77,17 +83,19 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         keys = [_bucket(seqs[i], block_size) for i in prompts]
         prompts = [prompts[j] for j in sorted(range(len(prompts)), key=keys.__getitem__)]
         keys.sort()
-    # Decodes: one token each, at position start_pos; metadata straight into numpy buffers.
-    lens = np.fromiter((seqs[i].start_pos + 1 for i in decodes), dtype=np.int32, count=nd)
-    input_ids = [seqs[i].token_ids[0] for i in decodes]
-    positions = (lens - 1).tolist()
-    max_blocks = (int(lens.max()) + block_size - 1) // block_size if nd else 0
-    tables = np.zeros((nd, max_blocks), dtype=np.int32)
+    # Decodes: one token each, at position start_pos; block tables padded with block 0 into
+    # one flat list (plain lists: a one-stream step builds this in a few microseconds).
+    dec = [seqs[i] for i in decodes]
+    lens = [s.start_pos + 1 for s in dec]
+    input_ids = [s.token_ids[0] for s in dec]
+    positions = [s.start_pos for s in dec]
+    max_blocks = (max(lens) + block_size - 1) // block_size if nd else 0
+    tables: list[int] = []
     slots = []
-    for r, i in enumerate(decodes):
-        s = seqs[i]
+    for s in dec:
         nb = (s.start_pos + block_size) // block_size
-        tables[r, :nb] = s.block_table[:nb]
+        tables += s.block_table[:nb]
+        tables += [0] * (max_blocks - nb)
         slots.append(s.block_table[s.start_pos // block_size] * block_size
                      + s.start_pos % block_size)
     logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample]
@@ -97,8 +105,8 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
 
     batch = ForwardBatch(
         **flat.tensors(device), groups=groups, kernels=True, num_decodes=nd,
-        decode_block_tables=torch.from_numpy(tables).to(device),
-        decode_context_lens=torch.from_numpy(lens).to(device))
+        decode_block_tables=torch.tensor(tables, dtype=torch.int32, device=device).view(nd, max_blocks),
+        decode_context_lens=torch.tensor(lens, dtype=torch.int32, device=device))
     return batch, sampled
 
 
@@ -114,12 +122,12 @@ class _FlatTokens:
         self.sampled: list[int] = sampled if sampled is not None else []
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """ForwardBatch's per-token fields."""
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
-
-        return {"input_ids": t(self.input_ids), "positions": t(self.positions),
-                "slot_mapping": t(self.slots), "logits_indices": t(self.logits_indices)}
+        """ForwardBatch's per-token fields: views of one tensor (one copy to the device)."""
+        n = len(self.input_ids)
+        t = torch.tensor(self.input_ids + self.positions + self.slots + self.logits_indices,
+                         dtype=torch.long, device=device)
+        return {"input_ids": t[:n], "positions": t[n:2 * n], "slot_mapping": t[2 * n:3 * n],
+                "logits_indices": t[3 * n:]}
 
     def add_grouped(self, seqs: list[SeqInput], order: list[int], keys: list, start: int,
                     block_size: int, g: int, device: torch.device) -> list[AttnGroup]:

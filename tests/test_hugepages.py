@@ -1,0 +1,100 @@
+"""servelm.hugepages: tensors packed into one 2 MB-aligned region of transparent huge pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from servelm import hugepages
+from servelm import quantization as Q
+from servelm.engine.model_runner import KVCache
+from servelm.models.config import ModelConfig
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_allowed() -> bool:
+    return THP.exists() and "[never]" not in THP.read_text()
+
+
+def _anon_huge_kb(ptr: int) -> int:
+    """AnonHugePages of the mapping holding address ptr (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_empty_is_aligned_writable_and_sized():
+    t = hugepages.empty(3 * hugepages.HUGE_PAGE + 5)
+    assert t.dtype == torch.uint8 and t.numel() == 3 * hugepages.HUGE_PAGE + 5
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t.fill_(7)
+    assert int(t.sum()) == 7 * t.numel()
+    assert hugepages.empty(0).numel() == 0
+
+
+@pytest.mark.skipif(not _thp_allowed(), reason="transparent huge pages disabled here")
+def test_empty_gets_huge_pages_where_the_kernel_allows(monkeypatch):
+    t = hugepages.empty(8 * hugepages.HUGE_PAGE)
+    t.fill_(1)  # fault the pages in
+    assert _anon_huge_kb(t.data_ptr()) >= 2048
+    monkeypatch.setenv("SERVELM_NO_HUGEPAGES", "1")
+    p = hugepages.empty(8 * hugepages.HUGE_PAGE)
+    p.fill_(1)
+    assert _anon_huge_kb(p.data_ptr()) == 0
+
+
+def test_pack_keeps_values_in_one_region_in_order():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 255, (1000, 3), generator=g, dtype=torch.uint8),
+          torch.randn(17, generator=g).half(), torch.randn(5, 7, generator=g),
+          torch.empty(0), torch.randn(4, 4, generator=g).bfloat16().t()]  # non-contiguous
+    packed = hugepages.pack(ts)
+    for t, p in zip(ts, packed):
+        assert p.dtype == t.dtype and p.shape == t.shape and p.is_contiguous()
+        assert torch.equal(p, t)
+    ptrs = [p.data_ptr() for p in packed if p.numel()]
+    assert ptrs == sorted(ptrs) and all(x % 64 == 0 for x in ptrs)
+    assert ptrs[-1] - ptrs[0] < 64 << 10  # one region, back to back
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
+
+
+def test_pack_weights_moves_quantised_layers_without_changing_results():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"qkv_proj": nn.Linear(64, 96), "o_proj": nn.Linear(96, 64, bias=False),
+                           "down_proj": nn.Linear(64, 32)})
+    Q.quantize_model(model, "int4", targets=("qkv_proj", "down_proj"))
+    Q.quantize_model(model, "int8", targets=("o_proj",))
+    x = torch.randn(3, 64)
+    xo = torch.randn(2, 96)
+    ref = [model["qkv_proj"](x), model["o_proj"](xo), model["down_proj"](x)]
+    assert Q.pack_weights(model) > 0
+    got = [model["qkv_proj"](x), model["o_proj"](xo), model["down_proj"](x)]
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    storages = {t.untyped_storage().data_ptr() for m in model.values()
+                for t in (m.qweight, m.scales)}
+    assert len(storages) == 1
+    order = [model[k].qweight.data_ptr() for k in ("qkv_proj", "o_proj", "down_proj")]
+    assert order == sorted(order)  # module order, the order a step reads them
+
+
+def test_kv_cache_on_the_cpu_is_zeroed_and_shaped():
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=32,
+                      intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    kv = KVCache(cfg, num_blocks=40, block_size=16, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert kv.data.shape == (3, 2, 40, 16, 2, 8) and kv.data.dtype == torch.bfloat16
+    assert kv.data.is_contiguous() and not kv.data.any()
+    k0, v0 = kv.layers[0]
+    k0[1, 2] = 1.0
+    assert kv.data[0, 0, 1, 2].eq(1).all() and kv.data.sum() == 2 * 8
