@@ -63,6 +63,25 @@ def test_greedy_is_argmax_and_uses_no_randomness(sampler):
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
+@pytest.mark.parametrize("kw,expected", [
+    ({}, EOS), ({"logprobs": 0}, EOS), ({"repetition_penalty": 1.5}, 9),
+    ({"frequency_penalty": 1.5}, 9), ({"presence_penalty": 1.5}, 9),
+    ({"min_tokens": 3}, 3), ({"min_tokens": 2}, EOS)])  # two outputs: past min_tokens 2
+def test_greedy_argmax_shortcut_only_where_nothing_else_applies(sampler, kw, expected):
+    # Plain greedy rows take a one-op argmax; every option that changes the choice (or asks
+    # for logprobs) must still go through the pipeline.
+    logits = torch.zeros(3, 16)
+    logits[:, EOS] = 5.0
+    logits[:, 3] = 4.0
+    logits[:, 9] = 3.9
+    rows = [row(prompt=[3], output=[3, EOS], temperature=0.0, **kw) for _ in range(2)]
+    out = sampler(logits[:2], rows)
+    assert out.token_ids == [expected, expected]
+    full = sampler(logits, rows + [row(temperature=1.0, top_k=1)])  # forces the pipeline
+    assert out.token_ids == full.token_ids[:2] and out.logprobs == full.logprobs[:2]
+    assert (out.logprobs[0] is not None) == ("logprobs" in kw)
+
+
 def test_greedy_ignores_sampling_filters(sampler):
     logits = torch.randn(3, 16)
     out = sampler(logits, [row(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9, seed=5)] * 3)

@@ -53,6 +53,15 @@ class SamplerRow(Protocol):
     generator: torch.Generator | None  # set when sampling_params.seed is not None
 
 
+def _argmax_only(row: SamplerRow) -> bool:
+    """Whether the whole pipeline reduces to an argmax for this row: greedy, no penalty,
+    no logprobs, and past min_tokens (so no token is banned)."""
+    p = row.sampling_params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and len(row.output_token_ids) >= p.min_tokens)
+
+
 class Sampler:
     """Chooses the next token for every row of a batch of logits."""
 
@@ -71,6 +80,9 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.float()
+        if all(_argmax_only(row) for row in rows):  # the common greedy step: one op
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(),
+                                 logprobs=[None] * len(rows))
         params = [row.sampling_params for row in rows]
 
         # Reported logprobs come from the model's own distribution, before any
