@@ -163,6 +163,40 @@ def test_fp32_chunked_prefill_mixed_steps_match_eager(gguf_path):
     assert got == want
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_sampled_only_forward_is_the_full_forward_at_the_sampled_rows(llm, kernels):
+    # A decode, a prompt whose last token samples and a chunk that does not: the last layer
+    # runs o_proj and the MLP for the two sampled rows only; every token's K/V is written.
+    runner, bm = _runner(llm), llm.engine.block_manager
+    if kernels and not runner.use_kernels:
+        pytest.skip("engine runs without kernels")
+    owners = ["so-a", "so-b", "so-c"]
+    for o, n in zip(owners, (31, 20, 40)):
+        bm.allocate(o, n)
+    try:
+        seqs = [SeqInput([11], 30, bm.block_table("so-a")),
+                SeqInput(list(range(300, 320)), 0, bm.block_table("so-b")),
+                SeqInput(list(range(500, 540)), 0, bm.block_table("so-c"), sample=False)]
+        batch, sampled = build_forward_batch(seqs, runner.kv_cache.block_size,
+                                             runner.num_queries_per_kv, runner.device,
+                                             kernels=kernels)
+        assert sampled == [0, 1]
+        kv = runner.kv_cache
+        ours = torch.tensor([b for o in owners for b in bm.block_table(o)])
+        with torch.inference_mode():
+            kv.data[:, :, ours] = 0
+            full = llm.engine.model(batch, kv.layers)
+            kv_full = kv.data[:, :, ours].clone()
+            kv.data[:, :, ours] = 0
+            part = llm.engine.model(batch, kv.layers, sampled_only=True)
+        assert part.shape == (2, full.shape[1]) and full.shape[0] == 61
+        torch.testing.assert_close(part, full[batch.logits_indices], rtol=1e-4, atol=1e-4)
+        assert torch.equal(kv.data[:, :, ours], kv_full) and kv_full.any()
+    finally:
+        for o in owners:
+            bm.free(o)
+
+
 # ---- prompt (prefill) attention: the flash-style op over the block tables ----------------------
 
 def _prefill_setup(specs, kvh, g, d, bs, dtype, seed=0):

@@ -14,7 +14,7 @@ from torch import nn
 from servelm import quantization as Q
 from servelm.config import EngineConfig
 from servelm.sampling_params import SamplingParams
-from helpers import prompt_logits
+from servelm.engine.model_runner import SeqInput, build_forward_batch
 
 TEXT = (Path(__file__).parent / "data" / "prose.txt").read_text()
 
@@ -215,16 +215,21 @@ def quant_llms():
 
 
 def all_logits(engine, ids: list[int]) -> torch.Tensor:
-    """fp32 logits at every position of one prompt: the model's final hidden states,
-    captured while the runner computes the prompt, through the LM head."""
-    got = []
-    h = engine.model.register_forward_hook(lambda mod, inp, out: got.append(out))
+    """fp32 logits at every position of one prompt: the runner's batch for it, through the
+    model with every position's hidden state kept, then the LM head."""
+    bm, runner = engine.block_manager, engine.runner
+    bm.allocate("all-logits", len(ids))
     try:
-        prompt_logits(engine, [ids])
+        seq = SeqInput(ids, 0, bm.block_table("all-logits"), True)
+        batch, _ = build_forward_batch([seq], runner.kv_cache.block_size,
+                                       runner.num_queries_per_kv, runner.device,
+                                       kernels=runner.use_kernels)
+        with torch.inference_mode():
+            hidden = engine.model(batch, runner.kv_cache.layers)
+            assert hidden.shape[0] == len(ids)
+            return engine.model.compute_logits(hidden).float()
     finally:
-        h.remove()
-    with torch.inference_mode():
-        return engine.model.compute_logits(got[-1]).float()
+        bm.free("all-logits")
 
 
 def quality(llm, quant_llms):

@@ -221,7 +221,8 @@ class ModelRunner:
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
                                              kernels=self.use_kernels)
-        hidden = self.model(batch, self.kv_cache.layers)
-        # Only the rows that sample go through the LM head: no logits for prompt positions.
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # Only the rows that sample go through the last layer's o_proj and MLP and the LM
+        # head: no logits (or final hidden states) for prompt positions.
+        hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
+        logits = self.model.compute_logits(hidden)
         return logits, sampled

@@ -247,9 +247,12 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's K/V is written; with rows, only those tokens' outputs are computed
+        past attention (o_proj) and returned."""
         if batch.kernels:
-            return self._forward_kernels(x, cos, sin, batch, kv_cache)
+            return self._forward_kernels(x, cos, sin, batch, kv_cache, rows)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
@@ -265,9 +268,10 @@ class Attention(nn.Module):
         else:
             out = torch.cat([paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
                              for g in batch.groups])
-        return self.o_proj(out)
+        return self.o_proj(out if rows is None else out[rows])
 
-    def _forward_kernels(self, x, cos, sin, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+    def _forward_kernels(self, x, cos, sin, batch: ForwardBatch, kv_cache, rows=None
+                         ) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
         ops = _ops()
         qkv = self.qkv_proj(x)
@@ -291,7 +295,7 @@ class Attention(nn.Module):
                  paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
                  for g in batch.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.o_proj(out)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class GatedMLP(nn.Module):

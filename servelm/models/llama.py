@@ -28,20 +28,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, batch, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+    def forward(self, x, cos, sin, batch, kv_cache, rows=None):
+        """rows: only these flat tokens continue past attention (the last layer, when only
+        the sampled tokens' hidden states are wanted); every token's K/V is still written."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache, rows=rows)
+        x = (x if rows is None else x[rows]) + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, delta, residual, cos, sin, batch, kv_cache):
+    def forward_fused(self, delta, residual, cos, sin, batch, kv_cache, rows=None):
         """Kernel path: residual += delta (the previous layer's MLP output, None for the first
-        layer) fused into the norms; returns this layer's MLP output and updates residual."""
+        layer) fused into the norms; returns (this layer's MLP output, residual), residual
+        updated in place (or, with rows as in forward, its rows taken first)."""
         if delta is None:
             h = self.input_layernorm(residual, kernels=True)
         else:
             h = self.input_layernorm.add_forward(delta, residual, kernels=True)
-        a = self.self_attn(h, cos, sin, batch, kv_cache)
+        a = self.self_attn(h, cos, sin, batch, kv_cache, rows=rows)
+        if rows is not None:
+            residual = residual[rows]
         h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
-        return self.mlp(h, kernels=True)
+        return self.mlp(h, kernels=True), residual
 
     def decode_stack_args(self) -> tuple | None:
         """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
@@ -103,25 +109,32 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True
         return True
 
-    def forward(self, batch: ForwardBatch,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden] of all scheduled tokens."""
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                sampled_only: bool = False) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] of all scheduled tokens, or with
+        sampled_only those of batch.logits_indices [S, hidden]: then the last layer's o_proj
+        and MLP run for those rows only (prompt positions whose logits nobody reads skip
+        1/num_layers of the prompt's matmuls)."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        n, last = x.shape[0], len(self.layers) - 1
+        rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
         if batch.kernels:
             # The residual stream is updated in place by the fused add + RMSNorm kernels.
             delta = None
-            n = x.shape[0]
             if (self.fused_decode and batch.num_decodes == n < DECODE_LAYER_MAX_ROWS
                     and kv_caches is self._decode_kv):
                 delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
                                                batch.decode_block_tables, batch.decode_context_lens)
+                if rows is not None:
+                    delta, x = delta[rows], x[rows]
             else:
-                for layer, kv in zip(self.layers, kv_caches):
-                    delta = layer.forward_fused(delta, x, cos, sin, batch, kv)
+                for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                    delta, x = layer.forward_fused(delta, x, cos, sin, batch, kv,
+                                                   rows=rows if i == last else None)
             return self.norm.add_forward(delta, x, kernels=True)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, batch, kv)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, cos, sin, batch, kv, rows=rows if i == last else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
