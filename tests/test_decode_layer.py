@@ -15,12 +15,13 @@ from servelm import quantization as Q
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
-from servelm.models.llama import DECODE_LAYER_MAX_ROWS, LlamaForCausalLM
+from servelm.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
 
 BS = 16  # KV block size
+MAX_ROWS = {"int4": 47, "int8": 23, "mixed": 23}  # below the per-op decode-once thresholds
 
 
 def _config(**kw) -> ModelConfig:
@@ -87,12 +88,13 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("lens", [[1], [37], [300], [5, 300, 17], [3] * 7 + [90] * 6,
-                                  list(range(1, 4 * DECODE_LAYER_MAX_ROWS, 4))[:23]])
+@pytest.mark.parametrize("lens", [[1], [37], [300], [5, 300, 17], [3] * 7 + [90] * 6, "max"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     cfg = _config(num_layers=layers)
     model = _model(cfg, FORMATS[fmt])
+    if lens == "max":  # as many rows as the stack takes, contexts 1 .. 185
+        lens = list(range(1, 4 * MAX_ROWS[fmt], 4))
     batch, data, caches = _setup(cfg, lens)
     before = data.clone()
     (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
@@ -119,13 +121,17 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     assert not _model(cfg, {"qkv_proj": "int4", "o_proj": "int4"}).bind_decode_layers(caches)
     model = _model(cfg, FORMATS["mixed"])
     assert model.bind_decode_layers(caches) and model.fused_decode
+    assert model._decode_stack.max_rows() == MAX_ROWS["mixed"]
+    model = _model(cfg, FORMATS["int4"])
+    assert model.bind_decode_layers(caches) and model._decode_stack.max_rows() == 47
     assert not model.float().bind_decode_layers(caches)  # fp32 activations: per-op path
 
 
 def test_decode_stack_rejects_bad_arguments():
     cfg = _config(num_layers=2)
     model = _model(cfg, FORMATS["int4"])
-    batch, data, caches = _setup(cfg, [20] * DECODE_LAYER_MAX_ROWS)
+    rows = MAX_ROWS["int4"] + 1
+    batch, data, caches = _setup(cfg, [20] * rows)
     parts = [layer.decode_stack_args() for layer in model.layers]
     attn = model.layers[0].self_attn
 
@@ -150,11 +156,11 @@ def test_decode_stack_rejects_bad_arguments():
         stack(norms=[t.float() for p in parts for t in p[2]])
     s = stack()
     assert s.num_layers() == 2
-    x = torch.randn(DECODE_LAYER_MAX_ROWS, cfg.hidden_size).bfloat16()
-    cos = sin = torch.ones(DECODE_LAYER_MAX_ROWS, cfg.head_dim).bfloat16()
+    x = torch.randn(rows, cfg.hidden_size).bfloat16()
+    cos = sin = torch.ones(rows, cfg.head_dim).bfloat16()
     args = (batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens)
     with torch.inference_mode():
-        with pytest.raises(RuntimeError, match="DecodeStack takes 1 to 23 rows, got 24"):
+        with pytest.raises(RuntimeError, match="DecodeStack takes 1 to 47 rows, got 48"):
             s.run(x, cos, sin, *args)
         with pytest.raises(RuntimeError, match="residual must be contiguous bfloat16"):
             s.run(x[:2].float(), cos[:2], sin[:2], *(a[:2] for a in args))

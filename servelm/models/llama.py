@@ -13,12 +13,6 @@ from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, ForwardBatch, GatedMLP, RMSNorm, RotaryEmbedding
 
 
-# servelm_quant.DecodeStack serves batches below this many decode rows: from 24 rows on,
-# int8_linear (48 for int4) decodes each weight tile once rather than streaming it, and the
-# per-op path keeps that.
-DECODE_LAYER_MAX_ROWS = 24
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -82,12 +76,13 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = False  # set by bind_decode_layers
-        self._decode_stack, self._decode_kv = None, None
+        self._decode_stack, self._decode_kv, self._decode_max_rows = None, None, 0
 
     def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
         decoder layer and its KV cache into one `servelm_quant.DecodeStack`, which then runs
-        decode-only bf16 batches of fewer than DECODE_LAYER_MAX_ROWS rows in one C++ call per
+        decode-only bf16 batches of up to its max_rows() (47 rows with int4 layers, 23 with
+        any int8 one: where the per-op kernels stream the weights too) in one C++ call per
         step, bit-identical to the per-op path. Only when every layer's linear layers are
         int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never (the per-op kernel path,
         for side-by-side runs)."""
@@ -106,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
             [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
             attn.num_heads, attn.num_kv_heads, attn.scale)
         self._decode_kv = kv_caches
+        self._decode_max_rows = self._decode_stack.max_rows()
         self.fused_decode = True
         return True
 
@@ -122,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.kernels:
             # The residual stream is updated in place by the fused add + RMSNorm kernels.
             delta = None
-            if (self.fused_decode and batch.num_decodes == n < DECODE_LAYER_MAX_ROWS
+            if (self.fused_decode and batch.num_decodes == n <= self._decode_max_rows
                     and kv_caches is self._decode_kv):
                 delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
                                                batch.decode_block_tables, batch.decode_context_lens)

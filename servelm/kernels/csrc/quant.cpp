@@ -782,9 +782,15 @@ class DecodeStack : public torch::CustomClassHolder {
       layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
+    for (const int64_t g : group_sizes)
+      max_rows_ = std::min(max_rows_, (g ? kDecodeOnceRows4 : kDecodeOnceRows8) - 1);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // The most rows it takes: from kDecodeOnceRows4 (int4) or kDecodeOnceRows8 (int8) rows on,
+  // int4_linear / int8_linear decode each weight tile once rather than stream it, and that
+  // path (faster there, and differently rounded) stays theirs.
+  int64_t max_rows() const { return max_rows_; }
 
   // All layers for M decode rows: residual [M, hidden] (the embeddings) is updated in place
   // and the last layer's MLP output returned (the model adds it before its final norm).
@@ -795,9 +801,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     residual.device().is_cpu() && residual.size(1) == layers_[0].ln1.numel(),
                 "DecodeStack: residual must be contiguous bfloat16 [M, ", layers_[0].ln1.numel(), "] on the CPU");
     const int64_t M = residual.size(0), hidden = residual.size(1);
-    // Beyond this many rows the per-op kernels decode each weight tile once instead.
-    TORCH_CHECK(M >= 1 && M < kDecodeOnceRows8, "DecodeStack takes 1 to ", kDecodeOnceRows8 - 1,
-                " rows, got ", M);
+    TORCH_CHECK(M >= 1 && M <= max_rows_, "DecodeStack takes 1 to ", max_rows_, " rows, got ", M);
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
                     slot_mapping.numel() == M,
                 "DecodeStack: block_tables, context_lens and slot_mapping need one row per token");
@@ -859,6 +863,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
   double eps_;
+  int64_t max_rows_ = kDecodeOnceRows4 - 1;
   int64_t heads_, kv_heads_;
   double scale_;
 };
@@ -875,7 +880,8 @@ TORCH_LIBRARY(servelm_quant, m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        double, int64_t, int64_t, double>())
       .def("run", &DecodeStack::run)
-      .def("num_layers", &DecodeStack::num_layers);
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("max_rows", &DecodeStack::max_rows);
 }
 
 TORCH_LIBRARY_IMPL(servelm_quant, CPU, m) {
