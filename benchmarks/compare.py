@@ -29,6 +29,11 @@ import torch
 
 from servelm.models.loader import default_model_path
 
+# "<fmt>/<variant>" runs the format with one optimisation switched off, for side-by-side
+# figures: the switch each variant sets while the engine loads.
+VARIANTS = {"unpacked": "SERVELM_NO_PREPACK",          # oneDNN weight prepacking
+            "unfused": "SERVELM_NO_FUSED_DECODE",      # the int4/int8 DecodeStack
+            "smallpages": "SERVELM_NO_HUGEPAGES"}      # huge pages for weights and KV cache
 PROMPT_LEN = 512
 GEN = 128
 BATCH = 64
@@ -40,16 +45,21 @@ def _prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def bench_servelm(fmt: str, repeats: int) -> dict:
-    """fmt: a dtype or quantisation; "<fmt>/unpacked": the same without oneDNN prepacking."""
+    """fmt: a dtype or quantisation; "<fmt>/<variant>": the same with one optimisation off
+    (VARIANTS)."""
     from servelm import LLM, SamplingParams
 
     base, _, variant = fmt.partition("/")
-    if variant not in ("", "unpacked"):
-        raise SystemExit(f"unknown format variant {variant!r} in {fmt!r} (only /unpacked)")
+    if variant and variant not in VARIANTS:
+        raise SystemExit(f"unknown format variant {variant!r} in {fmt!r} "
+                         f"(one of {', '.join(VARIANTS)})")
     dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
     kw = {"quantization": quant} if quant else {}
     # The switch is read while the engine loads; the environment is restored afterwards.
-    with mock.patch.dict(os.environ, {"SERVELM_NO_PREPACK": "1" if variant else "0"}):
+    env = dict.fromkeys(VARIANTS.values(), "0")
+    if variant:
+        env[VARIANTS[variant]] = "1"
+    with mock.patch.dict(os.environ, env):
         llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
     one = SamplingParams(temperature=0, max_tokens=1)
     gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
@@ -130,8 +140,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bfloat16,float32,int8,int4",
-                    help="servelm weight formats to run (dtype or quantisation; "
-                         "FMT/unpacked: without oneDNN weight prepacking)")
+                    help="servelm weight formats to run (dtype or quantisation; FMT/unpacked, "
+                         "FMT/unfused, FMT/smallpages: with that optimisation off)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
