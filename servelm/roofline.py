@@ -35,6 +35,7 @@ class ModelShape:
     vocab_size: int | None = None
     tied_embeddings: bool = False
     kv_bits: float = 16
+    intermediate_size: int | None = None
 
     @property
     def weight_bytes_per_step(self) -> float:
@@ -69,18 +70,31 @@ class ModelShape:
         prompt needs it only for its last position: the others' logits are never used."""
         return 2.0 * self.vocab_size * self.hidden_size if self.vocab_size and self.hidden_size else 0.0
 
+    @property
+    def sampled_row_flops(self) -> float:
+        """FLOPs of one row that a prompt spends on its sampled rows only: the LM head and,
+        past attention, the last layer's o_proj and MLP (servelm computes them only for the
+        rows whose logits are read; 0 for the layer when its sizes are unknown)."""
+        tail = 0.0
+        if None not in (self.num_heads, self.head_dim, self.hidden_size, self.intermediate_size):
+            tail = 2.0 * (self.num_heads * self.head_dim * self.hidden_size
+                          + 3 * self.hidden_size * self.intermediate_size)
+        return self.lm_head_flops + tail
+
     def prefill_flops(self, num_tokens: int, context: float, sampled_rows: int = 1) -> float:
         """Matmul FLOPs of a prompt chunk: every token through the layers (attention over
-        `context` tokens on average), only `sampled_rows` of them through the LM head."""
-        return num_tokens * (self.flops_per_token(context) - self.lm_head_flops) \
-            + sampled_rows * self.lm_head_flops
+        `context` tokens on average), only `sampled_rows` of them through the LM head and
+        the last layer past attention."""
+        return num_tokens * (self.flops_per_token(context) - self.sampled_row_flops) \
+            + sampled_rows * self.sampled_row_flops
 
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float) -> "ModelShape":
         return cls(num_params=cfg.num_params, weight_bits=weight_bits, num_layers=cfg.num_layers,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_heads=cfg.num_heads,
                    hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                   tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits)
+                   tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
+                   intermediate_size=cfg.intermediate_size)
 
 
 @dataclass(frozen=True)
@@ -96,8 +110,8 @@ class Prediction:
 
 def predict_prefill(m: ModelShape, hw: Hardware, prompt_len: int) -> Prediction:
     """Time to first token for one prompt: all its tokens in one pass, weights read once,
-    the LM head for the last position only. Attention FLOPs use the causal average context
-    (prompt_len / 2)."""
+    the LM head (and the last layer past attention) for the last position only. Attention
+    FLOPs use the causal average context (prompt_len / 2)."""
     flops = m.prefill_flops(prompt_len, context=prompt_len // 2)
     mem = m.weight_bytes_per_step + prompt_len * (m.kv_bytes_per_token or 0)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,

@@ -252,15 +252,17 @@ def test_roofline_prediction_textbook_case():
     # 8 prefills of 14 ms plus 100 steps of 7 ms for 800 tokens.
     assert p["output_throughput"] == pytest.approx(800 / (8 * 14e-3 + 100 * 7e-3))
     assert RooflineModel.from_metrics({"servelm_roofline_weight_bytes_per_step": 1}) is None
-    # With the LM head's share given (1 of the 14 GFLOP), a prompt pays it once.
+    # With the sampled rows' share given (1 of the 14 GFLOP), a prompt pays it once.
     h = RooflineModel(weight_bytes=14e9, kv_bytes_per_token=0.0, flops_per_token=14e9,
                       attn_flops_per_context=0.0, bandwidth=2e12, peak_flops=1e15,
-                      lm_head_flops=1e9)
+                      sampled_row_flops=1e9)
     assert h.prefill_seconds(1000) == pytest.approx((1000 * 13e9 + 1e9) / 1e15)
     assert h.decode_step_seconds(1024, 100) == m.decode_step_seconds(1024, 100)
     scraped = {**ROOFLINE_METRICS, "servelm_roofline_lm_head_flops_per_token": 5e8}
-    assert RooflineModel.from_metrics(scraped).lm_head_flops == 5e8
-    assert RooflineModel.from_metrics(ROOFLINE_METRICS).lm_head_flops == 0.0  # older servers
+    assert RooflineModel.from_metrics(scraped).sampled_row_flops == 5e8  # LM head only
+    scraped["servelm_roofline_sampled_row_flops_per_token"] = 7e8
+    assert RooflineModel.from_metrics(scraped).sampled_row_flops == 7e8
+    assert RooflineModel.from_metrics(ROOFLINE_METRICS).sampled_row_flops == 0.0  # older servers
 
 
 def test_poisson_sends_all_requests(fake, tmp_path):

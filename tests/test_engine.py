@@ -266,10 +266,10 @@ def test_step_accounting_against_the_roofline_model(llm):
     decode_bytes = sum(shape.weight_bytes_per_step + (p + i) * shape.kv_bytes_per_token
                        for i in range(1, 5))  # four decode steps, context p+1 .. p+4
     assert st.decode_bytes - before[0] == pytest.approx(decode_bytes)
-    # The LM head runs for the prompt's last position only.
-    head = 2 * 49152 * 576
-    assert shape.lm_head_flops == head
-    want = p * (shape.flops_per_token(p // 2) - head) + head
+    # The LM head and the last layer past attention run for the prompt's last position only.
+    tail = 2 * 49152 * 576 + 2 * (576 * 576 + 3 * 576 * 1536)
+    assert shape.sampled_row_flops == tail
+    want = p * (shape.flops_per_token(p // 2) - tail) + tail
     assert st.prefill_flops - before[1] == pytest.approx(want)
     assert st.decode_seconds > before[2] and st.prefill_seconds > before[3]
     assert st.decode_bandwidth > 0 and st.prefill_flops_rate > 0

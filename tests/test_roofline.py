@@ -48,18 +48,23 @@ def test_phases_are_labelled_by_what_limits_them():
         .seconds / 4)
 
 
-def test_prefill_charges_the_lm_head_once(gguf_path):
-    # 512 prompt tokens go through every layer; only the last one through the LM head.
+def test_prefill_charges_the_lm_head_and_last_layer_tail_once(gguf_path):
+    # 512 prompt tokens go through every layer up to the last one's attention; only the last
+    # token through the last layer's o_proj and MLP and the LM head.
     cfg = open_checkpoint(gguf_path).config()
     m = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
     head = 2 * 49152 * 576
-    assert m.lm_head_flops == head
-    assert m.prefill_flops(512, 256) == pytest.approx(512 * m.flops_per_token(256) - 511 * head)
+    tail = 2 * (576 * 576 + 3 * 576 * 1536)  # o_proj, gate/up/down
+    assert m.lm_head_flops == head and m.sampled_row_flops == head + tail
+    assert m.prefill_flops(512, 256) == pytest.approx(
+        512 * m.flops_per_token(256) - 511 * (head + tail))
     assert m.prefill_flops(32, 100, sampled_rows=0) == pytest.approx(
-        32 * (m.flops_per_token(100) - head))
+        32 * (m.flops_per_token(100) - head - tail))
     p = rl.predict_prefill(m, CPU, 512)
     assert p.compute_seconds == pytest.approx(m.prefill_flops(512, 256) / CPU.flops)
     assert rl.ModelShape(num_params=10, weight_bits=16).lm_head_flops == 0  # shape unknown
+    assert rl.ModelShape(num_params=10, weight_bits=16, vocab_size=8,
+                         hidden_size=4).sampled_row_flops == 64  # layer sizes unknown: the head
 
 
 def test_max_batch_from_the_kv_pool():

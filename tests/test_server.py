@@ -409,6 +409,8 @@ def test_metrics_report_utilisation_against_the_roofline(server, client):
     assert m["servelm_roofline_flops_per_token"] == pytest.approx(2 * 134.5e6, rel=0.02)
     assert m["servelm_roofline_attention_flops_per_token_context"] == 4 * 30 * 9 * 64
     assert m["servelm_roofline_lm_head_flops_per_token"] == 2 * 49152 * 576
+    assert m["servelm_roofline_sampled_row_flops_per_token"] == \
+        2 * 49152 * 576 + 2 * (576 * 576 + 3 * 576 * 1536)
 
 
 def test_bench_reports_the_servers_utilisation(server, tmp_path):

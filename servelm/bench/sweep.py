@@ -29,7 +29,9 @@ class RooflineModel:
     attn_flops_per_context: float  # per token per earlier token attended
     bandwidth: float             # bytes/s
     peak_flops: float            # FLOP/s
-    lm_head_flops: float = 0.0   # within flops_per_token; a prompt needs it once
+    # Within flops_per_token, what a prompt runs for its last position only (the LM head,
+    # the last layer past attention).
+    sampled_row_flops: float = 0.0
 
     @classmethod
     def from_metrics(cls, m: dict[str, float] | None) -> "RooflineModel | None":
@@ -42,14 +44,18 @@ class RooflineModel:
         vals = [m.get(_METRIC + n) for n in names]
         if any(v is None for v in vals) or not vals[4] or not vals[5]:
             return None
-        return cls(*vals, lm_head_flops=m.get(_METRIC + "lm_head_flops_per_token", 0.0))
+        # Older servers export only the LM head's share.
+        tail = m.get(_METRIC + "sampled_row_flops_per_token",
+                     m.get(_METRIC + "lm_head_flops_per_token", 0.0))
+        return cls(*vals, sampled_row_flops=tail)
 
     def _time(self, bytes_: float, flops: float) -> float:
         return max(bytes_ / self.bandwidth, flops / self.peak_flops)
 
     def prefill_seconds(self, prompt_len: int) -> float:
-        flops = prompt_len * (self.flops_per_token - self.lm_head_flops
-                              + self.attn_flops_per_context * prompt_len / 2) + self.lm_head_flops
+        flops = prompt_len * (self.flops_per_token - self.sampled_row_flops
+                              + self.attn_flops_per_context * prompt_len / 2) \
+            + self.sampled_row_flops
         return self._time(self.weight_bytes + prompt_len * self.kv_bytes_per_token, flops)
 
     def decode_step_seconds(self, batch: int, context: float) -> float:

@@ -93,6 +93,11 @@ class _EngineCollector:
                                     "LM-head FLOPs of one token (within flops_per_token; "
                                     "a prompt runs it for its last position only).",
                                     value=shape.lm_head_flops)
+            yield GaugeMetricFamily("servelm_roofline_sampled_row_flops_per_token",
+                                    "FLOPs of one token a prompt runs for its last position "
+                                    "only: the LM head and the last layer past attention "
+                                    "(within flops_per_token).",
+                                    value=shape.sampled_row_flops)
         hw = getattr(self._engine.engine, "hardware", None)
         if hw is not None:
             yield GaugeMetricFamily("servelm_roofline_bandwidth_bytes_per_second",
