@@ -276,7 +276,7 @@ class Int4Linear(QuantLinear):
 
 
 def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
-    """A quantised layer's tensors as `servelm_quant.decode_layer` takes them, with its int4
+    """A quantised layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
     group size (0 for int8); None when the layer does not run on the C++ kernels."""
     if isinstance(module, Int4Linear) and module.use_kernel:
         return [module.qweight, module.scales, module.mins], module.group_size

@@ -124,6 +124,10 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     assert model._decode_stack.max_rows() == MAX_ROWS["mixed"]
     model = _model(cfg, FORMATS["int4"])
     assert model.bind_decode_layers(caches) and model._decode_stack.max_rows() == 47
+    # A tensor-parallel layer all-reduces its attention and MLP outputs: never stacked.
+    attn = model.layers[1].self_attn
+    attn.__class__ = type("ParallelLike", (type(attn),), {})
+    assert not model.bind_decode_layers(caches) and not model.fused_decode
     assert not model.float().bind_decode_layers(caches)  # fp32 activations: per-op path
 
 

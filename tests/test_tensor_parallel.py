@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import TEXT_PROMPTS
-from helpers import prompt_logits
+from helpers import prompt_logits, release, run_seqs
 from servelm import LLM, SamplingParams
 from servelm.config import EngineConfig
 from servelm.distributed.executor import WorkerDiedError
@@ -156,6 +156,34 @@ def test_logits_within_tolerance_of_tp1(reference, tp_results):
 
 
 # ---- quantised weights: each rank quantises its own shard -------------------------------------
+
+def test_bf16_int4_tp2_runs_its_all_reduces_not_the_decode_stack():
+    # With bf16 activations and int4 weights one device runs decode steps through the
+    # DecodeStack; sharded layers all-reduce their outputs, which the stack would skip.
+    engine = {**ENGINE, "dtype": "bfloat16", "quantization": "int4"}
+
+    def decode_logits(llm):  # a prompt, then one decode-only step: its logits
+        ids = llm.get_tokenizer().encode(PROMPTS[0])
+        try:
+            run_seqs(llm.engine, [(ids, 0, "d")])
+            return run_seqs(llm.engine, [([ids[-1]], len(ids), "d")]).float()
+        finally:
+            release(llm.engine, "d")
+
+    one = LLM(**engine)
+    assert one.engine.model.fused_decode
+    want = decode_logits(one)
+    del one
+    two = LLM(**engine, tensor_parallel_size=2)
+    try:
+        assert not two.engine.model.fused_decode
+        got = decode_logits(two)
+    finally:
+        two.engine.shutdown()
+    # bf16 partial sums round differently when split; a missing all-reduce would be far off.
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err < 0.03 and got.argmax(-1).tolist() == want.argmax(-1).tolist(), err
+
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_quantised_tp2_against_quantised_tp1(quant):

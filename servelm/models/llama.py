@@ -46,10 +46,13 @@ class DecoderLayer(nn.Module):
     def decode_stack_args(self) -> tuple | None:
         """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
         qkv bias), when all four linear layers run on the int4/int8 C++ kernels and only qkv
-        has a bias; else None."""
+        has a bias; else None. Not for tensor-parallel layers (their subclasses all-reduce
+        the attention and MLP outputs, which the stack does not)."""
         from servelm.quantization import kernel_weights
 
         attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not Attention or type(mlp) is not GatedMLP:
+            return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         parts = [kernel_weights(m) for m in linears]
         if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
