@@ -623,9 +623,6 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   return L;
 }
 
-// One thread's part in a parallel region of matmuls (split over the team's threads as
-// int4_linear / int8_linear split them) and serial steps (run by the calling thread, whose
-// thread-local state the operators it calls need), with a barrier after each.
 // A spinning barrier for the team (a centralised, sense-reversing one): the threads meet
 // ~8 times a layer after a few microseconds of work each, and libgomp's barrier cost ~0.5 us
 // a time here.
@@ -643,6 +640,10 @@ struct SpinBarrier {
   }
 };
 
+// One thread's part in a parallel region of matmuls (each thread computes its share of the
+// output tiles; a tile's result does not depend on which thread computes it) and serial
+// steps (run by the calling thread, whose thread-local state the operators it calls need),
+// with a barrier after each.
 struct Team {
   int tid, n;
   std::atomic<bool>& failed;
