@@ -323,18 +323,25 @@ struct Acts {
   const float* xs;
 };
 
+// xs[i] = the fp32 sum of bf16 x[i*G .. i*G + G) for i < M * (K / G): the group sums the
+// kernels take with bf16 activations.
+void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t G, std::vector<float>& xs) {
+  xs.resize(M * (K / G));
+  for (size_t i = 0; i < xs.size(); ++i) {
+    float a = 0.f;
+    for (int64_t k = 0; k < G; ++k) a += static_cast<float>(x[i * G + k]);
+    xs[i] = a;
+  }
+}
+
 Acts prepare(const at::Tensor& x, int64_t M, int64_t K, int64_t G, Scratch& S) {
   const int64_t ng = K / G;
-  S.xs.resize(M * ng);
   if (x.scalar_type() == at::kBFloat16) {
     const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * ng; ++i) {
-      float a = 0.f;
-      for (int64_t k = 0; k < G; ++k) a += static_cast<float>(xp[i * G + k]);
-      S.xs[i] = a;
-    }
+    group_sums(xp, M, K, G, S.xs);
     return {xp, nullptr, S.xs.data()};
   }
+  S.xs.resize(M * ng);
   const float* xp = x.data_ptr<float>();
   S.xh.resize(M * K);
   S.xl.resize(M * K);
@@ -579,13 +586,7 @@ struct QLinear {
   }
   // The activation sums the kernels need (as prepare() computes them for bf16 rows).
   void sums(const c10::BFloat16* x, int64_t M, std::vector<float>& xs) const {
-    const int64_t g = group(), ng = K / g;
-    xs.resize(M * ng);
-    for (int64_t i = 0; i < M * ng; ++i) {
-      float a = 0.f;
-      for (int64_t k = 0; k < g; ++k) a += static_cast<float>(x[i * g + k]);
-      xs[i] = a;
-    }
+    group_sums(x, M, K, group(), xs);
   }
   // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
   void prefetch(int tid, int nt, int64_t bytes) const {
