@@ -289,10 +289,8 @@ class Attention(nn.Module):
             o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache, batch.decode_block_tables,
                                            batch.decode_context_lens, self.scale)
             outs.append(o.view(nd, self.q_size))
-        # Prompt chunks: flash-style attention over the block tables (SDPA without a query_pos).
+        # Prompt chunks: flash-style attention over the block tables.
         outs += [paged_prefill_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
-                 if g.query_pos is not None else
-                 paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
                  for g in batch.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out if rows is None else out[rows])
