@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ class KVCache:
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         if torch.device(device).type == "cpu":
-            n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            n = num_blocks * self.bytes_per_block(cfg, block_size, dtype)
             self.data = hugepages.empty(n).view(dtype).view(shape).zero_()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
