@@ -378,7 +378,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_bytes: float = 0.0    # weights + KV read by decode-only steps (roofline model)
     prefill_seconds: float = 0.0
-    prefill_flops: float = 0.0   # matmul FLOPs of prefill steps' prompt tokens (LM head: sampled rows)
+    # matmul FLOPs of prefill steps' prompt tokens (LM head, last layer's tail: sampled rows)
+    prefill_flops: float = 0.0
 
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
