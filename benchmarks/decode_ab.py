@@ -1,0 +1,92 @@
+"""Decode tok/s with one optimisation on and off, alternating run by run in one process.
+
+This machine's speed drifts by 10-30% from minute to minute, so two separate benchmark runs
+cannot resolve a few percent; here each pair of runs is back to back and the ratio of each
+pair is reported (median, min, max), with each side's median tok/s.
+
+    python benchmarks/decode_ab.py [--what stack|hugepages] [--quantization int4]
+                                   [--streams 1,4,8,16] [--pairs 4] [--tokens 64]
+
+- stack: the int4/int8 DecodeStack (all decoder layers of a decode-only step in one C++
+  call) against the per-op kernel path, toggled on one engine (`model.fused_decode`).
+- hugepages: weights and KV cache in 2 MB huge pages against plain pages: two engines, the
+  second loaded with SERVELM_NO_HUGEPAGES=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from unittest import mock
+
+from servelm import LLM, SamplingParams
+
+
+def _streams(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"stream counts must be >= 1, got {text!r}")
+    return vals
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--what", choices=("stack", "hugepages"), default="stack")
+    ap.add_argument("--quantization", choices=("int4", "int8"), default="int4")
+    ap.add_argument("--streams", type=_streams, default=[1, 4, 8, 16])
+    ap.add_argument("--pairs", type=_positive, default=4)
+    ap.add_argument("--tokens", type=_positive, default=64)
+    args = ap.parse_args()
+
+    kw = dict(dtype="bfloat16", quantization=args.quantization, enable_prefix_caching=False)
+    if args.what == "stack":
+        llm = LLM(**kw)
+        if not llm.engine.model.fused_decode:
+            raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels)")
+        engines = {"stack": llm, "per-op": llm}
+    else:
+        with mock.patch.dict(os.environ, {"SERVELM_NO_HUGEPAGES": "0"}):
+            huge = LLM(**kw)
+        with mock.patch.dict(os.environ, {"SERVELM_NO_HUGEPAGES": "1"}):
+            plain = LLM(**kw)
+        engines = {"huge pages": huge, "plain pages": plain}
+    on, off = engines
+    gen = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+
+    def run(name: str, n: int) -> float:
+        llm = engines[name]
+        if args.what == "stack":
+            llm.engine.model.fused_decode = name == "stack"
+        outs = llm.generate([list(range(1000 + i, 1016 + i)) for i in range(n)], gen,
+                            use_tqdm=False)
+        return n / statistics.median(o.metrics.tpot for o in outs)
+
+    print(f"{args.quantization}, {on} against {off}, {args.pairs} pairs per row "
+          f"(alternating which goes first)")
+    for n in args.streams:
+        res = {on: [], off: []}
+        for p in range(args.pairs):
+            for name in ((on, off) if p % 2 == 0 else (off, on)):
+                res[name].append(run(name, n))
+        ratios = [a / b for a, b in zip(res[on], res[off])]
+        print(f"streams {n:3d}: {on} {statistics.median(res[on]):8.1f} tok/s, "
+              f"{off} {statistics.median(res[off]):8.1f} tok/s, ratio median "
+              f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    if args.what == "stack":
+        engines["stack"].engine.model.fused_decode = True
+
+
+if __name__ == "__main__":
+    main()

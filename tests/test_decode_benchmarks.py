@@ -1,0 +1,50 @@
+"""benchmarks/decode_ab.py (one optimisation on and off, alternating in one process) and
+compare.py's format variants: they run, and bad arguments are usage errors naming them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servelm import quantization as Q
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.skipif(not Q.kernels_available(), reason="needs the C++ kernels (AVX-512 BF16)")
+@pytest.mark.parametrize("what,on,off", [("stack", "stack", "per-op"),
+                                         ("hugepages", "huge pages", "plain pages")])
+def test_decode_ab_reports_both_sides_and_their_ratio(what, on, off):
+    r = _run("decode_ab.py", "--what", what, "--streams", "1,2", "--pairs", "2", "--tokens", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for n in (1, 2):
+        m = re.search(rf"streams +{n}: {on} +([\d.]+) tok/s, {off} +([\d.]+) tok/s, ratio median "
+                      r"([\d.]+) \(min ([\d.]+), max ([\d.]+)\)", r.stdout)
+        assert m, r.stdout
+        a, b, ratio, lo, hi = map(float, m.groups())
+        assert a > 0 and b > 0 and lo <= ratio <= hi
+
+
+@pytest.mark.parametrize("args,flag", [(("--streams", "1,x"), "--streams"),
+                                       (("--streams", "0"), "--streams"),
+                                       (("--pairs", "0"), "--pairs"),
+                                       (("--what", "prefill"), "--what")])
+def test_decode_ab_rejects_bad_arguments(args, flag):
+    r = _run("decode_ab.py", *args)
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+
+
+def test_compare_rejects_an_unknown_format_variant():
+    r = _run("compare.py", "--formats", "int4/bogus", "--skip-transformers")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "unknown format variant 'bogus' in 'int4/bogus'" in r.stderr
+    assert "unpacked, unfused, smallpages" in r.stderr
