@@ -21,23 +21,7 @@ import statistics
 from unittest import mock
 
 from servelm import LLM, SamplingParams
-
-
-def _streams(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"stream counts must be >= 1, got {text!r}")
-    return vals
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from servelm.cli import int_list, positive
 
 
 def main() -> None:
@@ -45,9 +29,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--what", choices=("stack", "hugepages"), default="stack")
     ap.add_argument("--quantization", choices=("int4", "int8"), default="int4")
-    ap.add_argument("--streams", type=_streams, default=[1, 4, 8, 16])
-    ap.add_argument("--pairs", type=_positive, default=4)
-    ap.add_argument("--tokens", type=_positive, default=64)
+    ap.add_argument("--streams", type=int_list, default=[1, 4, 8, 16])
+    ap.add_argument("--pairs", type=positive(int), default=4)
+    ap.add_argument("--tokens", type=positive(int), default=64)
     args = ap.parse_args()
 
     kw = dict(dtype="bfloat16", quantization=args.quantization, enable_prefix_caching=False)

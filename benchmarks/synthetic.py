@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from servelm.cli import int_list
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
 from servelm.models.loader import build_model
@@ -61,16 +62,6 @@ def build(shape: str, dtype: torch.dtype, device: torch.device, max_len: int,
     return cfg, model
 
 
-def _batches(text: str) -> list[int]:
-    try:
-        sizes = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch takes comma-separated integers, got {text!r}")
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--batch sizes must be >= 1, got {text!r}")
-    return sizes
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -97,7 +88,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--context", type=int, default=512, help="tokens each decoding sequence holds")
-    ap.add_argument("--batch", default="1,64", type=_batches, help="comma-separated batch sizes")
+    ap.add_argument("--batch", default="1,64", type=int_list, help="comma-separated batch sizes")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
                     help="for the roofline (default: H200's 4800 on CUDA, 30 on CPU)")

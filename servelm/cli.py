@@ -177,7 +177,9 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": out.outputs[0].text})
 
 
-def _int_list(text: str) -> list[int]:
+# Argument types, also used by the benchmark scripts (benchmarks/*.py).
+
+def int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -187,7 +189,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive(kind):
+def positive(kind):
     def parse(text: str):
         value = kind(float(text)) if kind is int else kind(text)
         if not value > 0:
@@ -265,10 +267,10 @@ def make_parser() -> argparse.ArgumentParser:
                        help="max sequences waiting to run; past it requests get 503")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model file's basename)")
-    serve.add_argument("--roofline-bandwidth", type=_positive(float), default=None,
+    serve.add_argument("--roofline-bandwidth", type=positive(float), default=None,
                        metavar="GB/s", help="memory bandwidth for /metrics utilisation "
                        "(default: measured at start)")
-    serve.add_argument("--roofline-flops", type=_positive(float), default=None,
+    serve.add_argument("--roofline-flops", type=positive(float), default=None,
                        metavar="TFLOP/s", help="matmul peak for /metrics utilisation "
                        "(default: measured at start)")
     add_engine_args(serve)
@@ -278,22 +280,22 @@ def make_parser() -> argparse.ArgumentParser:
     roof.add_argument("--model", default=None, help="GGUF file or HF directory (config only)")
     roof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     roof.add_argument("--device", default="auto")
-    roof.add_argument("--bandwidth", type=_positive(float), default=None, metavar="GB/s",
+    roof.add_argument("--bandwidth", type=positive(float), default=None, metavar="GB/s",
                       help="memory bandwidth (default: measured)")
-    roof.add_argument("--flops", type=_positive(float), default=None, metavar="TFLOP/s",
+    roof.add_argument("--flops", type=positive(float), default=None, metavar="TFLOP/s",
                       help="peak matmul throughput in the dtype (default: measured)")
-    roof.add_argument("--params", type=_positive(float), default=None,
+    roof.add_argument("--params", type=positive(float), default=None,
                       help="describe a model instead of loading one: parameter count, e.g. 7e9")
-    roof.add_argument("--bits", type=_positive(float), default=None,
+    roof.add_argument("--bits", type=positive(float), default=None,
                       help="bits per weight (default: the dtype's)")
-    roof.add_argument("--layers", type=_positive(int), default=None)
-    roof.add_argument("--heads", type=_positive(int), default=None)
-    roof.add_argument("--kv-heads", type=_positive(int), default=None)
-    roof.add_argument("--head-dim", type=_positive(int), default=None)
-    roof.add_argument("--context", type=_positive(int), default=512,
+    roof.add_argument("--layers", type=positive(int), default=None)
+    roof.add_argument("--heads", type=positive(int), default=None)
+    roof.add_argument("--kv-heads", type=positive(int), default=None)
+    roof.add_argument("--head-dim", type=positive(int), default=None)
+    roof.add_argument("--context", type=positive(int), default=512,
                       help="tokens per sequence for the decode table")
-    roof.add_argument("--prompt-lens", type=_int_list, default=[128, 512, 2048])
-    roof.add_argument("--batches", type=_int_list, default=[1, 4, 16, 64, 256])
+    roof.add_argument("--prompt-lens", type=int_list, default=[128, 512, 2048])
+    roof.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 256])
     roof.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                       help="KV pool size, to show how many sequences fit")
     roof.add_argument("--num-threads", type=int, default=None)
