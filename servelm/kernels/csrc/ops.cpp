@@ -144,6 +144,32 @@ template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^t for t <= 0 (very negative t -> 0): t = n + f, |f| <= 1/2, 2^f by a polynomial fitted
+// for relative error (degree 4: 2.7e-6, enough for bf16 probabilities; degree 5: 7.7e-8).
+template <int kDeg>
+inline __m512 exp2_512(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p;
+  if constexpr (kDeg == 4) {
+    p = _mm512_set1_ps(0.009560519829392433f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591712146997452f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+  } else {
+    p = _mm512_set1_ps(0.001326697994954884f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675469249486923f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550742521882057f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022121727466583f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
 // Horizontal sums of 16 vectors at once: lane j of the result = sum of p[j]'s 16 lanes
 // (a transpose-and-add tree: ~3 instructions per vector instead of ~10 for one reduction).
 inline __m512 hsum16(const __m512* p) {
@@ -162,17 +188,54 @@ inline __m512 hsum16(const __m512* p) {
                        _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// AVX-512 version of attend_range for D a multiple of 16 (known at compile time): each K/V
-// tile is converted to fp32 once, scores keep the G queries' vectors in registers, and the
-// P.V accumulation keeps each (head, 16 lanes) accumulator in a register over the tile.
+// P.V for NG heads of one KV head over n keys of a tile: acc (NG x D, fp32) = alpha * acc +
+// sum_j p[g][j] * V[j]. Each V row is converted to fp32 once, in registers, and used by every
+// head; the accumulators stay in registers over the tile (the same multiply-adds, in the same
+// order, as accumulating in memory).
+template <typename T, int D, int NG>
+inline void pv_heads(const T* const* vrow, int n, const float (*p)[kTile], const float* alpha, float* acc) {
+  constexpr int NV = D / 16;
+  __m512 a[NG][NV];
+  for (int g = 0; g < NG; ++g) {
+    const __m512 al = _mm512_set1_ps(alpha[g]);
+    for (int v = 0; v < NV; ++v) {
+      a[g][v] = _mm512_load_ps(acc + g * D + v * 16);
+      if (alpha[g] != 1.f) a[g][v] = _mm512_mul_ps(al, a[g][v]);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16<T>(vrow[j] + v * 16);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g][j]);
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(pj, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * D + v * 16, a[g][v]);
+}
+
+// AVX-512 version of attend_range for D a multiple of 16 (known at compile time), a tile of
+// up to kTile keys at a time: scores for the G heads (bf16: pairwise dot products of the raw
+// q and K rows; else fp32 from K converted once), a vectorised online softmax per head, then
+// P.V with V converted once per key for up to 4 heads whose accumulators stay in registers.
 template <typename T, int D>
 void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G, const T* kc, const T* vc,
                          int64_t blk_stride, int64_t tok_stride, int64_t head_off,
                          const int32_t* table, int bs, int t0, int t1,
                          float* acc, float* m, float* l) {
+  static_assert(kTile == 32, "the softmax below handles a tile as two 16-lane vectors");
   constexpr int NV = D / 16;
-  alignas(64) float kf[kTile][D];
+  constexpr int kChunkG = NV >= 16 ? 1 : std::min(4, 16 / NV);  // heads per register block
+#if defined(__AVX512BF16__)
+  constexpr bool kDp = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
+#else
+  constexpr bool kDp = false;
+#endif
+  alignas(64) float kf[kDp ? 1 : kTile][D];
   alignas(64) float s[kMaxG][kTile];
+  alignas(64) float alpha[kMaxG];
+  const __m512 neg = _mm512_set1_ps(kNegBig), log2e = _mm512_set1_ps(kLog2e);
   for (int base = t0; base < t1; base += kTile) {
     const int n = std::min(kTile, t1 - base);
     const T* vrow[kTile];
@@ -184,11 +247,6 @@ void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float
       krow[j] = kc + off;
       vrow[j] = vc + off;
     }
-#if defined(__AVX512BF16__)
-    constexpr bool kDp = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
-#else
-    constexpr bool kDp = false;
-#endif
     if constexpr (!kDp) {
       for (int j = 0; j < n; ++j)
         for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(krow[j] + v * 16));
@@ -217,40 +275,46 @@ void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float
       }
 #endif
       if constexpr (!kDp) {
-      __m512 qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qf + g * D + v * 16);
-      for (int j0 = 0; j0 < n; j0 += 16) {
-        __m512 part[16];
-        for (int jj = 0; jj < 16; ++jj) {
-          const int j = j0 + jj;
-          if (j < n) {
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[j][0]));
-            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(&kf[j][v * 16]), a);
-            part[jj] = a;
-          } else {
-            part[jj] = _mm512_setzero_ps();
+        __m512 qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qf + g * D + v * 16);
+        for (int j0 = 0; j0 < n; j0 += 16) {
+          __m512 part[16];
+          for (int jj = 0; jj < 16; ++jj) {
+            const int j = j0 + jj;
+            if (j < n) {
+              __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[j][0]));
+              for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(&kf[j][v * 16]), a);
+              part[jj] = a;
+            } else {
+              part[jj] = _mm512_setzero_ps();
+            }
           }
+          _mm512_store_ps(&s[g][j0], hsum16(part));
         }
-        _mm512_store_ps(&s[g][j0], hsum16(part));
       }
-      }
-      const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
-      if (alpha != 1.f) {
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int v = 0; v < NV; ++v)
-          _mm512_store_ps(acc + g * D + v * 16, _mm512_mul_ps(av, _mm512_load_ps(acc + g * D + v * 16)));
-      }
+      // Online softmax over the tile's n scores (two 16-lane vectors; lanes >= n are masked).
+      const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 k1 = n <= 16 ? 0 : n >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16)) - 1);
+      const __m512 x0 = _mm512_mask_mov_ps(neg, k0, _mm512_load_ps(&s[g][0]));
+      const __m512 x1 = _mm512_mask_mov_ps(neg, k1, _mm512_load_ps(&s[g][16]));
+      const float mt = std::max(m[g], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const __m512 mv = _mm512_set1_ps(mt);
+      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x0, mv), log2e)));
+      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x1, mv), log2e)));
+      _mm512_store_ps(&s[g][0], p0);
+      _mm512_store_ps(&s[g][16], p1);
+      alpha[g] = std::exp(m[g] - mt);
+      l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      m[g] = mt;
     }
-    for (int j = 0; j < n; ++j)
-      for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(vrow[j] + v * 16));
-    for (int g = 0; g < G; ++g) {
-      __m512 a[NV];
-      for (int v = 0; v < NV; ++v) a[v] = _mm512_load_ps(acc + g * D + v * 16);
-      for (int j = 0; j < n; ++j) {
-        const __m512 p = _mm512_set1_ps(s[g][j]);
-        for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(p, _mm512_load_ps(&kf[j][v * 16]), a[v]);
+    for (int g0 = 0; g0 < G; g0 += kChunkG) {
+      float* a = acc + g0 * D;
+      switch (std::min(kChunkG, G - g0)) {
+        case 1: pv_heads<T, D, 1>(vrow, n, s + g0, alpha + g0, a); break;
+        case 2: pv_heads<T, D, std::min(2, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
+        case 3: pv_heads<T, D, std::min(3, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
+        default: pv_heads<T, D, kChunkG>(vrow, n, s + g0, alpha + g0, a); break;
       }
-      for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * D + v * 16, a[v]);
     }
   }
 }
@@ -307,7 +371,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       for (int hg = 0; hg < H; ++hg) { p[hg * (D + 2) + D] = kNegBig; p[hg * (D + 2) + D + 1] = 0.f; }
       return;
     }
-    std::vector<float> buf(static_cast<size_t>(2 * H * D + 2 * H) + 16);
+    static thread_local std::vector<float> buf;  // per-thread scratch, kept between items
+    buf.resize(std::max(buf.size(), static_cast<size_t>(2 * H * D + 2 * H) + 16));
     float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     float* acc = qf + H * D;
     float* m = acc + H * D;
@@ -650,7 +715,6 @@ template <> inline void store16_mask<c10::Half>(c10::Half* p, __m512 v, __mmask1
 
 constexpr int kItemQ = 64;    // most queries per work item (a multiple of 16)
 constexpr int kChunkK = 128;  // keys per packed K/V chunk (a multiple of 16)
-constexpr float kLog2e = 1.44269504088896341f;
 
 struct PrefillTile {  // one query head x 16 queries
   float* o;           // [D][16] unnormalised output, transposed
@@ -687,30 +751,6 @@ inline void transpose16x16(__m512i* r) {
     r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
     r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
   }
-}
-
-// 2^t for t <= 0 (very negative t -> 0): t = n + f, |f| <= 1/2, 2^f by a polynomial fitted
-// for relative error (degree 4: 2.7e-6, enough for bf16 probabilities; degree 5: 7.7e-8).
-template <int kDeg>
-inline __m512 exp2_512(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p;
-  if constexpr (kDeg == 4) {
-    p = _mm512_set1_ps(0.009560519829392433f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591712146997452f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
-  } else {
-    p = _mm512_set1_ps(0.001326697994954884f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675469249486923f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550742521882057f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022121727466583f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
-  }
-  return _mm512_scalef_ps(p, n);
 }
 
 // Online-softmax update of one tile over nk scores S^T[0..nk) (fp32, pre-scaled by
