@@ -63,6 +63,46 @@ def test_paged_decode_attention_strided_q_and_other_head_dim():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g,d", [(6, 64), (5, 64), (3, 128), (2, 32)])
+def test_paged_decode_attention_head_groups_in_register_blocks(dtype, g, d):
+    # P.V keeps up to 4 heads' accumulators in registers (fewer for wide heads): group sizes
+    # that leave a remainder block (6 = 4 + 2, 5 = 4 + 1 at d=64; 3 = 2 + 1 at d=128).
+    q, kc, vc, tables, cl = _paged_setup([1, 31, 33, 300], kvh=2, g=g, d=d, bs=16, dtype=dtype, seed=2)
+    got = ops().paged_decode_attention(q, kc, vc, tables, cl, d ** -0.5)
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, cl, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (64, 49152), (3, 5), (4, 16), (5, 63), (5, 64),
+                                       (5, 65), (9, 1000)])
+def test_argmax_rows_is_torch_argmax(rows, cols):
+    gen = torch.Generator().manual_seed(rows * cols)
+    for x in (torch.randn(rows, cols, generator=gen),
+              torch.randint(-2, 3, (rows, cols), generator=gen).float()):  # many ties: first wins
+        assert torch.equal(ops().argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(rows, cols + 7, generator=gen)[:, 3:3 + cols]  # rows with a stride
+    assert torch.equal(ops().argmax_rows(wide), wide.argmax(dim=-1))
+
+
+def test_argmax_rows_special_values_and_bad_arguments():
+    x = torch.randn(6, 200)
+    x[0, 150] = float("nan")            # NaN counts as the largest, as in torch
+    x[1, 3], x[1, 170] = float("nan"), float("nan")
+    x[2, 10], x[2, 90] = float("inf"), float("inf")
+    x[3] = float("-inf")                # all -inf: index 0
+    x[4] = 0.0
+    x[4, 7] = -0.0                      # -0 == +0: the first
+    x[5, 199] = 100.0                   # in the scalar tail
+    assert ops().argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [150, 3, 10, 0, 0, 199]
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        ops().argmax_rows(x.bfloat16())
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        ops().argmax_rows(x[0])
+    with pytest.raises(RuntimeError, match="rows must not be empty"):
+        ops().argmax_rows(torch.empty(2, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64])
 def test_norms_and_silu_match_reference(dtype, rows):
     gen = torch.Generator().manual_seed(2)

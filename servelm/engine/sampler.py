@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from servelm.kernels import load_ops
 from servelm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -53,6 +54,15 @@ class SamplerRow(Protocol):
     generator: torch.Generator | None  # set when sampling_params.seed is not None
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` ([B] long, the first maximum, NaN counted largest). On the
+    CPU with the C++ kernels, an AVX-512 op over the threads: PyTorch's CPU argmax is scalar
+    and takes one thread (~28 us a 49152-entry row, ~870 us for 64 rows, against ~3 and ~75)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and load_ops("ops"):
+        return torch.ops.servelm_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def _argmax_only(row: SamplerRow) -> bool:
     """Whether the whole pipeline reduces to an argmax for this row: greedy, no penalty,
     no logprobs, and past min_tokens (so no token is banned)."""
@@ -81,7 +91,7 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = logits.float()
         if all(_argmax_only(row) for row in rows):  # the common greedy step: one op
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(),
+            return SamplerOutput(token_ids=_argmax(logits).tolist(),
                                  logprobs=[None] * len(rows))
         params = [row.sampling_params for row in rows]
 
@@ -154,10 +164,10 @@ class Sampler:
         """Argmax for greedy rows, random sampling for the rest; returns [B] long."""
         greedy = [row.sampling_params.greedy for row in rows]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         if not any(greedy):
             return self._sample(logits, rows)
-        token_ids = logits.argmax(dim=-1)  # [B]; sampled rows overwritten below
+        token_ids = _argmax(logits)  # [B]; sampled rows overwritten below
         keep = [i for i, g in enumerate(greedy) if not g]
         idx = torch.tensor(keep, dtype=torch.long, device=logits.device)
         token_ids[idx] = self._sample(logits[idx], [rows[i] for i in keep])

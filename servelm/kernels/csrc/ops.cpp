@@ -12,6 +12,7 @@
 //   rotary_kv_write(qkv [T,(H+2KVH)*D] (q part rotated in place), cos, sin [T,D],
 //                   k_cache, v_cache (mutated), slot_mapping int64 [T], H, KVH) -> ()
 //   silu_and_mul(x [T,2I]) -> [T,I]
+//   argmax_rows(x float32 [M,N]) -> int64 [M]: torch.argmax(x, -1) (first maximum; NaN is largest)
 //   paged_prefill_attention(q [T,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
 //                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale) -> [T, H*D]
 //       Prompt (prefill) attention, flash-style: sequence b's queries are the tokens
@@ -1184,6 +1185,80 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
+// ---- argmax over rows ----------------------------------------------------------------------
+//
+// torch.argmax(x, -1) for fp32 [M, N] rows, as the sampler takes a greedy token: the first
+// index of the maximum, or of the first NaN when a row has one (NaN compares as the largest,
+// as in PyTorch). PyTorch's CPU argmax is scalar and runs rows on one thread (~28 us for a
+// 49152-entry row, ~850 us for 64); here rows go over the threads, 16 lanes at a time.
+
+int64_t argmax_row(const float* x, int64_t N) {
+  auto first_nan = [&](int64_t from) -> int64_t {  // integer test: -ffast-math drops isnan
+    for (int64_t i = from; i < N; ++i) {
+      uint32_t u;
+      std::memcpy(&u, x + i, sizeof(u));
+      if ((u & 0x7fffffffu) > 0x7f800000u) return i;
+    }
+    return -1;
+  };
+  int64_t i = 0, best = 0;
+  float bv = x[0];
+#ifdef __AVX512F__
+  constexpr int U = 4;  // independent (max, index) chains: the compare + select latency
+  if (N >= 16 * U) {
+    const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 vmax[U];
+    __m512i vidx[U];
+    __mmask16 nan = 0;
+    for (int u = 0; u < U; ++u) {
+      vmax[u] = _mm512_loadu_ps(x + 16 * u);
+      vidx[u] = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * u));
+      nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(vmax[u]), absmask), inf);
+    }
+    for (i = 16 * U; i + 16 * U <= N; i += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 v = _mm512_loadu_ps(x + i + 16 * u);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[u], _CMP_GT_OQ);  // strictly: first wins
+        vmax[u] = _mm512_mask_mov_ps(vmax[u], gt, v);
+        vidx[u] = _mm512_mask_mov_epi32(vidx[u], gt, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i) + 16 * u)));
+        nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), absmask), inf);
+      }
+    }
+    if (nan) return first_nan(0);
+    alignas(64) float mv[16 * U];
+    alignas(64) int32_t mi[16 * U];
+    for (int u = 0; u < U; ++u) {
+      _mm512_store_ps(mv + 16 * u, vmax[u]);
+      _mm512_store_si512(mi + 16 * u, vidx[u]);
+    }
+    bv = mv[0];
+    best = mi[0];
+    for (int l = 1; l < 16 * U; ++l)  // the largest value; among equal ones the first index
+      if (mv[l] > bv || (mv[l] == bv && mi[l] < best)) { bv = mv[l]; best = mi[l]; }
+  }
+#endif
+  const int64_t tail = i;
+  for (; i < N; ++i)
+    if (x[i] > bv) { bv = x[i]; best = i; }
+  const int64_t n = first_nan(tail);
+  return n >= 0 ? n : best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "argmax_rows: x must be float32 [M, N] with contiguous rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
+  const int64_t M = x.size(0), N = x.size(1), rs = x.stride(0);
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / N), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) op[m] = argmax_row(xp + m * rs, N);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_ops, m) {
@@ -1196,6 +1271,7 @@ TORCH_LIBRARY(servelm_ops, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor cu_seqlens_q, Tensor start_pos, float scale) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
@@ -1205,4 +1281,5 @@ TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
   m.impl("rotary_kv_write", &rotary_kv_write);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("argmax_rows", &argmax_rows);
 }
