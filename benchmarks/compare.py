@@ -2,16 +2,24 @@
 side in one run, on the embedded model: the three figures of issue 5.
 
     python benchmarks/compare.py [--formats bfloat16,float32,int8,int4] [--skip-transformers]
+                                 [--rounds 3] [--repeats 5] [--decode-repeats 3]
 
 - TTFT, 512-token prompt: one request alone, prefix caching off, median of --repeats.
-- Decode, one stream: 1 / TPOT of a 128-token generation (prefill excluded).
+- Decode, one stream: 1 / TPOT of a 128-token generation (prefill excluded), median of
+  --decode-repeats.
 - Decode, 64 streams: 64 sequences decoding together, tokens/s of the decode steps
   (64 / TPOT for servelm; for the others, the difference between generating 129 and 1
   tokens for the batch, so their prefill is excluded the same way).
 
+Every system is loaded first; then each of --rounds rounds measures all of them in turn (the
+order rotating from round to round) after probing the machine. A shared machine's speed
+drifts by 10-30% from minute to minute, so each ratio is taken within a round (both sides
+measured within a minute of each other) and the median of the rounds' ratios is reported,
+with their range; each figure in the table is the median over the rounds.
+
 Each servelm format also gets its roofline: decode bandwidth limit (weight bytes per step
-over the measured bandwidth) and the bf16 matmul limit at 64 streams, and how close the
-run came (utilisation). Absolute figures drift on shared machines: compare within a run.
+over the round's measured bandwidth) and the bf16 matmul limit at 64 streams, and how close
+each round came (utilisation, median over the rounds).
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 from unittest import mock
 
 import torch
 
+from servelm.cli import positive
 from servelm.models.loader import default_model_path
 
 # "<fmt>/<variant>" runs the format with one optimisation switched off, for side-by-side
@@ -44,96 +54,138 @@ def _prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(1000, 40000, (n,), generator=g).tolist()
 
 
-def bench_servelm(fmt: str, repeats: int) -> dict:
-    """fmt: a dtype or quantisation; "<fmt>/<variant>": the same with one optimisation off
-    (VARIANTS)."""
-    from servelm import LLM, SamplingParams
+class System:
+    """One system under test, loaded and warmed up: each call measures one sample."""
+    name: str
 
-    base, _, variant = fmt.partition("/")
-    if variant and variant not in VARIANTS:
-        raise SystemExit(f"unknown format variant {variant!r} in {fmt!r} "
-                         f"(one of {', '.join(VARIANTS)})")
-    dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
-    kw = {"quantization": quant} if quant else {}
-    # The switch is read while the engine loads; the environment is restored afterwards.
-    env = dict.fromkeys(VARIANTS.values(), "0")
-    if variant:
-        env[VARIANTS[variant]] = "1"
-    with mock.patch.dict(os.environ, env):
-        llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
-    one = SamplingParams(temperature=0, max_tokens=1)
-    gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-    llm.generate([_prompt_ids(PROMPT_LEN, 99)], one, use_tqdm=False)  # warm-up
-    ttfts = []
-    for r in range(repeats):
-        out = llm.generate([_prompt_ids(PROMPT_LEN, r)], one, use_tqdm=False)[0]
-        ttfts.append(out.metrics.ttft)
-    out = llm.generate([_prompt_ids(16, 7)], gen, use_tqdm=False)[0]
-    tpot1 = out.metrics.tpot
-    outs = llm.generate([_prompt_ids(16, 100 + i) for i in range(BATCH)], gen, use_tqdm=False)
-    tpot64 = statistics.median(o.metrics.tpot for o in outs)
-    engine = llm.engine
-    shape = engine.shape
-    res = {"name": f"servelm {fmt}", "ttft_512_s": statistics.median(ttfts),
-           "decode_1_tok_s": 1 / tpot1, "decode_64_tok_s": BATCH / tpot64,
-           "weight_bytes_per_step": shape.weight_bytes_per_step,
-           "flops_per_token": shape.flops_per_token(0)}
-    del llm, engine
-    gc.collect()
-    return res
+    def ttft(self, repeats: int) -> float:
+        """Median TTFT (s) of `repeats` 512-token prompts."""
+        raise NotImplementedError
 
+    def decode_1(self) -> float:
+        """Tokens/s of one stream's 128-token generation."""
+        raise NotImplementedError
 
-def bench_transformers(dtype: str, repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
-
-    def gen(ids: torch.Tensor, n: int) -> float:
-        t = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                       min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
-
-    with torch.inference_mode():
-        long = torch.tensor([_prompt_ids(PROMPT_LEN, 99)])
-        gen(long, 1)  # warm-up
-        ttft = statistics.median(gen(torch.tensor([_prompt_ids(PROMPT_LEN, r)]), 1)
-                                 for r in range(repeats))
-        short = torch.tensor([_prompt_ids(16, 7)])
-        dec1 = GEN / (gen(short, GEN + 1) - gen(short, 1))
-        batch = torch.tensor([_prompt_ids(16, 100 + i) for i in range(BATCH)])
-        dec64 = BATCH * GEN / (gen(batch, GEN + 1) - gen(batch, 1))
-    del model
-    gc.collect()
-    return {"name": f"transformers {dtype}", "ttft_512_s": ttft, "decode_1_tok_s": dec1,
-            "decode_64_tok_s": dec64}
-
-
-def bench_llama_cpp(repeats: int) -> dict | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    def decode_64(self) -> float | None:
         return None
-    threads = torch.get_num_threads()
-    llm = Llama(model_path=default_model_path(), n_ctx=2048, n_threads=threads,
-                n_batch=512, verbose=False)
 
-    def timed(ids: list[int], n: int) -> float:
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        for _ in range(n - 1):
-            tok = llm.sample(temp=0.0)
-            llm.eval([tok])
-        return time.perf_counter() - t
 
-    timed(_prompt_ids(PROMPT_LEN, 99), 1)
-    ttft = statistics.median(timed(_prompt_ids(PROMPT_LEN, r), 1) for r in range(repeats))
-    short = _prompt_ids(16, 7)
-    dec1 = GEN / (timed(short, GEN + 1) - timed(short, 1))
-    return {"name": "llama.cpp (llama-cpp-python, Q4_1)", "ttft_512_s": ttft,
-            "decode_1_tok_s": dec1, "decode_64_tok_s": None}
+def _timed_gen(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class Servelm(System):
+    def __init__(self, fmt: str):
+        """fmt: a dtype or quantisation; "<fmt>/<variant>": the same with one optimisation
+        off (VARIANTS)."""
+        from servelm import LLM, SamplingParams
+
+        base, _, variant = fmt.partition("/")
+        dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
+        kw = {"quantization": quant} if quant else {}
+        # The switch is read while the engine loads; the environment is restored afterwards.
+        env = dict.fromkeys(VARIANTS.values(), "0")
+        if variant:
+            env[VARIANTS[variant]] = "1"
+        with mock.patch.dict(os.environ, env):
+            self.llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
+        self.name = f"servelm {fmt}"
+        self.one = SamplingParams(temperature=0, max_tokens=1)
+        self.gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+        self.llm.generate([_prompt_ids(PROMPT_LEN, 99)], self.one, use_tqdm=False)  # warm-up
+        shape = self.llm.engine.shape
+        self.weight_bytes_per_step = shape.weight_bytes_per_step
+        self.flops_per_token = shape.flops_per_token(0)
+
+    def ttft(self, repeats: int) -> float:
+        outs = [self.llm.generate([_prompt_ids(PROMPT_LEN, r)], self.one, use_tqdm=False)[0]
+                for r in range(repeats)]
+        return statistics.median(o.metrics.ttft for o in outs)
+
+    def decode_1(self) -> float:
+        return 1 / self.llm.generate([_prompt_ids(16, 7)], self.gen, use_tqdm=False)[0].metrics.tpot
+
+    def decode_64(self) -> float:
+        outs = self.llm.generate([_prompt_ids(16, 100 + i) for i in range(BATCH)], self.gen,
+                                 use_tqdm=False)
+        return BATCH / statistics.median(o.metrics.tpot for o in outs)
+
+
+class Transformers(System):
+    def __init__(self, dtype: str):
+        from transformers import AutoModelForCausalLM
+
+        d, f = os.path.split(default_model_path())
+        self.model = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
+        self.name = f"transformers {dtype}"
+        self._gen(torch.tensor([_prompt_ids(PROMPT_LEN, 99)]), 1)  # warm-up
+
+    def _gen(self, ids: torch.Tensor, n: int) -> float:
+        with torch.inference_mode():
+            return _timed_gen(lambda: self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0))
+
+    def ttft(self, repeats: int) -> float:
+        return statistics.median(self._gen(torch.tensor([_prompt_ids(PROMPT_LEN, r)]), 1)
+                                 for r in range(repeats))
+
+    def decode_1(self) -> float:
+        short = torch.tensor([_prompt_ids(16, 7)])
+        return GEN / (self._gen(short, GEN + 1) - self._gen(short, 1))
+
+    def decode_64(self) -> float:
+        batch = torch.tensor([_prompt_ids(16, 100 + i) for i in range(BATCH)])
+        return BATCH * GEN / (self._gen(batch, GEN + 1) - self._gen(batch, 1))
+
+
+class LlamaCpp(System):
+    name = "llama.cpp (llama-cpp-python, Q4_1)"
+
+    def __init__(self):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=default_model_path(), n_ctx=2048,
+                         n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+        self._timed(_prompt_ids(PROMPT_LEN, 99), 1)  # warm-up
+
+    def _timed(self, ids: list[int], n: int) -> float:
+        def run():
+            self.llm.reset()
+            self.llm.eval(ids)
+            for _ in range(n - 1):
+                self.llm.eval([self.llm.sample(temp=0.0)])
+        return _timed_gen(run)
+
+    def ttft(self, repeats: int) -> float:
+        return statistics.median(self._timed(_prompt_ids(PROMPT_LEN, r), 1) for r in range(repeats))
+
+    def decode_1(self) -> float:
+        short = _prompt_ids(16, 7)
+        return GEN / (self._timed(short, GEN + 1) - self._timed(short, 1))
+
+
+METRICS = ("ttft_512_s", "decode_1_tok_s", "decode_64_tok_s")
+
+
+def measure_round(systems: list[System], rnd: int, repeats: int,
+                  decode_repeats: int) -> dict[str, dict]:
+    """One sample of every metric of every system, the order rotated by the round."""
+    out = {}
+    k = rnd % len(systems)
+    for s in systems[k:] + systems[:k]:
+        time.sleep(0.3)  # the previous runtime's idle threads stop spinning
+        out[s.name] = {"ttft_512_s": s.ttft(repeats),
+                       "decode_1_tok_s": statistics.median(s.decode_1() for _ in range(decode_repeats)),
+                       "decode_64_tok_s": s.decode_64()}
+    return out
+
+
+def _spread(xs: list[float]) -> str:
+    return f"[{min(xs):.2f}-{max(xs):.2f}]" if len(xs) > 1 else ""
 
 
 def main() -> None:
@@ -142,62 +194,105 @@ def main() -> None:
     ap.add_argument("--formats", default="bfloat16,float32,int8,int4",
                     help="servelm weight formats to run (dtype or quantisation; FMT/unpacked, "
                          "FMT/unfused, FMT/smallpages: with that optimisation off)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=positive(int), default=5,
+                    help="TTFT runs per round (their median is the round's figure)")
+    ap.add_argument("--decode-repeats", type=positive(int), default=3,
+                    help="one-stream generations per round (their median is the round's figure)")
+    ap.add_argument("--rounds", type=positive(int), default=3)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
-                    help="memory bandwidth for the roofline (default: measured)")
+                    help="memory bandwidth for the roofline (default: measured each round)")
     ap.add_argument("--flops", type=float, default=None, metavar="TFLOP/s",
-                    help="bf16 matmul peak for the roofline (default: measured)")
+                    help="bf16 matmul peak for the roofline (default: measured each round)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for fmt in formats:  # every format checked before anything loads
+        variant = fmt.partition("/")[2]
+        if variant and variant not in VARIANTS:
+            ap.error(f"unknown format variant {variant!r} in {fmt!r} "
+                     f"(one of {', '.join(VARIANTS)})")
 
     from servelm.roofline import measure_hardware
 
-    hw = measure_hardware("bfloat16", "cpu")
-    bw = args.bandwidth * 1e9 if args.bandwidth else hw.bandwidth
-    peak = args.flops * 1e12 if args.flops else hw.flops
-    print(f"machine: {bw / 1e9:.1f} GB/s read, {peak / 1e12:.2f} TFLOP/s bf16 matmul, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
-    rows = []
-    for fmt in args.formats.split(","):
-        print(f"servelm {fmt} ...", file=sys.stderr)
-        rows.append(bench_servelm(fmt.strip(), args.repeats))
+    systems: list[System] = []
+    for fmt in formats:
+        print(f"loading servelm {fmt} ...", file=sys.stderr)
+        systems.append(Servelm(fmt))
     if not args.skip_transformers:
         for dtype in ("float32", "bfloat16"):
-            print(f"transformers {dtype} ...", file=sys.stderr)
-            rows.append(bench_transformers(dtype, args.repeats))
-    cpp = bench_llama_cpp(args.repeats)
-    if cpp:
-        rows.append(cpp)
-    else:
+            print(f"loading transformers {dtype} ...", file=sys.stderr)
+            systems.append(Transformers(dtype))
+    try:
+        systems.append(LlamaCpp())
+    except ImportError:
         print("llama-cpp-python not installed: llama.cpp left out", file=sys.stderr)
 
-    ref = next((r for r in rows if r["name"] == "transformers bfloat16"), None)
-    print(f"\n{'':<34}{'TTFT 512':>10}{'decode x1':>12}{'decode x64':>12}"
+    rounds = []
+    for rnd in range(args.rounds):
+        hw = measure_hardware("bfloat16", "cpu")
+        bw = args.bandwidth * 1e9 if args.bandwidth else hw.bandwidth
+        peak = args.flops * 1e12 if args.flops else hw.flops
+        print(f"round {rnd + 1}/{args.rounds}: {bw / 1e9:.1f} GB/s read, "
+              f"{peak / 1e12:.2f} TFLOP/s bf16 matmul, {torch.get_num_threads()} threads",
+              file=sys.stderr)
+        res = measure_round(systems, rnd, args.repeats, args.decode_repeats)
+        for s in systems:
+            if isinstance(s, Servelm):
+                r = res[s.name]
+                r["decode_1_utilisation"] = r["decode_1_tok_s"] * s.weight_bytes_per_step / bw
+                r["decode_64_utilisation"] = r["decode_64_tok_s"] * s.flops_per_token / peak
+                r["decode_1_bandwidth_limit"] = bw / s.weight_bytes_per_step
+        rounds.append({"bandwidth": bw, "flops": peak, "results": res})
+
+    def per_round(name: str, key: str) -> list[float]:
+        return [r["results"][name][key] for r in rounds if r["results"][name].get(key) is not None]
+
+    def med(name: str, key: str) -> float | None:
+        xs = per_round(name, key)
+        return statistics.median(xs) if xs else None
+
+    print(f"\n{args.rounds} rounds; each figure the median over the rounds")
+    print(f"{'':<34}{'TTFT 512':>10}{'decode x1':>12}{'decode x64':>12}"
           f"{'BW limit x1':>13}{'x1 / limit':>11}{'x64 / bf16 peak':>16}")
-    for r in rows:
-        dec64 = r["decode_64_tok_s"]
-        line = (f"{r['name']:<34}{r['ttft_512_s'] * 1000:>8.0f}ms"
-                f"{r['decode_1_tok_s']:>8.1f}tok/s"
+    for s in systems:
+        dec64 = med(s.name, "decode_64_tok_s")
+        line = (f"{s.name:<34}{med(s.name, 'ttft_512_s') * 1000:>8.0f}ms"
+                f"{med(s.name, 'decode_1_tok_s'):>8.1f}tok/s"
                 + (f"{dec64:>8.0f}tok/s" if dec64 else f"{'-':>12}"))
-        if "weight_bytes_per_step" in r:
-            limit1 = bw / r["weight_bytes_per_step"]
-            limit64 = peak / r["flops_per_token"]
-            r["decode_1_bandwidth_limit"] = limit1
-            r["decode_64_matmul_limit"] = limit64
-            line += (f"{limit1:>9.0f}tok/s{r['decode_1_tok_s'] / limit1:>11.0%}"
-                     f"{dec64 / limit64:>16.0%}")
+        if isinstance(s, Servelm):
+            line += (f"{med(s.name, 'decode_1_bandwidth_limit'):>9.0f}tok/s"
+                     f"{med(s.name, 'decode_1_utilisation'):>11.0%}"
+                     f"{med(s.name, 'decode_64_utilisation'):>16.0%}")
         print(line)
-    if ref:
-        print(f"\nTTFT vs transformers bf16 (lower is better), decode vs transformers bf16:")
-        for r in rows:
-            if r["name"].startswith("servelm"):
-                print(f"  {r['name']:<22} TTFT x{r['ttft_512_s'] / ref['ttft_512_s']:.2f}   "
-                      f"decode x1 {r['decode_1_tok_s'] / ref['decode_1_tok_s']:.2f}x   "
-                      f"decode x64 {r['decode_64_tok_s'] / ref['decode_64_tok_s']:.2f}x")
+
+    def ratios(a: str, b: str, key: str, invert: bool = False) -> list[float]:
+        xs = [r["results"][a][key] / r["results"][b][key] for r in rounds
+              if r["results"][a].get(key) and r["results"][b].get(key)]
+        return [1 / x for x in xs] if invert else xs
+
+    names = {s.name for s in systems}
+    ref, cpp = "transformers bfloat16", LlamaCpp.name
+    print("\nratios within a round, median [range] over the rounds:")
+    for s in systems:
+        if not isinstance(s, Servelm):
+            continue
+        parts = []
+        if ref in names:
+            for label, key in (("TTFT", "ttft_512_s"), ("decode x1", "decode_1_tok_s"),
+                               ("decode x64", "decode_64_tok_s")):
+                xs = ratios(s.name, ref, key)
+                parts.append(f"{label} x{statistics.median(xs):.2f} {_spread(xs)}")
+        if cpp in names:
+            xs = ratios(s.name, cpp, "decode_1_tok_s")
+            parts.append(f"decode x1 vs llama.cpp x{statistics.median(xs):.2f} {_spread(xs)}")
+        if parts:
+            print(f"  {s.name:<22} " + "   ".join(parts)
+                  + ("   (TTFT, decode: against transformers bf16)" if ref in names else ""))
     if args.json:
+        summary = {s.name: {k: med(s.name, k) for k in METRICS} for s in systems}
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bw, "flops": peak, "rows": rows}, f, indent=2)
+            json.dump({"rounds": rounds, "median": summary}, f, indent=2)
 
 
 if __name__ == "__main__":
