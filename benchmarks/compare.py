@@ -25,7 +25,6 @@ each round came (utilisation, median over the rounds).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -207,6 +206,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if len(set(formats)) != len(formats):
+        ap.error(f"--formats names a format twice: {args.formats!r}")
     for fmt in formats:  # every format checked before anything loads
         variant = fmt.partition("/")[2]
         if variant and variant not in VARIANTS:

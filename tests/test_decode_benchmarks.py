@@ -48,3 +48,10 @@ def test_compare_rejects_an_unknown_format_variant():
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "unknown format variant 'bogus' in 'int4/bogus'" in r.stderr
     assert "unpacked, unfused, smallpages" in r.stderr
+
+
+def test_compare_rejects_a_format_named_twice():
+    # Every system is loaded at once and results are keyed by name: a repeat is a usage error.
+    r = _run("compare.py", "--formats", "int4,bfloat16,int4", "--skip-transformers")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--formats names a format twice: 'int4,bfloat16,int4'" in r.stderr
