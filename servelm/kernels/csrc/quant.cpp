@@ -134,14 +134,15 @@ void int4_tiles(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
 // would decode it M/6 times (and int8's nibble split doubles its dot products): instead
 // each thread decodes a pair of 16-row tiles once into bf16, in the vdpbf16ps operand
 // layout (k-pair kp: 32 bf16 = 16 rows x (k = 2kp, 2kp+1)), and runs a bf16 micro-kernel
-// over all M rows, 12 at a time: 2 tiles x 12 rows = 24 fp32 accumulator chains, one
-// broadcast activation pair feeding both tiles. The weights are rounded to bf16 once
-// decoded (s * q + m), as dequantise-then-matmul in the model dtype would.
+// over all M rows, 8 at a time: 2 tiles x 8 rows = 16 fp32 accumulator chains, one
+// broadcast activation pair feeding both tiles (12 rows, 24 chains, measured 2-5% slower at
+// 64 rows, where they leave a 4-row remainder, and alike at 48 and 512). The weights are
+// rounded to bf16 once decoded (s * q + m), as dequantise-then-matmul in the model dtype would.
 // From these many rows (measured over the embedded model's layers, against the row-streaming
 // kernels below): int4 keeps streaming up to ~48 rows (its decode is cheap and the stream
 // bound), int8 only to ~24 (its nibble split doubles the dot products).
 constexpr int64_t kDecodeOnceRows4 = 48, kDecodeOnceRows8 = 24;
-constexpr int kGemmRows = 12;
+constexpr int kGemmRows = 8;
 
 inline __m512i kRowLo() {  // lane i -> row i / 2 (lanes 2r, 2r+1 hold row r)
   return _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
