@@ -373,9 +373,11 @@ at::Tensor make_out(const at::Tensor& x_in, int64_t K, int64_t N, at::Tensor& x,
 
 // The entry points' shared part: output allocated, activations and bias prepared (G: the
 // group of inputs summed per activation row), then run(split, out, acts, bias, M, K) with
-// split a std::bool_constant (fp32 activations: split into bf16 hi + lo).
+// split a std::bool_constant (fp32 activations: split into bf16 hi + lo). From
+// decode_once_rows bf16 rows on, the kernels decode each weight tile to bf16 and multiply
+// it by the rows as they are: no group sums are computed (acts.xs is null).
 template <typename Run>
-at::Tensor linear_call(const at::Tensor& x_in, int64_t N, int64_t G,
+at::Tensor linear_call(const at::Tensor& x_in, int64_t N, int64_t G, int64_t decode_once_rows,
                        const std::optional<at::Tensor>& bias, const Run& run) {
   const int64_t K = x_in.size(-1);
   at::Tensor x;
@@ -384,7 +386,9 @@ at::Tensor linear_call(const at::Tensor& x_in, int64_t N, int64_t G,
   if (M == 0) return out;
   Scratch& S = scratch();
   const float* bp = bias_ptr(bias, N, S);
-  const Acts a = prepare(x, M, K, G, S);
+  const bool decode_once = x.scalar_type() == at::kBFloat16 && M >= decode_once_rows;
+  const Acts a = decode_once ? Acts{x.data_ptr<c10::BFloat16>(), nullptr, nullptr}
+                             : prepare(x, M, K, G, S);
   if (x.scalar_type() == at::kBFloat16)
     run(std::false_type{}, out.data_ptr<c10::BFloat16>(), a, bp, M, K);
   else
@@ -399,7 +403,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   const auto* qw = qweight.data_ptr<uint8_t>();
   const auto* sc = scales.data_ptr<c10::Half>();
   const auto* mn = mins.data_ptr<c10::Half>();
-  return linear_call(x_in, N, group_size, bias,
+  return linear_call(x_in, N, group_size, kDecodeOnceRows4, bias,
                      [&](auto split, auto* out, const Acts& a, const float* bp, int64_t M, int64_t K) {
                        int4_run<decltype(split)::value>(group_size, qw, sc, mn, a.xh, a.xl, a.xs, bp,
                                                         out, M, N, K);
@@ -541,7 +545,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   check_int8(qweight, scales, N, x_in.size(-1));
   const auto* qw = qweight.data_ptr<uint8_t>();
   const auto* sc = scales.data_ptr<float>();
-  return linear_call(x_in, N, x_in.size(-1), bias,  // one group: the whole row's sum
+  return linear_call(x_in, N, x_in.size(-1), kDecodeOnceRows8, bias,  // one group a row
                      [&](auto split, auto* out, const Acts& a, const float* bp, int64_t M, int64_t K) {
                        int8_run<decltype(split)::value>(qw, sc, a.xh, a.xl, a.xs, bp, out, M, N, K);
                      });
