@@ -82,13 +82,32 @@ inline float online_softmax_tile(float* s, int n, float& m, float& l) {
   return alpha;
 }
 
-// Attend G pre-scaled fp32 queries to tokens [t0, t1) of one sequence's KV head.
-// acc [G*D] (unnormalised), m [G] (running max), l [G] (running sum) are updated.
+// A K/V cache pair [NB, BS, KVH, D] read in place through int32 block tables [B, MB]: token
+// t of sequence b is row t % BS of block tables[b][t / BS] (the same element offset in K and V).
+template <typename T>
+struct PagedKV {
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  int num_blocks, bs, kv_heads, MB;
+  int64_t blk_stride, tok_stride;
+  PagedKV(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables)
+      : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
+        num_blocks(k_cache.size(0)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
+        MB(block_tables.size(1)), blk_stride(k_cache.stride(0)), tok_stride(k_cache.stride(1)) {}
+  const int32_t* table(int b) const { return tables + static_cast<int64_t>(b) * MB; }
+  // Element offset of token t's row (all KV heads) in either cache.
+  int64_t offset(const int32_t* table, int t) const {
+    return static_cast<int64_t>(table[t / bs]) * blk_stride + static_cast<int64_t>(t % bs) * tok_stride;
+  }
+};
+
+// Attend G pre-scaled fp32 queries to tokens [t0, t1) of one sequence's KV head (head_off:
+// its offset within a cache row). acc [G*D] (unnormalised), m [G] (running max), l [G]
+// (running sum) are updated.
 template <typename T, int DT>
-void attend_range(const float* qf, int G, int d_rt, const T* kc, const T* vc,
-                  int64_t blk_stride, int64_t tok_stride, int64_t head_off,
-                  const int32_t* table, int bs, int t0, int t1,
-                  float* acc, float* m, float* l) {
+void attend_range(const float* qf, int G, int d_rt, const PagedKV<T>& kv, const int32_t* table,
+                  int64_t head_off, int t0, int t1, float* acc, float* m, float* l) {
   const int D = DT ? DT : d_rt;
   alignas(64) float kf[kMaxD];
   alignas(64) float s[kMaxG][kTile];
@@ -98,10 +117,9 @@ void attend_range(const float* qf, int G, int d_rt, const T* kc, const T* vc,
     const int n = std::min(kTile, t1 - base);
     for (int j = 0; j < n; ++j) {
       const int t = base + j;
-      const int64_t off = static_cast<int64_t>(table[t / bs]) * blk_stride +
-                          static_cast<int64_t>(t % bs) * tok_stride + head_off;
-      krow[j] = kc + off;
-      vrow[j] = vc + off;
+      const int64_t off = kv.offset(table, t) + head_off;
+      krow[j] = kv.k + off;
+      vrow[j] = kv.v + off;
     }
     for (int j = 0; j < n; ++j) {
       const T* kr = krow[j];
@@ -221,10 +239,9 @@ inline void pv_heads(const T* const* vrow, int n, const float (*p)[kTile], const
 // q and K rows; else fp32 from K converted once), a vectorised online softmax per head, then
 // P.V with V converted once per key for up to 4 heads whose accumulators stay in registers.
 template <typename T, int D>
-void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G, const T* kc, const T* vc,
-                         int64_t blk_stride, int64_t tok_stride, int64_t head_off,
-                         const int32_t* table, int bs, int t0, int t1,
-                         float* acc, float* m, float* l) {
+void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G,
+                         const PagedKV<T>& kv, const int32_t* table, int64_t head_off, int t0,
+                         int t1, float* acc, float* m, float* l) {
   static_assert(kTile == 32, "the softmax below handles a tile as two 16-lane vectors");
   constexpr int NV = D / 16;
   constexpr int kChunkG = NV >= 16 ? 1 : std::min(4, 16 / NV);  // heads per register block
@@ -243,10 +260,9 @@ void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float
     const T* krow[kTile];
     for (int j = 0; j < n; ++j) {
       const int t = base + j;
-      const int64_t off = static_cast<int64_t>(table[t / bs]) * blk_stride +
-                          static_cast<int64_t>(t % bs) * tok_stride + head_off;
-      krow[j] = kc + off;
-      vrow[j] = vc + off;
+      const int64_t off = kv.offset(table, t) + head_off;
+      krow[j] = kv.k + off;
+      vrow[j] = kv.v + off;
     }
     if constexpr (!kDp) {
       for (int j = 0; j < n; ++j)
@@ -325,16 +341,12 @@ template <typename T, int DT>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const PagedKV<T> kv(k_cache, v_cache, block_tables);
   const int B = q.size(0), H = q.size(1), D = q.size(2);
-  const int KVH = k_cache.size(2), bs = k_cache.size(1);
+  const int KVH = kv.kv_heads, bs = kv.bs, MB = kv.MB;
   const int G = H / KVH;
-  const int MB = block_tables.size(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const int64_t blk_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
@@ -385,8 +397,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       l[hg] = 0.f;
     }
     std::fill(acc, acc + H * D, 0.f);
-    const int32_t* table = tables + static_cast<int64_t>(b) * MB;
-    const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(T));
+    const int32_t* table = kv.table(b);
+    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
     for (int base = t0; base < t1; base += kTile) {
       const int end = std::min(t1, base + kTile);
       // Blocks are scattered, so the hardware prefetcher stalls at each block boundary:
@@ -394,10 +406,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       for (int t = base == t0 ? end : std::min(t1, end + kTile), stop = std::min(t1, end + 2 * kTile);
            t < stop;) {
         const int in_blk = std::min(stop - t, bs - t % bs);
-        const int64_t off = static_cast<int64_t>(table[t / bs]) * blk_stride +
-                            static_cast<int64_t>(t % bs) * tok_stride;
-        const char* kp = reinterpret_cast<const char*>(kc + off);
-        const char* vp = reinterpret_cast<const char*>(vc + off);
+        const int64_t off = kv.offset(table, t);
+        const char* kp = reinterpret_cast<const char*>(kv.k + off);
+        const char* vp = reinterpret_cast<const char*>(kv.v + off);
         for (int64_t x = 0, n = in_blk * row_bytes; x < n; x += 64) {
           __builtin_prefetch(kp + x);
           __builtin_prefetch(vp + x);
@@ -408,14 +419,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
         const int hg = h * G;
 #ifdef __AVX512F__
         if constexpr (DT != 0 && DT % 16 == 0) {
-          attend_range_avx512<T, DT>(qf + hg * D, qb + hg * qs1, qs1, sc, G, kc, vc, blk_stride,
-                                     tok_stride, static_cast<int64_t>(h) * D, table, bs, base, end,
-                                     acc + hg * D, m + hg, l + hg);
+          attend_range_avx512<T, DT>(qf + hg * D, qb + hg * qs1, qs1, sc, G, kv, table,
+                                     static_cast<int64_t>(h) * D, base, end, acc + hg * D, m + hg,
+                                     l + hg);
           continue;
         }
 #endif
-        attend_range<T, DT>(qf + hg * D, G, D, kc, vc, blk_stride, tok_stride,
-                            static_cast<int64_t>(h) * D, table, bs, base, end,
+        attend_range<T, DT>(qf + hg * D, G, D, kv, table, static_cast<int64_t>(h) * D, base, end,
                             acc + hg * D, m + hg, l + hg);
       }
     }
@@ -903,16 +913,13 @@ template <typename T, bool kDp, int DT>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& cu_q,
                             const at::Tensor& start_pos, double scale, at::Tensor& out) {
+  const PagedKV<T> kv(k_cache, v_cache, block_tables);
   const int H = q.size(1), D = DT ? DT : q.size(2);
-  const int KVH = k_cache.size(2), bs = k_cache.size(1);
+  const int KVH = kv.kv_heads, bs = kv.bs, MB = kv.MB;
   const int G = H / KVH;
-  const int B = start_pos.numel(), MB = block_tables.size(1);
+  const int B = start_pos.numel();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const int64_t blk_stride = k_cache.stride(0), tok_stride = k_cache.stride(1);
   const T* qptr = q.data_ptr<T>();
-  const T* kcache = k_cache.data_ptr<T>();
-  const T* vcache = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* cu = cu_q.data_ptr<int32_t>();
   const int32_t* sp = start_pos.data_ptr<int32_t>();
   T* optr = out.data_ptr<T>();
@@ -939,9 +946,9 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(sp[b] + n <= static_cast<int64_t>(MB) * bs, "paged_prefill_attention: sequence ", b,
                 " needs ", sp[b] + n, " keys, its block table holds ", MB * bs);
     for (int i = 0, nb = (sp[b] + n + bs - 1) / bs; i < nb; ++i) {
-      const int32_t blk = tables[static_cast<int64_t>(b) * MB + i];
-      TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "paged_prefill_attention: block ", blk,
-                  " out of range (", k_cache.size(0), " blocks)");
+      const int32_t blk = kv.table(b)[i];
+      TORCH_CHECK(blk >= 0 && blk < kv.num_blocks, "paged_prefill_attention: block ", blk,
+                  " out of range (", kv.num_blocks, " blocks)");
     }
     for (int q0 = 0; q0 < n; q0 += iq) {
       const int q1 = std::min(n, q0 + iq);
@@ -957,7 +964,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     const int b = it.b, h = it.h, start = sp[b];
     const int nq = it.q1 - it.q0, ntile = (nq + 15) / 16, nt = G * ntile;
     const int kend = start + it.q1;  // keys [0, kend)
-    const int32_t* table = tables + static_cast<int64_t>(b) * MB;
+    const int32_t* table = kv.table(b);
     // One allocation: tiles' o and q, K chunk, V chunk, scores, bf16 pairs of p.
     const size_t o_sz = static_cast<size_t>(D) * 16, q_sz = static_cast<size_t>(DQ) * 16;
     const size_t k_sz = static_cast<size_t>(kChunkK) * DQ;
@@ -1017,10 +1024,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
     }
     const int64_t head_off = static_cast<int64_t>(h) * D;
-    auto row = [&](const T* cache, int key) {
-      return cache + static_cast<int64_t>(table[key / bs]) * blk_stride +
-             static_cast<int64_t>(key % bs) * tok_stride + head_off;
-    };
+    auto row = [&](const T* cache, int key) { return cache + kv.offset(table, key) + head_off; };
     for (int c0 = 0; c0 < kend; c0 += kChunkK) {
       const int n = std::min(kChunkK, kend - c0);
       const int npad = (n + 15) / 16 * 16;
@@ -1032,12 +1036,12 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         uint16_t* kb = reinterpret_cast<uint16_t*>(kbuf);
         uint32_t* vb = reinterpret_cast<uint32_t*>(vbuf);
         for (int j = 0; j < npad; ++j) {
-          if (j < n) std::memcpy(kb + j * D, row(kcache, c0 + j), sizeof(T) * D);
+          if (j < n) std::memcpy(kb + j * D, row(kv.k, c0 + j), sizeof(T) * D);
           else std::memset(kb + j * D, 0, sizeof(T) * D);
         }
         for (int j = 0; j < npad; j += 2) {
-          const __m256i* r0 = reinterpret_cast<const __m256i*>(j < n ? row(vcache, c0 + j) : zero_row);
-          const __m256i* r1 = reinterpret_cast<const __m256i*>(j + 1 < n ? row(vcache, c0 + j + 1) : zero_row);
+          const __m256i* r0 = reinterpret_cast<const __m256i*>(j < n ? row(kv.v, c0 + j) : zero_row);
+          const __m256i* r1 = reinterpret_cast<const __m256i*>(j + 1 < n ? row(kv.v, c0 + j + 1) : zero_row);
           __m512i* dst = reinterpret_cast<__m512i*>(vb + (j / 2) * D);
           for (int c = 0; c < D / 16; ++c)
             _mm512_store_si512(dst + c, _mm512_or_si512(
@@ -1051,8 +1055,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           float* kd = kbuf + j * D;
           float* vd = vbuf + j * D;
           if (j < n) {
-            const T* kr = row(kcache, c0 + j);
-            const T* vr = row(vcache, c0 + j);
+            const T* kr = row(kv.k, c0 + j);
+            const T* vr = row(kv.v, c0 + j);
             for (int d = 0; d < D; ++d) { kd[d] = to_f<T>(kr[d]); vd[d] = to_f<T>(vr[d]); }
           } else {
             std::fill(kd, kd + D, 0.f);
