@@ -21,6 +21,14 @@ class Hardware:
     source: str = "given"
 
 
+def prompt_flops(num_tokens: int, flops_per_token: float, sampled_row_flops: float,
+                 sampled_rows: int = 1) -> float:
+    """Matmul FLOPs of a prompt chunk: every token through the layers (flops_per_token, which
+    includes sampled_row_flops), only `sampled_rows` of them through the LM head and the last
+    layer past attention (sampled_row_flops each)."""
+    return num_tokens * (flops_per_token - sampled_row_flops) + sampled_rows * sampled_row_flops
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Just the sizes the roofline needs; weights are not required."""
@@ -82,11 +90,10 @@ class ModelShape:
         return self.lm_head_flops + tail
 
     def prefill_flops(self, num_tokens: int, context: float, sampled_rows: int = 1) -> float:
-        """Matmul FLOPs of a prompt chunk: every token through the layers (attention over
-        `context` tokens on average), only `sampled_rows` of them through the LM head and
-        the last layer past attention."""
-        return num_tokens * (self.flops_per_token(context) - self.sampled_row_flops) \
-            + sampled_rows * self.sampled_row_flops
+        """Matmul FLOPs of a prompt chunk (attention over `context` tokens on average):
+        `prompt_flops` with this model's figures."""
+        return prompt_flops(num_tokens, self.flops_per_token(context), self.sampled_row_flops,
+                            sampled_rows)
 
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float) -> "ModelShape":

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from servelm.roofline import prompt_flops
+
 _METRIC = "servelm_roofline_"
 
 
@@ -53,9 +55,8 @@ class RooflineModel:
         return max(bytes_ / self.bandwidth, flops / self.peak_flops)
 
     def prefill_seconds(self, prompt_len: int) -> float:
-        flops = prompt_len * (self.flops_per_token - self.sampled_row_flops
-                              + self.attn_flops_per_context * prompt_len / 2) \
-            + self.sampled_row_flops
+        flops = prompt_flops(prompt_len, self.flops_per_token
+                             + self.attn_flops_per_context * prompt_len / 2, self.sampled_row_flops)
         return self._time(self.weight_bytes + prompt_len * self.kv_bytes_per_token, flops)
 
     def decode_step_seconds(self, batch: int, context: float) -> float:
