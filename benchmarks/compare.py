@@ -267,10 +267,9 @@ def main() -> None:
                      f"{med(s.name, 'decode_64_utilisation'):>16.0%}")
         print(line)
 
-    def ratios(a: str, b: str, key: str, invert: bool = False) -> list[float]:
-        xs = [r["results"][a][key] / r["results"][b][key] for r in rounds
-              if r["results"][a].get(key) and r["results"][b].get(key)]
-        return [1 / x for x in xs] if invert else xs
+    def ratios(a: str, b: str, key: str) -> list[float]:
+        return [r["results"][a][key] / r["results"][b][key] for r in rounds
+                if r["results"][a].get(key) and r["results"][b].get(key)]
 
     names = {s.name for s in systems}
     ref, cpp = "transformers bfloat16", LlamaCpp.name
