@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <exception>
+#include <optional>
 
 #include <type_traits>
 #include <vector>
@@ -36,6 +37,8 @@
 // Built with -march=native: on a CPU without these the file compiles to nothing, no op is
 // registered, and servelm.quantization uses its PyTorch paths.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+
+#include "decode_attention.h"
 
 namespace {
 
@@ -556,16 +559,17 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 
 // A Llama-family model's decoder layers for M single-token (decode) rows, when all their
 // linear layers are int4 / int8: one C++ call per step (DecodeStack.run) and one parallel
-// region per layer. From Python the same work is ~12 operator calls per layer: each pays
-// Python and dispatcher time, and each matmul opens its own parallel region whose threads
+// region for all the layers. From Python the same work is ~12 operator calls per layer: each
+// pays Python and dispatcher time, and each matmul opens its own parallel region whose threads
 // then stream a weight of 0.2-1 MB starting cold. Here the threads split each matmul's tiles
 // exactly as int4_linear / int8_linear would (so results are bit-identical to theirs) and
-// meet at a barrier between steps; while the calling thread runs a serial step (a norm, the
-// activation sums) the others prefetch the head of their share of the next weight into L2.
-// Norms, rotary + KV write, attention and SiLU are the servelm_ops operators (called
-// through the dispatcher), so they match the per-op path too; rotary and attention run
-// between two regions, parallel as they are per-op. A layer's o_proj .. down_proj and the
-// next layer's norm + qkv_proj share one region.
+// meet at a barrier between steps; while the calling thread runs a serial step (a norm, rotary
+// + KV write, the activation sums) the others prefetch the head of their share of the next
+// weight into L2. Attention runs the paged_decode_attention op's work items
+// (decode_attention.h), each thread its share, fixed per step, so while streaming the
+// previous layer's gate_up_proj each thread also pulls its items' K/V rows into L2 (cold
+// otherwise: the weights stream evicts them every step). Norms, rotary + KV write and SiLU are
+// the servelm_ops operators (called through the dispatcher), so they match the per-op path.
 
 struct QLinear {
   int64_t G = 0;  // int4 group size; 0: int8
@@ -680,13 +684,95 @@ struct Team {
   }
   void matmul(const QLinear& L, const at::Tensor& x, const std::vector<float>& xs, at::Tensor& y,
               int64_t M, const QLinear* next) {
+    matmul(L, x, xs, y, M, next, [](double) {});
+  }
+  // The same, calling during(fraction of this thread's share done) every few tiles, so other
+  // memory traffic (the K/V rows the thread attends to next) can ride along with the stream.
+  template <typename During>
+  void matmul(const QLinear& L, const at::Tensor& x, const std::vector<float>& xs, at::Tensor& y,
+              int64_t M, const QLinear* next, During&& during) {
     guarded([&] {
       int64_t t0, t1;
       L.share(tid, n, t0, t1);
-      L.run(x.data_ptr<c10::BFloat16>(), xs.data(), y.data_ptr<c10::BFloat16>(), M, t0, t1);
+      constexpr int64_t kStep = 4;
+      for (int64_t c = t0; c < t1; c += kStep) {
+        const int64_t e = std::min(t1, c + kStep);
+        L.run(x.data_ptr<c10::BFloat16>(), xs.data(), y.data_ptr<c10::BFloat16>(), M, c, e);
+        during(static_cast<double>(e - t0) / static_cast<double>(t1 - t0));
+      }
       if (next) next->prefetch(tid, n, kWarm);
     });
     barrier();
+  }
+};
+
+// One thread's attention items for a step (the same for every layer: the plan depends only
+// on the context lengths), and their K/V rows as byte runs in a layer's cache, which the
+// thread pulls into its L2 while it streams the matmul before that layer's attention. Each
+// item is a sequence's context range; items go to threads in order, split where the tokens
+// attended (their cost) reach equal shares.
+struct AttnShare {
+  int64_t i0 = 0, i1 = 0;                          // items [i0, i1)
+  std::vector<std::pair<int64_t, int64_t>> runs;   // (byte offset, bytes), either cache
+  int64_t bytes = 0;
+  // At most this many bytes of each cache (more would push the weights' stream out of L2).
+  static constexpr int64_t kMaxBytes = 192 << 10;
+
+  template <typename Att>
+  void plan(const Att& att, const PagedKV<c10::BFloat16>& kv, int tid, int nt) {
+    const int64_t items = att.items();
+    std::vector<int64_t> cost(items);
+    int64_t total = 0;
+    for (int64_t it = 0; it < items; ++it) {
+      int b, t0, t1;
+      att.item_range(it, b, t0, t1);
+      cost[it] = std::max(t1 - t0, 0) + 1;
+      total += cost[it];
+    }
+    // Item it goes to the thread whose share of the total cost holds its midpoint.
+    int64_t before = 0;
+    i0 = i1 = -1;
+    for (int64_t it = 0; it < items; ++it) {
+      const int owner = static_cast<int>(std::min<int64_t>(nt - 1, (2 * before + cost[it]) * nt / (2 * total)));
+      before += cost[it];
+      if (owner == tid) {
+        if (i0 < 0) i0 = it;
+        i1 = it + 1;
+      }
+    }
+    if (i0 < 0) i0 = i1 = 0;
+    const int64_t row = kv.tok_stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+    for (int64_t it = i0; it < i1 && bytes < kMaxBytes; ++it) {
+      int b, t0, t1;
+      att.item_range(it, b, t0, t1);
+      const int32_t* table = kv.table(b);
+      for (int t = t0; t < t1 && bytes < kMaxBytes;) {
+        const int in_blk = std::min(t1 - t, kv.bs - t % kv.bs);
+        const int64_t n = std::min<int64_t>(in_blk * row, kMaxBytes - bytes);
+        runs.emplace_back(kv.offset(table, t) * static_cast<int64_t>(sizeof(c10::BFloat16)), n);
+        bytes += n;
+        t += in_blk;
+      }
+    }
+  }
+
+  // Prefetches (into L2) the runs of caches k, v up to `frac` of the bytes, resuming where the
+  // last call stopped; start() rewinds for the next layer.
+  size_t run_ = 0;
+  int64_t off_ = 0, done_ = 0;
+  void start() { run_ = 0, off_ = 0, done_ = 0; }
+  void advance(const void* k, const void* v, double frac) {
+    const int64_t target = static_cast<int64_t>(frac * static_cast<double>(bytes));
+    const char* kc = static_cast<const char*>(k);
+    const char* vc = static_cast<const char*>(v);
+    while (done_ < target && run_ < runs.size()) {
+      const auto [o, n] = runs[run_];
+      _mm_prefetch(kc + o + off_, _MM_HINT_T1);
+      _mm_prefetch(vc + o + off_, _MM_HINT_T1);
+      off_ += 64;
+      done_ += 64;
+      if (off_ >= n) ++run_, off_ = 0;
+    }
   }
 };
 
@@ -719,8 +805,6 @@ struct Ops {
       ops_handle<T(const T&, T&, const T&, double)>("servelm_ops::fused_add_rms_norm");
   c10::TypedOperatorHandle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)> rotary =
       ops_handle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)>("servelm_ops::rotary_kv_write");
-  c10::TypedOperatorHandle<T(const T&, const T&, const T&, const T&, const T&, double)> attend =
-      ops_handle<T(const T&, const T&, const T&, const T&, const T&, double)>("servelm_ops::paged_decode_attention");
   c10::TypedOperatorHandle<T(const T&)> silu = ops_handle<T(const T&)>("servelm_ops::silu_and_mul");
   static const Ops& get() {
     static const Ops ops;
@@ -803,70 +887,112 @@ class DecodeStack : public torch::CustomClassHolder {
   // and the last layer's MLP output returned (the model adds it before its final norm).
   at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
                  at::Tensor block_tables, at::Tensor context_lens) {
-    const Ops& ops = Ops::get();
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
                     residual.device().is_cpu() && residual.size(1) == layers_[0].ln1.numel(),
                 "DecodeStack: residual must be contiguous bfloat16 [M, ", layers_[0].ln1.numel(), "] on the CPU");
-    const int64_t M = residual.size(0), hidden = residual.size(1);
+    const int64_t M = residual.size(0);
     TORCH_CHECK(M >= 1 && M <= max_rows_, "DecodeStack takes 1 to ", max_rows_, " rows, got ", M);
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
                     slot_mapping.numel() == M,
                 "DecodeStack: block_tables, context_lens and slot_mapping need one row per token");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                    context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+                "DecodeStack: block_tables and context_lens must be contiguous int32");
+    check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(1),
+                       layers_[0].k_cache.size(1), "DecodeStack");
     const int64_t D = layers_[0].k_cache.size(3);
-    const auto opts = residual.options();
-    at::Tensor qkv_out, o_out, gu_out, out, h1, h2, act;
-    std::vector<float> xs1, xs2, xs3, xs4;
-
-    // Layer l's norm + qkv; its tail (o .. down) and the next layer's head share a region.
-    auto head = [&](Team& t, size_t l, const at::Tensor* delta) {
-      const StackLayer& s = layers_[l];
-      t.serial([&] {
-        h1 = delta ? ops.add_rms.call(*delta, residual, s.ln1, eps_) : ops.rms.call(residual, s.ln1, eps_);
-        s.qkv.sums(h1.data_ptr<c10::BFloat16>(), M, xs1);
-        qkv_out = at::empty({M, s.qkv.N}, opts);
-      }, s.qkv);
-      t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
-    };
-    at::Tensor attn;
-    auto tail = [&](Team& t, size_t l) {
-      const StackLayer& s = layers_[l];
-      t.serial([&] {
-        s.o.sums(attn.data_ptr<c10::BFloat16>(), M, xs2);
-        o_out = at::empty({M, hidden}, opts);
-      }, s.o);
-      t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
-      t.serial([&] {
-        h2 = ops.add_rms.call(o_out, residual, s.ln2, eps_);
-        s.gu.sums(h2.data_ptr<c10::BFloat16>(), M, xs3);
-        gu_out = at::empty({M, s.gu.N}, opts);
-      }, s.gu);
-      t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
-      t.serial([&] {
-        act = ops.silu.call(gu_out);
-        s.down.sums(act.data_ptr<c10::BFloat16>(), M, xs4);
-        out = at::empty({M, hidden}, opts);
-      }, s.down);
-      t.matmul(s.down, act, xs4, out, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
-    };
-
-    team_region([&](Team& t) { head(t, 0, nullptr); });
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      StackLayer& s = layers_[l];
-      // Rotary + KV write and attention between the regions, so they parallelise as they do
-      // per-op (over sequences, or over a long context's splits).
-      ops.rotary.call(qkv_out, cos, sin, s.k_cache, s.v_cache, slot_mapping, heads_, kv_heads_);
-      attn = ops.attend.call(qkv_out.narrow(1, 0, heads_ * D).view({M, heads_, D}), s.k_cache,
-                             s.v_cache, block_tables, context_lens, scale_)
-                 .view({M, heads_ * D});
-      team_region([&](Team& t) {
-        tail(t, l);
-        if (l + 1 < layers_.size()) head(t, l + 1, &out);
-      });
-    }
-    return out;
+    if (D == 64) return run_impl<64>(residual, cos, sin, slot_mapping, block_tables, context_lens);
+    if (D == 128) return run_impl<128>(residual, cos, sin, slot_mapping, block_tables, context_lens);
+    return run_impl<0>(residual, cos, sin, slot_mapping, block_tables, context_lens);
   }
 
  private:
+  // One parallel region for the whole step. Per layer: the norm (serial) and qkv_proj; rotary
+  // + KV write (serial); attention, each thread running its share of the work items (whose
+  // K/V it prefetched while streaming the previous matmul); then o_proj .. down_proj.
+  template <int DT>
+  at::Tensor run_impl(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens) {
+    using BF = c10::BFloat16;
+    using Attention = DecodeAttention<BF, DT>;
+    const Ops& ops = Ops::get();
+    const int64_t M = residual.size(0), hidden = residual.size(1);
+    const int64_t D = layers_[0].k_cache.size(3);
+    const auto opts = residual.options();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const float scale = static_cast<float>(scale_);
+    const int nthreads = std::max(1, at::get_num_threads());
+    at::Tensor qkv_out, o_out, gu_out, out, h1, h2, act, attn;
+    std::vector<float> xs1, xs2, xs3, xs4;
+    std::optional<Attention> att;
+    auto attention = [&](const StackLayer& s, const at::Tensor& q) {
+      const PagedKV<BF> kv(s.k_cache, s.v_cache, block_tables);
+      return Attention(q.data_ptr<BF>(), q.stride(0), D, M, heads_, D, kv, lens, scale, nthreads,
+                       attn.data_ptr<BF>());
+    };
+    // The plan is the same for every layer (only the caches differ): the item shares from
+    // layer 0's, with a dummy output.
+    attn = at::empty({M, heads_ * D}, opts);
+    const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, block_tables);
+    const Attention plan(residual.data_ptr<BF>(), 0, 0, M, heads_, D, kv0, lens, scale, nthreads,
+                         attn.data_ptr<BF>());
+
+    team_region([&](Team& t) {
+      AttnShare share;
+      share.plan(plan, kv0, t.tid, t.n);
+      auto kv_rows = [&](size_t l) {  // prefetch this thread's K/V rows of layer l, in step
+        share.start();
+        const void* k = layers_[l].k_cache.data_ptr();
+        const void* v = layers_[l].v_cache.data_ptr();
+        return [&share, k, v](double frac) { share.advance(k, v, frac); };
+      };
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        StackLayer& s = layers_[l];  // its caches take the KV write
+        // Norm + qkv_proj (layer 0: the K/V rows come in here; later layers: during the
+        // previous layer's gate_up_proj).
+        t.serial([&] {
+          h1 = l ? ops.add_rms.call(out, residual, s.ln1, eps_) : ops.rms.call(residual, s.ln1, eps_);
+          s.qkv.sums(h1.data_ptr<BF>(), M, xs1);
+          qkv_out = at::empty({M, s.qkv.N}, opts);
+        }, s.qkv);
+        if (l == 0) t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, kv_rows(0));
+        else t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
+        // Rotary + KV write, then attention: each thread its items.
+        t.serial([&] {
+          ops.rotary.call(qkv_out, cos, sin, s.k_cache, s.v_cache, slot_mapping, heads_, kv_heads_);
+          attn = at::empty({M, heads_ * D}, opts);
+          att.emplace(attention(s, qkv_out));
+        }, s.o);
+        t.guarded([&] {
+          for (int64_t it = share.i0; it < share.i1; ++it) att->run_item(it);
+        });
+        t.barrier();
+        // o_proj .. down_proj.
+        t.serial([&] {
+          att->finish();
+          s.o.sums(attn.data_ptr<BF>(), M, xs2);
+          o_out = at::empty({M, hidden}, opts);
+        }, s.o);
+        t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
+        t.serial([&] {
+          h2 = ops.add_rms.call(o_out, residual, s.ln2, eps_);
+          s.gu.sums(h2.data_ptr<BF>(), M, xs3);
+          gu_out = at::empty({M, s.gu.N}, opts);
+        }, s.gu);
+        if (l + 1 < layers_.size()) t.matmul(s.gu, h2, xs3, gu_out, M, &s.down, kv_rows(l + 1));
+        else t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
+        t.serial([&] {
+          act = ops.silu.call(gu_out);
+          s.down.sums(act.data_ptr<BF>(), M, xs4);
+          out = at::empty({M, hidden}, opts);
+        }, s.down);
+        t.matmul(s.down, act, xs4, out, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+      }
+    });
+    return out;
+  }
+
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
   double eps_;
