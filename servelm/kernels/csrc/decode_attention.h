@@ -78,50 +78,45 @@ struct PagedKV {
   }
 };
 
-// Attend G pre-scaled fp32 queries to tokens [t0, t1) of one sequence's KV head (head_off:
-// its offset within a cache row). acc [G*D] (unnormalised), m [G] (running max), l [G]
-// (running sum) are updated.
+// Attend G pre-scaled fp32 queries to one tile of n <= kTile tokens of one sequence's KV
+// head: token j's rows are kc + roff[j] and vc + roff[j] (kc, vc: the caches offset to the head).
+// acc [G*D] (unnormalised), m [G] (running max), l [G] (running sum) are updated.
 template <typename T, int DT>
-void attend_range(const float* qf, int G, int d_rt, const PagedKV<T>& kv, const int32_t* table,
-                  int64_t head_off, int t0, int t1, float* acc, float* m, float* l) {
+void attend_tile(const float* qf, int G, int d_rt, const T* kc, const T* vc, const int64_t* roff,
+                 int n, float* acc, float* m, float* l) {
   const int D = DT ? DT : d_rt;
   alignas(64) float kf[kMaxD];
   alignas(64) float s[kMaxG][kTile];
   const T* krow[kTile];
   const T* vrow[kTile];
-  for (int base = t0; base < t1; base += kTile) {
-    const int n = std::min(kTile, t1 - base);
-    for (int j = 0; j < n; ++j) {
-      const int t = base + j;
-      const int64_t off = kv.offset(table, t) + head_off;
-      krow[j] = kv.k + off;
-      vrow[j] = kv.v + off;
-    }
-    for (int j = 0; j < n; ++j) {
-      const T* kr = krow[j];
-      for (int d = 0; d < D; ++d) kf[d] = to_f<T>(kr[d]);
-      for (int g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        float dot = 0.f;
-        for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
-        s[g][j] = dot;
-      }
-    }
+  for (int j = 0; j < n; ++j) {
+    krow[j] = kc + roff[j];
+    vrow[j] = vc + roff[j];
+  }
+  for (int j = 0; j < n; ++j) {
+    const T* kr = krow[j];
+    for (int d = 0; d < D; ++d) kf[d] = to_f<T>(kr[d]);
     for (int g = 0; g < G; ++g) {
-      const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
-      if (alpha != 1.f) {
-        float* ag = acc + g * D;
-        for (int d = 0; d < D; ++d) ag[d] *= alpha;
-      }
+      const float* qg = qf + g * D;
+      float dot = 0.f;
+      for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
+      s[g][j] = dot;
     }
-    for (int j = 0; j < n; ++j) {
-      const T* vr = vrow[j];
-      for (int d = 0; d < D; ++d) kf[d] = to_f<T>(vr[d]);
-      for (int g = 0; g < G; ++g) {
-        const float p = s[g][j];
-        float* ag = acc + g * D;
-        for (int d = 0; d < D; ++d) ag[d] += p * kf[d];
-      }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
+    if (alpha != 1.f) {
+      float* ag = acc + g * D;
+      for (int d = 0; d < D; ++d) ag[d] *= alpha;
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    const T* vr = vrow[j];
+    for (int d = 0; d < D; ++d) kf[d] = to_f<T>(vr[d]);
+    for (int g = 0; g < G; ++g) {
+      const float p = s[g][j];
+      float* ag = acc + g * D;
+      for (int d = 0; d < D; ++d) ag[d] += p * kf[d];
     }
   }
 }
@@ -208,14 +203,14 @@ inline void pv_heads(const T* const* vrow, int n, const float (*p)[kTile], const
     for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * D + v * 16, a[g][v]);
 }
 
-// AVX-512 version of attend_range for D a multiple of 16 (known at compile time), a tile of
-// up to kTile keys at a time: scores for the G heads (bf16: pairwise dot products of the raw
+// AVX-512 version of attend_tile for D a multiple of 16 (known at compile time), a tile of
+// up to kTile keys: scores for the G heads (bf16: pairwise dot products of the raw
 // q and K rows; else fp32 from K converted once), a vectorised online softmax per head, then
 // P.V with V converted once per key for up to 4 heads whose accumulators stay in registers.
 template <typename T, int D>
-void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G,
-                         const PagedKV<T>& kv, const int32_t* table, int64_t head_off, int t0,
-                         int t1, float* acc, float* m, float* l) {
+void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G,
+                        const T* kc, const T* vc, const int64_t* roff, int n, float* acc, float* m,
+                        float* l) {
   static_assert(kTile == 32, "the softmax below handles a tile as two 16-lane vectors");
   constexpr int NV = D / 16;
   constexpr int kChunkG = NV >= 16 ? 1 : std::min(4, 16 / NV);  // heads per register block
@@ -228,84 +223,79 @@ void attend_range_avx512(const float* qf, const T* qraw, int64_t q_stride, float
   alignas(64) float s[kMaxG][kTile];
   alignas(64) float alpha[kMaxG];
   const __m512 neg = _mm512_set1_ps(kNegBig), log2e = _mm512_set1_ps(kLog2e);
-  for (int base = t0; base < t1; base += kTile) {
-    const int n = std::min(kTile, t1 - base);
-    const T* vrow[kTile];
-    const T* krow[kTile];
-    for (int j = 0; j < n; ++j) {
-      const int t = base + j;
-      const int64_t off = kv.offset(table, t) + head_off;
-      krow[j] = kv.k + off;
-      vrow[j] = kv.v + off;
-    }
-    if constexpr (!kDp) {
-      for (int j = 0; j < n; ++j)
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(krow[j] + v * 16));
-    }
-    for (int g = 0; g < G; ++g) {
+  const T* vrow[kTile];
+  const T* krow[kTile];
+  for (int j = 0; j < n; ++j) {
+    krow[j] = kc + roff[j];
+    vrow[j] = vc + roff[j];
+  }
+  if constexpr (!kDp) {
+    for (int j = 0; j < n; ++j)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(&kf[j][v * 16], load16<T>(krow[j] + v * 16));
+  }
+  for (int g = 0; g < G; ++g) {
 #if defined(__AVX512BF16__)
-      if constexpr (kDp) {
-        // bf16 K and q: pairwise bf16 dot products into fp32 (products exact), scaled after.
-        constexpr int NB = D / 32;
-        __m512bh qb[NB];
-        for (int v = 0; v < NB; ++v)
-          qb[v] = (__m512bh)_mm512_loadu_si512(qraw + g * q_stride + v * 32);
-        const __m512 sv = _mm512_set1_ps(scale);
-        for (int j0 = 0; j0 < n; j0 += 16) {
-          __m512 part[16];
-          for (int jj = 0; jj < 16; ++jj) {
-            const int j = j0 + jj;
-            __m512 a = _mm512_setzero_ps();
-            if (j < n)
-              for (int v = 0; v < NB; ++v)
-                a = _mm512_dpbf16_ps(a, qb[v], (__m512bh)_mm512_loadu_si512(krow[j] + v * 32));
-            part[jj] = a;
-          }
-          _mm512_store_ps(&s[g][j0], _mm512_mul_ps(sv, hsum16(part)));
+    if constexpr (kDp) {
+      // bf16 K and q: pairwise bf16 dot products into fp32 (products exact), scaled after.
+      constexpr int NB = D / 32;
+      __m512bh qb[NB];
+      for (int v = 0; v < NB; ++v)
+        qb[v] = (__m512bh)_mm512_loadu_si512(qraw + g * q_stride + v * 32);
+      const __m512 sv = _mm512_set1_ps(scale);
+      for (int j0 = 0; j0 < n; j0 += 16) {
+        __m512 part[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          const int j = j0 + jj;
+          __m512 a = _mm512_setzero_ps();
+          if (j < n)
+            for (int v = 0; v < NB; ++v)
+              a = _mm512_dpbf16_ps(a, qb[v], (__m512bh)_mm512_loadu_si512(krow[j] + v * 32));
+          part[jj] = a;
         }
+        _mm512_store_ps(&s[g][j0], _mm512_mul_ps(sv, hsum16(part)));
       }
-#endif
-      if constexpr (!kDp) {
-        __m512 qv[NV];
-        for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qf + g * D + v * 16);
-        for (int j0 = 0; j0 < n; j0 += 16) {
-          __m512 part[16];
-          for (int jj = 0; jj < 16; ++jj) {
-            const int j = j0 + jj;
-            if (j < n) {
-              __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[j][0]));
-              for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(&kf[j][v * 16]), a);
-              part[jj] = a;
-            } else {
-              part[jj] = _mm512_setzero_ps();
-            }
-          }
-          _mm512_store_ps(&s[g][j0], hsum16(part));
-        }
-      }
-      // Online softmax over the tile's n scores (two 16-lane vectors; lanes >= n are masked).
-      const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-      const __mmask16 k1 = n <= 16 ? 0 : n >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16)) - 1);
-      const __m512 x0 = _mm512_mask_mov_ps(neg, k0, _mm512_load_ps(&s[g][0]));
-      const __m512 x1 = _mm512_mask_mov_ps(neg, k1, _mm512_load_ps(&s[g][16]));
-      const float mt = std::max(m[g], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-      const __m512 mv = _mm512_set1_ps(mt);
-      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x0, mv), log2e)));
-      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x1, mv), log2e)));
-      _mm512_store_ps(&s[g][0], p0);
-      _mm512_store_ps(&s[g][16], p1);
-      alpha[g] = std::exp(m[g] - mt);
-      l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      m[g] = mt;
     }
-    for (int g0 = 0; g0 < G; g0 += kChunkG) {
-      float* a = acc + g0 * D;
-      switch (std::min(kChunkG, G - g0)) {
-        case 1: pv_heads<T, D, 1>(vrow, n, s + g0, alpha + g0, a); break;
-        case 2: pv_heads<T, D, std::min(2, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
-        case 3: pv_heads<T, D, std::min(3, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
-        default: pv_heads<T, D, kChunkG>(vrow, n, s + g0, alpha + g0, a); break;
+#endif
+    if constexpr (!kDp) {
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_load_ps(qf + g * D + v * 16);
+      for (int j0 = 0; j0 < n; j0 += 16) {
+        __m512 part[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          const int j = j0 + jj;
+          if (j < n) {
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[j][0]));
+            for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_load_ps(&kf[j][v * 16]), a);
+            part[jj] = a;
+          } else {
+            part[jj] = _mm512_setzero_ps();
+          }
+        }
+        _mm512_store_ps(&s[g][j0], hsum16(part));
       }
+    }
+    // Online softmax over the tile's n scores (two 16-lane vectors; lanes >= n are masked).
+    const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 k1 = n <= 16 ? 0 : n >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16)) - 1);
+    const __m512 x0 = _mm512_mask_mov_ps(neg, k0, _mm512_load_ps(&s[g][0]));
+    const __m512 x1 = _mm512_mask_mov_ps(neg, k1, _mm512_load_ps(&s[g][16]));
+    const float mt = std::max(m[g], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+    const __m512 mv = _mm512_set1_ps(mt);
+    const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x0, mv), log2e)));
+    const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_512<5>(_mm512_mul_ps(_mm512_sub_ps(x1, mv), log2e)));
+    _mm512_store_ps(&s[g][0], p0);
+    _mm512_store_ps(&s[g][16], p1);
+    alpha[g] = std::exp(m[g] - mt);
+    l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    m[g] = mt;
+  }
+  for (int g0 = 0; g0 < G; g0 += kChunkG) {
+    float* a = acc + g0 * D;
+    switch (std::min(kChunkG, G - g0)) {
+      case 1: pv_heads<T, D, 1>(vrow, n, s + g0, alpha + g0, a); break;
+      case 2: pv_heads<T, D, std::min(2, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
+      case 3: pv_heads<T, D, std::min(3, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
+      default: pv_heads<T, D, kChunkG>(vrow, n, s + g0, alpha + g0, a); break;
     }
   }
 }
@@ -394,18 +384,27 @@ class DecodeAttention {
         }
         t += in_blk;
       }
+      // The tile's row offsets, walked block by block (no division per token).
+      alignas(64) int64_t roff[kTile];
+      for (int t = base, j = 0; t < end;) {
+        const int in_blk = std::min(end - t, bs - t % bs);
+        const int64_t off = kv.offset(table, t);
+        for (int i = 0; i < in_blk; ++i, ++j) roff[j] = off + i * kv.tok_stride;
+        t += in_blk;
+      }
       for (int h = 0; h < KVH; ++h) {
         const int hg = h * G;
+        const T* kh = kv.k + static_cast<int64_t>(h) * D;
+        const T* vh = kv.v + static_cast<int64_t>(h) * D;
 #ifdef __AVX512F__
         if constexpr (DT != 0 && DT % 16 == 0) {
-          attend_range_avx512<T, DT>(qf + hg * D, qb + hg * qs1_, qs1_, sc, G, kv, table,
-                                     static_cast<int64_t>(h) * D, base, end, acc + hg * D, m + hg,
-                                     l + hg);
+          attend_tile_avx512<T, DT>(qf + hg * D, qb + hg * qs1_, qs1_, sc, G, kh, vh, roff,
+                                    end - base, acc + hg * D, m + hg, l + hg);
           continue;
         }
 #endif
-        attend_range<T, DT>(qf + hg * D, G, D, kv, table, static_cast<int64_t>(h) * D, base, end,
-                            acc + hg * D, m + hg, l + hg);
+        attend_tile<T, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
+                           l + hg);
       }
     }
     if (nsplit_ == 1) {
