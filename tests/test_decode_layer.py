@@ -88,7 +88,7 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("lens", [[1], [37], [300], [5, 300, 17], [3] * 7 + [90] * 6, "max"])
+@pytest.mark.parametrize("lens", [[1], [37], [150], [300], [5, 300, 17], [3] * 7 + [90] * 6, "max"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     cfg = _config(num_layers=layers)

@@ -322,7 +322,11 @@ class DecodeAttention {
       work_ += static_cast<int64_t>(lens[b]) * kv.kv_heads;
     }
     split_ = std::max(max_len, 1);
-    if (B < 4 * nthreads && max_len >= 256) {
+    if (B < nthreads && max_len >= 64 && max_len < 256) {
+      // Fewer sequences than threads: one split per thread (the DecodeStack runs them in
+      // parallel; the op, for work this small, on the calling thread).
+      split_ = ((max_len + nthreads - 1) / nthreads + kv.bs - 1) / kv.bs * kv.bs;
+    } else if (B < 4 * nthreads && max_len >= 256) {
       const int want = (4 * nthreads + B - 1) / B;
       split_ = std::max(128, (max_len + want - 1) / want);
       split_ = (split_ + kv.bs - 1) / kv.bs * kv.bs;
