@@ -170,6 +170,18 @@ def test_decode_stack_rejects_bad_arguments():
             s.run(x[:2].float(), cos[:2], sin[:2], *(a[:2] for a in args))
         with pytest.raises(RuntimeError, match="one row per token"):
             s.run(x[:2], cos[:2], sin[:2], *args)
+        # The stack runs rotary, the KV write and attention itself: their inputs are checked.
+        two = [a[:2] for a in args]
+        with pytest.raises(RuntimeError, match="cos/sin must be contiguous bfloat16"):
+            s.run(x[:2], cos[:2, :-1], sin[:2, :-1], *two)
+        with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = -1 is outside the KV cache"):
+            s.run(x[:2], cos[:2], sin[:2], torch.tensor([0, -1]), *two[1:])
+        with pytest.raises(RuntimeError, match="slot_mapping must be contiguous int64"):
+            s.run(x[:2], cos[:2], sin[:2], two[0].int(), *two[1:])
+        with pytest.raises(RuntimeError, match="block_tables and context_lens must be contiguous int32"):
+            s.run(x[:2], cos[:2], sin[:2], two[0], two[1].long(), two[2])
+        with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 100000 exceeds its block table"):
+            s.run(x[:2], cos[:2], sin[:2], two[0], two[1], torch.tensor([100000, 20], dtype=torch.int32))
 
 
 # ---------------------------------------------------------------- through the engine

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "row_kernels.h"
 
 namespace {
 
@@ -102,15 +103,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 
-template <typename T>
-void rms_row(const T* x, const T* w, T* y, int64_t N, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < N; ++i) { const float v = to_f<T>(x[i]); ss += v * v; }
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
-  for (int64_t i = 0; i < N; ++i)
-    y[i] = from_f<T>(to_f<T>(w[i]) * round_to<T>(to_f<T>(x[i]) * r));
-}
-
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [T,N] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
@@ -147,55 +139,14 @@ at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const a
     scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) {
-        scalar_t* r = rp + t * N;
-        const scalar_t* xr = xp + t * xs;
-        for (int64_t i = 0; i < N; ++i) r[i] = from_f<scalar_t>(to_f<scalar_t>(r[i]) + to_f<scalar_t>(xr[i]));
-        rms_row<scalar_t>(r, wp, yp + t * N, N, (float)eps);
-      }
+      for (int64_t t = a; t < b; ++t)
+        add_rms_row<scalar_t>(xp + t * xs, rp + t * N, wp, yp + t * N, N, (float)eps);
     });
   });
   return y;
 }
 
 // ---- rotary + KV cache write ------------------------------------------------------------------
-
-// A vectorised rotate-half for a dtype and head size, when there is one (returns false).
-template <typename T>
-inline bool rotate_vec(const T*, T*, const float*, const float*, int64_t) { return false; }
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// fp32 -> bf16 (round to nearest even, as c10::BFloat16) -> fp32.
-inline __m512 round_bf16(__m512 v) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// The rotate-half of one bf16 head, 16 lanes at a time, rounding exactly as the scalar loop
-// below (x*cos and rotated*sin rounded to bf16, then summed and rounded). y may alias x: each
-// step loads both halves before storing either.
-inline void rotate_bf16(const c10::BFloat16* x, c10::BFloat16* y, const float* c, const float* s,
-                        int64_t half) {
-  for (int64_t i = 0; i < half; i += 16) {
-    const __m512 x1 = load16<c10::BFloat16>(x + i), x2 = load16<c10::BFloat16>(x + i + half);
-    const __m512 a1 = round_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)));
-    const __m512 b1 = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(s + i)));
-    const __m512 a2 = round_bf16(_mm512_mul_ps(x2, _mm512_loadu_ps(c + i + half)));
-    const __m512 b2 = round_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(s + i + half)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, b1)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i + half),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a2, b2)));
-  }
-}
-
-template <>
-inline bool rotate_vec<c10::BFloat16>(const c10::BFloat16* x, c10::BFloat16* y, const float* c,
-                                      const float* s, int64_t half) {
-  if (half % 16) return false;
-  rotate_bf16(x, y, c, s, half);
-  return true;
-}
-#endif
 
 void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
@@ -221,7 +172,7 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < nslots, "rotary_kv_write: slot out of range");
-  const int64_t half = D / 2, H = num_heads, KVH = num_kv_heads, rs = qkv.stride(0);
+  const int64_t H = num_heads, KVH = num_kv_heads, rs = qkv.stride(0);
   SERVELM_DISPATCH(qkv.scalar_type(), "rotary_kv_write", [&] {
     scalar_t* qp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -229,29 +180,9 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, T_, 16, [&](int64_t a, int64_t b) {
-      float c[kMaxD], s[kMaxD];
-      for (int64_t t = a; t < b; ++t) {
-        for (int64_t i = 0; i < D; ++i) { c[i] = to_f<scalar_t>(cp[t * D + i]); s[i] = to_f<scalar_t>(sp[t * D + i]); }
-        scalar_t* row = qp + t * rs;
-        auto rotate = [&](const scalar_t* x, scalar_t* y) {  // y may alias x
-          if (rotate_vec(x, y, c, s, half)) return;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = to_f<scalar_t>(x[i]), x2 = to_f<scalar_t>(x[i + half]);
-            // As the reference rounds: x*cos and rotated*sin are separate T tensors, then summed.
-            const float a1 = round_to<scalar_t>(x1 * c[i]), b1 = round_to<scalar_t>(-x2 * s[i]);
-            const float a2 = round_to<scalar_t>(x2 * c[i + half]), b2 = round_to<scalar_t>(x1 * s[i + half]);
-            y[i] = from_f<scalar_t>(a1 + b1);
-            y[i + half] = from_f<scalar_t>(a2 + b2);
-          }
-        };
-        for (int64_t h = 0; h < H; ++h) rotate(row + h * D, row + h * D);
-        scalar_t* kdst = kc + slots[t] * KVH * D;
-        scalar_t* vdst = vc + slots[t] * KVH * D;
-        const scalar_t* ksrc = row + H * D;
-        const scalar_t* vsrc = row + (H + KVH) * D;
-        for (int64_t h = 0; h < KVH; ++h) rotate(ksrc + h * D, kdst + h * D);
-        std::memcpy(vdst, vsrc, sizeof(scalar_t) * KVH * D);
-      }
+      for (int64_t t = a; t < b; ++t)
+        rotary_token<scalar_t>(qp + t * rs, cp + t * D, sp + t * D, kc + slots[t] * KVH * D,
+                               vc + slots[t] * KVH * D, H, KVH, D);
     });
   });
 }
@@ -267,16 +198,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) {
-        const scalar_t* g = xp + t * xs;
-        const scalar_t* u = g + I;
-        scalar_t* o = yp + t * I;
-        for (int64_t i = 0; i < I; ++i) {
-          const float gv = to_f<scalar_t>(g[i]);
-          const float sv = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
-          o[i] = from_f<scalar_t>(sv * to_f<scalar_t>(u[i]));
-        }
-      }
+      for (int64_t t = a; t < b; ++t) silu_row<scalar_t>(xp + t * xs, xp + t * xs + I, yp + t * I, I);
     });
   });
   return y;

@@ -24,7 +24,6 @@
 #include <torch/library.h>
 #include <torch/all.h>
 #include <torch/custom_class.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
 #include <atomic>
@@ -39,6 +38,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 
 #include "decode_attention.h"
+#include "row_kernels.h"
 
 namespace {
 
@@ -568,8 +568,9 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 // weight into L2. Attention runs the paged_decode_attention op's work items
 // (decode_attention.h), each thread its share, fixed per step, so while streaming the
 // previous layer's gate_up_proj each thread also pulls its items' K/V rows into L2 (cold
-// otherwise: the weights stream evicts them every step). Norms, rotary + KV write and SiLU are
-// the servelm_ops operators (called through the dispatcher), so they match the per-op path.
+// otherwise: the weights stream evicts them every step). Norms, rotary + KV write and SiLU run
+// the servelm_ops operators' row kernels (row_kernels.h) inline on per-step buffers: through
+// the dispatcher, with an output allocated per call, they cost more than their arithmetic.
 
 struct QLinear {
   int64_t G = 0;  // int4 group size; 0: int8
@@ -682,22 +683,22 @@ struct Team {
     else next.prefetch(tid, n, kWarm);
     barrier();
   }
-  void matmul(const QLinear& L, const at::Tensor& x, const std::vector<float>& xs, at::Tensor& y,
-              int64_t M, const QLinear* next) {
+  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
+              c10::BFloat16* y, int64_t M, const QLinear* next) {
     matmul(L, x, xs, y, M, next, [](double) {});
   }
   // The same, calling during(fraction of this thread's share done) every few tiles, so other
   // memory traffic (the K/V rows the thread attends to next) can ride along with the stream.
   template <typename During>
-  void matmul(const QLinear& L, const at::Tensor& x, const std::vector<float>& xs, at::Tensor& y,
-              int64_t M, const QLinear* next, During&& during) {
+  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
+              c10::BFloat16* y, int64_t M, const QLinear* next, During&& during) {
     guarded([&] {
       int64_t t0, t1;
       L.share(tid, n, t0, t1);
       constexpr int64_t kStep = 4;
       for (int64_t c = t0; c < t1; c += kStep) {
         const int64_t e = std::min(t1, c + kStep);
-        L.run(x.data_ptr<c10::BFloat16>(), xs.data(), y.data_ptr<c10::BFloat16>(), M, c, e);
+        L.run(x, xs.data(), y, M, c, e);
         during(static_cast<double>(e - t0) / static_cast<double>(t1 - t0));
       }
       if (next) next->prefetch(tid, n, kWarm);
@@ -790,28 +791,6 @@ void team_region(const Body& body) {
   if (err) std::rethrow_exception(err);
 }
 
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> ops_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-// The servelm_ops operators the stack calls (through the dispatcher: they live in the other
-// extension, and this way they match the per-op path exactly).
-struct Ops {
-  using T = at::Tensor;
-  c10::TypedOperatorHandle<T(const T&, const T&, double)> rms =
-      ops_handle<T(const T&, const T&, double)>("servelm_ops::rms_norm");
-  c10::TypedOperatorHandle<T(const T&, T&, const T&, double)> add_rms =
-      ops_handle<T(const T&, T&, const T&, double)>("servelm_ops::fused_add_rms_norm");
-  c10::TypedOperatorHandle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)> rotary =
-      ops_handle<void(T&, const T&, const T&, T&, T&, const T&, int64_t, int64_t)>("servelm_ops::rotary_kv_write");
-  c10::TypedOperatorHandle<T(const T&)> silu = ops_handle<T(const T&)>("servelm_ops::silu_and_mul");
-  static const Ops& get() {
-    static const Ops ops;
-    return ops;
-  }
-};
-
 struct StackLayer {
   at::Tensor ln1, ln2, k_cache, v_cache;
   QLinear qkv, o, gu, down;
@@ -837,7 +816,6 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: per layer 2 norms, 4 group sizes, a qkv bias and K/V caches, got ",
                 norms.size(), " norms, ", group_sizes.size(), " group sizes, ", qkv_biases.size(),
                 " biases, ", k_caches.size(), "/", v_caches.size(), " caches");
-    Ops::get();  // fails here, not mid-step, when servelm_ops is not loaded
     const int64_t hidden = norms[0].numel();
     layers_.reserve(L);
     size_t j = 0;
@@ -901,6 +879,17 @@ class DecodeStack : public torch::CustomClassHolder {
     check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(1),
                        layers_[0].k_cache.size(1), "DecodeStack");
     const int64_t D = layers_[0].k_cache.size(3);
+    for (const auto* t : {&cos, &sin})
+      TORCH_CHECK(t->dim() == 2 && t->size(0) == M && t->size(1) == D && t->is_contiguous() &&
+                      t->scalar_type() == at::kBFloat16,
+                  "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", D, "]");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+                "DecodeStack: slot_mapping must be contiguous int64");
+    const int64_t nslots = layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(slots[m] >= 0 && slots[m] < nslots, "DecodeStack: slot_mapping[", m, "] = ",
+                  slots[m], " is outside the KV cache (", nslots, " slots)");
     if (D == 64) return run_impl<64>(residual, cos, sin, slot_mapping, block_tables, context_lens);
     if (D == 128) return run_impl<128>(residual, cos, sin, slot_mapping, block_tables, context_lens);
     return run_impl<0>(residual, cos, sin, slot_mapping, block_tables, context_lens);
@@ -916,27 +905,39 @@ class DecodeStack : public torch::CustomClassHolder {
                       const at::Tensor& context_lens) {
     using BF = c10::BFloat16;
     using Attention = DecodeAttention<BF, DT>;
-    const Ops& ops = Ops::get();
     const int64_t M = residual.size(0), hidden = residual.size(1);
     const int64_t D = layers_[0].k_cache.size(3);
+    const int64_t qkv_n = layers_[0].qkv.N, inter = layers_[0].gu.N / 2;
     const auto opts = residual.options();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
-    const float scale = static_cast<float>(scale_);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const BF* cos_p = cos.data_ptr<BF>();
+    const BF* sin_p = sin.data_ptr<BF>();
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     const int nthreads = std::max(1, at::get_num_threads());
-    at::Tensor qkv_out, o_out, gu_out, out, h1, h2, act, attn;
+    // The step's activations, one buffer each for all layers (each is consumed before the
+    // next layer writes it); `out` is returned.
+    at::Tensor out = at::empty({M, hidden}, opts);
+    const at::Tensor bufs = at::empty({M, 2 * hidden + qkv_n + heads_ * D + 2 * hidden + 3 * inter}, opts);
+    BF* h1 = bufs.data_ptr<BF>();
+    BF* qkv_out = h1 + M * hidden;
+    BF* attn = qkv_out + M * qkv_n;
+    BF* o_out = attn + M * heads_ * D;
+    BF* h2 = o_out + M * hidden;
+    BF* gu_out = h2 + M * hidden;
+    BF* act = gu_out + M * 2 * inter;
+    BF* res = residual.data_ptr<BF>();
+    BF* delta = out.data_ptr<BF>();
     std::vector<float> xs1, xs2, xs3, xs4;
     std::optional<Attention> att;
-    auto attention = [&](const StackLayer& s, const at::Tensor& q) {
+    auto attention = [&](const StackLayer& s) {
       const PagedKV<BF> kv(s.k_cache, s.v_cache, block_tables);
-      return Attention(q.data_ptr<BF>(), q.stride(0), D, M, heads_, D, kv, lens, scale, nthreads,
-                       attn.data_ptr<BF>());
+      return Attention(qkv_out, qkv_n, D, M, heads_, D, kv, lens, scale, nthreads, attn);
     };
     // The plan is the same for every layer (only the caches differ): the item shares from
-    // layer 0's, with a dummy output.
-    attn = at::empty({M, heads_ * D}, opts);
+    // layer 0's.
     const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, block_tables);
-    const Attention plan(residual.data_ptr<BF>(), 0, 0, M, heads_, D, kv0, lens, scale, nthreads,
-                         attn.data_ptr<BF>());
+    const Attention plan = attention(layers_[0]);
 
     team_region([&](Team& t) {
       AttnShare share;
@@ -948,21 +949,27 @@ class DecodeStack : public torch::CustomClassHolder {
         return [&share, k, v](double frac) { share.advance(k, v, frac); };
       };
       for (size_t l = 0; l < layers_.size(); ++l) {
-        StackLayer& s = layers_[l];  // its caches take the KV write
+        const StackLayer& s = layers_[l];
         // Norm + qkv_proj (layer 0: the K/V rows come in here; later layers: during the
         // previous layer's gate_up_proj).
         t.serial([&] {
-          h1 = l ? ops.add_rms.call(out, residual, s.ln1, eps_) : ops.rms.call(residual, s.ln1, eps_);
-          s.qkv.sums(h1.data_ptr<BF>(), M, xs1);
-          qkv_out = at::empty({M, s.qkv.N}, opts);
+          const BF* w = s.ln1.data_ptr<BF>();
+          for (int64_t m = 0; m < M; ++m) {
+            if (l) add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
+            else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
+          }
+          s.qkv.sums(h1, M, xs1);
         }, s.qkv);
         if (l == 0) t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, kv_rows(0));
         else t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
         // Rotary + KV write, then attention: each thread its items.
         t.serial([&] {
-          ops.rotary.call(qkv_out, cos, sin, s.k_cache, s.v_cache, slot_mapping, heads_, kv_heads_);
-          attn = at::empty({M, heads_ * D}, opts);
-          att.emplace(attention(s, qkv_out));
+          BF* kc = s.k_cache.data_ptr<BF>();
+          BF* vc = s.v_cache.data_ptr<BF>();
+          for (int64_t m = 0; m < M; ++m)
+            rotary_token<BF>(qkv_out + m * qkv_n, cos_p + m * D, sin_p + m * D, kc + slots[m] * kv_heads_ * D,
+                             vc + slots[m] * kv_heads_ * D, heads_, kv_heads_, D);
+          att.emplace(attention(s));
         }, s.o);
         t.guarded([&] {
           for (int64_t it = share.i0; it < share.i1; ++it) att->run_item(it);
@@ -971,23 +978,23 @@ class DecodeStack : public torch::CustomClassHolder {
         // o_proj .. down_proj.
         t.serial([&] {
           att->finish();
-          s.o.sums(attn.data_ptr<BF>(), M, xs2);
-          o_out = at::empty({M, hidden}, opts);
+          s.o.sums(attn, M, xs2);
         }, s.o);
         t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
         t.serial([&] {
-          h2 = ops.add_rms.call(o_out, residual, s.ln2, eps_);
-          s.gu.sums(h2.data_ptr<BF>(), M, xs3);
-          gu_out = at::empty({M, s.gu.N}, opts);
+          const BF* w = s.ln2.data_ptr<BF>();
+          for (int64_t m = 0; m < M; ++m)
+            add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
+          s.gu.sums(h2, M, xs3);
         }, s.gu);
         if (l + 1 < layers_.size()) t.matmul(s.gu, h2, xs3, gu_out, M, &s.down, kv_rows(l + 1));
         else t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
         t.serial([&] {
-          act = ops.silu.call(gu_out);
-          s.down.sums(act.data_ptr<BF>(), M, xs4);
-          out = at::empty({M, hidden}, opts);
+          for (int64_t m = 0; m < M; ++m)
+            silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+          s.down.sums(act, M, xs4);
         }, s.down);
-        t.matmul(s.down, act, xs4, out, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+        t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
       }
     });
     return out;

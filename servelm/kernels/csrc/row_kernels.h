@@ -1,0 +1,106 @@
+// Row kernels of a decoder layer (RMSNorm, residual add + RMSNorm, rotary + KV write, SiLU and
+// mul), shared by ops.cpp (the servelm_ops operators) and quant.cpp (the DecodeStack, which
+// runs them inline on its own buffers), so both paths produce the same bits. Each rounds
+// where the PyTorch reference rounds (e.g. bf16 RMSNorm output is rounded before the weight
+// multiply), so bf16 results stay close to the eager path.
+#pragma once
+
+#include "decode_attention.h"  // to_f / from_f / round_to, load16, kMaxD
+
+namespace {
+
+// ---- RMSNorm
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* y, int64_t N, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < N; ++i) { const float v = to_f<T>(x[i]); ss += v * v; }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+  for (int64_t i = 0; i < N; ++i)
+    y[i] = from_f<T>(to_f<T>(w[i]) * round_to<T>(to_f<T>(x[i]) * r));
+}
+
+// residual += x (rounded to T), then y = RMSNorm(residual) * w.
+template <typename T>
+void add_rms_row(const T* x, T* residual, const T* w, T* y, int64_t N, float eps) {
+  for (int64_t i = 0; i < N; ++i) residual[i] = from_f<T>(to_f<T>(residual[i]) + to_f<T>(x[i]));
+  rms_row<T>(residual, w, y, N, eps);
+}
+
+// ---- rotary + KV cache write
+
+// A vectorised rotate-half for a dtype and head size, when there is one (returns false).
+template <typename T>
+inline bool rotate_vec(const T*, T*, const float*, const float*, int64_t) { return false; }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// fp32 -> bf16 (round to nearest even, as c10::BFloat16) -> fp32.
+inline __m512 round_bf16(__m512 v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The rotate-half of one bf16 head, 16 lanes at a time, rounding exactly as the scalar loop
+// below (x*cos and rotated*sin rounded to bf16, then summed and rounded). y may alias x: each
+// step loads both halves before storing either.
+inline void rotate_bf16(const c10::BFloat16* x, c10::BFloat16* y, const float* c, const float* s,
+                        int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 x1 = load16<c10::BFloat16>(x + i), x2 = load16<c10::BFloat16>(x + i + half);
+    const __m512 a1 = round_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)));
+    const __m512 b1 = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(s + i)));
+    const __m512 a2 = round_bf16(_mm512_mul_ps(x2, _mm512_loadu_ps(c + i + half)));
+    const __m512 b2 = round_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(s + i + half)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, b1)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i + half),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a2, b2)));
+  }
+}
+
+template <>
+inline bool rotate_vec<c10::BFloat16>(const c10::BFloat16* x, c10::BFloat16* y, const float* c,
+                                      const float* s, int64_t half) {
+  if (half % 16) return false;
+  rotate_bf16(x, y, c, s, half);
+  return true;
+}
+#endif
+
+// One token: its H query heads rotated in place in row (q | k | v, D each), its KVH key heads
+// rotated into kdst and its values copied to vdst (the token's cache rows); cos/sin [D].
+template <typename T>
+void rotary_token(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t H, int64_t KVH,
+                  int64_t D) {
+  float c[kMaxD], s[kMaxD];
+  for (int64_t i = 0; i < D; ++i) { c[i] = to_f<T>(cos[i]); s[i] = to_f<T>(sin[i]); }
+  const int64_t half = D / 2;
+  auto rotate = [&](const T* x, T* y) {  // y may alias x
+    if (rotate_vec(x, y, c, s, half)) return;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
+      // As the reference rounds: x*cos and rotated*sin are separate T tensors, then summed.
+      const float a1 = round_to<T>(x1 * c[i]), b1 = round_to<T>(-x2 * s[i]);
+      const float a2 = round_to<T>(x2 * c[i + half]), b2 = round_to<T>(x1 * s[i + half]);
+      y[i] = from_f<T>(a1 + b1);
+      y[i + half] = from_f<T>(a2 + b2);
+    }
+  };
+  for (int64_t h = 0; h < H; ++h) rotate(row + h * D, row + h * D);
+  const T* ksrc = row + H * D;
+  for (int64_t h = 0; h < KVH; ++h) rotate(ksrc + h * D, kdst + h * D);
+  std::memcpy(vdst, row + (H + KVH) * D, sizeof(T) * KVH * D);
+}
+
+// ---- SiLU and mul
+
+// o = silu(g) * u over I elements (silu rounded to T first, as the reference's two ops).
+template <typename T>
+void silu_row(const T* g, const T* u, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) {
+    const float gv = to_f<T>(g[i]);
+    const float sv = round_to<T>(gv / (1.f + std::exp(-gv)));
+    o[i] = from_f<T>(sv * to_f<T>(u[i]));
+  }
+}
+
+}  // namespace
