@@ -206,27 +206,81 @@ void decoded_rows_n(int mt, const c10::BFloat16* const* w, const c10::BFloat16* 
   }
 }
 
-// decode(t, buf) writes tile t as K/2 k-pairs of 32 bf16; K is even for both formats.
+// Output tiles [t0, t1) of all M rows (one thread's share), their weights decoded a pair of
+// tiles at a time into per-thread scratch. decode(t, buf) writes tile t as K/2 k-pairs of
+// 32 bf16; K is even for both formats. A tile's result does not depend on its pairing.
+template <typename Decode, typename OutT>
+void decoded_range(const Decode& decode, const c10::BFloat16* xh, const float* bias, OutT* out,
+                   int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  static thread_local std::vector<c10::BFloat16> buf;
+  buf.resize(2 * 16 * K);
+  const c10::BFloat16* w[2] = {buf.data(), buf.data() + 16 * K};
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int nt = t1 - t >= 2 ? 2 : 1;
+    for (int u = 0; u < nt; ++u) decode(t + u, buf.data() + u * 16 * K);
+    for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
+      const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
+      if (nt == 2) decoded_rows_n<2>(mt, w, xh, bias, out, m0, N, K, t);
+      else decoded_rows_n<1>(mt, w, xh, bias, out, m0, N, K, t);
+    }
+  }
+}
+
 template <typename Decode, typename OutT>
 void decoded_gemm(const Decode& decode, const c10::BFloat16* xh, const float* bias, OutT* out,
                   int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    static thread_local std::vector<c10::BFloat16> buf;
-    buf.resize(2 * 16 * K);
-    const c10::BFloat16* w[2] = {buf.data(), buf.data() + 16 * K};
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t0 = 2 * p;
-      const int nt = tiles - t0 >= 2 ? 2 : 1;
-      for (int u = 0; u < nt; ++u) decode(t0 + u, buf.data() + u * 16 * K);
-      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
-        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
-        if (nt == 2) decoded_rows_n<2>(mt, w, xh, bias, out, m0, N, K, t0);
-        else decoded_rows_n<1>(mt, w, xh, bias, out, m0, N, K, t0);
-      }
-    }
+    decoded_range(decode, xh, bias, out, M, N, K, 2 * p0, std::min(tiles, 2 * p1));
   });
 }
+
+// Tile t of an int4 weight decoded to bf16 k-pairs (decoded_range's decode).
+struct Int4Tiles {
+  const uint8_t* qw;
+  const c10::Half* sc;
+  const c10::Half* mn;
+  int64_t G, K;
+  void operator()(int64_t t, c10::BFloat16* buf) const {
+    const int64_t ng = K / G;
+    const __m512i lo4 = _mm512_set1_epi16(0x000F);
+    const uint8_t* wt = qw + t * 8 * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t * ng + g) * 16));
+      const __m256i m16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + (t * ng + g) * 16));
+      const __m512 sv = _mm512_cvtph_ps(s16), mv = _mm512_cvtph_ps(m16);
+      const __m512 s_lo = _mm512_permutexvar_ps(kRowLo(), sv), s_hi = _mm512_permutexvar_ps(kRowHi(), sv);
+      const __m512 m_lo = _mm512_permutexvar_ps(kRowLo(), mv), m_hi = _mm512_permutexvar_ps(kRowHi(), mv);
+      for (int64_t b = g * (G / 8); b < (g + 1) * (G / 8); ++b) {
+        const __m512i v = _mm512_loadu_si512(wt + 64 * b);
+        for (int j = 0; j < 4; ++j) {  // nibble j of every lane: the k-pair 4b + j
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 4 * j), lo4);
+          store_pair_row(buf + (4 * b + j) * 32, q, s_lo, s_hi, m_lo, m_hi);
+        }
+      }
+    }
+  }
+};
+
+// Tile t of an int8 weight decoded to bf16 k-pairs.
+struct Int8Tiles {
+  const uint8_t* qw;
+  const float* sc;
+  int64_t K;
+  void operator()(int64_t t, c10::BFloat16* buf) const {
+    const __m512i lo8 = _mm512_set1_epi16(0x00FF);
+    const uint8_t* wt = qw + t * 16 * K;
+    const __m512 sv = _mm512_loadu_ps(sc + 16 * t);  // scales are padded to the tile
+    const __m512 s_lo = _mm512_permutexvar_ps(kRowLo(), sv), s_hi = _mm512_permutexvar_ps(kRowHi(), sv);
+    const __m512 m_lo = _mm512_mul_ps(s_lo, _mm512_set1_ps(-128.f));  // u = q + 128
+    const __m512 m_hi = _mm512_mul_ps(s_hi, _mm512_set1_ps(-128.f));
+    for (int64_t b = 0; b < K / 4; ++b) {  // low bytes: k-pair 2b; high bytes: 2b + 1
+      const __m512i v = _mm512_loadu_si512(wt + 64 * b);
+      store_pair_row(buf + (2 * b) * 32, _mm512_and_si512(v, lo8), s_lo, s_hi, m_lo, m_hi);
+      store_pair_row(buf + (2 * b + 1) * 32, _mm512_srli_epi16(v, 8), s_lo, s_hi, m_lo, m_hi);
+    }
+  }
+};
 
 constexpr int kMaxRows4 = 6;  // activation rows per pass over a weight tile
 
@@ -259,26 +313,7 @@ void int4_run(int64_t G, const uint8_t* qw, const c10::Half* sc, const c10::Half
   const int64_t tiles = (N + 15) / 16;
   if constexpr (!SPLIT) {
     if (M >= kDecodeOnceRows4) {  // prefill-sized: decode each tile once, bf16 GEMM on it
-      const int64_t ng = K / G;
-      const __m512i lo4 = _mm512_set1_epi16(0x000F);
-      auto decode = [&](int64_t t, c10::BFloat16* buf) {
-        const uint8_t* wt = qw + t * 8 * K;
-        for (int64_t g = 0; g < ng; ++g) {
-          const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t * ng + g) * 16));
-          const __m256i m16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + (t * ng + g) * 16));
-          const __m512 sv = _mm512_cvtph_ps(s16), mv = _mm512_cvtph_ps(m16);
-          const __m512 s_lo = _mm512_permutexvar_ps(kRowLo(), sv), s_hi = _mm512_permutexvar_ps(kRowHi(), sv);
-          const __m512 m_lo = _mm512_permutexvar_ps(kRowLo(), mv), m_hi = _mm512_permutexvar_ps(kRowHi(), mv);
-          for (int64_t b = g * (G / 8); b < (g + 1) * (G / 8); ++b) {
-            const __m512i v = _mm512_loadu_si512(wt + 64 * b);
-            for (int j = 0; j < 4; ++j) {  // nibble j of every lane: the k-pair 4b + j
-              const __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 4 * j), lo4);
-              store_pair_row(buf + (4 * b + j) * 32, q, s_lo, s_hi, m_lo, m_hi);
-            }
-          }
-        }
-      };
-      decoded_gemm(decode, xh, bias, out, M, N, K);
+      decoded_gemm(Int4Tiles{qw, sc, mn, G, K}, xh, bias, out, M, N, K);
       return;
     }
   }
@@ -513,20 +548,7 @@ void int8_run(const uint8_t* qw, const float* sc, const c10::BFloat16* xh, const
   const int64_t tiles = (N + 15) / 16;
   if constexpr (!SPLIT) {
     if (M >= kDecodeOnceRows8) {  // prefill-sized: decode each tile once, bf16 GEMM on it
-      const __m512i lo8 = _mm512_set1_epi16(0x00FF);
-      auto decode = [&](int64_t t, c10::BFloat16* buf) {
-        const uint8_t* wt = qw + t * 16 * K;
-        const __m512 sv = _mm512_loadu_ps(sc + 16 * t);  // scales are padded to the tile
-        const __m512 s_lo = _mm512_permutexvar_ps(kRowLo(), sv), s_hi = _mm512_permutexvar_ps(kRowHi(), sv);
-        const __m512 m_lo = _mm512_mul_ps(s_lo, _mm512_set1_ps(-128.f));  // u = q + 128
-        const __m512 m_hi = _mm512_mul_ps(s_hi, _mm512_set1_ps(-128.f));
-        for (int64_t b = 0; b < K / 4; ++b) {  // low bytes: k-pair 2b; high bytes: 2b + 1
-          const __m512i v = _mm512_loadu_si512(wt + 64 * b);
-          store_pair_row(buf + (2 * b) * 32, _mm512_and_si512(v, lo8), s_lo, s_hi, m_lo, m_hi);
-          store_pair_row(buf + (2 * b + 1) * 32, _mm512_srli_epi16(v, 8), s_lo, s_hi, m_lo, m_hi);
-        }
-      };
-      decoded_gemm(decode, xh, bias, out, M, N, K);
+      decoded_gemm(Int8Tiles{qw, sc, K}, xh, bias, out, M, N, K);
       return;
     }
   }
