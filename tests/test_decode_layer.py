@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
 
 BS = 16  # KV block size
-MAX_ROWS = {"int4": 47, "int8": 23, "mixed": 23}  # below the per-op decode-once thresholds
+# From these many rows on the matmuls decode each weight tile once (a different kernel).
+DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24}
 
 
 def _config(**kw) -> ModelConfig:
@@ -88,13 +89,15 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("lens", [[1], [37], [150], [300], [5, 300, 17], [3] * 7 + [90] * 6, "max"])
+@pytest.mark.parametrize("lens", [[1], [37], [150], [300], [5, 300, 17], [3] * 7 + [90] * 6,
+                                  "below", "above"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     cfg = _config(num_layers=layers)
     model = _model(cfg, FORMATS[fmt])
-    if lens == "max":  # as many rows as the stack takes, contexts 1 .. 185
-        lens = list(range(1, 4 * MAX_ROWS[fmt], 4))
+    if lens in ("below", "above"):  # rows either side of the decode-once threshold
+        rows = DECODE_ONCE[fmt] - 1 if lens == "below" else 64
+        lens = list(range(1, 4 * rows, 4))  # contexts 1 .. 4 rows - 3
     batch, data, caches = _setup(cfg, lens)
     before = data.clone()
     (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
@@ -121,9 +124,9 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     assert not _model(cfg, {"qkv_proj": "int4", "o_proj": "int4"}).bind_decode_layers(caches)
     model = _model(cfg, FORMATS["mixed"])
     assert model.bind_decode_layers(caches) and model.fused_decode
-    assert model._decode_stack.max_rows() == MAX_ROWS["mixed"]
+    assert model._decode_stack.max_rows() == 4096
     model = _model(cfg, FORMATS["int4"])
-    assert model.bind_decode_layers(caches) and model._decode_stack.max_rows() == 47
+    assert model.bind_decode_layers(caches)
     # A tensor-parallel layer all-reduces its attention and MLP outputs: never stacked.
     attn = model.layers[1].self_attn
     attn.__class__ = type("ParallelLike", (type(attn),), {})
@@ -134,7 +137,7 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
 def test_decode_stack_rejects_bad_arguments():
     cfg = _config(num_layers=2)
     model = _model(cfg, FORMATS["int4"])
-    rows = MAX_ROWS["int4"] + 1
+    rows = 3
     batch, data, caches = _setup(cfg, [20] * rows)
     parts = [layer.decode_stack_args() for layer in model.layers]
     attn = model.layers[0].self_attn
@@ -164,8 +167,8 @@ def test_decode_stack_rejects_bad_arguments():
     cos = sin = torch.ones(rows, cfg.head_dim).bfloat16()
     args = (batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens)
     with torch.inference_mode():
-        with pytest.raises(RuntimeError, match="DecodeStack takes 1 to 47 rows, got 48"):
-            s.run(x, cos, sin, *args)
+        with pytest.raises(RuntimeError, match="DecodeStack takes 1 to 4096 rows, got 4097"):
+            s.run(torch.randn(4097, cfg.hidden_size).bfloat16(), cos, sin, *args)
         with pytest.raises(RuntimeError, match="residual must be contiguous bfloat16"):
             s.run(x[:2].float(), cos[:2], sin[:2], *(a[:2] for a in args))
         with pytest.raises(RuntimeError, match="one row per token"):

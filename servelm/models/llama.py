@@ -84,11 +84,11 @@ class LlamaForCausalLM(nn.Module):
     def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
         decoder layer and its KV cache into one `servelm_quant.DecodeStack`, which then runs
-        decode-only bf16 batches of up to its max_rows() (47 rows with int4 layers, 23 with
-        any int8 one: where the per-op kernels stream the weights too) in one C++ call per
-        step, bit-identical to the per-op path. Only when every layer's linear layers are
-        int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never (the per-op kernel path,
-        for side-by-side runs)."""
+        decode-only bf16 batches of up to its max_rows() (4096) in one C++ call per step,
+        bit-identical to the per-op path (from 48 rows, 24 with an int8 layer, its matmuls
+        decode each weight tile once, as the per-op kernels do). Only when every layer's
+        linear layers are int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never (the
+        per-op kernel path, for side-by-side runs)."""
         self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
         if (os.environ.get("SERVELM_NO_FUSED_DECODE", "") not in ("", "0")
                 or not (load_ops("quant") and load_ops("ops"))

@@ -427,11 +427,11 @@ class DecodeAttention {
     }
   }
 
-  // After every item has run: the split sequences' outputs from their partials.
-  void finish() {
+  // After every item has run: the outputs of split sequences [b0, b1) from their partials.
+  void finish(int b0, int b1) {
     if (nsplit_ == 1) return;
     const int H = H_, D = D_, nsplit = nsplit_;
-    for (int b = 0; b < B_; ++b) {
+    for (int b = b0; b < b1; ++b) {
       for (int hg = 0; hg < H; ++hg) {
         float mx = kNegBig;
         for (int sp = 0; sp < nsplit; ++sp)

@@ -70,7 +70,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t it = 0; it < items; ++it) att.run_item(it);
   }
-  att.finish();
+  att.finish(0, B);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,

@@ -367,13 +367,16 @@ struct Acts {
 
 // xs[i] = the fp32 sum of bf16 x[i*G .. i*G + G) for i < M * (K / G): the group sums the
 // kernels take with bf16 activations.
-void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t G, std::vector<float>& xs) {
-  xs.resize(M * (K / G));
-  for (size_t i = 0; i < xs.size(); ++i) {
+void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t G, float* xs) {
+  for (int64_t i = 0; i < M * (K / G); ++i) {
     float a = 0.f;
     for (int64_t k = 0; k < G; ++k) a += static_cast<float>(x[i * G + k]);
     xs[i] = a;
   }
+}
+void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t G, std::vector<float>& xs) {
+  xs.resize(M * (K / G));
+  group_sums(x, M, K, G, xs.data());
 }
 
 Acts prepare(const at::Tensor& x, int64_t M, int64_t K, int64_t G, Scratch& S) {
@@ -608,20 +611,32 @@ struct QLinear {
   int64_t tiles() const { return (N + 15) / 16; }
   int64_t tile_bytes() const { return G ? 8 * K : 16 * K; }
   int64_t group() const { return G ? G : K; }
+  // From these many rows on, int4_linear / int8_linear decode each tile once (a different
+  // kernel, rounded differently): so does the stack.
+  bool decode_once(int64_t M) const { return M >= (G ? kDecodeOnceRows4 : kDecodeOnceRows8); }
+  // Thread tid's tiles, whole pairs (the decode-once GEMM decodes two at a time).
   void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
-    t0 = tiles() * tid / nt;
-    t1 = tiles() * (tid + 1) / nt;
+    const int64_t pairs = (tiles() + 1) / 2;
+    t0 = std::min(tiles(), 2 * (pairs * tid / nt));
+    t1 = std::min(tiles(), 2 * (pairs * (tid + 1) / nt));
   }
   void run(const c10::BFloat16* x, const float* xs, c10::BFloat16* out, int64_t M, int64_t t0,
            int64_t t1) const {
-    if (G)
-      int4_range<false>(G, qw, static_cast<const c10::Half*>(sc), mn, x, nullptr, xs, bias, out, M, N, K, t0, t1);
-    else
-      int8_range<false>(qw, static_cast<const float*>(sc), x, nullptr, xs, bias, out, M, N, K, t0, t1);
+    const auto* s4 = static_cast<const c10::Half*>(sc);
+    const auto* s8 = static_cast<const float*>(sc);
+    if (decode_once(M)) {
+      if (G) decoded_range(Int4Tiles{qw, s4, mn, G, K}, x, bias, out, M, N, K, t0, t1);
+      else decoded_range(Int8Tiles{qw, s8, K}, x, bias, out, M, N, K, t0, t1);
+    } else if (G) {
+      int4_range<false>(G, qw, s4, mn, x, nullptr, xs, bias, out, M, N, K, t0, t1);
+    } else {
+      int8_range<false>(qw, s8, x, nullptr, xs, bias, out, M, N, K, t0, t1);
+    }
   }
-  // The activation sums the kernels need (as prepare() computes them for bf16 rows).
-  void sums(const c10::BFloat16* x, int64_t M, std::vector<float>& xs) const {
-    group_sums(x, M, K, group(), xs);
+  // The activation sums the row-streaming kernels need (as prepare() computes them for bf16
+  // rows), of rows [m0, m1) into xs (laid out for all rows); none for decode-once sizes.
+  void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
+    if (!decode_once(M)) group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
   }
   // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
   void prefetch(int tid, int nt, int64_t bytes) const {
@@ -707,6 +722,23 @@ struct Team {
     if (tid == 0) guarded(f);
     else next.prefetch(tid, n, kWarm);
     barrier();
+  }
+  // f(m0, m1) for this thread's rows of M (row kernels: a row's result does not depend on
+  // the thread), and once() on the calling thread; threads without rows pull the head of
+  // their share of `next` into L2 meanwhile.
+  template <typename F, typename Once>
+  void rows(int64_t M, F&& f, const QLinear& next, Once&& once) {
+    const int64_t m0 = M * tid / n, m1 = M * (tid + 1) / n;
+    guarded([&] {
+      if (m0 < m1) f(m0, m1);
+      if (tid == 0) once();
+    });
+    if (m0 >= m1) next.prefetch(tid, n, kWarm);
+    barrier();
+  }
+  template <typename F>
+  void rows(int64_t M, F&& f, const QLinear& next) {
+    rows(M, f, next, [] {});
   }
   void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
               c10::BFloat16* y, int64_t M, const QLinear* next) {
@@ -876,15 +908,12 @@ class DecodeStack : public torch::CustomClassHolder {
       layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
-    for (const int64_t g : group_sizes)
-      max_rows_ = std::min(max_rows_, (g ? kDecodeOnceRows4 : kDecodeOnceRows8) - 1);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  // The most rows it takes: from kDecodeOnceRows4 (int4) or kDecodeOnceRows8 (int8) rows on,
-  // int4_linear / int8_linear decode each weight tile once rather than stream it, and that
-  // path (faster there, and differently rounded) stays theirs.
-  int64_t max_rows() const { return max_rows_; }
+  // The most rows one call takes. From kDecodeOnceRows4 (int4) or kDecodeOnceRows8 (int8) rows
+  // on, its matmuls decode each weight tile once, as int4_linear / int8_linear do.
+  int64_t max_rows() const { return kMaxRows; }
 
   // All layers for M decode rows: residual [M, hidden] (the embeddings) is updated in place
   // and the last layer's MLP output returned (the model adds it before its final norm).
@@ -894,7 +923,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     residual.device().is_cpu() && residual.size(1) == layers_[0].ln1.numel(),
                 "DecodeStack: residual must be contiguous bfloat16 [M, ", layers_[0].ln1.numel(), "] on the CPU");
     const int64_t M = residual.size(0);
-    TORCH_CHECK(M >= 1 && M <= max_rows_, "DecodeStack takes 1 to ", max_rows_, " rows, got ", M);
+    TORCH_CHECK(M >= 1 && M <= kMaxRows, "DecodeStack takes 1 to ", kMaxRows, " rows, got ", M);
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
                     slot_mapping.numel() == M,
                 "DecodeStack: block_tables, context_lens and slot_mapping need one row per token");
@@ -953,7 +982,14 @@ class DecodeStack : public torch::CustomClassHolder {
     BF* act = gu_out + M * 2 * inter;
     BF* res = residual.data_ptr<BF>();
     BF* delta = out.data_ptr<BF>();
-    std::vector<float> xs1, xs2, xs3, xs4;
+    // Group sums for each linear's input (sized for the largest; none at decode-once sizes).
+    auto sums_size = [&](QLinear StackLayer::*q) {
+      int64_t n = 0;
+      for (const StackLayer& s : layers_) n = std::max(n, M * ((s.*q).K / (s.*q).group()));
+      return n;
+    };
+    std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),
+        xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down));
     std::optional<Attention> att;
     auto attention = [&](const StackLayer& s) {
       const PagedKV<BF> kv(s.k_cache, s.v_cache, block_tables);
@@ -977,47 +1013,46 @@ class DecodeStack : public torch::CustomClassHolder {
         const StackLayer& s = layers_[l];
         // Norm + qkv_proj (layer 0: the K/V rows come in here; later layers: during the
         // previous layer's gate_up_proj).
-        t.serial([&] {
+        t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.ln1.data_ptr<BF>();
-          for (int64_t m = 0; m < M; ++m) {
+          for (int64_t m = m0; m < m1; ++m) {
             if (l) add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
             else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
           }
-          s.qkv.sums(h1, M, xs1);
+          s.qkv.sums(h1, M, m0, m1, xs1.data());
         }, s.qkv);
         if (l == 0) t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, kv_rows(0));
         else t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
         // Rotary + KV write, then attention: each thread its items.
-        t.serial([&] {
+        t.rows(M, [&](int64_t m0, int64_t m1) {
           BF* kc = s.k_cache.data_ptr<BF>();
           BF* vc = s.v_cache.data_ptr<BF>();
-          for (int64_t m = 0; m < M; ++m)
+          for (int64_t m = m0; m < m1; ++m)
             rotary_token<BF>(qkv_out + m * qkv_n, cos_p + m * D, sin_p + m * D, kc + slots[m] * kv_heads_ * D,
                              vc + slots[m] * kv_heads_ * D, heads_, kv_heads_, D);
-          att.emplace(attention(s));
-        }, s.o);
+        }, s.o, [&] { att.emplace(attention(s)); });
         t.guarded([&] {
           for (int64_t it = share.i0; it < share.i1; ++it) att->run_item(it);
         });
         t.barrier();
         // o_proj .. down_proj.
-        t.serial([&] {
-          att->finish();
-          s.o.sums(attn, M, xs2);
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          att->finish(static_cast<int>(m0), static_cast<int>(m1));
+          s.o.sums(attn, M, m0, m1, xs2.data());
         }, s.o);
         t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
-        t.serial([&] {
+        t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.ln2.data_ptr<BF>();
-          for (int64_t m = 0; m < M; ++m)
+          for (int64_t m = m0; m < m1; ++m)
             add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
-          s.gu.sums(h2, M, xs3);
+          s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
         if (l + 1 < layers_.size()) t.matmul(s.gu, h2, xs3, gu_out, M, &s.down, kv_rows(l + 1));
         else t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
-        t.serial([&] {
-          for (int64_t m = 0; m < M; ++m)
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          for (int64_t m = m0; m < m1; ++m)
             silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
-          s.down.sums(act, M, xs4);
+          s.down.sums(act, M, m0, m1, xs4.data());
         }, s.down);
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
       }
@@ -1028,7 +1063,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
   double eps_;
-  int64_t max_rows_ = kDecodeOnceRows4 - 1;
+  static constexpr int64_t kMaxRows = 4096;
   int64_t heads_, kv_heads_;
   double scale_;
 };
