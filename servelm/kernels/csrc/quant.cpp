@@ -591,9 +591,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 // pays Python and dispatcher time, and each matmul opens its own parallel region whose threads
 // then stream a weight of 0.2-1 MB starting cold. Here the threads split each matmul's tiles
 // exactly as int4_linear / int8_linear would (so results are bit-identical to theirs) and
-// meet at a barrier between steps; while the calling thread runs a serial step (a norm, rotary
-// + KV write, the activation sums) the others prefetch the head of their share of the next
-// weight into L2. Attention runs the paged_decode_attention op's work items
+// meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV write,
+// SiLU, the activation sums) split the rows over the threads, and a thread without rows
+// prefetches the head of its share of the next weight into L2. Attention runs the
+// paged_decode_attention op's work items
 // (decode_attention.h), each thread its share, fixed per step, so while streaming the
 // previous layer's gate_up_proj each thread also pulls its items' K/V rows into L2 (cold
 // otherwise: the weights stream evicts them every step). Norms, rotary + KV write and SiLU run
@@ -692,9 +693,8 @@ struct SpinBarrier {
 };
 
 // One thread's part in a parallel region of matmuls (each thread computes its share of the
-// output tiles; a tile's result does not depend on which thread computes it) and serial
-// steps (run by the calling thread, whose thread-local state the operators it calls need),
-// with a barrier after each.
+// output tiles; a tile's result does not depend on which thread computes it) and row steps
+// (each thread its rows), with a barrier after each.
 struct Team {
   int tid, n;
   std::atomic<bool>& failed;
@@ -702,8 +702,8 @@ struct Team {
   SpinBarrier& bar;
   int sense = 0;
   void barrier() { bar.wait(sense, n); }
-  // Bytes of its share of the next weight each idle thread pulls into L2 during a serial
-  // step (more measured no better: the stream then starts warm anyway).
+  // Bytes of its share of the next weight an idle thread pulls into L2 during a row step
+  // (more measured no better: the stream then starts warm anyway).
   static constexpr int64_t kWarm = 16 << 10;
 
   template <typename F>
@@ -716,12 +716,6 @@ struct Team {
       if (!err) err = std::current_exception();
       failed = true;
     }
-  }
-  template <typename F>
-  void serial(F&& f, const QLinear& next) {
-    if (tid == 0) guarded(f);
-    else next.prefetch(tid, n, kWarm);
-    barrier();
   }
   // f(m0, m1) for this thread's rows of M (row kernels: a row's result does not depend on
   // the thread), and once() on the calling thread; threads without rows pull the head of
@@ -950,9 +944,10 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  // One parallel region for the whole step. Per layer: the norm (serial) and qkv_proj; rotary
-  // + KV write (serial); attention, each thread running its share of the work items (whose
-  // K/V it prefetched while streaming the previous matmul); then o_proj .. down_proj.
+  // One parallel region for the whole step. Per layer: the norm and qkv_proj; rotary + KV
+  // write; attention, each thread running its share of the work items (whose K/V it
+  // prefetched while streaming the previous matmul); then o_proj .. down_proj, the norm and
+  // SiLU between them. Row steps split the rows, matmuls the tiles.
   template <int DT>
   at::Tensor run_impl(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
