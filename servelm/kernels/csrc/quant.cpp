@@ -892,6 +892,9 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t gu_tiles = keep_[j].numel() / ((g[2] ? 8 : 16) * hidden);
       s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
       s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
+      // run() sizes its per-step buffers from layer 0.
+      TORCH_CHECK(l == 0 || (s.gu.N == layers_[0].gu.N && D == layers_[0].k_cache.size(3)),
+                  "DecodeStack: every layer must have the same MLP width and head dim");
       const at::Tensor& b = qkv_biases[l];
       if (b.numel()) {
         TORCH_CHECK(b.numel() == qkv_n, "DecodeStack: qkv bias must have ", qkv_n, " elements");
@@ -977,7 +980,8 @@ class DecodeStack : public torch::CustomClassHolder {
     BF* act = gu_out + M * 2 * inter;
     BF* res = residual.data_ptr<BF>();
     BF* delta = out.data_ptr<BF>();
-    // Group sums for each linear's input (sized for the largest; none at decode-once sizes).
+    // Group sums for each linear's input (sized for the largest layer; unused from the
+    // decode-once sizes on, where the kernels take the rows as they are).
     auto sums_size = [&](QLinear StackLayer::*q) {
       int64_t n = 0;
       for (const StackLayer& s : layers_) n = std::max(n, M * ((s.*q).K / (s.*q).group()));
