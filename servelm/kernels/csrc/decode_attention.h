@@ -3,8 +3,8 @@
 // one query per sequence over its cached tokens, read in place through int32 block tables;
 // the G = H / KVH query heads of one KV head are processed together, so each K/V row is
 // loaded once; online softmax in fp32. Also the dtype helpers the other ops.cpp kernels use.
-// Included into an anonymous namespace's worth of definitions per extension (no symbols
-// shared between the two libraries).
+// Its definitions sit in an anonymous namespace: each extension that includes it compiles
+// its own copy, and the two libraries share no symbols.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -324,7 +324,7 @@ class DecodeAttention {
     split_ = std::max(max_len, 1);
     if (B < nthreads && max_len >= 64 && max_len < 256) {
       // Fewer sequences than threads: one split per thread (the DecodeStack runs them in
-      // parallel; the op, for work this small, on the calling thread).
+      // parallel; the op runs work below its threshold on the calling thread).
       split_ = ((max_len + nthreads - 1) / nthreads + kv.bs - 1) / kv.bs * kv.bs;
     } else if (B < 4 * nthreads && max_len >= 256) {
       const int want = (4 * nthreads + B - 1) / B;
