@@ -142,6 +142,11 @@ def test_rotary_kv_write_matches_reference(dtype, h, kvh):
     assert torch.equal(vc1, vc2)
     if dtype == torch.bfloat16:  # the AVX-512 path rounds each product as the reference does
         assert torch.equal(q1, q2) and torch.equal(kc1, kc2)
+    bad = slots.clone()
+    bad[2] = nb * bs  # one past the last slot
+    with pytest.raises(RuntimeError, match=rf"rotary_kv_write: slot_mapping\[2\] = {nb * bs} "
+                                            r"is outside the KV cache"):
+        ops().rotary_kv_write(q1, cos, sin, kc1, vc1, bad, h, kvh)
 
 
 def test_kernel_batch_puts_decodes_first_with_ragged_tables():

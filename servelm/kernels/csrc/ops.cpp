@@ -168,10 +168,8 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
               "rotary_kv_write: slot_mapping must be contiguous int64 [T]");
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
               "rotary_kv_write: caches must share qkv's dtype");
-  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T_; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < nslots, "rotary_kv_write: slot out of range");
+  check_slots(slots, T_, k_cache.size(0) * k_cache.size(1), "rotary_kv_write");
   const int64_t H = num_heads, KVH = num_kv_heads, rs = qkv.stride(0);
   SERVELM_DISPATCH(qkv.scalar_type(), "rotary_kv_write", [&] {
     scalar_t* qp = qkv.data_ptr<scalar_t>();

@@ -594,12 +594,12 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 // meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV write,
 // SiLU, the activation sums) split the rows over the threads, and a thread without rows
 // prefetches the head of its share of the next weight into L2. Attention runs the
-// paged_decode_attention op's work items
-// (decode_attention.h), each thread its share, fixed per step, so while streaming the
-// previous layer's gate_up_proj each thread also pulls its items' K/V rows into L2 (cold
-// otherwise: the weights stream evicts them every step). Norms, rotary + KV write and SiLU run
-// the servelm_ops operators' row kernels (row_kernels.h) inline on per-step buffers: through
-// the dispatcher, with an output allocated per call, they cost more than their arithmetic.
+// paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed
+// per step, so while streaming the previous layer's gate_up_proj each thread also pulls its
+// items' K/V rows into L2 (cold otherwise: the weights stream evicts them every step).
+// Norms, rotary + KV write and SiLU run the servelm_ops operators' row kernels
+// (row_kernels.h) inline on per-step buffers: through the dispatcher, with an output
+// allocated per call, they cost more than their arithmetic.
 
 struct QLinear {
   int64_t G = 0;  // int4 group size; 0: int8
@@ -936,11 +936,8 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", D, "]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
                 "DecodeStack: slot_mapping must be contiguous int64");
-    const int64_t nslots = layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1);
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(slots[m] >= 0 && slots[m] < nslots, "DecodeStack: slot_mapping[", m, "] = ",
-                  slots[m], " is outside the KV cache (", nslots, " slots)");
+    check_slots(slot_mapping.data_ptr<int64_t>(), M,
+                layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1), "DecodeStack");
     if (D == 64) return run_impl<64>(residual, cos, sin, slot_mapping, block_tables, context_lens);
     if (D == 128) return run_impl<128>(residual, cos, sin, slot_mapping, block_tables, context_lens);
     return run_impl<0>(residual, cos, sin, slot_mapping, block_tables, context_lens);

@@ -91,6 +91,13 @@ void rotary_token(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t 
   std::memcpy(vdst, row + (H + KVH) * D, sizeof(T) * KVH * D);
 }
 
+// Every token's cache slot within the cache's nslots (the message names the calling op).
+inline void check_slots(const int64_t* slots, int64_t T, int64_t nslots, const char* name) {
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < nslots, name, ": slot_mapping[", t, "] = ", slots[t],
+                " is outside the KV cache (", nslots, " slots)");
+}
+
 // ---- SiLU and mul
 
 // o = silu(g) * u over I elements (silu rounded to T first, as the reference's two ops).
