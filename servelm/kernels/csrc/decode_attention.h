@@ -337,6 +337,9 @@ class DecodeAttention {
     if (nsplit_ > 1) part_.resize(static_cast<size_t>(items_) * H * (D + 2));
   }
 
+  // Another layer's caches (same shape and block tables): the plan stays, as it depends
+  // only on the lengths.
+  void set_caches(const PagedKV<T>& kv) { kv_ = kv; }
   int64_t items() const { return items_; }
   int64_t work() const { return work_; }  // cached tokens x KV heads, over all sequences
   // The sequence b and its tokens [t0, t1) that item `it` attends to (t0 >= t1: none).

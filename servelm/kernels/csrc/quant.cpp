@@ -28,7 +28,6 @@
 
 #include <atomic>
 #include <exception>
-#include <optional>
 
 #include <type_traits>
 #include <vector>
@@ -986,19 +985,13 @@ class DecodeStack : public torch::CustomClassHolder {
     };
     std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),
         xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down));
-    std::optional<Attention> att;
-    auto attention = [&](const StackLayer& s) {
-      const PagedKV<BF> kv(s.k_cache, s.v_cache, block_tables);
-      return Attention(qkv_out, qkv_n, D, M, heads_, D, kv, lens, scale, nthreads, attn);
-    };
-    // The plan is the same for every layer (only the caches differ): the item shares from
-    // layer 0's.
+    // One plan for every layer (it depends only on the lengths); each layer sets its caches.
     const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, block_tables);
-    const Attention plan = attention(layers_[0]);
+    Attention att(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale, nthreads, attn);
 
     team_region([&](Team& t) {
       AttnShare share;
-      share.plan(plan, kv0, t.tid, t.n);
+      share.plan(att, kv0, t.tid, t.n);
       auto kv_rows = [&](size_t l) {  // prefetch this thread's K/V rows of layer l, in step
         share.start();
         const void* k = layers_[l].k_cache.data_ptr();
@@ -1026,14 +1019,14 @@ class DecodeStack : public torch::CustomClassHolder {
           for (int64_t m = m0; m < m1; ++m)
             rotary_token<BF>(qkv_out + m * qkv_n, cos_p + m * D, sin_p + m * D, kc + slots[m] * kv_heads_ * D,
                              vc + slots[m] * kv_heads_ * D, heads_, kv_heads_, D);
-        }, s.o, [&] { att.emplace(attention(s)); });
+        }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, block_tables)); });
         t.guarded([&] {
-          for (int64_t it = share.i0; it < share.i1; ++it) att->run_item(it);
+          for (int64_t it = share.i0; it < share.i1; ++it) att.run_item(it);
         });
         t.barrier();
         // o_proj .. down_proj.
         t.rows(M, [&](int64_t m0, int64_t m1) {
-          att->finish(static_cast<int>(m0), static_cast<int>(m1));
+          att.finish(static_cast<int>(m0), static_cast<int>(m1));
           s.o.sums(attn, M, m0, m1, xs2.data());
         }, s.o);
         t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
