@@ -74,6 +74,18 @@ def test_paged_decode_attention_head_groups_in_register_blocks(dtype, g, d):
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kvh,d", [(1, 2), (3, 2), (1, 4)])
+def test_paged_decode_attention_rows_of_a_few_bytes(dtype, kvh, d):
+    # Each item first reads its K/V rows from every cache line they span (a word a line
+    # where a row is a multiple of 8 bytes, else a byte): rows of 4 and 12 bytes take the
+    # byte path, 8 the word path. (LENS's 1000 tokens span several read-ahead chunks.)
+    q, kc, vc, tables, cl = _paged_setup([1, 40, 333], kvh=kvh, g=2, d=d, bs=16, dtype=dtype, seed=3)
+    got = ops().paged_decode_attention(q, kc, vc, tables, cl, d ** -0.5)
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, cl, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (64, 49152), (3, 5), (4, 16), (5, 63), (5, 64),
                                        (5, 65), (9, 1000)])
 def test_argmax_rows_is_torch_argmax(rows, cols):

@@ -39,6 +39,9 @@ template <> inline float round_to<float>(float x) { return x; }
 constexpr int kMaxG = 32;     // query heads per KV head
 constexpr int kMaxD = 256;    // head dim
 constexpr int kTile = 32;     // keys scored at a time
+// K + V bytes an item reads ahead of scoring them (see DecodeAttention::touch_rows): a few
+// hundred KB, well inside a core's L2.
+constexpr int64_t kTouchBytes = 256 << 10;
 constexpr float kNegBig = -1e30f;  // not -inf: -ffast-math assumes finite values
 
 // One tile of an online softmax: scores s[0..n) become exp(s - new max) in place, the running
@@ -349,6 +352,45 @@ class DecodeAttention {
     t1 = std::min<int>(lens_[b], t0 + split_);
   }
 
+  // Loads from every cache line of sequence b's K/V rows for tokens [t0, t1) (all
+  // heads, contiguous within a block), discarding them. In the attention loop each load sits
+  // among arithmetic that depends on it, and the rows (cold: a step reads every layer's
+  // cache once) arrive from memory with little overlap; software prefetches two tiles ahead
+  // did not change that. A tight loop of independent loads keeps many misses in flight, so
+  // each chunk of an item is pulled into the caches this way and then scored (at 64 streams
+  // this made the attention 1.6x faster).
+  void touch_rows(int b, int t0, int t1) const {
+    const PagedKV<T>& kv = kv_;
+    const int32_t* table = kv.table(b);
+    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
+    // One 8-byte word a line, K and V alternating, in a loop kept this tight (whole-line
+    // loads, one run after the other, or a bounds clamp in the loop all measured slower).
+    // A run is a whole number of rows, so with rows a multiple of 8 bytes every word read
+    // lies inside it; other row sizes read a byte a line.
+    const bool words = row_bytes % 8 == 0;
+    uint64_t acc = 0;
+    for (int t = t0; t < t1;) {
+      const int in_blk = std::min(t1 - t, kv.bs - t % kv.bs);
+      const int64_t off = kv.offset(table, t);
+      const char* kp = reinterpret_cast<const char*>(kv.k + off);
+      const char* vp = reinterpret_cast<const char*>(kv.v + off);
+      const int64_t n = in_blk * row_bytes;
+      if (words) {
+        for (int64_t x = 0; x < n; x += 64) {
+          uint64_t a, c;
+          std::memcpy(&a, kp + x, sizeof(a));
+          std::memcpy(&c, vp + x, sizeof(c));
+          acc |= a | c;
+        }
+      } else {
+        for (int64_t x = 0; x < n; x += 64)
+          acc |= static_cast<unsigned char>(kp[x]) | static_cast<unsigned char>(vp[x]);
+      }
+      t += in_blk;
+    }
+    asm volatile("" : : "r"(acc));  // the loads must happen
+  }
+
   void run_item(int64_t it) {
     const int H = H_, D = D_, KVH = kv_.kv_heads, G = H / KVH, bs = kv_.bs;
     const PagedKV<T>& kv = kv_;
@@ -375,22 +417,10 @@ class DecodeAttention {
     std::fill(acc, acc + H * D, 0.f);
     const int32_t* table = kv.table(b);
     const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
+    const int chunk = static_cast<int>(std::max<int64_t>(1, kTouchBytes / (2 * row_bytes * kTile)) * kTile);
     for (int base = t0; base < t1; base += kTile) {
       const int end = std::min(t1, base + kTile);
-      // Blocks are scattered, so the hardware prefetcher stalls at each block boundary:
-      // prefetch the K/V rows (all heads, contiguous within a block) two tiles ahead.
-      for (int t = base == t0 ? end : std::min(t1, end + kTile), stop = std::min(t1, end + 2 * kTile);
-           t < stop;) {
-        const int in_blk = std::min(stop - t, bs - t % bs);
-        const int64_t off = kv.offset(table, t);
-        const char* kp = reinterpret_cast<const char*>(kv.k + off);
-        const char* vp = reinterpret_cast<const char*>(kv.v + off);
-        for (int64_t x = 0, n = in_blk * row_bytes; x < n; x += 64) {
-          __builtin_prefetch(kp + x);
-          __builtin_prefetch(vp + x);
-        }
-        t += in_blk;
-      }
+      if ((base - t0) % chunk == 0) touch_rows(b, base, std::min(t1, base + chunk));
       // The tile's row offsets, walked block by block (no division per token).
       alignas(64) int64_t roff[kTile];
       for (int t = base, j = 0; t < end;) {
