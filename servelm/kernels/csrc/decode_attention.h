@@ -95,6 +95,16 @@ struct PagedKV {
   int64_t offset(const int32_t* table, int t) const {
     return static_cast<int64_t>(table[t / bs]) * blk_stride + static_cast<int64_t>(t % bs) * tok_stride;
   }
+  // f(off, n) for each run of tokens [t0, t1) that lies in one block, in order: n rows,
+  // contiguous from element offset off (one division per block, not per token).
+  template <typename F>
+  void for_runs(const int32_t* table, int t0, int t1, F&& f) const {
+    for (int t = t0; t < t1;) {
+      const int n = std::min(t1 - t, bs - t % bs);
+      f(offset(table, t), n);
+      t += n;
+    }
+  }
 };
 
 // Attend G pre-scaled fp32 queries to one tile of n <= kTile tokens of one sequence's KV
@@ -374,7 +384,6 @@ class DecodeAttention {
   // software prefetches two tiles ahead had made no difference.
   void touch_rows(int b, int t0, int t1) const {
     const PagedKV<T>& kv = kv_;
-    const int32_t* table = kv.table(b);
     const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
     // One 8-byte word a line, K and V alternating, in a loop kept this tight (whole-line
     // loads, one run after the other, or a bounds clamp in the loop all measured slower).
@@ -382,12 +391,10 @@ class DecodeAttention {
     // lies inside it; other row sizes read a byte a line.
     const bool words = row_bytes % 8 == 0;
     uint64_t acc = 0;
-    for (int t = t0; t < t1;) {
-      const int in_blk = std::min(t1 - t, kv.bs - t % kv.bs);
-      const int64_t off = kv.offset(table, t);
+    kv.for_runs(kv.table(b), t0, t1, [&](int64_t off, int rows) {
       const char* kp = reinterpret_cast<const char*>(kv.k + off);
       const char* vp = reinterpret_cast<const char*>(kv.v + off);
-      const int64_t n = in_blk * row_bytes;
+      const int64_t n = rows * row_bytes;
       if (words) {
         for (int64_t x = 0; x < n; x += 64) {
           uint64_t a, c;
@@ -399,13 +406,12 @@ class DecodeAttention {
         for (int64_t x = 0; x < n; x += 64)
           acc |= static_cast<unsigned char>(kp[x]) | static_cast<unsigned char>(vp[x]);
       }
-      t += in_blk;
-    }
+    });
     asm volatile("" : : "r"(acc));  // the loads must happen
   }
 
   void run_item(int64_t it) {
-    const int H = H_, D = D_, KVH = kv_.kv_heads, G = H / KVH, bs = kv_.bs;
+    const int H = H_, D = D_, KVH = kv_.kv_heads, G = H / KVH;
     const PagedKV<T>& kv = kv_;
     const float sc = sc_;
     int b, t0, t1;
@@ -434,14 +440,12 @@ class DecodeAttention {
     for (int base = t0; base < t1; base += kTile) {
       const int end = std::min(t1, base + kTile);
       if ((base - t0) % chunk == 0) touch_rows(b, base, std::min(t1, base + chunk));
-      // The tile's row offsets, walked block by block (no division per token).
+      // The tile's row offsets.
       alignas(64) int64_t roff[kTile];
-      for (int t = base, j = 0; t < end;) {
-        const int in_blk = std::min(end - t, bs - t % bs);
-        const int64_t off = kv.offset(table, t);
-        for (int i = 0; i < in_blk; ++i, ++j) roff[j] = off + i * kv.tok_stride;
-        t += in_blk;
-      }
+      int j = 0;
+      kv.for_runs(table, base, end, [&](int64_t off, int rows) {
+        for (int i = 0; i < rows; ++i) roff[j++] = off + i * kv.tok_stride;
+      });
       for (int h = 0; h < KVH; ++h) {
         const int hg = h * G;
         const T* kh = kv.k + static_cast<int64_t>(h) * D;

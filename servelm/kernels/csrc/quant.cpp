@@ -601,8 +601,9 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 // SiLU, the activation sums) split the rows over the threads, and a thread without rows
 // prefetches the head of its share of the next weight into L2. Attention runs the
 // paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed
-// per step, so while streaming the previous layer's gate_up_proj each thread also pulls its
-// items' K/V rows into L2 (cold otherwise: the weights stream evicts them every step).
+// per step, so while streaming the previous layer's gate_up_proj each thread also pulls the
+// first of its items' K/V rows into L2 (each item reads the rest ahead itself: the weights
+// stream evicts them every step).
 // Norms, rotary + KV write and SiLU run the servelm_ops operators' row kernels
 // (row_kernels.h) inline on per-step buffers: through the dispatcher, with an output
 // allocated per call, they cost more than their arithmetic.
@@ -803,14 +804,12 @@ struct AttnShare {
     for (int64_t it = i0; it < i1 && bytes < kMaxBytes; ++it) {
       int b, t0, t1;
       att.item_range(it, b, t0, t1);
-      const int32_t* table = kv.table(b);
-      for (int t = t0; t < t1 && bytes < kMaxBytes;) {
-        const int in_blk = std::min(t1 - t, kv.bs - t % kv.bs);
-        const int64_t n = std::min<int64_t>(in_blk * row, kMaxBytes - bytes);
-        runs.emplace_back(kv.offset(table, t) * static_cast<int64_t>(sizeof(c10::BFloat16)), n);
+      kv.for_runs(kv.table(b), t0, t1, [&](int64_t off, int rows) {
+        const int64_t n = std::min<int64_t>(rows * row, kMaxBytes - bytes);
+        if (n <= 0) return;
+        runs.emplace_back(off * static_cast<int64_t>(sizeof(c10::BFloat16)), n);
         bytes += n;
-        t += in_blk;
-      }
+      });
     }
   }
 
@@ -951,8 +950,8 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   // One parallel region for the whole step. Per layer: the norm and qkv_proj; rotary + KV
-  // write; attention, each thread running its share of the work items (whose K/V it
-  // prefetched while streaming the previous matmul); then o_proj .. down_proj, the norm and
+  // write; attention, each thread running its share of the work items (the first of whose
+  // K/V it prefetched while streaming the previous matmul); then o_proj .. down_proj, the norm and
   // SiLU between them. Row steps split the rows, matmuls the tiles.
   template <int DT>
   at::Tensor run_impl(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
