@@ -45,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens each (fewer preemptions in a tight KV pool; 0: off)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly, without replaying captured decode graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (under torchrun: its WORLD_SIZE; "
                         "--num-threads is then shared among the ranks on this host)")
@@ -72,7 +74,8 @@ def build_llm(args):
                enable_prefix_caching=args.enable_prefix_caching,
                admission_lookahead=args.admission_lookahead,
                tensor_parallel_size=args.tensor_parallel_size,
-               quantization=getattr(args, "quantization", None))
+               quantization=getattr(args, "quantization", None),
+               enforce_eager=getattr(args, "enforce_eager", False))
 
 
 def sampling_params(args) -> SamplingParams:

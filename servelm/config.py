@@ -63,6 +63,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = physical cores (CPU)
     tensor_parallel_size: int = 1  # ranks sharing every weight (servelm.distributed); 1 = none
     quantization: str | None = None  # weight-only: None, "int8" (per channel), "int4" (groups)
+    # CUDA: decode steps replay captured graphs (servelm.engine.cuda_graphs) unless this is
+    # set; the eager model is then used for every step, as on the CPU.
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

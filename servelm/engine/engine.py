@@ -151,9 +151,11 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
                                  f"(one block takes {block_bytes} bytes)")
+            graphs = self.device.type == "cuda" and not config.enforce_eager
             self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
-                                    self.dtype, self.device)
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+                                    self.dtype, self.device, spare_block=graphs)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=graphs,
+                                      max_graph_batch=min(256, sched_cfg.max_num_seqs))
         # A sequence longer than the whole pool could never run.
         self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,

@@ -23,16 +23,21 @@ class SeqInput:
 
 
 class KVCache:
-    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D]."""
+    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D].
+
+    With spare_block, one block more than num_blocks is allocated, `pad_block`, which the
+    block manager never hands out: padding rows of captured CUDA-graph steps write there."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, spare_block: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.pad_block = num_blocks if spare_block else None
+        total = num_blocks + spare_block
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
         if torch.device(device).type == "cpu":
-            n = num_blocks * self.bytes_per_block(cfg, block_size, dtype)
+            n = total * self.bytes_per_block(cfg, block_size, dtype)
             self.data = hugepages.empty(n).view(dtype).view(shape).zero_()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
@@ -198,7 +203,10 @@ def pin_module_attributes(model: torch.nn.Module) -> None:
 class ModelRunner:
     """Owns the model and the KV cache; runs one step's forward and returns logits."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256):
+        """cuda_graphs: decode steps of up to max_graph_batch rows replay captured CUDA
+        graphs (servelm.engine.cuda_graphs); needs a KVCache with a spare block."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -213,10 +221,19 @@ class ModelRunner:
                             and load_ops("ops"))
         if self.use_kernels and hasattr(model, "bind_decode_layers"):
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
+        self.graphs = None
+        if cuda_graphs:
+            from servelm.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch=max_graph_batch)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
         """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
+        if self.graphs is not None:
+            out = self.graphs.execute(seqs)
+            if out is not None:
+                return out
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
                                              kernels=self.use_kernels)

@@ -28,10 +28,11 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0,
                  num_threads: int | None = None, enable_prefix_caching: bool = True,
                  admission_lookahead: int = 64, tensor_parallel_size: int = 1,
-                 quantization: str | None = None):
+                 quantization: str | None = None, enforce_eager: bool = False):
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
