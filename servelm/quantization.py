@@ -10,6 +10,12 @@ is untouched. Activations stay in the model's dtype; only the stored weights shr
   mean KL to fp32 over tests/data/prose.txt 0.055, against 0.34 for group 64 and 0.38 for
   symmetric group 32 (the embedded checkpoint is itself Q4_1: asymmetric groups of 32).
 
+On CUDA, int4 layers of bf16 models also hold the weight in the layout of PyTorch's
+tinygemm kernel (`aten._weight_int4pack_mm`: the same groups, w = s * (q - 8) + z with
+z = m + 8 s, scales and zeros in bf16) and run it for up to `CUDA_INT4_MAX_ROWS` rows;
+int8 layers run `aten._weight_int8pack_mm` where this PyTorch has it for CUDA, else
+the int8 weight converted in the matmul's input and scaled after.
+
 On CPU with the C++ kernels (servelm/kernels/csrc/quant.cpp) every call, decode or
 prefill, runs a kernel that streams the packed weight once per few activation rows and
 decodes it in registers to bf16 for vdpbf16ps (weights are stored in 16-row tiles for it;
@@ -122,6 +128,59 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     return w[:out_features].to(dtype) if out_features is not None else w.to(dtype)
 
 
+# ---------------------------------------------------------------- CUDA layouts
+
+# Rows from which an int4 layer dequantises the whole weight and runs a bf16 matmul on
+# CUDA instead of tinygemm (a matrix-vector kernel at heart: it reads the weight once
+# per 16 rows).
+CUDA_INT4_MAX_ROWS = 64
+
+
+def tinygemm_operands(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      group_size: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K] in 0..15, our tiled scales/mins) -> (uint8 [N, K/2] with element 2i
+    in the high nibble of byte i, bf16 scales-and-zeros [K/G, N, 2]): the inputs of
+    `aten._convert_weight_to_int4pack` and `_weight_int4pack_mm` on CUDA, which compute
+    w = s * (q - 8) + z, so z = m + 8 s."""
+    N = out_features
+    q = q[:N].to(torch.uint8)
+    nibbles = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+    T, KG, _ = scales.shape
+    s = scales.float().transpose(1, 2).reshape(T * 16, KG)[:N]
+    m = mins.float().transpose(1, 2).reshape(T * 16, KG)[:N]
+    sz = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous()
+    return nibbles, sz.to(torch.bfloat16)
+
+
+def dequantize_tinygemm(nibbles: torch.Tensor, scales_zeros: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    """The weights [N, K] (fp32) that tinygemm computes with: the reference its operands
+    are tested against."""
+    q = torch.stack([nibbles >> 4, nibbles & 15], dim=-1).reshape(nibbles.shape[0], -1).float()
+    N, K = q.shape
+    sz = scales_zeros.float().transpose(0, 1)  # [N, K/G, 2]
+    w = q.reshape(N, K // group_size, group_size) - 8
+    return (w * sz[..., :1] + sz[..., 1:]).reshape(N, K)
+
+
+def _inner_k_tiles(K: int) -> int:
+    return next((t for t in (8, 4, 2) if K % (16 * t) == 0), 0)
+
+
+_cuda_ops: dict[str, bool] = {}
+
+
+def _cuda_op_works(name: str, probe) -> bool:
+    """Whether this PyTorch build runs a CUDA op (asked once per process)."""
+    if name not in _cuda_ops:
+        try:
+            probe()
+            _cuda_ops[name] = True
+        except (RuntimeError, NotImplementedError):
+            _cuda_ops[name] = False
+    return _cuda_ops[name]
+
+
 # ---------------------------------------------------------------- modules
 
 _has_ops: bool | None = None
@@ -204,6 +263,9 @@ class Int8Linear(QuantLinear):
         self.tiled = tiled
         if tiled:
             q, scales = pack_int8(q, scales)
+        elif q.is_cuda:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                _cuda_int8pack_works(q.device, dtype)  # asked now, never inside a graph capture
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
 
@@ -230,6 +292,15 @@ class Int8Linear(QuantLinear):
 
     def _forward_fallback(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.is_cuda and not self.tiled:
+            x2 = x.reshape(-1, self.in_features)
+            if _cuda_int8pack_works(x.device, x.dtype):
+                y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight,
+                                                       self.scales.to(x.dtype))
+            else:
+                y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
         if x.device.type == "cpu" and not self.tiled:
             # PyTorch's fused CPU kernel; scales must be in the activation dtype.
             y = torch.ops.aten._weight_int8pack_mm(
@@ -252,6 +323,15 @@ class Int4Linear(QuantLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        # CUDA: the same weights in tinygemm's layout, when its kernel takes this shape.
+        self.register_buffer("tg_weight", None)
+        self.register_buffer("tg_scales_zeros", None)
+        tiles = _inner_k_tiles(self.in_features)
+        if qweight.is_cuda and tiles and out_features % 8 == 0 and _cuda_int4pack_works(qweight.device):
+            nibbles, sz = tinygemm_operands(unpack_int4(qweight), scales, mins, group_size,
+                                            out_features)
+            self.tg_weight = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
+            self.tg_scales_zeros = sz
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE,
@@ -268,11 +348,37 @@ class Int4Linear(QuantLinear):
             x, self.qweight, self.scales, self.mins, self.group_size, self.out_features, self.bias)
 
     def _forward_fallback(self, x):
-        return F.linear(x, self.dequantize(x.dtype),
-                        None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if (self.tg_weight is not None and x.dtype == torch.bfloat16
+                and x.numel() <= CUDA_INT4_MAX_ROWS * self.in_features):
+            y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features).contiguous(),
+                                                   self.tg_weight, self.group_size,
+                                                   self.tg_scales_zeros)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
+        return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
+
+
+def _cuda_int4pack_works(device: torch.device) -> bool:
+    def probe():
+        w = torch.ops.aten._convert_weight_to_int4pack(
+            torch.zeros(8, 64, dtype=torch.uint8, device=device), 2)
+        sz = torch.zeros(4, 8, 2, dtype=torch.bfloat16, device=device)
+        torch.ops.aten._weight_int4pack_mm(
+            torch.zeros(1, 128, dtype=torch.bfloat16, device=device), w, 32, sz)
+    return _cuda_op_works("int4pack", probe)
+
+
+def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
+    def probe():
+        torch.ops.aten._weight_int8pack_mm(
+            torch.zeros(1, 64, dtype=dtype, device=device),
+            torch.zeros(8, 64, dtype=torch.int8, device=device),
+            torch.ones(8, dtype=dtype, device=device))
+    return _cuda_op_works(f"int8pack-{dtype}", probe)
 
 
 def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:

@@ -185,6 +185,6 @@ def test_bf16_graphs_on_cuda_track_the_eager_path():
         kv.data.copy_(saved)
         want, rows = eager.execute(batch)
         want = want[sorted(range(len(rows)), key=rows.__getitem__)]
-        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()  # bf16 rounding
         nxt = want.argmax(-1).tolist()
     assert graphs.num_captured >= 2

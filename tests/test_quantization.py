@@ -169,6 +169,47 @@ def test_float16_activations():
     assert _rel_err(y, x @ qlin.dequantize().T) < 1e-2
 
 
+# ---------------------------------------------------------------- CUDA layouts
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_tinygemm_operands_hold_the_same_weights(group):
+    """Our int4 groups in the layout of PyTorch's CUDA tinygemm (w = s (q - 8) + z, bf16
+    scales and zeros): the same weights to bf16 rounding of the scales, nibble order as
+    its convention (element 2i in the high nibble of byte i)."""
+    torch.manual_seed(1)
+    w = torch.randn(40, 256)
+    q, s, m = Q.quantize_int4(w, group)
+    codes = Q.unpack_int4(q, 40)
+    nibbles, sz = Q.tinygemm_operands(Q.unpack_int4(q), s, m, group, 40)
+    assert nibbles.shape == (40, 128) and nibbles.dtype == torch.uint8
+    assert sz.shape == (256 // group, 40, 2) and sz.dtype == torch.bfloat16
+    assert int(nibbles[3, 5]) == int(codes[3, 10]) << 4 | int(codes[3, 11])
+    ref = Q.dequantize_int4(q, s, m, group, 40)
+    got = Q.dequantize_tinygemm(nibbles, sz, group)
+    assert _rel_err(got, ref) < 1e-2
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 16, 64, 200])
+def test_cuda_quantized_layers_match_their_weights(method, rows):
+    """On CUDA: int4 through tinygemm (up to CUDA_INT4_MAX_ROWS rows, then dequantised),
+    int8 through _weight_int8pack_mm or the converted weight; against the dequantised
+    weights in fp32."""
+    lin = _linear(1536, 576, bias=False).cuda()
+    qlin = Q.quantize_linear(lin, method)
+    if method == "int4":
+        assert qlin.tg_weight is not None  # H100/H200 class GPUs run tinygemm
+    x = torch.randn(rows, 576, device="cuda").bfloat16()
+    ref = F.linear(x.float(), qlin.dequantize(torch.float32))
+    y = qlin(x)
+    assert y.shape == (rows, 1536) and y.dtype == torch.bfloat16
+    assert _rel_err(y, ref) < 2e-2
+
+
 class _Tiny(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The CUDA checks and figures, in one run on a machine with a GPU: the tests that need CUDA
+# (captured decode graphs against the eager path, the int4/int8 CUDA kernels, the sampler),
+# then benchmarks/synthetic.py on random weights of real shapes (the embedded model's file
+# is not needed): CUDA graphs against eager decode, side by side, each weight format, and
+# transformers of the same shape. Runs from a checkout without installing it.
+#
+#     bash benchmarks/cuda.sh [OUTDIR]      # logs: OUTDIR/tests.log, OUTDIR/synthetic.log
+#
+# PYTHON picks the interpreter (default python3); each step has its own time limit, so one
+# that hangs or fails does not cost the others.
+set -u
+out=${1:-.}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+# The C++ kernels are CPU kernels: do not build them here.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} SERVELM_NO_KERNELS=1 PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+$py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+
+timeout 240 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+    "tests/test_quantization.py::test_cuda_quantized_layers_match_their_weights" \
+    "tests/test_quantization.py::test_tinygemm_operands_hold_the_same_weights" \
+    "tests/test_sampler.py::test_cuda_matches_cpu_paths" 2>&1 | tee "$out/tests.log"
+
+bench() {
+    local limit=$1; shift
+    echo "== synthetic.py $*" | tee -a "$out/synthetic.log"
+    timeout "$limit" $py benchmarks/synthetic.py "$@" 2>&1 | tee -a "$out/synthetic.log"
+}
+echo "== roofline" | tee -a "$out/synthetic.log"
+timeout 60 $py -m servelm.cli roofline --device cuda --params 8e9 --layers 32 --heads 32 \
+    --kv-heads 8 --head-dim 128 --batches 1,64 --prompt-lens 512 2>&1 | tee -a "$out/synthetic.log"
+bench 90 --shape smollm2-135m --batch 1,8,64 --transformers
+bench 120 --shape llama3-8b --batch 1,64 --transformers
+echo "== int4 kernels by rows" | tee -a "$out/synthetic.log"
+timeout 60 $py benchmarks/cuda_int4.py 2>&1 | tee -a "$out/synthetic.log"
+bench 90 --shape llama3-8b --quantization int4 --batch 1,64
+bench 60 --shape smollm2-135m --quantization int4 --batch 1,64
+bench 90 --shape llama3-8b --quantization int8 --batch 1,64
+bench 60 --shape smollm2-135m --quantization int8 --batch 1,64
