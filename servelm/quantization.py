@@ -14,7 +14,8 @@ On CUDA, int4 layers of bf16 models also hold the weight in the layout of PyTorc
 tinygemm kernel (`aten._weight_int4pack_mm`: the same groups, w = s * (q - 8) + z with
 z = m + 8 s, scales and zeros in bf16) and run it for up to `CUDA_INT4_MAX_ROWS` rows;
 int8 layers run `aten._weight_int8pack_mm` where this PyTorch has it for CUDA, else
-the int8 weight converted in the matmul's input and scaled after.
+the int8 weight converted in the matmul's input and scaled after. Each kernel is first run
+once on a small known case; one that is missing or disagrees is not used.
 
 On CPU with the C++ kernels (servelm/kernels/csrc/quant.cpp) every call, decode or
 prefill, runs a kernel that streams the packed weight once per few activation rows and
@@ -26,12 +27,16 @@ when the weight was quantised without the kernels (row-major int8).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelm import hugepages
 from servelm.kernels import load_ops
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32
@@ -171,12 +176,15 @@ _cuda_ops: dict[str, bool] = {}
 
 
 def _cuda_op_works(name: str, probe) -> bool:
-    """Whether this PyTorch build runs a CUDA op (asked once per process)."""
+    """Whether this PyTorch build runs a CUDA op right: probe() runs it on a small known
+    case and raises if it fails or disagrees (asked once per process; a kernel that is
+    missing or computes with another layout leaves the layer on the PyTorch fallback)."""
     if name not in _cuda_ops:
         try:
             probe()
             _cuda_ops[name] = True
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as e:
+            logger.warning("%s is not used on CUDA: %s", name, e)
             _cuda_ops[name] = False
     return _cuda_ops[name]
 
@@ -363,21 +371,34 @@ class Int4Linear(QuantLinear):
 
 
 def _cuda_int4pack_works(device: torch.device) -> bool:
+    """tinygemm runs here and computes with the weights `tinygemm_operands` describe."""
     def probe():
-        w = torch.ops.aten._convert_weight_to_int4pack(
-            torch.zeros(8, 64, dtype=torch.uint8, device=device), 2)
-        sz = torch.zeros(4, 8, 2, dtype=torch.bfloat16, device=device)
-        torch.ops.aten._weight_int4pack_mm(
-            torch.zeros(1, 128, dtype=torch.bfloat16, device=device), w, 32, sz)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (16, 128), generator=g, dtype=torch.uint8)
+        s = torch.rand(1, 4, 16, generator=g).add_(0.5).half()
+        m = torch.randn(1, 4, 16, generator=g).half()
+        nibbles, sz = tinygemm_operands(q, s, m, 32, 16)
+        x = torch.randn(2, 128, generator=g).bfloat16()
+        want = x.float() @ dequantize_tinygemm(nibbles, sz, 32).T
+        w = torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), 2)
+        got = torch.ops.aten._weight_int4pack_mm(x.to(device), w, 32, sz.to(device))
+        if not torch.allclose(got.float().cpu(), want, rtol=0.02, atol=0.02 * want.abs().max().item()):
+            raise RuntimeError("tinygemm disagrees with its operands' weights")
     return _cuda_op_works("int4pack", probe)
 
 
 def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """_weight_int8pack_mm runs here for this activation dtype and computes x @ (s q)^T."""
     def probe():
-        torch.ops.aten._weight_int8pack_mm(
-            torch.zeros(1, 64, dtype=dtype, device=device),
-            torch.zeros(8, 64, dtype=torch.int8, device=device),
-            torch.ones(8, dtype=dtype, device=device))
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(-127, 128, (8, 64), generator=g, dtype=torch.int8)
+        s = torch.rand(8, generator=g).add_(0.5)
+        x = torch.randn(2, 64, generator=g)
+        want = x @ (q.float() * s[:, None]).T
+        got = torch.ops.aten._weight_int8pack_mm(x.to(device, dtype), q.to(device),
+                                                 s.to(device, dtype))
+        if not torch.allclose(got.float().cpu(), want, rtol=0.02, atol=0.02 * want.abs().max().item()):
+            raise RuntimeError("_weight_int8pack_mm disagrees with its weights")
     return _cuda_op_works(f"int8pack-{dtype}", probe)
 
 

@@ -189,6 +189,19 @@ def test_tinygemm_operands_hold_the_same_weights(group):
     assert _rel_err(got, ref) < 1e-2
 
 
+def test_cuda_kernel_probes_accept_a_right_kernel_and_refuse_a_failing_one(monkeypatch):
+    """The probes that decide whether a CUDA kernel is used run it on a known case: the
+    int8 one passes PyTorch's CPU _weight_int8pack_mm (the same op, another device), and a
+    probe that fails leaves the kernel unused."""
+    monkeypatch.setattr(Q, "_cuda_ops", {})
+    assert Q._cuda_int8pack_works(torch.device("cpu"), torch.float32)
+
+    def wrong():
+        raise RuntimeError("disagrees")
+    assert Q._cuda_op_works("wrong", wrong) is False
+    assert Q._cuda_ops == {"int8pack-torch.float32": True, "wrong": False}
+
+
 CUDA = torch.cuda.is_available()
 
 
