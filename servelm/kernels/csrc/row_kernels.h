@@ -100,10 +100,45 @@ inline void check_slots(const int64_t* slots, int64_t T, int64_t nslots, const c
 
 // ---- SiLU and mul
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// a * b, rounded once. -ffast-math lets the compiler reassociate plain vector products
+// (g * (r * y) into (g * r) * y), and it did so differently in ops.cpp and quant.cpp; an
+// explicit rounding mode makes the product opaque to it, so both paths give the same bits.
+inline __m512 mul_rn(__m512 a, __m512 b) {
+  return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// silu(g) = g / (1 + e^-g) in 16 lanes, e^-g = 2^(-g log2e) by exp2_512<5> (relative error
+// ~1e-7 for |g| < 10, about an fp32 ulp). The scalar loop's expf, vectorised by the
+// compiler through libmvec, took 1.5x as long.
+inline __m512 silu16(__m512 g) {
+  // e^-g capped at 2^126, so 1 + e^-g stays finite (silu(g < -87) is then -g 2^-126, not
+  // -0: both below bf16's smallest normal); NaN stays NaN (min returns its second operand).
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(126.f), mul_rn(g, _mm512_set1_ps(-kLog2e)));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_512<5>(t));
+  // 1/d: a 14-bit estimate and one Newton step r + r (1 - d r) (~2^-27 relative), cheaper
+  // than a divide.
+  const __m512 r = _mm512_rcp14_ps(d);
+  const __m512 inv = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r);
+  return mul_rn(g, inv);
+}
+// o = s * u, s rounded to the element type first.
+inline void silu_mul_store(float* o, __m512 s, __m512 u) { _mm512_storeu_ps(o, mul_rn(s, u)); }
+inline void silu_mul_store(c10::BFloat16* o, __m512 s, __m512 u) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                      (__m256i)_mm512_cvtneps_pbh(mul_rn(round_bf16(s), u)));
+}
+#endif
+
 // o = silu(g) * u over I elements (silu rounded to T first, as the reference's two ops).
 template <typename T>
 void silu_row(const T* g, const T* u, T* o, int64_t I) {
-  for (int64_t i = 0; i < I; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value)
+    for (; i + 16 <= I; i += 16) silu_mul_store(o + i, silu16(load16<T>(g + i)), load16<T>(u + i));
+#endif
+  for (; i < I; ++i) {
     const float gv = to_f<T>(g[i]);
     const float sv = round_to<T>(gv / (1.f + std::exp(-gv)));
     o[i] = from_f<T>(sv * to_f<T>(u[i]));
