@@ -190,6 +190,24 @@ def test_decode_stack_rejects_bad_arguments():
             s.run(x[:2], cos[:2], sin[:2], two[0], two[1].long(), two[2])
         with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 100000 exceeds its block table"):
             s.run(x[:2], cos[:2], sin[:2], two[0], two[1], torch.tensor([100000, 20], dtype=torch.int32))
+        # run_tokens: the whole step from token ids, once bind_io has given it the tables.
+        ids, pos = torch.tensor([1, 2, 3]), torch.tensor([19, 19, 19])
+        with pytest.raises(RuntimeError, match="call bind_io first"):
+            s.run_tokens(ids, pos, *args)
+        emb, norm = model.embed_tokens.weight, model.norm.weight
+        table = torch.ones(64, cfg.head_dim).bfloat16()
+        with pytest.raises(RuntimeError, match="cos/sin must be contiguous bfloat16"):
+            s.bind_io(emb, table.float(), table.float(), norm)
+        with pytest.raises(RuntimeError, match="embed must be contiguous bfloat16"):
+            s.bind_io(emb[:, :-1], table, table, norm)
+        s.bind_io(emb, table, table, norm)
+        with pytest.raises(RuntimeError, match=r"input_ids\[1\] = 256 is outside the vocabulary"):
+            s.run_tokens(torch.tensor([1, 256, 3]), pos, *args)
+        with pytest.raises(RuntimeError, match=r"positions\[2\] = 64 is outside the rotary table"):
+            s.run_tokens(ids, torch.tensor([19, 19, 64]), *args)
+        with pytest.raises(RuntimeError, match="input_ids and positions must be contiguous int64"):
+            s.run_tokens(ids.int(), pos, *args)
+        assert s.run_tokens(ids, pos, *args).shape == (rows, cfg.hidden_size)
 
 
 # ---------------------------------------------------------------- through the engine
@@ -210,10 +228,14 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     runs = []
     real = model._decode_stack
 
-    class Counting:  # the stack, counting its calls
+    class Counting:  # the stack, counting its calls (run_tokens: whole steps from token ids)
         def run(self, *a):
             runs.append(a[0].shape[0])
             return real.run(*a)
+
+        def run_tokens(self, *a):
+            runs.append(a[0].shape[0])
+            return real.run_tokens(*a)
 
     ids = llm.get_tokenizer().encode("The first rule of serving language models is")
     prompts = [ids, ids[:3], list(range(1000, 1300))]  # one context past 256 tokens

@@ -103,6 +103,11 @@ class LlamaForCausalLM(nn.Module):
             [t for p in parts for t in p[2]], [p[3] for p in parts],
             [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
             attn.num_heads, attn.num_kv_heads, attn.scale)
+        # Embedding, rotary rows and the final norm too: run_tokens is the whole step. The
+        # rotary tables rounded to bf16 once (rounding commutes with the per-step gather).
+        bf16 = torch.bfloat16
+        self._decode_stack.bind_io(self.embed_tokens.weight, self.rotary.cos.to(bf16).contiguous(),
+                                   self.rotary.sin.to(bf16).contiguous(), self.norm.weight)
         self._decode_kv = kv_caches
         self._decode_max_rows = self._decode_stack.max_rows()
         self.fused_decode = True
@@ -114,15 +119,19 @@ class LlamaForCausalLM(nn.Module):
         sampled_only those of batch.logits_indices [S, hidden]: then the last layer's o_proj
         and MLP run for those rows only (prompt positions whose logits nobody reads skip
         1/num_layers of the prompt's matmuls)."""
+        n, last = batch.input_ids.shape[0], len(self.layers) - 1
+        rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
+        fused = (batch.kernels and self.fused_decode and batch.num_decodes == n <= self._decode_max_rows
+                 and kv_caches is self._decode_kv)
+        if fused and rows is None:  # the whole step, embedding to final norm, in one call
+            return self._decode_stack.run_tokens(batch.input_ids, batch.positions, batch.slot_mapping,
+                                                 batch.decode_block_tables, batch.decode_context_lens)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        n, last = x.shape[0], len(self.layers) - 1
-        rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
         if batch.kernels:
             # The residual stream is updated in place by the fused add + RMSNorm kernels.
             delta = None
-            if (self.fused_decode and batch.num_decodes == n <= self._decode_max_rows
-                    and kv_caches is self._decode_kv):
+            if fused:
                 delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
                                                batch.decode_block_tables, batch.decode_context_lens)
                 if rows is not None:
