@@ -124,6 +124,21 @@ def test_steps_a_graph_does_not_run_are_left_to_the_eager_path(device, capture):
     assert not graphs._graphs
 
 
+def test_a_long_context_among_short_ones_is_left_to_the_eager_path():
+    """Padding every table to the longest would read far more keys than the rows attend
+    to: such a step runs eagerly (which groups rows by length); a similar one with
+    comparable lengths replays."""
+    model, kv, eager, graphs = _setup("cpu", False, max_batch=16, num_blocks=256)
+    seqs = _Seqs([2] * 15 + [200], kv.num_blocks)
+    with torch.inference_mode():
+        eager.execute([seqs.prompt(i) for i in range(16)])
+    step = [seqs.decode(i, 3) for i in range(16)]
+    assert graphs.execute(step) is None
+    with torch.inference_mode():
+        eager.execute(step)
+    assert graphs.execute([seqs.decode(i, 3) for i in range(15)]) is not None
+
+
 def test_a_runner_with_graphs_takes_them_for_decodes_only():
     """ModelRunner(cuda_graphs=True) routes decode steps through DecodeGraphs (here on
     the CPU without capturing) and prompt steps through the eager model."""

@@ -18,8 +18,10 @@ addresses, so here:
   so capturing in the middle of serving is harmless), all sharing one memory pool.
 
 Steps where every row computes one token (decodes, and one-token prompt chunks) of at most
-`max_batch` rows replay a graph; other steps (prompt chunks, larger batches) run the eager
-model. A capture that fails (out of memory, an op that cannot be captured) is logged and its
+`max_batch` rows replay a graph; other steps (prompt chunks, larger batches, and batches
+whose padded tables would hold more than MAX_KEY_PADDING times the keys their rows attend
+to, such as one long context among many short ones) run the eager model, which groups
+rows of similar lengths. A capture that fails (out of memory, an op that cannot be captured) is logged and its
 shape runs eagerly from then on. `capture=False` runs the same padded static-buffer forward
 without capturing: the CPU tests check everything but the capture itself that way.
 """
@@ -34,6 +36,10 @@ import torch
 from servelm.models.layers import AttnGroup, ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+# A step replays a graph only if its padded block tables hold at most this many times the
+# keys its rows attend to (plus a few blocks): attention reads every padded key.
+MAX_KEY_PADDING = 4
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -137,7 +143,8 @@ class DecodeGraphs:
         B = self._padded_batch(n)
         need = max(s.start_pos // bs + 1 for s in seqs)
         W = 1 << (need - 1).bit_length()
-        if W > self.max_blocks:
+        attended = sum(s.start_pos + 1 for s in seqs)
+        if W > self.max_blocks or B * W * bs > MAX_KEY_PADDING * attended + 64 * bs:
             return None
         ids, pos, slots, tables = [], [], [], []
         for s in seqs:
