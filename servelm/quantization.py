@@ -305,6 +305,8 @@ class Int8Linear(QuantLinear):
             if _cuda_int8pack_works(x.device, x.dtype):
                 y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight,
                                                        self.scales.to(x.dtype))
+            elif x.dtype == torch.float16:  # x . q could pass fp16's 65504 before scaling
+                y = F.linear(x2, self.dequantize(x.dtype))
             else:
                 y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
             y = y.reshape(*x.shape[:-1], self.out_features)

@@ -21,9 +21,10 @@ Steps where every row computes one token (decodes, and one-token prompt chunks) 
 `max_batch` rows replay a graph; other steps (prompt chunks, larger batches, and batches
 whose padded tables would hold more than MAX_KEY_PADDING times the keys their rows attend
 to, such as one long context among many short ones) run the eager model, which groups
-rows of similar lengths. A capture that fails (out of memory, an op that cannot be captured) is logged and its
-shape runs eagerly from then on. `capture=False` runs the same padded static-buffer forward
-without capturing: the CPU tests check everything but the capture itself that way.
+rows of similar lengths. A capture that fails (out of memory, an op that cannot be
+captured) is logged and its shape runs eagerly from then on. `capture=False` runs the same
+padded static-buffer forward without capturing: the CPU tests check everything but the
+capture itself that way.
 """
 
 from __future__ import annotations

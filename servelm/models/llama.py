@@ -83,8 +83,9 @@ class LlamaForCausalLM(nn.Module):
 
     def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
-        decoder layer and its KV cache into one `servelm_quant.DecodeStack`, which then runs
-        decode-only bf16 batches of up to its max_rows() (4096) in one C++ call per step,
+        decoder layer and its KV cache (with the embedding, rotary tables and final norm) into
+        one `servelm_quant.DecodeStack`, which then runs decode-only bf16 batches of up to its
+        max_rows() (4096) from token ids to the final norm in one C++ call per step,
         bit-identical to the per-op path (from 48 rows, 24 with an int8 layer, its matmuls
         decode each weight tile once, as the per-op kernels do). Only when every layer's
         linear layers are int4/int8 kernel layers. SERVELM_NO_FUSED_DECODE=1: never (the
