@@ -1,7 +1,8 @@
 """Captured decode steps: one CUDA graph replay per decode step instead of a launch per kernel.
 
 A decode step of a small model is bound on a GPU by launching kernels, not by the GPU: the
-eager step of a 30-layer model launches some 25 kernels a layer, each of which takes the
+eager step of a 30-layer model launches several dozen kernels a layer (the reference norms,
+rotary and attention gathers are a few small ops each), each of which takes the
 host several microseconds to launch and the GPU about one to run. A CUDA graph records one
 step's kernels once and replays them all with one launch. Graphs have fixed shapes and fixed
 addresses, so here:
