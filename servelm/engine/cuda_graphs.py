@@ -135,6 +135,7 @@ class DecodeGraphs:
         logger.debug("captured a decode graph: batch %d, %d blocks", B, W)
         return graph, None, out
 
+    @torch.inference_mode()
     def execute(self, seqs) -> tuple[torch.Tensor, list[int]] | None:
         """fp32 logits of the sampled rows and their indices in `seqs` (as
         ModelRunner.execute), or None when this step is not one a graph runs."""
