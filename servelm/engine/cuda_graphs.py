@@ -12,8 +12,9 @@ addresses, so here:
 - the batch is padded up to a captured size (`graph_batch_sizes`, at most 1.5x); a padding
   row computes a token at position 0 of the KV pool's spare block (`KVCache.pad_block`),
   which no sequence owns, so it writes nothing anyone reads;
-- attention reads every row's block table padded to the batch's longest, rounded up to a
-  power of two blocks, and masked past each row's own position (the eager path's math);
+- attention reads every row's block table padded to the batch's longest, rounded up to
+  one of four widths per power of two (`table_width`: at most 1.25x), and masked past each
+  row's own position (the eager path's math);
 - so there is one graph per (batch size, table width), captured the first time a step needs
   it (a warm-up forward, then the capture; both recompute the same K/V into the same slots,
   so capturing in the middle of serving is harmless), all sharing one memory pool.
@@ -52,6 +53,15 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
         sizes.append(b)
         b = b * 2 if b < 8 else b * 3 // 2 if b & (b - 1) == 0 else 1 << b.bit_length()
     return sizes + [max_batch]
+
+
+def table_width(blocks: int) -> int:
+    """Captured block-table width for a batch whose longest row needs `blocks` blocks:
+    rounded up to a multiple of a quarter of the power of two below it (1..8 exactly, then
+    10, 12, 14, 16, 20, 24, ...), so a graph's attention reads at most 1.25x the blocks the
+    longest row needs while contexts grow through only four widths per doubling."""
+    step = 1 << max(0, blocks.bit_length() - 3)
+    return -(-blocks // step) * step
 
 
 class DecodeGraphs:
@@ -144,8 +154,7 @@ class DecodeGraphs:
             return None
         bs, pad = self.block_size, self.pad_block
         B = self._padded_batch(n)
-        need = max(s.start_pos // bs + 1 for s in seqs)
-        W = 1 << (need - 1).bit_length()
+        W = table_width(max(s.start_pos // bs + 1 for s in seqs))
         attended = sum(s.start_pos + 1 for s in seqs)
         if W > self.max_blocks or B * W * bs > MAX_KEY_PADDING * attended + 64 * bs:
             return None
