@@ -208,6 +208,16 @@ def test_decode_stack_rejects_bad_arguments():
         with pytest.raises(RuntimeError, match="input_ids and positions must be contiguous int64"):
             s.run_tokens(ids.int(), pos, *args)
         assert s.run_tokens(ids, pos, *args).shape == (rows, cfg.hidden_size)
+        # run_lists: the same step from plain lists (the model runner's decode-only path).
+        lists = [ids.tolist(), pos.tolist(), args[0].tolist(), args[1].flatten().tolist(),
+                 args[2].tolist()]
+        assert torch.equal(s.run_lists(*lists), s.run_tokens(ids, pos, *args))
+        with pytest.raises(RuntimeError, match="one entry per row"):
+            s.run_lists(lists[0][:2], *lists[1:])
+        with pytest.raises(RuntimeError, match="block id -1 out of range"):
+            s.run_lists(*lists[:3], [-1] + lists[3][1:], lists[4])
+        with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 0 out of range"):
+            s.run_lists(*lists[:4], [0] + lists[4][1:])
 
 
 # ---------------------------------------------------------------- through the engine
@@ -236,6 +246,10 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
         def run_tokens(self, *a):
             runs.append(a[0].shape[0])
             return real.run_tokens(*a)
+
+        def run_lists(self, *a):
+            runs.append(len(a[0]))
+            return real.run_lists(*a)
 
     ids = llm.get_tokenizer().encode("The first rule of serving language models is")
     prompts = [ids, ids[:3], list(range(1000, 1300))]  # one context past 256 tokens

@@ -76,6 +76,26 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
     return ForwardBatch(**flat.tensors(device), groups=groups), flat.sampled
 
 
+def decode_lists(dec: list[SeqInput], block_size: int
+                 ) -> tuple[list[int], list[int], list[int], list[int], list[int], int]:
+    """One-token rows as the C++ decode kernels take them: token ids, positions, KV slots,
+    block tables padded with block 0 into one flat row-major list, context lengths, and the
+    tables' width (plain lists: a one-stream step builds these in a few microseconds)."""
+    lens = [s.start_pos + 1 for s in dec]
+    input_ids = [s.token_ids[0] for s in dec]
+    positions = [s.start_pos for s in dec]
+    max_blocks = (max(lens) + block_size - 1) // block_size if dec else 0
+    tables: list[int] = []
+    slots = []
+    for s in dec:
+        nb = (s.start_pos + block_size) // block_size
+        tables += s.block_table[:nb]
+        tables += [0] * (max_blocks - nb)
+        slots.append(s.block_table[s.start_pos // block_size] * block_size
+                     + s.start_pos % block_size)
+    return input_ids, positions, slots, tables, lens, max_blocks
+
+
 def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
                         device: torch.device) -> tuple[ForwardBatch, list[int]]:
     decodes = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
@@ -87,21 +107,8 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         keys = [_bucket(seqs[i], block_size) for i in prompts]
         prompts = [prompts[j] for j in sorted(range(len(prompts)), key=keys.__getitem__)]
         keys.sort()
-    # Decodes: one token each, at position start_pos; block tables padded with block 0 into
-    # one flat list (plain lists: a one-stream step builds this in a few microseconds).
-    dec = [seqs[i] for i in decodes]
-    lens = [s.start_pos + 1 for s in dec]
-    input_ids = [s.token_ids[0] for s in dec]
-    positions = [s.start_pos for s in dec]
-    max_blocks = (max(lens) + block_size - 1) // block_size if nd else 0
-    tables: list[int] = []
-    slots = []
-    for s in dec:
-        nb = (s.start_pos + block_size) // block_size
-        tables += s.block_table[:nb]
-        tables += [0] * (max_blocks - nb)
-        slots.append(s.block_table[s.start_pos // block_size] * block_size
-                     + s.start_pos % block_size)
+    input_ids, positions, slots, tables, lens, max_blocks = decode_lists(
+        [seqs[i] for i in decodes], block_size)
     logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample]
     sampled = [i for i in decodes if seqs[i].sample]
     flat = _FlatTokens(input_ids, positions, slots, logits_indices, sampled)
@@ -234,6 +241,17 @@ class ModelRunner:
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out
+        if (self.use_kernels and getattr(self.model, "fused_decode", False)
+                and self.model._decode_kv is self.kv_cache.layers
+                and len(seqs) <= self.model._decode_max_rows
+                and all(len(s.token_ids) == 1 and s.sample for s in seqs)):
+            # Decodes only, on the DecodeStack: its input as plain lists, no ForwardBatch (a
+            # one-stream step's small ops and tensors cost 3-5x their time alone there, run
+            # on caches the weight stream has just gone through).
+            ids, pos, slots, tables, lens, _ = decode_lists(seqs, self.kv_cache.block_size)
+            hidden = self.model.decode_step(ids, pos, slots, tables, lens)
+            if hidden is not None:
+                return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
                                              kernels=self.use_kernels)

@@ -114,6 +114,15 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True
         return True
 
+    def decode_step(self, input_ids: list[int], positions: list[int], slots: list[int],
+                    tables: list[int], context_lens: list[int]) -> torch.Tensor | None:
+        """A decode-only step of the cache bound by bind_decode_layers, from plain lists (as
+        model_runner.decode_lists builds them): the final hidden states [M, hidden], the same
+        bits as forward() on the equivalent batch; None when the stack is not bound."""
+        if not self.fused_decode:
+            return None
+        return self._decode_stack.run_lists(input_ids, positions, slots, tables, context_lens)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 sampled_only: bool = False) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] of all scheduled tokens, or with

@@ -982,6 +982,40 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
+  // run_tokens with its inputs as lists (ids, positions, slots: M each; tables: M rows of
+  // equal width, flattened; context lengths: M), turned into tensors here rather than by
+  // one PyTorch call each.
+  at::Tensor run_lists(std::vector<int64_t> input_ids, std::vector<int64_t> positions,
+                       std::vector<int64_t> slots, std::vector<int64_t> tables,
+                       std::vector<int64_t> context_lens) {
+    const int64_t M = static_cast<int64_t>(input_ids.size());
+    TORCH_CHECK(M >= 1 && positions.size() == input_ids.size() && slots.size() == input_ids.size() &&
+                    context_lens.size() == input_ids.size() && tables.size() % M == 0,
+                "DecodeStack.run_lists: input_ids, positions, slots and context_lens need one "
+                "entry per row, and tables M equal rows");
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    const auto i32 = at::TensorOptions().dtype(at::kInt);
+    at::Tensor ids_t = at::empty({M}, i64), pos_t = at::empty({M}, i64), slot_t = at::empty({M}, i64);
+    std::memcpy(ids_t.data_ptr<int64_t>(), input_ids.data(), sizeof(int64_t) * M);
+    std::memcpy(pos_t.data_ptr<int64_t>(), positions.data(), sizeof(int64_t) * M);
+    std::memcpy(slot_t.data_ptr<int64_t>(), slots.data(), sizeof(int64_t) * M);
+    const int64_t MB = static_cast<int64_t>(tables.size()) / M;
+    at::Tensor tab_t = at::empty({M, MB}, i32), len_t = at::empty({M}, i32);
+    int32_t* tp = tab_t.data_ptr<int32_t>();
+    int32_t* lp = len_t.data_ptr<int32_t>();
+    for (size_t i = 0; i < tables.size(); ++i) {
+      TORCH_CHECK(tables[i] >= 0 && tables[i] <= INT32_MAX, "DecodeStack.run_lists: block id ",
+                  tables[i], " out of range");
+      tp[i] = static_cast<int32_t>(tables[i]);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(context_lens[m] >= 1 && context_lens[m] <= INT32_MAX,
+                  "DecodeStack.run_lists: context_lens[", m, "] = ", context_lens[m], " out of range");
+      lp[m] = static_cast<int32_t>(context_lens[m]);
+    }
+    return run_tokens(ids_t, pos_t, slot_t, tab_t, len_t);
+  }
+
   // All layers for M decode rows: residual [M, hidden] (the embeddings) is updated in place
   // and the last layer's MLP output returned (the model adds it before its final norm).
   at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
@@ -1143,6 +1177,7 @@ TORCH_LIBRARY(servelm_quant, m) {
       .def("run", &DecodeStack::run)
       .def("bind_io", &DecodeStack::bind_io)
       .def("run_tokens", &DecodeStack::run_tokens)
+      .def("run_lists", &DecodeStack::run_lists)
       .def("num_layers", &DecodeStack::num_layers)
       .def("max_rows", &DecodeStack::max_rows);
 }
