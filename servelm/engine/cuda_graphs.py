@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from servelm.engine.model_runner import decode_lists
 from servelm.models.layers import AttnGroup, ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -158,15 +159,7 @@ class DecodeGraphs:
         attended = sum(s.start_pos + 1 for s in seqs)
         if W > self.max_blocks or B * W * bs > MAX_KEY_PADDING * attended + 64 * bs:
             return None
-        ids, pos, slots, tables = [], [], [], []
-        for s in seqs:
-            p = s.start_pos
-            ids.append(s.token_ids[0])
-            pos.append(p)
-            nb = p // bs + 1
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-            tables += s.block_table[:nb]
-            tables += [pad] * (W - nb)
+        ids, pos, slots, tables, _, _ = decode_lists(seqs, bs, width=W, pad_block=pad)
         fill = B - n
         host = (ids + [0] * fill + pos + [0] * fill + slots + [pad * bs] * fill
                 + tables + [pad] * (W * fill))

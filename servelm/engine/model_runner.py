@@ -76,21 +76,24 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
     return ForwardBatch(**flat.tensors(device), groups=groups), flat.sampled
 
 
-def decode_lists(dec: list[SeqInput], block_size: int
+def decode_lists(dec: list[SeqInput], block_size: int, width: int | None = None,
+                 pad_block: int = 0
                  ) -> tuple[list[int], list[int], list[int], list[int], list[int], int]:
-    """One-token rows as the C++ decode kernels take them: token ids, positions, KV slots,
-    block tables padded with block 0 into one flat row-major list, context lengths, and the
-    tables' width (plain lists: a one-stream step builds these in a few microseconds)."""
+    """One-token rows as the decode paths take them: token ids, positions, KV slots, block
+    tables padded with pad_block into one flat row-major list `width` blocks a row (default:
+    the longest row's), context lengths, and the blocks the longest row needs (plain lists:
+    a one-stream step builds these in a few microseconds)."""
     lens = [s.start_pos + 1 for s in dec]
     input_ids = [s.token_ids[0] for s in dec]
     positions = [s.start_pos for s in dec]
     max_blocks = (max(lens) + block_size - 1) // block_size if dec else 0
+    width = max_blocks if width is None else width
     tables: list[int] = []
     slots = []
     for s in dec:
         nb = (s.start_pos + block_size) // block_size
         tables += s.block_table[:nb]
-        tables += [0] * (max_blocks - nb)
+        tables += [pad_block] * (width - nb)
         slots.append(s.block_table[s.start_pos // block_size] * block_size
                      + s.start_pos % block_size)
     return input_ids, positions, slots, tables, lens, max_blocks
@@ -241,17 +244,15 @@ class ModelRunner:
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out
-        if (self.use_kernels and getattr(self.model, "fused_decode", False)
-                and self.model._decode_kv is self.kv_cache.layers
-                and len(seqs) <= self.model._decode_max_rows
+        if (self.use_kernels and hasattr(self.model, "decode_stack_takes")
+                and self.model.decode_stack_takes(self.kv_cache.layers, len(seqs))
                 and all(len(s.token_ids) == 1 and s.sample for s in seqs)):
             # Decodes only, on the DecodeStack: its input as plain lists, no ForwardBatch (a
             # one-stream step's small ops and tensors cost 3-5x their time alone there, run
             # on caches the weight stream has just gone through).
             ids, pos, slots, tables, lens, _ = decode_lists(seqs, self.kv_cache.block_size)
             hidden = self.model.decode_step(ids, pos, slots, tables, lens)
-            if hidden is not None:
-                return self.model.compute_logits(hidden), list(range(len(seqs)))
+            return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
                                              kernels=self.use_kernels)

@@ -114,13 +114,17 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True
         return True
 
+    def decode_stack_takes(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           rows: int) -> bool:
+        """Whether the DecodeStack runs a decode-only step of `rows` rows over kv_caches (it
+        is bound, to these caches, and takes that many rows)."""
+        return self.fused_decode and rows <= self._decode_max_rows and kv_caches is self._decode_kv
+
     def decode_step(self, input_ids: list[int], positions: list[int], slots: list[int],
-                    tables: list[int], context_lens: list[int]) -> torch.Tensor | None:
-        """A decode-only step of the cache bound by bind_decode_layers, from plain lists (as
+                    tables: list[int], context_lens: list[int]) -> torch.Tensor:
+        """A decode-only step that decode_stack_takes, from plain lists (as
         model_runner.decode_lists builds them): the final hidden states [M, hidden], the same
-        bits as forward() on the equivalent batch; None when the stack is not bound."""
-        if not self.fused_decode:
-            return None
+        bits as forward() on the equivalent batch."""
         return self._decode_stack.run_lists(input_ids, positions, slots, tables, context_lens)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -131,8 +135,7 @@ class LlamaForCausalLM(nn.Module):
         1/num_layers of the prompt's matmuls)."""
         n, last = batch.input_ids.shape[0], len(self.layers) - 1
         rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
-        fused = (batch.kernels and self.fused_decode and batch.num_decodes == n <= self._decode_max_rows
-                 and kv_caches is self._decode_kv)
+        fused = batch.kernels and batch.num_decodes == n and self.decode_stack_takes(kv_caches, n)
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
             return self._decode_stack.run_tokens(batch.input_ids, batch.positions, batch.slot_mapping,
                                                  batch.decode_block_tables, batch.decode_context_lens)
