@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from servelm.cli import int_list
+from servelm.cli import int_list, positive
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
 from servelm.models.loader import build_model
@@ -122,7 +122,7 @@ def main() -> None:
                          "(default: both on CUDA, eager on CPU)")
     ap.add_argument("--transformers", action="store_true",
                     help="also time transformers' Llama of the same shape (random weights)")
-    ap.add_argument("--hf-tokens", type=int, default=32,
+    ap.add_argument("--hf-tokens", type=positive(int), default=32,
                     help="tokens transformers generates per decode measurement")
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
                     help="for the roofline (default: H200's 4800 on CUDA, 30 on CPU)")

@@ -191,6 +191,8 @@ def test_enforce_eager_is_an_engine_flag():
     assert p.parse_args([]).enforce_eager is False
     assert p.parse_args(["--enforce-eager"]).enforce_eager is True
     assert EngineConfig(enforce_eager=True).enforce_eager
+    with pytest.raises(ValueError, match="enforce_eager must be True or False, got 'yes'"):
+        EngineConfig(enforce_eager="yes")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
