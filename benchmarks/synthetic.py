@@ -14,8 +14,9 @@ Reports, per shape: TTFT of a --prompt-token prompt (one forward, logits of its 
 position), and decode tok/s at each --batch (every sequence holding --context tokens),
 with the roofline's bound for each (weights and KV read at --bandwidth, matmuls at
 --flops) and the fraction reached. On CUDA every timing synchronises the device, and each
-decode batch is timed with captured CUDA graphs and eagerly (--modes), alternating, with
-their ratio. --transformers times transformers' LlamaForCausalLM of the same shape (random
+decode batch is timed with captured CUDA graphs, eagerly, and eagerly with the gather +
+SDPA attention in place of the Triton decode kernel (--modes), alternating, with the
+ratios graphs / eager and eager / gather. --transformers times transformers' LlamaForCausalLM of the same shape (random
 weights, --dtype) the same way: TTFT of the prompt, and decode tok/s of B sequences of
 --context tokens generating --hf-tokens more (its prefill subtracted).
 """
@@ -118,8 +119,9 @@ def main() -> None:
     ap.add_argument("--batch", default="1,64", type=int_list, help="comma-separated batch sizes")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--modes", default=None,
-                    help="decode paths to time, comma-separated: graphs (CUDA only), eager "
-                         "(default: both on CUDA, eager on CPU)")
+                    help="decode paths to time, comma-separated: graphs, eager, gather (eager "
+                         "with gather + SDPA attention instead of Triton's; graphs and gather "
+                         "need CUDA; default: all three on CUDA, eager on CPU)")
     ap.add_argument("--transformers", action="store_true",
                     help="also time transformers' Llama of the same shape (random weights)")
     ap.add_argument("--hf-tokens", type=positive(int), default=32,
@@ -131,10 +133,11 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    modes = (args.modes or ("graphs,eager" if cuda else "eager")).split(",")
+    modes = (args.modes or ("graphs,eager,gather" if cuda else "eager")).split(",")
     for m in modes:
-        if m not in ("graphs", "eager") or (m == "graphs" and not cuda):
-            ap.error(f"--modes: {m!r} is not a decode path here (graphs needs CUDA; eager)")
+        if m not in ("graphs", "eager", "gather") or (m != "eager" and not cuda):
+            ap.error(f"--modes: {m!r} is not a decode path here (graphs and gather need "
+                     "CUDA; eager)")
     dtype = getattr(torch, args.dtype)
     bw = (args.bandwidth or (4800 if cuda else 30)) * 1e9
     peak = (args.flops or (990 if cuda else 0.9)) * 1e12
@@ -149,6 +152,9 @@ def main() -> None:
     if "graphs" in modes:
         runners["graphs"] = ModelRunner(model, kv, device, cuda_graphs=True,
                                         max_graph_batch=max(batches))
+    if "gather" in modes:
+        runners["gather"] = ModelRunner(model, kv, device)
+        runners["gather"].triton_attention = False
     runner = runners["eager"]
     bits = torch.empty(0, dtype=dtype).element_size() * 8
     shape = ModelShape.from_config(cfg, weight_bits=quantized_bits_per_weight(
@@ -156,7 +162,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"{args.shape} ({cfg.num_params / 1e9:.2f} B params), {args.dtype}"
           f"{', ' + args.quantization if args.quantization else ''}, {name}; roofline at "
-          f"{bw / 1e9:.0f} GB/s and {peak / 1e12:.1f} TFLOP/s; C++ kernels: {runner.use_kernels}",
+          f"{bw / 1e9:.0f} GB/s and {peak / 1e12:.1f} TFLOP/s; C++ kernels: {runner.use_kernels}; "
+          f"Triton decode attention: {runner.triton_attention}",
           flush=True)
 
     gen = torch.Generator().manual_seed(1)
@@ -197,9 +204,10 @@ def main() -> None:
             print(f"decode, batch {B:3d}, context {args.context}: {B / t:10.1f} tok/s "
                   f"({t * 1e3:7.2f} ms a step)   roofline {B / ideal:10.1f} tok/s   "
                   f"{ideal / t:6.1%} of it   [{m}]", flush=True)
-        if len(modes) == 2:
-            print(f"decode, batch {B:3d}: graphs / eager {decode['graphs', B] / decode['eager', B]:.2f}x",
-                  flush=True)
+        for a, b in (("graphs", "eager"), ("eager", "gather")):
+            if a in modes and b in modes:
+                print(f"decode, batch {B:3d}: {a} / {b} {decode[a, B] / decode[b, B]:.2f}x",
+                      flush=True)
     if "graphs" in runners:
         print(f"CUDA graphs captured: {runners['graphs'].graphs.num_captured}", flush=True)
 

@@ -12,6 +12,11 @@ from servelm.models.loader import default_model_path
 # Two threads, as on CI; tests compare results, never timings.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Without a GPU the Triton kernels (servelm/kernels/triton_attention.py) run in Triton's
+# interpreter, on CPU tensors; this must be set before they are defined (imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

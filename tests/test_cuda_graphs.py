@@ -35,12 +35,16 @@ def _model(device, dtype=torch.float32, seed=0, max_positions=256):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _setup(device, capture, dtype=torch.float32, max_batch=8, num_blocks=64):
+def _setup(device, capture, dtype=torch.float32, max_batch=8, num_blocks=64,
+           triton_attention=False):
     model = _model(device, dtype)
     kv = KVCache(model.config, num_blocks, BS, dtype, torch.device(device), spare_block=True)
     eager = ModelRunner(model, kv, torch.device(device))
-    eager.use_kernels = False  # the eager PyTorch reference (what CUDA runs without graphs)
-    graphs = DecodeGraphs(model, kv, torch.device(device), max_batch=max_batch, capture=capture)
+    # The eager PyTorch reference (gather + SDPA attention), what CUDA runs without graphs
+    # or Triton.
+    eager.use_kernels = eager.triton_attention = False
+    graphs = DecodeGraphs(model, kv, torch.device(device), max_batch=max_batch, capture=capture,
+                          triton_attention=triton_attention)
     return model, kv, eager, graphs
 
 
@@ -88,12 +92,15 @@ def test_table_widths_pad_at_most_a_quarter_with_four_per_doubling():
         assert len([w for w in widths if 2 ** k < w <= 2 ** (k + 1)]) == 4
 
 
+@pytest.mark.parametrize("triton_attention", [False, True])
 @pytest.mark.parametrize("device,capture", DEVICES)
-def test_decode_steps_match_the_eager_runner(device, capture):
+def test_decode_steps_match_the_eager_runner(device, capture, triton_attention):
     """Batches that shrink and grow (padding rows), contexts that cross block and
     table-width boundaries, and a row that does not sample: the logits equal
-    the eager runner's, step after step (every step's K/V is then right too)."""
-    model, kv, eager, graphs = _setup(device, capture)
+    the eager runner's, step after step (every step's K/V is then right too); with the
+    graphs' attention as the eager path's gather + SDPA, or the Triton decode kernel
+    (in Triton's interpreter without a GPU)."""
+    model, kv, eager, graphs = _setup(device, capture, triton_attention=triton_attention)
     seqs = _Seqs([3, 9, 1, 14, 6], kv.num_blocks)
     with torch.inference_mode():
         eager.execute([seqs.prompt(i) for i in range(5)])
@@ -137,15 +144,22 @@ def test_steps_a_graph_does_not_run_are_left_to_the_eager_path(device, capture):
 def test_a_long_context_among_short_ones_is_left_to_the_eager_path():
     """Padding every table to the longest would read far more keys than the rows attend
     to: such a step runs eagerly (which groups rows by length); a similar one with
-    comparable lengths replays."""
+    comparable lengths replays. With the Triton decode attention, which reads only each
+    row's own keys, the padded step replays too, and gives the eager path's logits."""
     model, kv, eager, graphs = _setup("cpu", False, max_batch=16, num_blocks=256)
+    ragged = DecodeGraphs(model, kv, torch.device("cpu"), max_batch=16, capture=False,
+                          triton_attention=True)
     seqs = _Seqs([2] * 15 + [200], kv.num_blocks)
     with torch.inference_mode():
         eager.execute([seqs.prompt(i) for i in range(16)])
     step = [seqs.decode(i, 3) for i in range(16)]
     assert graphs.execute(step) is None
+    got, rows = ragged.execute(step)
     with torch.inference_mode():
-        eager.execute(step)
+        want, want_rows = eager.execute(step)
+    assert rows == list(range(16))
+    want = want[sorted(range(16), key=want_rows.__getitem__)]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert graphs.execute([seqs.decode(i, 3) for i in range(15)]) is not None
 
 

@@ -33,8 +33,10 @@ def test_synthetic_benchmark_rejects_bad_batch_sizes():
 
 
 def test_synthetic_benchmark_rejects_modes_it_cannot_run():
-    # CUDA graphs need a GPU; an unknown mode or a non-positive --hf-tokens is named.
-    for args, name in ((["--modes", "graphs"], "--modes"), (["--modes", "eager,fast"], "--modes"),
+    # CUDA graphs and the gather comparison need a GPU; an unknown mode or a non-positive
+    # --hf-tokens is named.
+    for args, name in ((["--modes", "graphs"], "--modes"), (["--modes", "eager,gather"], "--modes"),
+                       (["--modes", "eager,fast"], "--modes"),
                        (["--hf-tokens", "0"], "--hf-tokens")):
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synthetic.py"), "--device",
                             "cpu", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)

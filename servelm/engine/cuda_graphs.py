@@ -70,13 +70,16 @@ class DecodeGraphs:
     forwards of `model` over `kv_cache`; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, kv_cache, device: torch.device,
-                 max_batch: int = 256, capture: bool = True):
+                 max_batch: int = 256, capture: bool = True, triton_attention: bool = False):
+        """triton_attention: attention reads each row's own keys in place (Triton), so padded
+        tables cost nothing and any batch of decodes may replay a graph."""
         if kv_cache.pad_block is None:
             raise ValueError("CUDA graphs need a KV cache with a spare block (spare_block=True)")
         if capture and torch.device(device).type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_cache, self.device = model, kv_cache, torch.device(device)
         self.capture = capture
+        self.triton_attention = triton_attention
         self.block_size = bs = kv_cache.block_size
         self.pad_block = kv_cache.pad_block
         self.batch_sizes = graph_batch_sizes(max_batch)
@@ -111,7 +114,7 @@ class DecodeGraphs:
                           num_queries_per_kv=self.num_queries_per_kv)
         batch = ForwardBatch(input_ids=buf[:B], positions=positions,
                              slot_mapping=buf[2 * B:3 * B], groups=[group],
-                             logits_indices=self._arange[:B])
+                             logits_indices=self._arange[:B], triton_attention=self.triton_attention)
         hidden = self.model(batch, self.kv_cache.layers)
         return self.model.lm_head(hidden)
 
@@ -157,7 +160,8 @@ class DecodeGraphs:
         B = self._padded_batch(n)
         W = table_width(max(s.start_pos // bs + 1 for s in seqs))
         attended = sum(s.start_pos + 1 for s in seqs)
-        if W > self.max_blocks or B * W * bs > MAX_KEY_PADDING * attended + 64 * bs:
+        if W > self.max_blocks or (not self.triton_attention
+                                   and B * W * bs > MAX_KEY_PADDING * attended + 64 * bs):
             return None
         ids, pos, slots, tables, _, _ = decode_lists(seqs, bs, width=W, pad_block=pad)
         fill = B - n

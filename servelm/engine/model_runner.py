@@ -49,31 +49,37 @@ class KVCache:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-def _bucket(s: SeqInput, block_size: int) -> tuple[bool, int]:
+def _bucket(s: SeqInput, block_size: int, ragged: bool = False) -> tuple[bool, int]:
     """Attention group of a sequence: decodes apart from prompt chunks, and within each,
     contexts of similar length (same power-of-two block count) together, so padding every
-    member to the longest context costs at most 2x the keys actually attended to."""
+    member to the longest context costs at most 2x the keys actually attended to. With
+    `ragged` (attention that reads only each row's own keys), one group of each."""
+    if ragged:
+        return len(s.token_ids) > 1, 0
     num_blocks = -(-(s.start_pos + len(s.token_ids)) // block_size)
     return len(s.token_ids) > 1, num_blocks.bit_length()
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
-                        device: torch.device, kernels: bool = False
-                        ) -> tuple[ForwardBatch, list[int]]:
+                        device: torch.device, kernels: bool = False,
+                        triton_attention: bool = False) -> tuple[ForwardBatch, list[int]]:
     """Flatten sequences into one batch, grouped for attention (see _bucket). Returns the
     batch and, for each sampled row of the logits, the index of its sequence in `seqs`.
+    With `triton_attention` (CUDA), the one-token rows form one group and the prompt chunks
+    another, each attended in place by a Triton kernel.
 
     With `kernels`, every single-token row (decode) comes first, in input order, and is
     described by one padded int32 block table and its context lengths for the C++ decode
     kernel (ragged lengths, so no grouping); only prompt chunks form padded groups."""
     if kernels:
         return _build_kernel_batch(seqs, block_size, num_queries_per_kv, device)
-    keys = [_bucket(s, block_size) for s in seqs]
+    keys = [_bucket(s, block_size, triton_attention) for s in seqs]
     order = sorted(range(len(seqs)), key=lambda i: keys[i])
     flat = _FlatTokens()
     groups = flat.add_grouped(seqs, order, [keys[i] for i in order], 0, block_size,
                               num_queries_per_kv, device)
-    return ForwardBatch(**flat.tensors(device), groups=groups), flat.sampled
+    return (ForwardBatch(**flat.tensors(device), groups=groups, triton_attention=triton_attention),
+            flat.sampled)
 
 
 def decode_lists(dec: list[SeqInput], block_size: int, width: int | None = None,
@@ -210,6 +216,12 @@ def pin_module_attributes(model: torch.nn.Module) -> None:
                     m.__dict__[name] = value
 
 
+def _triton_available() -> bool:
+    from servelm.kernels.triton_attention import available
+
+    return available()
+
+
 class ModelRunner:
     """Owns the model and the KV cache; runs one step's forward and returns logits."""
 
@@ -231,11 +243,14 @@ class ModelRunner:
                             and load_ops("ops"))
         if self.use_kernels and hasattr(model, "bind_decode_layers"):
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
+        # On CUDA, attention reads K/V in place (Triton kernels) when Triton is there.
+        self.triton_attention = torch.device(device).type == "cuda" and _triton_available()
         self.graphs = None
         if cuda_graphs:
             from servelm.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch=max_graph_batch)
+            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch=max_graph_batch,
+                                       triton_attention=self.triton_attention)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
@@ -255,7 +270,8 @@ class ModelRunner:
             return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
-                                             kernels=self.use_kernels)
+                                             kernels=self.use_kernels,
+                                             triton_attention=self.triton_attention)
         # Only the rows that sample go through the last layer's o_proj and MLP and the LM
         # head: no logits (or final hidden states) for prompt positions.
         hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)

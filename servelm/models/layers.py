@@ -43,8 +43,14 @@ class AttnGroup:
         return mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
 
     @functools.cached_property
+    def context_lens(self) -> torch.Tensor:
+        """[B] int32: keys each sequence attends to at its last query (built on first use,
+        by the Triton decode attention, and shared by the layers)."""
+        return (self.query_pos[:, -1] + 1).to(torch.int32)
+
+    @functools.cached_property
     def prefill_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The prompt-attention kernel's int32 view: block tables [B, max_blocks],
+        """The prompt-attention kernels' (C++, Triton) int32 view: block tables [B, max_blocks],
         cumulative query counts [B + 1] (each sequence's tokens are consecutive) and first
         positions [B]. Built on the first layer's call and shared by the others."""
         B, Q = self.pad_index.shape
@@ -75,6 +81,10 @@ class ForwardBatch:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
+    # CUDA with Triton (decided once by the ModelRunner): every group is attended in place
+    # over its block tables (kernels/triton_attention.py), ragged lengths, no gather, mask
+    # or padding; one group of decodes, one of prompt chunks. Otherwise gather + SDPA.
+    triton_attention: bool = False
 
 
 # ---- fused CPU kernels (servelm/kernels/csrc/ops.cpp) and their PyTorch references ----------
@@ -263,12 +273,24 @@ class Attention(nn.Module):
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
         if len(batch.groups) == 1:
-            g = batch.groups[0]
-            out = paged_attention(q, k_cache, v_cache, g, self.scale)
+            out = self._attend(q, k_cache, v_cache, batch.groups[0], batch.triton_attention)
         else:
-            out = torch.cat([paged_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
-                             for g in batch.groups])
+            out = torch.cat([self._attend(q[g.start:g.end], k_cache, v_cache, g,
+                                          batch.triton_attention) for g in batch.groups])
         return self.o_proj(out if rows is None else out[rows])
+
+    def _attend(self, q, k_cache, v_cache, group: AttnGroup, use_triton: bool):
+        if not use_triton:
+            return paged_attention(q, k_cache, v_cache, group, self.scale)
+        from servelm.kernels import triton_attention as ta
+
+        Q = group.pad_index.shape[1]
+        if Q == 1:  # one token a row (decodes): split-K over each row's keys
+            return ta.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
+                                             group.context_lens, self.scale)
+        tables, cu_q, start_pos = group.prefill_metadata
+        return ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, Q,
+                                          self.scale)
 
     def _forward_kernels(self, x, cos, sin, batch: ForwardBatch, kv_cache, rows=None
                          ) -> torch.Tensor:

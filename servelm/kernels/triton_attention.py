@@ -1,0 +1,312 @@
+"""Paged attention for CUDA in Triton: each row's keys and values are read in place through
+its block table, never gathered into a new tensor.
+
+The eager CUDA path gathers every row's whole block table into a padded K/V copy and runs
+SDPA over it (with a mask for prompts): for 64 rows of 512 tokens of a Llama-3-8B that is
+~4-5 GB copied per decode step (written, then read back), several times the K/V the step
+needs to read. Here each program reads only the keys its rows attend to.
+
+Decode (`paged_decode_attention`, one query a row; split-K, "flash decoding"):
+
+- stage 1, grid (rows, KV heads, splits): one program takes one KV head of one row and
+  one slice of its context; the G query heads sharing that KV head are the rows of one
+  tile (grouped-query attention: each K/V element is read once for all G heads), padded
+  to 16 for the dot product. Keys are walked BLOCK_N at a time, each token's address
+  found through the block table, with an online softmax in fp32. It writes the slice's
+  normalised output and log-sum-exp, or with one split the final output directly;
+- stage 2, grid (rows, heads): the splits' outputs merged by their log-sum-exp weights.
+
+The split count depends only on the batch size and the table width, never on the rows'
+lengths, so a captured CUDA graph keeps a fixed grid (`DecodeGraphs`); a split past a
+row's length is empty and weighs nothing in the merge.
+
+Prompt chunks (`paged_prefill_attention`, ragged query counts and start positions, the
+C++ prompt kernel's metadata): grid (query tiles, sequences, KV heads), each program a
+tile of (token, head) rows sharing one KV head, walking the keys up to its last token
+with a causal mask; no padding to the longest prompt and no mask tensor.
+
+Triton is optional: `available()` is False without it (or with SERVELM_NO_TRITON=1) and
+callers keep the gather + SDPA path. The CPU tests run these kernels in Triton's
+interpreter (TRITON_INTERPRET=1, CPU tensors), against PyTorch references; the
+interpreter's dot products are fp32, so there the bf16/fp16 tiles are converted first
+(`DOT_FP32`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # optional: CUDA builds of torch ship it; the CPU tests install it for the interpreter
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+
+@functools.cache
+def available() -> bool:
+    return triton is not None and os.environ.get("SERVELM_NO_TRITON", "") in ("", "0")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter (tests)
+
+
+BLOCK_N = 64       # keys per inner step
+MAX_SPLITS = 32
+SPLIT_KEYS = 2048  # keys a split walks, at most (until MAX_SPLITS)
+
+
+def num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device,
+               want: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
+    """(splits, keys per split) for `batch` rows whose tables hold at most max_keys keys:
+    enough programs to fill the GPU about twice, and at most ~SPLIT_KEYS keys a split (a
+    long row among short ones is not one program's serial walk), or `want` splits; each
+    with at least one BLOCK_N of keys."""
+    steps = max(1, -(-max_keys // block_n))
+    if want is None:
+        want = max(-(-2 * _num_sms(device) // max(1, batch * kv_heads)),
+                   -(-max_keys // SPLIT_KEYS))
+    splits = max(1, min(want, steps, MAX_SPLITS))
+    per = -(-steps // splits) * block_n
+    return -(-max_keys // per), per
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_stage1(Q, K, V, Tables, Lens, Out, Lse, Final,
+                       split_len, scale_log2,
+                       sq_b, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, st_b,
+                       so_b, so_h, so_s, sl_b, sl_h, sf_b, sf_h,
+                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        n = tl.load(Lens + b).to(tl.int32)
+        start = s * split_len
+        end = tl.minimum(start + split_len, n)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < G
+        d_mask = offs_d < D
+        heads = kvh * G + offs_g
+        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            offs_n = t0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            blk = tl.load(Tables + b * st_b + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            tok = offs_n % PAGE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + (blk * sk_blk + tok * sk_tok + kvh * sk_h)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            scores = tl.where(n_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.math.exp2(scores - m_new[:, None])
+            alpha = tl.math.exp2(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            v = tl.load(V + (blk * sv_blk + tok * sv_tok + kvh * sv_h)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        nonempty = l_sum > 0
+        out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        if DIRECT:
+            tl.store(Final + b * sf_b + heads[:, None] * sf_h + offs_d[None, :],
+                     out.to(Final.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(Out + b * so_b + heads[:, None] * so_h + s * so_s + offs_d[None, :], out,
+                     mask=out_mask)
+            lse = tl.where(nonempty, m + tl.math.log2(tl.where(nonempty, l_sum, 1.0)),
+                           float("-inf"))
+            tl.store(Lse + b * sl_b + heads * sl_h + s, lse, mask=g_mask)
+
+    @triton.jit
+    def _decode_stage2(Out, Lse, Final, splits, so_b, so_h, so_s, sl_b, sl_h, sf_b, sf_h,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < splits
+        lse = tl.load(Lse + b * sl_b + h * sl_h + offs_s, mask=s_mask, other=float("-inf"))
+        w = tl.math.exp2(lse - tl.max(lse, 0))   # split 0 is never empty: max is finite
+        w = w / tl.sum(w, 0)
+        o = tl.load(Out + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
+                    mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
+        res = tl.sum(o * w[:, None], 0)
+        tl.store(Final + b * sf_b + h * sf_h + offs_d, res.to(Final.dtype.element_ty),
+                 mask=offs_d < D)
+
+    @triton.jit
+    def _prefill(Q, K, V, Tables, CuQ, StartPos, Out, scale_log2,
+                 sq_t, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, st_b, so_t, so_h,
+                 G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        tile = tl.program_id(0)
+        b = tl.program_id(1)
+        kvh = tl.program_id(2)
+        q0 = tl.load(CuQ + b)
+        nq = tl.load(CuQ + b + 1) - q0
+        t_first = tile * TOKENS
+        if t_first < nq:
+            p0 = tl.load(StartPos + b)
+            # Rows: (token, head within the KV head's group), token-major.
+            offs_r = tl.arange(0, BLOCK_R)
+            tok = t_first + offs_r // G
+            r_mask = (offs_r < TOKENS * G) & (tok < nq)
+            heads = kvh * G + offs_r % G
+            offs_d = tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            rows = (q0 + tok).to(tl.int64)
+            q = tl.load(Q + rows[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                        mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+            if DOT_FP32:
+                q = q.to(tl.float32)
+            qpos = p0 + tok                                 # each row's position
+            end = p0 + tl.minimum(t_first + TOKENS, nq)     # keys [0, end): causal bound
+
+            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_R], tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+            for k0 in range(0, end, BLOCK_N):
+                offs_n = k0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < end
+                blk = tl.load(Tables + b * st_b + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+                slot = offs_n % PAGE
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(K + (blk * sk_blk + slot * sk_tok + kvh * sk_h)[:, None]
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                scores = tl.where(offs_n[None, :] <= qpos[:, None], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, 1))
+                p = tl.math.exp2(scores - m_new[:, None])
+                alpha = tl.math.exp2(m - m_new)
+                l_sum = l_sum * alpha + tl.sum(p, 1)
+                v = tl.load(V + (blk * sv_blk + slot * sv_tok + kvh * sv_h)[:, None]
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+                if DOT_FP32:
+                    v = v.to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
+            # Every real row sees key 0 at least (qpos >= 0): l_sum > 0; padding rows are
+            # not stored.
+            out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            tl.store(Out + rows[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D] (one query per row); k_cache, v_cache [num_blocks, page, KVH, D];
+    block_tables [B, W] (int32 or int64; entries past a row's length are never read);
+    context_lens [B] (>= 1: row b attends to its first context_lens[b] keys).
+    Returns [B, H * D] in q's dtype. Same math as layers.paged_decode_attention_ref.
+    `splits` overrides the number of context slices (tests)."""
+    B, H, D = q.shape
+    _, page, kvh, d_cache = k_cache.shape
+    if D != d_cache or H % kvh:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    G = H // kvh
+    final = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return final.view(0, H * D)
+    splits, split_len = num_splits(B, kvh, block_tables.shape[1] * page, q.device, splits)
+    interp = q.device.type == "cpu"
+    direct = splits == 1
+    if direct:
+        out = lse = final  # not read: stage 1 writes the final output
+    else:
+        out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(max(D, 16))
+    _decode_stage1[(B, kvh, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, lse, final,
+        split_len, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        H * splits * D, splits * D, D, H * splits, splits, final.stride(0), final.stride(1),
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d, PAGE=page,
+        BLOCK_N=BLOCK_N, DIRECT=direct, DOT_FP32=interp,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=4, num_stages=2)
+    if not direct:
+        _decode_stage2[(B, H)](
+            out, lse, final, splits, H * splits * D, splits * D, D, H * splits, splits,
+            final.stride(0), final.stride(1),
+            D=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+    return final.view(B, H * D)
+
+
+PREFILL_ROWS = 64  # (token, head) rows a prompt program takes
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_q: torch.Tensor,
+                            start_pos: torch.Tensor, max_q: int, scale: float) -> torch.Tensor:
+    """Causal attention of prompt chunks over their block tables, in place (the cache
+    already holds the chunks' own K/V). q [T, H, D]: sequence b's queries are the flat
+    tokens [cu_q[b], cu_q[b + 1]), at positions start_pos[b], start_pos[b] + 1, ...;
+    max_q bounds any sequence's query count (it sizes the grid). Returns [T, H * D].
+
+    Grid (query tiles, sequences, KV heads): a program takes PREFILL_ROWS rows of
+    (token, query head) that share one KV head, so each K/V tile is read once for the
+    group's heads, and walks the keys up to its last token's position with an online
+    softmax, masking each row's future."""
+    T, H, D = q.shape
+    _, page, kvh, d_cache = k_cache.shape
+    if D != d_cache or H % kvh:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    G = H // kvh
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    B = cu_q.shape[0] - 1
+    if T == 0 or B == 0:
+        return out.view(T, H * D)
+    block_r = max(PREFILL_ROWS, triton.next_power_of_2(G))
+    tokens = block_r // G
+    _prefill[(-(-max_q // tokens), B, kvh)](
+        q, k_cache, v_cache, block_tables, cu_q, start_pos, out, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=G, TOKENS=tokens, BLOCK_R=block_r, D=D,
+        BLOCK_D=triton.next_power_of_2(max(D, 16)), PAGE=page, BLOCK_N=BLOCK_N,
+        DOT_FP32=q.device.type == "cpu",
+        PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4, num_stages=2)
+    return out.view(T, H * D)
