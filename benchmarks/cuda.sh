@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks and figures, in one run on a machine with a GPU: the tests that need CUDA
-# (captured decode graphs against the eager path, the int4/int8 CUDA kernels, the sampler),
+# (captured decode graphs against the eager path, the Triton attention kernels, the
+# int4/int8 CUDA kernels, the sampler),
 # then benchmarks/synthetic.py on random weights of real shapes (the embedded model's file
 # is not needed): CUDA graphs against eager decode, side by side, each weight format, and
 # transformers of the same shape. Runs from a checkout without installing it.

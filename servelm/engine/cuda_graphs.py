@@ -12,9 +12,10 @@ addresses, so here:
 - the batch is padded up to a captured size (`graph_batch_sizes`, at most 1.5x); a padding
   row computes a token at position 0 of the KV pool's spare block (`KVCache.pad_block`),
   which no sequence owns, so it writes nothing anyone reads;
-- attention reads every row's block table padded to the batch's longest, rounded up to
-  one of four widths per power of two (`table_width`: at most 1.25x), and masked past each
-  row's own position (the eager path's math);
+- every row's block table is padded to the batch's longest, rounded up to one of four
+  widths per power of two (`table_width`: at most 1.25x); the Triton decode attention
+  reads each row's keys only (its grid depends on batch and width alone), the gather +
+  SDPA path (no Triton) reads the padded tables and masks past each row's position;
 - so there is one graph per (batch size, table width), captured the first time a step needs
   it (a warm-up forward, then the capture; both recompute the same K/V into the same slots,
   so capturing in the middle of serving is harmless), all sharing one memory pool.
@@ -22,8 +23,8 @@ addresses, so here:
 Steps where every row computes one token (decodes, and one-token prompt chunks) of at most
 `max_batch` rows replay a graph; other steps (prompt chunks, larger batches, and batches
 whose padded tables would hold more than MAX_KEY_PADDING times the keys their rows attend
-to, such as one long context among many short ones) run the eager model, which groups
-rows of similar lengths. A capture that fails (out of memory, an op that cannot be
+to, such as one long context among many short ones, unless attention is Triton's) run
+the eager model, which groups rows of similar lengths. A capture that fails (out of memory, an op that cannot be
 captured) is logged and its shape runs eagerly from then on. `capture=False` runs the same
 padded static-buffer forward without capturing: the CPU tests check everything but the
 capture itself that way.
@@ -41,8 +42,9 @@ from servelm.models.layers import AttnGroup, ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# A step replays a graph only if its padded block tables hold at most this many times the
-# keys its rows attend to (plus a few blocks): attention reads every padded key.
+# Without the Triton attention, a step replays a graph only if its padded block tables hold
+# at most this many times the keys its rows attend to (plus a few blocks): the gather +
+# SDPA attention reads every padded key.
 MAX_KEY_PADDING = 4
 
 
