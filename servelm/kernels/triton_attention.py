@@ -80,7 +80,8 @@ def num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device,
 
 if triton is not None:
 
-    @triton.jit
+    # Lengths and table widths vary step to step: one compiled kernel for all of them.
+    @triton.jit(do_not_specialize=["split_len", "st_b"])
     def _decode_stage1(Q, K, V, Tables, Lens, Out, Lse, Final,
                        split_len, scale_log2,
                        sq_b, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, st_b,
@@ -145,7 +146,7 @@ if triton is not None:
                            float("-inf"))
             tl.store(Lse + b * sl_b + heads * sl_h + s, lse, mask=g_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])
     def _decode_stage2(Out, Lse, Final, splits, so_b, so_h, so_s, sl_b, sl_h, sf_b, sf_h,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         b = tl.program_id(0)
@@ -162,7 +163,7 @@ if triton is not None:
         tl.store(Final + b * sf_b + h * sf_h + offs_d, res.to(Final.dtype.element_ty),
                  mask=offs_d < D)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["st_b"])
     def _prefill(Q, K, V, Tables, CuQ, StartPos, Out, scale_log2,
                  sq_t, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, st_b, so_t, so_h,
                  G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr,
