@@ -41,7 +41,8 @@ from servelm.models.loader import default_model_path
 # "<fmt>/<variant>" runs the format with one optimisation switched off, for side-by-side
 # figures: the switch each variant sets while the engine loads.
 VARIANTS = {"unpacked": "SERVELM_NO_PREPACK",          # oneDNN weight prepacking
-            "unfused": "SERVELM_NO_FUSED_DECODE",      # the int4/int8 DecodeStack
+            "unfused": "SERVELM_NO_FUSED_DECODE",      # the int4/int8/bf16 DecodeStack
+            "onednn": "SERVELM_NO_BF16_TILES",         # bf16 weights in the kernels' tiles
             "smallpages": "SERVELM_NO_HUGEPAGES"}      # huge pages for weights and KV cache
 PROMPT_LEN = 512
 GEN = 128
@@ -192,7 +193,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bfloat16,float32,int8,int4",
                     help="servelm weight formats to run (dtype or quantisation; FMT/unpacked, "
-                         "FMT/unfused, FMT/smallpages: with that optimisation off)")
+                         "FMT/unfused, FMT/smallpages, bfloat16/onednn: with that optimisation "
+                         "off)")
     ap.add_argument("--repeats", type=positive(int), default=5,
                     help="TTFT runs per round (their median is the round's figure)")
     ap.add_argument("--decode-repeats", type=positive(int), default=3,

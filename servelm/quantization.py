@@ -28,6 +28,7 @@ when the weight was quantised without the kernels (row-major int8).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -372,6 +373,78 @@ class Int4Linear(QuantLinear):
         return super().extra_repr() + f", group_size={self.group_size}"
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (K even) -> bfloat16 [ceil(N/16), 16K] in the C++ kernels' tiles: tile t is
+    K/2 k-pairs of 32 values, lane 2r + e holding w[16t + r, 2kp + e] (vdpbf16ps's operand)."""
+    N, K = w.shape
+    T = (N + 15) // 16
+    w = w.to(torch.bfloat16)
+    if T * 16 != N:
+        w = torch.cat([w, w.new_zeros(T * 16 - N, K)])
+    return w.reshape(T, 16, K // 2, 2).permute(0, 2, 1, 3).reshape(T, 16 * K).contiguous()
+
+
+def unpack_bf16(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    T, K16 = tiles.shape
+    K = K16 // 16
+    return tiles.reshape(T, K // 2, 16, 2).permute(0, 2, 1, 3).reshape(T * 16, K)[:out_features]
+
+
+class Bf16Linear(QuantLinear):
+    """A bf16 model's linear layer on the C++ kernels (not a quantisation: the same bf16
+    weights, stored in the int4/int8 kernels' 16-row tiles). The weight streams straight
+    into vdpbf16ps for decode-sized batches and feeds the decode-once GEMM micro-kernel for
+    larger ones, and the layer can join the DecodeStack; oneDNN's prepacked bf16 matmul
+    streamed ~35 GB/s at one row here. Only for bf16 activations on the CPU; anything else
+    runs F.linear on the unpacked weight."""
+
+    method = "bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("qweight", pack_bf16(weight.detach()))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Bf16Linear":
+        return cls(linear.weight, linear.bias)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return unpack_bf16(self.qweight, self.out_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return torch.ops.servelm_quant.bf16_linear.default(x, self.qweight, self.out_features,
+                                                               self.bias)
+        return self._forward_fallback(x)
+
+    def _forward_fallback(self, x):
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+
+def bf16_tiles_supported(model: nn.Module) -> bool:
+    """Whether `tile_bf16` applies: a bf16 model on the CPU, the C++ kernels with the bf16
+    op, and not turned off (SERVELM_NO_BF16_TILES=1: oneDNN's prepacked matmuls instead, for
+    side-by-side runs)."""
+    p = next(model.parameters(), None)
+    return (p is not None and p.dtype == torch.bfloat16 and p.device.type == "cpu"
+            and os.environ.get("SERVELM_NO_BF16_TILES", "") in ("", "0")
+            and kernels_available() and hasattr(torch.ops.servelm_quant, "bf16_linear"))
+
+
+@torch.no_grad()
+def tile_bf16(model: nn.Module, targets: tuple[str, ...] = TARGETS) -> int:
+    """Swap the target bf16 `nn.Linear` layers (even in_features) for `Bf16Linear`s, in
+    place, as quantize_model does (a tied LM head gets its own copy). Returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children()
+             if name in targets and type(child) is nn.Linear
+             and child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0]
+    for parent, name, child in swaps:
+        setattr(parent, name, Bf16Linear.from_linear(child))
+    return len(swaps)
+
+
 def _cuda_int4pack_works(device: torch.device) -> bool:
     """tinygemm runs here and computes with the weights `tinygemm_operands` describe."""
     def probe():
@@ -405,8 +478,10 @@ def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
-    """A quantised layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
-    group size (0 for int8); None when the layer does not run on the C++ kernels."""
+    """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
+    group size (0 for int8, -1 for bf16); None when it does not run on the C++ kernels."""
+    if isinstance(module, Bf16Linear) and module.use_kernel:
+        return [module.qweight], -1
     if isinstance(module, Int4Linear) and module.use_kernel:
         return [module.qweight, module.scales, module.mins], module.group_size
     if isinstance(module, Int8Linear) and module.use_kernel and module.tiled:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
 
 BS = 16  # KV block size
 # From these many rows on the matmuls decode each weight tile once (a different kernel).
-DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24}
+DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24, "bf16": 8, "mixed16": 8}
 
 
 def _config(**kw) -> ModelConfig:
@@ -44,7 +44,10 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
                 p.copy_(torch.randn_like(p) * 0.2)
     model = model.to(torch.bfloat16)
     for name, method in formats.items():
-        Q.quantize_model(model.layers, method, targets=(name,))
+        if method == "bf16":  # bf16 weights in the kernels' tiles
+            Q.tile_bf16(model.layers, targets=(name,))
+        else:
+            Q.quantize_model(model.layers, method, targets=(name,))
     return model.eval()
 
 
@@ -85,6 +88,8 @@ FORMATS = {
     "int4": dict.fromkeys(Q.TARGETS, "int4"),
     "int8": dict.fromkeys(Q.TARGETS, "int8"),
     "mixed": {"qkv_proj": "int4", "o_proj": "int8", "gate_up_proj": "int8", "down_proj": "int4"},
+    "bf16": dict.fromkeys(Q.TARGETS, "bf16"),
+    "mixed16": {"qkv_proj": "bf16", "o_proj": "int4", "gate_up_proj": "bf16", "down_proj": "int8"},
 }
 
 
@@ -227,10 +232,10 @@ def bf16_quant_llms():
     # No prefix caching: both runs must batch the same rows (the kernels' arithmetic
     # differs from 48 rows on, so a cached prefix would change the prompt step).
     return {q: LLM(dtype="bfloat16", quantization=q, kv_cache_memory=128 << 20,
-                   enable_prefix_caching=False) for q in ("int4", "int8")}
+                   enable_prefix_caching=False) for q in ("int4", "int8", None)}
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("quant", ["int4", "int8", None])  # None: bf16 weights in tiles
 def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     llm = bf16_quant_llms[quant]
     model = llm.engine.model
@@ -271,7 +276,11 @@ def test_engine_binds_the_stack_only_where_it_applies(monkeypatch):
     # fp32 activations (the kernels split them into bf16 hi + lo): the per-op path.
     assert not LLM(dtype="float32", quantization="int4",
                    kv_cache_memory=32 << 20).engine.model.fused_decode
+    # bf16 weights: in the kernels' tiles, so on the stack too, unless turned off (oneDNN).
+    assert LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
+    monkeypatch.setenv("SERVELM_NO_BF16_TILES", "1")
     assert not LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
+    monkeypatch.delenv("SERVELM_NO_BF16_TILES")
     # The switch for side-by-side runs.
     monkeypatch.setenv("SERVELM_NO_FUSED_DECODE", "1")
     assert not LLM(dtype="bfloat16", quantization="int4",

@@ -100,6 +100,29 @@ def test_quantised_layers_are_not_prepacked():
     assert isinstance(m.other, PackedLinear)  # a plain linear left over is packed
 
 
+@needs_prepack
+def test_bf16_targets_go_to_the_kernels_tiles_unless_turned_off(monkeypatch):
+    from servelm.quantization import Bf16Linear, kernels_available
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = nn.Linear(64, 64)
+            self.other = nn.Linear(64, 64)
+
+    if not kernels_available():
+        pytest.skip("needs the C++ kernels")
+    m = finalize_linears(Block().bfloat16(), None)
+    assert isinstance(m.o_proj, Bf16Linear) and isinstance(m.other, PackedLinear)
+    assert m.o_proj.qweight.dtype == torch.bfloat16
+    monkeypatch.setenv("SERVELM_NO_BF16_TILES", "1")
+    m = finalize_linears(Block().bfloat16(), None)
+    assert isinstance(m.o_proj, PackedLinear) and isinstance(m.other, PackedLinear)
+    # fp32 models keep oneDNN.
+    monkeypatch.delenv("SERVELM_NO_BF16_TILES")
+    assert isinstance(finalize_linears(Block(), None).o_proj, PackedLinear)
+
+
 # ---- the engine with and without prepacking ----------------------------------------------------
 
 def _logits_and_tokens(llm, prompts, n):

@@ -112,6 +112,73 @@ def test_int8_kernel_matches_reference(n, k, dtype, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n,k", SHAPES + [(10, 68), (7, 20), (49, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 40, 77])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_kernel_matches_reference(n, k, rows, bias):
+    """bf16 weights in the kernels' tiles: streamed below 8 rows (1 to 4 rows a pass), the
+    GEMM micro-kernel over pairs of tiles from 8 (an odd tile count leaves one alone)."""
+    torch.manual_seed(n + k + rows)
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    b = torch.randn(n) if bias else None
+    tiles = Q.pack_bf16(w)
+    assert tiles.dtype == torch.bfloat16 and tiles.shape == (-(-n // 16), 16 * k)
+    assert torch.equal(Q.unpack_bf16(tiles, n), w)
+    x = torch.randn(rows, k).bfloat16()
+    ref = x.float() @ w.float().T + (0 if b is None else b)
+    y = torch.ops.servelm_quant.bf16_linear(x, tiles, n, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert _rel_err(y, ref) < 1e-2  # the output's own bf16 rounding
+    # A row's result does not depend on the rows around it, within a kernel (<8 / >=8 rows).
+    if rows in (5, 40):
+        torch.testing.assert_close(torch.ops.servelm_quant.bf16_linear(x[:rows - 1], tiles, n, b),
+                                   y[:rows - 1], rtol=0, atol=0)
+
+
+@needs_kernels
+def test_bf16_kernel_and_layer_reject_or_route_what_they_cannot_take():
+    tiles = Q.pack_bf16(torch.randn(16, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16 activations"):
+        torch.ops.servelm_quant.bf16_linear(torch.randn(1, 64), tiles, 16, None)
+    with pytest.raises(RuntimeError, match="tiled layout"):
+        torch.ops.servelm_quant.bf16_linear(torch.randn(1, 32).bfloat16(), tiles, 16, None)
+    with pytest.raises(RuntimeError, match="K \\(in_features\\) even"):
+        torch.ops.servelm_quant.bf16_linear(torch.randn(1, 63).bfloat16(),
+                                            torch.zeros(16 * 63, dtype=torch.bfloat16), 16, None)
+    # The layer: bf16 activations on the kernel, anything else on F.linear of its weight.
+    lin = _linear(40, 64, True).bfloat16()
+    layer = Q.Bf16Linear.from_linear(lin)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, lin.weight.float(), lin.bias.float()))
+    assert Q.kernel_weights(layer) == ([layer.qweight], -1)
+    layer.use_kernel = False
+    assert Q.kernel_weights(layer) is None
+
+
+@needs_kernels
+def test_tile_bf16_swaps_bf16_targets_with_even_inputs():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.o_proj = nn.Linear(16, 16)
+            self.down_proj = nn.Linear(15, 16)  # odd in_features: stays
+            self.other = nn.Linear(16, 16)      # not a target
+            self.lm_head = nn.Linear(16, 50, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    m = Block().bfloat16()
+    x = torch.randn(2, 16).bfloat16()
+    want = m.lm_head(x)
+    assert Q.bf16_tiles_supported(m) and not Q.bf16_tiles_supported(Block())  # fp32: no
+    assert Q.tile_bf16(m) == 2
+    assert isinstance(m.o_proj, Q.Bf16Linear) and isinstance(m.lm_head, Q.Bf16Linear)
+    assert type(m.down_proj) is nn.Linear and type(m.other) is nn.Linear
+    assert isinstance(m.embed.weight, nn.Parameter)  # the tied embedding keeps its weight
+    assert _rel_err(m.lm_head(x), want.float()) < 1e-2
+
+
+@needs_kernels
 def test_kernel_rejects_unsupported_shapes():
     q = torch.zeros(1, 16 * 70, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="divisible by 4"):
@@ -311,14 +378,23 @@ def test_quality_kl_and_perplexity(llm, quant_llms):
     assert kl4 < 0.1 and 0.98 < ppl4 / ppl32 < 1.12
 
 
-def test_bf16_quality_through_the_decode_once_prompt_path(llm):
+def test_bf16_quality_through_the_decode_once_prompt_path(llm, monkeypatch):
     # bf16 activations over a prompt of hundreds of tokens: the kernels decode each weight
-    # tile to bf16 once and multiply every row (>= 48 rows int4, >= 24 int8). Measured:
-    # KL to fp32 bf16 0.0009, int8 0.0044, int4 0.055 (fp32 activations: 0.0035 / 0.055).
+    # tile to bf16 once and multiply every row (>= 48 rows int4, >= 24 int8, >= 8 bf16
+    # weights). Measured: KL to fp32 bf16 0.0009, int8 0.0044, int4 0.055 (fp32
+    # activations: 0.0035 / 0.055).
     engines = {q: _engine("bfloat16", q) for q in ("int8", "int4")}
+    engines["bf16"] = _engine("bfloat16", None)  # bf16 weights in the kernels' tiles
+    monkeypatch.setenv("SERVELM_NO_BF16_TILES", "1")
+    engines["bf16 oneDNN"] = _engine("bfloat16", None)
+    assert isinstance(engines["bf16"].engine.model.lm_head, Q.Bf16Linear)
+    assert not isinstance(engines["bf16 oneDNN"].engine.model.lm_head, Q.Bf16Linear)
     assert len(llm.get_tokenizer().encode(TEXT)) > 100
     q = quality(llm, engines)
     ppl32 = q["fp32"][1]
+    for name in ("bf16", "bf16 oneDNN"):
+        assert q[name][0] < 0.005 and abs(q[name][1] / ppl32 - 1) < 0.01, q
+    assert q["bf16"][0] < 2 * q["bf16 oneDNN"][0] + 0.001, q
     assert q["int8"][0] < 0.01 and abs(q["int8"][1] / ppl32 - 1) < 0.02
     assert q["int4"][0] < 0.1 and 0.98 < q["int4"][1] / ppl32 < 1.12
 

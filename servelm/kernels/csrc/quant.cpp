@@ -1,7 +1,9 @@
-// Weight-only int8 / int4 linear layers for x86 CPUs with AVX-512 and AVX512-BF16.
+// Weight-only int8 / int4 linear layers for x86 CPUs with AVX-512 and AVX512-BF16, and
+// bf16 ones in the same tiled layout.
 //
 //   int4_linear(x, qweight, scales, mins, group_size, out_features, bias?) -> y
 //   int8_linear(x, qweight, scales, out_features, bias?) -> y
+//   bf16_linear(x, weight, out_features, bias?) -> y   (bf16 x only)
 // x: [..., K] float32 or bfloat16; y: [..., N] in x's dtype; bias: [N] or None.
 // Formats (packed by servelm/quantization.py; layouts next to each kernel below):
 //   int4: w = s * q + m, q in 0..15, s/m float16 per group of G inputs, 16-row tiles.
@@ -589,11 +591,122 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 }
 
 
+// ---------------------------------------------------------------- bf16 (tiled)
+
+// bf16 weights of a bf16 model, in the layout the decoders above write: output rows in tiles
+// of 16, tile t is K/2 k-pairs of 32 bf16 (64 bytes), lane L = 2r + e holding w[16t + r][2kp + e],
+// which is vdpbf16ps's operand as it is: nothing to decode, the weight streams straight into
+// the dot products. oneDNN's prepacked bf16 matmul read ~35 GB/s at one row here; this reads
+// what the int4/int8 streams read. From kGemmRows16 rows on, the GEMM micro-kernel of the
+// decode-once path runs over pairs of tiles in place.
+constexpr int64_t kGemmRows16 = 8;
+constexpr int kMaxRows16 = 4;  // activation rows per pass over a tile below kGemmRows16
+
+template <int MT, typename OutT>
+void bf16_tiles(const c10::BFloat16* w, const c10::BFloat16* x, const float* bias, OutT* out,
+                int64_t m0, int64_t N, int64_t K, int64_t t) {
+  constexpr int CH = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent dpbf16 chains per row
+  const c10::BFloat16* wt = w + t * 16 * K;
+  __m512 acc[MT][CH];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < CH; ++c) acc[m][c] = _mm512_setzero_ps();
+  auto step = [&](int64_t kp, int c) {
+    const c10::BFloat16* wp = wt + kp * 32;
+    _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetch, _MM_HINT_NTA);
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp);
+    for (int m = 0; m < MT; ++m) acc[m][c] = dpbf16_bcast(acc[m][c], wv, x + (m0 + m) * K + 2 * kp);
+  };
+  const int64_t np = K / 2;
+  int64_t kp = 0;
+  for (; kp + CH <= np; kp += CH)
+    for (int c = 0; c < CH; ++c) step(kp + c, c);
+  for (; kp < np; ++kp) step(kp, 0);
+  const int64_t n0 = 16 * t;
+  const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    __m512 r = acc[m][0];
+    for (int c = 1; c < CH; ++c) r = _mm512_add_ps(r, acc[m][c]);
+    r = _mm512_add_ps(r, bv);
+    OutT* o = out + (m0 + m) * N + n0;
+    if constexpr (std::is_same_v<OutT, float>)
+      _mm512_mask_storeu_ps(o, mk, r);
+    else
+      _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
+  }
+}
+
+// Output tiles [t0, t1) of all M rows (one thread's share; t0 even from kGemmRows16 rows on,
+// where tiles go in pairs). A tile's result depends only on M, not on the split.
+template <typename OutT>
+void bf16_range(const c10::BFloat16* w, const c10::BFloat16* x, const float* bias, OutT* out,
+                int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  if (M >= kGemmRows16) {
+    for (int64_t t = t0; t < t1; t += 2) {
+      const int nt = t1 - t >= 2 ? 2 : 1;
+      const c10::BFloat16* wp[2] = {w + t * 16 * K, w + (t + nt - 1) * 16 * K};
+      read_lines(reinterpret_cast<const char*>(wp[0]), nt * 32 * K);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
+        if (nt == 2) decoded_rows_n<2>(mt, wp, x, bias, out, m0, N, K, t);
+        else decoded_rows_n<1>(mt, wp, x, bias, out, m0, N, K, t);
+      }
+    }
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows16) {
+      switch (std::min<int64_t>(kMaxRows16, M - m0)) {
+        case 1: bf16_tiles<1>(w, x, bias, out, m0, N, K, t); break;
+        case 2: bf16_tiles<2>(w, x, bias, out, m0, N, K, t); break;
+        case 3: bf16_tiles<3>(w, x, bias, out, m0, N, K, t); break;
+        default: bf16_tiles<4>(w, x, bias, out, m0, N, K, t); break;
+      }
+    }
+  }
+}
+
+void check_bf16(const at::Tensor& weight, int64_t N, int64_t K) {
+  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
+  TORCH_CHECK(K % 2 == 0, "bf16 kernel needs K (in_features) even, got ", K);
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == tiles * 16 * K,
+              "bf16 weight must be contiguous bfloat16 with ceil(N/16)*16*K elements (tiled layout)");
+}
+
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t K = x_in.size(-1);
+  check_bf16(weight, N, K);
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16,
+              "bf16_linear takes bfloat16 activations, got ", x_in.scalar_type());
+  at::Tensor x;
+  int64_t M;
+  at::Tensor out = make_out(x_in, K, N, x, M);
+  if (M == 0) return out;
+  const float* bp = bias_ptr(bias, N, scratch());
+  const auto* w = weight.data_ptr<c10::BFloat16>();
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t tiles = (N + 15) / 16;
+  if (M >= kGemmRows16) {
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      bf16_range(w, xp, bp, op, M, N, K, 2 * p0, std::min(tiles, 2 * p1));
+    });
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      bf16_range(w, xp, bp, op, M, N, K, t0, t1);
+    });
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------- decoder layers, decode rows
 
 // A Llama-family model's decoder layers for M single-token (decode) rows, when all their
-// linear layers are int4 / int8: one C++ call per step (DecodeStack.run) and one parallel
-// region for all the layers. From Python the same work is ~12 operator calls per layer: each
+// linear layers are int4 / int8 / bf16 kernel layers: one C++ call per step
+// (DecodeStack.run) and one parallel region for all the layers. From Python the same work is ~12 operator calls per layer: each
 // pays Python and dispatcher time, and each matmul opens its own parallel region whose threads
 // then stream a weight of 0.2-1 MB starting cold. Here the threads split each matmul's tiles
 // exactly as int4_linear / int8_linear would (so results are bit-identical to theirs) and
@@ -609,7 +722,8 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 // allocated per call, they cost more than their arithmetic.
 
 struct QLinear {
-  int64_t G = 0;  // int4 group size; 0: int8
+  static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
+  int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
   const uint8_t* qw = nullptr;
   const void* sc = nullptr;
   const c10::Half* mn = nullptr;
@@ -617,11 +731,14 @@ struct QLinear {
   int64_t N = 0, K = 0;
 
   int64_t tiles() const { return (N + 15) / 16; }
-  int64_t tile_bytes() const { return G ? 8 * K : 16 * K; }
-  int64_t group() const { return G ? G : K; }
-  // From these many rows on, int4_linear / int8_linear decode each tile once (a different
-  // kernel, rounded differently): so does the stack.
-  bool decode_once(int64_t M) const { return M >= (G ? kDecodeOnceRows4 : kDecodeOnceRows8); }
+  int64_t tile_bytes() const { return G > 0 ? 8 * K : G == 0 ? 16 * K : 32 * K; }
+  int64_t group() const { return G > 0 ? G : K; }
+  // From these many rows on, int4_linear / int8_linear decode each tile once and
+  // bf16_linear runs its GEMM micro-kernel (a different kernel, rounded differently): so does
+  // the stack.
+  bool decode_once(int64_t M) const {
+    return M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
+  }
   // Thread tid's tiles, whole pairs (the decode-once GEMM decodes two at a time).
   void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
     const int64_t pairs = (tiles() + 1) / 2;
@@ -632,7 +749,9 @@ struct QLinear {
            int64_t t1) const {
     const auto* s4 = static_cast<const c10::Half*>(sc);
     const auto* s8 = static_cast<const float*>(sc);
-    if (decode_once(M)) {
+    if (G < 0) {
+      bf16_range(reinterpret_cast<const c10::BFloat16*>(qw), x, bias, out, M, N, K, t0, t1);
+    } else if (decode_once(M)) {
       if (G) decoded_range(Int4Tiles{qw, s4, mn, G, K}, x, bias, out, M, N, K, t0, t1);
       else decoded_range(Int8Tiles{qw, s8, K}, x, bias, out, M, N, K, t0, t1);
     } else if (G) {
@@ -642,9 +761,10 @@ struct QLinear {
     }
   }
   // The activation sums the row-streaming kernels need (as prepare() computes them for bf16
-  // rows), of rows [m0, m1) into xs (laid out for all rows); none for decode-once sizes.
+  // rows), of rows [m0, m1) into xs (laid out for all rows); none for decode-once sizes or
+  // bf16 weights.
   void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
-    if (!decode_once(M)) group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
+    if (G >= 0 && !decode_once(M)) group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
   }
   // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
   void prefetch(int tid, int nt, int64_t bytes) const {
@@ -662,23 +782,28 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   L.G = G;
   L.N = N;
   L.K = K;
-  TORCH_CHECK(j + (G ? 3 : 2) <= w.size(), "DecodeStack: too few weight tensors for ", name);
+  TORCH_CHECK(G >= QLinear::kBf16, "DecodeStack ", name, ": group size ", G,
+              " is none of int4's (> 0), int8's (0) or bf16's (-1)");
+  const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
+  TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
   try {
-    if (G) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
-    else check_int8(w[j], w[j + 1], N, K);
+    if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
+    else if (G == 0) check_int8(w[j], w[j + 1], N, K);
+    else check_bf16(w[j], N, K);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "DecodeStack ", name, ": ", e.what_without_backtrace());
   }
-  if (G) {
+  if (G > 0) {
     L.qw = w[j].data_ptr<uint8_t>();
     L.sc = w[j + 1].data_ptr<c10::Half>();
     L.mn = w[j + 2].data_ptr<c10::Half>();
-    j += 3;
-  } else {
+  } else if (G == 0) {
     L.qw = w[j].data_ptr<uint8_t>();
     L.sc = w[j + 1].data_ptr<float>();
-    j += 2;
+  } else {
+    L.qw = reinterpret_cast<const uint8_t*>(w[j].data_ptr<c10::BFloat16>());
   }
+  j += n;
   return L;
 }
 
@@ -857,9 +982,9 @@ struct StackLayer {
 // of decode rows by one call per step. Python holds it as torch.classes.servelm_quant.DecodeStack.
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] or
-  // int8 [qweight, scales]; group_sizes: per layer and linear, the int4 group size or 0
-  // (int8); norms: per layer input and post-attention RMSNorm weights; qkv_biases: per
+  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins],
+  // int8 [qweight, scales] or bf16 [weight]; group_sizes: per layer and linear, the int4
+  // group size, 0 (int8) or -1 (bf16); norms: per layer input and post-attention RMSNorm weights; qkv_biases: per
   // layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
               std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
@@ -892,9 +1017,10 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t* g = group_sizes.data() + 4 * l;
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
       s.o = parse_linear(keep_, j, g[1], hidden, num_heads * D, "o_proj");
-      // gate_up's width is implied by its qweight: int4 tiles hold 8K bytes each, int8 16K.
+      // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 16K
+      // bytes, bf16 16K elements.
       TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
-      const int64_t gu_tiles = keep_[j].numel() / ((g[2] ? 8 : 16) * hidden);
+      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 ? 8 : 16) * hidden);
       s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
       s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
       // run() sizes its per-step buffers from layer 0.
@@ -1170,6 +1296,7 @@ TORCH_LIBRARY(servelm_quant, m) {
         "Tensor? bias=None) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
         "int out_features, Tensor? bias=None) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor weight, int out_features, Tensor? bias=None) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -1185,6 +1312,7 @@ TORCH_LIBRARY(servelm_quant, m) {
 TORCH_LIBRARY_IMPL(servelm_quant, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("bf16_linear", &bf16_linear);
 }
 
 #endif  // AVX-512 BF16
