@@ -42,7 +42,7 @@ from servelm.models.loader import default_model_path
 # figures: the switch each variant sets while the engine loads.
 VARIANTS = {"unpacked": "SERVELM_NO_PREPACK",          # oneDNN weight prepacking
             "unfused": "SERVELM_NO_FUSED_DECODE",      # the int4/int8/bf16 DecodeStack
-            "onednn": "SERVELM_NO_BF16_TILES",         # bf16 weights in the kernels' tiles
+            "onednn": "SERVELM_NO_TILES",              # bf16/fp32 weights in the kernels' tiles
             "smallpages": "SERVELM_NO_HUGEPAGES"}      # huge pages for weights and KV cache
 PROMPT_LEN = 512
 GEN = 128
@@ -193,8 +193,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bfloat16,float32,int8,int4",
                     help="servelm weight formats to run (dtype or quantisation; FMT/unpacked, "
-                         "FMT/unfused, FMT/smallpages, bfloat16/onednn: with that optimisation "
-                         "off)")
+                         "FMT/unfused, FMT/smallpages, FMT/onednn: with that optimisation off)")
     ap.add_argument("--repeats", type=positive(int), default=5,
                     help="TTFT runs per round (their median is the round's figure)")
     ap.add_argument("--decode-repeats", type=positive(int), default=3,

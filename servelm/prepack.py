@@ -86,16 +86,16 @@ def prepack_model(model: nn.Module) -> int:
 
 def finalize_linears(model: nn.Module, quantization: str | None) -> nn.Module:
     """The linear layers as the engine runs them, once the weights are loaded (and
-    sharded): quantised when asked (weight-only, any device), or in a bf16 model on the
-    CPU with the C++ kernels, bf16 in the kernels' tiles (`Bf16Linear`); either way on the
-    CPU packed into huge pages in the order a step reads them. Every layer still a plain
-    `nn.Linear` is prepacked for oneDNN where supported."""
-    from servelm.quantization import bf16_tiles_supported, pack_weights, quantize_model, tile_bf16
+    sharded): quantised when asked (weight-only, any device), or on the CPU with the C++
+    kernels, bf16/fp32 in the kernels' tiles (`TiledLinear`); either way on the CPU packed
+    into huge pages in the order a step reads them. Every layer still a plain `nn.Linear`
+    is prepacked for oneDNN where supported."""
+    from servelm.quantization import pack_weights, quantize_model, tile_linears, tiles_supported
 
     if quantization:
         quantize_model(model, quantization)
         pack_weights(model)
-    elif bf16_tiles_supported(model) and tile_bf16(model):
+    elif tiles_supported(model) and tile_linears(model):
         pack_weights(model)
     prepack_model(model)
     return model

@@ -390,58 +390,86 @@ def unpack_bf16(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     return tiles.reshape(T, K // 2, 16, 2).permute(0, 2, 1, 3).reshape(T * 16, K)[:out_features]
 
 
-class Bf16Linear(QuantLinear):
-    """A bf16 model's linear layer on the C++ kernels (not a quantisation: the same bf16
-    weights, stored in the int4/int8 kernels' 16-row tiles). The weight streams straight
-    into vdpbf16ps for decode-sized batches and feeds the decode-once GEMM micro-kernel for
-    larger ones, and the layer can join the DecodeStack; oneDNN's prepacked bf16 matmul
-    streamed ~35 GB/s at one row here. Only for bf16 activations on the CPU; anything else
-    runs F.linear on the unpacked weight."""
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> float32 [ceil(N/16), 16K]: tile t is K vectors of 16, vector k holding
+    w[16t .. 16t + 15, k]."""
+    N, K = w.shape
+    T = (N + 15) // 16
+    w = w.to(torch.float32)
+    if T * 16 != N:
+        w = torch.cat([w, w.new_zeros(T * 16 - N, K)])
+    return w.reshape(T, 16, K).transpose(1, 2).reshape(T, 16 * K).contiguous()
 
-    method = "bf16"
+
+def unpack_f32(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    T, K16 = tiles.shape
+    return tiles.reshape(T, K16 // 16, 16).transpose(1, 2).reshape(T * 16, -1)[:out_features]
+
+
+class TiledLinear(QuantLinear):
+    """A bf16 or fp32 model's linear layer on the C++ kernels: not a quantisation, the same
+    weights in the kernels' 16-row tiles (bf16: the int4/int8 kernels' vdpbf16ps operand;
+    fp32: K vectors of 16). Below 8 rows the weight streams through the dot products (bf16)
+    or broadcast FMAs (fp32) once per 4 rows; from 8 rows a GEMM micro-kernel runs over the
+    tiles in place. oneDNN's prepacked matmuls streamed the LM head at ~50 GB/s at one row
+    here, these ~62 (bf16). bf16 layers can join the DecodeStack. Activations of the
+    weight's dtype on the CPU run the kernel; anything else F.linear on the unpacked weight."""
+
+    _PACK = {torch.bfloat16: (pack_bf16, unpack_bf16, "bf16_linear"),
+             torch.float32: (pack_f32, unpack_f32, "f32_linear")}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        self.register_buffer("qweight", pack_bf16(weight.detach()))
+        if weight.dtype not in self._PACK:
+            raise TypeError(f"TiledLinear takes bfloat16 or float32 weights, got {weight.dtype}")
+        self.dtype = weight.dtype
+        self.method = "bf16" if weight.dtype == torch.bfloat16 else "fp32"
+        pack, self._unpack, op = self._PACK[weight.dtype]
+        self._op = getattr(torch.ops.servelm_quant, op).default if self.use_kernel else None
+        self.register_buffer("qweight", pack(weight.detach()))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Bf16Linear":
+    def from_linear(cls, linear: nn.Linear) -> "TiledLinear":
         return cls(linear.weight, linear.bias)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return unpack_bf16(self.qweight, self.out_features).to(dtype)
+        return self._unpack(self.qweight, self.out_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return torch.ops.servelm_quant.bf16_linear.default(x, self.qweight, self.out_features,
-                                                               self.bias)
+        if self._op is not None and x.dtype == self.dtype and x.device.type == "cpu":
+            return self._op(x, self.qweight, self.out_features, self.bias)
         return self._forward_fallback(x)
 
     def _forward_fallback(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", {self.method} tiles"
 
-def bf16_tiles_supported(model: nn.Module) -> bool:
-    """Whether `tile_bf16` applies: a bf16 model on the CPU, the C++ kernels with the bf16
-    op, and not turned off (SERVELM_NO_BF16_TILES=1: oneDNN's prepacked matmuls instead, for
-    side-by-side runs)."""
+
+def tiles_supported(model: nn.Module) -> bool:
+    """Whether `tile_linears` applies: a bf16 or fp32 model on the CPU, the C++ kernels with
+    the tiled ops, and not turned off (SERVELM_NO_TILES=1: oneDNN's prepacked matmuls
+    instead, for side-by-side runs)."""
     p = next(model.parameters(), None)
-    return (p is not None and p.dtype == torch.bfloat16 and p.device.type == "cpu"
-            and os.environ.get("SERVELM_NO_BF16_TILES", "") in ("", "0")
-            and kernels_available() and hasattr(torch.ops.servelm_quant, "bf16_linear"))
+    return (p is not None and p.dtype in TiledLinear._PACK and p.device.type == "cpu"
+            and os.environ.get("SERVELM_NO_TILES", "") in ("", "0")
+            and kernels_available() and hasattr(torch.ops.servelm_quant, "f32_linear"))
 
 
 @torch.no_grad()
-def tile_bf16(model: nn.Module, targets: tuple[str, ...] = TARGETS) -> int:
-    """Swap the target bf16 `nn.Linear` layers (even in_features) for `Bf16Linear`s, in
-    place, as quantize_model does (a tied LM head gets its own copy). Returns how many."""
+def tile_linears(model: nn.Module, targets: tuple[str, ...] = TARGETS) -> int:
+    """Swap the target bf16/fp32 `nn.Linear` layers for `TiledLinear`s, in place, as
+    quantize_model does (a tied LM head gets its own copy); bf16 ones need an even
+    in_features. Returns how many were swapped."""
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children()
              if name in targets and type(child) is nn.Linear
-             and child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0]
+             and child.weight.dtype in TiledLinear._PACK
+             and (child.weight.dtype == torch.float32 or child.in_features % 2 == 0)]
     for parent, name, child in swaps:
-        setattr(parent, name, Bf16Linear.from_linear(child))
+        setattr(parent, name, TiledLinear.from_linear(child))
     return len(swaps)
 
 
@@ -480,7 +508,7 @@ def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
 def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
     group size (0 for int8, -1 for bf16); None when it does not run on the C++ kernels."""
-    if isinstance(module, Bf16Linear) and module.use_kernel:
+    if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:
         return [module.qweight], -1
     if isinstance(module, Int4Linear) and module.use_kernel:
         return [module.qweight, module.scales, module.mins], module.group_size

@@ -45,7 +45,7 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
     model = model.to(torch.bfloat16)
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
-            Q.tile_bf16(model.layers, targets=(name,))
+            Q.tile_linears(model.layers, targets=(name,))
         else:
             Q.quantize_model(model.layers, method, targets=(name,))
     return model.eval()
@@ -278,9 +278,9 @@ def test_engine_binds_the_stack_only_where_it_applies(monkeypatch):
                    kv_cache_memory=32 << 20).engine.model.fused_decode
     # bf16 weights: in the kernels' tiles, so on the stack too, unless turned off (oneDNN).
     assert LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
-    monkeypatch.setenv("SERVELM_NO_BF16_TILES", "1")
+    monkeypatch.setenv("SERVELM_NO_TILES", "1")
     assert not LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
-    monkeypatch.delenv("SERVELM_NO_BF16_TILES")
+    monkeypatch.delenv("SERVELM_NO_TILES")
     # The switch for side-by-side runs.
     monkeypatch.setenv("SERVELM_NO_FUSED_DECODE", "1")
     assert not LLM(dtype="bfloat16", quantization="int4",

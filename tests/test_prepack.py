@@ -101,8 +101,9 @@ def test_quantised_layers_are_not_prepacked():
 
 
 @needs_prepack
-def test_bf16_targets_go_to_the_kernels_tiles_unless_turned_off(monkeypatch):
-    from servelm.quantization import Bf16Linear, kernels_available
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_targets_go_to_the_kernels_tiles_unless_turned_off(dtype, monkeypatch):
+    from servelm.quantization import TiledLinear, kernels_available
 
     class Block(nn.Module):
         def __init__(self):
@@ -112,15 +113,12 @@ def test_bf16_targets_go_to_the_kernels_tiles_unless_turned_off(monkeypatch):
 
     if not kernels_available():
         pytest.skip("needs the C++ kernels")
-    m = finalize_linears(Block().bfloat16(), None)
-    assert isinstance(m.o_proj, Bf16Linear) and isinstance(m.other, PackedLinear)
-    assert m.o_proj.qweight.dtype == torch.bfloat16
-    monkeypatch.setenv("SERVELM_NO_BF16_TILES", "1")
-    m = finalize_linears(Block().bfloat16(), None)
+    m = finalize_linears(Block().to(dtype), None)
+    assert isinstance(m.o_proj, TiledLinear) and isinstance(m.other, PackedLinear)
+    assert m.o_proj.qweight.dtype == dtype
+    monkeypatch.setenv("SERVELM_NO_TILES", "1")
+    m = finalize_linears(Block().to(dtype), None)
     assert isinstance(m.o_proj, PackedLinear) and isinstance(m.other, PackedLinear)
-    # fp32 models keep oneDNN.
-    monkeypatch.delenv("SERVELM_NO_BF16_TILES")
-    assert isinstance(finalize_linears(Block(), None).o_proj, PackedLinear)
 
 
 # ---- the engine with and without prepacking ----------------------------------------------------
@@ -134,17 +132,28 @@ def _logits_and_tokens(llm, prompts, n):
 
 
 @needs_prepack
-def test_engine_prepacks_on_cpu_and_greedy_tokens_match_unpacked(llm, monkeypatch):
+@pytest.mark.parametrize("path", ["tiles", "oneDNN"])
+def test_engine_fp32_fast_paths_match_plain_linear(llm, monkeypatch, path):
+    """fp32 on the CPU: the linear layers in the C++ kernels' tiles (the default), or
+    prepacked for oneDNN (SERVELM_NO_TILES=1); either way the greedy tokens and first-step
+    logprobs of plain F.linear."""
     from servelm import LLM
+    from servelm.quantization import TiledLinear
     from tests.conftest import TEXT_PROMPTS
 
-    model = llm.engine.model
-    assert isinstance(model.lm_head, PackedLinear)
-    assert not any(type(m) is nn.Linear for m in model.modules())
+    if path == "tiles":
+        fast = llm
+        assert isinstance(fast.engine.model.lm_head, TiledLinear)
+    else:
+        monkeypatch.setenv("SERVELM_NO_TILES", "1")
+        fast = LLM(dtype="float32", kv_cache_memory=64 << 20)
+        assert isinstance(fast.engine.model.lm_head, PackedLinear)
+    assert not any(type(m) is nn.Linear for m in fast.engine.model.modules())
     prompts = TEXT_PROMPTS + [" ".join(TEXT_PROMPTS) * 6]  # a few hundred tokens too
-    got_tokens, got_lp = _logits_and_tokens(llm, prompts, 16)
+    got_tokens, got_lp = _logits_and_tokens(fast, prompts, 16)
 
     monkeypatch.setenv("SERVELM_NO_PREPACK", "1")
+    monkeypatch.setenv("SERVELM_NO_TILES", "1")
     plain = LLM(dtype="float32", kv_cache_memory=64 << 20)
     assert type(plain.engine.model.lm_head) is nn.Linear
     want_tokens, want_lp = _logits_and_tokens(plain, prompts, 16)

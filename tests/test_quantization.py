@@ -112,31 +112,34 @@ def test_int8_kernel_matches_reference(n, k, dtype, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", SHAPES + [(10, 68), (7, 20), (49, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 40, 77])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_kernel_matches_reference(n, k, rows, bias):
-    """bf16 weights in the kernels' tiles: streamed below 8 rows (1 to 4 rows a pass), the
-    GEMM micro-kernel over pairs of tiles from 8 (an odd tile count leaves one alone)."""
+def test_tiled_kernels_match_reference(dtype, n, k, rows, bias):
+    """bf16/fp32 weights in the kernels' tiles: streamed below 8 rows (1 to 4 rows a pass),
+    the GEMM micro-kernel over pairs of tiles from 8 (an odd tile count leaves one alone)."""
     torch.manual_seed(n + k + rows)
-    w = (torch.randn(n, k) * 0.05).bfloat16()
+    w = (torch.randn(n, k) * 0.05).to(dtype)
     b = torch.randn(n) if bias else None
-    tiles = Q.pack_bf16(w)
-    assert tiles.dtype == torch.bfloat16 and tiles.shape == (-(-n // 16), 16 * k)
-    assert torch.equal(Q.unpack_bf16(tiles, n), w)
-    x = torch.randn(rows, k).bfloat16()
-    ref = x.float() @ w.float().T + (0 if b is None else b)
-    y = torch.ops.servelm_quant.bf16_linear(x, tiles, n, b)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert _rel_err(y, ref) < 1e-2  # the output's own bf16 rounding
+    pack, unpack, op = Q.TiledLinear._PACK[dtype]
+    tiles = pack(w)
+    assert tiles.dtype == dtype and tiles.shape == (-(-n // 16), 16 * k)
+    assert torch.equal(unpack(tiles, n), w)
+    x = torch.randn(rows, k).to(dtype)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    y = getattr(torch.ops.servelm_quant, op)(x, tiles, n, b)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    # bf16: the output's own rounding; fp32: summation order.
+    assert _rel_err(y, ref.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     # A row's result does not depend on the rows around it, within a kernel (<8 / >=8 rows).
     if rows in (5, 40):
-        torch.testing.assert_close(torch.ops.servelm_quant.bf16_linear(x[:rows - 1], tiles, n, b),
+        torch.testing.assert_close(getattr(torch.ops.servelm_quant, op)(x[:rows - 1], tiles, n, b),
                                    y[:rows - 1], rtol=0, atol=0)
 
 
 @needs_kernels
-def test_bf16_kernel_and_layer_reject_or_route_what_they_cannot_take():
+def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
     tiles = Q.pack_bf16(torch.randn(16, 64).bfloat16())
     with pytest.raises(RuntimeError, match="bfloat16 activations"):
         torch.ops.servelm_quant.bf16_linear(torch.randn(1, 64), tiles, 16, None)
@@ -145,37 +148,49 @@ def test_bf16_kernel_and_layer_reject_or_route_what_they_cannot_take():
     with pytest.raises(RuntimeError, match="K \\(in_features\\) even"):
         torch.ops.servelm_quant.bf16_linear(torch.randn(1, 63).bfloat16(),
                                             torch.zeros(16 * 63, dtype=torch.bfloat16), 16, None)
-    # The layer: bf16 activations on the kernel, anything else on F.linear of its weight.
+    f32 = Q.pack_f32(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        torch.ops.servelm_quant.f32_linear(torch.randn(1, 64).bfloat16(), f32, 16, None)
+    with pytest.raises(RuntimeError, match="tiled layout"):
+        torch.ops.servelm_quant.f32_linear(torch.randn(1, 32), f32, 16, None)
+    with pytest.raises(TypeError, match="bfloat16 or float32 weights"):
+        Q.TiledLinear(torch.randn(16, 64).half())
+    # The layer: activations of its dtype on the kernel, others on F.linear of its weight.
     lin = _linear(40, 64, True).bfloat16()
-    layer = Q.Bf16Linear.from_linear(lin)
+    layer = Q.TiledLinear.from_linear(lin)
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, lin.weight.float(), lin.bias.float()))
     assert Q.kernel_weights(layer) == ([layer.qweight], -1)
+    assert Q.kernel_weights(Q.TiledLinear.from_linear(_linear(40, 64, True))) is None  # fp32
     layer.use_kernel = False
     assert Q.kernel_weights(layer) is None
 
 
 @needs_kernels
-def test_tile_bf16_swaps_bf16_targets_with_even_inputs():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tile_linears_swaps_targets(dtype, monkeypatch):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(50, 16)
             self.o_proj = nn.Linear(16, 16)
-            self.down_proj = nn.Linear(15, 16)  # odd in_features: stays
+            self.down_proj = nn.Linear(15, 16)  # odd in_features: bf16 keeps it
             self.other = nn.Linear(16, 16)      # not a target
             self.lm_head = nn.Linear(16, 50, bias=False)
             self.lm_head.weight = self.embed.weight
 
-    m = Block().bfloat16()
-    x = torch.randn(2, 16).bfloat16()
-    want = m.lm_head(x)
-    assert Q.bf16_tiles_supported(m) and not Q.bf16_tiles_supported(Block())  # fp32: no
-    assert Q.tile_bf16(m) == 2
-    assert isinstance(m.o_proj, Q.Bf16Linear) and isinstance(m.lm_head, Q.Bf16Linear)
-    assert type(m.down_proj) is nn.Linear and type(m.other) is nn.Linear
+    m = Block().to(dtype)
+    x = torch.randn(2, 15).to(dtype)
+    want = m.down_proj(x)
+    assert Q.tiles_supported(m) and not Q.tiles_supported(Block().half())
+    assert Q.tile_linears(m) == (2 if dtype == torch.bfloat16 else 3)
+    assert isinstance(m.o_proj, Q.TiledLinear) and isinstance(m.lm_head, Q.TiledLinear)
+    assert isinstance(m.down_proj, Q.TiledLinear) == (dtype == torch.float32)
+    assert type(m.other) is nn.Linear
     assert isinstance(m.embed.weight, nn.Parameter)  # the tied embedding keeps its weight
-    assert _rel_err(m.lm_head(x), want.float()) < 1e-2
+    assert _rel_err(m.down_proj(x), want.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    monkeypatch.setenv("SERVELM_NO_TILES", "1")
+    assert not Q.tiles_supported(Block().to(dtype))
 
 
 @needs_kernels
@@ -385,10 +400,10 @@ def test_bf16_quality_through_the_decode_once_prompt_path(llm, monkeypatch):
     # activations: 0.0035 / 0.055).
     engines = {q: _engine("bfloat16", q) for q in ("int8", "int4")}
     engines["bf16"] = _engine("bfloat16", None)  # bf16 weights in the kernels' tiles
-    monkeypatch.setenv("SERVELM_NO_BF16_TILES", "1")
+    monkeypatch.setenv("SERVELM_NO_TILES", "1")
     engines["bf16 oneDNN"] = _engine("bfloat16", None)
-    assert isinstance(engines["bf16"].engine.model.lm_head, Q.Bf16Linear)
-    assert not isinstance(engines["bf16 oneDNN"].engine.model.lm_head, Q.Bf16Linear)
+    assert isinstance(engines["bf16"].engine.model.lm_head, Q.TiledLinear)
+    assert not isinstance(engines["bf16 oneDNN"].engine.model.lm_head, Q.TiledLinear)
     assert len(llm.get_tokenizer().encode(TEXT)) > 100
     q = quality(llm, engines)
     ppl32 = q["fp32"][1]

@@ -1,9 +1,10 @@
 // Weight-only int8 / int4 linear layers for x86 CPUs with AVX-512 and AVX512-BF16, and
-// bf16 ones in the same tiled layout.
+// bf16 and fp32 ones in the same 16-row tiles.
 //
 //   int4_linear(x, qweight, scales, mins, group_size, out_features, bias?) -> y
 //   int8_linear(x, qweight, scales, out_features, bias?) -> y
 //   bf16_linear(x, weight, out_features, bias?) -> y   (bf16 x only)
+//   f32_linear(x, weight, out_features, bias?) -> y    (fp32 x only)
 // x: [..., K] float32 or bfloat16; y: [..., N] in x's dtype; bias: [N] or None.
 // Formats (packed by servelm/quantization.py; layouts next to each kernel below):
 //   int4: w = s * q + m, q in 0..15, s/m float16 per group of G inputs, 16-row tiles.
@@ -591,6 +592,23 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 }
 
 
+// ---------------------------------------------------------------- tiled GEMM helpers
+
+// Prefetches [p, p + bytes) into L2 in `parts` slices, one per call of next(): the GEMM over
+// a pair of tiles calls it once per block of rows, so the next pair's cold weights arrive
+// while this pair's rows are computed instead of stalling the first row block (read_lines
+// before each pair cost ~5% of an fp32 512-token prompt).
+struct SpreadPrefetch {
+  const char* p = nullptr;
+  int64_t bytes = 0, per = 0, at = 0;
+  SpreadPrefetch(const void* ptr, int64_t n, int64_t parts)
+      : p(static_cast<const char*>(ptr)), bytes(ptr ? n : 0), per((bytes + parts - 1) / std::max<int64_t>(parts, 1)) {}
+  void next() {
+    const int64_t end = std::min(bytes, at + per);
+    for (; at < end; at += 64) _mm_prefetch(p + at, _MM_HINT_T1);
+  }
+};
+
 // ---------------------------------------------------------------- bf16 (tiled)
 
 // bf16 weights of a bf16 model, in the layout the decoders above write: output rows in tiles
@@ -642,14 +660,18 @@ template <typename OutT>
 void bf16_range(const c10::BFloat16* w, const c10::BFloat16* x, const float* bias, OutT* out,
                 int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
   if (M >= kGemmRows16) {
+    const int64_t tile = 32 * K, blocks = (M + kGemmRows - 1) / kGemmRows;
+    if (t0 < t1) read_lines(reinterpret_cast<const char*>(w + t0 * 16 * K), std::min<int64_t>(2, t1 - t0) * tile);
     for (int64_t t = t0; t < t1; t += 2) {
       const int nt = t1 - t >= 2 ? 2 : 1;
       const c10::BFloat16* wp[2] = {w + t * 16 * K, w + (t + nt - 1) * 16 * K};
-      read_lines(reinterpret_cast<const char*>(wp[0]), nt * 32 * K);
+      SpreadPrefetch ahead(t + 2 < t1 ? w + (t + 2) * 16 * K : nullptr,
+                           std::min<int64_t>(2, t1 - t - 2) * tile, blocks);
       for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
         const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
         if (nt == 2) decoded_rows_n<2>(mt, wp, x, bias, out, m0, N, K, t);
         else decoded_rows_n<1>(mt, wp, x, bias, out, m0, N, K, t);
+        ahead.next();
       }
     }
     return;
@@ -697,6 +719,137 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
   } else {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       bf16_range(w, xp, bp, op, M, N, K, t0, t1);
+    });
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- fp32 (tiled)
+
+// fp32 weights of an fp32 model, in 16-row tiles: tile t is K vectors of 16 fp32 (64 bytes),
+// vector k holding w[16t .. 16t + 15][k]. Below kGemmRows16 rows the weight streams through
+// broadcast FMAs (16 output rows in the 16 lanes, no horizontal sums); from there a GEMM
+// micro-kernel takes 8 rows x a pair of tiles (16 accumulators) in place. oneDNN's prepacked
+// fp32 matmul streamed the LM head at ~49 GB/s at one row here.
+template <int MT>
+void f32_tiles(const float* w, const float* x, const float* bias, float* out, int64_t m0,
+               int64_t N, int64_t K, int64_t t) {
+  constexpr int CH = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per row
+  const float* wt = w + t * 16 * K;
+  __m512 acc[MT][CH];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < CH; ++c) acc[m][c] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, int c) {
+    const float* wp = wt + k * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetch, _MM_HINT_NTA);
+    const __m512 wv = _mm512_loadu_ps(wp);
+    for (int m = 0; m < MT; ++m)
+      acc[m][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[(m0 + m) * K + k]), acc[m][c]);
+  };
+  int64_t k = 0;
+  for (; k + CH <= K; k += CH)
+    for (int c = 0; c < CH; ++c) step(k + c, c);
+  for (; k < K; ++k) step(k, 0);
+  const int64_t n0 = 16 * t;
+  const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    __m512 r = acc[m][0];
+    for (int c = 1; c < CH; ++c) r = _mm512_add_ps(r, acc[m][c]);
+    _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, mk, _mm512_add_ps(r, bv));
+  }
+}
+
+// out rows [m0, m0 + MT), tiles t0 .. t0 + NT - 1 (weights w[0..NT)), broadcast FMAs.
+template <int MT, int NT>
+void f32_rows(const float* const* w, const float* x, const float* bias, float* out, int64_t m0,
+              int64_t N, int64_t K, int64_t t0) {
+  __m512 acc[NT][MT];
+  for (int u = 0; u < NT; ++u)
+    for (int m = 0; m < MT; ++m) acc[u][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NT];
+    for (int u = 0; u < NT; ++u) wv[u] = _mm512_loadu_ps(w[u] + 16 * k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[(m0 + m) * K + k]);
+      for (int u = 0; u < NT; ++u) acc[u][m] = _mm512_fmadd_ps(wv[u], xv, acc[u][m]);
+    }
+  }
+  for (int u = 0; u < NT; ++u) {
+    const int64_t n0 = 16 * (t0 + u);
+    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m)
+      _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, mk, _mm512_add_ps(acc[u][m], bv));
+  }
+}
+
+template <int NT, int MT = kGemmRows>
+void f32_rows_n(int mt, const float* const* w, const float* x, const float* bias, float* out,
+                int64_t m0, int64_t N, int64_t K, int64_t t0) {
+  if constexpr (MT >= 1) {
+    if (mt == MT) return f32_rows<MT, NT>(w, x, bias, out, m0, N, K, t0);
+    f32_rows_n<NT, MT - 1>(mt, w, x, bias, out, m0, N, K, t0);
+  }
+}
+
+// Output tiles [t0, t1) of all M rows (one thread's share; t0 even from kGemmRows16 rows on).
+void f32_range(const float* w, const float* x, const float* bias, float* out, int64_t M,
+               int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  if (M >= kGemmRows16) {
+    const int64_t tile = 64 * K, blocks = (M + kGemmRows - 1) / kGemmRows;
+    if (t0 < t1) read_lines(reinterpret_cast<const char*>(w + t0 * 16 * K), std::min<int64_t>(2, t1 - t0) * tile);
+    for (int64_t t = t0; t < t1; t += 2) {
+      const int nt = t1 - t >= 2 ? 2 : 1;
+      const float* wp[2] = {w + t * 16 * K, w + (t + nt - 1) * 16 * K};
+      SpreadPrefetch ahead(t + 2 < t1 ? w + (t + 2) * 16 * K : nullptr,
+                           std::min<int64_t>(2, t1 - t - 2) * tile, blocks);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
+        if (nt == 2) f32_rows_n<2>(mt, wp, x, bias, out, m0, N, K, t);
+        else f32_rows_n<1>(mt, wp, x, bias, out, m0, N, K, t);
+        ahead.next();
+      }
+    }
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows16) {
+      switch (std::min<int64_t>(kMaxRows16, M - m0)) {
+        case 1: f32_tiles<1>(w, x, bias, out, m0, N, K, t); break;
+        case 2: f32_tiles<2>(w, x, bias, out, m0, N, K, t); break;
+        case 3: f32_tiles<3>(w, x, bias, out, m0, N, K, t); break;
+        default: f32_tiles<4>(w, x, bias, out, m0, N, K, t); break;
+      }
+    }
+  }
+}
+
+at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
+                      const std::optional<at::Tensor>& bias) {
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == tiles * 16 * K,
+              "f32 weight must be contiguous float32 with ceil(N/16)*16*K elements (tiled layout)");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat,
+              "f32_linear takes float32 activations, got ", x_in.scalar_type());
+  at::Tensor x;
+  int64_t M;
+  at::Tensor out = make_out(x_in, K, N, x, M);
+  if (M == 0) return out;
+  const float* bp = bias_ptr(bias, N, scratch());
+  const float* w = weight.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (M >= kGemmRows16) {
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      f32_range(w, xp, bp, op, M, N, K, 2 * p0, std::min(tiles, 2 * p1));
+    });
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      f32_range(w, xp, bp, op, M, N, K, t0, t1);
     });
   }
   return out;
@@ -1297,6 +1450,7 @@ TORCH_LIBRARY(servelm_quant, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
         "int out_features, Tensor? bias=None) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor weight, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight, int out_features, Tensor? bias=None) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -1313,6 +1467,7 @@ TORCH_LIBRARY_IMPL(servelm_quant, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("f32_linear", &f32_linear);
 }
 
 #endif  // AVX-512 BF16
