@@ -23,6 +23,10 @@ decodes it in registers to bf16 for vdpbf16ps (weights are stored in 16-row tile
 see the layouts there). Without the kernels (no compiler, SERVELM_NO_KERNELS=1, CUDA) the
 same formats run in PyTorch: dequantise + matmul, or int8 through `aten._weight_int8pack_mm`
 when the weight was quantised without the kernels (row-major int8).
+
+`TiledLinear` is not a quantisation: a bf16 or fp32 model's weights in the same kind of
+16-row tiles, so the C++ kernels stream them for decode (bf16 layers also on the
+DecodeStack); `finalize_linears` swaps them in on the CPU when no quantisation is asked.
 """
 
 from __future__ import annotations
