@@ -45,8 +45,8 @@ class DecoderLayer(nn.Module):
 
     def decode_stack_args(self) -> tuple | None:
         """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
-        qkv bias), when all four linear layers run on the int4/int8/bf16 C++ kernels and only qkv
-        has a bias; else None. Not for tensor-parallel layers (their subclasses all-reduce
+        qkv bias), when all four linear layers run on the int4/int8/bf16 C++ kernels and only
+        qkv has a bias; else None. Not for tensor-parallel layers (their subclasses all-reduce
         the attention and MLP outputs, which the stack does not)."""
         from servelm.quantization import kernel_weights
 
@@ -88,8 +88,8 @@ class LlamaForCausalLM(nn.Module):
         max_rows() (4096) from token ids to the final norm in one C++ call per step,
         bit-identical to the per-op path (from 48 rows, 24 with an int8 layer, its matmuls
         decode each weight tile once, as the per-op kernels do; bf16 tiles from 8). Only
-        when every layer's linear layers are int4/int8/bf16 kernel layers. SERVELM_NO_FUSED_DECODE=1: never (the
-        per-op kernel path, for side-by-side runs)."""
+        when every layer's linear layers are int4/int8/bf16 kernel layers.
+        SERVELM_NO_FUSED_DECODE=1: never (the per-op kernel path, for side-by-side runs)."""
         self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
         if (os.environ.get("SERVELM_NO_FUSED_DECODE", "") not in ("", "0")
                 or not (load_ops("quant") and load_ops("ops"))
