@@ -147,6 +147,33 @@ def test_split_counts_depend_on_batch_and_width_only():
     assert ta.num_splits(1, 1, 4096, cpu, want=3) == (3, 1408)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [1, 16])
+def test_the_probe_passes_right_kernels_and_refuses_wrong_or_failing_ones(dtype, page,
+                                                                          monkeypatch, caplog):
+    """ModelRunner takes the Triton path only if both kernels compile for the model's
+    shape and agree with the references on a small case; otherwise it logs and gathers."""
+    ta._works.clear()
+    assert ta.works(DEV, dtype, 8, 2, 32, page)
+    assert (str(DEV), dtype, 8, 2, 32, page) in ta._works
+    real = ta.paged_prefill_attention
+    try:
+        ta._works.clear()
+        monkeypatch.setattr(ta, "paged_prefill_attention", lambda *a: real(*a) * 1.1)
+        assert not ta.works(DEV, dtype, 8, 2, 32, page)
+        assert "prompt kernel disagrees" in caplog.text
+        ta._works.clear()
+
+        def fails(*a, **k):
+            raise ValueError("no such kernel here")
+
+        monkeypatch.setattr(ta, "paged_decode_attention", fails)
+        assert not ta.works(DEV, dtype, 8, 2, 32, page)
+        assert "no such kernel here" in caplog.text
+    finally:
+        ta._works.clear()
+
+
 def test_triton_can_be_turned_off(monkeypatch):
     ta.available.cache_clear()
     try:

@@ -216,10 +216,11 @@ def pin_module_attributes(model: torch.nn.Module) -> None:
                     m.__dict__[name] = value
 
 
-def _triton_available() -> bool:
-    from servelm.kernels.triton_attention import available
+def _triton_works(device: torch.device, dtype: torch.dtype, cfg: ModelConfig,
+                  block_size: int) -> bool:
+    from servelm.kernels.triton_attention import works
 
-    return available()
+    return works(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
 
 
 class ModelRunner:
@@ -243,8 +244,10 @@ class ModelRunner:
                             and load_ops("ops"))
         if self.use_kernels and hasattr(model, "bind_decode_layers"):
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
-        # On CUDA, attention reads K/V in place (Triton kernels) when Triton is there.
-        self.triton_attention = torch.device(device).type == "cuda" and _triton_available()
+        # On CUDA, attention reads K/V in place (Triton kernels) when Triton is there and
+        # its kernels pass a probe on this shape.
+        self.triton_attention = (torch.device(device).type == "cuda" and _triton_works(
+            torch.device(device), kv_cache.data.dtype, cfg, kv_cache.block_size))
         self.graphs = None
         if cuda_graphs:
             from servelm.engine.cuda_graphs import DecodeGraphs

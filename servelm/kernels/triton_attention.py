@@ -35,9 +35,12 @@ interpreter's dot products are fp32, so there the bf16/fp16 tiles are converted 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:  # optional: CUDA builds of torch ship it; the CPU tests install it for the interpreter
     import triton
@@ -49,6 +52,63 @@ except ImportError:  # pragma: no cover - depends on the environment
 @functools.cache
 def available() -> bool:
     return triton is not None and os.environ.get("SERVELM_NO_TRITON", "") in ("", "0")
+
+
+_works: dict[tuple, bool] = {}
+
+
+def works(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+          head_dim: int, block_size: int) -> bool:
+    """available(), and both kernels compile for this shape on this device and agree with
+    the PyTorch references on a small case (asked once per shape): a Triton that cannot
+    compile them here (an old GPU, a version mismatch) or computes them wrong is logged
+    and the caller keeps the gather + SDPA path, instead of failing the first step."""
+    if not available():
+        return False
+    key = (str(device), dtype, num_heads, num_kv_heads, head_dim, block_size)
+    if key not in _works:
+        try:
+            _probe(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, block_size)
+            _works[key] = True
+        except Exception as e:  # noqa: BLE001 - compile errors come as many types
+            logger.warning("Triton attention is not used on %s (%s): %s", device, dtype, e)
+            _works[key] = False
+    return _works[key]
+
+
+def _probe(device, dtype, H, KVH, D, page):
+    from servelm.models.layers import paged_decode_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    nb = 8
+    k = torch.randn(nb, page, KVH, D, generator=g)
+    v = torch.randn(nb, page, KVH, D, generator=g)
+    # Two rows: contexts of 3 and 2 blocks + 1 token; the second also as a 2-token chunk.
+    lens = [3, 2 * page + 1]
+    tables = torch.tensor([[5, 0, 0], [1, 6, 2]], dtype=torch.int32)
+    q = torch.randn(2, H, D, generator=g)
+    scale = D ** -0.5
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    to = lambda t: t.to(device)  # noqa: E731
+    kd, vd = to(k.to(dtype)), to(v.to(dtype))
+    kr, vr = k.to(dtype).float(), v.to(dtype).float()
+    got = paged_decode_attention(to(q.to(dtype)), kd, vd, to(tables),
+                                 to(torch.tensor(lens, dtype=torch.int32)), scale, splits=2)
+    want = paged_decode_attention_ref(q.to(dtype).float(), kr, vr, tables,
+                                      torch.tensor(lens), scale).view(2, -1)
+    if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol):
+        raise RuntimeError("the decode kernel disagrees with the reference")
+    # Prompt chunks: row 0's 3 tokens from position 0, row 1's last 2 from 2 * page - 1.
+    qp = torch.randn(5, H, D, generator=g).to(dtype)
+    got = paged_prefill_attention(to(qp), kd, vd, to(tables),
+                                  to(torch.tensor([0, 3, 5], dtype=torch.int32)),
+                                  to(torch.tensor([0, 2 * page - 1], dtype=torch.int32)), 3, scale)
+    pos = [(0, 0), (0, 1), (0, 2), (1, 2 * page - 1), (1, 2 * page)]
+    for i, (b, p) in enumerate(pos):
+        want = paged_decode_attention_ref(qp[i:i + 1].float(), kr, vr, tables[b:b + 1],
+                                          torch.tensor([p + 1]), scale).view(-1)
+        if not torch.allclose(got[i].float().cpu(), want, rtol=tol, atol=tol):
+            raise RuntimeError("the prompt kernel disagrees with the reference")
 
 
 @functools.cache
