@@ -284,6 +284,20 @@ if triton is not None:
                      out.to(Out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
+def _check(q, k_cache, v_cache, block_tables):
+    """(page, KV heads, query heads per KV head, block tables with a unit last stride) of
+    q [n, H, D] over caches [num_blocks, page, KVH, D]; ValueError if they do not fit."""
+    _, H, D = q.shape
+    _, page, kvh, d_cache = k_cache.shape
+    if D != d_cache or H % kvh:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    return page, kvh, H // kvh, block_tables
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, splits: int | None = None) -> torch.Tensor:
@@ -293,14 +307,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns [B, H * D] in q's dtype. Same math as layers.paged_decode_attention_ref.
     `splits` overrides the number of context slices (tests)."""
     B, H, D = q.shape
-    _, page, kvh, d_cache = k_cache.shape
-    if D != d_cache or H % kvh:
-        raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    G = H // kvh
+    page, kvh, G, block_tables = _check(q, k_cache, v_cache, block_tables)
     final = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return final.view(0, H * D)
@@ -347,14 +354,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group's heads, and walks the keys up to its last token's position with an online
     softmax, masking each row's future."""
     T, H, D = q.shape
-    _, page, kvh, d_cache = k_cache.shape
-    if D != d_cache or H % kvh:
-        raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    G = H // kvh
+    page, kvh, G, block_tables = _check(q, k_cache, v_cache, block_tables)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     B = cu_q.shape[0] - 1
     if T == 0 or B == 0:

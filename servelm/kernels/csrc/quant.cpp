@@ -609,6 +609,84 @@ struct SpreadPrefetch {
   }
 };
 
+constexpr int64_t kGemmRows16 = 8;  // bf16/fp32 tiles: from these many rows, the GEMM
+constexpr int kMaxRows16 = 4;       // activation rows per pass over a tile below kGemmRows16
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// The bf16/fp32 tiled matmul's output tiles [t0, t1) of all M rows (one thread's share; t0
+// even from kGemmRows16 rows on, where tiles go in pairs), for weights w of element type T:
+// gemm(Int<NT>, mt, wp, m0, t) runs mt rows of NT tiles at wp, stream(Int<MT>, m0, t) MT rows
+// of tile t. A tile's result depends only on M, not on the split.
+template <typename T, typename Gemm, typename Stream>
+void tiled_range(const T* w, int64_t M, int64_t K, int64_t t0, int64_t t1, const Gemm& gemm,
+                 const Stream& stream) {
+  if (M >= kGemmRows16) {
+    const int64_t tile = 16 * K * static_cast<int64_t>(sizeof(T));
+    const int64_t blocks = (M + kGemmRows - 1) / kGemmRows;
+    if (t0 < t1) read_lines(reinterpret_cast<const char*>(w + t0 * 16 * K), std::min<int64_t>(2, t1 - t0) * tile);
+    for (int64_t t = t0; t < t1; t += 2) {
+      const int nt = t1 - t >= 2 ? 2 : 1;
+      const T* wp[2] = {w + t * 16 * K, w + (t + nt - 1) * 16 * K};
+      SpreadPrefetch ahead(t + 2 < t1 ? w + (t + 2) * 16 * K : nullptr,
+                           std::min<int64_t>(2, t1 - t - 2) * tile, blocks);
+      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
+        if (nt == 2) gemm(Int<2>{}, mt, wp, m0, t);
+        else gemm(Int<1>{}, mt, wp, m0, t);
+        ahead.next();
+      }
+    }
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows16) {
+      switch (std::min<int64_t>(kMaxRows16, M - m0)) {
+        case 1: stream(Int<1>{}, m0, t); break;
+        case 2: stream(Int<2>{}, m0, t); break;
+        case 3: stream(Int<3>{}, m0, t); break;
+        default: stream(Int<4>{}, m0, t); break;
+      }
+    }
+  }
+}
+
+// A tiled linear op: weight checked ([ceil(N/16), 16K] of T, the tiled layout), activations
+// of type T, output tiles split over the threads (pairs from kGemmRows16 rows), range(x, bias,
+// out, M, t0, t1) computing a share.
+template <typename T, typename Range>
+at::Tensor tiled_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
+                        const std::optional<at::Tensor>& bias, const char* name, const Range& range) {
+  const int64_t K = x_in.size(-1);
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  const auto st = bf16 ? at::kBFloat16 : at::kFloat;
+  const char* dtype = bf16 ? "bfloat16" : "float32";
+  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
+  TORCH_CHECK(!bf16 || K % 2 == 0, name, " needs K (in_features) even, got ", K);
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(weight.scalar_type() == st && weight.is_contiguous() && weight.numel() == tiles * 16 * K,
+              name, ": weight must be contiguous ", dtype,
+              " with ceil(N/16)*16*K elements (tiled layout)");
+  TORCH_CHECK(x_in.scalar_type() == st, name, " takes ", dtype, " activations, got ",
+              x_in.scalar_type());
+  at::Tensor x;
+  int64_t M;
+  at::Tensor out = make_out(x_in, K, N, x, M);
+  if (M == 0) return out;
+  const float* bp = bias_ptr(bias, N, scratch());
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  if (M >= kGemmRows16) {
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      range(xp, bp, op, M, 2 * p0, std::min(tiles, 2 * p1));
+    });
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { range(xp, bp, op, M, t0, t1); });
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------- bf16 (tiled)
 
 // bf16 weights of a bf16 model, in the layout the decoders above write: output rows in tiles
@@ -617,9 +695,6 @@ struct SpreadPrefetch {
 // the dot products. oneDNN's prepacked bf16 matmul read ~35 GB/s at one row here; this reads
 // what the int4/int8 streams read. From kGemmRows16 rows on, the GEMM micro-kernel of the
 // decode-once path runs over pairs of tiles in place.
-constexpr int64_t kGemmRows16 = 8;
-constexpr int kMaxRows16 = 4;  // activation rows per pass over a tile below kGemmRows16
-
 template <int MT, typename OutT>
 void bf16_tiles(const c10::BFloat16* w, const c10::BFloat16* x, const float* bias, OutT* out,
                 int64_t m0, int64_t N, int64_t K, int64_t t) {
@@ -654,38 +729,16 @@ void bf16_tiles(const c10::BFloat16* w, const c10::BFloat16* x, const float* bia
   }
 }
 
-// Output tiles [t0, t1) of all M rows (one thread's share; t0 even from kGemmRows16 rows on,
-// where tiles go in pairs). A tile's result depends only on M, not on the split.
+// Output tiles [t0, t1) of all M rows (tiled_range: one thread's share).
 template <typename OutT>
 void bf16_range(const c10::BFloat16* w, const c10::BFloat16* x, const float* bias, OutT* out,
                 int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  if (M >= kGemmRows16) {
-    const int64_t tile = 32 * K, blocks = (M + kGemmRows - 1) / kGemmRows;
-    if (t0 < t1) read_lines(reinterpret_cast<const char*>(w + t0 * 16 * K), std::min<int64_t>(2, t1 - t0) * tile);
-    for (int64_t t = t0; t < t1; t += 2) {
-      const int nt = t1 - t >= 2 ? 2 : 1;
-      const c10::BFloat16* wp[2] = {w + t * 16 * K, w + (t + nt - 1) * 16 * K};
-      SpreadPrefetch ahead(t + 2 < t1 ? w + (t + 2) * 16 * K : nullptr,
-                           std::min<int64_t>(2, t1 - t - 2) * tile, blocks);
-      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
-        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
-        if (nt == 2) decoded_rows_n<2>(mt, wp, x, bias, out, m0, N, K, t);
-        else decoded_rows_n<1>(mt, wp, x, bias, out, m0, N, K, t);
-        ahead.next();
-      }
-    }
-    return;
-  }
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows16) {
-      switch (std::min<int64_t>(kMaxRows16, M - m0)) {
-        case 1: bf16_tiles<1>(w, x, bias, out, m0, N, K, t); break;
-        case 2: bf16_tiles<2>(w, x, bias, out, m0, N, K, t); break;
-        case 3: bf16_tiles<3>(w, x, bias, out, m0, N, K, t); break;
-        default: bf16_tiles<4>(w, x, bias, out, m0, N, K, t); break;
-      }
-    }
-  }
+  tiled_range(
+      w, M, K, t0, t1,
+      [&](auto nt, int mt, const c10::BFloat16* const* wp, int64_t m0, int64_t t) {
+        decoded_rows_n<decltype(nt)::value>(mt, wp, x, bias, out, m0, N, K, t);
+      },
+      [&](auto mt, int64_t m0, int64_t t) { bf16_tiles<decltype(mt)::value>(w, x, bias, out, m0, N, K, t); });
 }
 
 void check_bf16(const at::Tensor& weight, int64_t N, int64_t K) {
@@ -700,28 +753,10 @@ void check_bf16(const at::Tensor& weight, int64_t N, int64_t K) {
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
                        const std::optional<at::Tensor>& bias) {
   const int64_t K = x_in.size(-1);
-  check_bf16(weight, N, K);
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16,
-              "bf16_linear takes bfloat16 activations, got ", x_in.scalar_type());
-  at::Tensor x;
-  int64_t M;
-  at::Tensor out = make_out(x_in, K, N, x, M);
-  if (M == 0) return out;
-  const float* bp = bias_ptr(bias, N, scratch());
-  const auto* w = weight.data_ptr<c10::BFloat16>();
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t tiles = (N + 15) / 16;
-  if (M >= kGemmRows16) {
-    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      bf16_range(w, xp, bp, op, M, N, K, 2 * p0, std::min(tiles, 2 * p1));
-    });
-  } else {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      bf16_range(w, xp, bp, op, M, N, K, t0, t1);
-    });
-  }
-  return out;
+  return tiled_linear<c10::BFloat16>(
+      x_in, weight, N, bias, "bf16_linear",
+      [&](const c10::BFloat16* x, const float* bp, c10::BFloat16* out, int64_t M, int64_t t0,
+          int64_t t1) { bf16_range(weight.data_ptr<c10::BFloat16>(), x, bp, out, M, N, K, t0, t1); });
 }
 
 // ---------------------------------------------------------------- fp32 (tiled)
@@ -793,66 +828,20 @@ void f32_rows_n(int mt, const float* const* w, const float* x, const float* bias
   }
 }
 
-// Output tiles [t0, t1) of all M rows (one thread's share; t0 even from kGemmRows16 rows on).
-void f32_range(const float* w, const float* x, const float* bias, float* out, int64_t M,
-               int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  if (M >= kGemmRows16) {
-    const int64_t tile = 64 * K, blocks = (M + kGemmRows - 1) / kGemmRows;
-    if (t0 < t1) read_lines(reinterpret_cast<const char*>(w + t0 * 16 * K), std::min<int64_t>(2, t1 - t0) * tile);
-    for (int64_t t = t0; t < t1; t += 2) {
-      const int nt = t1 - t >= 2 ? 2 : 1;
-      const float* wp[2] = {w + t * 16 * K, w + (t + nt - 1) * 16 * K};
-      SpreadPrefetch ahead(t + 2 < t1 ? w + (t + 2) * 16 * K : nullptr,
-                           std::min<int64_t>(2, t1 - t - 2) * tile, blocks);
-      for (int64_t m0 = 0; m0 < M; m0 += kGemmRows) {
-        const int mt = static_cast<int>(std::min<int64_t>(kGemmRows, M - m0));
-        if (nt == 2) f32_rows_n<2>(mt, wp, x, bias, out, m0, N, K, t);
-        else f32_rows_n<1>(mt, wp, x, bias, out, m0, N, K, t);
-        ahead.next();
-      }
-    }
-    return;
-  }
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows16) {
-      switch (std::min<int64_t>(kMaxRows16, M - m0)) {
-        case 1: f32_tiles<1>(w, x, bias, out, m0, N, K, t); break;
-        case 2: f32_tiles<2>(w, x, bias, out, m0, N, K, t); break;
-        case 3: f32_tiles<3>(w, x, bias, out, m0, N, K, t); break;
-        default: f32_tiles<4>(w, x, bias, out, m0, N, K, t); break;
-      }
-    }
-  }
-}
-
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
                       const std::optional<at::Tensor>& bias) {
   const int64_t K = x_in.size(-1);
-  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
-  const int64_t tiles = (N + 15) / 16;
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-                  weight.numel() == tiles * 16 * K,
-              "f32 weight must be contiguous float32 with ceil(N/16)*16*K elements (tiled layout)");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat,
-              "f32_linear takes float32 activations, got ", x_in.scalar_type());
-  at::Tensor x;
-  int64_t M;
-  at::Tensor out = make_out(x_in, K, N, x, M);
-  if (M == 0) return out;
-  const float* bp = bias_ptr(bias, N, scratch());
-  const float* w = weight.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  if (M >= kGemmRows16) {
-    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      f32_range(w, xp, bp, op, M, N, K, 2 * p0, std::min(tiles, 2 * p1));
-    });
-  } else {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      f32_range(w, xp, bp, op, M, N, K, t0, t1);
-    });
-  }
-  return out;
+  return tiled_linear<float>(
+      x_in, weight, N, bias, "f32_linear",
+      [&](const float* x, const float* bp, float* out, int64_t M, int64_t t0, int64_t t1) {
+        const float* w = weight.data_ptr<float>();
+        tiled_range(
+            w, M, K, t0, t1,
+            [&](auto nt, int mt, const float* const* wp, int64_t m0, int64_t t) {
+              f32_rows_n<decltype(nt)::value>(mt, wp, x, bp, out, m0, N, K, t);
+            },
+            [&](auto mt, int64_t m0, int64_t t) { f32_tiles<decltype(mt)::value>(w, x, bp, out, m0, N, K, t); });
+      });
 }
 
 // ---------------------------------------------------------------- decoder layers, decode rows
