@@ -695,25 +695,35 @@ at::Tensor tiled_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_
 // the dot products. oneDNN's prepacked bf16 matmul read ~35 GB/s at one row here; this reads
 // what the int4/int8 streams read. From kGemmRows16 rows on, the GEMM micro-kernel of the
 // decode-once path runs over pairs of tiles in place.
-template <int MT, typename OutT>
-void bf16_tiles(const c10::BFloat16* w, const c10::BFloat16* x, const float* bias, OutT* out,
-                int64_t m0, int64_t N, int64_t K, int64_t t) {
-  constexpr int CH = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent dpbf16 chains per row
-  const c10::BFloat16* wt = w + t * 16 * K;
+// Rows [m0, m0 + MT) of output tile t, streaming the tile once: one 64-byte weight vector a
+// step, a k-pair through vdpbf16ps (bf16) or one k through broadcast FMAs (fp32), CH
+// independent chains per row.
+template <int MT, typename T, typename OutT>
+void stream_tiles(const T* w, const T* x, const float* bias, OutT* out, int64_t m0, int64_t N,
+                  int64_t K, int64_t t) {
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  constexpr int CH = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+  const T* wt = w + t * 16 * K;
   __m512 acc[MT][CH];
   for (int m = 0; m < MT; ++m)
     for (int c = 0; c < CH; ++c) acc[m][c] = _mm512_setzero_ps();
-  auto step = [&](int64_t kp, int c) {
-    const c10::BFloat16* wp = wt + kp * 32;
+  auto step = [&](int64_t i, int c) {
+    const T* wp = wt + i * (bf16 ? 32 : 16);
     _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetch, _MM_HINT_NTA);
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp);
-    for (int m = 0; m < MT; ++m) acc[m][c] = dpbf16_bcast(acc[m][c], wv, x + (m0 + m) * K + 2 * kp);
+    if constexpr (bf16) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp);
+      for (int m = 0; m < MT; ++m) acc[m][c] = dpbf16_bcast(acc[m][c], wv, x + (m0 + m) * K + 2 * i);
+    } else {
+      const __m512 wv = _mm512_loadu_ps(wp);
+      for (int m = 0; m < MT; ++m)
+        acc[m][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[(m0 + m) * K + i]), acc[m][c]);
+    }
   };
-  const int64_t np = K / 2;
-  int64_t kp = 0;
-  for (; kp + CH <= np; kp += CH)
-    for (int c = 0; c < CH; ++c) step(kp + c, c);
-  for (; kp < np; ++kp) step(kp, 0);
+  const int64_t n = bf16 ? K / 2 : K;
+  int64_t i = 0;
+  for (; i + CH <= n; i += CH)
+    for (int c = 0; c < CH; ++c) step(i + c, c);
+  for (; i < n; ++i) step(i, 0);
   const int64_t n0 = 16 * t;
   const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
@@ -738,7 +748,7 @@ void bf16_range(const c10::BFloat16* w, const c10::BFloat16* x, const float* bia
       [&](auto nt, int mt, const c10::BFloat16* const* wp, int64_t m0, int64_t t) {
         decoded_rows_n<decltype(nt)::value>(mt, wp, x, bias, out, m0, N, K, t);
       },
-      [&](auto mt, int64_t m0, int64_t t) { bf16_tiles<decltype(mt)::value>(w, x, bias, out, m0, N, K, t); });
+      [&](auto mt, int64_t m0, int64_t t) { stream_tiles<decltype(mt)::value>(w, x, bias, out, m0, N, K, t); });
 }
 
 void check_bf16(const at::Tensor& weight, int64_t N, int64_t K) {
@@ -766,35 +776,6 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
 // broadcast FMAs (16 output rows in the 16 lanes, no horizontal sums); from there a GEMM
 // micro-kernel takes 8 rows x a pair of tiles (16 accumulators) in place. oneDNN's prepacked
 // fp32 matmul streamed the LM head at ~49 GB/s at one row here.
-template <int MT>
-void f32_tiles(const float* w, const float* x, const float* bias, float* out, int64_t m0,
-               int64_t N, int64_t K, int64_t t) {
-  constexpr int CH = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // independent FMA chains per row
-  const float* wt = w + t * 16 * K;
-  __m512 acc[MT][CH];
-  for (int m = 0; m < MT; ++m)
-    for (int c = 0; c < CH; ++c) acc[m][c] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, int c) {
-    const float* wp = wt + k * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetch, _MM_HINT_NTA);
-    const __m512 wv = _mm512_loadu_ps(wp);
-    for (int m = 0; m < MT; ++m)
-      acc[m][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[(m0 + m) * K + k]), acc[m][c]);
-  };
-  int64_t k = 0;
-  for (; k + CH <= K; k += CH)
-    for (int c = 0; c < CH; ++c) step(k + c, c);
-  for (; k < K; ++k) step(k, 0);
-  const int64_t n0 = 16 * t;
-  const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) {
-    __m512 r = acc[m][0];
-    for (int c = 1; c < CH; ++c) r = _mm512_add_ps(r, acc[m][c]);
-    _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, mk, _mm512_add_ps(r, bv));
-  }
-}
-
 // out rows [m0, m0 + MT), tiles t0 .. t0 + NT - 1 (weights w[0..NT)), broadcast FMAs.
 template <int MT, int NT>
 void f32_rows(const float* const* w, const float* x, const float* bias, float* out, int64_t m0,
@@ -840,7 +821,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t 
             [&](auto nt, int mt, const float* const* wp, int64_t m0, int64_t t) {
               f32_rows_n<decltype(nt)::value>(mt, wp, x, bp, out, m0, N, K, t);
             },
-            [&](auto mt, int64_t m0, int64_t t) { f32_tiles<decltype(mt)::value>(w, x, bp, out, m0, N, K, t); });
+            [&](auto mt, int64_t m0, int64_t t) { stream_tiles<decltype(mt)::value>(w, x, bp, out, m0, N, K, t); });
       });
 }
 
