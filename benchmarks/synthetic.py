@@ -15,10 +15,10 @@ position), and decode tok/s at each --batch (every sequence holding --context to
 with the roofline's bound for each (weights and KV read at --bandwidth, matmuls at
 --flops) and the fraction reached. On CUDA every timing synchronises the device, and each
 decode batch is timed with captured CUDA graphs, eagerly, and eagerly with the gather +
-SDPA attention in place of the Triton decode kernel (--modes), alternating, with the
-ratios graphs / eager and eager / gather. --transformers times transformers' LlamaForCausalLM of the same shape (random
-weights, --dtype) the same way: TTFT of the prompt, and decode tok/s of B sequences of
---context tokens generating --hf-tokens more (its prefill subtracted).
+SDPA attention in place of the Triton kernels (--modes), alternating, with the ratios
+graphs / eager and eager / gather. --transformers times transformers' LlamaForCausalLM of
+the same shape (random weights, --dtype) the same way: TTFT of the prompt, and decode tok/s
+of B sequences of --context tokens generating --hf-tokens more (its prefill subtracted).
 """
 
 from __future__ import annotations

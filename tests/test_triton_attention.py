@@ -124,7 +124,8 @@ def test_prefill_attention_rejects_mismatched_shapes_and_takes_empty_batches():
     cu = torch.tensor([0, 8], dtype=torch.int32, device=DEV)
     start = torch.zeros(1, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="does not match the cache"):
-        ta.paged_prefill_attention(torch.randn(8, 4, 8, device=DEV), k, v, tables, cu, start, 8, 1.0)
+        ta.paged_prefill_attention(torch.randn(8, 4, 8, device=DEV), k, v, tables, cu, start, 8,
+                                   1.0)
     empty = ta.paged_prefill_attention(torch.randn(0, 4, 16, device=DEV), k, v, tables[:0],
                                        cu[:1], start[:0], 0, 1.0)
     assert empty.shape == (0, 64)

@@ -24,8 +24,8 @@ Steps where every row computes one token (decodes, and one-token prompt chunks) 
 `max_batch` rows replay a graph; other steps (prompt chunks, larger batches, and batches
 whose padded tables would hold more than MAX_KEY_PADDING times the keys their rows attend
 to, such as one long context among many short ones, unless attention is Triton's) run
-the eager model, which groups rows of similar lengths. A capture that fails (out of memory, an op that cannot be
-captured) is logged and its shape runs eagerly from then on. `capture=False` runs the same
+the eager model, which groups rows of similar lengths. A capture that fails (out of memory,
+an op that cannot be captured) is logged and its shape runs eagerly from then on. `capture=False` runs the same
 padded static-buffer forward without capturing: the CPU tests check everything but the
 capture itself that way.
 """
@@ -116,7 +116,8 @@ class DecodeGraphs:
                           num_queries_per_kv=self.num_queries_per_kv)
         batch = ForwardBatch(input_ids=buf[:B], positions=positions,
                              slot_mapping=buf[2 * B:3 * B], groups=[group],
-                             logits_indices=self._arange[:B], triton_attention=self.triton_attention)
+                             logits_indices=self._arange[:B],
+                             triton_attention=self.triton_attention)
         hidden = self.model(batch, self.kv_cache.layers)
         return self.model.lm_head(hidden)
 
