@@ -440,7 +440,8 @@ class TiledLinear(QuantLinear):
         return self._unpack(self.qweight, self.out_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._op is not None and x.dtype == self.dtype and x.device.type == "cpu":
+        if (self.use_kernel and self._op is not None and x.dtype == self.dtype
+                and x.device.type == "cpu"):
             return self._op(x, self.qweight, self.out_features, self.bias)
         return self._forward_fallback(x)
 

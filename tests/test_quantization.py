@@ -162,8 +162,10 @@ def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
     torch.testing.assert_close(layer(x), F.linear(x, lin.weight.float(), lin.bias.float()))
     assert Q.kernel_weights(layer) == ([layer.qweight], -1)
     assert Q.kernel_weights(Q.TiledLinear.from_linear(_linear(40, 64, True))) is None  # fp32
-    layer.use_kernel = False
+    layer.use_kernel = False  # as SERVELM_NO_KERNELS=1 would have it: PyTorch, off the stack
     assert Q.kernel_weights(layer) is None
+    xb = x.bfloat16()
+    torch.testing.assert_close(layer(xb), F.linear(xb, lin.weight, lin.bias))
 
 
 @needs_kernels
