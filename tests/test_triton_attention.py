@@ -157,12 +157,21 @@ def test_the_probe_passes_right_kernels_and_refuses_wrong_or_failing_ones(dtype,
     ta._works.clear()
     assert ta.works(DEV, dtype, 8, 2, 32, page)
     assert (str(DEV), dtype, 8, 2, 32, page) in ta._works
-    real = ta.paged_prefill_attention
+    real, real_decode = ta.paged_prefill_attention, ta.paged_decode_attention
     try:
         ta._works.clear()
         monkeypatch.setattr(ta, "paged_prefill_attention", lambda *a: real(*a) * 1.1)
         assert not ta.works(DEV, dtype, 8, 2, 32, page)
         assert "prompt kernel disagrees" in caplog.text
+        monkeypatch.setattr(ta, "paged_prefill_attention", real)
+        ta._works.clear()
+
+        def wrong_merge(*a, splits=None):  # only the split path (stage 2) is wrong
+            return real_decode(*a, splits=splits) * (1.1 if splits == 2 else 1.0)
+
+        monkeypatch.setattr(ta, "paged_decode_attention", wrong_merge)
+        assert not ta.works(DEV, dtype, 8, 2, 32, page)
+        assert "decode kernel (2 split) disagrees" in caplog.text
         ta._works.clear()
 
         def fails(*a, **k):

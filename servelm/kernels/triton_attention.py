@@ -80,31 +80,32 @@ def _probe(device, dtype, H, KVH, D, page):
     from servelm.models.layers import paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(0)
-    nb = 8
-    k = torch.randn(nb, page, KVH, D, generator=g)
-    v = torch.randn(nb, page, KVH, D, generator=g)
-    # Two rows: contexts of 3 and 2 blocks + 1 token; the second also as a 2-token chunk.
-    lens = [3, 2 * page + 1]
-    tables = torch.tensor([[5, 0, 0], [1, 6, 2]], dtype=torch.int32)
-    q = torch.randn(2, H, D, generator=g)
+    n1 = 2 * BLOCK_N + 2  # row 1's context: several BLOCK_N steps, split in two
+    W = -(-n1 // page)
+    nb = W + 2
+    k = torch.randn(nb, page, KVH, D, generator=g).to(dtype)
+    v = torch.randn(nb, page, KVH, D, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.stack([perm[:W], perm.flip(0)[:W]]).to(torch.int32)  # scattered blocks
+    lens = torch.tensor([3, n1], dtype=torch.int32)
+    q = torch.randn(2, H, D, generator=g).to(dtype)
     scale = D ** -0.5
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    to = lambda t: t.to(device)  # noqa: E731
-    kd, vd = to(k.to(dtype)), to(v.to(dtype))
-    kr, vr = k.to(dtype).float(), v.to(dtype).float()
-    got = paged_decode_attention(to(q.to(dtype)), kd, vd, to(tables),
-                                 to(torch.tensor(lens, dtype=torch.int32)), scale, splits=2)
-    want = paged_decode_attention_ref(q.to(dtype).float(), kr, vr, tables,
-                                      torch.tensor(lens), scale).view(2, -1)
-    if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol):
-        raise RuntimeError("the decode kernel disagrees with the reference")
-    # Prompt chunks: row 0's 3 tokens from position 0, row 1's last 2 from 2 * page - 1.
+    kr, vr = k.float(), v.float()
+    kd, vd, td = k.to(device), v.to(device), tables.to(device)
+    want = paged_decode_attention_ref(q.float(), kr, vr, tables, lens, scale).view(2, -1)
+    for splits in (1, 2):  # the final output written directly, and the split merge
+        got = paged_decode_attention(q.to(device), kd, vd, td, lens.to(device), scale,
+                                     splits=splits)
+        if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol):
+            raise RuntimeError(f"the decode kernel ({splits} split) disagrees with the reference")
+    # Prompt chunks: row 0's 3 tokens from position 0, row 1's last 2.
     qp = torch.randn(5, H, D, generator=g).to(dtype)
-    got = paged_prefill_attention(to(qp), kd, vd, to(tables),
-                                  to(torch.tensor([0, 3, 5], dtype=torch.int32)),
-                                  to(torch.tensor([0, 2 * page - 1], dtype=torch.int32)), 3, scale)
-    pos = [(0, 0), (0, 1), (0, 2), (1, 2 * page - 1), (1, 2 * page)]
-    for i, (b, p) in enumerate(pos):
+    got = paged_prefill_attention(qp.to(device), kd, vd, td,
+                                  torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
+                                  torch.tensor([0, n1 - 2], dtype=torch.int32, device=device),
+                                  3, scale)
+    for i, (b, p) in enumerate([(0, 0), (0, 1), (0, 2), (1, n1 - 2), (1, n1 - 1)]):
         want = paged_decode_attention_ref(qp[i:i + 1].float(), kr, vr, tables[b:b + 1],
                                           torch.tensor([p + 1]), scale).view(-1)
         if not torch.allclose(got[i].float().cpu(), want, rtol=tol, atol=tol):
