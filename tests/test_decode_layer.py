@@ -164,6 +164,10 @@ def test_decode_stack_rejects_bad_arguments():
         stack(weights=weights + [weights[0]])
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: int8 qweight"):  # int4 as int8
         stack(groups=[32, 0, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="DecodeStack o_proj: bf16 weight must be"):  # as bf16
+        stack(groups=[32, -1, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="group size -2 is none of int4's"):
+        stack(groups=[32, -2, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
         stack(norms=[t.float() for p in parts for t in p[2]])
     # The step's buffers are sized from layer 0: a layer with another MLP width is refused.

@@ -828,21 +828,20 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t 
 // ---------------------------------------------------------------- decoder layers, decode rows
 
 // A Llama-family model's decoder layers for M single-token (decode) rows, when all their
-// linear layers are int4 / int8 / bf16 kernel layers: one C++ call per step
-// (DecodeStack.run) and one parallel region for all the layers. From Python the same work is ~12 operator calls per layer: each
-// pays Python and dispatcher time, and each matmul opens its own parallel region whose threads
-// then stream a weight of 0.2-1 MB starting cold. Here the threads split each matmul's tiles
-// exactly as int4_linear / int8_linear would (so results are bit-identical to theirs) and
-// meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV write,
-// SiLU, the activation sums) split the rows over the threads, and a thread without rows
+// linear layers are int4 / int8 / bf16 kernel layers: one C++ call per step (DecodeStack.run) and
+// one parallel region for all the layers. From Python the same work is ~12 operator calls per
+// layer: each pays Python and dispatcher time, and each matmul opens its own parallel region
+// whose threads then stream a weight of 0.2-1 MB starting cold. Here the threads split each
+// matmul's tiles exactly as int4_linear / int8_linear would (so results are bit-identical to
+// theirs) and meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV
+// write, SiLU, the activation sums) split the rows over the threads, and a thread without rows
 // prefetches the head of its share of the next weight into L2. Attention runs the
-// paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed
-// per step, so while streaming the previous layer's gate_up_proj each thread also pulls the
-// first of its items' K/V rows into L2 (each item reads the rest ahead itself: the weights
-// stream evicts them every step).
-// Norms, rotary + KV write and SiLU run the servelm_ops operators' row kernels
-// (row_kernels.h) inline on per-step buffers: through the dispatcher, with an output
-// allocated per call, they cost more than their arithmetic.
+// paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed per
+// step, so while streaming the previous layer's gate_up_proj each thread also pulls the first of
+// its items' K/V rows into L2 (each item reads the rest ahead itself: the weights stream evicts
+// them every step). Norms, rotary + KV write and SiLU run the servelm_ops operators' row kernels
+// (row_kernels.h) inline on per-step buffers: through the dispatcher, with an output allocated
+// per call, they cost more than their arithmetic.
 
 struct QLinear {
   static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
@@ -1105,10 +1104,10 @@ struct StackLayer {
 // of decode rows by one call per step. Python holds it as torch.classes.servelm_quant.DecodeStack.
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins],
-  // int8 [qweight, scales] or bf16 [weight]; group_sizes: per layer and linear, the int4
-  // group size, 0 (int8) or -1 (bf16); norms: per layer input and post-attention RMSNorm weights; qkv_biases: per
-  // layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
+  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins], int8
+  // [qweight, scales] or bf16 [weight]; group_sizes: per layer and linear, the int4 group size, 0
+  // (int8) or -1 (bf16); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
+  // per layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
               std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double eps,
