@@ -111,11 +111,12 @@ def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     assert not torch.equal(kv0, before)
 
 
-def test_decode_stack_with_qkv_bias_and_other_head_dims():
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_decode_stack_with_qkv_bias_and_other_head_dims(fmt):
     # Qwen2-style qkv bias; head_dim 64 (the AVX-512 attention path) and 5 query heads per KV.
     cfg = _config(hidden_size=320, num_heads=5, num_kv_heads=1, head_dim=64,
                   intermediate_size=128, attention_bias=True, num_layers=2)
-    model = _model(cfg, FORMATS["int4"])
+    model = _model(cfg, FORMATS[fmt])
     assert model.layers[0].self_attn.qkv_proj.bias is not None
     batch, data, caches = _setup(cfg, [9, 64, 130])
     (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
@@ -126,6 +127,7 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     cfg = _config(num_layers=2)
     _, _, caches = _setup(cfg, [4])
     assert not _model(cfg, {}).bind_decode_layers(caches)  # bf16 nn.Linear: the oneDNN path
+    assert not _model(cfg, {"qkv_proj": "bf16"}).bind_decode_layers(caches)  # others untiled
     assert not _model(cfg, {"qkv_proj": "int4", "o_proj": "int4"}).bind_decode_layers(caches)
     model = _model(cfg, FORMATS["mixed"])
     assert model.bind_decode_layers(caches) and model.fused_decode

@@ -157,10 +157,12 @@ def test_logits_within_tolerance_of_tp1(reference, tp_results):
 
 # ---- quantised weights: each rank quantises its own shard -------------------------------------
 
-def test_bf16_int4_tp2_runs_its_all_reduces_not_the_decode_stack():
-    # With bf16 activations and int4 weights one device runs decode steps through the
-    # DecodeStack; sharded layers all-reduce their outputs, which the stack would skip.
-    engine = {**ENGINE, "dtype": "bfloat16", "quantization": "int4"}
+@pytest.mark.parametrize("quantization", ["int4", None])  # None: bf16 weights in tiles
+def test_bf16_tp2_runs_its_all_reduces_not_the_decode_stack(quantization):
+    # With bf16 activations and int4 (or tiled bf16) weights one device runs decode steps
+    # through the DecodeStack; sharded layers all-reduce their outputs, which the stack
+    # would skip.
+    engine = {**ENGINE, "dtype": "bfloat16", "quantization": quantization}
 
     def decode_logits(llm):  # a prompt, then one decode-only step: its logits
         ids = llm.get_tokenizer().encode(PROMPTS[0])
