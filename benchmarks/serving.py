@@ -23,6 +23,8 @@ import time
 
 import httpx
 
+from servelm.cli import positive
+
 PY = sys.executable
 
 
@@ -141,6 +143,16 @@ def scenario_capacity(args) -> None:
 
 def scenario_sweep(args) -> None:
     """servelm bench --sweep-concurrency against one server, with the picture."""
+    if args.bandwidth is None or args.flops is None:
+        # The roofline at this machine's speed now (measured before the server starts), not
+        # a nominal one: a roofline below the measured curve says nothing.
+        from servelm.roofline import measure_hardware
+
+        hw = measure_hardware()
+        args.bandwidth = args.bandwidth or hw.bandwidth / 1e9
+        args.flops = args.flops or hw.flops / 1e12
+        print(f"roofline: {args.bandwidth:.1f} GB/s, {args.flops:.2f} TFLOP/s bf16 (measured)",
+              flush=True)
     with Server(*args.server_flags, "--roofline-bandwidth", str(args.bandwidth),
                 "--roofline-flops", str(args.flops)) as srv:
         cmd = [PY, "-m", "servelm.cli", "bench", "--base-url", srv.url, "--no-progress",
@@ -159,10 +171,10 @@ def main() -> None:
                     help="sweep: requests per level (at least the level's concurrency)")
     ap.add_argument("--sweep-output-len", type=int, default=64)
     ap.add_argument("--plot", default="sweep.png", help="sweep: the picture (and .json beside)")
-    ap.add_argument("--bandwidth", type=float, default=30.0,
-                    help="sweep: the machine's GB/s for the roofline (default: this machine's)")
-    ap.add_argument("--flops", type=float, default=0.9,
-                    help="sweep: bf16 matmul TFLOP/s for the roofline")
+    ap.add_argument("--bandwidth", type=positive(float), default=None,
+                    help="sweep: the machine's GB/s for the roofline (default: measured)")
+    ap.add_argument("--flops", type=positive(float), default=None,
+                    help="sweep: bf16 matmul TFLOP/s for the roofline (default: measured)")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--prefix-requests", type=int, default=8)
     ap.add_argument("--server-flags", default="", help="extra flags for servelm serve")
