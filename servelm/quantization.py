@@ -71,6 +71,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def _pad_rows(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """t [N, ...] with rows of `fill` appended up to a multiple of 16 (whole 16-row tiles)."""
+    extra = -t.shape[0] % 16
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]) if extra else t
+
+
 @torch.no_grad()
 def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                   symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,10 +92,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if K % group_size:
         raise ValueError(f"int4 needs in_features divisible by group_size {group_size}, got {K}")
-    w = weight.detach().float()
-    T = (N + 15) // 16
-    if T * 16 != N:
-        w = torch.cat([w, w.new_zeros(T * 16 - N, K)])
+    w = _pad_rows(weight.detach().float())
+    T = w.shape[0] // 16
     w = w.reshape(T * 16, K // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
     if symmetric:
@@ -242,12 +246,10 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     """q int8 [N, K] (K % 4 == 0), scale [N] -> the kernel's tiled uint8 [ceil(N/16), 16K]
     and scales padded to [16 ceil(N/16)]. Tile t, block b (inputs 4b..4b+3) is 32 uint16
     lanes L = 2r + e: low byte q+128 at [16t + r, 4b + e], high byte at [16t + r, 4b + 2 + e]."""
-    N, K = q.shape
-    T = (N + 15) // 16
-    u = q.to(torch.int16) + 128
-    if T * 16 != N:
-        u = torch.cat([u, u.new_full((T * 16 - N, K), 128)])
-        scale = torch.cat([scale, scale.new_zeros(T * 16 - N)])
+    K = q.shape[1]
+    u = _pad_rows(q.to(torch.int16) + 128, 128)
+    scale = _pad_rows(scale)
+    T = u.shape[0] // 16
     u = u.reshape(T, 16, K // 4, 2, 2).permute(0, 2, 1, 4, 3)  # t, b, r, e, byte
     return u.to(torch.uint8).reshape(T, 16 * K).contiguous(), scale.float().contiguous()
 
@@ -377,37 +379,28 @@ class Int4Linear(QuantLinear):
         return super().extra_repr() + f", group_size={self.group_size}"
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] (K even) -> bfloat16 [ceil(N/16), 16K] in the C++ kernels' tiles: tile t is
-    K/2 k-pairs of 32 values, lane 2r + e holding w[16t + r, 2kp + e] (vdpbf16ps's operand)."""
+# The bf16/fp32 tiled ops by weight dtype, and how many consecutive inputs a lane group holds:
+# bf16 k-pairs (vdpbf16ps's operand), fp32 single k (broadcast FMAs).
+TILE_OPS = {torch.bfloat16: "bf16_linear", torch.float32: "f32_linear"}
+_TILE_PAIR = {torch.bfloat16: 2, torch.float32: 1}
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] bf16 or fp32 -> [ceil(N/16), 16K] of its dtype in the C++ kernels' tiles:
+    tile t is K/p groups of 16 p values, lane p r + e holding w[16t + r, p g + e] (bf16:
+    p = 2, K even, vdpbf16ps's operand; fp32: p = 1, vector k holding rows 16t .. 16t + 15)."""
     N, K = w.shape
-    T = (N + 15) // 16
-    w = w.to(torch.bfloat16)
-    if T * 16 != N:
-        w = torch.cat([w, w.new_zeros(T * 16 - N, K)])
-    return w.reshape(T, 16, K // 2, 2).permute(0, 2, 1, 3).reshape(T, 16 * K).contiguous()
+    p = _TILE_PAIR[w.dtype]
+    w = _pad_rows(w)
+    T = w.shape[0] // 16
+    return w.reshape(T, 16, K // p, p).permute(0, 2, 1, 3).reshape(T, 16 * K).contiguous()
 
 
-def unpack_bf16(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+def unpack_tiles(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_tiles' inverse: the weight [out_features, K]."""
     T, K16 = tiles.shape
-    K = K16 // 16
-    return tiles.reshape(T, K // 2, 16, 2).permute(0, 2, 1, 3).reshape(T * 16, K)[:out_features]
-
-
-def pack_f32(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> float32 [ceil(N/16), 16K]: tile t is K vectors of 16, vector k holding
-    w[16t .. 16t + 15, k]."""
-    N, K = w.shape
-    T = (N + 15) // 16
-    w = w.to(torch.float32)
-    if T * 16 != N:
-        w = torch.cat([w, w.new_zeros(T * 16 - N, K)])
-    return w.reshape(T, 16, K).transpose(1, 2).reshape(T, 16 * K).contiguous()
-
-
-def unpack_f32(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-    T, K16 = tiles.shape
-    return tiles.reshape(T, K16 // 16, 16).transpose(1, 2).reshape(T * 16, -1)[:out_features]
+    K, p = K16 // 16, _TILE_PAIR[tiles.dtype]
+    return tiles.reshape(T, K // p, 16, p).permute(0, 2, 1, 3).reshape(T * 16, K)[:out_features]
 
 
 class TiledLinear(QuantLinear):
@@ -419,25 +412,22 @@ class TiledLinear(QuantLinear):
     here, these ~62 (bf16). bf16 layers can join the DecodeStack. Activations of the
     weight's dtype on the CPU run the kernel; anything else F.linear on the unpacked weight."""
 
-    _PACK = {torch.bfloat16: (pack_bf16, unpack_bf16, "bf16_linear"),
-             torch.float32: (pack_f32, unpack_f32, "f32_linear")}
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        if weight.dtype not in self._PACK:
+        if weight.dtype not in TILE_OPS:
             raise TypeError(f"TiledLinear takes bfloat16 or float32 weights, got {weight.dtype}")
         self.dtype = weight.dtype
         self.method = "bf16" if weight.dtype == torch.bfloat16 else "fp32"
-        pack, self._unpack, op = self._PACK[weight.dtype]
+        op = TILE_OPS[weight.dtype]
         self._op = getattr(torch.ops.servelm_quant, op).default if self.use_kernel else None
-        self.register_buffer("qweight", pack(weight.detach()))
+        self.register_buffer("qweight", pack_tiles(weight.detach()))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "TiledLinear":
         return cls(linear.weight, linear.bias)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return self._unpack(self.qweight, self.out_features).to(dtype)
+        return unpack_tiles(self.qweight, self.out_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.use_kernel and self._op is not None and x.dtype == self.dtype
@@ -458,7 +448,7 @@ def tiles_supported(model: nn.Module) -> bool:
     the tiled ops, and not turned off (SERVELM_NO_TILES=1: oneDNN's prepacked matmuls
     instead, for side-by-side runs)."""
     p = next(model.parameters(), None)
-    return (p is not None and p.dtype in TiledLinear._PACK and p.device.type == "cpu"
+    return (p is not None and p.dtype in TILE_OPS and p.device.type == "cpu"
             and os.environ.get("SERVELM_NO_TILES", "") in ("", "0")
             and kernels_available() and hasattr(torch.ops.servelm_quant, "f32_linear"))
 
@@ -471,7 +461,7 @@ def tile_linears(model: nn.Module, targets: tuple[str, ...] = TARGETS) -> int:
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children()
              if name in targets and type(child) is nn.Linear
-             and child.weight.dtype in TiledLinear._PACK
+             and child.weight.dtype in TILE_OPS
              and (child.weight.dtype == torch.float32 or child.in_features % 2 == 0)]
     for parent, name, child in swaps:
         setattr(parent, name, TiledLinear.from_linear(child))

@@ -122,10 +122,10 @@ def test_tiled_kernels_match_reference(dtype, n, k, rows, bias):
     torch.manual_seed(n + k + rows)
     w = (torch.randn(n, k) * 0.05).to(dtype)
     b = torch.randn(n) if bias else None
-    pack, unpack, op = Q.TiledLinear._PACK[dtype]
-    tiles = pack(w)
+    op = Q.TILE_OPS[dtype]
+    tiles = Q.pack_tiles(w)
     assert tiles.dtype == dtype and tiles.shape == (-(-n // 16), 16 * k)
-    assert torch.equal(unpack(tiles, n), w)
+    assert torch.equal(Q.unpack_tiles(tiles, n), w)
     x = torch.randn(rows, k).to(dtype)
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
     y = getattr(torch.ops.servelm_quant, op)(x, tiles, n, b)
@@ -140,7 +140,7 @@ def test_tiled_kernels_match_reference(dtype, n, k, rows, bias):
 
 @needs_kernels
 def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
-    tiles = Q.pack_bf16(torch.randn(16, 64).bfloat16())
+    tiles = Q.pack_tiles(torch.randn(16, 64).bfloat16())
     with pytest.raises(RuntimeError, match="bfloat16 activations"):
         torch.ops.servelm_quant.bf16_linear(torch.randn(1, 64), tiles, 16, None)
     with pytest.raises(RuntimeError, match="tiled layout"):
@@ -148,7 +148,7 @@ def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
     with pytest.raises(RuntimeError, match="needs K \\(in_features\\) even"):
         torch.ops.servelm_quant.bf16_linear(torch.randn(1, 63).bfloat16(),
                                             torch.zeros(16 * 63, dtype=torch.bfloat16), 16, None)
-    f32 = Q.pack_f32(torch.randn(16, 64))
+    f32 = Q.pack_tiles(torch.randn(16, 64))
     with pytest.raises(RuntimeError, match="float32 activations"):
         torch.ops.servelm_quant.f32_linear(torch.randn(1, 64).bfloat16(), f32, 16, None)
     with pytest.raises(RuntimeError, match="tiled layout"):
