@@ -61,6 +61,28 @@ inline __m512 dpbf16_bcast(__m512 acc, __m512bh w, const void* p) {
   return acc;
 }
 
+// Output columns n0 .. n0 + 15 of a 16-row weight tile (fewer in N's last tile): their mask
+// and bias, and the masked store of one activation row's 16 fp32 results into float or
+// bf16 output, as every tiled kernel ends.
+struct TileOut {
+  __mmask16 mk;
+  __m512 bv;
+  TileOut(int64_t N, int64_t n0, const float* bias)
+      : mk(N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1)),
+        bv(bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps()) {}
+  // o[0 .. 16) = r (the bias already in r).
+  template <typename OutT>
+  void store_raw(OutT* o, __m512 r) const {
+    if constexpr (std::is_same_v<OutT, float>)
+      _mm512_mask_storeu_ps(o, mk, r);
+    else
+      _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
+  }
+  // o[0 .. 16) = r + bias.
+  template <typename OutT>
+  void store(OutT* o, __m512 r) const { store_raw(o, _mm512_add_ps(r, bv)); }
+};
+
 // ---------------------------------------------------------------- int4 (tiled)
 
 // Tile layout: output rows in tiles of 16; tile t is K/8 blocks of 64 bytes; block b holds
@@ -123,16 +145,8 @@ void int4_tiles(const uint8_t* qw, const c10::Half* sc, const c10::Half* mn,
       }
     }
     const int64_t n0 = 16 * t;
-    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      const __m512 r = _mm512_add_ps(acc[m], bv);
-      OutT* o = out + (m0 + m) * N + n0;
-      if constexpr (std::is_same_v<OutT, float>)
-        _mm512_mask_storeu_ps(o, mk, r);
-      else
-        _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
-    }
+    const TileOut to(N, n0, bias);
+    for (int m = 0; m < MT; ++m) to.store(out + (m0 + m) * N + n0, acc[m]);
   }
 }
 
@@ -186,16 +200,8 @@ void decoded_rows(const c10::BFloat16* const* w, const c10::BFloat16* xh, const 
   }
   for (int u = 0; u < NT; ++u) {
     const int64_t n0 = 16 * (t0 + u);
-    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      const __m512 r = _mm512_add_ps(acc[u][m], bv);
-      OutT* o = out + (m0 + m) * N + n0;
-      if constexpr (std::is_same_v<OutT, float>)
-        _mm512_mask_storeu_ps(o, mk, r);
-      else
-        _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
-    }
+    const TileOut to(N, n0, bias);
+    for (int m = 0; m < MT; ++m) to.store(out + (m0 + m) * N + n0, acc[u][m]);
   }
 }
 
@@ -516,9 +522,8 @@ void int8_tiles(const uint8_t* qw, const float* sc, const c10::BFloat16* xh,
     }
     if (b < nb) step(b, std::integral_constant<int, 0>{});
     const int64_t n0 = 16 * t;
-    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
     const __m512 sv = _mm512_loadu_ps(sc + n0);  // scales are padded to the tile
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    const TileOut to(N, n0, bias);
     for (int m = 0; m < MT; ++m) {
       __m512 h = th[m][0], l = tl[m][0];
       if constexpr (NC == 2) {
@@ -527,12 +532,7 @@ void int8_tiles(const uint8_t* qw, const float* sc, const c10::BFloat16* xh,
       }
       __m512 r = _mm512_fmadd_ps(h, _mm512_set1_ps(16.0f), l);
       r = _mm512_fmadd_ps(_mm512_set1_ps(-2304.0f), _mm512_set1_ps(xs[m0 + m]), r);
-      r = _mm512_fmadd_ps(r, sv, bv);
-      OutT* o = out + (m0 + m) * N + n0;
-      if constexpr (std::is_same_v<OutT, float>)
-        _mm512_mask_storeu_ps(o, mk, r);
-      else
-        _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
+      to.store_raw(out + (m0 + m) * N + n0, _mm512_fmadd_ps(r, sv, to.bv));
     }
   }
 }
@@ -614,6 +614,7 @@ constexpr int kMaxRows16 = 4;       // activation rows per pass over a tile belo
 
 template <int V>
 using Int = std::integral_constant<int, V>;
+
 
 // The bf16/fp32 tiled matmul's output tiles [t0, t1) of all M rows (one thread's share; t0
 // even from kGemmRows16 rows on, where tiles go in pairs), for weights w of element type T:
@@ -725,17 +726,11 @@ void stream_tiles(const T* w, const T* x, const float* bias, OutT* out, int64_t 
     for (int c = 0; c < CH; ++c) step(i + c, c);
   for (; i < n; ++i) step(i, 0);
   const int64_t n0 = 16 * t;
-  const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+  const TileOut to(N, n0, bias);
   for (int m = 0; m < MT; ++m) {
     __m512 r = acc[m][0];
     for (int c = 1; c < CH; ++c) r = _mm512_add_ps(r, acc[m][c]);
-    r = _mm512_add_ps(r, bv);
-    OutT* o = out + (m0 + m) * N + n0;
-    if constexpr (std::is_same_v<OutT, float>)
-      _mm512_mask_storeu_ps(o, mk, r);
-    else
-      _mm256_mask_storeu_epi16(o, mk, (__m256i)_mm512_cvtneps_pbh(r));
+    to.store(out + (m0 + m) * N + n0, r);
   }
 }
 
@@ -793,10 +788,8 @@ void f32_rows(const float* const* w, const float* x, const float* bias, float* o
   }
   for (int u = 0; u < NT; ++u) {
     const int64_t n0 = 16 * (t0 + u);
-    const __mmask16 mk = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m)
-      _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, mk, _mm512_add_ps(acc[u][m], bv));
+    const TileOut to(N, n0, bias);
+    for (int m = 0; m < MT; ++m) to.store(out + (m0 + m) * N + n0, acc[u][m]);
   }
 }
 
