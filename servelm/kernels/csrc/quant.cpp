@@ -656,21 +656,29 @@ void tiled_range(const T* w, int64_t M, int64_t K, int64_t t0, int64_t t1, const
 // A tiled linear op: weight checked ([ceil(N/16), 16K] of T, the tiled layout), activations
 // of type T, output tiles split over the threads (pairs from kGemmRows16 rows), range(x, bias,
 // out, M, t0, t1) computing a share.
+// A bf16/fp32 tiled weight (T elements, [ceil(N/16), 16K], contiguous, on the CPU; bf16
+// needs K even): the ops' check and the DecodeStack's.
+template <typename T>
+void check_tiled(const at::Tensor& weight, int64_t N, int64_t K, const char* name) {
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
+  TORCH_CHECK(!bf16 || K % 2 == 0, name, " needs K (in_features) even, got ", K);
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(weight.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat) && weight.is_contiguous() &&
+                  weight.numel() == tiles * 16 * K,
+              name, " weight must be contiguous ", bf16 ? "bfloat16" : "float32",
+              " with ceil(N/16)*16*K elements (tiled layout)");
+}
+
 template <typename T, typename Range>
 at::Tensor tiled_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
                         const std::optional<at::Tensor>& bias, const char* name, const Range& range) {
   const int64_t K = x_in.size(-1);
   constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
-  const auto st = bf16 ? at::kBFloat16 : at::kFloat;
-  const char* dtype = bf16 ? "bfloat16" : "float32";
-  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
-  TORCH_CHECK(!bf16 || K % 2 == 0, name, " needs K (in_features) even, got ", K);
+  check_tiled<T>(weight, N, K, name);
   const int64_t tiles = (N + 15) / 16;
-  TORCH_CHECK(weight.scalar_type() == st && weight.is_contiguous() && weight.numel() == tiles * 16 * K,
-              name, ": weight must be contiguous ", dtype,
-              " with ceil(N/16)*16*K elements (tiled layout)");
-  TORCH_CHECK(x_in.scalar_type() == st, name, " takes ", dtype, " activations, got ",
-              x_in.scalar_type());
+  TORCH_CHECK(x_in.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat), name, " takes ",
+              bf16 ? "bfloat16" : "float32", " activations, got ", x_in.scalar_type());
   at::Tensor x;
   int64_t M;
   at::Tensor out = make_out(x_in, K, N, x, M);
@@ -744,15 +752,6 @@ void bf16_range(const c10::BFloat16* w, const c10::BFloat16* x, const float* bia
         decoded_rows_n<decltype(nt)::value>(mt, wp, x, bias, out, m0, N, K, t);
       },
       [&](auto mt, int64_t m0, int64_t t) { stream_tiles<decltype(mt)::value>(w, x, bias, out, m0, N, K, t); });
-}
-
-void check_bf16(const at::Tensor& weight, int64_t N, int64_t K) {
-  TORCH_CHECK(weight.device().is_cpu(), "servelm_quant: CPU tensors only");
-  TORCH_CHECK(K % 2 == 0, "bf16 kernel needs K (in_features) even, got ", K);
-  const int64_t tiles = (N + 15) / 16;
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
-                  weight.numel() == tiles * 16 * K,
-              "bf16 weight must be contiguous bfloat16 with ceil(N/16)*16*K elements (tiled layout)");
 }
 
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t N,
@@ -904,7 +903,7 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   try {
     if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
     else if (G == 0) check_int8(w[j], w[j + 1], N, K);
-    else check_bf16(w[j], N, K);
+    else check_tiled<c10::BFloat16>(w[j], N, K, "bf16");
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "DecodeStack ", name, ": ", e.what_without_backtrace());
   }
