@@ -1,5 +1,6 @@
 """benchmarks/decode_ab.py (one optimisation on and off, alternating in one process) and
-compare.py's format variants: they run, and bad arguments are usage errors naming them."""
+compare.py's format variants and serving.py's sweep roofline: they run, and bad arguments are
+usage errors naming them."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def test_compare_rejects_a_format_named_twice():
     r = _run("compare.py", "--formats", "int4,bfloat16,int4", "--skip-transformers")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--formats names a format twice: 'int4,bfloat16,int4'" in r.stderr
+
+
+def test_serving_sweep_rejects_a_non_positive_roofline():
+    # The sweep's roofline defaults to the machine measured; a given one must be positive.
+    for flag in ("--bandwidth", "--flops"):
+        r = _run("serving.py", "sweep", flag, "0")
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"argument {flag}: must be > 0" in r.stderr
