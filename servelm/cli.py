@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Iterator
 
+from servelm.config import KERNEL_TUNING, LINEAR_METHODS
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 
@@ -50,6 +51,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (under torchrun: its WORLD_SIZE; "
                         "--num-threads is then shared among the ranks on this host)")
+    k = p.add_argument_group("kernels (how a step runs; decided once at start-up)")
+    k.add_argument("--kernel-tuning", default="cached", choices=list(KERNEL_TUNING),
+                   help="linear methods per layer shape and row bucket: measured once per "
+                        "machine and cached (cached), measured now (fresh), or the built-in "
+                        "defaults (off)")
+    k.add_argument("--linear-method", default="auto", choices=list(LINEAR_METHODS),
+                   help="one matmul method for every linear layer where it applies "
+                        "(default auto: the measured table)")
+    k.add_argument("--batch-invariant", action="store_true",
+                   help="one method per layer for every row count, so a request's tokens do "
+                        "not depend on what else shares its steps")
+    k.add_argument("--tuning-cache-dir", default=None, metavar="DIR",
+                   help="where the tuning table is cached (default: ~/.cache/servelm)")
+    k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="the PyTorch eager reference instead of servelm's C++ CPU kernels")
+    k.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
+                   help="decode steps op by op instead of on the one-call DecodeStack")
+    k.add_argument("--no-hugepages", dest="hugepages", action="store_false",
+                   help="weights and KV cache in plain pages, not 2 MB huge pages")
+    k.add_argument("--no-triton", dest="triton_attention", action="store_false",
+                   help="CUDA: gather + SDPA attention instead of the Triton kernels")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -75,7 +97,11 @@ def build_llm(args):
                admission_lookahead=args.admission_lookahead,
                tensor_parallel_size=args.tensor_parallel_size,
                quantization=getattr(args, "quantization", None),
-               enforce_eager=getattr(args, "enforce_eager", False))
+               enforce_eager=getattr(args, "enforce_eager", False),
+               kernel_tuning=args.kernel_tuning, linear_method=args.linear_method,
+               batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
+               cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
+               hugepages=args.hugepages, triton_attention=args.triton_attention)
 
 
 def sampling_params(args) -> SamplingParams:
@@ -237,6 +263,17 @@ def cmd_roofline(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    """Measure the linear methods for a model on this machine (or show the cached table)."""
+    from servelm.tuning import linear_summary
+
+    args.kv_cache_memory = args.kv_cache_memory or (64 << 20)
+    llm = build_llm(args)
+    print(llm.engine.tuning.table())
+    print(linear_summary(llm.engine.model))
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="servelm", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -278,6 +315,11 @@ def make_parser() -> argparse.ArgumentParser:
                        "(default: measured at start)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    tune = sub.add_parser("tune", help="measure each linear layer's matmul methods here and "
+                          "cache the fastest (what serve/generate/chat then read back)")
+    add_engine_args(tune)
+    tune.set_defaults(func=cmd_tune, kernel_tuning="fresh")
 
     roof = sub.add_parser("roofline", help="predicted prefill/decode limits for a model here")
     roof.add_argument("--model", default=None, help="GGUF file or HF directory (config only)")

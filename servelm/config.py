@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = (None, "int8", "int4")
+# How a linear layer's matmul runs (servelm.layers.linear_methods); "auto": chosen per layer
+# shape and row bucket by measuring this machine (servelm.tuning).
+LINEAR_METHODS = ("auto", "tiles", "onednn", "int4pack", "int8pack", "torch")
+KERNEL_TUNING = ("off", "cached", "fresh")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,40 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """How a step runs, decided once at start-up: every code-path choice is a field here."""
+
+    # servelm's C++ CPU kernels (attention over block tables, fused norms/rotary, tiled and
+    # quantised matmuls, the DecodeStack); False: the PyTorch eager reference everywhere.
+    cpu_kernels: bool = True
+    # "auto": each linear layer runs, per row bucket, the method measured fastest here (that
+    # passed its known-answer check); else that one method wherever it applies.
+    linear_method: str = "auto"
+    # off: the built-in defaults, nothing timed; cached: timed once per machine, CPU,
+    # weight format and thread count, then read back; fresh: timed now (cache rewritten).
+    tuning: str = "cached"
+    tuning_cache_dir: str | None = None  # None: $XDG_CACHE_HOME/servelm or ~/.cache/servelm
+    # One method per layer for every row count (so a row's result never depends on how many
+    # rows share its step), instead of the fastest per row bucket.
+    batch_invariant: bool = False
+    fused_decode: bool = True      # decode-only steps on the DecodeStack (one C++ call)
+    hugepages: bool = True         # weights and KV cache in 2 MB transparent huge pages
+    triton_attention: bool = True  # CUDA: Triton attention in place over the block tables
+
+    def __post_init__(self) -> None:
+        if self.linear_method not in LINEAR_METHODS:
+            raise ValueError(f"linear_method must be one of {', '.join(LINEAR_METHODS)}, "
+                             f"got {self.linear_method!r}")
+        if self.tuning not in KERNEL_TUNING:
+            raise ValueError(f"kernel tuning must be one of {', '.join(KERNEL_TUNING)}, "
+                             f"got {self.tuning!r}")
+        for name in ("cpu_kernels", "batch_invariant", "fused_decode", "hugepages",
+                     "triton_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an LLMEngine is built from."""
 
@@ -68,6 +106,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,4 +1,4 @@
-"""oneDNN weight prepacking for CPU linear layers, as a module swap.
+"""oneDNN weight prepacking for CPU linear layers (the "onednn" linear method).
 
 `F.linear` on CPU hands oneDNN a plain row-major weight on every call, and oneDNN then
 runs a path that streams it slowly: measured on the embedded model's 121 linear layers
@@ -8,32 +8,24 @@ layout (`mkldnn._reorder_linear_weight`, the format torch.compile's CPU freezing
 and run through `mkldnn._linear_pointwise` read ~35 GB/s at one row and run prefill-sized
 matmuls close to the machine's matmul peak, in bf16 and in fp32.
 
-`prepack_model(model)` swaps every `nn.Linear` for a `PackedLinear` holding only the
-reordered weight (an opaque MKLDNN tensor). A tied LM head gets its own packed copy; the
-embedding keeps the plain one (vocab x hidden extra elements). Results equal `F.linear`'s
+A `PackedLinear` holds only the reordered weight (an opaque MKLDNN tensor); a tied LM head
+gets its own packed copy, the embedding keeps the plain one. Results equal `F.linear`'s
 to rounding (bf16: bit-identical in our tests; fp32: summation order, ~1e-6 relative).
 
-It is the CPU fast path alongside the C++ kernels and is skipped where they are: CUDA,
-dtypes oneDNN cannot pack here (fp16 without AVX512-FP16), quantised layers (already
-swapped), and SERVELM_NO_KERNELS=1 (the eager reference); SERVELM_NO_PREPACK=1 turns off
-only this (for side-by-side benchmarks).
+It is one of the linear methods servelm.tuning chooses from ("onednn"): where the CPU has
+AMX, oneDNN runs prompt-sized and batched matmuls on it. CPU only, and only for dtypes
+oneDNN can pack here (fp32; bf16 where the CPU multiplies it natively).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from servelm.kernels import kernels_disabled
-
 
 def prepack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether `prepack_model` would swap linear layers of this dtype on this device."""
-    if torch.device(device).type != "cpu" or kernels_disabled():
-        return False
-    if os.environ.get("SERVELM_NO_PREPACK", "") not in ("", "0"):
+    """Whether oneDNN can prepack linear layers of this dtype on this device."""
+    if torch.device(device).type != "cpu":
         return False
     if not torch.backends.mkldnn.is_available():
         return False
@@ -66,36 +58,3 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, dtype={self.dtype}, oneDNN prepacked")
-
-
-@torch.no_grad()
-def prepack_model(model: nn.Module) -> int:
-    """Swap every CPU `nn.Linear` of a supported dtype for a `PackedLinear`, in place.
-
-    Returns how many layers were swapped (0 when the dtype or device is not supported).
-    Call it once the weights are final (loaded, sharded), before `pin_module_attributes`.
-    """
-    swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children()
-             if type(child) is nn.Linear
-             and prepack_supported(child.weight.dtype, child.weight.device)]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
-    return len(swaps)
-
-
-def finalize_linears(model: nn.Module, quantization: str | None) -> nn.Module:
-    """The linear layers as the engine runs them, once the weights are loaded (and
-    sharded): quantised when asked (weight-only, any device), or on the CPU with the C++
-    kernels, bf16/fp32 in the kernels' tiles (`TiledLinear`); either way on the CPU packed
-    into huge pages in the order a step reads them. Every layer still a plain `nn.Linear`
-    is prepacked for oneDNN where supported."""
-    from servelm.quantization import pack_weights, quantize_model, tile_linears, tiles_supported
-
-    if quantization:
-        quantize_model(model, quantization)
-        pack_weights(model)
-    elif tiles_supported(model) and tile_linears(model):
-        pack_weights(model)
-    prepack_model(model)
-    return model

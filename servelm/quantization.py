@@ -20,19 +20,18 @@ once on a small known case; one that is missing or disagrees is not used.
 On CPU with the C++ kernels (servelm/kernels/csrc/quant.cpp) every call, decode or
 prefill, runs a kernel that streams the packed weight once per few activation rows and
 decodes it in registers to bf16 for vdpbf16ps (weights are stored in 16-row tiles for it;
-see the layouts there). Without the kernels (no compiler, SERVELM_NO_KERNELS=1, CUDA) the
+see the layouts there). Without the kernels (no compiler, KernelConfig.cpu_kernels off, CUDA) the
 same formats run in PyTorch: dequantise + matmul, or int8 through `aten._weight_int8pack_mm`
 when the weight was quantised without the kernels (row-major int8).
 
 `TiledLinear` is not a quantisation: a bf16 or fp32 model's weights in the same kind of
 16-row tiles, so the C++ kernels stream them for decode (bf16 layers also on the
-DecodeStack); `finalize_linears` swaps them in on the CPU when no quantisation is asked.
+DecodeStack); servelm.tuning swaps them in where they measure fastest (the "tiles" method).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +203,7 @@ _has_ops: bool | None = None
 
 
 def kernels_available() -> bool:
-    """Whether the C++ kernels are loaded (built on first use; SERVELM_NO_KERNELS=1: never).
+    """Whether the C++ kernels are loaded (built on first use).
     They need AVX-512 with BF16; elsewhere the library builds empty and registers no op."""
     global _has_ops
     if not load_ops("quant"):
@@ -222,13 +221,15 @@ class QuantLinear(nn.Module):
 
     method = ""
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 use_kernel: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        # Decided once: forward runs every step, and asking the loader each call cost
-        # ~0.3 ms of a 5 ms one-stream decode step.
-        self.use_kernel = kernels_available()
+        # Decided once (None: wherever the kernels load): forward runs every step, and
+        # asking the loader each call cost ~0.3 ms of a 5 ms one-stream decode step.
+        self.use_kernel = kernels_available() if use_kernel is None else (
+            use_kernel and kernels_available())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel or x.device.type != "cpu":
@@ -271,10 +272,10 @@ class Int8Linear(QuantLinear):
     method = "int8"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 tiled: bool | None = None):
-        super().__init__(q.shape[1], q.shape[0], bias)
+                 tiled: bool | None = None, use_kernel: bool | None = None):
+        super().__init__(q.shape[1], q.shape[0], bias, use_kernel)
         if tiled is None:
-            tiled = q.device.type == "cpu" and q.shape[1] % 4 == 0 and kernels_available()
+            tiled = q.device.type == "cpu" and q.shape[1] % 4 == 0 and self.use_kernel
         self.tiled = tiled
         if tiled:
             q, scales = pack_int8(q, scales)
@@ -285,9 +286,9 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", scales)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, use_kernel: bool | None = None) -> "Int8Linear":
         q, s = quantize_int8(linear.weight)
-        return cls(q, s, linear.bias)
+        return cls(q, s, linear.bias, use_kernel=use_kernel)
 
     def int8_weight(self) -> torch.Tensor:
         """q int8 [N, K], row-major."""
@@ -334,8 +335,9 @@ class Int4Linear(QuantLinear):
     method = "int4"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 group_size: int, out_features: int, bias: torch.Tensor | None = None):
-        super().__init__(qweight.shape[1] // 8, out_features, bias)
+                 group_size: int, out_features: int, bias: torch.Tensor | None = None,
+                 use_kernel: bool | None = None):
+        super().__init__(qweight.shape[1] // 8, out_features, bias, use_kernel)
         self.group_size = group_size
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
@@ -352,9 +354,9 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE,
-                    symmetric: bool = False) -> "Int4Linear":
+                    symmetric: bool = False, use_kernel: bool | None = None) -> "Int4Linear":
         q, s, m = quantize_int4(linear.weight, group_size, symmetric)
-        return cls(q, s, m, group_size, linear.out_features, linear.bias)
+        return cls(q, s, m, group_size, linear.out_features, linear.bias, use_kernel)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size,
@@ -412,8 +414,9 @@ class TiledLinear(QuantLinear):
     here, these ~62 (bf16). bf16 layers can join the DecodeStack. Activations of the
     weight's dtype on the CPU run the kernel; anything else F.linear on the unpacked weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__(weight.shape[1], weight.shape[0], bias)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 use_kernel: bool | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias, use_kernel)
         if weight.dtype not in TILE_OPS:
             raise TypeError(f"TiledLinear takes bfloat16 or float32 weights, got {weight.dtype}")
         self.dtype = weight.dtype
@@ -441,31 +444,6 @@ class TiledLinear(QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", {self.method} tiles"
-
-
-def tiles_supported(model: nn.Module) -> bool:
-    """Whether `tile_linears` applies: a bf16 or fp32 model on the CPU, the C++ kernels with
-    the tiled ops, and not turned off (SERVELM_NO_TILES=1: oneDNN's prepacked matmuls
-    instead, for side-by-side runs)."""
-    p = next(model.parameters(), None)
-    return (p is not None and p.dtype in TILE_OPS and p.device.type == "cpu"
-            and os.environ.get("SERVELM_NO_TILES", "") in ("", "0")
-            and kernels_available() and hasattr(torch.ops.servelm_quant, "f32_linear"))
-
-
-@torch.no_grad()
-def tile_linears(model: nn.Module, targets: tuple[str, ...] = TARGETS) -> int:
-    """Swap the target bf16/fp32 `nn.Linear` layers for `TiledLinear`s, in place, as
-    quantize_model does (a tied LM head gets its own copy); bf16 ones need an even
-    in_features. Returns how many were swapped."""
-    swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children()
-             if name in targets and type(child) is nn.Linear
-             and child.weight.dtype in TILE_OPS
-             and (child.weight.dtype == torch.float32 or child.in_features % 2 == 0)]
-    for parent, name, child in swaps:
-        setattr(parent, name, TiledLinear.from_linear(child))
-    return len(swaps)
 
 
 def _cuda_int4pack_works(device: torch.device) -> bool:
@@ -502,7 +480,10 @@ def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
-    group size (0 for int8, -1 for bf16); None when it does not run on the C++ kernels."""
+    group size (0 for int8, -1 for bf16); None when it does not run on the C++ kernels. A
+    layer run by row bucket (BucketedLinear) answers for its one-row module."""
+    if hasattr(module, "module_for"):
+        module = module.module_for(1)
     if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:
         return [module.qweight], -1
     if isinstance(module, Int4Linear) and module.use_kernel:
@@ -512,23 +493,37 @@ def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     return None
 
 
+def stack_rows(module: nn.Module) -> int:
+    """Up to how many rows a step may run this layer on its kernel_weights (the
+    DecodeStack's): 0 if it does not run on them; unbounded (2**30) for a plain kernel
+    layer; for a BucketedLinear, as far as its buckets keep the one-row module."""
+    from servelm.layers.linear_methods import rows_on
+
+    if kernel_weights(module) is None:
+        return 0
+    one = module.module_for(1) if hasattr(module, "module_for") else module
+    return rows_on(module, lambda m: m is one)
+
+
 # ---------------------------------------------------------------- the swap
 
 def quantize_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                    symmetric: bool = False) -> QuantLinear:
+                    symmetric: bool = False, use_kernel: bool | None = None) -> QuantLinear:
     _validate(method)
     if method == "int8":
-        return Int8Linear.from_linear(linear)
-    return Int4Linear.from_linear(linear, group_size, symmetric)
+        return Int8Linear.from_linear(linear, use_kernel)
+    return Int4Linear.from_linear(linear, group_size, symmetric, use_kernel)
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   targets: tuple[str, ...] = TARGETS, symmetric: bool = False) -> nn.Module:
+                   targets: tuple[str, ...] = TARGETS, symmetric: bool = False,
+                   use_kernels: bool | None = None) -> nn.Module:
     """Swap the model's target `nn.Linear` layers for quantised ones, in place.
 
     A tied LM head gets its own quantised copy; the embedding keeps its weight. A layer
     int4 cannot take (in_features not a multiple of group_size) is kept in int8.
+    use_kernels False: the layers never run the C++ kernels (None: wherever they load).
     """
     _validate(method)
     if method == "int4" and group_size not in GROUP_SIZES:
@@ -540,19 +535,20 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
         m = method
         if m == "int4" and child.in_features % group_size:
             m = "int8"
-        q = quantize_linear(child, m, group_size, symmetric)
+        q = quantize_linear(child, m, group_size, symmetric, use_kernels)
         setattr(parent, name, q.to(child.weight.device))
     return model
 
 
-def pack_weights(model: nn.Module) -> int:
-    """Move every CPU quantised layer's tensors into one region of 2 MB huge pages, in
-    module order (the order a step reads them): the weight stream then crosses ~40 pages a
-    step instead of ~19,000 (servelm.hugepages). Returns the bytes packed."""
+def pack_weights(model: nn.Module, huge: bool = True) -> int:
+    """Move every CPU quantised layer's tensors into one region of 2 MB huge pages (plain
+    pages if not `huge`), in module order (the order a step reads them): the weight stream
+    then crosses ~40 pages a step instead of ~19,000 (servelm.hugepages). Returns the bytes
+    packed."""
     fields = [(m, name) for m in model.modules() if isinstance(m, QuantLinear)
               and m.qweight.device.type == "cpu"
               for name in ("qweight", "scales", "mins", "bias") if getattr(m, name, None) is not None]
-    views = hugepages.pack([getattr(m, name) for m, name in fields])
+    views = hugepages.pack([getattr(m, name) for m, name in fields], huge=huge)
     for (m, name), v in zip(fields, views):
         setattr(m, name, v)
     return sum(v.numel() * v.element_size() for v in views)

@@ -23,6 +23,20 @@ def run_seqs(engine, seqs: list[tuple[list[int], int, str]]) -> torch.Tensor:
     return logits[order]
 
 
+def tile_targets(module: torch.nn.Module, names: tuple[str, ...]) -> int:
+    """Swap the bf16/fp32 nn.Linear children called `names` (anywhere below module) for
+    the "tiles" linear method's TiledLinear; returns how many were swapped."""
+    from servelm.layers import linear_methods as lm
+
+    swaps = [(parent, name, child) for parent in module.modules()
+             for name, child in parent.named_children()
+             if name in names and type(child) is torch.nn.Linear
+             and lm.applies("tiles", child, child.weight.dtype, True)]
+    for parent, name, child in swaps:
+        setattr(parent, name, lm.build("tiles", child, child.weight.dtype))
+    return len(swaps)
+
+
 def release(engine, *owners: str) -> None:
     for o in owners:
         engine.block_manager.free(o)

@@ -16,6 +16,7 @@ from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
+from tests.helpers import tile_targets
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
@@ -45,7 +46,7 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
     model = model.to(torch.bfloat16)
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
-            Q.tile_linears(model.layers, targets=(name,))
+            tile_targets(model.layers, (name,))
         else:
             Q.quantize_model(model.layers, method, targets=(name,))
     return model.eval()
@@ -238,7 +239,7 @@ def bf16_quant_llms():
     # No prefix caching: both runs must batch the same rows (the kernels' arithmetic
     # differs from 48 rows on, so a cached prefix would change the prompt step).
     return {q: LLM(dtype="bfloat16", quantization=q, kv_cache_memory=128 << 20,
-                   enable_prefix_caching=False) for q in ("int4", "int8", None)}
+                   enable_prefix_caching=False, linear_method="tiles") for q in ("int4", "int8", None)}
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8", None])  # None: bf16 weights in tiles
@@ -278,16 +279,14 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_engine_binds_the_stack_only_where_it_applies(monkeypatch):
+def test_engine_binds_the_stack_only_where_it_applies():
+    kw = dict(kv_cache_memory=32 << 20, linear_method="tiles")
     # fp32 activations (the kernels split them into bf16 hi + lo): the per-op path.
-    assert not LLM(dtype="float32", quantization="int4",
-                   kv_cache_memory=32 << 20).engine.model.fused_decode
-    # bf16 weights: in the kernels' tiles, so on the stack too, unless turned off (oneDNN).
-    assert LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
-    monkeypatch.setenv("SERVELM_NO_TILES", "1")
-    assert not LLM(dtype="bfloat16", kv_cache_memory=32 << 20).engine.model.fused_decode
-    monkeypatch.delenv("SERVELM_NO_TILES")
+    assert not LLM(dtype="float32", quantization="int4", **kw).engine.model.fused_decode
+    # bf16 weights in the kernels' tiles: on the stack too; on oneDNN's matmuls, not.
+    assert LLM(dtype="bfloat16", **kw).engine.model.fused_decode
+    assert not LLM(dtype="bfloat16", kv_cache_memory=32 << 20,
+                   linear_method="onednn").engine.model.fused_decode
     # The switch for side-by-side runs.
-    monkeypatch.setenv("SERVELM_NO_FUSED_DECODE", "1")
-    assert not LLM(dtype="bfloat16", quantization="int4",
-                   kv_cache_memory=32 << 20).engine.model.fused_decode
+    assert not LLM(dtype="bfloat16", quantization="int4", fused_decode=False,
+                   **kw).engine.model.fused_decode

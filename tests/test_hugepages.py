@@ -43,12 +43,11 @@ def test_empty_is_aligned_writable_and_sized():
 
 
 @pytest.mark.skipif(not _thp_allowed(), reason="transparent huge pages disabled here")
-def test_empty_gets_huge_pages_where_the_kernel_allows(monkeypatch):
+def test_empty_gets_huge_pages_where_the_kernel_allows():
     t = hugepages.empty(8 * hugepages.HUGE_PAGE)
     t.fill_(1)  # fault the pages in
     assert _anon_huge_kb(t.data_ptr()) >= 2048
-    monkeypatch.setenv("SERVELM_NO_HUGEPAGES", "1")
-    p = hugepages.empty(8 * hugepages.HUGE_PAGE)
+    p = hugepages.empty(8 * hugepages.HUGE_PAGE, huge=False)  # KernelConfig.hugepages off
     p.fill_(1)
     assert _anon_huge_kb(p.data_ptr()) == 0
 

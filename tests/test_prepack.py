@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.prepack import PackedLinear, finalize_linears, prepack_model, prepack_supported
+from servelm.prepack import PackedLinear, prepack_supported
 
 needs_prepack = pytest.mark.skipif(not prepack_supported(torch.float32, "cpu"),
                                    reason="oneDNN prepacking unavailable here")
@@ -54,71 +54,9 @@ def test_packed_linear_rejects_other_dtypes_by_name():
         packed(torch.randn(2, 64).to(torch.bfloat16))
 
 
-def test_prepack_supported_only_on_cpu_and_when_enabled(monkeypatch):
+def test_prepack_supported_only_on_cpu():
     assert not prepack_supported(torch.float32, "meta")
     assert not prepack_supported(torch.int8, "cpu")
-    monkeypatch.setenv("SERVELM_NO_PREPACK", "1")
-    assert not prepack_supported(torch.float32, "cpu")
-    monkeypatch.delenv("SERVELM_NO_PREPACK")
-    monkeypatch.setenv("SERVELM_NO_KERNELS", "1")
-    assert not prepack_supported(torch.float32, "cpu")
-
-
-@needs_prepack
-def test_prepack_model_swaps_every_plain_linear_and_keeps_a_tied_embedding():
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(50, 16)
-            self.inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-            self.head = nn.Linear(16, 50, bias=False)
-            self.head.weight = self.embed.weight  # tied
-
-    torch.manual_seed(0)
-    m = Tiny()
-    x = torch.randint(0, 50, (4,))
-    want = m.head(m.inner(m.embed(x)))
-    assert prepack_model(m) == 3
-    assert isinstance(m.head, PackedLinear) and isinstance(m.inner[0], PackedLinear)
-    assert isinstance(m.embed.weight, nn.Parameter)  # the embedding keeps its plain weight
-    torch.testing.assert_close(m.head(m.inner(m.embed(x))), want, rtol=1e-5, atol=1e-5)
-    assert prepack_model(m) == 0  # nothing left to swap
-
-
-@needs_prepack
-def test_quantised_layers_are_not_prepacked():
-    from servelm.quantization import QuantLinear
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.o_proj = nn.Linear(64, 64)
-            self.other = nn.Linear(64, 64)
-
-    m = finalize_linears(Block(), "int8")
-    assert isinstance(m.o_proj, QuantLinear)  # a quantisation target stays quantised
-    assert isinstance(m.other, PackedLinear)  # a plain linear left over is packed
-
-
-@needs_prepack
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_targets_go_to_the_kernels_tiles_unless_turned_off(dtype, monkeypatch):
-    from servelm.quantization import TiledLinear, kernels_available
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.o_proj = nn.Linear(64, 64)
-            self.other = nn.Linear(64, 64)
-
-    if not kernels_available():
-        pytest.skip("needs the C++ kernels")
-    m = finalize_linears(Block().to(dtype), None)
-    assert isinstance(m.o_proj, TiledLinear) and isinstance(m.other, PackedLinear)
-    assert m.o_proj.qweight.dtype == dtype
-    monkeypatch.setenv("SERVELM_NO_TILES", "1")
-    m = finalize_linears(Block().to(dtype), None)
-    assert isinstance(m.o_proj, PackedLinear) and isinstance(m.other, PackedLinear)
 
 
 # ---- the engine with and without prepacking ----------------------------------------------------
@@ -132,29 +70,30 @@ def _logits_and_tokens(llm, prompts, n):
 
 
 @needs_prepack
-@pytest.mark.parametrize("path", ["tiles", "oneDNN"])
-def test_engine_fp32_fast_paths_match_plain_linear(llm, monkeypatch, path):
-    """fp32 on the CPU: the linear layers in the C++ kernels' tiles (the default), or
-    prepacked for oneDNN (SERVELM_NO_TILES=1); either way the greedy tokens and first-step
-    logprobs of plain F.linear."""
+@pytest.mark.parametrize("path", ["tiles", "onednn", "auto"])
+def test_engine_fp32_fast_paths_match_plain_linear(path):
+    """fp32 on the CPU: the linear layers in the C++ kernels' tiles, prepacked for oneDNN,
+    or as the tuner chose (the default); each gives the greedy tokens and first-step
+    logprobs of plain F.linear (linear_method="torch")."""
     from servelm import LLM
+    from servelm.layers.linear_methods import applies
     from servelm.quantization import TiledLinear
     from tests.conftest import TEXT_PROMPTS
 
+    fast = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method=path)
+    head = fast.engine.model.lm_head
     if path == "tiles":
-        fast = llm
-        assert isinstance(fast.engine.model.lm_head, TiledLinear)
-    else:
-        monkeypatch.setenv("SERVELM_NO_TILES", "1")
-        fast = LLM(dtype="float32", kv_cache_memory=64 << 20)
-        assert isinstance(fast.engine.model.lm_head, PackedLinear)
-    assert not any(type(m) is nn.Linear for m in fast.engine.model.modules())
+        if not applies("tiles", nn.Linear(576, 8), torch.float32, True):
+            pytest.skip("no tiled kernels on this CPU")
+        assert isinstance(head, TiledLinear)
+    elif path == "onednn":
+        assert isinstance(head, PackedLinear)
+    if path != "auto":  # the tuner may keep plain F.linear for some layers and buckets
+        assert not any(type(m) is nn.Linear for m in fast.engine.model.modules())
     prompts = TEXT_PROMPTS + [" ".join(TEXT_PROMPTS) * 6]  # a few hundred tokens too
     got_tokens, got_lp = _logits_and_tokens(fast, prompts, 16)
 
-    monkeypatch.setenv("SERVELM_NO_PREPACK", "1")
-    monkeypatch.setenv("SERVELM_NO_TILES", "1")
-    plain = LLM(dtype="float32", kv_cache_memory=64 << 20)
+    plain = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method="torch")
     assert type(plain.engine.model.lm_head) is nn.Linear
     want_tokens, want_lp = _logits_and_tokens(plain, prompts, 16)
     assert got_tokens == want_tokens

@@ -162,7 +162,7 @@ def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
     torch.testing.assert_close(layer(x), F.linear(x, lin.weight.float(), lin.bias.float()))
     assert Q.kernel_weights(layer) == ([layer.qweight], -1)
     assert Q.kernel_weights(Q.TiledLinear.from_linear(_linear(40, 64, True))) is None  # fp32
-    layer.use_kernel = False  # as SERVELM_NO_KERNELS=1 would have it: PyTorch, off the stack
+    layer.use_kernel = False  # as KernelConfig(cpu_kernels=False) has it: PyTorch, off the stack
     assert Q.kernel_weights(layer) is None
     xb = x.bfloat16()
     torch.testing.assert_close(layer(xb), F.linear(xb, lin.weight, lin.bias))
@@ -170,29 +170,30 @@ def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tile_linears_swaps_targets(dtype, monkeypatch):
+def test_tiles_method_swaps_every_layer_it_applies_to(dtype):
+    from servelm.config import KernelConfig
+    from servelm.tuning import finalize_linears
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(50, 16)
             self.o_proj = nn.Linear(16, 16)
-            self.down_proj = nn.Linear(15, 16)  # odd in_features: bf16 keeps it
-            self.other = nn.Linear(16, 16)      # not a target
+            self.down_proj = nn.Linear(15, 16)  # odd in_features: bf16 cannot tile it
             self.lm_head = nn.Linear(16, 50, bias=False)
             self.lm_head.weight = self.embed.weight
 
     m = Block().to(dtype)
     x = torch.randn(2, 15).to(dtype)
     want = m.down_proj(x)
-    assert Q.tiles_supported(m) and not Q.tiles_supported(Block().half())
-    assert Q.tile_linears(m) == (2 if dtype == torch.bfloat16 else 3)
+    finalize_linears(m, None, KernelConfig(linear_method="tiles"))
     assert isinstance(m.o_proj, Q.TiledLinear) and isinstance(m.lm_head, Q.TiledLinear)
     assert isinstance(m.down_proj, Q.TiledLinear) == (dtype == torch.float32)
-    assert type(m.other) is nn.Linear
     assert isinstance(m.embed.weight, nn.Parameter)  # the tied embedding keeps its weight
     assert _rel_err(m.down_proj(x), want.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-    monkeypatch.setenv("SERVELM_NO_TILES", "1")
-    assert not Q.tiles_supported(Block().to(dtype))
+    half = Block().half()  # no tiled kernel for fp16: the default method instead
+    finalize_linears(half, None, KernelConfig(linear_method="tiles"))
+    assert not isinstance(half.o_proj, Q.TiledLinear)
 
 
 @needs_kernels
@@ -234,13 +235,12 @@ def test_module_kernel_and_fallback_agree(method, dtype, rows, monkeypatch):
         assert _rel_err(y, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
-def test_fallback_under_env(monkeypatch):
-    """SERVELM_NO_KERNELS=1 disables the C++ path (load_ops returns False)."""
-    from servelm import kernels
-
-    monkeypatch.setenv("SERVELM_NO_KERNELS", "1")
-    assert kernels.load_ops("quant") is False
-    qlin = Q.quantize_linear(_linear(64, 128, bias=False), "int4")
+def test_kernels_off_by_config_run_pytorch():
+    """use_kernel False (KernelConfig(cpu_kernels=False) asks quantize_model for it): the
+    PyTorch path, and int8 in row-major layout rather than the kernels' tiles."""
+    qlin = Q.quantize_linear(_linear(64, 128, bias=False), "int4", use_kernel=False)
+    assert not qlin.use_kernel
+    assert not Q.quantize_linear(_linear(64, 128, bias=False), "int8", use_kernel=False).tiled
     x = torch.randn(1, 128)
     torch.testing.assert_close(qlin(x), x @ qlin.dequantize().T, rtol=1e-4, atol=1e-4)
 
@@ -341,10 +341,11 @@ def test_config_rejects_unknown_quantization():
 
 # ---------------------------------------------------------------- the engine, quality
 
-def _engine(dtype, quantization):
+def _engine(dtype, quantization, linear_method="auto"):
     from servelm import LLM
 
-    return LLM(dtype=dtype, quantization=quantization, kv_cache_memory=128 << 20)
+    return LLM(dtype=dtype, quantization=quantization, kv_cache_memory=128 << 20,
+               linear_method=linear_method)
 
 
 @pytest.fixture(scope="module")
@@ -395,15 +396,15 @@ def test_quality_kl_and_perplexity(llm, quant_llms):
     assert kl4 < 0.1 and 0.98 < ppl4 / ppl32 < 1.12
 
 
-def test_bf16_quality_through_the_decode_once_prompt_path(llm, monkeypatch):
+@needs_kernels
+def test_bf16_quality_through_the_decode_once_prompt_path(llm):
     # bf16 activations over a prompt of hundreds of tokens: the kernels decode each weight
     # tile to bf16 once and multiply every row (>= 48 rows int4, >= 24 int8, >= 8 bf16
     # weights). Measured: KL to fp32 bf16 0.0009, int8 0.0044, int4 0.055 (fp32
     # activations: 0.0035 / 0.055).
     engines = {q: _engine("bfloat16", q) for q in ("int8", "int4")}
-    engines["bf16"] = _engine("bfloat16", None)  # bf16 weights in the kernels' tiles
-    monkeypatch.setenv("SERVELM_NO_TILES", "1")
-    engines["bf16 oneDNN"] = _engine("bfloat16", None)
+    engines["bf16"] = _engine("bfloat16", None, "tiles")  # bf16 weights in the kernels' tiles
+    engines["bf16 oneDNN"] = _engine("bfloat16", None, "onednn")
     assert isinstance(engines["bf16"].engine.model.lm_head, Q.TiledLinear)
     assert not isinstance(engines["bf16 oneDNN"].engine.model.lm_head, Q.TiledLinear)
     assert len(llm.get_tokenizer().encode(TEXT)) > 100

@@ -185,15 +185,20 @@ def test_the_probe_passes_right_kernels_and_refuses_wrong_or_failing_ones(dtype,
 
 
 def test_triton_can_be_turned_off(monkeypatch):
-    ta.available.cache_clear()
-    try:
-        assert ta.available()
-        monkeypatch.setenv("SERVELM_NO_TRITON", "1")
-        ta.available.cache_clear()
-        assert not ta.available()
-    finally:
-        monkeypatch.delenv("SERVELM_NO_TRITON")
-        ta.available.cache_clear()
+    """KernelConfig.triton_attention off: the runner keeps gather + SDPA even where the
+    Triton kernels pass their probe."""
+    from servelm.config import KernelConfig
+
+    from servelm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "_triton_works", lambda *a: True)
+    model = _model("cpu")
+    kv = KVCache(model.config, 8, BS, torch.float32, torch.device("cpu"))
+    # Building a runner touches no device memory: the CUDA decision is made without a GPU.
+    dev = torch.device("cuda")
+    assert ModelRunner(model, kv, dev).triton_attention
+    off = ModelRunner(model, kv, dev, kernels=KernelConfig(triton_attention=False))
+    assert not off.triton_attention
 
 
 def test_runner_attends_in_place_through_triton():

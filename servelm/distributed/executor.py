@@ -120,7 +120,8 @@ class TPExecutor:
         self.device = device
         try:
             self.model, self.plan = load_rank(group, ckpt, model_config, dtype, device, max_len,
-                                              getattr(config, "quantization", None))
+                                              config.quantization, config.kernels)
+            self.tuning = self.model.tuning
             self.kv_cache = self._allocate_kv(config, model_config, dtype, device)
             group.control_all_reduce_max(0)  # every rank has loaded and allocated
         except Exception as e:
@@ -129,7 +130,7 @@ class TPExecutor:
             if reported:
                 raise WorkerDiedError(f"tensor-parallel start-up failed: {reported}") from e
             raise
-        self.runner = ModelRunner(self.model, self.kv_cache, device)
+        self.runner = ModelRunner(self.model, self.kv_cache, device, kernels=config.kernels)
         self.ranks.usable = True
         logger.info("tensor parallelism: %d ranks; rank 0 holds query heads %s, KV heads %s",
                     tp, self.plan.q_heads, self.plan.kv_heads)
@@ -187,7 +188,8 @@ class TPExecutor:
                              f"(one block takes {per_head * most_kv} bytes on a rank)")
         self.group.broadcast_object(num_blocks)
         self.block_bytes = per_head * self.plan.num_kv_heads
-        return allocate_kv(self.model, num_blocks, cache.block_size, dtype, device)
+        return allocate_kv(self.model, num_blocks, cache.block_size, dtype, device,
+                           config.kernels.hugepages)
 
     # ---- steps ---------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from servelm.distributed.parallel_state import TPGroup
 from servelm.distributed.sharding import Shard, ShardPlan
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.loader import load_model
-from servelm.prepack import finalize_linears
+from servelm.tuning import finalize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ STEP = "step"
 
 
 def load_rank(group: TPGroup, ckpt, cfg, dtype: torch.dtype, device: torch.device,
-              max_len: int, quantization: str | None = None
+              max_len: int, quantization: str | None = None, kernels=None
               ) -> tuple[torch.nn.Module, ShardPlan]:
     """This rank's shard of the model, read from the checkpoint's parts it needs only.
 
@@ -48,14 +48,14 @@ def load_rank(group: TPGroup, ckpt, cfg, dtype: torch.dtype, device: torch.devic
     plan = ShardPlan.of(cfg, group.rank, group.world)
     model = load_model(ckpt, cfg, dtype, device, max_positions=max_len,
                        shard=Shard(plan, group))
-    finalize_linears(model, quantization)
+    model.tuning = finalize_linears(model, quantization, kernels)
     return model, plan
 
 
 def allocate_kv(model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                device: torch.device) -> KVCache:
+                device: torch.device, hugepages: bool = True) -> KVCache:
     """The rank's own pool: its KV heads only (model.config is the rank's local config)."""
-    return KVCache(model.config, num_blocks, block_size, dtype, device)
+    return KVCache(model.config, num_blocks, block_size, dtype, device, hugepages=hugepages)
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
@@ -97,10 +97,11 @@ def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: t
     """Everything a rank other than 0 does, from loading to the stop message."""
     try:
         model, plan = load_rank(group, ckpt, cfg, dtype, device, max_len,
-                                getattr(config, "quantization", None))
+                                config.quantization, config.kernels)
         num_blocks = group.broadcast_object()
-        kv = allocate_kv(model, num_blocks, config.cache.block_size, dtype, device)
-        runner = ModelRunner(model, kv, device)
+        kv = allocate_kv(model, num_blocks, config.cache.block_size, dtype, device,
+                         config.kernels.hugepages)
+        runner = ModelRunner(model, kv, device, kernels=config.kernels)
         group.control_all_reduce_max(0)  # ready
         serve_steps(group, runner, plan)
     except BaseException:

@@ -19,9 +19,9 @@ from servelm.engine.sampler import Sampler
 from servelm.engine.scheduler import Scheduler
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from servelm.prepack import finalize_linears
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
+from servelm.tuning import TuningReport, finalize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -137,13 +137,14 @@ class LLMEngine:
             self.runner = TPExecutor(config, ckpt, self.model_config, self.dtype,
                                      self.device, max_len)
             self.model, self.kv_cache = self.runner.model, self.runner.kv_cache
+            self.tuning = self.runner.tuning
             num_blocks, block_bytes = self.runner.num_blocks, self.runner.block_bytes
         else:
             self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
                                     max_positions=max_len)
-            # Weight-only quantisation (activations keep self.dtype) and, on CPU, oneDNN
-            # prepacking of the linear layers left as nn.Linear: both are module swaps.
-            finalize_linears(self.model, config.quantization)
+            # Weight-only quantisation (activations keep self.dtype) and, on CPU, each linear
+            # layer's method per row bucket, measured here (or read back): module swaps.
+            self.tuning = finalize_linears(self.model, config.quantization, config.kernels)
             block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
                                                   self.dtype)
             kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
@@ -153,9 +154,11 @@ class LLMEngine:
                                  f"(one block takes {block_bytes} bytes)")
             graphs = self.device.type == "cuda" and not config.enforce_eager
             self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
-                                    self.dtype, self.device, spare_block=graphs)
+                                    self.dtype, self.device, spare_block=graphs,
+                                    hugepages=config.kernels.hugepages)
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=graphs,
-                                      max_graph_batch=min(256, sched_cfg.max_num_seqs))
+                                      max_graph_batch=min(256, sched_cfg.max_num_seqs),
+                                      kernels=config.kernels)
         # A sequence longer than the whole pool could never run.
         self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,

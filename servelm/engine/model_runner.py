@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm import hugepages
+from servelm import hugepages as _hugepages
+from servelm.config import KernelConfig
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.layers import AttnGroup, ForwardBatch
@@ -29,7 +30,8 @@ class KVCache:
     block manager never hands out: padding rows of captured CUDA-graph steps write there."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, spare_block: bool = False):
+                 dtype: torch.dtype, device: torch.device, spare_block: bool = False,
+                 hugepages: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pad_block = num_blocks if spare_block else None
         total = num_blocks + spare_block
@@ -38,7 +40,7 @@ class KVCache:
         shape = (cfg.num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
         if torch.device(device).type == "cpu":
             n = total * self.bytes_per_block(cfg, block_size, dtype)
-            self.data = hugepages.empty(n).view(dtype).view(shape).zero_()
+            self.data = _hugepages.empty(n, hugepages).view(dtype).view(shape).zero_()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
@@ -227,9 +229,12 @@ class ModelRunner:
     """Owns the model and the KV cache; runs one step's forward and returns logits."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256):
+                 cuda_graphs: bool = False, max_graph_batch: int = 256,
+                 kernels: KernelConfig | None = None):
         """cuda_graphs: decode steps of up to max_graph_batch rows replay captured CUDA
-        graphs (servelm.engine.cuda_graphs); needs a KVCache with a spare block."""
+        graphs (servelm.engine.cuda_graphs); needs a KVCache with a spare block. kernels:
+        which of the C++ / Triton paths may run (all, by default)."""
+        kernels = kernels or KernelConfig()
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -238,16 +243,17 @@ class ModelRunner:
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
         # The path is decided once: fused C++ kernels (decode attention in place over the
         # block tables, fused norms/rotary/SiLU) on CPU when they build, else the eager
-        # PyTorch reference (CUDA, no compiler, SERVELM_NO_KERNELS=1). Tests may flip it.
-        self.use_kernels = (torch.device(device).type == "cpu"
+        # PyTorch reference (CUDA, no compiler, kernels.cpu_kernels off). Tests may flip it.
+        self.use_kernels = (kernels.cpu_kernels and torch.device(device).type == "cpu"
                             and kv_cache.data.dtype in (torch.float32, torch.bfloat16, torch.float16)
                             and load_ops("ops"))
-        if self.use_kernels and hasattr(model, "bind_decode_layers"):
+        if self.use_kernels and kernels.fused_decode and hasattr(model, "bind_decode_layers"):
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
         # On CUDA, attention reads K/V in place (Triton kernels) when Triton is there and
         # its kernels pass a probe on this shape.
-        self.triton_attention = (torch.device(device).type == "cuda" and _triton_works(
-            torch.device(device), kv_cache.data.dtype, cfg, kv_cache.block_size))
+        self.triton_attention = (kernels.triton_attention and torch.device(device).type == "cuda"
+                                 and _triton_works(torch.device(device), kv_cache.data.dtype,
+                                                   cfg, kv_cache.block_size))
         self.graphs = None
         if cuda_graphs:
             from servelm.engine.cuda_graphs import DecodeGraphs

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from servelm.config import CacheConfig, EngineConfig, SchedulerConfig
+from servelm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -28,11 +28,21 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0,
                  num_threads: int | None = None, enable_prefix_caching: bool = True,
                  admission_lookahead: int = 64, tensor_parallel_size: int = 1,
-                 quantization: str | None = None, enforce_eager: bool = False):
+                 quantization: str | None = None, enforce_eager: bool = False,
+                 kernel_tuning: str = "cached", linear_method: str = "auto",
+                 batch_invariant: bool = False, cpu_kernels: bool = True,
+                 fused_decode: bool = True, hugepages: bool = True,
+                 triton_attention: bool = True, tuning_cache_dir: str | None = None):
+        """The engine's settings by name (servelm.config: EngineConfig and the configs it
+        holds); kernel_tuning, linear_method ... are KernelConfig's fields."""
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization,
             enforce_eager=enforce_eager,
+            kernels=KernelConfig(cpu_kernels=cpu_kernels, linear_method=linear_method,
+                                 tuning=kernel_tuning, tuning_cache_dir=tuning_cache_dir,
+                                 batch_invariant=batch_invariant, fused_decode=fused_decode,
+                                 hugepages=hugepages, triton_attention=triton_attention),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -25,8 +25,8 @@ C++ prompt kernel's metadata): grid (query tiles, sequences, KV heads), each pro
 tile of (token, head) rows sharing one KV head, walking the keys up to its last token
 with a causal mask; no padding to the longest prompt and no mask tensor.
 
-Triton is optional: `available()` is False without it (or with SERVELM_NO_TRITON=1) and
-callers keep the gather + SDPA path. The CPU tests run these kernels in Triton's
+Triton is optional: `available()` is False without it (and KernelConfig.triton_attention
+off leaves it unused); callers then keep the gather + SDPA path. The CPU tests run these kernels in Triton's
 interpreter (TRITON_INTERPRET=1, CPU tensors), against PyTorch references; the
 interpreter's dot products are fp32, so there the bf16/fp16 tiles are converted first
 (`DOT_FP32`).
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
@@ -51,7 +50,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 @functools.cache
 def available() -> bool:
-    return triton is not None and os.environ.get("SERVELM_NO_TRITON", "") in ("", "0")
+    return triton is not None
 
 
 _works: dict[tuple, bool] = {}

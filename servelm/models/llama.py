@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
@@ -11,6 +10,16 @@ from torch import nn
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, ForwardBatch, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+def _has_decode_stack() -> bool:
+    """Whether quant.cpp registered the DecodeStack class: it builds empty on a CPU without
+    AVX-512 BF16 (torch.classes raises RuntimeError, not AttributeError, for a missing one)."""
+    try:
+        torch.classes.servelm_quant.DecodeStack
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 class DecoderLayer(nn.Module):
@@ -43,6 +52,11 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
         return self.mlp(h, kernels=True), residual
 
+    def linears(self) -> tuple[nn.Module, ...]:
+        """qkv, o, gate_up, down: the order the DecodeStack takes them."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
     def decode_stack_args(self) -> tuple | None:
         """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
         qkv bias), when all four linear layers run on the int4/int8/bf16 C++ kernels and only
@@ -50,10 +64,10 @@ class DecoderLayer(nn.Module):
         the attention and MLP outputs, which the stack does not)."""
         from servelm.quantization import kernel_weights
 
-        attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not Attention or type(mlp) is not GatedMLP:
+        if type(self.self_attn) is not Attention or type(self.mlp) is not GatedMLP:
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = self.linears()
+        attn = self.self_attn
         parts = [kernel_weights(m) for m in linears]
         if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
             return None
@@ -88,16 +102,18 @@ class LlamaForCausalLM(nn.Module):
         max_rows() (4096) from token ids to the final norm in one C++ call per step,
         bit-identical to the per-op path (from 48 rows, 24 with an int8 layer, its matmuls
         decode each weight tile once, as the per-op kernels do; bf16 tiles from 8). Only
-        when every layer's linear layers are int4/int8/bf16 kernel layers.
-        SERVELM_NO_FUSED_DECODE=1: never (the per-op kernel path, for side-by-side runs)."""
+        when every layer's linear layers are int4/int8/bf16 kernel layers for one row, and
+        then for the rows they all run on them (servelm.tuning may choose other methods for
+        more rows). The runner binds it unless KernelConfig.fused_decode is off."""
+        from servelm.quantization import stack_rows
+
         self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
-        if (os.environ.get("SERVELM_NO_FUSED_DECODE", "") not in ("", "0")
-                or not (load_ops("quant") and load_ops("ops"))
-                or not hasattr(torch.classes.servelm_quant, "DecodeStack")):
+        if not (load_ops("quant") and load_ops("ops") and _has_decode_stack()):
             return False
         parts = [layer.decode_stack_args() for layer in self.layers]
         if any(p is None for p in parts) or self.embed_tokens.weight.dtype != torch.bfloat16:
             return False
+        rows = min(stack_rows(m) for layer in self.layers for m in layer.linears())
         attn = self.layers[0].self_attn
         self._decode_stack = torch.classes.servelm_quant.DecodeStack(
             [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
@@ -110,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self._decode_stack.bind_io(self.embed_tokens.weight, self.rotary.cos.to(bf16).contiguous(),
                                    self.rotary.sin.to(bf16).contiguous(), self.norm.weight)
         self._decode_kv = kv_caches
-        self._decode_max_rows = self._decode_stack.max_rows()
+        self._decode_max_rows = min(rows, self._decode_stack.max_rows())
         self.fused_decode = True
         return True
 

@@ -1,0 +1,225 @@
+"""Linear methods: the ways one linear layer's matmul can run, and the layer that runs the
+method chosen for each row bucket.
+
+A layer's *source* is what loading (and quantisation) left: an `nn.Linear` in the model
+dtype, or an `Int4Linear` / `Int8Linear` in the C++ kernels' tiles. Each method builds, from
+the source, a module computing the same function (up to its rounding) in its own layout:
+
+| method   | sources        | what runs                                                     |
+|----------|----------------|---------------------------------------------------------------|
+| tiles    | bf16/fp32/int4/int8 | servelm's C++ kernels over 16-row tiles (quant.cpp)     |
+| onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
+| int4pack | int4, bf16 act | PyTorch's `_weight_int4pack_mm_for_cpu`                       |
+| int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
+| torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
+
+`BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
+prompt-sized) and runs the one for the call's row count; where every bucket chose the same
+method the layer is that module alone. servelm.tuning decides which, once, at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.prepack import PackedLinear, prepack_supported
+from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
+                                  kernels_available, tinygemm_operands, unpack_int4)
+
+# Representative row counts of the buckets; a call of r rows runs bucket i's method for the
+# bucket whose row count is nearest r in ratio (bounds at the geometric means: 1 | 2-22 |
+# 23-181 | 182+).
+BUCKET_ROWS = (1, 8, 64, 512)
+_BOUNDS = (1, 22, 181)
+METHODS = ("tiles", "onednn", "int4pack", "int8pack", "torch")
+
+
+def bucket_of(rows: int) -> int:
+    """The bucket (index into BUCKET_ROWS) a call of `rows` rows runs in."""
+    for i, bound in enumerate(_BOUNDS):
+        if rows <= bound:
+            return i
+    return len(_BOUNDS)
+
+
+def weight_format(src: nn.Module) -> str:
+    """'bfloat16', 'float32', 'int8' or 'int4g<group>': what a source layer stores."""
+    if isinstance(src, Int4Linear):
+        return f"int4g{src.group_size}"
+    if isinstance(src, Int8Linear):
+        return "int8"
+    if isinstance(src, nn.Linear):
+        return str(src.weight.dtype).removeprefix("torch.")
+    raise TypeError(f"not a linear layer source: {type(src).__name__}")
+
+
+def reference_weight(src: nn.Module) -> torch.Tensor:
+    """The source's weights [N, K] in fp32: what every method must compute with."""
+    if isinstance(src, nn.Linear):
+        return src.weight.detach().float()
+    return src.dequantize(torch.float32)
+
+
+def source_bias(src: nn.Module) -> torch.Tensor | None:
+    return src.bias
+
+
+def _device(src: nn.Module) -> torch.device:
+    return (src.weight if isinstance(src, nn.Linear) else src.qweight).device
+
+
+def _tiles_ok(src: nn.Module, act: torch.dtype, kernels: bool) -> bool:
+    if not kernels or _device(src).type != "cpu":
+        return False
+    if isinstance(src, nn.Linear):
+        w = src.weight
+        return (w.dtype in TILE_OPS and w.dtype == act and kernels_available()
+                and hasattr(torch.ops.servelm_quant, "f32_linear")
+                and (w.dtype == torch.float32 or src.in_features % 2 == 0))
+    if isinstance(src, Int8Linear):
+        return src.use_kernel and src.tiled
+    return src.use_kernel
+
+
+def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> bool:
+    """Whether `method` can run this source with activations of dtype `act` (kernels: the
+    optimised CPU paths may run; False leaves only "torch", the reference)."""
+    on_cpu = _device(src).type == "cpu"
+    if method == "torch":
+        return True
+    if not (on_cpu and kernels):
+        return False
+    if method == "tiles":
+        return _tiles_ok(src, act, kernels)
+    if method == "onednn":
+        return prepack_supported(act, "cpu")
+    if method == "int4pack":
+        return (isinstance(src, Int4Linear) and act == torch.bfloat16
+                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+                and src.in_features % 32 == 0 and src.out_features % 8 == 0)
+    if method == "int8pack":
+        return isinstance(src, Int8Linear) and act in (torch.bfloat16, torch.float32)
+    raise ValueError(f"unknown linear method {method!r}; one of {', '.join(METHODS)}")
+
+
+def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
+    """The method used without tuning: servelm's tiles where they run, else oneDNN's
+    prepacked matmul (plain weights) or PyTorch's own kernels."""
+    for m in ("tiles", "onednn", "int8pack", "torch"):
+        if m == "onednn" and not isinstance(src, nn.Linear):
+            continue  # a dequantised copy would undo the quantisation's memory saving
+        if applies(m, src, act, kernels):
+            return m
+    return "torch"
+
+
+@torch.no_grad()
+def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
+    """A module running `src`'s matmul by `method` (which must apply)."""
+    bias = source_bias(src)
+    if method == "torch":
+        return src if isinstance(src, nn.Linear) else _Dequantised(src)
+    if method == "tiles":
+        return TiledLinear.from_linear(src) if isinstance(src, nn.Linear) else src
+    if method == "onednn":
+        if isinstance(src, nn.Linear):
+            return PackedLinear(src)
+        lin = nn.Linear(src.in_features, src.out_features, bias=bias is not None)
+        lin.weight = nn.Parameter(src.dequantize(act), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.detach().to(act), requires_grad=False)
+        return PackedLinear(lin)
+    if method == "int4pack":
+        return Int4PackLinear(src)
+    if method == "int8pack":
+        if not src.tiled:
+            return src  # already row-major int8 on _weight_int8pack_mm
+        return Int8Linear(src.int8_weight().contiguous(), src.scales[: src.out_features].clone(),
+                          bias, tiled=False)
+    raise ValueError(f"unknown linear method {method!r}; one of {', '.join(METHODS)}")
+
+
+class _Dequantised(nn.Module):
+    """A quantised source run by PyTorch alone: dequantise, then F.linear (the reference)."""
+
+    def __init__(self, src: QuantLinear):
+        super().__init__()
+        self.src = src
+        self.in_features, self.out_features = src.in_features, src.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.src.bias
+        return F.linear(x, self.src.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+class Int4PackLinear(nn.Module):
+    """An int4 layer on PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
+    activations): the same groups as Int4Linear, as w = s (q - 8) + z with z = m + 8 s,
+    scales and zeros rounded to bf16 (the kernel's operand)."""
+
+    def __init__(self, src: Int4Linear):
+        super().__init__()
+        self.in_features, self.out_features = src.in_features, src.out_features
+        self.group_size = src.group_size
+        q = unpack_int4(src.qweight, src.out_features)
+        nibbles, sz = tinygemm_operands(q, src.scales, src.mins, src.group_size, src.out_features)
+        del nibbles
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), 8))
+        self.register_buffer("scales_zeros", sz)
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().to(torch.bfloat16).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"Int4PackLinear takes bfloat16 activations, got {x.dtype}")
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight,
+                                                       self.group_size, self.scales_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class BucketedLinear(nn.Module):
+    """One linear layer whose matmul runs, for each row bucket, the module chosen for it."""
+
+    def __init__(self, modules: list[nn.Module], methods: list[str]):
+        super().__init__()
+        if len(modules) != len(BUCKET_ROWS) or len(methods) != len(BUCKET_ROWS):
+            raise ValueError(f"one module and method per bucket ({len(BUCKET_ROWS)})")
+        distinct = list({id(m): m for m in modules}.values())
+        self.impls = nn.ModuleList(distinct)  # each once, so .to() and packing see them
+        self._by_bucket = list(modules)
+        self.methods = tuple(methods)
+        first = modules[0]
+        self.in_features, self.out_features = first.in_features, first.out_features
+        self.bias = getattr(first, "bias", None)
+
+    def module_for(self, rows: int) -> nn.Module:
+        return self._by_bucket[bucket_of(rows)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        b = self._by_bucket
+        if rows <= 22:
+            return b[0](x) if rows <= 1 else b[1](x)
+        return b[2](x) if rows <= 181 else b[3](x)
+
+    def extra_repr(self) -> str:
+        return "methods by rows: " + ", ".join(
+            f"{r}: {m}" for r, m in zip(BUCKET_ROWS, self.methods))
+
+
+def rows_on(module: nn.Module, pick) -> int:
+    """How many rows, counting up from one, `module` runs on modules for which pick(m) is
+    true (0 if not even one; a large number when every bucket's module is)."""
+    if not isinstance(module, BucketedLinear):
+        return 1 << 30 if pick(module) else 0
+    rows = 0
+    for i, m in enumerate(module._by_bucket):
+        if not pick(m):
+            break
+        rows = _BOUNDS[i] if i < len(_BOUNDS) else 1 << 30
+    return rows

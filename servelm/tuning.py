@@ -1,0 +1,384 @@
+"""Linear methods chosen by measuring the machine at hand, once, at start-up.
+
+`finalize_linears` turns every loaded linear layer into the module the engine runs: for
+each distinct layer (weight format, in x out features, bias) and row bucket
+(linear_methods.BUCKET_ROWS) it times every method that applies (linear_methods.METHODS),
+on the layer's own weights, and keeps the fastest one that passed a known-answer check
+against the fp32 reference. The table is cached per machine (CPU model and flags, threads,
+torch and kernel sources) in the user's cache directory, so the next start reads it back.
+
+The default method (tiles where they run) is kept unless another is faster by more than
+`MARGIN`: timings on a shared machine drift by a few percent, and the tiles also let a
+decode step run on the DecodeStack. Timing the one-row and few-row buckets sweeps several
+layers of a shape (at least `SWEEP_BYTES` of weights, as a decode step streams them from
+memory, not from cache); the larger buckets are compute-bound and time one layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from servelm.config import KernelConfig
+from servelm.layers import linear_methods as lm
+
+logger = logging.getLogger(__name__)
+
+MARGIN = 0.05          # another method must beat the default by 5% to replace it
+SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
+MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
+EXTRAPOLATE_S = 0.01    # a bucket's calls take this long: larger buckets are scaled from it
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass
+class ShapeChoice:
+    """The measured methods of one distinct layer shape: per method, µs per call by bucket
+    (inf: not timed, or failed its check); the method chosen for each bucket."""
+
+    key: str
+    names: list[str]            # the layers of this shape (e.g. 'layers.0.self_attn.qkv_proj')
+    methods: list[str]          # one per bucket
+    times_us: dict[str, list[float]]
+    failed: list[str]
+    cached: bool = False
+
+    def row(self) -> str:
+        kind = self.names[0].rsplit(".", 1)[-1] if self.names else "?"
+        parts = []
+        for i, rows in enumerate(lm.BUCKET_ROWS):
+            m = self.methods[i]
+            t = self.times_us.get(m, [math.inf] * len(lm.BUCKET_ROWS))[i]
+            parts.append(f"{rows}: {m}" + (f" {t:.0f}us" if math.isfinite(t) else ""))
+        return f"{kind:<14} {self.key:<28} x{len(self.names):<3} " + " | ".join(parts)
+
+
+@dataclasses.dataclass
+class TuningReport:
+    """What finalize_linears decided, shape by shape, and how long measuring took."""
+
+    shapes: list[ShapeChoice]
+    seconds: float = 0.0
+    source: str = "off"  # off | cached | measured | forced
+    cache_path: str | None = None
+
+    def table(self) -> str:
+        head = (f"linear methods ({self.source}, {self.seconds:.2f} s"
+                + (f", cache {self.cache_path}" if self.cache_path else "") + ")")
+        return "\n".join([head] + ["  " + s.row() for s in self.shapes])
+
+
+# ---------------------------------------------------------------- choosing
+
+def choose(times_us: dict[str, list[float]], default: str, batch_invariant: bool = False,
+           margin: float = MARGIN) -> list[str]:
+    """One method per bucket from measured times (inf: failed or not applicable): the
+    fastest, unless the default is within `margin` of it. batch_invariant: one method for
+    every bucket, the one with the least total time (the default within the margin)."""
+    n = len(lm.BUCKET_ROWS)
+    ok = {m: t for m, t in times_us.items() if all(math.isfinite(x) for x in t)}
+    if batch_invariant:
+        if not ok:
+            return [default] * n
+        best = min(ok, key=lambda m: sum(ok[m]))
+        if default in ok and sum(ok[default]) <= sum(ok[best]) * (1 + margin):
+            best = default
+        return [best] * n
+    out = []
+    for i in range(n):
+        cands = {m: t[i] for m, t in times_us.items() if math.isfinite(t[i])}
+        if not cands:
+            out.append(default)
+            continue
+        best = min(cands, key=cands.get)
+        if default in cands and cands[default] <= cands[best] * (1 + margin):
+            best = default
+        out.append(best)
+    return out
+
+
+def known_answer(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tensor | None,
+                 x: torch.Tensor) -> bool:
+    """Whether module(x) is x @ ref_weight.T (+ bias) within the activation dtype's rounding
+    (fp32: 1e-3 of the output's magnitude; bf16/fp16: 3e-2) and finite."""
+    try:
+        y = module(x).float()
+    except Exception as e:  # a kernel that cannot take this shape is simply not used
+        logger.info("linear method %s failed: %s", type(module).__name__, e)
+        return False
+    want = x.float() @ ref_weight.T
+    if bias is not None:
+        want = want + bias.float()
+    if y.shape != want.shape or not torch.isfinite(y).all():
+        return False
+    tol = 1e-3 if x.dtype == torch.float32 else 3e-2
+    return (y - want).abs().max().item() <= tol * max(want.abs().max().item(), 1e-6)
+
+
+def _time_sweep(mods: list[nn.Module], x: torch.Tensor) -> float:
+    """Seconds per call: the best of a few sweeps over `mods` (one call each)."""
+    for m in mods:
+        m(x)  # warm-up: oneDNN builds its primitive for this shape on the first call
+    times: list[float] = []
+    while len(times) < MAX_REPS and (len(times) < MIN_REPS or sum(times) < TARGET_S):
+        t0 = time.perf_counter()
+        for m in mods:
+            m(x)
+        times.append(time.perf_counter() - t0)
+    return min(times) / len(mods)
+
+
+@torch.inference_mode()
+def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype,
+            seed: int = 0) -> tuple[dict[str, list[float]], list[str]]:
+    """Time each method over layers of one shape (srcs) at every bucket's row count.
+    Returns µs per call by method and bucket, and the methods that failed their check.
+
+    A bucket past one whose calls already take EXTRAPOLATE_S is compute-bound for every
+    method: its time is the previous bucket's scaled by the rows, not measured (an LM
+    head at 512 rows would take most of a second a call on a small CPU)."""
+    src0 = srcs[0]
+    bytes_per = sum(t.numel() * t.element_size() for t in _tensors(src0)) or 1
+    sweep = srcs[:max(1, min(len(srcs), -(-SWEEP_BYTES // bytes_per)))]
+    ref_w, bias = lm.reference_weight(src0), lm.source_bias(src0)
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
+    times: dict[str, list[float]] = {}
+    failed = []
+    for method in methods:
+        built = [lm.build(method, s, act) for s in sweep]
+        t: list[float] = []
+        for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
+            if t and t[-1] > EXTRAPOLATE_S * 1e6:
+                t.append(t[-1] * rows / lm.BUCKET_ROWS[i - 1])
+                continue
+            if not known_answer(built[0], ref_w, bias, x):
+                failed.append(method)
+                t = [math.inf] * len(lm.BUCKET_ROWS)
+                break
+            mods = built if rows <= 8 else built[:1]
+            t.append(_time_sweep(mods, x) * 1e6)
+        times[method] = t
+        del built
+    return times, failed
+
+
+def _tensors(src: nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(src.parameters()) + list(src.buffers()) if t is not None]
+
+
+# ---------------------------------------------------------------- the cache
+
+def machine_key(threads: int) -> dict:
+    """What a timing depends on besides the layer: CPU, threads, torch, kernel sources."""
+    from servelm.kernels import CSRC
+
+    model, flags = "?", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "?":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = [fl for fl in line.split(":", 1)[1].split()
+                             if fl.startswith(("amx", "avx512", "avx2", "fma"))]
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*")):
+        h.update(p.name.encode() + p.read_bytes())
+    return {"cpu": model, "flags": sorted(flags), "threads": threads,
+            "torch": torch.__version__, "kernels": h.hexdigest()[:16], "version": CACHE_VERSION}
+
+
+def cache_dir(configured: str | None) -> Path:
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "servelm"
+
+
+class TuningCache:
+    """The measured shapes of one machine key, in one JSON file."""
+
+    def __init__(self, directory: Path, key: dict):
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = directory / f"linear-methods-{digest}.json"
+        self.key = key
+        self.entries: dict[str, dict] = {}
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("key") == key:
+                self.entries = data.get("shapes", {})
+        except (OSError, ValueError):
+            pass
+
+    def get(self, shape: str) -> dict | None:
+        return self.entries.get(shape)
+
+    def put(self, shape: str, times_us: dict[str, list[float]], failed: list[str]) -> None:
+        self.entries[shape] = {"times_us": {m: [t if math.isfinite(t) else None for t in ts]
+                                            for m, ts in times_us.items()},
+                               "failed": failed}
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": self.key, "shapes": self.entries}, indent=1))
+            tmp.replace(self.path)
+        except OSError as e:  # a read-only home: tune again next time
+            logger.warning("kernel tuning cache not written (%s): %s", self.path, e)
+
+
+def _times_from(entry: dict) -> dict[str, list[float]]:
+    return {m: [math.inf if t is None else float(t) for t in ts]
+            for m, ts in entry["times_us"].items()}
+
+
+# ---------------------------------------------------------------- the swap
+
+def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """(qualified name, parent, attribute, source) of every linear layer a method can run."""
+    from servelm.quantization import QuantLinear, TiledLinear
+
+    out = []
+    for pname, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear or (isinstance(child, QuantLinear)
+                                            and not isinstance(child, TiledLinear)):
+                out.append((f"{pname}.{name}" if pname else name, parent, name, child))
+    return out
+
+
+def _shape_key(src: nn.Module, act: torch.dtype) -> str:
+    act_name = str(act).removeprefix("torch.")
+    return (f"{lm.weight_format(src)}/{act_name}:{src.in_features}x{src.out_features}"
+            + (":bias" if src.bias is not None else ""))
+
+
+@torch.no_grad()
+def finalize_linears(model: nn.Module, quantization: str | None,
+                     kernels: KernelConfig | None = None) -> TuningReport:
+    """The linear layers as the engine runs them, once the weights are loaded (and sharded):
+    quantised when asked (weight-only), then on the CPU each layer swapped for the method
+    chosen per row bucket (by kernels.linear_method, else measured or read from the cache),
+    the kernels' weights packed into huge pages in the order a step reads them."""
+    from servelm.quantization import kernels_available, pack_weights, quantize_model
+
+    kcfg = kernels or KernelConfig()
+    p = next(model.parameters(), None)
+    if p is None:
+        return TuningReport([])
+    act, device = p.dtype, p.device  # activations run in the model dtype
+    # cpu_kernels off: the eager reference (plain F.linear; quantised layers dequantise).
+    fast = kcfg.cpu_kernels and device.type == "cpu"
+    if quantization:
+        quantize_model(model, quantization, use_kernels=fast and kernels_available())
+    if device.type != "cpu":  # CUDA keeps its layers' own kernels (cuBLAS, tinygemm)
+        return TuningReport([])
+    t0 = time.perf_counter()
+    groups: dict[str, list[tuple[str, nn.Module, str, nn.Module]]] = {}
+    for item in _linear_layers(model):
+        groups.setdefault(_shape_key(item[3], act), []).append(item)
+
+    forced = kcfg.linear_method != "auto"
+    tune = not forced and kcfg.tuning != "off" and fast
+    cache = (TuningCache(cache_dir(kcfg.tuning_cache_dir), machine_key(torch.get_num_threads()))
+             if tune else None)
+    shapes, measured = [], False
+    for key, items in groups.items():
+        srcs = [it[3] for it in items]
+        default = lm.default_method(srcs[0], act, fast)
+        applicable = [m for m in lm.METHODS if lm.applies(m, srcs[0], act, fast)]
+        times: dict[str, list[float]] = {}
+        failed: list[str] = []
+        cached = False
+        if forced:
+            m = kcfg.linear_method if kcfg.linear_method in applicable else default
+            methods = [m] * len(lm.BUCKET_ROWS)
+        elif tune:
+            entry = None if kcfg.tuning == "fresh" else cache.get(key)
+            if entry is not None:
+                times, failed, cached = _times_from(entry), entry.get("failed", []), True
+            else:
+                # Dequantise + matmul every call (a quantised layer's reference) is never
+                # the fastest; one candidate left needs no timing.
+                cands = [m for m in applicable
+                         if m != "torch" or isinstance(srcs[0], nn.Linear)]
+                if len(cands) > 1:
+                    times, failed = measure(srcs, cands, act)
+                    cache.put(key, times, failed)
+                    measured = True
+                elif cands:
+                    default = cands[0]  # nothing to compare it with
+            times = {m: t for m, t in times.items() if m in applicable}
+            methods = choose(times, default, kcfg.batch_invariant)
+        else:
+            methods = [default] * len(lm.BUCKET_ROWS)
+        for _, parent, name, src in items:
+            setattr(parent, name, _swap(src, methods, act))
+        shapes.append(ShapeChoice(key, [it[0] for it in items], methods, times, failed, cached))
+    if measured:
+        cache.save()
+    pack_weights(model, huge=kcfg.hugepages)
+    source = ("forced" if forced else "off" if not tune else "measured" if measured
+              else "cached" if any(sc.cached for sc in shapes) else "one candidate each")
+    report = TuningReport(shapes, time.perf_counter() - t0, source,
+                          str(cache.path) if cache else None)
+    logger.info("%s", report.table())
+    return report
+
+
+def _swap(src: nn.Module, methods: list[str], act: torch.dtype) -> nn.Module:
+    built: dict[str, nn.Module] = {}
+    for m in methods:
+        if m not in built:
+            built[m] = lm.build(m, src, act)
+    if len(built) == 1:
+        return next(iter(built.values()))
+    return lm.BucketedLinear([built[m] for m in methods], methods)
+
+
+
+def linear_summary(model: nn.Module) -> str:
+    """How many linear layers run each method, bucket by bucket, and the DecodeStack's
+    reach: one line each, for logs and `servelm tune`."""
+    from servelm.quantization import QuantLinear
+    from servelm.prepack import PackedLinear
+
+    def name(m: nn.Module) -> str:
+        if isinstance(m, PackedLinear):
+            return "onednn"
+        if isinstance(m, lm.Int4PackLinear):
+            return "int4pack"
+        if isinstance(m, QuantLinear):
+            tiled = m.use_kernel and getattr(m, "tiled", True)
+            return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
+        return "torch"
+
+    inner = {id(i) for b in model.modules() if isinstance(b, lm.BucketedLinear)
+             for i in b.impls}
+    inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
+    kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm._Dequantised,
+             lm.BucketedLinear)
+    layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
+    lines = [f"{len(layers)} linear layers"]
+    for i, rows in enumerate(lm.BUCKET_ROWS):
+        counts: dict[str, int] = {}
+        for m in layers:
+            impl = m._by_bucket[i] if isinstance(m, lm.BucketedLinear) else m
+            counts[name(impl)] = counts.get(name(impl), 0) + 1
+        lines.append(f"  {rows:>3} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if getattr(model, "fused_decode", False):
+        lines.append(f"  DecodeStack: decode-only steps of up to {model._decode_max_rows} rows")
+    return "\n".join(lines)
