@@ -10,7 +10,7 @@
    through the block tables) vs the eager path (index_select gather of every block + padded
    SDPA), blocks scattered over the pool as a long-running server leaves them.
 2. Engine decode throughput (tok/s) at batch 1 and 64 with and without kernels, in one run
-   (the same engine; the runner's path is flipped as SERVELM_NO_KERNELS=1 would set it).
+   (the same engine; the runner's path flipped as cpu_kernels=False would set it).
 3. Prompt attention, one layer, B sequences of a Q-token chunk after C cached tokens (best
    of many runs): the kernel path's `paged_prefill_attention` (one flash-style C++ op reading
    K/V in place through the block tables) and `paged_attention` (gather + padded SDPA, the
@@ -18,7 +18,7 @@
    0.91 ms against its 0.43 ms (bf16, 512 tokens) and TTFT 164 against 147 ms.
 4. Engine time to first token for a 512-token prompt (bf16, median and best of 7, the modes
    interleaved): kernels, kernels with SDPA prompt attention, and the eager path (as
-   SERVELM_NO_KERNELS=1).
+   cpu_kernels=False).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def engine_ttft(prompt_len: int = 512, reps: int = 7) -> None:
     have = runner.use_kernels
     modes = {"kernels (flash prompt attn)": (True, paged_prefill_attention),
              "kernels, SDPA prompt attn": (True, paged_attention),
-             "eager (SERVELM_NO_KERNELS)": (False, paged_prefill_attention)}
+             "eager (cpu_kernels off)": (False, paged_prefill_attention)}
     modes = {k: v for k, v in modes.items() if have or not v[0]}
     print(f"\n# engine TTFT, bf16 SmolLM2-135M, {prompt_len}-token prompt, ms over {reps} runs")
     times: dict[str, list[float]] = {name: [] for name in modes}

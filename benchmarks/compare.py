@@ -31,19 +31,21 @@ import statistics
 import sys
 import time
 from typing import Callable
-from unittest import mock
 
 import torch
 
 from servelm.cli import positive
 from servelm.models.loader import default_model_path
 
-# "<fmt>/<variant>" runs the format with one optimisation switched off, for side-by-side
-# figures: the switch each variant sets while the engine loads.
-VARIANTS = {"unpacked": "SERVELM_NO_PREPACK",          # oneDNN weight prepacking
-            "unfused": "SERVELM_NO_FUSED_DECODE",      # the int4/int8/bf16 DecodeStack
-            "onednn": "SERVELM_NO_TILES",              # bf16/fp32 weights in the kernels' tiles
-            "smallpages": "SERVELM_NO_HUGEPAGES"}      # huge pages for weights and KV cache
+# "<fmt>/<variant>" runs the format with one code path forced or switched off, for
+# side-by-side figures: the engine settings (KernelConfig fields) each variant sets.
+VARIANTS = {"tiles": {"linear_method": "tiles"},      # every linear layer on servelm's tiles
+            "onednn": {"linear_method": "onednn"},    # ... on oneDNN's prepacked matmuls
+            "torch": {"linear_method": "torch"},      # ... on plain F.linear
+            "untuned": {"kernel_tuning": "off"},      # the built-in defaults, nothing measured
+            "unfused": {"fused_decode": False},       # no int4/int8/bf16 DecodeStack
+            "smallpages": {"hugepages": False},       # weights and KV cache in 4 KB pages
+            "eager": {"cpu_kernels": False}}          # the PyTorch reference throughout
 PROMPT_LEN = 512
 GEN = 128
 BATCH = 64
@@ -85,12 +87,8 @@ class Servelm(System):
         base, _, variant = fmt.partition("/")
         dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
         kw = {"quantization": quant} if quant else {}
-        # The switch is read while the engine loads; the environment is restored afterwards.
-        env = dict.fromkeys(VARIANTS.values(), "0")
-        if variant:
-            env[VARIANTS[variant]] = "1"
-        with mock.patch.dict(os.environ, env):
-            self.llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
+        kw.update(VARIANTS[variant] if variant else {})
+        self.llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
         self.name = f"servelm {fmt}"
         self.one = SamplingParams(temperature=0, max_tokens=1)
         self.gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)

@@ -15,7 +15,7 @@ out=${1:-.}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-# The C++ kernels are CPU kernels: do not build them here.
+# The C++ kernels are CPU kernels: do not build them here (a build switch).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} SERVELM_NO_KERNELS=1 PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv

@@ -10,7 +10,7 @@ pair is reported (median, min, max), with each side's median tok/s.
 - stack: the int4/int8 DecodeStack (all decoder layers of a decode-only step in one C++
   call) against the per-op kernel path, toggled on one engine (`model.fused_decode`).
 - hugepages: weights and KV cache in 2 MB huge pages against plain pages: two engines, the
-  second loaded with SERVELM_NO_HUGEPAGES=1.
+  second loaded with hugepages=False.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from unittest import mock
 
 from servelm import LLM, SamplingParams
 from servelm.cli import int_list, positive
@@ -41,10 +40,7 @@ def main() -> None:
             raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels)")
         engines = {"stack": llm, "per-op": llm}
     else:
-        with mock.patch.dict(os.environ, {"SERVELM_NO_HUGEPAGES": "0"}):
-            huge = LLM(**kw)
-        with mock.patch.dict(os.environ, {"SERVELM_NO_HUGEPAGES": "1"}):
-            plain = LLM(**kw)
+        huge, plain = LLM(**kw), LLM(hugepages=False, **kw)
         engines = {"huge pages": huge, "plain pages": plain}
     on, off = engines
     gen = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)

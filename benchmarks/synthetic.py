@@ -34,7 +34,7 @@ from servelm.cli import int_list, positive
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
 from servelm.models.loader import build_model
-from servelm.prepack import finalize_linears
+from servelm.tuning import finalize_linears
 from servelm.quantization import quantized_bits_per_weight
 from servelm.roofline import ModelShape
 

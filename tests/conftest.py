@@ -17,6 +17,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines built by the tests measure their linear methods into a cache of this session's
+# own (servelm.tuning), never reading a table another run left in the user's cache.
+if "SERVELM_TEST_KEEP_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="servelm-test-cache-")
+
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

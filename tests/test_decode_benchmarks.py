@@ -48,7 +48,7 @@ def test_compare_rejects_an_unknown_format_variant():
     r = _run("compare.py", "--formats", "int4/bogus", "--skip-transformers")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "unknown format variant 'bogus' in 'int4/bogus'" in r.stderr
-    assert "unpacked, unfused, onednn, smallpages" in r.stderr
+    assert "tiles, onednn, torch, untuned, unfused, smallpages, eager" in r.stderr
 
 
 def test_compare_rejects_a_format_named_twice():

@@ -4,8 +4,9 @@ torch.utils.cpp_extension for the machine they run on (-march=native).
 `make install` builds them ahead of time (`python -m servelm.kernels`); at run time
 `load_ops(name)` loads the built library (rebuilding it if its source changed) and
 registers its `torch.ops.servelm_<name>.*` operators. Every caller keeps a pure-PyTorch
-path and uses it when `load_ops` returns False (no compiler, a failed build) or when
-KernelConfig.cpu_kernels is off (the eager reference, which tests compare against).
+path and uses it when `load_ops` returns False (no compiler, a failed build, or
+SERVELM_NO_KERNELS=1: a build concern, nothing is compiled, as on a GPU machine) or when
+KernelConfig.cpu_kernels is off (the run-time choice: the eager reference).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def available_sources() -> list[str]:
 
 def load_ops(name: str, verbose: bool = False) -> bool:
     """Build (if needed) and load csrc/<name>.cpp; True when its ops are registered."""
+    if os.environ.get("SERVELM_NO_KERNELS", "") not in ("", "0"):
+        return False
     ok = _loaded.get(name)
     if ok is None:
         with _lock:

@@ -1,0 +1,308 @@
+"""Linear methods chosen by measurement (servelm.tuning, servelm.layers.linear_methods):
+the choice from timing tables, the known-answer check that keeps a wrong method out, the
+cache, the per-bucket dispatch, and every method against the fp32 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm import quantization as Q
+from servelm import tuning
+from servelm.config import KernelConfig
+from servelm.layers import linear_methods as lm
+from servelm.prepack import PackedLinear
+
+INF = math.inf
+
+
+class _Block(nn.Module):
+    """Two layers of each of two shapes, named as a model's are."""
+
+    def __init__(self, dtype=torch.float32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Module() for _ in range(2))
+        for layer in self.layers:
+            layer.qkv_proj = nn.Linear(64, 96, bias=True)
+            layer.down_proj = nn.Linear(128, 64, bias=False)
+        self.to(dtype)
+
+    def forward(self, x):
+        return [(layer.qkv_proj(x), layer.down_proj(torch.cat([x, x], -1))) for layer in self.layers]
+
+
+# ---------------------------------------------------------------- choose
+
+def test_choose_picks_the_fastest_method_per_bucket():
+    times = {"tiles": [10, 20, 300, 2400], "onednn": [15, 25, 100, 800]}
+    assert tuning.choose(times, "tiles") == ["tiles", "tiles", "onednn", "onednn"]
+
+
+def test_choose_keeps_the_default_unless_beaten_by_the_margin():
+    times = {"tiles": [10.4, 10.6, 10, 10], "onednn": [10, 10, 10, 10]}
+    # 4% slower stays, 6% slower is replaced.
+    assert tuning.choose(times, "tiles", margin=0.05) == ["tiles", "onednn", "tiles", "tiles"]
+
+
+def test_choose_never_picks_a_failed_or_untimed_method():
+    times = {"tiles": [10, 10, 10, 10], "onednn": [INF] * 4, "torch": [50, INF, 50, 50]}
+    assert tuning.choose(times, "onednn") == ["tiles"] * 4
+    assert tuning.choose({"onednn": [INF] * 4}, "torch") == ["torch"] * 4  # nothing ran
+
+
+def test_choose_batch_invariant_takes_one_method_for_every_bucket():
+    times = {"tiles": [10, 20, 300, 2400], "onednn": [15, 25, 100, 800]}
+    assert tuning.choose(times, "tiles", batch_invariant=True) == ["onednn"] * 4
+    # A method that failed any bucket cannot serve them all.
+    times["onednn"][0] = INF
+    assert tuning.choose(times, "onednn", batch_invariant=True) == ["tiles"] * 4
+
+
+# ---------------------------------------------------------------- dispatch
+
+def test_buckets_split_rows_at_the_geometric_means():
+    assert [lm.bucket_of(r) for r in (1, 2, 22, 23, 181, 182, 4096)] == [0, 1, 1, 2, 2, 3, 3]
+
+
+class _Spy(nn.Module):
+    def __init__(self, lin, name, log):
+        super().__init__()
+        self.lin, self.name, self.log = lin, name, log
+        self.in_features, self.out_features, self.bias = lin.in_features, lin.out_features, None
+
+    def forward(self, x):
+        self.log.append(self.name)
+        return self.lin(x)
+
+
+def test_bucketed_linear_runs_each_buckets_module():
+    log: list[str] = []
+    lin = nn.Linear(8, 4)
+    a, b = _Spy(lin, "a", log), _Spy(lin, "b", log)
+    layer = lm.BucketedLinear([a, a, b, b], ["torch", "torch", "onednn", "onednn"])
+    assert len(layer.impls) == 2
+    for rows in (1, 22, 23, 512):
+        torch.testing.assert_close(layer(torch.ones(rows, 8)), lin(torch.ones(rows, 8)))
+    layer(torch.ones(2, 3, 8))  # leading dimensions count as rows: 6
+    assert log == ["a", "a", "b", "b", "a"]
+    assert layer.module_for(100) is b
+
+
+def test_stack_rows_follow_the_one_row_module():
+    lin = nn.Linear(8, 4)
+    a, b = _Spy(lin, "a", []), _Spy(lin, "b", [])
+    layer = lm.BucketedLinear([a, a, b, a], ["tiles", "tiles", "onednn", "tiles"])
+    assert lm.rows_on(layer, lambda m: m is a) == 22  # bucket 2 leaves the module
+    assert lm.rows_on(layer, lambda m: m is b) == 0
+    assert lm.rows_on(a, lambda m: m is a) == 1 << 30
+    assert Q.stack_rows(nn.Linear(8, 4)) == 0  # not a kernel layer: never on the stack
+
+
+# ---------------------------------------------------------------- every method
+
+def _source(fmt: str, n=96, k=128, bias=True, act=torch.float32):
+    torch.manual_seed(1)
+    lin = nn.Linear(k, n, bias=bias)
+    if fmt in ("int4", "int8"):
+        return Q.quantize_linear(lin, fmt)
+    return lin.to(act)
+
+
+@pytest.mark.parametrize("fmt,act", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                     ("int8", torch.float32), ("int8", torch.bfloat16),
+                                     ("int4", torch.float32), ("int4", torch.bfloat16)])
+@pytest.mark.parametrize("method", lm.METHODS)
+def test_every_method_matches_the_fp32_reference(fmt, act, method):
+    src = _source(fmt, act=act)
+    if not lm.applies(method, src, act, True):
+        pytest.skip(f"{method} does not run {fmt} with {act} activations here")
+    mod = lm.build(method, src, act)
+    ref_w, bias = lm.reference_weight(src), src.bias
+    for rows in lm.BUCKET_ROWS:
+        x = torch.randn(rows, 128).to(act)
+        want = x.float() @ ref_w.T + bias.float()
+        got = mod(x)
+        assert got.dtype == act and got.shape == want.shape
+        err = (got.float() - want).abs().max().item() / want.abs().max().item()
+        assert err < (1e-4 if act == torch.float32 else 2e-2), (method, rows, err)
+        assert tuning.known_answer(mod, ref_w, bias, x)
+
+
+def test_known_answer_refuses_a_wrong_or_failing_module():
+    src = _source("float32")
+    x = torch.randn(8, 128)
+    ref_w = lm.reference_weight(src)
+    assert tuning.known_answer(src, ref_w, src.bias, x)
+    assert not tuning.known_answer(lambda t: src(t) * 1.05, ref_w, src.bias, x)
+    assert not tuning.known_answer(lambda t: src(t)[:, :-1], ref_w, src.bias, x)
+
+    def fails(t):
+        raise RuntimeError("no kernel for this shape")
+
+    assert not tuning.known_answer(fails, ref_w, src.bias, x)
+
+
+def test_the_reference_is_the_only_method_without_optimised_paths():
+    src = _source("int4")
+    assert [m for m in lm.METHODS if lm.applies(m, src, torch.float32, False)] == ["torch"]
+    assert lm.default_method(src, torch.float32, False) == "torch"
+
+
+# ---------------------------------------------------------------- finalize_linears
+
+def _cfg(tmp_path, **kw):
+    return KernelConfig(tuning_cache_dir=str(tmp_path), **kw)
+
+
+class _Wrong(nn.Module):
+    """Fast and wrong: what a kernel computing with the wrong layout looks like."""
+
+    def __init__(self, src):
+        super().__init__()
+        self.in_features, self.out_features, self.bias = src.in_features, src.out_features, None
+
+    def forward(self, x):
+        return torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+
+
+def test_a_method_failing_its_check_is_never_picked(tmp_path, monkeypatch):
+    real_build = lm.build
+    monkeypatch.setattr(lm, "build", lambda m, src, act: _Wrong(src) if m == "torch"
+                        else real_build(m, src, act))
+    # The wrong method measures fastest by far.
+    real_time = tuning._time_sweep
+    monkeypatch.setattr(tuning, "_time_sweep", lambda mods, x: 1e-9 if isinstance(mods[0], _Wrong)
+                        else real_time(mods, x))
+    model = _Block()
+    report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh"))
+    assert report.source == "measured"
+    for shape in report.shapes:
+        assert "torch" in shape.failed and "torch" not in shape.methods
+    assert not any(isinstance(m, _Wrong) for m in model.modules())
+
+
+def _fake_times(monkeypatch, fast: dict[type, set[int]]):
+    """_time_sweep answers 1 µs where fast[type(module)] holds the row count, else 100."""
+    def fake(mods, x):
+        return 1e-6 if x.shape[0] in fast.get(type(mods[0]), set()) else 1e-4
+
+    monkeypatch.setattr(tuning, "_time_sweep", fake)
+
+
+def test_fake_timings_pick_the_expected_methods(tmp_path, monkeypatch):
+    if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
+        pytest.skip("oneDNN cannot pack fp32 here")
+    _fake_times(monkeypatch, {nn.Linear: {1, 8}, PackedLinear: {64, 512}})
+    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
+    model = _Block()
+    x = torch.randn(3, 64)
+    want = model(x)
+    report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh"))
+    assert [s.methods for s in report.shapes] == [["torch", "torch", "onednn", "onednn"]] * 2
+    layer = model.layers[1].qkv_proj
+    assert isinstance(layer, lm.BucketedLinear)
+    assert type(layer.module_for(1)) is nn.Linear and isinstance(layer.module_for(64), PackedLinear)
+    for (a, b), (c, d) in zip(model(x), want):  # the same function either way
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, d, rtol=1e-5, atol=1e-5)
+    assert "qkv_proj" in report.table() and "1: torch" in report.table()
+    # batch_invariant: one method for all rows (here the fast one at two buckets of four).
+    model = _Block()
+    report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh",
+                                                       batch_invariant=True))
+    assert all(len(set(s.methods)) == 1 for s in report.shapes)
+    assert not any(isinstance(m, lm.BucketedLinear) for m in model.modules())
+
+
+def test_the_table_is_cached_per_machine_key(tmp_path, monkeypatch):
+    calls = []
+    real = tuning.measure
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cands = [m for m in lm.METHODS if lm.applies(m, nn.Linear(64, 96), torch.float32, True)]
+    if len(cands) < 2:
+        pytest.skip("one linear method here: nothing to measure")
+    first = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert first.source == "measured" and len(calls) == 2  # one per distinct shape
+    second = tuning.finalize_linears(_Block(seed=1), None, _cfg(tmp_path))
+    assert second.source == "cached" and len(calls) == 2
+    assert [s.methods for s in second.shapes] == [s.methods for s in first.shapes]
+    fresh = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert fresh.source == "measured" and len(calls) == 4
+    # Another thread count is another machine key: measured again, in another file.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        other = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    assert other.source == "measured" and other.cache_path != first.cache_path
+    assert len(list(tmp_path.glob("linear-methods-*.json"))) == 2
+
+
+def test_an_unreadable_cache_is_measured_again(tmp_path):
+    key = tuning.machine_key(torch.get_num_threads())
+    cache = tuning.TuningCache(tmp_path, key)
+    cache.path.write_text("{not json")
+    assert tuning.TuningCache(tmp_path, key).entries == {}
+
+
+def test_tuning_off_and_forced_methods_measure_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured"))
+    off = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="off"))
+    assert off.source == "off" and not list(tmp_path.iterdir())
+    model = _Block()
+    forced = tuning.finalize_linears(model, None, _cfg(tmp_path, linear_method="torch"))
+    assert forced.source == "forced"
+    assert all(type(m.qkv_proj) is nn.Linear for m in model.layers)
+    model = _Block()
+    tuning.finalize_linears(model, None, _cfg(tmp_path, cpu_kernels=False))
+    assert all(type(m.down_proj) is nn.Linear for m in model.layers)  # the eager reference
+
+
+def test_kernel_config_rejects_bad_values_by_name():
+    with pytest.raises(ValueError, match="linear_method must be one of auto"):
+        KernelConfig(linear_method="cublas")
+    with pytest.raises(ValueError, match="kernel tuning must be one of off, cached, fresh"):
+        KernelConfig(tuning="always")
+    with pytest.raises(ValueError, match="fused_decode must be True or False"):
+        KernelConfig(fused_decode=1)
+
+
+# ---------------------------------------------------------------- the engine
+
+@pytest.fixture(scope="module")
+def int4_engines(tmp_path_factory):
+    from servelm import LLM
+
+    d = str(tmp_path_factory.mktemp("tuning"))
+    kw = dict(dtype="float32", quantization="int4", kv_cache_memory=32 << 20,
+              enable_prefix_caching=False, tuning_cache_dir=d)
+    return {m: LLM(linear_method=m, **kw) for m in ("auto", "torch")}
+
+
+def test_int4_engine_tuned_gives_the_reference_tokens(int4_engines):
+    """Whatever methods the tuner picked for the int4 layers, greedy decoding gives the
+    tokens of dequantise + F.linear (the reference) for a short prompt and a long one."""
+    from servelm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fib(n):" + " x" * 300]
+    got = [o.outputs[0].token_ids for o in int4_engines["auto"].generate(prompts, sp)]
+    want = [o.outputs[0].token_ids for o in int4_engines["torch"].generate(prompts, sp)]
+    assert got == want
+    assert int4_engines["torch"].engine.tuning.source == "forced"
+
+
+def test_servelm_tune_prints_the_table(tmp_path, capsys):
+    from servelm.cli import main
+
+    assert main(["tune", "--dtype", "float32", "--tuning-cache-dir", str(tmp_path),
+                 "--kv-cache-memory", "16MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "linear methods (" in out and "lm_head" in out and "121 linear layers" in out
+    assert "  1 rows:" in out
