@@ -59,9 +59,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--linear-method", default="auto", choices=list(LINEAR_METHODS),
                    help="one matmul method for every linear layer where it applies "
                         "(default auto: the measured table)")
-    k.add_argument("--batch-invariant", action="store_true",
-                   help="one method per layer for every row count, so a request's tokens do "
-                        "not depend on what else shares its steps")
+    k.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="always run batch-invariant matmuls (each layer one method whose rows "
+                        "were checked bit-identical at every row count), so a request's "
+                        "results do not depend on what shares its steps (default: wherever "
+                        "that costs at most 10%% more, measured)")
+    k.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="the fastest method per row bucket, invariant or not")
     k.add_argument("--tuning-cache-dir", default=None, metavar="DIR",
                    help="where the tuning table is cached (default: ~/.cache/servelm)")
     k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",

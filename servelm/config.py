@@ -11,6 +11,7 @@ QUANTIZATIONS = (None, "int8", "int4")
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "int4pack", "int8pack", "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
+INVARIANCE_COST = 1.10  # batch_invariant=None: invariant where it costs at most 10% more
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,12 @@ class KernelConfig:
     # weight format and thread count, then read back; fresh: timed now (cache rewritten).
     tuning: str = "cached"
     tuning_cache_dir: str | None = None  # None: $XDG_CACHE_HOME/servelm or ~/.cache/servelm
-    # One method per layer for every row count (so a row's result never depends on how many
-    # rows share its step), instead of the fastest per row bucket.
-    batch_invariant: bool = False
+    # Batch invariance: each layer runs one method for every row count, one whose rows were
+    # checked bit-identical whatever the row count, so a request's results never depend on
+    # what shares its steps. None: wherever that costs at most INVARIANCE_COST more linear
+    # time in every row bucket (measured); True: always (where such methods exist); False:
+    # the fastest method per bucket.
+    batch_invariant: bool | None = None
     fused_decode: bool = True      # decode-only steps on the DecodeStack (one C++ call)
     hugepages: bool = True         # weights and KV cache in 2 MB transparent huge pages
     triton_attention: bool = True  # CUDA: Triton attention in place over the block tables
@@ -84,10 +88,12 @@ class KernelConfig:
         if self.tuning not in KERNEL_TUNING:
             raise ValueError(f"kernel tuning must be one of {', '.join(KERNEL_TUNING)}, "
                              f"got {self.tuning!r}")
-        for name in ("cpu_kernels", "batch_invariant", "fused_decode", "hugepages",
-                     "triton_attention"):
+        for name in ("cpu_kernels", "fused_decode", "hugepages", "triton_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True, False or None (auto), "
+                             f"got {self.batch_invariant!r}")
 
 
 @dataclass(frozen=True)

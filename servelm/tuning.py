@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from servelm.config import KernelConfig
+from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ MARGIN = 0.05          # another method must beat the default by 5% to replace i
 SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
 MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
 EXTRAPOLATE_S = 0.01    # a bucket's calls take this long: larger buckets are scaled from it
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+INVARIANCE_ROWS = (1, 2, 7, 8, 23, 64)  # row counts checked against the first rows of 128
 
 
 @dataclasses.dataclass
@@ -51,6 +52,8 @@ class ShapeChoice:
     times_us: dict[str, list[float]]
     failed: list[str]
     cached: bool = False
+    invariant: list[str] = dataclasses.field(default_factory=list)  # row-invariant methods
+    candidates: list[str] = dataclasses.field(default_factory=list)  # checked (and timed)
 
     def row(self) -> str:
         kind = self.names[0].rsplit(".", 1)[-1] if self.names else "?"
@@ -70,22 +73,33 @@ class TuningReport:
     seconds: float = 0.0
     source: str = "off"  # off | cached | measured | forced
     cache_path: str | None = None
+    # Whether every layer runs one row-invariant method (None: not checked, as with tuning
+    # off or a forced method), and what that costs against the fastest choice per bucket.
+    batch_invariant: bool | None = None
+    invariance_cost: list[float] = dataclasses.field(default_factory=list)
 
     def table(self) -> str:
+        inv = {None: "not checked", True: "yes", False: "no"}[self.batch_invariant]
+        if self.invariance_cost:
+            inv += ", invariant methods cost " + " | ".join(
+                f"{r}: {c:.2f}x" for r, c in zip(lm.BUCKET_ROWS, self.invariance_cost))
         head = (f"linear methods ({self.source}, {self.seconds:.2f} s"
-                + (f", cache {self.cache_path}" if self.cache_path else "") + ")")
+                + (f", cache {self.cache_path}" if self.cache_path else "")
+                + f"; batch-invariant: {inv})")
         return "\n".join([head] + ["  " + s.row() for s in self.shapes])
 
 
 # ---------------------------------------------------------------- choosing
 
 def choose(times_us: dict[str, list[float]], default: str, batch_invariant: bool = False,
-           margin: float = MARGIN) -> list[str]:
+           margin: float = MARGIN, invariant: list[str] | None = None) -> list[str]:
     """One method per bucket from measured times (inf: failed or not applicable): the
     fastest, unless the default is within `margin` of it. batch_invariant: one method for
-    every bucket, the one with the least total time (the default within the margin)."""
+    every bucket, the one with the least total time (the default within the margin), among
+    the `invariant` methods when given."""
     n = len(lm.BUCKET_ROWS)
-    ok = {m: t for m, t in times_us.items() if all(math.isfinite(x) for x in t)}
+    ok = {m: t for m, t in times_us.items() if all(math.isfinite(x) for x in t)
+          and (invariant is None or m in invariant)}
     if batch_invariant:
         if not ok:
             return [default] * n
@@ -124,6 +138,17 @@ def known_answer(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tensor
     return (y - want).abs().max().item() <= tol * max(want.abs().max().item(), 1e-6)
 
 
+def row_invariant(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether module's rows are bit-identical whatever the row count: module(x[:m]) equals
+    the first m rows of module(x) for each m of INVARIANCE_ROWS (x: 128 rows). A kernel
+    that switches algorithm or splits the reduction by row count fails it."""
+    try:
+        full = module(x)
+        return all(torch.equal(module(x[:m]), full[:m]) for m in INVARIANCE_ROWS)
+    except Exception:
+        return False
+
+
 def _time_sweep(mods: list[nn.Module], x: torch.Tensor) -> float:
     """Seconds per call: the best of a few sweeps over `mods` (one call each)."""
     for m in mods:
@@ -138,10 +163,12 @@ def _time_sweep(mods: list[nn.Module], x: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype,
-            seed: int = 0) -> tuple[dict[str, list[float]], list[str]]:
-    """Time each method over layers of one shape (srcs) at every bucket's row count.
-    Returns µs per call by method and bucket, and the methods that failed their check.
+def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: int = 0,
+            time_it: bool = True) -> tuple[dict[str, list[float]], list[str], list[str]]:
+    """Time each method over layers of one shape (srcs) at every bucket's row count (unless
+    not time_it: one method, nothing to compare). Returns µs per call by method and bucket,
+    the methods that failed their known-answer check, and those whose rows are invariant
+    (row_invariant).
 
     A bucket past one whose calls already take EXTRAPOLATE_S is compute-bound for every
     method: its time is the previous bucket's scaled by the rows, not measured (an LM
@@ -152,10 +179,19 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype,
     ref_w, bias = lm.reference_weight(src0), lm.source_bias(src0)
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
+    x_inv = torch.randn(128, src0.in_features, generator=g).to(act)
     times: dict[str, list[float]] = {}
-    failed = []
+    failed, invariant = [], []
     for method in methods:
-        built = [lm.build(method, s, act) for s in sweep]
+        built = [lm.build(method, s, act) for s in (sweep if time_it else sweep[:1])]
+        if not known_answer(built[0], ref_w, bias, x_inv):
+            failed.append(method)
+            times[method] = [math.inf] * len(lm.BUCKET_ROWS)
+            continue
+        if row_invariant(built[0], x_inv):
+            invariant.append(method)
+        if not time_it:
+            continue
         t: list[float] = []
         for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
             if t and t[-1] > EXTRAPOLATE_S * 1e6:
@@ -163,13 +199,14 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype,
                 continue
             if not known_answer(built[0], ref_w, bias, x):
                 failed.append(method)
+                invariant = [m for m in invariant if m != method]
                 t = [math.inf] * len(lm.BUCKET_ROWS)
                 break
             mods = built if rows <= 8 else built[:1]
             t.append(_time_sweep(mods, x) * 1e6)
         times[method] = t
         del built
-    return times, failed
+    return times, failed, invariant
 
 
 def _tensors(src: nn.Module) -> list[torch.Tensor]:
@@ -225,10 +262,12 @@ class TuningCache:
     def get(self, shape: str) -> dict | None:
         return self.entries.get(shape)
 
-    def put(self, shape: str, times_us: dict[str, list[float]], failed: list[str]) -> None:
+    def put(self, shape: str, times_us: dict[str, list[float]], failed: list[str],
+            invariant: list[str], candidates: list[str]) -> None:
         self.entries[shape] = {"times_us": {m: [t if math.isfinite(t) else None for t in ts]
                                             for m, ts in times_us.items()},
-                               "failed": failed}
+                               "failed": failed, "invariant": invariant,
+                               "candidates": candidates}
 
     def save(self) -> None:
         try:
@@ -295,48 +334,83 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     tune = not forced and kcfg.tuning != "off" and fast
     cache = (TuningCache(cache_dir(kcfg.tuning_cache_dir), machine_key(torch.get_num_threads()))
              if tune else None)
-    shapes, measured = [], False
+    shapes: list[ShapeChoice] = []
+    measured = False
     for key, items in groups.items():
-        srcs = [it[3] for it in items]
-        default = lm.default_method(srcs[0], act, fast)
-        applicable = [m for m in lm.METHODS if lm.applies(m, srcs[0], act, fast)]
-        times: dict[str, list[float]] = {}
-        failed: list[str] = []
-        cached = False
+        src = items[0][3]
+        default = lm.default_method(src, act, fast)
+        applicable = [m for m in lm.METHODS if lm.applies(m, src, act, fast)]
+        shape = ShapeChoice(key, [it[0] for it in items], [default] * len(lm.BUCKET_ROWS),
+                            {}, [])
         if forced:
             m = kcfg.linear_method if kcfg.linear_method in applicable else default
-            methods = [m] * len(lm.BUCKET_ROWS)
+            shape.methods = [m] * len(lm.BUCKET_ROWS)
         elif tune:
             entry = None if kcfg.tuning == "fresh" else cache.get(key)
-            if entry is not None:
-                times, failed, cached = _times_from(entry), entry.get("failed", []), True
-            else:
+            if entry is None:
                 # Dequantise + matmul every call (a quantised layer's reference) is never
-                # the fastest; one candidate left needs no timing.
-                cands = [m for m in applicable
-                         if m != "torch" or isinstance(srcs[0], nn.Linear)]
-                if len(cands) > 1:
-                    times, failed = measure(srcs, cands, act)
-                    cache.put(key, times, failed)
-                    measured = True
-                elif cands:
-                    default = cands[0]  # nothing to compare it with
-            times = {m: t for m, t in times.items() if m in applicable}
-            methods = choose(times, default, kcfg.batch_invariant)
-        else:
-            methods = [default] * len(lm.BUCKET_ROWS)
-        for _, parent, name, src in items:
-            setattr(parent, name, _swap(src, methods, act))
-        shapes.append(ShapeChoice(key, [it[0] for it in items], methods, times, failed, cached))
+                # the fastest; one candidate left is checked but needs no timing.
+                cands = [m for m in applicable if m != "torch" or isinstance(src, nn.Linear)]
+                times, failed, invariant = measure([it[3] for it in items], cands, act,
+                                                   time_it=len(cands) > 1)
+                cache.put(key, times, failed, invariant, cands)
+                entry = cache.get(key)
+                measured = True
+            else:
+                shape.cached = True
+            shape.times_us = {m: t for m, t in _times_from(entry).items() if m in applicable}
+            shape.failed = entry.get("failed", [])
+            shape.invariant = [m for m in entry.get("invariant", []) if m in applicable]
+            shape.candidates = [m for m in entry.get("candidates", []) if m in applicable]
+        shapes.append(shape)
+    report = TuningReport(shapes, source=("forced" if forced else "off" if not tune
+                                          else "measured" if measured else "cached"),
+                          cache_path=str(cache.path) if cache else None)
+    if tune:
+        _decide(shapes, kcfg.batch_invariant, report)
+    for shape in shapes:
+        for _, parent, name, src in groups[shape.key]:
+            setattr(parent, name, _swap(src, shape.methods, act))
     if measured:
         cache.save()
     pack_weights(model, huge=kcfg.hugepages)
-    source = ("forced" if forced else "off" if not tune else "measured" if measured
-              else "cached" if any(sc.cached for sc in shapes) else "one candidate each")
-    report = TuningReport(shapes, time.perf_counter() - t0, source,
-                          str(cache.path) if cache else None)
+    report.seconds = time.perf_counter() - t0
     logger.info("%s", report.table())
     return report
+
+
+def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
+            report: TuningReport) -> None:
+    """Each shape's methods from its measurements: the fastest per bucket, or one
+    row-invariant method for all (batch_invariant True; None: where every shape has one
+    and, summed over the layers, it costs at most INVARIANCE_COST in every bucket)."""
+    n = len(lm.BUCKET_ROWS)
+    free, inv = [], []
+    for sc in shapes:
+        timed = {m: t for m, t in sc.times_us.items() if all(map(math.isfinite, t))}
+        if not timed:  # one candidate (checked, not timed), or none passed
+            one = next((m for m in sc.candidates if m not in sc.failed), sc.methods[0])
+            free.append([one] * n)
+            inv.append(free[-1] if one in sc.invariant else None)
+            continue
+        free.append(choose(timed, sc.methods[0]))
+        inv.append(choose(timed, sc.methods[0], True, invariant=sc.invariant)
+                   if set(sc.invariant) & set(timed) else None)
+    cost = []
+    for b in range(n):
+        t_free = t_inv = 0.0
+        for sc, f, i in zip(shapes, free, inv):
+            if i is not None and f[b] in sc.times_us and i[b] in sc.times_us:
+                t_free += len(sc.names) * sc.times_us[f[b]][b]
+                t_inv += len(sc.names) * sc.times_us[i[b]][b]
+        cost.append(t_inv / t_free if t_free else 1.0)
+    possible = all(i is not None for i in inv)
+    use = batch_invariant is True or (batch_invariant is None and possible
+                                      and max(cost) <= INVARIANCE_COST)
+    for sc, f, i in zip(shapes, free, inv):
+        sc.methods = i if use and i is not None else f
+    report.batch_invariant = use and possible
+    report.invariance_cost = cost if possible else []
 
 
 def _swap(src: nn.Module, methods: list[str], act: torch.dtype) -> nn.Module:

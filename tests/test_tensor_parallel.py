@@ -28,6 +28,7 @@ from servelm.config import EngineConfig
 from servelm.distributed.executor import WorkerDiedError
 from servelm.distributed.sharding import ShardPlan, split_range
 from servelm.models.config import ModelConfig
+from servelm.quantization import kernels_available
 from test_server import KEY, MODEL, ROOT, Server
 
 ENGINE = dict(dtype="float32", kv_cache_memory=64 << 20, num_threads=2, max_num_seqs=16,
@@ -157,12 +158,15 @@ def test_logits_within_tolerance_of_tp1(reference, tp_results):
 
 # ---- quantised weights: each rank quantises its own shard -------------------------------------
 
+@pytest.mark.skipif(not kernels_available(),
+                    reason="needs the C++ kernels (AVX-512 BF16): no DecodeStack here")
 @pytest.mark.parametrize("quantization", ["int4", None])  # None: bf16 weights in tiles
 def test_bf16_tp2_runs_its_all_reduces_not_the_decode_stack(quantization):
     # With bf16 activations and int4 (or tiled bf16) weights one device runs decode steps
     # through the DecodeStack; sharded layers all-reduce their outputs, which the stack
     # would skip.
-    engine = {**ENGINE, "dtype": "bfloat16", "quantization": quantization}
+    engine = {**ENGINE, "dtype": "bfloat16", "quantization": quantization,
+              "linear_method": "tiles"}
 
     def decode_logits(llm):  # a prompt, then one decode-only step: its logits
         ids = llm.get_tokenizer().encode(PROMPTS[0])

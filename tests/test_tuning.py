@@ -63,6 +63,42 @@ def test_choose_batch_invariant_takes_one_method_for_every_bucket():
     assert tuning.choose(times, "onednn", batch_invariant=True) == ["tiles"] * 4
 
 
+def _shape(times, invariant, n=30, default="tiles"):
+    return tuning.ShapeChoice("k", ["l"] * n, [default] * 4, times, [], invariant=invariant,
+                              candidates=list(times))
+
+
+def test_invariance_is_chosen_where_it_costs_at_most_ten_percent():
+    cheap = [_shape({"tiles": [10, 20, 300, 2400], "onednn": [10.5, 21, 100, 800]}, ["onednn"])]
+    costly = [_shape({"tiles": [10, 20, 300, 2400], "onednn": [15, 25, 100, 800]}, ["onednn"])]
+    for shapes, auto in ((cheap, True), (costly, False)):
+        report = tuning.TuningReport(shapes)
+        tuning._decide(shapes, None, report)
+        assert report.batch_invariant is auto
+        assert shapes[0].methods == (["onednn"] * 4 if auto else ["tiles", "tiles", "onednn", "onednn"])
+    report = tuning.TuningReport(costly)
+    tuning._decide(costly, True, report)  # asked for: paid for
+    assert report.batch_invariant and costly[0].methods == ["onednn"] * 4
+    assert report.invariance_cost[0] == pytest.approx(1.5)
+    # No invariant method for one shape: the fastest everywhere, and said so.
+    none = [_shape({"tiles": [10] * 4, "onednn": [20] * 4}, [])]
+    report = tuning.TuningReport(none)
+    tuning._decide(none, True, report)
+    assert report.batch_invariant is False and none[0].methods == ["tiles"] * 4
+
+
+def test_row_invariance_check_catches_a_row_count_dependent_kernel():
+    lin = nn.Linear(64, 32)
+    x = torch.randn(128, 64)
+
+    def switches(t):  # another summation order below 8 rows, as a GEMV path has
+        y = lin(t)
+        return y * (1 + 2 ** -20) if t.shape[0] < 8 else y
+
+    assert tuning.row_invariant(lambda t: t[:, :32] * 2, x)
+    assert not tuning.row_invariant(switches, x)
+
+
 # ---------------------------------------------------------------- dispatch
 
 def test_buckets_split_rows_at_the_geometric_means():
@@ -296,6 +332,29 @@ def test_int4_engine_tuned_gives_the_reference_tokens(int4_engines):
     want = [o.outputs[0].token_ids for o in int4_engines["torch"].generate(prompts, sp)]
     assert got == want
     assert int4_engines["torch"].engine.tuning.source == "forced"
+
+
+def test_batch_invariant_engine_gives_bit_identical_results_alone_and_together(tmp_path):
+    """The statement batch_invariant makes: a seeded request's tokens and logprobs are the
+    same bits whether it runs alone or among 15 others (default dtype, prefix caching off
+    so every prompt is computed both times)."""
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=64 << 20, batch_invariant=True, enable_prefix_caching=False,
+              tuning_cache_dir=str(tmp_path))
+    if not llm.engine.tuning.batch_invariant:
+        pytest.skip("no row-invariant linear method for some layer on this CPU")
+    prompts = [f"Story {i}: once upon a time" + " and then" * (i % 5) for i in range(16)]
+    sps = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=8,
+                          ignore_eos=True, logprobs=0) for i in range(16)]
+
+    def key(o):
+        c = o.outputs[0]
+        return c.token_ids, [lp.logprob for lp in c.logprobs]
+
+    alone = [key(llm.generate([p], s, use_tqdm=False)[0]) for p, s in zip(prompts, sps)]
+    together = [key(o) for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert alone == together
 
 
 def test_servelm_tune_prints_the_table(tmp_path, capsys):

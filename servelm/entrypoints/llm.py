@@ -30,7 +30,7 @@ class LLM:
                  admission_lookahead: int = 64, tensor_parallel_size: int = 1,
                  quantization: str | None = None, enforce_eager: bool = False,
                  kernel_tuning: str = "cached", linear_method: str = "auto",
-                 batch_invariant: bool = False, cpu_kernels: bool = True,
+                 batch_invariant: bool | None = None, cpu_kernels: bool = True,
                  fused_decode: bool = True, hugepages: bool = True,
                  triton_attention: bool = True, tuning_cache_dir: str | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
