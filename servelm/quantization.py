@@ -123,10 +123,11 @@ def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.
     """The tiled layout -> q uint8 [N, K] in 0..15 (N = out_features, else padded rows)."""
     T, K8 = packed.shape
     K = K8 // 8
-    lanes = packed.reshape(T, K // 8, 64).view(torch.int16).to(torch.int32) & 0xFFFF
-    lanes = lanes.reshape(T, K // 8, 16, 2)  # t, b, r, e
-    q = torch.stack([(lanes >> (4 * j)) & 15 for j in range(4)], dim=-1)  # t, b, r, e, j
-    q = q.permute(0, 2, 1, 4, 3).reshape(T * 16, K).to(torch.uint8)
+    # Lane L = 2r + e is bytes 2L (nibbles j = 0, 1) and 2L + 1 (j = 2, 3), little-endian:
+    # split in uint8, so nibble j = 2 byte + half.
+    b = packed.reshape(T, K // 8, 16, 2, 2)  # t, b, r, e, byte
+    q = torch.stack([b & 15, b >> 4], dim=-1).reshape(T, K // 8, 16, 2, 4)  # t, b, r, e, j
+    q = q.permute(0, 2, 1, 4, 3).reshape(T * 16, K)
     return q[:out_features] if out_features is not None else q
 
 

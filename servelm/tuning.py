@@ -122,8 +122,9 @@ def choose(times_us: dict[str, list[float]], default: str, batch_invariant: bool
 
 def known_answer(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tensor | None,
                  x: torch.Tensor) -> bool:
-    """Whether module(x) is x @ ref_weight.T (+ bias) within the activation dtype's rounding
-    (fp32: 1e-3 of the output's magnitude; bf16/fp16: 3e-2) and finite."""
+    """Whether module(x) is x @ ref_weight.T (+ bias) within the rounding of the dtype it
+    computes in (its compute_dtype, else the activations'; fp32: 1e-3 of the output's
+    magnitude; bf16/fp16: 3e-2) and finite."""
     try:
         y = module(x).float()
     except Exception as e:  # a kernel that cannot take this shape is simply not used
@@ -134,7 +135,7 @@ def known_answer(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tensor
         want = want + bias.float()
     if y.shape != want.shape or not torch.isfinite(y).all():
         return False
-    tol = 1e-3 if x.dtype == torch.float32 else 3e-2
+    tol = 1e-3 if getattr(module, "compute_dtype", x.dtype) == torch.float32 else 3e-2
     return (y - want).abs().max().item() <= tol * max(want.abs().max().item(), 1e-6)
 
 

@@ -31,6 +31,15 @@ from servelm.models.config import ModelConfig
 from servelm.quantization import kernels_available
 from test_server import KEY, MODEL, ROOT, Server
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """Rank 0 runs in this process and sets torch's thread count to its share: give the
+    tests after this module their threads back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 ENGINE = dict(dtype="float32", kv_cache_memory=64 << 20, num_threads=2, max_num_seqs=16,
               max_num_batched_tokens=32)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

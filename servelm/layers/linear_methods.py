@@ -9,7 +9,7 @@ the source, a module computing the same function (up to its rounding) in its own
 |----------|----------------|---------------------------------------------------------------|
 | tiles    | bf16/fp32/int4/int8 | servelm's C++ kernels over 16-row tiles (quant.cpp)     |
 | onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
-| int4pack | int4, bf16 act | PyTorch's `_weight_int4pack_mm_for_cpu`                       |
+| int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
@@ -96,7 +96,7 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
     if method == "onednn":
         return prepack_supported(act, "cpu")
     if method == "int4pack":
-        return (isinstance(src, Int4Linear) and act == torch.bfloat16
+        return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
                 and src.in_features % 32 == 0 and src.out_features % 8 == 0)
     if method == "int8pack":
@@ -126,7 +126,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     if method == "onednn":
         if isinstance(src, nn.Linear):
             return PackedLinear(src)
-        lin = nn.Linear(src.in_features, src.out_features, bias=bias is not None)
+        lin = nn.Linear(src.in_features, src.out_features, bias=bias is not None,
+                        device="meta")  # weights assigned next: no random init
         lin.weight = nn.Parameter(src.dequantize(act), requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias.detach().to(act), requires_grad=False)
@@ -157,7 +158,11 @@ class _Dequantised(nn.Module):
 class Int4PackLinear(nn.Module):
     """An int4 layer on PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
     activations): the same groups as Int4Linear, as w = s (q - 8) + z with z = m + 8 s,
-    scales and zeros rounded to bf16 (the kernel's operand)."""
+    scales and zeros rounded to bf16 (the kernel's operand). fp32 activations are rounded to
+    bf16 on the way in and the result widened back (compute_dtype says so: its known-answer
+    check allows bf16 rounding)."""
+
+    compute_dtype = torch.bfloat16
 
     def __init__(self, src: Int4Linear):
         super().__init__()
@@ -173,13 +178,14 @@ class Int4PackLinear(nn.Module):
         self.register_buffer("bias", None if b is None else b.detach().to(torch.bfloat16).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"Int4PackLinear takes bfloat16 activations, got {x.dtype}")
-        x2 = x.reshape(-1, self.in_features)
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"Int4PackLinear takes bfloat16 or float32 activations, got {x.dtype}")
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight,
                                                        self.group_size, self.scales_zeros)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 class BucketedLinear(nn.Module):
