@@ -1,7 +1,8 @@
 """servelm against transformers (and llama.cpp, when llama-cpp-python is installed), side by
 side in one run, on the embedded model: the three figures of issue 5.
 
-    python benchmarks/compare.py [--formats bfloat16,float32,int8,int4] [--skip-transformers]
+    python benchmarks/compare.py [--formats bfloat16,float32,int8,int4,int4@float32] [--skip-transformers]
+                                 [--transformers-dtypes float32,bfloat16]
                                  [--rounds 3] [--repeats 5] [--decode-repeats 3]
 
 - TTFT, 512-token prompt: one request alone, prefix caching off, median of --repeats.
@@ -80,12 +81,13 @@ def _timed_gen(fn: Callable[[], None]) -> float:
 
 class Servelm(System):
     def __init__(self, fmt: str):
-        """fmt: a dtype or quantisation; "<fmt>/<variant>": the same with one optimisation
-        off (VARIANTS)."""
+        """fmt: a dtype or quantisation (with bf16 activations, or "<quant>@float32");
+        "<fmt>/<variant>": the same with one code path forced or off (VARIANTS)."""
         from servelm import LLM, SamplingParams
 
         base, _, variant = fmt.partition("/")
-        dtype, quant = (base, None) if base in ("float32", "bfloat16") else ("bfloat16", base)
+        base, _, act = base.partition("@")  # int4@float32: fp32 activations (default bf16)
+        dtype, quant = (base, None) if base in ("float32", "bfloat16") else (act or "bfloat16", base)
         kw = {"quantization": quant} if quant else {}
         kw.update(VARIANTS[variant] if variant else {})
         self.llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
@@ -198,6 +200,8 @@ def main() -> None:
                     help="one-stream generations per round (their median is the round's figure)")
     ap.add_argument("--rounds", type=positive(int), default=3)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--transformers-dtypes", default="float32,bfloat16",
+                    help="which transformers baselines to load (comma-separated)")
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
                     help="memory bandwidth for the roofline (default: measured each round)")
     ap.add_argument("--flops", type=float, default=None, metavar="TFLOP/s",
@@ -213,6 +217,11 @@ def main() -> None:
             ap.error(f"unknown format variant {variant!r} in {fmt!r} "
                      f"(one of {', '.join(VARIANTS)})")
 
+    hf_dtypes = [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
+    for d in hf_dtypes:
+        if d not in ("float32", "bfloat16", "float16"):
+            ap.error(f"--transformers-dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
+
     from servelm.roofline import measure_hardware
 
     systems: list[System] = []
@@ -220,7 +229,7 @@ def main() -> None:
         print(f"loading servelm {fmt} ...", file=sys.stderr)
         systems.append(Servelm(fmt))
     if not args.skip_transformers:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in hf_dtypes:
             print(f"loading transformers {dtype} ...", file=sys.stderr)
             systems.append(Transformers(dtype))
     try:

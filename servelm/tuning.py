@@ -12,24 +12,25 @@ The default method (tiles where they run) is kept unless another is faster by mo
 decode step run on the DecodeStack. Timing the one-row and few-row buckets sweeps several
 layers of a shape (at least `SWEEP_BYTES` of weights, as a decode step streams them from
 memory, not from cache); the larger buckets are compute-bound and time one layer.
+
+Each method's rows are also checked bit-identical at every row count (row_invariant):
+where one such method per layer costs at most INVARIANCE_COST more (or where asked), every
+layer runs it for all rows, and a request's results no longer depend on its batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import math
-import os
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
+from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ MARGIN = 0.05          # another method must beat the default by 5% to replace i
 SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
 MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
 EXTRAPOLATE_S = 0.01    # a bucket's calls take this long: larger buckets are scaled from it
-CACHE_VERSION = 2
 INVARIANCE_ROWS = (1, 2, 7, 8, 23, 64)  # row counts checked against the first rows of 128
 
 
@@ -214,77 +214,6 @@ def _tensors(src: nn.Module) -> list[torch.Tensor]:
     return [t for t in list(src.parameters()) + list(src.buffers()) if t is not None]
 
 
-# ---------------------------------------------------------------- the cache
-
-def machine_key(threads: int) -> dict:
-    """What a timing depends on besides the layer: CPU, threads, torch, kernel sources."""
-    from servelm.kernels import CSRC
-
-    model, flags = "?", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "?":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = [fl for fl in line.split(":", 1)[1].split()
-                             if fl.startswith(("amx", "avx512", "avx2", "fma"))]
-    except OSError:
-        pass
-    h = hashlib.sha256()
-    for p in sorted(CSRC.glob("*")):
-        h.update(p.name.encode() + p.read_bytes())
-    return {"cpu": model, "flags": sorted(flags), "threads": threads,
-            "torch": torch.__version__, "kernels": h.hexdigest()[:16], "version": CACHE_VERSION}
-
-
-def cache_dir(configured: str | None) -> Path:
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "servelm"
-
-
-class TuningCache:
-    """The measured shapes of one machine key, in one JSON file."""
-
-    def __init__(self, directory: Path, key: dict):
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = directory / f"linear-methods-{digest}.json"
-        self.key = key
-        self.entries: dict[str, dict] = {}
-        try:
-            data = json.loads(self.path.read_text())
-            if data.get("key") == key:
-                self.entries = data.get("shapes", {})
-        except (OSError, ValueError):
-            pass
-
-    def get(self, shape: str) -> dict | None:
-        return self.entries.get(shape)
-
-    def put(self, shape: str, times_us: dict[str, list[float]], failed: list[str],
-            invariant: list[str], candidates: list[str]) -> None:
-        self.entries[shape] = {"times_us": {m: [t if math.isfinite(t) else None for t in ts]
-                                            for m, ts in times_us.items()},
-                               "failed": failed, "invariant": invariant,
-                               "candidates": candidates}
-
-    def save(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"key": self.key, "shapes": self.entries}, indent=1))
-            tmp.replace(self.path)
-        except OSError as e:  # a read-only home: tune again next time
-            logger.warning("kernel tuning cache not written (%s): %s", self.path, e)
-
-
-def _times_from(entry: dict) -> dict[str, list[float]]:
-    return {m: [math.inf if t is None else float(t) for t in ts]
-            for m, ts in entry["times_us"].items()}
-
-
 # ---------------------------------------------------------------- the swap
 
 def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
@@ -359,7 +288,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 measured = True
             else:
                 shape.cached = True
-            shape.times_us = {m: t for m, t in _times_from(entry).items() if m in applicable}
+            shape.times_us = {m: t for m, t in times_from(entry).items() if m in applicable}
             shape.failed = entry.get("failed", [])
             shape.invariant = [m for m in entry.get("invariant", []) if m in applicable]
             shape.candidates = [m for m in entry.get("candidates", []) if m in applicable]

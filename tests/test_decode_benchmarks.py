@@ -51,6 +51,12 @@ def test_compare_rejects_an_unknown_format_variant():
     assert "tiles, onednn, torch, untuned, unfused, smallpages, eager" in r.stderr
 
 
+def test_compare_rejects_an_unknown_transformers_dtype():
+    r = _run("compare.py", "--formats", "int4", "--transformers-dtypes", "float32,int3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--transformers-dtypes: unknown dtype 'int3'" in r.stderr
+
+
 def test_compare_rejects_a_format_named_twice():
     # Every system is loaded at once and results are keyed by name: a repeat is a usage error.
     r = _run("compare.py", "--formats", "int4,bfloat16,int4", "--skip-transformers")

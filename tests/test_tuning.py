@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm import quantization as Q
-from servelm import tuning
+from servelm import tuning, tuning_cache
 from servelm.config import KernelConfig
 from servelm.layers import linear_methods as lm
 from servelm.prepack import PackedLinear
@@ -282,10 +282,10 @@ def test_the_table_is_cached_per_machine_key(tmp_path, monkeypatch):
 
 
 def test_an_unreadable_cache_is_measured_again(tmp_path):
-    key = tuning.machine_key(torch.get_num_threads())
-    cache = tuning.TuningCache(tmp_path, key)
+    key = tuning_cache.machine_key(torch.get_num_threads())
+    cache = tuning_cache.TuningCache(tmp_path, key)
     cache.path.write_text("{not json")
-    assert tuning.TuningCache(tmp_path, key).entries == {}
+    assert tuning_cache.TuningCache(tmp_path, key).entries == {}
 
 
 def test_tuning_off_and_forced_methods_measure_nothing(tmp_path, monkeypatch):

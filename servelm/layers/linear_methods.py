@@ -106,8 +106,8 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
 
 def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
     """The method used without tuning: servelm's tiles where they run, else oneDNN's
-    prepacked matmul (plain weights) or PyTorch's own kernels."""
-    for m in ("tiles", "onednn", "int8pack", "torch"):
+    prepacked matmul (plain weights) or PyTorch's own int4/int8 kernels."""
+    for m in ("tiles", "onednn", "int4pack", "int8pack", "torch"):
         if m == "onednn" and not isinstance(src, nn.Linear):
             continue  # a dequantised copy would undo the quantisation's memory saving
         if applies(m, src, act, kernels):
