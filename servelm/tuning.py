@@ -177,7 +177,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     src0 = srcs[0]
     bytes_per = sum(t.numel() * t.element_size() for t in _tensors(src0)) or 1
     sweep = srcs[:max(1, min(len(srcs), -(-SWEEP_BYTES // bytes_per)))]
-    ref_w, bias = lm.reference_weight(src0), lm.source_bias(src0)
+    ref_w, bias = lm.reference_weight(src0), src0.bias
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
     x_inv = torch.randn(128, src0.in_features, generator=g).to(act)

@@ -62,10 +62,6 @@ def reference_weight(src: nn.Module) -> torch.Tensor:
     return src.dequantize(torch.float32)
 
 
-def source_bias(src: nn.Module) -> torch.Tensor | None:
-    return src.bias
-
-
 def _device(src: nn.Module) -> torch.device:
     return (src.weight if isinstance(src, nn.Linear) else src.qweight).device
 
@@ -118,7 +114,7 @@ def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
 @torch.no_grad()
 def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     """A module running `src`'s matmul by `method` (which must apply)."""
-    bias = source_bias(src)
+    bias = src.bias
     if method == "torch":
         return src if isinstance(src, nn.Linear) else _Dequantised(src)
     if method == "tiles":
