@@ -139,9 +139,8 @@ class ShardPlan:
 class ParallelAttention(Attention):
     """Attention over this rank's heads; o_proj's partial sums are all-reduced."""
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool, group):
-        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias=bias)
+    def __init__(self, group, **options):
+        super().__init__(**options)
         self.tp_group = group
 
     def forward(self, *args, **kwargs):
@@ -151,8 +150,8 @@ class ParallelAttention(Attention):
 class ParallelGatedMLP(GatedMLP):
     """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
 
-    def __init__(self, hidden: int, intermediate: int, group):
-        super().__init__(hidden, intermediate)
+    def __init__(self, group, **options):
+        super().__init__(**options)
         self.tp_group = group
 
     def forward(self, *args, **kwargs):
@@ -179,13 +178,18 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     """Swap `model`'s modules for this rank's 1/N versions, in place (call it on the meta
     device, before loading). model.config becomes the rank's local config."""
     cfg: ModelConfig = model.config
+    if not model.family.tensor_parallel:
+        raise ValueError(f"tensor parallelism does not support the {model.family.name} "
+                         f"family yet (run it with tensor_parallel_size 1)")
     device = next(model.parameters()).device
     with device:
         for layer in model.layers:
-            layer.self_attn = ParallelAttention(cfg.hidden_size, plan.num_heads,
-                                                plan.num_kv_heads, cfg.head_dim,
-                                                cfg.attention_bias, group)
-            layer.mlp = ParallelGatedMLP(cfg.hidden_size, plan.intermediate_size, group)
+            # The same blocks with the same options, on this rank's heads and slice.
+            layer.self_attn = ParallelAttention(
+                group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
+                          "num_kv_heads": plan.num_kv_heads})
+            layer.mlp = ParallelGatedMLP(
+                group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
         model.embed_tokens = VocabParallelEmbedding(*plan.vocab, cfg.hidden_size, group)
         model.lm_head = nn.Linear(cfg.hidden_size, plan.local_vocab, bias=False)
     if cfg.tie_word_embeddings:

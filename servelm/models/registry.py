@@ -1,25 +1,49 @@
-"""Architecture name (as HF config.json spells it) -> model class."""
+"""Architecture names (HF `architectures`, GGUF `general.architecture`) -> model family.
+
+Every family runs on the one generic decoder (decoder.CausalLM); the family object
+(family.Family, one file each in families/) says how its configs and checkpoints read."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from servelm.models.llama import LlamaForCausalLM
+from servelm.models.family import Family
+from servelm.models.families.gemma3 import Gemma3
+from servelm.models.families.llama import Llama, Mistral
+from servelm.models.families.mixtral import Mixtral
+from servelm.models.families.phi3 import Phi3
+from servelm.models.families.qwen2 import Qwen2
+from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
+                                Phi3(), Gemma3())
+_BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
+_BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
+
+
+def family_for_architecture(architecture: str) -> Family:
+    try:
+        return _BY_ARCH[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported model architecture {architecture!r} "
+                         f"(supported: {', '.join(supported_architectures())})") from None
+
+
+def family_for_gguf(arch: str) -> Family:
+    try:
+        return _BY_GGUF[arch]
+    except KeyError:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(sorted(_BY_GGUF))})") from None
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return _MODELS[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported model architecture {architecture!r} "
-                         f"(supported: {', '.join(sorted(_MODELS))})") from None
+    """The module class for an architecture (one generic decoder); ValueError if unknown."""
+    from servelm.models.decoder import CausalLM
+
+    family_for_architecture(architecture)
+    return CausalLM
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_BY_ARCH)

@@ -342,9 +342,12 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
 template <typename T, int DT>
 class DecodeAttention {
  public:
+  // window > 0: each query sees only its last `window` keys (sliding-window attention;
+  // the splits still cover [0, len), and those wholly before the window are empty).
   DecodeAttention(const T* q, int64_t qs0, int64_t qs1, int B, int H, int D, const PagedKV<T>& kv,
-                  const int32_t* lens, float scale, int nthreads, T* out)
-      : q_(q), qs0_(qs0), qs1_(qs1), B_(B), H_(H), D_(D), kv_(kv), lens_(lens), sc_(scale), out_(out) {
+                  const int32_t* lens, float scale, int nthreads, T* out, int window = 0)
+      : q_(q), qs0_(qs0), qs1_(qs1), B_(B), H_(H), D_(D), kv_(kv), lens_(lens), sc_(scale), out_(out),
+        window_(window) {
     int max_len = 0;
     for (int b = 0; b < B; ++b) {
       max_len = std::max(max_len, static_cast<int>(lens[b]));
@@ -376,6 +379,7 @@ class DecodeAttention {
     b = it / nsplit_;
     t0 = (it % nsplit_) * split_;
     t1 = std::min<int>(lens_[b], t0 + split_);
+    if (window_ > 0) t0 = std::max(t0, lens_[b] - window_);
   }
 
   // read_lines for sequence b's K/V rows of tokens [t0, t1) (all heads, contiguous within a
@@ -416,7 +420,7 @@ class DecodeAttention {
     const float sc = sc_;
     int b, t0, t1;
     item_range(it, b, t0, t1);
-    if (t0 >= t1 && nsplit_ > 1) {  // beyond this sequence's end: an empty partial
+    if (t0 >= t1 && nsplit_ > 1) {  // beyond this sequence's end or window: an empty partial
       float* p = part_.data() + static_cast<size_t>(it) * H * (D + 2);
       for (int hg = 0; hg < H; ++hg) { p[hg * (D + 2) + D] = kNegBig; p[hg * (D + 2) + D + 1] = 0.f; }
       return;
@@ -511,6 +515,7 @@ class DecodeAttention {
   const int32_t* lens_;
   float sc_;
   T* out_;
+  int window_ = 0;
   int64_t work_ = 0, items_ = 0;
   int split_ = 1, nsplit_ = 1;
   std::vector<float> part_;

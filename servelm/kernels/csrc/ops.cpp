@@ -1,8 +1,9 @@
 // servelm CPU kernels for the decode hot loop (namespace torch.ops.servelm_ops).
 //
 //   paged_decode_attention(q [B,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
-//                          context_lens int32 [B], scale) -> [B,H,D]
-//       One query per sequence over its first context_lens[b] cached tokens, read in place
+//                          context_lens int32 [B], scale, window=0) -> [B,H,D]
+//       One query per sequence over its first context_lens[b] cached tokens (with a window
+//       > 0, only the last `window` of them: sliding-window attention), read in place
 //       through the block table (no gather). The G = H / KVH query heads of one KV head are
 //       processed together, so each K/V row is loaded once; online softmax in fp32. Work is
 //       (sequence, KV head, context split), scheduled dynamically over OpenMP threads; long
@@ -53,14 +54,16 @@ namespace {
 template <typename T, int DT>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                           const at::Tensor& context_lens, double scale, int64_t window,
+                           at::Tensor& out) {
   const PagedKV<T> kv(k_cache, v_cache, block_tables);
   const int B = q.size(0);
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   check_context_lens(lens, B, kv.MB, kv.bs, "paged_decode_attention");
   const int nthreads = std::max(1, at::get_num_threads());
   DecodeAttention<T, DT> att(q.data_ptr<T>(), q.stride(0), q.stride(1), B, q.size(1), q.size(2), kv,
-                             lens, static_cast<float>(scale), nthreads, out.data_ptr<T>());
+                             lens, static_cast<float>(scale), nthreads, out.data_ptr<T>(),
+                             static_cast<int>(window));
   const int64_t items = att.items();
   // Tiny problems (one short sequence) run on the calling thread: a parallel region would
   // cost more than the work, and much more when other processes hold the cores.
@@ -75,7 +78,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B,H,D], last dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -94,9 +98,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
   SERVELM_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
-    if (D == 64) decode_attention_impl<scalar_t, 64>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
-    else if (D == 128) decode_attention_impl<scalar_t, 128>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
-    else decode_attention_impl<scalar_t, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+    if (D == 64) decode_attention_impl<scalar_t, 64>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+    else if (D == 128) decode_attention_impl<scalar_t, 128>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+    else decode_attention_impl<scalar_t, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   });
   return out;
 }
@@ -781,7 +785,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 TORCH_LIBRARY(servelm_ops, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_kv_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "

@@ -1,0 +1,342 @@
+"""The generic decoder every family runs: token ids -> hidden states over a paged KV cache.
+
+Built from the shared blocks (layers.py: attention with its options, the gated MLP, RMSNorm,
+rotary tables; moe.py: routed experts) as a ModelConfig says; the family (family.py) only
+names checkpoints' tensors and reads its config keys. One layer is
+
+    x = x + [attn_out_norm](attention(input_layernorm(x)))
+    x = x + [mlp_out_norm](mlp(post_attention_layernorm(x)))
+
+(the bracketed norms: Gemma's sandwich). Sliding layers may take a second rotary table.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from servelm.kernels import load_ops
+from servelm.models.config import ModelConfig
+from servelm.models.layers import Attention, ForwardBatch, GatedMLP, RMSNorm, RotaryEmbedding
+from servelm.models.moe import SparseMoE
+
+
+def _has_decode_stack() -> bool:
+    """Whether quant.cpp registered the DecodeStack class: it builds empty on a CPU without
+    AVX-512 BF16 (torch.classes raises RuntimeError, not AttributeError, for a missing one)."""
+    try:
+        torch.classes.servelm_quant.DecodeStack
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
+                                   window=cfg.window(index), scale=cfg.attn_scale)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+        else:
+            self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
+        self.attn_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        # Which rotary table the layer takes: sliding layers their own base, where it differs.
+        self.local_rotary = cfg.window(index) is not None and cfg.rope_local_theta is not None
+
+    def forward(self, x, cos, sin, batch, kv_cache, rows=None):
+        """rows: only these flat tokens continue past attention (the last layer, when only
+        the sampled tokens' hidden states are wanted); every token's K/V is still written."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache, rows=rows)
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a)
+        x = (x if rows is None else x[rows]) + a
+        m = self.mlp(self.post_attention_layernorm(x))
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m)
+        return x + m
+
+    def forward_fused(self, delta, residual, cos, sin, batch, kv_cache, rows=None):
+        """Kernel path: residual += delta (the previous layer's MLP output, None for the first
+        layer) fused into the norms; returns (this layer's MLP output, residual), residual
+        updated in place (or, with rows as in forward, its rows taken first)."""
+        if delta is None:
+            h = self.input_layernorm(residual, kernels=True)
+        else:
+            h = self.input_layernorm.add_forward(delta, residual, kernels=True)
+        a = self.self_attn(h, cos, sin, batch, kv_cache, rows=rows)
+        if rows is not None:
+            residual = residual[rows]
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a, kernels=True)
+        h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
+        m = self.mlp(h, kernels=True)
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m, kernels=True)
+        return m, residual
+
+    def linears(self) -> tuple[nn.Module, ...]:
+        """qkv, o, gate_up, down: the order the DecodeStack takes them."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    def is_plain(self) -> bool:
+        """Whether this is the layer the DecodeStack implements (Llama's: pre-norms only,
+        SwiGLU, full attention, no q/k norm, default scale); other layers run per op."""
+        attn = self.self_attn
+        return (type(attn) is Attention and type(self.mlp) is GatedMLP
+                and self.mlp.act == "silu" and attn.q_norm is None and attn.window is None
+                and attn.scale == attn.head_dim ** -0.5 and self.attn_out_norm is None
+                and not self.local_rotary)
+
+    def decode_stack_args(self) -> tuple | None:
+        """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
+        qkv bias), when the layer is_plain, all four linear layers run on the int4/int8/bf16
+        C++ kernels and only qkv has a bias; else None. Not for tensor-parallel layers
+        (their subclasses all-reduce the attention and MLP outputs, which the stack does not)."""
+        from servelm.quantization import kernel_weights
+
+        if not self.is_plain():
+            return None
+        linears = self.linears()
+        attn = self.self_attn
+        parts = [kernel_weights(m) for m in linears]
+        if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
+            return None
+        bias = attn.qkv_proj.bias
+        return ([t for ts, _ in parts for t in ts], [g for _, g in parts],
+                [self.input_layernorm.weight, self.post_attention_layernorm.weight],
+                torch.empty(0) if bias is None else bias)
+
+
+class CausalLM(nn.Module):
+    """Token ids -> hidden states over a paged KV cache; logits only where asked."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        from servelm.models.registry import family_for_architecture
+
+        self.config = cfg
+        self.family = family_for_architecture(cfg.architecture)
+        self.max_positions = max_positions
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.init_rotary()
+        # Always a module, so quantisation and tensor parallelism can swap it like any other
+        # linear layer; tied checkpoints share the embedding's parameter.
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.fused_decode = False  # set by bind_decode_layers
+        self._decode_stack, self._decode_kv, self._decode_max_rows = None, None, 0
+
+    def init_rotary(self, device: torch.device | None = None) -> None:
+        """(Re)build the rotary tables (buffers not in any checkpoint) on `device`: the
+        model's, and the sliding layers' own where their base differs (Gemma 3)."""
+        cfg = self.config
+        dim = cfg.rotary_dim or cfg.head_dim
+        self.rotary = RotaryEmbedding(dim, self.max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling).to(device)
+        self.rotary_local = None
+        if any(layer.local_rotary for layer in self.layers):
+            self.rotary_local = RotaryEmbedding(dim, self.max_positions, cfg.rope_local_theta,
+                                                None).to(device)
+
+    def decode_stack_supported(self) -> bool:
+        """Whether the whole-step C++ executor implements this model (else the per-layer
+        kernel path runs it): every layer is_plain, and nothing outside the layers that the
+        executor does not do (embedding scale, logit soft-cap are outside it or absent)."""
+        return (all(layer.is_plain() for layer in self.layers)
+                and self.config.embed_scale == 1.0 and self.rotary_local is None
+                and self.config.rotary_dim in (None, self.config.head_dim))
+
+    def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
+        decoder layer and its KV cache (with the embedding, rotary tables and final norm) into
+        one `servelm_quant.DecodeStack`, which then runs decode-only bf16 batches of up to its
+        max_rows() (4096) from token ids to the final norm in one C++ call per step,
+        bit-identical to the per-op path (from 48 rows, 24 with an int8 layer, its matmuls
+        decode each weight tile once, as the per-op kernels do; bf16 tiles from 8). Only
+        when the model is one the executor supports (decode_stack_supported) and every
+        layer's linear layers are int4/int8/bf16 kernel layers for one row, and then for the
+        rows they all run on them (servelm.tuning may choose other methods for more rows).
+        The runner binds it unless KernelConfig.fused_decode is off."""
+        from servelm.quantization import stack_rows
+
+        self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
+        if not (load_ops("quant") and load_ops("ops") and _has_decode_stack()
+                and self.decode_stack_supported()):
+            return False
+        parts = [layer.decode_stack_args() for layer in self.layers]
+        if any(p is None for p in parts) or self.embed_tokens.weight.dtype != torch.bfloat16:
+            return False
+        rows = min(stack_rows(m) for layer in self.layers for m in layer.linears())
+        attn = self.layers[0].self_attn
+        self._decode_stack = torch.classes.servelm_quant.DecodeStack(
+            [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
+            [t for p in parts for t in p[2]], [p[3] for p in parts],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
+            attn.num_heads, attn.num_kv_heads, attn.scale)
+        # Embedding, rotary rows and the final norm too: run_tokens is the whole step. The
+        # rotary tables rounded to bf16 once (rounding commutes with the per-step gather).
+        bf16 = torch.bfloat16
+        self._decode_stack.bind_io(self.embed_tokens.weight, self.rotary.cos.to(bf16).contiguous(),
+                                   self.rotary.sin.to(bf16).contiguous(), self.norm.weight)
+        self._decode_kv = kv_caches
+        self._decode_max_rows = min(rows, self._decode_stack.max_rows())
+        self.fused_decode = True
+        return True
+
+    def decode_stack_takes(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           rows: int) -> bool:
+        """Whether the DecodeStack runs a decode-only step of `rows` rows over kv_caches (it
+        is bound, to these caches, and takes that many rows)."""
+        return self.fused_decode and rows <= self._decode_max_rows and kv_caches is self._decode_kv
+
+    def decode_step(self, input_ids: list[int], positions: list[int], slots: list[int],
+                    tables: list[int], context_lens: list[int]) -> torch.Tensor:
+        """A decode-only step that decode_stack_takes, from plain lists (as
+        model_runner.decode_lists builds them): the final hidden states [M, hidden], the same
+        bits as forward() on the equivalent batch."""
+        return self._decode_stack.run_lists(input_ids, positions, slots, tables, context_lens)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # the scale rounded to the weights' dtype, as HF does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                sampled_only: bool = False) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] of all scheduled tokens, or with
+        sampled_only those of batch.logits_indices [S, hidden]: then the last layer's o_proj
+        and MLP run for those rows only (prompt positions whose logits nobody reads skip
+        1/num_layers of the prompt's matmuls)."""
+        n, last = batch.input_ids.shape[0], len(self.layers) - 1
+        rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
+        fused = batch.kernels and batch.num_decodes == n and self.decode_stack_takes(kv_caches, n)
+        if fused and rows is None:  # the whole step, embedding to final norm, in one call
+            return self._decode_stack.run_tokens(batch.input_ids, batch.positions, batch.slot_mapping,
+                                                 batch.decode_block_tables, batch.decode_context_lens)
+        x = self.embed(batch.input_ids)
+        tables = [self.rotary.cos_sin(batch.positions, x.dtype)]
+        if self.rotary_local is not None:
+            tables.append(self.rotary_local.cos_sin(batch.positions, x.dtype))
+        if batch.kernels:
+            # The residual stream is updated in place by the fused add + RMSNorm kernels.
+            delta = None
+            if fused:
+                cos, sin = tables[0]
+                delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
+                                               batch.decode_block_tables, batch.decode_context_lens)
+                if rows is not None:
+                    delta, x = delta[rows], x[rows]
+            else:
+                for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                    cos, sin = tables[layer.local_rotary]
+                    delta, x = layer.forward_fused(delta, x, cos, sin, batch, kv,
+                                                   rows=rows if i == last else None)
+            return self.norm.add_forward(delta, x, kernels=True)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            cos, sin = tables[layer.local_rotary]
+            x = layer(x, cos, sin, batch, kv, rows=rows if i == last else None)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] -> fp32 logits [S, vocab] (soft-capped where the family caps)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    # Fused parameters and the checkpoint names stacked into them, in row order.
+    _STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # Experts: one tensor per expert (HF) or all experts in one (GGUF's *_exps).
+    _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in (HF names, in the family's spelling); every parameter
+        must be filled exactly once."""
+        if self.config.tie_word_embeddings:
+            # Re-tie: moving the model off the meta device gives each module its own tensor.
+            self.lm_head.weight = self.embed_tokens.weight
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        experts: dict[str, set] = {}
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = self.family.internal_name(hf_name)
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding serves as the head
+            tensor = self.family.transform(name, tensor)
+            m = self._EXPERT.fullmatch(name)
+            if m:
+                self._copy_expert(params, m, tensor, experts, loaded)
+                continue
+            stacked = next(((fused, part) for fused, parts in self._STACKED.items()
+                            for part in parts if f".{part}." in name), None)
+            if stacked is None:
+                self._copy(params, name, tensor)
+                loaded.add(name)
+                continue
+            fused, part = stacked
+            target = name.replace(f".{part}.", f".{fused}.")
+            pending.setdefault(target, {})[part] = tensor
+            parts = self._STACKED[fused]
+            if all(p in pending[target] for p in parts):
+                got = pending.pop(target)
+                self._copy(params, target, torch.cat([got[p] for p in parts]))
+                loaded.add(target)
+        missing = set(params) - loaded
+        if missing or pending:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:5]}")
+
+    def _copy_expert(self, params, m: re.Match, tensor: torch.Tensor, seen: dict[str, set],
+                     loaded: set[str]) -> None:
+        prefix, expert, part = m.group(1), m.group(2), m.group(3)
+        name = f"{prefix}.experts_down" if part == "down_proj" else f"{prefix}.experts_gate_up"
+        if name not in params:
+            raise ValueError(f"checkpoint has an unexpected weight {m.group(0)!r}")
+        p = params[name]
+        num, inter = p.shape[0], self.config.moe_intermediate_size
+        rows = slice(None) if part == "down_proj" else (
+            slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter))
+        experts = range(num) if expert is None else [int(expert)]
+        dst = p.data[:, rows] if expert is None else p.data[int(expert), rows]
+        if expert is not None and int(expert) >= num:
+            raise ValueError(f"checkpoint has an unexpected weight {m.group(0)!r}")
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {m.group(0)!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        got = seen.setdefault(name, set())
+        got.update((e, part) for e in experts)
+        if len(got) == num * (1 if part == "down_proj" else 2):
+            loaded.add(name)
+
+    @staticmethod
+    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise ValueError(f"checkpoint has an unexpected weight {name!r}")
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor)

@@ -1,0 +1,43 @@
+"""Qwen3 (q/k RMSNorm per head, no bias) and Qwen3-MoE (top-k routed experts)."""
+
+from __future__ import annotations
+
+from servelm.models.families.qwen2 import _qwen_windows
+from servelm.models.family import Family
+
+
+class Qwen3(Family):
+    name = "qwen3"
+    architectures = ("Qwen3ForCausalLM",)
+    gguf_architectures = ("qwen3",)
+
+    def hf_config(self, cfg, base):
+        return {"qk_norm": True, "attention_bias": bool(cfg.get("attention_bias", False)),
+                **_qwen_windows(cfg, base["num_layers"])}
+
+    def gguf_config(self, get, base, tensor_names):
+        return {"qk_norm": True}
+
+
+class Qwen3Moe(Qwen3):
+    name = "qwen3_moe"
+    architectures = ("Qwen3MoeForCausalLM",)
+    gguf_architectures = ("qwen3moe",)
+    tensor_parallel = False
+
+    def hf_config(self, cfg, base):
+        n = base["num_layers"]
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        only = set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
+        return {**super().hf_config(cfg, base),
+                "num_experts": cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"],
+                "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["moe_intermediate_size"],
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                "dense_layers": dense}
+
+    def gguf_config(self, get, base, tensor_names):
+        # llama.cpp always renormalises Qwen3-MoE's top-k weights (transformers' GGUF
+        # loader sets norm_topk_prob for it too).
+        return {"qk_norm": True, "norm_topk_prob": True}

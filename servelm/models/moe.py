@@ -1,0 +1,64 @@
+"""Mixture of experts: top-k routed gated MLPs, every expert's weights read once a step.
+
+The router scores each token over E experts (softmax in fp32), keeps its top k and, where
+the family asks (`norm_topk_prob`; Mixtral always), renormalises their weights. The k
+(token, expert) pairs of every token are then sorted by expert, so each expert with any
+tokens runs one gate_up and one down matmul over all of them: a step reads an expert's
+weights once however many tokens chose it (no per-token loop), and an expert no token chose
+is not read at all. The outputs are scattered back, weighted, with one index_add.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.models.layers import gated_act
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a MoE layer: router `gate` [E, hidden] and stacked expert weights
+    experts_gate_up [E, 2 * I, hidden] (gate rows, then up) and experts_down [E, hidden, I]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool = True, act: str = "silu"):
+        super().__init__()
+        self.options = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
+                            top_k=top_k, norm_topk_prob=norm_topk_prob, act=act)
+        self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
+        self.norm_topk_prob, self.act = norm_topk_prob, act
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of every token."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        T, k = x.shape[0], self.top_k
+        weights, ids = self.route(x)
+        flat = ids.view(-1)
+        order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k
+        xs = x.index_select(0, tokens)
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = expert_mlp(xs[start:start + n], self.experts_gate_up[e],
+                                                  self.experts_down[e], self.act)
+                start += n
+        out.mul_(weights.view(-1)[order].unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+    """One expert over all the tokens routed to it: [n, hidden] -> [n, hidden]."""
+    return F.linear(gated_act(F.linear(x, gate_up), act), down)
