@@ -44,15 +44,36 @@ class ModelShape:
     tied_embeddings: bool = False
     kv_bits: float = 16
     intermediate_size: int | None = None
+    # Mixture of experts: the routed experts' weights (within num_params), each token
+    # reading experts_per_tok of num_experts in every MoE layer.
+    expert_params: int = 0
+    num_experts: int = 0
+    experts_per_tok: int = 0
 
-    @property
-    def weight_bytes_per_step(self) -> float:
-        """Bytes read per decode step: every weight once. An untied input embedding is only
-        indexed (one row per token), so it is not read whole."""
+    def _read_params(self) -> float:
         params = self.num_params
         if self.vocab_size and self.hidden_size and not self.tied_embeddings:
             params -= self.vocab_size * self.hidden_size
-        return params * self.weight_bits / 8
+        return params
+
+    def expert_fraction(self, tokens: int) -> float:
+        """The expected share of the experts a step of `tokens` tokens reads (each token's
+        k experts drawn uniformly: 1 - (1 - k/E)^tokens); 1 for a dense model."""
+        if not self.num_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_tok / self.num_experts) ** max(tokens, 1)
+
+    def weight_bytes(self, tokens: int = 1) -> float:
+        """Bytes read by a step of `tokens` tokens: every weight once (a MoE model only the
+        experts its tokens chose). An untied input embedding is only indexed (one row per
+        token), so it is not read whole."""
+        unread = self.expert_params * (1.0 - self.expert_fraction(tokens))
+        return (self._read_params() - unread) * self.weight_bits / 8
+
+    @property
+    def weight_bytes_per_step(self) -> float:
+        """weight_bytes of a one-token decode step."""
+        return self.weight_bytes(1)
 
     @property
     def kv_bytes_per_token(self) -> float | None:
@@ -64,9 +85,8 @@ class ModelShape:
     def flops_per_token(self, context: int = 0) -> float:
         """Matmul FLOPs for one token: 2 per weight it multiplies, plus attention over
         `context` earlier tokens (QK^T and PV: 4 * layers * context * heads * head_dim)."""
-        params = self.num_params
-        if self.vocab_size and self.hidden_size and not self.tied_embeddings:
-            params -= self.vocab_size * self.hidden_size  # the input embedding is a lookup
+        # The input embedding is a lookup; a MoE token multiplies only its experts' weights.
+        params = self._read_params() - self.expert_params * (1.0 - self.expert_fraction(1))
         attn = 0.0
         if None not in (self.num_layers, self.num_heads, self.head_dim):
             attn = 4.0 * self.num_layers * context * self.num_heads * self.head_dim
@@ -101,7 +121,8 @@ class ModelShape:
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_heads=cfg.num_heads,
                    hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
-                   intermediate_size=cfg.intermediate_size)
+                   intermediate_size=cfg.intermediate_size, expert_params=cfg.expert_params,
+                   num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok)
 
 
 @dataclass(frozen=True)
@@ -120,14 +141,14 @@ def predict_prefill(m: ModelShape, hw: Hardware, prompt_len: int) -> Prediction:
     the LM head (and the last layer past attention) for the last position only. Attention
     FLOPs use the causal average context (prompt_len / 2)."""
     flops = m.prefill_flops(prompt_len, context=prompt_len // 2)
-    mem = m.weight_bytes_per_step + prompt_len * (m.kv_bytes_per_token or 0)
+    mem = m.weight_bytes(prompt_len) + prompt_len * (m.kv_bytes_per_token or 0)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
                       flops / hw.flops)
 
 
 def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Prediction:
     """One decode step for `batch` sequences each attending to `context` tokens."""
-    mem = m.weight_bytes_per_step + batch * context * (m.kv_bytes_per_token or 0)
+    mem = m.weight_bytes(batch) + batch * context * (m.kv_bytes_per_token or 0)
     flops = batch * m.flops_per_token(context=context)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
                       flops / hw.flops)
@@ -190,7 +211,10 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     """The roofline table as text."""
     lines = [f"machine: {hw.bandwidth / 1e9:.1f} GB/s memory read, "
              f"{hw.flops / 1e12:.2f} TFLOP/s matmul ({hw.source})",
-             f"model: {m.num_params / 1e9:.3f} B parameters at {m.weight_bits:g} bits",
+             f"model: {m.num_params / 1e9:.3f} B parameters at {m.weight_bits:g} bits"
+             + (f" ({m.num_experts} experts, {m.experts_per_tok} a token: "
+                f"{(m.num_params - m.expert_params * (1 - m.expert_fraction(1))) / 1e9:.3f} B active)"
+                if m.num_experts else ""),
              f"  weight bytes read per decode step: {_fmt_bytes(m.weight_bytes_per_step)}",
              f"  FLOPs per token (no context): {m.flops_per_token() / 1e9:.3f} GFLOP"]
     kv = m.kv_bytes_per_token

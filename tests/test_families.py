@@ -196,3 +196,32 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         LLM(model=str(tmp_path))
     for arch in supported_architectures():
         assert arch in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_tensor_parallel_2_matches_tp1(checkpoints, family):
+    """The shared blocks shard with their options (q/k norms, sandwich norms, windows, bias)."""
+    path, _ = checkpoints[family]
+    kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
+              max_model_len=256, num_threads=2)
+    one = LLM(**kw)
+    prompts = [_ids(one, p) for p in PROMPTS]
+    want = prompt_logits(one.engine, prompts)
+    a = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    threads = torch.get_num_threads()
+    two = LLM(tensor_parallel_size=2, **kw)
+    try:
+        got = prompt_logits(two.engine, prompts)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == a
+    finally:
+        two.engine.shutdown()
+        torch.set_num_threads(threads)  # rank 0 took its share of the threads
+
+
+@pytest.mark.parametrize("family", ["phi3", "mixtral"])
+def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family):
+    path, _ = checkpoints[family]
+    with pytest.raises(ValueError, match=f"tensor parallelism does not support the {family}"):
+        LLM(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
+            tensor_parallel_size=2)

@@ -51,6 +51,21 @@ def test_paged_decode_attention_matches_reference(dtype, g, lens):
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 512])
+# Short rows inside the window, rows longer than it, and [150]/[1000]: split contexts whose
+# early splits fall wholly before the window.
+@pytest.mark.parametrize("lens", [[5, 40, 700, 16, 17], [150], [1000]])
+def test_paged_decode_attention_sliding_window(dtype, window, lens):
+    q, kc, vc, tables, cl = _paged_setup(lens, kvh=2, g=2, d=64, bs=16, dtype=dtype, seed=3)
+    got = ops().paged_decode_attention(q, kc, vc, tables, cl, 0.125, window)
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, cl, 0.125,
+                                      window)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops().paged_decode_attention(q, kc, vc, tables, cl, 0.125, -1)
+
+
 def test_paged_decode_attention_strided_q_and_other_head_dim():
     # q as a view into a wider row (as qkv[:, :q_size] is), head dim 128, block size 32.
     q, kc, vc, tables, cl = _paged_setup([5, 40, 700], kvh=2, g=4, d=128, bs=32,

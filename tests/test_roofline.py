@@ -102,3 +102,26 @@ def test_cli_on_the_embedded_model():
 def test_cli_rejects_bad_numbers():
     r = _roofline("--bandwidth", "-3", "--flops", "1")
     assert r.returncode == 2 and "--bandwidth" in r.stderr
+
+
+def test_moe_reads_its_chosen_experts_and_multiplies_only_active_weights():
+    from servelm.models.config import ModelConfig
+
+    # Qwen3-30B-A3B's shape: 30.5 B parameters, 3.3 B active.
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", family="qwen3_moe", vocab_size=151936,
+                      hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                      num_kv_heads=4, head_dim=128, max_position_embeddings=4096, qk_norm=True,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    assert round(cfg.num_params / 1e9, 1) == 30.5 and round(cfg.num_active_params / 1e9, 1) == 3.4
+    m = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
+    embed = cfg.vocab_size * cfg.hidden_size  # untied: the input embedding is only indexed
+    assert m.weight_bytes(1) == pytest.approx((cfg.num_active_params - embed) * 2)
+    assert m.flops_per_token() == pytest.approx(2 * (cfg.num_active_params - embed))
+    # More tokens a step reach more experts, up to all of them.
+    sizes = [m.weight_bytes(b) for b in (1, 8, 64, 4096)]
+    assert sizes == sorted(sizes) and sizes[-1] == pytest.approx((cfg.num_params - embed) * 2)
+    dense = rl.ModelShape.from_config(ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64),
+        weight_bits=16, kv_bits=16)
+    assert dense.weight_bytes(1) == dense.weight_bytes(64) == dense.weight_bytes_per_step

@@ -123,6 +123,11 @@ def sse_events(lines) -> list:
 def test_health_models_and_auth(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200  # open without a key
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert (card.id, card.family, card.architecture) == (MODEL, "llama", "LlamaForCausalLM")
+    assert card.max_model_len > 0
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(f"{server.url}/v1/models", headers=headers)
         assert r.status_code == 401

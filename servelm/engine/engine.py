@@ -130,6 +130,12 @@ class LLMEngine:
             max_len = min(max_len, sched_cfg.max_model_len)
         if config.tensor_parallel_size > 1:
             from servelm.distributed.executor import TPExecutor
+            from servelm.models.registry import family_for_architecture
+
+            family = family_for_architecture(self.model_config.architecture)
+            if not family.tensor_parallel:  # before any process starts
+                raise ValueError(f"tensor parallelism does not support the {family.name} "
+                                 f"family yet (run it with tensor_parallel_size 1)")
 
             # N ranks (spawned here, or started by torchrun), each with 1/N of every weight
             # and its own KV pool; on a torchrun rank other than 0 this serves as a worker
@@ -389,7 +395,8 @@ class EngineStats:
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
         kv_per_token = shape.kv_bytes_per_token or 0
-        read = shape.weight_bytes_per_step
+        # Every weight once (a MoE model: the experts this many tokens are expected to reach).
+        read = shape.weight_bytes(sum(s.num_new_tokens for s in sched.scheduled))
         flops = 0.0
         prefill_tokens = 0
         for s in sched.scheduled:

@@ -102,6 +102,12 @@ class ModelConfig:
         return self._params(active=False)
 
     @property
+    def expert_params(self) -> int:
+        """The routed experts' weights (within num_params; 0 dense)."""
+        per = 3 * self.hidden_size * self.moe_intermediate_size * self.num_experts
+        return sum(per for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
     def num_active_params(self) -> int:
         """Parameters one token reads: a MoE layer's chosen experts only (= num_params dense)."""
         return self._params(active=True)

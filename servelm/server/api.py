@@ -121,9 +121,21 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
+    def model_card() -> ModelCard:
+        llm = getattr(engine, "engine", None)  # None until the engine thread has built it
+        cfg = getattr(llm, "model_config", None)
+        return ModelCard(id=model_name, family=cfg and cfg.family,
+                         architecture=cfg and cfg.architecture,
+                         max_model_len=getattr(llm, "max_model_len", None))
+
     @v1.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name)])
+        return ModelList(data=[model_card()])
+
+    @v1.get("/models/{name:path}")
+    async def retrieve_model(name: str) -> ModelCard:
+        check_model(name)
+        return model_card()
 
     async def generate(request: Request, schema: type[BaseModel], endpoint):
         """Parse, check the model, start; then stream (SSE) or answer once."""

@@ -310,6 +310,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "servelm"
+    # servelm's additions (as vLLM adds max_model_len): what is being served.
+    family: str | None = None          # the model family (llama, qwen2, gemma3, ...)
+    architecture: str | None = None    # the HF architecture name
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
