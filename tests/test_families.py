@@ -225,3 +225,134 @@ def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family):
     with pytest.raises(ValueError, match=f"tensor parallelism does not support the {family}"):
         LLM(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
             tensor_parallel_size=2)
+
+
+# ---- GGUF: each family's llama.cpp spelling, written here from the same checkpoints ---------
+
+def _llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """What llama.cpp's converter does to llama's q/k rows (interleaves rotary halves)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# HF name part -> llama.cpp's, as convert_hf_to_gguf.py names them.
+_GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+               "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
+              "mixtral": "llama", "mistral": "llama", "llama3": "llama"}
+
+
+def _write_gguf(path, family: str, model, tokenizer_meta: dict) -> None:
+    import re
+
+    import gguf
+    import numpy as np
+
+    cfg, arch = model.config, _GGUF_ARCH[family]
+    w = gguf.GGUFWriter(str(path), arch)
+    n = cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for key, value in {"context_length": cfg.max_position_embeddings,
+                       "embedding_length": cfg.hidden_size, "block_count": n,
+                       "feed_forward_length": cfg.intermediate_size,
+                       "attention.head_count": cfg.num_attention_heads,
+                       "attention.head_count_kv": cfg.num_key_value_heads,
+                       "attention.key_length": head_dim}.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    if getattr(cfg, "sliding_window", None):
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if family == "phi3":
+        w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * cfg.partial_rotary_factor))
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        w.add_uint32(f"{arch}.expert_feed_forward_length", inter)
+    for key, value in tokenizer_meta.items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_uint32(key, value)
+    state = {k: v.float() for k, v in model.state_dict().items()}
+    stacked: dict[tuple[int, str], list] = {}
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                w.add_tensor("output.weight", t.numpy())
+            continue
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t.numpy())
+            continue
+        if name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", t.numpy())
+            continue
+        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        if fused:  # transformers' in-memory experts: [E, 2I, H] (gate, then up) / [E, H, I]
+            i = int(fused.group(1))
+            if fused.group(2) == "down_proj":
+                w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t.contiguous().numpy())
+            else:
+                gate, up = t.chunk(2, dim=1)
+                w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", gate.contiguous().numpy())
+                w.add_tensor(f"blk.{i}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        i, part, kind = int(m.group(1)), m.group(2), m.group(3)
+        e = re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)", part)
+        if e:  # one [E, ...] tensor per projection in llama.cpp
+            which = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                     "down_proj": "down", "w2": "down"}[e.group(2)]
+            stacked.setdefault((i, which), []).append((int(e.group(1)), t))
+            continue
+        if arch == "llama" and part == "self_attn.q_proj":
+            t = _llamacpp_permute(t, cfg.num_attention_heads)
+        elif arch == "llama" and part == "self_attn.k_proj":
+            t = _llamacpp_permute(t, cfg.num_key_value_heads)
+        w.add_tensor(f"blk.{i}.{_GGUF_PARTS[part]}.{kind}", t.numpy())
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter: a divisor per frequency
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        w.add_tensor("rope_freqs.weight", (plain / scaled).float().numpy())
+    for (i, which), ts in stacked.items():
+        arr = torch.stack([t for _, t in sorted(ts, key=lambda x: x[0])]).numpy()
+        w.add_tensor(f"blk.{i}.ffn_{which}_exps.weight", np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                    "mixtral", "phi3"])
+def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
+                                                        tmp_path):
+    from servelm.models.gguf_file import GGUFReader
+
+    path, ref = checkpoints[family]
+    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    _write_gguf(tmp_path / "model.gguf", family, ref, meta)
+    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
+              kv_cache_memory=16 << 20, max_model_len=256)
+    hf = LLM(model=path, **kw)
+    gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
+    # llama.cpp writes Mistral as `llama` (the same layer, its window in the metadata).
+    assert gg.engine.model_config.family == {"mistral": "llama"}.get(family, hf.engine.model_config.family)
+    prompts = [_ids(hf, p) for p in PROMPTS]
+    assert [_ids(gg, p) for p in PROMPTS] == prompts
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
+                               rtol=1e-5, atol=1e-5)

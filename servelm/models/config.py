@@ -189,10 +189,14 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
         )
         if get("expert_count"):
+            n = base["num_layers"]
             base.update(num_experts=int(get("expert_count")),
                         num_experts_per_tok=int(get("expert_used_count")),
                         moe_intermediate_size=int(get("expert_feed_forward_length", 0)
-                                                  or get("feed_forward_length")))
+                                                  or get("feed_forward_length")),
+                        # layers without a router are dense (Qwen3-MoE's mlp_only_layers)
+                        dense_layers=tuple(i for i in range(n)
+                                           if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
         rot = get("rope.dimension_count")
         if rot and int(rot) != base["head_dim"]:
             base["rotary_dim"] = int(rot)

@@ -266,6 +266,7 @@ class CausalLM(nn.Module):
     _STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     # Experts: one tensor per expert (HF) or all experts in one (GGUF's *_exps).
     _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight")
+    _FUSED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in (HF names, in the family's spelling); every parameter
@@ -284,6 +285,13 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
             tensor = self.family.transform(name, tensor)
+            fused_experts = self._FUSED_EXPERTS.fullmatch(name)
+            if fused_experts:  # all experts in one tensor, as transformers 5 holds them
+                prefix, part = fused_experts.groups()
+                target = f"{prefix}.experts_{'down' if part == 'down_proj' else 'gate_up'}"
+                self._copy(params, target, tensor)
+                loaded.add(target)
+                continue
             m = self._EXPERT.fullmatch(name)
             if m:
                 self._copy_expert(params, m, tensor, experts, loaded)

