@@ -1,8 +1,10 @@
-"""servelm against transformers (and llama.cpp, when llama-cpp-python is installed), side by
-side in one run, on the embedded model: the three figures of issue 5.
+"""servelm against transformers (and llama.cpp, when llama-cpp-python is installed or
+--llama-bench names llama.cpp's llama-bench tool), side by side in one run, on the embedded
+model or --model GGUF: the three figures of issue 5.
 
     python benchmarks/compare.py [--formats bfloat16,float32,int8,int4,int4@float32] [--skip-transformers]
-                                 [--transformers-dtypes float32,bfloat16]
+                                 [--transformers-dtypes float32,bfloat16] [--model FILE.gguf]
+                                 [--llama-bench PATH] [--no-batch]
                                  [--rounds 3] [--repeats 5] [--decode-repeats 3]
 
 - TTFT, 512-token prompt: one request alone, prefix caching off, median of --repeats.
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -79,6 +82,14 @@ def _timed_gen(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
+MODEL: str | None = None  # --model: the GGUF every system loads (None: the embedded one)
+BATCHED = True             # --no-batch: skip the 64-stream figure
+
+
+def model_file() -> str:
+    return MODEL or default_model_path()
+
+
 class Servelm(System):
     def __init__(self, fmt: str):
         """fmt: a dtype or quantisation (with bf16 activations, or "<quant>@float32");
@@ -90,7 +101,7 @@ class Servelm(System):
         dtype, quant = (base, None) if base in ("float32", "bfloat16") else (act or "bfloat16", base)
         kw = {"quantization": quant} if quant else {}
         kw.update(VARIANTS[variant] if variant else {})
-        self.llm = LLM(dtype=dtype, enable_prefix_caching=False, **kw)
+        self.llm = LLM(model=MODEL, dtype=dtype, enable_prefix_caching=False, **kw)
         self.name = f"servelm {fmt}"
         self.one = SamplingParams(temperature=0, max_tokens=1)
         self.gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
@@ -107,7 +118,9 @@ class Servelm(System):
     def decode_1(self) -> float:
         return 1 / self.llm.generate([_prompt_ids(16, 7)], self.gen, use_tqdm=False)[0].metrics.tpot
 
-    def decode_64(self) -> float:
+    def decode_64(self) -> float | None:
+        if not BATCHED:
+            return None
         outs = self.llm.generate([_prompt_ids(16, 100 + i) for i in range(BATCH)], self.gen,
                                  use_tqdm=False)
         return BATCH / statistics.median(o.metrics.tpot for o in outs)
@@ -117,7 +130,7 @@ class Transformers(System):
     def __init__(self, dtype: str):
         from transformers import AutoModelForCausalLM
 
-        d, f = os.path.split(default_model_path())
+        d, f = os.path.split(model_file())
         self.model = AutoModelForCausalLM.from_pretrained(
             d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
         self.name = f"transformers {dtype}"
@@ -137,7 +150,9 @@ class Transformers(System):
         short = torch.tensor([_prompt_ids(16, 7)])
         return GEN / (self._gen(short, GEN + 1) - self._gen(short, 1))
 
-    def decode_64(self) -> float:
+    def decode_64(self) -> float | None:
+        if not BATCHED:
+            return None
         batch = torch.tensor([_prompt_ids(16, 100 + i) for i in range(BATCH)])
         return BATCH * GEN / (self._gen(batch, GEN + 1) - self._gen(batch, 1))
 
@@ -148,7 +163,7 @@ class LlamaCpp(System):
     def __init__(self):
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=default_model_path(), n_ctx=2048,
+        self.llm = Llama(model_path=model_file(), n_ctx=2048,
                          n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
         self._timed(_prompt_ids(PROMPT_LEN, 99), 1)  # warm-up
 
@@ -166,6 +181,31 @@ class LlamaCpp(System):
     def decode_1(self) -> float:
         short = _prompt_ids(16, 7)
         return GEN / (self._timed(short, GEN + 1) - self._timed(short, 1))
+
+
+class LlamaBench(System):
+    """llama.cpp's own llama-bench on the same GGUF: pp512 (as a TTFT: 512 / its tok/s) and
+    tg128 (one stream), one repetition a sample, all the machine's threads."""
+
+    name = "llama.cpp (llama-bench)"
+
+    def __init__(self, tool: str):
+        self.tool = tool
+        self._run(16, 16)  # warm-up (page cache, first-run costs)
+
+    def _run(self, prompt: int, gen: int) -> list[dict]:
+        out = subprocess.run([self.tool, "-m", model_file(), "-p", str(prompt), "-n", str(gen),
+                              "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"],
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out)
+
+    def ttft(self, repeats: int) -> float:
+        rows = self._run(PROMPT_LEN, 0)
+        return PROMPT_LEN / next(r["avg_ts"] for r in rows if r["n_prompt"] == PROMPT_LEN)
+
+    def decode_1(self) -> float:
+        rows = self._run(0, GEN)
+        return next(r["avg_ts"] for r in rows if r["n_gen"] == GEN)
 
 
 METRICS = ("ttft_512_s", "decode_1_tok_s", "decode_64_tok_s")
@@ -207,7 +247,14 @@ def main() -> None:
     ap.add_argument("--flops", type=float, default=None, metavar="TFLOP/s",
                     help="bf16 matmul peak for the roofline (default: measured each round)")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--model", default=None, metavar="FILE.gguf",
+                    help="a GGUF every system loads (default: the embedded SmolLM2)")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH",
+                    help="llama.cpp's llama-bench binary: a column measured with it")
+    ap.add_argument("--no-batch", action="store_true", help="skip the 64-stream figure")
     args = ap.parse_args()
+    global MODEL, BATCHED
+    MODEL, BATCHED = args.model, not args.no_batch
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if len(set(formats)) != len(formats):
         ap.error(f"--formats names a format twice: {args.formats!r}")
@@ -236,6 +283,8 @@ def main() -> None:
         systems.append(LlamaCpp())
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp left out", file=sys.stderr)
+    if args.llama_bench:
+        systems.append(LlamaBench(args.llama_bench))
 
     rounds = []
     for rnd in range(args.rounds):
@@ -281,6 +330,8 @@ def main() -> None:
 
     names = {s.name for s in systems}
     ref, cpp = "transformers bfloat16", LlamaCpp.name
+    if ref not in names and "transformers float32" in names:
+        ref = "transformers float32"
     print("\nratios within a round, median [range] over the rounds:")
     for s in systems:
         if not isinstance(s, Servelm):
@@ -291,12 +342,15 @@ def main() -> None:
                                ("decode x64", "decode_64_tok_s")):
                 xs = ratios(s.name, ref, key)
                 parts.append(f"{label} x{statistics.median(xs):.2f} {_spread(xs)}")
-        if cpp in names:
-            xs = ratios(s.name, cpp, "decode_1_tok_s")
-            parts.append(f"decode x1 vs llama.cpp x{statistics.median(xs):.2f} {_spread(xs)}")
+        for peer in (cpp, LlamaBench.name):
+            if peer in names:
+                xs = ratios(s.name, peer, "decode_1_tok_s")
+                ys = ratios(s.name, peer, "ttft_512_s")
+                parts.append(f"vs {peer}: decode x1 x{statistics.median(xs):.2f} {_spread(xs)}"
+                             f", TTFT x{statistics.median(ys):.2f} {_spread(ys)}")
         if parts:
             print(f"  {s.name:<22} " + "   ".join(parts)
-                  + ("   (TTFT, decode: against transformers bf16)" if ref in names else ""))
+                  + (f"   (TTFT, decode: against {ref})" if ref in names else ""))
     if args.json:
         summary = {s.name: {k: med(s.name, k) for k in METRICS} for s in systems}
         with open(args.json, "w") as f:

@@ -32,6 +32,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=WINDOW)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         norm_topk_prob=True, mlp_only_layers=[1])),
@@ -86,7 +88,7 @@ def test_eager_fp32_matches_transformers(checkpoints, family):
     path, ref = checkpoints[family]
     llm = LLM(model=path, dtype="float32", cpu_kernels=False, kernel_tuning="off",
               kv_cache_memory=16 << 20, max_model_len=256)
-    assert llm.engine.model_config.family == ("llama" if family == "llama3" else family)
+    assert llm.engine.model_config.family == {"llama3": "llama", "qwen3_yarn": "qwen3"}.get(family, family)
     prompts = [_ids(llm, p) for p in PROMPTS]
     ours = prompt_logits(llm.engine, prompts)
     for i, ids in enumerate(prompts):
@@ -200,7 +202,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
-    """The shared blocks shard with their options (q/k norms, sandwich norms, windows, bias)."""
+    """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
+    rotary tables; Qwen2's q/k/v biases by head)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
               max_model_len=256, num_threads=2)

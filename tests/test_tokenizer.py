@@ -204,8 +204,42 @@ def test_from_gguf_add_bos_and_eot(gguf_path):
     assert tok.encode("Hello") == [1, 19556]
     assert tok.encode("Hello", add_special_tokens=False) == [19556]
     assert tok.eos_token_ids == frozenset({0, 2})
-    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
-        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "t5"})
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path):
+    """A Llama-2-style SentencePiece vocabulary (scores, byte fallback, no merges in the
+    file) in a GGUF written here: the same ids as transformers' reading of the file."""
+    import gguf
+
+    from servelm.models.gguf_file import GGUFReader
+
+    pieces = ["\u2581", "t", "h", "e", "a", "l", "o", "w", "r", "d", "he", "\u2581t", "\u2581the",
+              "ll", "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "\u2581a", "lo", "\u2581hel",
+              "\u2581hello", "el", "\u2581h"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", scores)
+    w.add_array("tokenizer.ggml.token_type", types)
+    for key, value in (("bos", 1), ("eos", 2), ("unknown", 0)):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf(GGUFReader(str(tmp_path / "spm.gguf")).metadata)
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["hello world", "the world", " two  spaces", "héllo wörld", "tea", ""]:
+        assert ours.encode(text) == ref.encode(text), text
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
 
 
 def test_from_dir_template_in_config(tok, saved_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ from servelm.config import KernelConfig
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 from servelm.models.layers import AttnGroup, ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -255,7 +258,13 @@ class ModelRunner:
                                  and _triton_works(torch.device(device), kv_cache.data.dtype,
                                                    cfg, kv_cache.block_size))
         self.graphs = None
-        if cuda_graphs:
+        # A sliding-window layer picks its attention path by the step's context lengths
+        # (host data), which a captured graph would freeze: such models decode eagerly.
+        windowed = any(getattr(layer.self_attn, "window", None)
+                       for layer in getattr(model, "layers", ()))
+        if cuda_graphs and windowed:
+            logger.info("CUDA graphs off: the model has sliding-window layers")
+        if cuda_graphs and not windowed:
             from servelm.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, kv_cache, device, max_batch=max_graph_batch,

@@ -169,8 +169,9 @@ class ModelConfig:
                        "factor": float(get("rope.scaling.factor", 1.0)),
                        "original_max_position_embeddings":
                            int(get("rope.scaling.original_context_length", 0))}
-        if scaling and scaling["rope_type"] != "linear":
-            raise ValueError(f"unsupported GGUF rope scaling {scaling['rope_type']!r}")
+        if scaling and scaling["rope_type"] not in ("linear", "yarn"):
+            raise ValueError(f"unsupported GGUF rope scaling {scaling['rope_type']!r} "
+                             f"(supported: linear, yarn)")
         base = dict(
             architecture=family.architectures[0],
             family=family.name,
@@ -223,9 +224,14 @@ def rope_scaling(cfg: dict[str, Any], layer_type: str = FULL) -> dict[str, Any] 
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
-    return {**scaling, "rope_type": kind}
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+    out = {**scaling, "rope_type": kind}
+    if kind == "yarn":
+        out.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if out.get("factor") is None:
+            out["factor"] = cfg["max_position_embeddings"] / out["original_max_position_embeddings"]
+    return out
 
 
 def hf_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:

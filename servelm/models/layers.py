@@ -185,16 +185,54 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling:
+        mscale = 1.0
+        if scaling and scaling["rope_type"] == "yarn":
+            inv_freq, mscale = _yarn(theta, head_dim, scaling)
+        elif scaling:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # YaRN scales the rotated q and k (so the logits) by mscale: folded into the table.
+        self.register_buffer("cos", emb.cos() * mscale, persistent=False)
+        self.register_buffer("sin", emb.sin() * mscale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _yarn(theta: float, dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by factor), those turning more than
+    beta_fast times kept, a linear ramp between; attention scaled by 0.1 ln(factor) + 1
+    (or attention_factor, or the mscale / mscale_all_dim ratio)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = mscale(m) / mscale(m_all) if m and m_all else mscale()
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns this many times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+    return inv_freq, float(attn)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
