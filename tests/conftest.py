@@ -58,16 +58,17 @@ def llm():
 
 
 @pytest.fixture(scope="session")
-def hf_model(gguf_path):
+def hf_model(gguf_path, tmp_path_factory):
     """transformers' own load of the same GGUF, dequantised to fp32: the numerical reference."""
-    transformers = pytest.importorskip("transformers")
-    d, f = os.path.split(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    return model.eval()
+    pytest.importorskip("transformers")
+    from helpers import hf_from_gguf
+
+    return hf_from_gguf(gguf_path, tmp_path_factory.mktemp("hf-reference"))
 
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
-    transformers = pytest.importorskip("transformers")
-    d, f = os.path.split(gguf_path)
-    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    pytest.importorskip("transformers")
+    from helpers import hf_tokenizer_from_gguf
+
+    return hf_tokenizer_from_gguf(gguf_path)  # AutoTokenizer's choice for it, named

@@ -49,3 +49,83 @@ def prompt_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
         return run_seqs(engine, [(p, 0, o) for p, o in zip(prompts, owners)])
     finally:
         release(engine, *owners)
+
+
+def script_usage_error(script: str, *args: str, capsys) -> tuple[int, str]:
+    """Run benchmarks/<script>'s main() in this process with argv `args` (a usage error is
+    expected, raised before anything loads): (exit code, stderr). No subprocess, so no
+    interpreter and torch start-up per call; an unexpected exception fails the test."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = sys.argv
+    sys.argv = [str(path), *args]
+    try:
+        module.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    else:
+        code = 0
+    finally:
+        sys.argv = argv
+    return code, capsys.readouterr().err
+
+
+def hf_from_gguf(path: str, tmp_dir):
+    """transformers' model from a GGUF, dequantised to fp32: the numerical reference. Read
+    from a copy with the same tensors and model metadata but no vocabulary arrays (the
+    reference is fed token ids; gguf-py's parse of a 50k-150k-token vocabulary is most of
+    transformers' load time, twice over)."""
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    import transformers
+
+    from servelm.models.gguf_file import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = reader.metadata["general.architecture"]
+    copy = Path(tmp_dir) / "weights-only.gguf"
+    w = gguf.GGUFWriter(str(copy), arch)
+    for key, value in reader.metadata.items():
+        if key == "general.architecture" or isinstance(value, list):
+            continue  # written by the writer / the vocabulary arrays
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
+    w.add_uint32(f"{arch}.vocab_size", len(reader.metadata["tokenizer.ggml.tokens"]))
+    for t in reader.tensors:
+        if t.data.dtype == np.uint8:  # quantised blocks, as they are
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=gguf.GGMLQuantizationType(t.qtype))
+        else:
+            w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(copy.parent), gguf_file=copy.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_tokenizer_from_gguf(path: str, cls: str = "TokenizersBackend"):
+    """transformers' tokenizer for a GGUF, built by its own GGUF tokenizer conversion. Named
+    by class (the one AutoTokenizer picks for the file): AutoTokenizer first reads the whole
+    file through gguf-py to find the class, 10-40 s here, the conversion itself 1-6 s."""
+    import os
+
+    import transformers
+
+    d, f = os.path.split(path)
+    return getattr(transformers, cls).from_pretrained(d, gguf_file=f)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import script_usage_error
 from servelm import quantization as Q
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,34 +40,34 @@ def test_decode_ab_reports_both_sides_and_their_ratio(what, on, off):
                                        (("--streams", "0"), "--streams"),
                                        (("--pairs", "0"), "--pairs"),
                                        (("--what", "prefill"), "--what")])
-def test_decode_ab_rejects_bad_arguments(args, flag):
-    r = _run("decode_ab.py", *args)
-    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+def test_decode_ab_rejects_bad_arguments(args, flag, capsys):
+    code, err = script_usage_error("decode_ab.py", *args, capsys=capsys)
+    assert code == 2 and flag in err
 
 
-def test_compare_rejects_an_unknown_format_variant():
-    r = _run("compare.py", "--formats", "int4/bogus", "--skip-transformers")
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "unknown format variant 'bogus' in 'int4/bogus'" in r.stderr
-    assert "tiles, onednn, torch, untuned, unfused, smallpages, eager" in r.stderr
+def test_compare_rejects_an_unknown_format_variant(capsys):
+    code, err = script_usage_error("compare.py", "--formats", "int4/bogus", "--skip-transformers",
+                                   capsys=capsys)
+    assert code != 0
+    assert "unknown format variant 'bogus' in 'int4/bogus'" in err
+    assert "tiles, onednn, torch, untuned, unfused, smallpages, eager" in err
 
 
-def test_compare_rejects_an_unknown_transformers_dtype():
-    r = _run("compare.py", "--formats", "int4", "--transformers-dtypes", "float32,int3")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "--transformers-dtypes: unknown dtype 'int3'" in r.stderr
+def test_compare_rejects_an_unknown_transformers_dtype(capsys):
+    code, err = script_usage_error("compare.py", "--formats", "int4", "--transformers-dtypes",
+                                   "float32,int3", capsys=capsys)
+    assert code == 2 and "--transformers-dtypes: unknown dtype 'int3'" in err
 
 
-def test_compare_rejects_a_format_named_twice():
+def test_compare_rejects_a_format_named_twice(capsys):
     # Every system is loaded at once and results are keyed by name: a repeat is a usage error.
-    r = _run("compare.py", "--formats", "int4,bfloat16,int4", "--skip-transformers")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "--formats names a format twice: 'int4,bfloat16,int4'" in r.stderr
+    code, err = script_usage_error("compare.py", "--formats", "int4,bfloat16,int4",
+                                   "--skip-transformers", capsys=capsys)
+    assert code == 2 and "--formats names a format twice: 'int4,bfloat16,int4'" in err
 
 
-def test_serving_sweep_rejects_a_non_positive_roofline():
+def test_serving_sweep_rejects_a_non_positive_roofline(capsys):
     # The sweep's roofline defaults to the machine measured; a given one must be positive.
     for flag in ("--bandwidth", "--flops"):
-        r = _run("serving.py", "sweep", flag, "0")
-        assert r.returncode == 2 and "Traceback" not in r.stderr
-        assert f"argument {flag}: must be > 0" in r.stderr
+        code, err = script_usage_error("serving.py", "sweep", flag, "0", capsys=capsys)
+        assert code == 2 and f"argument {flag}: must be > 0" in err

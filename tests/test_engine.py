@@ -67,7 +67,8 @@ def test_batch_invariance_with_staggered_arrivals(llm):
     """10 prompts of different lengths joining at different steps decode as if each ran alone."""
     base = "Tell me something about the number"
     prompts = [f"{base} {i}" + " please" * (i % 5) + "." for i in range(10)]
-    expected = _alone(llm, prompts, GREEDY)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    expected = _alone(llm, prompts, params)
     engine = llm.engine
     done = {}
     pending = list(enumerate(prompts))
@@ -77,7 +78,7 @@ def test_batch_invariance_with_staggered_arrivals(llm):
             for _ in range(2 if steps % 4 == 0 else 1):
                 if pending:
                     i, p = pending.pop(0)
-                    engine.add_request(f"stagger-{i}", p, GREEDY)
+                    engine.add_request(f"stagger-{i}", p, params)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids

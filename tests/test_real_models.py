@@ -6,13 +6,12 @@ two rotary bases, sandwich norms) by `make models`, and its test skips without i
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from helpers import hf_from_gguf, hf_tokenizer_from_gguf
 from servelm import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -40,42 +39,8 @@ def _model(name: str) -> str:
 
 
 def _reference(path: str, tmp_path: Path):
-    """transformers' model from the same GGUF, dequantised to fp32: read from a copy with
-    the same tensors and model metadata but no vocabulary arrays (the reference is fed
-    token ids; gguf-py's parse of 150k-token arrays is most of a 2-minute load here)."""
-    import gguf
-
-    from servelm.models.gguf_file import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.metadata["general.architecture"]
-    copy = tmp_path / "weights-only.gguf"
-    w = gguf.GGUFWriter(str(copy), arch)
-    for key, value in reader.metadata.items():
-        if key == "general.architecture" or isinstance(value, list):
-            continue  # written by the writer / the vocabulary arrays
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_string(key, value)
-    w.add_uint32(f"{arch}.vocab_size", len(reader.metadata["tokenizer.ggml.tokens"]))
-    for t in reader.tensors:
-        if t.data.dtype == np.uint8:  # quantised blocks, as they are
-            w.add_tensor(t.name, np.asarray(t.data),
-                         raw_dtype=gguf.GGMLQuantizationType(t.qtype))
-        else:
-            w.add_tensor(t.name, np.asarray(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file=copy.name, dtype=torch.float32)
-    return model.eval()
+    """transformers' model from the same GGUF, dequantised to fp32 (helpers.hf_from_gguf)."""
+    return hf_from_gguf(path, tmp_path)
 
 
 def _greedy(model, ids: list[int]) -> list[int]:
@@ -105,8 +70,7 @@ def test_qwen25_gguf_greedy_tokens_equal_transformers(tmp_path):
     cfg = llm.engine.model_config
     assert (cfg.family, cfg.attention_bias, cfg.tie_word_embeddings) == ("qwen2", True, False)
     tok = llm.get_tokenizer()
-    d, f = os.path.split(path)
-    ref_tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    ref_tok = hf_tokenizer_from_gguf(path, "Qwen2Tokenizer")
     for text in RAW + TOKENIZER_TEXTS:
         assert tok.encode(text) == ref_tok.encode(text), text
     chats = [tok.apply_chat_template(c) for c in CHAT]
@@ -124,8 +88,7 @@ def test_gemma3_gguf_greedy_tokens_equal_transformers(tmp_path):
     cfg = llm.engine.model_config
     assert cfg.family == "gemma3" and cfg.layer_types.count("full_attention") == 3
     tok = llm.get_tokenizer()
-    d, f = os.path.split(path)
-    ref_tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    ref_tok = hf_tokenizer_from_gguf(path, "GemmaTokenizer")
     for text in RAW + TOKENIZER_TEXTS:
         assert tok.encode(text) == ref_tok.encode(text), text
     ref = _reference(path, tmp_path)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import script_usage_error
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,20 +26,18 @@ def test_synthetic_benchmark_runs_on_cpu():
         assert m and float(m.group(1)) > 0
 
 
-def test_synthetic_benchmark_rejects_bad_batch_sizes():
+def test_synthetic_benchmark_rejects_bad_batch_sizes(capsys):
     for bad in ("1,x", "0"):
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synthetic.py"), "--device",
-                            "cpu", "--batch", bad], capture_output=True, text=True, timeout=120,
-                           cwd=ROOT)
-        assert r.returncode == 2 and "--batch" in r.stderr and "Traceback" not in r.stderr
+        code, err = script_usage_error("synthetic.py", "--device", "cpu", "--batch", bad,
+                                       capsys=capsys)
+        assert code == 2 and "--batch" in err
 
 
-def test_synthetic_benchmark_rejects_modes_it_cannot_run():
+def test_synthetic_benchmark_rejects_modes_it_cannot_run(capsys):
     # CUDA graphs and the gather comparison need a GPU; an unknown mode or a non-positive
     # --hf-tokens is named.
     for args, name in ((["--modes", "graphs"], "--modes"), (["--modes", "eager,gather"], "--modes"),
                        (["--modes", "eager,fast"], "--modes"),
                        (["--hf-tokens", "0"], "--hf-tokens")):
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synthetic.py"), "--device",
-                            "cpu", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr
+        code, err = script_usage_error("synthetic.py", "--device", "cpu", *args, capsys=capsys)
+        assert code == 2 and name in err

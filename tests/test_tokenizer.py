@@ -46,9 +46,9 @@ def tok(gguf_path):
 
 @pytest.fixture(scope="module")
 def ref(gguf_path):
-    from transformers import AutoTokenizer
+    from helpers import hf_tokenizer_from_gguf
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=GGUF_NAME)
+    return hf_tokenizer_from_gguf(gguf_path)  # transformers' reading of the same GGUF
 
 
 @pytest.fixture(scope="module")
