@@ -299,7 +299,8 @@ def main() -> None:
             if isinstance(s, Servelm):
                 r = res[s.name]
                 r["decode_1_utilisation"] = r["decode_1_tok_s"] * s.weight_bytes_per_step / bw
-                r["decode_64_utilisation"] = r["decode_64_tok_s"] * s.flops_per_token / peak
+                if r["decode_64_tok_s"] is not None:  # None with --no-batch
+                    r["decode_64_utilisation"] = r["decode_64_tok_s"] * s.flops_per_token / peak
                 r["decode_1_bandwidth_limit"] = bw / s.weight_bytes_per_step
         rounds.append({"bandwidth": bw, "flops": peak, "results": res})
 
@@ -319,9 +320,10 @@ def main() -> None:
                 f"{med(s.name, 'decode_1_tok_s'):>8.1f}tok/s"
                 + (f"{dec64:>8.0f}tok/s" if dec64 else f"{'-':>12}"))
         if isinstance(s, Servelm):
+            u64 = med(s.name, "decode_64_utilisation")
             line += (f"{med(s.name, 'decode_1_bandwidth_limit'):>9.0f}tok/s"
                      f"{med(s.name, 'decode_1_utilisation'):>11.0%}"
-                     f"{med(s.name, 'decode_64_utilisation'):>16.0%}")
+                     + (f"{u64:>16.0%}" if u64 is not None else f"{'-':>16}"))
         print(line)
 
     def ratios(a: str, b: str, key: str) -> list[float]:
@@ -341,7 +343,8 @@ def main() -> None:
             for label, key in (("TTFT", "ttft_512_s"), ("decode x1", "decode_1_tok_s"),
                                ("decode x64", "decode_64_tok_s")):
                 xs = ratios(s.name, ref, key)
-                parts.append(f"{label} x{statistics.median(xs):.2f} {_spread(xs)}")
+                if xs:  # none for decode x64 with --no-batch
+                    parts.append(f"{label} x{statistics.median(xs):.2f} {_spread(xs)}")
         for peer in (cpp, LlamaBench.name):
             if peer in names:
                 xs = ratios(s.name, peer, "decode_1_tok_s")

@@ -206,25 +206,7 @@ class Tokenizer:
         if user_defined:
             backend.add_tokens(user_defined)
 
-        def token_at(key: str) -> str | None:
-            index = meta.get(key)
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-        extra_eos = tuple(
-            i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
-            if i is not None
-        )
-        return cls(
-            backend,
-            bos_token=token_at("tokenizer.ggml.bos_token_id"),
-            eos_token=token_at("tokenizer.ggml.eos_token_id"),
-            unk_token=token_at("tokenizer.ggml.unknown_token_id"),
-            pad_token=token_at("tokenizer.ggml.padding_token_id"),
-            extra_eos_token_ids=extra_eos,
-            chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        )
+        return cls(backend, **_gguf_special_tokens(meta, tokens, add_bos_default=False))
 
     @classmethod
     def _from_gguf_sentencepiece(cls, meta: "_GGUFMeta") -> Tokenizer:
@@ -270,25 +252,8 @@ class Tokenizer:
         if user:
             backend.add_tokens(user)
 
-        def token_at(key: str) -> str | None:
-            index = meta.get(key)
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-        extra_eos = tuple(
-            i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
-            if i is not None
-        )
-        return cls(
-            backend,
-            bos_token=token_at("tokenizer.ggml.bos_token_id"),
-            eos_token=token_at("tokenizer.ggml.eos_token_id"),
-            unk_token=unk,
-            pad_token=token_at("tokenizer.ggml.padding_token_id"),
-            extra_eos_token_ids=extra_eos,
-            chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        )
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        return cls(backend, **_gguf_special_tokens(meta, tokens, add_bos_default=True))
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -368,6 +333,29 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+
+
+def _gguf_special_tokens(meta: "_GGUFMeta", tokens: list[str], add_bos_default: bool) -> dict:
+    """Tokenizer keyword arguments from a GGUF's special-token ids and flags."""
+
+    def token_at(key: str) -> str | None:
+        index = meta.get(key)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    extra_eos = tuple(
+        i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
+        if i is not None
+    )
+    return dict(
+        bos_token=token_at("tokenizer.ggml.bos_token_id"),
+        eos_token=token_at("tokenizer.ggml.eos_token_id"),
+        unk_token=token_at("tokenizer.ggml.unknown_token_id"),
+        pad_token=token_at("tokenizer.ggml.padding_token_id"),
+        extra_eos_token_ids=extra_eos,
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
 
 
 def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:

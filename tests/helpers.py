@@ -93,17 +93,9 @@ def hf_from_gguf(path: str, tmp_dir):
     arch = reader.metadata["general.architecture"]
     copy = Path(tmp_dir) / "weights-only.gguf"
     w = gguf.GGUFWriter(str(copy), arch)
-    for key, value in reader.metadata.items():
-        if key == "general.architecture" or isinstance(value, list):
-            continue  # written by the writer / the vocabulary arrays
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_string(key, value)
+    # Not the vocabulary arrays; general.architecture is the writer's own.
+    add_gguf_metadata(w, {k: v for k, v in reader.metadata.items()
+                          if k != "general.architecture" and not isinstance(v, list)})
     w.add_uint32(f"{arch}.vocab_size", len(reader.metadata["tokenizer.ggml.tokens"]))
     for t in reader.tensors:
         if t.data.dtype == np.uint8:  # quantised blocks, as they are
@@ -129,3 +121,18 @@ def hf_tokenizer_from_gguf(path: str, cls: str = "TokenizersBackend"):
 
     d, f = os.path.split(path)
     return getattr(transformers, cls).from_pretrained(d, gguf_file=f)
+
+
+def add_gguf_metadata(writer, meta: dict) -> None:
+    """Write GGUF key/values (as servelm's reader returns them) with a gguf.GGUFWriter."""
+    for key, value in meta.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from helpers import prompt_logits
+from helpers import add_gguf_metadata, prompt_logits
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -278,15 +278,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict) -> None:
         w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         w.add_uint32(f"{arch}.expert_feed_forward_length", inter)
-    for key, value in tokenizer_meta.items():
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        else:
-            w.add_uint32(key, value)
+    add_gguf_metadata(w, tokenizer_meta)
     state = {k: v.float() for k, v in model.state_dict().items()}
     stacked: dict[tuple[int, str], list] = {}
     for name, t in state.items():
