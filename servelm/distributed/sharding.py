@@ -178,9 +178,7 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     """Swap `model`'s modules for this rank's 1/N versions, in place (call it on the meta
     device, before loading). model.config becomes the rank's local config."""
     cfg: ModelConfig = model.config
-    if not model.family.tensor_parallel:
-        raise ValueError(f"tensor parallelism does not support the {model.family.name} "
-                         f"family yet (run it with tensor_parallel_size 1)")
+    model.family.require_tensor_parallel()
     device = next(model.parameters()).device
     with device:
         for layer in model.layers:

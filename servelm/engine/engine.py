@@ -132,10 +132,8 @@ class LLMEngine:
             from servelm.distributed.executor import TPExecutor
             from servelm.models.registry import family_for_architecture
 
-            family = family_for_architecture(self.model_config.architecture)
-            if not family.tensor_parallel:  # before any process starts
-                raise ValueError(f"tensor parallelism does not support the {family.name} "
-                                 f"family yet (run it with tensor_parallel_size 1)")
+            # Refused before any process starts (shard_model checks it again per rank).
+            family_for_architecture(self.model_config.architecture).require_tensor_parallel()
 
             # N ranks (spawned here, or started by torchrun), each with 1/N of every weight
             # and its own KV pool; on a torchrun rank other than 0 this serves as a worker

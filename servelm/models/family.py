@@ -58,6 +58,12 @@ class Family:
     norm_offset = 0.0            # the checkpoint stores w, the model scales by offset + w
     tensor_parallel = True       # shard_model can split it
 
+    def require_tensor_parallel(self) -> None:
+        """ValueError unless shard_model can split this family."""
+        if not self.tensor_parallel:
+            raise ValueError(f"tensor parallelism does not support the {self.name} "
+                             f"family yet (run it with tensor_parallel_size 1)")
+
     def hf_config(self, cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         """ModelConfig fields beyond the common ones, from config.json."""
         return {}

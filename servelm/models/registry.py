@@ -21,20 +21,20 @@ _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
 
-def family_for_architecture(architecture: str) -> Family:
+def _lookup(table: dict[str, Family], name: str, what: str) -> Family:
     try:
-        return _BY_ARCH[architecture]
+        return table[name]
     except KeyError:
-        raise ValueError(f"unsupported model architecture {architecture!r} "
-                         f"(supported: {', '.join(supported_architectures())})") from None
+        raise ValueError(f"unsupported {what} {name!r} "
+                         f"(supported: {', '.join(sorted(table))})") from None
+
+
+def family_for_architecture(architecture: str) -> Family:
+    return _lookup(_BY_ARCH, architecture, "model architecture")
 
 
 def family_for_gguf(arch: str) -> Family:
-    try:
-        return _BY_GGUF[arch]
-    except KeyError:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(sorted(_BY_GGUF))})") from None
+    return _lookup(_BY_GGUF, arch, "GGUF architecture")
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
