@@ -305,10 +305,27 @@ def make_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every /v1 route")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every /v1 route (repeat "
+                       "for several keys; each key gets its own prefix cache). Also read "
+                       "from $SERVELM_API_KEY (comma-separated), which keeps keys out of ps")
+    serve.add_argument("--api-key-file", default=None, metavar="FILE",
+                       help="API keys, one a line ('#' starts a comment)")
+    serve.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME,...",
+                       help="Host header names to accept besides IP addresses and localhost "
+                       "('*': any); other names get 403 (DNS rebinding)")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
+                       help="largest request body; past it 413 (default 8 MiB)")
+    serve.add_argument("--header-timeout", type=positive(float), default=10.0, metavar="S",
+                       help="seconds a connection has to send a request's headers (default 10)")
+    serve.add_argument("--body-timeout", type=positive(float), default=30.0, metavar="S",
+                       help="seconds a request has to send its body; past it 408 (default 30)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM, seconds in-flight requests have to finish; then each "
+                       "ends with an error (streams: an error event and [DONE]) (default 30)")
     serve.add_argument("--max-queue", type=int, default=256,
-                       help="max sequences waiting to run; past it requests get 503")
+                       help="max sequences waiting to run beyond those running (--max-num-seqs); "
+                       "past it requests get 503 with Retry-After")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model file's basename)")
     serve.add_argument("--roofline-bandwidth", type=positive(float), default=None,

@@ -116,6 +116,7 @@ class Tokenizer:
         if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
         self._compiled_template: jinja2.Template | None = None
+        self._max_token_chars: int | None = None
 
     @property
     def bos_token(self) -> str | None:
@@ -295,9 +296,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; special tokens written in the text are matched whole.
 
-        `add_special_tokens` adds BOS/EOS only where the model asks for them.
+        `add_special_tokens` adds BOS/EOS only where the model asks for them. Thread-friendly:
+        the batch call lets go of the GIL while it works (a plain encode() holds it, ~1 s a
+        MB of text), so a server tokenising in a worker thread keeps answering meanwhile.
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's text: no token covers more characters of a prompt than this,
+        so a text of c characters is at least c / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._backend.get_vocab()), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid or incomplete UTF-8 shows as U+FFFD."""

@@ -74,6 +74,13 @@ def _fake_app() -> FastAPI:
             p = body["prompt"]
             prompt_tokens = len(p) if isinstance(p, list) else len(p.split())
         total = body["max_tokens"]
+        if not body.get("stream"):  # the whole answer at once, after the whole generation
+            await asyncio.sleep(TTFT + ITL * (total - 1))
+            text = "".join(f" t{j}" for j in range(total))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                      else {"index": 0, "text": text})
+            return JSONResponse({"choices": [choice], "usage": {
+                "prompt_tokens": prompt_tokens, "completion_tokens": total}})
 
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
@@ -296,6 +303,20 @@ def test_failures_counted(fake, tmp_path, capsys):
     assert s["errors"] == [{"message": "HTTP 500: boom", "count": 2}]
     assert "2 x HTTP 500: boom" in capsys.readouterr().out
     assert [r["success"] for r in load(out)["requests"]] == [True, True, False] * 2
+
+
+def test_no_stream_times_whole_answers(fake, tmp_path):
+    out = tmp_path / "r.json"
+    assert bench(fake, "--concurrency", "2", "--num-prompts", "4", "--input-len", "4",
+                 "--output-len", "5", "--no-stream", "--json", str(out)) == 0
+    assert all(b["stream"] is False and "stream_options" not in b for b in STATE.bodies)
+    data = load(out)
+    assert data["config"]["stream"] is False
+    for r in data["requests"]:
+        assert r["success"] and r["output_tokens"] == 5
+        # one chunk: the first token arrives with the last
+        assert r["ttft_s"] == pytest.approx(r["e2e_s"], abs=0.01)
+        assert r["ttft_s"] >= TTFT + 4 * ITL
 
 
 def test_chat_endpoint_uses_reported_prompt_tokens(fake, tmp_path):

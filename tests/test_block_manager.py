@@ -338,15 +338,16 @@ def cached_bm(num_blocks: int, block_size: int) -> BlockManager:
     return BlockManager(num_blocks, block_size, enable_caching=True)
 
 
-def admit(bm: BlockManager, rid: str, tokens: list[int], compute: int | None = None) -> list[int]:
+def admit(bm: BlockManager, rid: str, tokens: list[int], compute: int | None = None,
+          salt: str | None = None) -> list[int]:
     """What the scheduler does: look up the prefix, allocate from it, compute, register.
 
     Computes `compute` tokens (all of them by default) and returns the cached blocks found.
     """
-    cached = bm.find_cached_prefix(tokens)
+    cached = bm.find_cached_prefix(tokens, salt)
     end = len(tokens) if compute is None else compute
     bm.allocate(rid, end, cached)
-    bm.cache_full_blocks(rid, tokens[:end], end)
+    bm.cache_full_blocks(rid, tokens[:end], end, salt)
     return cached
 
 
@@ -401,6 +402,24 @@ def test_same_prompt_shares_full_blocks_but_not_the_partial_one():
     check_refs(bm)
     bm.free("b")
     assert bm.num_free_blocks == 10
+    check_refs(bm)
+
+
+def test_a_salt_is_a_prefix_cache_of_its_own():
+    """Same tokens under another salt are no hit (so cached_tokens cannot tell one tenant
+    what another sent); under the same salt they are, from the first block on."""
+    bm = cached_bm(16, 4)
+    prompt = list(range(10))  # 2 full blocks + 2
+    assert admit(bm, "plain", prompt) == []
+    assert admit(bm, "a1", prompt, salt="a") == []
+    a1 = bm.block_table("a1")
+    assert admit(bm, "a2", prompt, salt="a") == a1[:2]
+    assert bm.find_cached_prefix(prompt, "b") == []
+    assert bm.find_cached_prefix(prompt) == bm.block_table("plain")[:2]
+    # A salt that looks like a key id or the unsalted root aliases nothing either.
+    assert bm.find_cached_prefix(prompt, "-1") == [] and bm.find_cached_prefix(prompt, "0") == []
+    for rid in ("plain", "a1", "a2"):
+        bm.free(rid)
     check_refs(bm)
 
 

@@ -71,3 +71,9 @@ def test_serving_sweep_rejects_a_non_positive_roofline(capsys):
     for flag in ("--bandwidth", "--flops"):
         code, err = script_usage_error("serving.py", "sweep", flag, "0", capsys=capsys)
         assert code == 2 and f"argument {flag}: must be > 0" in err
+
+
+@pytest.mark.parametrize("args", [("--duration", "0"), ("--clients", "0"), ("--warmup", "-1")])
+def test_soak_rejects_bad_sizes(capsys, args):
+    code, err = script_usage_error("soak.py", *args, capsys=capsys)
+    assert code == 2 and "--duration" in err

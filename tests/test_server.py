@@ -1,7 +1,9 @@
 """The OpenAI-compatible server as a real uvicorn process, driven by the openai client and httpx.
 
-Two processes are shared by the whole module: `server` (the main one, with an API key) and
-`small_server` (--max-num-seqs 1 --max-queue 1, for admission control and SIGTERM).
+Two processes are shared by the whole module: `server` (the main one, with three API keys
+from the three places keys come from, an allowed host name, a 1 MiB body limit and an
+8-sequence queue) and `small_server` (--max-num-seqs 1 --max-queue 1 and short timeouts, for
+admission control, slow clients and SIGTERM).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +28,10 @@ from servelm.tokenizer import load_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-servelm-test"
+KEY2 = "sk-servelm-env"    # from $SERVELM_API_KEY
+KEY3 = "sk-servelm-file"   # from --api-key-file
 MAX_MODEL_LEN = 1024
+MAX_BODY = 1 << 20
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,12 +39,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Server:
     """A `servelm serve --port 0` subprocess; its URL is read from its start-up line."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="servelm-serve-", suffix=".log")
         cmd = [sys.executable, "-m", "servelm.cli", "serve", "--port", "0", "--dtype", "float32",
                "--kv-cache-memory", "256MiB", "--num-threads", "2",
                "--max-model-len", str(MAX_MODEL_LEN), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, **(env or {})})
         self.url = None
 
     def output(self) -> str:
@@ -73,11 +80,18 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def processes():
+def processes(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# servelm test keys\n{KEY3}\n")
     # Both start at once, so their model loads overlap.
-    servers = {"main": Server("--api-key", KEY),
+    servers = {"main": Server("--api-key", KEY, "--api-key-file", str(key_file),
+                              "--allowed-hosts", "api.example,other.example",
+                              "--max-request-bytes", str(MAX_BODY), "--max-queue", "8",
+                              env={"SERVELM_API_KEY": KEY2}),
                "small": Server("--max-num-seqs", "1", "--max-queue", "1",
-                               "--roofline-bandwidth", "30", "--roofline-flops", "2.3")}
+                               "--roofline-bandwidth", "30", "--roofline-flops", "2.3",
+                               "--header-timeout", "1", "--body-timeout", "1",
+                               "--shutdown-timeout", "2")}
     yield servers
     for s in servers.values():
         s.stop()
@@ -304,6 +318,8 @@ def test_disconnect_aborts_and_frees_kv(server):
         time.sleep(0.1)
     assert m["servelm_num_requests_waiting"] == 0
     assert m["servelm_time_to_first_token_seconds_count"] > 0
+    # The client that gave up was answered nothing, and nothing failed on the server.
+    assert "Traceback" not in server.output() and "InvalidStateError" not in server.output()
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -336,6 +352,16 @@ BAD_INPUTS = [
     (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
      "messages[0].role", "role"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content",
+     "required"),
+    (CHAT, {"model": MODEL, "messages": MSG, "stream": True, "stream_options": 5}, 400,
+     "stream_options", "object"),
+    (CHAT, {"model": MODEL, "messages": [MSG[0], 7]}, 400, "messages[1]", "object"),
+    (CHAT, {"model": MODEL, "messages": MSG, "n": 2.5}, 400, "n", "integer"),
+    (CHAT, {"model": MODEL, "messages": MSG, "n": True}, 400, "n", "integer"),
+    (CHAT, {"model": MODEL, "messages": MSG, "cache_salt": ""}, 400, "cache_salt", "cache_salt"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300000}]}, 400,
+     "messages", f"maximum context length is {MAX_MODEL_LEN}"),
     (CHAT, {"messages": MSG}, 400, "model", "model"),
     (CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model", "gpt-4o"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400, "prompt",
@@ -351,6 +377,8 @@ BAD_INPUTS = [
      "logit_bias"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 50}, 400, "logprobs", "20"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop", "string"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop_token_ids": [2, 49152]}, 400,
+     "stop_token_ids", "49152"),
     ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, None, "Not Found"),
 ]
 
@@ -358,8 +386,9 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("path,body,status,param,fragment", BAD_INPUTS,
                          ids=[f"{i}-{row[3] or row[4]}" for i, row in enumerate(BAD_INPUTS)])
 def test_bad_input(server, path, body, status, param, fragment):
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=30, **kwargs)
+    kwargs = ({"content": body, "headers": {**AUTH, "Content-Type": "application/json"}}
+              if isinstance(body, bytes) else {"json": body, "headers": AUTH})
+    r = httpx.post(f"{server.url}{path}", timeout=30, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -432,6 +461,160 @@ def test_bench_reports_the_servers_utilisation(server, tmp_path):
     assert 0 < util["prefill_flops_utilization"] < 5
 
 
+# ---- hardening: connections, hosts, bodies, keys, ids, caches ------------------------------
+
+
+def test_keep_alive_responses_do_not_wait_for_delayed_acks(server):
+    """TCP_NODELAY: a response written in pieces on a reused connection goes out at once
+    (without it each one waited ~40 ms for the client's delayed ACK)."""
+    with httpx.Client(headers=AUTH) as http:
+        http.get(f"{server.url}/health")
+        times = []
+        for _ in range(15):
+            t = time.perf_counter()
+            assert http.get(f"{server.url}/health").status_code == 200
+            times.append(time.perf_counter() - t)
+    assert sorted(times)[len(times) // 2] < 0.02, times
+
+
+def test_request_ids_are_echoed_or_made(server):
+    r = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    ids = {httpx.get(f"{server.url}/health").headers["x-request-id"] for _ in range(2)}
+    assert len(ids) == 2 and all(len(i) == 32 for i in ids)
+    r = httpx.post(f"{server.url}/v1/completions", headers={**AUTH, "X-Request-Id": "x" * 200},
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    r = httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "e-1"}, json={})
+    assert r.status_code == 401 and r.headers["x-request-id"] == "e-1"  # errors carry it too
+
+
+@pytest.mark.parametrize("host,status", [
+    ("evil.example", 403), ("evil.example:8000", 403), ("localhost.evil.example", 403),
+    ("api.example", 200), ("OTHER.example:80", 200), ("localhost", 200), ("app.localhost", 200),
+    ("127.0.0.1:1", 200), ("[::1]:8000", 200), ("10.1.2.3", 200)])
+def test_host_header_must_name_this_server(server, host, status):
+    r = httpx.get(f"{server.url}/health", headers={"Host": host})
+    assert r.status_code == status, r.text
+    if status == 403:
+        assert r.json()["error"]["code"] == "host_not_allowed"
+        r = httpx.post(f"{server.url}/v1/completions", headers={**AUTH, "Host": host},
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 403
+
+
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x"])
+def test_bodies_must_be_json(server, ctype):
+    """A web page can post text/plain or a form without a preflight: those never run."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    headers = {**AUTH, **({"Content-Type": ctype} if ctype else {})}
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    ok = httpx.post(f"{server.url}/v1/completions", content=body,
+                    headers={**AUTH, "Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_bodies_over_the_limit_get_413(server):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}).encode()
+    r = httpx.post(f"{server.url}/v1/completions", content=big,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunked(),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_tokenising_a_big_prompt_does_not_stall_other_clients(server):
+    """Long prompts (each ~0.15 s to tokenise; refused afterwards as too long) are tokenised
+    off the event loop: /health keeps answering meanwhile."""
+    text = "hello world " * 13000  # under the can't-fit-whatever-it-tokenises bound
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+
+    async def main():
+        async with httpx.AsyncClient(headers=AUTH, timeout=60) as http:
+            big = [asyncio.create_task(http.post(f"{server.url}/v1/chat/completions", json=body))
+                   for _ in range(6)]
+            worst = 0.0
+            while not all(t.done() for t in big):
+                t = time.perf_counter()
+                assert (await http.get(f"{server.url}/health")).status_code == 200
+                worst = max(worst, time.perf_counter() - t)
+                await asyncio.sleep(0.01)
+            return worst, [await t for t in big]
+
+    worst, responses = asyncio.run(main())
+    assert all(r.status_code == 400 and "prompt is 2" in r.json()["error"]["message"]
+               for r in responses)
+    assert worst < 0.25, worst
+
+
+def test_each_key_and_cache_salt_has_its_own_prefix_cache(server):
+    """cached_tokens must not tell a client whether another one sent a prompt."""
+    prompt = "A secret shared only with the first key: 4521-7788. " * 6
+
+    def cached(key: str, salt: str | None = None) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                **({"cache_salt": salt} if salt else {})}
+        r = httpx.post(f"{server.url}/v1/completions", json=body,
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(KEY) == 0
+    assert cached(KEY) > 0                       # the same key: cached
+    assert cached(KEY2) == 0 and cached(KEY3) == 0  # other keys (env, file): not
+    assert cached(KEY2) > 0
+    assert cached(KEY, "tenant-a") == 0          # a salt is a cache of its own
+    assert cached(KEY, "tenant-a") > 0 and cached(KEY, "tenant-b") == 0
+    assert cached(KEY2, "tenant-a") == 0         # per key, too
+
+
+def test_whole_number_floats_count_as_integers(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 3.0, "n": 2.0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_openapi_describes_the_request_bodies(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, model, field in (("/v1/chat/completions", "ChatCompletionRequest", "messages"),
+                               ("/v1/completions", "CompletionRequest", "prompt")):
+        post = spec["paths"][path]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}" and field in schemas[model]["properties"]
+        assert "cache_salt" in schemas[model]["properties"]
+        assert {"application/json", "text/event-stream"} <= set(post["responses"]["200"]["content"])
+    refs = re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec))
+    assert refs and all(r in schemas for r in refs)
+
+
+def test_soak_of_mixed_clients_leaves_nothing_behind(server):
+    """A few seconds of streams, chats, dropped streams, abandoned requests, slow readers,
+    malformed and oversized bodies at once (benchmarks/soak.py runs it for minutes)."""
+    from servelm.bench.soak import KINDS, rss_bytes, soak
+
+    args = dict(model=MODEL, headers=AUTH, clients=6, max_request_bytes=MAX_BODY, max_tokens=12)
+    asyncio.run(soak(server.url, 1.5, seed=1, **args))  # first-time paths, allocator pools
+    rss = rss_bytes(server.proc.pid)
+    rep = asyncio.run(soak(server.url, 6.0, seed=2, **args))
+    growth = rss_bytes(server.proc.pid) - rss
+    assert rep.problems == []
+    assert all(rep.counts[k] > 0 for k in KINDS), rep.counts
+    assert rep.health_checks > 50 and rep.health_max_s < 0.1, rep.to_dict()
+    assert all(v == 0 for v in rep.settled.values()), rep.settled  # no KV block leaked
+    assert growth < 64 * 2**20, growth
+
+
 # ---- admission control, shutdown ------------------------------------------------------------
 
 
@@ -447,26 +630,109 @@ def test_queue_full_gives_503_then_recovers(small_server):
     responses = asyncio.run(main())
     codes = [r.status_code for r in responses]
     assert sorted(set(codes)) == [200, 503], codes
-    err = next(r for r in responses if r.status_code == 503).json()["error"]
+    refused = next(r for r in responses if r.status_code == 503)
+    err = refused.json()["error"]
     assert err["code"] == "queue_full" and err["type"] == "server_error" and err["message"]
+    assert int(refused.headers["retry-after"]) >= 1
     assert all(r.json()["usage"]["completion_tokens"] == 12
                for r in responses if r.status_code == 200)
     r = httpx.post(f"{small_server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
 
 
-def test_sigterm_finishes_in_flight_then_exits_0(processes, small_server):
+def test_a_request_that_can_never_be_admitted_is_a_400_not_a_retry(small_server):
+    r = httpx.post(f"{small_server.url}/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_the_queue_bound_counts_only_requests_that_would_wait(server):
+    """64 requests at once to an idle server with --max-queue 8: all of them fit in the
+    running batch (max_num_seqs 256), so none is told to retry."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as http:
+            return await asyncio.gather(*(http.post(f"{server.url}/v1/completions", json=body)
+                                          for _ in range(64)))
+
+    codes = [r.status_code for r in asyncio.run(main())]
+    assert codes == [200] * 64, codes
+
+
+def test_slow_headers_and_bodies_are_cut_off(small_server):
+    """Slowloris: connections trickling a request head are closed after --header-timeout;
+    a body slower than --body-timeout gets 408. /health answers throughout."""
+    host, port = small_server.url.removeprefix("http://").split(":")
+    slow = []
+    for _ in range(50):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+        slow.append(sock)
+    body_sock = socket.create_connection((host, int(port)))
+    body_sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
+    start = time.monotonic()
+    while time.monotonic() - start < 1.8:
+        for sock in slow:
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                pass
+        t = time.perf_counter()
+        assert httpx.get(f"{small_server.url}/health").status_code == 200
+        assert time.perf_counter() - t < 0.1
+        time.sleep(0.3)
+    for sock in slow:
+        sock.settimeout(3)
+        try:
+            assert sock.recv(100) == b""  # closed by the server, no response
+        except ConnectionResetError:
+            pass
+        sock.close()
+    body_sock.settimeout(3)
+    head = body_sock.recv(4096)
+    body_sock.close()
+    assert head.startswith(b"HTTP/1.1 408"), head
+
+
+def test_sigterm_drains_then_ends_late_streams_with_an_error_then_exits_0(processes,
+                                                                         small_server):
+    """SIGTERM: the short stream in flight finishes; the long one waiting behind it gets
+    --shutdown-timeout (2 s), then an error event and [DONE]; then the process exits 0."""
     proc = processes["small"].proc
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 12, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", f"{small_server.url}/v1/completions", json=body,
-                      timeout=30) as resp:
-        lines = resp.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        proc.send_signal(signal.SIGTERM)
-        events = sse_events([first, *lines])
-    assert sum(1 for e in events for c in e["choices"] if c["text"] is not None) == 12
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    short = {"model": MODEL, "prompt": "Once", "max_tokens": 12, "ignore_eos": True,
+             "stream": True}
+    long = {**short, "max_tokens": 900}
+
+    async def read(http, body, first=None):
+        async with http.stream("POST", f"{small_server.url}/v1/completions", json=body) as resp:
+            lines = []
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if first is not None:
+                        first.set()
+            return lines
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            started = asyncio.Event()
+            running = asyncio.create_task(read(http, short, started))
+            await started.wait()
+            waiting = asyncio.create_task(read(http, long))  # queued behind it
+            await asyncio.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            at = time.monotonic()
+            return await running, await waiting, time.monotonic() - at
+
+    first, late, took = asyncio.run(main())
+    done, cut = sse_events(first), sse_events(late)
+    assert sum(1 for e in done for c in e["choices"] if c["text"] is not None) == 12
+    assert done[-1]["choices"][0]["finish_reason"] == "length"
+    assert cut[-1]["error"]["code"] == "server_shutting_down", cut[-1]
+    assert sum(1 for e in cut[:-1] for c in e["choices"] if c["text"]) < 900
+    assert 1.5 < took < 8, took
     assert proc.wait(timeout=10) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{small_server.url}/health")

@@ -11,7 +11,7 @@ import pytest
 from conftest import TEXT_PROMPTS
 from servelm import SamplingParams
 from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineStepError,
-                                         QueueFullError)
+                                         QueueFullError, ShuttingDownError)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -99,11 +99,16 @@ def test_abort_frees_blocks_within_one_step(aengine, llm):
     assert bm.num_free_blocks == bm.num_blocks and aengine.snapshot.stats.num_aborted >= 1
 
 
-def test_queue_full_is_refused_at_once(llm):
+def test_queue_bound_counts_only_sequences_beyond_the_running_batch(llm, monkeypatch):
+    """max_queue=1 with room for 2 running: of a burst of 4, 2 would run, 1 would wait, the
+    4th is refused; n=4 could never be admitted and is a ValueError, not a retry."""
     engine = AsyncLLMEngine(llm.engine, max_queue=1)
+    monkeypatch.setattr(engine, "_max_seqs", lambda: 2)
     engine.start()
 
     async def main():
+        with pytest.raises(ValueError, match="n \\(4\\)"):
+            engine.generate("Too many", SamplingParams(n=4, max_tokens=8))
         streams, refused = [], 0
         for i in range(4):  # no await in between: the engine thread cannot catch up
             try:
@@ -116,8 +121,25 @@ def test_queue_full_is_refused_at_once(llm):
         refused, results = asyncio.run(main())
     finally:
         engine.stop()
-    assert refused >= 1 and len(results) >= 1
+    assert refused == 1 and len(results) == 3
     assert all(len(r[-1].outputs[0].token_ids) == 8 for r in results)
+
+
+def test_expire_ends_requests_in_flight_and_refuses_new_ones(aengine):
+    async def main():
+        stream = aengine.generate("Tell me a long story.", SamplingParams(max_tokens=500,
+                                                                          ignore_eos=True))
+        first = await stream.__anext__()
+        aengine.expire()
+        with pytest.raises(ShuttingDownError):
+            async for _ in stream:
+                pass
+        with pytest.raises(ShuttingDownError):
+            aengine.generate("After", GREEDY)
+        return first
+
+    assert not asyncio.run(main()).finished
+    assert not aengine.healthy
 
 
 def test_step_error_reaches_every_request_and_loop_survives(aengine, llm, monkeypatch):

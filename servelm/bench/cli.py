@@ -95,6 +95,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject the field)")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="ask for whole answers (stream=false), as non-streaming clients do: "
+                   "each answer counts as one chunk, so TTFT is the end-to-end latency")
     p.add_argument("--slo", type=_slo, default=None, metavar="SPEC",
                    help="goodput limits in seconds, e.g. ttft=0.5,tpot=0.05 (or 500ms)")
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE",
@@ -160,7 +163,7 @@ def _config(args, url: str, model: str | None, kind: str, n: int) -> dict[str, A
         "request_rate": "inf" if rate is not None and math.isinf(rate) else rate,
         "input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
         "seed": args.seed, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-        "slo": args.slo, "warmup": args.warmup,
+        "slo": args.slo, "warmup": args.warmup, "stream": args.stream,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -226,7 +229,7 @@ async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
 
         def payload(p: BenchPrompt) -> dict[str, Any]:
             return bc.build_payload(kind, model, p.prompt, p.output_len, args.temperature,
-                                    args.ignore_eos)
+                                    args.ignore_eos, stream=args.stream)
 
         if args.warmup:
             warm = random_word_prompts(1, 8, min(4, prompts[0].output_len), seed=args.seed + 1)[0]

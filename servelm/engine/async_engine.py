@@ -39,6 +39,11 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (by abort()) before it finished."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down: no new requests; in-flight ones past the drain time
+    get this error."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine state published by the engine thread after every iteration (read from any thread)."""
@@ -110,8 +115,10 @@ class RequestStream:
 class AsyncLLMEngine:
     """Serves many asyncio callers from one engine thread.
 
-    max_queue bounds the sequences waiting to run (queued but not yet scheduled); a
-    generate() past it raises QueueFullError at once.
+    max_queue bounds the sequences that would wait to run: those beyond what the
+    scheduler can run at once (max_num_seqs), counting requests just added and not yet
+    seen by the engine thread. A generate() past it raises QueueFullError at once; a
+    request with more samples than could ever be admitted raises ValueError.
     """
 
     def __init__(self, engine: LLMEngine | None, max_queue: int | None = None):
@@ -126,6 +133,7 @@ class AsyncLLMEngine:
         self._num_pending = 0                  # sequences in the inbox; guarded by _cond
         self._streams: dict[str, RequestStream] = {}  # live requests; guarded by _cond
         self._stopping = False
+        self.draining = False                  # set by start_drain(): no new requests
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
 
@@ -168,7 +176,8 @@ class AsyncLLMEngine:
     @property
     def healthy(self) -> bool:
         """Whether the engine thread is running and accepting requests."""
-        if not (self._thread.is_alive() and self.error is None and not self._stopping):
+        if not (self._thread.is_alive() and self.error is None and not self._stopping
+                and not self.draining):
             return False
         check = getattr(self.engine, "check_health", None)
         try:
@@ -192,30 +201,58 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def start_drain(self) -> None:
+        """Refuse new requests (ShuttingDownError); those in flight go on."""
+        self.draining = True
+
+    def expire(self, message: str = "the server is shutting down") -> None:
+        """End every request in flight with ShuttingDownError (thread-safe)."""
+        self.draining = True
+        with self._cond:
+            self._inbox.append(("fail_all", ShuttingDownError(message)))
+            self._cond.notify()
+
     # ---- event-loop side -------------------------------------------------------------------
+
+    def _max_seqs(self) -> int:
+        return self.engine.scheduler.config.max_num_seqs
+
+    def _queue_depth(self, n: int) -> int:
+        """Sequences that would wait to run if n more were added now."""
+        snap = self.snapshot
+        if snap.num_waiting:  # already queueing (out of sequences or KV blocks): all wait
+            return snap.num_waiting + self._num_pending + n
+        return max(0, snap.num_running + self._num_pending + n - self._max_seqs())
 
     def generate(self, prompt: str | list[int] | None, params: SamplingParams,
                  request_id: str | None = None,
-                 prompt_token_ids: list[int] | None = None) -> RequestStream:
+                 prompt_token_ids: list[int] | None = None,
+                 cache_salt: str | None = None) -> RequestStream:
         """Validate and queue a request; returns its stream of outputs.
 
+        cache_salt keeps the request's prompt out of other salts' prefix caches.
         Must be called from a running event loop. Raises at once (nothing is queued):
-        ValueError for a prompt that cannot run, QueueFullError, EngineDeadError.
+        ValueError for a prompt that cannot run, QueueFullError, EngineDeadError
+        (ShuttingDownError while draining).
         """
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
+        if self.max_queue is not None and params.n > self._max_seqs() + self.max_queue:
+            raise ValueError(f"n ({params.n}) is more samples than this server can ever admit at "
+                             f"once ({self._max_seqs()} running + {self.max_queue} queued)")
         text, ids, _ = self.engine.prepare_prompt(prompt, params, prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream = RequestStream(self, rid, asyncio.get_running_loop())
         with self._cond:
-            if (self.max_queue is not None
-                    and self._num_pending + self.snapshot.num_waiting >= self.max_queue):
+            if self.max_queue is not None and self._queue_depth(params.n) > self.max_queue:
                 raise QueueFullError(f"the server is at capacity: {self.max_queue} sequences are "
                                      f"already waiting; retry later")
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = stream
-            self._inbox.append(("add", rid, text, ids, params, time.perf_counter()))
+            self._inbox.append(("add", rid, text, ids, params, time.perf_counter(), cache_salt))
             self._num_pending += params.n
             self._cond.notify()
         return stream
@@ -257,17 +294,21 @@ class AsyncLLMEngine:
     def _apply(self, inbox: list[tuple]) -> None:
         """Apply queued adds and aborts in order."""
         for item in inbox:
+            if item[0] == "fail_all":
+                self._fail_all(item[1])
+                continue
             if item[0] == "abort":
                 self.engine.abort_request(item[1])  # frees its blocks before the next step
                 self._deliver_error(item[1], RequestAbortedError(f"request {item[1]} was aborted"))
                 continue
-            _, rid, text, ids, params, arrival = item
+            _, rid, text, ids, params, arrival, salt = item
             with self._cond:
                 live = rid in self._streams
             if not live:  # failed by an engine error while it sat in the inbox
                 continue
             try:
-                self.engine.add_request(rid, text, params, arrival, prompt_token_ids=ids)
+                self.engine.add_request(rid, text, params, arrival, prompt_token_ids=ids,
+                                        cache_salt=salt)
             except Exception as e:  # e.g. the context shrank since validation: tell the caller
                 self._deliver_error(rid, e)
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-# A full block's identity: (the key id of the block before it, or -1, its tokens).
-# Chaining through the previous block makes a key stand for the whole prefix, and the
-# dict compares the tokens themselves, so a hash collision can never alias two prefixes.
-BlockKey = tuple[int, tuple[int, ...]]
+# A full block's identity: (the key id of the block before it, or for a first block the
+# request's cache salt (-1 without one), its tokens). Chaining through the previous block
+# makes a key stand for the whole prefix and its salt, and the dict compares the tokens
+# themselves, so a hash collision can never alias two prefixes.
+BlockKey = tuple[int | str, tuple[int, ...]]
+
+
+def _root(salt: str | None) -> int | str:
+    return -1 if salt is None else salt
 
 
 class BlockManager:
@@ -64,8 +69,9 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of token_ids, in order (whole blocks only).
+    def find_cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """Blocks holding the longest cached prefix of token_ids cached under the same salt,
+        in order (whole blocks only).
 
         At least one token is always left out, so the caller has something to compute and
         gets next-token logits for it.
@@ -73,7 +79,7 @@ class BlockManager:
         if not self.enable_caching:
             return []
         hits: list[int] = []
-        parent = -1
+        parent = _root(salt)
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             block = self._cached.get((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
@@ -87,8 +93,9 @@ class BlockManager:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register the request's blocks that are now full of computed tokens.
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int,
+                          salt: str | None = None) -> None:
+        """Register the request's blocks that are now full of computed tokens, under its salt.
 
         token_ids must hold at least the first num_computed tokens of the request.
         """
@@ -98,7 +105,7 @@ class BlockManager:
         done = self._num_registered.get(request_id, 0)
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
-        parent = self._chain.get(request_id, -1)
+        parent = self._chain.get(request_id, _root(salt))
         for i in range(done, full):
             block = table[i]
             key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))

@@ -195,10 +195,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
+                    prompt_token_ids: list[int] | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a prompt (text or token ids); returns the request id. ValueError if it cannot run.
 
         prompt_token_ids, when given, are used as they are (prompt is then only reported back).
+        cache_salt: prefix-cache blocks are shared only between requests of the same salt
+        (None is a salt of its own), so cached_tokens tells nothing across salts.
         """
         params = params or SamplingParams()
         if request_id is None:
@@ -214,7 +217,7 @@ class LLMEngine:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            req = Request(rid, ids, params, max_tokens, arrival, gen)
+            req = Request(rid, ids, params, max_tokens, arrival, gen, cache_salt=cache_salt)
             if i > 0 and self.block_manager.enable_caching:
                 req.wait_for = group.samples[0].request  # share its prompt blocks
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
@@ -247,6 +250,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
                                  f"[0, {vocab})")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {vocab})")
         return text, ids, self._check_length(ids, params)
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> int:

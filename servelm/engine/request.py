@@ -46,8 +46,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
-                 arrival_time: float | None = None, generator: Any = None):
+                 arrival_time: float | None = None, generator: Any = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
+        self.cache_salt = cache_salt  # prefix-cache namespace (None: the shared one)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # effective: the params' value capped by the context

@@ -97,7 +97,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
-            cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens))
+            cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
                       if bm.enable_caching else [])
             num_cached = len(cached) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
@@ -163,7 +163,7 @@ class Scheduler:
             if self.block_manager.enable_caching and req.num_computed_tokens // bs > s.start // bs:
                 self.block_manager.cache_full_blocks(
                     req.request_id, req.token_slice(0, req.num_computed_tokens),
-                    req.num_computed_tokens)
+                    req.num_computed_tokens, req.cache_salt)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and free its blocks at once."""

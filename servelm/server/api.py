@@ -1,4 +1,8 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, SSE with disconnect detection."""
+"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, SSE with disconnect detection.
+
+A request's life here: RequestGuard (request id, Host, content type, declared size), the key
+check, the body read under a size limit and a deadline, then parsing, the chat template and
+tokenising in a worker thread, and only then the engine, from the event loop."""
 
 from __future__ import annotations
 
@@ -17,9 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from servelm.engine.async_engine import AsyncLLMEngine
 from servelm.server import chat, completions
 from servelm.server.errors import APIError, from_validation_error
+from servelm.server.guard import RequestGuard, read_body
 from servelm.server.metrics import CONTENT_TYPE, ServerMetrics
-from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                     ModelList)
+from servelm.server.options import ServerOptions
+from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
+                                     ChatCompletionResponse, CompletionChunk, CompletionRequest,
+                                     CompletionResponse, ModelCard, ModelList)
 from servelm.server.serving import Generation, ServingContext
 
 logger = logging.getLogger(__name__)
@@ -56,13 +63,34 @@ class EventStreamResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    # Parsed by hand (not as a FastAPI body parameter) so that any content type is accepted
-    # and every failure maps to one OpenAI-shaped 400.
+def _parse(body: bytes, model: type[M]) -> M:
+    # Parsed by hand (not as a FastAPI body parameter) so that every failure maps to one
+    # OpenAI-shaped 400, and so that it can run off the event loop.
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _cache_salt(key_salt: str | None, request_salt: str | None) -> str | None:
+    """One prefix-cache namespace per (API key, cache_salt); None: the shared one."""
+    if key_salt is None and request_salt is None:
+        return None
+    return f"{key_salt or ''}/{request_salt or ''}"
+
+
+def _openapi_body(request: type[BaseModel], response: type[BaseModel],
+                  chunk: type[BaseModel]) -> dict:
+    """What a hand-parsed route takes and gives, for /openapi.json."""
+    def ref(m: type[BaseModel]) -> dict:
+        return {"$ref": f"#/components/schemas/{m.__name__}"}
+
+    return {"openapi_extra": {"requestBody": {
+                "required": True, "content": {"application/json": {"schema": ref(request)}}}},
+            "responses": {200: {"description": "the answer, or with stream=true server-sent "
+                                               "events of chunks, ending with data: [DONE]",
+                                "content": {"application/json": {"schema": ref(response)},
+                                            "text/event-stream": {"schema": ref(chunk)}}}}}
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -81,16 +109,20 @@ async def _unless_disconnected(request: Request, work, gen: Generation):
         if not task.done():
             task.cancel()
             gen.close()
+    if not task.done():
+        await asyncio.wait({task})  # let the cancellation land (result() would raise)
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening for it
     return task.result()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str,
+              options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine` as `model_name`; the engine thread runs for the app's lifespan.
 
-    With api_key set, every /v1 route needs `Authorization: Bearer <api_key>`.
+    With options.api_keys set, every /v1 route needs `Authorization: Bearer <one of them>`.
     """
+    options = options or ServerOptions()
     metrics = ServerMetrics(engine)
     ctx = ServingContext(engine, metrics, model_name)
 
@@ -104,15 +136,24 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     app = FastAPI(title="servelm", lifespan=lifespan)
     app.state.ctx = ctx
+    app.add_middleware(RequestGuard, options=options)
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        """Sets request.state.key_salt: the prefix-cache namespace of the key it sent."""
+        request.state.key_salt = None
+        if not options.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 api_key.encode()):
+        sent = token.strip().encode()
+        # Every key compared, in constant time each: which one matched does not show.
+        match = None
+        for key in options.api_keys:
+            if hmac.compare_digest(sent, key.encode()):
+                match = key
+        if scheme.lower() != "bearer" or match is None:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+        request.state.key_salt = options.key_salt(match)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -138,19 +179,28 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         return model_card()
 
     async def generate(request: Request, schema: type[BaseModel], endpoint):
-        """Parse, check the model, start; then stream (SSE) or answer once."""
-        req = await _parse(request, schema)
-        check_model(req.model)
-        gen = endpoint.start(ctx, req)
+        """Read; parse, check the model and tokenise in a worker thread (their cost grows with
+        the body, and the event loop serves everyone); start; then stream (SSE) or answer."""
+        body = await read_body(request, options)
+
+        def prepare():
+            req = _parse(body, schema)
+            check_model(req.model)
+            return req, endpoint.prepare(ctx, req)
+
+        req, prepared = await asyncio.to_thread(prepare)
+        gen = Generation(ctx, prepared, _cache_salt(request.state.key_salt, req.cache_salt))
         if req.stream:
             return EventStreamResponse(endpoint.stream(ctx, req, gen), on_close=gen.close)
         return await _unless_disconnected(request, endpoint.complete(ctx, req, gen), gen)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **_openapi_body(ChatCompletionRequest, ChatCompletionResponse,
+                                                  ChatCompletionChunk))
     async def chat_completions(request: Request):
         return await generate(request, ChatCompletionRequest, chat)
 
-    @v1.post("/completions")
+    @v1.post("/completions", **_openapi_body(CompletionRequest, CompletionResponse,
+                                             CompletionChunk))
     async def create_completion(request: Request):
         return await generate(request, CompletionRequest, completions)
 
@@ -158,6 +208,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.get("/health")
     async def health() -> dict:
+        if engine.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not engine.healthy:
             raise APIError(503, f"the engine is not running: {engine.error or 'stopped'}",
                            code="engine_unavailable")
@@ -168,7 +220,27 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     _add_error_handlers(app)
+    _add_schemas(app, [ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+                       CompletionRequest, CompletionResponse, CompletionChunk])
     return app
+
+
+def _add_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Put the hand-parsed routes' models into /openapi.json's components."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base()
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in models:
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[m.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI) -> None:

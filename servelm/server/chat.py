@@ -9,8 +9,8 @@ from servelm.server.errors import APIError
 from servelm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                      ChatLogprobs, ChatResponseMessage, ChatTokenLogprob)
-from servelm.server.serving import (SSE_DONE, Generation, ServingContext, TokenText, new_id,
-                                    new_logprobs, sampling_params, sse)
+from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingContext, TokenText,
+                                    encode_prompt, new_id, new_logprobs, sampling_params, sse)
 
 # SamplingParams / engine names -> this endpoint's request fields, for error params.
 _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "": "messages",
@@ -19,21 +19,22 @@ _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", ""
                              "stop", "stop_token_ids")}}
 
 
-def start(ctx: ServingContext, req: ChatCompletionRequest) -> Generation:
-    """Render the conversation and queue it; a bad request raises APIError before anything runs."""
+def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
+    """Render the conversation and tokenise it (in a worker thread: the work grows with the
+    request); a bad request raises APIError before anything runs."""
     tok = ctx.engine.tokenizer
     try:
         text = tok.apply_chat_template([m.to_template() for m in req.messages])
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
-    ids = tok.encode(text, add_special_tokens=False)
     fields = dict(_FIELDS)
     if req.max_completion_tokens is None:
         fields["max_tokens"] = "max_tokens"
+    ids = encode_prompt(ctx, text, fields, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, fields)
-    return Generation(ctx, [(text, ids)], params, fields)
+    return Prepared([(text, ids)], params, fields)
 
 
 def _logprobs(token_text: TokenText, entries: list) -> ChatLogprobs:

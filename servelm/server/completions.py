@@ -11,8 +11,8 @@ from typing import AsyncIterator
 from servelm.server.errors import APIError
 from servelm.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                                      CompletionRequest, CompletionResponse)
-from servelm.server.serving import (SSE_DONE, Generation, ServingContext, TokenText, new_id,
-                                    new_logprobs, sampling_params, sse)
+from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingContext, TokenText,
+                                    encode_prompt, new_id, new_logprobs, sampling_params, sse)
 
 _FIELDS = {"": "prompt", **{k: k for k in (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -20,12 +20,13 @@ _FIELDS = {"": "prompt", **{k: k for k in (
     "logprobs")}}
 
 
-def start(ctx: ServingContext, req: CompletionRequest) -> Generation:
-    """Tokenise and queue every prompt; a bad request raises APIError before anything runs."""
-    tok = ctx.engine.tokenizer
-    prompts = [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompt]
+def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:
+    """Tokenise every prompt (in a worker thread); a bad request raises APIError before
+    anything runs."""
+    prompts = [(p, encode_prompt(ctx, p, _FIELDS)) if isinstance(p, str) else (None, p)
+               for p in req.prompt]
     params = sampling_params(req, req.max_tokens, req.logprobs, _FIELDS)
-    return Generation(ctx, prompts, params, _FIELDS)
+    return Prepared(prompts, params, _FIELDS)
 
 
 def _logprobs(token_text: TokenText, entries: list, offset: int) -> CompletionLogprobs:

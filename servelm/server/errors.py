@@ -17,8 +17,10 @@ class APIError(Exception):
     """An error answered to the client with `status` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -30,7 +32,7 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _param(loc: tuple) -> str | None:
@@ -51,8 +53,11 @@ def from_validation_error(exc: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {msg}", code="invalid_json")
-    if kind == "model_type":
+    if kind == "model_type" and param is None:
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if kind == "model_type":
+        return APIError(400, f"'{param}' must be a JSON object", param=param,
+                        code="invalid_value")
     if kind == "extra_forbidden":
         return APIError(400, f"unknown field '{param}': servelm does not support it",
                         param=param, code="unsupported_parameter")

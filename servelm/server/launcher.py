@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-# How long SIGTERM waits for in-flight requests before closing their connections.
-GRACEFUL_SHUTDOWN_S = 30
 
 
 def default_model_name(model: str | None) -> str:
@@ -19,18 +16,15 @@ def default_model_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket; port 0 picks a free one (the real port is printed at start-up)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(2048)
-    return sock
+def server_options(args):
+    """ServerOptions from `servelm serve`'s flags (ValueError names a bad one)."""
+    from servelm.server.options import ServerOptions, read_api_keys
+
+    hosts = [h.strip() for arg in args.allowed_hosts or [] for h in arg.split(",") if h.strip()]
+    return ServerOptions(api_keys=read_api_keys(args.api_key, args.api_key_file),
+                         allowed_hosts=tuple(hosts), max_request_bytes=args.max_request_bytes,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                         shutdown_timeout=args.shutdown_timeout)
 
 
 def _build_engine(args, build_llm):
@@ -56,20 +50,26 @@ def serve(args) -> int:
     from servelm.cli import build_llm
     from servelm.engine.async_engine import AsyncLLMEngine
     from servelm.server.api import build_app
+    from servelm.server.transport import (DrainingServer, deadline_protocol, listen,
+                                          raise_open_file_limit)
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
+    options = server_options(args)
+    sock = listen(args.host, args.port)  # before loading: a taken port fails fast
+    raise_open_file_limit()  # one file per connection
     # Built on its own thread, which then runs it: all torch work stays on one thread.
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, name, api_key=args.api_key)
+    app = build_app(engine, name, options)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+                            http=deadline_protocol(options.header_timeout))
+    # SIGTERM: stop accepting, refuse new requests, give those in flight shutdown_timeout.
+    server = DrainingServer(config, options.shutdown_timeout, expire=engine.expire,
+                            on_start=engine.start_drain)
     # After a graceful shutdown uvicorn re-raises the SIGTERM it caught, under the handler
     # that was installed before it ran; a no-op handler there lets the process exit with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

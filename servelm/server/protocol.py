@@ -7,14 +7,23 @@ are declared only so that setting them gets a 400 naming them, never silent negl
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from servelm.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 _SEED_MAX = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i
+
+
+def _whole_number(v: Any) -> Any:
+    """2.0 -> 2, as OpenAI accepts it; 2.5, strings and booleans stay refused."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# An integer field: strict, except that a float with no fractional part counts.
+Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
 def _unsupported(name: str) -> ValueError:
@@ -36,24 +45,27 @@ class SamplingRequest(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=_SEED_MAX)
+    seed: Int | None = Field(None, ge=-(2**63), le=_SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # identifies the caller; accepted and not used
     # servelm extensions (vLLM's names)
-    top_k: int = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = Field(0, ge=0)
+    stop_token_ids: list[Int] | None = None
+    # Prefix-cache blocks are shared only between requests with the same salt (vLLM's field),
+    # so cached_tokens cannot tell one client what another sent.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # OpenAI fields servelm does not implement: only their no-op values pass.
     logit_bias: dict[str, float] | None = None
 
@@ -76,7 +88,7 @@ class ChatMessage(_Request):
     """One turn; content is a string or a list of {"type": "text", "text": ...} parts."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any = None
+    content: Any
     name: str | None = None
 
     @field_validator("content")
@@ -106,9 +118,9 @@ class ChatCompletionRequest(SamplingRequest):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Not implemented; declared so that using them is a 400 that names them.
     tools: Any = None
     tool_choice: Any = None
@@ -151,11 +163,11 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from pydantic import BaseModel
 
 from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
-                                         RequestStream)
+                                         RequestStream, ShuttingDownError)
 from servelm.outputs import CompletionOutput, RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server.errors import APIError, from_value_error
@@ -33,6 +33,29 @@ class ServingContext:
 def new_id(prefix: str) -> str:
     """A response or request id, unique across servers: 'chatcmpl-<32 hex digits>'."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Prepared:
+    """A request made ready off the event loop: (text, token ids) per prompt, its sampling
+    params, and the engine's field names -> the request's (for error params)."""
+
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    fields: dict[str, str]
+
+
+def encode_prompt(ctx: ServingContext, text: str, fields: dict[str, str],
+                  add_special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids; a text too long to fit however it tokenises is refused
+    before the (costly) tokenising."""
+    tok, max_len = ctx.engine.tokenizer, ctx.engine.engine.max_model_len
+    at_least = len(text) // (2 * tok.max_token_chars)  # 2: room for normalisers that shrink
+    if at_least >= max_len:
+        raise APIError(400, f"prompt is at least {at_least} tokens ({len(text)} characters), "
+                            f"but the maximum context length is {max_len} tokens",
+                       param=fields.get(""), code="invalid_value")
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
@@ -56,9 +79,9 @@ class Generation:
     request in the metrics exactly once.
     """
 
-    def __init__(self, ctx: ServingContext, prompts: list[tuple[str | None, list[int]]],
-                 params: SamplingParams, fields: dict[str, str]):
+    def __init__(self, ctx: ServingContext, prepared: Prepared, cache_salt: str | None = None):
         self.ctx = ctx
+        prompts, params, fields = prepared.prompts, prepared.params, prepared.fields
         self.prompt_lens = [len(ids) for _, ids in prompts]
         self.last: list[RequestOutput | None] = [None] * len(prompts)
         self.streams: list[RequestStream] = []
@@ -67,13 +90,17 @@ class Generation:
         try:
             for i, (text, ids) in enumerate(prompts):
                 self.streams.append(ctx.engine.generate(text, params, f"{base}-{i}",
-                                                        prompt_token_ids=ids))
+                                                        prompt_token_ids=ids,
+                                                        cache_salt=cache_salt))
         except (ValueError, QueueFullError, EngineDeadError) as e:
             self._closed = True  # refused: nothing to record
             for s in self.streams:
                 s.abort()
             if isinstance(e, QueueFullError):
-                raise APIError(503, str(e), code="queue_full") from None
+                raise APIError(503, str(e), code="queue_full",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(e, ShuttingDownError):
+                raise APIError(503, str(e), code="server_shutting_down") from None
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_unavailable") from None
             raise from_value_error(e, fields) from None
@@ -94,6 +121,9 @@ class Generation:
                         out = fut.result()
                     except StopAsyncIteration:
                         continue
+                    except ShuttingDownError as e:  # past the drain time
+                        raise APIError(503, f"{e}: the request did not finish within the "
+                                            f"shutdown timeout", code="server_shutting_down") from e
                     except Exception as e:  # the engine failed this request
                         raise APIError(500, f"generation failed: {e}", code="engine_error") from e
                     self.last[i] = out
