@@ -49,3 +49,36 @@ def test_truncated_file_is_a_clear_error(tmp_path, gguf_path):
         cut.write_bytes(f.read(5000))
     with pytest.raises(ModelLoadError, match=f"{cut}: cannot read GGUF file"):
         GGUFFile(str(cut))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
+                                       "Q6_K", "F16", "BF16"])
+def test_torch_dequantisation_is_gguf_pys_bit_for_bit(type_name):
+    """Random blocks (every bit pattern of scales and quants, NaN/inf scales included)
+    dequantised by servelm.models.dequant and by gguf-py's numpy reference."""
+    import gguf
+
+    from servelm.models import dequant
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, size=(3, 40 * size), dtype=np.uint8)
+    ref = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(-1)
+    got = dequant.dequantize(raw, type_name).numpy()
+    assert got.shape == ref.shape == (3 * 40 * block,)
+    assert np.array_equal(got, ref, equal_nan=True)
+
+
+def test_torch_dequantisation_of_the_embedded_model_is_gguf_pys(gguf_path):
+    import gguf
+
+    from servelm.models import dequant
+
+    seen = set()
+    for t in GGUFReader(gguf_path).tensors[:40]:
+        qtype = gguf.GGMLQuantizationType(t.qtype)
+        ref = np.asarray(gguf.quants.dequantize(t.data, qtype), dtype=np.float32).reshape(-1)
+        assert np.array_equal(dequant.dequantize(t.data, qtype.name).numpy(), ref), t.name
+        seen.add(qtype.name)
+    assert {"Q4_1", "Q8_0", "F32"} <= seen
+    assert dequant.dequantize(np.zeros(10, np.uint8), "IQ2_XXS") is None  # gguf-py's then

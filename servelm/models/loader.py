@@ -100,6 +100,8 @@ class GGUFFile:
         only that part is dequantised."""
         import gguf
 
+        from servelm.models import dequant
+
         family = family_for_architecture(cfg.architecture)
         for t in tqdm(self.reader.tensors, desc="loading weights", unit="tensor",
                       file=sys.stderr, disable=None, leave=False):
@@ -113,12 +115,16 @@ class GGUFFile:
             data, shape, part = t.data, t.shape, slice_of and slice_of(name)
             if part is not None:
                 data, shape, part = _slice_raw(t, qtype, *part)
-            try:
-                arr = gguf.quants.dequantize(data, qtype)
-            except NotImplementedError as e:
-                raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
-                                     f"{qtype.name}") from e
-            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+            fast = dequant.dequantize(data, qtype.name)  # torch, for the common types
+            if fast is not None:
+                arr = fast.numpy().reshape(shape)
+            else:
+                try:
+                    arr = gguf.quants.dequantize(data, qtype)
+                except NotImplementedError as e:
+                    raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
+                                         f"{qtype.name}") from e
+                arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
             if part is not None:  # a column range not on quantisation block boundaries
                 arr = np.ascontiguousarray(arr[:, part[1]:part[2]])
             if not arr.flags.writeable:  # a view of the memory-mapped file

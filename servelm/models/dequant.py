@@ -1,0 +1,152 @@
+"""GGUF block formats dequantised with torch: the types real checkpoints use, bit for bit
+what gguf-py's numpy reference gives (the same float32 operations in the same order), and
+far faster (whole tensors at once, on every thread, instead of 16-row groups): loading the
+embedded Q4_1 model goes from seconds of dequantising to a fraction of one."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import numpy as np
+import torch
+
+QK_K = 256
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of every block, as float32 (n, 1)."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+    """Bytes (n, k*group) -> (n, k, 2, group): low nibbles, then high nibbles, per group."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, group)
+    return torch.cat([q & 0x0F, q >> 4], dim=2)
+
+
+def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Little-endian bit i of each block's bytes, for i < count: (n, count) uint8."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (qh.unsqueeze(-1) >> shifts) & 1  # (n, bytes, 8)
+    return bits.reshape(qh.shape[0], -1)[:, :count]
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b, 0)
+    x = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    return x * d
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b, 0)
+    q = _nibbles(b[:, 2:], 16).reshape(b.shape[0], -1).to(torch.int8) - 8
+    return d * q.to(torch.float32)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b, 0), _f16(b, 2)
+    q = _nibbles(b[:, 4:], 16).reshape(b.shape[0], -1).to(torch.float32)
+    return (d * q) + m
+
+
+def _q5(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    ql = _nibbles(b[:, qh_at + 4:], 16).reshape(b.shape[0], -1)
+    qh = _bits(b[:, qh_at:qh_at + 4], 32)
+    return ql | (qh << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b, 0)
+    q = _q5(b, 2).to(torch.int8) - 16
+    return d * q.to(torch.float32)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b, 0), _f16(b, 2)
+    return (d * _q5(b, 4).to(torch.float32)) + m
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins."""
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return ((d * sc.to(torch.float32)).reshape(n, -1, 1),
+            (dmin * mn.to(torch.float32)).reshape(n, -1, 1))
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dm = _k_scales(b)
+    q = _nibbles(b[:, 16:], 32).reshape(n, -1, 32).to(torch.float32)
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dm = _k_scales(b)
+    qh = b[:, 16:16 + QK_K // 8].reshape(n, -1, 1, 32)
+    qh = ((qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1).reshape(n, -1, 32)
+    ql = _nibbles(b[:, 16 + QK_K // 8:], 32).reshape(n, -1, 32)
+    q = (ql | (qh << 4)).to(torch.float32)
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    ql, qh = b[:, :QK_K // 2], b[:, QK_K // 2:QK_K // 2 + QK_K // 4]
+    scales = b[:, 3 * QK_K // 4:3 * QK_K // 4 + QK_K // 16].contiguous().view(torch.int8)
+    d = _f16(b, 3 * QK_K // 4 + QK_K // 16)
+    d = (d * scales.to(torch.float32)).reshape(n, QK_K // 16, 1)
+    ql = _nibbles(ql, 64).reshape(n, -1, 32)
+    qh = qh.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(n, -1, 32)
+    q = (ql | (qh << 4)).to(torch.int8) - 32
+    q = q.reshape(n, QK_K // 16, -1).to(torch.float32)
+    return (d * q).reshape(n, QK_K)
+
+
+# GGML type name -> (elements per block, bytes per block, block dequantiser)
+_BLOCKS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1), "Q8_0": (32, 34, _q8_0), "Q4_K": (256, 144, _q4_k),
+    "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
+}
+
+
+def supported(type_name: str) -> bool:
+    return type_name in _BLOCKS or type_name in ("F32", "F16", "BF16")
+
+
+def dequantize(data: np.ndarray, type_name: str) -> torch.Tensor | None:
+    """float32 elements of a GGUF tensor's data (raw blocks, rows of bytes; or F32/F16/BF16
+    values), flattened in row order; None for a type this module does not know."""
+    if type_name == "F32":
+        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(-1)
+    if type_name == "F16":
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.float16)).reshape(-1).float()
+    if type_name == "BF16":
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        return raw.view(torch.bfloat16).float()
+    entry = _BLOCKS.get(type_name)
+    if entry is None:
+        return None
+    _, size, fn = entry
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    if raw.size % size:
+        raise ValueError(f"{type_name} data of {raw.size} bytes is not whole {size}-byte blocks")
+    with warnings.catch_warnings():  # a read-only memory map: only ever read here
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(raw).reshape(-1, size)
+    return fn(blocks).reshape(-1)
