@@ -28,15 +28,15 @@ def test_first_step_logits_match_reference(llm, hf_model):
 
 
 def test_greedy_continuations_match_reference(llm, hf_model):
-    # min_tokens on both sides bans EOS, so every continuation is a full 64 tokens.
+    # min_tokens on both sides bans EOS, so every continuation is a full 48 tokens.
     prompts = [_chat_ids(llm, c) for c in CHAT_PROMPTS[2:]]  # system prompt, multi-turn, code
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=64, min_tokens=64),
+                        SamplingParams(temperature=0, max_tokens=48, min_tokens=48),
                         use_tqdm=False)
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
-                                    min_new_tokens=64, pad_token_id=2)[0, len(ids):].tolist()
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                    min_new_tokens=48, pad_token_id=2)[0, len(ids):].tolist()
         got = out.outputs[0].token_ids
         if got != ref:
             k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)

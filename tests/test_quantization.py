@@ -372,7 +372,9 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
 
 
 def quality(llm, quant_llms):
-    ids = llm.get_tokenizer().encode(TEXT)
+    # The first 512 tokens: the ratios are the whole text's (int4 KL 0.053 vs 0.055, ppl
+    # ratio 1.05 either way) at half the cost of three prompt passes.
+    ids = llm.get_tokenizer().encode(TEXT)[:512]
     ref = all_logits(llm.engine, ids)
     out = {}
     for name, lq in [("fp32", llm)] + sorted(quant_llms.items()):
