@@ -128,6 +128,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        engine.tokenizer.max_token_chars  # computed now, not under the first big request
         engine.start()
         try:
             yield
