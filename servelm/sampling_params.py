@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from servelm.structured_outputs import StructuredOutputsParams
+
 # A temperature below this is treated as greedy decoding (argmax).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -31,6 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per token; 0 = the sampled token's only
     skip_special_tokens: bool = True
+    # A grammar every sampled token keeps valid (JSON schema, regex, choice, Lark/EBNF).
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -45,6 +49,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids or None, "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {self.structured_outputs!r}")
         self._validate()
 
     @property

@@ -253,6 +253,48 @@ def test_multiple_prompts_and_logprobs(client, tokenizer):
     assert "".join(c.token for c in content) == chat.choices[0].message.content
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    """OpenAI's legacy logprobs: up to logprobs + 1 entries, the sampled token among them."""
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                  temperature=1.5, seed=11, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                  temperature=1.5, seed=11, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert all(tok in t and 2 <= len(t) <= 3 for t, tok in zip(lp.top_logprobs, lp.tokens))
+
+
+def test_structured_outputs_over_the_api(server, client):
+    """The official client's parse() with a pydantic model, vLLM's structured_outputs and
+    guided_* fields, streamed and not, n > 1."""
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=12)
+        legs: int = Field(ge=0, le=8)
+
+    r = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a pet as JSON."}],
+        response_format=Pet, temperature=0.8, seed=5, n=2, max_completion_tokens=60)
+    assert len(r.choices) == 2
+    assert all(isinstance(c.message.parsed, Pet) for c in r.choices)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="The answer is", max_tokens=10, stream=True,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text in ("yes", "no", "maybe") and len(chunks) >= 1
+    r = client.completions.create(model=MODEL, prompt="Zip code:", max_tokens=10,
+                                  temperature=1.0, extra_body={"guided_regex": "[0-9]{5}"})
+    assert re.fullmatch(r"[0-9]{5}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=40, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "A JSON object with one key."}])
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
 # ---- load, cancellation ---------------------------------------------------------------------
 
 
@@ -332,8 +374,21 @@ BAD_INPUTS = [
     (CHAT, b'[1, 2]', 400, None, "JSON object"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools",
      "tools"),
-    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "response_format"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "xml"}}, 400,
+     "response_format.type", "json_schema"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+     "response_format", "required"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, 400,
+     "response_format.json_schema.schema", "bogus"),
+    (CHAT, {"model": MODEL, "messages": MSG, "structured_outputs": {"regex": "[a-z"}}, 400,
+     "structured_outputs.regex", "regex"),
+    (CHAT, {"model": MODEL, "messages": MSG, "structured_outputs": {}}, 400,
+     "structured_outputs", "exactly one"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "guided_grammar": "start: nope"}, 400,
+     "guided_grammar", "nope"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "guided_choice": ["a"],
+                   "guided_regex": "b"}, 400, "guided_choice", "only one"),
     (CHAT, {"model": MODEL, "messages": MSG, "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
     (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": "5"}, 400, "max_tokens", "integer"),

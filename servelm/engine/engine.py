@@ -16,6 +16,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.sampler import Sampler
+from servelm.structured_outputs import GrammarCompiler
 from servelm.engine.scheduler import Scheduler
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -178,6 +179,8 @@ class LLMEngine:
                                             kv_bits=bits)
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
@@ -218,6 +221,8 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             req = Request(rid, ids, params, max_tokens, arrival, gen, cache_salt=cache_salt)
+            if params.structured_outputs is not None:
+                req.grammar = self.grammars.matcher(params.structured_outputs)
             if i > 0 and self.block_manager.enable_caching:
                 req.wait_for = group.samples[0].request  # share its prompt blocks
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
@@ -327,6 +332,8 @@ class LLMEngine:
             group, index = self._owner[req.request_id]
             sample = group.samples[index]
             req.append_output_token(result.token_ids[j], now)
+            if req.grammar is not None:
+                req.grammar.consume_token(result.token_ids[j])
             if sample.logprobs is not None:
                 sample.logprobs.append(result.logprobs[j])
             self._check_stop(sample, result.token_ids[j])
@@ -345,6 +352,8 @@ class LLMEngine:
         stop = sample.detok.add_token(token)  # matches only past min_tokens
         if stop is not None:
             req.stop_reason = stop
+            return self._finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.grammar is not None and req.grammar.is_stopped():  # the grammar is complete
             return self._finish(req, RequestStatus.FINISHED_STOPPED)
         if req.num_output_tokens >= req.max_tokens:
             return self._finish(req, RequestStatus.FINISHED_LENGTH)

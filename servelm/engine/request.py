@@ -50,6 +50,7 @@ class Request:
                  cache_salt: str | None = None):
         self.request_id = request_id
         self.cache_salt = cache_salt  # prefix-cache namespace (None: the shared one)
+        self.grammar: Any = None      # its structured-outputs matcher (llguidance), if any
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # effective: the params' value capped by the context

@@ -52,6 +52,7 @@ class SamplerRow(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # set when sampling_params.seed is not None
+    grammar: object  # a structured-outputs matcher, or None
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,18 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and load_ops("ops"):
         return torch.ops.servelm_ops.argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplerRow],
+                    constrained: list[int]) -> torch.Tensor:
+    """-inf for every token the row's grammar does not allow next (a copy of the logits)."""
+    from servelm.structured_outputs import allowed_mask
+
+    allowed = allowed_mask([rows[i].grammar for i in constrained], logits.shape[1])
+    index = torch.tensor(constrained, device=logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), _NEG_INF)
+    return logits
 
 
 def _argmax_only(row: SamplerRow) -> bool:
@@ -89,17 +102,20 @@ class Sampler:
             raise ValueError(f"logits must be [{len(rows)}, vocab], got {tuple(logits.shape)}")
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
-        logits = logits.float()
+        logits = raw = logits.float()
+        constrained = [i for i, row in enumerate(rows) if getattr(row, "grammar", None) is not None]
+        if constrained:  # structured outputs: only the tokens each grammar allows next
+            logits = _apply_grammars(logits, rows, constrained)
         if all(_argmax_only(row) for row in rows):  # the common greedy step: one op
             return SamplerOutput(token_ids=_argmax(logits).tolist(),
                                  logprobs=[None] * len(rows))
         params = [row.sampling_params for row in rows]
 
         # Reported logprobs come from the model's own distribution, before any
-        # penalty or warping (vLLM's default "raw_logprobs" mode).
+        # grammar, penalty or warping (vLLM's default "raw_logprobs" mode).
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            raw_logprobs = torch.log_softmax(raw, dim=-1)  # [B, V]
 
         logits = self._ban_stop_tokens(logits, rows)
         logits = self._apply_penalties(logits, rows)

@@ -10,7 +10,8 @@ from servelm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                      ChatLogprobs, ChatResponseMessage, ChatTokenLogprob)
 from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingContext, TokenText,
-                                    encode_prompt, new_id, new_logprobs, sampling_params, sse)
+                                    encode_prompt, new_id, new_logprobs, sampling_params, sse,
+                                    structured_outputs)
 
 # SamplingParams / engine names -> this endpoint's request fields, for error params.
 _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "": "messages",
@@ -33,7 +34,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     ids = encode_prompt(ctx, text, fields, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, fields)
+    params = sampling_params(req, max_tokens, logprobs, fields, structured_outputs(ctx, req))
     return Prepared([(text, ids)], params, fields)
 
 

@@ -12,7 +12,8 @@ from servelm.server.errors import APIError
 from servelm.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                                      CompletionRequest, CompletionResponse)
 from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingContext, TokenText,
-                                    encode_prompt, new_id, new_logprobs, sampling_params, sse)
+                                    encode_prompt, new_id, new_logprobs, sampling_params, sse,
+                                    structured_outputs)
 
 _FIELDS = {"": "prompt", **{k: k for k in (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -25,12 +26,15 @@ def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:
     anything runs."""
     prompts = [(p, encode_prompt(ctx, p, _FIELDS)) if isinstance(p, str) else (None, p)
                for p in req.prompt]
-    params = sampling_params(req, req.max_tokens, req.logprobs, _FIELDS)
+    params = sampling_params(req, req.max_tokens, req.logprobs, _FIELDS,
+                             structured_outputs(ctx, req))
     return Prepared(prompts, params, _FIELDS)
 
 
 def _logprobs(token_text: TokenText, entries: list, offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy shape; text_offset counts from the start of the choice's text."""
+    """OpenAI's legacy shape; text_offset counts from the start of the choice's text. Each
+    top_logprobs entry holds the top `logprobs` tokens and always the sampled one (so up to
+    logprobs + 1 entries; logprobs=0: the sampled token alone)."""
     tokens = [token_text(e.token_id) for e in entries]
     offsets = []
     for t in tokens:
@@ -38,7 +42,8 @@ def _logprobs(token_text: TokenText, entries: list, offset: int) -> CompletionLo
         offset += len(t)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[{token_text(t): lp for t, lp in e.top} for e in entries],
+        top_logprobs=[{**{token_text(t): lp for t, lp in e.top}, tok: e.logprob}
+                      for tok, e in zip(tokens, entries)],
         text_offset=offsets)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
 
 from servelm.sampling_params import MAX_LOGPROBS
 
@@ -41,6 +42,39 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: OpenAI's structured outputs."""
+
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": ...}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_its_type(self) -> "ResponseFormat":
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("'json_schema' is required with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar
+    (Lark or GBNF/EBNF), json_object."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -66,6 +100,13 @@ class SamplingRequest(_Request):
     # Prefix-cache blocks are shared only between requests with the same salt (vLLM's field),
     # so cached_tokens cannot tell one client what another sent.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Structured outputs, in OpenAI's form, vLLM's, or vLLM's older guided_* fields (one of).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI fields servelm does not implement: only their no-op values pass.
     logit_bias: dict[str, float] | None = None
 
@@ -127,7 +168,6 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -141,14 +181,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _unset_only(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and not (info.field_name == "tool_choice" and v == "none"):
             raise _unsupported(info.field_name)
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: Any) -> Any:
-        if v is not None and v != {"type": "text"}:
-            raise ValueError("'response_format' other than {'type': 'text'} is not supported "
-                             "by servelm")
         return v
 
     @field_validator("top_logprobs")

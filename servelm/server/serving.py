@@ -19,6 +19,7 @@ from servelm.server.errors import APIError, from_value_error
 from servelm.server.metrics import ServerMetrics
 from servelm.server.protocol import (PromptTokensDetails, RequestTimings, SamplingRequest,
                                      TopLogprob, UsageInfo)
+from servelm.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -58,8 +59,53 @@ def encode_prompt(ctx: ServingContext, text: str, fields: dict[str, str],
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
+def structured_outputs(ctx: ServingContext, req: SamplingRequest
+                       ) -> StructuredOutputsParams | None:
+    """The request's grammar (from response_format, structured_outputs or a guided_* field),
+    compiled here (a worker thread) so that the engine finds it cached; a bad one is a 400
+    naming the field it came from."""
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema is required",
+                           param="response_format.json_schema.schema", code="invalid_value")
+        found.append(("response_format.json_schema.schema", {"json": rf.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object))
+                 if v not in (None, False)}
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs needs exactly one of json, regex, choice, "
+                                f"grammar, json_object; got {', '.join(given) or 'none'}",
+                           param="structured_outputs", code="invalid_value")
+        found.append((f"structured_outputs.{next(iter(given))}", given))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found.append((f"guided_{name}", {name: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise APIError(400, f"only one way of constraining the output may be given; got "
+                            f"{', '.join(p for p, _ in found)}", param=found[1][0],
+                       code="invalid_value")
+    param, spec = found[0]
+    try:
+        params = StructuredOutputsParams(**spec)
+        ctx.engine.engine.grammars.compile(params)
+    except ValueError as e:  # GrammarError included
+        detail = getattr(e, "detail", str(e))
+        raise APIError(400, f"{param}: {detail}", param=param, code="invalid_value") from None
+    return params
+
+
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    fields: dict[str, str]) -> SamplingParams:
+                    fields: dict[str, str],
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """The request's SamplingParams; an invalid combination is a 400 naming the field."""
     try:
         return SamplingParams(
@@ -67,7 +113,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            structured_outputs=structured)
     except ValueError as e:
         raise from_value_error(e, fields) from None
 

@@ -1,0 +1,127 @@
+"""Structured outputs on the session's fp32 engine: every kind of grammar holds at temperature
+> 0 and with n > 1, constrained and free requests share a batch without touching each other,
+and bad specs are named."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from servelm import SamplingParams, StructuredOutputsParams
+from servelm.engine.sampler import Sampler
+from servelm.structured_outputs import GrammarError
+
+pytest.importorskip("llguidance")
+
+
+class City(BaseModel):
+    name: str = Field(max_length=16)
+    population: int = Field(ge=0)
+    country: str = Field(max_length=16)
+    capital: bool
+
+
+def _gen(llm, prompt: str, spec: StructuredOutputsParams, **kw) -> list:
+    params = SamplingParams(max_tokens=kw.pop("max_tokens", 80), structured_outputs=spec, **kw)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs
+
+
+def test_params_need_exactly_one_constraint():
+    for bad in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": [1]},
+                {"regex": ""}, {"json": 5}):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            StructuredOutputsParams(**bad)
+    assert StructuredOutputsParams(json='{"type": "object"}').key() == \
+        StructuredOutputsParams(json={"type": "object"}).key()
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs=42)
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.regex == "a+"
+
+
+@pytest.mark.parametrize("spec,kind", [
+    ({"regex": "[a-z"}, "regex"), ({"json": {"type": "bogus"}}, "json"),
+    ({"grammar": "start: undefined_rule"}, "grammar"), ({"json": "{not json"}, "json")])
+def test_bad_specs_are_named(llm, spec, kind):
+    with pytest.raises(GrammarError, match=f"structured_outputs.{kind}") as e:
+        llm.engine.grammars.compile(StructuredOutputsParams(**spec))
+    assert e.value.kind == kind
+
+
+def test_compiled_grammars_are_cached(llm):
+    spec = StructuredOutputsParams(regex=r"\d+")
+    grammars = llm.engine.grammars
+    assert grammars.compile(spec) is grammars.compile(StructuredOutputsParams(regex=r"\d+"))
+    a, b = grammars.matcher(spec), grammars.matcher(spec)
+    assert a is not b  # each sample its own state
+
+
+def test_json_schema_holds_when_sampling_with_n3(llm):
+    # No other keys (what the official client's strict mode sends), so the object ends.
+    spec = StructuredOutputsParams(json={**City.model_json_schema(),
+                                         "additionalProperties": False})
+    outs = _gen(llm, "Describe a city as JSON:", spec, n=3, temperature=1.0, seed=7,
+                max_tokens=120)
+    assert len(outs) == 3
+    for o in outs:
+        City.model_validate_json(o.text)  # raises unless it matches the schema
+        assert o.finish_reason == "stop"
+    assert len({o.text for o in outs}) > 1  # really sampled
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    out = _gen(llm, "A product code:", StructuredOutputsParams(regex=r"[A-Z]{3}-\d{4}"),
+               temperature=0.9, seed=1)[0]
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}", out.text) and out.finish_reason == "stop"
+    choices = ["Paris", "London", "Berlin"]
+    out = _gen(llm, "The capital of France is", StructuredOutputsParams(choice=choices),
+               temperature=0)[0]
+    assert out.text == "Paris"
+    lark = 'start: "Answer: " ANSWER "."\nANSWER: "yes" | "no"'
+    out = _gen(llm, "Is the sky blue?", StructuredOutputsParams(grammar=lark), temperature=0.7,
+               seed=3)[0]
+    assert re.fullmatch(r"Answer: (yes|no)\.", out.text)
+    gbnf = 'root ::= "x" [0-9] [0-9]'
+    out = _gen(llm, "Code:", StructuredOutputsParams(grammar=gbnf), temperature=0.7, seed=3)[0]
+    assert re.fullmatch(r"x\d\d", out.text)
+    out = _gen(llm, "Some JSON:", StructuredOutputsParams(json_object=True), temperature=0,
+               max_tokens=60)[0]
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+    else:  # cut by max_tokens inside the object: still a prefix of one
+        assert out.text.lstrip().startswith("{")
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], free, use_tqdm=False)[0].outputs[0]
+    both = llm.generate(
+        ["The capital of France is", "A product code:"],
+        [free, SamplingParams(temperature=0, max_tokens=12,
+                              structured_outputs=StructuredOutputsParams(regex=r"\d{5}"))],
+        use_tqdm=False)
+    assert both[0].outputs[0].token_ids == alone.token_ids
+    assert re.fullmatch(r"\d{5}", both[1].outputs[0].text)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampler_masks_only_constrained_rows(llm):
+    """Uniform logits: the constrained row can only start a choice; the free row is the
+    plain argmax (token 0), untouched by the other row's mask."""
+    class Row:
+        def __init__(self, grammar):
+            self.sampling_params = SamplingParams(temperature=0)
+            self.prompt_token_ids, self.output_token_ids = [1], []
+            self.generator, self.grammar = None, grammar
+
+    vocab = llm.engine.model_config.vocab_size
+    matcher = llm.engine.grammars.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    out = Sampler(llm.engine.tokenizer.eos_token_ids)(torch.zeros(2, vocab),
+                                                       [Row(matcher), Row(None)])
+    tok = llm.get_tokenizer()
+    first = tok.decode([out.token_ids[0]])
+    assert first and ("yes".startswith(first) or "no".startswith(first))
+    assert out.token_ids[1] == 0
