@@ -1,4 +1,4 @@
-"""Structured outputs: a grammar (JSON schema, JSON object, regex, choice, Lark/EBNF) that
+"""Structured outputs (no torch at import: SamplingParams holds these): a grammar (JSON schema, JSON object, regex, choice, Lark/EBNF) that
 every sampled token must keep valid, on llguidance.
 
 llguidance, not xgrammar: xgrammar's wheel requires transformers (and triton) at run time,
@@ -17,9 +17,10 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -148,6 +149,7 @@ class GrammarCompiler:
 def allowed_mask(matchers: list, vocab: int) -> torch.Tensor:
     """[len(matchers), vocab] bool: the tokens each matcher allows next."""
     import llguidance.torch as lt
+    import torch
 
     words = (vocab + 31) // 32
     bits = torch.zeros((len(matchers), words), dtype=torch.int32)
