@@ -146,14 +146,25 @@ class GrammarCompiler:
         return self.compile(spec).deep_copy()
 
 
-def allowed_mask(matchers: list, vocab: int) -> torch.Tensor:
-    """[len(matchers), vocab] bool: the tokens each matcher allows next."""
-    import llguidance.torch as lt
+_executor = None
+
+
+def allowed_mask(matchers: list, vocab: int) -> "torch.Tensor":
+    """[len(matchers), vocab] bool: the tokens each matcher allows next; several rows are
+    computed in parallel by llguidance's own threads. (llguidance.torch is not used: it
+    applies torch.compile at import, which imports torch._dynamo, seconds.)"""
+    import llguidance
     import torch
 
+    global _executor
     words = (vocab + 31) // 32
     bits = torch.zeros((len(matchers), words), dtype=torch.int32)
-    for i, m in enumerate(matchers):
-        lt.fill_next_token_bitmask(m, bits, i)
+    if len(matchers) == 1:
+        matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+    else:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                          bits.data_ptr(), words * 4, len(matchers))
     shifts = torch.arange(32, dtype=torch.int32)
     return (((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(matchers), -1)[:, :vocab]) != 0

@@ -128,10 +128,15 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.family = family_for_architecture(cfg.architecture)
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its (empty) weight, the embedding skips a random init the checkpoint
+        # overwrites, and with it torch's one-time import of torch._dynamo (~3 s here).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.init_rotary()
+        self.rotary = self.rotary_local = None
+        if torch.get_default_device().type != "meta":  # else build_model makes them later:
+            self.init_rotary()  # arithmetic on meta tensors imports torch._dynamo (~3 s)
         # Always a module, so quantisation and tensor parallelism can swap it like any other
         # linear layer; tied checkpoints share the embedding's parameter.
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
