@@ -659,13 +659,13 @@ def test_soak_of_mixed_clients_leaves_nothing_behind(server):
     from servelm.bench.soak import KINDS, rss_bytes, soak
 
     args = dict(model=MODEL, headers=AUTH, clients=6, max_request_bytes=MAX_BODY, max_tokens=12)
-    asyncio.run(soak(server.url, 1.5, seed=1, **args))  # first-time paths, allocator pools
+    asyncio.run(soak(server.url, 1.0, seed=1, **args))  # first-time paths, allocator pools
     rss = rss_bytes(server.proc.pid)
-    rep = asyncio.run(soak(server.url, 6.0, seed=2, **args))
+    rep = asyncio.run(soak(server.url, 4.0, seed=2, **args))
     growth = rss_bytes(server.proc.pid) - rss
     assert rep.problems == []
     assert all(rep.counts[k] > 0 for k in KINDS), rep.counts
-    assert rep.health_checks > 50 and rep.health_max_s < 0.1, rep.to_dict()
+    assert rep.health_checks > 30 and rep.health_max_s < 0.1, rep.to_dict()
     assert all(v == 0 for v in rep.settled.values()), rep.settled  # no KV block leaked
     assert growth < 64 * 2**20, growth
 
