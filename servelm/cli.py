@@ -314,6 +314,9 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME,...",
                        help="Host header names to accept besides IP addresses and localhost "
                        "('*': any); other names get 403 (DNS rebinding)")
+    serve.add_argument("--allowed-origins", action="append", default=None,
+                       metavar="ORIGIN,...", help="web origins (https://app.example, or '*') "
+                       "whose pages may call the API from a browser (CORS; default none)")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                        help="largest request body; past it 413 (default 8 MiB)")
     serve.add_argument("--header-timeout", type=positive(float), default=10.0, metavar="S",

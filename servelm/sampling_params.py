@@ -35,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A grammar every sampled token keeps valid (JSON schema, regex, choice, Lark/EBNF).
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a bias in [-100, 100] added to its logit (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -107,6 +109,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for t, b in self.logit_bias.items():
+                if not is_int(t) or t < 0 or not is_num(b) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias maps token ids >= 0 to biases in "
+                                     f"[-100, 100], got {t!r}: {b!r}")
         if self.logprobs is not None and (not is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")

@@ -1,5 +1,6 @@
-"""Structured outputs (no torch at import: SamplingParams holds these): a grammar (JSON schema, JSON object, regex, choice, Lark/EBNF) that
-every sampled token must keep valid, on llguidance.
+"""Structured outputs: a grammar (JSON schema, JSON object, regex, choice, Lark/EBNF) that
+every sampled token must keep valid, on llguidance. No torch at import: SamplingParams
+holds these.
 
 llguidance, not xgrammar: xgrammar's wheel requires transformers (and triton) at run time,
 and transformers is only a test reference here; llguidance is one self-contained library

@@ -86,6 +86,7 @@ def processes(tmp_path_factory):
     # Both start at once, so their model loads overlap.
     servers = {"main": Server("--api-key", KEY, "--api-key-file", str(key_file),
                               "--allowed-hosts", "api.example,other.example",
+                              "--allowed-origins", "http://app.example",
                               "--max-request-bytes", str(MAX_BODY), "--max-queue", "8",
                               env={"SERVELM_API_KEY": KEY2}),
                "small": Server("--max-num-seqs", "1", "--max-queue", "1",
@@ -251,6 +252,19 @@ def test_multiple_prompts_and_logprobs(client, tokenizer):
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_logit_bias_steers_and_bans(client, tokenizer):
+    """+100 on one token makes greedy decoding pick it; -100 on the greedy first token
+    makes the model pick something else."""
+    args = dict(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
+    plain = client.completions.create(**args).choices[0].text
+    first = tokenizer.encode(plain)[0]
+    banned = client.completions.create(**args, logit_bias={str(first): -100}).choices[0].text
+    assert tokenizer.encode(banned)[0] != first
+    z = tokenizer.encode(" zebra")[0]
+    forced = client.completions.create(**args, logit_bias={str(z): 100})
+    assert forced.choices[0].text == tokenizer.decode([z] * 3)
 
 
 def test_completion_top_logprobs_always_hold_the_sampled_token(client):
@@ -428,8 +442,12 @@ BAD_INPUTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "echo"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias",
-     "logit_bias"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 10}}, 400, "logit_bias",
+     "token ids"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias",
+     "100"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400,
+     "logit_bias", "49152"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 50}, 400, "logprobs", "20"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop", "string"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop_token_ids": [2, 49152]}, 400,
@@ -556,6 +574,26 @@ def test_host_header_must_name_this_server(server, host, status):
         r = httpx.post(f"{server.url}/v1/completions", headers={**AUTH, "Host": host},
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 403
+
+
+def test_cors_only_for_allowed_origins(server):
+    """A page on --allowed-origins may call the API (preflight and answer carry the CORS
+    headers); a page on another origin gets neither."""
+    pre = {"Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(f"{server.url}/v1/chat/completions",
+                       headers={"Origin": "http://app.example", **pre})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "http://app.example"
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    bad = httpx.options(f"{server.url}/v1/chat/completions",
+                        headers={"Origin": "http://evil.example", **pre})
+    assert "access-control-allow-origin" not in bad.headers
+    r = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": "http://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+    r = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
 
 
 @pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded",

@@ -35,7 +35,9 @@ def test_star_allows_any_host():
     ({"api_keys": (" padded",)}, "API key"),
     ({"api_keys": ("",)}, "API key"),
     ({"allowed_hosts": ("http://x.example",)}, "allowed_hosts"),
-    ({"allowed_hosts": ("x.example:80",)}, "allowed_hosts")])
+    ({"allowed_hosts": ("x.example:80",)}, "allowed_hosts"),
+    ({"allowed_origins": ("app.example",)}, "allowed_origins"),
+    ({"allowed_origins": ("https://app.example/path",)}, "allowed_origins")])
 def test_bad_options_are_named(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         ServerOptions(**kwargs)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+JSON = {"Content-Type": "application/json"}
 KINDS = ("stream", "chat", "disconnect", "give_up", "slow_reader", "malformed", "oversized")
 
 
@@ -87,8 +88,9 @@ async def soak(base_url: str, seconds: float, model: str, headers: dict[str, str
                 if events[-1:] != ["[DONE]"] or any('"error"' in e for e in events):
                     rep.problems.append(f"{kind}: stream ended badly: {events[-2:]}")
         elif kind == "chat":
-            r = await http.post(chat, json={"model": model, "max_tokens": rng.randint(1, max_tokens),
-                                            "messages": [{"role": "user", "content": f"Hi {i}"}]})
+            r = await http.post(chat, json={
+                "model": model, "max_tokens": rng.randint(1, max_tokens),
+                "messages": [{"role": "user", "content": f"Hi {i}"}]})
             await expect(kind, r, 200)
         elif kind == "give_up":
             try:
@@ -97,13 +99,14 @@ async def soak(base_url: str, seconds: float, model: str, headers: dict[str, str
             except httpx.TimeoutException:
                 pass
         elif kind == "malformed":
-            bad = rng.choice([b'{"model": ', b"[1, 2]", b'{"model": "%s", "prompt": 5}' % model.encode(),
-                              b'{"model": "%s", "prompt": "x", "n": "two"}' % model.encode()])
-            r = await http.post(completions, content=bad, headers={"Content-Type": "application/json"})
+            m = model.encode()
+            bad = rng.choice([b'{"model": ', b"[1, 2]", b'{"model": "%s", "prompt": 5}' % m,
+                              b'{"model": "%s", "prompt": "x", "n": "two"}' % m])
+            r = await http.post(completions, content=bad, headers=JSON)
             await expect(kind, r, 400)
         elif kind == "oversized":
             big = json.dumps({"model": model, "prompt": "x" * (max_request_bytes + 1)}).encode()
-            r = await http.post(completions, content=big, headers={"Content-Type": "application/json"})
+            r = await http.post(completions, content=big, headers=JSON)
             await expect(kind, r, 413)
 
     async def client(http, c: int) -> None:

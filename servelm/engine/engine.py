@@ -258,7 +258,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
         return text, ids, self._check_length(ids, params)
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> int:

@@ -76,6 +76,21 @@ def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplerRow],
     return logits
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits (a copy)."""
+    r, t, b = [], [], []
+    for i, row in enumerate(rows):
+        for tok, bias in (row.sampling_params.logit_bias or {}).items():
+            r.append(i)
+            t.append(tok)
+            b.append(bias)
+    logits = logits.clone()
+    dev = logits.device
+    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                      torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
 def _argmax_only(row: SamplerRow) -> bool:
     """Whether the whole pipeline reduces to an argmax for this row: greedy, no penalty,
     no logprobs, and past min_tokens (so no token is banned)."""
@@ -106,6 +121,8 @@ class Sampler:
         constrained = [i for i, row in enumerate(rows) if getattr(row, "grammar", None) is not None]
         if constrained:  # structured outputs: only the tokens each grammar allows next
             logits = _apply_grammars(logits, rows, constrained)
+        if any(row.sampling_params.logit_bias for row in rows):
+            logits = _apply_logit_bias(logits, rows)
         if all(_argmax_only(row) for row in rows):  # the common greedy step: one op
             return SamplerOutput(token_ids=_argmax(logits).tolist(),
                                  logprobs=[None] * len(rows))

@@ -110,7 +110,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 3 * QK_K // 4 + QK_K // 16)
     d = (d * scales.to(torch.float32)).reshape(n, QK_K // 16, 1)
     ql = _nibbles(ql, 64).reshape(n, -1, 32)
-    qh = qh.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qh = qh.reshape(n, -1, 1, 32) >> shifts
     qh = (qh & 0x03).reshape(n, -1, 32)
     q = (ql | (qh << 4)).to(torch.int8) - 32
     q = q.reshape(n, QK_K // 16, -1).to(torch.float32)

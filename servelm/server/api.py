@@ -14,6 +14,7 @@ from typing import Callable, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -138,6 +139,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str,
     app = FastAPI(title="servelm", lifespan=lifespan)
     app.state.ctx = ctx
     app.add_middleware(RequestGuard, options=options)
+    if options.allowed_origins:  # outermost: preflights are answered before any check
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
 
     async def check_api_key(request: Request) -> None:
         """Sets request.state.key_salt: the prefix-cache namespace of the key it sent."""

@@ -17,7 +17,7 @@ from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingConte
 _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "": "messages",
            **{k: k for k in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                              "presence_penalty", "frequency_penalty", "seed", "min_tokens",
-                             "stop", "stop_token_ids")}}
+                             "stop", "stop_token_ids", "logit_bias")}}
 
 
 def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:

@@ -18,7 +18,7 @@ from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingConte
 _FIELDS = {"": "prompt", **{k: k for k in (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
-    "logprobs")}}
+    "logit_bias", "logprobs")}}
 
 
 def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:

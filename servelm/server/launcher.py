@@ -20,9 +20,13 @@ def server_options(args):
     """ServerOptions from `servelm serve`'s flags (ValueError names a bad one)."""
     from servelm.server.options import ServerOptions, read_api_keys
 
-    hosts = [h.strip() for arg in args.allowed_hosts or [] for h in arg.split(",") if h.strip()]
+    def split(values):
+        return tuple(v.strip() for arg in values or [] for v in arg.split(",") if v.strip())
+
     return ServerOptions(api_keys=read_api_keys(args.api_key, args.api_key_file),
-                         allowed_hosts=tuple(hosts), max_request_bytes=args.max_request_bytes,
+                         allowed_hosts=split(args.allowed_hosts),
+                         allowed_origins=split(args.allowed_origins),
+                         max_request_bytes=args.max_request_bytes,
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                          shutdown_timeout=args.shutdown_timeout)
 

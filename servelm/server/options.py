@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 
 API_KEY_ENV = "SERVELM_API_KEY"
@@ -19,6 +20,9 @@ class ServerOptions:
         prefix cache, so one client cannot learn what another sent from cached_tokens.
     allowed_hosts: Host header names accepted besides IP literals and localhost (which
         always are); "*" accepts any. Guards a local server against DNS rebinding.
+    allowed_origins: web origins (scheme://host[:port], or "*") whose pages may call the
+        API from a browser (CORS); none by default, so a page elsewhere cannot read
+        answers or send JSON bodies (its preflight is refused).
     max_request_bytes: the largest request body (413 past it).
     header_timeout: seconds a connection has to finish a request's headers (the first
         request's, or the next one's after a response); slower ones are closed.
@@ -29,6 +33,7 @@ class ServerOptions:
 
     api_keys: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     max_request_bytes: int = 8 * MiB
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -51,6 +56,10 @@ class ServerOptions:
             if not host or any(c in host for c in "/ @:"):
                 raise ValueError(f"allowed_hosts entries are host names (no port, scheme or "
                                  f"path), got {host!r}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"allowed_origins entries are origins like "
+                                 f"'https://app.example' (or '*'), got {origin!r}")
         # A key's cache salt: a digest, so the key itself never sits in the block manager.
         object.__setattr__(self, "_salts", {
             k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in self.api_keys})

@@ -107,14 +107,17 @@ class SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # OpenAI fields servelm does not implement: only their no-op values pass.
+    # token id (as a string, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise _unsupported("logit_bias")
+    def _token_ids_as_keys(cls, v: dict | None) -> dict | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
         return v
 
     @field_validator("stream_options")
