@@ -148,6 +148,7 @@ def tp_results(request) -> dict:
         assert llm.engine.runner.check_health() is None
         out["threads"] = torch.get_num_threads()
         out["tp"] = request.param
+        out["llm"] = llm  # the last test to use it kills one of its workers
         yield out
     finally:
         llm.engine.shutdown()
@@ -333,8 +334,9 @@ def test_killed_worker_fails_requests_and_health(tp_server, client):
     assert server.proc.poll() is None  # the server itself still answers
 
 
-def test_worker_dying_while_idle_is_reported_not_hung():
-    llm = LLM(**ENGINE, tensor_parallel_size=2)
+def test_worker_dying_while_idle_is_reported_not_hung(tp_results):
+    # The module's TP=2 engine (one spawn fewer); no test after this one uses it.
+    llm = tp_results["llm"]
     try:
         assert llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         (pid,) = llm.engine.runner.worker_pids
