@@ -83,7 +83,7 @@ class GrammarCompiler:
     templates (keyed by the spec)."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 128):
-        self._hf_json = tokenizer._backend.to_str()
+        self._tokenizer = tokenizer
         self._eos = sorted(tokenizer.eos_token_ids)
         self.vocab_size = vocab_size
         self._ll = None
@@ -97,8 +97,8 @@ class GrammarCompiler:
         if self._ll is None:
             import llguidance
 
-            ll = llguidance.LLTokenizer(self._hf_json, n_vocab=self.vocab_size,
-                                        eos_token=self._eos)
+            ll = llguidance.LLTokenizer(self._tokenizer._backend.to_str(),
+                                        n_vocab=self.vocab_size, eos_token=self._eos)
             with self._lock:
                 self._ll = self._ll or ll
         return self._ll
