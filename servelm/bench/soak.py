@@ -65,7 +65,7 @@ async def soak(base_url: str, seconds: float, model: str, headers: dict[str, str
 
     async def expect(kind: str, resp, status: int) -> None:
         if resp.status_code != status:
-            text = (await resp.aread())[:200] if hasattr(resp, "aread") else resp.text[:200]
+            text = (await resp.aread())[:200]
             rep.problems.append(f"{kind}: HTTP {resp.status_code} (wanted {status}): {text!r}")
 
     async def one(http, i: int) -> None:

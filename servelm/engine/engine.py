@@ -249,22 +249,17 @@ class LLMEngine:
         else:
             text, ids = None, list(prompt or [])
         if prompt_token_ids is not None or not isinstance(prompt, str):
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
-                                 f"[0, {vocab})")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab})")
-        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab})")
+            self._check_in_vocab(ids, "prompt token id")
+        self._check_in_vocab(params.stop_token_ids, "stop_token_ids entry")
+        self._check_in_vocab(params.logit_bias or (), "logit_bias token id")
         return text, ids, self._check_length(ids, params)
+
+    def _check_in_vocab(self, ids, what: str) -> None:
+        """ValueError naming the first of `ids` that is not a token id of this model."""
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"{what} {t!r} is outside the vocabulary [0, {vocab})")
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> int:
         if not ids:

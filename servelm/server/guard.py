@@ -12,7 +12,7 @@ from fastapi import Request
 from servelm.server.errors import APIError
 from servelm.server.options import ServerOptions
 
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = b"x-request-id"
 # A client's request id is echoed back when it is short printable ASCII.
 _CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 _JSON_TYPE = re.compile(r"^application/([\w.+-]+\+)?json$")
@@ -37,14 +37,13 @@ class RequestGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        client_id = _header(scope, b"x-request-id")
+        client_id = _header(scope, REQUEST_ID_HEADER)
         rid = client_id if client_id and _CLIENT_ID.match(client_id) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", rid.encode())]}
+                                                  (REQUEST_ID_HEADER, rid.encode())]}
             await send(message)
 
         error = self._check(scope)
