@@ -1,8 +1,9 @@
 """A soak of an OpenAI-compatible server: many clients behaving well and badly at once.
 
-Clients pick at random, each round: a streamed completion read to the end, a whole chat
-answer, a stream dropped after a few events, a non-streaming request given up on, a slow
-reader, a malformed body, a body over the server's limit. Meanwhile /health is polled; at
+Each client walks the kinds in turn, from its own starting point (so every kind runs from
+the first round on, different kinds at once): a streamed completion read to the end, a
+whole chat answer, a stream dropped after a few events, a non-streaming request given up
+on, a slow reader, a malformed body, a body over the server's limit. Meanwhile /health is polled; at
 the end the server must have settled: nothing running or waiting, no KV block held.
 """
 
@@ -68,8 +69,7 @@ async def soak(base_url: str, seconds: float, model: str, headers: dict[str, str
             text = (await resp.aread())[:200]
             rep.problems.append(f"{kind}: HTTP {resp.status_code} (wanted {status}): {text!r}")
 
-    async def one(http, i: int) -> None:
-        kind = rng.choice(kinds)
+    async def one(http, i: int, kind: str) -> None:
         rep.counts[kind] += 1
         if kind in ("stream", "slow_reader", "disconnect"):
             keep = rng.randint(1, 4) if kind == "disconnect" else None
@@ -113,7 +113,7 @@ async def soak(base_url: str, seconds: float, model: str, headers: dict[str, str
         i = 0
         while time.monotonic() < deadline:
             try:
-                await one(http, c * 1_000_000 + i)
+                await one(http, c * 1_000_000 + i, kinds[(c + i) % len(kinds)])
             except httpx.HTTPError as e:
                 rep.problems.append(f"client {c}: {type(e).__name__}: {e}")
             i += 1
