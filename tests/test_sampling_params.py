@@ -52,6 +52,12 @@ INVALID = [
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [True]),
     ("stop_token_ids", 5),
+    ("logit_bias", [1, 2]),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {5: 101}),
+    ("logit_bias", {5: math.nan}),
+    ("structured_outputs", 42),
 ]
 
 
@@ -88,6 +94,7 @@ def test_defaults_construct():
     dict(seed=0),
     dict(stop=("a", "b"), stop_token_ids=(1, 2)),
     dict(temperature=2, top_p=1),  # ints are fine for float fields
+    dict(logit_bias={5: -100, 7: 100.0}),
 ])
 def test_valid_values_construct(kwargs):
     SamplingParams(**kwargs)
