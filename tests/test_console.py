@@ -69,6 +69,58 @@ def decode_totals(s: dict) -> tuple[float, float]:
     return (0.0, 0.0) if p is None else (p["bandwidth"] * p["seconds"], p["flops"] * p["seconds"])
 
 
+# ---- the stats report, without a server -------------------------------------------------------
+
+
+def test_stats_rates_span_the_last_seconds_of_reports():
+    """Rates and current points are counter growth since the oldest report within the
+    window (none from a report too recent); percentiles are nearest-rank."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from servelm.engine.async_engine import EngineSnapshot
+    from servelm.engine.engine import EngineStats
+    from servelm.roofline import Hardware, ModelShape
+    from servelm.server import stats as live
+
+    now = [100.0]
+    shape = ModelShape(num_params=1000, weight_bits=16)
+    engine = SimpleNamespace(snapshot=EngineSnapshot(), engine=SimpleNamespace(
+        hardware=Hardware(1e9, 4e9), shape=shape, max_model_len=64,
+        block_manager=SimpleNamespace(num_blocks=8, block_size=16)))
+    metrics = SimpleNamespace(recent_ttft=deque(float(i) for i in range(1, 101)),
+                              recent_tpot=deque())
+    ls = live.LiveStats(engine, metrics, "m", clock=lambda: now[0])
+
+    def at(t: float, **counters) -> dict:
+        now[0] = t
+        engine.snapshot = EngineSnapshot(num_running=2, kv_cache_usage=0.25,
+                                         stats=EngineStats(**counters))
+        return ls.report()
+
+    first = at(100.0)
+    assert first["window_s"] is None and first["tokens"]["generated_per_s"] is None
+    assert first["roofline"]["decode"] == {"current": None, "total": None}
+    assert at(100.1, num_generated_tokens=5)["window_s"] is None  # too soon to tell
+    r = at(102.0, num_generated_tokens=50, decode_seconds=1.0, decode_bytes=2e8,
+           decode_flops=1e8)
+    assert r["window_s"] == pytest.approx(2.0) and r["tokens"]["generated_per_s"] == 25
+    cur = r["roofline"]["decode"]["current"]
+    assert cur == {"seconds": 1.0, "bandwidth": 2e8, "flops": 1e8, "intensity": 0.5,
+                   "bound": "memory", "utilization": 0.2}  # the ridge is at 4 FLOP/B
+    assert r["roofline"]["decode"]["total"] == cur and r["roofline"]["prefill"]["total"] is None
+    assert r["kv_cache"]["blocks_used"] == 2 and r["kv_cache"]["capacity_tokens"] == 128
+    assert r["latency"]["ttft_s"] == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert r["latency"]["tpot_s"] is None and r["latency"]["requests"] == 100
+    # Past the window the old reports are forgotten: the base is the one from t=102.
+    r = at(104.5, num_generated_tokens=60, decode_seconds=1.0, decode_bytes=2e8,
+           decode_flops=1e8)
+    assert r["window_s"] == pytest.approx(2.5) and r["tokens"]["generated_per_s"] == 4
+    assert r["roofline"]["decode"]["current"] is None  # no decode step since then
+    assert r["roofline"]["decode"]["total"]["intensity"] == 0.5
+    assert live.phase_point(1e9, 8e9, 1.0, Hardware(1e9, 4e9))["bound"] == "compute"
+
+
 # ---- the page's files -------------------------------------------------------------------------
 
 
@@ -308,13 +360,15 @@ def test_dashboard_shows_the_load(console, server):
     threads = concurrent_chats(server.url, 4, 48)
     running, kv = set(), set()
     shot = ARTIFACTS / "console-under-load.png"
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)  # never pass on an earlier run's picture
     while any(t.is_alive() for t in threads):
-        running.add(page.get_by_test_id("metric-running").text_content())
+        now = page.get_by_test_id("metric-running").text_content()
+        running.add(now)
         kv.add(page.get_by_test_id("metric-kv-usage").text_content())
-        if not shot.exists() and len(kv) >= 3 and page.locator(
+        if not shot.exists() and now.isdigit() and int(now) >= 2 and len(kv) >= 3 and page.locator(
                 '[data-testid="roofline-chart"] .pt.decode:not(.stale)').count():
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(shot))
+            page.screenshot(path=str(shot))  # mid-load, with the batch's decode point live
         time.sleep(0.1)
     for t in threads:
         t.join()
@@ -328,7 +382,6 @@ def test_dashboard_shows_the_load(console, server):
     chart = page.get_by_test_id("roofline-chart")
     assert chart.locator(".roof").count() == 1 and chart.locator(".pt.decode").count() == 1
     if not shot.exists():
-        ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(shot))
     print(f"console screenshot under load: {shot}")
     rec.assert_clean(server.url)

@@ -48,10 +48,13 @@ async function errorText(res) {
 // ---- the API key ----------------------------------------------------------------------------
 
 function askForKey(message) {
-  $("key-panel").hidden = false;
+  const panel = $("key-panel");
   $("key-error").textContent = message;
   setStatus("API key needed", "warn");
-  $("api-key").focus();
+  if (panel.hidden) {
+    panel.hidden = false;
+    $("api-key").focus();
+  }
 }
 
 function saveKey() {
@@ -309,7 +312,7 @@ function update(s) {
   showPhase("decode", roof.decode);
   showPhase("prefill", roof.prefill);
   set("m-window", s.window_s ? `Rates and points over the last ${s.window_s.toFixed(1)} s; ` +
-    "a hollow point (a grey row) is the average since start, when no such step ran lately."
+    "a hollow point (a grey row) is the average since start: no such step ran lately."
     : "Rates appear from the second refresh on.");
 }
 
@@ -317,7 +320,7 @@ let reachable = true;
 
 async function poll() {
   try {
-    if (!keyRequired || apiKey) {
+    if ((!keyRequired || apiKey) && $("key-panel").hidden) {  // not while a key is asked for
       const res = await api("/v1/stats");
       if (res.ok) update(await res.json());
       if (!reachable) connect();  // back after an outage: list the models again

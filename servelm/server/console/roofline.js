@@ -92,6 +92,7 @@ export function drawRoofline(svg, roof) {
     `bandwidth roof ${si(hw.bandwidth, "B/s")}`);
   }
 
+  const placed = [];  // the point labels' boxes so far: [left, right, baseline]
   for (const { name, p } of points) {
     const cx = sx(p.intensity), cy = sy(p.flops);
     const g = node(svg, "g", { class: `pt ${name}${p.stale ? " stale" : ""}`, "data-phase": name });
@@ -100,8 +101,15 @@ export function drawRoofline(svg, roof) {
       node(g, "line", { class: "headroom", x1: cx, x2: cx, y1: cy, y2: sy(attainable) });
     }
     node(g, "circle", { cx, cy, r: 6 });
-    const label = `${name}${p.bound ? ` · ${p.bound}-bound` : ""}${p.stale ? " (since start)" : ""}`;
-    const right = cx + 10 + label.length * 7 < W - RIGHT;  // else it goes left of the point
-    node(g, "text", { x: cx + (right ? 10 : -10), y: cy + 4, class: right ? "" : "end" }, label);
+    const label = `${name}${p.bound ? ` · ${p.bound}-bound` : ""}`;
+    // Beside the point if it fits, else under it (the roof is always above a point); moved
+    // down past any label already there.
+    const width = label.length * 7;
+    const right = cx + 10 + width < W - RIGHT;
+    const [x0, x1] = right ? [cx + 10, cx + 10 + width] : [cx + 8 - width, cx + 8];
+    let y = right ? cy + 4 : cy + 20;
+    while (placed.some(([a, b, v]) => a < x1 && x0 < b && Math.abs(v - y) < 15)) y += 16;
+    placed.push([x0, x1, y]);
+    node(g, "text", { x: right ? x0 : x1, y, class: right ? "" : "end" }, label);
   }
 }
