@@ -11,6 +11,7 @@ from typing import Iterator
 from servelm.config import KERNEL_TUNING, LINEAR_METHODS
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
+from servelm.server.tools import TOOL_CALL_PARSERS
 
 
 def _size(text: str) -> int:
@@ -329,6 +330,10 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256,
                        help="max sequences waiting to run beyond those running (--max-num-seqs); "
                        "past it requests get 503 with Retry-After")
+    serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                       help="how answers to requests with tools are read for tool calls: "
+                       "hermes (<tool_call> JSON), llama3_json, mistral ([TOOL_CALLS]); auto "
+                       "(default): the one the chat template's format names, else hermes")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model file's basename)")
     serve.add_argument("--roofline-bandwidth", type=positive(float), default=None,

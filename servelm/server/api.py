@@ -29,6 +29,7 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, CompletionChunk, CompletionRequest,
                                      CompletionResponse, ModelCard, ModelList)
 from servelm.server.serving import Generation, ServingContext
+from servelm.server.tools import parser_for_template
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -117,15 +118,17 @@ async def _unless_disconnected(request: Request, work, gen: Generation):
     return task.result()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str,
-              options: ServerOptions | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | None = None,
+              tool_call_parser: str = "auto") -> FastAPI:
     """An app serving `engine` as `model_name`; the engine thread runs for the app's lifespan.
 
     With options.api_keys set, every /v1 route needs `Authorization: Bearer <one of them>`.
+    tool_call_parser: how answers to requests with tools are read (servelm.server.tools).
     """
     options = options or ServerOptions()
     metrics = ServerMetrics(engine)
-    ctx = ServingContext(engine, metrics, model_name)
+    ctx = ServingContext(engine, metrics, model_name,
+                         parser_for_template(tool_call_parser, engine.tokenizer.chat_template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -68,7 +68,7 @@ def serve(args) -> int:
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, name, options)
+    app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
                             http=deadline_protocol(options.header_timeout))
     # SIGTERM: stop accepting, refuse new requests, give those in flight shutdown_timeout.
