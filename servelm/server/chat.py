@@ -16,7 +16,7 @@ from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingConte
                                     compile_structured, encode_prompt, new_id, new_logprobs,
                                     sampling_params, sse, structured_outputs)
 from servelm.server.tools import (ArrayCallsParser, NamedCallParser, ToolCallStream, ToolParser,
-                                  forced_schema, new_call_id, tool_system_prompt)
+                                  forced_schema, tool_system_prompt)
 
 # SamplingParams / engine names -> this endpoint's request fields, for error params.
 _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "": "messages",
@@ -94,7 +94,7 @@ def _message(prepared: Prepared, text: str, finish_reason: str | None
         calls = calls[:1]
     if not calls:
         return ChatResponseMessage(content=parsed.content), finish_reason
-    tool_calls = [ToolCall(id=new_call_id(),
+    tool_calls = [ToolCall(id=parser.new_call_id(),
                            function=FunctionCall(name=c.name, arguments=c.arguments or ""))
                   for c in calls]
     return (ChatResponseMessage(content=parsed.content or None, tool_calls=tool_calls),

@@ -20,6 +20,8 @@ Formats:
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
@@ -166,6 +168,9 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
+    def new_call_id(self) -> str:
+        return new_call_id()
+
 
 class HermesParser(ToolParser):
     name = "hermes"
@@ -228,6 +233,10 @@ class MistralParser(ToolParser):
     name = "mistral"
     skip_special_tokens = False  # [TOOL_CALLS] is a control token
     OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def new_call_id(self) -> str:
+        # Mistral's templates refuse a history whose call ids are not 9 letters or digits.
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def parse(self, text: str, final: bool) -> Parsed:
         start = text.find(self.OPEN)
@@ -426,7 +435,7 @@ class ToolCallStream:
             if call.name is None:
                 break
             if k == len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(self.parser.new_call_id())
                 self.args_sent.append(0)
                 deltas.append(CallDelta(k, self.ids[k], call.name))
             args = call.arguments or ""
