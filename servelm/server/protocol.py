@@ -172,15 +172,21 @@ class ChatMessage(_Request):
     assistant turn may instead (or as well) hold tool_calls; a tool turn answers one of them."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
     name: str | None = None
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
+    # Last, so that its check sees the role and tool_calls; checked when absent too.
+    content: Any = Field(None, validate_default=True)
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if isinstance(v, str) or v is None:
+    def _text_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            if not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+                raise ValueError("content is required (an assistant message may give "
+                                 "tool_calls instead)")
+            return v
+        if isinstance(v, str):
             return v
         if not isinstance(v, list):
             raise ValueError("content must be a string or a list of text parts")
@@ -194,9 +200,6 @@ class ChatMessage(_Request):
 
     @model_validator(mode="after")
     def _roles_fields(self) -> "ChatMessage":
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (an assistant message may give tool_calls "
-                             "instead)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages have tool_calls")
         if (self.tool_call_id is not None) != (self.role == "tool"):
