@@ -86,12 +86,20 @@ def hf_tokenizer(gguf_path):
     return hf_tokenizer_from_gguf(gguf_path)  # AutoTokenizer's choice for it, named
 
 
-# The slowest modules first, so that with several workers (pytest-xdist, --dist loadfile)
-# none of them starts last and leaves the others idle; the rest keep their order.
-SLOW_FIRST = ["test_tensor_parallel.py", "test_server.py", "test_real_models.py",
-              "test_families.py", "test_formats.py", "test_engine.py", "test_quantization.py"]
+# Modules that time a server, an event loop or a benchmark, or spawn tensor-parallel ranks:
+# `make test` runs them on their own after the rest (which runs on two pytest-xdist
+# workers, a CPU each), so nothing else competes with them for the CPUs.
+SERIAL = {"test_tensor_parallel.py", "test_server.py", "test_server_async_engine.py",
+          "test_bench.py", "test_synthetic_bench.py", "test_console.py"}
+# The slowest of the others first, so that neither worker is left with a long module at
+# the end while the other idles (--dist loadfile hands out whole modules in this order).
+SLOW_FIRST = ["test_real_models.py", "test_engine.py", "test_quantization.py",
+              "test_prefix_caching.py", "test_families.py", "test_formats.py", "test_tuning.py"]
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL:
+            item.add_marker(pytest.mark.serial)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
