@@ -57,7 +57,8 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest,
                           finish_reason=o.finish_reason)
                for o in out.outputs]
     return ChatCompletionResponse(id=new_id("chatcmpl"), model=ctx.model_name, choices=choices,
-                                  usage=gen.usage(), metrics=gen.timings())
+                                  usage=gen.usage(), metrics=gen.timings(),
+                                  prompt_logprobs=out.prompt_logprobs)
 
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest,
