@@ -9,7 +9,6 @@ scores the prompt and generates nothing (one token is sampled and dropped, as vL
 from __future__ import annotations
 
 import dataclasses
-
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -103,11 +102,11 @@ async def complete(ctx: ServingContext, req: CompletionRequest,
         for o in out.outputs:
             lp = None
             if req.logprobs is not None:
-                lp = _logprobs(token_text, o.logprobs if generate else [], 0)
-                if req.echo:
-                    head = _echo_logprobs(token_text, out.prompt_token_ids, out.prompt_logprobs)
-                    lp = _joined(head, _logprobs(token_text, o.logprobs if generate else [],
-                                                 _offset_after(head)))
+                head = (_echo_logprobs(token_text, out.prompt_token_ids, out.prompt_logprobs)
+                        if req.echo else None)
+                lp = _logprobs(token_text, o.logprobs if generate else [],
+                               _offset_after(head) if head else 0)
+                lp = _joined(head, lp) if head else lp
             choices.append(CompletionResponseChoice(
                 index=p * req.n + o.index, text=echo + (o.text if generate else ""), logprobs=lp,
                 finish_reason=o.finish_reason, prompt_logprobs=(
