@@ -318,6 +318,13 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origins", action="append", default=None,
                        metavar="ORIGIN,...", help="web origins (https://app.example, or '*') "
                        "whose pages may call the API from a browser (CORS; default none)")
+    serve.add_argument("--allowed-methods", action="append", default=None,
+                       metavar="METHOD,...", help="HTTP methods those pages may use ('*': any; "
+                       "default GET,POST,OPTIONS; needs --allowed-origins)")
+    serve.add_argument("--allowed-headers", action="append", default=None,
+                       metavar="NAME,...", help="request headers those pages may send ('*': "
+                       "any; default Authorization,Content-Type,X-Request-Id; needs "
+                       "--allowed-origins)")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                        help="largest request body; past it 413 (default 8 MiB)")
     serve.add_argument("--header-timeout", type=positive(float), default=10.0, metavar="S",

@@ -578,7 +578,6 @@ BAD_INPUTS = [
      "max_tokens", "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": [999999]}, 400, "prompt", "999999"),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt", "prompt"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "echo"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 10}}, 400, "logit_bias",

@@ -15,11 +15,11 @@ from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.request import Request, RequestStatus
-from servelm.engine.sampler import Sampler
+from servelm.engine.sampler import Sampler, token_logprobs
 from servelm.structured_outputs import GrammarCompiler
 from servelm.engine.scheduler import Scheduler
 from servelm.models.loader import load_model, open_checkpoint
-from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
 from servelm.tuning import TuningReport, finalize_linears
@@ -104,6 +104,9 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
+    # With params.prompt_logprobs: entries so far, one per prompt position (first None);
+    # filled from the first sample's prompt rows, in position order.
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -184,6 +187,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
+        self._token_texts: dict[int, str] = {}  # token id -> its text (prompt logprobs)
         self.stats = EngineStats()
         # Everything allocated so far lives as long as the engine (vocabulary, weights'
         # wrappers): move it out of the collector's way, so a full collection during
@@ -214,7 +218,8 @@ class LLMEngine:
         if request_id in self._groups or any(c in self._owner for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, max_tokens = self.prepare_prompt(prompt, params, prompt_token_ids)
-        group = _Group(request_id, text, ids)
+        group = _Group(request_id, text, ids,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         for i, rid in enumerate(child_ids):
             gen = None
@@ -223,6 +228,9 @@ class LLMEngine:
             req = Request(rid, ids, params, max_tokens, arrival, gen, cache_salt=cache_salt)
             if params.structured_outputs is not None:
                 req.grammar = self.grammars.matcher(params.structured_outputs)
+            # The first sample computes every prompt position (its siblings then share its
+            # blocks through the prefix cache, as usual).
+            req.needs_prompt_logits = i == 0 and params.prompt_logprobs is not None and len(ids) > 1
             if i > 0 and self.block_manager.enable_caching:
                 req.wait_for = group.samples[0].request  # share its prompt blocks
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
@@ -317,9 +325,12 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             seqs.append(SeqInput(req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
-                                 self.block_manager.block_table(req.request_id), s.samples))
+                                 self.block_manager.block_table(req.request_id), s.samples,
+                                 all_logits=req.needs_prompt_logits))
         t0 = time.perf_counter()
         logits, rows = self.runner.execute(seqs)
+        if any(q.all_logits for q in seqs):
+            logits, rows = self._take_prompt_logprobs(seqs, sched, logits, rows)
         sampled_reqs = [sched.scheduled[i].request for i in rows]
         result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
         self.scheduler.update_after_step(sched)
@@ -339,6 +350,57 @@ class LLMEngine:
             self._check_stop(sample, result.token_ids[j])
             touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
+
+    def _take_prompt_logprobs(self, seqs: list[SeqInput], sched, logits: torch.Tensor,
+                              rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Record the prompt logprobs that rows of all_logits sequences give (the logits
+        at position p score prompt token p + 1); return the rows left to sample from."""
+        keep: list[int] = []
+        picked: list[tuple[int, int, _Group, int]] = []  # (row, target token, group, top-N)
+        seen: dict[int, int] = {}
+        expect: dict[int, int] = {}  # seq index -> the next prompt position it records
+        for r, i in enumerate(rows):
+            q = seqs[i]
+            if not q.all_logits:
+                keep.append(r)
+                continue
+            k = seen[i] = seen.get(i, -1) + 1
+            if q.sample and k == len(q.token_ids) - 1:
+                keep.append(r)  # the last prompt position predicts the first output token
+                continue
+            req = sched.scheduled[i].request
+            group = self._owner[req.request_id][0]
+            target = q.start_pos + k + 1
+            # Recomputed positions (after a preemption) were recorded the first time.
+            if target == expect.setdefault(i, len(group.prompt_logprobs)) < req.num_prompt_tokens:
+                expect[i] += 1
+                picked.append((r, req.prompt_token_ids[target], group,
+                               req.sampling_params.prompt_logprobs))
+        if picked:
+            idx = torch.tensor([p[0] for p in picked], dtype=torch.long, device=logits.device)
+            lp = torch.log_softmax(logits[idx], dim=-1)  # raw model distribution, [R, V]
+            targets = torch.tensor([p[1] for p in picked], dtype=torch.long, device=logits.device)
+            found = token_logprobs(lp, targets, [p[3] for p in picked])
+            for (_, _, group, _), e in zip(picked, found):
+                entry = {t: Logprob(v, rank, self._token_text(t))
+                         for rank, (t, v) in enumerate(e.top, 1)}
+                entry[e.token_id] = Logprob(e.logprob, e.rank, self._token_text(e.token_id))
+                group.prompt_logprobs.append(entry)
+        for q, s in zip(seqs, sched.scheduled):
+            req = s.request
+            if q.all_logits:
+                group = self._owner[req.request_id][0]
+                req.needs_prompt_logits = len(group.prompt_logprobs) < req.num_prompt_tokens
+        if len(keep) == len(rows):
+            return logits, rows
+        return logits[keep], [rows[r] for r in keep]
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
 
     def _check_stop(self, sample: _Sample, token: int) -> None:
         req = sample.request
@@ -384,8 +446,11 @@ class LLMEngine:
             self._groups.pop(group.request_id, None)
             for s in group.samples:
                 self._owner.pop(s.request.request_id, None)
+        plp = group.prompt_logprobs
+        if plp is not None and len(plp) < len(group.prompt_token_ids):
+            plp = None  # not complete yet
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             finished)
+                             finished, prompt_logprobs=plp)
 
 
 @dataclass

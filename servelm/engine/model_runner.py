@@ -24,6 +24,9 @@ class SeqInput:
     start_pos: int          # position of token_ids[0] == tokens already in the cache
     block_table: list[int]  # blocks holding positions [0, start_pos + len(token_ids))
     sample: bool = True     # whether next-token logits are wanted (last chunk of a prompt, decode)
+    # Logits for every computed position, not only the last (prompt logprobs): the runner
+    # returns one row per token, in position order, each listing this sequence's index.
+    all_logits: bool = False
 
 
 class KVCache:
@@ -123,8 +126,8 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         keys.sort()
     input_ids, positions, slots, tables, lens, max_blocks = decode_lists(
         [seqs[i] for i in decodes], block_size)
-    logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample]
-    sampled = [i for i in decodes if seqs[i].sample]
+    logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample or seqs[i].all_logits]
+    sampled = [i for i in decodes if seqs[i].sample or seqs[i].all_logits]
     flat = _FlatTokens(input_ids, positions, slots, logits_indices, sampled)
     groups = flat.add_grouped(seqs, prompts, keys, nd, block_size, num_queries_per_kv, device)
 
@@ -168,7 +171,10 @@ class _FlatTokens:
             self.positions += pos
             self.slots += [s.block_table[p // block_size] * block_size + p % block_size
                            for p in pos]
-            if s.sample:
+            if s.all_logits:
+                self.logits_indices += range(len(self.input_ids) - n, len(self.input_ids))
+                self.sampled += [i] * n
+            elif s.sample:
                 self.logits_indices.append(len(self.input_ids) - 1)
                 self.sampled.append(i)
             members.append(s)
@@ -273,7 +279,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
         """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
-        if self.graphs is not None:
+        if self.graphs is not None and not any(s.all_logits for s in seqs):
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out

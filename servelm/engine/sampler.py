@@ -237,20 +237,26 @@ class Sampler:
         """Sampled-token logprob, rank and top-N for rows that asked for logprobs."""
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         idx = torch.tensor(wanted, dtype=torch.long, device=raw_logprobs.device)
-        lp = raw_logprobs[idx]  # [R, V]
-        chosen_lp = lp.gather(1, token_ids[idx].unsqueeze(1))  # [R, 1]
-        ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]; ties share the better rank
-        n = min(max(params[i].logprobs for i in wanted), lp.shape[1])
-        top_lp, top_ids = lp.topk(n, dim=-1)  # [R, n], sorted most likely first
-
+        found = token_logprobs(raw_logprobs[idx], token_ids[idx],
+                               [params[i].logprobs for i in wanted])
         out: list[TokenLogprobs | None] = [None] * len(params)
-        rows = zip(wanted, token_ids[idx].tolist(), chosen_lp.squeeze(1).tolist(),
-                   ranks.tolist(), top_ids.tolist(), top_lp.tolist())
-        for i, tok, tok_lp, rank, ids, lps in rows:
-            k = params[i].logprobs
-            out[i] = TokenLogprobs(token_id=tok, logprob=tok_lp, rank=rank,
-                                   top=list(zip(ids[:k], lps[:k])))
+        for i, entry in zip(wanted, found):
+            out[i] = entry
         return out
+
+
+def token_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+                   ) -> list[TokenLogprobs]:
+    """lp: log-probabilities [R, V]; token_ids: [R] long. Each row's token's logprob and
+    rank, and its top ks[r] (token_id, logprob) pairs, most likely first."""
+    chosen_lp = lp.gather(1, token_ids.unsqueeze(1))  # [R, 1]
+    ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]; ties share the better rank
+    n = min(max(ks), lp.shape[1])
+    top_lp, top_ids = lp.topk(n, dim=-1)  # [R, n], sorted most likely first
+    rows = zip(ks, token_ids.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(),
+               top_ids.tolist(), top_lp.tolist())
+    return [TokenLogprobs(token_id=tok, logprob=tok_lp, rank=rank, top=list(zip(ids[:k], lps[:k])))
+            for k, tok, tok_lp, rank, ids, lps in rows]
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

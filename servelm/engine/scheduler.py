@@ -98,7 +98,7 @@ class Scheduler:
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
             cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
-                      if bm.enable_caching else [])
+                      if bm.enable_caching and not req.needs_prompt_logits else [])
             num_cached = len(cached) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)

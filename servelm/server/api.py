@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelm.engine.async_engine import AsyncLLMEngine
-from servelm.server import chat, completions
+from servelm.server import chat, completions, tokenize
 from servelm.server.errors import APIError, from_validation_error
 from servelm.server.guard import RequestGuard, read_body
 from servelm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -81,14 +81,21 @@ def _cache_salt(key_salt: str | None, request_salt: str | None) -> str | None:
     return f"{key_salt or ''}/{request_salt or ''}"
 
 
+def _ref(m: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{m.__name__}"}
+
+
+def _openapi_request(request: type[BaseModel]) -> dict:
+    """A hand-parsed route's body, for /openapi.json."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref(request)}}}}
+
+
 def _openapi_body(request: type[BaseModel], response: type[BaseModel],
                   chunk: type[BaseModel]) -> dict:
     """What a hand-parsed route takes and gives, for /openapi.json."""
-    def ref(m: type[BaseModel]) -> dict:
-        return {"$ref": f"#/components/schemas/{m.__name__}"}
-
-    return {"openapi_extra": {"requestBody": {
-                "required": True, "content": {"application/json": {"schema": ref(request)}}}},
+    ref = _ref
+    return {"openapi_extra": _openapi_request(request),
             "responses": {200: {"description": "the answer, or with stream=true server-sent "
                                                "events of chunks, ending with data: [DONE]",
                                 "content": {"application/json": {"schema": ref(response)},
@@ -144,8 +151,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
     app.add_middleware(RequestGuard, options=options)
     if options.allowed_origins:  # outermost: preflights are answered before any check
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           allow_methods=options.cors_methods, allow_headers=options.cors_headers,
                            expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
 
     async def check_api_key(request: Request) -> None:
@@ -216,6 +222,28 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
 
     app.include_router(v1)
 
+    # vLLM's routes, outside /v1 as there, but behind the key like every other.
+    async def parse_then(request: Request, schema: type[M], handle):
+        body = await read_body(request, options)
+
+        def run():
+            req = _parse(body, schema)
+            if req.model is not None:
+                check_model(req.model)
+            return handle(ctx, req)
+
+        return await asyncio.to_thread(run)
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)],
+              openapi_extra=_openapi_request(tokenize.TokenizeRequest))
+    async def tokenize_route(request: Request) -> tokenize.TokenizeResponse:
+        return await parse_then(request, tokenize.TokenizeRequest, tokenize.tokenize)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)],
+              openapi_extra=_openapi_request(tokenize.DetokenizeRequest))
+    async def detokenize_route(request: Request) -> tokenize.DetokenizeResponse:
+        return await parse_then(request, tokenize.DetokenizeRequest, tokenize.detokenize)
+
     @app.get("/health")
     async def health() -> dict:
         if engine.draining:
@@ -231,7 +259,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
 
     _add_error_handlers(app)
     _add_schemas(app, [ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-                       CompletionRequest, CompletionResponse, CompletionChunk])
+                       CompletionRequest, CompletionResponse, CompletionChunk,
+                       tokenize.TokenizeRequest, tokenize.DetokenizeRequest])
     return app
 
 

@@ -122,7 +122,8 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest,
             index=o.index, message=message, finish_reason=finish_reason,
             logprobs=_logprobs(token_text, o.logprobs) if req.logprobs else None))
     return ChatCompletionResponse(id=new_id("chatcmpl"), model=ctx.model_name, choices=choices,
-                                  usage=gen.usage(), metrics=gen.timings())
+                                  usage=gen.usage(), metrics=gen.timings(),
+                                  prompt_logprobs=out.prompt_logprobs)
 
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest,

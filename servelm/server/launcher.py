@@ -26,6 +26,8 @@ def server_options(args):
     return ServerOptions(api_keys=read_api_keys(args.api_key, args.api_key_file),
                          allowed_hosts=split(args.allowed_hosts),
                          allowed_origins=split(args.allowed_origins),
+                         allowed_methods=split(args.allowed_methods),
+                         allowed_headers=split(args.allowed_headers),
                          max_request_bytes=args.max_request_bytes,
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                          shutdown_timeout=args.shutdown_timeout)

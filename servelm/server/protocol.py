@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
 
+from servelm.outputs import Logprob
 from servelm.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
@@ -110,6 +111,16 @@ class SamplingRequest(_Request):
     guided_grammar: str | None = None
     # token id (as a string, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
+    # vLLM's: the top-N alternatives at every prompt position, in the response's
+    # prompt_logprobs (not streamed: a chunk has no place for them, as in vLLM)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("'prompt_logprobs' is not available with 'stream' true")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -291,9 +302,10 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: Any
-    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt scored, nothing generated)
+    max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt is prepended to each choice (and its logprobs to theirs)
     suffix: str | None = None
     best_of: Int | None = None
 
@@ -314,18 +326,13 @@ class CompletionRequest(SamplingRequest):
         raise ValueError("prompt must be a string, a list of strings, a non-empty list of token "
                          "ids, or a list of token id lists")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
         if v:
-            raise _unsupported("suffix")
+            raise ValueError("'suffix' is not supported by servelm: it builds no "
+                             "fill-in-the-middle prompts (the embedded model has no "
+                             "<fim_prefix>/<fim_suffix>/<fim_middle> tokens)")
         return v
 
     @field_validator("best_of")
@@ -408,6 +415,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     metrics: RequestTimings
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's extension
 
 
 class DeltaFunctionCall(BaseModel):
@@ -446,8 +454,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]          # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -458,9 +466,17 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
+# vLLM's prompt_logprobs: per prompt position None (the first) or token id -> Logprob
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo
     metrics: RequestTimings
 

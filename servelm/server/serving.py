@@ -124,6 +124,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             structured_outputs=structured, skip_special_tokens=skip_special_tokens,
             logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
     except ValueError as e:
