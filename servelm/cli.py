@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Iterator
 
-from servelm.config import KERNEL_TUNING, LINEAR_METHODS
+from servelm.config import KERNEL_TUNING, KV_CACHE_DTYPES, LINEAR_METHODS
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 
@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                    help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how the KV pool stores K and V: the model dtype (auto), or int8 / "
+                        "fp8 (e4m3) with a scale per token and KV head (~2x the tokens of "
+                        "bf16 in the same --kv-cache-memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=4096,
@@ -105,7 +109,8 @@ def build_llm(args):
                kernel_tuning=args.kernel_tuning, linear_method=args.linear_method,
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
-               hugepages=args.hugepages, triton_attention=args.triton_attention)
+               hugepages=args.hugepages, triton_attention=args.triton_attention,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def sampling_params(args) -> SamplingParams:
