@@ -236,6 +236,13 @@ def positive(kind):
     return parse
 
 
+def _kv_bits(kv_cache_dtype: str, auto_bits: float, head_dim: int | None) -> float:
+    """Pool bits per cached element: the model dtype's, or 8 plus the per-row fp32 scale."""
+    if kv_cache_dtype == "auto":
+        return auto_bits
+    return 8 + (32 / head_dim if head_dim else 0)
+
+
 def cmd_roofline(args) -> int:
     import torch
 
@@ -249,13 +256,16 @@ def cmd_roofline(args) -> int:
         model = rl.ModelShape(num_params=int(args.params), weight_bits=args.bits or 16,
                               num_layers=args.layers, num_kv_heads=args.kv_heads,
                               head_dim=args.head_dim, num_heads=args.heads,
-                              kv_bits=args.bits or 16)
+                              kv_bits=_kv_bits(args.kv_cache_dtype, args.bits or 16,
+                                               args.head_dim))
     else:
         from servelm.models.loader import open_checkpoint
 
         cfg = open_checkpoint(args.model).config()
         bits = args.bits or rl.BYTES[dname] * 8
-        model = rl.ModelShape.from_config(cfg, weight_bits=bits, kv_bits=rl.BYTES[dname] * 8)
+        model = rl.ModelShape.from_config(
+            cfg, weight_bits=bits,
+            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:
@@ -268,7 +278,8 @@ def cmd_roofline(args) -> int:
                          source="given and measured" if (args.bandwidth or args.flops)
                          else measured.source)
     print(rl.report(model, hw, prompt_lens=args.prompt_lens, batches=args.batches,
-                    context=args.context, kv_pool_bytes=args.kv_cache_memory))
+                    context=args.context, kv_pool_bytes=args.kv_cache_memory,
+                    kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype))
     return 0
 
 
@@ -372,6 +383,9 @@ def make_parser() -> argparse.ArgumentParser:
     roof.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 256])
     roof.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                       help="KV pool size, to show how many sequences fit")
+    roof.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                      help="how the pool stores K and V (int8 / fp8: 1 byte an element plus "
+                           "an fp32 scale per token and KV head)")
     roof.add_argument("--num-threads", type=int, default=None)
     roof.set_defaults(func=cmd_roofline)
 
