@@ -57,7 +57,9 @@ class KVCache:
             self.scales = (buf[rows:].view(torch.float32).view(shape[:-1]).zero_()
                            if self.quantized else None)
         else:
-            self.data = torch.zeros(shape, dtype=dtype, device=device)
+            # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).
+            self.data = (torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+                         if self.quantized else torch.zeros(shape, dtype=dtype, device=device))
             self.scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=device)
                            if self.quantized else None)
         if self.quantized:

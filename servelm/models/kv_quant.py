@@ -43,6 +43,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return y.clamp_(-qmax, qmax).to(dtype), scale
 
 
+def gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, index), through a uint8 view for fp8 (whose indexing kernels
+    not every device build has; the bytes are the same)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache.index_select(0, index)
+    return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+
+
 def dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """rows [..., D] (int8 / fp8), scale [...] fp32 -> [..., D] of `dtype`."""
     return (rows.float() * scale.unsqueeze(-1)).to(dtype)
@@ -57,5 +65,7 @@ def write(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
         cache.view(-1, kvh, d)[slots] = x
         return
     q, s = quantize(x, cache.dtype)
+    if q.dtype == torch.float8_e4m3fn:  # stored as bytes (see gather_rows)
+        cache, q = cache.view(torch.uint8), q.view(torch.uint8)
     cache.view(-1, kvh, d)[slots] = q
     scales.view(-1, kvh)[slots] = s

@@ -151,7 +151,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         blocks = block_tables[b, :-(-n // bs)].long()
-        k, v = k_cache[blocks], v_cache[blocks]
+        k, v = kv_quant.gather_rows(k_cache, blocks), kv_quant.gather_rows(v_cache, blocks)
         if k_scale is not None:
             k = kv_quant.dequantize(k, k_scale[blocks], q.dtype)
             v = kv_quant.dequantize(v, v_scale[blocks], q.dtype)
@@ -299,8 +299,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Whole blocks are copied as rows (index_select on a 2-D view is several times faster
     # than advanced indexing of the 4-D cache).
     flat = group.block_tables.view(-1)
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat)
+    k = kv_quant.gather_rows(k_cache.view(k_cache.shape[0], -1), flat)
+    v = kv_quant.gather_rows(v_cache.view(v_cache.shape[0], -1), flat)
     if scales is not None:
         ks, vs = (s.view(s.shape[0], -1).index_select(0, flat) for s in scales)
         k = kv_quant.dequantize(k.view(*ks.shape, d), ks, q.dtype)
