@@ -71,7 +71,8 @@ def works(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads
     if not available():
         return False
     kv_dtype = kv_dtype or dtype
-    key = (str(device), dtype, num_heads, num_kv_heads, head_dim, block_size, kv_dtype)
+    key = (str(device), dtype, num_heads, num_kv_heads, head_dim, block_size)
+    key += (kv_dtype,) if kv_dtype != dtype else ()
     if key not in _works:
         try:
             _probe(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, block_size,
@@ -93,10 +94,10 @@ def _probe(device, dtype, H, KVH, D, page, kv_dtype):
     nb = W + 2
     k = torch.randn(nb, page, KVH, D, generator=g).to(dtype)
     v = torch.randn(nb, page, KVH, D, generator=g).to(dtype)
-    scales = sd = None
+    scales, extra = None, {}
     if kv_quant.is_quantized(kv_dtype):  # the reference reads the dequantised rows
         (k, ks), (v, vs) = kv_quant.quantize(k, kv_dtype), kv_quant.quantize(v, kv_dtype)
-        scales, sd = (ks, vs), (ks.to(device), vs.to(device))
+        scales, extra = (ks, vs), {"scales": (ks.to(device), vs.to(device))}
     perm = torch.randperm(nb, generator=g)
     tables = torch.stack([perm[:W], perm.flip(0)[:W]]).to(torch.int32)  # scattered blocks
     lens = torch.tensor([3, n1], dtype=torch.int32)
@@ -110,7 +111,7 @@ def _probe(device, dtype, H, KVH, D, page, kv_dtype):
     want = paged_decode_attention_ref(q.float(), kr, vr, tables, lens, scale).view(2, -1)
     for splits in (1, 2):  # the final output written directly, and the split merge
         got = paged_decode_attention(q.to(device), kd, vd, td, lens.to(device), scale,
-                                     splits=splits, scales=sd)
+                                     splits=splits, **extra)
         if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol):
             raise RuntimeError(f"the decode kernel ({splits} split) disagrees with the reference")
     # Prompt chunks: row 0's 3 tokens from position 0, row 1's last 2.
@@ -118,7 +119,7 @@ def _probe(device, dtype, H, KVH, D, page, kv_dtype):
     got = paged_prefill_attention(qp.to(device), kd, vd, td,
                                   torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
                                   torch.tensor([0, n1 - 2], dtype=torch.int32, device=device),
-                                  3, scale, scales=sd)
+                                  3, scale, **extra)
     for i, (b, p) in enumerate([(0, 0), (0, 1), (0, 2), (1, n1 - 2), (1, n1 - 1)]):
         want = paged_decode_attention_ref(qp[i:i + 1].float(), kr, vr, tables[b:b + 1],
                                           torch.tensor([p + 1]), scale).view(-1)
