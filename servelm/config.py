@@ -11,6 +11,9 @@ QUANTIZATIONS = (None, "int8", "int4")
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "int4pack", "int8pack", "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
+# How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
+# (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 INVARIANCE_COST = 1.10  # batch_invariant=None: invariant where it costs at most 10% more
 
 
@@ -21,8 +24,12 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a default that fits the machine
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

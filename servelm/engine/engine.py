@@ -18,6 +18,7 @@ from servelm.engine.request import Request, RequestStatus
 from servelm.engine.sampler import Sampler, token_logprobs
 from servelm.structured_outputs import GrammarCompiler
 from servelm.engine.scheduler import Scheduler
+from servelm.models import kv_quant
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from servelm.roofline import Hardware, ModelShape
@@ -123,6 +124,8 @@ class LLMEngine:
             # Default: one intra-op thread per physical core (torch may count hyper-threads).
             torch.set_num_threads(config.num_threads or physical_cores())
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # The KV pool's storage dtype: the model's, or int8 / fp8 with scales (kv_quant).
+        self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         ckpt = open_checkpoint(config.model)
         self.model_path = ckpt.path
         self.model_config = ckpt.config()
@@ -154,7 +157,7 @@ class LLMEngine:
             # layer's method per row bucket, measured here (or read back): module swaps.
             self.tuning = finalize_linears(self.model, config.quantization, config.kernels)
             block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
-                                                  self.dtype)
+                                                  self.kv_dtype)
             kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
             num_blocks = kv_bytes // block_bytes
             if num_blocks < 1:
@@ -162,7 +165,7 @@ class LLMEngine:
                                  f"(one block takes {block_bytes} bytes)")
             graphs = self.device.type == "cuda" and not config.enforce_eager
             self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
-                                    self.dtype, self.device, spare_block=graphs,
+                                    self.kv_dtype, self.device, spare_block=graphs,
                                     hugepages=config.kernels.hugepages)
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=graphs,
                                       max_graph_batch=min(256, sched_cfg.max_num_seqs),
@@ -178,8 +181,9 @@ class LLMEngine:
             from servelm.quantization import quantized_bits_per_weight
 
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
-        self.shape = ModelShape.from_config(self.model_config, weight_bits=weight_bits,
-                                            kv_bits=bits)
+        self.shape = ModelShape.from_config(
+            self.model_config, weight_bits=weight_bits,
+            kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.head_dim))
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).

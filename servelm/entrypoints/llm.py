@@ -32,7 +32,8 @@ class LLM:
                  kernel_tuning: str = "cached", linear_method: str = "auto",
                  batch_invariant: bool | None = None, cpu_kernels: bool = True,
                  fused_decode: bool = True, hugepages: bool = True,
-                 triton_attention: bool = True, tuning_cache_dir: str | None = None):
+                 triton_attention: bool = True, tuning_cache_dir: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
         holds); kernel_tuning, linear_method ... are KernelConfig's fields."""
         self.engine = LLMEngine(EngineConfig(
@@ -44,7 +45,8 @@ class LLM:
                                  batch_invariant=batch_invariant, fused_decode=fused_decode,
                                  hugepages=hugepages, triton_attention=triton_attention),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
