@@ -24,6 +24,9 @@ class SeqInput:
     start_pos: int          # position of token_ids[0] == tokens already in the cache
     block_table: list[int]  # blocks holding positions [0, start_pos + len(token_ids))
     sample: bool = True     # whether next-token logits are wanted (last chunk of a prompt, decode)
+    # Logits rows wanted, for the last num_logits tokens (speculation: the last real token
+    # and each draft token after it, k + 1; otherwise 1).
+    num_logits: int = 1
 
 
 class KVCache:
@@ -169,8 +172,9 @@ class _FlatTokens:
             self.slots += [s.block_table[p // block_size] * block_size + p % block_size
                            for p in pos]
             if s.sample:
-                self.logits_indices.append(len(self.input_ids) - 1)
-                self.sampled.append(i)
+                end = len(self.input_ids)
+                self.logits_indices += range(end - s.num_logits, end)
+                self.sampled += [i] * s.num_logits
             members.append(s)
             if j + 1 == len(order) or keys[j + 1] != keys[j]:
                 grp = _build_group(members, start, block_size, g, device)
@@ -272,7 +276,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
-        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
+        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to
+        (a sequence with num_logits m has m consecutive rows, its last m positions')."""
         if self.graphs is not None:
             out = self.graphs.execute(seqs)
             if out is not None:
