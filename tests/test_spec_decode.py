@@ -233,6 +233,15 @@ def test_speculation_stops_where_the_batch_turns_compute_bound():
     sp.ridge_tokens = 8.0
     assert sp.propose(many, []) == 0  # 64 rows: compute-bound already
     assert all(r.spec_token_ids == [] for r in many)
+    # Partly bound: 3 streams at a ridge of 8 take 1 draft each (6 rows), not 2 (9 rows)
+    # at a low acceptance rate; at a high one, 2.
+    three = [_Running([1, 2, 1, 2]) for _ in range(3)]
+    for _ in range(300):
+        sp.observe(4, 1)
+    assert sp.propose(three, []) == 3
+    for _ in range(300):
+        sp.observe(4, 3)
+    assert sp.propose(three, []) == 6
     # A prompt waiting to be prefilled, a grammar, a prefilling sequence, max_tokens reached.
     assert sp.propose(one, [_Running(range(50), computed=0)]) == 0
     assert sp.propose([_Running([1, 2, 1, 2], grammar=object())], []) == 0

@@ -207,7 +207,7 @@ class LLMEngine:
         dtype = str(self.dtype).removeprefix("torch.")
         self.hardware = measure_hardware(dtype, self.device.type, seconds=0.2)
         ridge = ridge_tokens(self.shape, self.hardware)
-        logger.info("speculation: %s, k=%d; drafts while a step computes < %.1f tokens per "
+        logger.info("speculation: %s, k=%d; a step turns compute-bound at %.1f tokens per "
                     "weight read (roofline)", spec.method, spec.num_speculative_tokens, ridge)
         return Speculator(spec, ridge, self.config.scheduler.max_num_batched_tokens)
 
@@ -395,6 +395,7 @@ class LLMEngine:
             s = sched.scheduled[i]
             s.num_rejected = s.num_draft - v.num_accepted
             self.stats.record_spec(s.num_draft, v.num_accepted)
+            self.speculator.observe(s.num_draft, v.num_accepted)
             out[i] = (v.token_ids, v.logprobs or [None] * len(v.token_ids))
         return [out[i] for i in seq_rows]
 
