@@ -25,6 +25,20 @@ def _size(text: str) -> int:
     return int(float(t))
 
 
+def _speculative_config(text: str):
+    """--speculative-config JSON -> SpeculativeConfig (argparse reports a ValueError)."""
+    import json
+
+    from servelm.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -56,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (under torchrun: its WORLD_SIZE; "
                         "--num-threads is then shared among the ranks on this host)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON", help='speculative decoding, as vLLM\'s: e.g. \'{"method": '
+                   '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2}\'')
     k = p.add_argument_group("kernels (how a step runs; decided once at start-up)")
     k.add_argument("--kernel-tuning", default="cached", choices=list(KERNEL_TUNING),
                    help="linear methods per layer shape and row bucket: measured once per "
@@ -111,7 +129,8 @@ def build_llm(args):
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
                hugepages=args.hugepages, triton_attention=args.triton_attention,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype,
+               speculative_config=getattr(args, "speculative_config", None))
 
 
 def sampling_params(args) -> SamplingParams:

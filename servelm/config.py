@@ -103,6 +103,71 @@ class KernelConfig:
                              f"got {self.batch_invariant!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (servelm.spec): each decoding sequence guesses up to
+    num_speculative_tokens next tokens, and one target forward verifies them all.
+
+    ngram: the guess is what followed the latest earlier occurrence of the sequence's last
+    n tokens (prompt lookup), n from prompt_lookup_max down to prompt_lookup_min. As in
+    vLLM: given one bound, the other takes its value; given neither, both are 5.
+    draft_model: a smaller model with the same vocabulary drafts them, one at a time.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: the draft's GGUF file or HF directory
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer "
+                             f">= 1, got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config model is for method 'draft_model', "
+                                 "not 'ngram'")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo or hi or 5), (hi or lo or 5)
+            if lo > hi:
+                raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            if not self.model:
+                raise ValueError("speculative_config model (the draft model's path) is "
+                                 "required for method 'draft_model'")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} is for method 'ngram', "
+                                     f"not 'draft_model'")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """From vLLM's speculative_config dict; an unknown key is a ValueError naming it."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {d!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"speculative_config has an unknown field {key!r} "
+                                 f"(known: {', '.join(sorted(known))})")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an LLMEngine is built from."""
@@ -120,6 +185,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per sequence per step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

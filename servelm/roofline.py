@@ -154,6 +154,14 @@ def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Pre
                       flops / hw.flops)
 
 
+def ridge_tokens(m: ModelShape, hw: Hardware) -> float:
+    """Tokens one step can compute per weight read before arithmetic, not memory, bounds it:
+    where tokens x FLOPs per token / peak = weight bytes / bandwidth (KV reads and attention
+    left out). A decode step of b sequences computes b tokens per weight read; speculating k
+    tokens per sequence makes it b(k + 1), free while that stays below this."""
+    return hw.flops * m.weight_bytes(1) / (hw.bandwidth * m.flops_per_token(0))
+
+
 def max_batch(m: ModelShape, kv_pool_bytes: float, context: int) -> int | None:
     """How many sequences of `context` tokens the KV pool holds."""
     per_token = m.kv_bytes_per_token

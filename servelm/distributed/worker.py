@@ -60,7 +60,8 @@ def allocate_kv(model, num_blocks: int, block_size: int, dtype: torch.dtype,
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
-    return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits) for s in seqs]
+    return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits, s.num_logits)
+            for s in seqs]
 
 
 def decode_seqs(items: list[tuple]) -> list[SeqInput]:

@@ -185,6 +185,9 @@ class LLMEngine:
             self.model_config, weight_bits=weight_bits,
             kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.head_dim))
         self.hardware: Hardware | None = None  # set by whoever measured the machine
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = self._build_speculator(config.speculative)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -201,6 +204,20 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
                     num_blocks, cache_cfg.block_size, num_blocks * block_bytes / 2**20,
                     self.max_model_len)
+
+    def _build_speculator(self, spec):
+        """Speculative decoding (servelm.spec), with the roofline's ridge measured here."""
+        from servelm.roofline import measure_hardware, ridge_tokens
+        from servelm.spec.speculator import Speculator
+
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.hardware = measure_hardware(dtype, self.device.type, seconds=0.2)
+        ridge = ridge_tokens(self.shape, self.hardware)
+        logger.info("speculation: %s, k=%d; a step turns compute-bound at %.1f tokens per "
+                    "weight read (roofline)", spec.method, spec.num_speculative_tokens, ridge)
+        return Speculator(spec, ridge, self.config.scheduler.max_num_batched_tokens)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -319,6 +336,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass over the mixed batch, sample, and report progress."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -328,30 +347,42 @@ class LLMEngine:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            seqs.append(SeqInput(req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
-                                 self.block_manager.block_table(req.request_id), s.samples,
-                                 all_logits=req.needs_prompt_logits))
+            ids = req.token_slice(s.start, s.start + s.num_new_tokens - s.num_draft)
+            if s.num_draft:
+                ids += req.spec_token_ids
+            seqs.append(SeqInput(ids, s.start, self.block_manager.block_table(req.request_id),
+                                 s.samples, all_logits=req.needs_prompt_logits,
+                                 num_logits=s.num_draft + 1))
         t0 = time.perf_counter()
         logits, rows = self.runner.execute(seqs)
         if any(q.all_logits for q in seqs):
             logits, rows = self._take_prompt_logprobs(seqs, sched, logits, rows)
-        sampled_reqs = [sched.scheduled[i].request for i in rows]
-        result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
+        if any(s.num_draft for s in sched.scheduled):
+            emitted = self._verify(sched, logits, rows)
+        else:
+            sampled_reqs = [sched.scheduled[i].request for i in rows]
+            result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
+            emitted = [([result.token_ids[j]], [result.logprobs[j]]) for j in range(len(rows))]
         self.scheduler.update_after_step(sched)
         # The sampler has read the logits back, so the step's device work is done.
         self.stats.record_step(sched, time.perf_counter() - t0, self.shape)
 
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
-        for j, req in enumerate(sampled_reqs):
+        for i, (tokens, logprobs) in zip(dict.fromkeys(rows), emitted):
+            req = sched.scheduled[i].request
             group, index = self._owner[req.request_id]
             sample = group.samples[index]
-            req.append_output_token(result.token_ids[j], now)
-            if req.grammar is not None:
-                req.grammar.consume_token(result.token_ids[j])
-            if sample.logprobs is not None:
-                sample.logprobs.append(result.logprobs[j])
-            self._check_stop(sample, result.token_ids[j])
+            for token, lp in zip(tokens, logprobs):
+                req.append_output_token(token, now)
+                if req.grammar is not None:
+                    req.grammar.consume_token(token)
+                if sample.logprobs is not None:
+                    sample.logprobs.append(lp)
+                self._check_stop(sample, token)
+                if req.is_finished:
+                    break  # stopped inside an accepted run: the rest is dropped
+            req.spec_token_ids = []
             touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
 
@@ -405,6 +436,34 @@ class LLMEngine:
             text = self._token_texts[token_id] = self.tokenizer.decode(
                 [token_id], skip_special_tokens=False)
         return text
+
+    def _verify(self, sched, logits: torch.Tensor, rows: list[int]) -> list[tuple[list, list]]:
+        """Sample the plain rows and verify the speculating ones (servelm.spec.verify);
+        per sampled sequence in row order, (tokens to emit, their logprobs). Sets each
+        speculated ScheduledSeq's num_rejected for the scheduler's rollback."""
+        from servelm.spec.verify import verify
+
+        seq_rows: dict[int, int] = {}  # sequence index -> its first row
+        for r, i in enumerate(rows):
+            seq_rows.setdefault(i, r)
+        plain = [r for i, r in seq_rows.items() if not sched.scheduled[i].num_draft]
+        spec = [i for i in seq_rows if sched.scheduled[i].num_draft]
+        out: dict[int, tuple[list, list]] = {}
+        if plain:
+            reqs = [sched.scheduled[rows[r]].request for r in plain]
+            res = self.sampler(logits[torch.tensor(plain, device=logits.device)], reqs)
+            for j, r in enumerate(plain):
+                out[rows[r]] = ([res.token_ids[j]], [res.logprobs[j]])
+        reqs = [sched.scheduled[i].request for i in spec]
+        drafts = [r.spec_token_ids for r in reqs]
+        for i, v in zip(spec, verify(self.sampler, logits, reqs, drafts,
+                                     [seq_rows[i] for i in spec])):
+            s = sched.scheduled[i]
+            s.num_rejected = s.num_draft - v.num_accepted
+            self.stats.record_spec(s.num_draft, v.num_accepted)
+            self.speculator.observe(s.num_draft, v.num_accepted)
+            out[i] = (v.token_ids, v.logprobs or [None] * len(v.token_ids))
+        return [out[i] for i in seq_rows]
 
     def _check_stop(self, sample: _Sample, token: int) -> None:
         req = sample.request
@@ -475,6 +534,28 @@ class EngineStats:
     # matmul FLOPs of prefill steps' prompt tokens (LM head, last layer's tail: sampled rows)
     prefill_flops: float = 0.0
 
+    # Speculative decoding: sequences verified with drafts, draft tokens, accepted drafts.
+    num_spec_verifications: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+    def record_spec(self, num_draft: int, num_accepted: int) -> None:
+        self.num_spec_verifications += 1
+        self.num_spec_draft_tokens += num_draft
+        self.num_spec_accepted_tokens += num_accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts / drafts verified."""
+        d = self.num_spec_draft_tokens
+        return self.num_spec_accepted_tokens / d if d else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification: accepted drafts + the target's own token."""
+        v = self.num_spec_verifications
+        return 1 + self.num_spec_accepted_tokens / v if v else None
+
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
         kv_per_token = shape.kv_bytes_per_token or 0
@@ -485,8 +566,8 @@ class EngineStats:
         for s in sched.scheduled:
             n = s.num_new_tokens
             read += (s.start + n) * kv_per_token  # each sequence's context is read once
-            if n == 1 and s.start >= s.request.num_prompt_tokens:
-                self.num_decode_tokens += 1
+            if s.num_draft or (n == 1 and s.start >= s.request.num_prompt_tokens):
+                self.num_decode_tokens += n  # a verification: the token and its drafts
             else:
                 prefill_tokens += n
                 flops += shape.prefill_flops(n, context=s.start + n // 2,

@@ -28,6 +28,9 @@ class SeqInput:
     # Logits for every computed position, not only the last (prompt logprobs): the runner
     # returns one row per token, in position order, each listing this sequence's index.
     all_logits: bool = False
+    # Logits rows wanted, for the last num_logits tokens (speculation: the last real token
+    # and each draft token after it, k + 1; otherwise 1).
+    num_logits: int = 1
 
 
 class KVCache:
@@ -197,8 +200,9 @@ class _FlatTokens:
                 self.logits_indices += range(len(self.input_ids) - n, len(self.input_ids))
                 self.sampled += [i] * n
             elif s.sample:
-                self.logits_indices.append(len(self.input_ids) - 1)
-                self.sampled.append(i)
+                end = len(self.input_ids)
+                self.logits_indices += range(end - s.num_logits, end)
+                self.sampled += [i] * s.num_logits
             members.append(s)
             if j + 1 == len(order) or keys[j + 1] != keys[j]:
                 grp = _build_group(members, start, block_size, g, device)
@@ -312,7 +316,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
-        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
+        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to
+        (a sequence with num_logits m has m consecutive rows, its last m positions'; one
+        with all_logits a row per token)."""
         if self.graphs is not None and not any(s.all_logits for s in seqs):
             out = self.graphs.execute(seqs)
             if out is not None:

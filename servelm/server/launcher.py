@@ -46,6 +46,10 @@ def _build_engine(args, build_llm):
         bw = bw if bw is not None else hw.bandwidth / 1e9
         fl = fl if fl is not None else hw.flops / 1e12
     engine.hardware = Hardware(bw * 1e9, fl * 1e12)
+    if engine.speculator is not None:  # speculation's ridge from these figures too
+        from servelm.roofline import ridge_tokens
+
+        engine.speculator.ridge_tokens = ridge_tokens(engine.shape, engine.hardware)
     return engine
 
 
