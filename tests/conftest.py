@@ -89,8 +89,9 @@ def hf_tokenizer(gguf_path):
 # Modules that time a server, an event loop or a benchmark, or spawn tensor-parallel ranks:
 # `make test` runs them on their own after the rest (which runs on two pytest-xdist
 # workers, a CPU each), so nothing else competes with them for the CPUs.
-SERIAL = {"test_tensor_parallel.py", "test_server.py", "test_server_async_engine.py",
-          "test_bench.py", "test_synthetic_bench.py", "test_console.py"}
+SERIAL = {"test_tensor_parallel.py", "test_server.py", "test_server_api.py",
+          "test_server_async_engine.py", "test_bench.py", "test_synthetic_bench.py",
+          "test_console.py"}
 # The slowest of the others first, so that neither worker is left with a long module at
 # the end while the other idles (--dist loadfile hands out whole modules in this order).
 SLOW_FIRST = ["test_real_models.py", "test_engine.py", "test_quantization.py",
