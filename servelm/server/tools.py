@@ -144,6 +144,22 @@ def walk_object(s: str, i: int, name_keys: tuple[str, ...], args_keys: tuple[str
     return call, end
 
 
+def walk_array(s: str, i: int, args_keys: tuple[str, ...]) -> list[PartialCall]:
+    """The call objects of the JSON array starting at s[i] ('['), as far as written."""
+    calls, j = [], i + 1
+    while True:
+        j = skip_ws(s, j)
+        if j >= len(s) or s[j] != "{":
+            return calls
+        call, end = walk_object(s, j, ("name",), args_keys)
+        calls.append(call)
+        if end is None:
+            return calls
+        j = skip_ws(s, end)
+        if j < len(s) and s[j] == ",":
+            j += 1
+
+
 def _held_back(text: str, markers: tuple[str, ...]) -> int:
     """Where the surely-content part of `text` ends: trailing whitespace and a trailing
     prefix of a marker may yet turn out to open a tool call."""
@@ -245,18 +261,7 @@ class MistralParser(ToolParser):
         i = skip_ws(text, start + len(self.OPEN))
         calls: list[PartialCall] = []
         if i < len(text) and text[i] == "[":  # [{"name": ..., "arguments": ...}, ...]
-            j = i + 1
-            while True:
-                j = skip_ws(text, j)
-                if j >= len(text) or text[j] != "{":
-                    break
-                call, end = walk_object(text, j, ("name",), ("arguments", "parameters"))
-                calls.append(call)
-                if end is None:
-                    break
-                j = skip_ws(text, end)
-                if j < len(text) and text[j] == ",":
-                    j += 1
+            calls = walk_array(text, i, ("arguments", "parameters"))
         else:  # name[ARGS]{...}, each call after its own [TOOL_CALLS]
             while i < len(text):
                 a = text.find(self.ARGS, i)
@@ -283,21 +288,8 @@ class ArrayCallsParser(ToolParser):
     name = "required"
 
     def parse(self, text: str, final: bool) -> Parsed:
-        calls, j = [], skip_ws(text, 0)
-        if j < len(text) and text[j] == "[":
-            j += 1
-            while True:
-                j = skip_ws(text, j)
-                if j >= len(text) or text[j] != "{":
-                    break
-                call, end = walk_object(text, j, ("name",), ("parameters",))
-                calls.append(call)
-                if end is None:
-                    break
-                j = skip_ws(text, end)
-                if j < len(text) and text[j] == ",":
-                    j += 1
-        return Parsed("", calls)
+        j = skip_ws(text, 0)
+        return Parsed("", walk_array(text, j, ("parameters",)) if text[j:j + 1] == "[" else [])
 
 
 class NamedCallParser(ToolParser):
