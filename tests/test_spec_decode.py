@@ -329,7 +329,7 @@ REPEAT = [{"role": "user", "content": "Repeat this text exactly: The quick brown
            "over the lazy dog. The quick brown fox jumps over the lazy dog."}]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
-GREEDY = SamplingParams(temperature=0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def _spec_llm(**kw):
@@ -402,7 +402,7 @@ def test_stops_and_max_tokens_cut_inside_an_accepted_run(smol):
 
 def test_logprobs_are_the_targets_and_streaming_deltas_add_up(smol):
     prompt = _chat_ids(smol, REPEAT)
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
     (a,), _ = _run(smol, False, [prompt], params)
     smol.engine.speculator.enabled = True
     eng = smol.engine
@@ -463,7 +463,7 @@ TINY_PROMPTS = [{"prompt_token_ids": [5 + (i * 7) % 23 for i in range(40)]},
 @pytest.mark.parametrize("cpu_kernels", [True, False])
 def test_greedy_is_unchanged_by_speculation_tiny(tiny, cpu_kernels):
     llm = tiny[cpu_kernels]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain, _ = _run(llm, False, TINY_PROMPTS, params)
     before = llm.engine.stats.num_spec_draft_tokens
     spec, accepted = _run(llm, True, TINY_PROMPTS, params)
@@ -478,8 +478,8 @@ def test_mixed_batch_chunked_prefill_n_and_seeds(tiny):
     prefilled in chunks, and prefix-cache hits (the same prompts as the plain run)."""
     llm = tiny[True]
     prompts = TINY_PROMPTS + [{"prompt_token_ids": list(range(1000, 1200))}, TINY_PROMPTS[1]]
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    sampled = SamplingParams(temperature=1.0, top_k=50, n=2, seed=7, max_tokens=24,
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=50, n=2, seed=7, max_tokens=16,
                              ignore_eos=True)
     params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=6), sampled]
     plain, _ = _run(llm, False, prompts, params)
@@ -490,6 +490,6 @@ def test_mixed_batch_chunked_prefill_n_and_seeds(tiny):
     again, _ = _run(llm, True, prompts, params)  # seeded sampling: reproducible
     assert [o.token_ids for o in again[4].outputs] == [o.token_ids for o in spec[4].outputs]
     assert spec[4].outputs[0].token_ids != spec[4].outputs[1].token_ids
-    assert all(len(o.token_ids) == 24 for o in spec[4].outputs)
+    assert all(len(o.token_ids) == 16 for o in spec[4].outputs)
     bm = llm.engine.block_manager
     assert bm.owners() == {} and bm.num_free_blocks == bm.num_blocks
