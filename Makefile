@@ -21,8 +21,15 @@ $(STAMP): $(PY) pyproject.toml $(wildcard servelm/kernels/csrc/*.cpp servelm/ker
 	$(PY) -m servelm.kernels || echo "servelm: C++ kernels not built, using PyTorch fallbacks"
 	touch $@
 
+# The console's browser tests drive Debian's Chromium (Playwright never downloads a browser);
+# as root (CI) it is installed here, elsewhere those tests skip and say why.
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -e ".[test]"
+	if ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "servelm: chromium is not installed (needs root): the browser tests will skip"; fi; \
+	fi
 	touch $@
 
 install: $(STAMP)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -255,24 +257,34 @@ def test_unknown_model_path_names_the_file(tmp_path):
 
 
 def test_step_accounting_against_the_roofline_model(llm):
-    """Decode steps are charged weights + context KV bytes; prefill steps the prompt's FLOPs."""
+    """Decode steps are charged weights + context KV bytes and their tokens' FLOPs; prefill
+    steps the prompt's FLOPs and the bytes they read."""
     engine = llm.engine
     st, shape = engine.stats, engine.shape
     assert shape.weight_bits == 32 and shape.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
     ids = [1000 + i for i in range(40)]  # no prefix cache hit: fresh tokens
-    before = (st.decode_bytes, st.prefill_flops, st.decode_seconds, st.prefill_seconds)
+    before = replace(st)
     llm.generate([{"prompt_token_ids": ids}],
                  SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     p = len(ids)
     decode_bytes = sum(shape.weight_bytes_per_step + (p + i) * shape.kv_bytes_per_token
                        for i in range(1, 5))  # four decode steps, context p+1 .. p+4
-    assert st.decode_bytes - before[0] == pytest.approx(decode_bytes)
+    assert st.decode_bytes - before.decode_bytes == pytest.approx(decode_bytes)
+    # Each decode token: 2 FLOPs a weight, and attention over its context.
+    assert st.decode_flops - before.decode_flops == pytest.approx(
+        sum(shape.flops_per_token(p + i) for i in range(1, 5)))
+    assert st.num_decode_steps - before.num_decode_steps == 4
+    assert st.num_generated_tokens - before.num_generated_tokens == 5  # the prompt's one too
+    # The prompt's step read every weight once and its own KV.
+    assert st.prefill_bytes - before.prefill_bytes == pytest.approx(
+        shape.weight_bytes(p) + p * shape.kv_bytes_per_token)
     # The LM head and the last layer past attention run for the prompt's last position only.
     tail = 2 * 49152 * 576 + 2 * (576 * 576 + 3 * 576 * 1536)
     assert shape.sampled_row_flops == tail
     want = p * (shape.flops_per_token(p // 2) - tail) + tail
-    assert st.prefill_flops - before[1] == pytest.approx(want)
-    assert st.decode_seconds > before[2] and st.prefill_seconds > before[3]
+    assert st.prefill_flops - before.prefill_flops == pytest.approx(want)
+    assert st.decode_seconds > before.decode_seconds
+    assert st.prefill_seconds > before.prefill_seconds
     assert st.decode_bandwidth > 0 and st.prefill_flops_rate > 0
 
 

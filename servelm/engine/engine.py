@@ -522,15 +522,20 @@ class EngineStats:
 
     Steps with prompt tokens count as prefill steps (their time is mostly arithmetic),
     steps of decodes only as decode steps (their time is mostly reading weights and KV).
+    Bytes and FLOPs are the roofline model's (ModelShape), not measured.
     """
 
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_generated_tokens: int = 0  # tokens sampled (decodes and prompts' first tokens)
     num_aborted: int = 0
+    num_decode_steps: int = 0
     decode_seconds: float = 0.0
-    decode_bytes: float = 0.0    # weights + KV read by decode-only steps (roofline model)
+    decode_bytes: float = 0.0    # weights + KV read by decode-only steps
+    decode_flops: float = 0.0    # their matmul and attention FLOPs
     prefill_seconds: float = 0.0
+    prefill_bytes: float = 0.0   # weights + KV read by prefill steps
     # matmul FLOPs of prefill steps' prompt tokens (LM head, last layer's tail: sampled rows)
     prefill_flops: float = 0.0
 
@@ -543,6 +548,7 @@ class EngineStats:
         self.num_spec_verifications += 1
         self.num_spec_draft_tokens += num_draft
         self.num_spec_accepted_tokens += num_accepted
+        self.num_generated_tokens += num_accepted  # beyond the one record_step counts
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -558,27 +564,34 @@ class EngineStats:
 
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
-        kv_per_token = shape.kv_bytes_per_token or 0
-        # Every weight once (a MoE model: the experts this many tokens are expected to reach).
-        read = shape.weight_bytes(sum(s.num_new_tokens for s in sched.scheduled))
+        num_tokens = context = prefill_tokens = 0
         flops = 0.0
-        prefill_tokens = 0
         for s in sched.scheduled:
             n = s.num_new_tokens
-            read += (s.start + n) * kv_per_token  # each sequence's context is read once
+            num_tokens += n
+            context += s.start + n  # each sequence's context is read once
+            if s.samples:
+                self.num_generated_tokens += 1  # accepted drafts: record_spec
             if s.num_draft or (n == 1 and s.start >= s.request.num_prompt_tokens):
                 self.num_decode_tokens += n  # a verification: the token and its drafts
             else:
                 prefill_tokens += n
                 flops += shape.prefill_flops(n, context=s.start + n // 2,
                                              sampled_rows=1 if s.samples else 0)
+        # Every weight once (a MoE model: the experts this many tokens are expected to reach).
+        read = shape.weight_bytes(num_tokens) + context * (shape.kv_bytes_per_token or 0)
         self.num_prefill_tokens += prefill_tokens
         if prefill_tokens:
             self.prefill_seconds += seconds
+            self.prefill_bytes += read
             self.prefill_flops += flops
         else:
+            self.num_decode_steps += 1
             self.decode_seconds += seconds
             self.decode_bytes += read
+            # One token a sequence; attention FLOPs grow linearly with the context attended.
+            f0 = shape.flops_per_token(0)
+            self.decode_flops += num_tokens * f0 + context * (shape.flops_per_token(1) - f0)
 
     @property
     def decode_bandwidth(self) -> float | None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelm.engine.async_engine import AsyncLLMEngine
-from servelm.server import chat, completions, tokenize
+from servelm.server import chat, completions, console, tokenize
 from servelm.server.errors import APIError, from_validation_error
 from servelm.server.guard import RequestGuard, read_body
 from servelm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -29,6 +29,7 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, CompletionChunk, CompletionRequest,
                                      CompletionResponse, ModelCard, ModelList)
 from servelm.server.serving import Generation, ServingContext
+from servelm.server.stats import LiveStats
 from servelm.server.tools import parser_for_template
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
     metrics = ServerMetrics(engine)
     ctx = ServingContext(engine, metrics, model_name,
                          parser_for_template(tool_call_parser, engine.tokenizer.chat_template))
+    live = LiveStats(engine, metrics, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -189,6 +191,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
+    @v1.get("/stats")
+    async def stats() -> dict:
+        """The engine's state, rates and roofline position (servelm's own; the console's)."""
+        return live.report()
+
     @v1.get("/models/{name:path}")
     async def retrieve_model(name: str) -> ModelCard:
         check_model(name)
@@ -221,6 +228,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
         return await generate(request, CompletionRequest, completions)
 
     app.include_router(v1)
+    app.include_router(console.router(bool(options.api_keys)))
 
     # vLLM's routes, outside /v1 as there, but behind the key like every other.
     async def parse_then(request: Request, schema: type[M], handle):

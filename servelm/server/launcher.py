@@ -40,12 +40,14 @@ def _build_engine(args, build_llm):
 
     engine = build_llm(args).engine
     bw, fl = args.roofline_bandwidth, args.roofline_flops
+    source = "given"
     if bw is None or fl is None:
         dtype = str(engine.dtype).removeprefix("torch.")
         hw = measure_hardware(dtype, engine.device.type, seconds=0.2)
+        source = hw.source if bw is None and fl is None else f"{hw.source}, partly given"
         bw = bw if bw is not None else hw.bandwidth / 1e9
         fl = fl if fl is not None else hw.flops / 1e12
-    engine.hardware = Hardware(bw * 1e9, fl * 1e12)
+    engine.hardware = Hardware(bw * 1e9, fl * 1e12, source)
     if engine.speculator is not None:  # speculation's ridge from these figures too
         from servelm.roofline import ridge_tokens
 

@@ -7,6 +7,7 @@ the snapshot the engine thread publishes, never from the engine itself.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,6 +21,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                   0.75, 1.0, 2.5, 5.0)
+# How many finished requests' TTFT and TPOT the console's percentiles are taken over.
+RECENT_REQUESTS = 1000
 
 
 class _EngineCollector:
@@ -163,6 +166,9 @@ class ServerMetrics:
         for reason in ("stop", "length"):  # exported at 0 before the first request
             self.success.labels(finish_reason=reason)
         r.register(_EngineCollector(engine))
+        # The latest requests' own values, for exact percentiles (/v1/stats), not buckets.
+        self.recent_ttft: deque[float] = deque(maxlen=RECENT_REQUESTS)
+        self.recent_tpot: deque[float] = deque(maxlen=RECENT_REQUESTS)
 
     def record(self, prompt_lens: list[int], outputs: list[RequestOutput | None],
                finished: bool) -> None:
@@ -181,6 +187,10 @@ class ServerMetrics:
                                 (self.e2e, m.e2e_latency), (self.queue_time, m.queue_time)):
                 if value is not None:
                     hist.observe(value)
+            if m.ttft is not None:
+                self.recent_ttft.append(m.ttft)
+            if m.tpot is not None:
+                self.recent_tpot.append(m.tpot)
             for v in m.inter_token_latencies:
                 self.itl.observe(v)
 
