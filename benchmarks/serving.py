@@ -4,6 +4,7 @@
     python benchmarks/serving.py prefix     # TTFT with a cached 1,000-token prefix vs caching off
     python benchmarks/serving.py capacity   # KV pool for ~20 sequences vs unconstrained, 64 clients
     python benchmarks/serving.py sweep --plot sweep.png   # concurrency 1..64, with the roofline
+    python benchmarks/serving.py kv-dtype   # int8 KV vs the model dtype in the same pool bytes
 
 Each scenario starts its servers on free loopback ports, runs the bench command line
 (printed, so it can be rerun by hand), and prints the figures and their ratios.
@@ -141,6 +142,66 @@ def scenario_capacity(args) -> None:
           f"(without the admission lookahead: {c['output_throughput'] / a['output_throughput']:.2f})")
 
 
+class MaxRunning:
+    """Polls a server's servelm_num_requests_running gauge in a thread: the most sequences
+    seen running at once."""
+
+    def __init__(self, url: str, period: float = 0.2):
+        import threading
+
+        self.url, self.period, self.max = url, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for ln in httpx.get(f"{self.url}/metrics", timeout=2).text.splitlines():
+                    if ln.startswith("servelm_num_requests_running"):
+                        self.max = max(self.max, int(float(ln.split()[-1])))
+            except httpx.HTTPError:
+                pass
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "MaxRunning":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def scenario_kv_dtype(args) -> None:
+    """--kv-cache-dtype int8 against the model dtype, 64 clients, pools of the capacity
+    scenario's bytes (~20 bf16 sequences of 128 + 128 tokens). On a CPU that runs fp32 the
+    bf16 baseline is an fp32 pool of twice the bytes (the same ~20 sequences); the fp32
+    pool of the same bytes is shown too. Servers run one after another, twice over
+    (A B C A B C), and the ratios are taken within each round."""
+    seq_blocks, block_bytes = 16, 16 * 30 * 2 * 3 * 64 * 2  # bf16 KV of SmolLM2-135M
+    small = 20 * seq_blocks * block_bytes
+    flags = ["--concurrency", "64", "--num-prompts", str(args.num_prompts),
+             "--input-len", "128", "--output-len", "128"]
+    cases = (("bf16-sized (fp32, 2x bytes)", ["--kv-cache-memory", str(2 * small)]),
+             ("int8, same bytes", ["--kv-cache-memory", str(small), "--kv-cache-dtype", "int8"]),
+             ("fp32, same bytes", ["--kv-cache-memory", str(small)]))
+    for rnd in range(args.rounds):
+        results = {}
+        for name, extra in cases:
+            with Server(*args.server_flags, *extra) as srv:
+                with MaxRunning(srv.url) as mr:
+                    results[name] = bench(srv.url, *flags)
+                results[name]["max_running"] = mr.max
+        print(f"round {rnd + 1}")
+        for name, s in results.items():
+            print(line(name, s) + f"  max running {s['max_running']}")
+        base = results[cases[0][0]]
+        for name, s in list(results.items())[1:]:
+            print(f"  {name} / {cases[0][0]}: max running "
+                  f"{s['max_running'] / max(base['max_running'], 1):.2f}x, throughput "
+                  f"{s['output_throughput'] / base['output_throughput']:.2f}x")
+
+
 def scenario_sweep(args) -> None:
     """servelm bench --sweep-concurrency against one server, with the picture."""
     if args.bandwidth is None or args.flops is None:
@@ -165,7 +226,8 @@ def scenario_sweep(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("scenario", choices=["serve", "prefix", "capacity", "sweep"])
+    ap.add_argument("scenario", choices=["serve", "prefix", "capacity", "sweep", "kv-dtype"])
+    ap.add_argument("--rounds", type=int, default=2, help="kv-dtype: rounds of the servers")
     ap.add_argument("--levels", default="1,2,4,8,16,32,64", help="sweep: concurrencies")
     ap.add_argument("--sweep-prompts", type=int, default=16,
                     help="sweep: requests per level (at least the level's concurrency)")
@@ -181,6 +243,7 @@ def main() -> None:
     args = ap.parse_args()
     args.server_flags = args.server_flags.split()
     {"serve": scenario_serve, "prefix": scenario_prefix, "capacity": scenario_capacity,
+     "kv-dtype": scenario_kv_dtype,
      "sweep": scenario_sweep}[args.scenario](args)
 
 

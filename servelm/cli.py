@@ -8,9 +8,10 @@ import logging
 import sys
 from typing import Iterator
 
-from servelm.config import KERNEL_TUNING, LINEAR_METHODS
+from servelm.config import KERNEL_TUNING, KV_CACHE_DTYPES, LINEAR_METHODS
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
+from servelm.server.tools import TOOL_CALL_PARSERS
 
 
 def _size(text: str) -> int:
@@ -24,6 +25,20 @@ def _size(text: str) -> int:
     return int(float(t))
 
 
+def _speculative_config(text: str):
+    """--speculative-config JSON -> SpeculativeConfig (argparse reports a ValueError)."""
+    import json
+
+    from servelm.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -34,6 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                    help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how the KV pool stores K and V: the model dtype (auto), or int8 / "
+                        "fp8 (e4m3) with a scale per token and KV head (~2x the tokens of "
+                        "bf16 in the same --kv-cache-memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=4096,
@@ -51,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N processes (under torchrun: its WORLD_SIZE; "
                         "--num-threads is then shared among the ranks on this host)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON", help='speculative decoding, as vLLM\'s: e.g. \'{"method": '
+                   '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2}\'')
     k = p.add_argument_group("kernels (how a step runs; decided once at start-up)")
     k.add_argument("--kernel-tuning", default="cached", choices=list(KERNEL_TUNING),
                    help="linear methods per layer shape and row bucket: measured once per "
@@ -105,7 +128,9 @@ def build_llm(args):
                kernel_tuning=args.kernel_tuning, linear_method=args.linear_method,
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
-               hugepages=args.hugepages, triton_attention=args.triton_attention)
+               hugepages=args.hugepages, triton_attention=args.triton_attention,
+               kv_cache_dtype=args.kv_cache_dtype,
+               speculative_config=getattr(args, "speculative_config", None))
 
 
 def sampling_params(args) -> SamplingParams:
@@ -231,6 +256,13 @@ def positive(kind):
     return parse
 
 
+def _kv_bits(kv_cache_dtype: str, auto_bits: float, head_dim: int | None) -> float:
+    """Pool bits per cached element: the model dtype's, or 8 plus the per-row fp32 scale."""
+    if kv_cache_dtype == "auto":
+        return auto_bits
+    return 8 + (32 / head_dim if head_dim else 0)
+
+
 def cmd_roofline(args) -> int:
     import torch
 
@@ -244,13 +276,16 @@ def cmd_roofline(args) -> int:
         model = rl.ModelShape(num_params=int(args.params), weight_bits=args.bits or 16,
                               num_layers=args.layers, num_kv_heads=args.kv_heads,
                               head_dim=args.head_dim, num_heads=args.heads,
-                              kv_bits=args.bits or 16)
+                              kv_bits=_kv_bits(args.kv_cache_dtype, args.bits or 16,
+                                               args.head_dim))
     else:
         from servelm.models.loader import open_checkpoint
 
         cfg = open_checkpoint(args.model).config()
         bits = args.bits or rl.BYTES[dname] * 8
-        model = rl.ModelShape.from_config(cfg, weight_bits=bits, kv_bits=rl.BYTES[dname] * 8)
+        model = rl.ModelShape.from_config(
+            cfg, weight_bits=bits,
+            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:
@@ -263,7 +298,8 @@ def cmd_roofline(args) -> int:
                          source="given and measured" if (args.bandwidth or args.flops)
                          else measured.source)
     print(rl.report(model, hw, prompt_lens=args.prompt_lens, batches=args.batches,
-                    context=args.context, kv_pool_bytes=args.kv_cache_memory))
+                    context=args.context, kv_pool_bytes=args.kv_cache_memory,
+                    kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype))
     return 0
 
 
@@ -317,6 +353,13 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origins", action="append", default=None,
                        metavar="ORIGIN,...", help="web origins (https://app.example, or '*') "
                        "whose pages may call the API from a browser (CORS; default none)")
+    serve.add_argument("--allowed-methods", action="append", default=None,
+                       metavar="METHOD,...", help="HTTP methods those pages may use ('*': any; "
+                       "default GET,POST,OPTIONS; needs --allowed-origins)")
+    serve.add_argument("--allowed-headers", action="append", default=None,
+                       metavar="NAME,...", help="request headers those pages may send ('*': "
+                       "any; default Authorization,Content-Type,X-Request-Id; needs "
+                       "--allowed-origins)")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
                        help="largest request body; past it 413 (default 8 MiB)")
     serve.add_argument("--header-timeout", type=positive(float), default=10.0, metavar="S",
@@ -329,6 +372,10 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256,
                        help="max sequences waiting to run beyond those running (--max-num-seqs); "
                        "past it requests get 503 with Retry-After")
+    serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                       help="how answers to requests with tools are read for tool calls: "
+                       "hermes (<tool_call> JSON), llama3_json, mistral ([TOOL_CALLS]); auto "
+                       "(default): the one the chat template's format names, else hermes")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model file's basename)")
     serve.add_argument("--roofline-bandwidth", type=positive(float), default=None,
@@ -367,6 +414,9 @@ def make_parser() -> argparse.ArgumentParser:
     roof.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 256])
     roof.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                       help="KV pool size, to show how many sequences fit")
+    roof.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                      help="how the pool stores K and V (int8 / fp8: 1 byte an element plus "
+                           "an fp32 scale per token and KV head)")
     roof.add_argument("--num-threads", type=int, default=None)
     roof.set_defaults(func=cmd_roofline)
 

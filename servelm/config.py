@@ -11,6 +11,9 @@ QUANTIZATIONS = (None, "int8", "int4")
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "int4pack", "int8pack", "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
+# How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
+# (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 INVARIANCE_COST = 1.10  # batch_invariant=None: invariant where it costs at most 10% more
 
 
@@ -21,8 +24,12 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a default that fits the machine
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -96,6 +103,71 @@ class KernelConfig:
                              f"got {self.batch_invariant!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (servelm.spec): each decoding sequence guesses up to
+    num_speculative_tokens next tokens, and one target forward verifies them all.
+
+    ngram: the guess is what followed the latest earlier occurrence of the sequence's last
+    n tokens (prompt lookup), n from prompt_lookup_max down to prompt_lookup_min. As in
+    vLLM: given one bound, the other takes its value; given neither, both are 5.
+    draft_model: a smaller model with the same vocabulary drafts them, one at a time.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: the draft's GGUF file or HF directory
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer "
+                             f">= 1, got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config model is for method 'draft_model', "
+                                 "not 'ngram'")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo or hi or 5), (hi or lo or 5)
+            if lo > hi:
+                raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            if not self.model:
+                raise ValueError("speculative_config model (the draft model's path) is "
+                                 "required for method 'draft_model'")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} is for method 'ngram', "
+                                     f"not 'draft_model'")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """From vLLM's speculative_config dict; an unknown key is a ValueError naming it."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {d!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"speculative_config has an unknown field {key!r} "
+                                 f"(known: {', '.join(sorted(known))})")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an LLMEngine is built from."""
@@ -113,6 +185,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    speculative: SpeculativeConfig | None = None  # None: one token per sequence per step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -65,6 +65,20 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's entry in a prompt position's logprobs (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None       # 1: the most likely token at that position
+    decoded_token: str | None = None
+
+
+# Per prompt position: None for the first (nothing predicts it), else token id -> Logprob
+# for the prompt's own token and the top-N alternatives (vLLM's PromptLogprobs).
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
+@dataclass
 class CompletionOutput:
     """One sample of a request: text and tokens so far, and what this step added."""
 
@@ -92,6 +106,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (first None), once the
+    # whole prompt is computed; None before then and without it.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def metrics(self) -> RequestMetrics | None:

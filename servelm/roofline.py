@@ -154,6 +154,14 @@ def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Pre
                       flops / hw.flops)
 
 
+def ridge_tokens(m: ModelShape, hw: Hardware) -> float:
+    """Tokens one step can compute per weight read before arithmetic, not memory, bounds it:
+    where tokens x FLOPs per token / peak = weight bytes / bandwidth (KV reads and attention
+    left out). A decode step of b sequences computes b tokens per weight read; speculating k
+    tokens per sequence makes it b(k + 1), free while that stays below this."""
+    return hw.flops * m.weight_bytes(1) / (hw.bandwidth * m.flops_per_token(0))
+
+
 def max_batch(m: ModelShape, kv_pool_bytes: float, context: int) -> int | None:
     """How many sequences of `context` tokens the KV pool holds."""
     per_token = m.kv_bytes_per_token
@@ -207,8 +215,8 @@ def _fmt_bytes(b: float) -> str:
 
 def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
            batches=(1, 4, 16, 64, 256), context: int = 512,
-           kv_pool_bytes: float | None = None) -> str:
-    """The roofline table as text."""
+           kv_pool_bytes: float | None = None, kv_dtype: str | None = None) -> str:
+    """The roofline table as text (kv_dtype: a quantised KV cache's name, for the labels)."""
     lines = [f"machine: {hw.bandwidth / 1e9:.1f} GB/s memory read, "
              f"{hw.flops / 1e12:.2f} TFLOP/s matmul ({hw.source})",
              f"model: {m.num_params / 1e9:.3f} B parameters at {m.weight_bits:g} bits"
@@ -218,7 +226,8 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
              f"  weight bytes read per decode step: {_fmt_bytes(m.weight_bytes_per_step)}",
              f"  FLOPs per token (no context): {m.flops_per_token() / 1e9:.3f} GFLOP"]
     kv = m.kv_bytes_per_token
-    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads): {_fmt_bytes(kv)}"
+    stored = f", {kv_dtype} + scales" if kv_dtype else ""
+    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{stored}): {_fmt_bytes(kv)}"
                  if kv else "  KV cache per token: unknown (give --layers, --kv-heads, --head-dim)")
     ridge = hw.flops / hw.bandwidth
     lines.append(f"  ridge point: {ridge:.0f} FLOP/byte; decode does about "
@@ -238,6 +247,6 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
         note = "  (beyond the KV pool)" if limit is not None and b > limit else ""
         lines.append(f"  {b:>8}{p.seconds * 1e3:>10.2f}ms{b / p.seconds:>12.1f}{p.bound:>10}{note}")
     if limit is not None:
-        lines.append(f"  the KV pool ({_fmt_bytes(kv_pool_bytes)}) holds {limit} sequences "
-                     f"of {context} tokens")
+        lines.append(f"  the KV pool ({_fmt_bytes(kv_pool_bytes)}{stored}) holds "
+                     f"{int(kv_pool_bytes // kv):,} tokens: {limit} sequences of {context} tokens")
     return "\n".join(lines)

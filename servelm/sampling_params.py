@@ -32,6 +32,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per token; 0 = the sampled token's only
+    # top-N alternatives at every prompt position (vLLM's prompt_logprobs); 0: the prompt
+    # token's own logprob only. Such a request bypasses the prefix cache (every position
+    # must be computed to have its logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # A grammar every sampled token keeps valid (JSON schema, regex, choice, Lark/EBNF).
     structured_outputs: StructuredOutputsParams | None = None
@@ -119,3 +123,6 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")

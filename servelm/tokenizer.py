@@ -322,7 +322,13 @@ class Tokenizer:
 
     # ---- chat template --------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (else the caller describes them)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render `messages` with the model's chat template, as transformers does (tokenize=False).
 
         A message's `content` may be a string or a list of `{"type": "text", "text": ...}` parts,
@@ -337,7 +343,7 @@ class Tokenizer:
         try:
             return self._compiled_template.render(
                 messages=conversation,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,

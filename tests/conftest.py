@@ -9,8 +9,20 @@ import torch
 
 from servelm.models.loader import default_model_path
 
-# Two threads, as on CI; tests compare results, never timings.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two threads, as on CI; tests compare results, never timings. Under pytest-xdist (`make
+# test` runs one worker per CPU) each worker and every process it starts (servers,
+# tensor-parallel ranks) keep to one CPU of their own: engines size their thread pools by
+# the CPUs they may run on, so two workers never fight over one core's OpenMP threads.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKER and hasattr(os, "sched_setaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    if len(_cpus) >= _WORKERS > 1:
+        _share = len(_cpus) // _WORKERS
+        _index = int(_WORKER.removeprefix("gw"))
+        os.sched_setaffinity(0, _cpus[_index * _share:(_index + 1) * _share])
+torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1))
 
 # Without a GPU the Triton kernels (servelm/kernels/triton_attention.py) run in Triton's
 # interpreter, on CPU tensors; this must be set before they are defined (imported).
@@ -72,3 +84,23 @@ def hf_tokenizer(gguf_path):
     from helpers import hf_tokenizer_from_gguf
 
     return hf_tokenizer_from_gguf(gguf_path)  # AutoTokenizer's choice for it, named
+
+
+# Modules that time a server, an event loop or a benchmark, or spawn tensor-parallel ranks:
+# `make test` runs them on their own after the rest (which runs on two pytest-xdist
+# workers, a CPU each), so nothing else competes with them for the CPUs.
+SERIAL = {"test_tensor_parallel.py", "test_server.py", "test_server_api.py",
+          "test_server_async_engine.py", "test_bench.py", "test_synthetic_bench.py",
+          "test_console.py"}
+# The slowest of the others first, so that neither worker is left with a long module at
+# the end while the other idles (--dist loadfile hands out whole modules in this order).
+SLOW_FIRST = ["test_real_models.py", "test_engine.py", "test_quantization.py",
+              "test_prefix_caching.py", "test_families.py", "test_formats.py", "test_tuning.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL:
+            item.add_marker(pytest.mark.serial)
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -76,6 +76,26 @@ def test_qwen25_gguf_greedy_tokens_equal_transformers(tmp_path):
     chats = [tok.apply_chat_template(c) for c in CHAT]
     for conv, text in zip(CHAT, chats):  # the chat template is the file's own
         assert text == ref_tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    # Tools and a tool-call history render as transformers renders them, read by hermes.
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    history = [CHAT[0][0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    from servelm.server.protocol import ChatMessage
+    from servelm.server.tools import parser_for_template
+    ours = tok.apply_chat_template([ChatMessage(**m).to_template() for m in history],
+                                   tools=tools)
+    hf_history = [{**m, "tool_calls": [{**c, "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Oslo"}}}
+                                       for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                  for m in history]
+    assert ours == ref_tok.apply_chat_template(hf_history, tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+    assert "<tools>" in ours and '"arguments": {"city": "Oslo"}' in ours
+    assert tok.renders_tools
+    assert parser_for_template("auto", tok.chat_template).name == "hermes"
     ref = _reference(path, tmp_path)
     _check(llm, ref, [tok.encode(RAW[0])] +
            [tok.encode(c, add_special_tokens=False) for c in chats])

@@ -309,6 +309,111 @@ def test_structured_outputs_over_the_api(server, client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def _assembled(chunks) -> tuple[str, list[dict], str | None]:
+    """A streamed chat answer as a client assembles it: content, tool calls, finish reason."""
+    content, calls, finish = "", {}, None
+    for c in chunks:
+        for choice in c.choices:
+            d = choice.delta
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                if tc.id is not None:  # the header: id, type and name come first, once
+                    assert tc.index not in calls and tc.type == "function" and tc.function.name
+                    calls[tc.index] = {"name": tc.function.name, "arguments": ""}
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_forced_tool_calls_match_the_tools_schemas(client):
+    """tool_choice required / named: a grammar over the tools' schemas, so even the embedded
+    model calls them with valid arguments; finish_reason tool_calls; streamed = whole."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=named,
+                                       temperature=0, max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    content, calls, finish = _assembled(client.chat.completions.create(
+        model=MODEL, messages=ask, tools=TOOLS, tool_choice=named, temperature=0,
+        max_tokens=60, stream=True))
+    assert (content, finish) == ("", "tool_calls")
+    assert calls == [{"name": "get_weather", "arguments": call.function.arguments}]
+
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, n=2, seed=3,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0.8, max_tokens=60)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls  # one call: parallel_tool_calls is false
+        args = json.loads(call.function.arguments)
+        expected = {"get_weather": {"city", "unit"}, "add": {"a", "b"}}[call.function.name]
+        assert set(args) == expected
+
+
+def test_auto_tool_calls_are_parsed_from_the_answer(client):
+    """tool_choice auto: the answer is read by the template's parser (hermes here). The
+    embedded model rarely calls tools by itself, so a regex makes it write the call."""
+    call = '{"name": "add", "arguments": {"a": 2, "b": 40}}'
+    regex = "Adding\\.\\n<tool_call>\\n" + re.escape(call) + "\\n</tool_call>"
+    ask = [{"role": "user", "content": "What is 2 + 40?"}]
+    kwargs = dict(model=MODEL, messages=ask, tools=TOOLS, temperature=0, max_tokens=60,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.message.content == "Adding."
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == [("add", {"a": 2, "b": 40})]
+    assert choice.finish_reason == "tool_calls"
+    content, calls, finish = _assembled(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, finish) == ("Adding.", "tool_calls")
+    assert calls == [{"name": "add", "arguments": choice.message.tool_calls[0].function.arguments}]
+    # Without tools the same text is plain content.
+    r = client.chat.completions.create(**{**kwargs, "tools": None})
+    assert r.choices[0].message.tool_calls == [] and "<tool_call>" in r.choices[0].message.content
+
+
+def test_tools_reach_the_prompt_and_history_holds_calls_and_results(client):
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1)
+    told = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, max_tokens=1)
+    untold = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS,
+                                            tool_choice="none", max_tokens=1)
+    assert told.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools described
+    assert untold.usage.prompt_tokens == plain.usage.prompt_tokens
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees, snow"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                       max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > told.usage.prompt_tokens + 10
+
+
+def test_langchain_binds_tools(server):
+    """LangChain's bind_tools against the server: a forced call comes back as its tool_calls."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The weather in a city now."""
+
+        city: str = Field(max_length=20)
+        unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+    llm = langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL,
+                                      temperature=0, max_tokens=60, max_retries=0)
+    msg = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("Weather in Rome?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "GetWeather" and set(call["args"]) == {"city", "unit"}
+    assert call["args"]["unit"] in ("celsius", "fahrenheit")
+
+
 # ---- load, cancellation ---------------------------------------------------------------------
 
 
@@ -382,12 +487,46 @@ def test_disconnect_aborts_and_frees_kv(server):
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 BAD_INPUTS = [
     # (path, body, status, param, fragment of the message)
     (CHAT, b'{"model": "x", "messages": [', 400, None, "malformed JSON"),
     (CHAT, b'[1, 2]', 400, None, "JSON object"),
-    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools",
-     "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function", "required"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": []}, 400, "tools", "at least 1"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [TOOLS[0], TOOLS[0]]}, 400, "tools",
+     "two tools are named 'get_weather'"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "bad name!"}}]}, 400,
+     "tools[0].function.name", "pattern"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required"}, 400, None,
+     "requires 'tools'"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, None, "not among the tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}, 400,
+     "tool_choice", "auto"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, 400, "tool_choice", "combined"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, 400,
+     "tools", "bogus"),
+    (CHAT, {"model": MODEL, "messages": MSG, "functions": [{"name": "f"}]}, 400, "functions",
+     "use 'tools'"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
+     "messages[0]", "tool_call_id"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+     400, "messages[0]", "tool_call_id"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": None}]},
+     400, "messages[0].content", "content is required"),
     (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "xml"}}, 400,
      "response_format.type", "json_schema"),
     (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
@@ -418,7 +557,7 @@ BAD_INPUTS = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content",
      "text"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
+    (CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages[0].role", "role"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content",
@@ -439,7 +578,6 @@ BAD_INPUTS = [
      "max_tokens", "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": [999999]}, 400, "prompt", "999999"),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt", "prompt"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "echo"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 10}}, 400, "logit_bias",

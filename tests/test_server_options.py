@@ -37,7 +37,11 @@ def test_star_allows_any_host():
     ({"allowed_hosts": ("http://x.example",)}, "allowed_hosts"),
     ({"allowed_hosts": ("x.example:80",)}, "allowed_hosts"),
     ({"allowed_origins": ("app.example",)}, "allowed_origins"),
-    ({"allowed_origins": ("https://app.example/path",)}, "allowed_origins")])
+    ({"allowed_origins": ("https://app.example/path",)}, "allowed_origins"),
+    ({"allowed_methods": ("POST",)}, "needs allowed_origins"),
+    ({"allowed_headers": ("X-Trace",)}, "needs allowed_origins"),
+    ({"allowed_origins": ("*",), "allowed_methods": ("PO ST",)}, "allowed_methods"),
+    ({"allowed_origins": ("*",), "allowed_headers": ("X:Y",)}, "allowed_headers")])
 def test_bad_options_are_named(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         ServerOptions(**kwargs)
@@ -97,3 +101,12 @@ def test_a_taken_port_is_a_clear_error():
             listen("127.0.0.1", sock.getsockname()[1])
     finally:
         sock.close()
+
+
+def test_cors_defaults_and_choices():
+    default = ServerOptions(allowed_origins=("*",))
+    assert default.cors_methods == ["GET", "POST", "OPTIONS"]
+    assert "Authorization" in default.cors_headers
+    chosen = ServerOptions(allowed_origins=("*",), allowed_methods=("post",),
+                           allowed_headers=("X-Trace",))
+    assert chosen.cors_methods == ["POST"] and chosen.cors_headers == ["X-Trace"]

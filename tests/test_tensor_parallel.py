@@ -88,13 +88,18 @@ def test_plan_for_smollm2_and_what_cannot_be_split():
     assert [(p.q_heads, p.kv_heads, p.intermediate) for p in three] == [
         ((0, 3), (0, 1), (0, 512)), ((3, 6), (1, 2), (512, 1024)), ((6, 9), (2, 3), (1024, 1536))]
     p = two[1]
-    assert p.slice_of("model.layers.3.self_attn.q_proj.weight") == (0, 192, 576)
-    assert p.slice_of("model.layers.3.self_attn.k_proj.weight") == (0, 64, 192)
-    assert p.slice_of("model.layers.3.self_attn.v_proj.bias") == (0, 64, 192)
-    assert p.slice_of("model.layers.3.self_attn.o_proj.weight") == (1, 192, 576)
-    assert p.slice_of("model.layers.3.mlp.up_proj.weight") == (0, 768, 1536)
-    assert p.slice_of("model.layers.3.mlp.down_proj.weight") == (1, 768, 1536)
-    assert p.slice_of("model.embed_tokens.weight") == (0, 24576, 49152)
+    assert p.slice_of("model.layers.3.self_attn.q_proj.weight") == [(0, 192, 576)]
+    assert p.slice_of("model.layers.3.self_attn.k_proj.weight") == [(0, 64, 192)]
+    assert p.slice_of("model.layers.3.self_attn.v_proj.bias") == [(0, 64, 192)]
+    assert p.slice_of("model.layers.3.self_attn.o_proj.weight") == [(1, 192, 576)]
+    assert p.slice_of("model.layers.3.mlp.up_proj.weight") == [(0, 768, 1536)]
+    assert p.slice_of("model.layers.3.mlp.down_proj.weight") == [(1, 768, 1536)]
+    assert p.slice_of("model.embed_tokens.weight") == [(0, 24576, 49152)]
+    # Fused checkpoint tensors (Phi-3's): this rank's rows of each part, at its offset.
+    assert p.slice_of("model.layers.3.self_attn.qkv_proj.weight") == [
+        (0, 192, 576), (0, 576 + 64, 576 + 192), (0, 768 + 64, 768 + 192)]
+    assert p.slice_of("model.layers.3.mlp.gate_up_proj.weight") == [
+        (0, 768, 1536), (0, 1536 + 768, 3072)]
     assert p.slice_of("model.layers.3.input_layernorm.weight") is None
     assert p.slice_of("model.norm.weight") is None
     with pytest.raises(ValueError, match="more than the model's 9 attention heads"):

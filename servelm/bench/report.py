@@ -154,6 +154,13 @@ def server_utilization(before: dict[str, float] | None,
         out["decode_bandwidth_gb_s"] = delta("servelm_decode_step_bytes_total") / dec_s / 1e9
         if bw:
             out["decode_bandwidth_utilization"] = out["decode_bandwidth_gb_s"] * 1e9 / bw
+    drafts = delta("servelm_spec_decode_num_draft_tokens_total")
+    if drafts > 0:  # speculative decoding during the run
+        accepted = delta("servelm_spec_decode_num_accepted_tokens_total")
+        out["spec_acceptance_rate"] = accepted / drafts
+        verified = delta("servelm_spec_decode_num_drafts_total")
+        if verified > 0:
+            out["spec_mean_accepted_length"] = 1 + accepted / verified
     if pre_s > 0:
         out["prefill_tflops"] = delta("servelm_prefill_step_flops_total") / pre_s / 1e12
         if peak:
@@ -198,7 +205,9 @@ def format_table(summary: dict[str, Any]) -> str:
                 ("decode_bandwidth_gb_s", "Decode bandwidth (GB/s)", ".1f"),
                 ("decode_bandwidth_utilization", "Decode bandwidth utilisation", ".1%"),
                 ("prefill_tflops", "Prefill (TFLOP/s)", ".3f"),
-                ("prefill_flops_utilization", "Prefill FLOP utilisation", ".1%")):
+                ("prefill_flops_utilization", "Prefill FLOP utilisation", ".1%"),
+                ("spec_acceptance_rate", "Speculation: draft acceptance", ".1%"),
+                ("spec_mean_accepted_length", "Speculation: tokens/verification", ".2f")):
             if key in server:
                 row(label, server[key], fmt)
     if summary["errors"]:

@@ -30,6 +30,7 @@ from servelm.distributed.sharding import ShardPlan
 from servelm.distributed.worker import (STEP, STOP, allocate_kv, encode_seqs, load_rank,
                                         run_step, spawn_main, worker_main)
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.models import kv_quant
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class TPExecutor:
         cache = config.cache
         most_kv = max(ShardPlan.of(model_config, r, self.group.world).num_kv_heads
                       for r in range(self.group.world))
+        dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)  # the pool's storage
         per_head = KVCache.bytes_per_block(model_config, cache.block_size, dtype) \
             // model_config.num_kv_heads
         kv_bytes = cache.kv_cache_memory or _default_kv_bytes(device)

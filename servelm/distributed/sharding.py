@@ -58,6 +58,9 @@ class ShardPlan:
     vocab: tuple[int, int]
     vocab_per_rank: int  # width of every rank's logits block in the gather (padded)
     vocab_size: int
+    total_heads: int = 0          # the whole model's, for the offsets in fused tensors
+    total_kv_heads: int = 0
+    total_intermediate: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
@@ -90,7 +93,8 @@ class ShardPlan:
                    kv_heads=(k0, k1),
                    intermediate=split_range(cfg.intermediate_size, world, rank),
                    vocab=(rank * per, min(cfg.vocab_size, (rank + 1) * per)),
-                   vocab_per_rank=per, vocab_size=cfg.vocab_size)
+                   vocab_per_rank=per, vocab_size=cfg.vocab_size, total_heads=H,
+                   total_kv_heads=KVH, total_intermediate=cfg.intermediate_size)
 
     @property
     def num_heads(self) -> int:
@@ -125,14 +129,34 @@ class ShardPlan:
         (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
         (r"(^|\.)lm_head\.weight$", 0, "vocab", "one"),
     )
+    # Checkpoint tensors that hold several of the above stacked by rows (Phi-3's): each
+    # part's rows, at its offset in the tensor.
+    _FUSED = (
+        (r"\.self_attn\.qkv_proj\.(weight|bias)$",
+         (("q_heads", "head", "total_heads"), ("kv_heads", "head", "total_kv_heads"),
+          ("kv_heads", "head", "total_kv_heads"))),
+        (r"\.mlp\.gate_up_proj\.weight$",
+         (("intermediate", "one", "total_intermediate"),
+          ("intermediate", "one", "total_intermediate"))),
+    )
 
-    def slice_of(self, hf_name: str) -> tuple[int, int, int] | None:
-        """(dim, start, end) of this rank's part of a checkpoint tensor; None = replicated."""
+    def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
+        """The (dim, start, end) pieces of a checkpoint tensor this rank keeps, to be joined
+        along dim in order (one piece, or one per part of a fused tensor); None: replicated."""
         for pattern, dim, attr, unit in self._RULES:
             if re.search(pattern, hf_name):
                 a, b = getattr(self, attr)
                 scale = self.head_dim if unit == "head" else 1
-                return dim, a * scale, b * scale
+                return [(dim, a * scale, b * scale)]
+        for pattern, parts in self._FUSED:
+            if re.search(pattern, hf_name):
+                pieces, offset = [], 0
+                for attr, unit, total in parts:
+                    a, b = getattr(self, attr)
+                    scale = self.head_dim if unit == "head" else 1
+                    pieces.append((0, offset + a * scale, offset + b * scale))
+                    offset += getattr(self, total) * scale
+                return pieces
         return None
 
 
@@ -206,5 +230,5 @@ class Shard:
     def apply(self, model: nn.Module) -> nn.Module:
         return shard_model(model, self.plan, self.group)
 
-    def slice_of(self, hf_name: str) -> tuple[int, int, int] | None:
+    def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
         return self.plan.slice_of(hf_name)

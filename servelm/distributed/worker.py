@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from servelm.distributed.parallel_state import TPGroup
 from servelm.distributed.sharding import Shard, ShardPlan
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.models import kv_quant
 from servelm.models.loader import load_model
 from servelm.tuning import finalize_linears
 
@@ -59,7 +60,8 @@ def allocate_kv(model, num_blocks: int, block_size: int, dtype: torch.dtype,
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
-    return [(s.token_ids, s.start_pos, s.block_table, s.sample) for s in seqs]
+    return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits, s.num_logits)
+            for s in seqs]
 
 
 def decode_seqs(items: list[tuple]) -> list[SeqInput]:
@@ -99,7 +101,8 @@ def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: t
         model, plan = load_rank(group, ckpt, cfg, dtype, device, max_len,
                                 config.quantization, config.kernels)
         num_blocks = group.broadcast_object()
-        kv = allocate_kv(model, num_blocks, config.cache.block_size, dtype, device,
+        kv = allocate_kv(model, num_blocks, config.cache.block_size,
+                         kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype), device,
                          config.kernels.hugepages)
         runner = ModelRunner(model, kv, device, kernels=config.kernels)
         group.control_all_reduce_max(0)  # ready

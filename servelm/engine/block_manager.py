@@ -186,6 +186,24 @@ class BlockManager:
                 if block not in self._block_key:
                     self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse first
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks num_tokens tokens need: the blocks
+        wholly past them (speculated tokens that were rejected) go back to the pool."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        # Never drop a block the prefix cache registered for this table: those hold
+        # computed tokens, which a caller rolling back rejected drafts never goes behind.
+        assert keep >= self._num_registered.get(request_id, 0), "truncating computed blocks"
+        while len(table) > keep:
+            block = table.pop()
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+                if block not in self._block_key:
+                    self._free.move_to_end(block, last=False)
+
     def _take(self, block: int) -> None:
         if self._ref[block] == 0:
             del self._free[block]

@@ -15,11 +15,12 @@ from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.request import Request, RequestStatus
-from servelm.engine.sampler import Sampler
+from servelm.engine.sampler import Sampler, token_logprobs
 from servelm.structured_outputs import GrammarCompiler
 from servelm.engine.scheduler import Scheduler
+from servelm.models import kv_quant
 from servelm.models.loader import load_model, open_checkpoint
-from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
 from servelm.tuning import TuningReport, finalize_linears
@@ -104,6 +105,9 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
+    # With params.prompt_logprobs: entries so far, one per prompt position (first None);
+    # filled from the first sample's prompt rows, in position order.
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -120,6 +124,8 @@ class LLMEngine:
             # Default: one intra-op thread per physical core (torch may count hyper-threads).
             torch.set_num_threads(config.num_threads or physical_cores())
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # The KV pool's storage dtype: the model's, or int8 / fp8 with scales (kv_quant).
+        self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         ckpt = open_checkpoint(config.model)
         self.model_path = ckpt.path
         self.model_config = ckpt.config()
@@ -151,7 +157,7 @@ class LLMEngine:
             # layer's method per row bucket, measured here (or read back): module swaps.
             self.tuning = finalize_linears(self.model, config.quantization, config.kernels)
             block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
-                                                  self.dtype)
+                                                  self.kv_dtype)
             kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
             num_blocks = kv_bytes // block_bytes
             if num_blocks < 1:
@@ -159,7 +165,7 @@ class LLMEngine:
                                  f"(one block takes {block_bytes} bytes)")
             graphs = self.device.type == "cuda" and not config.enforce_eager
             self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
-                                    self.dtype, self.device, spare_block=graphs,
+                                    self.kv_dtype, self.device, spare_block=graphs,
                                     hugepages=config.kernels.hugepages)
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=graphs,
                                       max_graph_batch=min(256, sched_cfg.max_num_seqs),
@@ -175,15 +181,20 @@ class LLMEngine:
             from servelm.quantization import quantized_bits_per_weight
 
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
-        self.shape = ModelShape.from_config(self.model_config, weight_bits=weight_bits,
-                                            kv_bits=bits)
+        self.shape = ModelShape.from_config(
+            self.model_config, weight_bits=weight_bits,
+            kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.head_dim))
         self.hardware: Hardware | None = None  # set by whoever measured the machine
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = self._build_speculator(config.speculative)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
+        self._token_texts: dict[int, str] = {}  # token id -> its text (prompt logprobs)
         self.stats = EngineStats()
         # Everything allocated so far lives as long as the engine (vocabulary, weights'
         # wrappers): move it out of the collector's way, so a full collection during
@@ -193,6 +204,20 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
                     num_blocks, cache_cfg.block_size, num_blocks * block_bytes / 2**20,
                     self.max_model_len)
+
+    def _build_speculator(self, spec):
+        """Speculative decoding (servelm.spec), with the roofline's ridge measured here."""
+        from servelm.roofline import measure_hardware, ridge_tokens
+        from servelm.spec.speculator import Speculator
+
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.hardware = measure_hardware(dtype, self.device.type, seconds=0.2)
+        ridge = ridge_tokens(self.shape, self.hardware)
+        logger.info("speculation: %s, k=%d; a step turns compute-bound at %.1f tokens per "
+                    "weight read (roofline)", spec.method, spec.num_speculative_tokens, ridge)
+        return Speculator(spec, ridge, self.config.scheduler.max_num_batched_tokens)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -214,7 +239,8 @@ class LLMEngine:
         if request_id in self._groups or any(c in self._owner for c in child_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, max_tokens = self.prepare_prompt(prompt, params, prompt_token_ids)
-        group = _Group(request_id, text, ids)
+        group = _Group(request_id, text, ids,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         for i, rid in enumerate(child_ids):
             gen = None
@@ -223,6 +249,9 @@ class LLMEngine:
             req = Request(rid, ids, params, max_tokens, arrival, gen, cache_salt=cache_salt)
             if params.structured_outputs is not None:
                 req.grammar = self.grammars.matcher(params.structured_outputs)
+            # The first sample computes every prompt position (its siblings then share its
+            # blocks through the prefix cache, as usual).
+            req.needs_prompt_logits = i == 0 and params.prompt_logprobs is not None and len(ids) > 1
             if i > 0 and self.block_manager.enable_caching:
                 req.wait_for = group.samples[0].request  # share its prompt blocks
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
@@ -307,6 +336,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass over the mixed batch, sample, and report progress."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -316,29 +347,123 @@ class LLMEngine:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            seqs.append(SeqInput(req.token_slice(s.start, s.start + s.num_new_tokens), s.start,
-                                 self.block_manager.block_table(req.request_id), s.samples))
+            ids = req.token_slice(s.start, s.start + s.num_new_tokens - s.num_draft)
+            if s.num_draft:
+                ids += req.spec_token_ids
+            seqs.append(SeqInput(ids, s.start, self.block_manager.block_table(req.request_id),
+                                 s.samples, all_logits=req.needs_prompt_logits,
+                                 num_logits=s.num_draft + 1))
         t0 = time.perf_counter()
         logits, rows = self.runner.execute(seqs)
-        sampled_reqs = [sched.scheduled[i].request for i in rows]
-        result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
+        if any(q.all_logits for q in seqs):
+            logits, rows = self._take_prompt_logprobs(seqs, sched, logits, rows)
+        if any(s.num_draft for s in sched.scheduled):
+            emitted = self._verify(sched, logits, rows)
+        else:
+            sampled_reqs = [sched.scheduled[i].request for i in rows]
+            result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
+            emitted = [([result.token_ids[j]], [result.logprobs[j]]) for j in range(len(rows))]
         self.scheduler.update_after_step(sched)
         # The sampler has read the logits back, so the step's device work is done.
         self.stats.record_step(sched, time.perf_counter() - t0, self.shape)
 
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
-        for j, req in enumerate(sampled_reqs):
+        for i, (tokens, logprobs) in zip(dict.fromkeys(rows), emitted):
+            req = sched.scheduled[i].request
             group, index = self._owner[req.request_id]
             sample = group.samples[index]
-            req.append_output_token(result.token_ids[j], now)
-            if req.grammar is not None:
-                req.grammar.consume_token(result.token_ids[j])
-            if sample.logprobs is not None:
-                sample.logprobs.append(result.logprobs[j])
-            self._check_stop(sample, result.token_ids[j])
+            for token, lp in zip(tokens, logprobs):
+                req.append_output_token(token, now)
+                if req.grammar is not None:
+                    req.grammar.consume_token(token)
+                if sample.logprobs is not None:
+                    sample.logprobs.append(lp)
+                self._check_stop(sample, token)
+                if req.is_finished:
+                    break  # stopped inside an accepted run: the rest is dropped
+            req.spec_token_ids = []
             touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
+
+    def _take_prompt_logprobs(self, seqs: list[SeqInput], sched, logits: torch.Tensor,
+                              rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Record the prompt logprobs that rows of all_logits sequences give (the logits
+        at position p score prompt token p + 1); return the rows left to sample from."""
+        keep: list[int] = []
+        picked: list[tuple[int, int, _Group, int]] = []  # (row, target token, group, top-N)
+        seen: dict[int, int] = {}
+        expect: dict[int, int] = {}  # seq index -> the next prompt position it records
+        for r, i in enumerate(rows):
+            q = seqs[i]
+            if not q.all_logits:
+                keep.append(r)
+                continue
+            k = seen[i] = seen.get(i, -1) + 1
+            if q.sample and k == len(q.token_ids) - 1:
+                keep.append(r)  # the last prompt position predicts the first output token
+                continue
+            req = sched.scheduled[i].request
+            group = self._owner[req.request_id][0]
+            target = q.start_pos + k + 1
+            # Recomputed positions (after a preemption) were recorded the first time.
+            if target == expect.setdefault(i, len(group.prompt_logprobs)) < req.num_prompt_tokens:
+                expect[i] += 1
+                picked.append((r, req.prompt_token_ids[target], group,
+                               req.sampling_params.prompt_logprobs))
+        if picked:
+            idx = torch.tensor([p[0] for p in picked], dtype=torch.long, device=logits.device)
+            lp = torch.log_softmax(logits[idx], dim=-1)  # raw model distribution, [R, V]
+            targets = torch.tensor([p[1] for p in picked], dtype=torch.long, device=logits.device)
+            found = token_logprobs(lp, targets, [p[3] for p in picked])
+            for (_, _, group, _), e in zip(picked, found):
+                entry = {t: Logprob(v, rank, self._token_text(t))
+                         for rank, (t, v) in enumerate(e.top, 1)}
+                entry[e.token_id] = Logprob(e.logprob, e.rank, self._token_text(e.token_id))
+                group.prompt_logprobs.append(entry)
+        for q, s in zip(seqs, sched.scheduled):
+            req = s.request
+            if q.all_logits:
+                group = self._owner[req.request_id][0]
+                req.needs_prompt_logits = len(group.prompt_logprobs) < req.num_prompt_tokens
+        if len(keep) == len(rows):
+            return logits, rows
+        return logits[keep], [rows[r] for r in keep]
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
+
+    def _verify(self, sched, logits: torch.Tensor, rows: list[int]) -> list[tuple[list, list]]:
+        """Sample the plain rows and verify the speculating ones (servelm.spec.verify);
+        per sampled sequence in row order, (tokens to emit, their logprobs). Sets each
+        speculated ScheduledSeq's num_rejected for the scheduler's rollback."""
+        from servelm.spec.verify import verify
+
+        seq_rows: dict[int, int] = {}  # sequence index -> its first row
+        for r, i in enumerate(rows):
+            seq_rows.setdefault(i, r)
+        plain = [r for i, r in seq_rows.items() if not sched.scheduled[i].num_draft]
+        spec = [i for i in seq_rows if sched.scheduled[i].num_draft]
+        out: dict[int, tuple[list, list]] = {}
+        if plain:
+            reqs = [sched.scheduled[rows[r]].request for r in plain]
+            res = self.sampler(logits[torch.tensor(plain, device=logits.device)], reqs)
+            for j, r in enumerate(plain):
+                out[rows[r]] = ([res.token_ids[j]], [res.logprobs[j]])
+        reqs = [sched.scheduled[i].request for i in spec]
+        drafts = [r.spec_token_ids for r in reqs]
+        for i, v in zip(spec, verify(self.sampler, logits, reqs, drafts,
+                                     [seq_rows[i] for i in spec])):
+            s = sched.scheduled[i]
+            s.num_rejected = s.num_draft - v.num_accepted
+            self.stats.record_spec(s.num_draft, v.num_accepted)
+            self.speculator.observe(s.num_draft, v.num_accepted)
+            out[i] = (v.token_ids, v.logprobs or [None] * len(v.token_ids))
+        return [out[i] for i in seq_rows]
 
     def _check_stop(self, sample: _Sample, token: int) -> None:
         req = sample.request
@@ -384,8 +509,11 @@ class LLMEngine:
             self._groups.pop(group.request_id, None)
             for s in group.samples:
                 self._owner.pop(s.request.request_id, None)
+        plp = group.prompt_logprobs
+        if plp is not None and len(plp) < len(group.prompt_token_ids):
+            plp = None  # not complete yet
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             finished)
+                             finished, prompt_logprobs=plp)
 
 
 @dataclass
@@ -411,6 +539,29 @@ class EngineStats:
     # matmul FLOPs of prefill steps' prompt tokens (LM head, last layer's tail: sampled rows)
     prefill_flops: float = 0.0
 
+    # Speculative decoding: sequences verified with drafts, draft tokens, accepted drafts.
+    num_spec_verifications: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+    def record_spec(self, num_draft: int, num_accepted: int) -> None:
+        self.num_spec_verifications += 1
+        self.num_spec_draft_tokens += num_draft
+        self.num_spec_accepted_tokens += num_accepted
+        self.num_generated_tokens += num_accepted  # beyond the one record_step counts
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts / drafts verified."""
+        d = self.num_spec_draft_tokens
+        return self.num_spec_accepted_tokens / d if d else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification: accepted drafts + the target's own token."""
+        v = self.num_spec_verifications
+        return 1 + self.num_spec_accepted_tokens / v if v else None
+
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
         num_tokens = context = prefill_tokens = 0
@@ -420,9 +571,9 @@ class EngineStats:
             num_tokens += n
             context += s.start + n  # each sequence's context is read once
             if s.samples:
-                self.num_generated_tokens += 1
-            if n == 1 and s.start >= s.request.num_prompt_tokens:
-                self.num_decode_tokens += 1
+                self.num_generated_tokens += 1  # accepted drafts: record_spec
+            if s.num_draft or (n == 1 and s.start >= s.request.num_prompt_tokens):
+                self.num_decode_tokens += n  # a verification: the token and its drafts
             else:
                 prefill_tokens += n
                 flops += shape.prefill_flops(n, context=s.start + n // 2,

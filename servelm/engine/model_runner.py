@@ -10,6 +10,7 @@ import torch
 from servelm import hugepages as _hugepages
 from servelm.config import KernelConfig
 from servelm.kernels import load_ops
+from servelm.models import kv_quant
 from servelm.models.config import ModelConfig
 from servelm.models.layers import AttnGroup, ForwardBatch
 
@@ -24,34 +25,61 @@ class SeqInput:
     start_pos: int          # position of token_ids[0] == tokens already in the cache
     block_table: list[int]  # blocks holding positions [0, start_pos + len(token_ids))
     sample: bool = True     # whether next-token logits are wanted (last chunk of a prompt, decode)
+    # Logits for every computed position, not only the last (prompt logprobs): the runner
+    # returns one row per token, in position order, each listing this sequence's index.
+    all_logits: bool = False
+    # Logits rows wanted, for the last num_logits tokens (speculation: the last real token
+    # and each draft token after it, k + 1; otherwise 1).
+    num_logits: int = 1
 
 
 class KVCache:
     """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D].
 
     With spare_block, one block more than num_blocks is allocated, `pad_block`, which the
-    block manager never hands out: padding rows of captured CUDA-graph steps write there."""
+    block manager never hands out: padding rows of captured CUDA-graph steps write there.
+    A quantised pool (dtype int8 or float8_e4m3fn, servelm.models.kv_quant) also holds one
+    fp32 scale per token and KV head, `scales` [layers, 2, blocks, block_size, KVH]; each
+    layer's entry of `layers` is then (k, v, k_scale, v_scale), else (k, v)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, spare_block: bool = False,
                  hugepages: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pad_block = num_blocks if spare_block else None
+        self.quantized = kv_quant.is_quantized(dtype)
         total = num_blocks + spare_block
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
         shape = (cfg.num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
         if torch.device(device).type == "cpu":
             n = total * self.bytes_per_block(cfg, block_size, dtype)
-            self.data = _hugepages.empty(n, hugepages).view(dtype).view(shape).zero_()
+            # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
+            buf = _hugepages.empty(n, hugepages).view(torch.uint8)
+            rows = cfg.num_layers * 2 * total * block_size * cfg.num_kv_heads * cfg.head_dim
+            rows *= torch.empty(0, dtype=dtype).element_size()
+            self.data = buf[:rows].view(dtype).view(shape)
+            self.data.view(torch.uint8).zero_()
+            self.scales = (buf[rows:].view(torch.float32).view(shape[:-1]).zero_()
+                           if self.quantized else None)
         else:
-            self.data = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+            # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).
+            self.data = (torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+                         if self.quantized else torch.zeros(shape, dtype=dtype, device=device))
+            self.scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+                           if self.quantized else None)
+        if self.quantized:
+            self.layers = [(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
+                           for i in range(cfg.num_layers)]
+        else:
+            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of one block in every layer, with the scales of a quantised pool."""
         elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        row = cfg.head_dim * elem + (4 if kv_quant.is_quantized(dtype) else 0)
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
 
 
 def _bucket(s: SeqInput, block_size: int, ragged: bool = False) -> tuple[bool, int]:
@@ -123,8 +151,8 @@ def _build_kernel_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         keys.sort()
     input_ids, positions, slots, tables, lens, max_blocks = decode_lists(
         [seqs[i] for i in decodes], block_size)
-    logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample]
-    sampled = [i for i in decodes if seqs[i].sample]
+    logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample or seqs[i].all_logits]
+    sampled = [i for i in decodes if seqs[i].sample or seqs[i].all_logits]
     flat = _FlatTokens(input_ids, positions, slots, logits_indices, sampled)
     groups = flat.add_grouped(seqs, prompts, keys, nd, block_size, num_queries_per_kv, device)
 
@@ -168,9 +196,13 @@ class _FlatTokens:
             self.positions += pos
             self.slots += [s.block_table[p // block_size] * block_size + p % block_size
                            for p in pos]
-            if s.sample:
-                self.logits_indices.append(len(self.input_ids) - 1)
-                self.sampled.append(i)
+            if s.all_logits:
+                self.logits_indices += range(len(self.input_ids) - n, len(self.input_ids))
+                self.sampled += [i] * n
+            elif s.sample:
+                end = len(self.input_ids)
+                self.logits_indices += range(end - s.num_logits, end)
+                self.sampled += [i] * s.num_logits
             members.append(s)
             if j + 1 == len(order) or keys[j + 1] != keys[j]:
                 grp = _build_group(members, start, block_size, g, device)
@@ -222,10 +254,11 @@ def pin_module_attributes(model: torch.nn.Module) -> None:
 
 
 def _triton_works(device: torch.device, dtype: torch.dtype, cfg: ModelConfig,
-                  block_size: int) -> bool:
+                  block_size: int, kv_dtype: torch.dtype) -> bool:
     from servelm.kernels.triton_attention import works
 
-    return works(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
+    return works(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+                 kv_dtype)
 
 
 class ModelRunner:
@@ -247,16 +280,27 @@ class ModelRunner:
         # The path is decided once: fused C++ kernels (decode attention in place over the
         # block tables, fused norms/rotary/SiLU) on CPU when they build, else the eager
         # PyTorch reference (CUDA, no compiler, kernels.cpu_kernels off). Tests may flip it.
-        self.use_kernels = (kernels.cpu_kernels and torch.device(device).type == "cpu"
-                            and kv_cache.data.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        cpu = torch.device(device).type == "cpu"
+        kv_dtype = kv_cache.data.dtype
+        # The activations' dtype (a quantised pool's storage dtype is not it).
+        dtype = model.norm.weight.dtype if hasattr(model, "norm") else kv_dtype
+        if (kernels.cpu_kernels and cpu and kv_dtype == torch.float8_e4m3fn
+                and load_ops("ops")):
+            raise ValueError("kv_cache_dtype 'fp8' cannot be read by servelm's C++ CPU "
+                             "kernels: use kv_cache_dtype 'int8' there, or turn the kernels "
+                             "off (cpu_kernels=False, --no-cpu-kernels) to run fp8 on the "
+                             "PyTorch reference")
+        self.use_kernels = (kernels.cpu_kernels and cpu
+                            and kv_dtype in (torch.float32, torch.bfloat16, torch.float16,
+                                             torch.int8)
                             and load_ops("ops"))
         if self.use_kernels and kernels.fused_decode and hasattr(model, "bind_decode_layers"):
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
         # On CUDA, attention reads K/V in place (Triton kernels) when Triton is there and
-        # its kernels pass a probe on this shape.
+        # its kernels pass a probe on this shape (and this KV storage dtype).
         self.triton_attention = (kernels.triton_attention and torch.device(device).type == "cuda"
-                                 and _triton_works(torch.device(device), kv_cache.data.dtype,
-                                                   cfg, kv_cache.block_size))
+                                 and _triton_works(torch.device(device), dtype, cfg,
+                                                   kv_cache.block_size, kv_dtype))
         self.graphs = None
         # A sliding-window layer picks its attention path by the step's context lengths
         # (host data), which a captured graph would freeze: such models decode eagerly.
@@ -272,8 +316,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
-        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to."""
-        if self.graphs is not None:
+        """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to
+        (a sequence with num_logits m has m consecutive rows, its last m positions'; one
+        with all_logits a row per token)."""
+        if self.graphs is not None and not any(s.all_logits for s in seqs):
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out

@@ -51,6 +51,13 @@ class Request:
         self.request_id = request_id
         self.cache_salt = cache_salt  # prefix-cache namespace (None: the shared one)
         self.grammar: Any = None      # its structured-outputs matcher (llguidance), if any
+        # Until its prompt logprobs are complete: every prompt position's logits are wanted,
+        # so the prefix cache is not read (cached positions would never be computed).
+        self.needs_prompt_logits = False
+        # Speculative decoding: the draft tokens to verify in the next step (after the last
+        # token; never part of output_token_ids until accepted), and the proposer's state.
+        self.spec_token_ids: list[int] = []
+        self.draft_state: Any = None
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # effective: the params' value capped by the context

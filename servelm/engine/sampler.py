@@ -143,6 +143,30 @@ class Sampler:
             logprobs = self._gather_logprobs(raw_logprobs, token_ids, params)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
+    def target_logits(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+        """Each row's logits after every stage that shapes its distribution (grammar,
+        logit_bias, the min_tokens ban, penalties; for rows that sample, temperature, top-k,
+        top-p and min-p): a greedy row's token is their argmax, a sampling row's is drawn
+        from their softmax. Speculative verification judges drafts against these."""
+        logits = logits.float()
+        constrained = [i for i, row in enumerate(rows) if getattr(row, "grammar", None) is not None]
+        if constrained:
+            logits = _apply_grammars(logits, rows, constrained)
+        if any(row.sampling_params.logit_bias for row in rows):
+            logits = _apply_logit_bias(logits, rows)
+        if all(_argmax_only(row) for row in rows):
+            return logits
+        logits = self._apply_penalties(self._ban_stop_tokens(logits, rows), rows)
+        keep = [i for i, row in enumerate(rows) if not row.sampling_params.greedy]
+        if not keep:
+            return logits
+        if len(keep) == len(rows):
+            return self._warp(logits, rows)
+        idx = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        logits = logits.clone()
+        logits[idx] = self._warp(logits[idx], [rows[i] for i in keep])
+        return logits
+
     def _ban_stop_tokens(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
         """Forbid EOS and stop tokens for rows still short of min_tokens."""
         vocab = logits.shape[1]
@@ -208,6 +232,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one random draw per row; [B] long."""
+        probs = self._warp(logits, rows).softmax(dim=-1)  # [B, V]
+        return sample_from(probs, _uniform(rows, logits.device))
+
+    def _warp(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p: the logits a sampling row draws from."""
         params = [row.sampling_params for row in rows]
         device = logits.device
 
@@ -224,11 +253,7 @@ class Sampler:
             threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) \
                 * probs.amax(dim=-1, keepdim=True)  # [B, 1]
             logits = logits.masked_fill(probs < threshold, _NEG_INF)
-
-        probs = logits.softmax(dim=-1)  # [B, V]
-        cdf = probs.cumsum(dim=-1)      # [B, V]
-        u = _uniform(rows, device).unsqueeze(1) * cdf[:, -1:]  # [B, 1], scaled to the total mass
-        return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        return logits
 
     @staticmethod
     def _gather_logprobs(
@@ -237,20 +262,34 @@ class Sampler:
         """Sampled-token logprob, rank and top-N for rows that asked for logprobs."""
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         idx = torch.tensor(wanted, dtype=torch.long, device=raw_logprobs.device)
-        lp = raw_logprobs[idx]  # [R, V]
-        chosen_lp = lp.gather(1, token_ids[idx].unsqueeze(1))  # [R, 1]
-        ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]; ties share the better rank
-        n = min(max(params[i].logprobs for i in wanted), lp.shape[1])
-        top_lp, top_ids = lp.topk(n, dim=-1)  # [R, n], sorted most likely first
-
+        found = token_logprobs(raw_logprobs[idx], token_ids[idx],
+                               [params[i].logprobs for i in wanted])
         out: list[TokenLogprobs | None] = [None] * len(params)
-        rows = zip(wanted, token_ids[idx].tolist(), chosen_lp.squeeze(1).tolist(),
-                   ranks.tolist(), top_ids.tolist(), top_lp.tolist())
-        for i, tok, tok_lp, rank, ids, lps in rows:
-            k = params[i].logprobs
-            out[i] = TokenLogprobs(token_id=tok, logprob=tok_lp, rank=rank,
-                                   top=list(zip(ids[:k], lps[:k])))
+        for i, entry in zip(wanted, found):
+            out[i] = entry
         return out
+
+
+def token_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+                   ) -> list[TokenLogprobs]:
+    """lp: log-probabilities [R, V]; token_ids: [R] long. Each row's token's logprob and
+    rank, and its top ks[r] (token_id, logprob) pairs, most likely first."""
+    chosen_lp = lp.gather(1, token_ids.unsqueeze(1))  # [R, 1]
+    ranks = (lp > chosen_lp).sum(dim=-1) + 1  # [R]; ties share the better rank
+    n = min(max(ks), lp.shape[1])
+    top_lp, top_ids = lp.topk(n, dim=-1)  # [R, n], sorted most likely first
+    rows = zip(ks, token_ids.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(),
+               top_ids.tolist(), top_lp.tolist())
+    return [TokenLogprobs(token_id=tok, logprob=tok_lp, rank=rank, top=list(zip(ids[:k], lps[:k])))
+            for k, tok, tok_lp, rank, ids, lps in rows]
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [B, V] (not necessarily normalised) at the uniform draws
+    u [B]: the first whose cumulative mass exceeds u times the row's total; [B] long."""
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    u = u.to(device=probs.device, dtype=cdf.dtype).unsqueeze(1) * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

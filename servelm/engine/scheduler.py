@@ -14,12 +14,16 @@ from servelm.engine.request import Request, RequestStatus
 class ScheduledSeq:
     request: Request
     num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens
+    # Of those, draft tokens to verify (request.spec_token_ids, after its last token).
+    num_draft: int = 0
     start: int = field(init=False)     # request.num_computed_tokens when scheduled
     samples: bool = field(init=False)  # the step reaches the request's last token: sample
+    num_rejected: int = field(init=False, default=0)  # drafts the verification rejected
 
     def __post_init__(self) -> None:
         self.start = self.request.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.samples = (self.start + self.num_new_tokens - self.num_draft
+                        == self.request.num_tokens)
 
 
 @dataclass
@@ -76,7 +80,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            pending = req.num_tokens - req.num_computed_tokens
+            # Drafts (a decoding request only) take budget and KV slots like any token;
+            # they are trimmed to the budget and dropped before anything is preempted.
+            n = min(pending + (len(req.spec_token_ids) if pending == 1 else 0), budget)
+            if n > pending and not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
+                n = pending
+            num_draft = max(0, n - pending)
+            if len(req.spec_token_ids) != num_draft:
+                req.spec_token_ids = req.spec_token_ids[:num_draft]
             while not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -86,7 +98,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it is left to run
             bm.allocate(req.request_id, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(req, n))
+            out.scheduled.append(ScheduledSeq(req, n, num_draft))
             budget -= n
             i += 1
         # Only admit new work when no running request had to give up its blocks, and
@@ -98,7 +110,7 @@ class Scheduler:
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
             cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
-                      if bm.enable_caching else [])
+                      if bm.enable_caching and not req.needs_prompt_logits else [])
             num_cached = len(cached) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)
@@ -147,6 +159,7 @@ class Scheduler:
         (from its cached prefix, when prefix caching is on)."""
         self.running.remove(req)
         self.block_manager.free(req.request_id)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute prompt and outputs so far when readmitted
         req.num_preemptions += 1
@@ -155,15 +168,26 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Record that every scheduled request's new tokens are now in the cache, and offer
-        newly filled blocks to the prefix cache."""
-        bs = self.block_manager.block_size
+        newly filled blocks to the prefix cache.
+
+        Speculated requests: called after verification (s.num_rejected set) and before the
+        accepted tokens are appended. Rejected drafts are rolled back: they do not count as
+        computed, the blocks wholly past the next token's position go back to the pool, and
+        only accepted tokens can ever fill a block the prefix cache registers."""
+        bm = self.block_manager
+        bs = bm.block_size
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if self.block_manager.enable_caching and req.num_computed_tokens // bs > s.start // bs:
-                self.block_manager.cache_full_blocks(
-                    req.request_id, req.token_slice(0, req.num_computed_tokens),
-                    req.num_computed_tokens, req.cache_salt)
+            req.num_computed_tokens += s.num_new_tokens - s.num_rejected
+            if s.num_rejected:
+                # The next step runs the token after the accepted ones: keep its slot.
+                bm.truncate(req.request_id, req.num_computed_tokens + 1)
+            if bm.enable_caching and req.num_computed_tokens // bs > s.start // bs:
+                tokens = req.token_slice(0, min(req.num_computed_tokens, req.num_tokens))
+                if s.num_draft:  # the accepted drafts are not appended yet
+                    tokens += req.spec_token_ids[:req.num_computed_tokens - len(tokens)]
+                bm.cache_full_blocks(req.request_id, tokens, req.num_computed_tokens,
+                                     req.cache_salt)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and free its blocks at once."""

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from servelm.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
+from servelm.config import (CacheConfig, EngineConfig, KernelConfig, SchedulerConfig,
+                            SpeculativeConfig)
 from servelm.engine.engine import LLMEngine
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -32,19 +33,26 @@ class LLM:
                  kernel_tuning: str = "cached", linear_method: str = "auto",
                  batch_invariant: bool | None = None, cpu_kernels: bool = True,
                  fused_decode: bool = True, hugepages: bool = True,
-                 triton_attention: bool = True, tuning_cache_dir: str | None = None):
+                 triton_attention: bool = True, tuning_cache_dir: str | None = None,
+                 kv_cache_dtype: str = "auto",
+                 speculative_config: dict | SpeculativeConfig | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
-        holds); kernel_tuning, linear_method ... are KernelConfig's fields."""
+        holds); kernel_tuning, linear_method ... are KernelConfig's fields;
+        speculative_config as vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, speculative=speculative_config,
             kernels=KernelConfig(cpu_kernels=cpu_kernels, linear_method=linear_method,
                                  tuning=kernel_tuning, tuning_cache_dir=tuning_cache_dir,
                                  batch_invariant=batch_invariant, fused_decode=fused_decode,
                                  hugepages=hugepages, triton_attention=triton_attention),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,

@@ -25,6 +25,11 @@ C++ prompt kernel's metadata): grid (query tiles, sequences, KV heads), each pro
 tile of (token, head) rows sharing one KV head, walking the keys up to its last token
 with a causal mask; no padding to the longest prompt and no mask tensor.
 
+A quantised cache (kv_cache_dtype int8 or fp8, servelm.models.kv_quant) comes with its
+scales [num_blocks, page, KVH] (fp32, one per token and KV head): both kernels load each
+tile's rows and scales and dequantise the tile in registers (`QUANT`), to q's dtype for
+the dot products.
+
 Triton is optional: `available()` is False without it (and KernelConfig.triton_attention
 off leaves it unused); callers then keep the gather + SDPA path. The CPU tests run these kernels in Triton's
 interpreter (TRITON_INTERPRET=1, CPU tensors), against PyTorch references; the
@@ -57,17 +62,21 @@ _works: dict[tuple, bool] = {}
 
 
 def works(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-          head_dim: int, block_size: int) -> bool:
+          head_dim: int, block_size: int, kv_dtype: torch.dtype | None = None) -> bool:
     """available(), and both kernels compile for this shape on this device and agree with
     the PyTorch references on a small case (asked once per shape): a Triton that cannot
     compile them here (an old GPU, a version mismatch) or computes them wrong is logged
-    and the caller keeps the gather + SDPA path, instead of failing the first step."""
+    and the caller keeps the gather + SDPA path, instead of failing the first step.
+    kv_dtype: the cache's storage dtype when it is quantised (int8, float8_e4m3fn)."""
     if not available():
         return False
+    kv_dtype = kv_dtype or dtype
     key = (str(device), dtype, num_heads, num_kv_heads, head_dim, block_size)
+    key += (kv_dtype,) if kv_dtype != dtype else ()
     if key not in _works:
         try:
-            _probe(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, block_size)
+            _probe(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, block_size,
+                   kv_dtype)
             _works[key] = True
         except Exception as e:  # noqa: BLE001 - compile errors come as many types
             logger.warning("Triton attention is not used on %s (%s): %s", device, dtype, e)
@@ -75,7 +84,8 @@ def works(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads
     return _works[key]
 
 
-def _probe(device, dtype, H, KVH, D, page):
+def _probe(device, dtype, H, KVH, D, page, kv_dtype):
+    from servelm.models import kv_quant
     from servelm.models.layers import paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(0)
@@ -84,6 +94,10 @@ def _probe(device, dtype, H, KVH, D, page):
     nb = W + 2
     k = torch.randn(nb, page, KVH, D, generator=g).to(dtype)
     v = torch.randn(nb, page, KVH, D, generator=g).to(dtype)
+    scales, extra = None, {}
+    if kv_quant.is_quantized(kv_dtype):  # the reference reads the dequantised rows
+        (k, ks), (v, vs) = kv_quant.quantize(k, kv_dtype), kv_quant.quantize(v, kv_dtype)
+        scales, extra = (ks, vs), {"scales": (ks.to(device), vs.to(device))}
     perm = torch.randperm(nb, generator=g)
     tables = torch.stack([perm[:W], perm.flip(0)[:W]]).to(torch.int32)  # scattered blocks
     lens = torch.tensor([3, n1], dtype=torch.int32)
@@ -91,11 +105,13 @@ def _probe(device, dtype, H, KVH, D, page):
     scale = D ** -0.5
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     kr, vr = k.float(), v.float()
+    if scales is not None:
+        kr, vr = kr * scales[0].unsqueeze(-1), vr * scales[1].unsqueeze(-1)
     kd, vd, td = k.to(device), v.to(device), tables.to(device)
     want = paged_decode_attention_ref(q.float(), kr, vr, tables, lens, scale).view(2, -1)
     for splits in (1, 2):  # the final output written directly, and the split merge
         got = paged_decode_attention(q.to(device), kd, vd, td, lens.to(device), scale,
-                                     splits=splits)
+                                     splits=splits, **extra)
         if not torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol):
             raise RuntimeError(f"the decode kernel ({splits} split) disagrees with the reference")
     # Prompt chunks: row 0's 3 tokens from position 0, row 1's last 2.
@@ -103,7 +119,7 @@ def _probe(device, dtype, H, KVH, D, page):
     got = paged_prefill_attention(qp.to(device), kd, vd, td,
                                   torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
                                   torch.tensor([0, n1 - 2], dtype=torch.int32, device=device),
-                                  3, scale)
+                                  3, scale, **extra)
     for i, (b, p) in enumerate([(0, 0), (0, 1), (0, 2), (1, n1 - 2), (1, n1 - 1)]):
         want = paged_decode_attention_ref(qp[i:i + 1].float(), kr, vr, tables[b:b + 1],
                                           torch.tensor([p + 1]), scale).view(-1)
@@ -142,14 +158,15 @@ if triton is not None:
 
     # Lengths and table widths vary step to step: one compiled kernel for all of them.
     @triton.jit(do_not_specialize=["split_len", "st_b"])
-    def _decode_stage1(Q, K, V, Tables, Lens, Out, Lse, Final,
+    def _decode_stage1(Q, K, V, KS, VS, Tables, Lens, Out, Lse, Final,
                        split_len, scale_log2,
-                       sq_b, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, st_b,
+                       sq_b, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h,
+                       ss_blk, ss_tok, ss_h, st_b,
                        so_b, so_h, so_s, sl_b, sl_h, sf_b, sf_h,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                        DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, QUANT: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -178,6 +195,10 @@ if triton is not None:
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(K + (blk * sk_blk + tok * sk_tok + kvh * sk_h)[:, None] + offs_d[None, :],
                         mask=kv_mask, other=0.0)
+            if QUANT:  # int8 / fp8 rows times their scales, in q's dtype
+                srow = blk * ss_blk + tok * ss_tok + kvh * ss_h
+                ks = tl.load(KS + srow, mask=n_mask, other=0.0)
+                k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
             if DOT_FP32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -188,6 +209,9 @@ if triton is not None:
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(V + (blk * sv_blk + tok * sv_tok + kvh * sv_h)[:, None] + offs_d[None, :],
                         mask=kv_mask, other=0.0)
+            if QUANT:
+                vs = tl.load(VS + srow, mask=n_mask, other=0.0)
+                v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
             if DOT_FP32:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -224,11 +248,13 @@ if triton is not None:
                  mask=offs_d < D)
 
     @triton.jit(do_not_specialize=["st_b"])
-    def _prefill(Q, K, V, Tables, CuQ, StartPos, Out, scale_log2,
-                 sq_t, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, st_b, so_t, so_h,
+    def _prefill(Q, K, V, KS, VS, Tables, CuQ, StartPos, Out, scale_log2,
+                 sq_t, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, ss_blk, ss_tok, ss_h,
+                 st_b, so_t, so_h,
                  G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                 QUANT: tl.constexpr):
         tile = tl.program_id(0)
         b = tl.program_id(1)
         kvh = tl.program_id(2)
@@ -263,6 +289,10 @@ if triton is not None:
                 kv_mask = n_mask[:, None] & d_mask[None, :]
                 k = tl.load(K + (blk * sk_blk + slot * sk_tok + kvh * sk_h)[:, None]
                             + offs_d[None, :], mask=kv_mask, other=0.0)
+                if QUANT:  # int8 / fp8 rows times their scales, in q's dtype
+                    srow = blk * ss_blk + slot * ss_tok + kvh * ss_h
+                    ks = tl.load(KS + srow, mask=n_mask, other=0.0)
+                    k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
                 if DOT_FP32:
                     k = k.to(tl.float32)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -273,6 +303,9 @@ if triton is not None:
                 l_sum = l_sum * alpha + tl.sum(p, 1)
                 v = tl.load(V + (blk * sv_blk + slot * sv_tok + kvh * sv_h)[:, None]
                             + offs_d[None, :], mask=kv_mask, other=0.0)
+                if QUANT:
+                    vs = tl.load(VS + srow, mask=n_mask, other=0.0)
+                    v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
                 if DOT_FP32:
                     v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -298,14 +331,28 @@ def _check(q, k_cache, v_cache, block_tables):
     return page, kvh, H // kvh, block_tables
 
 
+def _scale_args(k_cache: torch.Tensor, scales) -> tuple:
+    """(K scales, V scales, their three strides) for the kernels; without scales, stand-ins
+    the kernels never read (QUANT off)."""
+    if scales is None:
+        return k_cache, k_cache, 0, 0, 0
+    ks, vs = scales
+    if ks.shape != k_cache.shape[:3] or vs.stride() != ks.stride():
+        raise ValueError(f"scales {tuple(ks.shape)} do not match the cache {tuple(k_cache.shape)}")
+    return ks, vs, ks.stride(0), ks.stride(1), ks.stride(2)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, splits: int | None = None) -> torch.Tensor:
+                           scale: float, splits: int | None = None,
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """q [B, H, D] (one query per row); k_cache, v_cache [num_blocks, page, KVH, D];
     block_tables [B, W] (int32 or int64; entries past a row's length are never read);
     context_lens [B] (>= 1: row b attends to its first context_lens[b] keys).
     Returns [B, H * D] in q's dtype. Same math as layers.paged_decode_attention_ref.
-    `splits` overrides the number of context slices (tests)."""
+    `splits` overrides the number of context slices (tests). A quantised cache (int8 or
+    fp8 rows) comes with its (k, v) scales [num_blocks, page, KVH]."""
     B, H, D = q.shape
     page, kvh, G, block_tables = _check(q, k_cache, v_cache, block_tables)
     final = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -320,15 +367,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(max(D, 16))
+    ks, vs, *s_strides = _scale_args(k_cache, scales)
     _decode_stage1[(B, kvh, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, lse, final,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, lse, final,
         split_len, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *s_strides,
+        block_tables.stride(0),
         H * splits * D, splits * D, D, H * splits, splits, final.stride(0), final.stride(1),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d, PAGE=page,
         BLOCK_N=BLOCK_N, DIRECT=direct, DOT_FP32=interp,
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        PRECISION="ieee" if q.dtype == torch.float32 else None, QUANT=scales is not None,
         num_warps=4, num_stages=2)
     if not direct:
         _decode_stage2[(B, H)](
@@ -343,7 +392,9 @@ PREFILL_ROWS = 64  # (token, head) rows a prompt program takes
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_q: torch.Tensor,
-                            start_pos: torch.Tensor, max_q: int, scale: float) -> torch.Tensor:
+                            start_pos: torch.Tensor, max_q: int, scale: float,
+                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> torch.Tensor:
     """Causal attention of prompt chunks over their block tables, in place (the cache
     already holds the chunks' own K/V). q [T, H, D]: sequence b's queries are the flat
     tokens [cu_q[b], cu_q[b + 1]), at positions start_pos[b], start_pos[b] + 1, ...;
@@ -352,7 +403,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Grid (query tiles, sequences, KV heads): a program takes PREFILL_ROWS rows of
     (token, query head) that share one KV head, so each K/V tile is read once for the
     group's heads, and walks the keys up to its last token's position with an online
-    softmax, masking each row's future."""
+    softmax, masking each row's future. `scales`: as paged_decode_attention's."""
     T, H, D = q.shape
     page, kvh, G, block_tables = _check(q, k_cache, v_cache, block_tables)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
@@ -361,13 +412,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out.view(T, H * D)
     block_r = max(PREFILL_ROWS, triton.next_power_of_2(G))
     tokens = block_r // G
+    ks, vs, *s_strides = _scale_args(k_cache, scales)
     _prefill[(-(-max_q // tokens), B, kvh)](
-        q, k_cache, v_cache, block_tables, cu_q, start_pos, out, scale * 1.4426950408889634,
+        q, k_cache, v_cache, ks, vs, block_tables, cu_q, start_pos, out,
+        scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *s_strides,
+        block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, TOKENS=tokens, BLOCK_R=block_r, D=D,
         BLOCK_D=triton.next_power_of_2(max(D, 16)), PAGE=page, BLOCK_N=BLOCK_N,
         DOT_FP32=q.device.type == "cpu",
-        PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=4, num_stages=2)
+        PRECISION="ieee" if q.dtype == torch.float32 else None, QUANT=scales is not None,
+        num_warps=4, num_stages=2)
     return out.view(T, H * D)

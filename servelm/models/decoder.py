@@ -174,11 +174,16 @@ class CausalLM(nn.Module):
         decode each weight tile once, as the per-op kernels do; bf16 tiles from 8). Only
         when the model is one the executor supports (decode_stack_supported) and every
         layer's linear layers are int4/int8/bf16 kernel layers for one row, and then for the
-        rows they all run on them (servelm.tuning may choose other methods for more rows).
+        rows they all run on them (servelm.tuning may choose other methods for more rows);
+        and over an unquantised KV cache (kv_cache_dtype auto: it does not read scales).
         The runner binds it unless KernelConfig.fused_decode is off."""
         from servelm.quantization import stack_rows
 
         self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
+        # A quantised KV cache ((k, v, k_scale, v_scale) a layer) is not one the DecodeStack
+        # reads: decode steps then run op by op, whose attention reads it.
+        if any(len(kv) != 2 for kv in kv_caches):
+            return False
         if not (load_ops("quant") and load_ops("ops") and _has_decode_stack()
                 and self.decode_stack_supported()):
             return False

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.models import kv_quant
+
 
 @dataclass
 class AttnGroup:
@@ -126,28 +128,35 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        num_heads: int, num_kv_heads: int) -> None:
+                        num_heads: int, num_kv_heads: int, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """Rotates the q part of qkv [T, (H + 2 KVH) * D] in place; writes rotated k and v into
-    their cache slots."""
+    their cache slots (quantised, with their scales, into a quantised cache)."""
     T, d = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q.copy_(apply_rotary(q.view(T, num_heads, d), cos, sin).view(T, -1))
-    k_cache.view(-1, num_kv_heads, d)[slot_mapping] = apply_rotary(k.view(T, num_kv_heads, d), cos, sin)
-    v_cache.view(-1, num_kv_heads, d)[slot_mapping] = v.view(T, num_kv_heads, d)
+    kv_quant.write(k_cache, k_scale, slot_mapping, apply_rotary(k.view(T, num_kv_heads, d), cos, sin))
+    kv_quant.write(v_cache, v_scale, slot_mapping, v.view(T, num_kv_heads, d))
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, window: int = 0) -> torch.Tensor:
+                               scale: float, window: int = 0, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], one query per sequence attending its first context_lens[b] tokens
-    (window > 0: only the last `window` of them)."""
+    (window > 0: only the last `window` of them). A quantised cache comes with its scales
+    [num_blocks, block_size, KVH] and is dequantised to q's dtype as it is read."""
     bs, kvh, d = k_cache.shape[1:]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         blocks = block_tables[b, :-(-n // bs)].long()
-        k = k_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)    # [KVH, n, D]
-        v = v_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)
+        k, v = kv_quant.gather_rows(k_cache, blocks), kv_quant.gather_rows(v_cache, blocks)
+        if k_scale is not None:
+            k = kv_quant.dequantize(k, k_scale[blocks], q.dtype)
+            v = kv_quant.dequantize(v, v_scale[blocks], q.dtype)
+        k = k.reshape(-1, kvh, d)[:n].transpose(0, 1)                  # [KVH, n, D]
+        v = v.reshape(-1, kvh, d)[:n].transpose(0, 1)
         if window:
             k, v = k[:, -window:], v[:, -window:]
         qb = q[b].view(kvh, -1, d)                                       # [KVH, G, D]
@@ -271,12 +280,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    group: AttnGroup, scale: float, window: int | None = None) -> torch.Tensor:
+                    group: AttnGroup, scale: float, window: int | None = None,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one group's queries over keys/values read through its block tables.
 
     q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
     Returns [n, H * D]. Grouped-query heads share their KV head without copying it:
     the G query heads of one KV head are laid out as G * Q rows of one attention call.
+    A quantised cache comes with its (k, v) scales [num_blocks, block_size, KVH]: the
+    gathered blocks are dequantised to q's dtype (never the whole cache).
     """
     B, Q = group.pad_index.shape
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -287,8 +299,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Whole blocks are copied as rows (index_select on a 2-D view is several times faster
     # than advanced indexing of the 4-D cache).
     flat = group.block_tables.view(-1)
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat)
+    k = kv_quant.gather_rows(k_cache.view(k_cache.shape[0], -1), flat)
+    v = kv_quant.gather_rows(v_cache.view(v_cache.shape[0], -1), flat)
+    if scales is not None:
+        ks, vs = (s.view(s.shape[0], -1).index_select(0, flat) for s in scales)
+        k = kv_quant.dequantize(k.view(*ks.shape, d), ks, q.dtype)
+        v = kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.window_mask(window), scale=scale)
@@ -297,19 +313,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            group: AttnGroup, scale: float, window: int | None = None
+                            group: AttnGroup, scale: float, window: int | None = None,
+                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
                             ) -> torch.Tensor:
     """`paged_attention` for prompt chunks on CPU with the C++ kernels: one flash-style op
     (`servelm_ops.paged_prefill_attention`) reads K/V in place through the block tables,
     keeps the softmax online in fp32 and skips the masked upper triangle; no padding, gather
     or score matrix. Head dims it does not take (not a multiple of 16, or above 256), and a
-    sliding window some query's keys overrun, use SDPA.
+    sliding window some query's keys overrun, use SDPA. An int8 cache is read with its
+    scales (dequantised as each chunk of keys is packed).
     """
     d = q.shape[-1]
     if d % 16 or d > 256 or not group.fits_window(window):
-        return paged_attention(q, k_cache, v_cache, group, scale, window)
+        return paged_attention(q, k_cache, v_cache, group, scale, window, scales)
     tables, cu_q, start_pos = group.prefill_metadata
-    return _ops().paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, scale)
+    ks, vs = scales or (None, None)
+    return _ops().paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, scale,
+                                          ks, vs)
 
 
 class Attention(nn.Module):
@@ -353,30 +373,34 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
+        # (k, v) or, quantised, (k, v, k_scale, v_scale): see KVCache.layers.
+        k_cache, v_cache, *scales = kv_cache
+        scales = tuple(scales) or None
+        ks, vs = scales or (None, None)
         # Each token's K/V is written once, into its slot; attention then reads the cache.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = k
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slot_mapping] = v
+        kv_quant.write(k_cache, ks, batch.slot_mapping, k)
+        kv_quant.write(v_cache, vs, batch.slot_mapping, v)
         if len(batch.groups) == 1:
-            out = self._attend(q, k_cache, v_cache, batch.groups[0], batch.triton_attention)
+            out = self._attend(q, k_cache, v_cache, batch.groups[0], batch.triton_attention,
+                               scales)
         else:
             out = torch.cat([self._attend(q[g.start:g.end], k_cache, v_cache, g,
-                                          batch.triton_attention) for g in batch.groups])
+                                          batch.triton_attention, scales) for g in batch.groups])
         return self.o_proj(out if rows is None else out[rows])
 
-    def _attend(self, q, k_cache, v_cache, group: AttnGroup, use_triton: bool):
+    def _attend(self, q, k_cache, v_cache, group: AttnGroup, use_triton: bool, scales=None):
         # The Triton kernels take no window: a group some query's keys overrun it uses SDPA.
         if not use_triton or not group.fits_window(self.window):
-            return paged_attention(q, k_cache, v_cache, group, self.scale, self.window)
+            return paged_attention(q, k_cache, v_cache, group, self.scale, self.window, scales)
         from servelm.kernels import triton_attention as ta
 
         Q = group.pad_index.shape[1]
         if Q == 1:  # one token a row (decodes): split-K over each row's keys
             return ta.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
-                                             group.context_lens, self.scale)
+                                             group.context_lens, self.scale, scales=scales)
         tables, cu_q, start_pos = group.prefill_metadata
         return ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, Q,
-                                          self.scale)
+                                          self.scale, scales=scales)
 
     def _forward_kernels(self, x, cos, sin, batch: ForwardBatch, kv_cache, rows=None
                          ) -> torch.Tensor:
@@ -385,7 +409,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache  # scales: (k, v) of an int8 cache, else none
+        ks, vs = scales or (None, None)
         if self.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
             q_k = qkv[:, :self.q_size + self.kv_size]
             q_k[:, :self.q_size] = self.q_norm(q_k[:, :self.q_size].view(T, -1, d)).view(T, -1)
@@ -394,7 +419,7 @@ class Attention(nn.Module):
         # reference for a partial rotary, which the kernel does not take).
         rotary_kv_write = ops.rotary_kv_write if cos.shape[-1] == d else rotary_kv_write_ref
         rotary_kv_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping,
-                        self.num_heads, self.num_kv_heads)
+                        self.num_heads, self.num_kv_heads, ks, vs)
         q = qkv[:, :self.q_size].view(T, self.num_heads, d)
         nd = batch.num_decodes
         outs = []
@@ -402,11 +427,12 @@ class Attention(nn.Module):
             # Decode rows read K/V in place through their block tables (ragged lengths).
             o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache,
                                            batch.decode_block_tables, batch.decode_context_lens,
-                                           self.scale, self.window or 0)
+                                           self.scale, self.window or 0, ks, vs)
             outs.append(o.view(nd, self.q_size))
         # Prompt chunks: flash-style attention over the block tables.
         outs += [paged_prefill_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale,
-                                         self.window) for g in batch.groups]
+                                         self.window, tuple(scales) or None)
+                 for g in batch.groups]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out if rows is None else out[rows])
 

@@ -96,11 +96,9 @@ class GGUFFile:
         """HF-named fp32 tensors, in the HF checkpoint's convention (the family undoes what
         llama.cpp's converter did: q/k rows permuted for llama, Gemma's norms stored as 1 + w).
 
-        slice_of (tensor parallelism): HF name -> (dim, start, end) of the part to keep;
-        only that part is dequantised."""
+        slice_of (tensor parallelism): HF name -> the (dim, start, end) pieces to keep,
+        joined in order; only those parts are dequantised."""
         import gguf
-
-        from servelm.models import dequant
 
         family = family_for_architecture(cfg.architecture)
         for t in tqdm(self.reader.tensors, desc="loading weights", unit="tensor",
@@ -112,26 +110,38 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r} for "
                                      f"the {family.name} family")
             qtype = gguf.GGMLQuantizationType(t.qtype)
-            data, shape, part = t.data, t.shape, slice_of and slice_of(name)
-            if part is not None:
-                data, shape, part = _slice_raw(t, qtype, *part)
-            fast = dequant.dequantize(data, qtype.name)  # torch, for the common types
-            if fast is not None:
-                arr = fast.numpy().reshape(shape)
-            else:
-                try:
-                    arr = gguf.quants.dequantize(data, qtype)
-                except NotImplementedError as e:
-                    raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
-                                         f"{qtype.name}") from e
-                arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
-            if part is not None:  # a column range not on quantisation block boundaries
-                arr = np.ascontiguousarray(arr[:, part[1]:part[2]])
-            if not arr.flags.writeable:  # a view of the memory-mapped file
-                arr = arr.copy()
+            pieces = (slice_of and slice_of(name)) or [None]
+            arrs = [self._dequantized(t, qtype, piece) for piece in pieces]
+            arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=pieces[0][0])
             # Whole heads of rows (also when sliced): un-permuted head by head.
             arr = family.from_gguf(name, arr, cfg, t.shape[0])
             yield name, torch.from_numpy(np.ascontiguousarray(arr))
+
+    def _dequantized(self, t, qtype, piece: tuple[int, int, int] | None) -> np.ndarray:
+        """Tensor t (or the piece (dim, start, end) of it) as fp32; only that part is
+        dequantised."""
+        import gguf
+
+        from servelm.models import dequant
+
+        data, shape, part = t.data, t.shape, None
+        if piece is not None:
+            data, shape, part = _slice_raw(t, qtype, *piece)
+        fast = dequant.dequantize(data, qtype.name)  # torch, for the common types
+        if fast is not None:
+            arr = fast.numpy().reshape(shape)
+        else:
+            try:
+                arr = gguf.quants.dequantize(data, qtype)
+            except NotImplementedError as e:
+                raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
+                                     f"{qtype.name}") from e
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        if part is not None:  # a column range not on quantisation block boundaries
+            arr = np.ascontiguousarray(arr[:, part[1]:part[2]])
+        if not arr.flags.writeable:  # a view of the memory-mapped file
+            arr = arr.copy()
+        return arr
 
 
 def _slice_raw(t, qtype, dim: int, start: int, end: int):
@@ -174,7 +184,8 @@ class HFCheckpoint:
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """One tensor at a time, so peak memory stays near the model's own size.
 
-        slice_of (tensor parallelism): HF name -> (dim, start, end); only that part is read."""
+        slice_of (tensor parallelism): HF name -> the (dim, start, end) pieces to read,
+        joined in order."""
         from safetensors import safe_open
 
         files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
@@ -187,17 +198,18 @@ class HFCheckpoint:
                            disable=None, leave=False):
             if f not in handles:
                 handles[f] = safe_open(f, framework="pt")
-            part = slice_of and slice_of(key)
-            if part is None:
+            pieces = slice_of and slice_of(key)
+            if pieces is None:
                 yield key, handles[f].get_tensor(key)
             else:
-                dim, start, end = part
                 sl = handles[f].get_slice(key)
-                yield key, (sl[start:end] if dim == 0 else sl[:, start:end])
+                parts = [sl[start:end] if dim == 0 else sl[:, start:end]
+                         for dim, start, end in pieces]
+                yield key, parts[0] if len(parts) == 1 else torch.cat(parts, pieces[0][0])
 
 
 Checkpoint = GGUFFile | HFCheckpoint
-SliceOf = Callable[[str], "tuple[int, int, int] | None"]
+SliceOf = Callable[[str], "list[tuple[int, int, int]] | None"]
 
 
 def open_checkpoint(model: str | None) -> Checkpoint:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelm.engine.async_engine import AsyncLLMEngine
-from servelm.server import chat, completions, console
+from servelm.server import chat, completions, console, tokenize
 from servelm.server.errors import APIError, from_validation_error
 from servelm.server.guard import RequestGuard, read_body
 from servelm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -30,6 +30,7 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                      CompletionResponse, ModelCard, ModelList)
 from servelm.server.serving import Generation, ServingContext
 from servelm.server.stats import LiveStats
+from servelm.server.tools import parser_for_template
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -81,14 +82,21 @@ def _cache_salt(key_salt: str | None, request_salt: str | None) -> str | None:
     return f"{key_salt or ''}/{request_salt or ''}"
 
 
+def _ref(m: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{m.__name__}"}
+
+
+def _openapi_request(request: type[BaseModel]) -> dict:
+    """A hand-parsed route's body, for /openapi.json."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref(request)}}}}
+
+
 def _openapi_body(request: type[BaseModel], response: type[BaseModel],
                   chunk: type[BaseModel]) -> dict:
     """What a hand-parsed route takes and gives, for /openapi.json."""
-    def ref(m: type[BaseModel]) -> dict:
-        return {"$ref": f"#/components/schemas/{m.__name__}"}
-
-    return {"openapi_extra": {"requestBody": {
-                "required": True, "content": {"application/json": {"schema": ref(request)}}}},
+    ref = _ref
+    return {"openapi_extra": _openapi_request(request),
             "responses": {200: {"description": "the answer, or with stream=true server-sent "
                                                "events of chunks, ending with data: [DONE]",
                                 "content": {"application/json": {"schema": ref(response)},
@@ -118,15 +126,17 @@ async def _unless_disconnected(request: Request, work, gen: Generation):
     return task.result()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str,
-              options: ServerOptions | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | None = None,
+              tool_call_parser: str = "auto") -> FastAPI:
     """An app serving `engine` as `model_name`; the engine thread runs for the app's lifespan.
 
     With options.api_keys set, every /v1 route needs `Authorization: Bearer <one of them>`.
+    tool_call_parser: how answers to requests with tools are read (servelm.server.tools).
     """
     options = options or ServerOptions()
     metrics = ServerMetrics(engine)
-    ctx = ServingContext(engine, metrics, model_name)
+    ctx = ServingContext(engine, metrics, model_name,
+                         parser_for_template(tool_call_parser, engine.tokenizer.chat_template))
     live = LiveStats(engine, metrics, model_name)
 
     @asynccontextmanager
@@ -143,8 +153,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str,
     app.add_middleware(RequestGuard, options=options)
     if options.allowed_origins:  # outermost: preflights are answered before any check
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           allow_methods=options.cors_methods, allow_headers=options.cors_headers,
                            expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
 
     async def check_api_key(request: Request) -> None:
@@ -221,6 +230,28 @@ def build_app(engine: AsyncLLMEngine, model_name: str,
     app.include_router(v1)
     app.include_router(console.router(bool(options.api_keys)))
 
+    # vLLM's routes, outside /v1 as there, but behind the key like every other.
+    async def parse_then(request: Request, schema: type[M], handle):
+        body = await read_body(request, options)
+
+        def run():
+            req = _parse(body, schema)
+            if req.model is not None:
+                check_model(req.model)
+            return handle(ctx, req)
+
+        return await asyncio.to_thread(run)
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)],
+              openapi_extra=_openapi_request(tokenize.TokenizeRequest))
+    async def tokenize_route(request: Request) -> tokenize.TokenizeResponse:
+        return await parse_then(request, tokenize.TokenizeRequest, tokenize.tokenize)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)],
+              openapi_extra=_openapi_request(tokenize.DetokenizeRequest))
+    async def detokenize_route(request: Request) -> tokenize.DetokenizeResponse:
+        return await parse_then(request, tokenize.DetokenizeRequest, tokenize.detokenize)
+
     @app.get("/health")
     async def health() -> dict:
         if engine.draining:
@@ -236,7 +267,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str,
 
     _add_error_handlers(app)
     _add_schemas(app, [ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-                       CompletionRequest, CompletionResponse, CompletionChunk])
+                       CompletionRequest, CompletionResponse, CompletionChunk,
+                       tokenize.TokenizeRequest, tokenize.DetokenizeRequest])
     return app
 
 

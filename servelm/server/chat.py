@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import aclosing
 from typing import AsyncIterator
 
 from servelm.server.errors import APIError
 from servelm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-                                     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob)
+                                     ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
+                                     DeltaFunctionCall, DeltaToolCall, FunctionCall,
+                                     NamedToolChoice, ToolCall)
 from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingContext, TokenText,
-                                    encode_prompt, new_id, new_logprobs, sampling_params, sse,
-                                    structured_outputs)
+                                    compile_structured, encode_prompt, new_id, new_logprobs,
+                                    sampling_params, sse, structured_outputs)
+from servelm.server.tools import (ArrayCallsParser, NamedCallParser, ToolCallStream, ToolParser,
+                                  forced_schema, tool_system_prompt)
 
 # SamplingParams / engine names -> this endpoint's request fields, for error params.
 _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "": "messages",
@@ -24,8 +29,14 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     """Render the conversation and tokenise it (in a worker thread: the work grows with the
     request); a bad request raises APIError before anything runs."""
     tok = ctx.engine.tokenizer
+    choice = req.tool_choice or ("auto" if req.tools else "none")
+    tools = ([t.model_dump(exclude_none=True) for t in req.tools]
+             if req.tools and choice != "none" else None)
+    messages = [m.to_template() for m in req.messages]
+    if tools and not tok.renders_tools:
+        messages = _describe_tools(messages, tools)
     try:
-        text = tok.apply_chat_template([m.to_template() for m in req.messages])
+        text = tok.apply_chat_template(messages, tools=tools)
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     fields = dict(_FIELDS)
@@ -34,8 +45,60 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     ids = encode_prompt(ctx, text, fields, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, fields, structured_outputs(ctx, req))
-    return Prepared([(text, ids)], params, fields)
+    structured = structured_outputs(ctx, req)
+    parallel = req.parallel_tool_calls is not False
+    parser: ToolParser | None = ctx.tool_parser if tools else None
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        # The answer is forced into the tools' schemas by a grammar: any model can do it.
+        if structured is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined "
+                                "with response_format or structured outputs",
+                           param="tool_choice", code="invalid_value")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        schema = forced_schema([t["function"] for t in tools], named, parallel)
+        structured = compile_structured(ctx, {"json": schema}, "tools")
+        parser = NamedCallParser(named) if named else ArrayCallsParser()
+    params = sampling_params(req, max_tokens, logprobs, fields, structured,
+                             skip_special_tokens=parser.skip_special_tokens if parser else True)
+    return Prepared([(text, ids)], params, fields, parser, parallel)
+
+
+def _describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """For a template that does not render tools: the tools described in the system message,
+    and earlier calls written into their assistant turns in the format asked for there."""
+    prompt = tool_system_prompt(tools)
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "".join(
+                "\n<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                "arguments": c["function"]["arguments"]},
+                                               ensure_ascii=False) + "\n</tool_call>"
+                for c in m["tool_calls"])
+            m = {"role": m["role"], "content": ((m.get("content") or "") + calls).strip()}
+        out.append(m)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *out[1:]]
+    return [{"role": "system", "content": prompt}, *out]
+
+
+def _message(prepared: Prepared, text: str, finish_reason: str | None
+             ) -> tuple[ChatResponseMessage, str | None]:
+    """The answer as a message: its tool calls (when the request had tools) and content."""
+    parser = prepared.tool_parser
+    if parser is None:
+        return ChatResponseMessage(content=text), finish_reason
+    parsed = parser.parse(text, final=True)
+    calls = [c for c in parsed.calls if c.name is not None]
+    if not prepared.parallel_tool_calls:
+        calls = calls[:1]
+    if not calls:
+        return ChatResponseMessage(content=parsed.content), finish_reason
+    tool_calls = [ToolCall(id=parser.new_call_id(),
+                           function=FunctionCall(name=c.name, arguments=c.arguments or ""))
+                  for c in calls]
+    return (ChatResponseMessage(content=parsed.content or None, tool_calls=tool_calls),
+            "tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 def _logprobs(token_text: TokenText, entries: list) -> ChatLogprobs:
@@ -52,12 +115,15 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest,
     """Run to the end and answer in one response."""
     (out,) = await gen.run()
     token_text = TokenText(ctx.engine.tokenizer)
-    choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                          logprobs=_logprobs(token_text, o.logprobs) if req.logprobs else None,
-                          finish_reason=o.finish_reason)
-               for o in out.outputs]
+    choices = []
+    for o in out.outputs:
+        message, finish_reason = _message(gen.prepared, o.text, o.finish_reason)
+        choices.append(ChatChoice(
+            index=o.index, message=message, finish_reason=finish_reason,
+            logprobs=_logprobs(token_text, o.logprobs) if req.logprobs else None))
     return ChatCompletionResponse(id=new_id("chatcmpl"), model=ctx.model_name, choices=choices,
-                                  usage=gen.usage(), metrics=gen.timings())
+                                  usage=gen.usage(), metrics=gen.timings(),
+                                  prompt_logprobs=out.prompt_logprobs)
 
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest,
@@ -72,6 +138,9 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent = [0] * req.n  # tokens sent per choice
     done = [False] * req.n
+    parser = gen.prepared.tool_parser
+    calls = ([ToolCallStream(parser, gen.prepared.parallel_tool_calls) for _ in range(req.n)]
+             if parser is not None else None)
     for i in range(req.n):
         yield sse(chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
     try:
@@ -86,9 +155,13 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
                         lp = _logprobs(token_text, new_logprobs(o, sent[o.index]))
                     sent[o.index] = len(o.token_ids)
                     done[o.index] = o.finished
+                    delta, finish_reason = ChatDelta(content=o.delta_text), o.finish_reason
+                    if calls is not None:
+                        delta, finish_reason = _tool_delta(calls[o.index], o.text, finish_reason)
+                        if not (delta.content or delta.tool_calls or lp or o.finished):
+                            continue  # held back: it may turn out to be a call
                     step.append(chunk([ChatChunkChoice(
-                        index=o.index, delta=ChatDelta(content=o.delta_text), logprobs=lp,
-                        finish_reason=o.finish_reason)]))
+                        index=o.index, delta=delta, logprobs=lp, finish_reason=finish_reason)]))
                 if out.finished:
                     if include_usage:
                         step.append(chunk([]).model_copy(update={"usage": gen.usage()}))
@@ -99,3 +172,17 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE
+
+
+def _tool_delta(calls: ToolCallStream, text: str, finish_reason: str | None
+                ) -> tuple[ChatDelta, str | None]:
+    """This step's delta of a choice whose text may hold tool calls."""
+    content, pieces = calls.feed(text, final=finish_reason is not None)
+    tool_calls = [DeltaToolCall(index=p.index, id=p.id, type="function" if p.id else None,
+                                function=DeltaFunctionCall(name=p.name,
+                                                           arguments=p.arguments or
+                                                           ("" if p.id else None)))
+                  for p in pieces] or None
+    if calls.called and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return ChatDelta(content=content or None, tool_calls=tool_calls), finish_reason

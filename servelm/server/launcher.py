@@ -26,6 +26,8 @@ def server_options(args):
     return ServerOptions(api_keys=read_api_keys(args.api_key, args.api_key_file),
                          allowed_hosts=split(args.allowed_hosts),
                          allowed_origins=split(args.allowed_origins),
+                         allowed_methods=split(args.allowed_methods),
+                         allowed_headers=split(args.allowed_headers),
                          max_request_bytes=args.max_request_bytes,
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                          shutdown_timeout=args.shutdown_timeout)
@@ -46,6 +48,10 @@ def _build_engine(args, build_llm):
         bw = bw if bw is not None else hw.bandwidth / 1e9
         fl = fl if fl is not None else hw.flops / 1e12
     engine.hardware = Hardware(bw * 1e9, fl * 1e12, source)
+    if engine.speculator is not None:  # speculation's ridge from these figures too
+        from servelm.roofline import ridge_tokens
+
+        engine.speculator.ridge_tokens = ridge_tokens(engine.shape, engine.hardware)
     return engine
 
 
@@ -70,7 +76,7 @@ def serve(args) -> int:
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, name, options)
+    app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
                             http=deadline_protocol(options.header_timeout))
     # SIGTERM: stop accepting, refuse new requests, give those in flight shutdown_timeout.

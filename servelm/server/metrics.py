@@ -63,6 +63,22 @@ class _EngineCollector:
         yield CounterMetricFamily("servelm_step_decode_tokens",
                                   "Decode tokens computed, summed over steps.",
                                   value=s.stats.num_decode_tokens)
+        # Speculative decoding: drafts verified and accepted; their ratio and the tokens
+        # each verification emitted (accepted drafts + the target's own token).
+        st = s.stats
+        yield CounterMetricFamily("servelm_spec_decode_num_drafts",
+                                  "Sequences verified with draft tokens (speculative decoding).",
+                                  value=st.num_spec_verifications)
+        yield CounterMetricFamily("servelm_spec_decode_num_draft_tokens",
+                                  "Draft tokens verified.", value=st.num_spec_draft_tokens)
+        yield CounterMetricFamily("servelm_spec_decode_num_accepted_tokens",
+                                  "Draft tokens accepted.", value=st.num_spec_accepted_tokens)
+        yield GaugeMetricFamily("servelm_spec_decode_acceptance_rate",
+                                "Accepted / verified draft tokens, since start.",
+                                value=st.spec_acceptance_rate or 0.0)
+        yield GaugeMetricFamily("servelm_spec_decode_mean_accepted_length",
+                                "Tokens emitted per verification (accepted drafts + 1), since start.",
+                                value=st.spec_mean_accepted_length or 0.0)
         # Against the roofline: bytes and FLOPs the model says each step needs, over the
         # time the steps took (rate(bytes) / rate(seconds) is the achieved bandwidth).
         yield CounterMetricFamily("servelm_decode_step_seconds",

@@ -23,6 +23,9 @@ class ServerOptions:
     allowed_origins: web origins (scheme://host[:port], or "*") whose pages may call the
         API from a browser (CORS); none by default, so a page elsewhere cannot read
         answers or send JSON bodies (its preflight is refused).
+    allowed_methods, allowed_headers: what those pages may send (CORS); only with
+        allowed_origins. Empty: GET, POST and OPTIONS; Authorization, Content-Type and
+        X-Request-Id. "*" allows any.
     max_request_bytes: the largest request body (413 past it).
     header_timeout: seconds a connection has to finish a request's headers (the first
         request's, or the next one's after a response); slower ones are closed.
@@ -34,6 +37,8 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ()
+    allowed_headers: tuple[str, ...] = ()
     max_request_bytes: int = 8 * MiB
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -60,9 +65,25 @@ class ServerOptions:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"allowed_origins entries are origins like "
                                  f"'https://app.example' (or '*'), got {origin!r}")
+        for name, kind in (("allowed_methods", "HTTP methods like 'GET'"),
+                           ("allowed_headers", "header names like 'Authorization'")):
+            values = getattr(self, name)
+            if values and not self.allowed_origins:
+                raise ValueError(f"{name} needs allowed_origins (CORS is off without them)")
+            for v in values:
+                if v != "*" and not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v):
+                    raise ValueError(f"{name} entries are {kind} (or '*'), got {v!r}")
         # A key's cache salt: a digest, so the key itself never sits in the block manager.
         object.__setattr__(self, "_salts", {
             k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in self.api_keys})
+
+    @property
+    def cors_methods(self) -> list[str]:
+        return [m.upper() for m in self.allowed_methods] or ["GET", "POST", "OPTIONS"]
+
+    @property
+    def cors_headers(self) -> list[str]:
+        return list(self.allowed_headers) or ["Authorization", "Content-Type", "X-Request-Id"]
 
     def key_salt(self, key: str) -> str | None:
         return self._salts.get(key)

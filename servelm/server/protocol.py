@@ -6,12 +6,14 @@ are declared only so that setting them gets a 400 naming them, never silent negl
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
 
+from servelm.outputs import Logprob
 from servelm.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
@@ -109,6 +111,16 @@ class SamplingRequest(_Request):
     guided_grammar: str | None = None
     # token id (as a string, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
+    # vLLM's: the top-N alternatives at every prompt position, in the response's
+    # prompt_logprobs (not streamed: a chunk has no place for them, as in vLLM)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("'prompt_logprobs' is not available with 'stream' true")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -128,20 +140,65 @@ class SamplingRequest(_Request):
         return v
 
 
-class ChatMessage(_Request):
-    """One turn; content is a string or a list of {"type": "text", "text": ...} parts."""
+class FunctionDefinition(_Request):
+    """tools[].function: a function the model may call; parameters is its JSON schema."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call exactly that one."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class HistoryFunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class HistoryToolCall(_Request):
+    """A tool call an earlier assistant message made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: HistoryFunctionCall
+
+
+class ChatMessage(_Request):
+    """One turn; content is a string or a list of {"type": "text", "text": ...} parts. An
+    assistant turn may instead (or as well) hold tool_calls; a tool turn answers one of them."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
+    # Last, so that its check sees the role and tool_calls; checked when absent too.
+    content: Any = Field(None, validate_default=True)
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
+    def _text_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            if not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+                raise ValueError("content is required (an assistant message may give "
+                                 "tool_calls instead)")
+            return v
         if isinstance(v, str):
             return v
-        if v is None:
-            raise ValueError("content is required")
         if not isinstance(v, list):
             raise ValueError("content must be a string or a list of text parts")
         for part in v:
@@ -152,10 +209,35 @@ class ChatMessage(_Request):
                                  f"supported, got {part!r:.80}")
         return v
 
+    @model_validator(mode="after")
+    def _roles_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has it")
+        return self
+
     def to_template(self) -> dict:
-        """The message as the chat template expects it ('developer' is OpenAI's new 'system')."""
+        """The message as the chat template expects it ('developer' is OpenAI's new 'system';
+        a tool call's arguments as the object they encode, as HF templates take them)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        message = {"role": role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -165,10 +247,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Not implemented; declared so that using them is a 400 that names them.
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -177,14 +259,36 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                     "audio", "modalities", "prediction", "reasoning_effort",
-                     "web_search_options")
+    @field_validator("functions", "function_call", "audio", "modalities", "prediction",
+                     "reasoning_effort", "web_search_options")
     @classmethod
     def _unset_only(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None and not (info.field_name == "tool_choice" and v == "none"):
+        if v is not None:
+            if info.field_name in ("functions", "function_call"):
+                raise ValueError(f"'{info.field_name}' (deprecated by OpenAI) is not supported "
+                                 f"by servelm: use 'tools' and 'tool_choice'")
             raise _unsupported(info.field_name)
         return v
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [t.function.name for t in v or []]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two tools are named {dup!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("'tool_choice' other than 'none' requires 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among "
+                             f"the tools")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod
@@ -198,9 +302,10 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: Any
-    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt scored, nothing generated)
+    max_tokens: Int | None = Field(16, ge=0)
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt is prepended to each choice (and its logprobs to theirs)
     suffix: str | None = None
     best_of: Int | None = None
 
@@ -221,18 +326,13 @@ class CompletionRequest(SamplingRequest):
         raise ValueError("prompt must be a string, a list of strings, a non-empty list of token "
                          "ids, or a list of token id lists")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
         if v:
-            raise _unsupported("suffix")
+            raise ValueError("'suffix' is not supported by servelm: it builds no "
+                             "fill-in-the-middle prompts (the embedded model has no "
+                             "<fim_prefix>/<fim_suffix>/<fim_middle> tokens)")
         return v
 
     @field_validator("best_of")
@@ -286,9 +386,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -303,11 +415,27 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     metrics: RequestTimings
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's extension
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: index, id, type and name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -326,8 +454,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]          # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -338,9 +466,17 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
+# vLLM's prompt_logprobs: per prompt position None (the first) or token id -> Logprob
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo
     metrics: RequestTimings
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from pydantic import BaseModel
@@ -19,6 +19,7 @@ from servelm.server.errors import APIError, from_value_error
 from servelm.server.metrics import ServerMetrics
 from servelm.server.protocol import (PromptTokensDetails, RequestTimings, SamplingRequest,
                                      TopLogprob, UsageInfo)
+from servelm.server.tools import HermesParser, ToolParser
 from servelm.structured_outputs import StructuredOutputsParams
 
 
@@ -29,6 +30,7 @@ class ServingContext:
     engine: AsyncLLMEngine
     metrics: ServerMetrics
     model_name: str
+    tool_parser: ToolParser = field(default_factory=HermesParser)  # for tool_choice "auto"
 
 
 def new_id(prefix: str) -> str:
@@ -44,6 +46,8 @@ class Prepared:
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
     fields: dict[str, str]
+    tool_parser: ToolParser | None = None  # chat with tools: how its answers are read
+    parallel_tool_calls: bool = True
 
 
 def encode_prompt(ctx: ServingContext, text: str, fields: dict[str, str],
@@ -94,6 +98,11 @@ def structured_outputs(ctx: ServingContext, req: SamplingRequest
                             f"{', '.join(p for p, _ in found)}", param=found[1][0],
                        code="invalid_value")
     param, spec = found[0]
+    return compile_structured(ctx, spec, param)
+
+
+def compile_structured(ctx: ServingContext, spec: dict, param: str) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**spec), compiled now; a bad one is a 400 naming `param`."""
     try:
         params = StructuredOutputsParams(**spec)
         ctx.engine.engine.grammars.compile(params)
@@ -105,7 +114,8 @@ def structured_outputs(ctx: ServingContext, req: SamplingRequest
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     fields: dict[str, str],
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                    structured: StructuredOutputsParams | None = None,
+                    skip_special_tokens: bool = True) -> SamplingParams:
     """The request's SamplingParams; an invalid combination is a 400 naming the field."""
     try:
         return SamplingParams(
@@ -114,7 +124,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            structured_outputs=structured,
+            prompt_logprobs=req.prompt_logprobs,
+            structured_outputs=structured, skip_special_tokens=skip_special_tokens,
             logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
     except ValueError as e:
         raise from_value_error(e, fields) from None
@@ -129,6 +140,7 @@ class Generation:
 
     def __init__(self, ctx: ServingContext, prepared: Prepared, cache_salt: str | None = None):
         self.ctx = ctx
+        self.prepared = prepared
         prompts, params, fields = prepared.prompts, prepared.params, prepared.fields
         self.prompt_lens = [len(ids) for _, ids in prompts]
         self.last: list[RequestOutput | None] = [None] * len(prompts)

@@ -79,6 +79,8 @@ inline float online_softmax_tile(float* s, int n, float& m, float& l) {
 
 // A K/V cache pair [NB, BS, KVH, D] read in place through int32 block tables [B, MB]: token
 // t of sequence b is row t % BS of block tables[b][t / BS] (the same element offset in K and V).
+// An int8 cache (T = int8_t) also has fp32 scales [NB, BS, KVH], one per token and KV head
+// (servelm.models.kv_quant): element x of a row stands for x * scale.
 template <typename T>
 struct PagedKV {
   const T* k;
@@ -86,10 +88,22 @@ struct PagedKV {
   const int32_t* tables;
   int num_blocks, bs, kv_heads, MB;
   int64_t blk_stride, tok_stride;
+  const float* ks = nullptr;  // scales of a quantised cache, else null
+  const float* vs = nullptr;
+  int head_dim = 1;
   PagedKV(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables)
       : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
         num_blocks(k_cache.size(0)), bs(k_cache.size(1)), kv_heads(k_cache.size(2)),
-        MB(block_tables.size(1)), blk_stride(k_cache.stride(0)), tok_stride(k_cache.stride(1)) {}
+        MB(block_tables.size(1)), blk_stride(k_cache.stride(0)), tok_stride(k_cache.stride(1)),
+        head_dim(k_cache.size(3)) {}
+  PagedKV(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+          const at::Tensor& k_scale, const at::Tensor& v_scale)
+      : PagedKV(k_cache, v_cache, block_tables) {
+    ks = k_scale.data_ptr<float>();
+    vs = v_scale.data_ptr<float>();
+  }
+  // The scale index of the row at element offset off (contiguous caches), head 0.
+  int64_t scale_index(int64_t off) const { return off / head_dim; }
   const int32_t* table(int b) const { return tables + static_cast<int64_t>(b) * MB; }
   // Element offset of token t's row (all KV heads) in either cache.
   int64_t offset(const int32_t* table, int t) const {
@@ -109,10 +123,12 @@ struct PagedKV {
 
 // Attend G pre-scaled fp32 queries to one tile of n <= kTile tokens of one sequence's KV
 // head: token j's rows are kc + roff[j] and vc + roff[j] (kc, vc: the caches offset to the head).
-// acc [G*D] (unnormalised), m [G] (running max), l [G] (running sum) are updated.
+// acc [G*D] (unnormalised), m [G] (running max), l [G] (running sum) are updated. A quantised
+// cache gives each token's K and V scales (ksc[j], vsc[j]): applied to the score and to p.
 template <typename T, int DT>
 void attend_tile(const float* qf, int G, int d_rt, const T* kc, const T* vc, const int64_t* roff,
-                 int n, float* acc, float* m, float* l) {
+                 int n, float* acc, float* m, float* l, const float* ksc = nullptr,
+                 const float* vsc = nullptr) {
   const int D = DT ? DT : d_rt;
   alignas(64) float kf[kMaxD];
   alignas(64) float s[kMaxG][kTile];
@@ -129,7 +145,7 @@ void attend_tile(const float* qf, int G, int d_rt, const T* kc, const T* vc, con
       const float* qg = qf + g * D;
       float dot = 0.f;
       for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
-      s[g][j] = dot;
+      s[g][j] = ksc ? dot * ksc[j] : dot;
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -143,7 +159,7 @@ void attend_tile(const float* qf, int G, int d_rt, const T* kc, const T* vc, con
     const T* vr = vrow[j];
     for (int d = 0; d < D; ++d) kf[d] = to_f<T>(vr[d]);
     for (int g = 0; g < G; ++g) {
-      const float p = s[g][j];
+      const float p = vsc ? s[g][j] * vsc[j] : s[g][j];
       float* ag = acc + g * D;
       for (int d = 0; d < D; ++d) ag[d] += p * kf[d];
     }
@@ -339,12 +355,15 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
 // it or when, so the op (items scheduled dynamically) and the DecodeStack (items assigned
 // ahead, each thread prefetching its own K/V) produce the same bits. lens must already be
 // checked against the block tables (check_context_lens).
-template <typename T, int DT>
+//
+// C is the cache's element type: T, or int8_t for an int8 cache (PagedKV's scales applied
+// per token and head; the generic tile kernel, no AVX-512 variant).
+template <typename T, int DT, typename C = T>
 class DecodeAttention {
  public:
   // window > 0: each query sees only its last `window` keys (sliding-window attention;
   // the splits still cover [0, len), and those wholly before the window are empty).
-  DecodeAttention(const T* q, int64_t qs0, int64_t qs1, int B, int H, int D, const PagedKV<T>& kv,
+  DecodeAttention(const T* q, int64_t qs0, int64_t qs1, int B, int H, int D, const PagedKV<C>& kv,
                   const int32_t* lens, float scale, int nthreads, T* out, int window = 0)
       : q_(q), qs0_(qs0), qs1_(qs1), B_(B), H_(H), D_(D), kv_(kv), lens_(lens), sc_(scale), out_(out),
         window_(window) {
@@ -371,7 +390,7 @@ class DecodeAttention {
 
   // Another layer's caches (same shape and block tables): the plan stays, as it depends
   // only on the lengths.
-  void set_caches(const PagedKV<T>& kv) { kv_ = kv; }
+  void set_caches(const PagedKV<C>& kv) { kv_ = kv; }
   int64_t items() const { return items_; }
   int64_t work() const { return work_; }  // cached tokens x KV heads, over all sequences
   // The sequence b and its tokens [t0, t1) that item `it` attends to (t0 >= t1: none).
@@ -387,8 +406,8 @@ class DecodeAttention {
   // is pulled in this way and then scored: the attention 1.6x faster at 64 streams, where
   // software prefetches two tiles ahead had made no difference.
   void touch_rows(int b, int t0, int t1) const {
-    const PagedKV<T>& kv = kv_;
-    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
+    const PagedKV<C>& kv = kv_;
+    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(C));
     // One 8-byte word a line, K and V alternating, in a loop kept this tight (whole-line
     // loads, one run after the other, or a bounds clamp in the loop all measured slower).
     // A run is a whole number of rows, so with rows a multiple of 8 bytes every word read
@@ -416,7 +435,7 @@ class DecodeAttention {
 
   void run_item(int64_t it) {
     const int H = H_, D = D_, KVH = kv_.kv_heads, G = H / KVH;
-    const PagedKV<T>& kv = kv_;
+    const PagedKV<C>& kv = kv_;
     const float sc = sc_;
     int b, t0, t1;
     item_range(it, b, t0, t1);
@@ -439,7 +458,7 @@ class DecodeAttention {
     }
     std::fill(acc, acc + H * D, 0.f);
     const int32_t* table = kv.table(b);
-    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(T));
+    const int64_t row_bytes = kv.tok_stride * static_cast<int64_t>(sizeof(C));
     const int chunk = static_cast<int>(std::max<int64_t>(1, kTouchBytes / (2 * row_bytes * kTile)) * kTile);
     for (int base = t0; base < t1; base += kTile) {
       const int end = std::min(t1, base + kTile);
@@ -452,17 +471,29 @@ class DecodeAttention {
       });
       for (int h = 0; h < KVH; ++h) {
         const int hg = h * G;
-        const T* kh = kv.k + static_cast<int64_t>(h) * D;
-        const T* vh = kv.v + static_cast<int64_t>(h) * D;
+        const C* kh = kv.k + static_cast<int64_t>(h) * D;
+        const C* vh = kv.v + static_cast<int64_t>(h) * D;
+        if constexpr (!std::is_same<C, T>::value) {  // quantised: the tile's scales
+          alignas(64) float ksc[kTile], vsc[kTile];
+          for (int i = 0; i < end - base; ++i) {
+            const int64_t si = kv.scale_index(roff[i]) + h;
+            ksc[i] = kv.ks[si];
+            vsc[i] = kv.vs[si];
+          }
+          attend_tile<C, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
+                             l + hg, ksc, vsc);
+          continue;
+        }
 #ifdef __AVX512F__
-        if constexpr (DT != 0 && DT % 16 == 0) {
+        if constexpr (DT != 0 && DT % 16 == 0 && std::is_same<C, T>::value) {
           attend_tile_avx512<T, DT>(qf + hg * D, qb + hg * qs1_, qs1_, sc, G, kh, vh, roff,
                                     end - base, acc + hg * D, m + hg, l + hg);
           continue;
         }
 #endif
-        attend_tile<T, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
-                           l + hg);
+        if constexpr (std::is_same<C, T>::value)
+          attend_tile<T, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
+                             l + hg);
       }
     }
     if (nsplit_ == 1) {
@@ -511,7 +542,7 @@ class DecodeAttention {
   const T* q_;
   int64_t qs0_, qs1_;
   int B_, H_, D_;
-  PagedKV<T> kv_;
+  PagedKV<C> kv_;
   const int32_t* lens_;
   float sc_;
   T* out_;

@@ -1,7 +1,8 @@
 // servelm CPU kernels for the decode hot loop (namespace torch.ops.servelm_ops).
 //
 //   paged_decode_attention(q [B,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
-//                          context_lens int32 [B], scale, window=0) -> [B,H,D]
+//                          context_lens int32 [B], scale, window=0, k_scale=None, v_scale=None)
+//                          -> [B,H,D]
 //       One query per sequence over its first context_lens[b] cached tokens (with a window
 //       > 0, only the last `window` of them: sliding-window attention), read in place
 //       through the block table (no gather). The G = H / KVH query heads of one KV head are
@@ -15,12 +16,17 @@
 //   silu_and_mul(x [T,2I]) -> [T,I]
 //   argmax_rows(x float32 [M,N]) -> int64 [M]: torch.argmax(x, -1) (first maximum; NaN is largest)
 //   paged_prefill_attention(q [T,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
-//                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale) -> [T, H*D]
+//                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale,
+//                           k_scale=None, v_scale=None) -> [T, H*D]
 //       Prompt (prefill) attention, flash-style: sequence b's queries are the tokens
 //       cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q, at positions start_pos[b], start_pos[b]+1, ...;
 //       each attends causally to keys 0..its position, read in place through the block table
 //       (the chunk's own K/V are already in the cache). Online softmax in fp32, the masked upper
 //       triangle skipped; bf16 through AVX512-BF16 dot products. Head dim: a multiple of 16, <= 256.
+//
+// The caches are q's dtype, or int8 (kv_cache_dtype "int8") with fp32 scales k_scale, v_scale
+// [NB,BS,KVH], one per token and KV head: the attention ops dequantise the rows they read,
+// rotary_kv_write quantises the rows it writes.
 //
 // Element-wise kernels round where the PyTorch reference rounds (e.g. bf16 RMSNorm output is
 // rounded before the weight multiply), so bf16 results stay close to the eager path.
@@ -51,17 +57,48 @@ namespace {
     TORCH_CHECK(false, NAME, ": unsupported dtype ", (dtype));                    \
   }()
 
-template <typename T, int DT>
+using OptTensor = std::optional<at::Tensor>;
+
+// A cache the kernels read: q's dtype without scales, or int8 with both scales, fp32
+// contiguous [NB,BS,KVH]. Returns whether it is quantised.
+bool check_kv_dtype(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const OptTensor& k_scale, const OptTensor& v_scale, const char* name) {
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), name, ": K and V caches must share a dtype");
+  const bool quant = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quant || k_cache.scalar_type() == q.scalar_type(), name,
+              ": the caches must be q's dtype or int8 (kv_cache_dtype 'int8'), got ",
+              k_cache.scalar_type());
+  TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()) &&
+                  k_scale.has_value() == v_scale.has_value(),
+              name, ": an int8 cache takes k_scale and v_scale, and only an int8 cache does");
+  if (quant)
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                      t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1) &&
+                      t->size(2) == k_cache.size(2),
+                  name, ": scales must be contiguous float32 [NB,BS,KVH]");
+  return quant;
+}
+
+template <typename C>
+PagedKV<C> paged_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const OptTensor& k_scale,
+                    const OptTensor& v_scale) {
+  if (k_scale.has_value()) return PagedKV<C>(k_cache, v_cache, block_tables, *k_scale, *v_scale);
+  return PagedKV<C>(k_cache, v_cache, block_tables);
+}
+
+template <typename T, int DT, typename C = T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, int64_t window,
-                           at::Tensor& out) {
-  const PagedKV<T> kv(k_cache, v_cache, block_tables);
+                           at::Tensor& out, const OptTensor& k_scale, const OptTensor& v_scale) {
+  const PagedKV<C> kv = paged_kv<C>(k_cache, v_cache, block_tables, k_scale, v_scale);
   const int B = q.size(0);
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   check_context_lens(lens, B, kv.MB, kv.bs, "paged_decode_attention");
   const int nthreads = std::max(1, at::get_num_threads());
-  DecodeAttention<T, DT> att(q.data_ptr<T>(), q.stride(0), q.stride(1), B, q.size(1), q.size(2), kv,
+  DecodeAttention<T, DT, C> att(q.data_ptr<T>(), q.stride(0), q.stride(1), B, q.size(1), q.size(2), kv,
                              lens, static_cast<float>(scale), nthreads, out.data_ptr<T>(),
                              static_cast<int>(window));
   const int64_t items = att.items();
@@ -78,14 +115,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
+                                  const at::Tensor& context_lens, double scale, int64_t window,
+                                  const OptTensor& k_scale, const OptTensor& v_scale) {
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B,H,D], last dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "paged_decode_attention: caches must be contiguous [NB,BS,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q and caches must share a dtype");
+  const bool quant = check_kv_dtype(q, k_cache, v_cache, k_scale, v_scale, "paged_decode_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
               "paged_decode_attention: block_tables must be contiguous int32 [B, max_blocks]");
@@ -98,9 +135,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
   SERVELM_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
-    if (D == 64) decode_attention_impl<scalar_t, 64>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
-    else if (D == 128) decode_attention_impl<scalar_t, 128>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
-    else decode_attention_impl<scalar_t, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+    auto run = [&](auto c) {
+      using C = decltype(c);
+      if (D == 64) decode_attention_impl<scalar_t, 64, C>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, k_scale, v_scale);
+      else if (D == 128) decode_attention_impl<scalar_t, 128, C>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, k_scale, v_scale);
+      else decode_attention_impl<scalar_t, 0, C>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, k_scale, v_scale);
+    };
+    if (quant) run(int8_t{});
+    else run(scalar_t{});
   });
   return out;
 }
@@ -154,7 +196,8 @@ at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const a
 
 void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                     int64_t num_heads, int64_t num_kv_heads) {
+                     int64_t num_heads, int64_t num_kv_heads, const OptTensor& k_scale,
+                     const OptTensor& v_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_kv_write: qkv must be [T, W] with contiguous rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -170,8 +213,7 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == T_,
               "rotary_kv_write: slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
-              "rotary_kv_write: caches must share qkv's dtype");
+  const bool quant = check_kv_dtype(qkv, k_cache, v_cache, k_scale, v_scale, "rotary_kv_write");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   check_slots(slots, T_, k_cache.size(0) * k_cache.size(1), "rotary_kv_write");
   const int64_t H = num_heads, KVH = num_kv_heads, rs = qkv.stride(0);
@@ -179,6 +221,20 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
     scalar_t* qp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
+    if (quant) {  // K and V rows quantised per KV head as they are written
+      int8_t* kc = k_cache.data_ptr<int8_t>();
+      int8_t* vc = v_cache.data_ptr<int8_t>();
+      float* ks = k_scale->data_ptr<float>();
+      float* vs = v_scale->data_ptr<float>();
+      at::parallel_for(0, T_, 16, [&](int64_t a, int64_t b) {
+        std::vector<scalar_t> tmp(2 * KVH * D);
+        for (int64_t t = a; t < b; ++t)
+          rotary_token_i8<scalar_t>(qp + t * rs, cp + t * D, sp + t * D, kc + slots[t] * KVH * D,
+                                    vc + slots[t] * KVH * D, ks + slots[t] * KVH,
+                                    vs + slots[t] * KVH, H, KVH, D, tmp.data());
+      });
+      return;
+    }
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, T_, 16, [&](int64_t a, int64_t b) {
@@ -427,11 +483,15 @@ inline void prefill_scores16_ref(const float* qp, const float* k, int D, float s
 }
 #endif
 
-template <typename T, bool kDp, int DT>
+// C: the cache's element type (T, or int8_t with scales: dequantised as each chunk is packed
+// into the fp32 buffers, so kDp, which packs bf16 rows as they are, needs C = T).
+template <typename T, bool kDp, int DT, typename C = T>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& cu_q,
-                            const at::Tensor& start_pos, double scale, at::Tensor& out) {
-  const PagedKV<T> kv(k_cache, v_cache, block_tables);
+                            const at::Tensor& start_pos, double scale, at::Tensor& out,
+                            const OptTensor& k_scale = {}, const OptTensor& v_scale = {}) {
+  static_assert(!kDp || std::is_same<C, T>::value, "bf16 pairs are packed from bf16 caches");
+  const PagedKV<C> kv = paged_kv<C>(k_cache, v_cache, block_tables, k_scale, v_scale);
   const int H = q.size(1), D = DT ? DT : q.size(2);
   const int KVH = kv.kv_heads, bs = kv.bs, MB = kv.MB;
   const int G = H / KVH;
@@ -542,7 +602,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
     }
     const int64_t head_off = static_cast<int64_t>(h) * D;
-    auto row = [&](const T* cache, int key) { return cache + kv.offset(table, key) + head_off; };
+    auto row = [&](const C* cache, int key) { return cache + kv.offset(table, key) + head_off; };
     for (int c0 = 0; c0 < kend; c0 += kChunkK) {
       const int n = std::min(kChunkK, kend - c0);
       const int npad = (n + 15) / 16 * 16;
@@ -573,9 +633,15 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           float* kd = kbuf + j * D;
           float* vd = vbuf + j * D;
           if (j < n) {
-            const T* kr = row(kv.k, c0 + j);
-            const T* vr = row(kv.v, c0 + j);
-            for (int d = 0; d < D; ++d) { kd[d] = to_f<T>(kr[d]); vd[d] = to_f<T>(vr[d]); }
+            const C* kr = row(kv.k, c0 + j);
+            const C* vr = row(kv.v, c0 + j);
+            if constexpr (std::is_same<C, T>::value) {
+              for (int d = 0; d < D; ++d) { kd[d] = to_f<T>(kr[d]); vd[d] = to_f<T>(vr[d]); }
+            } else {
+              const int64_t si = kv.scale_index(kv.offset(table, c0 + j)) + h;
+              const float ksc = kv.ks[si], vsc = kv.vs[si];
+              for (int d = 0; d < D; ++d) { kd[d] = to_f<C>(kr[d]) * ksc; vd[d] = to_f<C>(vr[d]) * vsc; }
+            }
           } else {
             std::fill(kd, kd + D, 0.f);
             std::fill(vd, vd + D, 0.f);
@@ -665,13 +731,12 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
-                                   double scale) {
+                                   double scale, const OptTensor& k_scale, const OptTensor& v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_prefill_attention: q must be [T,H,D], last dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "paged_prefill_attention: caches must be contiguous [NB,BS,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill_attention: q and caches must share a dtype");
+  const bool quant = check_kv_dtype(q, k_cache, v_cache, k_scale, v_scale, "paged_prefill_attention");
   TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
               "paged_prefill_attention: start_pos must be contiguous int32 [B]");
   const int64_t B = start_pos.numel();
@@ -690,6 +755,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(cu[0] == 0 && cu[B] == q.size(0), "paged_prefill_attention: cu_seqlens_q must run from 0 to T");
   auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
+  if (quant) {
+    SERVELM_DISPATCH(q.scalar_type(), "paged_prefill_attention", [&] {
+      using I8 = int8_t;
+      if (D == 64) prefill_attention_impl<scalar_t, false, 64, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out, k_scale, v_scale);
+      else if (D == 128) prefill_attention_impl<scalar_t, false, 128, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out, k_scale, v_scale);
+      else prefill_attention_impl<scalar_t, false, 0, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out, k_scale, v_scale);
+    });
+    return out;
+  }
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16) {
     using BF = c10::BFloat16;
@@ -785,14 +859,17 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 TORCH_LIBRARY(servelm_ops, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_kv_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+        "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
+        "Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor cu_seqlens_q, Tensor start_pos, float scale) -> Tensor");
+        "Tensor cu_seqlens_q, Tensor start_pos, float scale, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
 }
 

@@ -91,6 +91,32 @@ void rotary_token(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t 
   std::memcpy(vdst, row + (H + KVH) * D, sizeof(T) * KVH * D);
 }
 
+// One head's row x [D] into an int8 cache row: q = round(x / s), s = max |x| / 127 (a zero
+// row: s = 0, q = 0), as servelm.models.kv_quant.quantize does.
+template <typename T>
+inline void quantize_row_i8(const T* x, int8_t* q, float* scale, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_f<T>(x[i])));
+  const float s = amax / 127.f;
+  *scale = s;
+  for (int64_t i = 0; i < D; ++i) {
+    const float y = s > 0.f ? std::nearbyint(to_f<T>(x[i]) / s) : 0.f;
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, y)));
+  }
+}
+
+// rotary_token into an int8 cache: the rotated K and the V rows (rounded to T, as the
+// reference computes them) quantised per KV head into kdst / vdst, scales into ksc / vsc [KVH].
+template <typename T>
+void rotary_token_i8(T* row, const T* cos, const T* sin, int8_t* kdst, int8_t* vdst, float* ksc,
+                     float* vsc, int64_t H, int64_t KVH, int64_t D, T* tmp) {
+  rotary_token<T>(row, cos, sin, tmp, tmp + KVH * D, H, KVH, D);
+  for (int64_t h = 0; h < KVH; ++h) {
+    quantize_row_i8<T>(tmp + h * D, kdst + h * D, ksc + h, D);
+    quantize_row_i8<T>(tmp + (KVH + h) * D, vdst + h * D, vsc + h, D);
+  }
+}
+
 // Every token's cache slot within the cache's nslots (the message names the calling op).
 inline void check_slots(const int64_t* slots, int64_t T, int64_t nslots, const char* name) {
   for (int64_t t = 0; t < T; ++t)

@@ -1,5 +1,6 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini: checkpoints hold fused qkv and gate_up tensors (the
-decoder's own layout), and a partial rotary where partial_rotary_factor < 1."""
+decoder's own layout; tensor parallelism reads each rank's rows of every part), and a
+partial rotary where partial_rotary_factor < 1."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ class Phi3(Family):
     name = "phi3"
     architectures = ("Phi3ForCausalLM",)
     gguf_architectures = ("phi3",)
-    # The fused tensors would need splitting by q/k/v and gate/up per rank.
-    tensor_parallel = False
     gguf_layer_names = {"ffn_up": "mlp.gate_up_proj"}  # llama.cpp keeps gate and up fused
 
     def hf_config(self, cfg, base):

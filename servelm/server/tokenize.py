@@ -1,0 +1,77 @@
+"""POST /tokenize and POST /detokenize, in vLLM's shape: a prompt (or a conversation through
+the chat template) to token ids, and token ids back to text."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from servelm.server.errors import APIError
+from servelm.server.protocol import ChatMessage, Int, _Request
+from servelm.server.serving import ServingContext, encode_prompt
+
+
+class TokenizeRequest(_Request):
+    """Exactly one of prompt (text) or messages (rendered by the chat template first)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # vLLM's defaults: special tokens (BOS ...) for a prompt, none for a rendered conversation
+    # (its template writes them)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    return_token_strs: bool = False
+
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
+    """The request's token ids (in a worker thread: the work grows with the text)."""
+    tok = ctx.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "exactly one of 'prompt' and 'messages' is required",
+                       param="prompt" if req.prompt is None else "messages", code="invalid_value")
+    if req.add_generation_prompt is not None and req.messages is None:
+        raise APIError(400, "'add_generation_prompt' applies to 'messages' only",
+                       param="add_generation_prompt", code="invalid_value")
+    if req.messages is not None:
+        try:
+            text = tok.apply_chat_template(
+                [m.to_template() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt is not False)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        fields, special = {"": "messages"}, bool(req.add_special_tokens)
+    else:
+        text, fields = req.prompt, {"": "prompt"}
+        special = req.add_special_tokens is not False
+    ids = encode_prompt(ctx, text, fields, add_special_tokens=special)
+    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.engine.max_model_len,
+                            tokens=ids, token_strs=strs)
+
+
+def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of the ids (special tokens included, as vLLM decodes them)."""
+    vocab = min(ctx.engine.engine.model_config.vocab_size, ctx.engine.tokenizer.vocab_size)
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab:
+            raise APIError(400, f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab})",
+                           param="tokens", code="invalid_value")
+    return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(req.tokens,
+                                                                 skip_special_tokens=False))

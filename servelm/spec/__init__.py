@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers, the verification of drafts, and when to speculate."""
