@@ -196,13 +196,12 @@ class _FlatTokens:
             self.positions += pos
             self.slots += [s.block_table[p // block_size] * block_size + p % block_size
                            for p in pos]
-            if s.all_logits:
-                self.logits_indices += range(len(self.input_ids) - n, len(self.input_ids))
-                self.sampled += [i] * n
-            elif s.sample:
-                end = len(self.input_ids)
-                self.logits_indices += range(end - s.num_logits, end)
-                self.sampled += [i] * s.num_logits
+            # Rows for the last m positions: every one (prompt logprobs), the token and its
+            # drafts (speculation), the last (sampling), or none (a prompt chunk).
+            m = n if s.all_logits else s.num_logits if s.sample else 0
+            end = len(self.input_ids)
+            self.logits_indices += range(end - m, end)
+            self.sampled += [i] * m
             members.append(s)
             if j + 1 == len(order) or keys[j + 1] != keys[j]:
                 grp = _build_group(members, start, block_size, g, device)
