@@ -117,6 +117,7 @@ class Tokenizer:
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
         self._compiled_template: jinja2.Template | None = None
         self._max_token_chars: int | None = None
+        self._token_texts: dict[int, str] = {}
 
     @property
     def bos_token(self) -> str | None:
@@ -313,6 +314,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid or incomplete UTF-8 shows as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (as logprobs show it); cached."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> list[str]:
         """The vocabulary strings (byte-alphabet spelling) of `ids`."""

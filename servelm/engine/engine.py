@@ -194,7 +194,6 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
-        self._token_texts: dict[int, str] = {}  # token id -> its text (prompt logprobs)
         self.stats = EngineStats()
         # Everything allocated so far lives as long as the engine (vocabulary, weights'
         # wrappers): move it out of the collector's way, so a full collection during
@@ -416,10 +415,10 @@ class LLMEngine:
             lp = torch.log_softmax(logits[idx], dim=-1)  # raw model distribution, [R, V]
             targets = torch.tensor([p[1] for p in picked], dtype=torch.long, device=logits.device)
             found = token_logprobs(lp, targets, [p[3] for p in picked])
+            text = self.tokenizer.token_text
             for (_, _, group, _), e in zip(picked, found):
-                entry = {t: Logprob(v, rank, self._token_text(t))
-                         for rank, (t, v) in enumerate(e.top, 1)}
-                entry[e.token_id] = Logprob(e.logprob, e.rank, self._token_text(e.token_id))
+                entry = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(e.top, 1)}
+                entry[e.token_id] = Logprob(e.logprob, e.rank, text(e.token_id))
                 group.prompt_logprobs.append(entry)
         for q, s in zip(seqs, sched.scheduled):
             req = s.request
@@ -429,13 +428,6 @@ class LLMEngine:
         if len(keep) == len(rows):
             return logits, rows
         return logits[keep], [rows[r] for r in keep]
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode(
-                [token_id], skip_special_tokens=False)
-        return text
 
     def _verify(self, sched, logits: torch.Tensor, rows: list[int]) -> list[tuple[list, list]]:
         """Sample the plain rows and verify the speculating ones (servelm.spec.verify);

@@ -239,14 +239,9 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._tok.decode([token_id], skip_special_tokens=False)
-            self._cache[token_id] = text
-        return text
+        return self._tok.token_text(token_id)
 
     def top(self, token_id: int, logprob: float) -> TopLogprob:
         text = self(token_id)
