@@ -42,8 +42,9 @@ def _build_engine(args, build_llm):
     bw, fl = args.roofline_bandwidth, args.roofline_flops
     source = "given"
     if bw is None or fl is None:
+        # The engine may have measured already (speculation's ridge): not twice.
         dtype = str(engine.dtype).removeprefix("torch.")
-        hw = measure_hardware(dtype, engine.device.type, seconds=0.2)
+        hw = engine.hardware or measure_hardware(dtype, engine.device.type, seconds=0.2)
         source = hw.source if bw is None and fl is None else f"{hw.source}, partly given"
         bw = bw if bw is not None else hw.bandwidth / 1e9
         fl = fl if fl is not None else hw.flops / 1e12
