@@ -45,6 +45,8 @@ from servelm.models.loader import default_model_path
 # side-by-side figures: the engine settings (KernelConfig fields) each variant sets.
 VARIANTS = {"tiles": {"linear_method": "tiles"},      # every linear layer on servelm's tiles
             "onednn": {"linear_method": "onednn"},    # ... on oneDNN's prepacked matmuls
+            "qdot": {"linear_method": "qdot"},        # ... int4/int8 on the AVX2 integer kernels
+            "int4pack": {"linear_method": "int4pack"},  # ... int4 on PyTorch's int4pack
             "torch": {"linear_method": "torch"},      # ... on plain F.linear
             "untuned": {"kernel_tuning": "off"},      # the built-in defaults, nothing measured
             "unfused": {"fused_decode": False},       # no int4/int8/bf16 DecodeStack

@@ -365,6 +365,8 @@ def linear_summary(model: nn.Module) -> str:
             return "onednn"
         if isinstance(m, lm.Int4PackLinear):
             return "int4pack"
+        if isinstance(m, lm.qdot.QDotLinear):
+            return "qdot"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
@@ -373,8 +375,8 @@ def linear_summary(model: nn.Module) -> str:
     inner = {id(i) for b in model.modules() if isinstance(b, lm.BucketedLinear)
              for i in b.impls}
     inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
-    kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm._Dequantised,
-             lm.BucketedLinear)
+    kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
+             lm._Dequantised, lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):

@@ -25,12 +25,17 @@ def machine_key(threads: int) -> dict:
     """What a timing depends on besides the layer: CPU, threads, torch, kernel sources."""
     from servelm.kernels import CSRC
 
-    model, flags = "?", []
+    # "model name" alone can be as vague as "AMD EPYC" under a hypervisor (a Zen 1 and a Zen 3
+    # read the same): the family / model / stepping numbers tell them apart.
+    model, ids, flags = "?", {}, []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and model == "?":
+                key = line.split(":", 1)[0].strip()
+                if key == "model name" and model == "?":
                     model = line.split(":", 1)[1].strip()
+                elif key in ("cpu family", "model", "stepping") and key not in ids:
+                    ids[key] = line.split(":", 1)[1].strip()
                 elif line.startswith("flags") and not flags:
                     flags = [fl for fl in line.split(":", 1)[1].split()
                              if fl.startswith(("amx", "avx512", "avx2", "fma"))]
@@ -39,6 +44,8 @@ def machine_key(threads: int) -> dict:
     h = hashlib.sha256()
     for p in sorted(CSRC.glob("*")):
         h.update(p.name.encode() + p.read_bytes())
+    if ids:
+        model += " (" + "/".join(ids.get(k, "?") for k in ("cpu family", "model", "stepping")) + ")"
     return {"cpu": model, "flags": sorted(flags), "threads": threads,
             "torch": torch.__version__, "kernels": h.hexdigest()[:16], "version": CACHE_VERSION}
 

@@ -11,6 +11,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
+| qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised to int8 per block of 32 (qdot.cpp) |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.layers import qdot
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
                                   kernels_available, tinygemm_operands, unpack_int4)
@@ -33,7 +35,7 @@ from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
 # 23-181 | 182+).
 BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
-METHODS = ("tiles", "onednn", "int4pack", "int8pack", "torch")
+METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "torch")
 
 
 def bucket_of(rows: int) -> int:
@@ -91,6 +93,8 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
         return _tiles_ok(src, act, kernels)
     if method == "onednn":
         return prepack_supported(act, "cpu")
+    if method == "qdot":
+        return qdot.applies(src, act)
     if method == "int4pack":
         return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -102,8 +106,9 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
 
 def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
     """The method used without tuning: servelm's tiles where they run, else oneDNN's
-    prepacked matmul (plain weights) or PyTorch's own int4/int8 kernels."""
-    for m in ("tiles", "onednn", "int4pack", "int8pack", "torch"):
+    prepacked matmul (plain weights), servelm's AVX2 integer kernels (int4/int8) or
+    PyTorch's own int4/int8 kernels."""
+    for m in ("tiles", "onednn", "qdot", "int4pack", "int8pack", "torch"):
         if m == "onednn" and not isinstance(src, nn.Linear):
             continue  # a dequantised copy would undo the quantisation's memory saving
         if applies(m, src, act, kernels):
@@ -128,6 +133,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
         if bias is not None:
             lin.bias = nn.Parameter(bias.detach().to(act), requires_grad=False)
         return PackedLinear(lin)
+    if method == "qdot":
+        return qdot.QDotLinear(src)
     if method == "int4pack":
         return Int4PackLinear(src)
     if method == "int8pack":

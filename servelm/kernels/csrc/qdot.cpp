@@ -1,0 +1,337 @@
+// Weight-only int4 / int8 linear layers in integer dot products (vpmaddubsw) for x86 CPUs
+// with AVX2 (no AVX-512 needed), over activations quantised on the fly to two int8 parts,
+// in the spirit of llama.cpp's Q4_1 x Q8_1 but about 15 bits precise.
+// Namespace torch.ops.servelm_qdot:
+//
+//   q4_linear(x, qweight, scales, out_features, bias?) -> y
+//   q8_linear(x, qweight, scales, out_features, bias?) -> y
+// x: [..., K] float32 or bfloat16, K a multiple of 32; y: [..., N] in x's dtype.
+//
+// Activations: each row of x is quantised per block of 32 inputs, with d = max|x| / 127:
+// x / d = h + l / 128 + e, h = round(x / d) in -127..127, l = round(128 (x / d - h)) in
+// -64..64, so |e| <= 1/256 (a single int8 part, |e| <= 1/2, flipped greedy tokens of the
+// embedded model against dequantise + F.linear). Both parts go through vpmaddubsw, combined
+// in int32 as 128 (w . h) + (w . l). The block's exact fp32 sum is kept for int4's mins.
+//
+// int4 (w = s * q + m, q in 0..15, s/m float16 per group of 32 inputs; servelm's int4):
+//   qweight uint8 [N/4, K/32, 4, 16]: rows in blocks of 4, group-major within a block, so a
+//   step streams one block's 4 rows together; row r's 16 bytes for group g hold q[k] for
+//   k = 32g + i in byte i's low nibble and k = 32g + 16 + i in its high nibble.
+//   scales float16 [N/4, K/32, 8]: s of rows 0..3, then m of rows 0..3.
+//   y[n] = sum_g s_g d_g / 128 (128 q_g . h_g + q_g . l_g) + sum_g m_g (sum of x over g).
+// int8 (w = s * q, q in -127..127, fp32 s per row; servelm's int8):
+//   qweight int8 [N/4, K/32, 4, 32], the same order; scales float32 [N/4 * 4].
+//   y[n] = s_n sum_g d_g / 128 (128 q_g . h_g + q_g . l_g).
+//
+// Rows of N are split over the torch (OpenMP) threads; each thread runs two activation rows
+// at a time against a 4-row weight block, each weight vector decoded once for both.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// Strict float semantics here (the build's -ffast-math lets GCC contract and reassociate
+// differently in each activation-row-count instantiation, so a row's result changed by an ulp
+// with the batch): every row is computed by the same operations whatever the call; the
+// scale-and-add that ends a row is one explicit fused multiply-add.
+#pragma GCC optimize("no-fast-math")
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per activation block (and int4 group)
+constexpr int kRows = 4;        // weight rows per block
+
+// Activations of M rows, quantised: q int8 [M, K/32, 64] (a block's 32 h, then its 32 l);
+// per block g: d / 128 and the exact sum of x, as dxs [M, K/32, 8] = {d', d', d', d', sum,
+// sum, sum, sum} (the int4 kernel's multiplier for one group's {s0..s3, m0..m3}).
+struct QActs {
+  std::vector<int8_t> q;
+  std::vector<float> dxs;
+  int64_t M = 0, K = 0, G = 0;
+};
+
+// 8 activations as floats.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 4 x 8 int32 (-127..127) -> 32 int8 in order.
+inline __m256i pack32(const __m256i* v) {
+  const __m256i a = _mm256_packs_epi32(v[0], v[1]), b = _mm256_packs_epi32(v[2], v[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename T>
+void quantise_rows(const T* x, int64_t M, int64_t K, QActs& a) {
+  a.M = M, a.K = K, a.G = K / kBlock;
+  a.q.resize(2 * M * K);
+  a.dxs.resize(M * a.G * 8);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < a.G; ++g) {
+        const T* xp = x + m * K + g * kBlock;
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = load8(xp + 8 * i);
+        const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                        _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+        const float amax = hmax(mx);
+        const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i h[4], l[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m256 s = _mm256_mul_ps(v[i], inv), hr = _mm256_round_ps(s, rnd);
+          h[i] = _mm256_cvtps_epi32(hr);
+          l[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(s, hr), _mm256_set1_ps(128.f)), rnd));
+        }
+        int8_t* qp = a.q.data() + 2 * (m * K + g * kBlock);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp), pack32(h));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + kBlock), pack32(l));
+        float* o = a.dxs.data() + (m * a.G + g) * 8;
+        const float d = amax / (127.f * 128.f);
+        for (int i = 0; i < 4; ++i) o[i] = d, o[4 + i] = sum;
+      }
+    }
+  });
+}
+
+// 8 int32 partial sums of 128 (w . h) + (w . l) for 32 unsigned weights (0..15, or |q| with
+// the signs moved onto h and l) and an activation block's two parts, as floats.
+inline __m256 dot32(__m256i w, __m256i h, __m256i l) {
+  const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(w, h), _mm256_set1_epi16(128));
+  const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(w, l), _mm256_set1_epi16(1));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(ph, pl));
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+template <typename OutT>
+inline void store_row(OutT* o, float v) { *o = static_cast<OutT>(v); }
+
+// Rows [m0, m0 + MT) of out [M, N] for weight block b (rows 4b .. 4b + 3), int4.
+template <int MT, typename OutT>
+void q4_block(const uint8_t* qw, const c10::Half* sc, const QActs& a, const float* bias,
+              OutT* out, int64_t m0, int64_t N, int64_t b, float* sd) {
+  const int64_t G = a.G, K = a.K;
+  const uint8_t* wb = qw + b * G * kRows * 16;
+  const c10::Half* sb = sc + b * G * 8;
+  // Pass 1: sd[m][g][r] = s_r d_g, and the mins' term sum_g m_r sum_g(x) in lanes 4..7.
+  __m256 mins[MT];
+  for (int m = 0; m < MT; ++m) {
+    mins[m] = _mm256_setzero_ps();
+    const float* dxs = a.dxs.data() + (m0 + m) * G * 8;
+    float* sdm = sd + m * G * 4;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 sm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * g)));
+      const __m256 p = _mm256_mul_ps(sm, _mm256_loadu_ps(dxs + 8 * g));
+      _mm_storeu_ps(sdm + 4 * g, _mm256_castps256_ps128(p));
+      mins[m] = _mm256_add_ps(mins[m], p);
+    }
+  }
+  // Pass 2: the integer dot products, 4 weight rows x MT activation rows.
+  const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  __m256 acc[kRows][MT];
+  for (int r = 0; r < kRows; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + 64 * g) + 1024, _MM_HINT_T0);
+    __m256i xh[MT], xl[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xp = a.q.data() + 2 * ((m0 + m) * K + kBlock * g);
+      xh[m] = load32(xp), xl[m] = load32(xp + kBlock);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 64 * g + 16 * r));
+      const __m256i w = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_broadcastsi128_si256(raw), shift), nib);
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = _mm256_fmadd_ps(dot32(w, xh[m], xl[m]), _mm256_broadcast_ss(sd + (m * G + g) * 4 + r),
+                                    acc[r][m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float mt[8];
+    _mm256_store_ps(mt, mins[m]);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t n = kRows * b + r;
+      if (n >= N) break;
+      store_row(out + (m0 + m) * N + n, hsum(acc[r][m]) + mt[4 + r] + (bias ? bias[n] : 0.f));
+    }
+  }
+}
+
+// The same for int8 weights: |q| . sign(xq, q), scaled by d_g, then by the row's scale.
+template <int MT, typename OutT>
+void q8_block(const int8_t* qw, const float* sc, const QActs& a, const float* bias, OutT* out,
+              int64_t m0, int64_t N, int64_t b) {
+  const int64_t G = a.G, K = a.K;
+  const int8_t* wb = qw + b * G * kRows * 32;
+  __m256 acc[kRows][MT];
+  for (int r = 0; r < kRows; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + 128 * g) + 2048, _MM_HINT_T0);
+    __m256i xh[MT], xl[MT];
+    __m256 dv[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xp = a.q.data() + 2 * ((m0 + m) * K + kBlock * g);
+      xh[m] = load32(xp), xl[m] = load32(xp + kBlock);
+      dv[m] = _mm256_broadcast_ss(a.dxs.data() + ((m0 + m) * G + g) * 8);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 * g + 32 * r));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MT; ++m)
+        acc[r][m] = _mm256_fmadd_ps(
+            dot32(aw, _mm256_sign_epi8(xh[m], w), _mm256_sign_epi8(xl[m], w)), dv[m], acc[r][m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t n = kRows * b + r;
+      if (n >= N) break;
+      // One fused multiply-add, spelt out: the compiler must not choose per row count.
+      const float y = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(hsum(acc[r][m])), _mm_set_ss(sc[n]),
+                                                 _mm_set_ss(bias ? bias[n] : 0.f)));
+      store_row(out + (m0 + m) * N + n, y);
+    }
+}
+
+// Two activation rows at a time against a 4-row weight block: 8 accumulators and 4
+// activation vectors stay in the 16 vector registers (4 rows spilled: 1.4x slower a row).
+// A block's weights are re-read from L1 for the next pair.
+template <typename Fn>
+void by_rows(int64_t M, const Fn& fn) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= M; m0 += 2) fn(std::integral_constant<int, 2>{}, m0);
+  if (m0 < M) fn(std::integral_constant<int, 1>{}, m0);
+}
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu(), "servelm_qdot: x must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "servelm_qdot: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(-1) == K && K % kBlock == 0,
+              "servelm_qdot: x's last dim must be in_features (a multiple of 32): ", x.size(-1),
+              " vs ", K);
+}
+
+template <typename Body>
+at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N, int64_t NB,
+                      const c10::optional<at::Tensor>& bias, const Body& body) {
+  check_x(x_in, K);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x_in.options());
+  if (M == 0) return out;
+  at::Tensor bf;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "servelm_qdot: bias must have out_features elements");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  QActs a;
+  if (x.scalar_type() == at::kFloat)
+    quantise_rows(x.data_ptr<float>(), M, K, a);
+  else
+    quantise_rows(x.data_ptr<c10::BFloat16>(), M, K, a);
+  // Enough weight blocks per task to amortise the scheduling (one row: a few KB of weights).
+  const int64_t grain = std::max<int64_t>(1, 16384 / (K * std::max<int64_t>(M, 1)));
+  if (x.scalar_type() == at::kFloat)
+    body(a, bp, out.data_ptr<float>(), M, grain);
+  else
+    body(a, bp, out.data_ptr<c10::BFloat16>(), M, grain);
+  (void)NB;
+  return out;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.size(2) == kRows &&
+                  qweight.size(3) == 16 && qweight.is_contiguous(),
+              "servelm_qdot.q4_linear: qweight must be contiguous uint8 [N/4, K/32, 4, 16]");
+  const int64_t NB = qweight.size(0), G = qweight.size(1), K = G * kBlock;
+  TORCH_CHECK(NB * kRows >= N && (NB - 1) * kRows < N, "servelm_qdot.q4_linear: out_features ", N,
+              " does not match ", NB, " blocks of 4 rows");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == NB * G * 8,
+              "servelm_qdot.q4_linear: scales must be contiguous float16 [N/4, K/32, 8]");
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  const c10::Half* sc = scales.data_ptr<c10::Half>();
+  return run_linear(x, K, N, NB, bias, [&](const QActs& a, const float* bp, auto* out, int64_t M,
+                                           int64_t grain) {
+    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      std::vector<float> sd(2 * G * 4);
+      for (int64_t b = b0; b < b1; ++b)
+        by_rows(M, [&](auto mt, int64_t m0) {
+          q4_block<decltype(mt)::value>(qw, sc, a, bp, out, m0, N, b, sd.data());
+        });
+    });
+  });
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 && qweight.size(2) == kRows &&
+                  qweight.size(3) == 32 && qweight.is_contiguous(),
+              "servelm_qdot.q8_linear: qweight must be contiguous int8 [N/4, K/32, 4, 32]");
+  const int64_t NB = qweight.size(0), G = qweight.size(1), K = G * kBlock;
+  TORCH_CHECK(NB * kRows >= N && (NB - 1) * kRows < N, "servelm_qdot.q8_linear: out_features ", N,
+              " does not match ", NB, " blocks of 4 rows");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == NB * kRows,
+              "servelm_qdot.q8_linear: scales must be contiguous float32 [N/4 * 4]");
+  const int8_t* qw = qweight.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  return run_linear(x, K, N, NB, bias, [&](const QActs& a, const float* bp, auto* out, int64_t M,
+                                           int64_t grain) {
+    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        by_rows(M, [&](auto mt, int64_t m0) {
+          q8_block<decltype(mt)::value>(qw, sc, a, bp, out, m0, N, b);
+        });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_qdot, m) {
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, int out_features, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int out_features, "
+        "Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelm_qdot, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}
+
+#endif  // AVX2 + FMA + F16C
