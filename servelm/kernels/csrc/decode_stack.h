@@ -1,0 +1,593 @@
+// DecodeStack: every decoder layer of a decode-only step in one C++ call (torch class
+// servelm_quant.DecodeStack). Not a standalone header: quant.cpp includes it inside its
+// anonymous namespace, after the int4 / int8 / bf16 tiled matmul kernels the stack runs
+// (int4_range, int8_range, decoded_range, bf16_range, group_sums, the checks), and with
+// decode_attention.h and row_kernels.h already included. AVX-512 BF16 only, as quant.cpp.
+
+#pragma once
+
+// ---------------------------------------------------------------- decoder layers, decode rows
+
+// A Llama-family model's decoder layers for M single-token (decode) rows, when all their
+// linear layers are int4 / int8 / bf16 kernel layers: one C++ call per step (DecodeStack.run) and
+// one parallel region for all the layers. From Python the same work is ~12 operator calls per
+// layer: each pays Python and dispatcher time, and each matmul opens its own parallel region
+// whose threads then stream a weight of 0.2-1 MB starting cold. Here the threads split each
+// matmul's tiles exactly as int4_linear / int8_linear would (so results are bit-identical to
+// theirs) and meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV
+// write, SiLU, the activation sums) split the rows over the threads, and a thread without rows
+// prefetches the head of its share of the next weight into L2. Attention runs the
+// paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed per
+// step, so while streaming the previous layer's gate_up_proj each thread also pulls the first of
+// its items' K/V rows into L2 (each item reads the rest ahead itself: the weights stream evicts
+// them every step). Norms, rotary + KV write and SiLU run the servelm_ops operators' row kernels
+// (row_kernels.h) inline on per-step buffers: through the dispatcher, with an output allocated
+// per call, they cost more than their arithmetic.
+
+struct QLinear {
+  static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
+  int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
+  const uint8_t* qw = nullptr;
+  const void* sc = nullptr;
+  const c10::Half* mn = nullptr;
+  const float* bias = nullptr;
+  int64_t N = 0, K = 0;
+
+  int64_t tiles() const { return (N + 15) / 16; }
+  int64_t tile_bytes() const { return G > 0 ? 8 * K : G == 0 ? 16 * K : 32 * K; }
+  int64_t group() const { return G > 0 ? G : K; }
+  // From these many rows on, int4_linear / int8_linear decode each tile once and
+  // bf16_linear runs its GEMM micro-kernel (a different kernel, rounded differently): so does
+  // the stack.
+  bool decode_once(int64_t M) const {
+    return M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
+  }
+  // Thread tid's tiles, whole pairs (the decode-once GEMM decodes two at a time).
+  void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
+    const int64_t pairs = (tiles() + 1) / 2;
+    t0 = std::min(tiles(), 2 * (pairs * tid / nt));
+    t1 = std::min(tiles(), 2 * (pairs * (tid + 1) / nt));
+  }
+  void run(const c10::BFloat16* x, const float* xs, c10::BFloat16* out, int64_t M, int64_t t0,
+           int64_t t1) const {
+    const auto* s4 = static_cast<const c10::Half*>(sc);
+    const auto* s8 = static_cast<const float*>(sc);
+    if (G < 0) {
+      bf16_range(reinterpret_cast<const c10::BFloat16*>(qw), x, bias, out, M, N, K, t0, t1);
+    } else if (decode_once(M)) {
+      if (G) decoded_range(Int4Tiles{qw, s4, mn, G, K}, x, bias, out, M, N, K, t0, t1);
+      else decoded_range(Int8Tiles{qw, s8, K}, x, bias, out, M, N, K, t0, t1);
+    } else if (G) {
+      int4_range<false>(G, qw, s4, mn, x, nullptr, xs, bias, out, M, N, K, t0, t1);
+    } else {
+      int8_range<false>(qw, s8, x, nullptr, xs, bias, out, M, N, K, t0, t1);
+    }
+  }
+  // The activation sums the row-streaming kernels need (as prepare() computes them for bf16
+  // rows), of rows [m0, m1) into xs (laid out for all rows); none for decode-once sizes or
+  // bf16 weights.
+  void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
+    if (G >= 0 && !decode_once(M)) group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
+  }
+  // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
+  void prefetch(int tid, int nt, int64_t bytes) const {
+    int64_t t0, t1;
+    share(tid, nt, t0, t1);
+    const char* p = reinterpret_cast<const char*>(qw) + t0 * tile_bytes();
+    const int64_t n = std::min(bytes, (t1 - t0) * tile_bytes());
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  }
+};
+
+QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int64_t N, int64_t K,
+                     const char* name) {
+  QLinear L;
+  L.G = G;
+  L.N = N;
+  L.K = K;
+  TORCH_CHECK(G >= QLinear::kBf16, "DecodeStack ", name, ": group size ", G,
+              " is none of int4's (> 0), int8's (0) or bf16's (-1)");
+  const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
+  TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
+  try {
+    if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
+    else if (G == 0) check_int8(w[j], w[j + 1], N, K);
+    else check_tiled<c10::BFloat16>(w[j], N, K, "bf16");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "DecodeStack ", name, ": ", e.what_without_backtrace());
+  }
+  if (G > 0) {
+    L.qw = w[j].data_ptr<uint8_t>();
+    L.sc = w[j + 1].data_ptr<c10::Half>();
+    L.mn = w[j + 2].data_ptr<c10::Half>();
+  } else if (G == 0) {
+    L.qw = w[j].data_ptr<uint8_t>();
+    L.sc = w[j + 1].data_ptr<float>();
+  } else {
+    L.qw = reinterpret_cast<const uint8_t*>(w[j].data_ptr<c10::BFloat16>());
+  }
+  j += n;
+  return L;
+}
+
+// A spinning barrier for the team (a centralised, sense-reversing one): the threads meet
+// ~8 times a layer after a few microseconds of work each, and libgomp's barrier cost ~0.5 us
+// a time here.
+struct SpinBarrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> sense{0};
+  void wait(int& local_sense, int n) {
+    local_sense ^= 1;
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      sense.store(local_sense, std::memory_order_release);
+    } else {
+      while (sense.load(std::memory_order_acquire) != local_sense) _mm_pause();
+    }
+  }
+};
+
+// One thread's part in a parallel region of matmuls (each thread computes its share of the
+// output tiles; a tile's result does not depend on which thread computes it) and row steps
+// (each thread its rows), with a barrier after each.
+struct Team {
+  int tid, n;
+  std::atomic<bool>& failed;
+  std::exception_ptr& err;
+  SpinBarrier& bar;
+  int sense = 0;
+  void barrier() { bar.wait(sense, n); }
+  // Bytes of its share of the next weight an idle thread pulls into L2 during a row step
+  // (more measured no better: the stream then starts warm anyway).
+  static constexpr int64_t kWarm = 16 << 10;
+
+  template <typename F>
+  void guarded(F&& f) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    try {
+      f();
+    } catch (...) {  // an exception must not leave the region: kept, rethrown after it
+#pragma omp critical(servelm_team_error)
+      if (!err) err = std::current_exception();
+      failed = true;
+    }
+  }
+  // f(m0, m1) for this thread's rows of M (row kernels: a row's result does not depend on
+  // the thread), and once() on the calling thread; threads without rows pull the head of
+  // their share of `next` into L2 meanwhile.
+  template <typename F, typename Once>
+  void rows(int64_t M, F&& f, const QLinear& next, Once&& once) {
+    const int64_t m0 = M * tid / n, m1 = M * (tid + 1) / n;
+    guarded([&] {
+      if (m0 < m1) f(m0, m1);
+      if (tid == 0) once();
+    });
+    if (m0 >= m1) next.prefetch(tid, n, kWarm);
+    barrier();
+  }
+  template <typename F>
+  void rows(int64_t M, F&& f, const QLinear& next) {
+    rows(M, f, next, [] {});
+  }
+  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
+              c10::BFloat16* y, int64_t M, const QLinear* next) {
+    matmul(L, x, xs, y, M, next, [](double) {});
+  }
+  // The same, calling during(fraction of this thread's share done) every few tiles, so other
+  // memory traffic (the K/V rows the thread attends to next) can ride along with the stream.
+  template <typename During>
+  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
+              c10::BFloat16* y, int64_t M, const QLinear* next, During&& during) {
+    guarded([&] {
+      int64_t t0, t1;
+      L.share(tid, n, t0, t1);
+      constexpr int64_t kStep = 4;
+      for (int64_t c = t0; c < t1; c += kStep) {
+        const int64_t e = std::min(t1, c + kStep);
+        L.run(x, xs.data(), y, M, c, e);
+        during(static_cast<double>(e - t0) / static_cast<double>(t1 - t0));
+      }
+      if (next) next->prefetch(tid, n, kWarm);
+    });
+    barrier();
+  }
+};
+
+// One thread's attention items for a step (the same for every layer: the plan depends only
+// on the context lengths), and their K/V rows as byte runs in a layer's cache, which the
+// thread pulls into its L2 while it streams the matmul before that layer's attention. Each
+// item is a sequence's context range; items go to threads in order, split where the tokens
+// attended (their cost) reach equal shares.
+struct AttnShare {
+  int64_t i0 = 0, i1 = 0;                          // items [i0, i1)
+  std::vector<std::pair<int64_t, int64_t>> runs;   // (byte offset, bytes), either cache
+  int64_t bytes = 0;
+  // At most this many bytes of each cache (more would push the weights' stream out of L2).
+  static constexpr int64_t kMaxBytes = 192 << 10;
+
+  template <typename Att>
+  void plan(const Att& att, const PagedKV<c10::BFloat16>& kv, int tid, int nt) {
+    const int64_t items = att.items();
+    std::vector<int64_t> cost(items);
+    int64_t total = 0;
+    for (int64_t it = 0; it < items; ++it) {
+      int b, t0, t1;
+      att.item_range(it, b, t0, t1);
+      cost[it] = std::max(t1 - t0, 0) + 1;
+      total += cost[it];
+    }
+    // Item it goes to the thread whose share of the total cost holds its midpoint.
+    int64_t before = 0;
+    i0 = i1 = -1;
+    for (int64_t it = 0; it < items; ++it) {
+      const int owner = static_cast<int>(std::min<int64_t>(nt - 1, (2 * before + cost[it]) * nt / (2 * total)));
+      before += cost[it];
+      if (owner == tid) {
+        if (i0 < 0) i0 = it;
+        i1 = it + 1;
+      }
+    }
+    if (i0 < 0) i0 = i1 = 0;
+    const int64_t row = kv.tok_stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+    for (int64_t it = i0; it < i1 && bytes < kMaxBytes; ++it) {
+      int b, t0, t1;
+      att.item_range(it, b, t0, t1);
+      kv.for_runs(kv.table(b), t0, t1, [&](int64_t off, int rows) {
+        const int64_t n = std::min<int64_t>(rows * row, kMaxBytes - bytes);
+        if (n <= 0) return;
+        runs.emplace_back(off * static_cast<int64_t>(sizeof(c10::BFloat16)), n);
+        bytes += n;
+      });
+    }
+  }
+
+  // Prefetches (into L2) the runs of caches k, v up to `frac` of the bytes, resuming where the
+  // last call stopped; start() rewinds for the next layer.
+  size_t run_ = 0;
+  int64_t off_ = 0, done_ = 0;
+  void start() { run_ = 0, off_ = 0, done_ = 0; }
+  void advance(const void* k, const void* v, double frac) {
+    const int64_t target = static_cast<int64_t>(frac * static_cast<double>(bytes));
+    const char* kc = static_cast<const char*>(k);
+    const char* vc = static_cast<const char*>(v);
+    while (done_ < target && run_ < runs.size()) {
+      const auto [o, n] = runs[run_];
+      _mm_prefetch(kc + o + off_, _MM_HINT_T1);
+      _mm_prefetch(vc + o + off_, _MM_HINT_T1);
+      off_ += 64;
+      done_ += 64;
+      if (off_ >= n) ++run_, off_ = 0;
+    }
+  }
+};
+
+template <typename Body>
+void team_region(const Body& body) {
+  std::atomic<bool> failed{false};
+  std::exception_ptr err;
+  SpinBarrier bar;
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    Team t{omp_get_thread_num(), omp_get_num_threads(), failed, err, bar};
+    body(t);
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+struct StackLayer {
+  at::Tensor ln1, ln2, k_cache, v_cache;
+  QLinear qkv, o, gu, down;
+  std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
+};
+
+// The decoder layers of a model, bound once (weights, norms, KV cache views), run for a batch
+// of decode rows by one call per step. Python holds it as torch.classes.servelm_quant.DecodeStack.
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins], int8
+  // [qweight, scales] or bf16 [weight]; group_sizes: per layer and linear, the int4 group size, 0
+  // (int8) or -1 (bf16); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
+  // per layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
+  DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
+              std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
+              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double eps,
+              int64_t num_heads, int64_t num_kv_heads, double scale)
+      : keep_(std::move(weights)), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads), scale_(scale) {
+    const size_t L = norms.size() / 2;
+    TORCH_CHECK(L >= 1 && norms.size() == 2 * L && group_sizes.size() == 4 * L &&
+                    qkv_biases.size() == L && k_caches.size() == L && v_caches.size() == L,
+                "DecodeStack: per layer 2 norms, 4 group sizes, a qkv bias and K/V caches, got ",
+                norms.size(), " norms, ", group_sizes.size(), " group sizes, ", qkv_biases.size(),
+                " biases, ", k_caches.size(), "/", v_caches.size(), " caches");
+    const int64_t hidden = norms[0].numel();
+    layers_.reserve(L);
+    size_t j = 0;
+    for (size_t l = 0; l < L; ++l) {
+      StackLayer s;
+      s.ln1 = norms[2 * l];
+      s.ln2 = norms[2 * l + 1];
+      s.k_cache = k_caches[l];
+      s.v_cache = v_caches[l];
+      for (const auto* t : {&s.ln1, &s.ln2})
+        TORCH_CHECK(t->dim() == 1 && t->numel() == hidden && t->is_contiguous() &&
+                        t->scalar_type() == at::kBFloat16,
+                    "DecodeStack: norm weights must be contiguous bfloat16 [", hidden, "]");
+      TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
+                      s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == num_kv_heads,
+                  "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
+      const int64_t D = s.k_cache.size(3), qkv_n = (num_heads + 2 * num_kv_heads) * D;
+      const int64_t* g = group_sizes.data() + 4 * l;
+      s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
+      s.o = parse_linear(keep_, j, g[1], hidden, num_heads * D, "o_proj");
+      // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 16K
+      // bytes, bf16 16K elements.
+      TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
+      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 ? 8 : 16) * hidden);
+      s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
+      s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
+      // run() sizes its per-step buffers from layer 0.
+      TORCH_CHECK(l == 0 || (s.gu.N == layers_[0].gu.N && D == layers_[0].k_cache.size(3)),
+                  "DecodeStack: every layer must have the same MLP width and head dim");
+      const at::Tensor& b = qkv_biases[l];
+      if (b.numel()) {
+        TORCH_CHECK(b.numel() == qkv_n, "DecodeStack: qkv bias must have ", qkv_n, " elements");
+        const at::Tensor bf = b.to(at::kFloat).contiguous();
+        s.qkv_bias.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + qkv_n);
+      }
+      layers_.push_back(std::move(s));
+      layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
+    }
+    TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // The most rows one call takes. From kDecodeOnceRows4 (int4) or kDecodeOnceRows8 (int8) rows
+  // on, its matmuls decode each weight tile once, as int4_linear / int8_linear do.
+  int64_t max_rows() const { return kMaxRows; }
+
+  // Once, for run_tokens: the embedding table [V, hidden], the rotary tables cos, sin [P, D]
+  // (P positions, already rounded to bfloat16) and the final norm weight [hidden].
+  void bind_io(at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm) {
+    const int64_t hidden = layers_[0].ln1.numel(), D = layers_[0].k_cache.size(3);
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.is_contiguous() &&
+                    embed.scalar_type() == at::kBFloat16,
+                "DecodeStack.bind_io: embed must be contiguous bfloat16 [V, ", hidden, "]");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes() &&
+                    cos.is_contiguous() && sin.is_contiguous() &&
+                    cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+                "DecodeStack.bind_io: cos/sin must be contiguous bfloat16 [P, ", D, "]");
+    TORCH_CHECK(final_norm.dim() == 1 && final_norm.numel() == hidden &&
+                    final_norm.is_contiguous() && final_norm.scalar_type() == at::kBFloat16,
+                "DecodeStack.bind_io: final_norm must be contiguous bfloat16 [", hidden, "]");
+    embed_ = embed, cos_ = cos, sin_ = sin, final_norm_ = final_norm;
+  }
+
+  // A whole decode step from token ids and positions (int64 [M]): the embedding rows and
+  // rotary rows gathered here, every layer as run(), then the final
+  // residual add + RMSNorm. Returns the normalised hidden states [M, hidden], the same bits
+  // as embedding, indexing cos/sin, run() and fused_add_rms_norm one op after another: those
+  // small ops cost ~50 us of a ~1.6 ms one-stream step between two steps' streams of weights.
+  at::Tensor run_tokens(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping,
+                        at::Tensor block_tables, at::Tensor context_lens) {
+    TORCH_CHECK(embed_.defined(), "DecodeStack.run_tokens: call bind_io first");
+    const int64_t M = input_ids.numel(), hidden = embed_.size(1), D = cos_.size(1);
+    for (const auto* t : {&input_ids, &positions})
+      TORCH_CHECK(t->dim() == 1 && t->numel() == M && t->is_contiguous() && t->scalar_type() == at::kLong,
+                  "DecodeStack.run_tokens: input_ids and positions must be contiguous int64 [M]");
+    TORCH_CHECK(M >= 1 && M <= kMaxRows, "DecodeStack takes 1 to ", kMaxRows, " rows, got ", M);
+    using BF = c10::BFloat16;
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t V = embed_.size(0), P = cos_.size(0);
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(ids[m] >= 0 && ids[m] < V, "DecodeStack.run_tokens: input_ids[", m, "] = ", ids[m],
+                  " is outside the vocabulary (", V, ")");
+      TORCH_CHECK(pos[m] >= 0 && pos[m] < P, "DecodeStack.run_tokens: positions[", m, "] = ", pos[m],
+                  " is outside the rotary table (", P, " positions)");
+    }
+    at::Tensor residual = at::empty({M, hidden}, embed_.options());
+    at::Tensor rot = at::empty({2, M, D}, embed_.options());
+    BF* res = residual.data_ptr<BF>();
+    BF* rc = rot.data_ptr<BF>();
+    const BF* emb = embed_.data_ptr<BF>();
+    const BF* ct = cos_.data_ptr<BF>();
+    const BF* st = sin_.data_ptr<BF>();
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(res + m * hidden, emb + ids[m] * hidden, sizeof(BF) * hidden);
+      std::memcpy(rc + m * D, ct + pos[m] * D, sizeof(BF) * D);
+      std::memcpy(rc + (M + m) * D, st + pos[m] * D, sizeof(BF) * D);
+    }
+    const at::Tensor delta = run(residual, rot[0], rot[1], slot_mapping, block_tables, context_lens);
+    at::Tensor out = at::empty({M, hidden}, embed_.options());
+    const BF* dp = delta.data_ptr<BF>();
+    const BF* w = final_norm_.data_ptr<BF>();
+    BF* op = out.data_ptr<BF>();
+    const float eps = static_cast<float>(eps_);
+    at::parallel_for(0, M, std::max<int64_t>(1, 32768 / hidden), [&](int64_t a, int64_t b) {
+      for (int64_t m = a; m < b; ++m)
+        add_rms_row<BF>(dp + m * hidden, res + m * hidden, w, op + m * hidden, hidden, eps);
+    });
+    return out;
+  }
+
+  // run_tokens with its inputs as lists (ids, positions, slots: M each; tables: M rows of
+  // equal width, flattened; context lengths: M), turned into tensors here rather than by
+  // one PyTorch call each.
+  at::Tensor run_lists(std::vector<int64_t> input_ids, std::vector<int64_t> positions,
+                       std::vector<int64_t> slots, std::vector<int64_t> tables,
+                       std::vector<int64_t> context_lens) {
+    const int64_t M = static_cast<int64_t>(input_ids.size());
+    TORCH_CHECK(M >= 1 && positions.size() == input_ids.size() && slots.size() == input_ids.size() &&
+                    context_lens.size() == input_ids.size() && tables.size() % M == 0,
+                "DecodeStack.run_lists: input_ids, positions, slots and context_lens need one "
+                "entry per row, and tables M equal rows");
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    const auto i32 = at::TensorOptions().dtype(at::kInt);
+    at::Tensor ids_t = at::empty({M}, i64), pos_t = at::empty({M}, i64), slot_t = at::empty({M}, i64);
+    std::memcpy(ids_t.data_ptr<int64_t>(), input_ids.data(), sizeof(int64_t) * M);
+    std::memcpy(pos_t.data_ptr<int64_t>(), positions.data(), sizeof(int64_t) * M);
+    std::memcpy(slot_t.data_ptr<int64_t>(), slots.data(), sizeof(int64_t) * M);
+    const int64_t MB = static_cast<int64_t>(tables.size()) / M;
+    at::Tensor tab_t = at::empty({M, MB}, i32), len_t = at::empty({M}, i32);
+    int32_t* tp = tab_t.data_ptr<int32_t>();
+    int32_t* lp = len_t.data_ptr<int32_t>();
+    for (size_t i = 0; i < tables.size(); ++i) {
+      TORCH_CHECK(tables[i] >= 0 && tables[i] <= INT32_MAX, "DecodeStack.run_lists: block id ",
+                  tables[i], " out of range");
+      tp[i] = static_cast<int32_t>(tables[i]);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(context_lens[m] >= 1 && context_lens[m] <= INT32_MAX,
+                  "DecodeStack.run_lists: context_lens[", m, "] = ", context_lens[m], " out of range");
+      lp[m] = static_cast<int32_t>(context_lens[m]);
+    }
+    return run_tokens(ids_t, pos_t, slot_t, tab_t, len_t);
+  }
+
+  // All layers for M decode rows: residual [M, hidden] (the embeddings) is updated in place
+  // and the last layer's MLP output returned (the model adds it before its final norm).
+  at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                 at::Tensor block_tables, at::Tensor context_lens) {
+    TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
+                    residual.device().is_cpu() && residual.size(1) == layers_[0].ln1.numel(),
+                "DecodeStack: residual must be contiguous bfloat16 [M, ", layers_[0].ln1.numel(), "] on the CPU");
+    const int64_t M = residual.size(0);
+    TORCH_CHECK(M >= 1 && M <= kMaxRows, "DecodeStack takes 1 to ", kMaxRows, " rows, got ", M);
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
+                    slot_mapping.numel() == M,
+                "DecodeStack: block_tables, context_lens and slot_mapping need one row per token");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                    context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+                "DecodeStack: block_tables and context_lens must be contiguous int32");
+    check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(1),
+                       layers_[0].k_cache.size(1), "DecodeStack");
+    const int64_t D = layers_[0].k_cache.size(3);
+    for (const auto* t : {&cos, &sin})
+      TORCH_CHECK(t->dim() == 2 && t->size(0) == M && t->size(1) == D && t->is_contiguous() &&
+                      t->scalar_type() == at::kBFloat16,
+                  "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", D, "]");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+                "DecodeStack: slot_mapping must be contiguous int64");
+    check_slots(slot_mapping.data_ptr<int64_t>(), M,
+                layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1), "DecodeStack");
+    if (D == 64) return run_impl<64>(residual, cos, sin, slot_mapping, block_tables, context_lens);
+    if (D == 128) return run_impl<128>(residual, cos, sin, slot_mapping, block_tables, context_lens);
+    return run_impl<0>(residual, cos, sin, slot_mapping, block_tables, context_lens);
+  }
+
+ private:
+  // One parallel region for the whole step. Per layer: the norm and qkv_proj; rotary + KV
+  // write; attention, each thread running its share of the work items (the first of whose
+  // K/V it prefetched while streaming the previous matmul); then o_proj .. down_proj, the norm and
+  // SiLU between them. Row steps split the rows, matmuls the tiles.
+  template <int DT>
+  at::Tensor run_impl(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens) {
+    using BF = c10::BFloat16;
+    using Attention = DecodeAttention<BF, DT>;
+    const int64_t M = residual.size(0), hidden = residual.size(1);
+    const int64_t D = layers_[0].k_cache.size(3);
+    const int64_t qkv_n = layers_[0].qkv.N, inter = layers_[0].gu.N / 2;
+    const auto opts = residual.options();
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const BF* cos_p = cos.data_ptr<BF>();
+    const BF* sin_p = sin.data_ptr<BF>();
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    const int nthreads = std::max(1, at::get_num_threads());
+    // The step's activations, one buffer each for all layers (each is consumed before the
+    // next layer writes it); `out` is returned.
+    at::Tensor out = at::empty({M, hidden}, opts);
+    const at::Tensor bufs = at::empty({M, 2 * hidden + qkv_n + heads_ * D + 2 * hidden + 3 * inter}, opts);
+    BF* h1 = bufs.data_ptr<BF>();
+    BF* qkv_out = h1 + M * hidden;
+    BF* attn = qkv_out + M * qkv_n;
+    BF* o_out = attn + M * heads_ * D;
+    BF* h2 = o_out + M * hidden;
+    BF* gu_out = h2 + M * hidden;
+    BF* act = gu_out + M * 2 * inter;
+    BF* res = residual.data_ptr<BF>();
+    BF* delta = out.data_ptr<BF>();
+    // Group sums for each linear's input (sized for the largest layer; unused from the
+    // decode-once sizes on, where the kernels take the rows as they are).
+    auto sums_size = [&](QLinear StackLayer::*q) {
+      int64_t n = 0;
+      for (const StackLayer& s : layers_) n = std::max(n, M * ((s.*q).K / (s.*q).group()));
+      return n;
+    };
+    std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),
+        xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down));
+    // One plan for every layer (it depends only on the lengths); each layer sets its caches.
+    const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, block_tables);
+    Attention att(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale, nthreads, attn);
+
+    team_region([&](Team& t) {
+      AttnShare share;
+      share.plan(att, kv0, t.tid, t.n);
+      auto kv_rows = [&](size_t l) {  // prefetch this thread's K/V rows of layer l, in step
+        share.start();
+        const void* k = layers_[l].k_cache.data_ptr();
+        const void* v = layers_[l].v_cache.data_ptr();
+        return [&share, k, v](double frac) { share.advance(k, v, frac); };
+      };
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const StackLayer& s = layers_[l];
+        // Norm + qkv_proj (layer 0: the K/V rows come in here; later layers: during the
+        // previous layer's gate_up_proj).
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          const BF* w = s.ln1.data_ptr<BF>();
+          for (int64_t m = m0; m < m1; ++m) {
+            if (l) add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
+            else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
+          }
+          s.qkv.sums(h1, M, m0, m1, xs1.data());
+        }, s.qkv);
+        if (l == 0) t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, kv_rows(0));
+        else t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
+        // Rotary + KV write, then attention: each thread its items.
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          BF* kc = s.k_cache.data_ptr<BF>();
+          BF* vc = s.v_cache.data_ptr<BF>();
+          for (int64_t m = m0; m < m1; ++m)
+            rotary_token<BF>(qkv_out + m * qkv_n, cos_p + m * D, sin_p + m * D, kc + slots[m] * kv_heads_ * D,
+                             vc + slots[m] * kv_heads_ * D, heads_, kv_heads_, D);
+        }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, block_tables)); });
+        t.guarded([&] {
+          for (int64_t it = share.i0; it < share.i1; ++it) att.run_item(it);
+        });
+        t.barrier();
+        // o_proj .. down_proj.
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          att.finish(static_cast<int>(m0), static_cast<int>(m1));
+          s.o.sums(attn, M, m0, m1, xs2.data());
+        }, s.o);
+        t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          const BF* w = s.ln2.data_ptr<BF>();
+          for (int64_t m = m0; m < m1; ++m)
+            add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
+          s.gu.sums(h2, M, m0, m1, xs3.data());
+        }, s.gu);
+        if (l + 1 < layers_.size()) t.matmul(s.gu, h2, xs3, gu_out, M, &s.down, kv_rows(l + 1));
+        else t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          for (int64_t m = m0; m < m1; ++m)
+            silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+          s.down.sums(act, M, m0, m1, xs4.data());
+        }, s.down);
+        t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+      }
+    });
+    return out;
+  }
+
+  std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
+  std::vector<StackLayer> layers_;
+  double eps_;
+  at::Tensor embed_, cos_, sin_, final_norm_;  // bind_io's, for run_tokens
+  static constexpr int64_t kMaxRows = 4096;
+  int64_t heads_, kv_heads_;
+  double scale_;
+};
