@@ -221,6 +221,7 @@ class QuantLinear(nn.Module):
     """Common parts of the quantised linear layers: shape, bias, kernel choice."""
 
     method = ""
+    packed_tensors = ("qweight", "scales", "mins", "bias")  # what pack_weights moves
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
                  use_kernel: bool | None = None):
@@ -546,9 +547,9 @@ def pack_weights(model: nn.Module, huge: bool = True) -> int:
     pages if not `huge`), in module order (the order a step reads them): the weight stream
     then crosses ~40 pages a step instead of ~19,000 (servelm.hugepages). Returns the bytes
     packed."""
-    fields = [(m, name) for m in model.modules() if isinstance(m, QuantLinear)
+    fields = [(m, name) for m in model.modules() if getattr(m, "packed_tensors", None)
               and m.qweight.device.type == "cpu"
-              for name in ("qweight", "scales", "mins", "bias") if getattr(m, name, None) is not None]
+              for name in m.packed_tensors if getattr(m, name, None) is not None]
     views = hugepages.pack([getattr(m, name) for m, name in fields], huge=huge)
     for (m, name), v in zip(fields, views):
         setattr(m, name, v)
