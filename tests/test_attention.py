@@ -81,16 +81,33 @@ def test_kernel_config_validates_the_field():
 
 def test_the_runner_decides_once_and_the_decode_stack_needs_the_cpu_backend():
     model = _model("cpu")
-    kv = KVCache(model.config, 8, 4, torch.float32, CPU)
+    kv = KVCache(model.config, 16, 4, torch.float32, CPU)
+    binds = []
+    model.bind_decode_layers = binds.append  # what the runner offers the DecodeStack
     auto = ModelRunner(model, kv, CPU)
     assert auto.attention.name == ("cpu" if load_ops("ops") else "reference")
+    assert len(binds) == auto.use_kernels
     ref = ModelRunner(model, kv, CPU, kernels=KernelConfig(attention_backend="reference"))
     # The C++ fused ops still run (cpu_kernels on); attention is the reference's, and the
     # DecodeStack, which reads the cpu backend's ragged decode rows, is not bound.
     assert ref.attention.name == "reference" and ref.use_kernels == auto.use_kernels
-    assert not model.fused_decode
     off = ModelRunner(model, kv, CPU, kernels=KernelConfig(cpu_kernels=False))
     assert off.attention.name == "reference" and not off.use_kernels
+    assert len(binds) == auto.use_kernels
+    # Every combination computes the same step: a prompt, then it and a second prompt's
+    # chunk with a decode.
+    steps = [[SeqInput(list(range(1, 10)), 0, [0, 1, 2])],
+             [SeqInput([11], 9, [0, 1, 2]), SeqInput(list(range(20, 27)), 0, [5, 6])]]
+    with torch.inference_mode():
+        outs = []
+        for runner in (auto, ref, off):
+            kv.data.zero_()
+            outs.append([runner.execute(step) for step in steps])
+    for got in outs[1:]:
+        for (a, rows_a), (b, rows_b) in zip(got, outs[0]):
+            assert sorted(rows_a) == sorted(rows_b)
+            order = lambda rows: sorted(range(len(rows)), key=rows.__getitem__)  # noqa: E731
+            torch.testing.assert_close(a[order(rows_a)], b[order(rows_b)], rtol=1e-4, atol=1e-4)
 
 
 def test_the_flag_and_the_keyword_reach_kernel_config(monkeypatch):
