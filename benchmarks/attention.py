@@ -29,10 +29,13 @@ import time
 
 import torch
 
-from servelm.engine.model_runner import SeqInput, _build_group
+from servelm.attention import cpu as cpu_attention
+from servelm.attention import get_backend
+from servelm.attention.cpu import paged_prefill_attention
+from servelm.attention.metadata import build_group
+from servelm.attention.reference import paged_attention
+from servelm.engine.model_runner import SeqInput
 from servelm.kernels import load_ops
-from servelm.models import layers
-from servelm.models.layers import paged_attention, paged_prefill_attention
 
 
 def bench(fn, min_time=1.0, warmup=3):
@@ -64,7 +67,7 @@ def attention(B: int, L: int, dtype: torch.dtype, bs: int = 16, kvh: int = 3, g:
         res["kernel"] = bench(lambda: op(q, k_cache, v_cache, tables, lens, scale))
     # Eager path: one group (all the same length), built as the runner builds it.
     seqs = [SeqInput([0], L - 1, perm[b].tolist()) for b in range(B)]
-    grp = _build_group(seqs, 0, bs, g, torch.device("cpu"))
+    grp = build_group(seqs, 0, bs, g, torch.device("cpu"))
     res["gather+sdpa"] = bench(lambda: paged_attention(q, k_cache, v_cache, grp, scale))
     kv_bytes = 2 * B * L * kvh * d * k_cache.element_size()
     return {k: (v, kv_bytes / v / 1e9) for k, v in res.items()}
@@ -96,7 +99,7 @@ def prefill_attention(Q: int, C: int, dtype: torch.dtype, B: int = 1, bs: int = 
     perm = torch.randperm(num_blocks)[:B * per_seq].view(B, per_seq)
     q = torch.randn(B * Q, kvh * g, d).to(dtype)
     seqs = [SeqInput([0] * Q, C, perm[b].tolist()) for b in range(B)]
-    grp = _build_group(seqs, 0, bs, g, torch.device("cpu"))
+    grp = build_group(seqs, 0, bs, g, torch.device("cpu"))
     scale = d ** -0.5
     res = {}
     if load_ops("ops"):
@@ -127,7 +130,7 @@ def engine_ttft(prompt_len: int = 512, reps: int = 7) -> None:
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
     runner = llm.engine.runner
     sp = SamplingParams(temperature=0, max_tokens=1)
-    have = runner.use_kernels
+    have, backend = runner.use_kernels, runner.attention
     modes = {"kernels (flash prompt attn)": (True, paged_prefill_attention),
              "kernels, SDPA prompt attn": (True, paged_attention),
              "eager (cpu_kernels off)": (False, paged_prefill_attention)}
@@ -138,13 +141,15 @@ def engine_ttft(prompt_len: int = 512, reps: int = 7) -> None:
         for i in range(reps + 1):
             prompt = [1 + (7 * i + j) % 40000 for j in range(prompt_len)]
             for name, (use, fn) in modes.items():
-                runner.use_kernels, layers.paged_prefill_attention = use, fn
+                runner.use_kernels, cpu_attention.paged_prefill_attention = use, fn
+                runner.attention = get_backend("cpu" if use else "reference")
                 t0 = time.perf_counter()
                 llm.generate([prompt], sp)
                 if i:  # the first round warms up
                     times[name].append(time.perf_counter() - t0)
     finally:
-        runner.use_kernels, layers.paged_prefill_attention = have, paged_prefill_attention
+        runner.use_kernels, cpu_attention.paged_prefill_attention = have, paged_prefill_attention
+        runner.attention = backend
     print(f"{'mode':28} {'median':>8} {'best':>8}")
     for name, ts in times.items():
         print(f"{name:28} {statistics.median(ts) * 1e3:8.1f} {min(ts) * 1e3:8.1f}", flush=True)
@@ -214,10 +219,15 @@ def engine_table(args) -> None:
     from servelm import LLM
     llm = LLM(dtype="bfloat16", kv_cache_memory=(5 << 29))
     runner = llm.engine.runner
-    have = runner.use_kernels
+    have, backend = runner.use_kernels, runner.attention
     paths = (True, False) if have else (False,)
-    for use in paths:  # warm-up: first calls, allocator, kernel load
+
+    def use_path(use: bool) -> None:  # the C++ kernels throughout, or the eager reference
         runner.use_kernels = use
+        runner.attention = get_backend("cpu" if use else "reference")
+
+    for use in paths:  # warm-up: first calls, allocator, kernel load
+        use_path(use)
         engine_decode(llm, 64, 32, max_tokens=8)
     print(f"\n# engine decode, bf16 SmolLM2-135M, greedy, 64 new tokens per stream")
     print(f"{'batch':>5} {'prompt':>6} {'kernels tok/s':>14} {'eager tok/s':>12} "
@@ -226,9 +236,9 @@ def engine_table(args) -> None:
     for B, L in runs:
         got = {}
         for use in paths:
-            runner.use_kernels = use
+            use_path(use)
             got[use] = engine_decode(llm, B, L)
-        runner.use_kernels = have
+        runner.use_kernels, runner.attention = have, backend
         k, e = got.get(True, float("nan")), got[False]
         print(f"{B:5d} {L:6d} {k:14.1f} {e:12.1f} {B / k * 1e3:16.2f} {B / e * 1e3:14.2f}",
               flush=True)

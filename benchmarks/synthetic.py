@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from servelm.attention import get_backend
 from servelm.cli import int_list, positive
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
@@ -154,7 +155,7 @@ def main() -> None:
                                         max_graph_batch=max(batches))
     if "gather" in modes:
         runners["gather"] = ModelRunner(model, kv, device)
-        runners["gather"].triton_attention = False
+        runners["gather"].attention = get_backend("reference")
     runner = runners["eager"]
     bits = torch.empty(0, dtype=dtype).element_size() * 8
     shape = ModelShape.from_config(cfg, weight_bits=quantized_bits_per_weight(
@@ -163,7 +164,7 @@ def main() -> None:
     print(f"{args.shape} ({cfg.num_params / 1e9:.2f} B params), {args.dtype}"
           f"{', ' + args.quantization if args.quantization else ''}, {name}; roofline at "
           f"{bw / 1e9:.0f} GB/s and {peak / 1e12:.1f} TFLOP/s; C++ kernels: {runner.use_kernels}; "
-          f"Triton decode attention: {runner.triton_attention}",
+          f"attention backend: {runner.attention.name}",
           flush=True)
 
     gen = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Iterator
 
-from servelm.config import KERNEL_TUNING, KV_CACHE_DTYPES, LINEAR_METHODS
+from servelm.config import ATTENTION_BACKENDS, KERNEL_TUNING, KV_CACHE_DTYPES, LINEAR_METHODS
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server.tools import TOOL_CALL_PARSERS
@@ -99,6 +99,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache in plain pages, not 2 MB huge pages")
     k.add_argument("--no-triton", dest="triton_attention", action="store_false",
                    help="CUDA: gather + SDPA attention instead of the Triton kernels")
+    k.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="attention over the paged KV cache: servelm's C++ kernels (cpu), "
+                        "Triton (CUDA), or gather + SDPA (reference); default auto: cpu "
+                        "where the C++ kernels run, else triton where it runs, else "
+                        "reference. One that cannot run here is refused at start-up")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -129,7 +134,7 @@ def build_llm(args):
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
                hugepages=args.hugepages, triton_attention=args.triton_attention,
-               kv_cache_dtype=args.kv_cache_dtype,
+               attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                speculative_config=getattr(args, "speculative_config", None))
 
 

@@ -14,6 +14,9 @@ KERNEL_TUNING = ("off", "cached", "fresh")
 # How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
 # (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# How attention runs over the paged KV cache (servelm.attention): "auto" picks the C++
+# kernels on the CPU, Triton on CUDA, else the gather + SDPA reference.
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 INVARIANCE_COST = 1.10  # batch_invariant=None: invariant where it costs at most 10% more
 
 
@@ -87,8 +90,21 @@ class KernelConfig:
     fused_decode: bool = True      # decode-only steps on the DecodeStack (one C++ call)
     hugepages: bool = True         # weights and KV cache in 2 MB transparent huge pages
     triton_attention: bool = True  # CUDA: Triton attention in place over the block tables
+    # servelm.attention's backend, chosen once at start-up: "auto" (cpu where the C++ kernels
+    # run, else triton where it runs, else reference) or one by name, refused at start-up
+    # (ValueError) where it cannot run.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "cpu" and self.cpu_kernels is False:
+            raise ValueError("attention_backend 'cpu' runs servelm's C++ kernels, which "
+                             "cpu_kernels=False turns off")
+        if self.attention_backend == "triton" and self.triton_attention is False:
+            raise ValueError("attention_backend 'triton' runs the Triton kernels, which "
+                             "triton_attention=False turns off")
         if self.linear_method not in LINEAR_METHODS:
             raise ValueError(f"linear_method must be one of {', '.join(LINEAR_METHODS)}, "
                              f"got {self.linear_method!r}")

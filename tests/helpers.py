@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from servelm.attention import get_backend
 from servelm.engine.model_runner import SeqInput
 
 
@@ -21,6 +24,20 @@ def run_seqs(engine, seqs: list[tuple[list[int], int, str]]) -> torch.Tensor:
     logits, rows = engine.runner.execute(inputs)
     order = sorted(range(len(rows)), key=lambda r: rows[r])
     return logits[order]
+
+
+@contextmanager
+def runner_path(runner, kernels: bool = False, attention: str | None = None):
+    """Within: the runner's steps on servelm's C++ kernels (fused ops, the cpu attention
+    backend) or, kernels False, the eager reference (PyTorch ops, reference attention);
+    `attention` names another backend. The path it had is restored after."""
+    saved = runner.use_kernels, runner.attention
+    runner.use_kernels = kernels
+    runner.attention = get_backend(attention or ("cpu" if kernels else "reference"))
+    try:
+        yield runner
+    finally:
+        runner.use_kernels, runner.attention = saved
 
 
 def tile_targets(module: torch.nn.Module, names: tuple[str, ...]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelm.attention import get_backend
 from servelm.cli import add_engine_args, build_llm  # noqa: F401  (the flag's contract)
 from servelm.config import EngineConfig
 from servelm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, table_width
@@ -42,9 +43,9 @@ def _setup(device, capture, dtype=torch.float32, max_batch=8, num_blocks=64,
     eager = ModelRunner(model, kv, torch.device(device))
     # The eager PyTorch reference (gather + SDPA attention), what CUDA runs without graphs
     # or Triton.
-    eager.use_kernels = eager.triton_attention = False
+    eager.use_kernels, eager.attention = False, get_backend("reference")
     graphs = DecodeGraphs(model, kv, torch.device(device), max_batch=max_batch, capture=capture,
-                          triton_attention=triton_attention)
+                          attention=get_backend("triton" if triton_attention else "reference"))
     return model, kv, eager, graphs
 
 
@@ -148,7 +149,7 @@ def test_a_long_context_among_short_ones_is_left_to_the_eager_path():
     row's own keys, the padded step replays too, and gives the eager path's logits."""
     model, kv, eager, graphs = _setup("cpu", False, max_batch=16, num_blocks=256)
     ragged = DecodeGraphs(model, kv, torch.device("cpu"), max_batch=16, capture=False,
-                          triton_attention=True)
+                          attention=get_backend("triton"))
     seqs = _Seqs([2] * 15 + [200], kv.num_blocks)
     with torch.inference_mode():
         eager.execute([seqs.prompt(i) for i in range(16)])
@@ -179,7 +180,7 @@ def test_a_runner_with_graphs_takes_them_for_decodes_only():
             return out
 
     runner = ModelRunner(model, kv, torch.device("cpu"))
-    runner.use_kernels = False
+    runner.use_kernels, runner.attention = False, get_backend("reference")
     runner.graphs = Recording(model, kv, torch.device("cpu"), max_batch=4, capture=False)
     seqs = _Seqs([6, 2], kv.num_blocks)
     runner.execute([seqs.prompt(0), seqs.prompt(1)])

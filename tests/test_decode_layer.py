@@ -67,7 +67,7 @@ def _setup(cfg, lens, seed=1):
         seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
         at += nb
     batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
-                                   torch.device("cpu"), kernels=True)
+                                   torch.device("cpu"), "cpu", kernels=True)
     return batch, data, caches
 
 
@@ -182,7 +182,7 @@ def test_decode_stack_rejects_bad_arguments():
     assert s.num_layers() == 2
     x = torch.randn(rows, cfg.hidden_size).bfloat16()
     cos = sin = torch.ones(rows, cfg.head_dim).bfloat16()
-    args = (batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens)
+    args = (batch.slot_mapping, batch.attn.decodes.block_tables, batch.attn.decodes.context_lens)
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="DecodeStack takes 1 to 4096 rows, got 4097"):
             s.run(torch.randn(4097, cfg.hidden_size).bfloat16(), cos, sin, *args)

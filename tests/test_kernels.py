@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servelm.attention.cpu import paged_prefill_attention
+from servelm.attention.metadata import build_group
+from servelm.attention.reference import paged_attention
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.models.layers import (fused_add_rms_norm_ref, paged_decode_attention_ref,
                                    rms_norm_ref, rotary_kv_write_ref, silu_and_mul_ref)
+from tests.helpers import runner_path
 
 pytestmark = pytest.mark.skipif(not load_ops("ops"), reason="servelm C++ kernels unavailable")
 
@@ -182,15 +186,16 @@ def test_kernel_batch_puts_decodes_first_with_ragged_tables():
             SeqInput([5], 19, [0, 1]),                       # context 20
             SeqInput([6], 1999, list(range(10, 135))),       # context 2000
             SeqInput(list(range(20)), 16, [7, 8, 9], sample=False)]  # chunk, no logits
-    batch, sampled = build_forward_batch(seqs, bs, 3, torch.device("cpu"), kernels=True)
-    assert batch.kernels and batch.num_decodes == 2
-    assert batch.decode_context_lens.tolist() == [20, 2000]
-    assert batch.decode_block_tables.dtype == torch.int32
-    assert batch.decode_block_tables.shape == (2, 125)
-    assert batch.decode_block_tables[0, :3].tolist() == [0, 1, 0]
+    batch, sampled = build_forward_batch(seqs, bs, 3, torch.device("cpu"), "cpu", kernels=True)
+    dec = batch.attn.decodes
+    assert batch.kernels and batch.attn.backend.name == "cpu" and dec.num == 2
+    assert dec.context_lens.tolist() == [20, 2000]
+    assert dec.block_tables.dtype == torch.int32
+    assert dec.block_tables.shape == (2, 125)
+    assert dec.block_tables[0, :3].tolist() == [0, 1, 0]
     assert batch.input_ids.tolist()[:2] == [5, 6]
     assert batch.slot_mapping.tolist()[:2] == [1 * bs + 3, 134 * bs + 15]
-    assert [(g.start, g.end) for g in batch.groups] == [(2, 5), (5, 25)]
+    assert [(g.start, g.end) for g in batch.attn.groups] == [(2, 5), (5, 25)]
     assert sampled == [1, 2, 0] and batch.logits_indices.tolist() == [0, 1, 4]
 
 
@@ -214,11 +219,8 @@ def test_fp32_engine_with_kernels_matches_eager_greedy(llm):
     long_prompt = " ".join(TEXT_PROMPTS) * 8  # a few hundred tokens: several blocks
     prompts = TEXT_PROMPTS[:3] + [long_prompt]
     got = _greedy(llm, prompts, 12)
-    runner.use_kernels = False
-    try:
+    with runner_path(runner, kernels=False):
         want = _greedy(llm, prompts, 12)
-    finally:
-        runner.use_kernels = True
     assert got == want
 
 
@@ -233,8 +235,8 @@ def test_fp32_chunked_prefill_mixed_steps_match_eager(gguf_path):
         pytest.skip("engine runs without kernels")
     prompts = [TEXT_PROMPTS[0], " ".join(TEXT_PROMPTS) * 4, TEXT_PROMPTS[3]]
     got = _greedy(llm, prompts, 10)
-    runner.use_kernels = False
-    want = _greedy(llm, prompts, 10)
+    with runner_path(runner, kernels=False):
+        want = _greedy(llm, prompts, 10)
     assert got == want
 
 
@@ -254,7 +256,7 @@ def test_sampled_only_forward_is_the_full_forward_at_the_sampled_rows(llm, kerne
                 SeqInput(list(range(500, 540)), 0, bm.block_table("so-c"), sample=False)]
         batch, sampled = build_forward_batch(seqs, runner.kv_cache.block_size,
                                              runner.num_queries_per_kv, runner.device,
-                                             kernels=kernels)
+                                             "cpu" if kernels else "reference", kernels=kernels)
         assert sampled == [0, 1]
         kv = runner.kv_cache
         ours = torch.tensor([b for o in owners for b in bm.block_table(o)])
@@ -277,11 +279,10 @@ def test_sampled_only_forward_is_the_full_forward_at_the_sampled_rows(llm, kerne
 def _prefill_setup(specs, kvh, g, d, bs, dtype, seed=0):
     """The same data as _prefill_op_setup (below), as the engine's AttnGroup for the layer
     function: q, the caches and the group built from each sequence's block table."""
-    from servelm.engine.model_runner import _build_group
     q, kc, vc, tables, _, _ = _prefill_op_setup(specs, kvh, g, d, bs, dtype, seed)
     seqs = [SeqInput(list(range(n)), s, tables[b, :-(-(s + n) // bs)].tolist())
             for b, (s, n) in enumerate(specs)]
-    return q, kc, vc, _build_group(seqs, 0, bs, g, torch.device("cpu"))
+    return q, kc, vc, build_group(seqs, 0, bs, g, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -290,7 +291,6 @@ def _prefill_setup(specs, kvh, g, d, bs, dtype, seed=0):
                                    [(100, 16), (0, 16)], [(0, 200)], [(40, 520)]])
 def test_prefill_attention_matches_sdpa(dtype, g, specs):
     # The kernel path's prompt attention (group -> int32 metadata -> the flash-style op) vs SDPA.
-    from servelm.models.layers import paged_attention, paged_prefill_attention
     q, kc, vc, grp = _prefill_setup(specs, kvh=3, g=g, d=64, bs=16, dtype=dtype)
     got = paged_prefill_attention(q, kc, vc, grp, 0.125)
     assert got.dtype == dtype and got.shape == (q.shape[0], q.shape[1] * 64)
@@ -415,8 +415,7 @@ def test_paged_prefill_attention_op_rejects_bad_arguments():
 
 
 def test_prefill_attention_other_head_dim_falls_back_to_sdpa():
-    # layers.paged_prefill_attention sends head dims the op does not take to SDPA.
-    from servelm.models.layers import paged_attention, paged_prefill_attention
+    # The cpu backend's paged_prefill_attention sends head dims the op does not take to SDPA.
     q, kc, vc, grp = _prefill_setup([(0, 9), (17, 4)], kvh=2, g=2, d=40, bs=16, dtype=torch.float32)
     got = paged_prefill_attention(q, kc, vc, grp, 0.2)
     torch.testing.assert_close(got, paged_attention(q, kc, vc, grp, 0.2), atol=1e-6, rtol=1e-5)
@@ -434,6 +433,6 @@ def test_fp32_prefix_cache_hit_with_kernels_matches_eager(gguf_path):
     base = " ".join(TEXT_PROMPTS) * 3
     prompts = [base, base + " And then", base[:-7] + " The end of"]
     got = [_greedy(llm, [p], 8)[0] for p in prompts]   # one by one: later ones hit the cache
-    runner.use_kernels = False
-    want = [_greedy(llm, [p], 8)[0] for p in prompts]
+    with runner_path(runner, kernels=False):
+        want = [_greedy(llm, [p], 8)[0] for p in prompts]
     assert got == want

@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 
+from servelm.attention import AttnGroup
+from servelm.attention.reference import paged_attention
 from servelm.config import CacheConfig, KernelConfig
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.models import kv_quant
-from servelm.models.layers import (AttnGroup, paged_attention, paged_decode_attention_ref,
-                                   rotary_kv_write_ref)
+from servelm.models.layers import paged_decode_attention_ref, rotary_kv_write_ref
 from tests.test_cuda_graphs import DEVICES, _model, _Seqs
 from tests.test_quantization import TEXT
 
@@ -89,8 +90,8 @@ def test_reference_gather_dequantises_what_it_reads(dtype, H, KVH, D, page):
     # A group of two prompt chunks: 3 tokens of row 1 from its start, row 2's last 4.
     seqs = [SeqInput([0] * 3, 0, tables[1].tolist()), SeqInput([0] * 4, 33, tables[2].tolist())]
     # (Grouped as for Triton: all prompt chunks in one padded group.)
-    batch, _ = build_forward_batch(seqs, page, H // KVH, torch.device("cpu"), triton_attention=True)
-    grp: AttnGroup = batch.groups[0]
+    batch, _ = build_forward_batch(seqs, page, H // KVH, torch.device("cpu"), "triton")
+    grp: AttnGroup = batch.attn.groups[0]
     qp = torch.randn(7, H, D)
     want = paged_attention(qp, kd, vd, grp, D ** -0.5)
     got = paged_attention(qp, kq, vq, grp, D ** -0.5, scales=(ks, vs))
@@ -173,7 +174,7 @@ def test_fp8_with_the_cpu_kernels_is_refused_at_start_up_naming_the_field():
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
         ModelRunner(model, kv, torch.device("cpu"))
     runner = ModelRunner(model, kv, torch.device("cpu"), kernels=KernelConfig(cpu_kernels=False))
-    assert not runner.use_kernels
+    assert not runner.use_kernels and runner.attention.name == "reference"
 
 
 # ---------------------------------------------------------------- Triton (interpreter on CPU)
@@ -237,6 +238,7 @@ def test_every_cpu_path_on_an_int8_cache_matches_the_reference_and_the_float_cac
     if load_ops("ops"):
         runner = _runner(torch.int8, cpu_kernels=True)
         assert runner.use_kernels and not runner.model.fused_decode  # per-op path, no stack
+        assert runner.attention.name == "cpu"
         torch.testing.assert_close(_steps(runner), ref, rtol=1e-4, atol=1e-4)
     # Quantisation moves logits by a little, not nothing.
     assert 0 < (ref - full).abs().max() < 0.15 * full.abs().max()
@@ -253,7 +255,7 @@ def test_graph_steps_write_and_read_the_quantised_pool(device, capture, dtype):
     eager = _runner(dtype, cpu_kernels=False, spare_block=True, device=device)
     kv = eager.kv_cache
     graphs = DecodeGraphs(eager.model, kv, torch.device(device), max_batch=4, capture=capture,
-                          triton_attention=eager.triton_attention)
+                          attention=eager.attention)
     seqs = _Seqs([3, 9, 6], kv.num_blocks)
     with torch.inference_mode():
         eager.execute([seqs.prompt(i) for i in range(3)])
@@ -297,6 +299,7 @@ def _teacher_forced(model, kv_cache, use_kernels, ids, chunk=128):
         for s in range(0, len(ids), chunk):
             seq = SeqInput(ids[s:s + chunk], s, table, True)
             batch, _ = build_forward_batch([seq], kv_cache.block_size, g, torch.device("cpu"),
+                                           "cpu" if use_kernels else "reference",
                                            kernels=use_kernels)
             out.append(model.compute_logits(model(batch, kv_cache.layers)).float())
     return torch.cat(out)

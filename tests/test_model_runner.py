@@ -21,7 +21,7 @@ def test_decodes_of_very_different_lengths_are_not_padded_together():
     batch, sampled = build_forward_batch(seqs, BS, 3, torch.device("cpu"))
     # Two decode groups (2 blocks; 125 blocks) and the prompt: nobody is padded to 2,000 keys
     # but the one sequence that attends to them.
-    assert [(g.end - g.start, g.block_tables.shape[1] * BS) for g in batch.groups] == \
+    assert [(g.end - g.start, g.block_tables.shape[1] * BS) for g in batch.attn.groups] == \
         [(2, 32), (1, 2000), (3, 16)]
     # Flat order: decodes (short bucket, long bucket) then the prompt; rows map back.
     assert batch.input_ids.tolist() == [5, 7, 6, 8, 9, 10]
@@ -37,7 +37,7 @@ def test_chunk_that_does_not_sample_has_no_logits_row():
             SeqInput([1], 40, _table(3, 5))]
     batch, sampled = build_forward_batch(seqs, BS, 3, torch.device("cpu"))
     assert sampled == [1] and batch.logits_indices.tolist() == [0]
-    prefill = batch.groups[-1]
+    prefill = batch.attn.groups[-1]
     # Causal: query q of the chunk sees keys 0..q only.
     m = prefill.mask[0, 0]  # rows ordered (group head, query)
     assert m[0].nonzero().flatten().tolist() == [0]

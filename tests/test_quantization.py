@@ -362,7 +362,7 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
         seq = SeqInput(ids, 0, bm.block_table("all-logits"), True)
         batch, _ = build_forward_batch([seq], runner.kv_cache.block_size,
                                        runner.num_queries_per_kv, runner.device,
-                                       kernels=runner.use_kernels)
+                                       runner.attention, kernels=runner.use_kernels)
         with torch.inference_mode():
             hidden = engine.model(batch, runner.kv_cache.layers)
             assert hidden.shape[0] == len(ids)

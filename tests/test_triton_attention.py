@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from servelm.attention import get_backend
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput, build_forward_batch
 from servelm.kernels import triton_attention as ta
 from servelm.models.layers import paged_decode_attention_ref
@@ -198,16 +199,14 @@ def test_triton_can_be_turned_off(monkeypatch):
     Triton kernels pass their probe."""
     from servelm.config import KernelConfig
 
-    from servelm.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "_triton_works", lambda *a: True)
+    monkeypatch.setattr(ta, "works", lambda *a: True)
     model = _model("cpu")
     kv = KVCache(model.config, 8, BS, torch.float32, torch.device("cpu"))
     # Building a runner touches no device memory: the CUDA decision is made without a GPU.
     dev = torch.device("cuda")
-    assert ModelRunner(model, kv, dev).triton_attention
+    assert ModelRunner(model, kv, dev).attention.name == "triton"
     off = ModelRunner(model, kv, dev, kernels=KernelConfig(triton_attention=False))
-    assert not off.triton_attention
+    assert off.attention.name == "reference"
 
 
 def test_runner_attends_in_place_through_triton():
@@ -218,20 +217,21 @@ def test_runner_attends_in_place_through_triton():
     model = _model(DEV.type)
     kv = KVCache(model.config, 128, BS, torch.float32, DEV)
     runner = ModelRunner(model, kv, DEV)
-    runner.use_kernels = False
-    assert runner.triton_attention == (DEV.type == "cuda")
+    assert (runner.attention.name == "triton") == (DEV.type == "cuda")
+    runner.use_kernels, runner.attention = False, get_backend("reference")
     seqs = _Seqs([3, 150, 9, 40, 5, 30], kv.num_blocks)
     runner.execute([seqs.prompt(i) for i in range(4)])
     runner.execute([SeqInput(seqs.tokens[5][:20], 0, seqs.table(5, 20), False)])
     step = ([seqs.decode(i, 7 + i) for i in range(4)] + [seqs.prompt(4)]
             + [SeqInput(seqs.tokens[5][20:], 20, seqs.table(5, 30))])
-    batch, _ = build_forward_batch(step, BS, 2, DEV, triton_attention=True)
-    assert batch.triton_attention and [g.end - g.start for g in batch.groups] == [4, 15]
+    batch, _ = build_forward_batch(step, BS, 2, DEV, "triton")
+    assert batch.attn.backend.name == "triton"
+    assert [g.end - g.start for g in batch.attn.groups] == [4, 15]
     saved = kv.data.clone()
-    runner.triton_attention = True
+    runner.attention = get_backend("triton")
     got, got_rows = runner.execute(step)
     kv.data.copy_(saved)
-    runner.triton_attention = False
+    runner.attention = get_backend("reference")
     want, want_rows = runner.execute(step)
     assert sorted(got_rows) == sorted(want_rows) == [0, 1, 2, 3, 4, 5]
     order = lambda rows: sorted(range(len(rows)), key=rows.__getitem__)  # noqa: E731

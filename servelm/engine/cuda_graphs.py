@@ -37,8 +37,9 @@ from typing import Callable
 
 import torch
 
-from servelm.engine.model_runner import decode_lists
-from servelm.models.layers import AttnGroup, ForwardBatch
+from servelm.attention import AttentionBackend, AttentionMetadata, AttnGroup, get_backend
+from servelm.attention.metadata import decode_lists
+from servelm.models.layers import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +73,20 @@ class DecodeGraphs:
     forwards of `model` over `kv_cache`; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, kv_cache, device: torch.device,
-                 max_batch: int = 256, capture: bool = True, triton_attention: bool = False):
-        """triton_attention: attention reads each row's own keys in place (Triton), so padded
-        tables cost nothing and any batch of decodes may replay a graph."""
+                 max_batch: int = 256, capture: bool = True,
+                 attention: AttentionBackend | None = None):
+        """attention: the runner's backend (default the reference); one that reads each
+        row's own keys in place (Triton) makes padded tables cost nothing, so any batch of
+        decodes may replay a graph."""
         if kv_cache.pad_block is None:
             raise ValueError("CUDA graphs need a KV cache with a spare block (spare_block=True)")
         if capture and torch.device(device).type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_cache, self.device = model, kv_cache, torch.device(device)
         self.capture = capture
-        self.triton_attention = triton_attention
+        self.attention = attention or get_backend("reference")
+        if self.attention.name == "cpu":  # its decodes are ragged rows, not one padded group
+            raise ValueError("CUDA graphs take the reference or triton attention backend")
         self.block_size = bs = kv_cache.block_size
         self.pad_block = kv_cache.pad_block
         self.batch_sizes = graph_batch_sizes(max_batch)
@@ -115,9 +120,8 @@ class DecodeGraphs:
                           block_size=self.block_size,
                           num_queries_per_kv=self.num_queries_per_kv)
         batch = ForwardBatch(input_ids=buf[:B], positions=positions,
-                             slot_mapping=buf[2 * B:3 * B], groups=[group],
-                             logits_indices=self._arange[:B],
-                             triton_attention=self.triton_attention)
+                             slot_mapping=buf[2 * B:3 * B], logits_indices=self._arange[:B],
+                             attn=AttentionMetadata(self.attention, [group]))
         hidden = self.model(batch, self.kv_cache.layers)
         return self.model.lm_head(hidden)
 
@@ -163,7 +167,7 @@ class DecodeGraphs:
         B = self._padded_batch(n)
         W = table_width(max(s.start_pos // bs + 1 for s in seqs))
         attended = sum(s.start_pos + 1 for s in seqs)
-        if W > self.max_blocks or (not self.triton_attention
+        if W > self.max_blocks or (not self.attention.reads_in_place
                                    and B * W * bs > MAX_KEY_PADDING * attended + 64 * bs):
             return None
         ids, pos, slots, tables, _, _ = decode_lists(seqs, bs, width=W, pad_block=pad)

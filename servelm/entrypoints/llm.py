@@ -33,7 +33,8 @@ class LLM:
                  kernel_tuning: str = "cached", linear_method: str = "auto",
                  batch_invariant: bool | None = None, cpu_kernels: bool = True,
                  fused_decode: bool = True, hugepages: bool = True,
-                 triton_attention: bool = True, tuning_cache_dir: str | None = None,
+                 triton_attention: bool = True, attention_backend: str = "auto",
+                 tuning_cache_dir: str | None = None,
                  kv_cache_dtype: str = "auto",
                  speculative_config: dict | SpeculativeConfig | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
@@ -49,7 +50,8 @@ class LLM:
             kernels=KernelConfig(cpu_kernels=cpu_kernels, linear_method=linear_method,
                                  tuning=kernel_tuning, tuning_cache_dir=tuning_cache_dir,
                                  batch_invariant=batch_invariant, fused_decode=fused_decode,
-                                 hugepages=hugepages, triton_attention=triton_attention),
+                                 hugepages=hugepages, triton_attention=triton_attention,
+                                 attention_backend=attention_backend),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype),

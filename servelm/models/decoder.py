@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
     def decode_step(self, input_ids: list[int], positions: list[int], slots: list[int],
                     tables: list[int], context_lens: list[int]) -> torch.Tensor:
         """A decode-only step that decode_stack_takes, from plain lists (as
-        model_runner.decode_lists builds them): the final hidden states [M, hidden], the same
+        servelm.attention.metadata.decode_lists builds them): the final hidden states [M, hidden], the same
         bits as forward() on the equivalent batch."""
         return self._decode_stack.run_lists(input_ids, positions, slots, tables, context_lens)
 
@@ -234,10 +234,13 @@ class CausalLM(nn.Module):
         1/num_layers of the prompt's matmuls)."""
         n, last = batch.input_ids.shape[0], len(self.layers) - 1
         rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
-        fused = batch.kernels and batch.num_decodes == n and self.decode_stack_takes(kv_caches, n)
+        # The DecodeStack takes a step of decodes only, as the cpu backend's ragged rows.
+        dec = batch.attn.decodes
+        fused = (batch.kernels and dec is not None and dec.num == n
+                 and self.decode_stack_takes(kv_caches, n))
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
             return self._decode_stack.run_tokens(batch.input_ids, batch.positions, batch.slot_mapping,
-                                                 batch.decode_block_tables, batch.decode_context_lens)
+                                                 dec.block_tables, dec.context_lens)
         x = self.embed(batch.input_ids)
         tables = [self.rotary.cos_sin(batch.positions, x.dtype)]
         if self.rotary_local is not None:
@@ -248,7 +251,7 @@ class CausalLM(nn.Module):
             if fused:
                 cos, sin = tables[0]
                 delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
-                                               batch.decode_block_tables, batch.decode_context_lens)
+                                               dec.block_tables, dec.context_lens)
                 if rows is not None:
                     delta, x = delta[rows], x[rows]
             else:

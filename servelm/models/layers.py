@@ -1,10 +1,12 @@
-"""Building blocks shared by model families: RMSNorm, rotary embedding, paged attention, gated MLP."""
+"""Building blocks shared by model families: RMSNorm, rotary embedding, attention (its
+projections, norms and rotary; the attention over the paged cache is servelm.attention's),
+gated MLP."""
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,75 +14,8 @@ from torch import nn
 
 from servelm.models import kv_quant
 
-
-@dataclass
-class AttnGroup:
-    """Sequences whose attention runs as one padded batch (all decodes, or all prefills).
-
-    The group covers the flat tokens [start, end). Its sequences are padded to the
-    longest query (Q) and the longest context (L = num_blocks * block_size).
-    """
-
-    start: int
-    end: int
-    pad_index: torch.Tensor     # [B, Q] long: flat token (relative to start) of each padded slot
-    unpad_index: torch.Tensor   # [end - start] long: padded slot (b * Q + q) of each flat token
-    block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
-    # [B, Q] long: absolute position of each padded query slot (padding: 0, so it sees key 0).
-    query_pos: torch.Tensor
-    start_pos: list[int]        # host copy: each sequence's first query position
-    block_size: int
-    num_queries_per_kv: int     # G: query heads sharing one KV head
-
-    @functools.cached_property
-    def mask(self) -> torch.Tensor:
-        """[B, 1, G * Q, L] bool, True = may attend; rows ordered (group, query). Built on
-        first use (the eager SDPA path, once per step); the kernel path's causal softmax
-        masks from query_pos and never builds it."""
-        return self.window_mask(None)
-
-    def window_mask(self, window: int | None) -> torch.Tensor:
-        """`mask`, and with a sliding window only the last `window` keys (the query's own
-        included: key > pos - window); one mask per window, built once a step."""
-        masks = self.__dict__.setdefault("_masks", {})
-        if window not in masks:
-            B, Q = self.query_pos.shape
-            g = self.num_queries_per_kv
-            keys = torch.arange(self.block_tables.shape[1] * self.block_size,
-                                device=self.query_pos.device).view(1, 1, -1)    # [1, 1, L]
-            pos = self.query_pos.unsqueeze(-1)                                  # [B, Q, 1]
-            mask = keys <= pos                                                  # causal
-            if window is not None:
-                mask &= keys > pos - window
-            masks[window] = mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
-        return masks[window]
-
-    def fits_window(self, window: int | None) -> bool:
-        """Whether no query of the group has a key outside `window` (then windowed
-        attention equals causal attention, and kernels without a window may run it)."""
-        return window is None or max(self.start_pos) + self.pad_index.shape[1] <= window
-
-    @functools.cached_property
-    def context_lens(self) -> torch.Tensor:
-        """[B] int32: keys each sequence attends to at its last query (built on first use,
-        by the Triton decode attention, and shared by the layers)."""
-        return (self.query_pos[:, -1] + 1).to(torch.int32)
-
-    @functools.cached_property
-    def prefill_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The prompt-attention kernels' (C++, Triton) int32 view: block tables [B, max_blocks],
-        cumulative query counts [B + 1] (each sequence's tokens are consecutive) and first
-        positions [B]. Built on the first layer's call and shared by the others."""
-        B, Q = self.pad_index.shape
-        n = self.end - self.start
-        dev = self.block_tables.device
-        if n == B * Q:  # every sequence has Q queries
-            cu = torch.arange(0, n + 1, Q, dtype=torch.int32, device=dev)
-        else:
-            cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
-            cu[1:] = torch.bincount(self.unpad_index // Q, minlength=B).cumsum(0)
-        return (self.block_tables.to(torch.int32).contiguous(), cu,
-                torch.tensor(self.start_pos, dtype=torch.int32, device=dev))
+if TYPE_CHECKING:
+    from servelm.attention import AttentionMetadata
 
 
 @dataclass
@@ -90,19 +25,13 @@ class ForwardBatch:
     input_ids: torch.Tensor       # [T] long, all scheduled tokens flattened
     positions: torch.Tensor       # [T] long
     slot_mapping: torch.Tensor    # [T] long: block_id * block_size + offset of each token's KV
-    groups: list[AttnGroup]
     logits_indices: torch.Tensor  # [S] long: flat tokens whose next-token logits are needed
-    # C++ kernel path (decided once by the ModelRunner): the first `num_decodes` flat tokens
-    # are single-query rows attended by `paged_decode_attention` over these tables (ragged
-    # lengths, no padding groups); `groups` then cover only the prompt chunks after them.
+    # The attention backend's metadata for this step (servelm.attention), the backend with it;
+    # the flat tokens are in the order that backend attends them.
+    attn: AttentionMetadata
+    # servelm's C++ fused ops (decided once by the ModelRunner): add + RMSNorm, rotary + KV
+    # write, SiLU-and-mul, the DecodeStack; else their PyTorch references.
     kernels: bool = False
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
-    # CUDA with Triton (decided once by the ModelRunner): every group is attended in place
-    # over its block tables (kernels/triton_attention.py), ragged lengths, no gather, mask
-    # or padding; one group of decodes, one of prompt chunks. Otherwise gather + SDPA.
-    triton_attention: bool = False
 
 
 # ---- fused CPU kernels (servelm/kernels/csrc/ops.cpp) and their PyTorch references ----------
@@ -279,59 +208,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    group: AttnGroup, scale: float, window: int | None = None,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Attention of one group's queries over keys/values read through its block tables.
-
-    q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
-    Returns [n, H * D]. Grouped-query heads share their KV head without copying it:
-    the G query heads of one KV head are laid out as G * Q rows of one attention call.
-    A quantised cache comes with its (k, v) scales [num_blocks, block_size, KVH]: the
-    gathered blocks are dequantised to q's dtype (never the whole cache).
-    """
-    B, Q = group.pad_index.shape
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
-    h = q.shape[1]
-    g = h // kvh
-    qp = q[group.pad_index]                                          # [B, Q, H, D]
-    qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
-    # Whole blocks are copied as rows (index_select on a 2-D view is several times faster
-    # than advanced indexing of the 4-D cache).
-    flat = group.block_tables.view(-1)
-    k = kv_quant.gather_rows(k_cache.view(k_cache.shape[0], -1), flat)
-    v = kv_quant.gather_rows(v_cache.view(v_cache.shape[0], -1), flat)
-    if scales is not None:
-        ks, vs = (s.view(s.shape[0], -1).index_select(0, flat) for s in scales)
-        k = kv_quant.dequantize(k.view(*ks.shape, d), ks, q.dtype)
-        v = kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
-    k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
-    v = v.view(B, -1, kvh, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.window_mask(window), scale=scale)
-    o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
-    return o[group.unpad_index]
-
-
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            group: AttnGroup, scale: float, window: int | None = None,
-                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> torch.Tensor:
-    """`paged_attention` for prompt chunks on CPU with the C++ kernels: one flash-style op
-    (`servelm_ops.paged_prefill_attention`) reads K/V in place through the block tables,
-    keeps the softmax online in fp32 and skips the masked upper triangle; no padding, gather
-    or score matrix. Head dims it does not take (not a multiple of 16, or above 256), and a
-    sliding window some query's keys overrun, use SDPA. An int8 cache is read with its
-    scales (dequantised as each chunk of keys is packed).
-    """
-    d = q.shape[-1]
-    if d % 16 or d > 256 or not group.fits_window(window):
-        return paged_attention(q, k_cache, v_cache, group, scale, window, scales)
-    tables, cu_q, start_pos = group.prefill_metadata
-    ks, vs = scales or (None, None)
-    return _ops().paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, scale,
-                                          ks, vs)
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped-query KV heads over a paged KV cache.
 
@@ -363,9 +239,20 @@ class Attention(nn.Module):
                 batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """Every token's K/V is written; with rows, only those tokens' outputs are computed
-        past attention (o_proj) and returned."""
+        past attention (o_proj) and returned. Attention itself is the batch's backend's."""
+        # (k, v) or, quantised, (k, v, k_scale, v_scale): see KVCache.layers.
+        k_cache, v_cache, *scales = kv_cache
+        scales = tuple(scales) or None
         if batch.kernels:
-            return self._forward_kernels(x, cos, sin, batch, kv_cache, rows)
+            q = self._qkv_kernels(x, cos, sin, batch, k_cache, v_cache, scales)
+        else:
+            q = self._qkv(x, cos, sin, batch, k_cache, v_cache, scales)
+        out = batch.attn.backend.forward(self, q, k_cache, v_cache, scales, batch.attn)
+        return self.o_proj(out if rows is None else out[rows])
+
+    def _qkv(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache, scales) -> torch.Tensor:
+        """q [T, H, D] after its norm and rotary; k and v written into their slots (the
+        PyTorch reference)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(T, self.num_heads, self.head_dim), k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -373,44 +260,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        # (k, v) or, quantised, (k, v, k_scale, v_scale): see KVCache.layers.
-        k_cache, v_cache, *scales = kv_cache
-        scales = tuple(scales) or None
         ks, vs = scales or (None, None)
         # Each token's K/V is written once, into its slot; attention then reads the cache.
         kv_quant.write(k_cache, ks, batch.slot_mapping, k)
         kv_quant.write(v_cache, vs, batch.slot_mapping, v)
-        if len(batch.groups) == 1:
-            out = self._attend(q, k_cache, v_cache, batch.groups[0], batch.triton_attention,
-                               scales)
-        else:
-            out = torch.cat([self._attend(q[g.start:g.end], k_cache, v_cache, g,
-                                          batch.triton_attention, scales) for g in batch.groups])
-        return self.o_proj(out if rows is None else out[rows])
+        return q
 
-    def _attend(self, q, k_cache, v_cache, group: AttnGroup, use_triton: bool, scales=None):
-        # The Triton kernels take no window: a group some query's keys overrun it uses SDPA.
-        if not use_triton or not group.fits_window(self.window):
-            return paged_attention(q, k_cache, v_cache, group, self.scale, self.window, scales)
-        from servelm.kernels import triton_attention as ta
-
-        Q = group.pad_index.shape[1]
-        if Q == 1:  # one token a row (decodes): split-K over each row's keys
-            return ta.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
-                                             group.context_lens, self.scale, scales=scales)
-        tables, cu_q, start_pos = group.prefill_metadata
-        return ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu_q, start_pos, Q,
-                                          self.scale, scales=scales)
-
-    def _forward_kernels(self, x, cos, sin, batch: ForwardBatch, kv_cache, rows=None
-                         ) -> torch.Tensor:
+    def _qkv_kernels(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache, scales
+                     ) -> torch.Tensor:
+        """`_qkv` on the C++ fused ops: q is a view of the projection, rotated in place."""
         T, d = x.shape[0], self.head_dim
         ops = _ops()
         qkv = self.qkv_proj(x)
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
-        k_cache, v_cache, *scales = kv_cache  # scales: (k, v) of an int8 cache, else none
-        ks, vs = scales or (None, None)
+        ks, vs = scales or (None, None)  # scales: (k, v) of an int8 cache, else none
         if self.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
             q_k = qkv[:, :self.q_size + self.kv_size]
             q_k[:, :self.q_size] = self.q_norm(q_k[:, :self.q_size].view(T, -1, d)).view(T, -1)
@@ -420,21 +284,7 @@ class Attention(nn.Module):
         rotary_kv_write = ops.rotary_kv_write if cos.shape[-1] == d else rotary_kv_write_ref
         rotary_kv_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping,
                         self.num_heads, self.num_kv_heads, ks, vs)
-        q = qkv[:, :self.q_size].view(T, self.num_heads, d)
-        nd = batch.num_decodes
-        outs = []
-        if nd:
-            # Decode rows read K/V in place through their block tables (ragged lengths).
-            o = ops.paged_decode_attention(q if nd == T else q[:nd], k_cache, v_cache,
-                                           batch.decode_block_tables, batch.decode_context_lens,
-                                           self.scale, self.window or 0, ks, vs)
-            outs.append(o.view(nd, self.q_size))
-        # Prompt chunks: flash-style attention over the block tables.
-        outs += [paged_prefill_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale,
-                                         self.window, tuple(scales) or None)
-                 for g in batch.groups]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.o_proj(out if rows is None else out[rows])
+        return qkv[:, :self.q_size].view(T, self.num_heads, d)
 
 
 class GatedMLP(nn.Module):

@@ -1,0 +1,198 @@
+"""The attention backends (servelm.attention): which one start-up picks from KernelConfig,
+and every backend against the reference on the same mixed batch (decodes of ragged lengths,
+whole and chunked prompts, grouped-query heads, a sliding window, quantised caches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm import attention
+from servelm.attention import AttentionSpec, get_backend, select
+from servelm.config import KernelConfig
+from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput, build_forward_batch
+from servelm.kernels import load_ops
+from servelm.kernels import triton_attention as ta
+from servelm.models import kv_quant
+from servelm.models.layers import Attention
+from tests.test_cuda_graphs import _model
+
+CPU = torch.device("cpu")
+
+
+def _spec(device="cpu", kv_dtype=torch.float32, dtype=torch.float32):
+    return AttentionSpec(torch.device(device), dtype, kv_dtype, num_heads=4, num_kv_heads=2,
+                         head_dim=16, block_size=4)
+
+
+# ---------------------------------------------------------------- choosing one at start-up
+
+def test_auto_picks_the_cpu_kernels_where_they_run_else_the_reference():
+    if load_ops("ops"):
+        assert select(KernelConfig(), _spec()).name == "cpu"
+        assert select(KernelConfig(), _spec(kv_dtype=torch.int8)).name == "cpu"
+    else:
+        assert select(KernelConfig(), _spec()).name == "reference"
+    assert select(KernelConfig(cpu_kernels=False), _spec()).name == "reference"
+    # fp8 is no cache the C++ kernels read: auto takes the reference (the runner refuses
+    # fp8 with cpu_kernels on before that, naming kv_cache_dtype).
+    assert select(KernelConfig(), _spec(kv_dtype=torch.float8_e4m3fn)).name == "reference"
+    assert select(KernelConfig(attention_backend="reference"), _spec()).name == "reference"
+
+
+def test_auto_on_cuda_picks_triton_where_its_probe_passes(monkeypatch):
+    monkeypatch.setattr(ta, "available", lambda: True)
+    monkeypatch.setattr(ta, "works", lambda *a: True)
+    assert select(KernelConfig(), _spec("cuda")).name == "triton"
+    assert select(KernelConfig(triton_attention=False), _spec("cuda")).name == "reference"
+    monkeypatch.setattr(ta, "works", lambda *a: False)
+    assert select(KernelConfig(), _spec("cuda")).name == "reference"
+    with pytest.raises(ValueError, match="attention_backend 'triton' cannot run.*probe"):
+        select(KernelConfig(attention_backend="triton"), _spec("cuda"))
+
+
+def test_an_explicit_backend_that_cannot_run_is_refused_naming_the_field(monkeypatch):
+    with pytest.raises(ValueError, match="attention_backend 'triton' cannot run.*CUDA"):
+        select(KernelConfig(attention_backend="triton"), _spec())
+    with pytest.raises(ValueError, match="attention_backend 'cpu' cannot run.*CPU"):
+        select(KernelConfig(attention_backend="cpu"), _spec("cuda"))
+    with pytest.raises(ValueError, match="attention_backend 'cpu' cannot run.*fp8"):
+        select(KernelConfig(attention_backend="cpu"), _spec(kv_dtype=torch.float8_e4m3fn))
+    monkeypatch.setattr(attention.cpu, "load_ops", lambda name: False)
+    with pytest.raises(ValueError, match="attention_backend 'cpu' cannot run.*not built"):
+        select(KernelConfig(attention_backend="cpu"), _spec())
+    assert select(KernelConfig(), _spec()).name == "reference"  # auto: no kernels, no cpu
+    # Through the runner, at start-up.
+    model = _model("cpu")
+    kv = KVCache(model.config, 8, 4, torch.float32, CPU)
+    with pytest.raises(ValueError, match="attention_backend 'triton'"):
+        ModelRunner(model, kv, CPU, kernels=KernelConfig(attention_backend="triton"))
+
+
+def test_kernel_config_validates_the_field():
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, "
+                                         "cpu, triton, got 'sdpa'"):
+        KernelConfig(attention_backend="sdpa")
+    with pytest.raises(ValueError, match="attention_backend 'cpu'.*cpu_kernels=False"):
+        KernelConfig(attention_backend="cpu", cpu_kernels=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton'.*triton_attention=False"):
+        KernelConfig(attention_backend="triton", triton_attention=False)
+
+
+def test_the_runner_decides_once_and_the_decode_stack_needs_the_cpu_backend():
+    model = _model("cpu")
+    kv = KVCache(model.config, 16, 4, torch.float32, CPU)
+    binds = []
+    model.bind_decode_layers = binds.append  # what the runner offers the DecodeStack
+    auto = ModelRunner(model, kv, CPU)
+    assert auto.attention.name == ("cpu" if load_ops("ops") else "reference")
+    assert len(binds) == auto.use_kernels
+    ref = ModelRunner(model, kv, CPU, kernels=KernelConfig(attention_backend="reference"))
+    # The C++ fused ops still run (cpu_kernels on); attention is the reference's, and the
+    # DecodeStack, which reads the cpu backend's ragged decode rows, is not bound.
+    assert ref.attention.name == "reference" and ref.use_kernels == auto.use_kernels
+    off = ModelRunner(model, kv, CPU, kernels=KernelConfig(cpu_kernels=False))
+    assert off.attention.name == "reference" and not off.use_kernels
+    assert len(binds) == auto.use_kernels
+    # Every combination computes the same step: a prompt, then it and a second prompt's
+    # chunk with a decode.
+    steps = [[SeqInput(list(range(1, 10)), 0, [0, 1, 2])],
+             [SeqInput([11], 9, [0, 1, 2]), SeqInput(list(range(20, 27)), 0, [5, 6])]]
+    with torch.inference_mode():
+        outs = []
+        for runner in (auto, ref, off):
+            kv.data.zero_()
+            outs.append([runner.execute(step) for step in steps])
+    for got in outs[1:]:
+        for (a, rows_a), (b, rows_b) in zip(got, outs[0]):
+            assert sorted(rows_a) == sorted(rows_b)
+            order = lambda rows: sorted(range(len(rows)), key=rows.__getitem__)  # noqa: E731
+            torch.testing.assert_close(a[order(rows_a)], b[order(rows_b)], rtol=1e-4, atol=1e-4)
+
+
+def test_the_flag_and_the_keyword_reach_kernel_config(monkeypatch):
+    from servelm.cli import make_parser
+    from servelm.entrypoints import llm as llm_module
+
+    for cmd in (["generate", "hi"], ["chat"], ["serve"]):
+        assert make_parser().parse_args(cmd).attention_backend == "auto"
+        args = make_parser().parse_args([*cmd, "--attention-backend", "reference"])
+        assert args.attention_backend == "reference"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["generate", "hi", "--attention-backend", "flash"])
+    seen = []
+    monkeypatch.setattr(llm_module, "LLMEngine", seen.append)
+    llm_module.LLM(attention_backend="reference")
+    assert seen[0].kernels.attention_backend == "reference"
+
+
+# ---------------------------------------------------------------- every backend vs the reference
+
+BS = 4
+# (start, tokens): decodes (contexts 1, 6, 30, 70); a whole prompt; chunks continuing a
+# context (one inside a window of 8, alone in its group; a long one late in its context);
+# and a chunk that does not sample (the last).
+_SEQS = [(0, 1), (5, 1), (29, 1), (69, 1), (0, 13), (2, 5), (20, 9), (40, 25), (16, 20)]
+
+
+def _batch_inputs(seqs_spec, H, KVH, D, kv_dtype, seed=0):
+    """SeqInputs over scattered blocks of one pool, the pool filled at random (quantised
+    with its scales for int8 / fp8), and q per KV slot (so every backend's flat order
+    reads the same q for a token)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(s + n) // BS) for s, n in seqs_spec]
+    nb = sum(need) + 2
+    free = torch.randperm(nb, generator=g).tolist()
+    seqs = [SeqInput(list(range(n)), s, [free.pop() for _ in range(k)],
+                     sample=(i != len(seqs_spec) - 1))
+            for i, ((s, n), k) in enumerate(zip(seqs_spec, need))]
+    k = torch.randn(nb, BS, KVH, D, generator=g)
+    v = torch.randn(nb, BS, KVH, D, generator=g)
+    scales = None
+    if kv_quant.is_quantized(kv_dtype):
+        (k, ks), (v, vs) = kv_quant.quantize(k, kv_dtype), kv_quant.quantize(v, kv_dtype)
+        scales = (ks, vs)
+    q_by_slot = torch.randn(nb * BS, H, D, generator=g)
+    return seqs, k, v, scales, q_by_slot
+
+
+def _attend(backend, layer, seqs, k, v, scales, q_by_slot, g, device=CPU):
+    """The backend's output per token, rows in slot order (comparable across backends)."""
+    batch, _ = build_forward_batch(seqs, BS, g, device, backend)
+    slots = batch.slot_mapping
+    q = q_by_slot[slots.cpu()].to(device)
+    dev = lambda t: t.to(device)  # noqa: E731
+    out = backend.forward(layer, q, dev(k), dev(v),
+                          None if scales is None else tuple(map(dev, scales)), batch.attn)
+    assert out.shape == (q.shape[0], layer.q_size)
+    return out.cpu()[slots.cpu().argsort()]
+
+
+def _backends():
+    out = [pytest.param("cpu", marks=pytest.mark.skipif(not load_ops("ops"),
+                                                         reason="C++ kernels unavailable"))]
+    return out + [pytest.param("triton", marks=pytest.mark.skipif(
+        not ta.available(), reason="Triton not installed"))]
+
+
+@pytest.mark.parametrize("name", _backends())
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv_dtype):
+    """Decodes of ragged lengths and prompt chunks (from the start, continuing a context,
+    one that does not sample) in one step, G = 3 query heads per KV head; with a window of
+    8 the decodes and the chunks whose keys overrun it take each backend's windowed path or
+    its fallback to the reference. Each backend orders the flat tokens its own way: rows
+    are compared token by token."""
+    backend = get_backend(name)
+    spec = AttentionSpec(CPU, torch.float32, kv_dtype, 6, 2, 32, BS)
+    device = CPU
+    if name == "triton":  # compiled on a GPU, else in Triton's interpreter (conftest.py)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif backend.unsupported(spec) is not None:
+        pytest.skip(backend.unsupported(spec))
+    layer = Attention(64, 6, 2, 32, window=window)
+    seqs, k, v, scales, q_by_slot = _batch_inputs(_SEQS, 6, 2, 32, kv_dtype)
+    want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
+    got = _attend(backend, layer, seqs, k, v, scales, q_by_slot, 3, device)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
