@@ -151,25 +151,38 @@ def row_invariant(module: nn.Module, x: torch.Tensor) -> bool:
 
 
 def _time_sweep(mods: list[nn.Module], x: torch.Tensor) -> float:
-    """Seconds per call: the best of a few sweeps over `mods` (one call each)."""
+    """Seconds per call of one sweep over `mods` (one call each)."""
+    t0 = time.perf_counter()
     for m in mods:
-        m(x)  # warm-up: oneDNN builds its primitive for this shape on the first call
-    times: list[float] = []
-    while len(times) < MAX_REPS and (len(times) < MIN_REPS or sum(times) < TARGET_S):
-        t0 = time.perf_counter()
+        m(x)
+    return (time.perf_counter() - t0) / len(mods)
+
+
+def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor) -> dict[str, float]:
+    """Seconds per call of each method's sweep: the best of a few rounds, each round timing
+    every method once in turn, so a machine whose load drifts (other processes, frequency)
+    weighs on every method alike rather than on whichever was timed during a busy spell."""
+    for mods in sweeps.values():
         for m in mods:
-            m(x)
-        times.append(time.perf_counter() - t0)
-    return min(times) / len(mods)
+            m(x)  # warm-up: oneDNN builds its primitive for this shape on the first call
+    best = {k: math.inf for k in sweeps}
+    rounds, spent = 0, 0.0
+    while rounds < MAX_REPS and (rounds < MIN_REPS or spent < TARGET_S * len(sweeps)):
+        for k, mods in sweeps.items():
+            t = _time_sweep(mods, x)
+            best[k] = min(best[k], t)
+            spent += t * len(mods)
+        rounds += 1
+    return best
 
 
 @torch.inference_mode()
 def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: int = 0,
             time_it: bool = True) -> tuple[dict[str, list[float]], list[str], list[str]]:
     """Time each method over layers of one shape (srcs) at every bucket's row count (unless
-    not time_it: one method, nothing to compare). Returns µs per call by method and bucket,
-    the methods that failed their known-answer check, and those whose rows are invariant
-    (row_invariant).
+    not time_it: one method, nothing to compare), the methods interleaved round by round.
+    Returns µs per call by method and bucket, the methods that failed their known-answer
+    check, and those whose rows are invariant (row_invariant).
 
     A bucket past one whose calls already take EXTRAPOLATE_S is compute-bound for every
     method: its time is the previous bucket's scaled by the rows, not measured (an LM
@@ -181,32 +194,38 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
     x_inv = torch.randn(128, src0.in_features, generator=g).to(act)
+    n = len(lm.BUCKET_ROWS)
     times: dict[str, list[float]] = {}
     failed, invariant = [], []
+    built: dict[str, list[nn.Module]] = {}
     for method in methods:
-        built = [lm.build(method, s, act) for s in (sweep if time_it else sweep[:1])]
-        if not known_answer(built[0], ref_w, bias, x_inv):
+        mods = [lm.build(method, s, act) for s in (sweep if time_it else sweep[:1])]
+        if not known_answer(mods[0], ref_w, bias, x_inv):
             failed.append(method)
-            times[method] = [math.inf] * len(lm.BUCKET_ROWS)
+            times[method] = [math.inf] * n
             continue
-        if row_invariant(built[0], x_inv):
+        if row_invariant(mods[0], x_inv):
             invariant.append(method)
-        if not time_it:
-            continue
-        t: list[float] = []
-        for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
+        built[method] = mods
+        times[method] = []
+    if not time_it:
+        return {m: t for m, t in times.items() if t}, failed, invariant
+    for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
+        timed: dict[str, list[nn.Module]] = {}
+        for method, mods in built.items():
+            t = times[method]
+            if len(t) > i:  # failed at an earlier bucket
+                continue
             if t and t[-1] > EXTRAPOLATE_S * 1e6:
                 t.append(t[-1] * rows / lm.BUCKET_ROWS[i - 1])
-                continue
-            if not known_answer(built[0], ref_w, bias, x):
+            elif not known_answer(mods[0], ref_w, bias, x):
                 failed.append(method)
-                invariant = [m for m in invariant if m != method]
-                t = [math.inf] * len(lm.BUCKET_ROWS)
-                break
-            mods = built if rows <= 8 else built[:1]
-            t.append(_time_sweep(mods, x) * 1e6)
-        times[method] = t
-        del built
+                times[method] = [math.inf] * n
+            else:
+                timed[method] = mods if rows <= 8 else mods[:1]
+        for method, sec in _time_interleaved(timed, x).items():
+            times[method].append(sec * 1e6)
+    invariant = [m for m in invariant if m not in failed]
     return times, failed, invariant
 
 
