@@ -460,17 +460,38 @@ TINY_PROMPTS = [{"prompt_token_ids": [5 + (i * 7) % 23 for i in range(40)]},
                 {"prompt_token_ids": [9, 9, 9, 9, 9, 9]}]
 
 
+# A greedy token may differ between a one-row decode and a (k + 1)-row verification chunk
+# only where the two most likely tokens were this close (fp32 rounding in attention and
+# matmuls differs with the row count; the tiny model's x100 output layers make its logits
+# large, so its rounding differences are too).
+NEAR_TIE = 2e-3
+
+
+def _assert_greedy_equal(plain, spec):
+    """spec's greedy tokens equal plain's (asked with logprobs=2), up to a float near-tie:
+    at the first difference both tokens are plain's top two, their logprobs within
+    NEAR_TIE; the sequences may part from there."""
+    a, b = plain.outputs[0], spec.outputs[0]
+    assert len(a.token_ids) == len(b.token_ids)
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            top = dict(a.logprobs[i].top)
+            assert x in top and y in top and abs(top[x] - top[y]) < NEAR_TIE, (
+                f"token {i}: {y} instead of {x}, plain's top two {a.logprobs[i].top}")
+            return
+
+
 @pytest.mark.parametrize("cpu_kernels", [True, False])
 def test_greedy_is_unchanged_by_speculation_tiny(tiny, cpu_kernels):
     llm = tiny[cpu_kernels]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     plain, _ = _run(llm, False, TINY_PROMPTS, params)
     before = llm.engine.stats.num_spec_draft_tokens
     spec, accepted = _run(llm, True, TINY_PROMPTS, params)
     assert llm.engine.stats.num_spec_draft_tokens > before
     assert accepted > 0
     for a, b in zip(plain, spec):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        _assert_greedy_equal(a, b)
 
 
 def test_mixed_batch_chunked_prefill_n_and_seeds(tiny):
@@ -478,15 +499,16 @@ def test_mixed_batch_chunked_prefill_n_and_seeds(tiny):
     prefilled in chunks, and prefix-cache hits (the same prompts as the plain run)."""
     llm = tiny[True]
     prompts = TINY_PROMPTS + [{"prompt_token_ids": list(range(1000, 1200))}, TINY_PROMPTS[1]]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     sampled = SamplingParams(temperature=1.0, top_k=50, n=2, seed=7, max_tokens=16,
                              ignore_eos=True)
-    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=6), sampled]
+    params = [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+              sampled]
     plain, _ = _run(llm, False, prompts, params)
     spec, accepted = _run(llm, True, prompts, params)
     assert accepted > 0
     for a, b in zip(plain[:4], spec[:4]):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        _assert_greedy_equal(a, b)
     again, _ = _run(llm, True, prompts, params)  # seeded sampling: reproducible
     assert [o.token_ids for o in again[4].outputs] == [o.token_ids for o in spec[4].outputs]
     assert spec[4].outputs[0].token_ids != spec[4].outputs[1].token_ids
