@@ -201,3 +201,6 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            # Refused before any rank starts (the draft would need its own sharded runner).
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
