@@ -158,29 +158,31 @@ def test_random_draft_rejected_yet_greedy_unchanged(self_draft, tiny_draft, plai
 
 
 def test_mixed_batch_stops_logprobs_preemption_abort_no_leak(self_draft):
-    """Speculating greedy requests beside sampled ones (n = 2), a stop string, logprobs and a
-    prompt prefilled in chunks, in a pool small enough to preempt; then an abort mid-run.
-    Afterwards every block of both pools is free."""
+    """Speculating greedy requests beside sampled ones (n = 2), a stop string, logprobs and
+    prompts prefilled in chunks, in a pool too small for them: the two 60-token prompts
+    growing by 40 tokens each need 14 of the 12 blocks, so one is preempted. Then an abort
+    mid-run. Afterwards every block of both pools is free."""
     llm, eng = self_draft, self_draft.engine
-    prompts = [_chat_ids(llm, p) for p in PROMPTS] + [
-        {"prompt_token_ids": list(range(1000, 1100))},  # chunked (budget 64)
-        _chat_ids(llm, PROMPTS[0])]
-    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
-    sampled = SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=12)
-    params = [greedy, SamplingParams(temperature=0, max_tokens=24, stop=[" France"]),
-              SamplingParams(temperature=0, max_tokens=6), sampled]
-    pre0 = eng.scheduler.num_preemptions
+    prompts = [{"prompt_token_ids": list(range(1000, 1060))},  # chunked (budget 64)
+               {"prompt_token_ids": list(range(2000, 2060))},
+               _chat_ids(llm, PROMPTS[1]), _chat_ids(llm, PROMPTS[0])]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1), greedy,
+              SamplingParams(temperature=0, max_tokens=16, stop=[" France"]),
+              SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=8, ignore_eos=True)]
     plain, _, _ = _run(llm, False, prompts, params)
+    pre0 = eng.scheduler.num_preemptions
     spec, drafted, accepted = _run(llm, True, prompts, params)
     assert drafted > 0 and accepted > 0
-    assert eng.scheduler.num_preemptions > pre0  # 5 growing sequences, 192 tokens of pool
+    assert eng.scheduler.num_preemptions > pre0
     for a, b in zip(plain[:3], spec[:3]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    assert spec[2].outputs[0].finish_reason == "stop"  # cut at " France"
     for x, y in zip(plain[0].outputs[0].logprobs, spec[0].outputs[0].logprobs, strict=True):
         assert y.token_id == x.token_id
         assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
-    assert all(len(o.token_ids) == 12 for o in spec[3].outputs)
+    assert all(len(o.token_ids) == 8 for o in spec[3].outputs)
     _assert_pools_free(eng)
 
     # An abort while both pools hold the request's blocks.

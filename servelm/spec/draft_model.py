@@ -50,8 +50,7 @@ def check_vocabulary(path: str, draft_cfg: ModelConfig, draft_tok, target_cfg: M
                          f"{draft_cfg.vocab_size} tokens, the target model "
                          f"{target_cfg.vocab_size}: a draft model must share the target's "
                          f"tokenizer")
-    a = draft_tok._backend.get_vocab(with_added_tokens=True)
-    b = target_tok._backend.get_vocab(with_added_tokens=True)
+    a, b = draft_tok.get_vocab(), target_tok.get_vocab()
     if a != b:
         diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
         t, i = diff[0]
