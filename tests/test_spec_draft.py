@@ -23,17 +23,17 @@ K = 4
 @pytest.fixture(scope="module")
 def self_draft():
     """LLM(speculative_config=draft_model) on the embedded model, drafting for itself; a
-    small KV pool (12 blocks, 192 tokens, per model) and a 64-token budget: long prompts are
+    small KV pool (8 blocks, 128 tokens, per model) and a 64-token budget: long prompts are
     prefilled in chunks and growing requests preempt each other."""
     from servelm import LLM
 
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, fp32
-    llm = LLM(dtype="float32", kernel_tuning="off", kv_cache_memory=12 * 2 * block_bytes,
+    llm = LLM(dtype="float32", kernel_tuning="off", kv_cache_memory=8 * 2 * block_bytes,
               max_num_batched_tokens=64, max_num_seqs=8, admission_lookahead=0,
               speculative_config={"method": "draft_model", "model": default_model_path(),
                                   "num_speculative_tokens": K})
-    assert llm.engine.block_manager.num_blocks == 12  # target and draft share the budget
-    assert llm.engine.speculator.proposer.block_manager.num_blocks == 12
+    assert llm.engine.block_manager.num_blocks == 8  # target and draft share the budget
+    assert llm.engine.speculator.proposer.block_manager.num_blocks == 8
     sp = llm.engine.speculator
     # Whatever this machine measured: speculate every step (a self-draft costs as much as
     # the target, so the roofline alone would never speculate with it).
@@ -103,7 +103,7 @@ def _chat_ids(llm, text: str) -> dict:
 
 PROMPTS = ["Repeat this text exactly: The quick brown fox jumps over the lazy dog.",
            "What is the capital of France?"]
-GREEDY = SamplingParams(temperature=0, max_tokens=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
 def _run(llm, on: bool, prompts, params):
@@ -159,15 +159,15 @@ def test_random_draft_rejected_yet_greedy_unchanged(self_draft, tiny_draft, plai
 
 def test_mixed_batch_stops_logprobs_preemption_abort_no_leak(self_draft):
     """Speculating greedy requests beside sampled ones (n = 2), a stop string, logprobs and
-    prompts prefilled in chunks, in a pool too small for them: the two 60-token prompts
-    growing by 40 tokens each need 14 of the 12 blocks, so one is preempted. Then an abort
+    prompts prefilled in chunks, in a pool too small for them: the two 40-token prompts
+    growing by 30 tokens each need 10 of the 8 blocks, so one is preempted. Then an abort
     mid-run. Afterwards every block of both pools is free."""
     llm, eng = self_draft, self_draft.engine
-    prompts = [{"prompt_token_ids": list(range(1000, 1060))},  # chunked (budget 64)
-               {"prompt_token_ids": list(range(2000, 2060))},
+    prompts = [{"prompt_token_ids": list(range(1000, 1040))},  # chunked (budget 64)
+               {"prompt_token_ids": list(range(2000, 2040))},
                _chat_ids(llm, PROMPTS[1]), _chat_ids(llm, PROMPTS[0])]
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1), greedy,
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1), greedy,
               SamplingParams(temperature=0, max_tokens=16, stop=[" France"]),
               SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=8, ignore_eos=True)]
     plain, _, _ = _run(llm, False, prompts, params)
@@ -187,7 +187,7 @@ def test_mixed_batch_stops_logprobs_preemption_abort_no_leak(self_draft):
 
     # An abort while both pools hold the request's blocks.
     eng.speculator.enabled = True
-    rid = eng.add_request(None, None, SamplingParams(temperature=0, max_tokens=30,
+    rid = eng.add_request(None, None, SamplingParams(temperature=0, max_tokens=20,
                                                      ignore_eos=True),
                           prompt_token_ids=prompts[0]["prompt_token_ids"])
     for _ in range(3):
