@@ -6,7 +6,12 @@ each pair of runs is back to back (the order alternating) and each pair's ratio 
 (`speculator.enabled`), so both sides share weights, kernels and KV pool.
 
     python benchmarks/spec_ab.py [--k 4] [--lookup 1,3] [--pairs 4] [--tokens 128]
-                                 [--streams 1,64] [--dtype float32]
+                                 [--streams 1,64] [--dtype float32] [--model PATH]
+                                 [--draft-model PATH] [--quantization int4]
+
+Prompt lookup (ngram) by default; with --draft-model a smaller model with the target's
+tokenizer drafts (method draft_model), e.g. Qwen2.5-Coder-0.5B for --model
+Qwen2.5-Coder-1.5B (`scripts/fetch_models.py --all`).
 
 Cases: a code edit (a function in the prompt, "rename X to Y"), a repeat-the-text chat (one
 stream each: decode tok/s, from the first token to the last), and the same prompts over many
@@ -49,18 +54,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=positive(int), default=4, help="num_speculative_tokens")
-    ap.add_argument("--lookup", type=int_list, default=[1, 3], help="prompt_lookup_min,max")
+    ap.add_argument("--lookup", type=int_list, default=None,
+                    help="prompt_lookup_min,max (ngram; default 1,3)")
+    ap.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    ap.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="speculate with this draft model (method draft_model), not ngram")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="weight-only quantisation of the target (and the draft)")
     ap.add_argument("--pairs", type=positive(int), default=4)
     ap.add_argument("--tokens", type=positive(int), default=128, help="max_tokens")
     ap.add_argument("--streams", type=int_list, default=[1, 64])
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    if len(args.lookup) != 2:
-        raise SystemExit("--lookup takes two numbers: min,max")
+    if args.draft_model is not None:
+        if args.lookup is not None:
+            ap.error("--lookup is for prompt lookup (ngram), not --draft-model")
+        spec = {"method": "draft_model", "model": args.draft_model,
+                "num_speculative_tokens": args.k}
+        what = f"draft model {args.draft_model}, k={args.k}"
+    else:
+        lookup = args.lookup or [1, 3]
+        if len(lookup) != 2:
+            ap.error("--lookup takes two numbers: min,max")
+        spec = {"method": "ngram", "num_speculative_tokens": args.k,
+                "prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
+        what = f"ngram k={args.k}, lookup {lookup[0]}..{lookup[1]}"
 
-    llm = LLM(dtype=args.dtype, speculative_config={
-        "method": "ngram", "num_speculative_tokens": args.k,
-        "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]})
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              speculative_config=spec)
     eng = llm.engine
     sp = eng.speculator
     tok = llm.get_tokenizer()
@@ -69,10 +90,12 @@ def main() -> None:
                                 add_special_tokens=False)
                for name, text in CASES.items()}
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
-    print(f"ngram k={args.k}, lookup {args.lookup[0]}..{args.lookup[1]}, {args.dtype}; the "
+    cost = (f"; a draft forward costs {sp.draft_cost:.2f} of a target step"
+            if args.draft_model else "")
+    print(f"{what}, {args.dtype}{' ' + args.quantization if args.quantization else ''}; the "
           f"roofline's ridge here: {sp.ridge_tokens:.1f} tokens per weight read "
-          f"({eng.hardware.bandwidth / 1e9:.1f} GB/s, {eng.hardware.flops / 1e9:.0f} GFLOP/s); "
-          f"{args.pairs} pairs per row, alternating which goes first")
+          f"({eng.hardware.bandwidth / 1e9:.1f} GB/s, {eng.hardware.flops / 1e9:.0f} GFLOP/s)"
+          f"{cost}; {args.pairs} pairs per row, alternating which goes first")
 
     def run(on: bool, ids_list: list[list[int]]) -> tuple[float, int]:
         sp.enabled = on

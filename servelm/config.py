@@ -163,9 +163,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
-            if not self.model:
-                raise ValueError("speculative_config model (the draft model's path) is "
-                                 "required for method 'draft_model'")
+            if not self.model or not isinstance(self.model, str):
+                raise ValueError(f"speculative_config model (the draft model's path) is "
+                                 f"required for method 'draft_model', got {self.model!r}")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} is for method 'ngram', "
@@ -217,3 +217,6 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            # Refused before any rank starts (the draft would need its own sharded runner).
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")

@@ -322,6 +322,10 @@ class Tokenizer:
             text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's vocabulary string (added tokens included) -> its id."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def convert_ids_to_tokens(self, ids: int | list[int]) -> list[str]:
         """The vocabulary strings (byte-alphabet spelling) of `ids`."""
         if isinstance(ids, int):

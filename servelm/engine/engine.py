@@ -135,6 +135,7 @@ class LLMEngine:
         max_len = self.model_config.max_position_embeddings
         if sched_cfg.max_model_len is not None:
             max_len = min(max_len, sched_cfg.max_model_len)
+        draft = None
         if config.tensor_parallel_size > 1:
             from servelm.distributed.executor import TPExecutor
             from servelm.models.registry import family_for_architecture
@@ -156,13 +157,19 @@ class LLMEngine:
             # Weight-only quantisation (activations keep self.dtype) and, on CPU, each linear
             # layer's method per row bucket, measured here (or read back): module swaps.
             self.tuning = finalize_linears(self.model, config.quantization, config.kernels)
+            # A draft model (speculative decoding) before the KV pools: its weights come out
+            # of the memory the pools are sized from, and its pool shares their budget.
+            draft = self._load_draft(max_len)
             block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
                                                   self.kv_dtype)
+            draft_bytes = (draft.bytes_per_block(cache_cfg.block_size, self.kv_dtype)
+                           if draft is not None else 0)
             kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
-            num_blocks = kv_bytes // block_bytes
+            # With a draft model, both pools hold the same number of blocks (tokens).
+            num_blocks = kv_bytes // (block_bytes + draft_bytes)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
-                                 f"(one block takes {block_bytes} bytes)")
+                                 f"(one block takes {block_bytes + draft_bytes} bytes)")
             graphs = self.device.type == "cuda" and not config.enforce_eager
             self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
                                     self.kv_dtype, self.device, spare_block=graphs,
@@ -170,6 +177,11 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=graphs,
                                       max_graph_batch=min(256, sched_cfg.max_num_seqs),
                                       kernels=config.kernels)
+            if draft is not None:
+                draft.allocate(num_blocks, cache_cfg.block_size, self.kv_dtype,
+                               cache_cfg.enable_prefix_caching, cuda_graphs=graphs,
+                               max_graph_batch=min(256, sched_cfg.max_num_seqs))
+            block_bytes += draft_bytes
         # A sequence longer than the whole pool could never run.
         self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
@@ -187,7 +199,7 @@ class LLMEngine:
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None
         if config.speculative is not None:
-            self.speculator = self._build_speculator(config.speculative)
+            self.speculator = self._build_speculator(config.speculative, draft, weight_bits)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -204,19 +216,38 @@ class LLMEngine:
                     num_blocks, cache_cfg.block_size, num_blocks * block_bytes / 2**20,
                     self.max_model_len)
 
-    def _build_speculator(self, spec):
+    def _load_draft(self, max_len: int):
+        """speculative_config method draft_model: the draft model, checked and loaded (its
+        KV pool is allocated with the target's); None for any other configuration."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        from servelm.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(spec, self.model_config, self.tokenizer, self.dtype,
+                                  self.device, max_len, self.config.quantization,
+                                  self.config.kernels)
+
+    def _build_speculator(self, spec, draft, weight_bits: float):
         """Speculative decoding (servelm.spec), with the roofline's ridge measured here."""
         from servelm.roofline import measure_hardware, ridge_tokens
         from servelm.spec.speculator import Speculator
 
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         dtype = str(self.dtype).removeprefix("torch.")
         self.hardware = measure_hardware(dtype, self.device.type, seconds=0.2)
         ridge = ridge_tokens(self.shape, self.hardware)
+        draft_cost = 0.0
+        if draft is not None:
+            # One draft forward reads the draft's weights: that share of a target step.
+            draft_shape = ModelShape.from_config(draft.config, weight_bits=weight_bits,
+                                                 kv_bits=16)
+            draft_cost = draft_shape.weight_bytes(1) / self.shape.weight_bytes(1)
         logger.info("speculation: %s, k=%d; a step turns compute-bound at %.1f tokens per "
-                    "weight read (roofline)", spec.method, spec.num_speculative_tokens, ridge)
-        return Speculator(spec, ridge, self.config.scheduler.max_num_batched_tokens)
+                    "weight read (roofline)%s", spec.method, spec.num_speculative_tokens, ridge,
+                    f"; a draft forward costs {draft_cost:.2f} of a target step's weight reads"
+                    if draft is not None else "")
+        return Speculator(spec, ridge, self.config.scheduler.max_num_batched_tokens,
+                          proposer=draft, draft_cost=draft_cost)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -338,6 +369,9 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            for r in sched.preempted:  # recomputed later: the proposer's state goes too
+                self.speculator.release(r)
         if sched.is_empty:
             return []
         now = time.perf_counter()
@@ -477,6 +511,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(req, status)
+        if self.speculator is not None:
+            self.speculator.release(req)  # a draft model's blocks for it
         req.finished_time = time.perf_counter()
 
     def _make_output(self, group: _Group) -> RequestOutput:

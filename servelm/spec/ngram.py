@@ -52,8 +52,15 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, req, k: int) -> list[int]:
-        """Up to k draft tokens to follow req's tokens so far (prompt + output)."""
-        if req.draft_state is None:
-            req.draft_state = NgramIndex(self.min_n, self.max_n)
-        return req.draft_state.propose(req.token_slice(0, req.num_tokens), k)
+    def propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens to follow reqs[i]'s tokens so far (prompt + output)."""
+        out = []
+        for req, k in zip(reqs, ks):
+            if req.draft_state is None:
+                req.draft_state = NgramIndex(self.min_n, self.max_n)
+            out.append(req.draft_state.propose(req.token_slice(0, req.num_tokens), k))
+        return out
+
+    def release(self, req) -> None:
+        """Nothing to drop: the index stays valid (a sequence's tokens never change, and a
+        preempted request keeps them)."""
