@@ -345,16 +345,17 @@ def _group_rss_gib(pgid: int) -> float:
 def _stop_group(proc: subprocess.Popen, grace: float = 60.0) -> None:
     """SIGTERM to the server's whole process group (vLLM: API server, EngineCore and worker),
     SIGKILL to what is left after `grace` seconds; returns when none of it runs."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while _group_pids(proc.pid) and time.monotonic() < deadline:
-        proc.poll()  # reaps the leader
-        time.sleep(0.2)
-    if _group_pids(proc.pid):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait
+        while proc.poll() is None or _group_pids(proc.pid):  # poll() reaps the leader
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        else:
+            return
+    raise RuntimeError(f"process group {proc.pid} still runs after SIGKILL")
 
 
 def _log_tail(path: str, lines: int = 30) -> str:
