@@ -33,12 +33,13 @@ Peers (locations from PEERS_DIR, default /tmp/servelm-peers, and the variables o
 this checkout):
 
 - --vllm: vLLM's OpenAI server (the peers' vllm/serve.sh) against `servelm serve`, both on
-  the peers' HF directory in bf16 and both measured with `servelm bench`, the same client.
-  In each round each server in turn is started, waited for (/v1/models), measured and
-  stopped with its whole process group, so only one holds the cores: TTFT of a 512-token
-  prompt (p50 of --repeats), one stream's 1/TPOT (128 tokens after 16, p50 of
-  --decode-repeats) and output tok/s of --server-prompts 128-in/128-out requests at
-  concurrency 64; also its start-up time and the group's RSS.
+  the peers' HF directory in --server-dtype (bf16; float32 on a CPU without AVX512-BF16) and
+  both measured with `servelm bench`, the same client. In each round each server in turn is
+  started, waited for (/v1/models), measured and stopped with its whole process group, so
+  only one holds the cores: TTFT of a 512-token prompt (p50 of --repeats), one stream's
+  1/TPOT (128 tokens after 16, p50 of --decode-repeats) and output tok/s of
+  --server-prompts 128-in/128-out requests at concurrency 64; also its start-up time and
+  the group's RSS.
 - --openvino: the peers' openvino/bench.py driver, which measures servelm's LLM against
   OpenVINO GenAI in-process (each in its own process) in rounds of its own, after
   compare.py's rounds; its figures join the table and its ratios are taken within its rounds.
@@ -243,7 +244,7 @@ class LlamaBench(System):
 # ------------------------------------------------------------------------------------- peers
 # The engines ../shared/peers sets up (its README): found where its scripts put them, and left
 # out with a one-line reason when they are not there.
-SERVER_MODEL_DTYPE = "bfloat16"  # the peers' HF directory is bf16; both servers run it so
+SERVER_DTYPES = ("bfloat16", "float32")  # the peers' HF directory is bf16: vLLM's default
 OPENVINO_GROUPS = ("int4", "int8", "bf16")  # bench.py's --group
 
 
@@ -452,18 +453,27 @@ class HttpServer(System):
                 "ready_s": ready_s, "rss_gib": rss}
 
 
-def server_pair(serve_sh: str, model_dir: str, prompts: int) -> list[HttpServer]:
-    """`servelm serve` and vLLM (serve.sh) on the same HF directory in bf16."""
+def server_pair(serve_sh: str, model_dir: str, dtype: str, prompts: int) -> list[HttpServer]:
+    """`servelm serve` and vLLM (serve.sh) on the same HF directory in the same dtype.
+    servelm's C++ kernels are built here if they are not yet, so no server's start-up
+    includes a compile."""
+    subprocess.run([sys.executable, "-m", "servelm.kernels"], check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not ours
     env["PEERS_DIR"] = peers_dir()
     env["VLLM_MODEL"] = model_dir
     env.pop("VLLM_PIDFILE", None)
+    # The roofline figures only scale /metrics' utilisation gauges; given, the server skips
+    # probing the machine at start, which takes minutes where bf16 matmul has no fast path
+    # (AVX2), and the start-up time is the engine's.
     servelm = HttpServer(
-        f"servelm serve {SERVER_MODEL_DTYPE}",
+        f"servelm serve {dtype}",
         lambda port: [sys.executable, "-m", "servelm.cli", "serve", "--model", model_dir,
-                      "--dtype", SERVER_MODEL_DTYPE, "--host", "127.0.0.1", "--port", str(port)],
-        dict(os.environ), ready_timeout=300, prompts=prompts)
-    vllm = HttpServer(f"vLLM {SERVER_MODEL_DTYPE}", lambda port: ["bash", serve_sh, str(port)],
+                      "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+                      "--roofline-bandwidth", "1", "--roofline-flops", "1"],
+        dict(os.environ), ready_timeout=600, prompts=prompts)
+    vllm = HttpServer(f"vLLM {dtype}",  # serve.sh's --dtype bfloat16 is overridden by the last
+                      lambda port: ["bash", serve_sh, str(port), "--dtype", dtype],
                       env, ready_timeout=600, prompts=prompts)  # ~1 min of torch.compile a start
     return [servelm, vllm]
 
@@ -560,6 +570,9 @@ def parse_args() -> argparse.Namespace:
                          "directory, both through `servelm bench`")
     ap.add_argument("--server-prompts", type=positive(int), default=128, metavar="N",
                     help="requests in the servers' concurrency-64 case (128 in / 128 out)")
+    ap.add_argument("--server-dtype", default="bfloat16", choices=SERVER_DTYPES,
+                    help="dtype both servers run (float32 where the CPU has no AVX512-BF16: "
+                         "bf16 matmuls fall back to a slow path there)")
     ap.add_argument("--openvino", nargs="?", const="auto", default=None, metavar="BENCH_PY",
                     help="OpenVINO GenAI through the peers' openvino/bench.py driver (no "
                          "path: found under ../shared/peers), after compare.py's rounds")
@@ -643,18 +656,22 @@ def main() -> None:
         systems.append(LlamaBench(args.llama_bench))
     servers: list[HttpServer] = []
     if args.vllm:
-        servers = server_pair(*args.vllm, args.server_prompts)
+        servers = server_pair(*args.vllm, args.server_dtype, args.server_prompts)
         systems += servers
     if not systems and not args.openvino:
         sys.exit("compare.py: nothing to measure")
 
+    # The machine is probed for servelm's rooflines only: with none, or both figures given,
+    # nothing is measured (the bf16 matmul probe takes minutes on a CPU without AVX-512).
+    probe = any(isinstance(s, Servelm) for s in systems) and not (args.bandwidth and args.flops)
     rounds = []
     for rnd in range(args.rounds if systems else 0):
-        hw = measure_hardware("bfloat16", "cpu")
-        bw = args.bandwidth * 1e9 if args.bandwidth else hw.bandwidth
-        peak = args.flops * 1e12 if args.flops else hw.flops
-        print(f"round {rnd + 1}/{args.rounds}: {bw / 1e9:.1f} GB/s read, "
-              f"{peak / 1e12:.2f} TFLOP/s bf16 matmul, {torch.get_num_threads()} threads",
+        hw = measure_hardware("bfloat16", "cpu") if probe else None
+        bw = args.bandwidth * 1e9 if args.bandwidth else hw.bandwidth if hw else float("nan")
+        peak = args.flops * 1e12 if args.flops else hw.flops if hw else float("nan")
+        roof = (f"{bw / 1e9:.1f} GB/s read, {peak / 1e12:.2f} TFLOP/s bf16 matmul, "
+                if bw == bw and peak == peak else "")  # not NaN
+        print(f"round {rnd + 1}/{args.rounds}: {roof}{torch.get_num_threads()} threads",
               file=sys.stderr)
         res = measure_round(systems, rnd, args.repeats, args.decode_repeats)
         for s in systems:
@@ -703,7 +720,7 @@ def main() -> None:
         print(line)
     if servers:
         print(f"\nover HTTP, `servelm bench` against one server at a time "
-              f"({args.vllm[1]}, {SERVER_MODEL_DTYPE}):")
+              f"({args.vllm[1]}, {args.server_dtype}):")
         print(f"{'':<34}{'TTFT 512':>10}{'1/TPOT x1':>12}{'c64 128/128':>13}"
               f"{'ready':>8}{'RSS':>9}")
         for s in servers:
