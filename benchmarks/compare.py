@@ -705,8 +705,9 @@ def main() -> None:
     rows = [s.name for s in systems if not isinstance(s, HttpServer)]
     rows += [n for pair in ov_pairs for n in pair if n not in rows]
     print(f"\n{args.rounds} rounds; each figure the median over the rounds")
-    print(f"{'':<34}{'TTFT 512':>10}{'decode x1':>12}{'decode x64':>12}"
-          f"{'BW limit x1':>13}{'x1 / limit':>11}{'x64 / bf16 peak':>16}")
+    if rows:
+        print(f"{'':<34}{'TTFT 512':>10}{'decode x1':>12}{'decode x64':>12}"
+              f"{'BW limit x1':>13}{'x1 / limit':>11}{'x64 / bf16 peak':>16}")
     for name in rows:
         dec64 = med(name, "decode_64_tok_s")
         line = (f"{name:<34}{med(name, 'ttft_512_s') * 1000:>8.0f}ms"
