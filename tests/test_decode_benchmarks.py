@@ -77,3 +77,125 @@ def test_serving_sweep_rejects_a_non_positive_roofline(capsys):
 def test_soak_rejects_bad_sizes(capsys, args):
     code, err = script_usage_error("soak.py", *args, capsys=capsys)
     assert code == 2 and "--duration" in err
+
+
+# compare.py's peers (../shared/peers): found where its scripts put them, each left out with one
+# line when it is not installed. Fake layouts only: no peer runs, nothing loads.
+def _compare_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_compare_peers",
+                                                  ROOT / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compare():
+    return _compare_module()
+
+
+@pytest.fixture
+def peers(tmp_path, monkeypatch):
+    """A complete fake install: the scripts under scripts/, PEERS_DIR at peers/."""
+    scripts, home = tmp_path / "scripts", tmp_path / "peers"
+    files = {scripts / "vllm" / "serve.sh": False, scripts / "openvino" / "bench.py": False,
+             home / "vllm-venv" / "bin" / "python": True,
+             home / "model" / "smollm2-hf" / "config.json": False,
+             home / "ov-venv" / "bin" / "python": True,
+             home / "ov-model" / "int4" / "openvino_model.xml": False,
+             home / "llama-tools-build" / "bin" / "llama-bench": True}
+    for path, executable in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        path.chmod(0o755 if executable else 0o644)
+    for var in ("VLLM_VENV", "VLLM_MODEL", "OV_VENV", "OV_MODELS", "LLAMACPP_BUILD"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PEERS_DIR", str(home))
+    monkeypatch.setenv("PEERS_SCRIPTS", str(scripts))
+    return scripts, home
+
+
+def test_compare_finds_installed_peers(compare, peers):
+    scripts, home = peers
+    assert compare.find_vllm("auto") == ((str(scripts / "vllm" / "serve.sh"),
+                                          str(home / "model" / "smollm2-hf")), "")
+    assert compare.find_openvino("auto", ["int4"]) == (str(scripts / "openvino" / "bench.py"), "")
+    assert compare.find_llama_bench("auto") == (
+        str(home / "llama-tools-build" / "bin" / "llama-bench"), "")
+
+
+@pytest.mark.parametrize("remove,find,reason", [
+    ("scripts/vllm/serve.sh", "vllm", "serve.sh (pass --vllm PATH/serve.sh, or set PEERS_SCRIPTS)"),
+    ("peers/vllm-venv", "vllm", "not installed (no {peers}/vllm-venv/bin/python; run bash "
+                                "{scripts}/vllm/setup.sh)"),
+    ("peers/model", "vllm", "no model directory {peers}/model/smollm2-hf"),
+    ("peers/ov-venv", "openvino", "not installed (no {peers}/ov-venv/bin/python; run bash "
+                                  "{scripts}/openvino/setup.sh)"),
+    ("peers/ov-model/int4", "openvino", "no int4 IR"),
+    ("peers/llama-tools-build", "llama_bench", "not installed (no {peers}/llama-tools-build/bin/"
+                                               "llama-bench; run bash {scripts}/llamacpp/setup.sh)"),
+])
+def test_compare_says_why_a_peer_is_left_out(compare, peers, remove, find, reason):
+    import shutil
+
+    scripts, home = peers
+    target = home.parent / remove
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    args = {"vllm": ("auto",), "openvino": ("auto", ["int4"]), "llama_bench": ("auto",)}[find]
+    found, why = getattr(compare, f"find_{find}")(*args)
+    assert found is None and reason.format(peers=home, scripts=scripts) in why
+
+
+def test_compare_openvino_needs_the_ir_of_every_group(compare, peers):
+    # bench.py's bf16 group runs the fp16-weight IR.
+    found, why = compare.find_openvino("auto", ["int4", "bf16"])
+    assert found is None and "no bf16 IR" in why and "ov-model/fp16/openvino_model.xml" in why
+
+
+def test_compare_runs_no_peer_that_is_not_installed(compare, peers, monkeypatch, capsys):
+    # --peers with nothing installed: one line each, then nothing to measure (no error before).
+    class NoLlamaCpp:
+        def __init__(self):
+            raise ImportError("llama_cpp")
+
+    _, home = peers
+    for d in ("vllm-venv", "ov-venv", "llama-tools-build"):
+        import shutil
+        shutil.rmtree(home / d)
+    monkeypatch.setattr(compare, "LlamaCpp", NoLlamaCpp)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--peers", "--formats", "",
+                                      "--skip-transformers"])
+    with pytest.raises(SystemExit) as e:
+        compare.main()
+    assert e.value.code == "compare.py: nothing to measure"
+    err = capsys.readouterr().err.splitlines()
+    assert [ln.split(":")[0] for ln in err[:3]] == ["vLLM left out", "OpenVINO left out",
+                                                    "llama-bench left out"]
+    assert all("not installed" in ln for ln in err[:3])
+
+
+def test_compare_peers_flag_auto_detects_all_but_an_explicit_path(compare, peers, monkeypatch):
+    scripts, _ = peers
+    serve = str(scripts / "vllm" / "serve.sh")
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--peers", "--vllm", serve])
+    args = compare.parse_args()
+    assert (args.vllm, args.openvino, args.llama_bench) == (serve, "auto", "auto")
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--openvino", "--rounds", "2"])
+    args = compare.parse_args()
+    assert (args.vllm, args.openvino, args.llama_bench, args.rounds) == (None, "auto", None, 2)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--vllm", "/nonexistent/serve.sh"), "--vllm: /nonexistent/serve.sh: no such file"),
+    (("--openvino", "/nonexistent/bench.py"), "--openvino: /nonexistent/bench.py: no such file"),
+    (("--llama-bench", "/nonexistent/llama-bench"), "--llama-bench: /nonexistent/llama-bench: "
+                                                    "no such file"),
+    (("--openvino-groups", "int4,int3"), "--openvino-groups: unknown group 'int3' (int4, int8, "
+                                         "bf16)"),
+    (("--server-prompts", "0"), "argument --server-prompts: must be > 0"),
+])
+def test_compare_rejects_bad_peer_arguments(capsys, args, message):
+    code, err = script_usage_error("compare.py", *args, capsys=capsys)
+    assert code == 2 and message in err
