@@ -195,10 +195,21 @@ def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
     buf = torch.ones(256 << 20 if dev.type == "cpu" else 1 << 30, dtype=torch.uint8, device=dev)
     words = buf.view(torch.int64)
     bandwidth = best(lambda: words.sum(), buf.numel())
-    n = 2048 if dev.type == "cpu" else 8192
+    # Square matmuls of the largest size (up to 2048, CUDA 8192) whose one call stays within
+    # half the budget (the next size costs 8x): a dtype the CPU only emulates (bf16 without
+    # AVX512-BF16) took minutes a 2048 matmul, and `servelm serve` probes at start-up.
     tdtype = getattr(torch, dtype)
-    a = torch.randn(n, n, device=dev).to(tdtype)
-    b = torch.randn(n, n, device=dev).to(tdtype)
+    n, top = 256, (2048 if dev.type == "cpu" else 8192)
+    while True:
+        a = torch.randn(n, n, device=dev).to(tdtype)
+        b = torch.randn(n, n, device=dev).to(tdtype)
+        t = time.perf_counter()
+        a @ b
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if n >= top or (time.perf_counter() - t) * 16 > seconds:
+            break
+        n *= 2
     flops = best(lambda: a @ b, 2.0 * n ** 3)
     return Hardware(bandwidth, flops, source=f"measured on {device} ({dtype})")
 

@@ -78,6 +78,32 @@ def test_measure_hardware_gives_positive_rates():
     assert hw.bandwidth > 1e8 and hw.flops > 1e9
 
 
+def test_the_probe_sizes_its_matmul_to_the_budget(monkeypatch):
+    """A dtype the CPU runs slowly (bf16 emulated without AVX512-BF16 took minutes a 2048
+    matmul, at every `servelm serve` start) is probed on a smaller matmul: one no larger
+    than half the budget's worth of time, whatever the CPU."""
+    import torch
+
+    sizes = []
+    real = torch.randn
+
+    def spy(*shape, **kw):
+        sizes.append(shape[0])
+        return real(*shape, **kw)
+
+    monkeypatch.setattr(torch, "randn", spy)
+    slow = torch.Tensor.__matmul__
+
+    def slow_matmul(a, b):  # a CPU where every matmul costs 0.1 s
+        import time
+        time.sleep(0.1)
+        return slow(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", slow_matmul)
+    hw = rl.measure_hardware("float32", "cpu", seconds=0.5)
+    assert max(sizes) == 256 and hw.flops > 0
+
+
 def _roofline(*args):
     return subprocess.run([sys.executable, "-m", "servelm.cli", "roofline", *args],
                           capture_output=True, text=True, timeout=120)
