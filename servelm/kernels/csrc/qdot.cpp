@@ -242,7 +242,7 @@ void check_x(const at::Tensor& x, int64_t K) {
 }
 
 template <typename Body>
-at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N, int64_t NB,
+at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N,
                       const c10::optional<at::Tensor>& bias, const Body& body) {
   check_x(x_in, K);
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
@@ -268,24 +268,31 @@ at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N, int64_t NB,
     body(a, bp, out.data_ptr<float>(), M, grain);
   else
     body(a, bp, out.data_ptr<c10::BFloat16>(), M, grain);
-  (void)NB;
   return out;
+}
+
+// qweight [N/4, K/32, 4, inner] of `dtype`, contiguous, holding out_features N: its blocks.
+int64_t check_qweight(const at::Tensor& qweight, at::ScalarType dtype, int64_t inner, int64_t N,
+                      const char* op) {
+  TORCH_CHECK(qweight.scalar_type() == dtype && qweight.dim() == 4 && qweight.size(2) == kRows &&
+                  qweight.size(3) == inner && qweight.is_contiguous(),
+              "servelm_qdot.", op, ": qweight must be contiguous ", dtype, " [N/4, K/32, 4, ", inner, "]");
+  const int64_t NB = qweight.size(0);
+  TORCH_CHECK(NB * kRows >= N && (NB - 1) * kRows < N, "servelm_qdot.", op, ": out_features ", N,
+              " does not match ", NB, " blocks of 4 rows");
+  return NB;
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      int64_t N, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 4 && qweight.size(2) == kRows &&
-                  qweight.size(3) == 16 && qweight.is_contiguous(),
-              "servelm_qdot.q4_linear: qweight must be contiguous uint8 [N/4, K/32, 4, 16]");
-  const int64_t NB = qweight.size(0), G = qweight.size(1), K = G * kBlock;
-  TORCH_CHECK(NB * kRows >= N && (NB - 1) * kRows < N, "servelm_qdot.q4_linear: out_features ", N,
-              " does not match ", NB, " blocks of 4 rows");
+  const int64_t NB = check_qweight(qweight, at::kByte, 16, N, "q4_linear"), G = qweight.size(1),
+                K = G * kBlock;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.numel() == NB * G * 8,
               "servelm_qdot.q4_linear: scales must be contiguous float16 [N/4, K/32, 8]");
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   const c10::Half* sc = scales.data_ptr<c10::Half>();
-  return run_linear(x, K, N, NB, bias, [&](const QActs& a, const float* bp, auto* out, int64_t M,
+  return run_linear(x, K, N, bias, [&](const QActs& a, const float* bp, auto* out, int64_t M,
                                            int64_t grain) {
     at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
       std::vector<float> sd(2 * G * 4);
@@ -299,17 +306,13 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      int64_t N, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 && qweight.size(2) == kRows &&
-                  qweight.size(3) == 32 && qweight.is_contiguous(),
-              "servelm_qdot.q8_linear: qweight must be contiguous int8 [N/4, K/32, 4, 32]");
-  const int64_t NB = qweight.size(0), G = qweight.size(1), K = G * kBlock;
-  TORCH_CHECK(NB * kRows >= N && (NB - 1) * kRows < N, "servelm_qdot.q8_linear: out_features ", N,
-              " does not match ", NB, " blocks of 4 rows");
+  const int64_t NB = check_qweight(qweight, at::kChar, 32, N, "q8_linear"), G = qweight.size(1),
+                K = G * kBlock;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == NB * kRows,
               "servelm_qdot.q8_linear: scales must be contiguous float32 [N/4 * 4]");
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const float* sc = scales.data_ptr<float>();
-  return run_linear(x, K, N, NB, bias, [&](const QActs& a, const float* bp, auto* out, int64_t M,
+  return run_linear(x, K, N, bias, [&](const QActs& a, const float* bp, auto* out, int64_t M,
                                            int64_t grain) {
     at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
