@@ -81,7 +81,7 @@ def test_measure_hardware_gives_positive_rates():
 def test_the_probe_sizes_its_matmul_to_the_budget(monkeypatch):
     """A dtype the CPU runs slowly (bf16 emulated without AVX512-BF16 took minutes a 2048
     matmul, at every `servelm serve` start) is probed on a smaller matmul: one no larger
-    than half the budget's worth of time, whatever the CPU."""
+    than the budget's worth of time, whatever the CPU."""
     import torch
 
     sizes = []
