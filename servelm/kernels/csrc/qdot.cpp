@@ -224,7 +224,7 @@ void q8_block(const int8_t* qw, const float* sc, const QActs& a, const float* bi
 }
 
 // Two activation rows at a time against a 4-row weight block: 8 accumulators and 4
-// activation vectors stay in the 16 vector registers (4 rows spilled: 1.4x slower a row).
+// activation vectors stay in the 16 vector registers (4 rows would spill them).
 // A block's weights are re-read from L1 for the next pair.
 template <typename Fn>
 void by_rows(int64_t M, const Fn& fn) {
