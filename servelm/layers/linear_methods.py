@@ -35,6 +35,7 @@ from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
 # 23-181 | 182+).
 BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
+# In the order the untuned default prefers them (default_method).
 METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "torch")
 
 
@@ -108,7 +109,7 @@ def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
     """The method used without tuning: servelm's tiles where they run, else oneDNN's
     prepacked matmul (plain weights), servelm's AVX2 integer kernels (int4/int8) or
     PyTorch's own int4/int8 kernels."""
-    for m in ("tiles", "onednn", "qdot", "int4pack", "int8pack", "torch"):
+    for m in METHODS:
         if m == "onednn" and not isinstance(src, nn.Linear):
             continue  # a dequantised copy would undo the quantisation's memory saving
         if applies(m, src, act, kernels):
