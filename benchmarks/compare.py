@@ -53,7 +53,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from servelm.bench.process import free_port, run_bench
 from servelm.cli import positive
 from servelm.models.loader import default_model_path
 
@@ -312,12 +312,6 @@ def find_llama_bench(tool: str) -> tuple[str | None, str]:
     return tool, ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group_pids(pgid: int) -> list[int]:
     """The live (not zombie) processes of a process group."""
     pids = []
@@ -387,22 +381,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: str) -> N
 def servelm_bench(url: str, *flags: str) -> dict:
     """`servelm bench` against url (a process of its own, as from the command line): its
     summary. An error if it fails or any request does."""
-    with tempfile.NamedTemporaryFile(prefix="compare-bench-", suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, "-m", "servelm.cli", "bench", "--base-url", url, "--no-progress",
-           "--json", out, *flags]
-    try:
-        r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"servelm bench {' '.join(flags)} failed: {r.stderr[-2000:]}")
-        with open(out) as f:
-            summary = json.load(f)["summary"]
-    finally:
-        os.unlink(out)
-    if summary["failed"]:
-        raise RuntimeError(f"servelm bench {' '.join(flags)}: {summary['failed']} requests "
-                           f"failed: {summary.get('errors')}")
-    return summary
+    return run_bench(url, *flags, strict=True)
 
 
 class HttpServer(System):
@@ -418,7 +397,7 @@ class HttpServer(System):
     @contextlib.contextmanager
     def serving(self) -> Iterator[tuple[str, int, float]]:
         """(url, process group, seconds to ready) of a freshly started server."""
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         with tempfile.NamedTemporaryFile(prefix="compare-server-", suffix=".log",
                                          delete=False) as log:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,15 +23,10 @@ import time
 
 import httpx
 
+from servelm.bench.process import free_port, run_bench
 from servelm.cli import positive
 
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -64,17 +58,8 @@ class Server:
 
 
 def bench(url: str, *flags: str) -> dict:
-    """Run `servelm bench` and return its JSON summary."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [PY, "-m", "servelm.cli", "bench", "--base-url", url, "--no-progress", "--json", out,
-           *flags]
-    print("$", "servelm", " ".join(cmd[3:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        summary = json.load(f)["summary"]
-    os.unlink(out)
-    return summary
+    """Run `servelm bench` (its command line printed) and return its JSON summary."""
+    return run_bench(url, *flags, echo=True)
 
 
 def line(name: str, s: dict) -> str:
