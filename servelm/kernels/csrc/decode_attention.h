@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,27 @@ constexpr int kTile = 32;     // keys scored at a time
 // K + V bytes an item reads ahead of scoring them (see DecodeAttention::touch_rows): a few
 // hundred KB, well inside a core's L2.
 constexpr int64_t kTouchBytes = 256 << 10;
+
+constexpr float kLog2e = 1.44269504088896341f;
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 2^t in 8 lanes for t <= 0 (t below -126 gives 2^-126, not 0: callers zero masked lanes):
+// t = n + f, |f| <= 1/2, 2^f by exp2_512<5>'s polynomial (relative error 7.7e-8), 2^n built
+// in the exponent field (AVX2 has no scalef).
+inline __m256 exp2_256(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(0.001326697994954884f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009675469249486923f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550742521882057f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022121727466583f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931469440460205f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192092896f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 constexpr float kNegBig = -1e30f;  // not -inf: -ffast-math assumes finite values
 
 // One tile of an online softmax: scores s[0..n) become exp(s - new max) in place, the running
@@ -176,8 +197,6 @@ template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-
-constexpr float kLog2e = 1.44269504088896341f;
 
 // 2^t (very negative t -> 0, t beyond 128 -> inf): t = n + f, |f| <= 1/2, 2^f by a polynomial fitted
 // for relative error (degree 4: 2.7e-6, enough for bf16 probabilities; degree 5: 7.7e-8).

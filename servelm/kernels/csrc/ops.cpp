@@ -483,6 +483,105 @@ inline void prefill_scores16_ref(const float* qp, const float* k, int D, float s
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 version of the fp32 path: a tile's 16 query lanes are two 8-lane vectors (lo, hi).
+// Scores are pre-scaled by scale * log2(e) so the softmax is exp2 (exp2_256).
+
+// Scores of 16 keys (rows of k, D each) for one tile, scaled, masked; into s[16][16];
+// folds their maxima into mx[2]. Keys go 4 at a time: 8 accumulators cover the FMA latency.
+inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float scale, int key0,
+                                  const PrefillTile& t, float* s, __m256* mx) {
+  const __m256 sv = _mm256_set1_ps(scale), neg = _mm256_set1_ps(kNegBig);
+  const bool masked = key0 + 15 > t.pos_min;
+  const __m256i pos0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.pos));
+  const __m256i pos1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.pos + 8));
+  for (int j0 = 0; j0 < 16; j0 += 4) {
+    __m256 a[4][2];
+    for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    const float* kj = k + j0 * D;
+    for (int d = 0; d < D; ++d) {
+      const __m256 q0 = _mm256_load_ps(qp + d * 16), q1 = _mm256_load_ps(qp + d * 16 + 8);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kv = _mm256_broadcast_ss(kj + j * D + d);
+        a[j][0] = _mm256_fmadd_ps(q0, kv, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(q1, kv, a[j][1]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      __m256 x0 = _mm256_mul_ps(a[j][0], sv), x1 = _mm256_mul_ps(a[j][1], sv);
+      if (masked) {
+        const __m256i key = _mm256_set1_epi32(key0 + j0 + j);
+        x0 = _mm256_blendv_ps(x0, neg, _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos0)));
+        x1 = _mm256_blendv_ps(x1, neg, _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos1)));
+      }
+      mx[0] = _mm256_max_ps(mx[0], x0);
+      mx[1] = _mm256_max_ps(mx[1], x1);
+      _mm256_store_ps(s + (j0 + j) * 16, x0);
+      _mm256_store_ps(s + (j0 + j) * 16 + 8, x1);
+    }
+  }
+}
+
+// Online-softmax update of one tile over nk scores (see prefill_softmax): p = 2^(s - m)
+// written back into s (masked -> 0); alpha into al[2].
+inline void prefill_softmax_avx2(float* s, int nk, int key0, PrefillTile& t, const __m256* mx, __m256* al) {
+  const __m256i pos0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.pos));
+  const __m256i pos1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.pos + 8));
+  const __m256 mold0 = _mm256_loadu_ps(t.m), mold1 = _mm256_loadu_ps(t.m + 8);
+  const __m256 m0 = _mm256_max_ps(mold0, mx[0]), m1 = _mm256_max_ps(mold1, mx[1]);
+  al[0] = exp2_256(_mm256_sub_ps(mold0, m0));
+  al[1] = exp2_256(_mm256_sub_ps(mold1, m1));
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  const int unmasked = std::max(0, std::min(nk, t.pos_min - key0 + 1));  // keys every lane sees
+  for (int j = 0; j < nk; ++j) {
+    __m256 p0 = exp2_256(_mm256_sub_ps(_mm256_load_ps(s + j * 16), m0));
+    __m256 p1 = exp2_256(_mm256_sub_ps(_mm256_load_ps(s + j * 16 + 8), m1));
+    if (j >= unmasked) {
+      const __m256i key = _mm256_set1_epi32(key0 + j);
+      p0 = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos0)), p0);
+      p1 = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos1)), p1);
+    }
+    _mm256_store_ps(s + j * 16, p0);
+    _mm256_store_ps(s + j * 16 + 8, p1);
+    sum0 = _mm256_add_ps(sum0, p0);
+    sum1 = _mm256_add_ps(sum1, p1);
+  }
+  _mm256_storeu_ps(t.m, m0);
+  _mm256_storeu_ps(t.m + 8, m1);
+  _mm256_storeu_ps(t.l, _mm256_fmadd_ps(_mm256_loadu_ps(t.l), al[0], sum0));
+  _mm256_storeu_ps(t.l + 8, _mm256_fmadd_ps(_mm256_loadu_ps(t.l + 8), al[1], sum1));
+}
+
+// O^T (D x 16 lanes) = alpha * O^T + P . V over nk keys (p fp32 [nk][16], v fp32 [nk][D]),
+// 4 dims at a time: 8 accumulators in registers over every key.
+inline void prefill_pv_avx2(float* o, const __m256* al, bool rescale, const float* p, const float* v,
+                            int nk, int D) {
+  for (int c = 0; c < D; c += 4) {
+    __m256 a[4][2];
+    for (int i = 0; i < 4; ++i) {
+      a[i][0] = _mm256_load_ps(o + (c + i) * 16);
+      a[i][1] = _mm256_load_ps(o + (c + i) * 16 + 8);
+      if (rescale) a[i][0] = _mm256_mul_ps(a[i][0], al[0]), a[i][1] = _mm256_mul_ps(a[i][1], al[1]);
+    }
+    for (int j = 0; j < nk; ++j) {
+      const __m256 p0 = _mm256_load_ps(p + j * 16), p1 = _mm256_load_ps(p + j * 16 + 8);
+      const float* vr = v + j * D + c;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 vb = _mm256_broadcast_ss(vr + i);
+        a[i][0] = _mm256_fmadd_ps(p0, vb, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(p1, vb, a[i][1]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_store_ps(o + (c + i) * 16, a[i][0]);
+      _mm256_store_ps(o + (c + i) * 16 + 8, a[i][1]);
+    }
+  }
+}
+#endif
+
 // C: the cache's element type (T, or int8_t with scales: dequantised as each chunk is packed
 // into the fp32 buffers, so kDp, which packs bf16 rows as they are, needs C = T).
 template <typename T, bool kDp, int DT, typename C = T>
@@ -660,6 +759,13 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
                                                            sbuf + j * 16));
         const __m512 alpha = prefill_softmax<kDp>(sbuf, reinterpret_cast<uint32_t*>(xbuf), nk16, c0, t, mx);
         prefill_pv<kDp, DT>(t.o, alpha, c0 > 0, kDp ? xbuf : sbuf, vbuf, nk16, D);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 mx[2] = {_mm256_set1_ps(kNegBig), _mm256_set1_ps(kNegBig)}, alpha[2];
+        for (int j = 0; j < nk16; j += 16)
+          prefill_scores16_avx2(static_cast<const float*>(t.q), kbuf + j * D, D, sc * kLog2e, c0 + j, t,
+                                sbuf + j * 16, mx);
+        prefill_softmax_avx2(sbuf, nk16, c0, t, mx, alpha);
+        prefill_pv_avx2(t.o, alpha, c0 > 0, sbuf, vbuf, nk16, D);
 #else
         float mx[16], mnew[16], alpha[16];
         for (int j = 0; j < nk16; j += 16) {
