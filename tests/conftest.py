@@ -29,12 +29,16 @@ torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Engines built by the tests measure their linear methods into a cache of this session's
-# own (servelm.tuning), never reading a table another run left in the user's cache.
+# Engines built by the tests measure their linear methods into a cache of this run's own
+# (servelm.tuning), never reading a table another run left in the user's cache. The run's
+# pytest-xdist workers inherit the controller's directory, so a shape measured by one worker
+# is not measured again by the other (the cache file is replaced atomically).
 if "SERVELM_TEST_KEEP_CACHE" not in os.environ:
     import tempfile
 
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="servelm-test-cache-")
+    if "SERVELM_TEST_CACHE_HOME" not in os.environ:
+        os.environ["SERVELM_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="servelm-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = os.environ["SERVELM_TEST_CACHE_HOME"]
 
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -365,6 +365,141 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 elements of a cache row as floats (an int8 row unscaled).
+template <typename T> inline __m256 load8f(const T* p);
+template <> inline __m256 load8f<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8f<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <> inline __m256 load8f<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> inline __m256 load8f<int8_t>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Lane j of the result = the sum of p[j]'s 8 lanes.
+inline __m256 hsum8x8(const __m256* p) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// P.V for NG heads over 32 dims [c, c + 32) of n keys: acc (already rescaled by alpha) +=
+// p[g][j] * V[j] (times the key's V scale for an int8 cache); each V slice converted once, in
+// registers, for the NG heads.
+template <typename C, int NG>
+inline void pv_heads_avx2(const C* const* vrow, int n, const float (*p)[kTile], const float* vsc,
+                          int c, int D, float* acc) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < 4; ++v) a[g][v] = _mm256_loadu_ps(acc + g * D + c + 8 * v);
+  for (int j = 0; j < n; ++j) {
+    __m256 x[4];
+    for (int v = 0; v < 4; ++v) x[v] = load8f<C>(vrow[j] + c + 8 * v);
+    const float vs = vsc ? vsc[j] : 1.f;
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pj = _mm256_set1_ps(p[g][j] * vs);
+      for (int v = 0; v < 4; ++v) a[g][v] = _mm256_fmadd_ps(pj, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + g * D + c + 8 * v, a[g][v]);
+}
+
+// AVX2 version of attend_tile (D a multiple of 32, known at compile time; any cache type,
+// int8 with its scales): K rows converted to fp32 once, scores 8 keys at a time from 8
+// partial vectors summed by one hadd tree, a vectorised online softmax per head (exp2_256),
+// then P.V 32 dims x 2 heads at a time with the accumulators in registers.
+template <typename C, int D>
+void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const int64_t* roff, int n,
+                      float* acc, float* m, float* l, const float* ksc = nullptr,
+                      const float* vsc = nullptr) {
+  static_assert(D % 32 == 0 && kTile == 32, "32-dim slices, a tile of four 8-lane vectors");
+  constexpr int NV = D / 8;
+  alignas(32) float kf[kTile][D];
+  alignas(32) float s[kMaxG][kTile];
+  const C* vrow[kTile];
+  for (int j = 0; j < n; ++j) {
+    vrow[j] = vc + roff[j];
+    const C* kr = kc + roff[j];
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(&kf[j][8 * v], load8f<C>(kr + 8 * v));
+  }
+  const __m256 neg = _mm256_set1_ps(kNegBig), log2e = _mm256_set1_ps(kLog2e);
+  const int nv = (n + 7) / 8;
+  for (int g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      __m256 part[8];
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = j0 + jj;
+        if (j < n) {
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_load_ps(&kf[j][0]));
+          for (int v = 1; v < NV; ++v)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * v), _mm256_load_ps(&kf[j][8 * v]), a);
+          part[jj] = a;
+        } else {
+          part[jj] = _mm256_setzero_ps();
+        }
+      }
+      __m256 x = hsum8x8(part);
+      if (ksc) {
+        alignas(32) float kv[8] = {};
+        for (int jj = 0; jj < 8 && j0 + jj < n; ++jj) kv[jj] = ksc[j0 + jj];
+        x = _mm256_mul_ps(x, _mm256_load_ps(kv));
+      }
+      _mm256_store_ps(&s[g][j0], x);
+    }
+    // Online softmax over the tile's n scores (lanes >= n masked).
+    __m256 xs[kTile / 8], mx = neg;
+    for (int v = 0; v < nv; ++v) {
+      const int left = n - 8 * v;
+      const __m256 keep = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      xs[v] = _mm256_blendv_ps(neg, _mm256_load_ps(&s[g][8 * v]), keep);
+      mx = _mm256_max_ps(mx, xs[v]);
+    }
+    const float mt = std::max(m[g], hmax8(mx));
+    const __m256 mv = _mm256_set1_ps(mt);
+    __m256 sum = _mm256_setzero_ps();
+    for (int v = 0; v < nv; ++v) {
+      const int left = n - 8 * v;
+      const __m256 keep = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 p = _mm256_and_ps(keep, exp2_256(_mm256_mul_ps(_mm256_sub_ps(xs[v], mv), log2e)));
+      _mm256_store_ps(&s[g][8 * v], p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    const float alpha = std::exp(m[g] - mt);
+    l[g] = l[g] * alpha + hsum8(sum);
+    m[g] = mt;
+    if (alpha != 1.f) {
+      const __m256 al = _mm256_set1_ps(alpha);
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + g * D + d, _mm256_mul_ps(al, _mm256_loadu_ps(acc + g * D + d)));
+    }
+  }
+  for (int c = 0; c < D; c += 32) {
+    int g0 = 0;
+    for (; g0 + 2 <= G; g0 += 2) pv_heads_avx2<C, 2>(vrow, n, s + g0, vsc, c, D, acc + g0 * D);
+    if (g0 < G) pv_heads_avx2<C, 1>(vrow, n, s + g0, vsc, c, D, acc + g0 * D);
+  }
+}
+#endif
+
 // Decode attention for B single-token queries q [B, H, D] (strides qs0, qs1; last dim
 // contiguous) over their first lens[b] cached tokens, as independent work items: one
 // sequence (all its KV heads, so each block's rows are read as one contiguous run) over a
@@ -499,6 +634,13 @@ class DecodeAttention {
             ksc[i] = kv.ks[si];
             vsc[i] = kv.vs[si];
           }
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+          if constexpr (DT != 0 && DT % 32 == 0) {
+            attend_tile_avx2<C, DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D, m + hg,
+                                    l + hg, ksc, vsc);
+            continue;
+          }
+#endif
           attend_tile<C, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
                              l + hg, ksc, vsc);
           continue;
@@ -507,6 +649,12 @@ class DecodeAttention {
         if constexpr (DT != 0 && DT % 16 == 0 && std::is_same<C, T>::value) {
           attend_tile_avx512<T, DT>(qf + hg * D, qb + hg * qs1_, qs1_, sc, G, kh, vh, roff,
                                     end - base, acc + hg * D, m + hg, l + hg);
+          continue;
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if constexpr (DT != 0 && DT % 32 == 0 && std::is_same<C, T>::value) {
+          attend_tile_avx2<T, DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D, m + hg,
+                                  l + hg);
           continue;
         }
 #endif
