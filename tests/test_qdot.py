@@ -1,5 +1,5 @@
 """The qdot linear method (kernels/csrc/qdot.cpp): int4 / int8 weights in AVX2 integer dot
-products over activations quantised to two int8 parts per block of 32."""
+products over activations quantised to int16 per block of 32."""
 
 import pytest
 import torch

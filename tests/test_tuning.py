@@ -167,7 +167,7 @@ def test_every_method_matches_the_fp32_reference(fmt, act, method):
         assert got.dtype == act and got.shape == want.shape
         err = (got.float() - want).abs().max().item() / want.abs().max().item()
         exact = getattr(mod, "compute_dtype", act) == torch.float32  # int4pack: bf16 inside
-        # qdot: activations in two int8 parts (~15 bits), not fp32-exact.
+        # qdot: activations quantised to int16 (~16 bits), not fp32-exact.
         tol = 2e-2 if not exact else 5e-4 if method == "qdot" else 1e-4
         assert err < tol, (method, rows, err)
         assert tuning.known_answer(mod, ref_w, bias, x)

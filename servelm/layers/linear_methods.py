@@ -11,7 +11,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
-| qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to two int8 parts per block of 32, ~15 bits (qdot.cpp) |
+| qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,

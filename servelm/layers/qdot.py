@@ -1,9 +1,9 @@
 """The "qdot" linear method: int4 / int8 weights in integer dot products
 (kernels/csrc/qdot.cpp; AVX2, so it runs on CPUs without AVX-512 too).
 
-Each activation row is quantised on the fly per block of 32 inputs into two int8 parts
-(x / d = h + l / 128, d = max|x| / 127: about 15 bits, finer than bf16's rounding; the
-block's exact fp32 sum is kept for int4's mins). The weights keep servelm's int4 (w = s q + m
+Each activation row is quantised on the fly per block of 32 inputs to int16 (x = d h,
+d = max|x| / 32767: about 16 bits, finer than bf16's rounding; the block's exact fp32 sum is
+kept for int4's mins); weights are widened to int16 as they are loaded, for vpmaddwd. The weights keep servelm's int4 (w = s q + m
 per group of 32) or int8 (w = s q per row) values, repacked in rows of 4 so one step streams
 them in order.
 """
@@ -68,8 +68,8 @@ def applies(src: nn.Module, act: torch.dtype) -> bool:
 
 
 class QDotLinear(nn.Module):
-    """An int4 or int8 layer on qdot.cpp: activations quantised to two int8 parts per block
-    of 32 in the call, integer dot products, fp32 accumulation (fp32-accurate to ~1e-4 of
+    """An int4 or int8 layer on qdot.cpp: activations quantised to int16 per block of 32 in
+    the call, integer dot products, fp32 accumulation (fp32-accurate to ~1e-4 of
     the output's magnitude)."""
 
     packed_tensors = ("qweight", "scales", "bias")  # into huge pages (pack_weights)

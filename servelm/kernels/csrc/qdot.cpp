@@ -1,30 +1,33 @@
-// Weight-only int4 / int8 linear layers in integer dot products (vpmaddubsw) for x86 CPUs
-// with AVX2 (no AVX-512 needed), over activations quantised on the fly to two int8 parts,
-// in the spirit of llama.cpp's Q4_1 x Q8_1 but about 15 bits precise.
+// Weight-only int4 / int8 linear layers in integer dot products (vpmaddwd) for x86 CPUs
+// with AVX2 (no AVX-512 needed), over activations quantised on the fly to int16.
 // Namespace torch.ops.servelm_qdot:
 //
 //   q4_linear(x, qweight, scales, out_features, bias?) -> y
 //   q8_linear(x, qweight, scales, out_features, bias?) -> y
 // x: [..., K] float32 or bfloat16, K a multiple of 32; y: [..., N] in x's dtype.
 //
-// Activations: each row of x is quantised per block of 32 inputs, with d = max|x| / 127:
-// x / d = h + l / 128 + e, h = round(x / d) in -127..127, l = round(128 (x / d - h)) in
-// -64..64, so |e| <= 1/256 (a single int8 part, |e| <= 1/2, flipped greedy tokens of the
-// embedded model against dequantise + F.linear). Both parts go through vpmaddubsw, combined
-// in int32 as 128 (w . h) + (w . l). The block's exact fp32 sum is kept for int4's mins.
+// Activations: each row of x is quantised per block of 32 inputs to int16, x = d h + e with
+// d = max|x| / 32767, h = round(x / d), |e| <= d / 2 (about 16 bits, finer than bf16; int8
+// activations, as llama.cpp's Q8 are, flipped greedy tokens of the embedded model against
+// dequantise + F.linear). Weights are widened to int16 as they are loaded and multiplied by
+// vpmaddwd into int32 (exact: |w h| sums stay below 2^24 for int4). The block's exact fp32
+// sum of x is kept for int4's mins.
 //
 // int4 (w = s * q + m, q in 0..15, s/m float16 per group of 32 inputs; servelm's int4):
 //   qweight uint8 [N/4, K/32, 4, 16]: rows in blocks of 4, group-major within a block, so a
 //   step streams one block's 4 rows together; row r's 16 bytes for group g hold q[k] for
 //   k = 32g + i in byte i's low nibble and k = 32g + 16 + i in its high nibble.
 //   scales float16 [N/4, K/32, 8]: s of rows 0..3, then m of rows 0..3.
-//   y[n] = sum_g s_g d_g / 128 (128 q_g . h_g + q_g . l_g) + sum_g m_g (sum of x over g).
+//   y[n] = sum_g s_g d_g (q_g . h_g) + sum_g m_g (sum of x over g).
 // int8 (w = s * q, q in -127..127, fp32 s per row; servelm's int8):
 //   qweight int8 [N/4, K/32, 4, 32], the same order; scales float32 [N/4 * 4].
-//   y[n] = s_n sum_g d_g / 128 (128 q_g . h_g + q_g . l_g).
+//   y[n] = s_n sum_g d_g (q_g . h_g).
 //
 // Rows of N are split over the torch (OpenMP) threads; each thread runs two activation rows
-// at a time against a 4-row weight block, each weight vector decoded once for both.
+// at a time against a 4-row weight block, each weight vector widened once for both; the 4
+// rows' integer dots are folded into one vector per activation row before the one float
+// multiply-add per group (4 float accumulators per activation row spilled one of them to the
+// stack, a store-to-load chain in every step).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,11 +53,11 @@ namespace {
 constexpr int64_t kBlock = 32;  // inputs per activation block (and int4 group)
 constexpr int kRows = 4;        // weight rows per block
 
-// Activations of M rows, quantised: q int8 [M, K/32, 64] (a block's 32 h, then its 32 l);
-// per block g: d / 128 and the exact sum of x, as dxs [M, K/32, 8] = {d', d', d', d', sum,
-// sum, sum, sum} (the int4 kernel's multiplier for one group's {s0..s3, m0..m3}).
+// Activations of M rows, quantised: q int16 [M, K] (x / d rounded, in x's order); per block
+// g: d and the exact sum of x, as dxs [M, K/32, 8] = {d, d, d, d, sum, sum, sum, sum} (the
+// int4 kernel's multiplier for one group's {s0..s3, m0..m3}).
 struct QActs {
-  std::vector<int8_t> q;
+  std::vector<int16_t> q;
   std::vector<float> dxs;
   int64_t M = 0, K = 0, G = 0;
 };
@@ -64,12 +67,6 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// 4 x 8 int32 (-127..127) -> 32 int8 in order.
-inline __m256i pack32(const __m256i* v) {
-  const __m256i a = _mm256_packs_epi32(v[0], v[1]), b = _mm256_packs_epi32(v[2], v[3]);
-  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 inline float hmax(__m256 v) {
@@ -87,7 +84,7 @@ inline float hsum(__m256 v) {
 template <typename T>
 void quantise_rows(const T* x, int64_t M, int64_t K, QActs& a) {
   a.M = M, a.K = K, a.G = K / kBlock;
-  a.q.resize(2 * M * K);
+  a.q.resize(M * K);
   a.dxs.resize(M * a.G * 8);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -101,36 +98,69 @@ void quantise_rows(const T* x, int64_t M, int64_t K, QActs& a) {
                                         _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
         const float amax = hmax(mx);
         const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        __m256i h[4], l[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m256 s = _mm256_mul_ps(v[i], inv), hr = _mm256_round_ps(s, rnd);
-          h[i] = _mm256_cvtps_epi32(hr);
-          l[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(s, hr), _mm256_set1_ps(128.f)), rnd));
-        }
-        int8_t* qp = a.q.data() + 2 * (m * K + g * kBlock);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp), pack32(h));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + kBlock), pack32(l));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        __m256i h[4];
+        for (int i = 0; i < 4; ++i) h[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), rnd));
+        // packs works per 128-bit lane: [0..3 8..11 4..7 12..15] -> permute back to order.
+        int16_t* qp = a.q.data() + m * K + g * kBlock;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(h[0], h[1]), 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + 16),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2], h[3]), 0xD8));
         float* o = a.dxs.data() + (m * a.G + g) * 8;
-        const float d = amax / (127.f * 128.f);
+        const float d = amax / 32767.f;
         for (int i = 0; i < 4; ++i) o[i] = d, o[4 + i] = sum;
       }
     }
   });
 }
 
-// 8 int32 partial sums of 128 (w . h) + (w . l) for 32 unsigned weights (0..15, or |q| with
-// the signs moved onto h and l) and an activation block's two parts, as floats.
-inline __m256 dot32(__m256i w, __m256i h, __m256i l) {
-  const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(w, h), _mm256_set1_epi16(128));
-  const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(w, l), _mm256_set1_epi16(1));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(ph, pl));
+// A row's 32 int16 weights (lo: inputs 0..15, hi: 16..31) against an activation block's 32
+// int16: 8 int32 partial sums.
+inline __m256i dot32(__m256i lo, __m256i hi, const int16_t* x) {
+  const __m256i a = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  const __m256i b = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+  return _mm256_add_epi32(a, b);
 }
 
-inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Row r of a 4-row block's group as int16 (int4: byte i holds inputs i and 16 + i).
+inline void widen_q4(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+  hi = _mm256_srli_epi16(v, 4);
+}
+inline void widen_q8(const int8_t* p, __m256i& lo, __m256i& hi) {
+  lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+}
 
 template <typename OutT>
 inline void store_row(OutT* o, float v) { *o = static_cast<OutT>(v); }
+
+// One group of a 4-row weight block against MT activation rows: each weight row widened once,
+// its dot with every activation row, then per activation row the 4 rows' partial sums folded
+// by two rounds of integer hadd into one vector, lanes {r0, r1, r2, r3} in each 128-bit half
+// (exact; one conversion and one multiply-add per activation row and group follow, into a
+// single accumulator, instead of one per weight row).
+template <int MT, typename Widen>
+inline void group_dots(const Widen& widen, const int16_t* const* xg, __m256i* out) {
+  __m256i d[MT][kRows];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+    __m256i lo, hi;
+    widen(r, lo, hi);
+#pragma GCC unroll 2
+    for (int m = 0; m < MT; ++m) d[m][r] = dot32(lo, hi, xg[m]);
+  }
+#pragma GCC unroll 2
+  for (int m = 0; m < MT; ++m)
+    out[m] = _mm256_hadd_epi32(_mm256_hadd_epi32(d[m][0], d[m][1]), _mm256_hadd_epi32(d[m][2], d[m][3]));
+}
+
+// An accumulator of group_dots' layout -> the 4 rows' sums.
+inline __m128 row_sums(__m256 acc) {
+  return _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+}
 
 // Rows [m0, m0 + MT) of out [M, N] for weight block b (rows 4b .. 4b + 3), int4.
 template <int MT, typename OutT>
@@ -139,93 +169,91 @@ void q4_block(const uint8_t* qw, const c10::Half* sc, const QActs& a, const floa
   const int64_t G = a.G, K = a.K;
   const uint8_t* wb = qw + b * G * kRows * 16;
   const c10::Half* sb = sc + b * G * 8;
-  // Pass 1: sd[m][g][r] = s_r d_g, and the mins' term sum_g m_r sum_g(x) in lanes 4..7.
-  __m256 mins[MT];
+  // Pass 1: sd[m][g][r] = s_r d_g, and the mins' term sum_g m_r sum_g(x) in lanes 4..7
+  // (two partial sums, even and odd groups, to halve the add chain).
+  alignas(32) float mt[MT][8];
   for (int m = 0; m < MT; ++m) {
-    mins[m] = _mm256_setzero_ps();
+    __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();
     const float* dxs = a.dxs.data() + (m0 + m) * G * 8;
     float* sdm = sd + m * G * 4;
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 sm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * g)));
-      const __m256 p = _mm256_mul_ps(sm, _mm256_loadu_ps(dxs + 8 * g));
-      _mm_storeu_ps(sdm + 4 * g, _mm256_castps256_ps128(p));
-      mins[m] = _mm256_add_ps(mins[m], p);
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      const __m256 p0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * g))),
+                                      _mm256_loadu_ps(dxs + 8 * g));
+      const __m256 p1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * g + 8))),
+                                      _mm256_loadu_ps(dxs + 8 * g + 8));
+      _mm_storeu_ps(sdm + 4 * g, _mm256_castps256_ps128(p0));
+      _mm_storeu_ps(sdm + 4 * g + 4, _mm256_castps256_ps128(p1));
+      e = _mm256_add_ps(e, p0);
+      o = _mm256_add_ps(o, p1);
     }
+    if (g < G) {
+      const __m256 p0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8 * g))),
+                                      _mm256_loadu_ps(dxs + 8 * g));
+      _mm_storeu_ps(sdm + 4 * g, _mm256_castps256_ps128(p0));
+      e = _mm256_add_ps(e, p0);
+    }
+    _mm256_store_ps(mt[m], _mm256_add_ps(e, o));
   }
   // Pass 2: the integer dot products, 4 weight rows x MT activation rows.
-  const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256 acc[kRows][MT];
-  for (int r = 0; r < kRows; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     // 4 KB ahead (1, 4 and 8 KB, T0 or non-temporal, measured alike within this VM's noise).
     _mm_prefetch(reinterpret_cast<const char*>(wb + 64 * g) + 4096, _MM_HINT_T0);
-    __m256i xh[MT], xl[MT];
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xp = a.q.data() + 2 * ((m0 + m) * K + kBlock * g);
-      xh[m] = load32(xp), xl[m] = load32(xp + kBlock);
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 64 * g + 16 * r));
-      const __m256i w = _mm256_and_si256(
-          _mm256_srlv_epi32(_mm256_broadcastsi128_si256(raw), shift), nib);
-      for (int m = 0; m < MT; ++m)
-        acc[r][m] = _mm256_fmadd_ps(dot32(w, xh[m], xl[m]), _mm256_broadcast_ss(sd + (m * G + g) * 4 + r),
-                                    acc[r][m]);
-    }
+    const int16_t* xg[MT];
+    for (int m = 0; m < MT; ++m) xg[m] = a.q.data() + (m0 + m) * K + kBlock * g;
+    const uint8_t* wg = wb + 64 * g;
+    __m256i dots[MT];
+    group_dots<MT>([&](int r, __m256i& lo, __m256i& hi) { widen_q4(wg + 16 * r, lo, hi); }, xg, dots);
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]),
+                               _mm256_broadcast_ps(reinterpret_cast<const __m128*>(sd + (m * G + g) * 4)), acc[m]);
   }
+  const int64_t n0 = kRows * b;
   for (int m = 0; m < MT; ++m) {
-    alignas(32) float mt[8];
-    _mm256_store_ps(mt, mins[m]);
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t n = kRows * b + r;
-      if (n >= N) break;
-      store_row(out + (m0 + m) * N + n, hsum(acc[r][m]) + mt[4 + r] + (bias ? bias[n] : 0.f));
-    }
+    alignas(16) float v[4];
+    _mm_store_ps(v, row_sums(acc[m]));
+    for (int r = 0; r < kRows && n0 + r < N; ++r)
+      store_row(out + (m0 + m) * N + n0 + r, v[r] + mt[m][4 + r] + (bias ? bias[n0 + r] : 0.f));
   }
 }
 
-// The same for int8 weights: |q| . sign(xq, q), scaled by d_g, then by the row's scale.
+// The same for int8 weights, scaled by d_g per group, then by the row's scale.
 template <int MT, typename OutT>
 void q8_block(const int8_t* qw, const float* sc, const QActs& a, const float* bias, OutT* out,
               int64_t m0, int64_t N, int64_t b) {
   const int64_t G = a.G, K = a.K;
   const int8_t* wb = qw + b * G * kRows * 32;
-  __m256 acc[kRows][MT];
-  for (int r = 0; r < kRows; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(wb + 128 * g) + 2048, _MM_HINT_T0);
-    __m256i xh[MT], xl[MT];
-    __m256 dv[MT];
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xp = a.q.data() + 2 * ((m0 + m) * K + kBlock * g);
-      xh[m] = load32(xp), xl[m] = load32(xp + kBlock);
-      dv[m] = _mm256_broadcast_ss(a.dxs.data() + ((m0 + m) * G + g) * 8);
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 * g + 32 * r));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int m = 0; m < MT; ++m)
-        acc[r][m] = _mm256_fmadd_ps(
-            dot32(aw, _mm256_sign_epi8(xh[m], w), _mm256_sign_epi8(xl[m], w)), dv[m], acc[r][m]);
-    }
+    const int16_t* xg[MT];
+    for (int m = 0; m < MT; ++m) xg[m] = a.q.data() + (m0 + m) * K + kBlock * g;
+    const int8_t* wg = wb + 128 * g;
+    __m256i dots[MT];
+    group_dots<MT>([&](int r, __m256i& lo, __m256i& hi) { widen_q8(wg + 32 * r, lo, hi); }, xg, dots);
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]),
+                               _mm256_broadcast_ss(a.dxs.data() + ((m0 + m) * G + g) * 8), acc[m]);
   }
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t n = kRows * b + r;
-      if (n >= N) break;
-      // One fused multiply-add, spelt out: the compiler must not choose per row count.
-      const float y = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(hsum(acc[r][m])), _mm_set_ss(sc[n]),
-                                                 _mm_set_ss(bias ? bias[n] : 0.f)));
-      store_row(out + (m0 + m) * N + n, y);
-    }
+  const int64_t n0 = kRows * b;
+  for (int m = 0; m < MT; ++m) {
+    alignas(16) float v[4];
+    _mm_store_ps(v, row_sums(acc[m]));
+    // One fused multiply-add, spelt out: the compiler must not choose per row count.
+    for (int r = 0; r < kRows && n0 + r < N; ++r)
+      store_row(out + (m0 + m) * N + n0 + r,
+                _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(v[r]), _mm_set_ss(sc[n0 + r]),
+                                           _mm_set_ss(bias ? bias[n0 + r] : 0.f))));
+  }
 }
 
-// Two activation rows at a time against a 4-row weight block: 8 accumulators and 4
-// activation vectors stay in the 16 vector registers (4 rows would spill them).
-// A block's weights are re-read from L1 for the next pair.
+// Two activation rows at a time against a 4-row weight block: their 8 int32 dot vectors, a
+// row's widened weights and the two accumulators fit the 16 vector registers (activations
+// are read from L1 by vpmaddwd); 4 rows would spill. A block's weights are re-read from L1
+// for the next pair.
 template <typename Fn>
 void by_rows(int64_t M, const Fn& fn) {
   int64_t m0 = 0;
