@@ -38,6 +38,8 @@ MARGIN = 0.05          # another method must beat the default by 5% to replace i
 SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
 MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
 EXTRAPOLATE_S = 0.01    # a bucket's calls take this long: larger buckets are scaled from it
+HOPELESS = 8.0          # this many times the best at a bucket: larger buckets are scaled
+INVARIANT_WITHIN = 4.0  # row invariance is checked only within this of the best somewhere
 INVARIANCE_ROWS = (1, 2, 7, 8, 23, 64)  # row counts checked against the first rows of 128
 
 
@@ -186,7 +188,13 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
 
     A bucket past one whose calls already take EXTRAPOLATE_S is compute-bound for every
     method: its time is the previous bucket's scaled by the rows, not measured (an LM
-    head at 512 rows would take most of a second a call on a small CPU)."""
+    head at 512 rows would take most of a second a call on a small CPU). So is a bucket past
+    one where the method took HOPELESS times the best method's time (PyTorch's int8pack with
+    fp32 activations on an AVX2 CPU: 10-40x qdot's), and row invariance is checked only for
+    methods within INVARIANT_WITHIN of the best in some bucket (each check is a few calls of
+    128 rows): a method slower than that everywhere is never chosen, for speed or for
+    invariance (batch_invariant None takes one within INVARIANCE_COST; True then reports
+    no invariant method for the shape rather than running 4x slower)."""
     src0 = srcs[0]
     bytes_per = sum(t.numel() * t.element_size() for t in _tensors(src0)) or 1
     sweep = srcs[:max(1, min(len(srcs), -(-SWEEP_BYTES // bytes_per)))]
@@ -200,23 +208,23 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     built: dict[str, list[nn.Module]] = {}
     for method in methods:
         mods = [lm.build(method, s, act) for s in (sweep if time_it else sweep[:1])]
-        if not known_answer(mods[0], ref_w, bias, x_inv):
+        if not known_answer(mods[0], ref_w, bias, x_inv[:8]):
             failed.append(method)
             times[method] = [math.inf] * n
             continue
-        if row_invariant(mods[0], x_inv):
-            invariant.append(method)
         built[method] = mods
         times[method] = []
     if not time_it:
+        invariant = [m for m, mods in built.items() if row_invariant(mods[0], x_inv)]
         return {m: t for m, t in times.items() if t}, failed, invariant
+    best: list[float] = []
     for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
         timed: dict[str, list[nn.Module]] = {}
         for method, mods in built.items():
             t = times[method]
             if len(t) > i:  # failed at an earlier bucket
                 continue
-            if t and t[-1] > EXTRAPOLATE_S * 1e6:
+            if t and (t[-1] > EXTRAPOLATE_S * 1e6 or t[-1] > HOPELESS * best[i - 1]):
                 t.append(t[-1] * rows / lm.BUCKET_ROWS[i - 1])
             elif not known_answer(mods[0], ref_w, bias, x):
                 failed.append(method)
@@ -225,7 +233,12 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
                 timed[method] = mods if rows <= 8 else mods[:1]
         for method, sec in _time_interleaved(timed, x).items():
             times[method].append(sec * 1e6)
-    invariant = [m for m in invariant if m not in failed]
+        best.append(min((t[i] for t in times.values() if len(t) > i), default=math.inf))
+    for method, mods in built.items():
+        t = times[method]
+        if method not in failed and any(t[i] <= INVARIANT_WITHIN * best[i] for i in range(n)):
+            if row_invariant(mods[0], x_inv):
+                invariant.append(method)
     return times, failed, invariant
 
 

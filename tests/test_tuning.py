@@ -227,9 +227,11 @@ def test_a_method_failing_its_check_is_never_picked(tmp_path, monkeypatch):
 
 
 def _fake_times(monkeypatch, fast: dict[type, set[int]]):
-    """_time_sweep answers 1 µs where fast[type(module)] holds the row count, else 100."""
+    """_time_sweep answers 1 µs a row where fast[type(module)] holds the row count, else 3
+    (times grow with the rows, as real ones do: the tuner scales a method's larger buckets
+    from one where it took tuning.HOPELESS times the best)."""
     def fake(mods, x):
-        return 1e-6 if x.shape[0] in fast.get(type(mods[0]), set()) else 1e-4
+        return x.shape[0] * (1e-6 if x.shape[0] in fast.get(type(mods[0]), set()) else 3e-6)
 
     monkeypatch.setattr(tuning, "_time_sweep", fake)
 
@@ -257,6 +259,34 @@ def test_fake_timings_pick_the_expected_methods(tmp_path, monkeypatch):
                                                        batch_invariant=True))
     assert all(len(set(s.methods)) == 1 for s in report.shapes)
     assert not any(isinstance(m, lm.BucketedLinear) for m in model.modules())
+
+
+def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tmp_path,
+                                                                             monkeypatch):
+    # oneDNN made 10x slower than F.linear at every row count: after the one-row bucket its
+    # larger buckets are scaled from it (never called), and its rows are never compared.
+    if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
+        pytest.skip("oneDNN cannot pack fp32 here")
+    timed, checked = [], []
+
+    def fake(mods, x):
+        timed.append((type(mods[0]), x.shape[0]))
+        return x.shape[0] * (1e-5 if isinstance(mods[0], PackedLinear) else 1e-6)
+
+    real_inv = tuning.row_invariant
+    monkeypatch.setattr(tuning, "_time_sweep", fake)
+    monkeypatch.setattr(tuning, "row_invariant",
+                        lambda m, x: checked.append(type(m)) or real_inv(m, x))
+    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)
+    report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert {r for t, r in timed if t is PackedLinear} == {1}
+    assert {r for t, r in timed if t is nn.Linear} == set(lm.BUCKET_ROWS)
+    assert PackedLinear not in checked and nn.Linear in checked
+    for shape in report.shapes:
+        assert shape.methods == ["torch"] * len(lm.BUCKET_ROWS)
+        t1 = shape.times_us["onednn"][0]
+        assert shape.times_us["onednn"] == [t1 * r for r in lm.BUCKET_ROWS]
+        assert "onednn" not in shape.invariant
 
 
 def test_the_table_is_cached_per_machine_key(tmp_path, monkeypatch):
