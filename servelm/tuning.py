@@ -20,6 +20,7 @@ layer runs it for all rows, and a request's results no longer depend on its batc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -207,7 +208,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     failed, invariant = [], []
     built: dict[str, list[nn.Module]] = {}
     for method in methods:
-        mods = [lm.build(method, s, act) for s in (sweep if time_it else sweep[:1])]
+        mods = _sweep_modules(method, sweep if time_it else sweep[:1], act)
         if not known_answer(mods[0], ref_w, bias, x_inv[:8]):
             failed.append(method)
             times[method] = [math.inf] * n
@@ -240,6 +241,18 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
             if row_invariant(mods[0], x_inv):
                 invariant.append(method)
     return times, failed, invariant
+
+
+def _sweep_modules(method: str, srcs: list[nn.Module], act: torch.dtype) -> list[nn.Module]:
+    """The method's module for srcs[0], and for each further layer of the sweep a copy of
+    it: the sweep only needs its bytes spread over fresh memory (timing a step's stream of
+    weights, not one layer's warm in the cache), and copying is far cheaper than building
+    (int4: unpacking the tiles, dequantising, repacking each layer again per method)."""
+    first = lm.build(method, srcs[0], act)
+    try:
+        return [first] + [copy.deepcopy(first) for _ in srcs[1:]]
+    except Exception:  # a module holding something that does not copy: build each
+        return [first] + [lm.build(method, s, act) for s in srcs[1:]]
 
 
 def _tensors(src: nn.Module) -> list[torch.Tensor]:
