@@ -412,6 +412,8 @@ def linear_summary(model: nn.Module) -> str:
             return "int4pack"
         if isinstance(m, lm.qdot.QDotLinear):
             return "qdot"
+        if isinstance(m, lm.gemv.GemvLinear):
+            return "gemv"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
@@ -421,7 +423,7 @@ def linear_summary(model: nn.Module) -> str:
              for i in b.impls}
     inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
-             lm._Dequantised, lm.BucketedLinear)
+             lm.gemv.GemvLinear, lm._Dequantised, lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):
