@@ -9,10 +9,12 @@ from torch import nn
 from servelm.layers import gemv
 from servelm.layers import linear_methods as lm
 
-pytestmark = pytest.mark.skipif(not gemv.available(), reason="gemv kernel not built here (AVX2, FMA)")
+pytestmark = pytest.mark.skipif(not gemv.available(),
+                                reason="gemv kernel not built here (AVX2, FMA)")
 
 
-@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (33, 40, False), (7, 8, True), (1, 576, False)])
+@pytest.mark.parametrize("n,k,bias",
+                         [(96, 64, True), (33, 40, False), (7, 8, True), (1, 576, False)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
 def test_matches_f_linear(n, k, bias, rows):
     torch.manual_seed(n * k + rows)

@@ -38,7 +38,8 @@ class GemvLinear(nn.Module):
         self._op = torch.ops.servelm_gemv.f32_linear.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x.float() if x.dtype != torch.float32 else x, self.weight, self.bias)
+        # fp32 activations (applies); any other dtype is the op's clear error
+        return self._op(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp32 AVX2"

@@ -3,9 +3,9 @@
 
 Each activation row is quantised on the fly per block of 32 inputs to int16 (x = d h,
 d = max|x| / 32767: about 16 bits, finer than bf16's rounding; the block's exact fp32 sum is
-kept for int4's mins); weights are widened to int16 as they are loaded, for vpmaddwd. The weights keep servelm's int4 (w = s q + m
-per group of 32) or int8 (w = s q per row) values, repacked in rows of 4 so one step streams
-them in order.
+kept for int4's mins); weights are widened to int16 as they are loaded, for vpmaddwd. The
+weights keep servelm's int4 (w = s q + m per group of 32) or int8 (w = s q per row) values,
+repacked in rows of 4 so one step streams them in order.
 """
 
 from __future__ import annotations
