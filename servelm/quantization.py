@@ -123,11 +123,12 @@ def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.
     """The tiled layout -> q uint8 [N, K] in 0..15 (N = out_features, else padded rows)."""
     T, K8 = packed.shape
     K = K8 // 8
-    # Lane L = 2r + e is bytes 2L (nibbles j = 0, 1) and 2L + 1 (j = 2, 3), little-endian:
-    # split in uint8, so nibble j = 2 byte + half.
-    b = packed.reshape(T, K // 8, 16, 2, 2)  # t, b, r, e, byte
-    q = torch.stack([b & 15, b >> 4], dim=-1).reshape(T, K // 8, 16, 2, 4)  # t, b, r, e, j
-    q = q.permute(0, 2, 1, 4, 3).reshape(T * 16, K)
+    # Lanes 2r and 2r + 1 (e = 0, 1) of block b as one little-endian int32 word: output column
+    # 8b + 2j + e is nibble j of lane e, bits 4j + 16e (int32 shifts vectorise; a uint8
+    # permute of the nibbles was 2x slower, most of a quantised model's tuning time).
+    words = packed.view(torch.int32).reshape(T, K // 8, 16).transpose(1, 2).contiguous()
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32, device=packed.device)
+    q = ((words[..., None] >> shifts) & 15).to(torch.uint8).reshape(T * 16, K)
     return q[:out_features] if out_features is not None else q
 
 

@@ -62,9 +62,10 @@ class KVCache:
             buf = _hugepages.empty(n, hugepages).view(torch.uint8)
             rows = cfg.num_layers * 2 * total * block_size * cfg.num_kv_heads * cfg.head_dim
             rows *= torch.empty(0, dtype=dtype).element_size()
+            # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
+            # nothing to clear, and a page is only committed once a token's KV lands in it.
             self.data = buf[:rows].view(dtype).view(shape)
-            self.data.view(torch.uint8).zero_()
-            self.scales = (buf[rows:].view(torch.float32).view(shape[:-1]).zero_()
+            self.scales = (buf[rows:].view(torch.float32).view(shape[:-1])
                            if self.quantized else None)
         else:
             # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).

@@ -218,6 +218,29 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     return HFCheckpoint(path) if os.path.isdir(path) else GGUFFile(path)
 
 
+def _materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Every meta parameter and buffer of `model` allocated on `device`, floating ones in
+    `dtype` (what to_empty(device).to(dtype) gives, without the fp32 copy first, and without
+    empty_like's meta decomposition, whose first call imports sympy: a second of start-up).
+    A tensor shared by two modules stays shared."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor, new)
+
+    def new(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            out = torch.empty(t.shape, device=device,
+                              dtype=dtype if t.is_floating_point() else t.dtype)
+            if isinstance(t, torch.nn.Parameter):
+                out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+            memo[id(t)] = (t, out)
+        return memo[id(t)][1]
+
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = new(t)
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                 shard=None) -> torch.nn.Module:
     """The registered class for cfg on `device`, its weights allocated but not filled.
@@ -229,7 +252,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
         model = get_model_class(cfg.architecture)(cfg, max_positions)
         if shard is not None:
             model = shard.apply(model)
-    model = model.to_empty(device=device).to(dtype)
+    _materialise(model, device, dtype)
     model.init_rotary(device)  # buffers in no checkpoint, computed (meta held none)
     return model
 
