@@ -106,4 +106,4 @@ class QDotLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{self.bits} x 2 x int8 activations")
+                f"int{self.bits} x int16 activations")
