@@ -28,20 +28,23 @@ def test_first_step_logits_match_reference(llm, hf_model):
 
 
 def test_greedy_continuations_match_reference(llm, hf_model):
-    # min_tokens on both sides bans EOS, so every continuation is a full 48 tokens.
+    # min_tokens bans EOS, so every continuation is a full 48 tokens. The reference's greedy
+    # continuation is ours exactly when, in one forward over prompt + ours, its argmax (EOS
+    # banned, as its min_new_tokens would) at every position is our next token.
     prompts = [_chat_ids(llm, c) for c in CHAT_PROMPTS[2:]]  # system prompt, multi-turn, code
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=48, min_tokens=48),
                         use_tqdm=False)
+    eos = hf_model.generation_config.eos_token_id
     for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
-                                    min_new_tokens=48, pad_token_id=2)[0, len(ids):].tolist()
         got = out.outputs[0].token_ids
+        assert len(got) == 48
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1:]
+        logits[:, eos] = float("-inf")
+        ref = logits.argmax(-1).tolist()
         if got != ref:
             k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
-            with torch.no_grad():
-                logits = hf_model(torch.tensor([ids + ref[:k]])).logits[0, -1]
-            top2 = logits.topk(2).values
+            top2 = logits[k].topk(2).values
             pytest.fail(f"diverged at token {k}: ours {got[k]}, reference {ref[k]}; "
                         f"reference top-2 logit gap there {float(top2[0] - top2[1]):.2e}")

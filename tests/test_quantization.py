@@ -344,8 +344,11 @@ def test_config_rejects_unknown_quantization():
 def _engine(dtype, quantization, linear_method="auto"):
     from servelm import LLM
 
+    # Tuning off: these engines are about the quantisation's quality and paths, each layer on
+    # the untuned default (the kernels' tiles, else qdot); what the tuner picks, and that its
+    # picks give the reference tokens, is tests/test_tuning.py's.
     return LLM(dtype=dtype, quantization=quantization, kv_cache_memory=128 << 20,
-               linear_method=linear_method)
+               linear_method=linear_method, kernel_tuning="off")
 
 
 @pytest.fixture(scope="module")

@@ -261,7 +261,7 @@ def _worker_pids(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def tp_server() -> Server:
     """One TP=2 server for the module: the smoke test first, then a worker is killed."""
-    server = Server("--api-key", KEY, "--tensor-parallel-size", "2")
+    server = Server("--api-key", KEY, "--tensor-parallel-size", "2", "--kernel-tuning", "off")
     try:
         yield server.wait_ready()
     finally:
@@ -379,7 +379,8 @@ def test_two_hosts_with_torchrun_rendezvous(reference):
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"servelm-{port}",
          "--node-rank", str(i), "-m", "servelm.cli", "generate", prompt,
          "--tensor-parallel-size", "2", "--dtype", "float32", "--temperature", "0",
-         "--max-tokens", "12", "--kv-cache-memory", "32MiB", "--num-threads", "1"],
+         "--max-tokens", "12", "--kv-cache-memory", "32MiB", "--num-threads", "1",
+         "--kernel-tuning", "off"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     try:
