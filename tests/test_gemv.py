@@ -1,5 +1,5 @@
-"""The gemv linear method (kernels/csrc/gemv.cpp): fp32 layers for a few rows on AVX2 + FMA,
-over the layer's own weight."""
+"""The gemv linear method (kernels/csrc/gemv.cpp): fp32 and bf16 layers for a few rows on
+AVX2 + FMA, over the layer's own weight."""
 
 import pytest
 import torch
@@ -26,12 +26,30 @@ def test_matches_f_linear(n, k, bias, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_rows_do_not_depend_on_the_batch_and_weights_are_shared():
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (33, 40, False), (1, 576, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+def test_bf16_weights_match_fp32_sums_rounded_once(n, k, bias, rows):
+    torch.manual_seed(n * k + rows)
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    mod = gemv.GemvLinear(lin)
+    got = mod(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    b = None if lin.bias is None else lin.bias.float()
+    want = F.linear(x.float(), lin.weight.float(), b)  # the exact sums, then one rounding
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    assert (got.float() - want).abs().max() <= 2 ** -8 * want.abs().max() + 1e-5
+    # fp32 activations on bf16 weights: fp32 out, the fp32 sums.
+    torch.testing.assert_close(mod(x.float()), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_batch_and_weights_are_shared(dtype):
     torch.manual_seed(0)
-    lin = nn.Linear(192, 75)
+    lin = nn.Linear(192, 75).to(dtype)
     mod = gemv.GemvLinear(lin)
     assert mod.weight.data_ptr() == lin.weight.data_ptr()  # no copy of the weight
-    x = torch.randn(9, 192)
+    x = torch.randn(9, 192).to(dtype)
     full = mod(x)
     for m in range(1, 9):
         assert torch.equal(mod(x[:m]), full[:m]), m
@@ -40,11 +58,13 @@ def test_rows_do_not_depend_on_the_batch_and_weights_are_shared():
     assert mod(x[:0]).shape == (0, 75)
 
 
-def test_applies_only_to_fp32_layers_and_rejects_bad_operands():
+def test_applies_to_fp32_and_bf16_layers_and_rejects_bad_operands():
     assert lm.applies("gemv", nn.Linear(64, 8), torch.float32, True)
     assert not lm.applies("gemv", nn.Linear(64, 8), torch.float32, False)  # kernels off
     assert not lm.applies("gemv", nn.Linear(60, 8), torch.float32, True)  # K % 8
-    assert not lm.applies("gemv", nn.Linear(64, 8).to(torch.bfloat16), torch.bfloat16, True)
+    assert lm.applies("gemv", nn.Linear(64, 8).to(torch.bfloat16), torch.bfloat16, True)
+    assert not lm.applies("gemv", nn.Linear(64, 8).to(torch.bfloat16), torch.float32, True)
+    assert not lm.applies("gemv", nn.Linear(64, 8).half(), torch.float16, True)
     op = torch.ops.servelm_gemv.f32_linear
     w = torch.randn(8, 64)
     with pytest.raises(RuntimeError, match="in_features"):
@@ -55,3 +75,9 @@ def test_applies_only_to_fp32_layers_and_rejects_bad_operands():
         op(torch.randn(2, 64), torch.randn(64, 8).t())
     with pytest.raises(RuntimeError, match="bias"):
         op(torch.randn(2, 64), w, torch.randn(3))
+    bop = torch.ops.servelm_gemv.bf16_linear
+    wb = w.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        bop(torch.randn(2, 64).half(), wb)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        bop(torch.randn(2, 64), w)  # fp32 weight to the bf16 op

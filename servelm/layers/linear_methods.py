@@ -12,7 +12,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
-| gemv     | fp32           | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp) |
+| gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp) |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,

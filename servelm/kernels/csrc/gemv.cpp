@@ -1,10 +1,15 @@
-// fp32 linear layers for a few activation rows (decode) on x86 CPUs with AVX2 + FMA, over the
-// layer's own row-major weight: a step is bound by reading the weight once, and oneDNN's fp32
-// matrix-vector path read it at about half the machine's bandwidth (Zen 3, 2 cores).
-// Namespace torch.ops.servelm_gemv:
+// fp32 and bf16 linear layers for a few activation rows (decode) on x86 CPUs with AVX2 + FMA,
+// over the layer's own row-major weight: a step is bound by reading the weight once, and
+// oneDNN's fp32 matrix-vector path read it at about half the machine's bandwidth (Zen 3, 2
+// cores). Namespace torch.ops.servelm_gemv:
 //
 //   f32_linear(x, weight, bias?) -> y
 // x: [..., K] float32; weight: [N, K] float32, contiguous, K a multiple of 8; y: [..., N].
+//   bf16_linear(x, weight, bias?) -> y
+// weight: [N, K] bfloat16, contiguous; x: [..., K] bfloat16 or float32; y in x's dtype. The
+// weights are widened to fp32 as they are read (a shift), the products summed in fp32 and
+// rounded once to x's dtype (bf16 without AVX512-BF16: oneDNN's bf16 path converted too, at
+// a fraction of the bandwidth).
 //
 // Rows of N in blocks of 4 are split over the torch (OpenMP) threads; each block is read once
 // per two activation rows, its 4 x 2 dot products kept in 8 vector accumulators (the
@@ -14,11 +19,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -36,20 +43,27 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+// 8 weights as floats (bf16: the upper half of an fp32, exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // out[m0 .. m0 + MT) x [n0, n0 + nr) for one block of up to 4 weight rows.
-template <int MT>
-void block(const float* x, const float* w, const float* bias, float* out, int64_t m0, int64_t n0,
+template <int MT, typename W, typename O>
+void block(const float* x, const W* w, const float* bias, O* out, int64_t m0, int64_t n0,
            int nr, int64_t K, int64_t N) {
-  const float* w0 = w + n0 * K;
+  const W* w0 = w + n0 * K;
   // Rows past N (the last block) read row 0 again and are not stored.
-  const float* w1 = nr > 1 ? w0 + K : w0;
-  const float* w2 = nr > 2 ? w0 + 2 * K : w0;
-  const float* w3 = nr > 3 ? w0 + 3 * K : w0;
+  const W* w1 = nr > 1 ? w0 + K : w0;
+  const W* w2 = nr > 2 ? w0 + 2 * K : w0;
+  const W* w3 = nr > 3 ? w0 + 3 * K : w0;
   __m256 a0[MT], a1[MT], a2[MT], a3[MT];
   for (int m = 0; m < MT; ++m) a0[m] = a1[m] = a2[m] = a3[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-    const __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
+    const __m256 v0 = load8(w0 + k), v1 = load8(w1 + k);
+    const __m256 v2 = load8(w2 + k), v3 = load8(w3 + k);
 #pragma GCC unroll 2
     for (int m = 0; m < MT; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
@@ -62,21 +76,27 @@ void block(const float* x, const float* w, const float* bias, float* out, int64_
   for (int m = 0; m < MT; ++m) {
     alignas(16) float s[4];
     _mm_store_ps(s, hsum4(a0[m], a1[m], a2[m], a3[m]));
-    for (int r = 0; r < nr; ++r) out[(m0 + m) * N + n0 + r] = s[r] + (bias ? bias[n0 + r] : 0.f);
+    for (int r = 0; r < nr; ++r)
+      out[(m0 + m) * N + n0 + r] = static_cast<O>(s[r] + (bias ? bias[n0 + r] : 0.f));
   }
 }
 
-at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat,
-              "servelm_gemv.f32_linear: x must be float32 on the CPU");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
-              "servelm_gemv.f32_linear: weight must be contiguous float32 [N, K]");
+// y = x weight^T (+ bias) for W = float (x float32) or c10::BFloat16 (x bfloat16 or float32).
+template <typename W>
+at::Tensor run(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               const char* op) {
+  const at::ScalarType wt = std::is_same<W, float>::value ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
+                                         (wt == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16)),
+              "servelm_gemv.", op, ": x must be ", wt == at::kFloat ? "float32" : "bfloat16 or float32",
+              " on the CPU, got ", x_in.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == wt && weight.dim() == 2 && weight.is_contiguous(),
+              "servelm_gemv.", op, ": weight must be contiguous ", wt, " [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x_in.size(-1) == K && K % 8 == 0,
-              "servelm_gemv.f32_linear: x's last dim must be in_features (a multiple of 8): ",
-              x_in.size(-1), " vs ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  TORCH_CHECK(x_in.size(-1) == K && K % 8 == 0, "servelm_gemv.", op,
+              ": x's last dim must be in_features (a multiple of 8): ", x_in.size(-1), " vs ", K);
+  // The activations in fp32 (a bf16 row widened once per call, not once per weight block).
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = N;
@@ -84,34 +104,53 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight,
   if (M == 0 || N == 0) return out;
   at::Tensor bf;
   if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "servelm_gemv.f32_linear: bias must have out_features elements");
+    TORCH_CHECK(bias->numel() == N, "servelm_gemv.", op, ": bias must have out_features elements");
     bf = bias->to(at::kFloat).contiguous();
   }
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const W* wp = reinterpret_cast<const W*>(weight.data_ptr());
   const int64_t NB = (N + kRows - 1) / kRows;
   // Enough weight rows per task to amortise the scheduling (a few tens of KB).
   const int64_t grain = std::max<int64_t>(1, 8192 / K);
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-      int64_t m0 = 0;
-      for (; m0 + 2 <= M; m0 += 2) block<2>(xp, wp, bp, op, m0, n0, nr, K, N);
-      if (m0 < M) block<1>(xp, wp, bp, op, m0, n0, nr, K, N);
-    }
-  });
+  auto go = [&](auto* op_) {
+    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kRows;
+        const int nr = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2) block<2>(xp, wp, bp, op_, m0, n0, nr, K, N);
+        if (m0 < M) block<1>(xp, wp, bp, op_, m0, n0, nr, K, N);
+      }
+    });
+  };
+  if (out.scalar_type() == at::kFloat)
+    go(out.data_ptr<float>());
+  else
+    go(out.data_ptr<c10::BFloat16>());
   return out;
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias) {
+  return run<float>(x, weight, bias, "f32_linear");
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  return run<c10::BFloat16>(x, weight, bias, "bf16_linear");
 }
 
 }  // namespace
 
 TORCH_LIBRARY(servelm_gemv, m) {
   m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(servelm_gemv, CPU, m) { m.impl("f32_linear", &f32_linear); }
+TORCH_LIBRARY_IMPL(servelm_gemv, CPU, m) {
+  m.impl("f32_linear", &f32_linear);
+  m.impl("bf16_linear", &bf16_linear);
+}
 
 #endif  // AVX2 + FMA
