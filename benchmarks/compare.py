@@ -25,7 +25,8 @@ measured within a minute of each other) and the median of the rounds' ratios is 
 with their range; each figure in the table is the median over the rounds.
 
 Each servelm format also gets its roofline: decode bandwidth limit (weight bytes per step
-over the round's measured bandwidth) and the bf16 matmul limit at 64 streams, and how close
+over the round's measured bandwidth) and the matmul limit at 64 streams (the faster of bf16's
+and fp32's peak), and how close
 each round came (utilisation, median over the rounds).
 
 Peers (locations from PEERS_DIR, default /tmp/servelm-peers, and the variables of
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -538,7 +540,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
                     help="memory bandwidth for the roofline (default: measured each round)")
     ap.add_argument("--flops", type=float, default=None, metavar="TFLOP/s",
-                    help="bf16 matmul peak for the roofline (default: measured each round)")
+                    help="matmul peak for the roofline (default: measured each round, the "
+                         "faster of bf16 and fp32)")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--model", default=None, metavar="FILE.gguf",
                     help="a GGUF every system loads (default: the embedded SmolLM2)")
@@ -649,9 +652,12 @@ def main() -> None:
     rounds = []
     for rnd in range(args.rounds if systems else 0):
         hw = measure_hardware("bfloat16", "cpu") if probe else None
+        if hw and not args.flops:  # a CPU without bf16 arithmetic peaks in fp32
+            f32 = measure_hardware("float32", "cpu").flops
+            hw = dataclasses.replace(hw, flops=max(hw.flops, f32))
         bw = args.bandwidth * 1e9 if args.bandwidth else hw.bandwidth if hw else float("nan")
         peak = args.flops * 1e12 if args.flops else hw.flops if hw else float("nan")
-        roof = (f"{bw / 1e9:.1f} GB/s read, {peak / 1e12:.2f} TFLOP/s bf16 matmul, "
+        roof = (f"{bw / 1e9:.1f} GB/s read, {peak / 1e12:.2f} TFLOP/s matmul peak, "
                 if bw == bw and peak == peak else "")  # not NaN
         print(f"round {rnd + 1}/{args.rounds}: {roof}{torch.get_num_threads()} threads",
               file=sys.stderr)
@@ -689,7 +695,7 @@ def main() -> None:
     print(f"\n{args.rounds} rounds; each figure the median over the rounds")
     if rows:
         print(f"{'':<34}{'TTFT 512':>10}{'decode x1':>12}{'decode x64':>12}"
-              f"{'BW limit x1':>13}{'x1 / limit':>11}{'x64 / bf16 peak':>16}")
+              f"{'BW limit x1':>13}{'x1 / limit':>11}{'x64 / peak':>16}")
     for name in rows:
         dec64 = med(name, "decode_64_tok_s")
         line = (f"{name:<34}{med(name, 'ttft_512_s') * 1000:>8.0f}ms"
