@@ -20,6 +20,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "avx2_vec.h"  // load8f, hmax8, hsum8
 
 namespace {
 
@@ -366,37 +367,11 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// 8 elements of a cache row as floats (an int8 row unscaled).
-template <typename T> inline __m256 load8f(const T* p);
-template <> inline __m256 load8f<float>(const float* p) { return _mm256_loadu_ps(p); }
-template <> inline __m256 load8f<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-template <> inline __m256 load8f<c10::Half>(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-template <> inline __m256 load8f<int8_t>(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // Lane j of the result = the sum of p[j]'s 8 lanes.
 inline __m256 hsum8x8(const __m256* p) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 // P.V for NG heads over 32 dims [c, c + 32) of n keys: acc (already rescaled by alpha) +=

@@ -33,6 +33,8 @@
 // The same float operations for every row-count instantiation (see qdot.cpp).
 #pragma GCC optimize("no-fast-math")
 
+#include "avx2_vec.h"  // load8f: under the pragma
+
 namespace {
 
 constexpr int kRows = 4;
@@ -41,13 +43,6 @@ constexpr int kRows = 4;
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-// 8 weights as floats (bf16: the upper half of an fp32, exactly).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // out[m0 .. m0 + MT) x [n0, n0 + nr) for one block of up to 4 weight rows.
@@ -62,8 +57,8 @@ void block(const float* x, const W* w, const float* bias, O* out, int64_t m0, in
   __m256 a0[MT], a1[MT], a2[MT], a3[MT];
   for (int m = 0; m < MT; ++m) a0[m] = a1[m] = a2[m] = a3[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v0 = load8(w0 + k), v1 = load8(w1 + k);
-    const __m256 v2 = load8(w2 + k), v3 = load8(w3 + k);
+    const __m256 v0 = load8f(w0 + k), v1 = load8f(w1 + k);
+    const __m256 v2 = load8f(w2 + k), v3 = load8f(w3 + k);
 #pragma GCC unroll 2
     for (int m = 0; m < MT; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);

@@ -48,6 +48,8 @@
 // scale-and-add that ends a row is one explicit fused multiply-add.
 #pragma GCC optimize("no-fast-math")
 
+#include "avx2_vec.h"  // load8f, hmax8, hsum8: under the pragma
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // inputs per activation block (and int4 group)
@@ -62,25 +64,6 @@ struct QActs {
   int64_t M = 0, K = 0, G = 0;
 };
 
-// 8 activations as floats.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 template <typename T>
 void quantise_rows(const T* x, int64_t M, int64_t K, QActs& a) {
   a.M = M, a.K = K, a.G = K / kBlock;
@@ -93,11 +76,11 @@ void quantise_rows(const T* x, int64_t M, int64_t K, QActs& a) {
       for (int64_t g = 0; g < a.G; ++g) {
         const T* xp = x + m * K + g * kBlock;
         __m256 v[4];
-        for (int i = 0; i < 4; ++i) v[i] = load8(xp + 8 * i);
+        for (int i = 0; i < 4; ++i) v[i] = load8f(xp + 8 * i);
         const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
                                         _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
-        const float amax = hmax(mx);
-        const float sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        const float amax = hmax8(mx);
+        const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
         __m256i h[4];
         for (int i = 0; i < 4; ++i) h[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), rnd));
