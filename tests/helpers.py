@@ -94,6 +94,24 @@ def script_usage_error(script: str, *args: str, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def assert_reference_greedy(ref, ids: list[int], got: list[int], banned=()) -> None:
+    """`got` is the greedy continuation of `ids` by transformers' model `ref`: in one forward
+    over ids + got, ref's argmax (tokens `banned`, e.g. EOS under min_tokens, excluded) at
+    every position is our next token. The same test as comparing with its generate(), token
+    for token, at a fraction of the cost. A divergence names the token and ref's top-2 gap."""
+    import pytest
+
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1:]
+    logits[:, list(banned)] = float("-inf")
+    want = logits.argmax(-1).tolist()
+    if got != want:
+        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        top2 = logits[k].topk(2).values
+        pytest.fail(f"diverged at token {k} of {ids[:6]}...: ours {got[k]}, reference "
+                    f"{want[k]}; reference top-2 logit gap there {float(top2[0] - top2[1]):.2e}")
+
+
 def hf_from_gguf(path: str, tmp_dir):
     """transformers' model from a GGUF, dequantised to fp32: the numerical reference. Read
     from a copy with the same tensors and model metadata but no vocabulary arrays (the

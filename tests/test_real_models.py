@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import hf_from_gguf, hf_tokenizer_from_gguf
+from helpers import assert_reference_greedy, hf_from_gguf, hf_tokenizer_from_gguf
 from servelm import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -44,22 +44,13 @@ def _reference(path: str, tmp_path: Path):
 
 
 def _check(llm: LLM, ref, prompts: list[list[int]]) -> None:
-    """Our greedy tokens are transformers' greedy tokens: one reference forward over prompt +
-    ours, whose argmax at each position must be our next token (the same test as comparing
-    with its generate(), token for token, at a fraction of the cost)."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
                         use_tqdm=False)
     for ids, out in zip(prompts, outs):
         got = out.outputs[0].token_ids
         assert len(got) == N
-        with torch.no_grad():
-            logits = ref(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1:]
-        want = logits.argmax(-1).tolist()
-        if got != want:
-            k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            pytest.fail(f"diverged at token {k} of {ids[:6]}...: ours {got[k]}, "
-                        f"transformers {want[k]}")
+        assert_reference_greedy(ref, ids, got)
 
 
 def test_qwen25_gguf_greedy_tokens_equal_transformers(tmp_path):
