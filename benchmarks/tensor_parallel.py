@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU: TP=2 (one thread per rank) against TP=1 (two threads).
 
-Decode throughput at batch 1 and batch 16, the collectives of one step (counted on rank 0),
-what a gloo all-reduce costs here (two processes on loopback), and what the same bytes would
-cost on NVLink and on 100 Gb/s Ethernet.
+Decode throughput at batch 1 and batch 16, TP=2 with its collectives through shared memory
+(the default on one host) and through gloo (--no-shm-collectives), side by side; the
+collectives of one step (counted on rank 0), what one all-reduce costs here each way (two
+processes), and what the same bytes would cost on NVLink and on 100 Gb/s Ethernet.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--dtype float32] [--tokens 64]
 """
@@ -44,14 +45,14 @@ def decode_rate(llm: LLM, batch: int, tokens: int) -> tuple[float, dict]:
     return (s.num_decode_tokens - toks0) / (s.decode_seconds - secs0), comm
 
 
-def _allreduce_worker(rank: int, port: int, sizes: list[int], iters: int, out) -> None:
+def _allreduce_worker(rank: int, port: int, sizes: list[int], iters: int, shm: bool) -> None:
     from torch.distributed import TCPStore
 
     from servelm.distributed.parallel_state import TPGroup
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, 2, is_master=False, wait_for_workers=False)
-    group = TPGroup(store, rank, 2, torch.device("cpu"), hostname="127.0.0.1")
+    group = TPGroup(store, rank, 2, torch.device("cpu"), hostname="127.0.0.1", shm=shm)
     for n in sizes:
         t = torch.ones(n)
         for _ in range(iters // 10):
@@ -60,8 +61,9 @@ def _allreduce_worker(rank: int, port: int, sizes: list[int], iters: int, out) -
             group.all_reduce(t)
 
 
-def gloo_latency(sizes: list[int], iters: int = 500) -> dict[int, float]:
-    """Seconds per all-reduce of n fp32 values between two processes on loopback."""
+def allreduce_latency(sizes: list[int], shm: bool, iters: int = 500) -> dict[int, float]:
+    """Seconds per all-reduce of n fp32 values between two processes on this host (shared
+    memory, or gloo on loopback)."""
     import torch.multiprocessing as mp
     from torch.distributed import TCPStore
 
@@ -69,9 +71,9 @@ def gloo_latency(sizes: list[int], iters: int = 500) -> dict[int, float]:
 
     store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     p = mp.get_context("spawn").Process(target=_allreduce_worker,
-                                        args=(1, store.port, sizes, iters, None))
+                                        args=(1, store.port, sizes, iters, shm))
     p.start()
-    group = TPGroup(store, 0, 2, torch.device("cpu"), hostname="127.0.0.1")
+    group = TPGroup(store, 0, 2, torch.device("cpu"), hostname="127.0.0.1", shm=shm)
     out = {}
     for n in sizes:
         t = torch.ones(n)
@@ -94,31 +96,39 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     kw = dict(dtype=args.dtype, kv_cache_memory=256 << 20, num_threads=2)
     results = {}
-    for tp in (1, 2):
-        llm = LLM(**kw, tensor_parallel_size=tp)
+    runs = [(1, True), (2, False), (2, True)]  # (tp, shared-memory collectives)
+    for tp, shm in runs:
+        llm = LLM(**kw, tensor_parallel_size=tp, shm_collectives=shm)
         hidden = llm.engine.model_config.hidden_size
         elem = torch.empty(0, dtype=llm.engine.dtype).element_size()
         for b in batches:
-            results[tp, b] = decode_rate(llm, b, args.tokens)
-            print(f"TP={tp} ({2 // tp} thread{'s' if tp == 1 else ''}/rank) batch {b:>3}: "
-                  f"{results[tp, b][0]:7.1f} tok/s", flush=True)
+            results[tp, shm, b] = decode_rate(llm, b, args.tokens)
+            how = "" if tp == 1 else (" shm " if shm else " gloo")
+            print(f"TP={tp}{how} ({2 // tp} thread{'s' if tp == 1 else ''}/rank) batch {b:>3}: "
+                  f"{results[tp, shm, b][0]:7.1f} tok/s", flush=True)
         llm.engine.shutdown()
         del llm
-    lat = gloo_latency([hidden * b for b in batches])
-    print(f"\n{'batch':>5} {'TP=1 tok/s':>10} {'TP=2 tok/s':>10} {'all-reduces':>11} "
-          f"{'AR bytes':>10} {'gloo here':>10} {'NVLink':>9} {'100GbE':>9} {'gather':>9}")
+    lat = {shm: allreduce_latency([hidden * b for b in batches], shm) for shm in (False, True)}
+    print(f"\n{'batch':>5} {'TP=1 tok/s':>10} {'TP=2 gloo':>10} {'TP=2 shm':>10} "
+          f"{'all-reduces':>11} {'AR bytes':>10} {'gloo here':>10} {'shm here':>10} "
+          f"{'NVLink':>9} {'100GbE':>9} {'gather':>9}")
     for b in batches:
-        comm = results[2, b][1]
+        comm = results[2, True, b][1]
         n_ar, nbytes = comm["all_reduces_per_step"], comm["bytes_per_step"]
         # Ring all-reduce over N ranks: each rank sends and receives 2 (N-1)/N of the bytes.
         moved = nbytes * 2 * (2 - 1) / 2
-        here = n_ar * lat[hidden * b]
-        print(f"{b:>5} {results[1, b][0]:>10.1f} {results[2, b][0]:>10.1f} {n_ar:>11.0f} "
-              f"{nbytes / 1024:>8.1f}Ki {here * 1e3:>8.2f}ms {moved / NVLINK * 1e6:>7.2f}us "
-              f"{moved / ETHERNET * 1e6:>7.1f}us {comm['gather_bytes'] / 1024:>7.1f}Ki")
+        print(f"{b:>5} {results[1, True, b][0]:>10.1f} {results[2, False, b][0]:>10.1f} "
+              f"{results[2, True, b][0]:>10.1f} {n_ar:>11.0f} {nbytes / 1024:>8.1f}Ki "
+              f"{n_ar * lat[False][hidden * b] * 1e3:>8.2f}ms "
+              f"{n_ar * lat[True][hidden * b] * 1e3:>8.2f}ms "
+              f"{moved / NVLINK * 1e6:>7.2f}us {moved / ETHERNET * 1e6:>7.1f}us "
+              f"{comm['gather_bytes'] / 1024:>7.1f}Ki")
     print(f"\n{args.dtype}: one all-reduce of one token's hidden state is {hidden * elem} bytes; "
-          f"gloo on loopback here: {lat[hidden] * 1e6:.0f} us each (batch 1), "
-          f"{lat[hidden * batches[-1]] * 1e6:.0f} us (batch {batches[-1]}). 'gather' is the "
+          f"one all-reduce here, gloo on loopback / shared memory: "
+          f"{lat[False][hidden] * 1e6:.0f} / {lat[True][hidden] * 1e6:.0f} us (batch 1), "
+          f"{lat[False][hidden * batches[-1]] * 1e6:.0f} / "
+          f"{lat[True][hidden * batches[-1]] * 1e6:.0f} us (batch {batches[-1]}); the "
+          f"'here' columns are a step's all-reduces at those latencies. 'gather' is the "
           f"fp32 logits rank 0 receives per decode step. NVLink and "
           f"Ethernet columns are bandwidth only; add each link's per-collective latency "
           f"(a few us for NCCL on NVLink, tens of us over TCP) times the all-reduce count.")

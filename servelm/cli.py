@@ -97,6 +97,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps op by op instead of on the one-call DecodeStack")
     k.add_argument("--no-hugepages", dest="hugepages", action="store_false",
                    help="weights and KV cache in plain pages, not 2 MB huge pages")
+    k.add_argument("--no-shm-collectives", dest="shm_collectives", action="store_false",
+                   help="CPU tensor parallelism: gloo for the ranks' all-reduces, not shared "
+                        "memory")
     k.add_argument("--no-triton", dest="triton_attention", action="store_false",
                    help="CUDA: gather + SDPA attention instead of the Triton kernels")
     k.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
@@ -134,6 +137,7 @@ def build_llm(args):
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
                hugepages=args.hugepages, triton_attention=args.triton_attention,
+               shm_collectives=args.shm_collectives,
                attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                speculative_config=getattr(args, "speculative_config", None))
 

@@ -90,6 +90,10 @@ class KernelConfig:
     fused_decode: bool = True      # decode-only steps on the DecodeStack (one C++ call)
     hugepages: bool = True         # weights and KV cache in 2 MB transparent huge pages
     triton_attention: bool = True  # CUDA: Triton attention in place over the block tables
+    # CPU tensor parallelism: the model's all-reduces and gathers between ranks on one host
+    # through a shared-memory segment (servelm.distributed.shm); False, or ranks on several
+    # hosts: gloo for all of them.
+    shm_collectives: bool = True
     # servelm.attention's backend, chosen once at start-up: "auto" (cpu where the C++ kernels
     # run, else triton where it runs, else reference) or one by name, refused at start-up
     # (ValueError) where it cannot run.
@@ -111,7 +115,8 @@ class KernelConfig:
         if self.tuning not in KERNEL_TUNING:
             raise ValueError(f"kernel tuning must be one of {', '.join(KERNEL_TUNING)}, "
                              f"got {self.tuning!r}")
-        for name in ("cpu_kernels", "fused_decode", "hugepages", "triton_attention"):
+        for name in ("cpu_kernels", "fused_decode", "hugepages", "triton_attention",
+                     "shm_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):

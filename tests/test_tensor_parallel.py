@@ -380,7 +380,7 @@ def test_two_hosts_with_torchrun_rendezvous(reference):
          "--node-rank", str(i), "-m", "servelm.cli", "generate", prompt,
          "--tensor-parallel-size", "2", "--dtype", "float32", "--temperature", "0",
          "--max-tokens", "12", "--kv-cache-memory", "32MiB", "--num-threads", "1",
-         "--kernel-tuning", "off"],
+         "--kernel-tuning", "off", "--no-shm-collectives"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     try:

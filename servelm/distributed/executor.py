@@ -107,7 +107,8 @@ class TPExecutor:
             if device.type == "cuda":
                 device = torch.device("cuda", env.local_rank)
             torch.set_num_threads(per_rank_threads(config, env.local_world_size))
-            group = TPGroup(torchrun_store(env), env.rank, tp, device)
+            group = TPGroup(torchrun_store(env), env.rank, tp, device,
+                            shm=config.kernels.shm_collectives)
             if env.rank != 0:
                 # A worker: serve rank 0's steps, then leave (the engine is rank 0's alone).
                 logger.info("tensor-parallel rank %d of %d: serving as a worker", env.rank, tp)
@@ -167,7 +168,8 @@ class TPExecutor:
                         raise WorkerDiedError(f"tensor-parallel worker {rank} did not start "
                                               f"within {_START_TIMEOUT_S:.0f} s")
                     time.sleep(0.05)
-            return TPGroup(store, 0, tp, device, hostname="127.0.0.1")
+            return TPGroup(store, 0, tp, device, hostname="127.0.0.1",
+                           shm=config.kernels.shm_collectives)
         except BaseException:
             self.ranks.close()
             raise

@@ -6,7 +6,9 @@ torch.distributed. Each rank has two groups:
 
 - `compute`: the model's collectives inside a step (all-reduce of row-parallel outputs,
   gather of the vocabulary-parallel logits). gloo on CPU, NCCL on CUDA. Its timeout
-  (SERVELM_TP_TIMEOUT_S, default 300 s) turns a hung peer into an error.
+  (SERVELM_TP_TIMEOUT_S, default 300 s) turns a hung peer into an error. CPU ranks that
+  all live on one host run these through shared memory instead (servelm.distributed.shm,
+  KernelConfig.shm_collectives), gloo taking only what does not fit its slots.
 - `control` (gloo, CPU tensors): rank 0 broadcasts each step's batch metadata on it.
   Workers wait on it while the server idles, so its timeout is long; a peer that dies
   closes its sockets, which fails the wait at once whatever the timeout.
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 from torch.distributed import (AllreduceOptions, BroadcastOptions, GatherOptions,
                                PrefixStore, ProcessGroupGloo, Store, TCPStore)
+
+from servelm.distributed.shm import ShmChannel
 
 _HEADER = 4096  # bytes broadcast for every control message; longer ones take a second broadcast
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
@@ -90,7 +94,7 @@ class TPGroup:
     """This rank's place in the tensor-parallel world and its two process groups."""
 
     def __init__(self, store: Store, rank: int, world: int, device: torch.device,
-                 hostname: str | None = None):
+                 hostname: str | None = None, shm: bool = True):
         self.rank, self.world, self.device = rank, world, device
         self.store = store
         self.control = _gloo(PrefixStore("control", store), rank, world, _CONTROL_TIMEOUT,
@@ -103,6 +107,11 @@ class TPGroup:
                                  hostname)
         self.num_all_reduces = 0     # counters, for the benchmark's communication figures
         self.all_reduce_bytes = 0
+        self.shm: ShmChannel | None = None
+        if device.type == "cpu" and shm:
+            self.shm = ShmChannel.connect(PrefixStore("shm", store), rank, world,
+                                          self.control_all_reduce_max,
+                                          compute_timeout().total_seconds())
 
     # ---- the model's collectives (compute group) ----------------------------------------
 
@@ -110,11 +119,15 @@ class TPGroup:
         """Sum `t` over the ranks, in place; returns it."""
         self.num_all_reduces += 1
         self.all_reduce_bytes += t.numel() * t.element_size()
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.all_reduce(t)
         self.compute.allreduce([t], AllreduceOptions()).wait()
         return t
 
     def gather_to_rank0(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` (same shape everywhere) on rank 0, in rank order; None elsewhere."""
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.gather_to_rank0(t)
         opts = GatherOptions()
         opts.rootRank = 0
         if self.rank == 0:

@@ -140,7 +140,8 @@ def spawn_main(rank: int, world: int, port: int, config, dtype: torch.dtype, dev
     if dev.type == "cuda":
         dev = torch.device("cuda", rank)
     try:
-        group = TPGroup(store, rank, world, dev, hostname="127.0.0.1")
+        group = TPGroup(store, rank, world, dev, hostname="127.0.0.1",
+                        shm=config.kernels.shm_collectives)
     except BaseException:
         store.set(f"error/{rank}", f"rank {rank}: {traceback.format_exc()}"[-2000:])
         raise

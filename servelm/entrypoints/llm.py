@@ -34,7 +34,7 @@ class LLM:
                  batch_invariant: bool | None = None, cpu_kernels: bool = True,
                  fused_decode: bool = True, hugepages: bool = True,
                  triton_attention: bool = True, attention_backend: str = "auto",
-                 tuning_cache_dir: str | None = None,
+                 tuning_cache_dir: str | None = None, shm_collectives: bool = True,
                  kv_cache_dtype: str = "auto",
                  speculative_config: dict | SpeculativeConfig | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
@@ -51,7 +51,8 @@ class LLM:
                                  tuning=kernel_tuning, tuning_cache_dir=tuning_cache_dir,
                                  batch_invariant=batch_invariant, fused_decode=fused_decode,
                                  hugepages=hugepages, triton_attention=triton_attention,
-                                 attention_backend=attention_backend),
+                                 attention_backend=attention_backend,
+                                 shm_collectives=shm_collectives),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype),
