@@ -123,19 +123,26 @@ def choose(times_us: dict[str, list[float]], default: str, batch_invariant: bool
     return out
 
 
+def reference_output(ref_weight: torch.Tensor, bias: torch.Tensor | None,
+                     x: torch.Tensor) -> torch.Tensor:
+    """x @ ref_weight.T (+ bias) in fp32: what every method's output is checked against."""
+    want = x.float() @ ref_weight.T
+    return want + bias.float() if bias is not None else want
+
+
 def known_answer(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tensor | None,
-                 x: torch.Tensor) -> bool:
+                 x: torch.Tensor, want: torch.Tensor | None = None) -> bool:
     """Whether module(x) is x @ ref_weight.T (+ bias) within the rounding of the dtype it
     computes in (its compute_dtype, else the activations'; fp32: 1e-3 of the output's
-    magnitude; bf16/fp16: 3e-2) and finite."""
+    magnitude; bf16/fp16: 3e-2) and finite. want: that reference, when already computed
+    (every method of a shape is checked against the same one)."""
     try:
         y = module(x).float()
     except Exception as e:  # a kernel that cannot take this shape is simply not used
         logger.info("linear method %s failed: %s", type(module).__name__, e)
         return False
-    want = x.float() @ ref_weight.T
-    if bias is not None:
-        want = want + bias.float()
+    if want is None:
+        want = reference_output(ref_weight, bias, x)
     if y.shape != want.shape or not torch.isfinite(y).all():
         return False
     tol = 1e-3 if getattr(module, "compute_dtype", x.dtype) == torch.float32 else 3e-2
@@ -207,9 +214,17 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     times: dict[str, list[float]] = {}
     failed, invariant = [], []
     built: dict[str, list[nn.Module]] = {}
+    inputs = [x_inv[:8]] + xs
+    wants: dict[int, torch.Tensor] = {}  # index in inputs -> its reference, once per shape
+
+    def checked(mod: nn.Module, i: int) -> bool:
+        if i not in wants:
+            wants[i] = reference_output(ref_w, bias, inputs[i])
+        return known_answer(mod, ref_w, bias, inputs[i], wants[i])
+
     for method in methods:
         mods = _sweep_modules(method, sweep if time_it else sweep[:1], act)
-        if not known_answer(mods[0], ref_w, bias, x_inv[:8]):
+        if not checked(mods[0], 0):
             failed.append(method)
             times[method] = [math.inf] * n
             continue
@@ -227,7 +242,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
                 continue
             if t and (t[-1] > EXTRAPOLATE_S * 1e6 or t[-1] > HOPELESS * best[i - 1]):
                 t.append(t[-1] * rows / lm.BUCKET_ROWS[i - 1])
-            elif not known_answer(mods[0], ref_w, bias, x):
+            elif not checked(mods[0], i + 1):
                 failed.append(method)
                 times[method] = [math.inf] * n
             else:

@@ -173,6 +173,20 @@ def test_every_method_matches_the_fp32_reference(fmt, act, method):
         assert tuning.known_answer(mod, ref_w, bias, x)
 
 
+@pytest.mark.parametrize("fmt,act", [("float32", torch.float32), ("int4", torch.float32)])
+def test_measure_passes_every_correct_method_at_every_bucket(fmt, act):
+    # Each bucket's check has its own reference (measure computes each once per shape and
+    # shares it among the methods): a reference from another input would fail them all.
+    srcs = [_source(fmt, act=act) for _ in range(2)]
+    methods = [m for m in lm.METHODS if lm.applies(m, srcs[0], act, True)
+               and (m != "torch" or fmt == "float32")]
+    times, failed, _ = tuning.measure(srcs, methods, act)
+    assert failed == []
+    assert set(times) == set(methods)
+    assert all(len(t) == len(lm.BUCKET_ROWS) and all(map(math.isfinite, t))
+               for t in times.values())
+
+
 def test_known_answer_refuses_a_wrong_or_failing_module():
     src = _source("float32")
     x = torch.randn(8, 128)
