@@ -83,14 +83,15 @@ class Server:
 def processes(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# servelm test keys\n{KEY3}\n")
-    # Both start at once, so their model loads overlap.
+    # Both start at once, so their model loads overlap; the small one (limits and timeouts,
+    # not speed) runs the untuned defaults, so only the main one measures the CPUs.
     servers = {"main": Server("--api-key", KEY, "--api-key-file", str(key_file),
                               "--allowed-hosts", "api.example,other.example",
                               "--allowed-origins", "http://app.example",
                               "--max-request-bytes", str(MAX_BODY), "--max-queue", "8",
                               env={"SERVELM_API_KEY": KEY2}),
                "small": Server("--max-num-seqs", "1", "--max-queue", "1",
-                               "--roofline-bandwidth", "30", "--roofline-flops", "2.3",
+                               "--kernel-tuning", "off", "--roofline-bandwidth", "30", "--roofline-flops", "2.3",
                                "--header-timeout", "1", "--body-timeout", "1",
                                "--shutdown-timeout", "2")}
     yield servers
