@@ -74,21 +74,29 @@ def test_cli_generate_streams_text_and_prints_timings(llm):
     assert "TTFT" in r.stderr and "prompt tokens" in r.stderr
 
 
-def test_cli_chat_keeps_history():
-    r = _cli("chat", "--temperature", "0", "--max-tokens", "24", "--dtype", "float32",
-             input="My name is Bob.\n/reset\nHello\n/exit\n")
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.count("prompt tokens") == 2
-    assert "[history cleared]" in r.stderr
+def test_cli_chat_keeps_history(monkeypatch, capsys):
+    import io
+
+    from servelm.cli import main
+
+    # In this process (the entry point runs as a process in the test above).
+    monkeypatch.setattr("sys.stdin", io.StringIO("My name is Bob.\n/reset\nHello\n/exit\n"))
+    assert main(["chat", "--temperature", "0", "--max-tokens", "8", "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("prompt tokens") == 2
+    assert "[history cleared]" in err
 
 
-def test_cli_bad_model_is_one_line_error(tmp_path):
-    r = _cli("generate", "hi", "--model", str(tmp_path / "missing.gguf"))
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == \
+def test_cli_bad_model_is_one_line_error(tmp_path, capsys):
+    from servelm.cli import main
+
+    assert main(["generate", "hi", "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
         f"servelm: error: {tmp_path / 'missing.gguf'}: no such file or directory"
 
 
-def test_cli_bad_sampling_value_names_the_field():
-    r = _cli("generate", "hi", "--top-p", "0")
-    assert r.returncode == 2 and "top_p" in r.stderr
+def test_cli_bad_sampling_value_names_the_field(capsys):
+    from servelm.cli import main
+
+    assert main(["generate", "hi", "--top-p", "0"]) == 2  # before any model loads
+    assert "top_p" in capsys.readouterr().err

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,29 +103,37 @@ def test_the_probe_sizes_its_matmul_to_the_budget(monkeypatch):
     assert max(sizes) == 256 and hw.flops > 0
 
 
-def _roofline(*args):
-    return subprocess.run([sys.executable, "-m", "servelm.cli", "roofline", *args],
-                          capture_output=True, text=True, timeout=120)
+def _roofline(capsys, *args):
+    """`servelm roofline ARGS` in this process (the entry point itself runs as a process in
+    test_formats.py): its exit status, stdout and stderr."""
+    from servelm.cli import main
+
+    try:
+        rc = main(["roofline", *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
-def test_cli_from_a_description():
-    r = _roofline("--params", "7e9", "--bits", "16", "--bandwidth", "2000", "--flops", "990")
+def test_cli_from_a_description(capsys):
+    r = _roofline(capsys, "--params", "7e9", "--bits", "16", "--bandwidth", "2000", "--flops", "990")
     assert r.returncode == 0, r.stderr
     assert "weight bytes read per decode step: 14.00 GB" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["1"])
     assert row.split()[1:] == ["7.00ms", "142.9", "memory"]
 
 
-def test_cli_on_the_embedded_model():
-    r = _roofline("--bandwidth", "30", "--flops", "2.3", "--dtype", "bfloat16",
+def test_cli_on_the_embedded_model(capsys):
+    r = _roofline(capsys, "--bandwidth", "30", "--flops", "2.3", "--dtype", "bfloat16",
                   "--kv-cache-memory", "1GiB")
     assert r.returncode == 0, r.stderr
     assert "KV cache per token (3 KV heads): 23.04 KB" in r.stdout
     assert "compute" in r.stdout and "memory" in r.stdout and "holds" in r.stdout
 
 
-def test_cli_rejects_bad_numbers():
-    r = _roofline("--bandwidth", "-3", "--flops", "1")
+def test_cli_rejects_bad_numbers(capsys):
+    r = _roofline(capsys, "--bandwidth", "-3", "--flops", "1")
     assert r.returncode == 2 and "--bandwidth" in r.stderr
 
 
