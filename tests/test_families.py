@@ -16,7 +16,7 @@ from helpers import add_gguf_metadata, prompt_logits
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
-from servelm.models.registry import supported_architectures
+from servelm.models.registry import family_for_architecture, supported_architectures
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,11 +200,12 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         assert arch in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "mixtral"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
-    as each rank's rows of every part, and its partial rotary)."""
+    as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE and
+    Mixtral by its intermediate slice, the router whole)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
               max_model_len=256, num_threads=2)
@@ -224,7 +225,10 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
 
 
 @pytest.mark.parametrize("family", ["mixtral"])
-def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family):
+def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family, monkeypatch):
+    # Every family here splits; a future one that cannot says so before any rank starts.
+    monkeypatch.setattr(family_for_architecture("MixtralForCausalLM"), "tensor_parallel",
+                        False)
     path, _ = checkpoints[family]
     with pytest.raises(ValueError, match=f"tensor parallelism does not support the {family}"):
         LLM(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
@@ -250,7 +254,8 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
               "mixtral": "llama", "mistral": "llama", "llama3": "llama"}
 
 
-def _write_gguf(path, family: str, model, tokenizer_meta: dict) -> None:
+def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool = False) -> None:
+    """q8_experts: the experts' gate and up tensors in Q8_0 blocks (the rest fp32)."""
     import re
 
     import gguf
@@ -258,6 +263,14 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict) -> None:
 
     cfg, arch = model.config, _GGUF_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
+
+    def add_experts(name: str, arr: np.ndarray) -> None:
+        if q8_experts and "ffn_down" not in name:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, arr)
+
     n = cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for key, value in {"context_length": cfg.max_position_embeddings,
@@ -297,11 +310,11 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict) -> None:
         if fused:  # transformers' in-memory experts: [E, 2I, H] (gate, then up) / [E, H, I]
             i = int(fused.group(1))
             if fused.group(2) == "down_proj":
-                w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t.contiguous().numpy())
+                add_experts(f"blk.{i}.ffn_down_exps.weight", t.contiguous().numpy())
             else:
                 gate, up = t.chunk(2, dim=1)
-                w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", gate.contiguous().numpy())
-                w.add_tensor(f"blk.{i}.ffn_up_exps.weight", up.contiguous().numpy())
+                add_experts(f"blk.{i}.ffn_gate_exps.weight", gate.contiguous().numpy())
+                add_experts(f"blk.{i}.ffn_up_exps.weight", up.contiguous().numpy())
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
         i, part, kind = int(m.group(1)), m.group(2), m.group(3)
@@ -325,7 +338,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict) -> None:
         w.add_tensor("rope_freqs.weight", (plain / scaled).float().numpy())
     for (i, which), ts in stacked.items():
         arr = torch.stack([t for _, t in sorted(ts, key=lambda x: x[0])]).numpy()
-        w.add_tensor(f"blk.{i}.ffn_{which}_exps.weight", np.ascontiguousarray(arr))
+        add_experts(f"blk.{i}.ffn_{which}_exps.weight", np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -352,3 +365,27 @@ def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, ggu
     assert [_ids(gg, p) for p in PROMPTS] == prompts
     torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_moe_tensor_parallel_2_matches_tp1(checkpoints, gguf_path, tmp_path):
+    """A GGUF's stacked experts sliced on load: gate/up [E, I, H] by rows of every expert
+    (Q8_0 blocks cut before dequantising), down [E, H, I] by columns (fp32 values)."""
+    from servelm.models.gguf_file import GGUFReader
+
+    _, ref = checkpoints["qwen3_moe"]
+    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    _write_gguf(tmp_path / "model.gguf", "qwen3_moe", ref, meta, q8_experts=True)
+    kw = dict(model=str(tmp_path / "model.gguf"), dtype="float32", kernel_tuning="off",
+              kv_cache_memory=16 << 20, max_model_len=256, num_threads=2)
+    one = LLM(**kw)
+    prompts = [_ids(one, p) for p in PROMPTS]
+    want = prompt_logits(one.engine, prompts)
+    threads = torch.get_num_threads()
+    two = LLM(tensor_parallel_size=2, **kw)
+    try:
+        got = prompt_logits(two.engine, prompts)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    finally:
+        two.engine.shutdown()
+        torch.set_num_threads(threads)

@@ -8,6 +8,9 @@ weight is read) for their 1/N versions with the same call interface:
   partial sum, all-reduced once;
 - gated MLP: this rank's slice of the intermediate size (column-parallel rows of each of
   gate and up), `down_proj` row-parallel: one all-reduce;
+- mixture of experts: every expert sharded as that MLP is (its slice of the expert's
+  intermediate size), the router replicated, so each rank routes every token alike and
+  runs its slice of the chosen experts: one all-reduce, as for a dense MLP;
 - embedding: this rank's slice of the vocabulary; tokens outside it embed to zero and one
   all-reduce fills them in;
 - LM head: the same vocabulary slice (tied checkpoints share the embedding's shard); the
@@ -35,6 +38,7 @@ from torch import nn
 
 from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, GatedMLP
+from servelm.models.moe import SparseMoE
 
 
 def split_range(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -61,6 +65,8 @@ class ShardPlan:
     total_heads: int = 0          # the whole model's, for the offsets in fused tensors
     total_kv_heads: int = 0
     total_intermediate: int = 0
+    moe_intermediate: tuple[int, int] = (0, 0)  # each expert's slice (MoE models)
+    total_moe_intermediate: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
@@ -86,6 +92,12 @@ class ShardPlan:
         if world > cfg.intermediate_size:
             raise ValueError(f"tensor_parallel_size {world} is more than the intermediate "
                              f"size {cfg.intermediate_size}")
+        moe = (0, 0)
+        if cfg.num_experts:
+            if world > cfg.moe_intermediate_size:
+                raise ValueError(f"tensor_parallel_size {world} is more than the experts' "
+                                 f"intermediate size {cfg.moe_intermediate_size}")
+            moe = split_range(cfg.moe_intermediate_size, world, rank)
         per = -(-cfg.vocab_size // world)
         if (world - 1) * per >= cfg.vocab_size:
             raise ValueError(f"vocabulary of {cfg.vocab_size} cannot be split {world} ways")
@@ -94,7 +106,9 @@ class ShardPlan:
                    intermediate=split_range(cfg.intermediate_size, world, rank),
                    vocab=(rank * per, min(cfg.vocab_size, (rank + 1) * per)),
                    vocab_per_rank=per, vocab_size=cfg.vocab_size, total_heads=H,
-                   total_kv_heads=KVH, total_intermediate=cfg.intermediate_size)
+                   total_kv_heads=KVH, total_intermediate=cfg.intermediate_size,
+                   moe_intermediate=moe,
+                   total_moe_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0)
 
     @property
     def num_heads(self) -> int:
@@ -109,15 +123,20 @@ class ShardPlan:
         return self.intermediate[1] - self.intermediate[0]
 
     @property
+    def moe_intermediate_size(self) -> int:
+        return self.moe_intermediate[1] - self.moe_intermediate[0]
+
+    @property
     def local_vocab(self) -> int:
         return self.vocab[1] - self.vocab[0]
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The model config as this rank sees it: its heads (the KV pool holds only its own
-        KV heads) and its intermediate slice; the vocabulary stays the model's."""
+        KV heads) and its intermediate slices; the vocabulary stays the model's."""
+        moe = {"moe_intermediate_size": self.moe_intermediate_size} if cfg.num_experts else {}
         return dataclasses.replace(cfg, num_heads=self.num_heads,
                                    num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.intermediate_size)
+                                   intermediate_size=self.intermediate_size, **moe)
 
     _RULES = (
         # (name pattern, dim, which range, unit)
@@ -128,16 +147,29 @@ class ShardPlan:
         (r"\.mlp\.down_proj\.weight$", 1, "intermediate", "one"),
         (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
         (r"(^|\.)lm_head\.weight$", 0, "vocab", "one"),
+        # Experts, one tensor each (HF; Mixtral spells gate, down, up w1, w2, w3) ...
+        (r"\.(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$", 0,
+         "moe_intermediate", "one"),
+        (r"\.(mlp|block_sparse_moe)\.experts\.\d+\.(down_proj|w2)\.weight$", 1,
+         "moe_intermediate", "one"),
+        # ... or all of them in one: GGUF's [E, I, H] / [E, H, I], transformers 5's down.
+        (r"\.(mlp|block_sparse_moe)\.experts\.(gate_proj|up_proj)\.weight$", 1,
+         "moe_intermediate", "one"),
+        (r"\.(mlp|block_sparse_moe)\.experts\.down_proj(\.weight)?$", 2, "moe_intermediate",
+         "one"),
     )
-    # Checkpoint tensors that hold several of the above stacked by rows (Phi-3's): each
-    # part's rows, at its offset in the tensor.
+    # Checkpoint tensors that hold several of the above stacked along one dim (Phi-3's;
+    # transformers 5's experts [E, 2 I, H]): each part's slice, at its offset in the tensor.
     _FUSED = (
-        (r"\.self_attn\.qkv_proj\.(weight|bias)$",
+        (r"\.self_attn\.qkv_proj\.(weight|bias)$", 0,
          (("q_heads", "head", "total_heads"), ("kv_heads", "head", "total_kv_heads"),
           ("kv_heads", "head", "total_kv_heads"))),
-        (r"\.mlp\.gate_up_proj\.weight$",
+        (r"\.mlp\.gate_up_proj\.weight$", 0,
          (("intermediate", "one", "total_intermediate"),
           ("intermediate", "one", "total_intermediate"))),
+        (r"\.(mlp|block_sparse_moe)\.experts\.gate_up_proj$", 1,
+         (("moe_intermediate", "one", "total_moe_intermediate"),
+          ("moe_intermediate", "one", "total_moe_intermediate"))),
     )
 
     def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
@@ -148,13 +180,13 @@ class ShardPlan:
                 a, b = getattr(self, attr)
                 scale = self.head_dim if unit == "head" else 1
                 return [(dim, a * scale, b * scale)]
-        for pattern, parts in self._FUSED:
+        for pattern, dim, parts in self._FUSED:
             if re.search(pattern, hf_name):
                 pieces, offset = [], 0
                 for attr, unit, total in parts:
                     a, b = getattr(self, attr)
                     scale = self.head_dim if unit == "head" else 1
-                    pieces.append((0, offset + a * scale, offset + b * scale))
+                    pieces.append((dim, offset + a * scale, offset + b * scale))
                     offset += getattr(self, total) * scale
                 return pieces
         return None
@@ -173,6 +205,18 @@ class ParallelAttention(Attention):
 
 class ParallelGatedMLP(GatedMLP):
     """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
+
+    def __init__(self, group, **options):
+        super().__init__(**options)
+        self.tp_group = group
+
+    def forward(self, *args, **kwargs):
+        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
+
+
+class ParallelSparseMoE(SparseMoE):
+    """The experts over this rank's slice of each one's intermediate size (the router whole,
+    so every rank picks the same experts); the partial sums are all-reduced."""
 
     def __init__(self, group, **options):
         super().__init__(**options)
@@ -210,8 +254,12 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
             layer.self_attn = ParallelAttention(
                 group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
                           "num_kv_heads": plan.num_kv_heads})
-            layer.mlp = ParallelGatedMLP(
-                group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp = ParallelSparseMoE(
+                    group, **{**layer.mlp.options, "intermediate": plan.moe_intermediate_size})
+            else:
+                layer.mlp = ParallelGatedMLP(
+                    group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
         model.embed_tokens = VocabParallelEmbedding(*plan.vocab, cfg.hidden_size, group)
         model.lm_head = nn.Linear(cfg.hidden_size, plan.local_vocab, bias=False)
     if cfg.tie_word_embeddings:

@@ -137,29 +137,30 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} has unsupported type "
                                      f"{qtype.name}") from e
             arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
-        if part is not None:  # a column range not on quantisation block boundaries
-            arr = np.ascontiguousarray(arr[:, part[1]:part[2]])
+        if part is not None:  # a range of the last dim not on quantisation block boundaries
+            arr = np.ascontiguousarray(arr[..., part[1]:part[2]])
         if not arr.flags.writeable:  # a view of the memory-mapped file
             arr = arr.copy()
         return arr
 
 
 def _slice_raw(t, qtype, dim: int, start: int, end: int):
-    """A GGUF tensor's raw data cut to rows (dim 0) or columns (dim 1) [start, end) before
-    dequantising: (data, shape, None), or, for columns off the quantisation block grid,
-    (whole data, whole shape, the cut still to make after dequantising)."""
+    """A GGUF tensor's raw data cut to [start, end) along dim before dequantising: (data,
+    shape, None), or, for a range of the last dim (within quantised rows) off the block grid,
+    (whole data, whole shape, the cut still to make after dequantising). The raw data has
+    the tensor's dims but the last, which holds the row's blocks for a quantised type."""
     import gguf
 
     shape = list(t.shape)
     shape[dim] = end - start
-    if dim == 0:
-        return t.data[start:end], tuple(shape), None
+    last = len(shape) - 1
+    if dim < last or t.data.dtype != np.uint8:  # whole rows, or F32 / F16 values
+        index = (slice(None),) * dim + (slice(start, end),)
+        return t.data[index], tuple(shape), None
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if t.data.dtype != np.uint8:  # F32 / F16: values, not blocks
-        return t.data[:, start:end], tuple(shape), None
     if start % block or end % block:
         return t.data, t.shape, (dim, start, end)
-    return (t.data[:, start // block * type_size:end // block * type_size], tuple(shape),
+    return (t.data[..., start // block * type_size:end // block * type_size], tuple(shape),
             None)
 
 
@@ -203,7 +204,7 @@ class HFCheckpoint:
                 yield key, handles[f].get_tensor(key)
             else:
                 sl = handles[f].get_slice(key)
-                parts = [sl[start:end] if dim == 0 else sl[:, start:end]
+                parts = [sl[(slice(None),) * dim + (slice(start, end),)]
                          for dim, start, end in pieces]
                 yield key, parts[0] if len(parts) == 1 else torch.cat(parts, pieces[0][0])
 

@@ -10,7 +10,6 @@ class Mixtral(Family):
     name = "mixtral"
     architectures = ("MixtralForCausalLM",)
     renames = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-    tensor_parallel = False
     gguf_permute_qk = True  # its GGUF form is llama.cpp's `llama` with experts
 
     def hf_config(self, cfg, base):

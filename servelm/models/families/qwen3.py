@@ -23,7 +23,6 @@ class Qwen3Moe(Qwen3):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
     gguf_architectures = ("qwen3moe",)
-    tensor_parallel = False
 
     def hf_config(self, cfg, base):
         n = base["num_layers"]
