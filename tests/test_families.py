@@ -200,12 +200,12 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         assert arch in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
-    as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE and
-    Mixtral by its intermediate slice, the router whole)."""
+    as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE by
+    its intermediate slice, the router whole; Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
               max_model_len=256, num_threads=2)
@@ -368,14 +368,15 @@ def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, ggu
 
 
 def test_gguf_moe_tensor_parallel_2_matches_tp1(checkpoints, gguf_path, tmp_path):
-    """A GGUF's stacked experts sliced on load: gate/up [E, I, H] by rows of every expert
+    """Mixtral from GGUF (llama.cpp's `llama` with experts: q/k un-permuted per rank's
+    heads), its stacked experts sliced on load: gate/up [E, I, H] by rows of every expert
     (Q8_0 blocks cut before dequantising), down [E, H, I] by columns (fp32 values)."""
     from servelm.models.gguf_file import GGUFReader
 
-    _, ref = checkpoints["qwen3_moe"]
+    _, ref = checkpoints["mixtral"]
     meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
             if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
-    _write_gguf(tmp_path / "model.gguf", "qwen3_moe", ref, meta, q8_experts=True)
+    _write_gguf(tmp_path / "model.gguf", "mixtral", ref, meta, q8_experts=True)
     kw = dict(model=str(tmp_path / "model.gguf"), dtype="float32", kernel_tuning="off",
               kv_cache_memory=16 << 20, max_model_len=256, num_threads=2)
     one = LLM(**kw)
