@@ -1,9 +1,17 @@
-"""Tensor parallelism on CPU with gloo: TP=2 and TP=3 against the TP=1 reference.
+"""Tensor parallelism on CPU: TP=2 and TP=3 against the TP=1 reference.
 
 SmolLM2 has 9 query heads and 3 KV heads, so TP=2 splits heads unevenly (one KV head and
 its 3 query heads on rank 0, two and 6 on rank 1) and TP=3 gives each rank one KV head.
-Engines are shared per module (one spawn per tensor-parallel size); everything runs fp32
-with prefix caching on and a 32-token step budget, so prompts are prefilled in chunks.
+Engines are shared per module (one spawn per tensor-parallel size); everything runs with
+prefix caching on and a 32-token step budget, so prompts are prefilled in chunks.
+
+The weights are int4 and each rank quantises its own shard: column-parallel layers (qkv,
+gate_up, LM head) split output rows, with the same groups as on one device; row-parallel
+ones (o, down) split inputs, and int4's groups of 32 never straddle a shard (shards are
+whole heads and 768-wide MLP halves), so every rank holds TP=1's weights exactly. The layers
+run in fp32 on the dequantised weights (oneDNN), so only the sharding differs from TP=1:
+the same tokens, logits to summation order. (fp32 weights shard in test_families.py, for
+every family.)
 """
 
 from __future__ import annotations
@@ -43,7 +51,10 @@ def _restore_threads():
 # Tuning off: these tests are about sharding; every rank then runs the same default
 # methods without measuring its own shard's shapes first.
 ENGINE = dict(dtype="float32", kv_cache_memory=64 << 20, num_threads=2, max_num_seqs=16,
-              max_num_batched_tokens=32, kernel_tuning="off")
+              max_num_batched_tokens=32, kernel_tuning="off", quantization="int4",
+              linear_method="onednn")
+FLAGS = ["--dtype", "float32", "--kernel-tuning", "off", "--quantization", "int4",
+         "--linear-method", "onednn"]  # the same, for `servelm` processes
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LONG = ("In the beginning of the project the team wrote down what the engine must do: serve "
         "many users at once, stream tokens as they are produced, keep keys and values in a "
@@ -210,40 +221,6 @@ def test_bf16_tp2_runs_its_all_reduces_not_the_decode_stack(quantization):
     assert err < 0.03 and got.argmax(-1).tolist() == want.argmax(-1).tolist(), err
 
 
-@pytest.mark.parametrize("quant", ["int4"])  # int8 shards the same way, its own layer class aside
-def test_quantised_tp2_against_quantised_tp1(quant):
-    # Column-parallel layers (qkv, gate_up, LM head) split output rows: the same per-row
-    # (int8) or per-group (int4) quantisation as on one device. Row-parallel ones (o, down)
-    # split inputs: int4's groups of 32 never straddle a shard (shards are whole heads and
-    # 768-wide MLP halves), so int4 equals TP=1's weights exactly; int8 scales each shard's
-    # row by its own maximum, so its logits are only close. The layers run in fp32 on the
-    # dequantised weights (oneDNN), so only the sharding differs between the two.
-    engine = {**ENGINE, "quantization": quant, "linear_method": "onednn"}
-    one = LLM(**engine)
-    tok = one.get_tokenizer()
-    ids = [tok.encode(p) for p in PROMPTS]
-    want_tokens = _tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))
-    want = prompt_logits(one.engine, ids)
-    del one
-    two = LLM(**engine, tensor_parallel_size=2)
-    try:
-        got_tokens = _tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
-        got = prompt_logits(two.engine, ids)
-    finally:
-        two.engine.shutdown()
-    err = (got - want).abs().max().item() / want.abs().max().item()
-    if quant == "int4":
-        assert got_tokens == want_tokens
-        assert err <= 1e-3, err
-    else:  # as close as int8 is to fp32 (mean KL 0.0035 on prose, tests/test_quantization.py)
-        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
-        lw, lg = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
-        kl = (lw.exp() * (lw - lg)).sum(-1).max().item()
-        assert kl < 0.01, kl
-        # Greedy continuations may part at near-ties (16 tokens: 3 of 5 agree whole).
-        assert all(g[0] == w[0] for g, w in zip(got_tokens, want_tokens))
-
-
 # ---- the server ------------------------------------------------------------------------------
 
 def _worker_pids(pid: int) -> list[int]:
@@ -261,7 +238,7 @@ def _worker_pids(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def tp_server() -> Server:
     """One TP=2 server for the module: the smoke test first, then a worker is killed."""
-    server = Server("--api-key", KEY, "--tensor-parallel-size", "2", "--kernel-tuning", "off")
+    server = Server("--api-key", KEY, "--tensor-parallel-size", "2", *FLAGS)
     try:
         yield server.wait_ready()
     finally:
@@ -378,9 +355,9 @@ def test_two_hosts_with_torchrun_rendezvous(reference):
         [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"servelm-{port}",
          "--node-rank", str(i), "-m", "servelm.cli", "generate", prompt,
-         "--tensor-parallel-size", "2", "--dtype", "float32", "--temperature", "0",
+         "--tensor-parallel-size", "2", *FLAGS, "--temperature", "0",
          "--max-tokens", "12", "--kv-cache-memory", "32MiB", "--num-threads", "1",
-         "--kernel-tuning", "off", "--no-shm-collectives"],
+         "--no-shm-collectives"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     try:
