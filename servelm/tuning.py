@@ -428,7 +428,7 @@ def linear_summary(model: nn.Module) -> str:
         if isinstance(m, lm.qdot.QDotLinear):
             return "qdot"
         if isinstance(m, lm.gemv.GemvLinear):
-            return "gemv"
+            return "gemv_rows" if m.by_row else "gemv"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")

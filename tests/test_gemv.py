@@ -13,26 +13,35 @@ pytestmark = pytest.mark.skipif(not gemv.available(),
                                 reason="gemv kernel not built here (AVX2, FMA)")
 
 
+# Both orders ("gemv": 4 weight rows at a time; "gemv_rows": a row after another, 32 columns
+# a step with a tail of 8 at a time: k 40 and 8 take the tail only, 64 none, 200 both).
+BY_ROW = pytest.mark.parametrize("by_row", [False, True], ids=["blocks", "rows"])
+
+
+@BY_ROW
 @pytest.mark.parametrize("n,k,bias",
-                         [(96, 64, True), (33, 40, False), (7, 8, True), (1, 576, False)])
+                         [(96, 64, True), (33, 40, False), (7, 8, True), (1, 576, False),
+                          (5, 200, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
-def test_matches_f_linear(n, k, bias, rows):
+def test_matches_f_linear(n, k, bias, rows, by_row):
     torch.manual_seed(n * k + rows)
     lin = nn.Linear(k, n, bias=bias)
     x = torch.randn(rows, k)
-    got = gemv.GemvLinear(lin)(x)
+    got = gemv.GemvLinear(lin, by_row)(x)
     want = F.linear(x, lin.weight, lin.bias)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (33, 40, False), (1, 576, False)])
+@BY_ROW
+@pytest.mark.parametrize("n,k,bias", [(96, 64, True), (33, 40, False), (1, 576, False),
+                                      (5, 200, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 17])
-def test_bf16_weights_match_fp32_sums_rounded_once(n, k, bias, rows):
+def test_bf16_weights_match_fp32_sums_rounded_once(n, k, bias, rows, by_row):
     torch.manual_seed(n * k + rows)
     lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    mod = gemv.GemvLinear(lin)
+    mod = gemv.GemvLinear(lin, by_row)
     got = mod(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     b = None if lin.bias is None else lin.bias.float()
@@ -43,13 +52,14 @@ def test_bf16_weights_match_fp32_sums_rounded_once(n, k, bias, rows):
     torch.testing.assert_close(mod(x.float()), want, rtol=1e-5, atol=1e-5)
 
 
+@BY_ROW
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_the_batch_and_weights_are_shared(dtype):
+def test_rows_do_not_depend_on_the_batch_and_weights_are_shared(dtype, by_row):
     torch.manual_seed(0)
-    lin = nn.Linear(192, 75).to(dtype)
-    mod = gemv.GemvLinear(lin)
+    lin = nn.Linear(200, 75).to(dtype)
+    mod = gemv.GemvLinear(lin, by_row)
     assert mod.weight.data_ptr() == lin.weight.data_ptr()  # no copy of the weight
-    x = torch.randn(9, 192).to(dtype)
+    x = torch.randn(9, 200).to(dtype)
     full = mod(x)
     for m in range(1, 9):
         assert torch.equal(mod(x[:m]), full[:m]), m
@@ -60,6 +70,9 @@ def test_rows_do_not_depend_on_the_batch_and_weights_are_shared(dtype):
 
 def test_applies_to_fp32_and_bf16_layers_and_rejects_bad_operands():
     assert lm.applies("gemv", nn.Linear(64, 8), torch.float32, True)
+    assert lm.applies("gemv_rows", nn.Linear(64, 8), torch.float32, True)
+    assert isinstance(lm.build("gemv_rows", nn.Linear(64, 8), torch.float32), gemv.GemvLinear)
+    assert lm.build("gemv_rows", nn.Linear(64, 8), torch.float32).by_row
     assert not lm.applies("gemv", nn.Linear(64, 8), torch.float32, False)  # kernels off
     assert not lm.applies("gemv", nn.Linear(60, 8), torch.float32, True)  # K % 8
     assert lm.applies("gemv", nn.Linear(64, 8).to(torch.bfloat16), torch.bfloat16, True)

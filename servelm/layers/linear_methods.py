@@ -12,7 +12,8 @@ the source, a module computing the same function (up to its rounding) in its own
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
-| gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp) |
+| gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp), 4 weight rows at a time |
+| gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -37,7 +38,7 @@ from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
 BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
 # In the order the untuned default prefers them (default_method).
-METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "torch")
+METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "torch")
 
 
 def bucket_of(rows: int) -> int:
@@ -97,7 +98,7 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
         return prepack_supported(act, "cpu")
     if method == "qdot":
         return qdot.applies(src, act)
-    if method == "gemv":
+    if method in ("gemv", "gemv_rows"):
         return gemv.applies(src, act)
     if method == "int4pack":
         return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
@@ -139,8 +140,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
         return PackedLinear(lin)
     if method == "qdot":
         return qdot.QDotLinear(src)
-    if method == "gemv":
-        return gemv.GemvLinear(src)
+    if method in ("gemv", "gemv_rows"):
+        return gemv.GemvLinear(src, by_row=method == "gemv_rows")
     if method == "int4pack":
         return Int4PackLinear(src)
     if method == "int8pack":

@@ -3,9 +3,9 @@
 // oneDNN's fp32 matrix-vector path read it at about half the machine's bandwidth (Zen 3, 2
 // cores). Namespace torch.ops.servelm_gemv:
 //
-//   f32_linear(x, weight, bias?) -> y
+//   f32_linear(x, weight, bias?, by_row=False) -> y
 // x: [..., K] float32; weight: [N, K] float32, contiguous, K a multiple of 8; y: [..., N].
-//   bf16_linear(x, weight, bias?) -> y
+//   bf16_linear(x, weight, bias?, by_row=False) -> y
 // weight: [N, K] bfloat16, contiguous; x: [..., K] bfloat16 or float32; y in x's dtype. The
 // weights are widened to fp32 as they are read (a shift), the products summed in fp32 and
 // rounded once to x's dtype (bf16 without AVX512-BF16: oneDNN's bf16 path converted too, at
@@ -13,9 +13,12 @@
 //
 // Rows of N in blocks of 4 are split over the torch (OpenMP) threads; each block is read once
 // per two activation rows, its 4 x 2 dot products kept in 8 vector accumulators (the
-// weights' 4 vectors and the rows' 2 read by the step), folded at the end by hadds. Every
-// output is computed by the same operations whatever the row count, so results do not
-// depend on the batch (row-invariant, bit for bit).
+// weights' 4 vectors and the rows' 2 read by the step), folded at the end by hadds. by_row:
+// the block's weight rows one after another instead (the matrix read as one sequential
+// stream; each row's products in 4 accumulators, k unrolled by 4), which streams short rows
+// faster on some CPUs and long ones slower: the tuner measures both ("gemv", "gemv_rows").
+// Every output is computed by the same operations whatever the row count, so results do
+// not depend on the batch (row-invariant, bit for bit), in either order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -76,10 +79,44 @@ void block(const float* x, const W* w, const float* bias, O* out, int64_t m0, in
   }
 }
 
+// The same outputs as block(), a weight row at a time.
+template <int MT, typename W, typename O>
+void block_rows(const float* x, const W* w, const float* bias, O* out, int64_t m0, int64_t n0,
+                int nr, int64_t K, int64_t N) {
+  for (int r = 0; r < nr; ++r) {
+    const W* wr = w + (n0 + r) * K;
+    __m256 a[MT][4];
+    for (int m = 0; m < MT; ++m) a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m256 v0 = load8f(wr + k), v1 = load8f(wr + k + 8);
+      const __m256 v2 = load8f(wr + k + 16), v3 = load8f(wr + k + 24);
+#pragma GCC unroll 2
+      for (int m = 0; m < MT; ++m) {
+        const float* xr = x + (m0 + m) * K + k;
+        a[m][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), a[m][0]);
+        a[m][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), a[m][1]);
+        a[m][2] = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), a[m][2]);
+        a[m][3] = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), a[m][3]);
+      }
+    }
+    for (; k < K; k += 8) {
+      const __m256 v0 = load8f(wr + k);
+      for (int m = 0; m < MT; ++m)
+        a[m][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x + (m0 + m) * K + k), a[m][0]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 s = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]),
+                                     _mm256_add_ps(a[m][2], a[m][3]));
+      out[(m0 + m) * N + n0 + r] = static_cast<O>(hsum8(s) + (bias ? bias[n0 + r] : 0.f));
+    }
+  }
+}
+
 // y = x weight^T (+ bias) for W = float (x float32) or c10::BFloat16 (x bfloat16 or float32).
 template <typename W>
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-               const char* op) {
+               bool by_row, const char* op) {
   const at::ScalarType wt = std::is_same<W, float>::value ? at::kFloat : at::kBFloat16;
   TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
                                          (wt == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16)),
@@ -114,8 +151,13 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& weight, const c10::opti
         const int64_t n0 = b * kRows;
         const int nr = static_cast<int>(std::min<int64_t>(kRows, N - n0));
         int64_t m0 = 0;
-        for (; m0 + 2 <= M; m0 += 2) block<2>(xp, wp, bp, op_, m0, n0, nr, K, N);
-        if (m0 < M) block<1>(xp, wp, bp, op_, m0, n0, nr, K, N);
+        if (by_row) {
+          for (; m0 + 2 <= M; m0 += 2) block_rows<2>(xp, wp, bp, op_, m0, n0, nr, K, N);
+          if (m0 < M) block_rows<1>(xp, wp, bp, op_, m0, n0, nr, K, N);
+        } else {
+          for (; m0 + 2 <= M; m0 += 2) block<2>(xp, wp, bp, op_, m0, n0, nr, K, N);
+          if (m0 < M) block<1>(xp, wp, bp, op_, m0, n0, nr, K, N);
+        }
       }
     });
   };
@@ -127,20 +169,20 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& weight, const c10::opti
 }
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& bias) {
-  return run<float>(x, weight, bias, "f32_linear");
+                      const c10::optional<at::Tensor>& bias, bool by_row) {
+  return run<float>(x, weight, bias, by_row, "f32_linear");
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias) {
-  return run<c10::BFloat16>(x, weight, bias, "bf16_linear");
+                       const c10::optional<at::Tensor>& bias, bool by_row) {
+  return run<c10::BFloat16>(x, weight, bias, by_row, "bf16_linear");
 }
 
 }  // namespace
 
 TORCH_LIBRARY(servelm_gemv, m) {
-  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None, bool by_row=False) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None, bool by_row=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_gemv, CPU, m) {
