@@ -20,6 +20,14 @@ from servelm.distributed.parallel_state import TPGroup
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux x86-64 /dev/shm")
 
 SLOT = 64 << 10  # small slots, so that a modest tensor already takes gloo
+# The collectives' operands in turn: mixed sizes and dtypes; the last is 144 KiB: gloo.
+SHAPES = [((1, 576), torch.float32), ((7, 576), torch.bfloat16), ((3, 100), torch.float32),
+          ((64, 576), torch.float32)]
+ROUNDS = 60
+
+
+def _is_gather(i: int) -> bool:  # every fifth collective gathers to rank 0
+    return i % 5 == 4
 
 
 def _store(rank: int, world: int, port: int) -> TCPStore:
@@ -34,7 +42,7 @@ def _group(rank: int, world: int, store, name: str = "g", use_shm: bool = True) 
                    hostname="127.0.0.1", shm=use_shm)
 
 
-def _spawn(fn, world: int, *args) -> None:
+def _spawn(fn, world: int, *args) -> list[int | None]:
     """world processes forked from this one (nothing to import again), fn(rank, world, port,
     *args) in each; they only run single-threaded small ops, which fork safely."""
     ctx = mp.get_context("fork")
@@ -63,14 +71,12 @@ def _collectives(rank: int, world: int, port: int, out_dir: str) -> None:
     off = _group(rank, world, store, "off", use_shm=False)  # KernelConfig.shm_collectives
     summed = off.all_reduce(torch.full((2,), float(rank + 1)))
     results = []
-    # Mixed sizes, dtypes and operations, many times over: slots of both parities reused,
-    # and a gather (whose other ranks do not wait) right before all-reduces.
-    shapes = [((1, 576), torch.float32), ((7, 576), torch.bfloat16), ((3, 100), torch.float32),
-              ((64, 576), torch.float32)]  # the last is 144 KiB: gloo
-    for i in range(60):
-        shape, dtype = shapes[i % len(shapes)]
+    # Many times over: slots of both parities reused, and a gather (whose other ranks do
+    # not wait) right before all-reduces.
+    for i in range(ROUNDS):
+        shape, dtype = SHAPES[i % len(SHAPES)]
         t = _data(rank, i, shape, dtype)
-        if i % 5 == 4:
+        if _is_gather(i):
             parts = group.gather_to_rank0(t)
             results.append(None if parts is None else torch.stack([p.float() for p in parts]))
         else:
@@ -88,12 +94,10 @@ def test_all_reduce_and_gather_are_exact_and_the_same_on_every_rank(world, tmp_p
     got = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     total = float(sum(range(1, world + 1)))
     assert all(g["off"] == (None, [total, total]) for g in got)  # gloo, when asked
-    shapes = [((1, 576), torch.float32), ((7, 576), torch.bfloat16), ((3, 100), torch.float32),
-              ((64, 576), torch.float32)]
-    for i in range(60):
-        shape, dtype = shapes[i % len(shapes)]
+    for i in range(ROUNDS):
+        shape, dtype = SHAPES[i % len(SHAPES)]
         inputs = [_data(r, i, shape, dtype) for r in range(world)]
-        if i % 5 == 4:
+        if _is_gather(i):
             assert torch.equal(got[0]["results"][i], torch.stack([x.float() for x in inputs]))
             assert all(g["results"][i] is None for g in got[1:])
             continue
@@ -102,10 +106,11 @@ def test_all_reduce_and_gather_are_exact_and_the_same_on_every_rank(world, tmp_p
         assert torch.allclose(got[0]["results"][i].float(), want, atol=tol, rtol=tol)
         for g in got[1:]:  # the same bits everywhere: ranks must stay in step
             assert torch.equal(g["results"][i], got[0]["results"][i])
-    big = sum(1 for i in range(60) if i % 4 == 3)
+    big = sum(1 for i in range(ROUNDS) if SHAPES[i % len(SHAPES)][0] == (64, 576))
+    assert big == 15
     for g in got:
-        assert g["shm_ops"] == 60 - big  # everything but the 144 KiB tensors went through shm
-        assert g["all_reduces"] == 60 - 12
+        assert g["shm_ops"] == ROUNDS - big  # everything but the 144 KiB tensors went through shm
+        assert g["all_reduces"] == ROUNDS - 12  # the rest are gathers
 
 
 def _dies(rank: int, world: int, port: int, out_dir: str) -> None:

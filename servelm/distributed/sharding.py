@@ -192,38 +192,29 @@ class ShardPlan:
         return None
 
 
-class ParallelAttention(Attention):
+class _RowParallel:
+    """A block whose output on this rank is a partial sum (its last matmul row-parallel):
+    built with the block's own options, its output all-reduced over the ranks."""
+
+    def __init__(self, group, **options):
+        super().__init__(**options)
+        self.tp_group = group
+
+    def forward(self, *args, **kwargs):
+        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
+
+
+class ParallelAttention(_RowParallel, Attention):
     """Attention over this rank's heads; o_proj's partial sums are all-reduced."""
 
-    def __init__(self, group, **options):
-        super().__init__(**options)
-        self.tp_group = group
 
-    def forward(self, *args, **kwargs):
-        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
-
-
-class ParallelGatedMLP(GatedMLP):
+class ParallelGatedMLP(_RowParallel, GatedMLP):
     """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
 
-    def __init__(self, group, **options):
-        super().__init__(**options)
-        self.tp_group = group
 
-    def forward(self, *args, **kwargs):
-        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
-
-
-class ParallelSparseMoE(SparseMoE):
+class ParallelSparseMoE(_RowParallel, SparseMoE):
     """The experts over this rank's slice of each one's intermediate size (the router whole,
     so every rank picks the same experts); the partial sums are all-reduced."""
-
-    def __init__(self, group, **options):
-        super().__init__(**options)
-        self.tp_group = group
-
-    def forward(self, *args, **kwargs):
-        return self.tp_group.all_reduce(super().forward(*args, **kwargs))
 
 
 class VocabParallelEmbedding(nn.Embedding):
