@@ -356,6 +356,18 @@ def test_kernel_config_rejects_bad_values_by_name():
         KernelConfig(tuning="always")
     with pytest.raises(ValueError, match="fused_decode must be True or False"):
         KernelConfig(fused_decode=1)
+    with pytest.raises(ValueError, match="shm_collectives must be True or False"):
+        KernelConfig(shm_collectives="no")
+    assert KernelConfig(linear_method="gemv_rows").linear_method == "gemv_rows"
+
+
+def test_engine_flags_reach_the_kernel_config():
+    from servelm.cli import make_parser
+
+    args = make_parser().parse_args(["serve", "--no-shm-collectives", "--linear-method",
+                                     "gemv_rows"])
+    assert args.shm_collectives is False and args.linear_method == "gemv_rows"
+    assert make_parser().parse_args(["serve"]).shm_collectives is True
 
 
 # ---------------------------------------------------------------- the engine
