@@ -78,6 +78,7 @@ VARIANTS = {"tiles": {"linear_method": "tiles"},      # every linear layer on se
             "int4pack": {"linear_method": "int4pack"},  # ... int4 on PyTorch's int4pack
             "gemv": {"linear_method": "gemv"},        # ... fp32/bf16 on servelm's AVX2 gemv
             "gemv_rows": {"linear_method": "gemv_rows"},  # ... the same, a weight row at a time
+            "panels": {"linear_method": "panels"},    # ... fp32/bf16 on servelm's AVX2 panel GEMM
             "torch": {"linear_method": "torch"},      # ... on plain F.linear
             "untuned": {"kernel_tuning": "off"},      # the built-in defaults, nothing measured
             "unfused": {"fused_decode": False},       # no int4/int8/bf16 DecodeStack

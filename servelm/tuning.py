@@ -98,16 +98,21 @@ def choose(times_us: dict[str, list[float]], default: str, batch_invariant: bool
            margin: float = MARGIN, invariant: list[str] | None = None) -> list[str]:
     """One method per bucket from measured times (inf: failed or not applicable): the
     fastest, unless the default is within `margin` of it. batch_invariant: one method for
-    every bucket, the one with the least total time (the default within the margin), among
-    the `invariant` methods when given."""
+    every bucket, the one whose worst bucket is least behind that bucket's fastest (a sum of
+    times would let the prompt-sized bucket's milliseconds outvote a decode row's
+    microseconds), the default within the margin, among the `invariant` methods when given."""
     n = len(lm.BUCKET_ROWS)
     ok = {m: t for m, t in times_us.items() if all(math.isfinite(x) for x in t)
           and (invariant is None or m in invariant)}
     if batch_invariant:
         if not ok:
             return [default] * n
-        best = min(ok, key=lambda m: sum(ok[m]))
-        if default in ok and sum(ok[default]) <= sum(ok[best]) * (1 + margin):
+        fastest = [min(t[i] for t in times_us.values() if math.isfinite(t[i])) for i in range(n)]
+
+        def worst(m: str) -> float:
+            return max(ok[m][i] / max(fastest[i], 1e-9) for i in range(n))
+        best = min(ok, key=worst)
+        if default in ok and worst(default) <= worst(best) * (1 + margin):
             best = default
         return [best] * n
     out = []
@@ -429,6 +434,8 @@ def linear_summary(model: nn.Module) -> str:
             return "qdot"
         if isinstance(m, lm.gemv.GemvLinear):
             return "gemv_rows" if m.by_row else "gemv"
+        if isinstance(m, lm.panels.PanelLinear):
+            return "panels"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
@@ -438,7 +445,7 @@ def linear_summary(model: nn.Module) -> str:
              for i in b.impls}
     inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
-             lm.gemv.GemvLinear, lm._Dequantised, lm.BucketedLinear)
+             lm.gemv.GemvLinear, lm.panels.PanelLinear, lm._Dequantised, lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):

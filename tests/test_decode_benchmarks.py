@@ -50,7 +50,7 @@ def test_compare_rejects_an_unknown_format_variant(capsys):
                                    capsys=capsys)
     assert code != 0
     assert "unknown format variant 'bogus' in 'int4/bogus'" in err
-    assert ("tiles, onednn, qdot, int4pack, gemv, gemv_rows, torch, untuned, unfused, smallpages, "
+    assert ("tiles, onednn, qdot, int4pack, gemv, gemv_rows, panels, torch, untuned, unfused, smallpages, "
             "eager") in err
 
 

@@ -59,6 +59,10 @@ def test_choose_never_picks_a_failed_or_untimed_method():
 def test_choose_batch_invariant_takes_one_method_for_every_bucket():
     times = {"tiles": [10, 20, 300, 2400], "onednn": [15, 25, 100, 800]}
     assert tuning.choose(times, "tiles", batch_invariant=True) == ["onednn"] * 4
+    # The least worst slowdown, not the least total: the 512-row bucket's milliseconds do
+    # not outvote the one-row bucket's microseconds.
+    times2 = {"panels": [10, 10, 105, 1050], "onednn": [20, 15, 100, 1000]}
+    assert tuning.choose(times2, "onednn", batch_invariant=True) == ["panels"] * 4
     # A method that failed any bucket cannot serve them all.
     times["onednn"][0] = INF
     assert tuning.choose(times, "onednn", batch_invariant=True) == ["tiles"] * 4
@@ -293,6 +297,7 @@ def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tm
                         lambda m, x: checked.append(type(m)) or real_inv(m, x))
     monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
     monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
+    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
     report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
     assert {r for t, r in timed if t is PackedLinear} == {1}
     assert {r for t, r in timed if t is nn.Linear} == set(lm.BUCKET_ROWS)

@@ -14,6 +14,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
 | gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp), 4 weight rows at a time |
 | gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
+| panels   | fp32, bf16     | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.layers import gemv, qdot
+from servelm.layers import gemv, panels, qdot
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
                                   kernels_available, tinygemm_operands, unpack_int4)
@@ -38,7 +39,8 @@ from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
 BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
 # In the order the untuned default prefers them (default_method).
-METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "torch")
+METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "panels",
+           "torch")
 
 
 def bucket_of(rows: int) -> int:
@@ -100,6 +102,8 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
         return qdot.applies(src, act)
     if method in ("gemv", "gemv_rows"):
         return gemv.applies(src, act)
+    if method == "panels":
+        return panels.applies(src, act)
     if method == "int4pack":
         return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -142,6 +146,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
         return qdot.QDotLinear(src)
     if method in ("gemv", "gemv_rows"):
         return gemv.GemvLinear(src, by_row=method == "gemv_rows")
+    if method == "panels":
+        return panels.PanelLinear(src)
     if method == "int4pack":
         return Int4PackLinear(src)
     if method == "int8pack":

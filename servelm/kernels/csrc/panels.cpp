@@ -1,0 +1,224 @@
+// fp32 and bf16 linear layers for any row count on x86 CPUs with AVX2 + FMA, over weights
+// packed once into column panels: a register-blocked outer-product kernel (6 rows x 16
+// outputs in 12 vector accumulators), the classic GEMM micro-kernel shape, with the panel's
+// slice of K kept in L1 and the activations' block in L2. Namespace torch.ops.servelm_panels:
+//
+//   linear(x, panels, out_features, bias?) -> y
+// panels: [ceil(N / 16), K, 16] float32 or bfloat16, contiguous: output columns n .. n + 15
+//   of the layer's [N, K] weight, k-major (servelm/layers/panels.py packs them; the columns
+//   past N are zeros and never stored).
+// x: [..., K] float32 (either panel dtype) or bfloat16 (bf16 panels); y: [..., N] in x's dtype.
+// bf16 weights are widened to fp32 as they are read (a shift), the products summed in fp32
+// and rounded once to x's dtype (without AVX512-BF16 oneDNN's bf16 matmul converted as it
+// went, at a fraction of the FMA peak).
+//
+// Panels are split over the torch (OpenMP) threads. Every output is one chain of fused
+// multiply-adds over k in order (the K blocks continue it through the fp32 output), so a
+// row's result is the same bits whatever the row count and whatever rows share its call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// The same float operations for every row count (see gemv.cpp).
+#pragma GCC optimize("no-fast-math")
+
+#include "avx2_vec.h"  // load8f: under the pragma
+
+namespace {
+
+constexpr int kNR = 16;     // outputs per panel: two vectors
+constexpr int kMR = 6;      // activation rows per micro-kernel call
+constexpr int64_t kKC = 256;  // K per block: 16 KB of an fp32 panel, in L1
+constexpr int64_t kMC = 96;   // activation rows per block: 96 KB of fp32 x at kKC, in L2
+
+// C[0 .. MR) x [0, 16) (+)= A[0 .. MR) x [k0, k0 + kc) . B panel rows [k0, k0 + kc).
+// `first`: start the sums at zero, else continue them from C; `bias` (last block only):
+// added after the final product. C is fp32 with leading dimension ldc; only ncols columns
+// are real (the last panel), the rest go through a local tile.
+template <int MR, typename W>
+inline void micro(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
+                  int ncols, bool first, const float* bias) {
+  alignas(32) float tile[MR][kNR];
+  const bool full = ncols == kNR;
+  float* cc = full ? c : &tile[0][0];
+  const int64_t ld = full ? ldc : kNR;
+  if (!full && !first)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < kNR; ++j) tile[i][j] = j < ncols ? c[i * ldc + j] : 0.f;
+  // Named accumulators, not an array: GCC kept an array of them on the stack, storing every
+  // one back each k.
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define SERVELM_LOAD(i)                                                        \
+  if (MR > i) {                                                               \
+    if (first) {                                                              \
+      c##i##0 = c##i##1 = _mm256_setzero_ps();                                \
+    } else {                                                                  \
+      c##i##0 = _mm256_loadu_ps(cc + i * ld);                                 \
+      c##i##1 = _mm256_loadu_ps(cc + i * ld + 8);                             \
+    }                                                                         \
+  }
+  SERVELM_LOAD(0) SERVELM_LOAD(1) SERVELM_LOAD(2) SERVELM_LOAD(3) SERVELM_LOAD(4) SERVELM_LOAD(5)
+#undef SERVELM_LOAD
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = load8f(b + k * kNR), b1 = load8f(b + k * kNR + 8);
+#define SERVELM_FMA(i)                                                         \
+  if (MR > i) {                                                               \
+    const __m256 av = _mm256_broadcast_ss(a + i * lda + k);                   \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);                               \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);                               \
+  }
+    SERVELM_FMA(0) SERVELM_FMA(1) SERVELM_FMA(2) SERVELM_FMA(3) SERVELM_FMA(4) SERVELM_FMA(5)
+#undef SERVELM_FMA
+  }
+  __m256 bias0 = _mm256_setzero_ps(), bias1 = _mm256_setzero_ps();
+  if (bias) {
+    alignas(32) float bt[kNR] = {0};
+    for (int j = 0; j < ncols; ++j) bt[j] = bias[j];
+    bias0 = _mm256_load_ps(bt);
+    bias1 = _mm256_load_ps(bt + 8);
+  }
+#define SERVELM_STORE(i)                                                       \
+  if (MR > i) {                                                               \
+    if (bias) {                                                               \
+      c##i##0 = _mm256_add_ps(c##i##0, bias0);                                \
+      c##i##1 = _mm256_add_ps(c##i##1, bias1);                                \
+    }                                                                         \
+    _mm256_storeu_ps(cc + i * ld, c##i##0);                                   \
+    _mm256_storeu_ps(cc + i * ld + 8, c##i##1);                               \
+  }
+  SERVELM_STORE(0) SERVELM_STORE(1) SERVELM_STORE(2) SERVELM_STORE(3) SERVELM_STORE(4) SERVELM_STORE(5)
+#undef SERVELM_STORE
+  if (!full)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < ncols; ++j) c[i * ldc + j] = tile[i][j];
+}
+
+// One activation row against 4 whole panels over all of K: 8 accumulators, so the FMA
+// latency is hidden when there is a single row to multiply (decode). Each output is the same
+// chain as micro's, bit for bit.
+template <typename W>
+inline void row_x4(const float* a, const W* b, int64_t K, float* c, const float* bias) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t stride = K * kNR;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 av = _mm256_broadcast_ss(a + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm256_fmadd_ps(av, load8f(b + (j >> 1) * stride + k * kNR + (j & 1) * 8), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const int col = (j >> 1) * kNR + (j & 1) * 8;
+    __m256 v = acc[j];
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
+    _mm256_storeu_ps(c + col, v);
+  }
+}
+
+// Rows [m0, m1) of one panel over one K block, kMR rows at a time and the rest in one call.
+template <typename W>
+void rows(const float* x, int64_t K, const W* b, int64_t k0, int64_t kc, float* c, int64_t N,
+          int64_t m0, int64_t m1, int ncols, const float* bias) {
+  const bool first = k0 == 0;
+  const float* bl = k0 + kc == K ? bias : nullptr;
+  int64_t m = m0;
+  for (; m + kMR <= m1; m += kMR)
+    micro<kMR>(x + m * K + k0, K, b, kc, c + m * N, N, ncols, first, bl);
+  const float* a = x + m * K + k0;
+  float* cm = c + m * N;
+  switch (m1 - m) {
+    case 5: micro<5>(a, K, b, kc, cm, N, ncols, first, bl); break;
+    case 4: micro<4>(a, K, b, kc, cm, N, ncols, first, bl); break;
+    case 3: micro<3>(a, K, b, kc, cm, N, ncols, first, bl); break;
+    case 2: micro<2>(a, K, b, kc, cm, N, ncols, first, bl); break;
+    case 1: micro<1>(a, K, b, kc, cm, N, ncols, first, bl); break;
+    default: break;
+  }
+}
+
+template <typename W>
+void gemm(const float* x, const W* panels, const float* bias, float* out, int64_t M, int64_t N,
+          int64_t K) {
+  const int64_t NP = (N + kNR - 1) / kNR;
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    if (M == 1) {
+      // Whole panels 4 at a time; the last, partial panel (if any) by micro below.
+      const int64_t whole = N / kNR;
+      for (; p0 + 4 <= std::min(p1, whole); p0 += 4)
+        row_x4(x, panels + p0 * K * kNR, K, out + p0 * kNR, bias ? bias + p0 * kNR : nullptr);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t m1 = std::min(M, m0 + kMC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+        const W* panel = panels + p * K * kNR;
+        const float* bp = bias ? bias + p * kNR : nullptr;
+        for (int64_t k0 = 0; k0 < K; k0 += kKC)
+          rows(x, K, panel + k0 * kNR, k0, std::min(kKC, K - k0), out + p * kNR, N, m0, m1,
+               ncols, bp);
+      }
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
+                  const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType pt = panels.scalar_type();
+  TORCH_CHECK(panels.device().is_cpu() && (pt == at::kFloat || pt == at::kBFloat16) &&
+                  panels.dim() == 3 && panels.size(2) == kNR && panels.is_contiguous(),
+              "servelm_panels.linear: panels must be contiguous float32 or bfloat16 "
+              "[ceil(N / 16), K, 16] on the CPU");
+  const int64_t K = panels.size(1);
+  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == panels.size(0),
+              "servelm_panels.linear: out_features ", N, " does not match ", panels.size(0),
+              " panels of 16");
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
+                                         (pt == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16)),
+              "servelm_panels.linear: x must be ", pt == at::kFloat ? "float32" : "bfloat16 or float32",
+              " on the CPU, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "servelm_panels.linear: x's last dim must be "
+              "in_features: ", x_in.size(-1), " vs ", K);
+  at::Tensor bf;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "servelm_panels.linear: bias must have out_features elements");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  // The activations in fp32 (a bf16 row widened once per call, not once per panel).
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  // The sums run through an fp32 output (K blocks continue them there), rounded once at
+  // the end for bf16 activations.
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0) {
+    const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+    if (pt == at::kFloat)
+      gemm(x.data_ptr<float>(), panels.data_ptr<float>(), bp, out.data_ptr<float>(), M, N, K);
+    else
+      gemm(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(panels.data_ptr()), bp,
+           out.data_ptr<float>(), M, N, K);
+  }
+  return out.to(x_in.scalar_type()).reshape(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_panels, m) {
+  m.def("linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelm_panels, CPU, m) { m.impl("linear", &linear); }
+
+#endif  // AVX2 + FMA

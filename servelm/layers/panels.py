@@ -1,0 +1,63 @@
+"""The "panels" linear method: fp32 and bf16 layers for any row count on servelm's AVX2 + FMA
+GEMM kernel (kernels/csrc/panels.cpp), over the weight packed once into panels of 16 output
+columns, k-major ([ceil(N / 16), K, 16], the weight's own dtype: bf16 stays 2 bytes a
+weight). The kernel keeps 6 activation rows x 16 outputs in registers, so it wins where
+oneDNN's fp32 matmul loses most (a few rows up to a batch); bf16 weights are widened as they
+are read. Each output is one fused multiply-add chain over k in order, so its bits do not
+depend on the row count (row-invariant). The tuner chooses it per row bucket where it
+measures faster.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.kernels import load_ops
+
+NR = 16  # output columns per panel (the kernel's two AVX2 vectors)
+
+
+def available() -> bool:
+    """Whether the panels kernel is built for this CPU (AVX2 and FMA)."""
+    return load_ops("panels") and hasattr(torch.ops.servelm_panels, "linear")
+
+
+def applies(src: nn.Module, act: torch.dtype) -> bool:
+    """An fp32 or bf16 nn.Linear on the CPU with activations of its dtype."""
+    return (isinstance(src, nn.Linear) and src.weight.dtype == act
+            and act in (torch.float32, torch.bfloat16) and src.weight.device.type == "cpu"
+            and available())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16] in the weight's dtype, the columns past N zero."""
+    n, k = weight.shape
+    pad = (-n) % NR
+    w = F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
+    return w.reshape(-1, NR, k).transpose(1, 2).contiguous()
+
+
+class PanelLinear(nn.Module):
+    """An fp32 or bf16 linear layer on panels.cpp: the weight packed into panels (a copy in
+    the weight's dtype), the bias in fp32; the output in the activations' dtype."""
+
+    def __init__(self, src: nn.Linear):
+        super().__init__()
+        if not available():
+            raise RuntimeError("the panels kernel is not built for this CPU (AVX2, FMA)")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        self.register_buffer("panels", pack(src.weight))
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().clone())
+        self._op = torch.ops.servelm_panels.linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # activations of the weight's dtype (applies); any other is the op's clear error
+        return self._op(x, self.panels, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        kind = "bf16" if self.panels.dtype == torch.bfloat16 else "fp32"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{kind} AVX2 panels")
