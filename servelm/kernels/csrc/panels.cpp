@@ -44,10 +44,12 @@ constexpr int64_t kMC = 96;   // activation rows per block: 96 KB of fp32 x at k
 // C[0 .. MR) x [0, 16) (+)= A[0 .. MR) x [k0, k0 + kc) . B panel rows [k0, k0 + kc).
 // `first`: start the sums at zero, else continue them from C; `bias` (last block only):
 // added after the final product. C is fp32 with leading dimension ldc; only ncols columns
-// are real (the last panel), the rest go through a local tile.
+// are real (the last panel), the rest go through a local tile. `next` (or null): the B block
+// the thread multiplies after this one, pulled into L1 one line per k while this one runs, so
+// the weights' trip from memory overlaps the row blocks' FMAs instead of stalling the first.
 template <int MR, typename W>
 inline void micro(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
-                  int ncols, bool first, const float* bias) {
+                  int ncols, bool first, const float* bias, const W* next) {
   alignas(32) float tile[MR][kNR];
   const bool full = ncols == kNR;
   float* cc = full ? c : &tile[0][0];
@@ -70,6 +72,7 @@ inline void micro(const float* a, int64_t lda, const W* b, int64_t kc, float* c,
   SERVELM_LOAD(0) SERVELM_LOAD(1) SERVELM_LOAD(2) SERVELM_LOAD(3) SERVELM_LOAD(4) SERVELM_LOAD(5)
 #undef SERVELM_LOAD
   for (int64_t k = 0; k < kc; ++k) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
     const __m256 b0 = load8f(b + k * kNR), b1 = load8f(b + k * kNR + 8);
 #define SERVELM_FMA(i)                                                         \
   if (MR > i) {                                                               \
@@ -126,23 +129,24 @@ inline void row_x4(const float* a, const W* b, int64_t K, float* c, const float*
   }
 }
 
-// Rows [m0, m1) of one panel over one K block, kMR rows at a time and the rest in one call.
+// Rows [m0, m1) of one panel over one K block, kMR rows at a time and the rest in one call;
+// the first call prefetches `next` (see micro).
 template <typename W>
 void rows(const float* x, int64_t K, const W* b, int64_t k0, int64_t kc, float* c, int64_t N,
-          int64_t m0, int64_t m1, int ncols, const float* bias) {
+          int64_t m0, int64_t m1, int ncols, const float* bias, const W* next) {
   const bool first = k0 == 0;
   const float* bl = k0 + kc == K ? bias : nullptr;
   int64_t m = m0;
-  for (; m + kMR <= m1; m += kMR)
-    micro<kMR>(x + m * K + k0, K, b, kc, c + m * N, N, ncols, first, bl);
+  for (; m + kMR <= m1; m += kMR, next = nullptr)
+    micro<kMR>(x + m * K + k0, K, b, kc, c + m * N, N, ncols, first, bl, next);
   const float* a = x + m * K + k0;
   float* cm = c + m * N;
   switch (m1 - m) {
-    case 5: micro<5>(a, K, b, kc, cm, N, ncols, first, bl); break;
-    case 4: micro<4>(a, K, b, kc, cm, N, ncols, first, bl); break;
-    case 3: micro<3>(a, K, b, kc, cm, N, ncols, first, bl); break;
-    case 2: micro<2>(a, K, b, kc, cm, N, ncols, first, bl); break;
-    case 1: micro<1>(a, K, b, kc, cm, N, ncols, first, bl); break;
+    case 5: micro<5>(a, K, b, kc, cm, N, ncols, first, bl, next); break;
+    case 4: micro<4>(a, K, b, kc, cm, N, ncols, first, bl, next); break;
+    case 3: micro<3>(a, K, b, kc, cm, N, ncols, first, bl, next); break;
+    case 2: micro<2>(a, K, b, kc, cm, N, ncols, first, bl, next); break;
+    case 1: micro<1>(a, K, b, kc, cm, N, ncols, first, bl, next); break;
     default: break;
   }
 }
@@ -164,9 +168,13 @@ void gemm(const float* x, const W* panels, const float* bias, float* out, int64_
         const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
         const W* panel = panels + p * K * kNR;
         const float* bp = bias ? bias + p * kNR : nullptr;
-        for (int64_t k0 = 0; k0 < K; k0 += kKC)
+        for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+          // The block after this one: the panel's next K block, else the next panel's first.
+          const W* next = k0 + kKC < K ? panel + (k0 + kKC) * kNR
+                                       : (p + 1 < p1 ? panel + K * kNR : nullptr);
           rows(x, K, panel + k0 * kNR, k0, std::min(kKC, K - k0), out + p * kNR, N, m0, m1,
-               ncols, bp);
+               ncols, bp, next);
+        }
       }
     }
   });
