@@ -87,6 +87,23 @@ def test_pack_weights_moves_quantised_layers_without_changing_results():
     assert order == sorted(order)  # module order, the order a step reads them
 
 
+def test_pack_weights_moves_panel_layers_too():
+    from servelm.layers import panels
+
+    if not panels.available():
+        pytest.skip("panels kernel not built here (AVX2, FMA)")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": panels.PanelLinear(nn.Linear(64, 40)),
+                           "b": panels.PanelLinear(nn.Linear(40, 24, bias=False))})
+    x = torch.randn(3, 64)
+    ref = model["b"](model["a"](x))
+    assert Q.pack_weights(model) > 0
+    assert torch.equal(model["b"](model["a"](x)), ref)
+    ts = (model["a"].panels, model["a"].bias, model["b"].panels)
+    assert len({t.untyped_storage().data_ptr() for t in ts}) == 1
+    assert model["a"].panels.data_ptr() < model["b"].panels.data_ptr()
+
+
 def test_kv_cache_on_the_cpu_is_zeroed_and_shaped():
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=32,
                       intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,

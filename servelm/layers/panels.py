@@ -43,6 +43,8 @@ class PanelLinear(nn.Module):
     """An fp32 or bf16 linear layer on panels.cpp: the weight packed into panels (a copy in
     the weight's dtype), the bias in fp32; the output in the activations' dtype."""
 
+    packed_tensors = ("panels", "bias")  # into huge pages (quantization.pack_weights)
+
     def __init__(self, src: nn.Linear):
         super().__init__()
         if not available():
