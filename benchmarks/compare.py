@@ -516,6 +516,15 @@ def _ratios(rounds: list[dict], a: str, b: str, key: str) -> list[float]:
             if r["results"].get(a, {}).get(key) and r["results"].get(b, {}).get(key)]
 
 
+def reference_row(rows: list[str], servelm_rows: list[str]) -> str | None:
+    """What each servelm format's ratios are taken against: transformers (bf16, else fp32)
+    when it ran, else the first servelm format when several ran (variants side by side)."""
+    for ref in ("transformers bfloat16", "transformers float32"):
+        if ref in rows:
+            return ref
+    return servelm_rows[0] if len(servelm_rows) > 1 else None
+
+
 def _pair_line(rounds: list[dict], a: str, b: str, keys: tuple[tuple[str, str], ...]) -> str:
     parts = []
     for label, key in keys:
@@ -722,12 +731,11 @@ def main() -> None:
                   + f"{med(s.name, 'ready_s'):>7.0f}s{med(s.name, 'rss_gib'):>6.1f}GiB")
 
     names = set(rows)
-    ref, cpp = "transformers bfloat16", LlamaCpp.name
-    if ref not in names and "transformers float32" in names:
-        ref = "transformers float32"
+    cpp = LlamaCpp.name
+    ref = reference_row(rows, [s.name for s in systems if isinstance(s, Servelm)])
     print("\nratios within a round, median [range] over the rounds:")
     for s in systems:
-        if not isinstance(s, Servelm):
+        if not isinstance(s, Servelm) or s.name == ref:
             continue
         parts = []
         if ref in names:

@@ -200,3 +200,13 @@ def test_compare_peers_flag_auto_detects_all_but_an_explicit_path(compare, peers
 def test_compare_rejects_bad_peer_arguments(capsys, args, message):
     code, err = script_usage_error("compare.py", *args, capsys=capsys)
     assert code == 2 and message in err
+
+
+def test_compare_takes_ratios_against_transformers_else_the_first_servelm_format(compare):
+    fmts = ["servelm float32", "servelm float32/onednn"]
+    assert compare.reference_row(["transformers float32"] + fmts, fmts) == "transformers float32"
+    assert compare.reference_row(["transformers float32", "transformers bfloat16"] + fmts,
+                                 fmts) == "transformers bfloat16"
+    # --skip-transformers: the variants against the first format named
+    assert compare.reference_row(fmts, fmts) == "servelm float32"
+    assert compare.reference_row(fmts[:1], fmts[:1]) is None  # nothing to compare with
