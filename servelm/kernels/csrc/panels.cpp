@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
