@@ -233,9 +233,9 @@ def test_a_method_failing_its_check_is_never_picked(tmp_path, monkeypatch):
     monkeypatch.setattr(lm, "build", lambda m, src, act: _Wrong(src) if m == "torch"
                         else real_build(m, src, act))
     # The wrong method measures fastest by far.
-    real_time = tuning._time_sweep
-    monkeypatch.setattr(tuning, "_time_sweep", lambda mods, x: 1e-9 if isinstance(mods[0], _Wrong)
-                        else real_time(mods, x))
+    real_time = tuning._timed_call
+    monkeypatch.setattr(tuning, "_timed_call", lambda mod, x: (mod(x), 1e-9)
+                        if isinstance(mod, _Wrong) else real_time(mod, x))
     model = _Block()
     report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh"))
     assert report.source == "measured"
@@ -245,13 +245,13 @@ def test_a_method_failing_its_check_is_never_picked(tmp_path, monkeypatch):
 
 
 def _fake_times(monkeypatch, fast: dict[type, set[int]]):
-    """_time_sweep answers 1 µs a row where fast[type(module)] holds the row count, else 3
+    """Each timed call takes 1 µs a row where fast[type(module)] holds the row count, else 3
     (times grow with the rows, as real ones do: the tuner scales a method's larger buckets
     from one where it took tuning.HOPELESS times the best)."""
-    def fake(mods, x):
-        return x.shape[0] * (1e-6 if x.shape[0] in fast.get(type(mods[0]), set()) else 3e-6)
+    def fake(mod, x):
+        return mod(x), x.shape[0] * (1e-6 if x.shape[0] in fast.get(type(mod), set()) else 3e-6)
 
-    monkeypatch.setattr(tuning, "_time_sweep", fake)
+    monkeypatch.setattr(tuning, "_timed_call", fake)
 
 
 def test_fake_timings_pick_the_expected_methods(tmp_path, monkeypatch):
@@ -287,19 +287,21 @@ def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tm
         pytest.skip("oneDNN cannot pack fp32 here")
     timed, checked = [], []
 
-    def fake(mods, x):
-        timed.append((type(mods[0]), x.shape[0]))
-        return x.shape[0] * (1e-5 if isinstance(mods[0], PackedLinear) else 1e-6)
+    def fake(mod, x):
+        timed.append((type(mod), x.shape[0]))
+        return mod(x), x.shape[0] * (1e-5 if isinstance(mod, PackedLinear) else 1e-6)
 
     real_inv = tuning.row_invariant
-    monkeypatch.setattr(tuning, "_time_sweep", fake)
+    monkeypatch.setattr(tuning, "_timed_call", fake)
     monkeypatch.setattr(tuning, "row_invariant",
                         lambda m, x: checked.append(type(m)) or real_inv(m, x))
     monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
     monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
     monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
     report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
-    assert {r for t, r in timed if t is PackedLinear} == {1}
+    # oneDNN: its first check (8 rows, before any bucket) and the one-row bucket only.
+    onednn_rows = [r for t, r in timed if t is PackedLinear]
+    assert set(onednn_rows) == {1, 8} and onednn_rows.count(8) == 2  # two shapes
     assert {r for t, r in timed if t is nn.Linear} == set(lm.BUCKET_ROWS)
     assert PackedLinear not in checked and nn.Linear in checked
     for shape in report.shapes:
@@ -435,3 +437,144 @@ def test_servelm_tune_prints_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "linear methods (" in out and "lm_head" in out and "121 linear layers" in out
     assert "  1 rows:" in out
+
+
+# ---------------------------------------------------------------- measuring in about a second
+
+@pytest.mark.parametrize("fmt", ["float32", "int4", "int8", "int8-rowmajor"])
+def test_head_is_the_first_outputs_of_the_layer(fmt):
+    src = _source("int8" if fmt.startswith("int8") else fmt, n=80)
+    if fmt == "int8-rowmajor":
+        src = lm.build("int8pack", src, torch.float32)
+    part = lm.head(src, 48)
+    assert type(part) is type(src) and part.out_features == 48
+    assert lm.weight_format(part) == lm.weight_format(src)
+    torch.testing.assert_close(lm.reference_weight(part), lm.reference_weight(src)[:48])
+    x = torch.randn(5, src.in_features)
+    torch.testing.assert_close(part(x), src(x)[:, :48], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        lm.head(src, 40)
+
+
+def _sliced(monkeypatch):
+    """Every layer of _Block counts as too large to time whole: a 32-output slice."""
+    monkeypatch.setattr(tuning, "SLICE_BYTES", 1)
+    monkeypatch.setattr(tuning, "SLICE_MIN_OUT", 32)
+    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)
+
+
+def test_a_large_layer_is_timed_on_a_slice_only_at_prompt_sized_buckets(monkeypatch):
+    _sliced(monkeypatch)
+    calls = []
+
+    def fake(mod, x):
+        calls.append((mod.out_features, x.shape[0]))
+        return mod(x), 1e-6 * x.shape[0] * mod.out_features / 96
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    inv_outputs = []
+    monkeypatch.setattr(tuning, "row_invariant",
+                        lambda m, x: inv_outputs.append(m.out_features) or True)
+    src = nn.Linear(64, 96)
+    times, failed, invariant = tuning.measure([src], ["torch", "onednn"], torch.float32,
+                                              default="torch")
+    assert failed == [] and invariant == ["torch"] and inv_outputs == [32]
+    # One and 8 rows stream the whole layer; 64 and 512 rows (and the first 8-row check of
+    # the whole layer) are timed on 32 of its 96 outputs.
+    assert {o for o, r in calls if r == 1} == {96}
+    assert {o for o, r in calls if r in (64, 512)} == {32}
+    # ... and scaled back to the whole layer: the fake takes 1 µs a row of the whole layer.
+    for t in times.values():
+        assert t == pytest.approx([1, 8, 64, 512])
+
+
+class _WrongPastEight(nn.Module):
+    """Right up to 8 rows, zeros beyond: a kernel whose many-row path has a bug."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.in_features, self.out_features = inner, inner.in_features, inner.out_features
+        self.bias = None
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y if x.shape[0] <= 8 else torch.zeros_like(y)
+
+
+def test_a_method_wrong_on_the_whole_layer_but_right_on_its_slice_is_not_kept(tmp_path,
+                                                                             monkeypatch):
+    if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
+        pytest.skip("oneDNN cannot pack fp32 here")
+    _sliced(monkeypatch)
+    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
+    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    real_build = lm.build
+    monkeypatch.setattr(lm, "build", lambda m, src, act: _WrongPastEight(real_build(m, src, act))
+                        if m == "onednn" and src.out_features > 32 else real_build(m, src, act))
+    # oneDNN is fastest by far at every bucket; the whole layer's many-row path is wrong,
+    # which the tuner, timing the slice there, sees only in its check of the whole layer.
+    real_time = tuning._timed_call
+    monkeypatch.setattr(tuning, "_timed_call", lambda mod, x: (mod(x), 1e-9)
+                        if isinstance(mod, (PackedLinear, _WrongPastEight))
+                        else real_time(mod, x))
+    model = _Block()
+    x = torch.randn(3, 64)
+    want = model(x)
+    report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh",
+                                                       batch_invariant=False))
+    for shape in report.shapes:
+        assert shape.methods == ["torch"] * len(lm.BUCKET_ROWS) and "onednn" in shape.failed
+    assert not any(isinstance(m, (_WrongPastEight, PackedLinear)) for m in model.modules())
+    for (a, b), (c, d) in zip(model(x), want):
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, d)
+
+
+def test_row_invariance_is_checked_in_order_of_preference_until_one_holds(monkeypatch):
+    cands = [m for m in ("torch", "onednn", "panels")
+             if lm.applies(m, nn.Linear(64, 96), torch.float32, True)]
+    if len(cands) < 3:
+        pytest.skip("fewer than three fp32 methods here")
+    speed = {nn.Linear: 3, PackedLinear: 1, lm.panels.PanelLinear: 2}  # onednn, panels, torch
+    monkeypatch.setattr(tuning, "_timed_call", lambda mod, x: (mod(x), speed[type(mod)] * 1e-6))
+    checked = []
+    monkeypatch.setattr(tuning, "row_invariant", lambda m, x: checked.append(type(m))
+                        or not isinstance(m, PackedLinear))
+    _, _, invariant = tuning.measure([nn.Linear(64, 96)], cands, torch.float32, default="torch")
+    assert checked == [PackedLinear, lm.panels.PanelLinear] and invariant == ["panels"]
+    # The default within the margin of the fastest is preferred, so checked first.
+    speed[nn.Linear] = 1.02
+    checked.clear()
+    _, _, invariant = tuning.measure([nn.Linear(64, 96)], cands, torch.float32, default="torch")
+    assert checked == [nn.Linear] and invariant == ["torch"]
+
+
+def test_a_slow_method_drops_out_of_the_later_rounds(monkeypatch):
+    calls = {"fast": 0, "close": 0, "slow": 0}
+    mods = {k: [lambda x, k=k: k] for k in calls}
+    cost = {"fast": 1.0, "close": 1.3, "slow": 2.0}
+
+    def fake(mod, x):
+        k = mod(x)
+        calls[k] += 1
+        return k, cost[k]
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    best = tuning._time_interleaved(mods, torch.zeros(1))
+    assert best == cost
+    assert calls["slow"] == 1 and calls["fast"] == calls["close"] >= tuning.MIN_REPS
+    # A first round from the known-answer calls is counted, but drops no method.
+    calls.update(fast=0, close=0, slow=0)
+    tuning._time_interleaved(mods, torch.zeros(1), first={"fast": 1.0, "close": 1.3, "slow": 9})
+    assert calls["slow"] == 1 and calls["fast"] >= tuning.MIN_REPS - 1
+
+
+def test_check_rows_cover_every_position_of_the_kernels_row_blocks():
+    assert tuning._check_rows(8) is None
+    for n in (64, 512):
+        rows = tuning._check_rows(n).tolist()
+        assert len(rows) < n / 4 + 24 and set(range(n - 7, n)) <= set(rows)
+        for block in (2, 4, 6, 8, 16):
+            assert {r % block for r in rows} == set(range(block)), (n, block)
+            if n >= 512:  # and later blocks at every position, too
+                assert {r % block for r in rows if r >= 16} == set(range(block)), (n, block)

@@ -126,6 +126,29 @@ def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
 
 
 @torch.no_grad()
+def head(src: nn.Module, n: int) -> nn.Module:
+    """A source of the same format holding `src`'s first n output features (n a multiple
+    of 16, the tiles' height): what the tuner times in place of a layer too large to time
+    whole (an LM head), since a method's time grows with the outputs as it does with K."""
+    if n % 16 or not 0 < n <= src.out_features:
+        raise ValueError(f"head: n must be a multiple of 16 in 1..{src.out_features}, got {n}")
+    bias = None if src.bias is None else src.bias[:n].clone()
+    if isinstance(src, nn.Linear):
+        out = nn.Linear(src.in_features, n, bias=bias is not None, device="meta")
+        out.weight = nn.Parameter(src.weight.detach()[:n].clone(), requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(bias, requires_grad=False)
+        return out
+    if isinstance(src, Int4Linear):
+        t = n // 16
+        return Int4Linear(src.qweight[:t].clone(), src.scales[:t].clone(), src.mins[:t].clone(),
+                          src.group_size, n, bias, use_kernel=src.use_kernel)
+    if isinstance(src, Int8Linear):
+        return Int8Linear(src.int8_weight()[:n].clone(), src.scales[:n].clone(), bias,
+                          tiled=src.tiled, use_kernel=src.use_kernel)
+    raise TypeError(f"not a linear layer source: {type(src).__name__}")
+
+
 def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     """A module running `src`'s matmul by `method` (which must apply)."""
     bias = src.bias
