@@ -7,7 +7,7 @@ a one-line reason when it is not installed.
     python benchmarks/compare.py [--formats bfloat16,float32,int8,int4,int4@float32] [--skip-transformers]
                                  [--transformers-dtypes float32,bfloat16] [--model FILE.gguf]
                                  [--llama-bench [PATH]] [--no-batch]
-                                 [--vllm [SERVE_SH]] [--server-prompts 128]
+                                 [--vllm [SERVE_SH]] [--server-prompts 128] [--long-prompt 4000]
                                  [--openvino [BENCH_PY]] [--openvino-groups int4] [--peers]
                                  [--rounds 3] [--repeats 5] [--decode-repeats 3]
 
@@ -40,7 +40,7 @@ this checkout):
   only one holds the cores: TTFT of a 512-token prompt (p50 of --repeats), one stream's
   1/TPOT (128 tokens after 16, p50 of --decode-repeats) and output tok/s of
   --server-prompts 128-in/128-out requests at concurrency 64; also its start-up time and
-  the group's RSS.
+  the group's RSS. --long-prompt N adds the TTFT of an N-token prompt (after one untimed).
 - --openvino: the peers' openvino/bench.py driver, which measures servelm's LLM against
   OpenVINO GenAI in-process (each in its own process) in rounds of its own, after
   compare.py's rounds; its figures join the table and its ratios are taken within its rounds.
@@ -124,6 +124,7 @@ def _timed_gen(fn: Callable[[], None]) -> float:
 
 MODEL: str | None = None  # --model: the GGUF every system loads (None: the embedded one)
 BATCHED = True             # --no-batch: skip the 64-stream figure
+LONG_PROMPT: int | None = None  # --long-prompt: the servers' TTFT of a prompt this long
 
 
 def model_file() -> str:
@@ -431,11 +432,19 @@ class HttpServer(System):
             c64 = (servelm_bench(url, "--concurrency", str(BATCH), "--num-prompts",
                                  str(self.prompts), "--input-len", "128", "--output-len",
                                  str(GEN), "--seed", "103") if BATCHED else None)
+            long = None
+            if LONG_PROMPT:  # after a first, untimed one (a server may compile per shape)
+                servelm_bench(url, "--concurrency", "1", "--num-prompts", "1", "--input-len",
+                              str(LONG_PROMPT), "--output-len", "1", "--seed", "104")
+                long = servelm_bench(url, "--concurrency", "1", "--num-prompts",
+                                     str(min(repeats, 2)), "--input-len", str(LONG_PROMPT),
+                                     "--output-len", "1", "--seed", "105")
             rss = _group_rss_gib(pgid)
         return {"ttft_512_s": ttft["ttft_ms"]["p50"] / 1000,
                 "decode_1_tok_s": 1000 / one["tpot_ms"]["p50"],
                 "decode_64_tok_s": None,  # not the in-process figure: serve_64_tok_s
                 "serve_64_tok_s": c64["output_throughput"] if c64 else None,
+                "ttft_long_s": long["ttft_ms"]["p50"] / 1000 if long else None,
                 "ready_s": ready_s, "rss_gib": rss}
 
 
@@ -492,7 +501,7 @@ def run_openvino(bench_py: str, group: str, rounds: int, repeats: int,
     return converted, list(converted[0])
 
 
-METRICS = ("ttft_512_s", "decode_1_tok_s", "decode_64_tok_s", "serve_64_tok_s")
+METRICS = ("ttft_512_s", "decode_1_tok_s", "decode_64_tok_s", "serve_64_tok_s", "ttft_long_s")
 
 
 def measure_round(systems: list[System], rnd: int, repeats: int,
@@ -566,6 +575,9 @@ def parse_args() -> argparse.Namespace:
                          "directory, both through `servelm bench`")
     ap.add_argument("--server-prompts", type=positive(int), default=128, metavar="N",
                     help="requests in the servers' concurrency-64 case (128 in / 128 out)")
+    ap.add_argument("--long-prompt", type=positive(int), default=None, metavar="TOKENS",
+                    help="the servers also measure the TTFT of a prompt this long (issue "
+                         "17's 4,000 tokens: chunked prefill), median of min(2, --repeats)")
     ap.add_argument("--server-dtype", default="bfloat16", choices=SERVER_DTYPES,
                     help="dtype both servers run (float32 where the CPU has no AVX512-BF16: "
                          "bf16 matmuls fall back to a slow path there)")
@@ -630,8 +642,8 @@ def find_peers(args) -> None:
 
 def main() -> None:
     args = parse_args()
-    global MODEL, BATCHED
-    MODEL, BATCHED = args.model, not args.no_batch
+    global MODEL, BATCHED, LONG_PROMPT
+    MODEL, BATCHED, LONG_PROMPT = args.model, not args.no_batch, args.long_prompt
     find_peers(args)
 
     from servelm.roofline import measure_hardware
@@ -722,13 +734,15 @@ def main() -> None:
         print(f"\nover HTTP, `servelm bench` against one server at a time "
               f"({args.vllm[1]}, {args.server_dtype}):")
         print(f"{'':<34}{'TTFT 512':>10}{'1/TPOT x1':>12}{'c64 128/128':>13}"
-              f"{'ready':>8}{'RSS':>9}")
+              f"{'ready':>8}{'RSS':>9}"
+              + (f"{f'TTFT {LONG_PROMPT}':>12}" if LONG_PROMPT else ""))
         for s in servers:
-            c64 = med(s.name, "serve_64_tok_s")
+            c64, long = med(s.name, "serve_64_tok_s"), med(s.name, "ttft_long_s")
             print(f"{s.name:<34}{med(s.name, 'ttft_512_s') * 1000:>8.0f}ms"
                   f"{med(s.name, 'decode_1_tok_s'):>8.1f}tok/s"
                   + (f"{c64:>9.0f}tok/s" if c64 else f"{'-':>13}")
-                  + f"{med(s.name, 'ready_s'):>7.0f}s{med(s.name, 'rss_gib'):>6.1f}GiB")
+                  + f"{med(s.name, 'ready_s'):>7.0f}s{med(s.name, 'rss_gib'):>6.1f}GiB"
+                  + (f"{long * 1000:>10.0f}ms" if long else ""))
 
     names = set(rows)
     cpp = LlamaCpp.name
@@ -757,7 +771,7 @@ def main() -> None:
         print(_pair_line(rounds, servers[0].name, servers[1].name,
                          (("TTFT", "ttft_512_s"), ("1/TPOT x1", "decode_1_tok_s"),
                           ("c64 tok/s", "serve_64_tok_s"), ("ready", "ready_s"),
-                          ("RSS", "rss_gib"))))
+                          ("RSS", "rss_gib"), (f"TTFT {LONG_PROMPT}", "ttft_long_s"))))
     for a, b in ov_pairs:
         print(_pair_line(rounds, a, b, (("TTFT", "ttft_512_s"), ("decode x1", "decode_1_tok_s"),
                                         ("decode x64", "decode_64_tok_s"))))

@@ -18,7 +18,7 @@ method in the order the batch-invariant choice prefers them until one holds: whe
 method per layer costs at most INVARIANCE_COST more (or where asked), every layer runs it
 for all rows, and a request's results no longer depend on its batch. Timing drops a method
 from a bucket's later rounds once it is KEEP times the best, and the known-answer check is
-each timing's warm-up call: fresh tuning of the embedded model takes about a second.
+each timing's warm-up call.
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     every method still in the running once in turn, so a machine whose load drifts (other
     processes, frequency) weighs on every method alike rather than on whichever was timed
     during a busy spell. After each round only the methods within KEEP of the best go on:
-    one already 1.5x as slow is not chosen whatever its next rounds say, and an LM head's
-    slow method at 8 rows costs a tenth of a second a call. The caller has just run each
+    one already 1.5x as slow is not chosen whatever its next rounds say, and a large
+    layer's slow method can cost a tenth of a second a call. The caller has just run each
     sweep's first module on x (its known-answer check), which warmed it up; first: the
     seconds those calls took, where they count as the first round (one module a sweep)."""
     best = {k: math.inf for k in sweeps}

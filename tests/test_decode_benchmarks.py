@@ -67,6 +67,12 @@ def test_compare_rejects_a_format_named_twice(capsys):
     assert code == 2 and "--formats names a format twice: 'int4,bfloat16,int4'" in err
 
 
+def test_compare_rejects_a_non_positive_long_prompt(capsys):
+    code, err = script_usage_error("compare.py", "--formats", "int4", "--long-prompt", "0",
+                                   capsys=capsys)
+    assert code == 2 and "argument --long-prompt: must be > 0" in err
+
+
 def test_serving_sweep_rejects_a_non_positive_roofline(capsys):
     # The sweep's roofline defaults to the machine measured; a given one must be positive.
     for flag in ("--bandwidth", "--flops"):
