@@ -213,13 +213,13 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     one already 1.5x as slow is not chosen whatever its next rounds say, and a large
     layer's slow method can cost a tenth of a second a call. The caller has just run each
     sweep's first module on x (its known-answer check), which warmed it up; first: the
-    seconds those calls took, where they count as the first round (one module a sweep)."""
+    seconds those calls took (one module a sweep), a sample for the best but no round."""
     best = {k: math.inf for k in sweeps}
     active = list(sweeps)
     rounds, spent = 0, 0.0
-    if first:  # counted, but no method drops out on a first call alone (it may be cold)
-        best.update({k: first[k] for k in sweeps})
-        rounds, spent = 1, sum(best.values())
+    if first:  # a sample, not a round: a first call may be cold, and a noisy best-of-two
+        best.update({k: first[k] for k in sweeps})  # once flipped the invariant choice
+        spent = sum(best.values())
     while active and rounds < MAX_REPS and (rounds < MIN_REPS
                                             or spent < TARGET_S * len(active)):
         for k in active:
@@ -318,8 +318,8 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
                 times[method] = [math.inf] * n
             else:
                 timed[method] = mods if rows <= 8 else [mod]
-        # A prompt-sized call is long enough to time on its own: the checked call is the
-        # first round (a cold first call only loses it the round: best of the rounds).
+        # A prompt-sized call is long enough to time on its own: the checked call is one
+        # more sample (a cold first call only loses to the rounds' best).
         first = {m: call_s[m] for m in timed} if rows > 8 else None
         per = scale if rows > 8 else 1.0
         for method, sec in _time_interleaved(timed, x, first).items():
