@@ -220,8 +220,10 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     if first:  # a sample, not a round: a first call may be cold, and a noisy best-of-two
         best.update({k: first[k] for k in sweeps})  # once flipped the invariant choice
         spent = sum(best.values())
+    # The time budget stays that of every method: the close contenders left get the rounds
+    # the dropped ones no longer take, and their best is the less noisy for it.
     while active and rounds < MAX_REPS and (rounds < MIN_REPS
-                                            or spent < TARGET_S * len(active)):
+                                            or spent < TARGET_S * len(sweeps)):
         for k in active:
             mods = sweeps[k]
             t = _time_sweep(mods, x)
