@@ -314,8 +314,9 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
             if t and (t[-1] > EXTRAPOLATE_S * 1e6 or t[-1] > HOPELESS * best[i - 1]):
                 t.append(t[-1] * rows / lm.BUCKET_ROWS[i - 1])
                 continue
-            mod = mods[0] if rows <= 8 else large[method]
-            if not checked(method, mod, i + 1, mod is not mods[0]):  # also its warm-up
+            sliced = rows > 8 and part is not None
+            mod = large[method] if rows > 8 else mods[0]
+            if not checked(method, mod, i + 1, sliced):  # also its warm-up
                 failed.append(method)
                 times[method] = [math.inf] * n
             else:
@@ -362,8 +363,8 @@ def _bytes(src: nn.Module) -> int:
 def _slice_outputs(src: nn.Module) -> int:
     """How many of the layer's outputs the tuner times at prompt-sized buckets: all of
     them, unless the layer holds over 2 SLICE_BYTES (an LM head: 113 MB in fp32 for the
-    embedded model); then a multiple of 16 holding about
-    SLICE_BYTES, at least SLICE_MIN_OUT. Only the buckets over 8 rows and the invariance
+    embedded model); then a multiple of 16 holding about SLICE_BYTES, at least
+    SLICE_MIN_OUT. Only the buckets over 8 rows and the invariance
     check use the slice: they are compute-bound, their time grows with the outputs, and
     timed whole they were half of a fresh tuning. One and 8 rows stream the weights from
     memory, and a slice swept in copies ranked the methods by cache luck."""

@@ -149,6 +149,7 @@ def head(src: nn.Module, n: int) -> nn.Module:
     raise TypeError(f"not a linear layer source: {type(src).__name__}")
 
 
+@torch.no_grad()
 def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     """A module running `src`'s matmul by `method` (which must apply)."""
     bias = src.bias
