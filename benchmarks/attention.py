@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/attention.py --skip-engine   # attention only
     .venv/bin/python benchmarks/attention.py --engine-context 32 1000  # long contexts too
     .venv/bin/python benchmarks/attention.py --prefill       # prompt attention + TTFT only
+    .venv/bin/python benchmarks/attention.py --prefill --dtype float32  # ... its TTFT in fp32
 
 1. Decode attention for B streams x L-token contexts (SmolLM2 shape: 9 query heads, 3 KV
    heads, head dim 64, block size 16), one layer: `paged_decode_attention` (reads K/V in place
@@ -16,9 +17,9 @@
    K/V in place through the block tables) and `paged_attention` (gather + padded SDPA, the
    eager path). The op replaced gather + bmm + a fused causal softmax + bmm, which took
    0.91 ms against its 0.43 ms (bf16, 512 tokens) and TTFT 164 against 147 ms.
-4. Engine time to first token for a 512-token prompt (bf16, median and best of 7, the modes
-   interleaved): kernels, kernels with SDPA prompt attention, and the eager path (as
-   cpu_kernels=False).
+4. Engine time to first token for a 512-token prompt (in --dtype, bf16 by default; median
+   and best of 7, the modes interleaved): kernels, kernels with SDPA prompt attention, and
+   the eager path (as cpu_kernels=False).
 """
 
 from __future__ import annotations
@@ -121,13 +122,13 @@ def prefill_table() -> None:
                   f"{r['sdpa'] * 1e3:8.3f}", flush=True)
 
 
-def engine_ttft(prompt_len: int = 512, reps: int = 7) -> None:
-    """TTFT (ms, median and best of `reps` after a warm-up) of one bf16 prompt of token ids;
-    the modes take turns within each repetition, so a disturbance hits them alike."""
+def engine_ttft(prompt_len: int = 512, reps: int = 7, dtype: str = "bfloat16") -> None:
+    """TTFT (ms, median and best of `reps` after a warm-up) of one prompt of token ids in
+    `dtype`; the modes take turns within each repetition, so a disturbance hits them alike."""
     import statistics
 
     from servelm import LLM, SamplingParams
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(dtype=dtype, enable_prefix_caching=False)
     runner = llm.engine.runner
     sp = SamplingParams(temperature=0, max_tokens=1)
     have, backend = runner.use_kernels, runner.attention
@@ -135,7 +136,7 @@ def engine_ttft(prompt_len: int = 512, reps: int = 7) -> None:
              "kernels, SDPA prompt attn": (True, paged_attention),
              "eager (cpu_kernels off)": (False, paged_prefill_attention)}
     modes = {k: v for k, v in modes.items() if have or not v[0]}
-    print(f"\n# engine TTFT, bf16 SmolLM2-135M, {prompt_len}-token prompt, ms over {reps} runs")
+    print(f"\n# engine TTFT, {dtype} SmolLM2-135M, {prompt_len}-token prompt, ms over {reps} runs")
     times: dict[str, list[float]] = {name: [] for name in modes}
     try:
         for i in range(reps + 1):
@@ -184,6 +185,8 @@ def main() -> None:
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--prefill", action="store_true",
                     help="only the prompt attention table and the engine TTFT")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                    help="the engine TTFT's dtype (--prefill)")
     ap.add_argument("--engine-context", type=int, nargs="*", default=[32],
                     help="prompt lengths for the engine decode runs (e.g. 32 1000)")
     args = ap.parse_args()
@@ -192,7 +195,7 @@ def main() -> None:
 
     if args.prefill:
         prefill_table()
-        engine_ttft()
+        engine_ttft(dtype=args.dtype)
         return
     if not args.skip_attention:
         attention_table(args)

@@ -487,6 +487,29 @@ inline void prefill_scores16_ref(const float* qp, const float* k, int D, float s
 // AVX2 version of the fp32 path: a tile's 16 query lanes are two 8-lane vectors (lo, hi).
 // Scores are pre-scaled by scale * log2(e) so the softmax is exp2 (exp2_256).
 
+// Keeps v in a register: GCC (-march=znver3) otherwise folded the loads of a vector used by
+// 4 FMAs into each of them, 12 loads per 8 FMAs, more than the load ports take.
+inline void pin(__m256& v) { asm("" : "+x"(v)); }
+
+// In-register transpose of 8 rows of 8 floats (r[i] lane j -> r[j] lane i).
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
 // Scores of 16 keys (rows of k, D each) for one tile, scaled, masked; into s[16][16];
 // folds their maxima into mx[2]. Keys go 4 at a time: 8 accumulators cover the FMA latency.
 inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float scale, int key0,
@@ -500,7 +523,8 @@ inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float 
     for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
     const float* kj = k + j0 * D;
     for (int d = 0; d < D; ++d) {
-      const __m256 q0 = _mm256_load_ps(qp + d * 16), q1 = _mm256_load_ps(qp + d * 16 + 8);
+      __m256 q0 = _mm256_load_ps(qp + d * 16), q1 = _mm256_load_ps(qp + d * 16 + 8);
+      pin(q0), pin(q1);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const __m256 kv = _mm256_broadcast_ss(kj + j * D + d);
@@ -565,7 +589,8 @@ inline void prefill_pv_avx2(float* o, const __m256* al, bool rescale, const floa
       if (rescale) a[i][0] = _mm256_mul_ps(a[i][0], al[0]), a[i][1] = _mm256_mul_ps(a[i][1], al[1]);
     }
     for (int j = 0; j < nk; ++j) {
-      const __m256 p0 = _mm256_load_ps(p + j * 16), p1 = _mm256_load_ps(p + j * 16 + 8);
+      __m256 p0 = _mm256_load_ps(p + j * 16), p1 = _mm256_load_ps(p + j * 16 + 8);
+      pin(p0), pin(p1);
       const float* vr = v + j * D + c;
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
@@ -693,6 +718,17 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           uint32_t* qp = static_cast<uint32_t*>(t.q);
           for (int i = 0; i < np; ++i) _mm512_store_si512(qp + (p0 + i) * 16, r[i]);
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        // Transposed 8 x 8 blocks: element d of query row i -> qp[d * 16 + i] (D % 16 == 0).
+        float* qp = static_cast<float*>(t.q);
+        for (int i0 = 0; i0 < 16; i0 += 8)
+          for (int d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i)
+              r[i] = i0 + i < rn ? load8f<T>(qrow0 + (i0 + i) * qs0 + d0) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int k = 0; k < 8; ++k) _mm256_store_ps(qp + (d0 + k) * 16 + i0, r[k]);
+          }
 #else
         float* qp = static_cast<float*>(t.q);
         for (int i = 0; i < 16; ++i)
@@ -813,6 +849,27 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           for (int i = 0; i < rn; ++i)
             store16_mask<T>(dst0 + static_cast<int64_t>(i) * H * D + c,
                             _mm512_mul_ps(_mm512_castsi512_ps(r[i]), _mm512_set1_ps(inv[i])), 0xFFFF);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        // Transposed back in 8 x 8 blocks, each product as the scalar loop below rounds it.
+        alignas(32) float inv[16], rowbuf[8];
+        for (int i = 0; i < 16; ++i) inv[i] = t.l[i] > 0.f ? 1.f / t.l[i] : 0.f;
+        for (int i0 = 0; i0 < rn; i0 += 8) {
+          const __m256 iv = _mm256_load_ps(inv + i0);
+          for (int c = 0; c < D; c += 8) {
+            __m256 r[8];
+            for (int k = 0; k < 8; ++k) r[k] = _mm256_mul_ps(_mm256_load_ps(t.o + (c + k) * 16 + i0), iv);
+            transpose8(r);
+            for (int i = 0; i < 8 && i0 + i < rn; ++i) {
+              T* dst = dst0 + static_cast<int64_t>(i0 + i) * H * D + c;
+              if constexpr (std::is_same<T, float>::value) {
+                _mm256_storeu_ps(dst, r[i]);
+              } else {
+                _mm256_store_ps(rowbuf, r[i]);
+                for (int d = 0; d < 8; ++d) dst[d] = from_f<T>(rowbuf[d]);
+              }
+            }
+          }
         }
 #else
         for (int i = 0; i < rn; ++i) {
