@@ -1,11 +1,12 @@
-"""The panels linear method (kernels/csrc/panels.cpp): fp32 and bf16 layers for any row count
-on AVX2 + FMA, over the weight packed into 16-column panels."""
+"""The panels linear method (kernels/csrc/panels.cpp): fp32, bf16 and int4 layers for any row
+count on AVX2 + FMA, over the weight packed into 16-column panels."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm import quantization as Q
 from servelm.layers import linear_methods as lm
 from servelm.layers import panels
 
@@ -95,3 +96,94 @@ def test_applies_to_fp32_and_bf16_layers_and_rejects_bad_operands():
         op(torch.randn(2, 64), p, 8, torch.randn(3))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         op(torch.randn(2, 64).half(), p.to(torch.bfloat16), 8)
+
+
+# ---- int4: panels of nibbles, decoded to fp32 a K block at a time
+
+def _int4(n, k, bias, group_size=32, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    return lin, Q.Int4Linear.from_linear(lin, group_size)
+
+
+def _fp32_panels_of(src, lin):
+    """An fp32 PanelLinear over src's dequantised weight (and lin's bias)."""
+    ref = nn.Linear(src.in_features, src.out_features, bias=lin.bias is not None)
+    with torch.no_grad():
+        ref.weight.copy_(src.dequantize(torch.float32))
+        if lin.bias is not None:
+            ref.bias.copy_(lin.bias)
+    return panels.PanelLinear(ref)
+
+
+def test_pack_q4_puts_columns_j_and_j_plus_8_in_one_byte():
+    q = torch.randint(0, 16, (32, 5), dtype=torch.uint8)
+    p = panels.pack_q4(q)
+    assert p.shape == (2, 5, 8) and p.dtype == torch.uint8
+    assert torch.equal(p[1, 3] & 15, q[16:24, 3]) and torch.equal(p[1, 3] >> 4, q[24:32, 3])
+
+
+# N: a partial panel, whole ones; K: under one K block (256), over it with a tail; every
+# group size; rows: the micro-kernel's tails and past the 96-row block.
+@pytest.mark.parametrize("n,k,bias,group", [(7, 64, True, 32), (48, 576, False, 32),
+                                            (40, 384, True, 128), (33, 320, False, 64),
+                                            (16, 768, True, 256)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97, 130])
+def test_int4_is_fp32_panels_on_the_dequantised_weight_bit_for_bit(n, k, bias, group, rows):
+    lin, src = _int4(n, k, bias, group, seed=n + rows)
+    mod = lm.build("panels", src, torch.float32)
+    assert isinstance(mod, panels.Int4PanelLinear)
+    x = torch.randn(rows, k)
+    got = mod(x)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.equal(got, _fp32_panels_of(src, lin)(x))
+
+
+def test_int4_takes_bf16_activations_and_rounds_once():
+    lin, src = _int4(40, 256, True)
+    mod = panels.Int4PanelLinear(src)
+    x = torch.randn(9, 256).to(torch.bfloat16)
+    got = mod(x)
+    assert got.dtype == torch.bfloat16
+    want = _fp32_panels_of(src, lin)(x.float())  # the fp32 sums of the bf16 inputs
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_int4_rows_do_not_depend_on_the_batch():
+    _, src = _int4(75, 512, False)
+    mod = panels.Int4PanelLinear(src)
+    x = torch.randn(130, 512)
+    full = mod(x)
+    for m in (1, 2, 6, 7, 96, 97):
+        assert torch.equal(mod(x[:m]), full[:m]), m
+    assert torch.equal(mod(x[100:101]), full[100:101])
+    assert mod(x[:0]).shape == (0, 75)
+
+
+def test_int4_applies_to_int4_layers_and_rejects_bad_operands():
+    _, src = _int4(8, 64, False)
+    assert lm.applies("panels", src, torch.float32, True)
+    assert lm.applies("panels", src, torch.bfloat16, True)
+    assert not lm.applies("panels", src, torch.float16, True)
+    assert not lm.applies("panels", src, torch.float32, False)  # kernels off
+    assert not lm.applies("panels", Q.quantize_linear(nn.Linear(64, 8), "int8"), torch.float32, True)
+    mod = panels.Int4PanelLinear(src)
+    op = torch.ops.servelm_panels.int4_linear
+    args = (mod.qpanels, mod.scales, mod.mins)
+    with pytest.raises(RuntimeError, match="in_features"):
+        op(torch.randn(2, 32), *args, 32, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.randn(2, 64).half(), *args, 32, 8)
+    with pytest.raises(RuntimeError, match="qpanels must be"):
+        op(torch.randn(2, 64), mod.qpanels.float(), mod.scales, mod.mins, 32, 8)
+    with pytest.raises(RuntimeError, match="out_features 17"):
+        op(torch.randn(2, 64), *args, 32, 17)
+    with pytest.raises(RuntimeError, match="group_size 48"):
+        op(torch.randn(2, 64), *args, 48, 8)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        op(torch.randn(2, 64), mod.qpanels, mod.scales.float(), mod.mins, 32, 8)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        op(torch.randn(2, 64), *args, 64, 8)  # groups of 64: scales for 32 do not fit
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.randn(2, 64), *args, 32, 8, torch.randn(3))
+

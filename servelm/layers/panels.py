@@ -6,6 +6,12 @@ oneDNN's fp32 matmul loses most (a few rows up to a batch); bf16 weights are wid
 are read. Each output is one fused multiply-add chain over k in order, so its bits do not
 depend on the row count (row-invariant). The tuner chooses it per row bucket where it
 measures faster.
+
+int4 layers (Int4Linear) run on the same kernel from panels of nibbles: each K block of a
+panel is decoded to fp32 in L1 once per call (per 96-row block) and multiplied as an fp32
+panel, so a prompt or a batch pays the decoding once for all its rows and then runs at the
+fp32 FMA rate (servelm's integer kernels multiply every row by a weight widened for it).
+The decoded weights are dequantize_int4's fp32 values, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ def available() -> bool:
 
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
-    """An fp32 or bf16 nn.Linear on the CPU with activations of its dtype."""
+    """An fp32 or bf16 nn.Linear on the CPU with activations of its dtype, or an int4 layer
+    on the CPU with fp32 or bf16 activations."""
+    from servelm.quantization import Int4Linear
+
+    if isinstance(src, Int4Linear):
+        return (act in (torch.float32, torch.bfloat16) and src.qweight.device.type == "cpu"
+                and available() and hasattr(torch.ops.servelm_panels, "int4_linear"))
     return (isinstance(src, nn.Linear) and src.weight.dtype == act
             and act in (torch.float32, torch.bfloat16) and src.weight.device.type == "cpu"
             and available())
@@ -37,6 +49,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     pad = (-n) % NR
     w = F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
     return w.reshape(-1, NR, k).transpose(1, 2).contiguous()
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [16T, K] in 0..15 (rows padded to 16) -> [T, K, 8]: byte j of row k holds
+    column 16t + j in its low nibble and 16t + j + 8 in its high one."""
+    n16, k = q.shape
+    q = q.reshape(n16 // NR, NR, k).transpose(1, 2)
+    return (q[..., :8] | (q[..., 8:] << 4)).contiguous()
 
 
 class PanelLinear(nn.Module):
@@ -63,3 +83,34 @@ class PanelLinear(nn.Module):
         kind = "bf16" if self.panels.dtype == torch.bfloat16 else "fp32"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{kind} AVX2 panels")
+
+
+class Int4PanelLinear(nn.Module):
+    """An int4 layer on panels.cpp: the nibbles repacked into panels (4 bits a weight), the
+    group scales and mins shared with the source (float16 [ceil(N / 16), K / G, 16]: already
+    a panel's 16 outputs together), the bias in fp32; the output in the activations' dtype."""
+
+    packed_tensors = ("qpanels", "scales", "mins", "bias")
+
+    def __init__(self, src):
+        from servelm.quantization import unpack_int4
+
+        super().__init__()
+        if not available():
+            raise RuntimeError("the panels kernel is not built for this CPU (AVX2, FMA)")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        self.group_size = src.group_size
+        self.register_buffer("qpanels", pack_q4(unpack_int4(src.qweight)))
+        self.register_buffer("scales", src.scales)
+        self.register_buffer("mins", src.mins)
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().clone())
+        self._op = torch.ops.servelm_panels.int4_linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.qpanels, self.scales, self.mins, self.group_size,
+                        self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 AVX2 panels, group_size={self.group_size}")

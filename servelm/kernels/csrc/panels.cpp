@@ -12,6 +12,15 @@
 // and rounded once to x's dtype (without AVX512-BF16 oneDNN's bf16 matmul converted as it
 // went, at a fraction of the FMA peak).
 //
+//   int4_linear(x, qpanels, scales, mins, group_size, out_features, bias?) -> y
+// servelm's int4 weights (w = s * q + m, q in 0..15, s / m float16 per group of group_size
+// inputs) as panels: qpanels uint8 [ceil(N / 16), K, 8], byte j of row k holding output j's q
+// in its low nibble and output j + 8's in its high one; scales, mins float16
+// [ceil(N / 16), K / group_size, 16] (Int4Linear's own). Each K block of a panel is decoded
+// to fp32 into L1 (s * q, then + m, as servelm.quantization.dequantize_int4 rounds them),
+// once per row block, and multiplied as an fp32 panel: the same bits as `linear` on the
+// dequantised fp32 weight. x: float32 or bfloat16; y in x's dtype.
+//
 // Panels are split over the torch (OpenMP) threads. Every output is one chain of fused
 // multiply-adds over k in order (the K blocks continue it through the fp32 output), so a
 // row's result is the same bits whatever the row count and whatever rows share its call.
@@ -19,6 +28,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -26,7 +36,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 // The same float operations for every row count (see gemv.cpp).
 #pragma GCC optimize("no-fast-math")
@@ -179,6 +189,91 @@ void gemm(const float* x, const W* panels, const float* bias, float* out, int64_
   });
 }
 
+// Rows [k0, k0 + kc) of an int4 panel decoded to fp32 [kc][16] (groups of gs inputs).
+inline void decode_q4(const uint8_t* q, const c10::Half* sc, const c10::Half* mn, int64_t k0,
+                      int64_t kc, int64_t gs, float* dst) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t k = k0; k < k0 + kc;) {
+    const int64_t g = k / gs, kend = std::min(k0 + kc, (g + 1) * gs);
+    const __m256 s0 = load8f(sc + g * kNR), s1 = load8f(sc + g * kNR + 8);
+    const __m256 m0 = load8f(mn + g * kNR), m1 = load8f(mn + g * kNR + 8);
+    for (; k < kend; ++k) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8)));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      _mm256_store_ps(dst + (k - k0) * kNR, _mm256_add_ps(_mm256_mul_ps(lo, s0), m0));
+      _mm256_store_ps(dst + (k - k0) * kNR + 8, _mm256_add_ps(_mm256_mul_ps(hi, s1), m1));
+    }
+  }
+}
+
+// gemm's loops over int4 panels: each K block decoded into an L1 buffer, then multiplied by
+// the row block as gemm multiplies an fp32 panel's block (the same operations, so the same
+// bits, and row-invariant as gemm is).
+void gemm_q4(const float* x, const uint8_t* qp, const c10::Half* sc, const c10::Half* mn,
+             int64_t gs, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t NP = (N + kNR - 1) / kNR, G = K / gs;
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[kKC * kNR];
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t m1 = std::min(M, m0 + kMC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+        const float* bp = bias ? bias + p * kNR : nullptr;
+        for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+          const int64_t kc = std::min(kKC, K - k0);
+          decode_q4(qp + p * K * 8, sc + p * G * kNR, mn + p * G * kNR, k0, kc, gs, buf);
+          rows(x, K, buf, k0, kc, out + p * kNR, N, m0, m1, ncols, bp,
+               static_cast<const float*>(nullptr));
+        }
+      }
+    }
+  });
+}
+
+// x as fp32 [M, K] and the output's shape; bias as fp32 (bf) when given.
+at::Tensor f32_rows(const at::Tensor& x_in, int64_t K, const char* name) {
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
+                                         x_in.scalar_type() == at::kBFloat16),
+              name, ": x must be float32 or bfloat16 on the CPU, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, name, ": x's last dim must be "
+              "in_features: ", x_in.size(-1), " vs ", K);
+  return x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t group_size, int64_t N,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* name = "servelm_panels.int4_linear";
+  TORCH_CHECK(qpanels.device().is_cpu() && qpanels.scalar_type() == at::kByte && qpanels.dim() == 3 &&
+                  qpanels.size(2) == 8 && qpanels.is_contiguous(),
+              name, ": qpanels must be contiguous uint8 [ceil(N / 16), K, 8] on the CPU");
+  const int64_t NP = qpanels.size(0), K = qpanels.size(1);
+  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == NP, name, ": out_features ", N, " does not match ",
+              NP, " panels of 16");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, name, ": group_size ", group_size,
+              " does not divide in_features ", K);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == NP && t->size(1) == K / group_size && t->size(2) == kNR,
+                name, ": scales and mins must be contiguous float16 [ceil(N / 16), K / group_size, 16]");
+  const at::Tensor x = f32_rows(x_in, K, name);
+  at::Tensor bf;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0)
+    gemm_q4(x.data_ptr<float>(), qpanels.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
+            mins.data_ptr<c10::Half>(), group_size, bf.defined() ? bf.data_ptr<float>() : nullptr,
+            out.data_ptr<float>(), M, N, K);
+  return out.to(x_in.scalar_type()).reshape(shape);
+}
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
                   const c10::optional<at::Tensor>& bias) {
   const at::ScalarType pt = panels.scalar_type();
@@ -224,8 +319,13 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
 
 TORCH_LIBRARY(servelm_panels, m) {
   m.def("linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qpanels, Tensor scales, Tensor mins, int group_size, "
+        "int out_features, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(servelm_panels, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(servelm_panels, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("int4_linear", &int4_linear);
+}
 
-#endif  // AVX2 + FMA
+#endif  // AVX2 + FMA + F16C
