@@ -124,11 +124,13 @@ def test_pack_q4_puts_columns_j_and_j_plus_8_in_one_byte():
 
 
 # N: a partial panel, whole ones; K: under one K block (256), over it with a tail; every
-# group size; rows: the micro-kernel's tails and past the 96-row block.
+# group size; rows: 1-4 decode in registers (1 and 2 rows two panels at a time: 24 outputs
+# pair a whole panel with a partial one on one thread), more into a block buffer (the
+# micro-kernel's tails, past the 96-row block).
 @pytest.mark.parametrize("n,k,bias,group", [(7, 64, True, 32), (48, 576, False, 32),
                                             (40, 384, True, 128), (33, 320, False, 64),
-                                            (16, 768, True, 256)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97, 130])
+                                            (16, 768, True, 256), (24, 64, True, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 97, 130])
 def test_int4_is_fp32_panels_on_the_dequantised_weight_bit_for_bit(n, k, bias, group, rows):
     lin, src = _int4(n, k, bias, group, seed=n + rows)
     mod = lm.build("panels", src, torch.float32)
@@ -154,7 +156,7 @@ def test_int4_rows_do_not_depend_on_the_batch():
     mod = panels.Int4PanelLinear(src)
     x = torch.randn(130, 512)
     full = mod(x)
-    for m in (1, 2, 6, 7, 96, 97):
+    for m in (1, 2, 3, 4, 5, 6, 7, 96, 97):  # both paths: the same bits
         assert torch.equal(mod(x[:m]), full[:m]), m
     assert torch.equal(mod(x[100:101]), full[100:101])
     assert mod(x[:0]).shape == (0, 75)

@@ -19,7 +19,8 @@
 // [ceil(N / 16), K / group_size, 16] (Int4Linear's own). Each K block of a panel is decoded
 // to fp32 into L1 (s * q, then + m, as servelm.quantization.dequantize_int4 rounds them),
 // once per row block, and multiplied as an fp32 panel: the same bits as `linear` on the
-// dequantised fp32 weight. x: float32 or bfloat16; y in x's dtype.
+// dequantised fp32 weight. Calls of a few rows decode in registers instead (the same bits).
+// x: float32 or bfloat16; y in x's dtype.
 //
 // Panels are split over the torch (OpenMP) threads. Every output is one chain of fused
 // multiply-adds over k in order (the K blocks continue it through the fp32 output), so a
@@ -49,6 +50,7 @@ constexpr int kNR = 16;     // outputs per panel: two vectors
 constexpr int kMR = 6;      // activation rows per micro-kernel call
 constexpr int64_t kKC = 256;  // K per block: 16 KB of an fp32 panel, in L1
 constexpr int64_t kMC = 96;   // activation rows per block: 96 KB of fp32 x at kKC, in L2
+constexpr int64_t kDirectRows = 5;  // int4 calls of fewer rows decode in registers
 
 // C[0 .. MR) x [0, 16) (+)= A[0 .. MR) x [k0, k0 + kc) . B panel rows [k0, k0 + kc).
 // `first`: start the sums at zero, else continue them from C; `bias` (last block only):
@@ -189,21 +191,114 @@ void gemm(const float* x, const W* panels, const float* bias, float* out, int64_
   });
 }
 
+// Row k of an int4 panel (8 bytes: 16 nibbles) decoded to fp32: s * q, then + m.
+inline void decode16(const uint8_t* qk, __m256 s0, __m256 s1, __m256 m0, __m256 m1, __m256& w0,
+                     __m256& w1) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qk)));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  w0 = _mm256_add_ps(_mm256_mul_ps(lo, s0), m0);
+  w1 = _mm256_add_ps(_mm256_mul_ps(hi, s1), m1);
+}
+
 // Rows [k0, k0 + kc) of an int4 panel decoded to fp32 [kc][16] (groups of gs inputs).
 inline void decode_q4(const uint8_t* q, const c10::Half* sc, const c10::Half* mn, int64_t k0,
                       int64_t kc, int64_t gs, float* dst) {
-  const __m256i low = _mm256_set1_epi32(0x0F);
   for (int64_t k = k0; k < k0 + kc;) {
     const int64_t g = k / gs, kend = std::min(k0 + kc, (g + 1) * gs);
     const __m256 s0 = load8f(sc + g * kNR), s1 = load8f(sc + g * kNR + 8);
     const __m256 m0 = load8f(mn + g * kNR), m1 = load8f(mn + g * kNR + 8);
     for (; k < kend; ++k) {
-      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8)));
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
-      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-      _mm256_store_ps(dst + (k - k0) * kNR, _mm256_add_ps(_mm256_mul_ps(lo, s0), m0));
-      _mm256_store_ps(dst + (k - k0) * kNR + 8, _mm256_add_ps(_mm256_mul_ps(hi, s1), m1));
+      __m256 w0, w1;
+      decode16(q + k * 8, s0, s1, m0, m1, w0, w1);
+      _mm256_store_ps(dst + (k - k0) * kNR, w0);
+      _mm256_store_ps(dst + (k - k0) * kNR + 8, w1);
     }
+  }
+}
+
+// R rows (R <= 4) against P int4 panels (P <= 2), the weights decoded in registers as they
+// are used: for a few rows, where a decoded block would serve too few of them. Each output
+// is micro's chain over k (the same decoded weights, the same fused multiply-adds in order,
+// then the bias), so the same bits as the buffered path.
+template <int R, int P>
+inline void rows_q4_direct(const float* x, int64_t K, const uint8_t* q, const c10::Half* sc,
+                           const c10::Half* mn, int64_t gs, float* c, int64_t ldc, int ncols,
+                           const float* bias) {
+  const int64_t G = K / gs;
+  __m256 acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 s[P][2], m[P][2];
+    for (int j = 0; j < P; ++j)
+      for (int h = 0; h < 2; ++h) {
+        s[j][h] = load8f(sc + (j * G + g) * kNR + 8 * h);
+        m[j][h] = load8f(mn + (j * G + g) * kNR + 8 * h);
+      }
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+#pragma GCC unroll 2
+      for (int j = 0; j < P; ++j) {
+        __m256 w0, w1;
+        decode16(q + (j * K + k) * 8, s[j][0], s[j][1], m[j][0], m[j][1], w0, w1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256 av = _mm256_broadcast_ss(x + r * K + k);
+          acc[r][j][0] = _mm256_fmadd_ps(av, w0, acc[r][j][0]);
+          acc[r][j][1] = _mm256_fmadd_ps(av, w1, acc[r][j][1]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < P; ++j) {
+    const int nc = std::min(kNR, ncols - j * kNR);
+    alignas(32) float bt[kNR] = {0};
+    if (bias)
+      for (int n = 0; n < nc; ++n) bt[n] = bias[j * kNR + n];
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float t[kNR];
+      __m256 v0 = acc[r][j][0], v1 = acc[r][j][1];
+      if (bias) v0 = _mm256_add_ps(v0, _mm256_load_ps(bt)), v1 = _mm256_add_ps(v1, _mm256_load_ps(bt + 8));
+      _mm256_store_ps(t, v0);
+      _mm256_store_ps(t + 8, v1);
+      std::copy(t, t + nc, c + r * ldc + j * kNR);
+    }
+  }
+}
+
+// Rows [m0, m1) (fewer than kDirectRows) of panels [p0, p1) on rows_q4_direct: 4 rows at a
+// time, the rest together; one or two rows take two panels at a time (4 or 8 accumulators
+// cover the FMA latency).
+void q4_direct(const float* x, const uint8_t* qp, const c10::Half* sc, const c10::Half* mn,
+               int64_t gs, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+               int64_t p0, int64_t p1) {
+  const int64_t G = K / gs;
+  for (int64_t p = p0; p < p1;) {
+    const int P = (M <= 2 && p + 1 < p1) ? 2 : 1;
+    const int ncols = static_cast<int>(std::min<int64_t>(P * kNR, N - p * kNR));
+    const uint8_t* q = qp + p * K * 8;
+    const c10::Half* s = sc + p * G * kNR;
+    const c10::Half* m = mn + p * G * kNR;
+    const float* bp = bias ? bias + p * kNR : nullptr;
+    for (int64_t r = 0; r < M;) {
+      const int64_t n = std::min<int64_t>(4, M - r);
+      const float* a = x + r * K;
+      float* c = out + r * N + p * kNR;
+      if (P == 2) {
+        if (n == 2) rows_q4_direct<2, 2>(a, K, q, s, m, gs, c, N, ncols, bp);
+        else rows_q4_direct<1, 2>(a, K, q, s, m, gs, c, N, ncols, bp);
+        r += n == 2 ? 2 : 1;
+        continue;
+      }
+      switch (n) {
+        case 4: rows_q4_direct<4, 1>(a, K, q, s, m, gs, c, N, ncols, bp); break;
+        case 3: rows_q4_direct<3, 1>(a, K, q, s, m, gs, c, N, ncols, bp); break;
+        case 2: rows_q4_direct<2, 1>(a, K, q, s, m, gs, c, N, ncols, bp); break;
+        default: rows_q4_direct<1, 1>(a, K, q, s, m, gs, c, N, ncols, bp); break;
+      }
+      r += n;
+    }
+    p += P;
   }
 }
 
@@ -214,6 +309,7 @@ void gemm_q4(const float* x, const uint8_t* qp, const c10::Half* sc, const c10::
              int64_t gs, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
   const int64_t NP = (N + kNR - 1) / kNR, G = K / gs;
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    if (M < kDirectRows) return q4_direct(x, qp, sc, mn, gs, bias, out, M, N, K, p0, p1);
     alignas(64) float buf[kKC * kNR];
     for (int64_t m0 = 0; m0 < M; m0 += kMC) {
       const int64_t m1 = std::min(M, m0 + kMC);
