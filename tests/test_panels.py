@@ -68,7 +68,7 @@ def test_rows_do_not_depend_on_the_batch(dtype):
     mod = panels.PanelLinear(lin)
     x = torch.randn(130, 600).to(dtype)
     full = mod(x)
-    for m in (1, 2, 5, 6, 7, 11, 96, 97):
+    for m in (1, 2, 5, 6, 7, 11, 23, 24, 96, 97):  # bf16: widened per call from 24 rows
         assert torch.equal(mod(x[:m]), full[:m]), m
     assert torch.equal(mod(x[100:101]), full[100:101])  # a row in another micro-kernel slot
     assert mod(x[None])[0].shape == full.shape  # leading dims kept

@@ -8,8 +8,9 @@
 //   of the layer's [N, K] weight, k-major (servelm/layers/panels.py packs them; the columns
 //   past N are zeros and never stored).
 // x: [..., K] float32 (either panel dtype) or bfloat16 (bf16 panels); y: [..., N] in x's dtype.
-// bf16 weights are widened to fp32 as they are read (a shift), the products summed in fp32
-// and rounded once to x's dtype (without AVX512-BF16 oneDNN's bf16 matmul converted as it
+// bf16 weights are widened to fp32 as they are read (a shift; from kWidenRows rows, a K block
+// at a time into L1, once per row block), the products summed in fp32 and rounded once to
+// x's dtype (without AVX512-BF16 oneDNN's bf16 matmul converted as it
 // went, at a fraction of the FMA peak).
 //
 //   int4_linear(x, qpanels, scales, mins, group_size, out_features, bias?) -> y
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -51,6 +53,7 @@ constexpr int kMR = 6;      // activation rows per micro-kernel call
 constexpr int64_t kKC = 256;  // K per block: 16 KB of an fp32 panel, in L1
 constexpr int64_t kMC = 96;   // activation rows per block: 96 KB of fp32 x at kKC, in L2
 constexpr int64_t kDirectRows = 5;  // int4 calls of fewer rows decode in registers
+constexpr int64_t kWidenRows = 24;  // bf16 calls of this many rows widen a block once
 
 // C[0 .. MR) x [0, 16) (+)= A[0 .. MR) x [k0, k0 + kc) . B panel rows [k0, k0 + kc).
 // `first`: start the sums at zero, else continue them from C; `bias` (last block only):
@@ -166,6 +169,9 @@ template <typename W>
 void gemm(const float* x, const W* panels, const float* bias, float* out, int64_t M, int64_t N,
           int64_t K) {
   const int64_t NP = (N + kNR - 1) / kNR;
+  // bf16 panels for many rows: each K block widened to fp32 once into L1 and multiplied from
+  // there, instead of widened again by every 6-row micro-kernel call (exact, so the same bits).
+  const bool widen = !std::is_same<W, float>::value && M >= kWidenRows;
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     if (M == 1) {
       // Whole panels 4 at a time; the last, partial panel (if any) by micro below.
@@ -173,6 +179,7 @@ void gemm(const float* x, const W* panels, const float* bias, float* out, int64_
       for (; p0 + 4 <= std::min(p1, whole); p0 += 4)
         row_x4(x, panels + p0 * K * kNR, K, out + p0 * kNR, bias ? bias + p0 * kNR : nullptr);
     }
+    alignas(64) float buf[std::is_same<W, float>::value ? 1 : kKC * kNR];
     for (int64_t m0 = 0; m0 < M; m0 += kMC) {
       const int64_t m1 = std::min(M, m0 + kMC);
       for (int64_t p = p0; p < p1; ++p) {
@@ -180,11 +187,18 @@ void gemm(const float* x, const W* panels, const float* bias, float* out, int64_
         const W* panel = panels + p * K * kNR;
         const float* bp = bias ? bias + p * kNR : nullptr;
         for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+          const int64_t kc = std::min(kKC, K - k0);
+          if (widen) {
+            const W* b = panel + k0 * kNR;
+            for (int64_t i = 0; i < kc * kNR; i += 8) _mm256_store_ps(buf + i, load8f(b + i));
+            rows(x, K, static_cast<const float*>(buf), k0, kc, out + p * kNR, N, m0, m1, ncols,
+                 bp, static_cast<const float*>(nullptr));
+            continue;
+          }
           // The block after this one: the panel's next K block, else the next panel's first.
           const W* next = k0 + kKC < K ? panel + (k0 + kKC) * kNR
                                        : (p + 1 < p1 ? panel + K * kNR : nullptr);
-          rows(x, K, panel + k0 * kNR, k0, std::min(kKC, K - k0), out + p * kNR, N, m0, m1,
-               ncols, bp, next);
+          rows(x, K, panel + k0 * kNR, k0, kc, out + p * kNR, N, m0, m1, ncols, bp, next);
         }
       }
     }
