@@ -551,7 +551,8 @@ def linear_summary(model: nn.Module) -> str:
             return "qdot"
         if isinstance(m, lm.gemv.GemvLinear):
             return "gemv_rows" if m.by_row else "gemv"
-        if isinstance(m, (lm.panels.PanelLinear, lm.panels.Int4PanelLinear)):
+        if isinstance(m, (lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
+                          lm.panels.Int8PanelLinear)):
             return "panels"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
@@ -563,7 +564,7 @@ def linear_summary(model: nn.Module) -> str:
     inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
              lm.gemv.GemvLinear, lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
-             lm._Dequantised, lm.BucketedLinear)
+             lm.panels.Int8PanelLinear, lm._Dequantised, lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):

@@ -1,5 +1,5 @@
-"""The panels linear method (kernels/csrc/panels.cpp): fp32, bf16 and int4 layers for any row
-count on AVX2 + FMA, over the weight packed into 16-column panels."""
+"""The panels linear method (kernels/csrc/panels.cpp): fp32, bf16, int4 and int8 layers for any
+row count on AVX2 + FMA, over the weight packed into 16-column panels."""
 
 import pytest
 import torch
@@ -168,7 +168,6 @@ def test_int4_applies_to_int4_layers_and_rejects_bad_operands():
     assert lm.applies("panels", src, torch.bfloat16, True)
     assert not lm.applies("panels", src, torch.float16, True)
     assert not lm.applies("panels", src, torch.float32, False)  # kernels off
-    assert not lm.applies("panels", Q.quantize_linear(nn.Linear(64, 8), "int8"), torch.float32, True)
     mod = panels.Int4PanelLinear(src)
     op = torch.ops.servelm_panels.int4_linear
     args = (mod.qpanels, mod.scales, mod.mins)
@@ -188,4 +187,44 @@ def test_int4_applies_to_int4_layers_and_rejects_bad_operands():
         op(torch.randn(2, 64), *args, 64, 8)  # groups of 64: scales for 32 do not fit
     with pytest.raises(RuntimeError, match="bias"):
         op(torch.randn(2, 64), *args, 32, 8, torch.randn(3))
+
+
+# ---- int8: panels of int8 and per-output scales, decoded to fp32 a K block at a time
+
+@pytest.mark.parametrize("n,k,bias", [(7, 64, True), (48, 576, False), (40, 300, True)])
+@pytest.mark.parametrize("rows", [1, 4, 13, 97])
+def test_int8_is_fp32_panels_on_the_dequantised_weight_bit_for_bit(n, k, bias, rows):
+    torch.manual_seed(n + rows)
+    lin = nn.Linear(k, n, bias=bias)
+    src = Q.quantize_linear(lin, "int8")
+    assert lm.applies("panels", src, torch.float32, True)
+    mod = lm.build("panels", src, torch.float32)
+    assert isinstance(mod, panels.Int8PanelLinear)
+    x = torch.randn(rows, k)
+    got = mod(x)
+    assert got.shape == (rows, n) and torch.equal(got, _fp32_panels_of(src, lin)(x))
+    xb = x.to(torch.bfloat16)  # bf16 activations: the fp32 sums, rounded once
+    assert torch.equal(mod(xb), _fp32_panels_of(src, lin)(xb.float()).to(torch.bfloat16))
+
+
+def test_int8_rows_do_not_depend_on_the_batch_and_bad_operands_are_named():
+    torch.manual_seed(0)
+    src = Q.quantize_linear(nn.Linear(320, 75, bias=False), "int8")
+    mod = panels.Int8PanelLinear(src)
+    x = torch.randn(130, 320)
+    full = mod(x)
+    for m in (1, 2, 5, 6, 7, 96, 97):
+        assert torch.equal(mod(x[:m]), full[:m]), m
+    assert not lm.applies("panels", src, torch.float16, True)
+    op = torch.ops.servelm_panels.int8_linear
+    with pytest.raises(RuntimeError, match="in_features"):
+        op(torch.randn(2, 32), mod.qpanels, mod.scales, 75)
+    with pytest.raises(RuntimeError, match="qpanels must be"):
+        op(x, mod.qpanels.float(), mod.scales, 75)
+    with pytest.raises(RuntimeError, match="out_features 17"):
+        op(x, mod.qpanels, mod.scales, 17)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(x, mod.qpanels, mod.scales[:75], 75)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(x.half(), mod.qpanels, mod.scales, 75)
 

@@ -14,7 +14,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
 | gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp), 4 weight rows at a time |
 | gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
-| panels   | fp32, bf16, int4 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 panels decoded to fp32 a K block at a time, once per call |
+| panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -173,6 +173,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     if method == "panels":
         if isinstance(src, Int4Linear):
             return panels.Int4PanelLinear(src)
+        if isinstance(src, Int8Linear):
+            return panels.Int8PanelLinear(src)
         return panels.PanelLinear(src)
     if method == "int4pack":
         return Int4PackLinear(src)

@@ -11,7 +11,9 @@ int4 layers (Int4Linear) run on the same kernel from panels of nibbles: each K b
 panel is decoded to fp32 in L1 once per call (per 96-row block) and multiplied as an fp32
 panel, so a prompt or a batch pays the decoding once for all its rows and then runs at the
 fp32 FMA rate (servelm's integer kernels multiply every row by a weight widened for it).
-The decoded weights are dequantize_int4's fp32 values, bit for bit.
+The decoded weights are dequantize_int4's fp32 values, bit for bit. int8 layers
+(Int8Linear) likewise, from panels of int8 and their per-output scales (q * s:
+dequantize_int8's values), always through the block buffer.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ def available() -> bool:
 
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
-    """An fp32 or bf16 nn.Linear on the CPU with activations of its dtype, or an int4 layer
-    on the CPU with fp32 or bf16 activations."""
-    from servelm.quantization import Int4Linear
+    """An fp32 or bf16 nn.Linear on the CPU with activations of its dtype, or an int4 or int8
+    layer on the CPU with fp32 or bf16 activations."""
+    from servelm.quantization import Int4Linear, Int8Linear
 
-    if isinstance(src, Int4Linear):
+    if isinstance(src, (Int4Linear, Int8Linear)):
+        op = "int4_linear" if isinstance(src, Int4Linear) else "int8_linear"
         return (act in (torch.float32, torch.bfloat16) and src.qweight.device.type == "cpu"
-                and available() and hasattr(torch.ops.servelm_panels, "int4_linear"))
+                and available() and hasattr(torch.ops.servelm_panels, op))
     return (isinstance(src, nn.Linear) and src.weight.dtype == act
             and act in (torch.float32, torch.bfloat16) and src.weight.device.type == "cpu"
             and available())
@@ -114,3 +117,33 @@ class Int4PanelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int4 AVX2 panels, group_size={self.group_size}")
+
+
+class Int8PanelLinear(nn.Module):
+    """An int8 layer on panels.cpp: q int8 in panels ([ceil(N / 16), K, 16], a byte a weight)
+    with its fp32 per-output scales (zeros past N), the bias in fp32; the output in the
+    activations' dtype."""
+
+    packed_tensors = ("qpanels", "scales", "bias")
+
+    def __init__(self, src):
+        super().__init__()
+        if not available():
+            raise RuntimeError("the panels kernel is not built for this CPU (AVX2, FMA)")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        self.register_buffer("qpanels", pack(src.int8_weight()))
+        n = src.out_features
+        scales = torch.zeros(self.qpanels.shape[0] * NR, dtype=torch.float32)
+        scales[:n] = src.scales[:n].float()
+        self.register_buffer("scales", scales)
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().clone())
+        self._op = torch.ops.servelm_panels.int8_linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.qpanels, self.scales, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8 AVX2 panels")
+

@@ -23,6 +23,11 @@
 // dequantised fp32 weight. Calls of a few rows decode in registers instead (the same bits).
 // x: float32 or bfloat16; y in x's dtype.
 //
+//   int8_linear(x, qpanels, scales, out_features, bias?) -> y
+// servelm's int8 weights (w = s * q, q in -127..127, s float32 per output) as panels: qpanels
+// int8 [ceil(N / 16), K, 16], scales float32 [16 ceil(N / 16)] (zeros past N). Decoded as
+// int4's are (q * s: dequantize_int8's values), into the block buffer whatever the rows.
+//
 // Panels are split over the torch (OpenMP) threads. Every output is one chain of fused
 // multiply-adds over k in order (the K blocks continue it through the fp32 output), so a
 // row's result is the same bits whatever the row count and whatever rows share its call.
@@ -341,6 +346,42 @@ void gemm_q4(const float* x, const uint8_t* qp, const c10::Half* sc, const c10::
   });
 }
 
+// Row k of an int8 panel (16 bytes) as fp32: q * s (s: the 16 outputs' scales).
+inline void decode16_q8(const int8_t* qk, __m256 s0, __m256 s1, __m256& w0, __m256& w1) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qk));
+  w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s0);
+  w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), s1);
+}
+
+// gemm_q4's loops over int8 panels (every call decodes into the block buffer).
+void gemm_q8(const float* x, const int8_t* qp, const float* sc, const float* bias, float* out,
+             int64_t M, int64_t N, int64_t K) {
+  const int64_t NP = (N + kNR - 1) / kNR;
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[kKC * kNR];
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t m1 = std::min(M, m0 + kMC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+        const float* bp = bias ? bias + p * kNR : nullptr;
+        const __m256 s0 = _mm256_loadu_ps(sc + p * kNR), s1 = _mm256_loadu_ps(sc + p * kNR + 8);
+        for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+          const int64_t kc = std::min(kKC, K - k0);
+          const int8_t* q = qp + (p * K + k0) * kNR;
+          for (int64_t k = 0; k < kc; ++k) {
+            __m256 w0, w1;
+            decode16_q8(q + k * kNR, s0, s1, w0, w1);
+            _mm256_store_ps(buf + k * kNR, w0);
+            _mm256_store_ps(buf + k * kNR + 8, w1);
+          }
+          rows(x, K, static_cast<const float*>(buf), k0, kc, out + p * kNR, N, m0, m1, ncols,
+               bp, static_cast<const float*>(nullptr));
+        }
+      }
+    }
+  });
+}
+
 // x as fp32 [M, K] and the output's shape; bias as fp32 (bf) when given.
 at::Tensor f32_rows(const at::Tensor& x_in, int64_t K, const char* name) {
   TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
@@ -381,6 +422,34 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const 
     gemm_q4(x.data_ptr<float>(), qpanels.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
             mins.data_ptr<c10::Half>(), group_size, bf.defined() ? bf.data_ptr<float>() : nullptr,
             out.data_ptr<float>(), M, N, K);
+  return out.to(x_in.scalar_type()).reshape(shape);
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const at::Tensor& scales,
+                       int64_t N, const c10::optional<at::Tensor>& bias) {
+  const char* name = "servelm_panels.int8_linear";
+  TORCH_CHECK(qpanels.device().is_cpu() && qpanels.scalar_type() == at::kChar && qpanels.dim() == 3 &&
+                  qpanels.size(2) == kNR && qpanels.is_contiguous(),
+              name, ": qpanels must be contiguous int8 [ceil(N / 16), K, 16] on the CPU");
+  const int64_t NP = qpanels.size(0), K = qpanels.size(1);
+  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == NP, name, ": out_features ", N, " does not match ",
+              NP, " panels of 16");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
+                  scales.size(0) == NP * kNR,
+              name, ": scales must be contiguous float32 [16 ceil(N / 16)]");
+  const at::Tensor x = f32_rows(x_in, K, name);
+  at::Tensor bf;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0)
+    gemm_q8(x.data_ptr<float>(), qpanels.data_ptr<int8_t>(), scales.data_ptr<float>(),
+            bf.defined() ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), M, N, K);
   return out.to(x_in.scalar_type()).reshape(shape);
 }
 
@@ -431,11 +500,14 @@ TORCH_LIBRARY(servelm_panels, m) {
   m.def("linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qpanels, Tensor scales, Tensor mins, int group_size, "
         "int out_features, Tensor? bias=None) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qpanels, Tensor scales, int out_features, "
+        "Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_panels, CPU, m) {
   m.impl("linear", &linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
 }
 
 #endif  // AVX2 + FMA + F16C
