@@ -10,8 +10,9 @@ measures faster.
 int4 layers (Int4Linear) run on the same kernel from panels of nibbles: each K block of a
 panel is decoded to fp32 in L1 once per call (per 96-row block) and multiplied as an fp32
 panel, so a prompt or a batch pays the decoding once for all its rows and then runs at the
-fp32 FMA rate (servelm's integer kernels multiply every row by a weight widened for it).
-The decoded weights are dequantize_int4's fp32 values, bit for bit. int8 layers
+fp32 FMA rate (servelm's integer kernels multiply every row by a weight widened for it);
+calls of 1-4 rows decode in registers instead. The decoded weights are dequantize_int4's
+fp32 values, bit for bit, on either path. int8 layers
 (Int8Linear) likewise, from panels of int8 and their per-output scales (q * s:
 dequantize_int8's values), always through the block buffer.
 """
@@ -146,4 +147,3 @@ class Int8PanelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int8 AVX2 panels")
-

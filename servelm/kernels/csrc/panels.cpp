@@ -1,5 +1,5 @@
-// fp32 and bf16 linear layers for any row count on x86 CPUs with AVX2 + FMA, over weights
-// packed once into column panels: a register-blocked outer-product kernel (6 rows x 16
+// fp32, bf16, int4 and int8 linear layers for any row count on x86 CPUs with AVX2 + FMA (+ F16C),
+// over weights packed once into column panels: a register-blocked outer-product kernel (6 rows x 16
 // outputs in 12 vector accumulators), the classic GEMM micro-kernel shape, with the panel's
 // slice of K kept in L1 and the activations' block in L2. Namespace torch.ops.servelm_panels:
 //
@@ -10,8 +10,8 @@
 // x: [..., K] float32 (either panel dtype) or bfloat16 (bf16 panels); y: [..., N] in x's dtype.
 // bf16 weights are widened to fp32 as they are read (a shift; from kWidenRows rows, a K block
 // at a time into L1, once per row block), the products summed in fp32 and rounded once to
-// x's dtype (without AVX512-BF16 oneDNN's bf16 matmul converted as it
-// went, at a fraction of the FMA peak).
+// x's dtype (without AVX512-BF16 oneDNN's bf16 matmul converted as it went, at a fraction
+// of the FMA peak).
 //
 //   int4_linear(x, qpanels, scales, mins, group_size, out_features, bias?) -> y
 // servelm's int4 weights (w = s * q + m, q in 0..15, s / m float16 per group of group_size
