@@ -382,14 +382,36 @@ void gemm_q8(const float* x, const int8_t* qp, const float* sc, const float* bia
   });
 }
 
-// x as fp32 [M, K] and the output's shape; bias as fp32 (bf) when given.
-at::Tensor f32_rows(const at::Tensor& x_in, int64_t K, const char* name) {
+// The frame every op shares: x's last dim checked, x as fp32 [M, K] (a bf16 row widened once
+// per call, not once per panel), the bias checked and as fp32, an fp32 [M, N] output that
+// run(x, bias or null, out, M) fills (the sums run through it, K blocks continuing them
+// there), returned rounded once to x's dtype in x's leading shape. x's dtype is the caller's
+// to check.
+template <typename Run>
+at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N,
+                      const c10::optional<at::Tensor>& bias, const char* name, const Run& run) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, name, ": x's last dim must be "
+              "in_features: ", x_in.size(-1), " vs ", K);
+  at::Tensor bf;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0) run(x.data_ptr<float>(), bf.defined() ? bf.data_ptr<float>() : nullptr,
+                 out.data_ptr<float>(), M);
+  return out.to(x_in.scalar_type()).reshape(shape);
+}
+
+// x float32 or bfloat16 on the CPU (the quantised ops).
+void check_x(const at::Tensor& x_in, const char* name) {
   TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
                                          x_in.scalar_type() == at::kBFloat16),
               name, ": x must be float32 or bfloat16 on the CPU, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, name, ": x's last dim must be "
-              "in_features: ", x_in.size(-1), " vs ", K);
-  return x_in.reshape({-1, K}).to(at::kFloat).contiguous();
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const at::Tensor& scales,
@@ -408,21 +430,11 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const 
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == NP && t->size(1) == K / group_size && t->size(2) == kNR,
                 name, ": scales and mins must be contiguous float16 [ceil(N / 16), K / group_size, 16]");
-  const at::Tensor x = f32_rows(x_in, K, name);
-  at::Tensor bf;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
-    bf = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0)
-    gemm_q4(x.data_ptr<float>(), qpanels.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
-            mins.data_ptr<c10::Half>(), group_size, bf.defined() ? bf.data_ptr<float>() : nullptr,
-            out.data_ptr<float>(), M, N, K);
-  return out.to(x_in.scalar_type()).reshape(shape);
+  check_x(x_in, name);
+  return run_linear(x_in, K, N, bias, name, [&](const float* x, const float* b, float* out, int64_t M) {
+    gemm_q4(x, qpanels.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
+            mins.data_ptr<c10::Half>(), group_size, b, out, M, N, K);
+  });
 }
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const at::Tensor& scales,
@@ -437,20 +449,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const 
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
                   scales.size(0) == NP * kNR,
               name, ": scales must be contiguous float32 [16 ceil(N / 16)]");
-  const at::Tensor x = f32_rows(x_in, K, name);
-  at::Tensor bf;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
-    bf = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0)
-    gemm_q8(x.data_ptr<float>(), qpanels.data_ptr<int8_t>(), scales.data_ptr<float>(),
-            bf.defined() ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), M, N, K);
-  return out.to(x_in.scalar_type()).reshape(shape);
+  check_x(x_in, name);
+  return run_linear(x_in, K, N, bias, name, [&](const float* x, const float* b, float* out, int64_t M) {
+    gemm_q8(x, qpanels.data_ptr<int8_t>(), scales.data_ptr<float>(), b, out, M, N, K);
+  });
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
@@ -468,30 +470,13 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
                                          (pt == at::kBFloat16 && x_in.scalar_type() == at::kBFloat16)),
               "servelm_panels.linear: x must be ", pt == at::kFloat ? "float32" : "bfloat16 or float32",
               " on the CPU, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "servelm_panels.linear: x's last dim must be "
-              "in_features: ", x_in.size(-1), " vs ", K);
-  at::Tensor bf;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "servelm_panels.linear: bias must have out_features elements");
-    bf = bias->to(at::kFloat).contiguous();
-  }
-  // The activations in fp32 (a bf16 row widened once per call, not once per panel).
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  // The sums run through an fp32 output (K blocks continue them there), rounded once at
-  // the end for bf16 activations.
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0) {
-    const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  return run_linear(x_in, K, N, bias, "servelm_panels.linear",
+                    [&](const float* x, const float* b, float* out, int64_t M) {
     if (pt == at::kFloat)
-      gemm(x.data_ptr<float>(), panels.data_ptr<float>(), bp, out.data_ptr<float>(), M, N, K);
+      gemm(x, panels.data_ptr<float>(), b, out, M, N, K);
     else
-      gemm(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(panels.data_ptr()), bp,
-           out.data_ptr<float>(), M, N, K);
-  }
-  return out.to(x_in.scalar_type()).reshape(shape);
+      gemm(x, reinterpret_cast<const c10::BFloat16*>(panels.data_ptr()), b, out, M, N, K);
+  });
 }
 
 }  // namespace
