@@ -554,6 +554,8 @@ def linear_summary(model: nn.Module) -> str:
         if isinstance(m, (lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
                           lm.panels.Int8PanelLinear)):
             return "panels"
+        if isinstance(m, lm.q8act.Int4Q8Linear):
+            return "q8act"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
@@ -564,7 +566,8 @@ def linear_summary(model: nn.Module) -> str:
     inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
              lm.gemv.GemvLinear, lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
-             lm.panels.Int8PanelLinear, lm._Dequantised, lm.BucketedLinear)
+             lm.panels.Int8PanelLinear, lm.q8act.Int4Q8Linear, lm._Dequantised,
+             lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):

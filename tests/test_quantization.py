@@ -422,6 +422,21 @@ def test_bf16_quality_through_the_decode_once_prompt_path(llm):
     assert q["int4"][0] < 0.1 and 0.98 < q["int4"][1] / ppl32 < 1.12
 
 
+def test_int8_activations_add_little_to_int4s_error(llm):
+    # q8act (bf16 runs): activations quantised to int8 per block of 32 for int4's integer
+    # products. Measured on SmolLM2-135M (every layer and the LM head on it): KL to fp32
+    # 0.0566 against 0.0531 on the fp32 panels, perplexity 16.56 against 16.55 (fp32 15.81).
+    from servelm.layers import q8act
+
+    if not q8act.available():
+        pytest.skip("q8act kernel not built here (AVX2, FMA, F16C)")
+    engines = {m: _engine("bfloat16", "int4", m) for m in ("panels", "q8act")}
+    assert any(isinstance(m, q8act.Int4Q8Linear) for m in engines["q8act"].engine.model.modules())
+    q = quality(llm, engines)
+    (kl_p, ppl_p), (kl_q, ppl_q) = q["panels"], q["q8act"]
+    assert kl_q < kl_p + 0.01 and abs(ppl_q / ppl_p - 1) < 0.01, q
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_engine_generates_coherent_text(quant, quant_llms):
     sp = SamplingParams(temperature=0, max_tokens=8)

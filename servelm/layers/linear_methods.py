@@ -15,6 +15,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp), 4 weight rows at a time |
 | gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
 | panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
+| q8act    | int4 (groups of 32k), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.layers import gemv, panels, qdot
+from servelm.layers import gemv, panels, q8act, qdot
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
                                   kernels_available, tinygemm_operands, unpack_int4)
@@ -40,7 +41,7 @@ BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
 # In the order the untuned default prefers them (default_method).
 METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "panels",
-           "torch")
+           "q8act", "torch")
 
 
 def bucket_of(rows: int) -> int:
@@ -104,6 +105,8 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
         return gemv.applies(src, act)
     if method == "panels":
         return panels.applies(src, act)
+    if method == "q8act":
+        return q8act.applies(src, act)
     if method == "int4pack":
         return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -176,6 +179,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
         if isinstance(src, Int8Linear):
             return panels.Int8PanelLinear(src)
         return panels.PanelLinear(src)
+    if method == "q8act":
+        return q8act.Int4Q8Linear(src)
     if method == "int4pack":
         return Int4PackLinear(src)
     if method == "int8pack":

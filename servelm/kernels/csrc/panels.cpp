@@ -49,7 +49,8 @@
 // The same float operations for every row count (see gemv.cpp).
 #pragma GCC optimize("no-fast-math")
 
-#include "avx2_vec.h"  // load8f: under the pragma
+#include "avx2_vec.h"     // load8f: under the pragma
+#include "linear_frame.h"  // run_linear, check_x
 
 namespace {
 
@@ -380,38 +381,6 @@ void gemm_q8(const float* x, const int8_t* qp, const float* sc, const float* bia
       }
     }
   });
-}
-
-// The frame every op shares: x's last dim checked, x as fp32 [M, K] (a bf16 row widened once
-// per call, not once per panel), the bias checked and as fp32, an fp32 [M, N] output that
-// run(x, bias or null, out, M) fills (the sums run through it, K blocks continuing them
-// there), returned rounded once to x's dtype in x's leading shape. x's dtype is the caller's
-// to check.
-template <typename Run>
-at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N,
-                      const c10::optional<at::Tensor>& bias, const char* name, const Run& run) {
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, name, ": x's last dim must be "
-              "in_features: ", x_in.size(-1), " vs ", K);
-  at::Tensor bf;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
-    bf = bias->to(at::kFloat).contiguous();
-  }
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0) run(x.data_ptr<float>(), bf.defined() ? bf.data_ptr<float>() : nullptr,
-                 out.data_ptr<float>(), M);
-  return out.to(x_in.scalar_type()).reshape(shape);
-}
-
-// x float32 or bfloat16 on the CPU (the quantised ops).
-void check_x(const at::Tensor& x_in, const char* name) {
-  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat ||
-                                         x_in.scalar_type() == at::kBFloat16),
-              name, ": x must be float32 or bfloat16 on the CPU, got ", x_in.scalar_type());
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qpanels, const at::Tensor& scales,

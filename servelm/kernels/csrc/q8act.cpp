@@ -1,0 +1,243 @@
+// int4 weights times activations quantised per call to int8, on x86 CPUs with AVX2 (+ F16C):
+// the AVX2 integer multiply-add (vpmaddubsw: 32 unsigned-byte x signed-byte products a
+// vector, summed in pairs) does four times the multiplications of an fp32 FMA a vector, so
+// batches and prompts, compute-bound, run up to twice as fast as on the fp32 panels. This is
+// what llama.cpp's Q4_0 x Q8_0 and OpenVINO's CPU "dynamic quantization" (on by default for
+// compressed weights, groups of 32) do. Namespace torch.ops.servelm_q8act:
+//
+//   int4_linear(x, qweight, scales, mins, group_size, out_features, bias?) -> y
+// x: [..., K] float32 or bfloat16; each row is quantised per block of 32 inputs to int8
+//   (d = max|x| / 127, q = round-to-nearest-even(x * (127 / max|x|)), all in fp32; a block of
+//   zeros gives d = 0, q = 0), with d * sum(q) kept for the weights' mins.
+// qweight: uint8 [ceil(N / 16), K / 32, 2, 4, 32]: panels of 16 outputs; per block of 32
+//   inputs, per half h (outputs 8h .. 8h + 7), per chunk c, byte 4 o + t holds output o's q at
+//   input 8c + t in its low nibble and at 8c + 4 + t in its high one (servelm/layers/q8act.py
+//   packs them). The columns past N are zeros and never stored.
+// scales, mins: Int4Linear's own float16 [ceil(N / 16), K / group_size, 16] (w = s q + m);
+//   group_size a multiple of 32.
+// y = sum over blocks of (s d) * sum(q_w q_x) + m * (d sum(q_x)): the exact dot product of the
+//   dequantised weights with the dequantised activations, the block sums exact in integers
+//   and chained over the blocks in fp32 in order (two fused multiply-adds a block), so a row's
+//   result is the same bits whatever the row count and whatever rows share its call. y in x's
+//   dtype, rounded once.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// The same float operations for every row count (see gemv.cpp).
+#pragma GCC optimize("no-fast-math")
+
+#include "avx2_vec.h"     // hmax8: under the pragma
+#include "linear_frame.h"  // run_linear, check_x
+
+namespace {
+
+constexpr int kNR = 16;  // outputs per panel: two vectors of 8
+constexpr int kB = 32;   // inputs per activation block
+constexpr int kMR = 4;   // activation rows per micro-kernel call (at most 4: the accumulators)
+
+// Row x [K] -> q int8 [K], d [K / 32] and ds = d * sum(q) [K / 32].
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / kB; ++b) {
+    const float* xb = x + b * kB;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], absmask));
+    }
+    const float m = hmax8(amax);
+    const __m256 id = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    d[b] = m / 127.f;
+    ds[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s));
+    // packs interleave the 128-bit lanes: dwords come out a0 b0 c0 d0 a1 b1 c1 d1 (a0: qi[0]'s
+    // first four); the permutation restores input order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kB), _mm256_permutevar8x32_epi32(p, order));
+  }
+}
+
+// Keeps v in a register at this point (an empty asm that reads and writes it).
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
+// Four int8s (one 32-bit load) in every 32-bit lane.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [0, R) of q (leading dimension K) against one panel over all of K, into c (fp32, leading
+// dimension ldc, ncols real columns; bias added at the end if given).
+template <int R, typename O>
+inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* w,
+                  const c10::Half* s, const c10::Half* mn, int64_t blocks_per_group, O* c,
+                  int64_t ldc, int ncols, const float* bias) {
+  static_assert(R >= 1 && R <= 4, "four rows of accumulators at most");
+  const int64_t NB = K / kB;
+  alignas(32) float acc[R][kNR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kNR; ++j) acc[r][j] = 0.f;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < NB; ++b) {
+    // int16 sums of a block: |q_w q_x| <= 15 * 127, two products a pair, eight pairs: < 2^15.
+    // Named accumulators pinned in registers: GCC otherwise reassociates the integer adds into
+    // trees and spills every product to the stack.
+    __m256i a00, a01, a10, a11, a20, a21, a30, a31;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_si256();
+    const uint8_t* wb = w + b * (kNR * kB / 2);
+    const int8_t* qb = q + b * kB;
+#pragma GCC unroll 4
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ch * 32));
+      const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + ch * 32));
+      const __m256i lo0 = _mm256_and_si256(raw0, lo4);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), lo4);
+      const __m256i lo1 = _mm256_and_si256(raw1, lo4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), lo4);
+#define SERVELM_ROW(i)                                                                  \
+  if (R > i) {                                                                         \
+    const __m256i v0 = bcast4(qb + i * K + ch * 8), v1 = bcast4(qb + i * K + ch * 8 + 4); \
+    a##i##0 = _mm256_add_epi16(a##i##0, _mm256_maddubs_epi16(lo0, v0));                \
+    a##i##1 = _mm256_add_epi16(a##i##1, _mm256_maddubs_epi16(lo1, v0));                \
+    a##i##0 = _mm256_add_epi16(a##i##0, _mm256_maddubs_epi16(hi0, v1));                \
+    a##i##1 = _mm256_add_epi16(a##i##1, _mm256_maddubs_epi16(hi1, v1));                \
+    pin(a##i##0);                                                                      \
+    pin(a##i##1);                                                                      \
+  }
+      SERVELM_ROW(0) SERVELM_ROW(1) SERVELM_ROW(2) SERVELM_ROW(3)
+#undef SERVELM_ROW
+    }
+    const __m256i sums[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    const int64_t g = b / blocks_per_group;
+    const __m256 s0 = load8f(s + g * kNR), s1 = load8f(s + g * kNR + 8);
+    const __m256 m0 = load8f(mn + g * kNR), m1 = load8f(mn + g * kNR + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 dr = _mm256_set1_ps(d[r * NB + b]), dsr = _mm256_set1_ps(ds[r * NB + b]);
+      __m256 c0 = _mm256_load_ps(acc[r]), c1 = _mm256_load_ps(acc[r] + 8);
+      c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][0], ones)), _mm256_mul_ps(s0, dr), c0);
+      c1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][1], ones)), _mm256_mul_ps(s1, dr), c1);
+      _mm256_store_ps(acc[r], _mm256_fmadd_ps(m0, dsr, c0));
+      _mm256_store_ps(acc[r] + 8, _mm256_fmadd_ps(m1, dsr, c1));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < ncols; ++j) c[r * ldc + j] = static_cast<O>(bias ? acc[r][j] + bias[j] : acc[r][j]);
+}
+
+template <typename O>
+void gemm_q4(const float* x, const uint8_t* w, const c10::Half* scales, const c10::Half* mins,
+             int64_t group_size, const float* bias, O* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t NP = (N + kNR - 1) / kNR, NB = K / kB, G = K / group_size;
+  at::Tensor qt = at::empty({M, K}, at::kChar), dt = at::empty({M, NB}, at::kFloat),
+             dst = at::empty({M, NB}, at::kFloat);
+  int8_t* q = qt.data_ptr<int8_t>();
+  float* d = dt.data_ptr<float>();
+  float* ds = dst.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, q + r * K, d + r * NB, ds + r * NB);
+  });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+      const uint8_t* wp = w + p * NB * (kNR * kB / 2);
+      const c10::Half* sp = scales + p * G * kNR;
+      const c10::Half* mp = mins + p * G * kNR;
+      const float* bp = bias ? bias + p * kNR : nullptr;
+      O* cp = out + p * kNR;
+      const int64_t bpg = group_size / kB;
+      int64_t m = 0;
+      for (; m + kMR <= M; m += kMR)
+        micro<kMR>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp);
+      switch (M - m) {
+        case 3: micro<3>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp); break;
+        case 2: micro<2>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp); break;
+        case 1: micro<1>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t group_size, int64_t N,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* name = "servelm_q8act.int4_linear";
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 5 &&
+                  qweight.size(2) == 2 && qweight.size(3) == 4 && qweight.size(4) == 32 &&
+                  qweight.is_contiguous(),
+              name, ": qweight must be contiguous uint8 [ceil(N / 16), K / 32, 2, 4, 32] on the CPU");
+  const int64_t NP = qweight.size(0), K = qweight.size(1) * kB;
+  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == NP, name, ": out_features ", N, " does not match ",
+              NP, " panels of 16");
+  TORCH_CHECK(group_size > 0 && group_size % kB == 0 && K % group_size == 0, name, ": group_size ",
+              group_size, " must be a multiple of 32 dividing in_features ", K);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kHalf && t->is_contiguous() &&
+                    t->dim() == 3 && t->size(0) == NP && t->size(1) == K / group_size && t->size(2) == kNR,
+                name, ": scales and mins must be contiguous float16 [ceil(N / 16), K / group_size, 16]");
+  check_x(x_in, name);
+  // Each output rounded to x's dtype as it is stored (a bf16 batch's fp32 output would be a
+  // pass over memory as large as the call's weights, then another to round it).
+  return run_linear_into(x_in, K, N, bias, name, true,
+                         [&](const float* x, const float* b, at::Tensor& out, int64_t M) {
+    const uint8_t* w = qweight.data_ptr<uint8_t>();
+    const c10::Half* s = scales.data_ptr<c10::Half>();
+    const c10::Half* mn = mins.data_ptr<c10::Half>();
+    if (out.scalar_type() == at::kFloat)
+      gemm_q4(x, w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K);
+    else
+      gemm_q4(x, w, s, mn, group_size, b, out.data_ptr<c10::BFloat16>(), M, N, K);
+  });
+}
+
+// The activations' quantisation alone (q, d, d * sum(q)): what tests check the kernel's
+// rounding against.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
+                  x_in.dim() >= 1 && x_in.size(-1) % kB == 0,
+              "servelm_q8act.quantize: x must be float32 or bfloat16 on the CPU with a last dim "
+              "a multiple of 32");
+  const int64_t K = x_in.size(-1);
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), NB = K / kB;
+  at::Tensor q = at::empty({M, K}, at::kChar), d = at::empty({M, NB}, at::kFloat),
+             ds = at::empty({M, NB}, at::kFloat);
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(x.data_ptr<float>() + r * K, K, q.data_ptr<int8_t>() + r * K,
+                 d.data_ptr<float>() + r * NB, ds.data_ptr<float>() + r * NB);
+  return {q, d, ds};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_q8act, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
+        "int out_features, Tensor? bias=None) -> Tensor");
+  m.def("quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(servelm_q8act, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("quantize", &quantize);
+}
+
+#endif  // AVX2 + FMA + F16C
