@@ -12,13 +12,14 @@
 
 namespace {
 
-// The operands as run_linear's (x fp32 [M, K], bias fp32 or null) and the [M, N] output
-// tensor itself; out_dtype_direct: allocated in x's dtype, for an op that rounds each output
-// to it as it stores it (once, as .to() would), else fp32 and rounded after run.
+// The same frame for an op that reads x and writes y in x's own dtype (native): run(x, bias
+// or null, out, M) gets x as a contiguous [M, K] tensor (fp32, or x's dtype if native) and the
+// [M, N] output (x's dtype if native: the op rounds each output as it stores it, once, as
+// .to() would; else fp32, rounded after run).
 template <typename Run>
 at::Tensor run_linear_into(const at::Tensor& x_in, int64_t K, int64_t N,
-                           const c10::optional<at::Tensor>& bias, const char* name,
-                           bool out_dtype_direct, const Run& run) {
+                           const c10::optional<at::Tensor>& bias, const char* name, bool native,
+                           const Run& run) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, name, ": x's last dim must be "
               "in_features: ", x_in.size(-1), " vs ", K);
   at::Tensor bf;
@@ -26,13 +27,13 @@ at::Tensor run_linear_into(const at::Tensor& x_in, int64_t K, int64_t N,
     TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
     bf = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const at::Tensor x = native ? x_in.reshape({-1, K}).contiguous()
+                              : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options().dtype(out_dtype_direct ? x_in.scalar_type()
-                                                                          : at::kFloat));
-  if (M > 0) run(x.data_ptr<float>(), bf.defined() ? bf.data_ptr<float>() : nullptr, out, M);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0) run(x, bf.defined() ? bf.data_ptr<float>() : nullptr, out, M);
   return out.to(x_in.scalar_type()).reshape(shape);
 }
 
@@ -40,8 +41,8 @@ template <typename Run>
 at::Tensor run_linear(const at::Tensor& x_in, int64_t K, int64_t N,
                       const c10::optional<at::Tensor>& bias, const char* name, const Run& run) {
   return run_linear_into(x_in, K, N, bias, name, false,
-                         [&](const float* x, const float* b, at::Tensor& out, int64_t M) {
-    run(x, b, out.data_ptr<float>(), M);
+                         [&](const at::Tensor& x, const float* b, at::Tensor& out, int64_t M) {
+    run(x.data_ptr<float>(), b, out.data_ptr<float>(), M);
   });
 }
 

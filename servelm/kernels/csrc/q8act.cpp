@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -45,16 +46,17 @@ constexpr int kNR = 16;  // outputs per panel: two vectors of 8
 constexpr int kB = 32;   // inputs per activation block
 constexpr int kMR = 4;   // activation rows per micro-kernel call (at most 4: the accumulators)
 
-// Row x [K] -> q int8 [K], d [K / 32] and ds = d * sum(q) [K / 32].
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
+// Row x [K] (fp32 or bf16: widened exactly) -> q int8 [K], d [K / 32], ds = d * sum(q) [K / 32].
+template <typename T>
+inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / kB; ++b) {
-    const float* xb = x + b * kB;
+    const T* xb = x + b * kB;
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      v[i] = load8f(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], absmask));
     }
     const float m = hmax8(amax);
@@ -92,9 +94,10 @@ inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, c
                   int64_t ldc, int ncols, const float* bias) {
   static_assert(R >= 1 && R <= 4, "four rows of accumulators at most");
   const int64_t NB = K / kB;
-  alignas(32) float acc[R][kNR];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kNR; ++j) acc[r][j] = 0.f;
+  // The fp32 sums: named, so a few rows keep them in registers (the block's chain through
+  // memory would be a store-to-load latency a block); four rows' spill where GCC chooses.
+  __m256 f00, f01, f10, f11, f20, f21, f30, f31;
+  f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < NB; ++b) {
     // int16 sums of a block: |q_w q_x| <= 15 * 127, two products a pair, eight pairs: < 2^15.
@@ -125,33 +128,40 @@ inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, c
       SERVELM_ROW(0) SERVELM_ROW(1) SERVELM_ROW(2) SERVELM_ROW(3)
 #undef SERVELM_ROW
     }
-    const __m256i sums[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
     const int64_t g = b / blocks_per_group;
     const __m256 s0 = load8f(s + g * kNR), s1 = load8f(s + g * kNR + 8);
     const __m256 m0 = load8f(mn + g * kNR), m1 = load8f(mn + g * kNR + 8);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256 dr = _mm256_set1_ps(d[r * NB + b]), dsr = _mm256_set1_ps(ds[r * NB + b]);
-      __m256 c0 = _mm256_load_ps(acc[r]), c1 = _mm256_load_ps(acc[r] + 8);
-      c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][0], ones)), _mm256_mul_ps(s0, dr), c0);
-      c1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][1], ones)), _mm256_mul_ps(s1, dr), c1);
-      _mm256_store_ps(acc[r], _mm256_fmadd_ps(m0, dsr, c0));
-      _mm256_store_ps(acc[r] + 8, _mm256_fmadd_ps(m1, dsr, c1));
-    }
+#define SERVELM_SCALE(i)                                                                        \
+  if (R > i) {                                                                                 \
+    const __m256 dr = _mm256_set1_ps(d[i * NB + b]), dsr = _mm256_set1_ps(ds[i * NB + b]);      \
+    f##i##0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a##i##0, ones)),             \
+                              _mm256_mul_ps(s0, dr), f##i##0);                                  \
+    f##i##1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a##i##1, ones)),             \
+                              _mm256_mul_ps(s1, dr), f##i##1);                                  \
+    f##i##0 = _mm256_fmadd_ps(m0, dsr, f##i##0);                                                \
+    f##i##1 = _mm256_fmadd_ps(m1, dsr, f##i##1);                                                \
   }
+    SERVELM_SCALE(0) SERVELM_SCALE(1) SERVELM_SCALE(2) SERVELM_SCALE(3)
+#undef SERVELM_SCALE
+  }
+  alignas(32) float acc[4][kNR];
+  _mm256_store_ps(acc[0], f00), _mm256_store_ps(acc[0] + 8, f01);
+  if (R > 1) _mm256_store_ps(acc[1], f10), _mm256_store_ps(acc[1] + 8, f11);
+  if (R > 2) _mm256_store_ps(acc[2], f20), _mm256_store_ps(acc[2] + 8, f21);
+  if (R > 3) _mm256_store_ps(acc[3], f30), _mm256_store_ps(acc[3] + 8, f31);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < ncols; ++j) c[r * ldc + j] = static_cast<O>(bias ? acc[r][j] + bias[j] : acc[r][j]);
 }
 
-template <typename O>
-void gemm_q4(const float* x, const uint8_t* w, const c10::Half* scales, const c10::Half* mins,
+template <typename X, typename O>
+void gemm_q4(const X* x, const uint8_t* w, const c10::Half* scales, const c10::Half* mins,
              int64_t group_size, const float* bias, O* out, int64_t M, int64_t N, int64_t K) {
   const int64_t NP = (N + kNR - 1) / kNR, NB = K / kB, G = K / group_size;
-  at::Tensor qt = at::empty({M, K}, at::kChar), dt = at::empty({M, NB}, at::kFloat),
-             dst = at::empty({M, NB}, at::kFloat);
-  int8_t* q = qt.data_ptr<int8_t>();
-  float* d = dt.data_ptr<float>();
-  float* ds = dst.data_ptr<float>();
+  std::vector<int8_t> qv(M * K);
+  std::vector<float> dv(M * NB), dsv(M * NB);
+  int8_t* q = qv.data();
+  float* d = dv.data();
+  float* ds = dsv.data();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, q + r * K, d + r * NB, ds + r * NB);
   });
@@ -195,17 +205,18 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
                     t->dim() == 3 && t->size(0) == NP && t->size(1) == K / group_size && t->size(2) == kNR,
                 name, ": scales and mins must be contiguous float16 [ceil(N / 16), K / group_size, 16]");
   check_x(x_in, name);
-  // Each output rounded to x's dtype as it is stored (a bf16 batch's fp32 output would be a
-  // pass over memory as large as the call's weights, then another to round it).
+  // x read and each output rounded and stored in x's own dtype (a bf16 batch's fp32 output
+  // would be a pass over memory as large as the call's weights, then another to round it).
   return run_linear_into(x_in, K, N, bias, name, true,
-                         [&](const float* x, const float* b, at::Tensor& out, int64_t M) {
+                         [&](const at::Tensor& x, const float* b, at::Tensor& out, int64_t M) {
     const uint8_t* w = qweight.data_ptr<uint8_t>();
     const c10::Half* s = scales.data_ptr<c10::Half>();
     const c10::Half* mn = mins.data_ptr<c10::Half>();
-    if (out.scalar_type() == at::kFloat)
-      gemm_q4(x, w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K);
+    if (x.scalar_type() == at::kFloat)
+      gemm_q4(x.data_ptr<float>(), w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K);
     else
-      gemm_q4(x, w, s, mn, group_size, b, out.data_ptr<c10::BFloat16>(), M, N, K);
+      gemm_q4(x.data_ptr<c10::BFloat16>(), w, s, mn, group_size, b,
+              out.data_ptr<c10::BFloat16>(), M, N, K);
   });
 }
 
@@ -217,13 +228,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) 
               "servelm_q8act.quantize: x must be float32 or bfloat16 on the CPU with a last dim "
               "a multiple of 32");
   const int64_t K = x_in.size(-1);
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();  // read as the kernel reads it
   const int64_t M = x.size(0), NB = K / kB;
   at::Tensor q = at::empty({M, K}, at::kChar), d = at::empty({M, NB}, at::kFloat),
              ds = at::empty({M, NB}, at::kFloat);
-  for (int64_t r = 0; r < M; ++r)
-    quantize_row(x.data_ptr<float>() + r * K, K, q.data_ptr<int8_t>() + r * K,
-                 d.data_ptr<float>() + r * NB, ds.data_ptr<float>() + r * NB);
+  for (int64_t r = 0; r < M; ++r) {
+    int8_t* qr = q.data_ptr<int8_t>() + r * K;
+    float* dr = d.data_ptr<float>() + r * NB;
+    float* dsr = ds.data_ptr<float>() + r * NB;
+    if (x.scalar_type() == at::kFloat)
+      quantize_row(x.data_ptr<float>() + r * K, K, qr, dr, dsr);
+    else
+      quantize_row(x.data_ptr<c10::BFloat16>() + r * K, K, qr, dr, dsr);
+  }
   return {q, d, ds};
 }
 
