@@ -13,6 +13,13 @@ oneDNN bf16/fp32 `F.linear`):
 
 --sweep also times our int8/int4 kernels against the bf16 oneDNN linear at 1..128 rows
 (which is how we know the kernels can serve prefill and batched decode too).
+
+--methods compares linear methods (servelm.layers.linear_methods, what the tuner picks
+from) on every layer of one weight format, a pass over all of them at each row count, the
+methods interleaved round by round (the best round counts) so drift weighs on all alike:
+
+    .venv/bin/python benchmarks/kernels.py --methods panels,q8act,qdot --format int4 \
+        --dtype bfloat16 --rows 1,8,64,512
 """
 
 from __future__ import annotations
@@ -65,6 +72,42 @@ def time_pass(fns, xs, repeats: int) -> float:
     return statistics.median(times)
 
 
+def methods_table(ws, methods: list[str], fmt: str, act: torch.dtype, rows: list[int],
+                  rounds: int, group: int) -> None:
+    """ms per pass over every layer for each method at each row count, and each method's
+    time against the first's (see the module docstring)."""
+    from servelm.layers import linear_methods as lm
+
+    def source(w):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        if fmt == "int4":
+            return Q.Int4Linear.from_linear(lin, group)
+        if fmt == "int8":
+            return Q.Int8Linear.from_linear(lin)
+        lin.weight = torch.nn.Parameter(w.to(getattr(torch, fmt)), requires_grad=False)
+        return lin
+
+    srcs = [source(w) for w in ws]
+    for m in methods:
+        if not all(lm.applies(m, s, act, True) for s in srcs):
+            raise SystemExit(f"method {m!r} does not run {fmt} weights with {act} activations here")
+    built = {m: [lm.build(m, s, act) for s in srcs] for m in methods}
+    print(f"\n{fmt} weights, {str(act).removeprefix('torch.')} activations: ms per pass over "
+          f"all {len(ws)} layers (best of {rounds} interleaved rounds); x: against {methods[0]}")
+    print(f"{'rows':>6s}" + "".join(f"{m:>18s}" for m in methods))
+    with torch.inference_mode():
+        for r in rows:
+            xs = [torch.randn(r, w.shape[1]).to(act) for w in ws]
+            best = {m: float("inf") for m in methods}
+            for _ in range(rounds):
+                for m in methods:
+                    best[m] = min(best[m], time_pass(built[m], xs, 1))
+            base = best[methods[0]]
+            print(f"{r:6d}" + "".join(f"{best[m] * 1e3:9.2f} ({base / best[m]:4.2f}x)"
+                                      for m in methods), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -72,6 +115,13 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=Q.DEFAULT_GROUP_SIZE)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--methods", default=None, metavar="M,M",
+                    help="compare these linear methods instead (e.g. panels,q8act,qdot)")
+    ap.add_argument("--format", default="int4", choices=("int4", "int8", "bfloat16", "float32"),
+                    help="--methods: the weights' format")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="--methods: the activations' dtype")
+    ap.add_argument("--rows", default="1,8,64,512", help="--methods: row counts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernels = Q.kernels_available()
@@ -80,6 +130,10 @@ def main() -> None:
     nparams = sum(w.numel() for w in ws)
     print(f"{len(ws)} weight matrices, {nparams / 1e6:.1f} M weights, {args.threads} threads, "
           f"int4 group {G}, our kernels {'built' if kernels else 'UNAVAILABLE'}")
+    if args.methods:
+        methods_table(ws, args.methods.split(","), args.format, getattr(torch, args.dtype),
+                      [int(r) for r in args.rows.split(",")], max(3, args.repeats // 4), G)
+        return
 
     def lin(w):
         return lambda x: F.linear(x, w)
