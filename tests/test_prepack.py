@@ -69,16 +69,31 @@ def _logits_and_tokens(llm, prompts, n):
             [o.outputs[0].logprobs[0] for o in outs])
 
 
+def _fp32_prompts():
+    from tests.conftest import TEXT_PROMPTS
+
+    return TEXT_PROMPTS + [" ".join(TEXT_PROMPTS) * 6]  # a few hundred tokens too
+
+
+@pytest.fixture(scope="module")
+def plain_fp32():
+    """Plain F.linear's greedy tokens and first-step logprobs, once for the paths below."""
+    from servelm import LLM
+
+    plain = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method="torch")
+    assert type(plain.engine.model.lm_head) is nn.Linear
+    return _logits_and_tokens(plain, _fp32_prompts(), 16)
+
+
 @needs_prepack
 @pytest.mark.parametrize("path", ["tiles", "onednn", "auto"])
-def test_engine_fp32_fast_paths_match_plain_linear(path):
+def test_engine_fp32_fast_paths_match_plain_linear(path, plain_fp32):
     """fp32 on the CPU: the linear layers in the C++ kernels' tiles, prepacked for oneDNN,
     or as the tuner chose (the default); each gives the greedy tokens and first-step
     logprobs of plain F.linear (linear_method="torch")."""
     from servelm import LLM
     from servelm.layers.linear_methods import applies
     from servelm.quantization import TiledLinear
-    from tests.conftest import TEXT_PROMPTS
 
     fast = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method=path)
     head = fast.engine.model.lm_head
@@ -90,12 +105,8 @@ def test_engine_fp32_fast_paths_match_plain_linear(path):
         assert isinstance(head, PackedLinear)
     if path != "auto":  # the tuner may keep plain F.linear for some layers and buckets
         assert not any(type(m) is nn.Linear for m in fast.engine.model.modules())
-    prompts = TEXT_PROMPTS + [" ".join(TEXT_PROMPTS) * 6]  # a few hundred tokens too
-    got_tokens, got_lp = _logits_and_tokens(fast, prompts, 16)
-
-    plain = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method="torch")
-    assert type(plain.engine.model.lm_head) is nn.Linear
-    want_tokens, want_lp = _logits_and_tokens(plain, prompts, 16)
+    got_tokens, got_lp = _logits_and_tokens(fast, _fp32_prompts(), 16)
+    want_tokens, want_lp = plain_fp32
     assert got_tokens == want_tokens
     for g, w in zip(got_lp, want_lp):  # first step's top-5 logprobs: same ids, same values
         assert [t for t, _ in g.top] == [t for t, _ in w.top]
