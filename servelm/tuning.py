@@ -43,7 +43,7 @@ SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row bu
 SLICE_BYTES = 12 << 20  # a layer over twice this is timed on a slice of its outputs this big
 SLICE_MIN_OUT = 1024    # ... of at least this many outputs (every thread has whole panels)
 MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
-EXTRAPOLATE_S = 0.01    # a bucket's calls take this long: larger buckets are scaled from it
+EXTRAPOLATE_S = 0.01    # a 64+-row bucket's calls take this long: larger ones are scaled from it
 HOPELESS = 8.0          # this many times the best at a bucket: larger buckets are scaled
 INVARIANT_WITHIN = 4.0  # row invariance is checked only within this of the best somewhere
 INVARIANCE_ROWS = (1, 2, 7, 8, 23, 64)  # row counts checked against the first rows of 128
@@ -247,9 +247,11 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     check, and the row-invariant method (row_invariant) that choose(batch_invariant=True)
     takes, as a list of one (or none).
 
-    A bucket past one whose calls already take EXTRAPOLATE_S is compute-bound for every
-    method: its time is the previous bucket's scaled by the rows, not measured (an LM
-    head at 512 rows would take most of a second a call on a small CPU). So is a bucket past
+    A bucket past one of over 8 rows whose calls already take EXTRAPOLATE_S is compute-bound
+    for every method: its time is the previous bucket's scaled by the rows, not measured (an
+    LM head at 512 rows would take most of a second a call on a small CPU). One and 8 rows
+    are memory-bound: a long one-row call (a 1.5B model's LM head, 10 ms) says nothing of
+    the 8-row one, which is measured. So is a bucket past
     one where the method took HOPELESS times the best method's time (PyTorch's int8pack with
     fp32 activations on an AVX2 CPU: 10-40x qdot's). A layer too large to time whole at
     those buckets (_slice_outputs: an LM head) is timed and checked there on a slice of its
@@ -311,9 +313,12 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
             t = times[method]
             if len(t) > i:  # failed at an earlier bucket
                 continue
-            if t and (t[-1] > EXTRAPOLATE_S * 1e6 or t[-1] > HOPELESS * best[i - 1]):
-                t.append(t[-1] * rows / lm.BUCKET_ROWS[i - 1])
-                continue
+            if t:
+                prev = lm.BUCKET_ROWS[i - 1]
+                compute_bound = prev > 8 and t[-1] > EXTRAPOLATE_S * 1e6
+                if compute_bound or t[-1] > HOPELESS * best[i - 1]:
+                    t.append(t[-1] * rows / prev)
+                    continue
             sliced = rows > 8 and part is not None
             mod = large[method] if rows > 8 else mods[0]
             if not checked(method, mod, i + 1, sliced):  # also its warm-up

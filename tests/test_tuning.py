@@ -579,3 +579,33 @@ def test_check_rows_cover_every_position_of_the_kernels_row_blocks():
             assert {r % block for r in rows} == set(range(block)), (n, block)
             if n >= 512:  # and later blocks at every position, too
                 assert {r % block for r in rows if r >= 16} == set(range(block)), (n, block)
+
+
+def test_a_long_one_row_call_does_not_scale_the_few_row_bucket(tmp_path, monkeypatch):
+    # A large LM head's one-row call takes over EXTRAPOLATE_S for every method, memory-bound:
+    # the 8-row bucket is still measured (there F.linear wins here, at one row oneDNN), and
+    # only a long bucket of over 8 rows scales the next one.
+    if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
+        pytest.skip("oneDNN cannot pack fp32 here")
+    timed = []
+
+    def fake(mod, x):
+        rows = x.shape[0]
+        timed.append((type(mod), rows))
+        packed = isinstance(mod, PackedLinear)
+        if rows == 1:
+            return mod(x), 0.02 if packed else 0.03
+        if rows == 8:
+            return mod(x), 0.03 if packed else 0.02
+        return mod(x), rows * (2e-3 if packed else 1e-3)  # 64 rows: past EXTRAPOLATE_S
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
+    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
+    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh",
+                                                           batch_invariant=False))
+    for shape in report.shapes:
+        assert shape.methods[:3] == ["onednn", "torch", "torch"]
+        assert shape.times_us["onednn"][3] == shape.times_us["onednn"][2] * 512 / 64
+    assert {r for _, r in timed} == {1, 8, 64}  # 512 rows: scaled from 64, never called
