@@ -60,6 +60,17 @@ TEXT_PROMPTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    """A test's engines may set torch's thread count for the whole process (LLM(num_threads=2)
+    in test_families, a tensor-parallel rank 0's share): the next test gets the worker's own
+    back, rather than two OpenMP threads on the worker's one CPU."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
     return default_model_path()
