@@ -15,7 +15,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | gemv     | fp32, bf16     | servelm's AVX2 + FMA fp32 kernel for a few rows over the layer's own weight (gemv.cpp), 4 weight rows at a time |
 | gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
 | panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
-| q8act    | int4 (groups of 32k), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
+| q8act    | int4 (groups a multiple of 32), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,

@@ -38,7 +38,7 @@
 #pragma GCC optimize("no-fast-math")
 
 #include "avx2_vec.h"     // hmax8: under the pragma
-#include "linear_frame.h"  // run_linear, check_x
+#include "linear_frame.h"  // run_linear_into, check_x
 
 namespace {
 
@@ -86,8 +86,8 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Rows [0, R) of q (leading dimension K) against one panel over all of K, into c (fp32, leading
-// dimension ldc, ncols real columns; bias added at the end if given).
+// Rows [0, R) of q (leading dimension K) against one panel over all of K, into c (x's dtype,
+// leading dimension ldc, ncols real columns; bias added in fp32 before the one rounding).
 template <int R, typename O>
 inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* w,
                   const c10::Half* s, const c10::Half* mn, int64_t blocks_per_group, O* c,
