@@ -195,7 +195,9 @@ class EngineConfig:
     """Everything an LLMEngine is built from."""
 
     model: str | None = None  # GGUF file or HF directory; None = the embedded default
-    dtype: str = "auto"       # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32
+    # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32 (bfloat16 for int4
+    # where the q8act kernel runs: engine.resolve_dtype)
+    dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = physical cores (CPU)

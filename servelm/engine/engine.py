@@ -66,12 +66,20 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str | None = None,
+                  cpu_kernels: bool = True) -> torch.dtype:
     if name == "auto":
         # bf16 where the hardware has it (it halves the bytes each decode step reads);
-        # otherwise fp32, the reference.
+        # otherwise fp32, the reference, except for int4 weights where servelm's q8act kernel
+        # runs: bf16 activations let their layers multiply int8 activations (integer
+        # multiply-adds, about twice the fp32 rate for batches and prompts).
         if device.type == "cuda" or cpu_has_fast_bf16():
             return torch.bfloat16
+        if quantization == "int4" and device.type == "cpu" and cpu_kernels:
+            from servelm.layers import q8act
+
+            if q8act.available():
+                return torch.bfloat16
         return torch.float32
     return _DTYPES[name]
 
@@ -123,7 +131,8 @@ class LLMEngine:
         if config.num_threads or self.device.type == "cpu":
             # Default: one intra-op thread per physical core (torch may count hyper-threads).
             torch.set_num_threads(config.num_threads or physical_cores())
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization,
+                                   config.kernels.cpu_kernels)
         # The KV pool's storage dtype: the model's, or int8 / fp8 with scales (kv_quant).
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         ckpt = open_checkpoint(config.model)
