@@ -31,6 +31,7 @@ DecodeStack); servelm.tuning swaps them in where they measure fastest (the "tile
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -119,8 +120,37 @@ def _pack_tiles(q: torch.Tensor) -> torch.Tensor:
     return lanes.view(torch.uint8).reshape(T, 8 * K).contiguous()
 
 
+_unpacked: dict[tuple, torch.Tensor] | None = None  # unpack_int4's results, in unpacked_once
+
+
+@contextlib.contextmanager
+def unpacked_once():
+    """Within it, unpack_int4 unpacks each packed tensor once: the tuner builds several
+    methods' layouts from one int4 layer (each used to unpack it again, half of a fresh
+    tuning's time). The results are dropped on exit; callers must not modify them."""
+    global _unpacked
+    outer = _unpacked
+    if outer is None:
+        _unpacked = {}
+    try:
+        yield
+    finally:
+        _unpacked = outer
+
+
 def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
     """The tiled layout -> q uint8 [N, K] in 0..15 (N = out_features, else padded rows)."""
+    if _unpacked is not None:
+        key = (packed.data_ptr(), packed._version, tuple(packed.shape), packed.device)
+        q = _unpacked.get(key)
+        if q is None:
+            q = _unpacked[key] = _unpack_int4(packed)
+        return q[:out_features] if out_features is not None else q
+    q = _unpack_int4(packed)
+    return q[:out_features] if out_features is not None else q
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     T, K8 = packed.shape
     K = K8 // 8
     # Lanes 2r and 2r + 1 (e = 0, 1) of block b as one little-endian int32 word: output column
@@ -128,8 +158,7 @@ def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.
     # permute of the nibbles was 2x slower, most of a quantised model's tuning time).
     words = packed.view(torch.int32).reshape(T, K // 8, 16).transpose(1, 2).contiguous()
     shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32, device=packed.device)
-    q = ((words[..., None] >> shifts) & 15).to(torch.uint8).reshape(T * 16, K)
-    return q[:out_features] if out_features is not None else q
+    return ((words[..., None] >> shifts) & 15).to(torch.uint8).reshape(T * 16, K)
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,

@@ -34,6 +34,7 @@ from torch import nn
 
 from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
+from servelm.quantization import unpacked_once
 from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 
 logger = logging.getLogger(__name__)
@@ -447,8 +448,9 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 # Dequantise + matmul every call (a quantised layer's reference) is never
                 # the fastest; one candidate left is checked but needs no timing.
                 cands = [m for m in applicable if m != "torch" or isinstance(src, nn.Linear)]
-                times, failed, invariant = measure([it[3] for it in items], cands, act,
-                                                   time_it=len(cands) > 1, default=default)
+                with unpacked_once():  # each method's layout from one unpacking
+                    times, failed, invariant = measure([it[3] for it in items], cands, act,
+                                                       time_it=len(cands) > 1, default=default)
                 cache.put(key, times, failed, invariant, cands)
                 entry = cache.get(key)
                 measured = True
@@ -532,9 +534,10 @@ def _whole_layer_ok(mod: nn.Module, src: nn.Module, act: torch.dtype) -> bool:
 
 def _swap(src: nn.Module, methods: list[str], act: torch.dtype) -> nn.Module:
     built: dict[str, nn.Module] = {}
-    for m in methods:
-        if m not in built:
-            built[m] = lm.build(m, src, act)
+    with unpacked_once():  # an int4 layer unpacked once for all its buckets' methods
+        for m in methods:
+            if m not in built:
+                built[m] = lm.build(m, src, act)
     if len(built) == 1:
         return next(iter(built.values()))
     return lm.BucketedLinear([built[m] for m in methods], methods)

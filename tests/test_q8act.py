@@ -142,3 +142,16 @@ def test_auto_dtype_is_bf16_for_int4_where_q8act_runs():
     assert resolve_dtype("auto", cpu, "int8") == torch.float32
     assert resolve_dtype("auto", cpu, None) == torch.float32
     assert resolve_dtype("float32", cpu, "int4") == torch.float32  # asked for: kept
+
+
+def test_unpacked_once_unpacks_a_layer_once_and_forgets_it_after():
+    src = _int4(32, 64, 32, False)
+    fresh = Q.unpack_int4(src.qweight)
+    assert Q.unpack_int4(src.qweight) is not fresh  # no cache outside the block
+    with Q.unpacked_once():
+        a = Q.unpack_int4(src.qweight)
+        assert Q.unpack_int4(src.qweight) is a and torch.equal(a, fresh)
+        assert torch.equal(Q.unpack_int4(src.qweight, 20), fresh[:20])
+        # the layouts built inside are the same as outside
+        assert torch.equal(q8act.Int4Q8Linear(src).qweight, q8act.pack_q4(fresh))
+    assert Q.unpack_int4(src.qweight) is not a
