@@ -322,28 +322,37 @@ void q4_direct(const float* x, const uint8_t* qp, const c10::Half* sc, const c10
   }
 }
 
-// gemm's loops over int4 panels: each K block decoded into an L1 buffer, then multiplied by
-// the row block as gemm multiplies an fp32 panel's block (the same operations, so the same
-// bits, and row-invariant as gemm is).
+// gemm's loops over quantised panels: each K block of a panel decoded by
+// decode(p, k0, kc, buf) into an L1 buffer, then multiplied by the row block as gemm multiplies
+// an fp32 panel's block (the same operations, so the same bits, and row-invariant as gemm is).
+template <typename Decode>
+void gemm_decoded(const float* x, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                  int64_t p0, int64_t p1, const Decode& decode) {
+  alignas(64) float buf[kKC * kNR];
+  for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+    const int64_t m1 = std::min(M, m0 + kMC);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+      const float* bp = bias ? bias + p * kNR : nullptr;
+      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+        const int64_t kc = std::min(kKC, K - k0);
+        decode(p, k0, kc, buf);
+        rows(x, K, static_cast<const float*>(buf), k0, kc, out + p * kNR, N, m0, m1, ncols, bp,
+             static_cast<const float*>(nullptr));
+      }
+    }
+  }
+}
+
+// int4 panels: 1-4 rows decode in registers (q4_direct), more through the block buffer.
 void gemm_q4(const float* x, const uint8_t* qp, const c10::Half* sc, const c10::Half* mn,
              int64_t gs, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
   const int64_t NP = (N + kNR - 1) / kNR, G = K / gs;
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     if (M < kDirectRows) return q4_direct(x, qp, sc, mn, gs, bias, out, M, N, K, p0, p1);
-    alignas(64) float buf[kKC * kNR];
-    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
-      const int64_t m1 = std::min(M, m0 + kMC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
-        const float* bp = bias ? bias + p * kNR : nullptr;
-        for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-          const int64_t kc = std::min(kKC, K - k0);
-          decode_q4(qp + p * K * 8, sc + p * G * kNR, mn + p * G * kNR, k0, kc, gs, buf);
-          rows(x, K, buf, k0, kc, out + p * kNR, N, m0, m1, ncols, bp,
-               static_cast<const float*>(nullptr));
-        }
-      }
-    }
+    gemm_decoded(x, bias, out, M, N, K, p0, p1, [&](int64_t p, int64_t k0, int64_t kc, float* buf) {
+      decode_q4(qp + p * K * 8, sc + p * G * kNR, mn + p * G * kNR, k0, kc, gs, buf);
+    });
   });
 }
 
@@ -354,32 +363,21 @@ inline void decode16_q8(const int8_t* qk, __m256 s0, __m256 s1, __m256& w0, __m2
   w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), s1);
 }
 
-// gemm_q4's loops over int8 panels (every call decodes into the block buffer).
+// int8 panels: every call decodes into the block buffer.
 void gemm_q8(const float* x, const int8_t* qp, const float* sc, const float* bias, float* out,
              int64_t M, int64_t N, int64_t K) {
   const int64_t NP = (N + kNR - 1) / kNR;
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float buf[kKC * kNR];
-    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
-      const int64_t m1 = std::min(M, m0 + kMC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
-        const float* bp = bias ? bias + p * kNR : nullptr;
-        const __m256 s0 = _mm256_loadu_ps(sc + p * kNR), s1 = _mm256_loadu_ps(sc + p * kNR + 8);
-        for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-          const int64_t kc = std::min(kKC, K - k0);
-          const int8_t* q = qp + (p * K + k0) * kNR;
-          for (int64_t k = 0; k < kc; ++k) {
-            __m256 w0, w1;
-            decode16_q8(q + k * kNR, s0, s1, w0, w1);
-            _mm256_store_ps(buf + k * kNR, w0);
-            _mm256_store_ps(buf + k * kNR + 8, w1);
-          }
-          rows(x, K, static_cast<const float*>(buf), k0, kc, out + p * kNR, N, m0, m1, ncols,
-               bp, static_cast<const float*>(nullptr));
-        }
+    gemm_decoded(x, bias, out, M, N, K, p0, p1, [&](int64_t p, int64_t k0, int64_t kc, float* buf) {
+      const __m256 s0 = _mm256_loadu_ps(sc + p * kNR), s1 = _mm256_loadu_ps(sc + p * kNR + 8);
+      const int8_t* q = qp + (p * K + k0) * kNR;
+      for (int64_t k = 0; k < kc; ++k) {
+        __m256 w0, w1;
+        decode16_q8(q + k * kNR, s0, s1, w0, w1);
+        _mm256_store_ps(buf + k * kNR, w0);
+        _mm256_store_ps(buf + k * kNR + 8, w1);
       }
-    }
+    });
   });
 }
 
