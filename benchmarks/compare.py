@@ -68,18 +68,13 @@ import torch
 
 from servelm.bench.process import free_port, run_bench
 from servelm.cli import positive
+from servelm.config import LINEAR_METHODS
 from servelm.models.loader import default_model_path
 
 # "<fmt>/<variant>" runs the format with one code path forced or switched off, for
 # side-by-side figures: the engine settings (KernelConfig fields) each variant sets.
-VARIANTS = {"tiles": {"linear_method": "tiles"},      # every linear layer on servelm's tiles
-            "onednn": {"linear_method": "onednn"},    # ... on oneDNN's prepacked matmuls
-            "qdot": {"linear_method": "qdot"},        # ... int4/int8 on the AVX2 integer kernels
-            "int4pack": {"linear_method": "int4pack"},  # ... int4 on PyTorch's int4pack
-            "gemv": {"linear_method": "gemv"},        # ... fp32/bf16 on servelm's AVX2 gemv
-            "gemv_rows": {"linear_method": "gemv_rows"},  # ... the same, a weight row at a time
-            "panels": {"linear_method": "panels"},    # ... fp32/bf16 on servelm's AVX2 panel GEMM
-            "torch": {"linear_method": "torch"},      # ... on plain F.linear
+VARIANTS = {**{m: {"linear_method": m}  # every linear layer on this method (linear_methods)
+               for m in LINEAR_METHODS if m != "auto"},
             "untuned": {"kernel_tuning": "off"},      # the built-in defaults, nothing measured
             "unfused": {"fused_decode": False},       # no int4/int8/bf16 DecodeStack
             "smallpages": {"hugepages": False},       # weights and KV cache in 4 KB pages

@@ -123,6 +123,18 @@ def main() -> None:
                     help="--methods: the activations' dtype")
     ap.add_argument("--rows", default="1,8,64,512", help="--methods: row counts")
     args = ap.parse_args()
+    if args.methods:
+        from servelm.layers.linear_methods import METHODS
+
+        bad = [m for m in args.methods.split(",") if m not in METHODS]
+        if bad:
+            ap.error(f"--methods: unknown {', '.join(bad)}; one of {', '.join(METHODS)}")
+        try:
+            rows = [int(r) for r in args.rows.split(",")]
+        except ValueError:
+            rows = []
+        if not rows or min(rows) < 1:
+            ap.error(f"--rows must be positive integers separated by commas, got {args.rows!r}")
     torch.set_num_threads(args.threads)
     kernels = Q.kernels_available()
     G = args.group_size
@@ -132,7 +144,7 @@ def main() -> None:
           f"int4 group {G}, our kernels {'built' if kernels else 'UNAVAILABLE'}")
     if args.methods:
         methods_table(ws, args.methods.split(","), args.format, getattr(torch, args.dtype),
-                      [int(r) for r in args.rows.split(",")], max(3, args.repeats // 4), G)
+                      rows, max(3, args.repeats // 4), G)
         return
 
     def lin(w):

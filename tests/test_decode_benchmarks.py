@@ -45,13 +45,22 @@ def test_decode_ab_rejects_bad_arguments(args, flag, capsys):
     assert code == 2 and flag in err
 
 
+def test_kernels_rejects_an_unknown_method_or_bad_rows(capsys):
+    code, err = script_usage_error("kernels.py", "--methods", "panels,bogus", capsys=capsys)
+    assert code == 2 and "--methods: unknown bogus" in err and "q8act" in err
+    for rows in ("8,x", "0", ""):
+        code, err = script_usage_error("kernels.py", "--methods", "panels", "--rows", rows,
+                                       capsys=capsys)
+        assert code == 2 and "--rows must be positive integers" in err
+
+
 def test_compare_rejects_an_unknown_format_variant(capsys):
     code, err = script_usage_error("compare.py", "--formats", "int4/bogus", "--skip-transformers",
                                    capsys=capsys)
     assert code != 0
     assert "unknown format variant 'bogus' in 'int4/bogus'" in err
-    assert ("tiles, onednn, qdot, int4pack, gemv, gemv_rows, panels, torch, untuned, unfused, smallpages, "
-            "eager") in err
+    assert ("tiles, onednn, qdot, int4pack, int8pack, gemv, gemv_rows, panels, q8act, torch, untuned, "
+            "unfused, smallpages, eager") in err
 
 
 def test_compare_rejects_an_unknown_transformers_dtype(capsys):
