@@ -8,7 +8,9 @@ pair is reported (median, min, max), with each side's median tok/s.
                                    [--streams 1,4,8,16] [--pairs 4] [--tokens 64]
 
 - stack: the int4/int8 DecodeStack (all decoder layers of a decode-only step in one C++
-  call) against the per-op kernel path, toggled on one engine (`model.fused_decode`).
+  call) against the per-op kernel path, toggled on one engine (`model.fused_decode`), every
+  layer on servelm's tiles (the stack binds only where they run every one-row call; the tuner
+  may choose other methods).
 - hugepages: weights and KV cache in 2 MB huge pages against plain pages: two engines, the
   second loaded with hugepages=False.
 """
@@ -35,9 +37,10 @@ def main() -> None:
 
     kw = dict(dtype="bfloat16", quantization=args.quantization, enable_prefix_caching=False)
     if args.what == "stack":
-        llm = LLM(**kw)
+        llm = LLM(linear_method="tiles", **kw)
         if not llm.engine.model.fused_decode:
-            raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels)")
+            raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels' "
+                             "AVX512-BF16 tiles)")
         engines = {"stack": llm, "per-op": llm}
     else:
         huge, plain = LLM(**kw), LLM(hugepages=False, **kw)

@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def machine_key(threads: int) -> dict:

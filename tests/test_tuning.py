@@ -279,6 +279,31 @@ def test_fake_timings_pick_the_expected_methods(tmp_path, monkeypatch):
     assert not any(isinstance(m, lm.BucketedLinear) for m in model.modules())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_runs_never_tune_to_a_method_computing_in_bf16(tmp_path, monkeypatch, dtype):
+    """int4pack rounds fp32 activations to bf16 (on a Xeon with AMX it flipped a greedy token
+    of the embedded model): measured fastest everywhere, an fp32 run still leaves it out,
+    a bf16 run takes it; forced, it runs in either."""
+    if not lm.applies("int4pack", _int4_src(), torch.bfloat16, True):
+        pytest.skip("PyTorch's int4pack kernel does not run here")
+    _fake_times(monkeypatch, {lm.Int4PackLinear: {1, 8, 64, 512}})
+    assert lm.tunable("int4pack", dtype) == (dtype == torch.bfloat16)
+    report = tuning.finalize_linears(_Block(dtype), "int4", _cfg(tmp_path, tuning="fresh"))
+    chose = {m for s in report.shapes for m in s.methods}
+    assert ("int4pack" in chose) == (dtype == torch.bfloat16), report.table()
+    if dtype == torch.float32:
+        assert all("int4pack" not in s.times_us for s in report.shapes)
+    forced = tuning.finalize_linears(_Block(dtype), "int4",
+                                     _cfg(tmp_path, linear_method="int4pack"))
+    assert all(s.methods == ["int4pack"] * 4 for s in forced.shapes)
+
+
+def _int4_src():
+    from servelm.quantization import Int4Linear
+
+    return Int4Linear.from_linear(nn.Linear(64, 96))
+
+
 def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tmp_path,
                                                                              monkeypatch):
     # oneDNN made 10x slower than F.linear at every row count: after the one-row bucket its

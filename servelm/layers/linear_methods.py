@@ -116,13 +116,29 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
     raise ValueError(f"unknown linear method {method!r}; one of {', '.join(METHODS)}")
 
 
-def default_method(src: nn.Module, act: torch.dtype, kernels: bool) -> str:
+# Methods that compute in bf16 whatever the activations: fp32 ones are rounded to bf16 on the
+# way in. The tuner leaves them out of fp32 runs, which asked for fp32 accuracy (on a Xeon
+# with AMX, int4pack at one row flipped a greedy token of the embedded model against the fp32
+# reference); a forced --linear-method still runs them.
+BF16_INSIDE = ("int4pack",)
+
+
+def tunable(method: str, act: torch.dtype) -> bool:
+    """Whether the tuner may choose `method` for activations of dtype `act`."""
+    return not (act == torch.float32 and method in BF16_INSIDE)
+
+
+def default_method(src: nn.Module, act: torch.dtype, kernels: bool,
+                   tuned: bool = False) -> str:
     """The method used without tuning: servelm's tiles where they run, else oneDNN's
     prepacked matmul (plain weights), servelm's AVX2 integer kernels (int4/int8) or
-    PyTorch's own int4/int8 kernels."""
+    PyTorch's own int4/int8 kernels. tuned: the tuner's default, among the methods it may
+    choose (tunable)."""
     for m in METHODS:
         if m == "onednn" and not isinstance(src, nn.Linear):
             continue  # a dequantised copy would undo the quantisation's memory saving
+        if tuned and not tunable(m, act):
+            continue
         if applies(m, src, act, kernels):
             return m
     return "torch"
