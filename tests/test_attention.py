@@ -29,7 +29,9 @@ def _spec(device="cpu", kv_dtype=torch.float32, dtype=torch.float32):
 
 def test_auto_picks_the_cpu_kernels_where_they_run_else_the_reference():
     if load_ops("ops"):
-        assert select(KernelConfig(), _spec()).name == "cpu"
+        # fp32 and bf16: the faster prompt path measured here (below); tuning off: cpu.
+        assert select(KernelConfig(), _spec()).name in ("cpu", "cpu_sdpa")
+        assert select(KernelConfig(tuning="off"), _spec()).name == "cpu"
         assert select(KernelConfig(), _spec(kv_dtype=torch.int8)).name == "cpu"
     else:
         assert select(KernelConfig(), _spec()).name == "reference"
@@ -38,6 +40,42 @@ def test_auto_picks_the_cpu_kernels_where_they_run_else_the_reference():
     # fp8 with cpu_kernels on before that, naming kv_cache_dtype).
     assert select(KernelConfig(), _spec(kv_dtype=torch.float8_e4m3fn)).name == "reference"
     assert select(KernelConfig(attention_backend="reference"), _spec()).name == "reference"
+
+
+@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
+def test_auto_times_the_two_cpu_prompt_paths_once_and_takes_the_faster(tmp_path, monkeypatch):
+    if get_backend("cpu_sdpa").unsupported(_spec()) is not None:
+        pytest.skip(get_backend("cpu_sdpa").unsupported(_spec()))
+    calls = []
+    fake = {"cpu": [10.0, 100.0], "cpu_sdpa": [20.0, 50.0]}  # µs at 512 / 2048 tokens
+
+    def timed(backends, spec):
+        calls.append([b.name for b in backends])
+        return fake
+
+    monkeypatch.setattr(attention, "time_prompt", timed)
+    cfg = KernelConfig(tuning_cache_dir=str(tmp_path))
+    assert select(cfg, _spec()).name == "cpu_sdpa"  # 70 µs in all against 110
+    assert calls == [["cpu", "cpu_sdpa"]]
+    fake.update(cpu_sdpa=[20.0, 95.0])
+    assert select(cfg, _spec()).name == "cpu_sdpa" and len(calls) == 1  # cached
+    fresh = KernelConfig(tuning_cache_dir=str(tmp_path), tuning="fresh")
+    assert select(fresh, _spec()).name == "cpu" and len(calls) == 2  # 110 against 115
+    assert select(cfg, _spec(dtype=torch.bfloat16, kv_dtype=torch.bfloat16)).name == "cpu"
+    assert len(calls) == 3  # another dtype, another entry
+    assert select(KernelConfig(attention_backend="cpu_sdpa"), _spec()).name == "cpu_sdpa"
+    assert len(calls) == 3  # named: nothing timed
+
+
+def test_the_real_prompt_timings_cover_both_paths():
+    spec = _spec(dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    names = [n for n in ("cpu", "cpu_sdpa") if get_backend(n).unsupported(spec) is None]
+    if not names:
+        pytest.skip("neither cpu backend runs here")
+    times = attention.time_prompt([get_backend(n) for n in names], spec, rounds=1)
+    assert sorted(times) == sorted(names)
+    assert all(len(t) == len(attention.PROMPT_TOKENS) and all(0 < x < 1e7 for x in t)
+               for t in times.values())
 
 
 def test_auto_on_cuda_picks_triton_where_its_probe_passes(monkeypatch):
@@ -71,7 +109,7 @@ def test_an_explicit_backend_that_cannot_run_is_refused_naming_the_field(monkeyp
 
 def test_kernel_config_validates_the_field():
     with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, "
-                                         "cpu, triton, got 'sdpa'"):
+                                         "cpu, cpu_sdpa, triton, got 'sdpa'"):
         KernelConfig(attention_backend="sdpa")
     with pytest.raises(ValueError, match="attention_backend 'cpu'.*cpu_kernels=False"):
         KernelConfig(attention_backend="cpu", cpu_kernels=False)
@@ -85,7 +123,7 @@ def test_the_runner_decides_once_and_the_decode_stack_needs_the_cpu_backend():
     binds = []
     model.bind_decode_layers = binds.append  # what the runner offers the DecodeStack
     auto = ModelRunner(model, kv, CPU)
-    assert auto.attention.name == ("cpu" if load_ops("ops") else "reference")
+    assert auto.attention.name in (("cpu", "cpu_sdpa") if load_ops("ops") else ("reference",))
     assert len(binds) == auto.use_kernels
     ref = ModelRunner(model, kv, CPU, kernels=KernelConfig(attention_backend="reference"))
     # The C++ fused ops still run (cpu_kernels on); attention is the reference's, and the
@@ -169,8 +207,9 @@ def _attend(backend, layer, seqs, k, v, scales, q_by_slot, g, device=CPU):
 
 
 def _backends():
-    out = [pytest.param("cpu", marks=pytest.mark.skipif(not load_ops("ops"),
-                                                         reason="C++ kernels unavailable"))]
+    out = [pytest.param(n, marks=pytest.mark.skipif(not load_ops("ops"),
+                                                     reason="C++ kernels unavailable"))
+           for n in ("cpu", "cpu_sdpa")]
     return out + [pytest.param("triton", marks=pytest.mark.skipif(
         not ta.available(), reason="Triton not installed"))]
 
@@ -196,3 +235,22 @@ def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv
     want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
     got = _attend(backend, layer, seqs, k, v, scales, q_by_slot, 3, device)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in ("cpu", "cpu_sdpa")])
+def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name):
+    """bf16, the default dtype: both prompt paths (servelm's op, PyTorch's flash attention
+    with a cached context merged by log-sum-exp) against the fp32 reference on the same
+    bf16 inputs, within bf16's rounding."""
+    backend = get_backend(name)
+    spec = AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, 32, BS)
+    if backend.unsupported(spec) is not None:
+        pytest.skip(backend.unsupported(spec))
+    layer = Attention(64, 6, 2, 32)
+    seqs, k, v, _, q_by_slot = _batch_inputs(_SEQS, 6, 2, 32, torch.float32, seed=1)
+    k, v, q_by_slot = (t.bfloat16() for t in (k, v, q_by_slot))
+    want = _attend(get_backend("reference"), layer, seqs, k.float(), v.float(), None,
+                   q_by_slot.float(), 3)
+    got = _attend(backend, layer, seqs, k, v, None, q_by_slot, 3)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

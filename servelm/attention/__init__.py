@@ -5,6 +5,8 @@ metadata from the scheduled sequences, and attends one layer over the paged KV c
                device, KV dtype, head dim and sliding window
     cpu        servelm's C++ kernels (servelm.attention.cpu): ragged decode and flash-style
                prompt attention in place over the block tables (fp32/bf16/fp16/int8 caches)
+    cpu_sdpa   the cpu backend with prompt chunks on PyTorch's CPU flash attention (AMX's
+               brgemm where the CPU has it); "auto" times both prompt paths at start-up
     triton     CUDA Triton kernels (servelm.attention.triton), in place over the block tables
 
 The backend is chosen once, at start-up (`select`, from KernelConfig.attention_backend);
@@ -14,13 +16,19 @@ the step's ForwardBatch carries its metadata, and with it the backend, to every 
 from __future__ import annotations
 
 from servelm.attention.backend import AttentionBackend, AttentionSpec
-from servelm.attention.cpu import CpuBackend
+import logging
+import math
+
+import torch
+
+from servelm.attention.cpu import PROMPT_TOKENS, CpuBackend, CpuSdpaBackend, time_prompt
 from servelm.attention.metadata import AttentionMetadata, AttnGroup, RaggedDecodes
 from servelm.attention.reference import ReferenceBackend
 from servelm.attention.triton import TritonBackend
 
 BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b for b in (ReferenceBackend(), CpuBackend(), TritonBackend())}
+    b.name: b for b in (ReferenceBackend(), CpuBackend(), CpuSdpaBackend(), TritonBackend())}
+logger = logging.getLogger(__name__)
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -29,9 +37,11 @@ def get_backend(name: str) -> AttentionBackend:
 
 def select(kernels, spec: AttentionSpec) -> AttentionBackend:
     """The backend for `spec` from a KernelConfig: its attention_backend, or for "auto" the
-    C++ kernels on the CPU (cpu_kernels on, and they read this cache and are built), else
-    Triton on CUDA (triton_attention on, and its kernels pass their probe on this shape),
-    else the reference. An explicit backend that cannot run `spec` is a ValueError."""
+    C++ kernels on the CPU (cpu_kernels on, and they read this cache and are built), with
+    prompts on whichever of servelm's op and PyTorch's flash attention measures faster here
+    (cpu or cpu_sdpa; kernel tuning off: cpu), else Triton on CUDA (triton_attention on,
+    and its kernels pass their probe on this shape), else the reference. An explicit
+    backend that cannot run `spec` is a ValueError."""
     name = kernels.attention_backend
     if name != "auto":
         backend = BACKENDS[name]
@@ -41,10 +51,36 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
                              f"{reason}")
         return backend
     if kernels.cpu_kernels and BACKENDS["cpu"].unsupported(spec) is None:
+        if (kernels.tuning != "off" and spec.kv_dtype == spec.dtype
+                and BACKENDS["cpu_sdpa"].unsupported(spec) is None):
+            return _measured_cpu_backend(kernels, spec)
         return BACKENDS["cpu"]
     if kernels.triton_attention and BACKENDS["triton"].unsupported(spec) is None:
         return BACKENDS["triton"]
     return BACKENDS["reference"]
+
+
+def _measured_cpu_backend(kernels, spec: AttentionSpec) -> AttentionBackend:
+    """cpu or cpu_sdpa, whichever prompt path took less time over time_prompt's chunks,
+    measured once per machine key and shape (the linear methods' cache)."""
+    from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
+
+    names = ["cpu", "cpu_sdpa"]
+    cache = TuningCache(cache_dir(kernels.tuning_cache_dir),
+                        machine_key(torch.get_num_threads()))
+    key = (f"attention/prompt:{str(spec.dtype).removeprefix('torch.')}:{spec.num_heads}x"
+           f"{spec.num_kv_heads}x{spec.head_dim}:block{spec.block_size}")
+    entry = None if kernels.tuning == "fresh" else cache.get(key)
+    if entry is None:
+        cache.put(key, time_prompt([BACKENDS[n] for n in names], spec), [], [], names)
+        cache.save()
+        entry = cache.get(key)
+    times = times_from(entry)
+    best = min(names, key=lambda n: sum(times.get(n, [math.inf])))
+    logger.info("prompt attention (µs at %s tokens): %s -> %s", "/".join(
+        map(str, PROMPT_TOKENS)), ", ".join(
+        f"{n} {'/'.join(f'{t:.0f}' for t in times.get(n, []))}" for n in names), best)
+    return BACKENDS[best]
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "AttnGroup", "BACKENDS",

@@ -32,6 +32,9 @@ class AttentionBackend:
     # Attention reads each row's own keys in place: a batch padded to a longer block table
     # costs nothing (DecodeGraphs may pad any decode batch to one width).
     reads_in_place: bool = False
+    # Decode rows come first as RaggedDecodes (the C++ decode op's input, and the
+    # DecodeStack's): the cpu backends.
+    ragged_decodes: bool = False
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         """Why this backend cannot run `spec` (device, KV dtype, shapes, whether its

@@ -6,6 +6,9 @@ does not go (head dims, a window some query's keys overrun)."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import torch
 
 from servelm.attention.backend import AttentionBackend, AttentionSpec, per_group
@@ -38,12 +41,62 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                                          start_pos, scale, ks, vs)
 
 
+def _flash_for_cpu():
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           group: AttnGroup, scale: float, window: int | None = None,
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
+    """`paged_prefill_attention` on PyTorch's CPU flash attention (oneDNN's brgemm: AMX
+    where the CPU has it), a sequence at a time: its blocks gathered (the chunk's keys and
+    every earlier one), GQA heads repeated, the chunk's own keys attended causally and,
+    after a cached prefix or an earlier chunk, the earlier keys attended whole, the two
+    merged by their log-sum-exp. An int8 cache, or a window some query's keys overrun,
+    takes the C++ op (which falls back to the reference where it must)."""
+    if scales is not None or not group.fits_window(window):
+        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales)
+    plan = group.__dict__.get("_sdpa_plan")
+    if plan is None:  # host copies, once a step (every layer shares the group)
+        cu = group.prefill_metadata[1].tolist()
+        plan = group.__dict__["_sdpa_plan"] = (cu, group.block_tables)
+    cu, tables = plan
+    flash = _flash_for_cpu()
+    bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    h = q.shape[1]
+    g = h // kvh
+    out = q.new_empty(q.shape[0], h * d)
+    for b, start in enumerate(group.start_pos):
+        c0, c1 = cu[b], cu[b + 1]
+        n = c1 - c0
+        if n == 0:
+            continue
+        t = start + n
+        rows = tables[b, :-(-t // bs)]
+        k = k_cache.index_select(0, rows).view(-1, kvh, d)[:t]
+        v = v_cache.index_select(0, rows).view(-1, kvh, d)[:t]
+        if g > 1:
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+        qb = q[c0:c1].transpose(0, 1).unsqueeze(0)                           # [1, H, n, D]
+        o, lse = flash(qb, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)[:2]
+        if start:
+            o0, lse0 = flash(qb, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)[:2]
+            m = torch.maximum(lse, lse0)
+            w, w0 = torch.exp(lse - m).unsqueeze(-1), torch.exp(lse0 - m).unsqueeze(-1)
+            o = ((o.float() * w + o0.float() * w0) / (w + w0)).to(q.dtype)
+        out[c0:c1] = o[0].transpose(0, 1).reshape(n, h * d)
+    return out
+
+
 class CpuBackend(AttentionBackend):
     """Every single-token row (decode) first, in input order, described by one padded int32
     block table and its context lengths (RaggedDecodes: what the DecodeStack reads too);
     prompt chunks in padded groups as the reference forms them."""
 
     name = "cpu"
+    ragged_decodes = True
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         if spec.device.type != "cpu":
@@ -86,5 +139,52 @@ class CpuBackend(AttentionBackend):
                 meta.decodes.context_lens, layer.scale, layer.window or 0, ks, vs)
             outs.append(o.view(nd, -1))
         # Prompt chunks: flash-style attention over the block tables.
-        return per_group(q, meta.groups, lambda qg, g: paged_prefill_attention(
+        return per_group(q, meta.groups, lambda qg, g: self.prompt_attention(
             qg, k_cache, v_cache, g, layer.scale, layer.window, scales), outs)
+
+    prompt_attention = staticmethod(paged_prefill_attention)
+
+
+class CpuSdpaBackend(CpuBackend):
+    """The cpu backend with prompt chunks on PyTorch's CPU flash attention
+    (sdpa_prefill_attention) instead of servelm's op: decodes, the DecodeStack and the fused
+    ops as the cpu backend has them. Which of the two prompt paths is faster depends on the
+    CPU (AMX or not), so "auto" times both at start-up (servelm.attention.select)."""
+
+    name = "cpu_sdpa"
+    prompt_attention = staticmethod(sdpa_prefill_attention)
+
+    def unsupported(self, spec: AttentionSpec) -> str | None:
+        if _flash_for_cpu() is None:
+            return "this PyTorch has no CPU flash attention op"
+        return super().unsupported(spec)
+
+
+PROMPT_TOKENS = (512, 2048)  # the prompt chunks the prompt paths are timed on
+
+
+def time_prompt(backends: list[CpuBackend], spec: AttentionSpec, rounds: int = 3
+                ) -> dict[str, list[float]]:
+    """µs per call of each backend's prompt attention, one fresh prompt of each of
+    PROMPT_TOKENS in spec's shape, over random K/V: the backends in interleaved rounds, the
+    best round kept (as the linear methods are timed)."""
+    bs, h, kvh, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-max(PROMPT_TOKENS) // bs)
+    kc, vc = (torch.randn(blocks, bs, kvh, d, generator=g).to(spec.dtype) for _ in range(2))
+    cases = []
+    for n in PROMPT_TOKENS:
+        seq = SimpleNamespace(token_ids=list(range(n)), start_pos=0,
+                              block_table=list(range(-(-n // bs))), sample=True,
+                              all_logits=False, num_logits=1)
+        _, meta = backends[0].build([seq], bs, h // kvh, spec.device)
+        cases.append((torch.randn(n, h, d, generator=g).to(spec.dtype), meta.groups[0]))
+    best = {b.name: [float("inf")] * len(cases) for b in backends}
+    for r in range(rounds + 1):  # the first round warms up
+        for b in backends:
+            for i, (q, group) in enumerate(cases):
+                t0 = time.perf_counter()
+                b.prompt_attention(q, kc, vc, group, d ** -0.5)
+                if r:
+                    best[b.name][i] = min(best[b.name][i], (time.perf_counter() - t0) * 1e6)
+    return best

@@ -85,7 +85,7 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.device = model, kv_cache, torch.device(device)
         self.capture = capture
         self.attention = attention or get_backend("reference")
-        if self.attention.name == "cpu":  # its decodes are ragged rows, not one padded group
+        if self.attention.ragged_decodes:  # its decodes are ragged rows, not one padded group
             raise ValueError("CUDA graphs take the reference or triton attention backend")
         self.block_size = bs = kv_cache.block_size
         self.pad_block = kv_cache.pad_block

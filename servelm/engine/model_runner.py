@@ -155,8 +155,8 @@ class ModelRunner:
             torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, kv_cache.block_size))
         logger.info("attention backend: %s", self.attention.name)
-        # The DecodeStack reads the cpu backend's ragged decode rows (and its own C++ ops).
-        if (self.use_kernels and self.attention.name == "cpu" and kernels.fused_decode
+        # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
+        if (self.use_kernels and self.attention.ragged_decodes and kernels.fused_decode
                 and hasattr(model, "bind_decode_layers")):
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
         self.graphs = None
@@ -181,7 +181,7 @@ class ModelRunner:
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out
-        if (self.use_kernels and self.attention.name == "cpu"
+        if (self.use_kernels and self.attention.ragged_decodes
                 and hasattr(self.model, "decode_stack_takes")
                 and self.model.decode_stack_takes(self.kv_cache.layers, len(seqs))
                 and all(len(s.token_ids) == 1 and s.sample for s in seqs)):
