@@ -217,7 +217,8 @@ def _backends():
 @pytest.mark.parametrize("name", _backends())
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
-def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv_dtype):
+def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv_dtype,
+                                                                  monkeypatch):
     """Decodes of ragged lengths and prompt chunks (from the start, continuing a context,
     one that does not sample) in one step, G = 3 query heads per KV head; with a window of
     8 the decodes and the chunks whose keys overrun it take each backend's windowed path or
@@ -230,6 +231,8 @@ def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     elif backend.unsupported(spec) is not None:
         pytest.skip(backend.unsupported(spec))
+    # Short groups would stay on the C++ op: every group takes the flash path here.
+    monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", 0)
     layer = Attention(64, 6, 2, 32, window=window)
     seqs, k, v, scales, q_by_slot = _batch_inputs(_SEQS, 6, 2, 32, kv_dtype)
     want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
@@ -238,7 +241,7 @@ def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv
 
 
 @pytest.mark.parametrize("name", [n for n in ("cpu", "cpu_sdpa")])
-def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name):
+def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name, monkeypatch):
     """bf16, the default dtype: both prompt paths (servelm's op, PyTorch's flash attention
     with a cached context merged by log-sum-exp) against the fp32 reference on the same
     bf16 inputs, within bf16's rounding."""
@@ -246,6 +249,7 @@ def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name):
     spec = AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, 32, BS)
     if backend.unsupported(spec) is not None:
         pytest.skip(backend.unsupported(spec))
+    monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", 0)
     layer = Attention(64, 6, 2, 32)
     seqs, k, v, _, q_by_slot = _batch_inputs(_SEQS, 6, 2, 32, torch.float32, seed=1)
     k, v, q_by_slot = (t.bfloat16() for t in (k, v, q_by_slot))
@@ -254,3 +258,30 @@ def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name):
     got = _attend(backend, layer, seqs, k, v, None, q_by_slot, 3)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_sdpa_leaves_groups_of_short_sequences_to_the_cpp_op(monkeypatch):
+    """Below SDPA_MIN_KEYS a group runs servelm's op, bit for bit the cpu backend's; at or
+    above it, PyTorch's flash attention (called once per sequence)."""
+    spec = AttentionSpec(CPU, torch.float32, torch.float32, 6, 2, 32, BS)
+    if get_backend("cpu_sdpa").unsupported(spec) is not None:
+        pytest.skip(get_backend("cpu_sdpa").unsupported(spec))
+    layer = Attention(64, 6, 2, 32)
+    prompts = [(0, 13), (2, 5), (20, 9)]  # at most 29 keys
+    seqs, k, v, _, q_by_slot = _batch_inputs(prompts, 6, 2, 32, torch.float32)
+    calls = []
+    flash = attention.cpu._flash_for_cpu()
+    monkeypatch.setattr(attention.cpu, "_flash_for_cpu",
+                        lambda: lambda *a, **kw: calls.append(1) or flash(*a, **kw))
+    cpp = _attend(get_backend("cpu"), layer, seqs, k, v, None, q_by_slot, 3)
+    monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", 30)
+    assert torch.equal(_attend(get_backend("cpu_sdpa"), layer, seqs, k, v, None, q_by_slot, 3),
+                       cpp) and not calls
+    for least, flash_calls in ((29, 2), (0, 5)):
+        # 29: only the group of the 29-key sequence (its context, then its chunk); 0: every
+        # sequence, the two continuing a context twice.
+        calls.clear()
+        monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", least)
+        got = _attend(get_backend("cpu_sdpa"), layer, seqs, k, v, None, q_by_slot, 3)
+        assert len(calls) == flash_calls
+        torch.testing.assert_close(got, cpp, rtol=2e-5, atol=2e-5)

@@ -41,6 +41,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                                          start_pos, scale, ks, vs)
 
 
+# Groups whose longest sequence attends fewer keys than this stay on the C++ op, which takes
+# a whole group in one call: a sequence at a time, PyTorch's flash attention loses to it on
+# many short prompts (README, "Choose the kernels"). time_prompt measures from here up.
+SDPA_MIN_KEYS = 512
+
+
 def _flash_for_cpu():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -53,15 +59,17 @@ def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     where the CPU has it), a sequence at a time: its blocks gathered (the chunk's keys and
     every earlier one), GQA heads repeated, the chunk's own keys attended causally and,
     after a cached prefix or an earlier chunk, the earlier keys attended whole, the two
-    merged by their log-sum-exp. An int8 cache, or a window some query's keys overrun,
-    takes the C++ op (which falls back to the reference where it must)."""
-    if scales is not None or not group.fits_window(window):
-        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales)
+    merged by their log-sum-exp. A group of short sequences (SDPA_MIN_KEYS), an int8
+    cache, or a window some query's keys overrun, takes the C++ op (which falls back to the
+    reference where it must)."""
     plan = group.__dict__.get("_sdpa_plan")
     if plan is None:  # host copies, once a step (every layer shares the group)
         cu = group.prefill_metadata[1].tolist()
-        plan = group.__dict__["_sdpa_plan"] = (cu, group.block_tables)
-    cu, tables = plan
+        keys = max(s + cu[b + 1] - cu[b] for b, s in enumerate(group.start_pos))
+        plan = group.__dict__["_sdpa_plan"] = (cu, group.block_tables, keys)
+    cu, tables, keys = plan
+    if scales is not None or not group.fits_window(window) or keys < SDPA_MIN_KEYS:
+        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales)
     flash = _flash_for_cpu()
     bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     h = q.shape[1]
