@@ -47,9 +47,9 @@ MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
 EXTRAPOLATE_S = 0.01    # a 64+-row bucket's calls take this long: larger ones are scaled from it
 HOPELESS = 8.0          # this many times the best at a bucket: larger buckets are scaled
 INVARIANT_WITHIN = 4.0  # row invariance is checked only within this of the best somewhere
-# Row counts checked against the first rows of one INVARIANCE_CALL-row call: on both sides of
-# every row blocking a kernel may switch at (oneDNN on AMX changes its blocking at 8, 16 and 32
-# rows and past 128), so a kernel that is invariant only for some counts is caught.
+# Row counts checked against windows of one INVARIANCE_CALL-row call: on both sides of every
+# row blocking a kernel may switch at (oneDNN on AMX switches at several, up to past 128 rows),
+# so a kernel that is invariant only for some counts is caught.
 INVARIANCE_ROWS = (1, 2, 7, 8, 16, 23, 33, 64, 128, 200)
 INVARIANCE_CALL = 320
 INVARIANCE_WINDOWS = 8  # windows of m rows checked per row count
@@ -192,9 +192,8 @@ def row_invariant(module: nn.Module, x: torch.Tensor) -> bool:
     INVARIANCE_ROWS below x's rows (x: INVARIANCE_CALL rows), module on up to
     INVARIANCE_WINDOWS disjoint windows of m rows of x equals those rows of module(x). A
     kernel that switches algorithm or splits the reduction by row count fails it. In bf16
-    the output's rounding hides all but about one in 20,000 of the fp32 sums such a switch
-    changes (oneDNN on AMX), so one window of 23 rows x 960 outputs catches it about half
-    the time: the windows look at up to 8x as many rows."""
+    the output's rounding hides most of the fp32 sums such a switch changes, so one window
+    may miss it (README, "Choose the kernels"): the windows look at up to 8x as many rows."""
     try:
         full = module(x)
         n = x.shape[0]
@@ -273,7 +272,8 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     outputs, the times scaled to the whole layer; finalize_linears checks the chosen methods
     on the whole layer.
 
-    Row invariance (one call of INVARIANCE_CALL rows, then one of each of INVARIANCE_ROWS) is checked lazily, in the order
+    Row invariance (row_invariant: a call of INVARIANCE_CALL rows, then windows of it) is
+    checked lazily, in the order
     choose(batch_invariant=True, default=default) prefers the methods, until one holds: the
     methods it would prefer to that one are known not to be invariant, and those after it
     are never chosen for invariance, so checking them would change nothing. Only methods

@@ -15,12 +15,12 @@ the step's ForwardBatch carries its metadata, and with it the backend, to every 
 
 from __future__ import annotations
 
-from servelm.attention.backend import AttentionBackend, AttentionSpec
 import logging
 import math
 
 import torch
 
+from servelm.attention.backend import AttentionBackend, AttentionSpec
 from servelm.attention.cpu import PROMPT_TOKENS, CpuBackend, CpuSdpaBackend, time_prompt
 from servelm.attention.metadata import AttentionMetadata, AttnGroup, RaggedDecodes
 from servelm.attention.reference import ReferenceBackend
