@@ -449,7 +449,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     measured = False
     for key, items in groups.items():
         src = items[0][3]
-        default = lm.default_method(src, act, fast, tuned=not forced)
+        default = lm.default_method(src, act, fast, auto=not forced)
         applicable = [m for m in lm.METHODS if lm.applies(m, src, act, fast)]
         if not forced:
             applicable = [m for m in applicable if lm.tunable(m, act)]

@@ -72,7 +72,7 @@ def test_the_real_prompt_timings_cover_both_paths():
     names = [n for n in ("cpu", "cpu_sdpa") if get_backend(n).unsupported(spec) is None]
     if not names:
         pytest.skip("neither cpu backend runs here")
-    times = attention.time_prompt([get_backend(n) for n in names], spec, rounds=1)
+    times = attention.time_prompt([get_backend(n) for n in names], spec)
     assert sorted(times) == sorted(names)
     assert all(len(t) == len(attention.PROMPT_TOKENS) and all(0 < x < 1e7 for x in t)
                for t in times.values())
@@ -113,6 +113,8 @@ def test_kernel_config_validates_the_field():
         KernelConfig(attention_backend="sdpa")
     with pytest.raises(ValueError, match="attention_backend 'cpu'.*cpu_kernels=False"):
         KernelConfig(attention_backend="cpu", cpu_kernels=False)
+    with pytest.raises(ValueError, match="attention_backend 'cpu_sdpa'.*cpu_kernels=False"):
+        KernelConfig(attention_backend="cpu_sdpa", cpu_kernels=False)
     with pytest.raises(ValueError, match="attention_backend 'triton'.*triton_attention=False"):
         KernelConfig(attention_backend="triton", triton_attention=False)
 

@@ -6,7 +6,6 @@ does not go (head dims, a window some query's keys overrun)."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import torch
@@ -171,28 +170,27 @@ class CpuSdpaBackend(CpuBackend):
 PROMPT_TOKENS = (512, 2048)  # the prompt chunks the prompt paths are timed on
 
 
-def time_prompt(backends: list[CpuBackend], spec: AttentionSpec, rounds: int = 3
-                ) -> dict[str, list[float]]:
+def time_prompt(backends: list[CpuBackend], spec: AttentionSpec) -> dict[str, list[float]]:
     """µs per call of each backend's prompt attention, one fresh prompt of each of
-    PROMPT_TOKENS in spec's shape, over random K/V: the backends in interleaved rounds, the
-    best round kept (as the linear methods are timed)."""
+    PROMPT_TOKENS in spec's shape, over random K/V: timed as the linear methods are
+    (servelm.tuning's interleaved rounds, the best kept), after a warm-up call."""
+    from servelm.tuning import _time_interleaved
+
     bs, h, kvh, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     g = torch.Generator().manual_seed(0)
     blocks = -(-max(PROMPT_TOKENS) // bs)
     kc, vc = (torch.randn(blocks, bs, kvh, d, generator=g).to(spec.dtype) for _ in range(2))
-    cases = []
+    best: dict[str, list[float]] = {b.name: [] for b in backends}
     for n in PROMPT_TOKENS:
         seq = SimpleNamespace(token_ids=list(range(n)), start_pos=0,
                               block_table=list(range(-(-n // bs))), sample=True,
                               all_logits=False, num_logits=1)
-        _, meta = backends[0].build([seq], bs, h // kvh, spec.device)
-        cases.append((torch.randn(n, h, d, generator=g).to(spec.dtype), meta.groups[0]))
-    best = {b.name: [float("inf")] * len(cases) for b in backends}
-    for r in range(rounds + 1):  # the first round warms up
-        for b in backends:
-            for i, (q, group) in enumerate(cases):
-                t0 = time.perf_counter()
-                b.prompt_attention(q, kc, vc, group, d ** -0.5)
-                if r:
-                    best[b.name][i] = min(best[b.name][i], (time.perf_counter() - t0) * 1e6)
+        group = backends[0].build([seq], bs, h // kvh, spec.device)[1].groups[0]
+        q = torch.randn(n, h, d, generator=g).to(spec.dtype)
+        calls = {b.name: [lambda x, b=b: b.prompt_attention(x, kc, vc, group, d ** -0.5)]
+                 for b in backends}
+        for (call,) in calls.values():
+            call(q)  # the warm-up _time_interleaved expects
+        for name, sec in _time_interleaved(calls, q).items():
+            best[name].append(sec * 1e6)
     return best

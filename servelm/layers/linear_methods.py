@@ -129,15 +129,15 @@ def tunable(method: str, act: torch.dtype) -> bool:
 
 
 def default_method(src: nn.Module, act: torch.dtype, kernels: bool,
-                   tuned: bool = False) -> str:
+                   auto: bool = False) -> str:
     """The method used without tuning: servelm's tiles where they run, else oneDNN's
     prepacked matmul (plain weights), servelm's AVX2 integer kernels (int4/int8) or
-    PyTorch's own int4/int8 kernels. tuned: the tuner's default, among the methods it may
-    choose (tunable)."""
+    PyTorch's own int4/int8 kernels. auto (no method forced, tuned or with tuning off):
+    only among the methods the tuner may choose (tunable)."""
     for m in METHODS:
         if m == "onednn" and not isinstance(src, nn.Linear):
             continue  # a dequantised copy would undo the quantisation's memory saving
-        if tuned and not tunable(m, act):
+        if auto and not tunable(m, act):
             continue
         if applies(m, src, act, kernels):
             return m
