@@ -103,10 +103,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--no-triton", dest="triton_attention", action="store_false",
                    help="CUDA: gather + SDPA attention instead of the Triton kernels")
     k.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                   help="attention over the paged KV cache: servelm's C++ kernels (cpu), "
-                        "Triton (CUDA), or gather + SDPA (reference); default auto: cpu "
-                        "where the C++ kernels run, else triton where it runs, else "
-                        "reference. One that cannot run here is refused at start-up")
+                   help="attention over the paged KV cache: servelm's C++ kernels (cpu; "
+                        "cpu_sdpa / cpu_amx: prompts on PyTorch's flash attention / on "
+                        "servelm's AMX kernel), Triton (CUDA), or gather + SDPA (reference); "
+                        "default auto: the fastest cpu backend measured here where the C++ "
+                        "kernels run, else triton where it runs, else reference. One that "
+                        "cannot run here is refused at start-up")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -17,7 +17,7 @@ KERNEL_TUNING = ("off", "cached", "fresh")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # How attention runs over the paged KV cache (servelm.attention): "auto" picks the C++
 # kernels on the CPU, Triton on CUDA, else the gather + SDPA reference.
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cpu_sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cpu_sdpa", "cpu_amx", "triton")
 INVARIANCE_COST = 1.10  # batch_invariant=None: invariant where it costs at most 10% more
 
 
@@ -104,7 +104,7 @@ class KernelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.attention_backend in ("cpu", "cpu_sdpa") and self.cpu_kernels is False:
+        if self.attention_backend in ("cpu", "cpu_sdpa", "cpu_amx") and self.cpu_kernels is False:
             raise ValueError(f"attention_backend {self.attention_backend!r} runs servelm's C++ "
                              "kernels, which cpu_kernels=False turns off")
         if self.attention_backend == "triton" and self.triton_attention is False:

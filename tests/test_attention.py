@@ -30,7 +30,7 @@ def _spec(device="cpu", kv_dtype=torch.float32, dtype=torch.float32):
 def test_auto_picks_the_cpu_kernels_where_they_run_else_the_reference():
     if load_ops("ops"):
         # fp32 and bf16: the faster prompt path measured here (below); tuning off: cpu.
-        assert select(KernelConfig(), _spec()).name in ("cpu", "cpu_sdpa")
+        assert select(KernelConfig(), _spec()).name in ("cpu", "cpu_sdpa", "cpu_amx")
         assert select(KernelConfig(tuning="off"), _spec()).name == "cpu"
         assert select(KernelConfig(), _spec(kv_dtype=torch.int8)).name == "cpu"
     else:
@@ -48,6 +48,8 @@ def test_auto_times_the_two_cpu_prompt_paths_once_and_takes_the_faster(tmp_path,
         pytest.skip(get_backend("cpu_sdpa").unsupported(_spec()))
     calls = []
     fake = {"cpu": [10.0, 100.0], "cpu_sdpa": [20.0, 50.0]}  # µs at 512 / 2048 tokens
+    # cpu_amx runs bf16 only: the fp32 spec below never times it.
+    amx = False
 
     def timed(backends, spec):
         calls.append([b.name for b in backends])
@@ -56,20 +58,46 @@ def test_auto_times_the_two_cpu_prompt_paths_once_and_takes_the_faster(tmp_path,
     monkeypatch.setattr(attention, "time_prompt", timed)
     cfg = KernelConfig(tuning_cache_dir=str(tmp_path))
     assert select(cfg, _spec()).name == "cpu_sdpa"  # 70 µs in all against 110
-    assert calls == [["cpu", "cpu_sdpa"]]
+    assert calls == [["cpu", "cpu_sdpa"] + (["cpu_amx"] if amx else [])]
     fake.update(cpu_sdpa=[20.0, 95.0])
     assert select(cfg, _spec()).name == "cpu_sdpa" and len(calls) == 1  # cached
     fresh = KernelConfig(tuning_cache_dir=str(tmp_path), tuning="fresh")
     assert select(fresh, _spec()).name == "cpu" and len(calls) == 2  # 110 against 115
-    assert select(cfg, _spec(dtype=torch.bfloat16, kv_dtype=torch.bfloat16)).name == "cpu"
-    assert len(calls) == 3  # another dtype, another entry
+    bf16 = _spec(dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    amx = get_backend("cpu_amx").unsupported(bf16) is None
+    fake["cpu_amx"] = [5.0, 200.0]
+    assert select(cfg, bf16).name == "cpu"  # another dtype, another entry
+    assert len(calls) == 3 and calls[-1] == ["cpu", "cpu_sdpa"] + (["cpu_amx"] if amx else [])
     assert select(KernelConfig(attention_backend="cpu_sdpa"), _spec()).name == "cpu_sdpa"
     assert len(calls) == 3  # named: nothing timed
 
 
-def test_the_real_prompt_timings_cover_both_paths():
+@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
+def test_a_cached_choice_missing_a_path_that_runs_now_is_measured_again(tmp_path, monkeypatch):
+    """An entry timed before cpu_amx existed (or on a build without it) lacks its time: the
+    next start measures every path again rather than never trying it."""
     spec = _spec(dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
-    names = [n for n in ("cpu", "cpu_sdpa") if get_backend(n).unsupported(spec) is None]
+    for n in ("cpu_sdpa", "cpu_amx"):
+        monkeypatch.setattr(get_backend(n), "unsupported", lambda spec: None)
+    calls = []
+
+    def timed(backends, spec):
+        calls.append([b.name for b in backends])
+        return {b.name: [30.0 if b.name == "cpu_amx" else 50.0] * 2 for b in backends}
+
+    monkeypatch.setattr(attention, "time_prompt", timed)
+    cfg = KernelConfig(tuning_cache_dir=str(tmp_path))
+    monkeypatch.setattr(attention, "CPU_PROMPT_PATHS", ("cpu", "cpu_sdpa"))
+    assert select(cfg, spec).name in ("cpu", "cpu_sdpa") and len(calls) == 1
+    monkeypatch.setattr(attention, "CPU_PROMPT_PATHS", ("cpu", "cpu_sdpa", "cpu_amx"))
+    assert select(cfg, spec).name == "cpu_amx"
+    assert calls[-1] == ["cpu", "cpu_sdpa", "cpu_amx"]
+    assert select(cfg, spec).name == "cpu_amx" and len(calls) == 2  # now cached
+
+
+def test_the_real_prompt_timings_cover_every_path():
+    spec = _spec(dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    names = [n for n in attention.CPU_PROMPT_PATHS if get_backend(n).unsupported(spec) is None]
     if not names:
         pytest.skip("neither cpu backend runs here")
     times = attention.time_prompt([get_backend(n) for n in names], spec)
@@ -109,12 +137,14 @@ def test_an_explicit_backend_that_cannot_run_is_refused_naming_the_field(monkeyp
 
 def test_kernel_config_validates_the_field():
     with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, "
-                                         "cpu, cpu_sdpa, triton, got 'sdpa'"):
+                                         "cpu, cpu_sdpa, cpu_amx, triton, got 'sdpa'"):
         KernelConfig(attention_backend="sdpa")
     with pytest.raises(ValueError, match="attention_backend 'cpu'.*cpu_kernels=False"):
         KernelConfig(attention_backend="cpu", cpu_kernels=False)
     with pytest.raises(ValueError, match="attention_backend 'cpu_sdpa'.*cpu_kernels=False"):
         KernelConfig(attention_backend="cpu_sdpa", cpu_kernels=False)
+    with pytest.raises(ValueError, match="attention_backend 'cpu_amx'.*cpu_kernels=False"):
+        KernelConfig(attention_backend="cpu_amx", cpu_kernels=False)
     with pytest.raises(ValueError, match="attention_backend 'triton'.*triton_attention=False"):
         KernelConfig(attention_backend="triton", triton_attention=False)
 
@@ -125,7 +155,8 @@ def test_the_runner_decides_once_and_the_decode_stack_needs_the_cpu_backend():
     binds = []
     model.bind_decode_layers = binds.append  # what the runner offers the DecodeStack
     auto = ModelRunner(model, kv, CPU)
-    assert auto.attention.name in (("cpu", "cpu_sdpa") if load_ops("ops") else ("reference",))
+    assert auto.attention.name in (("cpu", "cpu_sdpa", "cpu_amx") if load_ops("ops")
+                                   else ("reference",))
     assert len(binds) == auto.use_kernels
     ref = ModelRunner(model, kv, CPU, kernels=KernelConfig(attention_backend="reference"))
     # The C++ fused ops still run (cpu_kernels on); attention is the reference's, and the
@@ -242,24 +273,34 @@ def test_every_backend_matches_the_reference_on_one_mixed_batch(name, window, kv
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", [n for n in ("cpu", "cpu_sdpa")])
-def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name, monkeypatch):
-    """bf16, the default dtype: both prompt paths (servelm's op, PyTorch's flash attention
-    with a cached context merged by log-sum-exp) against the fp32 reference on the same
-    bf16 inputs, within bf16's rounding."""
+@pytest.mark.parametrize("name", ["cpu", "cpu_sdpa", "cpu_amx"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_cpu_prompt_paths_match_the_fp32_reference_in_bf16(name, head_dim, monkeypatch):
+    """bf16, the default dtype: every prompt path (servelm's op, PyTorch's flash attention
+    with a cached context merged by log-sum-exp, servelm's AMX kernel at head dims 64 and
+    128, the op's at 32) against the fp32 reference on the same bf16 inputs, within bf16's
+    rounding."""
     backend = get_backend(name)
-    spec = AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, 32, BS)
+    spec = AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, head_dim, BS)
     if backend.unsupported(spec) is not None:
         pytest.skip(backend.unsupported(spec))
     monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", 0)
-    layer = Attention(64, 6, 2, 32)
-    seqs, k, v, _, q_by_slot = _batch_inputs(_SEQS, 6, 2, 32, torch.float32, seed=1)
+    amx_calls = []
+    if name == "cpu_amx":
+        op = torch.ops.servelm_amx_attention.paged_prefill_attention
+        monkeypatch.setattr(torch.ops.servelm_amx_attention, "paged_prefill_attention",
+                            lambda *a: amx_calls.append(1) or op(*a))
+    layer = Attention(64, 6, 2, head_dim)
+    seqs, k, v, _, q_by_slot = _batch_inputs(_SEQS, 6, 2, head_dim, torch.float32, seed=1)
     k, v, q_by_slot = (t.bfloat16() for t in (k, v, q_by_slot))
     want = _attend(get_backend("reference"), layer, seqs, k.float(), v.float(), None,
                    q_by_slot.float(), 3)
     got = _attend(backend, layer, seqs, k, v, None, q_by_slot, 3)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    # The AMX kernel takes head dims 64 and 128, each prompt group in one call.
+    assert len(amx_calls) == (len(build_forward_batch(seqs, BS, 3, CPU, backend)[0].attn.groups)
+                              if head_dim in (64, 128) and name == "cpu_amx" else 0)
 
 
 def test_cpu_sdpa_leaves_groups_of_short_sequences_to_the_cpp_op(monkeypatch):

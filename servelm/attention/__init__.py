@@ -6,7 +6,9 @@ metadata from the scheduled sequences, and attends one layer over the paged KV c
     cpu        servelm's C++ kernels (servelm.attention.cpu): ragged decode and flash-style
                prompt attention in place over the block tables (fp32/bf16/fp16/int8 caches)
     cpu_sdpa   the cpu backend with prompt chunks on PyTorch's CPU flash attention (AMX's
-               brgemm where the CPU has it); "auto" times both prompt paths at start-up
+               brgemm where the CPU has it)
+    cpu_amx    the cpu backend with bf16 prompt chunks on servelm's AMX tile kernel;
+               "auto" times the cpu prompt paths this machine runs at start-up
     triton     CUDA Triton kernels (servelm.attention.triton), in place over the block tables
 
 The backend is chosen once, at start-up (`select`, from KernelConfig.attention_backend);
@@ -21,14 +23,20 @@ import math
 import torch
 
 from servelm.attention.backend import AttentionBackend, AttentionSpec
-from servelm.attention.cpu import PROMPT_TOKENS, CpuBackend, CpuSdpaBackend, time_prompt
+from servelm.attention.cpu import (PROMPT_TOKENS, CpuAmxBackend, CpuBackend, CpuSdpaBackend,
+                                  time_prompt)
 from servelm.attention.metadata import AttentionMetadata, AttnGroup, RaggedDecodes
 from servelm.attention.reference import ReferenceBackend
 from servelm.attention.triton import TritonBackend
 
 BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b for b in (ReferenceBackend(), CpuBackend(), CpuSdpaBackend(), TritonBackend())}
+    b.name: b for b in (ReferenceBackend(), CpuBackend(), CpuSdpaBackend(), CpuAmxBackend(),
+                        TritonBackend())}
 logger = logging.getLogger(__name__)
+
+
+# The cpu backends "auto" chooses among by timing their prompt attention.
+CPU_PROMPT_PATHS = ("cpu", "cpu_sdpa", "cpu_amx")
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -38,8 +46,9 @@ def get_backend(name: str) -> AttentionBackend:
 def select(kernels, spec: AttentionSpec) -> AttentionBackend:
     """The backend for `spec` from a KernelConfig: its attention_backend, or for "auto" the
     C++ kernels on the CPU (cpu_kernels on, and they read this cache and are built), with
-    prompts on whichever of servelm's op and PyTorch's flash attention measures faster here
-    (cpu or cpu_sdpa; kernel tuning off: cpu), else Triton on CUDA (triton_attention on,
+    prompts on whichever of servelm's op, PyTorch's flash attention and servelm's AMX
+    kernel measures fastest here (cpu, cpu_sdpa or cpu_amx, of those that run this spec;
+    kernel tuning off: cpu), else Triton on CUDA (triton_attention on,
     and its kernels pass their probe on this shape), else the reference. An explicit
     backend that cannot run `spec` is a ValueError."""
     name = kernels.attention_backend
@@ -51,27 +60,27 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
                              f"{reason}")
         return backend
     if kernels.cpu_kernels and BACKENDS["cpu"].unsupported(spec) is None:
-        if (kernels.tuning != "off" and spec.kv_dtype == spec.dtype
-                and BACKENDS["cpu_sdpa"].unsupported(spec) is None):
-            return _measured_cpu_backend(kernels, spec)
+        names = [n for n in CPU_PROMPT_PATHS if BACKENDS[n].unsupported(spec) is None]
+        if kernels.tuning != "off" and spec.kv_dtype == spec.dtype and len(names) > 1:
+            return _measured_cpu_backend(kernels, spec, names)
         return BACKENDS["cpu"]
     if kernels.triton_attention and BACKENDS["triton"].unsupported(spec) is None:
         return BACKENDS["triton"]
     return BACKENDS["reference"]
 
 
-def _measured_cpu_backend(kernels, spec: AttentionSpec) -> AttentionBackend:
-    """cpu or cpu_sdpa, whichever prompt path took less time over time_prompt's chunks,
-    measured once per machine key and shape (the linear methods' cache)."""
+def _measured_cpu_backend(kernels, spec: AttentionSpec, names: list[str]) -> AttentionBackend:
+    """The one of `names` (cpu backends) whose prompt path took least time over
+    time_prompt's chunks, measured once per machine key and shape (the linear methods'
+    cache); a cached entry that lacks one of them is measured again."""
     from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 
-    names = ["cpu", "cpu_sdpa"]
     cache = TuningCache(cache_dir(kernels.tuning_cache_dir),
                         machine_key(torch.get_num_threads()))
     key = (f"attention/prompt:{str(spec.dtype).removeprefix('torch.')}:{spec.num_heads}x"
            f"{spec.num_kv_heads}x{spec.head_dim}:block{spec.block_size}")
     entry = None if kernels.tuning == "fresh" else cache.get(key)
-    if entry is None:
+    if entry is None or not set(names) <= set(times_from(entry)):
         cache.put(key, time_prompt([BACKENDS[n] for n in names], spec), [], [], names)
         cache.save()
         entry = cache.get(key)

@@ -152,6 +152,31 @@ class CpuBackend(AttentionBackend):
     prompt_attention = staticmethod(paged_prefill_attention)
 
 
+def amx_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          group: AttnGroup, scale: float, window: int | None = None,
+                          scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> torch.Tensor:
+    """`paged_prefill_attention` with both matmuls on AMX tiles
+    (`servelm_amx_attention.paged_prefill_attention`, kernels/csrc/amx_attention.cpp): the
+    group's keys packed once into tile layouts, then 16 queries of a KV head at a time, an
+    exact fp32 softmax per row between the two matmuls. bf16 only, head dims 64 and 128; any
+    other dtype or head dim, an int8 cache, or a window some query's keys overrun, takes the
+    C++ op (which falls back to the reference where it must)."""
+    d = q.shape[-1]
+    if (scales is not None or q.dtype != torch.bfloat16 or d not in (64, 128)
+            or not group.fits_window(window)):
+        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales)
+    tables, cu_q, start_pos = group.prefill_metadata
+    return torch.ops.servelm_amx_attention.paged_prefill_attention(q, k_cache, v_cache, tables,
+                                                                  cu_q, start_pos, scale)
+
+
+def amx_available() -> bool:
+    """Whether servelm's AMX kernel is built and may run here (an AMX-BF16 CPU whose OS
+    grants the tile state)."""
+    return load_ops("amx_attention") and bool(torch.ops.servelm_amx_attention.available())
+
+
 class CpuSdpaBackend(CpuBackend):
     """The cpu backend with prompt chunks on PyTorch's CPU flash attention
     (sdpa_prefill_attention) instead of servelm's op: decodes, the DecodeStack and the fused
@@ -165,6 +190,25 @@ class CpuSdpaBackend(CpuBackend):
         if _flash_for_cpu() is None:
             return "this PyTorch has no CPU flash attention op"
         return super().unsupported(spec)
+
+
+class CpuAmxBackend(CpuBackend):
+    """The cpu backend with bf16 prompt chunks on servelm's AMX kernel
+    (amx_prefill_attention); decodes, the DecodeStack and the fused ops as the cpu backend
+    has them. "auto" times it with the other cpu prompt paths (servelm.attention.select)."""
+
+    name = "cpu_amx"
+    prompt_attention = staticmethod(amx_prefill_attention)
+
+    def unsupported(self, spec: AttentionSpec) -> str | None:
+        reason = super().unsupported(spec)
+        if reason is not None:
+            return reason
+        if spec.dtype != torch.bfloat16:
+            return f"servelm's AMX attention kernel runs bf16, not {spec.dtype}"
+        if not amx_available():
+            return "this CPU (or its OS) offers no AMX-BF16 tiles, or the kernel is not built"
+        return None
 
 
 PROMPT_TOKENS = (512, 2048)  # the prompt chunks the prompt paths are timed on

@@ -1,0 +1,409 @@
+// servelm prompt attention on AMX tiles (namespace torch.ops.servelm_amx_attention).
+//
+//   available() -> bool
+//       Whether this build has the AMX kernel (compiled where the compiler targets AMX-BF16)
+//       and the kernel may run: the OS granted this process the AMX tile state.
+//   paged_prefill_attention(q bf16 [T,H,D], k_cache, v_cache bf16 [NB,BS,KVH,D],
+//                           block_tables int32 [B,MB], cu_seqlens_q int32 [B+1],
+//                           start_pos int32 [B], scale) -> [T, H*D]
+//       servelm_ops.paged_prefill_attention's contract (causal over keys 0..each query's
+//       position, read through the block tables), for bf16 and head dims 64 and 128, with
+//       both matmuls on AMX:
+//   1. Every (sequence, KV head)'s keys are packed once, over the threads, into the tile
+//      layouts: K^T as 16 keys x 32 dims blocks of bf16 pairs (the B operand of S = Q K^T)
+//      and V as 32 keys x 16 dims blocks of key pairs (the B operand of O = P V), zero past
+//      the last key.
+//   2. Work item = (sequence, KV head, 16 consecutive queries), largest first over the
+//      threads; for each of the G query heads: S [16 x keys] = Q K^T in fp32 tiles (only
+//      the key blocks the last query sees), an exact softmax per row in fp32 (AVX-512: the
+//      whole row is in memory, no online rescaling), P rounded to bf16 (as the cpu op and a
+//      bf16 matmul with V round it), O = P V in fp32 tiles, normalised by the row's sum.
+// The score rows of an item live in per-thread scratch (16 x keys fp32: 256 KB at 4,096
+// keys), so a long prompt's rows stay in the core's L2.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "decode_attention.h"  // PagedKV, exp2_512, transpose16x16, kNegBig, kLog2e
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SERVELM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef SERVELM_AMX
+
+// Linux keeps the AMX tile data state off until a process asks for it (arch_prctl).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used here is 16 rows of 64 bytes: A = 16 rows x 32 bf16, B = 16 pair rows x
+// 16 dwords, C = 16 x 16 fp32.
+void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int kBlk = 256;  // dwords in one packed 16 x 16 dword block (1 KB)
+
+// Pack keys [k0, k0 + 32) of one KV head (zero past nk): K^T blocks for key blocks k0/16 and
+// k0/16 + 1, V pairs block k0/32. kt: [nk32 / 16][D / 32][16 pairs][16 keys] dwords; vp:
+// [nk32 / 32][D / 16][16 key pairs][16 dims] dwords.
+template <int D>
+void pack32(const PagedKV<c10::BFloat16>& kv, const int32_t* table, int h, int k0, int nk,
+            uint32_t* kt, uint32_t* vp) {
+  constexpr int DP = D / 32, ND = D / 16;
+  alignas(64) static const uint16_t zero_row[D] = {};
+  const int64_t head_off = static_cast<int64_t>(h) * D;
+  auto krow = [&](int key) -> const uint16_t* {
+    return key < nk ? reinterpret_cast<const uint16_t*>(kv.k + kv.offset(table, key) + head_off) : zero_row;
+  };
+  auto vrow = [&](int key) -> const uint16_t* {
+    return key < nk ? reinterpret_cast<const uint16_t*>(kv.v + kv.offset(table, key) + head_off) : zero_row;
+  };
+  for (int half = 0; half < 2; ++half) {
+    const int kb = k0 / 16 + half;
+    const uint16_t* rows[16];
+    for (int n = 0; n < 16; ++n) rows[n] = krow(k0 + half * 16 + n);
+    for (int dp = 0; dp < DP; ++dp) {
+      __m512i r[16];  // row n: dwords (dim pairs) dp*16 .. dp*16+15 of key n
+      for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(rows[n] + dp * 32);
+      transpose16x16(r);  // r[p] lane n: pair p of key n
+      uint32_t* dst = kt + (static_cast<int64_t>(kb) * DP + dp) * kBlk;
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * 16, r[p]);
+    }
+  }
+  const int pb = k0 / 32;
+  for (int j = 0; j < 16; ++j) {
+    const uint16_t* r0 = vrow(k0 + 2 * j);
+    const uint16_t* r1 = vrow(k0 + 2 * j + 1);
+    for (int db = 0; db < ND; ++db) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + db * 16)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + db * 16)));
+      _mm512_store_si512(vp + (static_cast<int64_t>(pb) * ND + db) * kBlk + j * 16,
+                         _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// S[16][ld] (fp32) = Q K^T for key blocks [0, nkb): Q's DP tiles are in tmm0..DP-1.
+template <int DP>
+void scores(const uint32_t* kt, int nkb, float* s, int ld) {
+  auto block = [&](const uint32_t* b) {  // into tmm4 (tmm5 for the odd block), B in tmm6/7
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(4, 0, 6);
+    _tile_loadd(7, b + kBlk, 64);
+    _tile_dpbf16ps(4, 1, 7);
+    if constexpr (DP == 4) {
+      _tile_loadd(6, b + 2 * kBlk, 64);
+      _tile_dpbf16ps(4, 2, 6);
+      _tile_loadd(7, b + 3 * kBlk, 64);
+      _tile_dpbf16ps(4, 3, 7);
+    }
+  };
+  auto block5 = [&](const uint32_t* b) {
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(5, 0, 6);
+    _tile_loadd(7, b + kBlk, 64);
+    _tile_dpbf16ps(5, 1, 7);
+    if constexpr (DP == 4) {
+      _tile_loadd(6, b + 2 * kBlk, 64);
+      _tile_dpbf16ps(5, 2, 6);
+      _tile_loadd(7, b + 3 * kBlk, 64);
+      _tile_dpbf16ps(5, 3, 7);
+    }
+  };
+  const int stride = ld * static_cast<int>(sizeof(float));
+  int kb = 0;
+  for (; kb + 2 <= nkb; kb += 2) {
+    _tile_zero(4);
+    _tile_zero(5);
+    block(kt + static_cast<int64_t>(kb) * DP * kBlk);
+    block5(kt + static_cast<int64_t>(kb + 1) * DP * kBlk);
+    _tile_stored(4, s + kb * 16, stride);
+    _tile_stored(5, s + (kb + 1) * 16, stride);
+  }
+  if (kb < nkb) {
+    _tile_zero(4);
+    block(kt + static_cast<int64_t>(kb) * DP * kBlk);
+    _tile_stored(4, s + kb * 16, stride);
+  }
+}
+
+// O[16][D] (fp32) = P V over npb blocks of 32 keys; P: [16][ldp] bf16.
+template <int D>
+void pv(const uint16_t* p, int ldp, const uint32_t* vp, int npb, float* o) {
+  constexpr int ND = D / 16;
+  const int pstride = ldp * static_cast<int>(sizeof(uint16_t));
+  for (int r = 0; r < ND; r += 4) {  // four 16-dim output tiles at a time: tmm0..3
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int pb = 0; pb < npb; ++pb) {
+      const uint32_t* b = vp + (static_cast<int64_t>(pb) * ND + r) * kBlk;
+      _tile_loadd(4, p + pb * 32, pstride);
+      _tile_loadd(5, b, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + kBlk, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b + 2 * kBlk, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 3 * kBlk, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    const int ostride = D * static_cast<int>(sizeof(float));
+    _tile_stored(0, o + r * 16, ostride);
+    _tile_stored(1, o + (r + 1) * 16, ostride);
+    _tile_stored(2, o + (r + 2) * 16, ostride);
+    _tile_stored(3, o + (r + 3) * 16, ostride);
+  }
+}
+
+// Row i of S (keys [0, nv) valid, ld a multiple of 32) -> P row (bf16, p = 2^(s*c - max),
+// zero from nv up to ld); returns the sum of the unrounded p.
+inline float softmax_row(const float* s, int nv, int ld, float c, uint16_t* p) {
+  __m512 mx = _mm512_set1_ps(kNegBig);
+  for (int j = 0; j < nv; j += 16) {
+    const __mmask16 m = nv - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nv - j)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegBig), m, s + j));
+  }
+  const __m512 cv = _mm512_set1_ps(c);
+  const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < ld; j += 16) {
+    __m512 e = _mm512_setzero_ps();
+    if (j < nv) {
+      const __mmask16 m = nv - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nv - j)) - 1);
+      e = _mm512_maskz_mov_ps(m, exp2_512<5>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), cv, mv)));
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+template <int D>
+void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& cu_q, const at::Tensor& start_pos,
+                 double scale, at::Tensor& out) {
+  using BF = c10::BFloat16;
+  constexpr int DP = D / 32, ND = D / 16;
+  const PagedKV<BF> kv(k_cache, v_cache, block_tables);
+  const int H = q.size(1), KVH = kv.kv_heads, G = H / KVH;
+  const int B = start_pos.numel();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const BF* qptr = q.data_ptr<BF>();
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* sp = start_pos.data_ptr<int32_t>();
+  BF* optr = out.data_ptr<BF>();
+  const float c = static_cast<float>(scale) * kLog2e;
+
+  // Packed K^T / V per (sequence, KV head): keys rounded up to 32.
+  std::vector<int64_t> pack_off(static_cast<size_t>(B) * KVH + 1, 0);
+  std::vector<int> nkeys(B);
+  for (int b = 0; b < B; ++b) {
+    const int n = cu[b + 1] - cu[b];
+    TORCH_CHECK(n >= 0 && sp[b] >= 0, "paged_prefill_attention: bad cu_seqlens_q / start_pos");
+    nkeys[b] = sp[b] + n;
+    TORCH_CHECK(nkeys[b] <= static_cast<int64_t>(kv.MB) * kv.bs, "paged_prefill_attention: sequence ", b,
+                " needs ", nkeys[b], " keys, its block table holds ", kv.MB * kv.bs);
+    for (int i = 0, nb = (nkeys[b] + kv.bs - 1) / kv.bs; i < nb; ++i) {
+      const int32_t blk = kv.table(b)[i];
+      TORCH_CHECK(blk >= 0 && blk < kv.num_blocks, "paged_prefill_attention: block ", blk,
+                  " out of range (", kv.num_blocks, " blocks)");
+    }
+    const int64_t per_head = static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D;  // dwords, K^T + V
+    for (int h = 0; h < KVH; ++h)
+      pack_off[b * KVH + h + 1] = pack_off[b * KVH + h] + per_head;
+  }
+  at::Tensor packed = at::empty({pack_off.back() + 16}, q.options().dtype(at::kInt));
+  uint32_t* pbase = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
+  auto kt_of = [&](int b, int h) { return pbase + pack_off[b * KVH + h]; };
+  auto vp_of = [&](int b, int h) {
+    return kt_of(b, h) + static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D / 2;
+  };
+
+  struct PackItem { int b, h, k0; };
+  struct Item { int b, h, r0; int64_t cost; };
+  std::vector<PackItem> packs;
+  std::vector<Item> items;
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < KVH; ++h) {
+      for (int k0 = 0; k0 < nkeys[b]; k0 += 32) packs.push_back({b, h, k0});
+      for (int r0 = 0; r0 < cu[b + 1] - cu[b]; r0 += 16)
+        items.push_back({b, h, r0, sp[b] + r0 + 16});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  auto run_item = [&](const Item& it) {
+    const int b = it.b, h = it.h, r0 = it.r0;
+    const int rn = std::min(16, cu[b + 1] - cu[b] - r0);
+    const int pos0 = sp[b] + r0;           // the first query's position
+    const int kend = pos0 + rn;            // keys [0, kend) the last query sees
+    const int nkb = (kend + 15) / 16;
+    const int ld = (kend + 31) / 32 * 32;
+    static thread_local std::unique_ptr<float[]> mem;
+    static thread_local size_t mem_size = 0;
+    // S [16][ld] fp32, P [16][ld] bf16, O [16][D] fp32, padded Q [16][D] bf16.
+    const size_t need = 16 * ld + 8 * ld + 16 * D + 8 * D + 16;
+    if (mem_size < need) {
+      mem.reset(new float[need]);
+      mem_size = need;
+    }
+    float* s = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(mem.get()) + 63) & ~uintptr_t(63));
+    uint16_t* p = reinterpret_cast<uint16_t*>(s + 16 * ld);
+    float* o = s + 16 * ld + 8 * ld;
+    BF* qpad = reinterpret_cast<BF*>(o + 16 * D);
+    const uint32_t* kt = kt_of(b, h);
+    const uint32_t* vp = vp_of(b, h);
+    for (int g = 0; g < G; ++g) {
+      const int hq = h * G + g;
+      const BF* q0 = qptr + static_cast<int64_t>(cu[b] + r0) * qs0 + static_cast<int64_t>(hq) * qs1;
+      const BF* qa = q0;
+      int64_t qstride = qs0 * static_cast<int64_t>(sizeof(BF));
+      if (rn < 16) {  // a short last tile: its rows copied, the rest zero
+        std::memset(static_cast<void*>(qpad), 0, sizeof(BF) * 16 * D);
+        for (int i = 0; i < rn; ++i) std::memcpy(qpad + i * D, q0 + i * qs0, sizeof(BF) * D);
+        qa = qpad;
+        qstride = D * sizeof(BF);
+      }
+      _tile_loadd(0, qa, qstride);
+      _tile_loadd(1, qa + 32, qstride);
+      if constexpr (DP == 4) {
+        _tile_loadd(2, qa + 64, qstride);
+        _tile_loadd(3, qa + 96, qstride);
+      }
+      scores<DP>(kt, nkb, s, ld);
+      float l[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i < rn) {
+          l[i] = softmax_row(s + i * ld, pos0 + i + 1, ld, c, p + i * ld);
+        } else {
+          std::memset(p + i * ld, 0, sizeof(uint16_t) * ld);
+          l[i] = 1.f;
+        }
+      }
+      pv<D>(p, ld, vp, ld / 32, o);
+      for (int i = 0; i < rn; ++i) {
+        BF* dst = optr + static_cast<int64_t>(cu[b] + r0 + i) * H * D + static_cast<int64_t>(hq) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        for (int d = 0; d < D; d += 16) {
+          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+      }
+    }
+  };
+
+  const int nthreads = std::max(1, at::get_num_threads());
+  const int64_t npacks = static_cast<int64_t>(packs.size()), nitems = static_cast<int64_t>(items.size());
+  auto pack_one = [&](const PackItem& pk) {
+    pack32<D>(kv, kv.table(pk.b), pk.h, pk.k0, nkeys[pk.b], kt_of(pk.b, pk.h), vp_of(pk.b, pk.h));
+  };
+  if (nthreads == 1 || nitems <= 1) {
+    for (const PackItem& pk : packs) pack_one(pk);
+    configure_tiles();
+    for (const Item& it : items) run_item(it);
+    _tile_release();
+  } else {
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < npacks; ++i) pack_one(packs[i]);
+      configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < nitems; ++i) run_item(items[i]);
+      _tile_release();
+    }
+  }
+  (void)ND;
+}
+
+#endif  // SERVELM_AMX
+
+bool available() {
+#ifdef SERVELM_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
+                                   double scale) {
+  const char* name = "servelm_amx_attention.paged_prefill_attention";
+  TORCH_CHECK(available(), name, ": AMX-BF16 is not available here (not built for it, or the OS "
+              "refused the tile state)");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16, name,
+              ": q must be bf16 [T,H,D], last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              name, ": caches must be contiguous bf16 [NB,BS,KVH,D]");
+  const int64_t B = start_pos.numel();
+  TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
+              name, ": start_pos must be contiguous int32 [B]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == B,
+              name, ": block_tables must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
+                  cu_seqlens_q.numel() == B + 1,
+              name, ": cu_seqlens_q must be contiguous int32 [B + 1]");
+  const int H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, name,
+              ": q heads must be a multiple of the KV heads, same head dim");
+  TORCH_CHECK(D == 64 || D == 128, name, ": head dim ", D, " unsupported (64 or 128)");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == q.size(0), name, ": cu_seqlens_q must run from 0 to T");
+  auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return out;
+#ifdef SERVELM_AMX
+  if (D == 64) prefill_amx<64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+  else prefill_amx<128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_amx_attention, m) {
+  m.def("available() -> bool", &available);  // no tensor to dispatch on: a catch-all kernel
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor start_pos, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelm_amx_attention, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
