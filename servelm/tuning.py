@@ -389,7 +389,8 @@ def _bytes(src: nn.Module) -> int:
 def _slice_outputs(src: nn.Module) -> int:
     """How many of the layer's outputs the tuner times at prompt-sized buckets: all of
     them, unless the layer holds over 2 SLICE_BYTES (an LM head: 113 MB in fp32 for the
-    embedded model); then a multiple of 16 holding about SLICE_BYTES, at least
+    embedded model); then a multiple of 32 (the amx method's column pair) holding about
+    SLICE_BYTES, at least
     SLICE_MIN_OUT. Only the buckets over 8 rows and the invariance
     check use the slice: they are compute-bound, their time grows with the outputs, and
     timed whole they were half of a fresh tuning. One and 8 rows stream the weights from
@@ -397,7 +398,7 @@ def _slice_outputs(src: nn.Module) -> int:
     b = _bytes(src)
     if b <= 2 * SLICE_BYTES:
         return src.out_features
-    n = max(SLICE_MIN_OUT, src.out_features * SLICE_BYTES // b // 16 * 16)
+    n = max(SLICE_MIN_OUT, src.out_features * SLICE_BYTES // b // 32 * 32)
     return min(n, src.out_features)
 
 
@@ -586,6 +587,8 @@ def linear_summary(model: nn.Module) -> str:
             return "panels"
         if isinstance(m, lm.q8act.Int4Q8Linear):
             return "q8act"
+        if isinstance(m, lm.amx.AmxLinear):
+            return "amx"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
@@ -596,7 +599,7 @@ def linear_summary(model: nn.Module) -> str:
     inner |= {id(b.src) for b in model.modules() if isinstance(b, lm._Dequantised)}
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
              lm.gemv.GemvLinear, lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
-             lm.panels.Int8PanelLinear, lm.q8act.Int4Q8Linear, lm._Dequantised,
+             lm.panels.Int8PanelLinear, lm.q8act.Int4Q8Linear, lm.amx.AmxLinear, lm._Dequantised,
              lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]

@@ -9,6 +9,7 @@ the source, a module computing the same function (up to its rounding) in its own
 |----------|----------------|---------------------------------------------------------------|
 | tiles    | bf16/fp32/int4/int8 | servelm's C++ kernels over 16-row tiles (quant.cpp)     |
 | onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
+| amx      | bf16 (AMX CPUs) | servelm's AMX tile kernel over the weight packed in tile order (amx_linear.cpp), 32 rows x 32 outputs a step; batch-invariant |
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.layers import gemv, panels, q8act, qdot
+from servelm.layers import amx, gemv, panels, q8act, qdot
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
                                   kernels_available, tinygemm_operands, unpack_int4)
@@ -41,7 +42,7 @@ BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
 # In the order the untuned default prefers them (default_method).
 METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "panels",
-           "q8act", "torch")
+           "q8act", "amx", "torch")
 
 
 def bucket_of(rows: int) -> int:
@@ -107,6 +108,8 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
         return panels.applies(src, act)
     if method == "q8act":
         return q8act.applies(src, act)
+    if method == "amx":
+        return amx.applies(src, act)
     if method == "int4pack":
         return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -197,6 +200,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
         return panels.PanelLinear(src)
     if method == "q8act":
         return q8act.Int4Q8Linear(src)
+    if method == "amx":
+        return amx.AmxLinear(src)
     if method == "int4pack":
         return Int4PackLinear(src)
     if method == "int8pack":

@@ -1,0 +1,301 @@
+// servelm bf16 linear layers on AMX tiles (namespace torch.ops.servelm_amx_linear): the
+// "amx" linear method (servelm/layers/amx.py).
+//
+//   available() -> bool
+//       Whether this build has the AMX kernels (compiled where the compiler targets
+//       AMX-BF16) and they may run: the OS granted this process the AMX tile state.
+//   pack(Tensor w bf16 [N, K]) -> Tensor int32
+//       The weight in tile order, once at start-up: for each pair of 16-column blocks
+//       (32 outputs) and each 32-wide K step, the two B tiles (16 rows of K pairs x 16
+//       columns, 1 KB each) side by side, so one pair's weights are one contiguous stream.
+//       N and K must be multiples of 32.
+//   linear(Tensor x bf16 [M, K], Tensor packed, Tensor? bias fp32 [N], int N) -> bf16 [M, N]
+//       x @ w.T (+ bias): fp32 sums, rounded once to bf16. Threads take contiguous runs of
+//       column pairs (each weight byte is read once a call); within a pair, 32 rows at a
+//       time: 2 A tiles x 2 B tiles -> 4 C tiles, one tile load per tile multiply. A row's
+//       result depends on that row only (no reduction order changes with M): batch-invariant.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SERVELM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int kBlk = 256;  // dwords in one 16 x 16 dword tile (1 KB)
+
+#ifdef SERVELM_AMX
+
+bool amx_permitted() {  // Linux keeps the tile data state off until a process asks (arch_prctl)
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {  // every tile: 16 rows of 64 bytes
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// In-register transpose of 16 rows of 16 dwords.
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Weight bytes prefetched ahead of the tile loads (a stream of two 1 KB tiles a K step): AMX
+// tile loads from memory keep few lines in flight, and without this oneDNN streamed cold
+// weights faster at 64 rows.
+constexpr int kPrefetchSteps = 8;
+constexpr int kQuadMaxRows = 192;  // calls of 33 .. this many rows take 64-row blocks
+
+inline void prefetch_step(const uint32_t* b) {
+  const char* p = reinterpret_cast<const char*>(b);
+  for (int i = 0; i < 2 * kBlk * 4; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// 32 rows starting at a0 (stride lda elements; rows past `rows` are zero in the caller's
+// copy) against column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
+inline void pair_block(const c10::BFloat16* a0, int64_t lda, int rows, const uint32_t* wp, int ksteps,
+                       float* c, bool prefetch) {
+  const int64_t stride = lda * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const c10::BFloat16* a1 = a0 + 16 * lda;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (rows > 16) {
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = 0; kb < ksteps; ++kb) {
+      const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
+      if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+      _tile_loadd(4, a0 + kb * 32, stride);
+      _tile_loadd(6, b, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + kBlk, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, a1 + kb * 32, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  } else {
+    for (int kb = 0; kb < ksteps; ++kb) {
+      const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
+      if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+      _tile_loadd(4, a0 + kb * 32, stride);
+      _tile_loadd(6, b, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + kBlk, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+}
+
+// 64 rows starting at a0 against column pair wp, in two passes (one per 16-column block) of
+// 4 A tiles x 1 B tile -> 4 C tiles: each B tile is used by all 64 rows as it arrives, so the
+// weight streams in one pass (2 x 2 blocks would read it during the first 32 rows' pass and
+// compute the second's from cache, streaming half the time). C = A W^T as fp32 [64][32].
+inline void quad_block(const c10::BFloat16* a0, int64_t lda, const uint32_t* wp, int ksteps, float* c) {
+  const int64_t stride = lda * static_cast<int64_t>(sizeof(c10::BFloat16));
+  for (int col = 0; col < 2; ++col) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = 0; kb < ksteps; ++kb) {
+      const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
+      if (col == 0) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+      const c10::BFloat16* a = a0 + kb * 32;
+      _tile_loadd(6, b + col * kBlk, 64);
+      _tile_loadd(4, a, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a + 16 * lda, stride);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, a + 32 * lda, stride);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, a + 48 * lda, stride);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_stored(0, c + col * 16, 128);
+    _tile_stored(1, c + 16 * 32 + col * 16, 128);
+    _tile_stored(2, c + 32 * 32 + col * 16, 128);
+    _tile_stored(3, c + 48 * 32 + col * 16, 128);
+  }
+}
+
+#endif  // SERVELM_AMX
+
+bool available() {
+#ifdef SERVELM_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(available(), "servelm_amx_linear.pack: AMX-BF16 is not available here");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
+              "servelm_amx_linear.pack: the weight must be a bf16 CPU matrix [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "servelm_amx_linear.pack: N and K must be multiples of 32, got ",
+              N, " x ", K);
+  at::Tensor out = at::empty({N * K / 2}, w.options().dtype(at::kInt));
+#ifdef SERVELM_AMX
+  const at::Tensor wc = w.contiguous();
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(wc.data_ptr<c10::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  const int64_t K2 = K / 2, ksteps = K / 32;
+  at::parallel_for(0, N / 16, 1, [&](int64_t nb0, int64_t nb1) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) {  // 16 output rows of w -> their B tiles
+      for (int64_t kb = 0; kb < ksteps; ++kb) {
+        __m512i r[16];  // r[n]: dwords (K pairs) kb*16 .. kb*16+15 of weight row nb*16+n
+        for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src + (nb * 16 + n) * K2 + kb * 16);
+        transpose16x16(r);  // r[p] lane n: K pair p of output n
+        uint32_t* t = dst + ((nb / 2) * ksteps + kb) * 2 * kBlk + (nb % 2) * kBlk;
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(t + p * 16, r[p]);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t N) {
+  const char* name = "servelm_amx_linear.linear";
+  TORCH_CHECK(available(), name, ": AMX-BF16 is not available here");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.device().is_cpu(), name,
+              ": x must be bf16 on the CPU");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0 && N % 32 == 0 && packed.numel() == N * K / 2, name,
+              ": packed weight does not match x's ", K, " features and N = ", N);
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                        name, ": bias must be contiguous fp32 [N]");
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  if (M == 0) return out;
+#ifdef SERVELM_AMX
+  const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int ksteps = static_cast<int>(K / 32);
+  const int64_t pairs = N / 32;
+  // Row blocks of 64 (quad_block) where the weight stream is the cost: more than one 32-row
+  // block and few enough rows that the tiles' compute stays under the stream; else of 32.
+  const int bh = M > 32 && M <= kQuadMaxRows ? 64 : 32;
+  auto run = [&](int64_t p0, int64_t p1) {
+    configure_tiles();
+    alignas(64) float c[64 * 32];
+    std::unique_ptr<c10::BFloat16[]> pad;  // a short last row block, zero past its rows
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
+      for (int64_t r0 = 0; r0 < M; r0 += bh) {
+        const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
+        const c10::BFloat16* a = xp + r0 * K;
+        if (rows < bh) {  // always the same last rows: copied once a call
+          if (!pad) {
+            pad.reset(new c10::BFloat16[bh * K]);
+            std::memset(static_cast<void*>(pad.get()), 0, sizeof(c10::BFloat16) * bh * K);
+            std::memcpy(static_cast<void*>(pad.get()), a, sizeof(c10::BFloat16) * rows * K);
+          }
+          a = pad.get();
+        }
+        if (bh == 64) quad_block(a, K, wpair, ksteps, c);
+        else pair_block(a, K, rows, wpair, ksteps, c, r0 == 0);  // later row blocks: cached
+        for (int i = 0; i < rows; ++i) {
+          c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
+          __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
+          if (bp) {
+            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bp + p * 32));
+            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bp + p * 32 + 16));
+          }
+          _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
+      }
+    }
+    _tile_release();
+  };
+  const int nthreads = std::max(1, at::get_num_threads());
+  const int64_t work = M * N * K;
+  if (nthreads == 1 || pairs == 1 || work < (int64_t(1) << 21)) {
+    run(0, pairs);
+  } else {
+#pragma omp parallel num_threads(nthreads)
+    {
+      // Contiguous runs of column pairs: each thread streams its share of the weight once.
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      run(pairs * t / nt, pairs * (t + 1) / nt);
+    }
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_amx_linear, m) {
+  m.def("available() -> bool", &available);  // no tensor to dispatch on: a catch-all kernel
+  m.def("pack(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(servelm_amx_linear, CPU, m) {
+  m.impl("pack", &pack);
+  m.impl("linear", &linear);
+}

@@ -1,0 +1,51 @@
+"""The "amx" linear method: bf16 layers on servelm's AMX tile kernel
+(kernels/csrc/amx_linear.cpp). The weight is packed once into tile order (pairs of 16-column
+blocks, a contiguous stream each); a call runs 32 activation rows at a time against one pair
+with fp32 sums in AMX tiles, rounded once to bf16. Each row's result depends on that row
+only, so the method is batch-invariant. The tuner chooses it per layer shape and row bucket
+where it measures faster than oneDNN's own AMX path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from servelm.kernels import load_ops
+
+
+def available() -> bool:
+    """Whether the kernel is built and may run here (an AMX-BF16 CPU whose OS grants the
+    tile state)."""
+    return load_ops("amx_linear") and bool(torch.ops.servelm_amx_linear.available())
+
+
+def applies(src: nn.Module, act: torch.dtype) -> bool:
+    """A bf16 nn.Linear on the CPU with bf16 activations, in and out features multiples of
+    32 (the tiles' K step and column pair), where the kernel runs."""
+    return (isinstance(src, nn.Linear) and act == torch.bfloat16
+            and src.weight.dtype == torch.bfloat16 and src.weight.device.type == "cpu"
+            and src.in_features % 32 == 0 and src.out_features % 32 == 0 and available())
+
+
+class AmxLinear(nn.Module):
+    """A bf16 linear layer on amx_linear.cpp: the weight in tile order (the source's own
+    weight is not kept), the bias in fp32."""
+
+    def __init__(self, src: nn.Linear):
+        super().__init__()
+        if not available():
+            raise RuntimeError("the AMX linear kernel does not run here (no AMX-BF16)")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        ops = torch.ops.servelm_amx_linear
+        self.register_buffer("packed", ops.pack(src.weight.detach()))
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().contiguous())
+        self._op = ops.linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, bf16 AMX tiles")
