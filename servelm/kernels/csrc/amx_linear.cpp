@@ -11,9 +11,14 @@
 //       N and K must be multiples of 32.
 //   linear(Tensor x bf16 [M, K], Tensor packed, Tensor? bias fp32 [N], int N) -> bf16 [M, N]
 //       x @ w.T (+ bias): fp32 sums, rounded once to bf16. Threads take contiguous runs of
-//       column pairs (each weight byte is read once a call); within a pair, 32 rows at a
-//       time: 2 A tiles x 2 B tiles -> 4 C tiles, one tile load per tile multiply. A row's
-//       result depends on that row only (no reduction order changes with M): batch-invariant.
+//       column pairs (each weight byte is read once a call, prefetched ahead of the tile
+//       loads). Within a pair, by row count:
+//         up to 32   the tiles configured to the call's rows, read straight from x;
+//         33 to 192  blocks of 64 rows, 4 A tiles x 1 B tile (the weight streams in one pass);
+//         above      blocks of 32 rows, 2 A tiles x 2 B tiles (one tile load per multiply).
+//       Above 32 rows x is first packed into contiguous 1 KB A tiles (a tile of 16 rows of a
+//       long x was the kernel's slowest load). A row's result depends on that row only (the
+//       same K order in every path): batch-invariant.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,12 +60,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure_tiles() {  // every tile: 16 rows of 64 bytes
+// Every tile 64 bytes wide; the first row block's A and C tiles (tmm0, 1, 4) `lo` rows, the
+// second's (tmm2, 3, 5) `hi` rows, the B tiles (tmm6, 7) 16: a call of at most 32 rows runs
+// on exactly its rows (no padding copy, no multiplies of zero rows).
+void configure_tiles(int lo = 16, int hi = 16) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
     cfg.rows[i] = 16;
   }
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(lo);
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(std::max(hi, 1));
   _tile_loadconfig(&cfg);
 }
 
@@ -102,12 +112,19 @@ inline void prefetch_step(const uint32_t* b) {
   for (int i = 0; i < 2 * kBlk * 4; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-// 32 rows starting at a0 (stride lda elements; rows past `rows` are zero in the caller's
-// copy) against column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
-inline void pair_block(const c10::BFloat16* a0, int64_t lda, int rows, const uint32_t* wp, int ksteps,
-                       float* c, bool prefetch) {
-  const int64_t stride = lda * static_cast<int64_t>(sizeof(c10::BFloat16));
-  const c10::BFloat16* a1 = a0 + 16 * lda;
+// Where a row block's A tiles are: tile t (16 rows) of K step kb at base + kb * ks + t * ts
+// elements, its rows `stride` bytes apart. x itself (a call of at most 32 rows), or the
+// call's packed copy (contiguous 1 KB tiles, read far faster than 16 rows of a long x).
+struct ATiles {
+  const c10::BFloat16* base;
+  int64_t ks, ts, stride;
+  const c10::BFloat16* at(int kb, int t) const { return base + kb * ks + t * ts; }
+};
+
+// 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
+// column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
+inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c,
+                       bool prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   if (rows > 16) {
@@ -116,12 +133,12 @@ inline void pair_block(const c10::BFloat16* a0, int64_t lda, int rows, const uin
     for (int kb = 0; kb < ksteps; ++kb) {
       const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
       if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
-      _tile_loadd(4, a0 + kb * 32, stride);
+      _tile_loadd(4, a.at(kb, 0), a.stride);
       _tile_loadd(6, b, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_loadd(7, b + kBlk, 64);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, a1 + kb * 32, stride);
+      _tile_loadd(5, a.at(kb, 1), a.stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -131,7 +148,7 @@ inline void pair_block(const c10::BFloat16* a0, int64_t lda, int rows, const uin
     for (int kb = 0; kb < ksteps; ++kb) {
       const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
       if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
-      _tile_loadd(4, a0 + kb * 32, stride);
+      _tile_loadd(4, a.at(kb, 0), a.stride);
       _tile_loadd(6, b, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_loadd(7, b + kBlk, 64);
@@ -142,12 +159,11 @@ inline void pair_block(const c10::BFloat16* a0, int64_t lda, int rows, const uin
   _tile_stored(1, c + 16, 128);
 }
 
-// 64 rows starting at a0 against column pair wp, in two passes (one per 16-column block) of
-// 4 A tiles x 1 B tile -> 4 C tiles: each B tile is used by all 64 rows as it arrives, so the
-// weight streams in one pass (2 x 2 blocks would read it during the first 32 rows' pass and
-// compute the second's from cache, streaming half the time). C = A W^T as fp32 [64][32].
-inline void quad_block(const c10::BFloat16* a0, int64_t lda, const uint32_t* wp, int ksteps, float* c) {
-  const int64_t stride = lda * static_cast<int64_t>(sizeof(c10::BFloat16));
+// 64 rows against column pair wp, in two passes (one per 16-column block) of 4 A tiles x 1
+// B tile -> 4 C tiles: each B tile is used by all 64 rows as it arrives, so the weight
+// streams in one pass (2 x 2 blocks would read it during the first 32 rows' pass and compute
+// the second's from cache, streaming half the time). C = A W^T as fp32 [64][32].
+inline void quad_block(const ATiles& a, const uint32_t* wp, int ksteps, float* c) {
   for (int col = 0; col < 2; ++col) {
     _tile_zero(0);
     _tile_zero(1);
@@ -156,15 +172,14 @@ inline void quad_block(const c10::BFloat16* a0, int64_t lda, const uint32_t* wp,
     for (int kb = 0; kb < ksteps; ++kb) {
       const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
       if (col == 0) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
-      const c10::BFloat16* a = a0 + kb * 32;
       _tile_loadd(6, b + col * kBlk, 64);
-      _tile_loadd(4, a, stride);
+      _tile_loadd(4, a.at(kb, 0), a.stride);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, a + 16 * lda, stride);
+      _tile_loadd(5, a.at(kb, 1), a.stride);
       _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(4, a + 32 * lda, stride);
+      _tile_loadd(4, a.at(kb, 2), a.stride);
       _tile_dpbf16ps(2, 4, 6);
-      _tile_loadd(5, a + 48 * lda, stride);
+      _tile_loadd(5, a.at(kb, 3), a.stride);
       _tile_dpbf16ps(3, 5, 6);
     }
     _tile_stored(0, c + col * 16, 128);
@@ -238,26 +253,39 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const int64_t pairs = N / 32;
   // Row blocks of 64 (quad_block) where the weight stream is the cost: more than one 32-row
   // block and few enough rows that the tiles' compute stays under the stream; else of 32.
-  const int bh = M > 32 && M <= kQuadMaxRows ? 64 : 32;
+  const int bh = M > 32 && M <= kQuadMaxRows ? 64 : 32, nt = bh / 16;
+  const int64_t nblocks = (M + bh - 1) / bh;
+  // More than 32 rows: A packed once a call into [block][K step][row tile] 1 KB tiles, the
+  // rows past M zero (every thread reads all of it, once per column pair).
+  at::Tensor apack;
+  if (M > 32) apack = at::empty({nblocks * bh * K}, xc.options());
+  c10::BFloat16* ap = M > 32 ? apack.data_ptr<c10::BFloat16>() : nullptr;
+  auto pack_block = [&](int64_t blk) {
+    for (int kb = 0; kb < ksteps; ++kb)
+      for (int t = 0; t < nt; ++t) {
+        c10::BFloat16* dst = ap + ((blk * ksteps + kb) * nt + t) * 512;
+        for (int i = 0; i < 16; ++i) {
+          const int64_t row = blk * bh + t * 16 + i;
+          if (row < M) std::memcpy(dst + i * 32, xp + row * K + kb * 32, 64);
+          else std::memset(static_cast<void*>(dst + i * 32), 0, 64);
+        }
+      }
+  };
+  auto tiles_of = [&](int64_t blk) -> ATiles {
+    if (M <= 32) return {xp, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))};
+    return {ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
+  };
   auto run = [&](int64_t p0, int64_t p1) {
-    configure_tiles();
+    if (M <= 32) configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)), static_cast<int>(M - 16));
+    else configure_tiles();
     alignas(64) float c[64 * 32];
-    std::unique_ptr<c10::BFloat16[]> pad;  // a short last row block, zero past its rows
     for (int64_t p = p0; p < p1; ++p) {
       const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
-      for (int64_t r0 = 0; r0 < M; r0 += bh) {
+      for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const int64_t r0 = blk * bh;
         const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
-        const c10::BFloat16* a = xp + r0 * K;
-        if (rows < bh) {  // always the same last rows: copied once a call
-          if (!pad) {
-            pad.reset(new c10::BFloat16[bh * K]);
-            std::memset(static_cast<void*>(pad.get()), 0, sizeof(c10::BFloat16) * bh * K);
-            std::memcpy(static_cast<void*>(pad.get()), a, sizeof(c10::BFloat16) * rows * K);
-          }
-          a = pad.get();
-        }
-        if (bh == 64) quad_block(a, K, wpair, ksteps, c);
-        else pair_block(a, K, rows, wpair, ksteps, c, r0 == 0);  // later row blocks: cached
+        if (bh == 64) quad_block(tiles_of(blk), wpair, ksteps, c);
+        else pair_block(tiles_of(blk), M <= 32 ? rows : 32, wpair, ksteps, c, blk == 0);
         for (int i = 0; i < rows; ++i) {
           c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
           __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
@@ -272,15 +300,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     _tile_release();
   };
   const int nthreads = std::max(1, at::get_num_threads());
-  const int64_t work = M * N * K;
-  if (nthreads == 1 || pairs == 1 || work < (int64_t(1) << 21)) {
+  // One thread only for small layers at few rows: a weight over 256 KB streams faster on
+  // every core, even for one row.
+  const bool small = M * N * K < (int64_t(1) << 21) && N * K < (int64_t(1) << 17);
+  if (nthreads == 1 || pairs == 1 || small) {
+    if (ap)
+      for (int64_t blk = 0; blk < nblocks; ++blk) pack_block(blk);
     run(0, pairs);
   } else {
 #pragma omp parallel num_threads(nthreads)
     {
+      if (ap) {
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nblocks; ++blk) pack_block(blk);
+      }  // (the for's barrier: every block packed before any is read)
       // Contiguous runs of column pairs: each thread streams its share of the weight once.
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      run(pairs * t / nt, pairs * (t + 1) / nt);
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      run(pairs * t / n, pairs * (t + 1) / n);
     }
   }
 #endif
