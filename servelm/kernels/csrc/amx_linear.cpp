@@ -11,8 +11,8 @@
 //       N and K must be multiples of 32.
 //   linear(Tensor x bf16 [M, K], Tensor packed, Tensor? bias fp32 [N], int N) -> bf16 [M, N]
 //       x @ w.T (+ bias): fp32 sums, rounded once to bf16. Threads take contiguous runs of
-//       column pairs (each weight byte is read once a call, prefetched ahead of the tile
-//       loads). Within a pair, by row count:
+//       column pairs; each row block runs over the thread's pairs, their weights streamed
+//       (prefetched ahead of the tile loads) past the block's A tiles. Blocks by row count:
 //         up to 32   the tiles configured to the call's rows, read straight from x;
 //         33 to 192  blocks of 64 rows, 4 A tiles x 1 B tile (the weight streams in one pass);
 //         above      blocks of 32 rows, 2 A tiles x 2 B tiles (one tile load per multiply).
@@ -101,11 +101,11 @@ inline void transpose16x16(__m512i* r) {
   }
 }
 
-// Weight bytes prefetched ahead of the tile loads (a stream of two 1 KB tiles a K step): AMX
-// tile loads from memory keep few lines in flight, and without this oneDNN streamed cold
-// weights faster at 64 rows.
+// K steps of weight prefetched ahead of the tile loads (two 1 KB tiles a step): AMX tile
+// loads from memory keep few lines in flight.
 constexpr int kPrefetchSteps = 8;
-constexpr int kQuadMaxRows = 192;  // calls of 33 .. this many rows take 64-row blocks
+constexpr int kQuadMaxRows = 192;
+constexpr int64_t kChunkBytes = 512 << 10;  // packed activation rows a pass over the pairs keeps  // calls of 33 .. this many rows take 64-row blocks
 
 inline void prefetch_step(const uint32_t* b) {
   const char* p = reinterpret_cast<const char*>(b);
@@ -123,8 +123,7 @@ struct ATiles {
 
 // 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
 // column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
-inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c,
-                       bool prefetch) {
+inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   if (rows > 16) {
@@ -132,7 +131,7 @@ inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps
     _tile_zero(3);
     for (int kb = 0; kb < ksteps; ++kb) {
       const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
-      if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+      prefetch_step(b + kPrefetchSteps * 2 * kBlk);
       _tile_loadd(4, a.at(kb, 0), a.stride);
       _tile_loadd(6, b, 64);
       _tile_dpbf16ps(0, 4, 6);
@@ -147,7 +146,7 @@ inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps
   } else {
     for (int kb = 0; kb < ksteps; ++kb) {
       const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
-      if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+      prefetch_step(b + kPrefetchSteps * 2 * kBlk);
       _tile_loadd(4, a.at(kb, 0), a.stride);
       _tile_loadd(6, b, 64);
       _tile_dpbf16ps(0, 4, 6);
@@ -279,13 +278,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     if (M <= 32) configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)), static_cast<int>(M - 16));
     else configure_tiles();
     alignas(64) float c[64 * 32];
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
-      for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const int64_t r0 = blk * bh;
-        const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
+    // Row block after row block, each over the thread's column pairs: the block's A tiles
+    // stay in cache while the weight streams past them.
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t r0 = blk * bh;
+      const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
         if (bh == 64) quad_block(tiles_of(blk), wpair, ksteps, c);
-        else pair_block(tiles_of(blk), M <= 32 ? rows : 32, wpair, ksteps, c, blk == 0);
+        else pair_block(tiles_of(blk), M <= 32 ? rows : 32, wpair, ksteps, c);
         for (int i = 0; i < rows; ++i) {
           c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
           __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
