@@ -13,13 +13,15 @@
 2. Engine decode throughput (tok/s) at batch 1 and 64 with and without kernels, in one run
    (the same engine; the runner's path flipped as cpu_kernels=False would set it).
 3. Prompt attention, one layer, B sequences of a Q-token chunk after C cached tokens (best
-   of many runs): the kernel path's `paged_prefill_attention` (one flash-style C++ op reading
-   K/V in place through the block tables) and `paged_attention` (gather + padded SDPA, the
-   eager path). The op replaced gather + bmm + a fused causal softmax + bmm, which took
-   0.91 ms against its 0.43 ms (bf16, 512 tokens) and TTFT 164 against 147 ms.
-4. Engine time to first token for a 512-token prompt (in --dtype, bf16 by default; median
-   and best of 7, the modes interleaved): kernels, kernels with SDPA prompt attention, and
-   the eager path (as cpu_kernels=False).
+   of many runs): each cpu backend's prompt path that runs here (`cpu`: the flash-style C++
+   op reading K/V in place through the block tables; `cpu_sdpa`: PyTorch's CPU flash
+   attention, groups under 512 keys left to the C++ op; `cpu_amx`: servelm's AMX tile
+   kernel, bf16) and `paged_attention` (gather + padded SDPA, the eager path). The C++ op
+   replaced gather + bmm + a fused causal softmax + bmm, which took 0.91 ms against its
+   0.43 ms (bf16, 512 tokens) and TTFT 164 against 147 ms.
+4. Engine time to first token for a --prompt-len-token prompt (512 by default; in --dtype,
+   bf16 by default; median and best of 7, the modes interleaved): each cpu backend that runs
+   here, and the eager path (as cpu_kernels=False).
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ import time
 
 import torch
 
-from servelm.attention import cpu as cpu_attention
-from servelm.attention import get_backend
-from servelm.attention.cpu import paged_prefill_attention
+from servelm.attention import CPU_PROMPT_PATHS, AttentionSpec, get_backend
 from servelm.attention.metadata import build_group
 from servelm.attention.reference import paged_attention
 from servelm.engine.model_runner import SeqInput
@@ -103,23 +103,31 @@ def prefill_attention(Q: int, C: int, dtype: torch.dtype, B: int = 1, bs: int = 
     grp = build_group(seqs, 0, bs, g, torch.device("cpu"))
     scale = d ** -0.5
     res = {}
-    if load_ops("ops"):
-        res["flash"] = best(lambda: paged_prefill_attention(q, k_cache, v_cache, grp, scale))
+    for name in _cpu_backends(dtype):
+        fn = get_backend(name).prompt_attention
+        res[name] = best(lambda: fn(q, k_cache, v_cache, grp, scale))
     res["sdpa"] = best(lambda: paged_attention(q, k_cache, v_cache, grp, scale), reps=10)
     return res
 
 
+def _cpu_backends(dtype: torch.dtype) -> list[str]:
+    """The cpu backends that run the benchmark's shape in `dtype` here."""
+    spec = AttentionSpec(torch.device("cpu"), dtype, dtype, 9, 3, 64, 16)
+    return [n for n in CPU_PROMPT_PATHS if get_backend(n).unsupported(spec) is None]
+
+
 def prefill_table() -> None:
     print("\n# prompt attention, one layer (9 q heads / 3 KV heads, d=64, block 16), ms, best of 30")
-    cases = [(1, 512, 0), (1, 128, 384), (4, 128, 0), (1, 128, 0), (1, 64, 448), (1, 17, 0),
-             (1, 4, 100), (4, 8, 200), (1, 2048, 0)]
-    print(f"{'dtype':8} {'B':>2} {'Q':>4} {'ctx':>4} {'flash':>8} {'sdpa':>8}")
+    cases = [(1, 512, 0), (1, 128, 384), (4, 128, 0), (16, 128, 0), (64, 16, 0), (1, 128, 0),
+             (1, 64, 448), (1, 17, 0), (1, 4, 100), (4, 8, 200), (1, 2048, 0), (1, 4000, 0)]
+    cols = ("cpu", "cpu_sdpa", "cpu_amx", "sdpa")
+    print(f"{'dtype':8} {'B':>2} {'Q':>4} {'ctx':>4} " + " ".join(f"{c:>9}" for c in cols))
     nan = float("nan")
     for dtype in (torch.bfloat16, torch.float32):
         for B, Q, C in cases:
             r = prefill_attention(Q, C, dtype, B=B)
-            print(f"{str(dtype).split('.')[-1]:8} {B:2d} {Q:4d} {C:4d} {r.get('flash', nan) * 1e3:8.3f} "
-                  f"{r['sdpa'] * 1e3:8.3f}", flush=True)
+            print(f"{str(dtype).split('.')[-1]:8} {B:2d} {Q:4d} {C:4d} "
+                  + " ".join(f"{r.get(c, nan) * 1e3:9.3f}" for c in cols), flush=True)
 
 
 def engine_ttft(prompt_len: int = 512, reps: int = 7, dtype: str = "bfloat16") -> None:
@@ -128,29 +136,26 @@ def engine_ttft(prompt_len: int = 512, reps: int = 7, dtype: str = "bfloat16") -
     import statistics
 
     from servelm import LLM, SamplingParams
-    llm = LLM(dtype=dtype, enable_prefix_caching=False)
+    llm = LLM(dtype=dtype, enable_prefix_caching=False, max_model_len=max(2048, prompt_len + 16))
     runner = llm.engine.runner
     sp = SamplingParams(temperature=0, max_tokens=1)
     have, backend = runner.use_kernels, runner.attention
-    modes = {"kernels (flash prompt attn)": (True, paged_prefill_attention),
-             "kernels, SDPA prompt attn": (True, paged_attention),
-             "eager (cpu_kernels off)": (False, paged_prefill_attention)}
-    modes = {k: v for k, v in modes.items() if have or not v[0]}
+    modes = {f"kernels, {n} attention": (True, n)
+             for n in (_cpu_backends(llm.engine.dtype) if have else [])}
+    modes["eager (cpu_kernels off)"] = (False, "reference")
     print(f"\n# engine TTFT, {dtype} SmolLM2-135M, {prompt_len}-token prompt, ms over {reps} runs")
     times: dict[str, list[float]] = {name: [] for name in modes}
     try:
         for i in range(reps + 1):
             prompt = [1 + (7 * i + j) % 40000 for j in range(prompt_len)]
-            for name, (use, fn) in modes.items():
-                runner.use_kernels, cpu_attention.paged_prefill_attention = use, fn
-                runner.attention = get_backend("cpu" if use else "reference")
+            for name, (use, attn) in modes.items():
+                runner.use_kernels, runner.attention = use, get_backend(attn)
                 t0 = time.perf_counter()
                 llm.generate([prompt], sp)
                 if i:  # the first round warms up
                     times[name].append(time.perf_counter() - t0)
     finally:
-        runner.use_kernels, cpu_attention.paged_prefill_attention = have, paged_prefill_attention
-        runner.attention = backend
+        runner.use_kernels, runner.attention = have, backend
     print(f"{'mode':28} {'median':>8} {'best':>8}")
     for name, ts in times.items():
         print(f"{name:28} {statistics.median(ts) * 1e3:8.1f} {min(ts) * 1e3:8.1f}", flush=True)
@@ -187,6 +192,8 @@ def main() -> None:
                     help="only the prompt attention table and the engine TTFT")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                     help="the engine TTFT's dtype (--prefill)")
+    ap.add_argument("--prompt-len", type=int, default=512,
+                    help="--prefill: the engine TTFT's prompt length")
     ap.add_argument("--engine-context", type=int, nargs="*", default=[32],
                     help="prompt lengths for the engine decode runs (e.g. 32 1000)")
     args = ap.parse_args()
@@ -195,7 +202,7 @@ def main() -> None:
 
     if args.prefill:
         prefill_table()
-        engine_ttft(dtype=args.dtype)
+        engine_ttft(prompt_len=args.prompt_len, dtype=args.dtype)
         return
     if not args.skip_attention:
         attention_table(args)
