@@ -32,47 +32,16 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"        // SERVELM_AMX, amx_available, load_tile_config, kBlk
 #include "decode_attention.h"  // PagedKV, exp2_512, transpose16x16, kNegBig, kLog2e
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SERVELM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
 #ifdef SERVELM_AMX
 
-// Linux keeps the AMX tile data state off until a process asks for it (arch_prctl).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ok;
-}
+// Every tile used here is 16 rows.
+void configure_tiles() { load_tile_config({16, 16, 16, 16, 16, 16, 16, 16}); }
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile used here is 16 rows of 64 bytes: A = 16 rows x 32 bf16, B = 16 pair rows x
-// 16 dwords, C = 16 x 16 fp32.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-constexpr int kBlk = 256;  // dwords in one packed 16 x 16 dword block (1 KB)
 
 // Pack keys [k0, k0 + 32) of one KV head (zero past nk): K^T blocks for key blocks k0/16 and
 // k0/16 + 1, V pairs block k0/32. kt: [nk32 / 16][D / 32][16 pairs][16 keys] dwords; vp:
@@ -114,48 +83,38 @@ void pack32(const PagedKV<c10::BFloat16>& kv, const int32_t* table, int h, int k
   }
 }
 
-// S[16][ld] (fp32) = Q K^T for key blocks [0, nkb): Q's DP tiles are in tmm0..DP-1.
+// S[16][ld] (fp32) = Q K^T for key blocks [0, nkb), two blocks at a time (tmm4 and tmm5):
+// Q's DP tiles in tmm0..DP-1, K^T's in tmm6/7. (GCC's tile intrinsics paste the register
+// number into the instruction's text, so it must be a literal: a macro, not a template.)
 template <int DP>
 void scores(const uint32_t* kt, int nkb, float* s, int ld) {
-  auto block = [&](const uint32_t* b) {  // into tmm4 (tmm5 for the odd block), B in tmm6/7
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(4, 0, 6);
-    _tile_loadd(7, b + kBlk, 64);
-    _tile_dpbf16ps(4, 1, 7);
-    if constexpr (DP == 4) {
-      _tile_loadd(6, b + 2 * kBlk, 64);
-      _tile_dpbf16ps(4, 2, 6);
-      _tile_loadd(7, b + 3 * kBlk, 64);
-      _tile_dpbf16ps(4, 3, 7);
-    }
-  };
-  auto block5 = [&](const uint32_t* b) {
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(5, 0, 6);
-    _tile_loadd(7, b + kBlk, 64);
-    _tile_dpbf16ps(5, 1, 7);
-    if constexpr (DP == 4) {
-      _tile_loadd(6, b + 2 * kBlk, 64);
-      _tile_dpbf16ps(5, 2, 6);
-      _tile_loadd(7, b + 3 * kBlk, 64);
-      _tile_dpbf16ps(5, 3, 7);
-    }
-  };
+#define SERVELM_SCORE_BLOCK(TC, b)          \
+  do {                                      \
+    _tile_zero(TC);                         \
+    _tile_loadd(6, (b), 64);                \
+    _tile_dpbf16ps(TC, 0, 6);               \
+    _tile_loadd(7, (b) + kBlk, 64);         \
+    _tile_dpbf16ps(TC, 1, 7);               \
+    if constexpr (DP == 4) {                \
+      _tile_loadd(6, (b) + 2 * kBlk, 64);   \
+      _tile_dpbf16ps(TC, 2, 6);             \
+      _tile_loadd(7, (b) + 3 * kBlk, 64);   \
+      _tile_dpbf16ps(TC, 3, 7);             \
+    }                                       \
+  } while (0)
   const int stride = ld * static_cast<int>(sizeof(float));
   int kb = 0;
   for (; kb + 2 <= nkb; kb += 2) {
-    _tile_zero(4);
-    _tile_zero(5);
-    block(kt + static_cast<int64_t>(kb) * DP * kBlk);
-    block5(kt + static_cast<int64_t>(kb + 1) * DP * kBlk);
+    SERVELM_SCORE_BLOCK(4, kt + static_cast<int64_t>(kb) * DP * kBlk);
+    SERVELM_SCORE_BLOCK(5, kt + static_cast<int64_t>(kb + 1) * DP * kBlk);
     _tile_stored(4, s + kb * 16, stride);
     _tile_stored(5, s + (kb + 1) * 16, stride);
   }
   if (kb < nkb) {
-    _tile_zero(4);
-    block(kt + static_cast<int64_t>(kb) * DP * kBlk);
+    SERVELM_SCORE_BLOCK(4, kt + static_cast<int64_t>(kb) * DP * kBlk);
     _tile_stored(4, s + kb * 16, stride);
   }
+#undef SERVELM_SCORE_BLOCK
 }
 
 // O[16][D] (fp32) = P V over npb blocks of 32 keys; P: [16][ldp] bf16.
@@ -216,7 +175,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const at::Tensor& block_tables, const at::Tensor& cu_q, const at::Tensor& start_pos,
                  double scale, at::Tensor& out) {
   using BF = c10::BFloat16;
-  constexpr int DP = D / 32, ND = D / 16;
+  constexpr int DP = D / 32;
   const PagedKV<BF> kv(k_cache, v_cache, block_tables);
   const int H = q.size(1), KVH = kv.kv_heads, G = H / KVH;
   const int B = start_pos.numel();
@@ -346,18 +305,11 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       _tile_release();
     }
   }
-  (void)ND;
 }
 
 #endif  // SERVELM_AMX
 
-bool available() {
-#ifdef SERVELM_AMX
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool available() { return amx_available(); }
 
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,

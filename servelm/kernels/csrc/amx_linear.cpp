@@ -31,74 +31,19 @@
 #include <memory>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SERVELM_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"        // SERVELM_AMX, amx_available, load_tile_config, kBlk
+#include "decode_attention.h"  // transpose16x16
 
 namespace {
 
-constexpr int kBlk = 256;  // dwords in one 16 x 16 dword tile (1 KB)
-
 #ifdef SERVELM_AMX
-
-bool amx_permitted() {  // Linux keeps the tile data state off until a process asks (arch_prctl)
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Every tile 64 bytes wide; the first row block's A and C tiles (tmm0, 1, 4) `lo` rows, the
 // second's (tmm2, 3, 5) `hi` rows, the B tiles (tmm6, 7) 16: a call of at most 32 rows runs
 // on exactly its rows (no padding copy, no multiplies of zero rows).
-void configure_tiles(int lo = 16, int hi = 16) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(lo);
-  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(std::max(hi, 1));
-  _tile_loadconfig(&cfg);
-}
-
-// In-register transpose of 16 rows of 16 dwords.
-inline void transpose16x16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
+void configure_rows(int lo = 16, int hi = 16) {
+  const uint8_t l = static_cast<uint8_t>(lo), h = static_cast<uint8_t>(std::max(hi, 1));
+  load_tile_config({l, l, h, h, l, h, 16, 16});
 }
 
 // K steps of weight prefetched ahead of the tile loads (two 1 KB tiles a step): AMX tile
@@ -124,38 +69,33 @@ struct ATiles {
 // 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
 // column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
 inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c) {
+  const bool two = rows > 16;  // a second row tile
   _tile_zero(0);
   _tile_zero(1);
-  if (rows > 16) {
+  if (two) {
     _tile_zero(2);
     _tile_zero(3);
-    for (int kb = 0; kb < ksteps; ++kb) {
-      const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
-      prefetch_step(b + kPrefetchSteps * 2 * kBlk);
-      _tile_loadd(4, a.at(kb, 0), a.stride);
-      _tile_loadd(6, b, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + kBlk, 64);
-      _tile_dpbf16ps(1, 4, 7);
+  }
+  for (int kb = 0; kb < ksteps; ++kb) {
+    const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
+    prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+    _tile_loadd(4, a.at(kb, 0), a.stride);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + kBlk, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
       _tile_loadd(5, a.at(kb, 1), a.stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
-  } else {
-    for (int kb = 0; kb < ksteps; ++kb) {
-      const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
-      prefetch_step(b + kPrefetchSteps * 2 * kBlk);
-      _tile_loadd(4, a.at(kb, 0), a.stride);
-      _tile_loadd(6, b, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + kBlk, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
   }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
 }
 
 // 64 rows against column pair wp, in two passes (one per 16-column block) of 4 A tiles x 1
@@ -190,13 +130,7 @@ inline void quad_block(const ATiles& a, const uint32_t* wp, int ksteps, float* c
 
 #endif  // SERVELM_AMX
 
-bool available() {
-#ifdef SERVELM_AMX
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool available() { return amx_available(); }
 
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(available(), "servelm_amx_linear.pack: AMX-BF16 is not available here");
@@ -275,8 +209,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     return {ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
   };
   auto run = [&](int64_t p0, int64_t p1) {
-    if (M <= 32) configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)), static_cast<int>(M - 16));
-    else configure_tiles();
+    if (M <= 32) configure_rows(static_cast<int>(std::min<int64_t>(M, 16)), static_cast<int>(M - 16));
+    else configure_rows();
     alignas(64) float c[64 * 32];
     // Row block after row block, each over the thread's column pairs: the block's A tiles
     // stay in cache while the weight streams past them.

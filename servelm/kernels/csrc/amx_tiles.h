@@ -1,0 +1,65 @@
+// AMX tile helpers shared by amx_attention.cpp and amx_linear.cpp: whether the kernels are
+// compiled (SERVELM_AMX: the compiler targets AMX-BF16 and AVX512-BF16), whether the OS lets
+// this process use the tile state, and the tile configuration both load. Definitions sit in
+// an anonymous namespace: each extension compiles its own copy.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SERVELM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int kBlk = 256;  // dwords in one 16 x 16 dword tile (1 KB)
+
+#ifdef SERVELM_AMX
+
+// Linux keeps the AMX tile data state off until a process asks for it (arch_prctl).
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return ok;
+}
+
+// Palette 1: 8 tiles, each `rows` rows of 64 bytes (A: 16 x 32 bf16; B: 16 rows of K pairs x
+// 16 dwords; C: 16 x 16 fp32). Loaded per thread, before its first tile instruction.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void load_tile_config(const uint8_t (&rows)[8]) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = rows[i];
+  }
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, which then drops
+  // the stores to the rest as dead (ldtilecfg faults on the garbage): a memory barrier
+  // keeps them.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+#endif  // SERVELM_AMX
+
+// Whether the AMX kernels are built here and may run (the OS granted the tile state).
+inline bool amx_available() {
+#ifdef SERVELM_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
