@@ -48,9 +48,9 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
     C++ kernels on the CPU (cpu_kernels on, and they read this cache and are built), with
     prompts on whichever of servelm's op, PyTorch's flash attention and servelm's AMX
     kernel measures fastest here (cpu, cpu_sdpa or cpu_amx, of those that run this spec;
-    kernel tuning off: cpu), else Triton on CUDA (triton_attention on,
-    and its kernels pass their probe on this shape), else the reference. An explicit
-    backend that cannot run `spec` is a ValueError."""
+    kernel tuning off: cpu), else Triton on CUDA (triton_attention on, and its kernels pass
+    their probe on this shape), else the reference. An explicit backend that cannot run
+    `spec` is a ValueError."""
     name = kernels.attention_backend
     if name != "auto":
         backend = BACKENDS[name]

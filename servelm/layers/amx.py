@@ -1,9 +1,10 @@
 """The "amx" linear method: bf16 layers on servelm's AMX tile kernel
 (kernels/csrc/amx_linear.cpp). The weight is packed once into tile order (pairs of 16-column
-blocks, a contiguous stream each); a call runs 32 activation rows at a time against one pair
-with fp32 sums in AMX tiles, rounded once to bf16. Each row's result depends on that row
-only, so the method is batch-invariant. The tuner chooses it per layer shape and row bucket
-where it measures faster than oneDNN's own AMX path.
+blocks, a contiguous stream each); a call runs its rows in blocks (up to 32 rows on tiles of
+exactly its rows, 33-192 in blocks of 64, more in blocks of 32) against each pair, with fp32
+sums in AMX tiles rounded once to bf16. Each row's result depends on that row only, so the
+method is batch-invariant. The tuner chooses it per layer shape and row bucket where it
+measures faster than the other methods (oneDNN's own AMX path among them).
 """
 
 from __future__ import annotations
