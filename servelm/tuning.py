@@ -54,9 +54,9 @@ INVARIANCE_ROWS = (1, 2, 7, 8, 16, 23, 33, 64, 128, 200)
 INVARIANCE_CALL = 320
 INVARIANCE_WINDOWS = 8  # windows of m rows checked per row count
 KEEP = 1.5              # after a timing round, methods slower than this x the best drop out
-# ... but after the first round only those this much slower: one noisy spell (measured at
-# 8x on a shared VM, long enough to cover a method's whole first sweep) must not drop the
-# method that is fastest the rest of the time, and a cached table keeps the choice.
+# ... but after the first round only those this much slower: one busy spell on a shared VM,
+# long enough to cover a method's whole first sweep, must not drop the method that is
+# fastest the rest of the time (a cached table keeps the choice; README, "Choose the kernels").
 KEEP_FIRST = 3.0
 
 
@@ -230,9 +230,9 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     during a busy spell. After each round only the methods within KEEP of the best go on
     (KEEP_FIRST after the first, so one busy spell drops nothing): one already 1.5x as slow
     is not chosen whatever its next rounds say, and a large layer's slow method can cost a
-    tenth of a second a call. The caller has just run each
-    sweep's first module on x (its known-answer check), which warmed it up; first: the
-    seconds those calls took (one module a sweep), a sample for the best but no round."""
+    tenth of a second a call. The caller has just run each sweep's first module on x (its
+    known-answer check), which warmed it up; first: the seconds those calls took (one
+    module a sweep), a sample for the best but no round."""
     best = {k: math.inf for k in sweeps}
     active = list(sweeps)
     rounds, spent = 0, 0.0
@@ -390,8 +390,7 @@ def _slice_outputs(src: nn.Module) -> int:
     """How many of the layer's outputs the tuner times at prompt-sized buckets: all of
     them, unless the layer holds over 2 SLICE_BYTES (an LM head: 113 MB in fp32 for the
     embedded model); then a multiple of 32 (the amx method's column pair) holding about
-    SLICE_BYTES, at least
-    SLICE_MIN_OUT. Only the buckets over 8 rows and the invariance
+    SLICE_BYTES, at least SLICE_MIN_OUT. Only the buckets over 8 rows and the invariance
     check use the slice: they are compute-bound, their time grows with the outputs, and
     timed whole they were half of a fresh tuning. One and 8 rows stream the weights from
     memory, and a slice swept in copies ranked the methods by cache luck."""
