@@ -913,7 +913,7 @@ def test_slow_headers_and_bodies_are_cut_off(small_server):
                 pass
         t = time.perf_counter()
         assert httpx.get(f"{small_server.url}/health").status_code == 200
-        assert time.perf_counter() - t < 0.1
+        assert time.perf_counter() - t < 0.5  # a blocked event loop would take seconds
         time.sleep(0.3)
     for sock in slow:
         sock.settimeout(3)
