@@ -32,8 +32,8 @@
 #include <memory>
 #include <vector>
 
-#include "amx_tiles.h"        // SERVELM_AMX, amx_available, load_tile_config, kBlk
 #include "decode_attention.h"  // PagedKV, exp2_512, transpose16x16, kNegBig, kLog2e
+#include "amx_tiles.h"        // SERVELM_AMX, amx_available, load_tile_config, store_b_tile, kBlk
 
 namespace {
 
@@ -60,15 +60,10 @@ void pack32(const PagedKV<c10::BFloat16>& kv, const int32_t* table, int h, int k
   };
   for (int half = 0; half < 2; ++half) {
     const int kb = k0 / 16 + half;
-    const uint16_t* rows[16];
-    for (int n = 0; n < 16; ++n) rows[n] = krow(k0 + half * 16 + n);
-    for (int dp = 0; dp < DP; ++dp) {
-      __m512i r[16];  // row n: dwords (dim pairs) dp*16 .. dp*16+15 of key n
-      for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(rows[n] + dp * 32);
-      transpose16x16(r);  // r[p] lane n: pair p of key n
-      uint32_t* dst = kt + (static_cast<int64_t>(kb) * DP + dp) * kBlk;
-      for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * 16, r[p]);
-    }
+    const uint32_t* rows[16];  // key n's dim pairs
+    for (int n = 0; n < 16; ++n) rows[n] = reinterpret_cast<const uint32_t*>(krow(k0 + half * 16 + n));
+    for (int dp = 0; dp < DP; ++dp)
+      store_b_tile(rows, dp * 16, kt + (static_cast<int64_t>(kb) * DP + dp) * kBlk);
   }
   const int pb = k0 / 32;
   for (int j = 0; j < 16; ++j) {
@@ -189,17 +184,9 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   // Packed K^T / V per (sequence, KV head): keys rounded up to 32.
   std::vector<int64_t> pack_off(static_cast<size_t>(B) * KVH + 1, 0);
   std::vector<int> nkeys(B);
+  check_prefill_tables(kv, cu, sp, B, "servelm_amx_attention.paged_prefill_attention");
   for (int b = 0; b < B; ++b) {
-    const int n = cu[b + 1] - cu[b];
-    TORCH_CHECK(n >= 0 && sp[b] >= 0, "paged_prefill_attention: bad cu_seqlens_q / start_pos");
-    nkeys[b] = sp[b] + n;
-    TORCH_CHECK(nkeys[b] <= static_cast<int64_t>(kv.MB) * kv.bs, "paged_prefill_attention: sequence ", b,
-                " needs ", nkeys[b], " keys, its block table holds ", kv.MB * kv.bs);
-    for (int i = 0, nb = (nkeys[b] + kv.bs - 1) / kv.bs; i < nb; ++i) {
-      const int32_t blk = kv.table(b)[i];
-      TORCH_CHECK(blk >= 0 && blk < kv.num_blocks, "paged_prefill_attention: block ", blk,
-                  " out of range (", kv.num_blocks, " blocks)");
-    }
+    nkeys[b] = sp[b] + cu[b + 1] - cu[b];
     const int64_t per_head = static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D;  // dwords, K^T + V
     for (int h = 0; h < KVH; ++h)
       pack_off[b * KVH + h + 1] = pack_off[b * KVH + h] + per_head;
@@ -318,27 +305,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const char* name = "servelm_amx_attention.paged_prefill_attention";
   TORCH_CHECK(available(), name, ": AMX-BF16 is not available here (not built for it, or the OS "
               "refused the tile state)");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16, name,
-              ": q must be bf16 [T,H,D], last dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
+  check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, name);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
-              name, ": caches must be contiguous bf16 [NB,BS,KVH,D]");
-  const int64_t B = start_pos.numel();
-  TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
-              name, ": start_pos must be contiguous int32 [B]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && block_tables.size(0) == B,
-              name, ": block_tables must be contiguous int32 [B, max_blocks]");
-  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
-                  cu_seqlens_q.numel() == B + 1,
-              name, ": cu_seqlens_q must be contiguous int32 [B + 1]");
-  const int H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, name,
-              ": q heads must be a multiple of the KV heads, same head dim");
+              name, ": q and the caches must be bf16");
+  const int H = q.size(1), D = q.size(2);
   TORCH_CHECK(D == 64 || D == 128, name, ": head dim ", D, " unsupported (64 or 128)");
-  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
-  TORCH_CHECK(cu[0] == 0 && cu[B] == q.size(0), name, ": cu_seqlens_q must run from 0 to T");
   auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
 #ifdef SERVELM_AMX

@@ -31,8 +31,8 @@
 #include <memory>
 #include <optional>
 
-#include "amx_tiles.h"        // SERVELM_AMX, amx_available, load_tile_config, kBlk
 #include "decode_attention.h"  // transpose16x16
+#include "amx_tiles.h"        // SERVELM_AMX, amx_available, load_tile_config, store_b_tile, kBlk
 
 namespace {
 
@@ -147,13 +147,10 @@ at::Tensor pack(const at::Tensor& w) {
   const int64_t K2 = K / 2, ksteps = K / 32;
   at::parallel_for(0, N / 16, 1, [&](int64_t nb0, int64_t nb1) {
     for (int64_t nb = nb0; nb < nb1; ++nb) {  // 16 output rows of w -> their B tiles
-      for (int64_t kb = 0; kb < ksteps; ++kb) {
-        __m512i r[16];  // r[n]: dwords (K pairs) kb*16 .. kb*16+15 of weight row nb*16+n
-        for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src + (nb * 16 + n) * K2 + kb * 16);
-        transpose16x16(r);  // r[p] lane n: K pair p of output n
-        uint32_t* t = dst + ((nb / 2) * ksteps + kb) * 2 * kBlk + (nb % 2) * kBlk;
-        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(t + p * 16, r[p]);
-      }
+      const uint32_t* rows[16];  // output n's K pairs
+      for (int n = 0; n < 16; ++n) rows[n] = src + (nb * 16 + n) * K2;
+      for (int64_t kb = 0; kb < ksteps; ++kb)
+        store_b_tile(rows, kb * 16, dst + ((nb / 2) * ksteps + kb) * 2 * kBlk + (nb % 2) * kBlk);
     }
   });
 #endif
@@ -189,7 +186,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const int bh = M > 32 && M <= kQuadMaxRows ? 64 : 32, nt = bh / 16;
   const int64_t nblocks = (M + bh - 1) / bh;
   // More than 32 rows: A packed once a call into [block][K step][row tile] 1 KB tiles, the
-  // rows past M zero (every thread reads all of it, once per column pair).
+  // rows past M zero (every thread reads all of it, a block at a time).
   at::Tensor apack;
   if (M > 32) apack = at::empty({nblocks * bh * K}, xc.options());
   c10::BFloat16* ap = M > 32 ? apack.data_ptr<c10::BFloat16>() : nullptr;
@@ -249,7 +246,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < nblocks; ++blk) pack_block(blk);
       }  // (the for's barrier: every block packed before any is read)
-      // Contiguous runs of column pairs: each thread streams its share of the weight once.
+      // Contiguous runs of column pairs: each thread streams its share of the weight, once
+      // per row block.
       const int t = omp_get_thread_num(), n = omp_get_num_threads();
       run(pairs * t / n, pairs * (t + 1) / n);
     }

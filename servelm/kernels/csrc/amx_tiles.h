@@ -51,6 +51,16 @@ inline void load_tile_config(const uint8_t (&rows)[8]) {
   _tile_loadconfig(&cfg);
 }
 
+// One B tile from 16 rows of 16 dwords (row n at rows[n] + off): K pair p of row n lands at
+// dword p * 16 + n of the 1 KB tile at dst, the layout tdpbf16ps reads for its B operand.
+// (transpose16x16: decode_attention.h, included before this is used.)
+inline void store_b_tile(const uint32_t* const* rows, int64_t off, uint32_t* dst) {
+  __m512i r[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(rows[n] + off);
+  transpose16x16(r);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 16, r[p]);
+}
+
 #endif  // SERVELM_AMX
 
 // Whether the AMX kernels are built here and may run (the OS granted the tile state).

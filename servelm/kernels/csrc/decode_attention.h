@@ -722,6 +722,51 @@ class DecodeAttention {
   std::vector<float> part_;
 };
 
+// A prompt-attention call's layout (servelm_ops' and servelm_amx_attention's ops share it;
+// dtypes and head dims are each op's own): q [T,H,D] with its last dim contiguous, caches of
+// one contiguous shape [NB,BS,KVH,D], int32 start_pos [B], block_tables [B, max_blocks] and
+// cu_seqlens_q [B + 1] running from 0 to T, the q heads a multiple of the KV heads.
+inline void check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
+                               const char* name) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, name, ": q must be [T,H,D], last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              name, ": caches must be contiguous [NB,BS,KVH,D]");
+  TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
+              name, ": start_pos must be contiguous int32 [B]");
+  const int64_t B = start_pos.numel();
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == B,
+              name, ": block_tables must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
+                  cu_seqlens_q.numel() == B + 1,
+              name, ": cu_seqlens_q must be contiguous int32 [B + 1]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, name,
+              ": q heads must be a multiple of the KV heads, same head dim");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == q.size(0), name, ": cu_seqlens_q must run from 0 to T");
+}
+
+// Every prompt sequence's keys (start_pos[b] + its queries) within its block table, and the
+// blocks they read within the pool.
+template <typename C>
+inline void check_prefill_tables(const PagedKV<C>& kv, const int32_t* cu, const int32_t* sp, int B,
+                                 const char* name) {
+  for (int b = 0; b < B; ++b) {
+    const int n = cu[b + 1] - cu[b];
+    TORCH_CHECK(n >= 0 && sp[b] >= 0, name, ": bad cu_seqlens_q / start_pos");
+    TORCH_CHECK(sp[b] + n <= static_cast<int64_t>(kv.MB) * kv.bs, name, ": sequence ", b,
+                " needs ", sp[b] + n, " keys, its block table holds ", kv.MB * kv.bs);
+    for (int i = 0, nb = (sp[b] + n + kv.bs - 1) / kv.bs; i < nb; ++i) {
+      const int32_t blk = kv.table(b)[i];
+      TORCH_CHECK(blk >= 0 && blk < kv.num_blocks, name, ": block ", blk, " out of range (",
+                  kv.num_blocks, " blocks)");
+    }
+  }
+}
+
 // Every context length within its block table (the message names the calling op).
 inline void check_context_lens(const int32_t* lens, int B, int max_blocks, int block_size,
                                const char* name) {

@@ -589,7 +589,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   static_assert(!kDp || std::is_same<C, T>::value, "bf16 pairs are packed from bf16 caches");
   const PagedKV<C> kv = paged_kv<C>(k_cache, v_cache, block_tables, k_scale, v_scale);
   const int H = q.size(1), D = DT ? DT : q.size(2);
-  const int KVH = kv.kv_heads, bs = kv.bs, MB = kv.MB;
+  const int KVH = kv.kv_heads;
   const int G = H / KVH;
   const int B = start_pos.numel();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
@@ -614,16 +614,9 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     if (iq <= 16 || count * KVH >= 4 * nthreads) break;
     iq /= 2;
   }
+  check_prefill_tables(kv, cu, sp, B, "paged_prefill_attention");
   for (int b = 0; b < B; ++b) {
     const int n = cu[b + 1] - cu[b];
-    TORCH_CHECK(n >= 0 && sp[b] >= 0, "paged_prefill_attention: bad cu_seqlens_q / start_pos");
-    TORCH_CHECK(sp[b] + n <= static_cast<int64_t>(MB) * bs, "paged_prefill_attention: sequence ", b,
-                " needs ", sp[b] + n, " keys, its block table holds ", MB * bs);
-    for (int i = 0, nb = (sp[b] + n + bs - 1) / bs; i < nb; ++i) {
-      const int32_t blk = kv.table(b)[i];
-      TORCH_CHECK(blk >= 0 && blk < kv.num_blocks, "paged_prefill_attention: block ", blk,
-                  " out of range (", kv.num_blocks, " blocks)");
-    }
     for (int q0 = 0; q0 < n; q0 += iq) {
       const int q1 = std::min(n, q0 + iq);
       const int64_t cost = static_cast<int64_t>(q1 - q0) * (sp[b] + q1 - (q1 - q0) / 2);
@@ -867,27 +860,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
                                    double scale, const OptTensor& k_scale, const OptTensor& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_prefill_attention: q must be [T,H,D], last dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "paged_prefill_attention: caches must be contiguous [NB,BS,KVH,D]");
+  check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, "paged_prefill_attention");
   const bool quant = check_kv_dtype(q, k_cache, v_cache, k_scale, v_scale, "paged_prefill_attention");
-  TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
-              "paged_prefill_attention: start_pos must be contiguous int32 [B]");
-  const int64_t B = start_pos.numel();
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && block_tables.size(0) == B,
-              "paged_prefill_attention: block_tables must be contiguous int32 [B, max_blocks]");
-  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
-                  cu_seqlens_q.numel() == B + 1,
-              "paged_prefill_attention: cu_seqlens_q must be contiguous int32 [B + 1]");
-  const int H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0,
-              "paged_prefill_attention: q heads must be a multiple of the KV heads, same head dim");
+  const int H = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 16 == 0 && D <= kMaxD,
               "paged_prefill_attention: head dim ", D, " unsupported (a multiple of 16, at most ", kMaxD, ")");
-  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
-  TORCH_CHECK(cu[0] == 0 && cu[B] == q.size(0), "paged_prefill_attention: cu_seqlens_q must run from 0 to T");
   auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
   if (quant) {
