@@ -6,6 +6,7 @@ pair is reported (median, min, max), with each side's median tok/s.
 
     python benchmarks/decode_ab.py [--what stack|hugepages] [--quantization int4]
                                    [--streams 1,4,8,16] [--pairs 4] [--tokens 64]
+                                   [--kernel-tuning off|cached|fresh]
 
 - stack: the int4/int8 DecodeStack (all decoder layers of a decode-only step in one C++
   call) against the per-op kernel path, toggled on one engine (`model.fused_decode`), every
@@ -33,9 +34,13 @@ def main() -> None:
     ap.add_argument("--streams", type=int_list, default=[1, 4, 8, 16])
     ap.add_argument("--pairs", type=positive(int), default=4)
     ap.add_argument("--tokens", type=positive(int), default=64)
+    ap.add_argument("--kernel-tuning", choices=("off", "cached", "fresh"), default="cached",
+                    help="hugepages: how both engines choose their linear methods (off: the "
+                         "untuned defaults, no measuring at start-up)")
     args = ap.parse_args()
 
-    kw = dict(dtype="bfloat16", quantization=args.quantization, enable_prefix_caching=False)
+    kw = dict(dtype="bfloat16", quantization=args.quantization, enable_prefix_caching=False,
+              kernel_tuning=args.kernel_tuning)
     if args.what == "stack":
         llm = LLM(linear_method="tiles", **kw)
         if not llm.engine.model.fused_decode:

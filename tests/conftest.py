@@ -101,16 +101,20 @@ def hf_tokenizer(gguf_path):
     return hf_tokenizer_from_gguf(gguf_path)  # AutoTokenizer's choice for it, named
 
 
-# Modules that time a server, an event loop or a benchmark, or spawn tensor-parallel ranks:
-# `make test` runs them on their own after the rest (which runs on two pytest-xdist
-# workers, a CPU each), so nothing else competes with them for the CPUs.
-SERIAL = {"test_tensor_parallel.py", "test_server.py", "test_server_api.py",
-          "test_server_async_engine.py", "test_bench.py", "test_synthetic_bench.py",
-          "test_console.py"}
-# The slowest of the others first, so that neither worker is left with a long module at
-# the end while the other idles (--dist loadfile hands out whole modules in this order).
-SLOW_FIRST = ["test_real_models.py", "test_engine.py", "test_quantization.py",
-              "test_prefix_caching.py", "test_families.py", "test_formats.py", "test_tuning.py"]
+# Modules whose processes need every CPU, or which time a client against a fake server to
+# tens of milliseconds: tensor-parallel ranks (two ranks and their server on one worker's
+# CPU took 4x as long) and test_bench.py. `make test` runs them on their own after the
+# rest, which runs on two pytest-xdist workers, a CPU each. The servers' tests run there
+# too: each worker has a CPU of its own, and their timing checks bound what a blocked
+# event loop or a lost request would take, with room for a noisy CPU.
+SERIAL = {"test_tensor_parallel.py", "test_bench.py"}
+# The slowest first, so that neither worker is left with a long module at the end while
+# the other idles (--dist loadfile hands out whole modules in this order).
+SLOW_FIRST = ["test_families.py", "test_quantization.py", "test_server.py", "test_engine.py",
+              "test_tuning.py", "test_console.py", "test_real_models.py",
+              "test_decode_benchmarks.py", "test_triton_attention.py", "test_kernels.py",
+              "test_decode_layer.py", "test_prefix_caching.py", "test_formats.py",
+              "test_spec_draft.py", "test_prepack.py", "test_server_api.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -42,7 +42,7 @@ class Server:
     def __init__(self, *extra: str, env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="servelm-serve-", suffix=".log")
         cmd = [sys.executable, "-m", "servelm.cli", "serve", "--port", "0", "--dtype", "float32",
-               "--kv-cache-memory", "256MiB", "--num-threads", "2",
+               "--kv-cache-memory", "256MiB",
                "--max-model-len", str(MAX_MODEL_LEN), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, **(env or {})})
