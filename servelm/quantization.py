@@ -141,7 +141,10 @@ def unpacked_once():
 def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
     """The tiled layout -> q uint8 [N, K] in 0..15 (N = out_features, else padded rows)."""
     if _unpacked is not None:
-        key = (packed.data_ptr(), packed._version, tuple(packed.shape), packed.device)
+        # An inference tensor (a slice the tuner cut from a large layer inside inference
+        # mode) has no version counter; nothing writes the weights while they are unpacked.
+        version = -1 if packed.is_inference() else packed._version
+        key = (packed.data_ptr(), version, tuple(packed.shape), packed.device)
         q = _unpacked.get(key)
         if q is None:
             q = _unpacked[key] = _unpack_int4(packed)

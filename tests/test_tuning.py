@@ -515,6 +515,22 @@ def test_a_large_layer_is_timed_on_a_slice_only_at_prompt_sized_buckets(monkeypa
         assert t == pytest.approx([1, 8, 64, 512])
 
 
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_a_large_int4_layer_is_measured_on_its_slice(monkeypatch, act):
+    """As finalize_linears measures it (one unpacking shared by every method): the slice is
+    cut inside inference mode, and unpacking it once must not need a version counter (an
+    int4 Qwen2.5-1.5B's LM head, 151,936 x 1,536, crashed the engine's start here)."""
+    from servelm.quantization import unpacked_once
+
+    _sliced(monkeypatch)
+    src = _source("int4", n=96, k=128, bias=False)
+    cands = [m for m in lm.METHODS if lm.applies(m, src, act, True) and lm.tunable(m, act)]
+    with unpacked_once():
+        times, failed, _ = tuning.measure([src], cands, act, default=cands[0])
+    assert failed == [] and set(times) == set(cands)
+    assert all(math.isfinite(t) for ts in times.values() for t in ts)
+
+
 class _WrongPastEight(nn.Module):
     """Right up to 8 rows, zeros beyond: a kernel whose many-row path has a bug."""
 
