@@ -213,6 +213,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_identical(llm):
     ("x " * 9000, SamplingParams(max_tokens=1), "maximum context length"),
     ("Hello", SamplingParams(max_tokens=100_000), "max_tokens"),
     ([1, 2, 10**9], SamplingParams(), "outside the vocabulary"),
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(), "prompt must be a string or a list"),
 ])
 def test_bad_requests_are_rejected_with_a_clear_error(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):

@@ -310,6 +310,11 @@ class LLMEngine:
 
         Raises ValueError naming the problem; safe to call from another thread.
         """
+        if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+            # A dict would be read as its keys ("prompt token id 'prompt_token_ids'").
+            raise ValueError(f"prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__} (token ids go in prompt_token_ids=; "
+                             f"LLM.generate takes {{'prompt_token_ids': [...]}})")
         if prompt_token_ids is not None:
             text, ids = prompt, list(prompt_token_ids)
         elif isinstance(prompt, str):
