@@ -102,8 +102,8 @@ def hf_tokenizer(gguf_path):
 
 
 # Modules whose processes need every CPU, or which time a client against a fake server to
-# tens of milliseconds: tensor-parallel ranks (two ranks and their server on one worker's
-# CPU took 4x as long) and test_bench.py. `make test` runs them on their own after the
+# tens of milliseconds: tensor-parallel ranks (two ranks and their server sharing one
+# worker's CPU crawl) and test_bench.py. `make test` runs them on their own after the
 # rest, which runs on two pytest-xdist workers, a CPU each. The servers' tests run there
 # too: each worker has a CPU of its own, and their timing checks bound what a blocked
 # event loop or a lost request would take, with room for a noisy CPU.

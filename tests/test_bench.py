@@ -209,7 +209,7 @@ def test_concurrency_timings_and_json(fake, tmp_path, capsys):
     assert all(r["output_tokens"] == 10 and r["prompt_tokens"] == 16 for r in doc["requests"])
     assert all(len(r["itl_s"]) == 9 for r in doc["requests"])
     # Loose bounds: a 2-core box runs the client and server in one process, and a noisy VM
-    # stalls one request now and then (a mean of 88 ms was seen), so the median is bounded.
+    # stalls one request now and then, which moves the mean: the median is bounded.
     assert TTFT * 1000 <= s["ttft_ms"]["mean"]
     assert TTFT * 1000 <= s["ttft_ms"]["p50"] < TTFT * 1000 + 60
     assert ITL * 1000 * 0.8 <= s["tpot_ms"]["mean"] < ITL * 1000 * 2
