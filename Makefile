@@ -49,7 +49,7 @@ generate: install
 # $$SERVELM_MODELS_DIR), outside the clone: a rerun only verifies them. The tests need the
 # Qwen2.5-Coder-0.5B; `make models` adds the 1.5B and Gemma 3 270M for the benchmarks.
 # Two workers (pytest-xdist, a CPU each, whole modules), then the modules marked serial
-# (tensor-parallel ranks) on their own with every CPU; both share one
+# (tensor-parallel ranks, the fake-server timings) on their own with every CPU; both share one
 # linear-method cache of this run's own (tests/conftest.py), so no shape is measured twice.
 test: install-test
 	$(PY) scripts/fetch_models.py qwen25-coder-0.5b

@@ -374,29 +374,29 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
         bm.free("all-logits")
 
 
-_REFERENCE: dict[int, tuple[list[int], torch.Tensor]] = {}  # id(engine) -> ids, fp32 logits
+@pytest.fixture(scope="module")
+def reference(llm):
+    """The first 256 tokens of TEXT and the fp32 engine's logits at every position, once for
+    the module's quality tests: the ratios are close to the whole text's (int4 KL 0.053 vs
+    0.055, ppl ratio 1.05 at 512 tokens) at a fraction of the cost of the prompt passes."""
+    ids = llm.get_tokenizer().encode(TEXT)[:256]
+    return ids, all_logits(llm.engine, ids)
 
 
-def quality(llm, quant_llms):
-    # The first 256 tokens: the ratios are close to the whole text's (int4 KL 0.053 vs 0.055,
-    # ppl ratio 1.05 at 512 tokens) at a fraction of the cost of the prompt passes, which on
-    # one CPU were most of this module's time. The reference's logits are computed once.
-    if id(llm.engine) not in _REFERENCE:
-        ids = llm.get_tokenizer().encode(TEXT)[:256]
-        _REFERENCE[id(llm.engine)] = ids, all_logits(llm.engine, ids)
-    ids, ref = _REFERENCE[id(llm.engine)]
+def quality(reference, quant_llms):
+    ids, ref = reference
+    ref_logp = torch.log_softmax(ref, -1)
     out = {}
-    for name, lq in [("fp32", llm)] + sorted(quant_llms.items()):
+    for name, lq in [("fp32", None)] + sorted(quant_llms.items()):
         logits = ref if name == "fp32" else all_logits(lq.engine, ids)
         logp = torch.log_softmax(logits, -1)
         nll = -logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
-        ref_logp = torch.log_softmax(ref, -1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
         out[name] = (kl, math.exp(nll))
     return out
 
 
-def test_quality_kl_and_perplexity(llm, quant_llms):
+def test_quality_kl_and_perplexity(reference, quant_llms):
     from servelm.layers import q8act
 
     engines = dict(quant_llms)
@@ -407,7 +407,7 @@ def test_quality_kl_and_perplexity(llm, quant_llms):
         engines["int4 q8act"] = _engine("bfloat16", "int4", "q8act")
         assert any(isinstance(m, q8act.Int4Q8Linear)
                    for m in engines["int4 q8act"].engine.model.modules())
-    q = quality(llm, engines)
+    q = quality(reference, engines)
     print({k: f"KL {kl:.4f} ppl {ppl:.2f}" for k, (kl, ppl) in q.items()})
     kl8, ppl8 = q["int8"]
     kl4, ppl4 = q["int4"]
@@ -421,7 +421,7 @@ def test_quality_kl_and_perplexity(llm, quant_llms):
 
 
 @needs_kernels
-def test_bf16_quality_through_the_decode_once_prompt_path(llm):
+def test_bf16_quality_through_the_decode_once_prompt_path(llm, reference):
     # bf16 activations over a prompt of hundreds of tokens: the kernels decode each weight
     # tile to bf16 once and multiply every row (>= 48 rows int4, >= 24 int8, >= 8 bf16
     # weights). Measured: KL to fp32 bf16 0.0009, int8 0.0044, int4 0.055 (fp32
@@ -432,7 +432,7 @@ def test_bf16_quality_through_the_decode_once_prompt_path(llm):
     assert isinstance(engines["bf16"].engine.model.lm_head, Q.TiledLinear)
     assert not isinstance(engines["bf16 oneDNN"].engine.model.lm_head, Q.TiledLinear)
     assert len(llm.get_tokenizer().encode(TEXT)) > 100
-    q = quality(llm, engines)
+    q = quality(reference, engines)
     ppl32 = q["fp32"][1]
     for name in ("bf16", "bf16 oneDNN"):
         assert q[name][0] < 0.005 and abs(q[name][1] / ppl32 - 1) < 0.01, q
