@@ -45,6 +45,12 @@ namespace {
 constexpr int kNR = 16;  // outputs per panel: two vectors of 8
 constexpr int kB = 32;   // inputs per activation block
 constexpr int kMR = 4;   // activation rows per micro-kernel call (at most 4: the accumulators)
+// Software prefetch distance of the weight stream, in bytes. A one-row call is a stream of
+// panels read once, and the hardware prefetchers alone left it well short of the memory's
+// bandwidth; a few KB ahead (the distance quant.cpp's tiles use) covers the latency at the
+// rate a core consumes int4 weights. Only a panel's first micro-kernel call prefetches: the
+// later row blocks read the panel from the cache.
+constexpr int kPrefetch = 6144;
 
 // Row x [K] (fp32 or bf16: widened exactly) -> q int8 [K], d [K / 32], ds = d * sum(q) [K / 32].
 template <typename T>
@@ -91,7 +97,7 @@ inline __m256i bcast4(const int8_t* p) {
 template <int R, typename O>
 inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* w,
                   const c10::Half* s, const c10::Half* mn, int64_t blocks_per_group, O* c,
-                  int64_t ldc, int ncols, const float* bias) {
+                  int64_t ldc, int ncols, const float* bias, bool prefetch) {
   static_assert(R >= 1 && R <= 4, "four rows of accumulators at most");
   const int64_t NB = K / kB;
   // The fp32 sums: named, so a few rows keep them in registers (the block's chain through
@@ -107,6 +113,9 @@ inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, c
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_si256();
     const uint8_t* wb = w + b * (kNR * kB / 2);
     const int8_t* qb = q + b * kB;
+    if (prefetch)  // the block's four lines, kPrefetch ahead (into the next panels at the end)
+      for (int l = 0; l < kNR * kB / 2; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetch + l, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int ch = 0; ch < 4; ++ch) {
       const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ch * 32));
@@ -176,11 +185,11 @@ void gemm_q4(const X* x, const uint8_t* w, const c10::Half* scales, const c10::H
       const int64_t bpg = group_size / kB;
       int64_t m = 0;
       for (; m + kMR <= M; m += kMR)
-        micro<kMR>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp);
+        micro<kMR>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0);
       switch (M - m) {
-        case 3: micro<3>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp); break;
-        case 2: micro<2>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp); break;
-        case 1: micro<1>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp); break;
+        case 3: micro<3>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
+        case 2: micro<2>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
+        case 1: micro<1>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
         default: break;
       }
     }
