@@ -77,6 +77,14 @@ def _pad_rows(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
     return torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]) if extra else t
 
 
+def _codec(t: torch.Tensor) -> bool:
+    """Whether servelm's C++ int4 codec (kernels/csrc/int4_codec.cpp) takes t: a CPU tensor,
+    the library built. It gives the PyTorch versions below bit for bit (tested), several
+    times faster and without their temporaries of several bytes a weight; those stay the
+    reference, and the path where nothing is compiled."""
+    return t.device.type == "cpu" and load_ops("int4_codec")
+
+
 @torch.no_grad()
 def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
                   symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,6 +100,18 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if K % group_size:
         raise ValueError(f"int4 needs in_features divisible by group_size {group_size}, got {K}")
+    if _codec(weight):
+        return tuple(torch.ops.servelm_int4_codec.quantize(
+            weight.detach().float().contiguous(), group_size, symmetric))
+    return quantize_int4_reference(weight, group_size, symmetric)
+
+
+@torch.no_grad()
+def quantize_int4_reference(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
+                            symmetric: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int4 in PyTorch operators alone (any device)."""
+    N, K = weight.shape
     w = _pad_rows(weight.detach().float())
     T = w.shape[0] // 16
     w = w.reshape(T * 16, K // group_size, group_size)
@@ -154,6 +174,13 @@ def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    if _codec(packed) and packed.is_contiguous():
+        return torch.ops.servelm_int4_codec.unpack(packed)
+    return unpack_int4_reference(packed)
+
+
+def unpack_int4_reference(packed: torch.Tensor) -> torch.Tensor:
+    """unpack_int4 in PyTorch operators alone (any device), every padded row."""
     T, K8 = packed.shape
     K = K8 // 8
     # Lanes 2r and 2r + 1 (e = 0, 1) of block b as one little-endian int32 word: output column
@@ -167,7 +194,25 @@ def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                     group_size: int, out_features: int | None = None,
                     dtype=torch.float32) -> torch.Tensor:
-    q = unpack_int4(packed).float()
+    """w = s * q + m (the product rounded in fp32, then the sum), cast to dtype."""
+    if (_codec(packed) and dtype in (torch.float32, torch.bfloat16) and packed.is_contiguous()
+            and scales.is_contiguous() and mins.is_contiguous()):
+        w = torch.ops.servelm_int4_codec.dequantize(packed, scales, mins, group_size, dtype)
+        return w[:out_features] if out_features is not None else w
+    return _dequantize_codes(unpack_int4(packed), scales, mins, group_size, out_features, dtype)
+
+
+def dequantize_int4_reference(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                              group_size: int, out_features: int | None = None,
+                              dtype=torch.float32) -> torch.Tensor:
+    """dequantize_int4 in PyTorch operators alone (any device)."""
+    return _dequantize_codes(unpack_int4_reference(packed), scales, mins, group_size,
+                             out_features, dtype)
+
+
+def _dequantize_codes(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                      out_features: int | None, dtype: torch.dtype) -> torch.Tensor:
+    q = q.float()
     n16, K = q.shape
     sc = scales.float().transpose(1, 2).reshape(n16, K // group_size, 1)
     mn = mins.float().transpose(1, 2).reshape(n16, K // group_size, 1)
