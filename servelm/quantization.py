@@ -77,7 +77,7 @@ def _pad_rows(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
     return torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]) if extra else t
 
 
-def _codec(t: torch.Tensor) -> bool:
+def int4_codec(t: torch.Tensor) -> bool:
     """Whether servelm's C++ int4 codec (kernels/csrc/int4_codec.cpp) takes t: a CPU tensor,
     the library built. It gives the PyTorch versions below bit for bit (tested), several
     times faster and without their temporaries of several bytes a weight; those stay the
@@ -100,7 +100,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE,
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if K % group_size:
         raise ValueError(f"int4 needs in_features divisible by group_size {group_size}, got {K}")
-    if _codec(weight):
+    if int4_codec(weight):
         return tuple(torch.ops.servelm_int4_codec.quantize(
             weight.detach().float().contiguous(), group_size, symmetric))
     return quantize_int4_reference(weight, group_size, symmetric)
@@ -174,7 +174,7 @@ def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    if _codec(packed) and packed.is_contiguous():
+    if int4_codec(packed) and packed.is_contiguous():
         return torch.ops.servelm_int4_codec.unpack(packed)
     return unpack_int4_reference(packed)
 
@@ -195,8 +195,8 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
                     group_size: int, out_features: int | None = None,
                     dtype=torch.float32) -> torch.Tensor:
     """w = s * q + m (the product rounded in fp32, then the sum), cast to dtype."""
-    if (_codec(packed) and dtype in (torch.float32, torch.bfloat16) and packed.is_contiguous()
-            and scales.is_contiguous() and mins.is_contiguous()):
+    if (int4_codec(packed) and dtype in (torch.float32, torch.bfloat16)
+            and packed.is_contiguous() and scales.is_contiguous() and mins.is_contiguous()):
         w = torch.ops.servelm_int4_codec.dequantize(packed, scales, mins, group_size, dtype)
         return w[:out_features] if out_features is not None else w
     return _dequantize_codes(unpack_int4(packed), scales, mins, group_size, out_features, dtype)

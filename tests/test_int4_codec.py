@@ -67,3 +67,14 @@ def test_the_ops_reject_bad_operands_with_a_clear_error():
         op.dequantize(packed, s, m, 32, torch.float16)
     with pytest.raises(RuntimeError, match="w must be contiguous float32"):
         op.quantize(torch.zeros(16, 64, dtype=torch.bfloat16), 32, False)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 256), (33, 1536)])
+def test_q8act_panels_are_pack_q4_of_the_codes_bit_for_bit(n, k):
+    from servelm.layers import q8act
+
+    packed = Q.quantize_int4_reference(_weight(n, k, 32, seed=2), 32)[0]
+    got = torch.ops.servelm_int4_codec.to_q8act(packed)
+    assert torch.equal(got, q8act.pack_q4(Q.unpack_int4_reference(packed)))
+    with pytest.raises(RuntimeError, match="in_features 8 must be a multiple of 32"):
+        torch.ops.servelm_int4_codec.to_q8act(packed[:, :64].contiguous())

@@ -66,14 +66,18 @@ class Int4Q8Linear(nn.Module):
     compute_dtype = torch.bfloat16  # the known-answer check's tolerance: not fp32-accurate
 
     def __init__(self, src):
-        from servelm.quantization import unpack_int4
+        from servelm.quantization import int4_codec, unpack_int4
 
         super().__init__()
         if not available():
             raise RuntimeError("the q8act kernel is not built for this CPU (AVX2, FMA, F16C)")
         self.in_features, self.out_features = src.in_features, src.out_features
         self.group_size = src.group_size
-        self.register_buffer("qweight", pack_q4(unpack_int4(src.qweight)))
+        if int4_codec(src.qweight) and src.qweight.is_contiguous():  # the same bytes, in C++
+            q = torch.ops.servelm_int4_codec.to_q8act(src.qweight)
+        else:
+            q = pack_q4(unpack_int4(src.qweight))
+        self.register_buffer("qweight", q)
         self.register_buffer("scales", src.scales)
         self.register_buffer("mins", src.mins)
         b = src.bias

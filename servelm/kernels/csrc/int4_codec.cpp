@@ -13,6 +13,10 @@
 //       (symmetric: s = max(-min / 8, max / 7), m = -8 s), s at least 1e-8, both stored as
 //       float16; q = round-half-even((w - m) / s) clamped to 0..15, from the stored s and m
 //       (a NaN, as 0 / 0 in an all-zero group whose s underflows float16, gives 0)
+//   to_q8act(packed) -> uint8 [T, K/32, 2, 4, 32]: the same codes in q8act.cpp's panels
+//       (servelm/layers/q8act.py's pack_q4 of the unpacked codes: per panel of 16 outputs,
+//       block of 32 inputs, half h, chunk c, byte 4o + i holds output 8h + o's code at input
+//       8c + i in its low nibble and at 8c + 4 + i in its high one)
 //
 // Layout (quantization.py): tile t, block b (inputs 8b .. 8b + 7) is 32 little-endian uint16
 // lanes at bytes t * 8K + 64 b + 2 L; lane L = 2r + e holds in nibble j the code of row
@@ -68,6 +72,28 @@ at::Tensor unpack(const at::Tensor& packed) {
       for (int64_t b = 0; b < NB; ++b) unpack_block(p + t * 8 * K + 64 * b, qp + 16 * t * K + 8 * b, K);
   });
   return q;
+}
+
+at::Tensor to_q8act(const at::Tensor& packed) {
+  check_packed(packed, "servelm_int4_codec.to_q8act");
+  const int64_t T = packed.size(0), K = packed.size(1) / 8, NB = K / 8;
+  TORCH_CHECK(K % 32 == 0, "servelm_int4_codec.to_q8act: in_features ", K, " must be a multiple of 32");
+  at::Tensor out = at::empty({T, K / 32, 2, 4, 32}, packed.options());
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) uint8_t q[16 * 8];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < NB; ++b) {  // tile block b: q8act block b / 4, chunk b % 4
+        unpack_block(p + t * 8 * K + 64 * b, q, 8);
+        uint8_t* dst = o + ((t * (K / 32) + b / 4) * 2 * 4 + b % 4) * 32;
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < 8; ++r)
+            for (int i = 0; i < 4; ++i)
+              dst[h * 4 * 32 + 4 * r + i] = q[8 * (8 * h + r) + i] | (q[8 * (8 * h + r) + 4 + i] << 4);
+      }
+  });
+  return out;
 }
 
 // Keeps x as it is here: the product below is rounded on its own before the sum.
@@ -209,10 +235,12 @@ TORCH_LIBRARY(servelm_int4_codec, m) {
   m.def("unpack(Tensor packed) -> Tensor");
   m.def("dequantize(Tensor packed, Tensor scales, Tensor mins, int group_size, ScalarType dtype) -> Tensor");
   m.def("quantize(Tensor w, int group_size, bool symmetric) -> (Tensor, Tensor, Tensor)");
+  m.def("to_q8act(Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_int4_codec, CPU, m) {
   m.impl("unpack", &unpack);
   m.impl("dequantize", &dequantize);
   m.impl("quantize", &quantize);
+  m.impl("to_q8act", &to_q8act);
 }
