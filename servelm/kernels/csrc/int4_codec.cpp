@@ -55,6 +55,17 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, int64_t ldq) {
   }
 }
 
+// unpack_block's inverse: codes q[r * ldq + i] (16 rows x 8 inputs) into one block's lanes.
+inline void pack_block(const uint8_t* q, int64_t ldq, uint8_t* blk) {
+  for (int L = 0; L < 32; ++L) {
+    const int r = L >> 1, e = L & 1;
+    const uint8_t* row = q + r * ldq;
+    const uint32_t v = row[e] | (row[2 + e] << 4) | (row[4 + e] << 8) | (row[6 + e] << 12);
+    blk[2 * L] = static_cast<uint8_t>(v & 0xFF);
+    blk[2 * L + 1] = static_cast<uint8_t>(v >> 8);
+  }
+}
+
 void check_packed(const at::Tensor& packed, const char* name) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous() && packed.size(1) % 64 == 0,
@@ -162,18 +173,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int
   c10::Half* mp = mins.data_ptr<c10::Half>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> q(16 * K);
+    const std::vector<float> zeros(G, 0.f);  // a padding row's group
     for (int64_t t = t0; t < t1; ++t) {
       for (int r = 0; r < 16; ++r) {
         const int64_t n = 16 * t + r;
         for (int64_t g = 0; g < KG; ++g) {
-          float lo = 0.f, hi = 0.f;  // a padding row: zeros
-          const float* x = n < N ? wp + n * K + g * G : nullptr;
-          if (x) {
-            lo = hi = x[0];
-            for (int64_t i = 1; i < G; ++i) {
-              lo = std::min(lo, x[i]);
-              hi = std::max(hi, x[i]);
-            }
+          const float* x = n < N ? wp + n * K + g * G : zeros.data();
+          float lo = x[0], hi = x[0];
+          for (int64_t i = 1; i < G; ++i) {
+            lo = std::min(lo, x[i]);
+            hi = std::max(hi, x[i]);
           }
           float s, m;
           if (symmetric) {
@@ -189,11 +198,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int
           mp[(t * KG + g) * 16 + r] = m16;
           const float sf = static_cast<float>(s16), mf = static_cast<float>(m16);
           uint8_t* qr = q.data() + r * K + g * G;
-          if (!x) {
-            const float v = std::nearbyint((0.f - mf) / sf);
-            std::fill(qr, qr + G, v > 0.f ? static_cast<uint8_t>(v < 15.f ? v : 15.f) : 0);
-            continue;
-          }
           int64_t i = 0;
 #ifdef __AVX512F__
           // The same operations 16 lanes at a time (max / min return the second operand
@@ -214,16 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int
           }
         }
       }
-      for (int64_t b = 0; b < NB; ++b) {
-        uint8_t* blk = pp + t * 8 * K + 64 * b;
-        for (int L = 0; L < 32; ++L) {
-          const int r = L >> 1, e = L & 1;
-          const uint8_t* row = q.data() + r * K + 8 * b;
-          const uint32_t v = row[e] | (row[2 + e] << 4) | (row[4 + e] << 8) | (row[6 + e] << 12);
-          blk[2 * L] = static_cast<uint8_t>(v & 0xFF);
-          blk[2 * L + 1] = static_cast<uint8_t>(v >> 8);
-        }
-      }
+      for (int64_t b = 0; b < NB; ++b) pack_block(q.data() + 8 * b, K, pp + t * 8 * K + 64 * b);
     }
   });
   return {packed, scales, mins};
