@@ -8,8 +8,8 @@ against the fp32 reference. The table is cached per machine (CPU model and flags
 torch and kernel sources) in the user's cache directory, so the next start reads it back.
 
 The default method (tiles where they run) is kept unless another is faster by more than
-`MARGIN`: timings on a shared machine drift by a few percent, and the tiles also let a
-decode step run on the DecodeStack. Timing the one-row and few-row buckets sweeps several
+`MARGIN`: timings on a shared machine drift by a few percent, and the tiles (like q8act)
+also let a decode step run on the DecodeStack. Timing the one-row and few-row buckets sweeps several
 layers of a shape (at least `SWEEP_BYTES` of weights, as a decode step streams them from
 memory, not from cache); the larger buckets are compute-bound and time one layer.
 

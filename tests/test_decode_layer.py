@@ -14,6 +14,7 @@ from servelm import LLM, SamplingParams
 from servelm import quantization as Q
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
+from servelm.layers import q8act
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
 from tests.helpers import tile_targets
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
 
 BS = 16  # KV block size
 # From these many rows on the matmuls decode each weight tile once (a different kernel).
-DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24, "bf16": 8, "mixed16": 8}
+# q8act runs one kernel at every row count: its rows are those of the int4 tiles.
+DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24, "bf16": 8, "mixed16": 8, "q8act": 48,
+               "mixedq8": 24}
 
 
 def _config(**kw) -> ModelConfig:
@@ -47,6 +50,11 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
             tile_targets(model.layers, (name,))
+        elif method == "q8act":  # int4 in q8act's panels (activations quantised to int8)
+            Q.quantize_model(model.layers, "int4", targets=(name,))
+            for parent in list(model.layers.modules()):
+                if isinstance(getattr(parent, name, None), Q.Int4Linear):
+                    setattr(parent, name, q8act.Int4Q8Linear(getattr(parent, name)))
         else:
             Q.quantize_model(model.layers, method, targets=(name,))
     return model.eval()
@@ -91,7 +99,14 @@ FORMATS = {
     "mixed": {"qkv_proj": "int4", "o_proj": "int8", "gate_up_proj": "int8", "down_proj": "int4"},
     "bf16": dict.fromkeys(Q.TARGETS, "bf16"),
     "mixed16": {"qkv_proj": "bf16", "o_proj": "int4", "gate_up_proj": "bf16", "down_proj": "int8"},
+    "q8act": dict.fromkeys(Q.TARGETS, "q8act"),
+    "mixedq8": {"qkv_proj": "q8act", "o_proj": "int8", "gate_up_proj": "int4", "down_proj": "q8act"},
 }
+
+
+def _needs(fmt: str) -> None:
+    if "q8" in fmt and not q8act.available():
+        pytest.skip("the q8act kernel is not built here (AVX2, FMA, F16C)")
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -99,6 +114,7 @@ FORMATS = {
                                   "below", "above"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
+    _needs(fmt)
     cfg = _config(num_layers=layers)
     model = _model(cfg, FORMATS[fmt])
     if lens in ("below", "above"):  # rows either side of the decode-once threshold
@@ -112,8 +128,9 @@ def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     assert not torch.equal(kv0, before)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "bf16", "q8act"])
 def test_decode_stack_with_qkv_bias_and_other_head_dims(fmt):
+    _needs(fmt)
     # Qwen2-style qkv bias; head_dim 64 (the AVX-512 attention path) and 5 query heads per KV.
     cfg = _config(hidden_size=320, num_heads=5, num_kv_heads=1, head_dim=64,
                   intermediate_size=128, attention_bias=True, num_layers=2)
@@ -171,6 +188,13 @@ def test_decode_stack_rejects_bad_arguments():
         stack(groups=[32, -1, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="group size -2 is none of int4's"):
         stack(groups=[32, -2, 32, 32] * 2)
+    q8 = Q.STACK_Q8ACT
+    with pytest.raises(RuntimeError, match="none of int4's .* or q8act's"):  # q8act, no group
+        stack(groups=[32, q8, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="DecodeStack o_proj: q8act qweight must be"):  # tiles
+        stack(groups=[32, q8 + 32, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="q8act group size must be a multiple of 32"):
+        stack(groups=[32, q8 + 16, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
         stack(norms=[t.float() for p in parts for t in p[2]])
     # The step's buffers are sized from layer 0: a layer with another MLP width is refused.
@@ -238,12 +262,17 @@ def test_decode_stack_rejects_bad_arguments():
 def bf16_quant_llms():
     # No prefix caching: both runs must batch the same rows (the kernels' arithmetic
     # differs from 48 rows on, so a cached prefix would change the prompt step).
-    return {q: LLM(dtype="bfloat16", quantization=q, kv_cache_memory=128 << 20,
-                   enable_prefix_caching=False, linear_method="tiles") for q in ("int4", "int8", None)}
+    # "q8act": int4 weights in q8act's panels (the tuner's one-row choice on some CPUs).
+    kw = dict(dtype="bfloat16", kv_cache_memory=128 << 20, enable_prefix_caching=False)
+    llms = {q: LLM(quantization=q, linear_method="tiles", **kw) for q in ("int4", "int8", None)}
+    if q8act.available():
+        llms["q8act"] = LLM(quantization="int4", linear_method="q8act", **kw)
+    return llms
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8", None])  # None: bf16 weights in tiles
+@pytest.mark.parametrize("quant", ["int4", "int8", None, "q8act"])  # None: bf16 in tiles
 def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
+    _needs(str(quant))
     llm = bf16_quant_llms[quant]
     model = llm.engine.model
     assert model.fused_decode

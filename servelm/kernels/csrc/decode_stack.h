@@ -9,12 +9,13 @@
 // ---------------------------------------------------------------- decoder layers, decode rows
 
 // A Llama-family model's decoder layers for M single-token (decode) rows, when all their
-// linear layers are int4 / int8 / bf16 kernel layers: one C++ call per step (DecodeStack.run) and
+// linear layers are int4 / int8 / bf16 kernel layers (int4 in the tiles or in q8act's panels,
+// q8act_kernel.h): one C++ call per step (DecodeStack.run) and
 // one parallel region for all the layers. From Python the same work is ~12 operator calls per
 // layer: each pays Python and dispatcher time, and each matmul opens its own parallel region
 // whose threads then stream a weight of 0.2-1 MB starting cold. Here the threads split each
 // matmul's tiles exactly as int4_linear / int8_linear would (so results are bit-identical to
-// theirs) and meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV
+// theirs; q8act's panels give the same bits however they are split) and meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV
 // write, SiLU, the activation sums) split the rows over the threads, and a thread without rows
 // prefetches the head of its share of the next weight into L2. Attention runs the
 // paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed per
@@ -26,21 +27,26 @@
 
 struct QLinear {
   static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
+  // The code of an int4 layer in q8act's panels (activations quantised per call to int8,
+  // q8act_kernel.h): this plus its group size.
+  static constexpr int64_t kQ8Act = int64_t{1} << 20;
   int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
+  bool q8 = false;  // int4 in q8act's panels (G its group size)
   const uint8_t* qw = nullptr;
   const void* sc = nullptr;
   const c10::Half* mn = nullptr;
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
 
+  // 16 outputs a tile (int4 / int8 / bf16) or a panel (q8act: 8K bytes, as an int4 tile).
   int64_t tiles() const { return (N + 15) / 16; }
   int64_t tile_bytes() const { return G > 0 ? 8 * K : G == 0 ? 16 * K : 32 * K; }
   int64_t group() const { return G > 0 ? G : K; }
   // From these many rows on, int4_linear / int8_linear decode each tile once and
   // bf16_linear runs its GEMM micro-kernel (a different kernel, rounded differently): so does
-  // the stack.
+  // the stack. q8act runs one kernel for every row count.
   bool decode_once(int64_t M) const {
-    return M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
+    return !q8 && M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
   }
   // Thread tid's tiles, whole pairs (the decode-once GEMM decodes two at a time).
   void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
@@ -48,11 +54,22 @@ struct QLinear {
     t0 = std::min(tiles(), 2 * (pairs * tid / nt));
     t1 = std::min(tiles(), 2 * (pairs * (tid + 1) / nt));
   }
+  // Floats of per-step scratch for M rows' input (scratch() sizes the buffer sums() fills
+  // and run() reads): the row-streaming kernels' group sums; q8act's quantised rows (d, d
+  // sum(q) per block of 32, then the int8 q); none from the decode-once sizes on or for bf16.
+  int64_t scratch(int64_t M) const {
+    if (q8) return 2 * M * (K / q8act::kB) + (M * K + 3) / 4;
+    return G >= 0 && !decode_once(M) ? M * (K / group()) : 0;
+  }
   void run(const c10::BFloat16* x, const float* xs, c10::BFloat16* out, int64_t M, int64_t t0,
            int64_t t1) const {
     const auto* s4 = static_cast<const c10::Half*>(sc);
     const auto* s8 = static_cast<const float*>(sc);
-    if (G < 0) {
+    if (q8) {
+      const int64_t NB = K / q8act::kB;
+      q8act::panels(reinterpret_cast<const int8_t*>(xs + 2 * M * NB), xs, xs + M * NB, qw, s4, mn, G,
+                    bias, out, M, N, K, t0, t1);
+    } else if (G < 0) {
       bf16_range(reinterpret_cast<const c10::BFloat16*>(qw), x, bias, out, M, N, K, t0, t1);
     } else if (decode_once(M)) {
       if (G) decoded_range(Int4Tiles{qw, s4, mn, G, K}, x, bias, out, M, N, K, t0, t1);
@@ -63,11 +80,18 @@ struct QLinear {
       int8_range<false>(qw, s8, x, nullptr, xs, bias, out, M, N, K, t0, t1);
     }
   }
-  // The activation sums the row-streaming kernels need (as prepare() computes them for bf16
-  // rows), of rows [m0, m1) into xs (laid out for all rows); none for decode-once sizes or
-  // bf16 weights.
+  // What run() needs of rows [m0, m1) of x besides x (laid out for all M rows in xs): the
+  // activation sums the row-streaming kernels need (as prepare() computes them for bf16
+  // rows), or q8act's quantised rows; nothing for decode-once sizes or bf16 weights.
   void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
-    if (G >= 0 && !decode_once(M)) group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
+    if (q8) {
+      const int64_t NB = K / q8act::kB;
+      int8_t* q = reinterpret_cast<int8_t*>(xs + 2 * M * NB);
+      for (int64_t m = m0; m < m1; ++m)
+        q8act::quantize_row(x + m * K, K, q + m * K, xs + m * NB, xs + M * NB + m * NB);
+    } else if (G >= 0 && !decode_once(M)) {
+      group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
+    }
   }
   // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
   void prefetch(int tid, int nt, int64_t bytes) const {
@@ -79,18 +103,37 @@ struct QLinear {
   }
 };
 
+// q8act's panels: uint8 [ceil(N / 16), K / 32, 2, 4, 32], scales and mins float16
+// [ceil(N / 16), K / G, 16] (as servelm_q8act.int4_linear takes them).
+void check_q8act(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+                 int64_t N, int64_t G, int64_t K) {
+  const int64_t NP = (N + 15) / 16;
+  TORCH_CHECK(G > 0 && G % q8act::kB == 0 && K % G == 0, "q8act group size must be a multiple of 32 "
+              "dividing K=", K, ", got ", G);
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.dim() == 5 && qweight.size(0) == NP && qweight.size(1) * q8act::kB == K &&
+                  qweight.size(2) == 2 && qweight.size(3) == 4 && qweight.size(4) == 32,
+              "q8act qweight must be contiguous uint8 [ceil(N/16), K/32, 2, 4, 32]");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == NP * 16 * (K / G),
+                "q8act scales/mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
+}
+
 QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int64_t N, int64_t K,
                      const char* name) {
   QLinear L;
-  L.G = G;
+  L.q8 = G > QLinear::kQ8Act;
+  L.G = L.q8 ? G - QLinear::kQ8Act : G;
   L.N = N;
   L.K = K;
-  TORCH_CHECK(G >= QLinear::kBf16, "DecodeStack ", name, ": group size ", G,
-              " is none of int4's (> 0), int8's (0) or bf16's (-1)");
+  TORCH_CHECK(G >= QLinear::kBf16 && G != QLinear::kQ8Act, "DecodeStack ", name, ": group size ", G,
+              " is none of int4's (> 0), int8's (0), bf16's (-1) or q8act's (", QLinear::kQ8Act,
+              " + group size)");
   const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
   TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
   try {
-    if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
+    if (L.q8) check_q8act(w[j], w[j + 1], w[j + 2], N, L.G, K);
+    else if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
     else if (G == 0) check_int8(w[j], w[j + 1], N, K);
     else check_tiled<c10::BFloat16>(w[j], N, K, "bf16");
   } catch (const c10::Error& e) {
@@ -285,9 +328,10 @@ struct StackLayer {
 // of decode rows by one call per step. Python holds it as torch.classes.servelm_quant.DecodeStack.
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins], int8
-  // [qweight, scales] or bf16 [weight]; group_sizes: per layer and linear, the int4 group size, 0
-  // (int8) or -1 (bf16); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
+  // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] (tiles
+  // or q8act's panels), int8 [qweight, scales] or bf16 [weight]; group_sizes: per layer and
+  // linear, the int4 group size, 0 (int8), -1 (bf16) or QLinear::kQ8Act + the group size (int4
+  // in q8act's panels); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
   // per layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
               std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
@@ -510,11 +554,11 @@ class DecodeStack : public torch::CustomClassHolder {
     BF* act = gu_out + M * 2 * inter;
     BF* res = residual.data_ptr<BF>();
     BF* delta = out.data_ptr<BF>();
-    // Group sums for each linear's input (sized for the largest layer; unused from the
-    // decode-once sizes on, where the kernels take the rows as they are).
+    // Each linear's input scratch (QLinear::scratch: group sums or q8act's quantised rows),
+    // sized for the largest layer.
     auto sums_size = [&](QLinear StackLayer::*q) {
       int64_t n = 0;
-      for (const StackLayer& s : layers_) n = std::max(n, M * ((s.*q).K / (s.*q).group()));
+      for (const StackLayer& s : layers_) n = std::max(n, (s.*q).scratch(M));
       return n;
     };
     std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),

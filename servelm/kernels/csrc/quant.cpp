@@ -40,6 +40,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
 
 #include "decode_attention.h"
+#include "q8act_kernel.h"  // the DecodeStack's q8act layers
 #include "row_kernels.h"
 
 namespace {

@@ -1,0 +1,180 @@
+// The q8act kernel's inner parts: an activation row quantised per block of 32 inputs to int8,
+// and int4 panels times those rows (the layouts: q8act.cpp's head). Shared by the
+// servelm_q8act operator (q8act.cpp) and the DecodeStack (quant.cpp), so a layer gives the same
+// bits on either. Strict float semantics (no-fast-math) for everything here, whatever the
+// including file's: the rounding of d = max|x| / 127 and of the products must not depend on
+// which extension compiled them. Inline, in an anonymous namespace (each extension compiles
+// its own copy), names inside `q8act`.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+#include "avx2_vec.h"  // load8f, hmax8 (under the pragma where this file comes first)
+
+namespace {
+namespace q8act {
+
+constexpr int kNR = 16;  // outputs per panel: two vectors of 8
+constexpr int kB = 32;   // inputs per activation block
+constexpr int kMR = 4;   // activation rows per micro-kernel call (at most 4: the accumulators)
+// Software prefetch distance of the weight stream, in bytes. A one-row call is a stream of
+// panels read once, and the hardware prefetchers alone left it well short of the memory's
+// bandwidth; a few KB ahead (the distance quant.cpp's tiles use) covers the latency at the
+// rate a core consumes int4 weights. Only a panel's first micro-kernel call prefetches: the
+// later row blocks read the panel from the cache.
+constexpr int kPrefetch = 6144;
+
+// Row x [K] (fp32 or bf16: widened exactly) -> q int8 [K], d [K / 32], ds = d * sum(q) [K / 32].
+template <typename T>
+inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / kB; ++b) {
+    const T* xb = x + b * kB;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8f(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], absmask));
+    }
+    const float m = hmax8(amax);
+    const __m256 id = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    d[b] = m / 127.f;
+    ds[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s));
+    // packs interleave the 128-bit lanes: dwords come out a0 b0 c0 d0 a1 b1 c1 d1 (a0: qi[0]'s
+    // first four); the permutation restores input order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kB), _mm256_permutevar8x32_epi32(p, order));
+  }
+}
+
+// Keeps v in a register at this point (an empty asm that reads and writes it).
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
+// Four int8s (one 32-bit load) in every 32-bit lane.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [0, R) of q (leading dimension K) against one panel over all of K, into c (x's dtype,
+// leading dimension ldc, ncols real columns; bias added in fp32 before the one rounding).
+template <int R, typename O>
+inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* w,
+                  const c10::Half* s, const c10::Half* mn, int64_t blocks_per_group, O* c,
+                  int64_t ldc, int ncols, const float* bias, bool prefetch) {
+  static_assert(R >= 1 && R <= 4, "four rows of accumulators at most");
+  const int64_t NB = K / kB;
+  // The fp32 sums: named, so a few rows keep them in registers (the block's chain through
+  // memory would be a store-to-load latency a block); four rows' spill where GCC chooses.
+  __m256 f00, f01, f10, f11, f20, f21, f30, f31;
+  f00 = f01 = f10 = f11 = f20 = f21 = f30 = f31 = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < NB; ++b) {
+    // int16 sums of a block: |q_w q_x| <= 15 * 127, two products a pair, eight pairs: < 2^15.
+    // Named accumulators pinned in registers: GCC otherwise reassociates the integer adds into
+    // trees and spills every product to the stack.
+    __m256i a00, a01, a10, a11, a20, a21, a30, a31;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_si256();
+    const uint8_t* wb = w + b * (kNR * kB / 2);
+    const int8_t* qb = q + b * kB;
+    if (prefetch)  // the block's four lines, kPrefetch ahead (into the next panels at the end)
+      for (int l = 0; l < kNR * kB / 2; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetch + l, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ch * 32));
+      const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + ch * 32));
+      const __m256i lo0 = _mm256_and_si256(raw0, lo4);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), lo4);
+      const __m256i lo1 = _mm256_and_si256(raw1, lo4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), lo4);
+#define SERVELM_ROW(i)                                                                  \
+  if (R > i) {                                                                         \
+    const __m256i v0 = bcast4(qb + i * K + ch * 8), v1 = bcast4(qb + i * K + ch * 8 + 4); \
+    a##i##0 = _mm256_add_epi16(a##i##0, _mm256_maddubs_epi16(lo0, v0));                \
+    a##i##1 = _mm256_add_epi16(a##i##1, _mm256_maddubs_epi16(lo1, v0));                \
+    a##i##0 = _mm256_add_epi16(a##i##0, _mm256_maddubs_epi16(hi0, v1));                \
+    a##i##1 = _mm256_add_epi16(a##i##1, _mm256_maddubs_epi16(hi1, v1));                \
+    pin(a##i##0);                                                                      \
+    pin(a##i##1);                                                                      \
+  }
+      SERVELM_ROW(0) SERVELM_ROW(1) SERVELM_ROW(2) SERVELM_ROW(3)
+#undef SERVELM_ROW
+    }
+    const int64_t g = b / blocks_per_group;
+    const __m256 s0 = load8f(s + g * kNR), s1 = load8f(s + g * kNR + 8);
+    const __m256 m0 = load8f(mn + g * kNR), m1 = load8f(mn + g * kNR + 8);
+#define SERVELM_SCALE(i)                                                                        \
+  if (R > i) {                                                                                 \
+    const __m256 dr = _mm256_set1_ps(d[i * NB + b]), dsr = _mm256_set1_ps(ds[i * NB + b]);      \
+    f##i##0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a##i##0, ones)),             \
+                              _mm256_mul_ps(s0, dr), f##i##0);                                  \
+    f##i##1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a##i##1, ones)),             \
+                              _mm256_mul_ps(s1, dr), f##i##1);                                  \
+    f##i##0 = _mm256_fmadd_ps(m0, dsr, f##i##0);                                                \
+    f##i##1 = _mm256_fmadd_ps(m1, dsr, f##i##1);                                                \
+  }
+    SERVELM_SCALE(0) SERVELM_SCALE(1) SERVELM_SCALE(2) SERVELM_SCALE(3)
+#undef SERVELM_SCALE
+  }
+  alignas(32) float acc[4][kNR];
+  _mm256_store_ps(acc[0], f00), _mm256_store_ps(acc[0] + 8, f01);
+  if (R > 1) _mm256_store_ps(acc[1], f10), _mm256_store_ps(acc[1] + 8, f11);
+  if (R > 2) _mm256_store_ps(acc[2], f20), _mm256_store_ps(acc[2] + 8, f21);
+  if (R > 3) _mm256_store_ps(acc[3], f30), _mm256_store_ps(acc[3] + 8, f31);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < ncols; ++j) c[r * ldc + j] = static_cast<O>(bias ? acc[r][j] + bias[j] : acc[r][j]);
+}
+
+// Panels [p0, p1) of the weight (q8act's layout) for rows [0, M) of the quantised activations
+// (q [M, K], d and ds [M, K / 32], as quantize_row writes them), into out [M, N] (N its leading
+// dimension). A panel's outputs do not depend on which panels or rows share the call.
+template <typename O>
+inline void panels(const int8_t* q, const float* d, const float* ds, const uint8_t* w,
+                   const c10::Half* scales, const c10::Half* mins, int64_t group_size,
+                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t p0,
+                   int64_t p1) {
+  const int64_t NB = K / kB, G = K / group_size, bpg = group_size / kB;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+    const uint8_t* wp = w + p * NB * (kNR * kB / 2);
+    const c10::Half* sp = scales + p * G * kNR;
+    const c10::Half* mp = mins + p * G * kNR;
+    const float* bp = bias ? bias + p * kNR : nullptr;
+    O* cp = out + p * kNR;
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR)
+      micro<kMR>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0);
+    switch (M - m) {
+      case 3: micro<3>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
+      case 2: micro<2>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
+      case 1: micro<1>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace q8act
+}  // namespace
+
+#pragma GCC pop_options
+
+#endif  // AVX2 + FMA + F16C
