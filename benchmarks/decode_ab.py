@@ -4,14 +4,15 @@ This machine's speed drifts by 10-30% from minute to minute, so two separate ben
 cannot resolve a few percent; here each pair of runs is back to back and the ratio of each
 pair is reported (median, min, max), with each side's median tok/s.
 
-    python benchmarks/decode_ab.py [--what stack|hugepages] [--quantization int4]
+    python benchmarks/decode_ab.py [--what stack|hugepages] [--quantization int4|int8|none]
+                                   [--linear-method tiles|q8act] [--model PATH]
                                    [--streams 1,4,8,16] [--pairs 4] [--tokens 64]
                                    [--kernel-tuning off|cached|fresh]
 
-- stack: the int4/int8 DecodeStack (all decoder layers of a decode-only step in one C++
-  call) against the per-op kernel path, toggled on one engine (`model.fused_decode`), every
-  layer on servelm's tiles (the stack binds only where they run every one-row call; the tuner
-  may choose other methods).
+- stack: the DecodeStack (all decoder layers of a decode-only step in one C++ call)
+  against the per-op kernel path, toggled on one engine (`model.fused_decode`), every layer
+  on one method the stack runs: servelm's tiles (int4, int8 or bf16 weights) or q8act
+  (int4; --linear-method q8act).
 - hugepages: weights and KV cache in 2 MB huge pages against plain pages: two engines, the
   second loaded with hugepages=False.
 """
@@ -30,7 +31,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--what", choices=("stack", "hugepages"), default="stack")
-    ap.add_argument("--quantization", choices=("int4", "int8"), default="int4")
+    ap.add_argument("--quantization", choices=("int4", "int8", "none"), default="int4",
+                    help="none: the bf16 weights")
+    ap.add_argument("--linear-method", choices=("tiles", "q8act"), default="tiles",
+                    help="stack: the method every layer runs (q8act: int4 only)")
+    ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the "
+                    "embedded model)")
     ap.add_argument("--streams", type=int_list, default=[1, 4, 8, 16])
     ap.add_argument("--pairs", type=positive(int), default=4)
     ap.add_argument("--tokens", type=positive(int), default=64)
@@ -39,13 +45,16 @@ def main() -> None:
                          "untuned defaults, no measuring at start-up)")
     args = ap.parse_args()
 
-    kw = dict(dtype="bfloat16", quantization=args.quantization, enable_prefix_caching=False,
-              kernel_tuning=args.kernel_tuning)
+    quant = None if args.quantization == "none" else args.quantization
+    if args.linear_method == "q8act" and quant != "int4":
+        ap.error("--linear-method q8act runs int4 weights: add --quantization int4")
+    kw = dict(model=args.model, dtype="bfloat16", quantization=quant,
+              enable_prefix_caching=False, kernel_tuning=args.kernel_tuning)
     if args.what == "stack":
-        llm = LLM(linear_method="tiles", **kw)
+        llm = LLM(linear_method=args.linear_method, **kw)
         if not llm.engine.model.fused_decode:
             raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels' "
-                             "AVX512-BF16 tiles)")
+                             "AVX512-BF16 tiles, and a model it implements)")
         engines = {"stack": llm, "per-op": llm}
     else:
         huge, plain = LLM(**kw), LLM(hugepages=False, **kw)

@@ -58,6 +58,14 @@ KEEP = 1.5              # after a timing round, methods slower than this x the b
 # long enough to cover a method's whole first sweep, must not drop the method that is
 # fastest the rest of the time (a cached table keeps the choice; README, "Choose the kernels").
 KEEP_FIRST = 3.0
+# The DecodeStack (one C++ call per decode-only step) runs these methods, and covers the
+# first STACK_BUCKETS buckets (1 and 8 rows: it takes up to 22). Timing layer by layer cannot
+# see what it saves: the per-op path's calls between the matmuls. That is counted as
+# STACK_CALLS one-row operator calls per decoder layer, the call's time measured at
+# start-up (_op_call_us); the calibration is in the README ("Choose the kernels").
+STACK_METHODS = ("tiles", "q8act")
+STACK_BUCKETS = 2
+STACK_CALLS = 20
 
 
 @dataclasses.dataclass
@@ -487,7 +495,17 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                                           else "measured" if measured else "cached"),
                           cache_path=str(cache.path) if cache else None)
     if tune:
-        _decide(shapes, kcfg.batch_invariant, report)
+        stack = None
+        on_stack = _stack_layers(model, act, kcfg)
+        if on_stack:
+            keys = {k for k, items in groups.items() if any(id(it[3]) in on_stack for it in items)}
+            entry = None if kcfg.tuning == "fresh" else cache.get(OP_CALL_KEY)
+            if entry is None:
+                cache.put(OP_CALL_KEY, {"rms_norm": [_op_call_us(model)]}, [], [], [])
+                entry, measured = cache.get(OP_CALL_KEY), True
+            per_layer = STACK_CALLS * times_from(entry)["rms_norm"][0]
+            stack = StackCost(keys, len(model.layers), per_layer)
+        _decide(shapes, kcfg.batch_invariant, report, stack)
     for shape in shapes:
         for j, (qname, parent, name, src) in enumerate(groups[shape.key]):
             mod = _swap(src, shape.methods, act)
@@ -508,11 +526,94 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     return report
 
 
+OP_CALL_KEY = "decode/op_call"  # the cache entry of _op_call_us's measurement
+
+
+@dataclasses.dataclass
+class StackCost:
+    """What the DecodeStack changes in _decide: the shapes its layers have, how many decoder
+    layers it runs, and what the per-op path costs per layer beyond the matmuls (µs)."""
+
+    keys: set[str]
+    layers: int
+    per_layer_us: float
+
+    def saved_us(self) -> float:
+        return self.layers * self.per_layer_us
+
+
+def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set[int] | None:
+    """The ids of the linear layers a DecodeStack would run (every decoder layer's qkv, o,
+    gate_up and down), when the model is one it implements and it can run here (bf16
+    activations, the C++ kernels, fused_decode on); else None."""
+    from servelm.kernels import load_ops
+    from servelm.models.decoder import _has_decode_stack
+    from servelm.quantization import kernels_available
+
+    if not (kcfg.fused_decode and kcfg.cpu_kernels and act == torch.bfloat16
+            and hasattr(model, "decode_stack_supported") and kernels_available()
+            and load_ops("ops") and _has_decode_stack() and model.decode_stack_supported()):
+        return None
+    return {id(m) for layer in model.layers for m in layer.linears()}
+
+
+@torch.inference_mode()
+def _op_call_us(model: nn.Module) -> float:
+    """µs of one one-row operator call as the per-op path makes it (the model's final
+    RMSNorm on the C++ kernels), the median of 200 calls."""
+    norm = model.norm
+    x = torch.randn(1, norm.weight.shape[0]).to(norm.weight.dtype)
+    ts = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        norm(x, kernels=True)
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e6
+
+
+def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]], stack: StackCost) -> list[bool]:
+    """Per bucket, whether the decode steps of its rows run on the DecodeStack, moving the
+    stack's shapes (stack.keys) to its methods where that is no slower, counting what the
+    stack saves (stack.saved_us()): at one row each shape's fastest stack method (the
+    default within MARGIN), at 8 the one-row method (the stack needs one module throughout);
+    free is changed in place."""
+    on = [False] * len(lm.BUCKET_ROWS)
+    idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
+    if not idx:
+        return on
+    for b in range(STACK_BUCKETS):
+        alt = {}
+        for i in idx:
+            sc = shapes[i]
+            if b == 0:
+                t = {m: ts for m, ts in sc.times_us.items()
+                     if m in STACK_METHODS and math.isfinite(ts[0])}
+                if not t:
+                    return on
+                alt[i] = choose(t, sc.methods[0])[0]
+            else:
+                alt[i] = free[i][0]
+                if not math.isfinite(sc.times_us.get(alt[i], [math.inf] * (b + 1))[b]):
+                    return on
+        t_free = sum(len(shapes[i].names) * shapes[i].times_us.get(free[i][b], [math.inf] * (b + 1))[b]
+                     for i in idx)
+        t_stack = sum(len(shapes[i].names) * shapes[i].times_us[alt[i]][b] for i in idx)
+        if not t_stack <= t_free + stack.saved_us():
+            return on
+        for i in idx:
+            free[i][b] = alt[i]
+        on[b] = True
+    return on
+
+
 def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
-            report: TuningReport) -> None:
+            report: TuningReport, stack: StackCost | None = None) -> None:
     """Each shape's methods from its measurements: the fastest per bucket, or one
     row-invariant method for all (batch_invariant True; None: where every shape has one
-    and, summed over the layers, it costs at most INVARIANCE_COST in every bucket)."""
+    and, summed over the layers, it costs at most INVARIANCE_COST in every bucket). With
+    a stack (a model the DecodeStack runs): the stack's methods at its buckets where,
+    counting the calls it saves, they are no slower (_stack_choice); an invariant choice
+    that leaves the stack then pays those calls in its cost."""
     n = len(lm.BUCKET_ROWS)
     free, inv = [], []
     for sc in shapes:
@@ -525,6 +626,7 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
         free.append(choose(timed, sc.methods[0]))
         inv.append(choose(timed, sc.methods[0], True, invariant=sc.invariant)
                    if set(sc.invariant) & set(timed) else None)
+    on_stack = _stack_choice(shapes, free, stack) if stack else [False] * n
     cost = []
     for b in range(n):
         t_free = t_inv = 0.0
@@ -532,6 +634,8 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
             if i is not None and f[b] in sc.times_us and i[b] in sc.times_us:
                 t_free += len(sc.names) * sc.times_us[f[b]][b]
                 t_inv += len(sc.names) * sc.times_us[i[b]][b]
+        if on_stack[b] and not _stays_on_stack(shapes, inv, stack, b):
+            t_inv += stack.saved_us()
         cost.append(t_inv / t_free if t_free else 1.0)
     possible = all(i is not None for i in inv)
     use = batch_invariant is True or (batch_invariant is None and possible
@@ -540,6 +644,14 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
         sc.methods = i if use and i is not None else f
     report.batch_invariant = use and possible
     report.invariance_cost = cost if possible else []
+
+
+def _stays_on_stack(shapes: list[ShapeChoice], inv: list[list[str] | None], stack: StackCost,
+                    b: int) -> bool:
+    """Whether the invariant choice keeps bucket b on the DecodeStack (one stack method for
+    every stack shape, the same as at one row)."""
+    return all(i is not None and i[b] in STACK_METHODS and i[b] == i[0]
+               for sc, i in zip(shapes, inv) if sc.key in stack.keys)
 
 
 def _whole_layer_ok(mod: nn.Module, src: nn.Module, act: torch.dtype) -> bool:

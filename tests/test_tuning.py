@@ -92,6 +92,83 @@ def test_invariance_is_chosen_where_it_costs_at_most_ten_percent():
     assert report.batch_invariant is False and none[0].methods == ["tiles"] * 4
 
 
+def test_the_decode_stacks_methods_win_where_the_calls_it_saves_pay_for_them():
+    """At 1 and 8 rows the stack's shapes take a stack method (tiles, q8act) when its time
+    summed over the layers is at most the fastest choice's plus the per-op calls the
+    DecodeStack saves; shapes outside the stack (an LM head) keep the fastest."""
+    def shapes():
+        layer = _shape({"q8act": [10, 20, 300, 2400], "qdot": [9, 25, 400, 3000],
+                        "onednn": [30, 30, 100, 800]}, [])
+        head = _shape({"q8act": [100, 200, 3000, 24000], "qdot": [80, 250, 4000, 30000]}, [], n=1)
+        head.key = "head"
+        return [layer, head]
+
+    # 30 layers: q8act costs 30 us more at one row, 5 us a layer saved pays for it.
+    got = shapes()
+    tuning._decide(got, False, tuning.TuningReport(got), tuning.StackCost({"k"}, 30, 5.0))
+    assert got[0].methods == ["q8act", "q8act", "onednn", "onednn"]
+    assert got[1].methods == ["qdot", "q8act", "q8act", "q8act"]  # the head: the fastest
+    # 0.5 us a layer does not: the fastest per bucket, and the stack runs no row.
+    got = shapes()
+    tuning._decide(got, False, tuning.TuningReport(got), tuning.StackCost({"k"}, 30, 0.5))
+    assert got[0].methods == ["qdot", "q8act", "onednn", "onednn"]
+    # At 8 rows only the one-row method can keep the stack (one module for its rows).
+    one = [_shape({"tiles": [10, 30, 300, 2400], "q8act": [11, 20, 300, 2400]}, [])]
+    tuning._decide(one, False, tuning.TuningReport(one), tuning.StackCost({"k"}, 30, 0.1))
+    assert one[0].methods[:2] == ["tiles", "q8act"]  # 30 layers x 10 us: more than saved
+    one = [_shape({"tiles": [10, 30, 300, 2400], "q8act": [11, 20, 300, 2400]}, [])]
+    tuning._decide(one, False, tuning.TuningReport(one), tuning.StackCost({"k"}, 30, 20.0))
+    assert one[0].methods[:2] == ["tiles", "tiles"]
+
+
+def test_an_invariant_choice_leaving_the_stack_pays_for_its_calls():
+    def shapes():
+        return [_shape({"tiles": [10, 20, 300, 2400], "amx": [9.5, 21, 100, 800]}, ["amx"])]
+
+    got = shapes()  # no stack: amx for every row costs at most 5% (bucket 8)
+    report = tuning.TuningReport(got)
+    tuning._decide(got, None, report)
+    assert report.batch_invariant and got[0].methods == ["amx"] * 4
+    got = shapes()  # on the stack, tiles save 3 us a layer: amx at one row costs 1.25x
+    report = tuning.TuningReport(got)
+    tuning._decide(got, None, report, tuning.StackCost({"k"}, 30, 3.0))
+    assert report.batch_invariant is False
+    assert got[0].methods == ["tiles", "tiles", "amx", "amx"]
+    assert report.invariance_cost[0] == pytest.approx((30 * 9.5 + 90) / 300)
+
+
+def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypatch):
+    """Through finalize_linears, on a small Llama model in bf16 + int4: a method faster by a
+    little at one row (qdot, by fake timings) does not take the layers off the DecodeStack;
+    the per-op call time is measured once and cached with the table."""
+    from servelm.layers import qdot
+    from servelm.models.config import ModelConfig
+    from servelm.models.llama import LlamaForCausalLM
+    from servelm.models.decoder import _has_decode_stack
+
+    if not (Q.kernels_available() and _has_decode_stack()):
+        pytest.skip("needs the C++ kernels (AVX-512 BF16)")
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, max_position_embeddings=256)
+
+    def fake(mod, x):  # qdot 10% faster than everything else at one row
+        fast = isinstance(mod, qdot.QDotLinear) and x.shape[0] == 1
+        return mod(x), x.shape[0] * (0.9e-6 if fast else 1e-6)
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    for stack, want in ((True, ("tiles", "q8act")), (False, ("qdot",))):
+        model = LlamaForCausalLM(cfg, max_positions=256).to(torch.bfloat16)
+        report = tuning.finalize_linears(model, "int4", _cfg(tmp_path, tuning="fresh",
+                                                            fused_decode=stack))
+        layers = [s for s in report.shapes if "lm_head" not in s.names[0]]
+        if not any("qdot" in s.times_us for s in layers):
+            pytest.skip("qdot does not run here")
+        assert all(s.methods[0] in want for s in layers), report.table()
+    cache = tuning_cache.TuningCache(tmp_path, tuning_cache.machine_key(torch.get_num_threads()))
+    assert cache.get(tuning.OP_CALL_KEY)["times_us"]["rms_norm"][0] > 0
+
+
 def test_row_invariance_check_catches_a_row_count_dependent_kernel():
     lin = nn.Linear(64, 32)
     x = torch.randn(128, 64)
