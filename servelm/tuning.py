@@ -9,8 +9,9 @@ torch and kernel sources) in the user's cache directory, so the next start reads
 
 The default method (tiles where they run) is kept unless another is faster by more than
 `MARGIN`: timings on a shared machine drift by a few percent, and the tiles (like q8act)
-also let a decode step run on the DecodeStack. Timing the one-row and few-row buckets sweeps several
-layers of a shape (at least `SWEEP_BYTES` of weights, as a decode step streams them from
+also let a decode step run on the DecodeStack (for a model it runs, its saved calls are
+counted: STACK_CALLS). Timing the one-row and few-row buckets sweeps several layers of a
+shape (at least `SWEEP_BYTES` of weights, as a decode step streams them from
 memory, not from cache); the larger buckets are compute-bound and time one layer.
 
 Rows are also checked bit-identical at every row count (row_invariant), method after
@@ -571,7 +572,8 @@ def _op_call_us(model: nn.Module) -> float:
     return sorted(ts)[len(ts) // 2] * 1e6
 
 
-def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]], stack: StackCost) -> list[bool]:
+def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
+                  stack: StackCost) -> list[bool]:
     """Per bucket, whether the decode steps of its rows run on the DecodeStack, moving the
     stack's shapes (stack.keys) to its methods where that is no slower, counting what the
     stack saves (stack.saved_us()): at one row each shape's fastest stack method (the
@@ -594,8 +596,9 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]], stack: Stack
             else:
                 alt[i] = free[i][0]
                 if not math.isfinite(sc.times_us.get(alt[i], [math.inf] * (b + 1))[b]):
-                    return on
-        t_free = sum(len(shapes[i].names) * shapes[i].times_us.get(free[i][b], [math.inf] * (b + 1))[b]
+                    return on  # (a stack method timed at one row but failed at 8)
+        none = [math.inf] * len(lm.BUCKET_ROWS)
+        t_free = sum(len(shapes[i].names) * shapes[i].times_us.get(free[i][b], none)[b]
                      for i in idx)
         t_stack = sum(len(shapes[i].names) * shapes[i].times_us[alt[i]][b] for i in idx)
         if not t_stack <= t_free + stack.saved_us():
