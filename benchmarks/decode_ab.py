@@ -5,14 +5,14 @@ cannot resolve a few percent; here each pair of runs is back to back and the rat
 pair is reported (median, min, max), with each side's median tok/s.
 
     python benchmarks/decode_ab.py [--what stack|hugepages] [--quantization int4|int8|none]
-                                   [--linear-method tiles|q8act] [--model PATH]
+                                   [--linear-method tiles|q8act|amx] [--model PATH]
                                    [--streams 1,4,8,16] [--pairs 4] [--tokens 64]
                                    [--kernel-tuning off|cached|fresh]
 
 - stack: the DecodeStack (all decoder layers of a decode-only step in one C++ call)
   against the per-op kernel path, toggled on one engine (`model.fused_decode`), every layer
-  on one method the stack runs: servelm's tiles (int4, int8 or bf16 weights) or q8act
-  (int4; --linear-method q8act).
+  on one method the stack runs: servelm's tiles (int4, int8 or bf16 weights), q8act
+  (int4; --linear-method q8act) or amx (bf16 on AMX-BF16 CPUs; --quantization none).
 - hugepages: weights and KV cache in 2 MB huge pages against plain pages: two engines, the
   second loaded with hugepages=False.
 """
@@ -33,8 +33,8 @@ def main() -> None:
     ap.add_argument("--what", choices=("stack", "hugepages"), default="stack")
     ap.add_argument("--quantization", choices=("int4", "int8", "none"), default="int4",
                     help="none: the bf16 weights")
-    ap.add_argument("--linear-method", choices=("tiles", "q8act"), default="tiles",
-                    help="stack: the method every layer runs (q8act: int4 only)")
+    ap.add_argument("--linear-method", choices=("tiles", "q8act", "amx"), default="tiles",
+                    help="stack: the method every layer runs (q8act: int4 only; amx: bf16)")
     ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the "
                     "embedded model)")
     ap.add_argument("--streams", type=int_list, default=[1, 4, 8, 16])
@@ -48,6 +48,8 @@ def main() -> None:
     quant = None if args.quantization == "none" else args.quantization
     if args.linear_method == "q8act" and quant != "int4":
         ap.error("--linear-method q8act runs int4 weights: add --quantization int4")
+    if args.linear_method == "amx" and quant is not None:
+        ap.error("--linear-method amx runs bf16 weights: add --quantization none")
     kw = dict(model=args.model, dtype="bfloat16", quantization=quant,
               enable_prefix_caching=False, kernel_tuning=args.kernel_tuning)
     if args.what == "stack":

@@ -558,22 +558,27 @@ def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _cuda_op_works(f"int8pack-{dtype}", probe)
 
 
-# The DecodeStack's code for an int4 layer in q8act's panels: this plus its group size
-# (decode_stack.h, QLinear::kQ8Act).
+# The DecodeStack's codes for an int4 layer in q8act's panels (this plus its group size) and
+# a bf16 layer in AMX tile order (decode_stack.h, QLinear::kQ8Act and kAmx).
 STACK_Q8ACT = 1 << 20
+STACK_AMX = -2
 
 
 def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
-    group size (0 for int8, -1 for bf16, STACK_Q8ACT + the group size for int4 in q8act's
-    panels); None when it does not run on the C++ kernels. A layer run by row bucket
-    (BucketedLinear) answers for its one-row module."""
+    group size (0 for int8, -1 for bf16 tiles, STACK_AMX for bf16 in AMX tile order,
+    STACK_Q8ACT + the group size for int4 in q8act's panels); None when it does not run on
+    the C++ kernels. A layer run by row bucket (BucketedLinear) answers for its one-row
+    module."""
+    from servelm.layers.amx import AmxLinear
     from servelm.layers.q8act import Int4Q8Linear
 
     if hasattr(module, "module_for"):
         module = module.module_for(1)
     if isinstance(module, Int4Q8Linear):
         return [module.qweight, module.scales, module.mins], STACK_Q8ACT + module.group_size
+    if isinstance(module, AmxLinear):
+        return [module.packed], STACK_AMX
     if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:
         return [module.qweight], -1
     if isinstance(module, Int4Linear) and module.use_kernel:

@@ -64,7 +64,7 @@ KEEP_FIRST = 3.0
 # see what it saves: the per-op path's calls between the matmuls. That is counted as
 # STACK_CALLS one-row operator calls per decoder layer, the call's time measured at
 # start-up (_op_call_us); the calibration is in the README ("Choose the kernels").
-STACK_METHODS = ("tiles", "q8act")
+STACK_METHODS = ("tiles", "q8act", "amx")
 STACK_BUCKETS = 2
 STACK_CALLS = 20
 

@@ -44,7 +44,8 @@ def test_decode_ab_reports_both_sides_and_their_ratio(what, on, off):
                                        (("--pairs", "0"), "--pairs"),
                                        (("--what", "prefill"), "--what"),
                                        (("--linear-method", "q8act", "--quantization", "none"),
-                                        "--linear-method q8act runs int4")])
+                                        "--linear-method q8act runs int4"),
+                                       (("--linear-method", "amx"), "--linear-method amx runs bf16")])
 def test_decode_ab_rejects_bad_arguments(args, flag, capsys):
     code, err = script_usage_error("decode_ab.py", *args, capsys=capsys)
     assert code == 2 and flag in err

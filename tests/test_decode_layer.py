@@ -14,7 +14,7 @@ from servelm import LLM, SamplingParams
 from servelm import quantization as Q
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
-from servelm.layers import q8act
+from servelm.layers import amx, q8act
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
 from tests.helpers import tile_targets
@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
 BS = 16  # KV block size
 # From these many rows on the matmuls decode each weight tile once (a different kernel).
 # q8act runs one kernel at every row count: its rows are those of the int4 tiles.
+# amx: its tiles fit the call's rows up to 32, then blocks of 64.
 DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24, "bf16": 8, "mixed16": 8, "q8act": 48,
-               "mixedq8": 24}
+               "mixedq8": 24, "amx": 33, "mixedamx": 33}
 
 
 def _config(**kw) -> ModelConfig:
@@ -50,6 +51,10 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
             tile_targets(model.layers, (name,))
+        elif method == "amx":  # bf16 weights in AMX tile order
+            for parent in list(model.layers.modules()):
+                if isinstance(getattr(parent, name, None), torch.nn.Linear):
+                    setattr(parent, name, amx.AmxLinear(getattr(parent, name)))
         elif method == "q8act":  # int4 in q8act's panels (activations quantised to int8)
             Q.quantize_model(model.layers, "int4", targets=(name,))
             for parent in list(model.layers.modules()):
@@ -101,12 +106,16 @@ FORMATS = {
     "mixed16": {"qkv_proj": "bf16", "o_proj": "int4", "gate_up_proj": "bf16", "down_proj": "int8"},
     "q8act": dict.fromkeys(Q.TARGETS, "q8act"),
     "mixedq8": {"qkv_proj": "q8act", "o_proj": "int8", "gate_up_proj": "int4", "down_proj": "q8act"},
+    "amx": dict.fromkeys(Q.TARGETS, "amx"),
+    "mixedamx": {"qkv_proj": "amx", "o_proj": "int4", "gate_up_proj": "amx", "down_proj": "q8act"},
 }
 
 
 def _needs(fmt: str) -> None:
     if "q8" in fmt and not q8act.available():
         pytest.skip("the q8act kernel is not built here (AVX2, FMA, F16C)")
+    if "amx" in fmt and not amx.available():
+        pytest.skip("the amx kernel does not run here (AMX-BF16)")
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -128,7 +137,7 @@ def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     assert not torch.equal(kv0, before)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "bf16", "q8act"])
+@pytest.mark.parametrize("fmt", ["int4", "bf16", "q8act", "amx"])
 def test_decode_stack_with_qkv_bias_and_other_head_dims(fmt):
     _needs(fmt)
     # Qwen2-style qkv bias; head_dim 64 (the AVX-512 attention path) and 5 query heads per KV.
@@ -186,8 +195,8 @@ def test_decode_stack_rejects_bad_arguments():
         stack(groups=[32, 0, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: bf16 weight must be"):  # as bf16
         stack(groups=[32, -1, 32, 32] * 2)
-    with pytest.raises(RuntimeError, match="group size -2 is none of int4's"):
-        stack(groups=[32, -2, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="group size -3 is none of int4's"):
+        stack(groups=[32, -3, 32, 32] * 2)
     q8 = Q.STACK_Q8ACT
     with pytest.raises(RuntimeError, match="none of int4's .* or q8act's"):  # q8act, no group
         stack(groups=[32, q8, 32, 32] * 2)
@@ -195,6 +204,8 @@ def test_decode_stack_rejects_bad_arguments():
         stack(groups=[32, q8 + 32, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="q8act group size must be a multiple of 32"):
         stack(groups=[32, q8 + 16, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="DecodeStack o_proj: amx"):  # int4 tiles as amx
+        stack(groups=[32, Q.STACK_AMX, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
         stack(norms=[t.float() for p in parts for t in p[2]])
     # The step's buffers are sized from layer 0: a layer with another MLP width is refused.
@@ -267,10 +278,12 @@ def bf16_quant_llms():
     llms = {q: LLM(quantization=q, linear_method="tiles", **kw) for q in ("int4", "int8", None)}
     if q8act.available():
         llms["q8act"] = LLM(quantization="int4", linear_method="q8act", **kw)
+    if amx.available():  # bf16 weights in AMX tile order
+        llms["amx"] = LLM(linear_method="amx", **kw)
     return llms
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8", None, "q8act"])  # None: bf16 in tiles
+@pytest.mark.parametrize("quant", ["int4", "int8", None, "q8act", "amx"])  # None: bf16 tiles
 def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     _needs(str(quant))
     llm = bf16_quant_llms[quant]

@@ -101,7 +101,8 @@ class DecoderLayer(nn.Module):
     def decode_stack_args(self) -> tuple | None:
         """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
         qkv bias), when the layer is_plain, all four linear layers run on the int4/int8/bf16
-        C++ kernels (int4: tiles or q8act's panels) and only qkv has a bias; else None. Not for tensor-parallel layers
+        C++ kernels (int4: tiles or q8act's panels; bf16: tiles or AMX tile order) and only
+        qkv has a bias; else None. Not for tensor-parallel layers
         (their subclasses all-reduce the attention and MLP outputs, which the stack does not)."""
         from servelm.quantization import kernel_weights
 
@@ -174,7 +175,7 @@ class CausalLM(nn.Module):
         decode each weight tile once, as the per-op kernels do; bf16 tiles from 8). Only
         when the model is one the executor supports (decode_stack_supported) and every
         layer's linear layers are int4/int8/bf16 kernel layers (int4 also in q8act's
-        panels) for one row, and then for the
+        panels, bf16 in AMX tile order) for one row, and then for the
         rows they all run on them (servelm.tuning may choose other methods for more rows);
         and over an unquantised KV cache (kv_cache_dtype auto: it does not read scales).
         The runner binds it unless KernelConfig.fused_decode is off."""

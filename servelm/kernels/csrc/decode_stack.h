@@ -10,7 +10,8 @@
 
 // A Llama-family model's decoder layers for M single-token (decode) rows, when all their
 // linear layers are int4 / int8 / bf16 kernel layers (int4 in the tiles or in q8act's panels,
-// q8act_kernel.h): one C++ call per step (DecodeStack.run) and
+// q8act_kernel.h; bf16 in the tiles or in AMX tile order, amx_linear_kernel.h): one C++ call
+// per step (DecodeStack.run) and
 // one parallel region for all the layers. From Python the same work is ~12 operator calls per
 // layer: each pays Python and dispatcher time, and each matmul opens its own parallel region
 // whose threads then stream a weight of 0.2-1 MB starting cold. Here the threads split each
@@ -27,26 +28,29 @@
 
 struct QLinear {
   static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
+  static constexpr int64_t kAmx = -2;   // the code of a bf16 layer in AMX tile order (G: kBf16)
   // The code of an int4 layer in q8act's panels (activations quantised per call to int8,
   // q8act_kernel.h): this plus its group size.
   static constexpr int64_t kQ8Act = int64_t{1} << 20;
   int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
   bool q8 = false;  // int4 in q8act's panels (G its group size)
+  bool amx = false;  // bf16 in AMX tile order (amx_linear_kernel.h; G is kBf16)
   const uint8_t* qw = nullptr;
   const void* sc = nullptr;
   const c10::Half* mn = nullptr;
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
 
-  // 16 outputs a tile (int4 / int8 / bf16) or a panel (q8act: 8K bytes, as an int4 tile).
+  // 16 outputs a tile (int4 / int8 / bf16), a panel (q8act: 8K bytes, as an int4 tile) or
+  // half a column pair (amx: 32K bytes, as a bf16 tile; pairs are whole in share()).
   int64_t tiles() const { return (N + 15) / 16; }
   int64_t tile_bytes() const { return G > 0 ? 8 * K : G == 0 ? 16 * K : 32 * K; }
   int64_t group() const { return G > 0 ? G : K; }
   // From these many rows on, int4_linear / int8_linear decode each tile once and
   // bf16_linear runs its GEMM micro-kernel (a different kernel, rounded differently): so does
-  // the stack. q8act runs one kernel for every row count.
+  // the stack. q8act and amx run one kernel for every row count.
   bool decode_once(int64_t M) const {
-    return !q8 && M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
+    return !q8 && !amx && M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
   }
   // Thread tid's tiles, whole pairs (the decode-once GEMM decodes two at a time).
   void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
@@ -56,15 +60,26 @@ struct QLinear {
   }
   // Floats of per-step scratch for M rows' input (scratch() sizes the buffer sums() fills
   // and run() reads): the row-streaming kernels' group sums; q8act's quantised rows (d, d
-  // sum(q) per block of 32, then the int8 q); none from the decode-once sizes on or for bf16.
+  // sum(q) per block of 32, then the int8 q); amx's packed A tiles (from 33 rows); none from
+  // the decode-once sizes on or for bf16 tiles.
   int64_t scratch(int64_t M) const {
     if (q8) return 2 * M * (K / q8act::kB) + (M * K + 3) / 4;
+#ifdef SERVELM_AMX
+    if (amx) return (amx_linear::packed_elems(M, K) + 1) / 2;
+#endif
     return G >= 0 && !decode_once(M) ? M * (K / group()) : 0;
   }
   void run(const c10::BFloat16* x, const float* xs, c10::BFloat16* out, int64_t M, int64_t t0,
            int64_t t1) const {
     const auto* s4 = static_cast<const c10::Half*>(sc);
     const auto* s8 = static_cast<const float*>(sc);
+#ifdef SERVELM_AMX
+    if (amx) {
+      amx_linear::pairs(x, reinterpret_cast<const c10::BFloat16*>(xs), M, K,
+                        reinterpret_cast<const uint32_t*>(qw), bias, out, N, t0 / 2, (t1 + 1) / 2);
+      return;
+    }
+#endif
     if (q8) {
       const int64_t NB = K / q8act::kB;
       q8act::panels(reinterpret_cast<const int8_t*>(xs + 2 * M * NB), xs, xs + M * NB, qw, s4, mn, G,
@@ -82,8 +97,16 @@ struct QLinear {
   }
   // What run() needs of rows [m0, m1) of x besides x (laid out for all M rows in xs): the
   // activation sums the row-streaming kernels need (as prepare() computes them for bf16
-  // rows), or q8act's quantised rows; nothing for decode-once sizes or bf16 weights.
+  // rows), q8act's quantised rows, or amx's A tiles (the rows' thread also zeroes the
+  // padding after the last); nothing for decode-once sizes or bf16 tiles.
   void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
+#ifdef SERVELM_AMX
+    if (amx) {
+      auto* ap = reinterpret_cast<c10::BFloat16*>(xs);
+      if (M > 32) amx_linear::pack_rows(x, ap, M, K, m0, m1 == M ? amx_linear::packed_elems(M, K) / K : m1);
+      return;
+    }
+#endif
     if (q8) {
       const int64_t NB = K / q8act::kB;
       int8_t* q = reinterpret_cast<int8_t*>(xs + 2 * M * NB);
@@ -92,6 +115,18 @@ struct QLinear {
     } else if (G >= 0 && !decode_once(M)) {
       group_sums(x + m0 * K, m1 - m0, K, group(), xs + m0 * (K / group()));
     }
+  }
+  // Around a thread's run() calls of one matmul: amx's tile configuration, and its release.
+  void begin(int64_t M) const {
+#ifdef SERVELM_AMX
+    if (amx) amx_linear::configure(M);
+#endif
+    (void)M;
+  }
+  void end() const {
+#ifdef SERVELM_AMX
+    if (amx) _tile_release();
+#endif
   }
   // Pulls the first `bytes` of this thread's share into L2 (the stream then starts warm).
   void prefetch(int tid, int nt, int64_t bytes) const {
@@ -119,20 +154,31 @@ void check_q8act(const at::Tensor& qweight, const at::Tensor& scales, const at::
                 "q8act scales/mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
 }
 
+// amx's packed weight: int32 [N * K / 2] (servelm_amx_linear.pack), N and K multiples of 32.
+void check_amx(const at::Tensor& packed, int64_t N, int64_t K) {
+  TORCH_CHECK(amx_available(), "amx weights, but AMX-BF16 is not available here");
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "amx N and K must be multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kInt && packed.is_contiguous() &&
+                  packed.numel() == N * K / 2,
+              "amx packed weight must be contiguous int32 with N*K/2 elements");
+}
+
 QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int64_t N, int64_t K,
                      const char* name) {
   QLinear L;
   L.q8 = G > QLinear::kQ8Act;
-  L.G = L.q8 ? G - QLinear::kQ8Act : G;
+  L.amx = G == QLinear::kAmx;
+  L.G = L.q8 ? G - QLinear::kQ8Act : L.amx ? QLinear::kBf16 : G;
   L.N = N;
   L.K = K;
-  TORCH_CHECK(G >= QLinear::kBf16 && G != QLinear::kQ8Act, "DecodeStack ", name, ": group size ", G,
-              " is none of int4's (> 0), int8's (0), bf16's (-1) or q8act's (", QLinear::kQ8Act,
-              " + group size)");
+  TORCH_CHECK(G >= QLinear::kAmx && G != QLinear::kQ8Act, "DecodeStack ", name, ": group size ", G,
+              " is none of int4's (> 0), int8's (0), bf16's (-1), amx's (-2) or q8act's (",
+              QLinear::kQ8Act, " + group size)");
   const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
   TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
   try {
-    if (L.q8) check_q8act(w[j], w[j + 1], w[j + 2], N, L.G, K);
+    if (L.amx) check_amx(w[j], N, K);
+    else if (L.q8) check_q8act(w[j], w[j + 1], w[j + 2], N, L.G, K);
     else if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
     else if (G == 0) check_int8(w[j], w[j + 1], N, K);
     else check_tiled<c10::BFloat16>(w[j], N, K, "bf16");
@@ -146,6 +192,8 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   } else if (G == 0) {
     L.qw = w[j].data_ptr<uint8_t>();
     L.sc = w[j + 1].data_ptr<float>();
+  } else if (L.amx) {
+    L.qw = reinterpret_cast<const uint8_t*>(w[j].data_ptr<int32_t>());
   } else {
     L.qw = reinterpret_cast<const uint8_t*>(w[j].data_ptr<c10::BFloat16>());
   }
@@ -225,11 +273,13 @@ struct Team {
       int64_t t0, t1;
       L.share(tid, n, t0, t1);
       constexpr int64_t kStep = 4;
+      if (t0 < t1) L.begin(M);
       for (int64_t c = t0; c < t1; c += kStep) {
         const int64_t e = std::min(t1, c + kStep);
         L.run(x, xs.data(), y, M, c, e);
         during(static_cast<double>(e - t0) / static_cast<double>(t1 - t0));
       }
+      if (t0 < t1) L.end();
       if (next) next->prefetch(tid, n, kWarm);
     });
     barrier();
@@ -329,9 +379,9 @@ struct StackLayer {
 class DecodeStack : public torch::CustomClassHolder {
  public:
   // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] (tiles
-  // or q8act's panels), int8 [qweight, scales] or bf16 [weight]; group_sizes: per layer and
-  // linear, the int4 group size, 0 (int8), -1 (bf16) or QLinear::kQ8Act + the group size (int4
-  // in q8act's panels); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
+  // or q8act's panels), int8 [qweight, scales], bf16 [weight] or amx [packed]; group_sizes: per
+  // layer and linear, the int4 group size, 0 (int8), -1 (bf16), -2 (amx: bf16 in AMX tile
+  // order) or QLinear::kQ8Act + the group size (int4 in q8act's panels); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
   // per layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
               std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
@@ -367,7 +417,7 @@ class DecodeStack : public torch::CustomClassHolder {
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 16K
       // bytes, bf16 16K elements.
       TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
-      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 ? 8 : 16) * hidden);
+      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 || g[2] == QLinear::kAmx ? 8 : 16) * hidden);
       s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
       s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
       // run() sizes its per-step buffers from layer 0.

@@ -41,6 +41,7 @@
 
 #include "decode_attention.h"
 #include "q8act_kernel.h"  // the DecodeStack's q8act layers
+#include "amx_linear_kernel.h"  // the DecodeStack's amx layers (where AMX-BF16 is built)
 #include "row_kernels.h"
 
 namespace {

@@ -1,0 +1,182 @@
+// The amx linear kernel's inner parts (the layout: amx_linear.cpp's head): activation rows
+// packed into A tiles, and column pairs of the packed weight times them. Shared by the
+// servelm_amx_linear operator (amx_linear.cpp) and the DecodeStack (quant.cpp), so a layer
+// gives the same bits on either. Inline, in an anonymous namespace (each extension compiles
+// its own copy), names inside `amx_linear`.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "decode_attention.h"  // transpose16x16 (amx_tiles.h's store_b_tile)
+#include "amx_tiles.h"        // SERVELM_AMX, load_tile_config, kBlk
+
+namespace {
+namespace amx_linear {
+
+#ifdef SERVELM_AMX
+
+// Every tile 64 bytes wide; the first row block's A and C tiles (tmm0, 1, 4) `lo` rows, the
+// second's (tmm2, 3, 5) `hi` rows, the B tiles (tmm6, 7) 16: a call of at most 32 rows runs
+// on exactly its rows (no padding copy, no multiplies of zero rows).
+void configure_rows(int lo = 16, int hi = 16) {
+  const uint8_t l = static_cast<uint8_t>(lo), h = static_cast<uint8_t>(std::max(hi, 1));
+  load_tile_config({l, l, h, h, l, h, 16, 16});
+}
+
+// K steps of weight prefetched ahead of the tile loads (two 1 KB tiles a step): AMX tile
+// loads from memory keep few lines in flight.
+constexpr int kPrefetchSteps = 8;
+constexpr int kQuadMaxRows = 192;  // calls of 33 .. this many rows take 64-row blocks
+
+inline void prefetch_step(const uint32_t* b) {
+  const char* p = reinterpret_cast<const char*>(b);
+  for (int i = 0; i < 2 * kBlk * 4; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// Where a row block's A tiles are: tile t (16 rows) of K step kb at base + kb * ks + t * ts
+// elements, its rows `stride` bytes apart. x itself (a call of at most 32 rows), or the
+// call's packed copy (contiguous 1 KB tiles, read far faster than 16 rows of a long x).
+struct ATiles {
+  const c10::BFloat16* base;
+  int64_t ks, ts, stride;
+  const c10::BFloat16* at(int kb, int t) const { return base + kb * ks + t * ts; }
+};
+
+// 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
+// column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
+inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c) {
+  const bool two = rows > 16;  // a second row tile
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int kb = 0; kb < ksteps; ++kb) {
+    const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
+    prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+    _tile_loadd(4, a.at(kb, 0), a.stride);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + kBlk, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a.at(kb, 1), a.stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// 64 rows against column pair wp, in two passes (one per 16-column block) of 4 A tiles x 1
+// B tile -> 4 C tiles: each B tile is used by all 64 rows as it arrives, so the weight
+// streams in one pass (2 x 2 blocks would read it during the first 32 rows' pass and compute
+// the second's from cache, streaming half the time). C = A W^T as fp32 [64][32].
+inline void quad_block(const ATiles& a, const uint32_t* wp, int ksteps, float* c) {
+  for (int col = 0; col < 2; ++col) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = 0; kb < ksteps; ++kb) {
+      const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
+      if (col == 0) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+      _tile_loadd(6, b + col * kBlk, 64);
+      _tile_loadd(4, a.at(kb, 0), a.stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a.at(kb, 1), a.stride);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, a.at(kb, 2), a.stride);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, a.at(kb, 3), a.stride);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_stored(0, c + col * 16, 128);
+    _tile_stored(1, c + 16 * 32 + col * 16, 128);
+    _tile_stored(2, c + 32 * 32 + col * 16, 128);
+    _tile_stored(3, c + 48 * 32 + col * 16, 128);
+  }
+}
+
+// The row block of a call of M rows: 64 (quad_block) where the weight stream is the cost,
+// more than one 32-row block and few enough rows that the tiles' compute stays under the
+// stream; else 32.
+inline int block_rows(int64_t M) { return M > 32 && M <= kQuadMaxRows ? 64 : 32; }
+
+// Elements of the packed A tiles of a call of M rows (none up to 32 rows: read from x).
+inline int64_t packed_elems(int64_t M, int64_t K) {
+  if (M <= 32) return 0;
+  const int64_t bh = block_rows(M);
+  return (M + bh - 1) / bh * bh * K;
+}
+
+// Rows [r0, r1) of a call of M rows packed from x [M, K] into ap ([block][K step][row tile]
+// contiguous 1 KB tiles); rows from M on (the last block's padding) are zeros.
+inline void pack_rows(const c10::BFloat16* xp, c10::BFloat16* ap, int64_t M, int64_t K, int64_t r0,
+                      int64_t r1) {
+  const int bh = block_rows(M), nt = bh / 16;
+  const int64_t ksteps = K / 32;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t blk = row / bh, t = row % bh / 16, i = row % 16;
+    for (int64_t kb = 0; kb < ksteps; ++kb) {
+      c10::BFloat16* dst = ap + ((blk * ksteps + kb) * nt + t) * 512 + i * 32;
+      if (row < M) std::memcpy(dst, xp + row * K + kb * 32, 64);
+      else std::memset(static_cast<void*>(dst), 0, 64);
+    }
+  }
+}
+
+// This thread's tile configuration for calls of M rows (up to 32: tiles of exactly its
+// rows); _tile_release() after its last tile instruction.
+inline void configure(int64_t M) {
+  if (M <= 32) configure_rows(static_cast<int>(std::min<int64_t>(M, 16)), static_cast<int>(M - 16));
+  else configure_rows();
+}
+
+// Column pairs [p0, p1) of the packed weight wp for all M rows of x [M, K] (ap: its packed
+// A tiles from 33 rows on, else unused), + bias (fp32, or null), rounded once to bf16 into
+// out [M, N]. Row block after row block, each over the pairs: the block's A tiles stay in
+// cache while the weight streams past them. The tiles must be configure(M)d.
+inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, int64_t K,
+                  const uint32_t* wp, const float* bp, c10::BFloat16* op, int64_t N, int64_t p0,
+                  int64_t p1) {
+  const int bh = block_rows(M), nt = bh / 16;
+  const int ksteps = static_cast<int>(K / 32);
+  const int64_t nblocks = (M + bh - 1) / bh;
+  alignas(64) float c[64 * 32];
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t r0 = blk * bh;
+    const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
+    const ATiles a = M <= 32 ? ATiles{xp, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))}
+                             : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
+      if (bh == 64) quad_block(a, wpair, ksteps, c);
+      else pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, c);
+      for (int i = 0; i < rows; ++i) {
+        c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
+        __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
+        if (bp) {
+          v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bp + p * 32));
+          v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bp + p * 32 + 16));
+        }
+        _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+      }
+    }
+  }
+}
+
+#endif  // SERVELM_AMX
+
+}  // namespace amx_linear
+}  // namespace
