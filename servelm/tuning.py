@@ -578,7 +578,8 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     stack's shapes (stack.keys) to its methods where that is no slower, counting what the
     stack saves (stack.saved_us()): at one row each shape's fastest stack method (the
     default within MARGIN), at 8 the one-row method (the stack needs one module throughout);
-    free is changed in place."""
+    free is changed in place. (Larger buckets keep the fastest method: a stack method
+    chosen there anyway, amx, keeps them on the stack.)"""
     on = [False] * len(lm.BUCKET_ROWS)
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
@@ -614,9 +615,10 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
     """Each shape's methods from its measurements: the fastest per bucket, or one
     row-invariant method for all (batch_invariant True; None: where every shape has one
     and, summed over the layers, it costs at most INVARIANCE_COST in every bucket). With
-    a stack (a model the DecodeStack runs): the stack's methods at its buckets where,
-    counting the calls it saves, they are no slower (_stack_choice); an invariant choice
-    that leaves the stack then pays those calls in its cost."""
+    a stack (a model the DecodeStack runs): the stack's methods at 1 and 8 rows where,
+    counting the calls it saves, they are no slower (_stack_choice); in the invariance
+    cost, whichever of the two choices leaves the stack at a bucket where the other keeps
+    it (_stack_reach) pays those calls."""
     n = len(lm.BUCKET_ROWS)
     free, inv = [], []
     for sc in shapes:
@@ -629,7 +631,11 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
         free.append(choose(timed, sc.methods[0]))
         inv.append(choose(timed, sc.methods[0], True, invariant=sc.invariant)
                    if set(sc.invariant) & set(timed) else None)
-    on_stack = _stack_choice(shapes, free, stack) if stack else [False] * n
+    if stack:
+        _stack_choice(shapes, free, stack)
+    possible_inv = all(i is not None for i in inv)
+    if stack and possible_inv:
+        reach_free, reach_inv = _stack_reach(shapes, free, stack), _stack_reach(shapes, inv, stack)
     cost = []
     for b in range(n):
         t_free = t_inv = 0.0
@@ -637,10 +643,12 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
             if i is not None and f[b] in sc.times_us and i[b] in sc.times_us:
                 t_free += len(sc.names) * sc.times_us[f[b]][b]
                 t_inv += len(sc.names) * sc.times_us[i[b]][b]
-        if on_stack[b] and not _stays_on_stack(shapes, inv, stack, b):
-            t_inv += stack.saved_us()
+        if stack and possible_inv:  # whichever leaves the stack where the other keeps it pays
+            free_on, inv_on = b < reach_free, b < reach_inv
+            t_inv += stack.saved_us() * (free_on and not inv_on)
+            t_free += stack.saved_us() * (inv_on and not free_on)
         cost.append(t_inv / t_free if t_free else 1.0)
-    possible = all(i is not None for i in inv)
+    possible = possible_inv
     use = batch_invariant is True or (batch_invariant is None and possible
                                       and max(cost) <= INVARIANCE_COST)
     for sc, f, i in zip(shapes, free, inv):
@@ -649,12 +657,16 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
     report.invariance_cost = cost if possible else []
 
 
-def _stays_on_stack(shapes: list[ShapeChoice], inv: list[list[str] | None], stack: StackCost,
-                    b: int) -> bool:
-    """Whether the invariant choice keeps bucket b on the DecodeStack (one stack method for
-    every stack shape, the same as at one row)."""
-    return all(i is not None and i[b] in STACK_METHODS and i[b] == i[0]
-               for sc, i in zip(shapes, inv) if sc.key in stack.keys)
+def _stack_reach(shapes: list[ShapeChoice], choice: list[list[str]], stack: StackCost) -> int:
+    """How many buckets, from one row up, a choice (a method per shape and bucket) runs on
+    the DecodeStack: while every stack shape keeps its one-row method, a stack method."""
+    reach = 0
+    for b in range(len(lm.BUCKET_ROWS)):
+        if not all(c[b] in STACK_METHODS and c[b] == c[0]
+                   for sc, c in zip(shapes, choice) if sc.key in stack.keys):
+            break
+        reach = b + 1
+    return reach
 
 
 def _whole_layer_ok(mod: nn.Module, src: nn.Module, act: torch.dtype) -> bool:

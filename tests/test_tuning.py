@@ -140,6 +140,22 @@ def test_an_invariant_choice_leaving_the_stack_pays_for_its_calls():
     tuning._decide(got, None, report, tuning.StackCost({"k"}, 30, 3.0))
     assert report.batch_invariant and got[0].methods == ["amx"] * 4
 
+    # The other way: amx keeps 64 rows on the stack where the fastest (onednn) leaves it,
+    # so the fastest pays the calls there: 12% slower alone, 8.7% counting them.
+    def three():
+        return [_shape({"tiles": [10, 20, 300, 2400], "onednn": [12, 25, 100, 800],
+                        "amx": [10.2, 20.5, 112, 850]}, ["amx"])]
+
+    got = three()
+    report = tuning.TuningReport(got)
+    tuning._decide(got, None, report)
+    assert report.batch_invariant is False and report.invariance_cost[2] == pytest.approx(1.12)
+    got = three()
+    report = tuning.TuningReport(got)
+    tuning._decide(got, None, report, tuning.StackCost({"k"}, 30, 3.0))
+    assert report.batch_invariant and got[0].methods == ["amx"] * 4
+    assert report.invariance_cost[2] == pytest.approx(30 * 112 / (30 * 100 + 90))
+
 
 def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypatch):
     """Through finalize_linears, on a small Llama model in bf16 + int4: a method faster by a
