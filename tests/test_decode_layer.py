@@ -120,14 +120,15 @@ def _needs(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("lens", [[1], [37], [150], [300], [5, 300, 17], [3] * 7 + [90] * 6,
-                                  "below", "above"])
+                                  "below", "above", "many"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_decode_stack_is_bit_identical_to_the_per_op_path(fmt, lens, layers):
     _needs(fmt)
     cfg = _config(num_layers=layers)
     model = _model(cfg, FORMATS[fmt])
-    if lens in ("below", "above"):  # rows either side of the decode-once threshold
-        rows = DECODE_ONCE[fmt] - 1 if lens == "below" else 64
+    if lens in ("below", "above", "many"):  # rows either side of the decode-once threshold;
+        # many: past 192 rows, where amx packs blocks of 32 rows
+        rows = {"below": DECODE_ONCE[fmt] - 1, "above": 64, "many": 200}[lens]
         lens = list(range(1, 4 * rows, 4))  # contexts 1 .. 4 rows - 3
     batch, data, caches = _setup(cfg, lens)
     before = data.clone()

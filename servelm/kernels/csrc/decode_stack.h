@@ -11,13 +11,14 @@
 // A Llama-family model's decoder layers for M single-token (decode) rows, when all their
 // linear layers are int4 / int8 / bf16 kernel layers (int4 in the tiles or in q8act's panels,
 // q8act_kernel.h; bf16 in the tiles or in AMX tile order, amx_linear_kernel.h): one C++ call
-// per step (DecodeStack.run) and
-// one parallel region for all the layers. From Python the same work is ~12 operator calls per
-// layer: each pays Python and dispatcher time, and each matmul opens its own parallel region
-// whose threads then stream a weight of 0.2-1 MB starting cold. Here the threads split each
-// matmul's tiles exactly as int4_linear / int8_linear would (so results are bit-identical to
-// theirs; q8act's panels give the same bits however they are split) and meet at a barrier between steps. Between matmuls the row steps (norms, rotary + KV
-// write, SiLU, the activation sums) split the rows over the threads, and a thread without rows
+// per step (DecodeStack.run) and one parallel region for all the layers. From Python the same
+// work is ~12 operator calls per layer: each pays Python and dispatcher time, and each matmul
+// opens its own parallel region whose threads then stream a weight of 0.2-1 MB starting cold.
+// Here the threads split each matmul's tiles exactly as int4_linear / int8_linear would (so
+// results are bit-identical to theirs; q8act's panels and amx's column pairs give the same
+// bits however they are split) and meet at a barrier between steps. Between matmuls the row
+// steps (norms, rotary + KV write, SiLU, the activation sums, q8act's quantised rows, amx's
+// A tiles) split the rows over the threads, and a thread without rows
 // prefetches the head of its share of the next weight into L2. Attention runs the
 // paged_decode_attention op's work items (decode_attention.h), each thread its share, fixed per
 // step, so while streaming the previous layer's gate_up_proj each thread also pulls the first of
