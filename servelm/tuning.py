@@ -573,17 +573,16 @@ def _op_call_us(model: nn.Module) -> float:
 
 
 def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
-                  stack: StackCost) -> list[bool]:
-    """Per bucket, whether the decode steps of its rows run on the DecodeStack, moving the
-    stack's shapes (stack.keys) to its methods where that is no slower, counting what the
-    stack saves (stack.saved_us()): at one row each shape's fastest stack method (the
-    default within MARGIN), at 8 the one-row method (the stack needs one module throughout);
-    free is changed in place. (Larger buckets keep the fastest method: a stack method
-    chosen there anyway, amx, keeps them on the stack.)"""
-    on = [False] * len(lm.BUCKET_ROWS)
+                  stack: StackCost) -> None:
+    """Moves the stack's shapes (stack.keys) to the DecodeStack's methods at 1 and 8 rows,
+    bucket by bucket while that is no slower counting what the stack saves
+    (stack.saved_us()): at one row each shape's fastest stack method (the default within
+    MARGIN), at 8 the one-row method (the stack needs one module throughout). free is
+    changed in place. (Larger buckets keep the fastest method: a stack method chosen there
+    anyway, amx, keeps them on the stack.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
-        return on
+        return
     for b in range(STACK_BUCKETS):
         alt = {}
         for i in idx:
@@ -592,22 +591,20 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
                 t = {m: ts for m, ts in sc.times_us.items()
                      if m in STACK_METHODS and math.isfinite(ts[0])}
                 if not t:
-                    return on
+                    return
                 alt[i] = choose(t, sc.methods[0])[0]
             else:
                 alt[i] = free[i][0]
                 if not math.isfinite(sc.times_us.get(alt[i], [math.inf] * (b + 1))[b]):
-                    return on  # (a stack method timed at one row but failed at 8)
+                    return  # (a stack method timed at one row but failed at 8)
         none = [math.inf] * len(lm.BUCKET_ROWS)
         t_free = sum(len(shapes[i].names) * shapes[i].times_us.get(free[i][b], none)[b]
                      for i in idx)
         t_stack = sum(len(shapes[i].names) * shapes[i].times_us[alt[i]][b] for i in idx)
         if not t_stack <= t_free + stack.saved_us():
-            return on
+            return
         for i in idx:
             free[i][b] = alt[i]
-        on[b] = True
-    return on
 
 
 def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
