@@ -583,6 +583,7 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
         return
+    none = [math.inf] * len(lm.BUCKET_ROWS)  # a method not timed
     for b in range(STACK_BUCKETS):
         alt = {}
         for i in idx:
@@ -595,9 +596,8 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
                 alt[i] = choose(t, sc.methods[0])[0]
             else:
                 alt[i] = free[i][0]
-                if not math.isfinite(sc.times_us.get(alt[i], [math.inf] * (b + 1))[b]):
+                if not math.isfinite(sc.times_us.get(alt[i], none)[b]):
                     return  # (a stack method timed at one row but failed at 8)
-        none = [math.inf] * len(lm.BUCKET_ROWS)
         t_free = sum(len(shapes[i].names) * shapes[i].times_us.get(free[i][b], none)[b]
                      for i in idx)
         t_stack = sum(len(shapes[i].names) * shapes[i].times_us[alt[i]][b] for i in idx)

@@ -41,17 +41,22 @@ def runner_path(runner, kernels: bool = False, attention: str | None = None):
         runner.use_kernels, runner.attention = saved
 
 
-def tile_targets(module: torch.nn.Module, names: tuple[str, ...]) -> int:
-    """Swap the bf16/fp32 nn.Linear children called `names` (anywhere below module) for
-    the "tiles" linear method's TiledLinear; returns how many were swapped."""
+def method_targets(module: torch.nn.Module, names: tuple[str, ...], method: str = "tiles",
+                   act: torch.dtype = torch.bfloat16) -> int:
+    """Swap the loaded linear children called `names` (anywhere below module: an nn.Linear
+    or a quantised layer) that `method` runs with activations of dtype `act` for the module
+    it builds (linear_methods.build); returns how many were swapped."""
     from servelm.layers import linear_methods as lm
+    from servelm.quantization import QuantLinear, TiledLinear
 
     swaps = [(parent, name, child) for parent in module.modules()
              for name, child in parent.named_children()
-             if name in names and type(child) is torch.nn.Linear
-             and lm.applies("tiles", child, child.weight.dtype, True)]
+             if name in names and (type(child) is torch.nn.Linear
+                                   or (isinstance(child, QuantLinear)
+                                       and not isinstance(child, TiledLinear)))
+             and lm.applies(method, child, act, True)]
     for parent, name, child in swaps:
-        setattr(parent, name, lm.build("tiles", child, child.weight.dtype))
+        setattr(parent, name, lm.build(method, child, act))
     return len(swaps)
 
 

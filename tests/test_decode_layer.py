@@ -17,7 +17,7 @@ from servelm.kernels import load_ops
 from servelm.layers import amx, q8act
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
-from tests.helpers import tile_targets
+from tests.helpers import method_targets
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
@@ -50,16 +50,12 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
     model = model.to(torch.bfloat16)
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
-            tile_targets(model.layers, (name,))
+            method_targets(model.layers, (name,), "tiles")
         elif method == "amx":  # bf16 weights in AMX tile order
-            for parent in list(model.layers.modules()):
-                if isinstance(getattr(parent, name, None), torch.nn.Linear):
-                    setattr(parent, name, amx.AmxLinear(getattr(parent, name)))
+            method_targets(model.layers, (name,), "amx")
         elif method == "q8act":  # int4 in q8act's panels (activations quantised to int8)
             Q.quantize_model(model.layers, "int4", targets=(name,))
-            for parent in list(model.layers.modules()):
-                if isinstance(getattr(parent, name, None), Q.Int4Linear):
-                    setattr(parent, name, q8act.Int4Q8Linear(getattr(parent, name)))
+            method_targets(model.layers, (name,), "q8act")
         else:
             Q.quantize_model(model.layers, method, targets=(name,))
     return model.eval()

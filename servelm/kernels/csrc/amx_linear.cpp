@@ -91,7 +91,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const int64_t elems = amx_linear::packed_elems(M, K);
   if (elems) apack = at::empty({elems}, xc.options());
   c10::BFloat16* ap = elems ? apack.data_ptr<c10::BFloat16>() : nullptr;
-  const int64_t bh = amx_linear::block_rows(M), padded = elems / std::max<int64_t>(K, 1);
+  const int64_t bh = amx_linear::block_rows(M), padded = amx_linear::padded_rows(M);
   auto run = [&](int64_t p0, int64_t p1) {
     amx_linear::configure(M);
     amx_linear::pairs(xp, ap, M, K, wp, bp, op, N, p0, p1);

@@ -113,12 +113,14 @@ inline void quad_block(const ATiles& a, const uint32_t* wp, int ksteps, float* c
 // stream; else 32.
 inline int block_rows(int64_t M) { return M > 32 && M <= kQuadMaxRows ? 64 : 32; }
 
-// Elements of the packed A tiles of a call of M rows (none up to 32 rows: read from x).
-inline int64_t packed_elems(int64_t M, int64_t K) {
+// Rows of the packed A tiles of a call of M rows, M rounded up to its row blocks (none up to
+// 32 rows: those are read from x); packed_elems: their elements.
+inline int64_t padded_rows(int64_t M) {
   if (M <= 32) return 0;
   const int64_t bh = block_rows(M);
-  return (M + bh - 1) / bh * bh * K;
+  return (M + bh - 1) / bh * bh;
 }
+inline int64_t packed_elems(int64_t M, int64_t K) { return padded_rows(M) * K; }
 
 // Rows [r0, r1) of a call of M rows packed from x [M, K] into ap ([block][K step][row tile]
 // contiguous 1 KB tiles); rows from M on (the last block's padding) are zeros.

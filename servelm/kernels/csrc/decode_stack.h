@@ -103,8 +103,8 @@ struct QLinear {
   void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
 #ifdef SERVELM_AMX
     if (amx) {
-      auto* ap = reinterpret_cast<c10::BFloat16*>(xs);
-      if (M > 32) amx_linear::pack_rows(x, ap, M, K, m0, m1 == M ? amx_linear::packed_elems(M, K) / K : m1);
+      if (const int64_t padded = amx_linear::padded_rows(M))
+        amx_linear::pack_rows(x, reinterpret_cast<c10::BFloat16*>(xs), M, K, m0, m1 == M ? padded : m1);
       return;
     }
 #endif
