@@ -54,6 +54,7 @@ INVARIANT_WITHIN = 4.0  # row invariance is checked only within this of the best
 INVARIANCE_ROWS = (1, 2, 7, 8, 16, 23, 33, 64, 128, 200)
 INVARIANCE_CALL = 320
 INVARIANCE_WINDOWS = 8  # windows of m rows checked per row count
+INVARIANCE_BYTES = 2 << 20  # ... on a slice of a layer holding over this (an LM head), this big
 KEEP = 1.5              # after a timing round, methods slower than this x the best drop out
 # ... but after the first round only those this much slower: one busy spell on a shared VM,
 # long enough to cover a method's whole first sweep, must not drop the method that is
@@ -241,13 +242,18 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     is not chosen whatever its next rounds say, and a large layer's slow method can cost a
     tenth of a second a call. The caller has just run each sweep's first module on x (its
     known-answer check), which warmed it up; first: the seconds those calls took (one
-    module a sweep), a sample for the best but no round."""
+    module a sweep, each a whole call of a prompt-sized bucket), taken as the first round:
+    a method 3x slower in its checked call is not timed again (4-7x for four of the six
+    int4 methods at 512 rows), and the others go on for one round at least (the first
+    call may be cold)."""
     best = {k: math.inf for k in sweeps}
     active = list(sweeps)
     rounds, spent = 0, 0.0
-    if first:  # a sample, not a round: a first call may be cold, and a noisy best-of-two
-        best.update({k: first[k] for k in sweeps})  # once flipped the invariant choice
+    if first:  # the first round, its methods dropped past KEEP_FIRST: one more round at least
+        best.update({k: first[k] for k in sweeps})
         spent = sum(best.values())
+        rounds = 1
+        active = [k for k in active if best[k] <= KEEP_FIRST * min(best.values())]
     # The time budget stays that of every method: the close contenders left get the rounds
     # the dropped ones no longer take, and their best is the less noisy for it.
     while active and rounds < MAX_REPS and (rounds < MIN_REPS
@@ -284,11 +290,12 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     one where the method took HOPELESS times the best method's time (PyTorch's int8pack with
     fp32 activations on an AVX2 CPU: 10-40x qdot's). A layer too large to time whole at
     those buckets (_slice_outputs: an LM head) is timed and checked there on a slice of its
-    outputs, the times scaled to the whole layer; finalize_linears checks the chosen methods
-    on the whole layer.
+    outputs, the times scaled to the whole layer (at one and 8 rows, a layer over twice
+    SWEEP_BYTES on a slice of SWEEP_BYTES); finalize_linears checks the chosen methods on
+    the whole layer.
 
-    Row invariance (row_invariant: a call of INVARIANCE_CALL rows, then windows of it) is
-    checked lazily, in the order
+    Row invariance (row_invariant: a call of INVARIANCE_CALL rows, then windows of it, on
+    a slice of at most INVARIANCE_BYTES of the layer's outputs) is checked lazily, in the order
     choose(batch_invariant=True, default=default) prefers the methods, until one holds: the
     methods it would prefer to that one are known not to be invariant, and those after it
     are never chosen for invariance, so checking them would change nothing. Only methods
@@ -297,9 +304,16 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     then reports no invariant method for the shape rather than running 4x slower)."""
     src0 = srcs[0]
     sweep = srcs[:max(1, min(len(srcs), -(-SWEEP_BYTES // _bytes(src0))))]
+    # A layer over twice SWEEP_BYTES (a 1.5B model's LM head: 140 MB in int4) is a sweep
+    # on its own: timed at one and 8 rows on a slice of SWEEP_BYTES, which streams from
+    # memory as the whole does, at the cost of building a third of it per method.
+    sweep_keep = _slice_outputs(src0, SWEEP_BYTES, 2 * SWEEP_BYTES)
+    if sweep_keep < src0.out_features:
+        sweep = [lm.head(src0, sweep_keep)]
     keep = _slice_outputs(src0)
     part = lm.head(src0, keep) if keep < src0.out_features else None
     scale = src0.out_features / keep  # slice times -> the whole layer's
+    inv_keep = _slice_outputs(src0, INVARIANCE_BYTES, INVARIANCE_BYTES)
     ref_w, bias = lm.reference_weight(src0), src0.bias
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
@@ -313,28 +327,38 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     wants: dict[int, torch.Tensor] = {}  # index in inputs -> its reference, once per shape
     call_s: dict[str, float] = {}  # each method's checked call at this bucket, in seconds
 
-    def checked(method: str, mod: nn.Module, i: int, sliced: bool = False) -> bool:
+    def checked(method: str, mod: nn.Module, i: int, outputs: int) -> bool:
         sel = _check_rows(inputs[i].shape[0])
         w, b = ref_w, bias
-        if sliced:
-            w, b = ref_w[:keep], None if bias is None else bias[:keep]
+        if outputs < src0.out_features:  # a slice: its first outputs
+            w, b = ref_w[:outputs], None if bias is None else bias[:outputs]
         if i not in wants:
             x = inputs[i] if sel is None else inputs[i][sel]
             wants[i] = reference_output(w, b, x)
         ok, call_s[method] = _checked_call(mod, w, b, inputs[i], wants[i], sel)
         return ok
 
+    def big(method: str) -> nn.Module:  # built when first needed
+        if method not in large:
+            large[method] = built[method][0] if part is None else lm.build(method, part, act)
+        return large[method]
+
+    def inv_module(method: str) -> nn.Module:  # what row_invariant checks
+        if inv_keep == src0.out_features:
+            return built[method][0]
+        return lm.build(method, lm.head(src0, inv_keep), act)
+
     for method in methods:
         mods = _sweep_modules(method, sweep if time_it else sweep[:1], act)
-        if not checked(method, mods[0], 0):
+        # (Timed, a method is checked at each bucket, its first call there.)
+        if not time_it and not checked(method, mods[0], 0, sweep_keep):
             failed.append(method)
             times[method] = [math.inf] * n
             continue
         built[method] = mods
-        large[method] = mods[0] if part is None or not time_it else lm.build(method, part, act)
         times[method] = []
     if not time_it:
-        invariant = [m for m, mods in built.items() if row_invariant(mods[0], x_inv)]
+        invariant = [m for m in built if row_invariant(inv_module(m), x_inv)]
         return {m: t for m, t in times.items() if t}, failed, invariant
     best: list[float] = []
     for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
@@ -349,9 +373,8 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
                 if compute_bound or t[-1] > HOPELESS * best[i - 1]:
                     t.append(t[-1] * rows / prev)
                     continue
-            sliced = rows > 8 and part is not None
-            mod = large[method] if rows > 8 else mods[0]
-            if not checked(method, mod, i + 1, sliced):  # also its warm-up
+            mod = big(method) if rows > 8 else mods[0]
+            if not checked(method, mod, i + 1, keep if rows > 8 else sweep_keep):  # a warm-up
                 failed.append(method)
                 times[method] = [math.inf] * n
             else:
@@ -359,7 +382,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         # A prompt-sized call is long enough to time on its own: the checked call is one
         # more sample (a cold first call only loses to the rounds' best).
         first = {m: call_s[m] for m in timed} if rows > 8 else None
-        per = scale if rows > 8 else 1.0
+        per = scale if rows > 8 else src0.out_features / sweep_keep
         for method, sec in _time_interleaved(timed, x, first).items():
             times[method].append(sec * per * 1e6)
         best.append(min((t[i] for t in times.values() if len(t) > i), default=math.inf))
@@ -369,7 +392,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         pick = choose(times, default or remaining[0], True, invariant=remaining)[0]
         if pick not in remaining:
             break
-        if row_invariant(large[pick], x_inv):
+        if row_invariant(inv_module(pick), x_inv):
             return times, failed, [pick]
         remaining.remove(pick)
     return times, failed, []
@@ -382,9 +405,34 @@ def _sweep_modules(method: str, srcs: list[nn.Module], act: torch.dtype) -> list
     (int4: unpacking the tiles, dequantising, repacking each layer again per method)."""
     first = lm.build(method, srcs[0], act)
     try:
-        return [first] + [copy.deepcopy(first) for _ in srcs[1:]]
+        return [first] + [_clone(first) for _ in srcs[1:]]
     except Exception:  # a module holding something that does not copy: build each
         return [first] + [lm.build(method, s, act) for s in srcs[1:]]
+
+
+def _clone(mod: nn.Module) -> nn.Module:
+    """A copy of mod whose tensors (parameters, buffers, tensor attributes, its submodules')
+    are fresh copies in their own memory, its other state shared: copy.deepcopy's walk
+    through every attribute was most of the time the sweeps took to build."""
+    new = copy.copy(mod)
+    d = new.__dict__
+    for k, v in list(d.items()):
+        if k in ("_parameters", "_buffers"):
+            d[k] = {n: _clone_tensor(t) for n, t in v.items()}
+        elif k == "_modules":
+            d[k] = {n: None if m is None else _clone(m) for n, m in v.items()}
+        elif isinstance(v, torch.Tensor):
+            d[k] = _clone_tensor(v)
+        elif isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+            d[k] = type(v)(_clone_tensor(t) if isinstance(t, torch.Tensor) else t for t in v)
+    return new
+
+
+def _clone_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    c = t.detach().clone()
+    return nn.Parameter(c, requires_grad=False) if isinstance(t, nn.Parameter) else c
 
 
 def _tensors(src: nn.Module) -> list[torch.Tensor]:
@@ -395,18 +443,22 @@ def _bytes(src: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(src)) or 1
 
 
-def _slice_outputs(src: nn.Module) -> int:
+def _slice_outputs(src: nn.Module, target: int | None = None, whole: int | None = None) -> int:
     """How many of the layer's outputs the tuner times at prompt-sized buckets: all of
-    them, unless the layer holds over 2 SLICE_BYTES (an LM head: 113 MB in fp32 for the
-    embedded model); then a multiple of 32 (the amx method's column pair) holding about
-    SLICE_BYTES, at least SLICE_MIN_OUT. Only the buckets over 8 rows and the invariance
-    check use the slice: they are compute-bound, their time grows with the outputs, and
-    timed whole they were half of a fresh tuning. One and 8 rows stream the weights from
-    memory, and a slice swept in copies ranked the methods by cache luck."""
+    them, unless the layer holds over `whole` bytes (default 2 SLICE_BYTES; an LM head: 113
+    MB in fp32 for the embedded model); then a multiple of 32 (the amx method's column
+    pair) holding about `target` bytes (default SLICE_BYTES), at least SLICE_MIN_OUT. Only
+    the buckets over 8 rows and the invariance check (INVARIANCE_BYTES for both: its 71
+    calls, mostly of a few rows, each stream the weights they are given) use a slice: they
+    are compute-bound, their time grows with the outputs, and timed whole they were half
+    of a fresh tuning. One and 8 rows stream the weights from memory, and a slice swept in
+    copies ranked the methods by cache luck."""
+    target = SLICE_BYTES if target is None else target
+    whole = 2 * SLICE_BYTES if whole is None else whole
     b = _bytes(src)
-    if b <= 2 * SLICE_BYTES:
+    if b <= whole:
         return src.out_features
-    n = max(SLICE_MIN_OUT, src.out_features * SLICE_BYTES // b // 32 * 32)
+    n = max(SLICE_MIN_OUT, src.out_features * target // b // 32 * 32)
     return min(n, src.out_features)
 
 

@@ -272,6 +272,16 @@ def test_every_method_matches_the_fp32_reference(fmt, act, method):
         tol = 2e-2 if not exact else 5e-4 if method == "qdot" else 1e-4
         assert err < tol, (method, rows, err)
         assert tuning.known_answer(mod, ref_w, bias, x)
+    # The copy a timing sweep runs (tuning._clone): the same results from its own memory.
+    copy = tuning._clone(mod)
+    x = torch.randn(8, 128).to(act)
+    assert torch.equal(copy(x), mod(x))
+
+    def storages(m):
+        ts = [t for t in list(m.parameters()) + list(m.buffers())
+              + [v for v in vars(m).values() if isinstance(v, torch.Tensor)]]
+        return {t.untyped_storage().data_ptr() for t in ts if t.layout == torch.strided}
+    assert storages(mod) and not storages(mod) & storages(copy)
 
 
 @pytest.mark.parametrize("fmt,act", [("float32", torch.float32), ("int4", torch.float32)])
@@ -421,9 +431,9 @@ def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tm
     monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
     monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
     report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
-    # oneDNN: its first check (8 rows, before any bucket) and the one-row bucket only.
+    # oneDNN: the one-row bucket only (its check the first call there), for both shapes.
     onednn_rows = [r for t, r in timed if t is PackedLinear]
-    assert set(onednn_rows) == {1, 8} and onednn_rows.count(8) == 2  # two shapes
+    assert set(onednn_rows) == {1} and len(onednn_rows) >= 2 * (1 + tuning.MIN_REPS)
     assert {r for t, r in timed if t is nn.Linear} == set(lm.BUCKET_ROWS)
     assert PackedLinear not in checked and nn.Linear in checked
     for shape in report.shapes:
@@ -583,6 +593,7 @@ def test_head_is_the_first_outputs_of_the_layer(fmt):
 def _sliced(monkeypatch):
     """Every layer of _Block counts as too large to time whole: a 32-output slice."""
     monkeypatch.setattr(tuning, "SLICE_BYTES", 1)
+    monkeypatch.setattr(tuning, "INVARIANCE_BYTES", 1)
     monkeypatch.setattr(tuning, "SLICE_MIN_OUT", 32)
     monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)
 
@@ -603,11 +614,30 @@ def test_a_large_layer_is_timed_on_a_slice_only_at_prompt_sized_buckets(monkeypa
     times, failed, invariant = tuning.measure([src], ["torch", "onednn"], torch.float32,
                                               default="torch")
     assert failed == [] and invariant == ["torch"] and inv_outputs == [32]
-    # One and 8 rows stream the whole layer; 64 and 512 rows (and the first 8-row check of
-    # the whole layer) are timed on 32 of its 96 outputs.
+    # One and 8 rows stream the whole layer; 64 and 512 rows are timed on 32 of its 96
+    # outputs, and so is row invariance checked.
     assert {o for o, r in calls if r == 1} == {96}
     assert {o for o, r in calls if r in (64, 512)} == {32}
     # ... and scaled back to the whole layer: the fake takes 1 µs a row of the whole layer.
+    for t in times.values():
+        assert t == pytest.approx([1, 8, 64, 512])
+
+
+def test_a_layer_larger_than_a_sweep_is_swept_on_a_slice(monkeypatch):
+    # A 1.5B model's LM head (140 MB in int4) at one and 8 rows: a slice of SWEEP_BYTES,
+    # checked against the same outputs of the reference, its times scaled to the layer.
+    _sliced(monkeypatch)
+    monkeypatch.setattr(tuning, "SWEEP_BYTES", 1)
+    calls = []
+
+    def fake(mod, x):
+        calls.append((mod.out_features, x.shape[0]))
+        return mod(x), 1e-6 * x.shape[0] * mod.out_features / 96
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    srcs = [nn.Linear(64, 96) for _ in range(3)]
+    times, failed, _ = tuning.measure(srcs, ["torch", "onednn"], torch.float32, default="torch")
+    assert failed == [] and {o for o, r in calls} == {32}
     for t in times.values():
         assert t == pytest.approx([1, 8, 64, 512])
 
@@ -705,11 +735,13 @@ def test_a_slow_method_drops_out_of_the_later_rounds(monkeypatch):
     # Past KEEP_FIRST after the first round: out; past KEEP: out after the second.
     assert calls["hopeless"] == 1 and calls["slow"] == 2
     assert calls["fast"] == calls["close"] >= tuning.MIN_REPS
-    # The known-answer calls' times are a sample, not a round: they drop no method.
+    # The known-answer calls' times are the first round: a method past KEEP_FIRST there is
+    # not called again, the others are timed in one more round at least.
     calls.update(fast=0, close=0, slow=0, hopeless=0)
     best = tuning._time_interleaved(mods, torch.zeros(1),
                                     first={"fast": 0.5, "close": 1.3, "slow": 9, "hopeless": 9})
-    assert calls["hopeless"] == 1 and calls["fast"] >= tuning.MIN_REPS and best["fast"] == 0.5
+    assert calls["hopeless"] == calls["slow"] == 0 and best["slow"] == 9
+    assert calls["fast"] >= 1 and calls["close"] >= 1 and best["fast"] == 0.5
 
 
 def test_one_busy_spell_does_not_drop_the_fastest_method(monkeypatch):
@@ -727,6 +759,10 @@ def test_one_busy_spell_does_not_drop_the_fastest_method(monkeypatch):
 
     monkeypatch.setattr(tuning, "_timed_call", fake)
     best = tuning._time_interleaved(mods, torch.zeros(1))
+    assert min(best, key=best.get) == "onednn" and seen["onednn"] >= 2
+    # ... and so when that slow call was its known-answer check (a prompt-sized bucket's).
+    seen.update(onednn=1, torch=1)
+    best = tuning._time_interleaved(mods, torch.zeros(1), first={"onednn": 5.6, "torch": 2.0})
     assert min(best, key=best.get) == "onednn" and seen["onednn"] >= 2
 
 
