@@ -27,11 +27,11 @@ def _weight(n: int, k: int, g: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,k,g,sym", SHAPES)
 def test_quantize_is_the_reference_bit_for_bit(n, k, g, sym):
-    w = _weight(n, k, g)
-    got = Q.quantize_int4(w, g, sym)
-    want = Q.quantize_int4_reference(w, g, sym)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    for w in (_weight(n, k, g), _weight(n, k, g, seed=3).bfloat16()):  # bf16 read as it is
+        got = Q.quantize_int4(w, g, sym)
+        want = Q.quantize_int4_reference(w, g, sym)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("n,k,g,sym", SHAPES)
@@ -65,8 +65,8 @@ def test_the_ops_reject_bad_operands_with_a_clear_error():
         op.dequantize(packed, s.float(), m, 32, torch.float32)
     with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
         op.dequantize(packed, s, m, 32, torch.float16)
-    with pytest.raises(RuntimeError, match="w must be contiguous float32"):
-        op.quantize(torch.zeros(16, 64, dtype=torch.bfloat16), 32, False)
+    with pytest.raises(RuntimeError, match="w must be contiguous float32 or bfloat16"):
+        op.quantize(torch.zeros(16, 64, dtype=torch.float16), 32, False)
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 256), (33, 1536)])
@@ -78,3 +78,14 @@ def test_q8act_panels_are_pack_q4_of_the_codes_bit_for_bit(n, k):
     assert torch.equal(got, q8act.pack_q4(Q.unpack_int4_reference(packed)))
     with pytest.raises(RuntimeError, match="in_features 8 must be a multiple of 32"):
         torch.ops.servelm_int4_codec.to_q8act(packed[:, :64].contiguous())
+
+
+@pytest.mark.parametrize("g", [8, 24])
+def test_groups_of_other_sizes_take_the_scalar_path_bit_for_bit(g):
+    # The vector paths take groups of a multiple of 16 inputs; the op accepts any multiple of 8.
+    op, w = torch.ops.servelm_int4_codec, _weight(40, 96, g, seed=4)
+    got, want = op.quantize(w, g, False), Q.quantize_int4_reference(w, g)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(op.dequantize(*want, g, dtype)[:40],
+                           Q.dequantize_int4_reference(*want, g, 40, dtype))

@@ -8,7 +8,7 @@
 //   dequantize(packed, scales, mins float16 [T, K/G, 16], group_size, dtype) -> [16T, K]:
 //       w = s q + m in fp32 (a rounded product, then a rounded sum), then cast to dtype
 //       (float32 or bfloat16)
-//   quantize(w float32 [N, K], group_size, symmetric) -> (packed, scales, mins): rows padded
+//   quantize(w float32 or bfloat16 [N, K], group_size, symmetric) -> (packed, scales, mins): rows padded
 //       with zeros to a multiple of 16; per group of G inputs s = (max - min) / 15, m = min
 //       (symmetric: s = max(-min / 8, max / 7), m = -8 s), s at least 1e-8, both stored as
 //       float16; q = round-half-even((w - m) / s) clamped to 0..15, from the stored s and m
@@ -45,24 +45,42 @@
 
 namespace {
 
+// Row r of a block is the 32-bit (little-endian) word at byte 4r: lane 2r (its even inputs'
+// codes, a nibble each) in the low half, lane 2r + 1 (the odd inputs') in the high one. These
+// turn that word into the row's 8 codes, a byte each in input order, and back, by shifts and
+// masks (BMI2's pdep/pext do it in one instruction, but are microcoded and slow on AMD before
+// Zen 3).
+inline uint64_t spread_nibbles(uint64_t y) {  // nibble j of 16 bits -> bits 16j..16j+3
+  y = (y | (y << 24)) & 0x000000FF000000FFULL;
+  return (y | (y << 12)) & 0x000F000F000F000FULL;
+}
+inline uint64_t gather_nibbles(uint64_t y) {  // spread_nibbles' inverse
+  y = (y | (y >> 12)) & 0x000000FF000000FFULL;
+  return (y | (y >> 24)) & 0xFFFF;
+}
+inline uint64_t expand_row(uint32_t w) { return spread_nibbles(w & 0xFFFF) | (spread_nibbles(w >> 16) << 8); }
+inline uint32_t compress_row(uint64_t u) {
+  return static_cast<uint32_t>(gather_nibbles(u & 0x000F000F000F000FULL) |
+                               (gather_nibbles((u >> 8) & 0x000F000F000F000FULL) << 16));
+}
+
 // The 16 rows x 8 inputs of tile t, block b, as codes: q[r * ldq + i].
 inline void unpack_block(const uint8_t* blk, uint8_t* q, int64_t ldq) {
-  for (int L = 0; L < 32; ++L) {
-    const int r = L >> 1, e = L & 1;
-    const uint32_t v = blk[2 * L] | (static_cast<uint32_t>(blk[2 * L + 1]) << 8);
-    uint8_t* row = q + r * ldq;
-    for (int j = 0; j < 4; ++j) row[2 * j + e] = (v >> (4 * j)) & 15;
+  for (int r = 0; r < 16; ++r) {
+    uint32_t w;
+    std::memcpy(&w, blk + 4 * r, 4);
+    const uint64_t u = expand_row(w);
+    std::memcpy(q + r * ldq, &u, 8);
   }
 }
 
 // unpack_block's inverse: codes q[r * ldq + i] (16 rows x 8 inputs) into one block's lanes.
 inline void pack_block(const uint8_t* q, int64_t ldq, uint8_t* blk) {
-  for (int L = 0; L < 32; ++L) {
-    const int r = L >> 1, e = L & 1;
-    const uint8_t* row = q + r * ldq;
-    const uint32_t v = row[e] | (row[2 + e] << 4) | (row[4 + e] << 8) | (row[6 + e] << 12);
-    blk[2 * L] = static_cast<uint8_t>(v & 0xFF);
-    blk[2 * L + 1] = static_cast<uint8_t>(v >> 8);
+  for (int r = 0; r < 16; ++r) {
+    uint64_t u;
+    std::memcpy(&u, q + r * ldq, 8);
+    const uint32_t w = compress_row(u);
+    std::memcpy(blk + 4 * r, &w, 4);
   }
 }
 
@@ -113,10 +131,53 @@ inline float opaque(float x) {
   return x;
 }
 
+#ifdef __AVX512F__
+#define SERVELM_CODEC_SIMD 1
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+// c10::BFloat16's rounding of a float (round_to_nearest_even): a NaN is 0x7FC0, else the
+// upper half of u + 0x7FFF + (bit 16 of u).
+inline void store16(c10::BFloat16* o, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 template <typename O>
 void dequantize_tiles(const uint8_t* p, const c10::Half* sc, const c10::Half* mn, int64_t T,
                       int64_t K, int64_t G, O* out) {
   const int64_t NB = K / 8, KG = K / G;
+#ifdef SERVELM_CODEC_SIMD
+  if (G % 16 == 0) {  // two blocks (16 inputs) at a time, in one group: row by row
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* tile = p + t * 8 * K;
+        for (int r = 0; r < 16; ++r) {
+          O* o = out + (16 * t + r) * K;
+          for (int64_t b = 0; b < NB; b += 2) {
+            uint32_t w0, w1;
+            std::memcpy(&w0, tile + 64 * b + 4 * r, 4);
+            std::memcpy(&w1, tile + 64 * (b + 1) + 4 * r, 4);
+            const __m128i codes = _mm_set_epi64x(static_cast<int64_t>(expand_row(w1)),
+                                                 static_cast<int64_t>(expand_row(w0)));
+            const int64_t at = (t * KG + (8 * b) / G) * 16 + r;
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+            const __m512 prod = _mm512_mul_ps(q, _mm512_set1_ps(static_cast<float>(sc[at])));
+            store16(o + 8 * b, _mm512_add_ps(prod, _mm512_set1_ps(static_cast<float>(mn[at]))));
+          }
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) uint8_t q[16 * 8];
     for (int64_t t = t0; t < t1; ++t) {
@@ -155,34 +216,40 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const 
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t group_size,
-                                                        bool symmetric) {
-  const char* name = "servelm_int4_codec.quantize";
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous(),
-              name, ": w must be contiguous float32 [N, K] on the CPU");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, name, ": group_size ",
-              group_size, " must be a multiple of 8 dividing in_features ", K);
-  const int64_t T = (N + 15) / 16, KG = K / group_size, G = group_size, NB = K / 8;
-  at::Tensor packed = at::empty({T, 8 * K}, w.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({T, KG, 16}, w.options().dtype(at::kHalf));
-  at::Tensor mins = at::empty({T, KG, 16}, w.options().dtype(at::kHalf));
-  const float* wp = w.data_ptr<float>();
-  uint8_t* pp = packed.data_ptr<uint8_t>();
-  c10::Half* sp = scales.data_ptr<c10::Half>();
-  c10::Half* mp = mins.data_ptr<c10::Half>();
+// quantize's rows, from float32 or bfloat16 weights (a bfloat16 weight converts exactly).
+template <typename In>
+void quantize_tiles(const In* wp, int64_t N, int64_t K, int64_t G, bool symmetric, uint8_t* pp,
+                    c10::Half* sp, c10::Half* mp) {
+  const int64_t T = (N + 15) / 16, KG = K / G, NB = K / 8;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> q(16 * K);
-    const std::vector<float> zeros(G, 0.f);  // a padding row's group
+    const std::vector<In> zeros(G, In(0.f));  // a padding row's group
     for (int64_t t = t0; t < t1; ++t) {
       for (int r = 0; r < 16; ++r) {
         const int64_t n = 16 * t + r;
         for (int64_t g = 0; g < KG; ++g) {
-          const float* x = n < N ? wp + n * K + g * G : zeros.data();
-          float lo = x[0], hi = x[0];
-          for (int64_t i = 1; i < G; ++i) {
-            lo = std::min(lo, x[i]);
-            hi = std::max(hi, x[i]);
+          const In* x = n < N ? wp + n * K + g * G : zeros.data();
+          float lo = static_cast<float>(x[0]), hi = lo;
+          int64_t i = 1;
+#ifdef SERVELM_CODEC_SIMD
+          // Lane by lane as below (min_ps(v, lo) is v < lo ? v : lo), then across the lanes:
+          // the same minimum and maximum, unless the group mixes +0 and -0 or holds a NaN.
+          if (G % 16 == 0) {
+            __m512 vlo = load16(x), vhi = vlo;
+            for (int64_t k = 16; k < G; k += 16) {
+              const __m512 v = load16(x + k);
+              vlo = _mm512_min_ps(v, vlo);
+              vhi = _mm512_max_ps(v, vhi);
+            }
+            lo = _mm512_reduce_min_ps(vlo);
+            hi = _mm512_reduce_max_ps(vhi);
+            i = G;
+          }
+#endif
+          for (; i < G; ++i) {
+            const float v = static_cast<float>(x[i]);
+            lo = std::min(lo, v);
+            hi = std::max(hi, v);
           }
           float s, m;
           if (symmetric) {
@@ -198,20 +265,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int
           mp[(t * KG + g) * 16 + r] = m16;
           const float sf = static_cast<float>(s16), mf = static_cast<float>(m16);
           uint8_t* qr = q.data() + r * K + g * G;
-          int64_t i = 0;
-#ifdef __AVX512F__
+          i = 0;
+#ifdef SERVELM_CODEC_SIMD
           // The same operations 16 lanes at a time (max / min return the second operand
           // for a NaN first one: 0).
           const __m512 mv = _mm512_set1_ps(mf), sv = _mm512_set1_ps(sf);
           for (; i + 16 <= G; i += 16) {
-            __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), sv);
+            __m512 v = _mm512_div_ps(_mm512_sub_ps(load16(x + i), mv), sv);
             v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             v = _mm512_min_ps(_mm512_max_ps(v, _mm512_setzero_ps()), _mm512_set1_ps(15.f));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
           }
 #endif
           for (; i < G; ++i) {
-            float v = std::nearbyint((x[i] - mf) / sf);
+            float v = std::nearbyint((static_cast<float>(x[i]) - mf) / sf);
             v = v > 0.f ? v : 0.f;  // NaN too
             v = v < 15.f ? v : 15.f;
             qr[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
@@ -221,6 +288,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int
       for (int64_t b = 0; b < NB; ++b) pack_block(q.data() + 8 * b, K, pp + t * 8 * K + 64 * b);
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& w, int64_t group_size,
+                                                        bool symmetric) {
+  const char* name = "servelm_int4_codec.quantize";
+  TORCH_CHECK(w.device().is_cpu() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) &&
+                  w.dim() == 2 && w.is_contiguous(),
+              name, ": w must be contiguous float32 or bfloat16 [N, K] on the CPU");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && K % group_size == 0, name, ": group_size ",
+              group_size, " must be a multiple of 8 dividing in_features ", K);
+  const int64_t T = (N + 15) / 16, KG = K / group_size;
+  at::Tensor packed = at::empty({T, 8 * K}, w.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({T, KG, 16}, w.options().dtype(at::kHalf));
+  at::Tensor mins = at::empty({T, KG, 16}, w.options().dtype(at::kHalf));
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  c10::Half* sp = scales.data_ptr<c10::Half>();
+  c10::Half* mp = mins.data_ptr<c10::Half>();
+  if (w.scalar_type() == at::kFloat)
+    quantize_tiles(w.data_ptr<float>(), N, K, group_size, symmetric, pp, sp, mp);
+  else
+    quantize_tiles(w.data_ptr<c10::BFloat16>(), N, K, group_size, symmetric, pp, sp, mp);
   return {packed, scales, mins};
 }
 
