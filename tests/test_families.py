@@ -390,3 +390,35 @@ def test_gguf_moe_tensor_parallel_2_matches_tp1(checkpoints, gguf_path, tmp_path
     finally:
         two.engine.shutdown()
         torch.set_num_threads(threads)
+
+
+def test_stacked_weights_are_copied_part_by_part_and_a_wrong_part_is_named():
+    """q/k/v and gate/up arrive as separate checkpoint tensors and go into the fused
+    parameter's rows in order; a part of the wrong shape is refused with the weight's name."""
+    from servelm.models.config import ModelConfig
+    from servelm.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
+                      intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg, max_positions=64)
+    g = torch.Generator().manual_seed(0)
+    hf = {}
+    for name, p in model.named_parameters():
+        w = torch.randn(p.shape, generator=g)
+        for fused, parts in model._STACKED.items():
+            if f".{fused}." in name:
+                sizes = ([32, 16, 16] if fused == "qkv_proj" else [48, 48])
+                for part, t in zip(parts, w.split(sizes)):
+                    hf[name.replace(fused, part)] = t
+                break
+        else:
+            hf[name] = w
+    model.load_weights(hf.items())
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    want = torch.cat([hf[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, want)
+    hf["layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+    with pytest.raises(ValueError, match=r"'layers.0.self_attn.qkv_proj.weight' has shape "
+                                         r"\(32, 32\) \+ \(8, 32\) \+ \(16, 32\)"):
+        model.load_weights(hf.items())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from servelm.models.gguf_file import GGUFReader
 
@@ -51,11 +52,13 @@ def test_truncated_file_is_a_clear_error(tmp_path, gguf_path):
         GGUFFile(str(cut))
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                                        "Q6_K", "F16", "BF16"])
-def test_torch_dequantisation_is_gguf_pys_bit_for_bit(type_name):
+def test_torch_dequantisation_is_gguf_pys_bit_for_bit(type_name, kernels):
     """Random blocks (every bit pattern of scales and quants, NaN/inf scales included)
-    dequantised by servelm.models.dequant and by gguf-py's numpy reference."""
+    dequantised by servelm.models.dequant (its torch functions, and its C++ op where built)
+    and by gguf-py's numpy reference."""
     import gguf
 
     from servelm.models import dequant
@@ -64,7 +67,7 @@ def test_torch_dequantisation_is_gguf_pys_bit_for_bit(type_name):
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.random.default_rng(0).integers(0, 256, size=(3, 40 * size), dtype=np.uint8)
     ref = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(-1)
-    got = dequant.dequantize(raw, type_name).numpy()
+    got = dequant.dequantize(raw, type_name, kernels=kernels).numpy()
     assert got.shape == ref.shape == (3 * 40 * block,)
     assert np.array_equal(got, ref, equal_nan=True)
 
@@ -82,3 +85,15 @@ def test_torch_dequantisation_of_the_embedded_model_is_gguf_pys(gguf_path):
         seen.add(qtype.name)
     assert {"Q4_1", "Q8_0", "F32"} <= seen
     assert dequant.dequantize(np.zeros(10, np.uint8), "IQ2_XXS") is None  # gguf-py's then
+
+
+def test_the_dequantisation_op_refuses_bad_blocks_by_name():
+    from servelm.kernels import load_ops
+
+    if not load_ops("gguf_dequant"):
+        pytest.skip("C++ kernels not built here")
+    op = torch.ops.servelm_gguf_dequant.dequantize
+    with pytest.raises(RuntimeError, match="unknown block type IQ2_XXS"):
+        op(torch.zeros(2, 66, dtype=torch.uint8), "IQ2_XXS")
+    with pytest.raises(RuntimeError, match=r"blocks must be contiguous uint8 \[n, 144\] for Q4_K"):
+        op(torch.zeros(2, 143, dtype=torch.uint8), "Q4_K")

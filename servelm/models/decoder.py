@@ -323,7 +323,7 @@ class CausalLM(nn.Module):
             parts = self._STACKED[fused]
             if all(p in pending[target] for p in parts):
                 got = pending.pop(target)
-                self._copy(params, target, torch.cat([got[p] for p in parts]))
+                self._copy(params, target, [got[p] for p in parts])
                 loaded.add(target)
         missing = set(params) - loaded
         if missing or pending:
@@ -354,12 +354,26 @@ class CausalLM(nn.Module):
             loaded.add(name)
 
     @staticmethod
-    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    def _copy(params: dict[str, nn.Parameter], name: str,
+              tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        """Copy tensor into the parameter; a list of tensors: stacked along the rows, each
+        copied into its own rows (no concatenated temporary of the whole)."""
         if name not in params:
             raise ValueError(f"checkpoint has an unexpected weight {name!r}")
         p = params[name]
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(p.shape)}")
+        if not isinstance(tensor, list):
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+            return
+        shape = (sum(t.shape[0] for t in tensor), *tensor[0].shape[1:])
+        if tuple(p.shape) != shape or any(t.shape[1:] != tensor[0].shape[1:] for t in tensor):
+            got = " + ".join(str(tuple(t.shape)) for t in tensor)
+            raise ValueError(f"weight {name!r} has shape {got}, expected {tuple(p.shape)}")
         with torch.no_grad():
-            p.copy_(tensor)
+            row = 0
+            for t in tensor:
+                p[row:row + t.shape[0]].copy_(t)
+                row += t.shape[0]
