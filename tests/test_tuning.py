@@ -698,6 +698,28 @@ def test_a_method_wrong_on_the_whole_layer_but_right_on_its_slice_is_not_kept(tm
     for (a, b), (c, d) in zip(model(x), want):
         torch.testing.assert_close(a, c)
         torch.testing.assert_close(b, d)
+    # The next start, from the cache, checks the whole layer again (nothing passed), and
+    # again runs the reference.
+    checks = []
+    real_check = tuning._whole_layer_ok
+    monkeypatch.setattr(tuning, "_whole_layer_ok",
+                        lambda *a: checks.append(1) or real_check(*a))
+    model = _Block()
+    report = tuning.finalize_linears(model, None, _cfg(tmp_path, batch_invariant=False))
+    assert report.source == "cached" and len(checks) == 2
+    assert all(s.methods == ["torch"] * len(lm.BUCKET_ROWS) for s in report.shapes)
+
+
+def test_methods_that_passed_on_the_whole_layer_are_not_checked_again(tmp_path, monkeypatch):
+    _sliced(monkeypatch)
+    checks = []
+    real_check = tuning._whole_layer_ok
+    monkeypatch.setattr(tuning, "_whole_layer_ok", lambda *a: checks.append(1) or real_check(*a))
+    first = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert first.source == "measured" and len(checks) == 2  # one per distinct shape
+    second = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert second.source == "cached" and len(checks) == 2
+    assert [s.methods for s in second.shapes] == [s.methods for s in first.shapes]
 
 
 def test_row_invariance_is_checked_in_order_of_preference_until_one_holds(monkeypatch):
