@@ -58,6 +58,9 @@ def main() -> None:
             raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels' "
                              "AVX512-BF16 tiles, and a model it implements)")
         engines = {"stack": llm, "per-op": llm}
+        from servelm.tuning import linear_summary
+
+        print(linear_summary(llm.engine.model))
     else:
         huge, plain = LLM(**kw), LLM(hugepages=False, **kw)
         engines = {"huge pages": huge, "plain pages": plain}

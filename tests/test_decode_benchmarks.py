@@ -39,6 +39,23 @@ def test_decode_ab_reports_both_sides_and_their_ratio(what, on, off):
         assert a > 0 and b > 0 and lo <= ratio <= hi
 
 
+@pytest.mark.skipif(not Q.kernels_available(), reason="needs the C++ kernels (AVX-512 BF16)")
+@pytest.mark.parametrize("args,method", [(("--linear-method", "q8act"), "q8act"),
+                                         (("--quantization", "none", "--linear-method", "amx"),
+                                          "amx")])
+def test_decode_ab_runs_the_stack_on_the_method_asked_for(args, method):
+    from servelm.layers import amx
+
+    if method == "amx" and not amx.available():
+        pytest.skip("no AMX-BF16 here")
+    r = _run("decode_ab.py", "--what", "stack", "--streams", "1", "--pairs", "2", "--tokens", "4",
+             "--kernel-tuning", "off", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(rf"  1 rows: .*\b{method} \d+", r.stdout), r.stdout
+    assert "DecodeStack: decode-only steps" in r.stdout
+    assert re.search(r"streams +1: stack +[\d.]+ tok/s, per-op +[\d.]+ tok/s", r.stdout), r.stdout
+
+
 @pytest.mark.parametrize("args,flag", [(("--streams", "1,x"), "--streams"),
                                        (("--streams", "0"), "--streams"),
                                        (("--pairs", "0"), "--pairs"),
