@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 MARGIN = 0.05          # another method must beat the default by 5% to replace it
 SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
-SLICE_BYTES = 12 << 20  # a layer over twice this is timed on a slice of its outputs this big
+SLICE_BYTES = 4 << 20   # a layer over twice this is timed on a slice of its outputs this big
 SLICE_MIN_OUT = 1024    # ... of at least this many outputs (every thread has whole panels)
 MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
 EXTRAPOLATE_S = 0.01    # a 64+-row bucket's calls take this long: larger ones are scaled from it
@@ -242,18 +242,14 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     is not chosen whatever its next rounds say, and a large layer's slow method can cost a
     tenth of a second a call. The caller has just run each sweep's first module on x (its
     known-answer check), which warmed it up; first: the seconds those calls took (one
-    module a sweep, each a whole call of a prompt-sized bucket), taken as the first round:
-    a method 3x slower in its checked call is not timed again (4-7x for four of the six
-    int4 methods at 512 rows), and the others go on for one round at least (the first
-    call may be cold)."""
+    module a sweep), a sample for the best but no round: taken as the first round, they
+    dropped oneDNN at 64 rows, whose first call of a shape compiles its kernel."""
     best = {k: math.inf for k in sweeps}
     active = list(sweeps)
     rounds, spent = 0, 0.0
-    if first:  # the first round, its methods dropped past KEEP_FIRST: one more round at least
-        best.update({k: first[k] for k in sweeps})
+    if first:  # a sample, not a round: a first call may be cold (oneDNN compiles a kernel
+        best.update({k: first[k] for k in sweeps})  # for each new shape: 8-15x at 64 rows)
         spent = sum(best.values())
-        rounds = 1
-        active = [k for k in active if best[k] <= KEEP_FIRST * min(best.values())]
     # The time budget stays that of every method: the close contenders left get the rounds
     # the dropped ones no longer take, and their best is the less noisy for it.
     while active and rounds < MAX_REPS and (rounds < MIN_REPS
@@ -445,8 +441,8 @@ def _bytes(src: nn.Module) -> int:
 
 def _slice_outputs(src: nn.Module, target: int | None = None, whole: int | None = None) -> int:
     """How many of the layer's outputs the tuner times at prompt-sized buckets: all of
-    them, unless the layer holds over `whole` bytes (default 2 SLICE_BYTES; an LM head: 113
-    MB in fp32 for the embedded model); then a multiple of 32 (the amx method's column
+    them, unless the layer holds over `whole` bytes (default 2 SLICE_BYTES; an LM head, 113
+    MB in fp32 for the embedded model, or a 1.5B model's MLP); then a multiple of 32 (the amx method's column
     pair) holding about `target` bytes (default SLICE_BYTES), at least SLICE_MIN_OUT. Only
     the buckets over 8 rows and the invariance check (INVARIANCE_BYTES for both: its 71
     calls, mostly of a few rows, each stream the weights they are given) use a slice: they

@@ -757,13 +757,11 @@ def test_a_slow_method_drops_out_of_the_later_rounds(monkeypatch):
     # Past KEEP_FIRST after the first round: out; past KEEP: out after the second.
     assert calls["hopeless"] == 1 and calls["slow"] == 2
     assert calls["fast"] == calls["close"] >= tuning.MIN_REPS
-    # The known-answer calls' times are the first round: a method past KEEP_FIRST there is
-    # not called again, the others are timed in one more round at least.
+    # The known-answer calls' times are a sample, not a round: they drop no method.
     calls.update(fast=0, close=0, slow=0, hopeless=0)
     best = tuning._time_interleaved(mods, torch.zeros(1),
                                     first={"fast": 0.5, "close": 1.3, "slow": 9, "hopeless": 9})
-    assert calls["hopeless"] == calls["slow"] == 0 and best["slow"] == 9
-    assert calls["fast"] >= 1 and calls["close"] >= 1 and best["fast"] == 0.5
+    assert calls["hopeless"] == 1 and calls["fast"] >= tuning.MIN_REPS and best["fast"] == 0.5
 
 
 def test_one_busy_spell_does_not_drop_the_fastest_method(monkeypatch):
@@ -782,9 +780,10 @@ def test_one_busy_spell_does_not_drop_the_fastest_method(monkeypatch):
     monkeypatch.setattr(tuning, "_timed_call", fake)
     best = tuning._time_interleaved(mods, torch.zeros(1))
     assert min(best, key=best.get) == "onednn" and seen["onednn"] >= 2
-    # ... and so when that slow call was its known-answer check (a prompt-sized bucket's).
+    # ... and so when its known-answer check, the first call of a prompt-sized bucket, was
+    # 10x slow (oneDNN compiles a kernel for each new shape in its first call).
     seen.update(onednn=1, torch=1)
-    best = tuning._time_interleaved(mods, torch.zeros(1), first={"onednn": 5.6, "torch": 2.0})
+    best = tuning._time_interleaved(mods, torch.zeros(1), first={"onednn": 20.0, "torch": 2.0})
     assert min(best, key=best.get) == "onednn" and seen["onednn"] >= 2
 
 
