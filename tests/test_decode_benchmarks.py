@@ -248,3 +248,18 @@ def test_compare_takes_ratios_against_transformers_else_the_first_servelm_format
     # --skip-transformers: the variants against the first format named
     assert compare.reference_row(fmts, fmts) == "servelm float32"
     assert compare.reference_row(fmts[:1], fmts[:1]) is None  # nothing to compare with
+
+
+@pytest.mark.parametrize("args,message", [((), "the following arguments are required: --base"),
+                                          (("--base", "HEAD", "--rounds", "0"), "--rounds"),
+                                          (("--base", "no-such-rev"),
+                                           "--base no-such-rev: not a revision"),
+                                          (("--base", "HEAD", "--model", "/no/such.gguf"),
+                                           "--model /no/such.gguf: no such file"),
+                                          (("--base", "HEAD", "--quantization", "fp8"),
+                                           "--quantization"),
+                                          (("--base", "HEAD", "--kernel-tuning", "off"),
+                                           "--kernel-tuning")])
+def test_startup_ab_rejects_bad_arguments(args, message, capsys):
+    code, err = script_usage_error("startup_ab.py", *args, capsys=capsys)
+    assert code == 2 and message in err
