@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(["git", "worktree", "add", "--detach", str(base), rev.stdout.strip()],
                        cwd=ROOT, check=True, capture_output=True)
         try:
-            envs = {"base": dict(os.environ, PYTHONPATH=str(base),
-                                 SERVELM_KERNEL_DIR=args.base_kernels or str(Path(tmp) / "kernels")),
+            kernels = args.base_kernels or str(Path(tmp) / "kernels")
+            envs = {"base": dict(os.environ, PYTHONPATH=str(base), SERVELM_KERNEL_DIR=kernels),
                     "tree": dict(os.environ, PYTHONPATH=str(ROOT))}
             print(f"building {args.base}'s kernels ...", flush=True)
             subprocess.run([sys.executable, "-m", "servelm.kernels"], env=envs["base"], cwd=tmp,

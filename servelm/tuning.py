@@ -441,14 +441,15 @@ def _bytes(src: nn.Module) -> int:
 
 def _slice_outputs(src: nn.Module, target: int | None = None, whole: int | None = None) -> int:
     """How many of the layer's outputs the tuner times at prompt-sized buckets: all of
-    them, unless the layer holds over `whole` bytes (default 2 SLICE_BYTES; an LM head, 113
-    MB in fp32 for the embedded model, or a 1.5B model's MLP); then a multiple of 32 (the amx method's column
-    pair) holding about `target` bytes (default SLICE_BYTES), at least SLICE_MIN_OUT. Only
-    the buckets over 8 rows and the invariance check (INVARIANCE_BYTES for both: its 71
-    calls, mostly of a few rows, each stream the weights they are given) use a slice: they
-    are compute-bound, their time grows with the outputs, and timed whole they were half
-    of a fresh tuning. One and 8 rows stream the weights from memory, and a slice swept in
-    copies ranked the methods by cache luck."""
+    them, unless the layer holds over `whole` bytes (default 2 SLICE_BYTES: an LM head, 113
+    MB in fp32 for the embedded model, or a 1.5B model's MLP); then a multiple of 32 (the
+    amx method's column pair) holding about `target` bytes (default SLICE_BYTES), at least
+    SLICE_MIN_OUT. The buckets over 8 rows and the invariance check (INVARIANCE_BYTES for
+    both: its 71 calls, mostly of a few rows, each stream the weights they are given) use
+    a slice: they are compute-bound, their time grows with the outputs, and timed whole
+    they were half of a fresh tuning. One and 8 rows stream the weights from memory, and
+    a slice swept in copies ranked the methods by cache luck: they take a slice only of a
+    layer over twice SWEEP_BYTES, SWEEP_BYTES of it, swept alone."""
     target = SLICE_BYTES if target is None else target
     whole = 2 * SLICE_BYTES if whole is None else whole
     b = _bytes(src)
