@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> None:
             envs = {"base": dict(os.environ, PYTHONPATH=str(base), SERVELM_KERNEL_DIR=kernels),
                     "tree": dict(os.environ, PYTHONPATH=str(ROOT))}
             print(f"building {args.base}'s kernels ...", flush=True)
+            # (Its exit status says whether every kernel built; one that did not leaves
+            # that side on its PyTorch fallback, as it would run for a user.)
             subprocess.run([sys.executable, "-m", "servelm.kernels"], env=envs["base"], cwd=tmp,
-                           check=True, capture_output=True)
+                           capture_output=True)
 
             def start(side: str) -> dict:
                 r = subprocess.run([sys.executable, "-c", CHILD, args.model, args.quantization,

@@ -310,6 +310,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     part = lm.head(src0, keep) if keep < src0.out_features else None
     scale = src0.out_features / keep  # slice times -> the whole layer's
     inv_keep = _slice_outputs(src0, INVARIANCE_BYTES, INVARIANCE_BYTES)
+    inv_part = lm.head(src0, inv_keep) if inv_keep < src0.out_features else None
     ref_w, bias = lm.reference_weight(src0), src0.bias
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
@@ -340,9 +341,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         return large[method]
 
     def inv_module(method: str) -> nn.Module:  # what row_invariant checks
-        if inv_keep == src0.out_features:
-            return built[method][0]
-        return lm.build(method, lm.head(src0, inv_keep), act)
+        return built[method][0] if inv_part is None else lm.build(method, inv_part, act)
 
     for method in methods:
         mods = _sweep_modules(method, sweep if time_it else sweep[:1], act)

@@ -29,11 +29,6 @@ inline float f16(const uint8_t* p) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-// y = d q (+ m) for 32 codes, one a byte.
-inline void scale32(const uint8_t* q, float d, float* y) {
-  for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(q[i]);
-}
-
 // Q4_0: d, 16 bytes of nibbles (the low ones are elements 0-15, the high ones 16-31), q - 8.
 void q4_0(const uint8_t* b, float* y) {
   const float d = f16(b);
