@@ -57,3 +57,20 @@ def test_shapes_and_dtypes_it_does_not_take_are_refused():
         mod(torch.zeros(2, 576))
     with pytest.raises(RuntimeError, match="does not match"):
         mod(torch.zeros(2, 608, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_quantised_layers_run_on_their_weights_dequantised_to_bf16(fmt):
+    """An int4 / int8 layer (the tuner's choice for a batch of rows on an AMX Xeon) computes
+    with its own weights rounded to bf16, as the onednn method does, and stays row-invariant."""
+    from servelm import quantization as Q
+
+    src = Q.quantize_linear(_layer(), fmt)
+    assert lm.applies("amx", src, torch.bfloat16, True)
+    assert not lm.applies("amx", src, torch.float32, True)
+    mod = lm.build("amx", src, torch.bfloat16)
+    x = torch.randn(70, 576).to(torch.bfloat16)
+    w = src.dequantize(torch.bfloat16).float()
+    want = x.float() @ w.T + src.bias.float()
+    torch.testing.assert_close(mod(x).float(), want, rtol=2e-2, atol=2e-2)
+    assert tuning.row_invariant(mod, torch.randn(tuning.INVARIANCE_CALL, 576).to(torch.bfloat16))

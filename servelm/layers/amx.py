@@ -1,5 +1,7 @@
 """The "amx" linear method: bf16 layers on servelm's AMX tile kernel
-(kernels/csrc/amx_linear.cpp). The weight is packed once into tile order (pairs of 16-column
+(kernels/csrc/amx_linear.cpp); int4 and int8 layers too, their weights dequantised once to
+bf16 (as the onednn method does: a batch of rows is compute-bound, and AMX multiplies bf16).
+The weight is packed once into tile order (pairs of 16-column
 blocks, a contiguous stream each); a call runs its rows in blocks (up to 32 rows on tiles of
 exactly its rows, 33-192 in blocks of 64, more in blocks of 32) against each pair, with fp32
 sums in AMX tiles rounded once to bf16. Each row's result depends on that row only, so the
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from servelm.kernels import load_ops
+from servelm.quantization import Int4Linear, Int8Linear
 
 
 def available() -> bool:
@@ -22,24 +25,31 @@ def available() -> bool:
 
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
-    """A bf16 nn.Linear on the CPU with bf16 activations, in and out features multiples of
-    32 (the tiles' K step and column pair), where the kernel runs."""
-    return (isinstance(src, nn.Linear) and act == torch.bfloat16
-            and src.weight.dtype == torch.bfloat16 and src.weight.device.type == "cpu"
-            and src.in_features % 32 == 0 and src.out_features % 32 == 0 and available())
+    """A bf16 nn.Linear, or an int4 / int8 layer, on the CPU with bf16 activations, in and
+    out features multiples of 32 (the tiles' K step and column pair), where the kernel
+    runs."""
+    if isinstance(src, nn.Linear):
+        ok = src.weight.dtype == torch.bfloat16 and src.weight.device.type == "cpu"
+    else:
+        ok = isinstance(src, (Int4Linear, Int8Linear)) and src.qweight.device.type == "cpu"
+    return (ok and act == torch.bfloat16 and src.in_features % 32 == 0
+            and src.out_features % 32 == 0 and available())
 
 
 class AmxLinear(nn.Module):
     """A bf16 linear layer on amx_linear.cpp: the weight in tile order (the source's own
-    weight is not kept), the bias in fp32."""
+    weight is not kept; an int4 / int8 source's dequantised to bf16 first), the bias in
+    fp32."""
 
-    def __init__(self, src: nn.Linear):
+    def __init__(self, src: nn.Module):
         super().__init__()
         if not available():
             raise RuntimeError("the AMX linear kernel does not run here (no AMX-BF16)")
         self.in_features, self.out_features = src.in_features, src.out_features
         ops = torch.ops.servelm_amx_linear
-        self.register_buffer("packed", ops.pack(src.weight.detach()))
+        w = (src.weight.detach() if isinstance(src, nn.Linear)
+             else src.dequantize(torch.bfloat16).contiguous())
+        self.register_buffer("packed", ops.pack(w))
         b = src.bias
         self.register_buffer("bias", None if b is None else b.detach().float().contiguous())
         self._op = ops.linear.default

@@ -9,7 +9,7 @@ the source, a module computing the same function (up to its rounding) in its own
 |----------|----------------|---------------------------------------------------------------|
 | tiles    | bf16/fp32/int4/int8 | servelm's C++ kernels over 16-row tiles (quant.cpp)     |
 | onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
-| amx      | bf16 (AMX CPUs) | servelm's AMX tile kernel over the weight packed in tile order (amx_linear.cpp), 32 rows x 32 outputs a step; batch-invariant |
+| amx      | bf16, int4, int8 (AMX CPUs) | servelm's AMX tile kernel over the weight packed in tile order (amx_linear.cpp), 32 rows x 32 outputs a step; int4/int8 weights dequantised once to bf16; batch-invariant |
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
@@ -43,6 +43,12 @@ _BOUNDS = (1, 22, 181)
 # In the order the untuned default prefers them (default_method).
 METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "panels",
            "q8act", "amx", "torch")
+
+
+def bucket_row_range(bucket: int) -> tuple[int, int]:
+    """The row counts (first, last) whose calls run bucket `bucket`'s method."""
+    lo = 1 if bucket == 0 else _BOUNDS[bucket - 1] + 1
+    return lo, _BOUNDS[bucket] if bucket < len(_BOUNDS) else 1 << 30
 
 
 def bucket_of(rows: int) -> int:
