@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--quantization", choices=("int4", "int8", "none"), default="int4",
                     help="none: the bf16 weights")
     ap.add_argument("--linear-method", choices=("tiles", "q8act", "amx"), default="tiles",
-                    help="stack: the method every layer runs (q8act: int4 only; amx: bf16)")
+                    help="stack: the method every layer runs (q8act: int4 only; amx: bf16, "
+                         "or int4 / int8 dequantised)")
     ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the "
                     "embedded model)")
     ap.add_argument("--streams", type=int_list, default=[1, 4, 8, 16])

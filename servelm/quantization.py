@@ -565,17 +565,17 @@ STACK_Q8ACT = 1 << 20
 STACK_AMX = -2
 
 
-def kernel_weights(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
+def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor], int] | None:
     """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
     group size (0 for int8, -1 for bf16 tiles, STACK_AMX for bf16 in AMX tile order,
     STACK_Q8ACT + the group size for int4 in q8act's panels); None when it does not run on
-    the C++ kernels. A layer run by row bucket (BucketedLinear) answers for its one-row
-    module."""
+    the C++ kernels. A layer run by row bucket (BucketedLinear) answers for the module that
+    runs a call of `rows` rows."""
     from servelm.layers.amx import AmxLinear
     from servelm.layers.q8act import Int4Q8Linear
 
     if hasattr(module, "module_for"):
-        module = module.module_for(1)
+        module = module.module_for(rows)
     if isinstance(module, Int4Q8Linear):
         return [module.qweight, module.scales, module.mins], STACK_Q8ACT + module.group_size
     if isinstance(module, AmxLinear):

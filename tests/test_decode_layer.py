@@ -155,7 +155,8 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     assert not _model(cfg, {"qkv_proj": "int4", "o_proj": "int4"}).bind_decode_layers(caches)
     model = _model(cfg, FORMATS["mixed"])
     assert model.bind_decode_layers(caches) and model.fused_decode
-    assert model._decode_stack.max_rows() == 4096
+    assert model._decode_stacks[0][2].max_rows() == 4096
+    assert model.decode_stack_ranges() == [(1, 4096)]  # one module set for every row count
     model = _model(cfg, FORMATS["int4"])
     assert model.bind_decode_layers(caches)
     # A tensor-parallel layer all-reduces its attention and MLP outputs: never stacked.
@@ -163,6 +164,45 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     attn.__class__ = type("ParallelLike", (type(attn),), {})
     assert not model.bind_decode_layers(caches) and not model.fused_decode
     assert not model.float().bind_decode_layers(caches)  # fp32 activations: per-op path
+
+
+def _bucketed(model, methods: list[str]) -> None:
+    """Every layer's linear layers from int4 sources, run by row bucket on `methods` (one a
+    bucket), as servelm.tuning leaves them."""
+    from servelm.layers import linear_methods as lm
+
+    Q.quantize_model(model.layers, "int4")
+    for layer in model.layers:
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            src = getattr(owner, name)
+            built = {m: lm.build(m, src, torch.bfloat16) for m in dict.fromkeys(methods)}
+            setattr(owner, name, lm.BucketedLinear([built[m] for m in methods], methods))
+
+
+def test_a_stack_for_each_run_of_buckets_on_kernel_modules():
+    """The tuner's int4 choice on an AMX Xeon (q8act for one and a few rows, amx, the weights
+    dequantised to bf16, from 23): one stack for each, each bit for bit the per-op path on
+    its rows; a bucket on a method the stack does not run (oneDNN) leaves its rows per-op."""
+    _needs("q8act amx")
+    cfg = _config(num_layers=2)
+    model = _model(cfg, {})
+    _bucketed(model, ["q8act", "q8act", "amx", "amx"])
+    for lens in ([5, 30, 9], [3] * 30):
+        batch, data, caches = _setup(cfg, lens)
+        (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+        assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+    assert model.decode_stack_ranges() == [(1, 22), (23, 4096)]
+    model = _model(cfg, {})
+    _bucketed(model, ["q8act", "onednn", "amx", "amx"])
+    _, _, caches = _setup(cfg, [4])
+    assert model.bind_decode_layers(caches)
+    assert model.decode_stack_ranges() == [(1, 1), (23, 4096)]
+    assert model.decode_stack_takes(caches, 1) and model.decode_stack_takes(caches, 23)
+    assert not model.decode_stack_takes(caches, 8)  # oneDNN's rows: the per-op path
+    model = _model(cfg, {})
+    _bucketed(model, ["onednn"] * 4)
+    assert not model.bind_decode_layers(caches) and model.decode_stack_ranges() == []
 
 
 def test_decode_stack_rejects_bad_arguments():
@@ -287,31 +327,34 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     model = llm.engine.model
     assert model.fused_decode
     runs = []
-    real = model._decode_stack
+    real = model._decode_stacks
 
-    class Counting:  # the stack, counting its calls (run_tokens: whole steps from token ids)
+    class Counting:  # a stack, counting its calls (run_tokens: whole steps from token ids)
+        def __init__(self, stack):
+            self.stack = stack
+
         def run(self, *a):
             runs.append(a[0].shape[0])
-            return real.run(*a)
+            return self.stack.run(*a)
 
         def run_tokens(self, *a):
             runs.append(a[0].shape[0])
-            return real.run_tokens(*a)
+            return self.stack.run_tokens(*a)
 
         def run_lists(self, *a):
             runs.append(len(a[0]))
-            return real.run_lists(*a)
+            return self.stack.run_lists(*a)
 
     ids = llm.get_tokenizer().encode("The first rule of serving language models is")
     prompts = [ids, ids[:3], list(range(1000, 1300))]  # one context past 256 tokens
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     try:
-        model._decode_stack = Counting()
+        model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
         fused = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         model.fused_decode = False
         per_op = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     finally:
-        model._decode_stack, model.fused_decode = real, True
+        model._decode_stacks, model.fused_decode = real, True
     assert 3 in runs  # decode steps of all three went through the stack
     for a, b in zip(fused, per_op):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

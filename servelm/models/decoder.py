@@ -98,10 +98,11 @@ class DecoderLayer(nn.Module):
                 and attn.scale == attn.head_dim ** -0.5 and self.attn_out_norm is None
                 and not self.local_rotary)
 
-    def decode_stack_args(self) -> tuple | None:
-        """This layer's part of a `servelm_quant.DecodeStack`: (weights, group sizes, norms,
-        qkv bias), when the layer is_plain, all four linear layers run on the int4/int8/bf16
-        C++ kernels (int4: tiles or q8act's panels; bf16: tiles or AMX tile order) and only
+    def decode_stack_args(self, rows: int = 1) -> tuple | None:
+        """This layer's part of a `servelm_quant.DecodeStack` for steps of `rows` rows:
+        (weights, group sizes, norms, qkv bias), when the layer is_plain, all four linear
+        layers run calls of that many rows on the int4/int8/bf16 C++ kernels (int4: tiles
+        or q8act's panels; bf16, or int4/int8 dequantised: tiles or AMX tile order) and only
         qkv has a bias; else None. Not for tensor-parallel layers
         (their subclasses all-reduce the attention and MLP outputs, which the stack does not)."""
         from servelm.quantization import kernel_weights
@@ -110,7 +111,7 @@ class DecoderLayer(nn.Module):
             return None
         linears = self.linears()
         attn = self.self_attn
-        parts = [kernel_weights(m) for m in linears]
+        parts = [kernel_weights(m, rows) for m in linears]
         if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
             return None
         bias = attn.qkv_proj.bias
@@ -144,7 +145,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = False  # set by bind_decode_layers
-        self._decode_stack, self._decode_kv, self._decode_max_rows = None, None, 0
+        self._decode_stacks: list = []  # (first row count, last, DecodeStack)
+        self._decode_kv = None
 
     def init_rotary(self, device: torch.device | None = None) -> None:
         """(Re)build the rotary tables (buffers not in any checkpoint) on `device`: the
@@ -169,58 +171,90 @@ class CausalLM(nn.Module):
     def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
         decoder layer and its KV cache (with the embedding, rotary tables and final norm) into
-        one `servelm_quant.DecodeStack`, which then runs decode-only bf16 batches of up to its
-        max_rows() (4096) from token ids to the final norm in one C++ call per step,
-        bit-identical to the per-op path (from 48 rows, 24 with an int8 layer, its matmuls
-        decode each weight tile once, as the per-op kernels do; bf16 tiles from 8). Only
-        when the model is one the executor supports (decode_stack_supported) and every
-        layer's linear layers are int4/int8/bf16 kernel layers (int4 also in q8act's
-        panels, bf16 in AMX tile order) for one row, and then for the
-        rows they all run on them (servelm.tuning may choose other methods for more rows);
-        and over an unquantised KV cache (kv_cache_dtype auto: it does not read scales).
-        The runner binds it unless KernelConfig.fused_decode is off."""
-        from servelm.quantization import stack_rows
+        `servelm_quant.DecodeStack`s, which then run decode-only bf16 batches from token ids
+        to the final norm in one C++ call per step, bit-identical to the per-op path (from
+        48 rows, 24 with an int8 layer, its matmuls decode each weight tile once, as the
+        per-op kernels do; bf16 tiles from 8). One stack per run of row buckets
+        (linear_methods.BUCKET_ROWS) whose calls every linear layer runs on the same modules,
+        when those are int4/int8/bf16 kernel layers (int4 also in q8act's panels; bf16, or
+        int4/int8 dequantised, in AMX tile order): servelm.tuning may choose q8act for one
+        and a few rows and amx from 23, and then both kinds of step run on a stack (each
+        stack holds the weights by reference). Only when the model is one the executor
+        supports (decode_stack_supported), and over an unquantised KV cache (kv_cache_dtype
+        auto: it does not read scales). The runner binds it unless KernelConfig.fused_decode
+        is off."""
+        from servelm.layers.linear_methods import BUCKET_ROWS, bucket_row_range
 
-        self.fused_decode, self._decode_stack, self._decode_kv = False, None, None
+        self.fused_decode, self._decode_stacks, self._decode_kv = False, [], None
         # A quantised KV cache ((k, v, k_scale, v_scale) a layer) is not one the DecodeStack
         # reads: decode steps then run op by op, whose attention reads it.
         if any(len(kv) != 2 for kv in kv_caches):
             return False
         if not (load_ops("quant") and load_ops("ops") and _has_decode_stack()
-                and self.decode_stack_supported()):
+                and self.decode_stack_supported()
+                and self.embed_tokens.weight.dtype == torch.bfloat16):
             return False
-        parts = [layer.decode_stack_args() for layer in self.layers]
-        if any(p is None for p in parts) or self.embed_tokens.weight.dtype != torch.bfloat16:
-            return False
-        rows = min(stack_rows(m) for layer in self.layers for m in layer.linears())
+        linears = [m for layer in self.layers for m in layer.linears()]
+
+        def modules(rows: int) -> list[int]:
+            return [id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
+
+        groups: list[list[int]] = []  # runs of buckets on the same modules
+        for b, rows in enumerate(BUCKET_ROWS):
+            if groups and modules(rows) == modules(BUCKET_ROWS[groups[-1][0]]):
+                groups[-1].append(b)
+            else:
+                groups.append([b])
         attn = self.layers[0].self_attn
-        self._decode_stack = torch.classes.servelm_quant.DecodeStack(
-            [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
-            [t for p in parts for t in p[2]], [p[3] for p in parts],
-            [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
-            attn.num_heads, attn.num_kv_heads, attn.scale)
-        # Embedding, rotary rows and the final norm too: run_tokens is the whole step. The
-        # rotary tables rounded to bf16 once (rounding commutes with the per-step gather).
         bf16 = torch.bfloat16
-        self._decode_stack.bind_io(self.embed_tokens.weight, self.rotary.cos.to(bf16).contiguous(),
-                                   self.rotary.sin.to(bf16).contiguous(), self.norm.weight)
+        # The rotary tables rounded to bf16 once (rounding commutes with the per-step gather).
+        cos, sin = self.rotary.cos.to(bf16).contiguous(), self.rotary.sin.to(bf16).contiguous()
+        for group in groups:
+            parts = [layer.decode_stack_args(BUCKET_ROWS[group[0]]) for layer in self.layers]
+            if any(p is None for p in parts):
+                continue
+            stack = torch.classes.servelm_quant.DecodeStack(
+                [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
+                [t for p in parts for t in p[2]], [p[3] for p in parts],
+                [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
+                attn.num_heads, attn.num_kv_heads, attn.scale)
+            # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
+            stack.bind_io(self.embed_tokens.weight, cos, sin, self.norm.weight)
+            lo, hi = bucket_row_range(group[0])[0], bucket_row_range(group[-1])[1]
+            hi = min(hi, stack.max_rows())
+            if lo <= hi:
+                self._decode_stacks.append((lo, hi, stack))
+        if not self._decode_stacks:
+            return False
         self._decode_kv = kv_caches
-        self._decode_max_rows = min(rows, self._decode_stack.max_rows())
         self.fused_decode = True
         return True
 
+    def decode_stack_ranges(self) -> list[tuple[int, int]]:
+        """The row counts (first, last) of decode-only steps a DecodeStack runs, one range a
+        stack."""
+        return [(lo, hi) for lo, hi, _ in self._decode_stacks] if self.fused_decode else []
+
+    def _stack_for(self, rows: int):
+        for lo, hi, stack in self._decode_stacks:
+            if lo <= rows <= hi:
+                return stack
+        return None
+
     def decode_stack_takes(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                            rows: int) -> bool:
-        """Whether the DecodeStack runs a decode-only step of `rows` rows over kv_caches (it
-        is bound, to these caches, and takes that many rows)."""
-        return self.fused_decode and rows <= self._decode_max_rows and kv_caches is self._decode_kv
+        """Whether a DecodeStack runs a decode-only step of `rows` rows over kv_caches (one
+        is bound, to these caches, for that many rows)."""
+        return (self.fused_decode and kv_caches is self._decode_kv
+                and self._stack_for(rows) is not None)
 
     def decode_step(self, input_ids: list[int], positions: list[int], slots: list[int],
                     tables: list[int], context_lens: list[int]) -> torch.Tensor:
         """A decode-only step that decode_stack_takes, from plain lists (as
         servelm.attention.metadata.decode_lists builds them): the final hidden states [M, hidden], the same
         bits as forward() on the equivalent batch."""
-        return self._decode_stack.run_lists(input_ids, positions, slots, tables, context_lens)
+        stack = self._stack_for(len(input_ids))
+        return stack.run_lists(input_ids, positions, slots, tables, context_lens)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -241,7 +275,8 @@ class CausalLM(nn.Module):
         fused = (batch.kernels and dec is not None and dec.num == n
                  and self.decode_stack_takes(kv_caches, n))
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
-            return self._decode_stack.run_tokens(batch.input_ids, batch.positions, batch.slot_mapping,
+            return self._stack_for(n).run_tokens(batch.input_ids, batch.positions,
+                                                 batch.slot_mapping,
                                                  dec.block_tables, dec.context_lens)
         x = self.embed(batch.input_ids)
         tables = [self.rotary.cos_sin(batch.positions, x.dtype)]
@@ -252,7 +287,7 @@ class CausalLM(nn.Module):
             delta = None
             if fused:
                 cos, sin = tables[0]
-                delta = self._decode_stack.run(x, cos, sin, batch.slot_mapping,
+                delta = self._stack_for(n).run(x, cos, sin, batch.slot_mapping,
                                                dec.block_tables, dec.context_lens)
                 if rows is not None:
                     delta, x = delta[rows], x[rows]
