@@ -634,9 +634,9 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     """Moves the stack's shapes (stack.keys) to the DecodeStack's methods at 1 and 8 rows,
     bucket by bucket while that is no slower counting what the stack saves
     (stack.saved_us()): at one row each shape's fastest stack method (the default within
-    MARGIN), at 8 the one-row method (the stack needs one module throughout). free is
+    MARGIN), at 8 the one-row method (one stack, one set of weights, for both). free is
     changed in place. (Larger buckets keep the fastest method: a stack method chosen there
-    anyway, amx, keeps them on the stack.)"""
+    anyway, amx, runs them on a stack of their own.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
         return
@@ -672,7 +672,7 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
     a stack (a model the DecodeStack runs): the stack's methods at 1 and 8 rows where,
     counting the calls it saves, they are no slower (_stack_choice); in the invariance
     cost, whichever of the two choices leaves the stack at a bucket where the other keeps
-    it (_stack_reach) pays those calls."""
+    it (_on_stack) pays those calls."""
     n = len(lm.BUCKET_ROWS)
     free, inv = [], []
     for sc in shapes:
@@ -689,7 +689,7 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
         _stack_choice(shapes, free, stack)
     possible_inv = all(i is not None for i in inv)
     if stack and possible_inv:
-        reach_free, reach_inv = _stack_reach(shapes, free, stack), _stack_reach(shapes, inv, stack)
+        on_free, on_inv = _on_stack(shapes, free, stack), _on_stack(shapes, inv, stack)
     cost = []
     for b in range(n):
         t_free = t_inv = 0.0
@@ -698,7 +698,7 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
                 t_free += len(sc.names) * sc.times_us[f[b]][b]
                 t_inv += len(sc.names) * sc.times_us[i[b]][b]
         if stack and possible_inv:  # whichever leaves the stack where the other keeps it pays
-            free_on, inv_on = b < reach_free, b < reach_inv
+            free_on, inv_on = on_free[b], on_inv[b]
             t_inv += stack.saved_us() * (free_on and not inv_on)
             t_free += stack.saved_us() * (inv_on and not free_on)
         cost.append(t_inv / t_free if t_free else 1.0)
@@ -711,16 +711,12 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
     report.invariance_cost = cost if possible else []
 
 
-def _stack_reach(shapes: list[ShapeChoice], choice: list[list[str]], stack: StackCost) -> int:
-    """How many buckets, from one row up, a choice (a method per shape and bucket) runs on
-    the DecodeStack: while every stack shape keeps its one-row method, a stack method."""
-    reach = 0
-    for b in range(len(lm.BUCKET_ROWS)):
-        if not all(c[b] in STACK_METHODS and c[b] == c[0]
-                   for sc, c in zip(shapes, choice) if sc.key in stack.keys):
-            break
-        reach = b + 1
-    return reach
+def _on_stack(shapes: list[ShapeChoice], choice: list[list[str]], stack: StackCost) -> list[bool]:
+    """Per bucket, whether a choice (a method per shape and bucket) runs that bucket's
+    decode steps on a DecodeStack: every stack shape on a stack method there (the model
+    binds a stack for each run of buckets on the same modules)."""
+    return [all(c[b] in STACK_METHODS for sc, c in zip(shapes, choice) if sc.key in stack.keys)
+            for b in range(len(lm.BUCKET_ROWS))]
 
 
 def _whole_layer_ok(mod: nn.Module, src: nn.Module, act: torch.dtype) -> bool:

@@ -156,6 +156,15 @@ def test_an_invariant_choice_leaving_the_stack_pays_for_its_calls():
     assert report.batch_invariant and got[0].methods == ["amx"] * 4
     assert report.invariance_cost[2] == pytest.approx(30 * 112 / (30 * 100 + 90))
 
+    # tiles for a few rows and amx for a batch: a stack for each (the model binds one per
+    # run of buckets on the same modules), so at 64 rows neither choice leaves the stack.
+    got = [_shape({"tiles": [10, 20, 300, 2400], "amx": [10.4, 20.8, 100, 800]}, ["amx"])]
+    report = tuning.TuningReport(got)
+    tuning._decide(got, False, report, tuning.StackCost({"k"}, 30, 3.0))
+    assert got[0].methods == ["tiles", "tiles", "amx", "amx"]
+    assert report.invariance_cost[2] == pytest.approx(1.0)
+    assert report.invariance_cost[0] == pytest.approx(1.04)
+
 
 def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypatch):
     """Through finalize_linears, on a small Llama model in bf16 + int4: a method faster by a
