@@ -477,6 +477,31 @@ def test_the_table_is_cached_per_machine_key(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("linear-methods-*.json"))) == 2
 
 
+def test_a_cached_shape_missing_a_method_that_runs_now_is_measured_again(tmp_path,
+                                                                           monkeypatch):
+    """A table cached before a method applied to a shape (a newer servelm: amx for int4
+    layers) would hide that method for good: the shape is measured again."""
+    calls = []
+    real = tuning.measure
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    cands = [m for m in lm.METHODS if lm.applies(m, nn.Linear(64, 96), torch.float32, True)]
+    if len(cands) < 2:
+        pytest.skip("one linear method here: nothing to measure")
+    first = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert first.source == "measured" and len(calls) == 2
+    cache = tuning_cache.TuningCache(tmp_path, tuning_cache.machine_key(torch.get_num_threads()))
+    key = first.shapes[0].key
+    entry = cache.get(key)
+    dropped = entry["candidates"][-1]
+    entry["candidates"] = entry["candidates"][:-1]  # as if it did not apply then
+    entry["times_us"].pop(dropped, None)
+    cache.save()
+    again = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert again.source == "measured" and len(calls) == 3  # that shape only
+    assert dropped in calls[-1]
+    assert [s.cached for s in again.shapes] == [s.key != key for s in again.shapes]
+
+
 def test_an_unreadable_cache_is_measured_again(tmp_path):
     key = tuning_cache.machine_key(torch.get_num_threads())
     cache = tuning_cache.TuningCache(tmp_path, key)
