@@ -1,17 +1,21 @@
-"""Engine start-up of this work tree against another revision, alternating in one run.
+"""Engine start-up (or --streams: throughput) of this work tree against another revision,
+alternating in one run.
 
     python benchmarks/startup_ab.py --base REV [--model PATH] [--quantization int4|int8|none]
                                     [--kernel-tuning cached|fresh] [--rounds N]
-                                    [--base-kernels DIR]
+                                    [--base-kernels DIR] [--streams N]
 
 Each side builds `LLM(model, dtype="bfloat16", quantization, kernel_tuning)` in a fresh
 process, the two sides taking turns (which goes first alternates by round), and reports the
 seconds the engine took to start (loading, quantising, tuning or reading the table back,
-building the layers) and the tuner's own seconds. REV is checked out into a temporary git
-worktree, its C++ kernels built into their own directory first (a few minutes, not timed;
---base-kernels keeps them for the next run).
-With --kernel-tuning cached, each side's first start measures its table (the kernel
-sources are part of the cache key) and is not counted.
+building the layers) and the tuner's own seconds. With --streams N the same engine
+(max_num_seqs N) then generates 128 tokens for each of 2N prompts of 128 tokens (greedy,
+ignoring EOS) twice, after a short warm-up, and the side's figure is the faster run's
+output tokens per second (prefill included, as a batch of requests arriving at once).
+REV is checked out into a temporary git worktree, its C++ kernels built into their own
+directory first (a few minutes, not timed; --base-kernels keeps them for the next run).
+Each side keeps its kernel table in a directory of its own; with --kernel-tuning cached,
+its first start measures the table and is not counted.
 """
 
 from __future__ import annotations
@@ -33,9 +37,28 @@ t = time.perf_counter()
 from servelm import LLM
 q = None if sys.argv[2] == "none" else sys.argv[2]
 kw = {"model": sys.argv[1]} if sys.argv[1] else {}
-llm = LLM(dtype="bfloat16", quantization=q, kernel_tuning=sys.argv[3], **kw)
-print(json.dumps({"start": time.perf_counter() - t, "tuning": llm.engine.tuning.seconds,
-                  "source": llm.engine.tuning.source}))
+streams = int(sys.argv[4])
+if streams:
+    kw["max_num_seqs"] = streams
+llm = LLM(dtype="bfloat16", quantization=q, kernel_tuning=sys.argv[3],
+          tuning_cache_dir=sys.argv[5], **kw)
+out = {"start": time.perf_counter() - t, "tuning": llm.engine.tuning.seconds,
+       "source": llm.engine.tuning.source}
+if streams:
+    from servelm import SamplingParams
+    vocab = llm.get_tokenizer().vocab_size
+    ids = [[(1000 + 7 * i + j) % vocab for j in range(128)] for i in range(2 * streams)]
+    llm.generate(ids[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    best = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        outs = llm.generate(ids, sp, use_tqdm=False)
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        best = max(best, n / (time.perf_counter() - t))
+    out["tok_s"] = best
+print(json.dumps(out))
 """
 
 
@@ -49,9 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--base-kernels", default=None,
                     help="where REV's kernels are built (default: a temporary directory)")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="also time generation with this many streams (e.g. 64)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.streams < 0:
+        ap.error(f"--streams must be at least 1 (0: start-up only), got {args.streams}")
     if args.model and not os.path.exists(args.model):
         ap.error(f"--model {args.model}: no such file or directory")
     rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.base}^{{commit}}"], cwd=ROOT,
@@ -74,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
 
             def start(side: str) -> dict:
                 r = subprocess.run([sys.executable, "-c", CHILD, args.model, args.quantization,
-                                    args.kernel_tuning], env=envs[side], cwd=tmp,
+                                    args.kernel_tuning, str(args.streams),
+                                    str(Path(tmp) / f"{side}-cache")], env=envs[side], cwd=tmp,
                                    capture_output=True, text=True)
                 if r.returncode:
                     raise SystemExit(f"{side} failed to start:\n{r.stderr[-2000:]}")
@@ -88,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
                 for side in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
                     res[side].append(start(side))
                     got = res[side][-1]
+                    streams = f", {got['tok_s']:.1f} tok/s" if args.streams else ""
                     print(f"round {r + 1} {side}: start {got['start']:.2f} s, tuning "
-                          f"{got['source']} {got['tuning']:.2f} s", flush=True)
+                          f"{got['source']} {got['tuning']:.2f} s{streams}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            capture_output=True)
@@ -99,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
         ratio = f"{b / t:.2f}x" if t > 0 else "-"
         print(f"{key:>6}: {args.base} {b:.2f} s, this tree {t:.2f} s, {args.base} / this tree "
               f"{ratio}")
+    if args.streams:  # each round's pair, then their median
+        ratios = [t["tok_s"] / b["tok_s"] for b, t in zip(res["base"], res["tree"])]
+        b = statistics.median(x["tok_s"] for x in res["base"])
+        t = statistics.median(x["tok_s"] for x in res["tree"])
+        print(f"{args.streams} streams: {args.base} {b:.1f} tok/s, this tree {t:.1f} tok/s; this "
+              f"tree / {args.base} per round " + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f", median {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":
