@@ -589,18 +589,6 @@ def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor]
     return None
 
 
-def stack_rows(module: nn.Module) -> int:
-    """Up to how many rows a step may run this layer on its kernel_weights (the
-    DecodeStack's): 0 if it does not run on them; unbounded (2**30) for a plain kernel
-    layer; for a BucketedLinear, as far as its buckets keep the one-row module."""
-    from servelm.layers.linear_methods import rows_on
-
-    if kernel_weights(module) is None:
-        return 0
-    one = module.module_for(1) if hasattr(module, "module_for") else module
-    return rows_on(module, lambda m: m is one)
-
-
 # ---------------------------------------------------------------- the swap
 
 def quantize_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,

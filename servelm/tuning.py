@@ -788,7 +788,6 @@ def linear_summary(model: nn.Module) -> str:
             counts[name(impl)] = counts.get(name(impl), 0) + 1
         lines.append(f"  {rows:>3} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     if getattr(model, "fused_decode", False):
-        ranges = ", ".join(f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
-                           for lo, hi in model.decode_stack_ranges())
+        ranges = ", ".join(f"{lo}-{hi}" for lo, hi in model.decode_stack_ranges())
         lines.append(f"  DecodeStack: decode-only steps of {ranges} rows")
     return "\n".join(lines)

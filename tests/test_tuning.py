@@ -240,14 +240,13 @@ def test_bucketed_linear_runs_each_buckets_module():
     assert layer.module_for(100) is b
 
 
-def test_stack_rows_follow_the_one_row_module():
-    lin = nn.Linear(8, 4)
-    a, b = _Spy(lin, "a", []), _Spy(lin, "b", [])
-    layer = lm.BucketedLinear([a, a, b, a], ["tiles", "tiles", "onednn", "tiles"])
-    assert lm.rows_on(layer, lambda m: m is a) == 22  # bucket 2 leaves the module
-    assert lm.rows_on(layer, lambda m: m is b) == 0
-    assert lm.rows_on(a, lambda m: m is a) == 1 << 30
-    assert Q.stack_rows(nn.Linear(8, 4)) == 0  # not a kernel layer: never on the stack
+def test_bucket_row_ranges_cover_every_row_count_once():
+    ranges = [lm.bucket_row_range(b) for b in range(len(lm.BUCKET_ROWS))]
+    assert ranges[0] == (1, 1) and ranges[1] == (2, 22) and ranges[2][0] == 23
+    for b, (lo, hi) in enumerate(ranges):
+        assert lm.bucket_of(lo) == b and lm.bucket_of(min(hi, 1 << 20)) == b
+        if b + 1 < len(ranges):
+            assert ranges[b + 1][0] == hi + 1
 
 
 # ---------------------------------------------------------------- every method

@@ -293,15 +293,3 @@ class BucketedLinear(nn.Module):
         return "methods by rows: " + ", ".join(
             f"{r}: {m}" for r, m in zip(BUCKET_ROWS, self.methods))
 
-
-def rows_on(module: nn.Module, pick) -> int:
-    """How many rows, counting up from one, `module` runs on modules for which pick(m) is
-    true (0 if not even one; a large number when every bucket's module is)."""
-    if not isinstance(module, BucketedLinear):
-        return 1 << 30 if pick(module) else 0
-    rows = 0
-    for i, m in enumerate(module._by_bucket):
-        if not pick(m):
-            break
-        rows = _BOUNDS[i] if i < len(_BOUNDS) else 1 << 30
-    return rows
