@@ -60,9 +60,10 @@ KEEP = 1.5              # after a timing round, methods slower than this x the b
 # long enough to cover a method's whole first sweep, must not drop the method that is
 # fastest the rest of the time (a cached table keeps the choice; README, "Choose the kernels").
 KEEP_FIRST = 3.0
-# The DecodeStack (one C++ call per decode-only step) runs these methods, and covers the
-# first STACK_BUCKETS buckets (1 and 8 rows: it takes up to 22). Timing layer by layer cannot
-# see what it saves: the per-op path's calls between the matmuls. That is counted as
+# The DecodeStack (one C++ call per decode-only step) runs these methods, a stack for each
+# run of buckets on them; the tuner counts what it saves in the first STACK_BUCKETS buckets
+# (1 and 8 rows, up to 22). Timing layer by layer cannot see that saving: the per-op path's
+# calls between the matmuls. That is counted as
 # STACK_CALLS one-row operator calls per decoder layer, the call's time measured at
 # start-up (_op_call_us); the calibration is in the README ("Choose the kernels").
 STACK_METHODS = ("tiles", "q8act", "amx")

@@ -195,13 +195,12 @@ class CausalLM(nn.Module):
                 and self.embed_tokens.weight.dtype == torch.bfloat16):
             return False
         linears = [m for layer in self.layers for m in layer.linears()]
-
-        def modules(rows: int) -> list[int]:
-            return [id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
-
+        # Per bucket, the module every linear layer runs a call of that many rows on.
+        used = [[id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
+                for rows in BUCKET_ROWS]
         groups: list[list[int]] = []  # runs of buckets on the same modules
-        for b, rows in enumerate(BUCKET_ROWS):
-            if groups and modules(rows) == modules(BUCKET_ROWS[groups[-1][0]]):
+        for b in range(len(BUCKET_ROWS)):
+            if groups and used[b] == used[groups[-1][0]]:
                 groups[-1].append(b)
             else:
                 groups.append([b])
