@@ -141,14 +141,15 @@ def _pack_tiles(q: torch.Tensor) -> torch.Tensor:
     return lanes.view(torch.uint8).reshape(T, 8 * K).contiguous()
 
 
-_unpacked: dict[tuple, torch.Tensor] | None = None  # unpack_int4's results, in unpacked_once
+_unpacked: dict[tuple, torch.Tensor] | None = None  # results kept in unpacked_once
 
 
 @contextlib.contextmanager
 def unpacked_once():
-    """Within it, unpack_int4 unpacks each packed tensor once: the tuner builds several
-    methods' layouts from one int4 layer (each used to unpack it again, half of a fresh
-    tuning's time). The results are dropped on exit; callers must not modify them."""
+    """Within it, unpack_int4 and dequantize_int4 compute each result once: the tuner builds
+    several methods' layouts from one int4 layer (each used to unpack it again, half of a
+    fresh tuning's time; an LM head was dequantised again for the reference, amx and
+    oneDNN). The results are dropped on exit; callers must not modify them."""
     global _unpacked
     outer = _unpacked
     if outer is None:
@@ -159,18 +160,23 @@ def unpacked_once():
         _unpacked = outer
 
 
+def _once(key: tuple, tensors: tuple[torch.Tensor, ...], make) -> torch.Tensor:
+    """make(), computed once per key and input tensors inside unpacked_once."""
+    if _unpacked is None:
+        return make()
+    # An inference tensor (a slice the tuner cut from a large layer inside inference mode)
+    # has no version counter; nothing writes the weights while they are unpacked.
+    key = key + tuple((t.data_ptr(), -1 if t.is_inference() else t._version, tuple(t.shape),
+                       t.device) for t in tensors)
+    out = _unpacked.get(key)
+    if out is None:
+        out = _unpacked[key] = make()
+    return out
+
+
 def unpack_int4(packed: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
     """The tiled layout -> q uint8 [N, K] in 0..15 (N = out_features, else padded rows)."""
-    if _unpacked is not None:
-        # An inference tensor (a slice the tuner cut from a large layer inside inference
-        # mode) has no version counter; nothing writes the weights while they are unpacked.
-        version = -1 if packed.is_inference() else packed._version
-        key = (packed.data_ptr(), version, tuple(packed.shape), packed.device)
-        q = _unpacked.get(key)
-        if q is None:
-            q = _unpacked[key] = _unpack_int4(packed)
-        return q[:out_features] if out_features is not None else q
-    q = _unpack_int4(packed)
+    q = _once(("unpack",), (packed,), lambda: _unpack_int4(packed))
     return q[:out_features] if out_features is not None else q
 
 
@@ -198,7 +204,9 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     """w = s * q + m (the product rounded in fp32, then the sum), cast to dtype."""
     if (int4_codec(packed) and dtype in (torch.float32, torch.bfloat16)
             and packed.is_contiguous() and scales.is_contiguous() and mins.is_contiguous()):
-        w = torch.ops.servelm_int4_codec.dequantize(packed, scales, mins, group_size, dtype)
+        w = _once(("dequantize", group_size, dtype), (packed, scales, mins),
+                  lambda: torch.ops.servelm_int4_codec.dequantize(packed, scales, mins,
+                                                                  group_size, dtype))
         return w[:out_features] if out_features is not None else w
     return _dequantize_codes(unpack_int4(packed), scales, mins, group_size, out_features, dtype)
 

@@ -155,3 +155,21 @@ def test_unpacked_once_unpacks_a_layer_once_and_forgets_it_after():
         # the layouts built inside are the same as outside
         assert torch.equal(q8act.Int4Q8Linear(src).qweight, q8act.pack_q4(fresh))
     assert Q.unpack_int4(src.qweight) is not a
+
+
+def test_unpacked_once_dequantises_a_layer_once_per_dtype():
+    src = _int4(32, 64, 32, False)
+    args = (src.qweight, src.scales, src.mins, src.group_size)
+    fresh = {dt: Q.dequantize_int4(*args, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+    assert Q.dequantize_int4(*args) is not Q.dequantize_int4(*args)  # no cache outside
+    with Q.unpacked_once():
+        w = {dt: Q.dequantize_int4(*args, dtype=dt) for dt in fresh}
+        for dt, want in fresh.items():
+            assert w[dt].dtype == dt and torch.equal(w[dt], want)
+            assert Q.dequantize_int4(*args, dtype=dt) is w[dt]
+            assert torch.equal(Q.dequantize_int4(*args, out_features=20, dtype=dt), want[:20])
+        other = _int4(32, 64, 32, False, seed=1)  # another layer: its own weights
+        assert torch.equal(other.dequantize(torch.float32),
+                           Q.dequantize_int4(other.qweight, other.scales, other.mins, 32))
+        assert not torch.equal(other.dequantize(torch.float32), w[torch.float32])
+    assert Q.dequantize_int4(*args) is not w[torch.float32]
