@@ -20,21 +20,24 @@ def _layer(n=96, k=576, bias=True):
     return nn.Linear(k, n, bias=bias).to(torch.bfloat16)
 
 
-def test_every_row_count_matches_the_reference_and_its_rows_alone():
+@pytest.mark.parametrize("n,k", [(96, 576), (1056, 1536)])
+def test_every_row_count_matches_the_reference_and_its_rows_alone(n, k):
     """Row blocks of 32 (2 x 2 tiles), of 64 (one weight pass) from 33 to 192 rows, and the
     zero-padded last block: every row equals the same row computed in any other call, and
-    the fp32 reference within bf16's rounding."""
-    src = _layer()
+    the fp32 reference within bf16's rounding. 1056 x 1536: a thread's share of the weight
+    runs in panels (amx_linear_kernel.h's kPanelBytes: 10 column pairs at K = 1536), the
+    last one short, each passed by every row block in turn."""
+    src = _layer(n, k)
     mod = lm.build("amx", src, torch.bfloat16)
-    x = torch.randn(300, 576).to(torch.bfloat16)
+    x = torch.randn(300, k).to(torch.bfloat16)
     whole = mod(x)
     want = x.float() @ src.weight.float().T + src.bias.float()
     torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2)
     for rows in (1, 7, 16, 17, 32, 33, 64, 65, 100, 192, 193):
         for start in (0, 300 - rows):
             assert torch.equal(mod(x[start:start + rows]), whole[start:start + rows]), (rows, start)
-    assert mod(x[:0]).shape == (0, 96)
-    assert mod(x.view(3, 100, 576)).shape == (3, 100, 96)  # leading dims kept
+    assert mod(x[:0]).shape == (0, n)
+    assert mod(x.view(3, 100, k)).shape == (3, 100, n)  # leading dims kept
 
 
 def test_the_tuner_finds_it_row_invariant():

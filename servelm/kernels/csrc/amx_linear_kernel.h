@@ -47,8 +47,10 @@ struct ATiles {
 };
 
 // 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
-// column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c.
-inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c) {
+// column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c. prefetch: the
+// pair streams from memory (else it is in cache, and prefetching it only costs issue slots).
+inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c,
+                       bool prefetch = true) {
   const bool two = rows > 16;  // a second row tile
   _tile_zero(0);
   _tile_zero(1);
@@ -58,7 +60,7 @@ inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps
   }
   for (int kb = 0; kb < ksteps; ++kb) {
     const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
-    prefetch_step(b + kPrefetchSteps * 2 * kBlk);
+    if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
     _tile_loadd(4, a.at(kb, 0), a.stride);
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -145,34 +147,45 @@ inline void configure(int64_t M) {
   else configure_rows();
 }
 
+// Weights per panel of column pairs (pairs): a panel stays in L2 while every row block passes it.
+constexpr int64_t kPanelBytes = int64_t(1) << 20;
+
 // Column pairs [p0, p1) of the packed weight wp for all M rows of x [M, K] (ap: its packed
 // A tiles from 33 rows on, else unused), + bias (fp32, or null), rounded once to bf16 into
-// out [M, N]. Row block after row block, each over the pairs: the block's A tiles stay in
-// cache while the weight streams past them. The tiles must be configure(M)d.
+// out [M, N]. In panels of pairs holding about kPanelBytes of weights, each panel row block
+// after row block: the weight streams from memory once, in the first block's pass (a
+// thread's share of a large layer streamed again for every 32-row block had made 512-row
+// calls memory-bound), and the block's A tiles stay in cache while the panel passes them.
+// The same sums in the same order whatever the panels. The tiles must be configure(M)d.
 inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, int64_t K,
                   const uint32_t* wp, const float* bp, c10::BFloat16* op, int64_t N, int64_t p0,
                   int64_t p1) {
   const int bh = block_rows(M), nt = bh / 16;
   const int ksteps = static_cast<int>(K / 32);
   const int64_t nblocks = (M + bh - 1) / bh;
+  // (a pair holds K * 64 bytes; one row block: no panels)
+  const int64_t panel = nblocks > 1 ? std::max<int64_t>(1, kPanelBytes / (K * 64)) : p1 - p0;
   alignas(64) float c[64 * 32];
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t r0 = blk * bh;
-    const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
-    const ATiles a = M <= 32 ? ATiles{xp, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))}
-                             : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
-      if (bh == 64) quad_block(a, wpair, ksteps, c);
-      else pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, c);
-      for (int i = 0; i < rows; ++i) {
-        c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
-        __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
-        if (bp) {
-          v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bp + p * 32));
-          v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bp + p * 32 + 16));
+  for (int64_t q0 = p0; q0 < p1; q0 += panel) {
+    const int64_t q1 = std::min(p1, q0 + panel);
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t r0 = blk * bh;
+      const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
+      const ATiles a = M <= 32 ? ATiles{xp, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))}
+                               : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
+      for (int64_t p = q0; p < q1; ++p) {
+        const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
+        if (bh == 64) quad_block(a, wpair, ksteps, c);
+        else pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, c, blk == 0);
+        for (int i = 0; i < rows; ++i) {
+          c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
+          __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
+          if (bp) {
+            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bp + p * 32));
+            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bp + p * 32 + 16));
+          }
+          _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
         }
-        _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
       }
     }
   }
