@@ -47,6 +47,11 @@ SLICE_MIN_OUT = 1024    # ... of at least this many outputs (every thread has wh
 MIN_REPS, MAX_REPS, TARGET_S = 2, 5, 0.01
 EXTRAPOLATE_S = 0.01    # a 64+-row bucket's calls take this long: larger ones are scaled from it
 HOPELESS = 8.0          # this many times the best at a bucket: larger buckets are scaled
+# ... this many past a bucket over 8 rows: there every method is compute-bound, and a
+# method's standing moves less from one such bucket to the next than from the memory-bound
+# buckets to the first of them (a per-call cost amortised over more rows closes some of
+# a gap, not four-fold of it)
+HOPELESS_COMPUTE = 4.0
 INVARIANT_WITHIN = 4.0  # row invariance is checked only within this of the best somewhere
 # Row counts checked against windows of one INVARIANCE_CALL-row call: on both sides of every
 # row blocking a kernel may switch at (oneDNN on AMX switches at several, up to past 128 rows),
@@ -84,6 +89,11 @@ class ShapeChoice:
     cached: bool = False
     invariant: list[str] = dataclasses.field(default_factory=list)  # checked row-invariant
     candidates: list[str] = dataclasses.field(default_factory=list)  # checked (and timed)
+
+    @property
+    def quantised(self) -> bool:
+        """Whether the layers hold int4 or int8 weights (the key's weight format)."""
+        return self.key.startswith("int")
 
     def row(self) -> str:
         kind = self.names[0].rsplit(".", 1)[-1] if self.names else "?"
@@ -283,13 +293,13 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     for every method: its time is the previous bucket's scaled by the rows, not measured (an
     LM head at 512 rows would take most of a second a call on a small CPU). One and 8 rows
     are memory-bound: a long one-row call (a 1.5B model's LM head, 10 ms) says nothing of
-    the 8-row one, which is measured. So is a bucket past
-    one where the method took HOPELESS times the best method's time (PyTorch's int8pack with
-    fp32 activations on an AVX2 CPU: 10-40x qdot's). A layer too large to time whole at
-    those buckets (_slice_outputs: an LM head) is timed and checked there on a slice of its
-    outputs, the times scaled to the whole layer (at one and 8 rows, a layer over twice
-    SWEEP_BYTES on a slice of SWEEP_BYTES); finalize_linears checks the chosen methods on
-    the whole layer.
+    the 8-row one, which is measured. So is a bucket past one where the method took
+    HOPELESS times the best method's time (PyTorch's int8pack with fp32 activations on an
+    AVX2 CPU: 10-40x qdot's), HOPELESS_COMPUTE past one over 8 rows. A layer too large to
+    time whole at those buckets (_slice_outputs: an LM head) is timed and checked there on
+    a slice of its outputs, the times scaled to the whole layer (at one and 8 rows, a layer
+    over twice SWEEP_BYTES on a slice of SWEEP_BYTES); finalize_linears checks the chosen
+    methods on the whole layer.
 
     Row invariance (row_invariant: a call of INVARIANCE_CALL rows, then windows of it, on
     a slice of at most INVARIANCE_BYTES of the layer's outputs) is checked lazily, in the order
@@ -366,7 +376,8 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
             if t:
                 prev = lm.BUCKET_ROWS[i - 1]
                 compute_bound = prev > 8 and t[-1] > EXTRAPOLATE_S * 1e6
-                if compute_bound or t[-1] > HOPELESS * best[i - 1]:
+                hopeless = HOPELESS_COMPUTE if prev > 8 else HOPELESS
+                if compute_bound or t[-1] > hopeless * best[i - 1]:
                     t.append(t[-1] * rows / prev)
                     continue
             mod = big(method) if rows > 8 else mods[0]
@@ -637,8 +648,9 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     """Moves the stack's shapes (stack.keys) to the DecodeStack's methods at 1 and 8 rows,
     bucket by bucket while that is no slower counting what the stack saves
     (stack.saved_us()): at one row each shape's fastest stack method (the default within
-    MARGIN), at 8 the one-row method (one stack, one set of weights, for both). free is
-    changed in place. (Larger buckets keep the fastest method: a stack method chosen there
+    MARGIN; for a quantised shape, not a dequantised method other than the one its larger
+    buckets hold: _one_dequantised_copy), at 8 the one-row method (one stack, one set of
+    weights, for both). free is changed in place. (Larger buckets keep the fastest method: a stack method chosen there
     anyway, amx, runs them on a stack of their own.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
@@ -649,8 +661,11 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
         for i in idx:
             sc = shapes[i]
             if b == 0:
+                # (not a second dequantised copy of a quantised layer's weights)
+                held = {m for m in free[i][STACK_BUCKETS:] if m in lm.DEQUANTISED}
                 t = {m: ts for m, ts in sc.times_us.items()
-                     if m in STACK_METHODS and math.isfinite(ts[0])}
+                     if m in STACK_METHODS and math.isfinite(ts[0])
+                     and not (sc.quantised and m in lm.DEQUANTISED and held - {m})}
                 if not t:
                     return
                 alt[i] = choose(t, sc.methods[0])[0]
@@ -667,9 +682,29 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
             free[i][b] = alt[i]
 
 
+def _one_dequantised_copy(sc: ShapeChoice, methods: list[str]) -> list[str]:
+    """methods (one per bucket), a quantised shape's buckets holding at most one dequantised
+    copy of its weights (lm.DEQUANTISED): where they chose two such methods, the one whose
+    worst bucket among theirs is least behind that bucket's choice takes them all. Two
+    copies in bf16 hold 8x an int4 layer's bytes: a 1.5B model's int4 engine then held
+    more memory than its bf16 one."""
+    dense = sorted({m for m in methods if m in lm.DEQUANTISED})
+    if not sc.quantised or len(dense) < 2:
+        return methods
+    buckets = [b for b, m in enumerate(methods) if m in dense]
+    none = [math.inf] * len(lm.BUCKET_ROWS)
+
+    def worst(m: str) -> float:
+        return max(sc.times_us.get(m, none)[b] / max(sc.times_us[methods[b]][b], 1e-9)
+                   for b in buckets)
+    keep = min(dense, key=worst)
+    return [keep if m in dense else m for m in methods]
+
+
 def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
             report: TuningReport, stack: StackCost | None = None) -> None:
-    """Each shape's methods from its measurements: the fastest per bucket, or one
+    """Each shape's methods from its measurements: the fastest per bucket (a quantised
+    shape's with at most one dequantised copy of its weights: _one_dequantised_copy), or one
     row-invariant method for all (batch_invariant True; None: where every shape has one
     and, summed over the layers, it costs at most INVARIANCE_COST in every bucket). With
     a stack (a model the DecodeStack runs): the stack's methods at 1 and 8 rows where,
@@ -685,7 +720,7 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
             free.append([one] * n)
             inv.append(free[-1] if one in sc.invariant else None)
             continue
-        free.append(choose(timed, sc.methods[0]))
+        free.append(_one_dequantised_copy(sc, choose(timed, sc.methods[0])))
         inv.append(choose(timed, sc.methods[0], True, invariant=sc.invariant)
                    if set(sc.invariant) & set(timed) else None)
     if stack:

@@ -166,6 +166,36 @@ def test_an_invariant_choice_leaving_the_stack_pays_for_its_calls():
     assert report.invariance_cost[0] == pytest.approx(1.04)
 
 
+def test_a_quantised_layer_keeps_one_dequantised_copy_of_its_weights():
+    """amx fastest at 64 rows and oneDNN at 512 (the 1.5B's down_proj in int4 on the AMX
+    Xeon) would hold two bf16 copies of an int4 layer: the one least behind at its worst
+    bucket takes both, oneDNN (1.38x at 64) over amx (1.97x at 512); with the numbers the
+    other way round, amx. A bf16 layer keeps the fastest in each bucket."""
+    times = {"q8act": [2751, 1116, 7412, 60864], "qdot": [565, 2451, 20127, 161016],
+             "onednn": [2472, 2367, 4444, 13564], "amx": [1756, 1871, 3222, 26724]}
+    flipped = dict(times, onednn=[2472, 2367, 4444, 20000], amx=[1756, 1871, 3222, 26724])
+    for key, t, want in (("int4g32/bfloat16:8960x1536", times, "onednn"),
+                         ("int8/bfloat16:8960x1536", times, "onednn"),
+                         ("int4g32/bfloat16:8960x1536", flipped, "amx")):
+        sc = _shape(dict(t), [], default="q8act")
+        sc.key = key
+        tuning._decide([sc], False, tuning.TuningReport([sc]))
+        assert sc.methods == ["qdot", "q8act", want, want], key
+    sc = _shape(dict(times), [], default="q8act")
+    sc.key = "bfloat16/bfloat16:8960x1536"
+    tuning._decide([sc], False, tuning.TuningReport([sc]))
+    assert sc.methods == ["qdot", "q8act", "amx", "onednn"]
+    # The DecodeStack's one-row choice does not add amx to an int4 layer holding oneDNN: the
+    # stack takes q8act instead (amx alone would pay for itself).
+    t = {"qdot": [9, 30, 300, 3000], "q8act": [12, 30, 300, 3000], "amx": [10, 30, 300, 3000],
+         "onednn": [50, 20, 100, 800]}
+    for key, want in (("int4g32/bfloat16:576x576", "q8act"), ("bfloat16/bfloat16:576x576", "amx")):
+        sc = _shape(dict(t), [], default="qdot")
+        sc.key = key
+        tuning._decide([sc], False, tuning.TuningReport([sc]), tuning.StackCost({key}, 30, 5.0))
+        assert sc.methods[0] == want and sc.methods[2:] == ["onednn", "onednn"], key
+
+
 def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypatch):
     """Through finalize_linears, on a small Llama model in bf16 + int4: a method faster by a
     little at one row (qdot, by fake timings) does not take the layers off the DecodeStack;
@@ -449,6 +479,31 @@ def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tm
         t1 = shape.times_us["onednn"][0]
         assert shape.times_us["onednn"] == [t1 * r for r in lm.BUCKET_ROWS]
         assert "onednn" not in shape.invariant
+
+
+def test_past_a_compute_bound_bucket_a_lesser_gap_is_hopeless(tmp_path, monkeypatch):
+    # oneDNN made 5x slower than F.linear: under HOPELESS, so timed at 1, 8 and 64 rows; past
+    # 64 rows (compute-bound) over HOPELESS_COMPUTE, so 512 rows is scaled from 64.
+    if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
+        pytest.skip("oneDNN cannot pack fp32 here")
+    assert tuning.HOPELESS_COMPUTE < 5 < tuning.HOPELESS
+    timed = []
+
+    def fake(mod, x):
+        timed.append((type(mod), x.shape[0]))
+        return mod(x), x.shape[0] * (5e-6 if isinstance(mod, PackedLinear) else 1e-6)
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)
+    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
+    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert {r for t, r in timed if t is PackedLinear} == {1, 8, 64}
+    assert {r for t, r in timed if t is nn.Linear} == set(lm.BUCKET_ROWS)
+    for shape in report.shapes:
+        t = shape.times_us["onednn"]
+        assert t[3] == t[2] * lm.BUCKET_ROWS[3] / lm.BUCKET_ROWS[2]
+        assert shape.methods == ["torch"] * len(lm.BUCKET_ROWS)
 
 
 def test_the_table_is_cached_per_machine_key(tmp_path, monkeypatch):

@@ -130,6 +130,10 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
 # with AMX, int4pack at one row flipped a greedy token of the embedded model against the fp32
 # reference); a forced --linear-method still runs them.
 BF16_INSIDE = ("int4pack",)
+# Methods that run a quantised (int4, int8) layer on a dequantised copy of its weights, in
+# the activations' dtype: each copy holds 4x an int4 layer's bytes in bf16, so the tuner
+# gives a quantised layer at most one of them (tuning._one_dequantised_copy).
+DEQUANTISED = ("onednn", "amx")
 
 
 def tunable(method: str, act: torch.dtype) -> bool:
