@@ -3,7 +3,7 @@ alternating in one run.
 
     python benchmarks/startup_ab.py --base REV [--model PATH] [--quantization int4|int8|none]
                                     [--kernel-tuning cached|fresh] [--rounds N]
-                                    [--base-kernels DIR] [--streams N]
+                                    [--base-kernels DIR] [--streams N] [--ttft N[,N...]]
 
 Each side builds `LLM(model, dtype="bfloat16", quantization, kernel_tuning)` in a fresh
 process, the two sides taking turns (which goes first alternates by round), and reports the
@@ -12,6 +12,8 @@ building the layers) and the tuner's own seconds. With --streams N the same engi
 (max_num_seqs N) then generates 128 tokens for each of 2N prompts of 128 tokens (greedy,
 ignoring EOS) twice, after a short warm-up, and the side's figure is the faster run's
 output tokens per second (prefill included, as a batch of requests arriving at once).
+With --ttft N the engine (prefix caching off) also times one prompt of N tokens, one
+token out, three times after an untimed one, and the side's figure is the fastest.
 REV is checked out into a temporary git worktree, its C++ kernels built into their own
 directory first (a few minutes, not timed; --base-kernels keeps them for the next run).
 Each side keeps its kernel table in a directory of its own; with --kernel-tuning cached,
@@ -38,8 +40,11 @@ from servelm import LLM
 q = None if sys.argv[2] == "none" else sys.argv[2]
 kw = {"model": sys.argv[1]} if sys.argv[1] else {}
 streams = int(sys.argv[4])
+ttfts = [int(n) for n in sys.argv[6].split(",") if n]
 if streams:
     kw["max_num_seqs"] = streams
+if ttfts:
+    kw.update(enable_prefix_caching=False, max_model_len=max(ttfts) + 64)
 llm = LLM(dtype="bfloat16", quantization=q, kernel_tuning=sys.argv[3],
           tuning_cache_dir=sys.argv[5], **kw)
 out = {"start": time.perf_counter() - t, "tuning": llm.engine.tuning.seconds,
@@ -58,6 +63,17 @@ if streams:
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         best = max(best, n / (time.perf_counter() - t))
     out["tok_s"] = best
+for n in ttfts:
+    from servelm import SamplingParams
+    vocab = llm.get_tokenizer().vocab_size
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(4):
+        ids = [(2000 + 11 * i + j) % vocab for j in range(n)]
+        t = time.perf_counter()
+        llm.generate([ids], one, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    out[f"ttft_{n}"] = min(times[1:])
 print(json.dumps(out))
 """
 
@@ -74,11 +90,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="where REV's kernels are built (default: a temporary directory)")
     ap.add_argument("--streams", type=int, default=0,
                     help="also time generation with this many streams (e.g. 64)")
+    ap.add_argument("--ttft", default="", metavar="N[,N...]",
+                    help="also time the first token of a prompt of each of these lengths")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.streams < 0:
         ap.error(f"--streams must be at least 1 (0: start-up only), got {args.streams}")
+    try:
+        ttfts = [int(n) for n in args.ttft.split(",") if n.strip()]
+    except ValueError:
+        ttfts = [0]
+    if any(n < 1 for n in ttfts):
+        ap.error(f"--ttft must be prompt lengths of at least 1 token, got {args.ttft!r}")
     if args.model and not os.path.exists(args.model):
         ap.error(f"--model {args.model}: no such file or directory")
     rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.base}^{{commit}}"], cwd=ROOT,
@@ -102,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             def start(side: str) -> dict:
                 r = subprocess.run([sys.executable, "-c", CHILD, args.model, args.quantization,
                                     args.kernel_tuning, str(args.streams),
-                                    str(Path(tmp) / f"{side}-cache")], env=envs[side], cwd=tmp,
+                                    str(Path(tmp) / f"{side}-cache"),
+                                    ",".join(map(str, ttfts))], env=envs[side], cwd=tmp,
                                    capture_output=True, text=True)
                 if r.returncode:
                     raise SystemExit(f"{side} failed to start:\n{r.stderr[-2000:]}")
@@ -117,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                     res[side].append(start(side))
                     got = res[side][-1]
                     streams = f", {got['tok_s']:.1f} tok/s" if args.streams else ""
+                    streams += "".join(f", TTFT {n} {got[f'ttft_{n}'] * 1000:.0f} ms"
+                                       for n in ttfts)
                     print(f"round {r + 1} {side}: start {got['start']:.2f} s, tuning "
                           f"{got['source']} {got['tuning']:.2f} s{streams}", flush=True)
         finally:
@@ -134,6 +161,14 @@ def main(argv: list[str] | None = None) -> None:
         t = statistics.median(x["tok_s"] for x in res["tree"])
         print(f"{args.streams} streams: {args.base} {b:.1f} tok/s, this tree {t:.1f} tok/s; this "
               f"tree / {args.base} per round " + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f", median {statistics.median(ratios):.2f}x")
+    for n in ttfts:  # each round's pair (base time / tree time: over 1, the tree is faster)
+        key = f"ttft_{n}"
+        ratios = [b[key] / t[key] for b, t in zip(res["base"], res["tree"])]
+        b = statistics.median(x[key] for x in res["base"]) * 1000
+        t = statistics.median(x[key] for x in res["tree"]) * 1000
+        print(f"TTFT {n}: {args.base} {b:.0f} ms, this tree {t:.0f} ms; {args.base} / this "
+              f"tree per round " + ", ".join(f"{x:.2f}x" for x in ratios)
               + f", median {statistics.median(ratios):.2f}x")
 
 

@@ -261,7 +261,11 @@ def test_compare_takes_ratios_against_transformers_else_the_first_servelm_format
                                           (("--base", "HEAD", "--kernel-tuning", "off"),
                                            "--kernel-tuning"),
                                           (("--base", "HEAD", "--streams", "-1"),
-                                           "--streams must be at least 1")])
+                                           "--streams must be at least 1"),
+                                          (("--base", "HEAD", "--ttft", "512,x"),
+                                           "--ttft must be prompt lengths"),
+                                          (("--base", "HEAD", "--ttft", "0"),
+                                           "--ttft must be prompt lengths")])
 def test_startup_ab_rejects_bad_arguments(args, message, capsys):
     code, err = script_usage_error("startup_ab.py", *args, capsys=capsys)
     assert code == 2 and message in err
