@@ -650,8 +650,8 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     (stack.saved_us()): at one row each shape's fastest stack method (the default within
     MARGIN; for a quantised shape, not a dequantised method other than the one its larger
     buckets hold: _one_dequantised_copy), at 8 the one-row method (one stack, one set of
-    weights, for both). free is changed in place. (Larger buckets keep the fastest method: a stack method chosen there
-    anyway, amx, runs them on a stack of their own.)"""
+    weights, for both). free is changed in place. (Larger buckets keep the fastest method:
+    a stack method chosen there anyway, amx, runs them on a stack of their own.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
         return
@@ -685,9 +685,8 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
 def _one_dequantised_copy(sc: ShapeChoice, methods: list[str]) -> list[str]:
     """methods (one per bucket), a quantised shape's buckets holding at most one dequantised
     copy of its weights (lm.DEQUANTISED): where they chose two such methods, the one whose
-    worst bucket among theirs is least behind that bucket's choice takes them all. Two
-    copies in bf16 hold 8x an int4 layer's bytes: a 1.5B model's int4 engine then held
-    more memory than its bf16 one."""
+    worst bucket among theirs is least behind that bucket's choice takes them all (two
+    copies in bf16 hold 8x an int4 layer's bytes)."""
     dense = sorted({m for m in methods if m in lm.DEQUANTISED})
     if not sc.quantised or len(dense) < 2:
         return methods
