@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys, time
 t = time.perf_counter()
-from servelm import LLM
+from servelm import LLM, SamplingParams
 q = None if sys.argv[2] == "none" else sys.argv[2]
 kw = {"model": sys.argv[1]} if sys.argv[1] else {}
 streams = int(sys.argv[4])
@@ -49,9 +49,8 @@ llm = LLM(dtype="bfloat16", quantization=q, kernel_tuning=sys.argv[3],
           tuning_cache_dir=sys.argv[5], **kw)
 out = {"start": time.perf_counter() - t, "tuning": llm.engine.tuning.seconds,
        "source": llm.engine.tuning.source}
+vocab = llm.get_tokenizer().vocab_size
 if streams:
-    from servelm import SamplingParams
-    vocab = llm.get_tokenizer().vocab_size
     ids = [[(1000 + 7 * i + j) % vocab for j in range(128)] for i in range(2 * streams)]
     llm.generate(ids[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
@@ -64,8 +63,6 @@ if streams:
         best = max(best, n / (time.perf_counter() - t))
     out["tok_s"] = best
 for n in ttfts:
-    from servelm import SamplingParams
-    vocab = llm.get_tokenizer().vocab_size
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
     for i in range(4):
