@@ -10,7 +10,7 @@ QUANTIZATIONS = (None, "int8", "int4")
 # How a linear layer's matmul runs (servelm.layers.linear_methods); "auto": chosen per layer
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows",
-                  "panels", "q8act", "amx", "torch")
+                  "panels", "q8act", "bfp", "amx", "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
 # How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
 # (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).

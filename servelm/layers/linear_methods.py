@@ -17,6 +17,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
 | panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
 | q8act    | int4 (groups a multiple of 32), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
+| bfp      | bf16, bf16 activations only | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32; within bf16's output rounding of the bf16 product |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.layers import amx, gemv, panels, q8act, qdot
+from servelm.layers import amx, bfp, gemv, panels, q8act, qdot
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
                                   kernels_available, tinygemm_operands, unpack_int4)
@@ -42,7 +43,7 @@ BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
 # In the order the untuned default prefers them (default_method).
 METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "panels",
-           "q8act", "amx", "torch")
+           "q8act", "bfp", "amx", "torch")
 
 
 def bucket_row_range(bucket: int) -> tuple[int, int]:
@@ -114,6 +115,8 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
         return panels.applies(src, act)
     if method == "q8act":
         return q8act.applies(src, act)
+    if method == "bfp":
+        return bfp.applies(src, act)
     if method == "amx":
         return amx.applies(src, act)
     if method == "int4pack":
@@ -210,6 +213,8 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
         return panels.PanelLinear(src)
     if method == "q8act":
         return q8act.Int4Q8Linear(src)
+    if method == "bfp":
+        return bfp.BfpLinear(src)
     if method == "amx":
         return amx.AmxLinear(src)
     if method == "int4pack":

@@ -1,0 +1,107 @@
+"""The "bfp" linear method: bf16 layers on AVX2 integer multiply-adds, as block floating
+point (kernels/csrc/bfp.cpp; AVX2 + FMA + F16C), for bf16 activations.
+
+Packing cuts each output's weights into blocks of 64 inputs sharing one power-of-two
+exponent, each weight an int16 mantissa of 12 bits and a sign; each call does the same to
+its activation rows (13 bits), sums a block's 64 products exactly in int32 by `vpmaddwd`
+(16 multiplications a vector, twice an fp32 FMA's), then chains the blocks in fp32. A bf16
+weight at least 1/16 of its block's largest (an activation: 1/32) is exact; smaller ones
+are rounded by at most 2^-12 (2^-13) of the largest, far below bf16's own rounding of the
+block's large values, so the result is the bf16 dot product to within bf16's output
+rounding. Each row is quantised and reduced on its own, in order: its bits do not depend on
+the row count. It exists for CPUs without AVX512-BF16, where bf16 prompts and batches
+otherwise run at the fp32 FMA peak (the panels kernel); the tuner takes it where it
+measures faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from servelm.kernels import load_ops
+
+NR = 16     # outputs per panel
+BLOCK = 64  # inputs per block (one exponent each side)
+W_BITS = 12  # weight mantissas: |q| < 2^12
+X_BITS = 13  # activation mantissas: |q| <= 2^13
+
+
+def available() -> bool:
+    """Whether the bfp kernel is built for this CPU (AVX2, FMA and F16C)."""
+    return load_ops("bfp") and hasattr(torch.ops.servelm_bfp, "linear")
+
+
+def applies(src: nn.Module, act: torch.dtype) -> bool:
+    """A bf16 nn.Linear on the CPU with bf16 activations."""
+    return (isinstance(src, nn.Linear) and src.weight.dtype == torch.bfloat16
+            and act == torch.bfloat16 and src.weight.device.type == "cpu" and available())
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [..., Kp / 64, 64] in fp32, K padded with zeros to a multiple of 64."""
+    k = t.shape[-1]
+    t = torch.nn.functional.pad(t.float(), (0, (-k) % BLOCK))
+    return t.reshape(*t.shape[:-1], -1, BLOCK)
+
+
+def _pow2_scale(amax: torch.Tensor, bits: int) -> torch.Tensor:
+    """2^(floor(log2 amax) + 1 - bits) (amax > 0): amax / scale lies in [2^(bits-1), 2^bits)."""
+    _, e = torch.frexp(amax)
+    return torch.ldexp(torch.ones_like(amax), (e - bits).to(torch.int32))
+
+
+def pack_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What servelm_bfp.pack makes of weight [N, K] (finite): (wq int16 [ceil(N / 16), Kp / 2,
+    16, 2], ws fp32 [ceil(N / 16), Kp / 64, 16])."""
+    n, _ = weight.shape
+    wb = _blocks(torch.nn.functional.pad(weight.detach(), (0, 0, 0, (-n) % NR)))
+    amax = wb.abs().amax(-1, keepdim=True)
+    live = amax >= 2.0 ** -114  # smaller blocks are zero
+    scale = torch.where(live, _pow2_scale(amax, W_BITS), torch.zeros_like(amax))
+    q = torch.where(live, torch.round(wb / torch.where(live, scale, 1.0)), 0.0)
+    q = q.clamp(-(2 ** W_BITS - 1), 2 ** W_BITS - 1).to(torch.int16)  # [N16, B, 64]
+    n16, nb = q.shape[:2]
+    wq = q.reshape(n16 // NR, NR, nb * BLOCK // 2, 2).transpose(1, 2).contiguous()
+    ws = scale.squeeze(-1).reshape(n16 // NR, NR, nb).transpose(1, 2).contiguous()
+    return wq, ws
+
+
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What servelm_bfp.quantize makes of x [..., K] (finite): (q int16 [M, Kp], d fp32
+    [M, Kp / 64]); the kernel computes x' @ w'.T for x' = q * d and w' = wq * ws."""
+    xb = _blocks(x.reshape(-1, x.shape[-1]))
+    amax = xb.abs().amax(-1, keepdim=True)
+    live = amax >= 2.0 ** -112  # smaller blocks are zero
+    d = torch.where(live, _pow2_scale(amax, X_BITS), torch.zeros_like(amax))
+    q = torch.where(live, torch.round(xb / torch.where(live, d, 1.0)), 0.0).to(torch.int16)
+    return q.reshape(q.shape[0], -1), d.squeeze(-1)
+
+
+class BfpLinear(nn.Module):
+    """A bf16 linear layer on bfp.cpp: the weight as int16 block mantissas in panels of 16
+    outputs (2 bytes a weight, as bf16) with one fp32 power-of-two scale per output and
+    block of 64 inputs, the bias in fp32; bf16 (or fp32) activations in, the output in their
+    dtype."""
+
+    packed_tensors = ("wq", "ws", "bias")  # into huge pages (quantization.pack_weights)
+    compute_dtype = torch.bfloat16  # the known-answer check's tolerance: bf16's, not fp32's
+
+    def __init__(self, src: nn.Linear):
+        super().__init__()
+        if not available():
+            raise RuntimeError("the bfp kernel is not built for this CPU (AVX2, FMA, F16C)")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        wq, ws = torch.ops.servelm_bfp.pack(src.weight.detach())
+        self.register_buffer("wq", wq)
+        self.register_buffer("ws", ws)
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().clone())
+        self._op = torch.ops.servelm_bfp.linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.wq, self.ws, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bf16 as int16 blocks of {BLOCK} (AVX2)")
