@@ -2,10 +2,12 @@
 alternating in one run.
 
     python benchmarks/startup_ab.py --base REV [--model PATH] [--quantization int4|int8|none]
+                                    [--dtype bfloat16|float32|auto]
                                     [--kernel-tuning cached|fresh] [--rounds N]
                                     [--base-kernels DIR] [--streams N] [--ttft N[,N...]]
 
-Each side builds `LLM(model, dtype="bfloat16", quantization, kernel_tuning)` in a fresh
+Each side builds `LLM(model, dtype, quantization, kernel_tuning)` (dtype bfloat16 unless
+--dtype says otherwise; auto: the engine's default for this CPU and format) in a fresh
 process, the two sides taking turns (which goes first alternates by round), and reports the
 seconds the engine took to start (loading, quantising, tuning or reading the table back,
 building the layers) and the tuner's own seconds. With --streams N the same engine
@@ -45,7 +47,7 @@ if streams:
     kw["max_num_seqs"] = streams
 if ttfts:
     kw.update(enable_prefix_caching=False, max_model_len=max(ttfts) + 64)
-llm = LLM(dtype="bfloat16", quantization=q, kernel_tuning=sys.argv[3],
+llm = LLM(dtype=sys.argv[7], quantization=q, kernel_tuning=sys.argv[3],
           tuning_cache_dir=sys.argv[5], **kw)
 out = {"start": time.perf_counter() - t, "tuning": llm.engine.tuning.seconds,
        "source": llm.engine.tuning.source}
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="", help="a GGUF file or HF directory (default: the "
                     "embedded model)")
     ap.add_argument("--quantization", default="none", choices=("none", "int4", "int8"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
+                    help="the activations' dtype on both sides")
     ap.add_argument("--kernel-tuning", default="cached", choices=("cached", "fresh"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--base-kernels", default=None,
@@ -124,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                 r = subprocess.run([sys.executable, "-c", CHILD, args.model, args.quantization,
                                     args.kernel_tuning, str(args.streams),
                                     str(Path(tmp) / f"{side}-cache"),
-                                    ",".join(map(str, ttfts))], env=envs[side], cwd=tmp,
-                                   capture_output=True, text=True)
+                                    ",".join(map(str, ttfts)), args.dtype], env=envs[side],
+                                   cwd=tmp, capture_output=True, text=True)
                 if r.returncode:
                     raise SystemExit(f"{side} failed to start:\n{r.stderr[-2000:]}")
                 return json.loads(r.stdout.strip().splitlines()[-1])

@@ -260,6 +260,8 @@ def test_compare_takes_ratios_against_transformers_else_the_first_servelm_format
                                            "--quantization"),
                                           (("--base", "HEAD", "--kernel-tuning", "off"),
                                            "--kernel-tuning"),
+                                          (("--base", "HEAD", "--dtype", "float16"),
+                                           "--dtype"),
                                           (("--base", "HEAD", "--streams", "-1"),
                                            "--streams must be at least 1"),
                                           (("--base", "HEAD", "--ttft", "512,x"),

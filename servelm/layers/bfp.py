@@ -25,6 +25,7 @@ NR = 16     # outputs per panel
 BLOCK = 64  # inputs per block (one exponent each side)
 W_BITS = 12  # weight mantissas: |q| < 2^12
 X_BITS = 13  # activation mantissas: |q| <= 2^13
+TINY = 2.0 ** -100  # a block whose largest magnitude is below this is zero
 
 
 def available() -> bool:
@@ -57,7 +58,7 @@ def pack_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, _ = weight.shape
     wb = _blocks(torch.nn.functional.pad(weight.detach(), (0, 0, 0, (-n) % NR)))
     amax = wb.abs().amax(-1, keepdim=True)
-    live = amax >= 2.0 ** -114  # smaller blocks are zero
+    live = amax >= TINY  # smaller blocks are zero
     scale = torch.where(live, _pow2_scale(amax, W_BITS), torch.zeros_like(amax))
     q = torch.where(live, torch.round(wb / torch.where(live, scale, 1.0)), 0.0)
     q = q.clamp(-(2 ** W_BITS - 1), 2 ** W_BITS - 1).to(torch.int16)  # [N16, B, 64]
@@ -72,7 +73,7 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [M, Kp / 64]); the kernel computes x' @ w'.T for x' = q * d and w' = wq * ws."""
     xb = _blocks(x.reshape(-1, x.shape[-1]))
     amax = xb.abs().amax(-1, keepdim=True)
-    live = amax >= 2.0 ** -112  # smaller blocks are zero
+    live = amax >= TINY
     d = torch.where(live, _pow2_scale(amax, X_BITS), torch.zeros_like(amax))
     q = torch.where(live, torch.round(xb / torch.where(live, d, 1.0)), 0.0).to(torch.int16)
     return q.reshape(q.shape[0], -1), d.squeeze(-1)

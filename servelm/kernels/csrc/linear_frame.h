@@ -1,4 +1,4 @@
-// The frame the AVX2 linear ops share (panels.cpp, q8act.cpp): x's last dim checked, x as fp32
+// The frame the AVX2 linear ops share (panels.cpp, q8act.cpp, bfp.cpp): x's last dim checked, x as fp32
 // [M, K] (a bf16 row widened once per call, not once per panel), the bias checked and as
 // fp32, an fp32 [M, N] output that run(x, bias or null, out, M) fills (the sums may run
 // through it), returned rounded once to x's dtype in x's leading shape. x's dtype is the caller's to check (check_x: the
