@@ -153,6 +153,21 @@ def test_norms_and_silu_match_reference(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_special_values(dtype):
+    # The vector paths (8 or 16 lanes at a time, then a scalar tail): nan stays nan, +-inf
+    # and large values as the eager ops give them, wherever they fall.
+    gu = torch.randn(3, 2 * 77).to(dtype)
+    for j, v in enumerate([float("nan"), float("inf"), 100.0, -100.0, 1e-30]):
+        gu[0, 9 * j] = v  # vector lanes
+        gu[1, 72 + j] = v  # the scalar tail (77 = 64 + 8 + 5)
+    want = silu_and_mul_ref(gu)
+    got = ops().silu_and_mul(gu)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    keep = ~torch.isnan(want)
+    torch.testing.assert_close(got[keep], want[keep], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,kvh", [(9, 3), (4, 4)])
 def test_rotary_kv_write_matches_reference(dtype, h, kvh):
     gen = torch.Generator().manual_seed(3)

@@ -945,6 +945,40 @@ int64_t argmax_row(const float* x, int64_t N) {
     for (int l = 1; l < 16 * U; ++l)  // the largest value; among equal ones the first index
       if (mv[l] > bv || (mv[l] == bv && mi[l] < best)) { bv = mv[l]; best = mi[l]; }
   }
+#elif defined(__AVX2__)
+  constexpr int U = 4;  // independent (max, index) chains: the compare + blend latency
+  if (N >= 8 * U) {
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vmax[U];
+    __m256i vidx[U], nan = _mm256_setzero_si256();
+    for (int u = 0; u < U; ++u) {
+      vmax[u] = _mm256_loadu_ps(x + 8 * u);
+      vidx[u] = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * u));
+      nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(vmax[u]), absmask), inf));
+    }
+    for (i = 8 * U; i + 8 * U <= N; i += 8 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * u);
+        const __m256 gt = _mm256_cmp_ps(v, vmax[u], _CMP_GT_OQ);  // strictly: first wins
+        vmax[u] = _mm256_blendv_ps(vmax[u], v, gt);
+        vidx[u] = _mm256_blendv_epi8(vidx[u], _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(i) + 8 * u)),
+                                     _mm256_castps_si256(gt));
+        nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), absmask), inf));
+      }
+    }
+    if (_mm256_movemask_epi8(nan)) return first_nan(0);
+    alignas(32) float mv[8 * U];
+    alignas(32) int32_t mi[8 * U];
+    for (int u = 0; u < U; ++u) {
+      _mm256_store_ps(mv + 8 * u, vmax[u]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(mi + 8 * u), vidx[u]);
+    }
+    bv = mv[0];
+    best = mi[0];
+    for (int l = 1; l < 8 * U; ++l)  // the largest value; among equal ones the first index
+      if (mv[l] > bv || (mv[l] == bv && mi[l] < best)) { bv = mv[l]; best = mi[l]; }
+  }
 #endif
   const int64_t tail = i;
   for (; i < N; ++i)
