@@ -424,6 +424,37 @@ inline void pv_heads_avx2(const C* const* vrow, int n, const float (*p)[kTile], 
     for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + g * D + c + 8 * v, a[g][v]);
 }
 
+// Online softmax over one head's n <= kTile scores s (lanes >= n masked): s becomes the
+// probabilities, the running max m and sum l are updated and the head's D accumulators
+// rescaled.
+inline void softmax_tile_avx2(float* s, int n, float& m, float& l, float* acc, int D) {
+  const __m256 neg = _mm256_set1_ps(kNegBig), log2e = _mm256_set1_ps(kLog2e);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int nv = (n + 7) / 8;
+  __m256 xs[kTile / 8], mx = neg;
+  for (int v = 0; v < nv; ++v) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * v), lanes));
+    xs[v] = _mm256_blendv_ps(neg, _mm256_load_ps(s + 8 * v), keep);
+    mx = _mm256_max_ps(mx, xs[v]);
+  }
+  const float mt = std::max(m, hmax8(mx));
+  const __m256 mv = _mm256_set1_ps(mt);
+  __m256 sum = _mm256_setzero_ps();
+  for (int v = 0; v < nv; ++v) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * v), lanes));
+    const __m256 p = _mm256_and_ps(keep, exp2_256(_mm256_mul_ps(_mm256_sub_ps(xs[v], mv), log2e)));
+    _mm256_store_ps(s + 8 * v, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float alpha = std::exp(m - mt);
+  l = l * alpha + hsum8(sum);
+  m = mt;
+  if (alpha != 1.f) {
+    const __m256 al = _mm256_set1_ps(alpha);
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(al, _mm256_loadu_ps(acc + d)));
+  }
+}
+
 // AVX2 version of attend_tile (D a multiple of 32, known at compile time; any cache type,
 // int8 with its scales): K rows converted to fp32 once, scores 8 keys at a time from 8
 // partial vectors summed by one hadd tree, a vectorised online softmax per head (exp2_256),
@@ -442,8 +473,6 @@ void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const in
     const C* kr = kc + roff[j];
     for (int v = 0; v < NV; ++v) _mm256_store_ps(&kf[j][8 * v], load8f<C>(kr + 8 * v));
   }
-  const __m256 neg = _mm256_set1_ps(kNegBig), log2e = _mm256_set1_ps(kLog2e);
-  const int nv = (n + 7) / 8;
   for (int g = 0; g < G; ++g) {
     const float* qg = qf + g * D;
     for (int j0 = 0; j0 < n; j0 += 8) {
@@ -467,38 +496,100 @@ void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const in
       }
       _mm256_store_ps(&s[g][j0], x);
     }
-    // Online softmax over the tile's n scores (lanes >= n masked).
-    __m256 xs[kTile / 8], mx = neg;
-    for (int v = 0; v < nv; ++v) {
-      const int left = n - 8 * v;
-      const __m256 keep = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      xs[v] = _mm256_blendv_ps(neg, _mm256_load_ps(&s[g][8 * v]), keep);
-      mx = _mm256_max_ps(mx, xs[v]);
-    }
-    const float mt = std::max(m[g], hmax8(mx));
-    const __m256 mv = _mm256_set1_ps(mt);
-    __m256 sum = _mm256_setzero_ps();
-    for (int v = 0; v < nv; ++v) {
-      const int left = n - 8 * v;
-      const __m256 keep = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      const __m256 p = _mm256_and_ps(keep, exp2_256(_mm256_mul_ps(_mm256_sub_ps(xs[v], mv), log2e)));
-      _mm256_store_ps(&s[g][8 * v], p);
-      sum = _mm256_add_ps(sum, p);
-    }
-    const float alpha = std::exp(m[g] - mt);
-    l[g] = l[g] * alpha + hsum8(sum);
-    m[g] = mt;
-    if (alpha != 1.f) {
-      const __m256 al = _mm256_set1_ps(alpha);
-      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + g * D + d, _mm256_mul_ps(al, _mm256_loadu_ps(acc + g * D + d)));
-    }
+    softmax_tile_avx2(s[g], n, m[g], l[g], acc + g * D, D);
   }
   for (int c = 0; c < D; c += 32) {
     int g0 = 0;
     for (; g0 + 2 <= G; g0 += 2) pv_heads_avx2<C, 2>(vrow, n, s + g0, vsc, c, D, acc + g0 * D);
     if (g0 < G) pv_heads_avx2<C, 1>(vrow, n, s + g0, vsc, c, D, acc + g0 * D);
+  }
+}
+// bf16 rows read in pairs: a 32-bit lane of a 16-element chunk holds elements 2i (its low
+// half) and 2i + 1 (its high half), so (lane << 16) and (lane & 0xffff0000) are the chunk's
+// even and odd elements in fp32, exactly: two operations a chunk where load8f's widening
+// takes two shuffles a half-chunk. The query and the accumulators are kept in that order
+// ("even/odd": each 16-element chunk's 8 even elements, then its 8 odd ones; eo_index).
+inline int eo_index(int d) { return (d & ~15) + ((d & 1) << 3) + ((d & 15) >> 1); }
+
+inline void bf16_pair(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// Scores of NG <= 4 heads (queries qeo, even/odd order, stride D) for keys [j0, j0 + 8) of the
+// tile (rows kc + roff[j], j < n), into s[g][j0 ..].
+template <int D, int NG>
+inline void scores8_bf16(const float* qeo, const c10::BFloat16* kc, const int64_t* roff, int j0,
+                         int n, float (*s)[kTile]) {
+  __m256 part[NG][8];
+  for (int jj = 0; jj < 8; ++jj) {
+    __m256 a[NG][2];
+    for (int g = 0; g < NG; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    if (j0 + jj < n) {
+      const c10::BFloat16* kr = kc + roff[j0 + jj];
+#pragma GCC unroll 8
+      for (int c = 0; c < D; c += 16) {
+        __m256 ke, ko;
+        bf16_pair(kr + c, ke, ko);
+        for (int g = 0; g < NG; ++g) {
+          a[g][0] = _mm256_fmadd_ps(_mm256_load_ps(qeo + g * D + c), ke, a[g][0]);
+          a[g][1] = _mm256_fmadd_ps(_mm256_load_ps(qeo + g * D + c + 8), ko, a[g][1]);
+        }
+      }
+    }
+    for (int g = 0; g < NG; ++g) part[g][jj] = _mm256_add_ps(a[g][0], a[g][1]);
+  }
+  for (int g = 0; g < NG; ++g) _mm256_store_ps(&s[g][j0], hsum8x8(part[g]));
+}
+
+// P.V for NG <= 3 heads over the 32 dims [c, c + 32) of n keys (even/odd order): each V slice
+// converted once for the NG heads, 4 x NG accumulators in registers.
+template <int NG>
+inline void pv_heads_bf16(const c10::BFloat16* vc, const int64_t* roff, int n,
+                          const float (*p)[kTile], int c, int D, float* acc) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < 4; ++v) a[g][v] = _mm256_load_ps(acc + g * D + c + 8 * v);
+  for (int j = 0; j < n; ++j) {
+    __m256 x[4];
+    bf16_pair(vc + roff[j] + c, x[0], x[1]);
+    bf16_pair(vc + roff[j] + c + 16, x[2], x[3]);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pj = _mm256_set1_ps(p[g][j]);
+      for (int v = 0; v < 4; ++v) a[g][v] = _mm256_fmadd_ps(pj, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < 4; ++v) _mm256_store_ps(acc + g * D + c + 8 * v, a[g][v]);
+}
+
+// attend_tile_avx2 for a bf16 cache (D a multiple of 32): qeo and acc (32-byte aligned) in
+// even/odd order; K and V converted in registers as they are read (K once per 4 heads, V once
+// per 3), no fp32 copy of the tile.
+template <int D>
+void attend_tile_avx2_bf16(const float* qeo, int G, const c10::BFloat16* kc,
+                           const c10::BFloat16* vc, const int64_t* roff, int n, float* acc,
+                           float* m, float* l) {
+  static_assert(D % 32 == 0 && kTile == 32, "32-dim slices, a tile of four 8-lane vectors");
+  alignas(32) float s[kMaxG][kTile];
+  for (int g = 0; g < G; g += 4) {
+    const float* qg = qeo + g * D;
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      switch (std::min(4, G - g)) {
+        case 4: scores8_bf16<D, 4>(qg, kc, roff, j0, n, s + g); break;
+        case 3: scores8_bf16<D, 3>(qg, kc, roff, j0, n, s + g); break;
+        case 2: scores8_bf16<D, 2>(qg, kc, roff, j0, n, s + g); break;
+        default: scores8_bf16<D, 1>(qg, kc, roff, j0, n, s + g); break;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_tile_avx2(s[g], n, m[g], l[g], acc + g * D, D);
+  for (int c = 0; c < D; c += 32) {
+    int g = 0;
+    for (; g + 3 <= G; g += 3) pv_heads_bf16<3>(vc, roff, n, s + g, c, D, acc + g * D);
+    if (G - g == 2) pv_heads_bf16<2>(vc, roff, n, s + g, c, D, acc + g * D);
+    else if (G - g == 1) pv_heads_bf16<1>(vc, roff, n, s + g, c, D, acc + g * D);
   }
 }
 #endif
@@ -517,6 +608,19 @@ void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const in
 // per token and head; the generic tile kernel, no AVX-512 variant).
 template <typename T, int DT, typename C = T>
 class DecodeAttention {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  // A bf16 cache on AVX2: the queries and accumulators in even/odd order (eo_index).
+  static constexpr bool kEvenOdd = std::is_same<C, c10::BFloat16>::value &&
+                                   std::is_same<C, T>::value && DT != 0 && DT % 32 == 0;
+#else
+  static constexpr bool kEvenOdd = false;
+#endif
+  // Where element d of a head's accumulator lives.
+  static int slot(int d) {
+    if constexpr (kEvenOdd) return eo_index(d);
+    return d;
+  }
+
  public:
   // window > 0: each query sees only its last `window` keys (sliding-window attention;
   // the splits still cover [0, len), and those wholly before the window are empty).
@@ -609,7 +713,7 @@ class DecodeAttention {
     float* l = m + H;
     const T* qb = q_ + b * qs0_;
     for (int hg = 0; hg < H; ++hg) {
-      for (int d = 0; d < D; ++d) qf[hg * D + d] = to_f<T>(qb[hg * qs1_ + d]) * sc;
+      for (int d = 0; d < D; ++d) qf[hg * D + slot(d)] = to_f<T>(qb[hg * qs1_ + d]) * sc;
       m[hg] = kNegBig;
       l[hg] = 0.f;
     }
@@ -655,7 +759,11 @@ class DecodeAttention {
           continue;
         }
 #elif defined(__AVX2__) && defined(__FMA__)
-        if constexpr (DT != 0 && DT % 32 == 0 && std::is_same<C, T>::value) {
+        if constexpr (kEvenOdd) {
+          attend_tile_avx2_bf16<DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D,
+                                    m + hg, l + hg);
+          continue;
+        } else if constexpr (DT != 0 && DT % 32 == 0 && std::is_same<C, T>::value) {
           attend_tile_avx2<T, DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D, m + hg,
                                   l + hg);
           continue;
@@ -670,7 +778,7 @@ class DecodeAttention {
       for (int hg = 0; hg < H; ++hg) {
         T* o = out_ + (static_cast<int64_t>(b) * H + hg) * D;
         const float inv = l[hg] > 0.f ? 1.f / l[hg] : 0.f;
-        for (int d = 0; d < D; ++d) o[d] = from_f<T>(acc[hg * D + d] * inv);
+        for (int d = 0; d < D; ++d) o[d] = from_f<T>(acc[hg * D + slot(d)] * inv);
       }
     } else {
       float* p = part_.data() + static_cast<size_t>(it) * H * (D + 2);
@@ -703,7 +811,7 @@ class DecodeAttention {
         }
         const float inv = L > 0.f ? 1.f / L : 0.f;
         T* dst = out_ + (static_cast<int64_t>(b) * H + hg) * D;
-        for (int d = 0; d < D; ++d) dst[d] = from_f<T>(o[d] * inv);
+        for (int d = 0; d < D; ++d) dst[d] = from_f<T>(o[slot(d)] * inv);  // partials: acc's order
       }
     }
   }
