@@ -62,7 +62,7 @@ constexpr int64_t kKC = 1024;  // inputs per K chunk: a panel's chunk (32 KB) st
 constexpr int64_t kMC = 96;    // activation rows per row block: 192 KB of int16 x, in L2
 constexpr int kWBits = 12;     // weight mantissas: |q| < 2^12
 constexpr int kXBits = 13;     // activation mantissas: |q| <= 2^13
-constexpr int kRowPanels = 2;  // panels a one-row call streams at once
+constexpr int kRowPanels = 4;  // panels a one-row call streams at once
 constexpr int kPrefetch = 256;  // bytes ahead a one-row call prefetches each stream
 
 inline float pow2(int e) {  // 2^e for e in [-126, 127]
