@@ -170,5 +170,78 @@ def test_applies_to_bf16_layers_with_bf16_activations_only():
     assert not lm.applies("bfp", lin, torch.bfloat16, False)  # kernels off
     assert not lm.applies("bfp", lin.float(), torch.float32, True)  # fp32 runs stay fp32
     from servelm import quantization as Q
-    assert not lm.applies("bfp", Q.Int8Linear.from_linear(nn.Linear(64, 32)), torch.bfloat16, True)
+    i4 = Q.Int4Linear.from_linear(nn.Linear(64, 32), 32)
+    assert not lm.applies("bfp", i4, torch.bfloat16, True)
     assert isinstance(lm.build("bfp", lin, torch.bfloat16), bfp.BfpLinear)
+
+
+# ---------------------------------------------------------------- int8 weights
+
+def _int8(n, k, bias, seed=0):
+    from servelm import quantization as Q
+
+    torch.manual_seed(seed)
+    return Q.Int8Linear.from_linear(nn.Linear(k, n, bias=bias))
+
+
+def test_int8_panels_are_the_codes_and_their_scales():
+    src = _int8(20, 130, False)
+    mod = bfp.BfpInt8Linear(src)
+    assert mod.wq.dtype == torch.int8 and mod.wq.shape == (2, 96, 16, 2)  # a byte a weight
+    back = _dequantised_weight(mod.wq, mod.ws, 20, 130)
+    assert torch.equal(back.float(), src.dequantize(torch.float32))
+    assert not mod.wq.reshape(2, 96, 16, 2).transpose(1, 2).reshape(32, 192)[20:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activation_blocks_are_the_reference_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(5, 200) * torch.logspace(-3, 3, 5)[:, None]).to(dtype)
+    x[1, 7] = 2.0 ** 20 * (1 - 2.0 ** -20)  # fp32 rounds it up to 2^15 of the scale: clamped
+    q, d = torch.ops.servelm_bfp.quantize(x, True)
+    want_q, want_d = bfp.quantize_reference(x, int8_weights=True)
+    assert torch.equal(q, want_q) and torch.equal(d, want_d)
+    assert q.abs().max() <= 2 ** bfp.X8_BITS - 1
+
+
+@pytest.mark.parametrize("n,k,bias", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 97])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_is_the_exact_product_of_the_block_operands(n, k, bias, rows, dtype):
+    src = _int8(n, k, bias, seed=n + k + rows)
+    mod = bfp.BfpInt8Linear(src)
+    x = torch.randn(rows, k).to(dtype)
+    got = mod(x)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    w = src.dequantize(torch.float32).double()
+    q, d = bfp.quantize_reference(x, int8_weights=True)
+    xd = (q.double() * d.double().repeat_interleave(bfp.BLOCK, 1))[:, :k]
+    want = xd @ w.T + (src.bias.double() if bias else 0)
+    if dtype == torch.float32:
+        assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    else:
+        assert torch.equal(got, mod(x.float()).to(dtype))  # the same sums, rounded once
+    # ... and fp32-accurate: 15-bit activations, the fp32 runs' known-answer tolerance (1e-3)
+    exact = x.double() @ w.T + (src.bias.double() if bias else 0)
+    assert (mod(x.float()).double() - exact).abs().max() <= 1e-4 * exact.abs().max()
+
+
+def test_int8_rows_are_bit_identical_whatever_the_row_count():
+    mod = bfp.BfpInt8Linear(_int8(200, 576, True))
+    x = torch.randn(120, 576)
+    full = mod(x)
+    for m in (1, 2, 6, 7, 64, 97):
+        assert torch.equal(mod(x[:m]), full[:m]), m
+    assert torch.equal(mod(x[50:51]), full[50:51])
+
+
+def test_applies_to_int8_layers_with_fp32_or_bf16_activations():
+    src = _int8(32, 64, False)
+    assert lm.applies("bfp", src, torch.float32, True)
+    assert lm.applies("bfp", src, torch.bfloat16, True)
+    assert not lm.applies("bfp", src, torch.float32, False)
+    assert isinstance(lm.build("bfp", src, torch.float32), bfp.BfpInt8Linear)
+    with pytest.raises(RuntimeError, match="q must be a non-empty int8"):
+        torch.ops.servelm_bfp.pack_int8(torch.zeros(4, 8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        torch.ops.servelm_bfp.pack_int8(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))

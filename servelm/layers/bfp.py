@@ -1,5 +1,5 @@
-"""The "bfp" linear method: bf16 layers on AVX2 integer multiply-adds, as block floating
-point (kernels/csrc/bfp.cpp; AVX2 + FMA + F16C), for bf16 activations.
+"""The "bfp" linear method: bf16 layers (with bf16 activations) and int8 layers on AVX2
+integer multiply-adds, as block floating point (kernels/csrc/bfp.cpp; AVX2 + FMA + F16C).
 
 Packing cuts each output's weights into blocks of 64 inputs sharing one power-of-two
 exponent, each weight an int16 mantissa of 12 bits and a sign; each call does the same to
@@ -12,6 +12,11 @@ rounding. Each row is quantised and reduced on its own, in order: its bits do no
 the row count. It exists for CPUs without AVX512-BF16, where bf16 prompts and batches
 otherwise run at the fp32 FMA peak (the panels kernel); the tuner takes it where it
 measures faster.
+
+An int8 layer's codes (w = s q) are already integer mantissas: they go into the same panels
+as int8 (a byte a weight, sign-extended as the kernel reads them), each output's s as every
+block's scale, and the activations get 15-bit mantissas a block, finer than bf16 (qdot's
+int16 activations are likewise allowed in fp32 runs).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from servelm.kernels import load_ops
 NR = 16     # outputs per panel
 BLOCK = 64  # inputs per block (one exponent each side)
 W_BITS = 12  # weight mantissas: |q| < 2^12
-X_BITS = 13  # activation mantissas: |q| <= 2^13
+X_BITS = 13  # activation mantissas: |q| <= 2^13 (bf16 weights)
+X8_BITS = 15  # activation mantissas: |q| < 2^15 (int8 weights)
 TINY = 2.0 ** -100  # a block whose largest magnitude is below this is zero
 
 
@@ -34,7 +40,13 @@ def available() -> bool:
 
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
-    """A bf16 nn.Linear on the CPU with bf16 activations."""
+    """A bf16 nn.Linear on the CPU with bf16 activations, or an int8 layer on the CPU with
+    fp32 or bf16 activations."""
+    from servelm.quantization import Int8Linear
+
+    if isinstance(src, Int8Linear):
+        return (act in (torch.float32, torch.bfloat16) and src.qweight.device.type == "cpu"
+                and available() and hasattr(torch.ops.servelm_bfp, "pack_int8"))
     return (isinstance(src, nn.Linear) and src.weight.dtype == torch.bfloat16
             and act == torch.bfloat16 and src.weight.device.type == "cpu" and available())
 
@@ -68,15 +80,17 @@ def pack_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return wq, ws
 
 
-def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(x: torch.Tensor, int8_weights: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """What servelm_bfp.quantize makes of x [..., K] (finite): (q int16 [M, Kp], d fp32
     [M, Kp / 64]); the kernel computes x' @ w'.T for x' = q * d and w' = wq * ws."""
     xb = _blocks(x.reshape(-1, x.shape[-1]))
     amax = xb.abs().amax(-1, keepdim=True)
     live = amax >= TINY
-    d = torch.where(live, _pow2_scale(amax, X_BITS), torch.zeros_like(amax))
-    q = torch.where(live, torch.round(xb / torch.where(live, d, 1.0)), 0.0).to(torch.int16)
-    return q.reshape(q.shape[0], -1), d.squeeze(-1)
+    bits, lim = (X8_BITS, 2 ** X8_BITS - 1) if int8_weights else (X_BITS, 2 ** X_BITS)
+    d = torch.where(live, _pow2_scale(amax, bits), torch.zeros_like(amax))
+    q = torch.where(live, torch.round(xb / torch.where(live, d, 1.0)), 0.0).clamp(-lim, lim)
+    return q.to(torch.int16).reshape(q.shape[0], -1), d.squeeze(-1)
 
 
 class BfpLinear(nn.Module):
@@ -106,3 +120,31 @@ class BfpLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bf16 as int16 blocks of {BLOCK} (AVX2)")
+
+
+class BfpInt8Linear(nn.Module):
+    """An int8 layer on bfp.cpp: its codes as the mantissas (int8 panels, a byte a weight,
+    widened as they are read), its per-output scale for every block of 64 inputs, the bias in
+    fp32; fp32 or bf16 activations in (15-bit mantissas a block), the output in their dtype."""
+
+    packed_tensors = ("wq", "ws", "bias")
+
+    def __init__(self, src):
+        super().__init__()
+        if not available():
+            raise RuntimeError("the bfp kernel is not built for this CPU (AVX2, FMA, F16C)")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        wq, ws = torch.ops.servelm_bfp.pack_int8(src.int8_weight(),
+                                                 src.scales[: src.out_features].float())
+        self.register_buffer("wq", wq)
+        self.register_buffer("ws", ws)
+        b = src.bias
+        self.register_buffer("bias", None if b is None else b.detach().float().clone())
+        self._op = torch.ops.servelm_bfp.linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.wq, self.ws, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8 x int16 blocks of {BLOCK} (AVX2)")

@@ -17,7 +17,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | gemv_rows | fp32, bf16    | the same kernel reading a weight row after another (one sequential stream) |
 | panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
 | q8act    | int4 (groups a multiple of 32), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
-| bfp      | bf16, bf16 activations only | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32; within bf16's output rounding of the bf16 product |
+| bfp      | bf16 (bf16 activations only), int8 | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32, within bf16's output rounding of the bf16 product; int8 weights are their own mantissas (a byte each, widened as read) against 15-bit activation blocks |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
@@ -214,7 +214,7 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     if method == "q8act":
         return q8act.Int4Q8Linear(src)
     if method == "bfp":
-        return bfp.BfpLinear(src)
+        return bfp.BfpInt8Linear(src) if isinstance(src, Int8Linear) else bfp.BfpLinear(src)
     if method == "amx":
         return amx.AmxLinear(src)
     if method == "int4pack":

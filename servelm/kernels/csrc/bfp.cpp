@@ -1,5 +1,5 @@
-// bf16 linear layers on integer multiply-adds, for bf16 activations on x86 CPUs with AVX2
-// (+ FMA, F16C) but no AVX512-BF16: block floating point. An fp32 FMA does 8 multiplications
+// bf16 (and int8) linear layers on integer multiply-adds, on x86 CPUs with AVX2 (+ FMA, F16C)
+// but no AVX512-BF16: block floating point. An fp32 FMA does 8 multiplications
 // a vector; `vpmaddwd` does 16 (int16 x int16, summed in pairs into int32), and on a Zen 3 it
 // issues two a cycle as the FMA does (1.6 a cycle with the vpaddd each needs), so a batch or
 // a prompt, compute-bound, can outrun the fp32 FMA peak that bounds the panels kernel.
@@ -29,7 +29,14 @@
 //   A block (of weights or activations) holding inf or nan gives nan; one whose largest
 //   magnitude is below 2^-100 counts as zeros.
 //
-//   quantize(x) -> (q int16 [M, Kp], d float32 [M, Kp / 64])
+//   pack_int8(q, scales) -> (wq, ws)
+// An int8 layer (servelm's Int8Linear: w = s q, q in -127..127, s float32 per output) in the
+// same panels, wq int8 (a byte a weight, sign-extended to int16 as it is read) and ws each
+// output's s for every block: the codes are the mantissas, exact. linear then gives the
+//   activations 15-bit mantissas (a block's largest in [16384, 32767]; 64 x 32767 x 127 <
+//   2^31): fine enough for fp32 runs, as qdot's int16 activations are.
+//
+//   quantize(x, int8_weights=False) -> (q int16 [M, Kp], d float32 [M, Kp / 64])
 // The activations' blocks alone, as linear makes them: what the tests check against.
 
 #include <ATen/ATen.h>
@@ -61,7 +68,8 @@ constexpr int kMR = 6;         // activation rows per micro-kernel call (12 int3
 constexpr int64_t kKC = 1024;  // inputs per K chunk: a panel's chunk (32 KB) stays in L1-L2
 constexpr int64_t kMC = 96;    // activation rows per row block: 192 KB of int16 x, in L2
 constexpr int kWBits = 12;     // weight mantissas: |q| < 2^12
-constexpr int kXBits = 13;     // activation mantissas: |q| <= 2^13
+constexpr int kXBits = 13;     // activation mantissas: |q| <= 2^13 (bf16 weights)
+constexpr int kX8Bits = 15;    // activation mantissas: |q| < 2^15 (int8 weights)
 constexpr int kRowPanels = 4;  // panels a one-row call streams at once
 constexpr int kPrefetch = 256;  // bytes ahead a one-row call prefetches each stream
 
@@ -119,14 +127,21 @@ inline float to_mantissas(const float* v, int f, int top, int lim, int16_t* q) {
   return pow2(f - 127 - top);
 }
 
-// One row x [K] (fp32 or bf16) -> q int16 [Kp], d [Kp / 64]: a block's largest mantissa in
-// [4096, 8192] (8192 only where an fp32 value rounds up).
-template <typename T>
+// The activations' mantissas for weights of type W: a block's largest in [2^top, 2^(top + 1)],
+// at most lim. bf16 weights (|q| < 2^12): [4096, 8192] (8192 only where an fp32 value rounds
+// up), 64 x 8192 x 4095 < 2^31. int8 weights (|q| <= 127): [16384, 32767] (an fp32 value that
+// would round to 32768 is clamped), 64 x 32767 x 127 < 2^31.
+template <typename W> struct XBlocks;
+template <> struct XBlocks<int16_t> { static constexpr int top = kXBits - 1, lim = 1 << kXBits; };
+template <> struct XBlocks<int8_t> { static constexpr int top = kX8Bits - 1, lim = 32767; };
+
+// One row x [K] (fp32 or bf16) -> q int16 [Kp], d [Kp / 64], for weights of type W.
+template <typename W, typename T>
 inline void quantize_row(const T* x, int64_t K, int16_t* q, float* d) {
   alignas(32) float v[kB];
   for (int64_t b = 0, k0 = 0; k0 < K; ++b, k0 += kB) {
     const int f = load_block(x + k0, std::min<int64_t>(kB, K - k0), v);
-    d[b] = to_mantissas(v, f, kXBits - 1, 1 << kXBits, q + k0);
+    d[b] = to_mantissas(v, f, XBlocks<W>::top, XBlocks<W>::lim, q + k0);
   }
 }
 
@@ -134,8 +149,12 @@ inline void quantize_row(const T* x, int64_t K, int16_t* q, float* d) {
 // reassociates the integer adds and spills the products.
 inline void pin(__m256i& v) { asm("" : "+x"(v)); }
 
-inline __m256i load16(const int16_t* p) {  // 16 int16s
+// 16 weights as int16s: int16 panels as they are, int8 ones sign-extended as they are read.
+inline __m256i load16(const int16_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256i load16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline __m256i bcast2(const int16_t* p) {  // two int16s (one 32-bit load) in every lane
@@ -146,8 +165,8 @@ inline __m256i bcast2(const int16_t* p) {  // two int16s (one 32-bit load) in ev
 
 // Rows [0, R) of q (leading dimension ldq) against one panel's blocks [b0, b1) (w: the panel,
 // s: its scales), continuing the fp32 sums in c [R][16] (first: from zero).
-template <int R>
-inline void micro(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, const int16_t* w,
+template <int R, typename W>
+inline void micro(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, const W* w,
                   const float* s, int64_t b0, int64_t b1, float* c, bool first) {
   static_assert(R >= 1 && R <= kMR, "six rows of accumulators at most");
   if (first)
@@ -155,7 +174,7 @@ inline void micro(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, co
   for (int64_t b = b0; b < b1; ++b) {
     __m256i a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_si256();
-    const int16_t* wb = w + b * kB * kNR;
+    const W* wb = w + b * kB * kNR;
     const int16_t* qb = q + b * kB;
 #pragma GCC unroll 4
     for (int kp = 0; kp < kB / 2; ++kp) {
@@ -190,8 +209,8 @@ inline void micro(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, co
 // One row against P whole panels (w: the first; the others follow at a panel's stride) over
 // all NB blocks, into c [P][16]: for decode, P independent weight streams in flight. Each
 // output is micro<1>'s chain, bit for bit.
-template <int P>
-inline void row_panels(const int16_t* q, const float* d, const int16_t* w, const float* s,
+template <int P, typename W>
+inline void row_panels(const int16_t* q, const float* d, const W* w, const float* s,
                        int64_t NB, float* c) {
   const int64_t wstride = NB * kB * kNR, sstride = NB * kNR;
   __m256 f[P][2];
@@ -205,7 +224,7 @@ inline void row_panels(const int16_t* q, const float* d, const int16_t* w, const
       const __m256i v = bcast2(qb + 2 * kp);
 #pragma GCC unroll 4
       for (int j = 0; j < P; ++j) {
-        const int16_t* wb = w + j * wstride + (b * kB / 2 + kp) * 32;
+        const W* wb = w + j * wstride + (b * kB / 2 + kp) * 32;
         _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetch, _MM_HINT_T0);
         a[j][0] = _mm256_add_epi32(a[j][0], _mm256_madd_epi16(v, load16(wb)));
         a[j][1] = _mm256_add_epi32(a[j][1], _mm256_madd_epi16(v, load16(wb + 16)));
@@ -229,7 +248,8 @@ inline void row_panels(const int16_t* q, const float* d, const int16_t* w, const
 }
 
 // Rows [0, M) against blocks [b0, b1) of one panel, kMR rows at a time, the rest in one call.
-inline void rows(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, const int16_t* w,
+template <typename W>
+inline void rows(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, const W* w,
                  const float* s, int64_t b0, int64_t b1, float* c, int64_t M, bool first) {
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR)
@@ -247,8 +267,8 @@ inline void rows(const int16_t* q, int64_t ldq, const float* d, int64_t ldd, con
   }
 }
 
-template <typename X, typename O>
-void gemm(const X* x, const int16_t* wq, const float* ws, const float* bias, O* out, int64_t M,
+template <typename W, typename X, typename O>
+void gemm(const X* x, const W* wq, const float* ws, const float* bias, O* out, int64_t M,
           int64_t N, int64_t K, int64_t Kp) {
   const int64_t NP = (N + kNR - 1) / kNR, NB = Kp / kB, BC = kKC / kB;
   std::vector<int16_t> qv(M * Kp);
@@ -256,14 +276,14 @@ void gemm(const X* x, const int16_t* wq, const float* ws, const float* bias, O* 
   int16_t* q = qv.data();
   float* d = dv.data();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, q + r * Kp, d + r * NB);
+    for (int64_t r = r0; r < r1; ++r) quantize_row<W>(x + r * K, K, q + r * Kp, d + r * NB);
   });
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float c[kMC * kNR];
     if (M == 1) {  // decode: kRowPanels panels at a time
       for (int64_t p = p0; p < p1;) {
         const int P = p + kRowPanels <= p1 ? kRowPanels : 1;
-        const int16_t* w = wq + p * Kp * kNR;
+        const W* w = wq + p * Kp * kNR;
         const float* s = ws + p * NB * kNR;
         if (P == kRowPanels) row_panels<kRowPanels>(q, d, w, s, NB, c);
         else row_panels<1>(q, d, w, s, NB, c);
@@ -280,7 +300,7 @@ void gemm(const X* x, const int16_t* wq, const float* ws, const float* bias, O* 
     for (int64_t m0 = 0; m0 < M; m0 += kMC) {
       const int64_t mr = std::min(kMC, M - m0);
       for (int64_t p = p0; p < p1; ++p) {
-        const int16_t* w = wq + p * Kp * kNR;
+        const W* w = wq + p * Kp * kNR;
         const float* s = ws + p * NB * kNR;
         for (int64_t b = 0; b < NB; b += BC)
           rows(q + m0 * Kp, Kp, d + m0 * NB, NB, w, s, b, std::min(NB, b + BC), c, mr, b == 0);
@@ -343,14 +363,46 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& weight) {
   return {wq, ws};
 }
 
+// An int8 layer's q [N, K] (w = s q, s [N] float32 per output) as int8 panels in wq's layout
+// ([ceil(N / 16), Kp / 2, 16, 2], zeros past N and K) and each output's s repeated per block
+// of 64 as ws: the mantissas are the weights' own codes, exact.
+std::tuple<at::Tensor, at::Tensor> pack_int8(const at::Tensor& q_in, const at::Tensor& scales) {
+  const char* name = "servelm_bfp.pack_int8";
+  TORCH_CHECK(q_in.device().is_cpu() && q_in.dim() == 2 && q_in.scalar_type() == at::kChar &&
+                  q_in.size(0) > 0 && q_in.size(1) > 0,
+              name, ": q must be a non-empty int8 [N, K] tensor on the CPU");
+  const int64_t N = q_in.size(0), K = q_in.size(1);
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                  scales.size(0) >= N,
+              name, ": scales must be float32 [N] on the CPU");
+  const at::Tensor q = q_in.contiguous(), sc = scales.contiguous();
+  const int64_t NP = (N + kNR - 1) / kNR, Kp = padded(K), NB = Kp / kB;
+  at::Tensor wq = at::zeros({NP, Kp / 2, kNR, 2}, at::kChar);
+  at::Tensor ws = at::zeros({NP, NB, kNR}, at::kFloat);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  int8_t* wp = wq.data_ptr<int8_t>();
+  float* wsp = ws.data_ptr<float>();
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int j = 0; j < kNR && p * kNR + j < N; ++j) {
+        const int64_t n = p * kNR + j;
+        for (int64_t k = 0; k < K; ++k) wp[((p * Kp + k) / 2 * kNR + j) * 2 + (k & 1)] = qp[n * K + k];
+        for (int64_t b = 0; b < NB; ++b) wsp[(p * NB + b) * kNR + j] = sp[n];
+      }
+  });
+  return {wq, ws};
+}
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& ws, int64_t N,
                   const c10::optional<at::Tensor>& bias) {
   const char* name = "servelm_bfp.linear";
-  TORCH_CHECK(wq.device().is_cpu() && wq.scalar_type() == at::kShort && wq.dim() == 4 &&
+  const bool i8 = wq.scalar_type() == at::kChar;
+  TORCH_CHECK(wq.device().is_cpu() && (i8 || wq.scalar_type() == at::kShort) && wq.dim() == 4 &&
                   wq.size(2) == kNR && wq.size(3) == 2 && wq.size(1) % (kB / 2) == 0 &&
                   wq.is_contiguous(),
-              name, ": wq must be contiguous int16 [ceil(N / 16), Kp / 2, 16, 2] on the CPU "
-              "(Kp a multiple of 64)");
+              name, ": wq must be contiguous int16 (or int8) [ceil(N / 16), Kp / 2, 16, 2] on the "
+              "CPU (Kp a multiple of 64)");
   const int64_t NP = wq.size(0), Kp = wq.size(1) * 2;
   TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == NP, name, ": out_features ", N, " does not match ",
               NP, " panels of 16");
@@ -363,16 +415,19 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor
               " does not pad to the weight's ", Kp, " inputs");
   return run_linear_into(x_in, K, N, bias, name, true,
                          [&](const at::Tensor& x, const float* b, at::Tensor& out, int64_t M) {
-    const int16_t* w = wq.data_ptr<int16_t>();
     const float* s = ws.data_ptr<float>();
-    if (x.scalar_type() == at::kFloat)
-      gemm(x.data_ptr<float>(), w, s, b, out.data_ptr<float>(), M, N, K, Kp);
-    else
-      gemm(x.data_ptr<c10::BFloat16>(), w, s, b, out.data_ptr<c10::BFloat16>(), M, N, K, Kp);
+    auto run = [&](auto* w) {
+      if (x.scalar_type() == at::kFloat)
+        gemm(x.data_ptr<float>(), w, s, b, out.data_ptr<float>(), M, N, K, Kp);
+      else
+        gemm(x.data_ptr<c10::BFloat16>(), w, s, b, out.data_ptr<c10::BFloat16>(), M, N, K, Kp);
+    };
+    if (i8) run(wq.data_ptr<int8_t>());
+    else run(wq.data_ptr<int16_t>());
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) {
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in, bool int8_weights) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1 && x_in.size(-1) > 0 &&
                   (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "servelm_bfp.quantize: x must be a float32 or bfloat16 tensor on the CPU");
@@ -380,13 +435,17 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) {
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor q = at::empty({M, Kp}, at::kShort), d = at::empty({M, Kp / kB}, at::kFloat);
-  for (int64_t r = 0; r < M; ++r) {
-    int16_t* qr = q.data_ptr<int16_t>() + r * Kp;
-    float* dr = d.data_ptr<float>() + r * (Kp / kB);
-    if (x.scalar_type() == at::kFloat)
-      quantize_row(x.data_ptr<float>() + r * K, K, qr, dr);
-    else
-      quantize_row(x.data_ptr<c10::BFloat16>() + r * K, K, qr, dr);
+  auto rows = [&](auto w, auto* xp) {
+    using W = decltype(w);
+    for (int64_t r = 0; r < M; ++r)
+      quantize_row<W>(xp + r * K, K, q.data_ptr<int16_t>() + r * Kp, d.data_ptr<float>() + r * (Kp / kB));
+  };
+  if (x.scalar_type() == at::kFloat) {
+    if (int8_weights) rows(int8_t{}, x.data_ptr<float>());
+    else rows(int16_t{}, x.data_ptr<float>());
+  } else {
+    if (int8_weights) rows(int8_t{}, x.data_ptr<c10::BFloat16>());
+    else rows(int16_t{}, x.data_ptr<c10::BFloat16>());
   }
   return {q, d};
 }
@@ -396,12 +455,14 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) {
 TORCH_LIBRARY(servelm_bfp, m) {
   m.def("pack(Tensor weight) -> (Tensor, Tensor)");
   m.def("linear(Tensor x, Tensor wq, Tensor ws, int out_features, Tensor? bias=None) -> Tensor");
-  m.def("quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("pack_int8(Tensor q, Tensor scales) -> (Tensor, Tensor)");
+  m.def("quantize(Tensor x, bool int8_weights=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(servelm_bfp, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("pack_int8", &pack_int8);
   m.impl("quantize", &quantize);
 }
 
