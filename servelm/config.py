@@ -196,7 +196,8 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file or HF directory; None = the embedded default
     # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32 (bfloat16 for int4
-    # where the q8act kernel runs: engine.resolve_dtype)
+    # where the q8act kernel runs and for unquantised weights where bfp runs; int8 stays
+    # float32: engine.resolve_dtype)
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

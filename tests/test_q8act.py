@@ -130,9 +130,12 @@ def test_applies_to_int4_with_bf16_activations_only():
 
 
 def test_auto_dtype_is_bf16_for_int4_where_q8act_runs():
-    # On a CPU without native bf16 "auto" is fp32, except for int4 weights: bf16 activations
-    # put their layers on q8act (measured here: TTFT 0.56x, 64 streams 1.9x int4 in fp32).
+    # On a CPU without native bf16 "auto" is bf16 for int4 weights where q8act runs (measured
+    # on the Zen 3: TTFT 0.56x, 64 streams 1.9x int4 in fp32) and for bf16 weights where bfp
+    # runs (one stream 1.83x fp32, 64 streams 1.39x, TTFT 0.84x); int8 stays fp32 (bfp runs
+    # it as fast with fp32 activations), and so does everything without the kernels.
     from servelm.engine.engine import cpu_has_fast_bf16, resolve_dtype
+    from servelm.layers import bfp
 
     cpu = torch.device("cpu")
     if cpu_has_fast_bf16():
@@ -140,8 +143,10 @@ def test_auto_dtype_is_bf16_for_int4_where_q8act_runs():
     assert resolve_dtype("auto", cpu, "int4") == torch.bfloat16
     assert resolve_dtype("auto", cpu, "int4", cpu_kernels=False) == torch.float32
     assert resolve_dtype("auto", cpu, "int8") == torch.float32
-    assert resolve_dtype("auto", cpu, None) == torch.float32
+    assert resolve_dtype("auto", cpu, None) == (torch.bfloat16 if bfp.available() else torch.float32)
+    assert resolve_dtype("auto", cpu, None, cpu_kernels=False) == torch.float32
     assert resolve_dtype("float32", cpu, "int4") == torch.float32  # asked for: kept
+    assert resolve_dtype("float32", cpu, None) == torch.float32
 
 
 def test_unpacked_once_unpacks_a_layer_once_and_forgets_it_after():

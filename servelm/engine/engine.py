@@ -69,16 +69,20 @@ def physical_cores() -> int:
 def resolve_dtype(name: str, device: torch.device, quantization: str | None = None,
                   cpu_kernels: bool = True) -> torch.dtype:
     if name == "auto":
-        # bf16 where the hardware has it (it halves the bytes each decode step reads);
-        # otherwise fp32, the reference, except for int4 weights where servelm's q8act kernel
-        # runs: bf16 activations let their layers multiply int8 activations (integer
-        # multiply-adds, about twice the fp32 rate for batches and prompts).
+        # bf16 where the hardware has it (it halves the bytes each decode step reads), and on
+        # a CPU without it where servelm's AVX2 kernels run bf16 fast: bf16 weights on bfp
+        # (block floating point on integer multiply-adds: past the fp32 FMA peak), int4 ones
+        # on q8act (int8 activations, about twice the fp32 rate for batches and prompts).
+        # Otherwise fp32, the reference, and for int8 weights, which bfp runs as fast with
+        # fp32 activations.
         if device.type == "cuda" or cpu_has_fast_bf16():
             return torch.bfloat16
-        if quantization == "int4" and device.type == "cpu" and cpu_kernels:
-            from servelm.layers import q8act
+        if device.type == "cpu" and cpu_kernels:
+            from servelm.layers import bfp, q8act
 
-            if q8act.available():
+            if quantization == "int4" and q8act.available():
+                return torch.bfloat16
+            if quantization is None and bfp.available():
                 return torch.bfloat16
         return torch.float32
     return _DTYPES[name]
