@@ -800,7 +800,7 @@ def linear_summary(model: nn.Module) -> str:
             return "panels"
         if isinstance(m, lm.q8act.Int4Q8Linear):
             return "q8act"
-        if isinstance(m, (lm.bfp.BfpLinear, lm.bfp.BfpInt8Linear)):
+        if isinstance(m, lm.bfp.BfpLinear):
             return "bfp"
         if isinstance(m, lm.amx.AmxLinear):
             return "amx"
@@ -815,7 +815,7 @@ def linear_summary(model: nn.Module) -> str:
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
              lm.gemv.GemvLinear, lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
              lm.panels.Int8PanelLinear, lm.q8act.Int4Q8Linear, lm.bfp.BfpLinear,
-             lm.bfp.BfpInt8Linear, lm.amx.AmxLinear, lm._Dequantised, lm.BucketedLinear)
+             lm.amx.AmxLinear, lm._Dequantised, lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):

@@ -186,7 +186,7 @@ def _int8(n, k, bias, seed=0):
 
 def test_int8_panels_are_the_codes_and_their_scales():
     src = _int8(20, 130, False)
-    mod = bfp.BfpInt8Linear(src)
+    mod = bfp.BfpLinear(src)
     assert mod.wq.dtype == torch.int8 and mod.wq.shape == (2, 96, 16, 2)  # a byte a weight
     back = _dequantised_weight(mod.wq, mod.ws, 20, 130)
     assert torch.equal(back.float(), src.dequantize(torch.float32))
@@ -209,7 +209,7 @@ def test_int8_activation_blocks_are_the_reference_bit_for_bit(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_is_the_exact_product_of_the_block_operands(n, k, bias, rows, dtype):
     src = _int8(n, k, bias, seed=n + k + rows)
-    mod = bfp.BfpInt8Linear(src)
+    mod = bfp.BfpLinear(src)
     x = torch.randn(rows, k).to(dtype)
     got = mod(x)
     assert got.dtype == dtype and got.shape == (rows, n)
@@ -227,7 +227,7 @@ def test_int8_is_the_exact_product_of_the_block_operands(n, k, bias, rows, dtype
 
 
 def test_int8_rows_are_bit_identical_whatever_the_row_count():
-    mod = bfp.BfpInt8Linear(_int8(200, 576, True))
+    mod = bfp.BfpLinear(_int8(200, 576, True))
     x = torch.randn(120, 576)
     full = mod(x)
     for m in (1, 2, 6, 7, 64, 97):
@@ -240,7 +240,7 @@ def test_applies_to_int8_layers_with_fp32_or_bf16_activations():
     assert lm.applies("bfp", src, torch.float32, True)
     assert lm.applies("bfp", src, torch.bfloat16, True)
     assert not lm.applies("bfp", src, torch.float32, False)
-    assert isinstance(lm.build("bfp", src, torch.float32), bfp.BfpInt8Linear)
+    assert isinstance(lm.build("bfp", src, torch.float32), bfp.BfpLinear)
     with pytest.raises(RuntimeError, match="q must be a non-empty int8"):
         torch.ops.servelm_bfp.pack_int8(torch.zeros(4, 8), torch.ones(4))
     with pytest.raises(RuntimeError, match="scales must be float32"):

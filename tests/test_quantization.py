@@ -436,7 +436,7 @@ def test_bf16_quality_on_block_floating_point(reference):
     # perplexity 17.49 on both.
     for m in ("bfp", "panels"):
         engines[f"int8 {m}"] = _engine("float32", "int8", m)
-    assert isinstance(engines["int8 bfp"].engine.model.lm_head, bfp.BfpInt8Linear)
+    assert isinstance(engines["int8 bfp"].engine.model.lm_head, bfp.BfpLinear)
     q = quality(reference, engines)
     print({k: f"KL {kl:.4f} ppl {ppl:.2f}" for k, (kl, ppl) in q.items()})
     assert q["panels"][0] < 0.005, q

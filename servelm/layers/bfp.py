@@ -94,20 +94,29 @@ def quantize_reference(x: torch.Tensor, int8_weights: bool = False
 
 
 class BfpLinear(nn.Module):
-    """A bf16 linear layer on bfp.cpp: the weight as int16 block mantissas in panels of 16
-    outputs (2 bytes a weight, as bf16) with one fp32 power-of-two scale per output and
-    block of 64 inputs, the bias in fp32; bf16 (or fp32) activations in, the output in their
-    dtype."""
+    """A bf16 or int8 linear layer on bfp.cpp, in panels of 16 outputs with one fp32 scale per
+    output and block of 64 inputs, the bias in fp32; the output in the activations' dtype.
+    bf16 weights become int16 block mantissas with power-of-two scales (2 bytes a weight, as
+    bf16; bf16 activations). An int8 layer's codes are its mantissas, a byte a weight
+    (widened as they are read), its per-output scale every block's (fp32 or bf16
+    activations, 15-bit mantissas a block)."""
 
     packed_tensors = ("wq", "ws", "bias")  # into huge pages (quantization.pack_weights)
-    compute_dtype = torch.bfloat16  # the known-answer check's tolerance: bf16's, not fp32's
 
-    def __init__(self, src: nn.Linear):
+    def __init__(self, src: nn.Module):
+        from servelm.quantization import Int8Linear
+
         super().__init__()
         if not available():
             raise RuntimeError("the bfp kernel is not built for this CPU (AVX2, FMA, F16C)")
         self.in_features, self.out_features = src.in_features, src.out_features
-        wq, ws = torch.ops.servelm_bfp.pack(src.weight.detach())
+        if isinstance(src, Int8Linear):
+            wq, ws = torch.ops.servelm_bfp.pack_int8(src.int8_weight(),
+                                                     src.scales[: src.out_features].float())
+        else:
+            wq, ws = torch.ops.servelm_bfp.pack(src.weight.detach())
+            # the known-answer check's tolerance: bf16's, not fp32's
+            self.compute_dtype = torch.bfloat16
         self.register_buffer("wq", wq)
         self.register_buffer("ws", ws)
         b = src.bias
@@ -118,33 +127,6 @@ class BfpLinear(nn.Module):
         return self._op(x, self.wq, self.ws, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
+        kind = "int8 x int16" if self.wq.dtype == torch.int8 else "bf16 as int16"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bf16 as int16 blocks of {BLOCK} (AVX2)")
-
-
-class BfpInt8Linear(nn.Module):
-    """An int8 layer on bfp.cpp: its codes as the mantissas (int8 panels, a byte a weight,
-    widened as they are read), its per-output scale for every block of 64 inputs, the bias in
-    fp32; fp32 or bf16 activations in (15-bit mantissas a block), the output in their dtype."""
-
-    packed_tensors = ("wq", "ws", "bias")
-
-    def __init__(self, src):
-        super().__init__()
-        if not available():
-            raise RuntimeError("the bfp kernel is not built for this CPU (AVX2, FMA, F16C)")
-        self.in_features, self.out_features = src.in_features, src.out_features
-        wq, ws = torch.ops.servelm_bfp.pack_int8(src.int8_weight(),
-                                                 src.scales[: src.out_features].float())
-        self.register_buffer("wq", wq)
-        self.register_buffer("ws", ws)
-        b = src.bias
-        self.register_buffer("bias", None if b is None else b.detach().float().clone())
-        self._op = torch.ops.servelm_bfp.linear.default
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self.wq, self.ws, self.out_features, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int8 x int16 blocks of {BLOCK} (AVX2)")
+                f"{kind} blocks of {BLOCK} (AVX2)")

@@ -214,7 +214,7 @@ def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     if method == "q8act":
         return q8act.Int4Q8Linear(src)
     if method == "bfp":
-        return bfp.BfpInt8Linear(src) if isinstance(src, Int8Linear) else bfp.BfpLinear(src)
+        return bfp.BfpLinear(src)
     if method == "amx":
         return amx.AmxLinear(src)
     if method == "int4pack":
