@@ -504,6 +504,7 @@ void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const in
     if (g0 < G) pv_heads_avx2<C, 1>(vrow, n, s + g0, vsc, c, D, acc + g0 * D);
   }
 }
+
 // bf16 rows read in pairs: a 32-bit lane of a 16-element chunk holds elements 2i (its low
 // half) and 2i + 1 (its high half), so (lane << 16) and (lane & 0xffff0000) are the chunk's
 // even and odd elements in fp32, exactly: two operations a chunk where load8f's widening

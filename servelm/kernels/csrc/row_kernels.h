@@ -198,10 +198,9 @@ void silu_row(const T* g, const T* u, T* o, int64_t I) {
   if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value)
     for (; i + 16 <= I; i += 16) silu_mul_store(o + i, silu16(load16<T>(g + i)), load16<T>(u + i));
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value)
-  {
+  if constexpr (std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value) {
     // Four vectors at a time: one vector's chain (exp2, reciprocal, two bf16 roundings) is
-    // ~50 cycles, and one at a time left the core waiting on it (2.4x as long in bf16).
+    // ~50 cycles, and one at a time left the core waiting on it (bf16 1.4x as long).
     for (; i + 32 <= I; i += 32) {
       __m256 sv[4];
       for (int v = 0; v < 4; ++v) sv[v] = silu8(load8f<T>(g + i + 8 * v));
