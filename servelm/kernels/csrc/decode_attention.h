@@ -394,6 +394,11 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
 }
 #endif
 
+// Element d of a head in the AVX2 bf16 path's even/odd order (bf16_pair, below): each
+// 16-element chunk's 8 even elements, then its 8 odd ones. Plain index arithmetic, declared
+// for every ISA because DecodeAttention::slot names it under `if constexpr`.
+inline int eo_index(int d) { return (d & ~15) + ((d & 1) << 3) + ((d & 15) >> 1); }
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // Lane j of the result = the sum of p[j]'s 8 lanes.
 inline __m256 hsum8x8(const __m256* p) {
@@ -510,8 +515,6 @@ void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const in
 // even and odd elements in fp32, exactly: two operations a chunk where load8f's widening
 // takes two shuffles a half-chunk. The query and the accumulators are kept in that order
 // ("even/odd": each 16-element chunk's 8 even elements, then its 8 odd ones; eo_index).
-inline int eo_index(int d) { return (d & ~15) + ((d & 1) << 3) + ((d & 15) >> 1); }
-
 inline void bf16_pair(const c10::BFloat16* p, __m256& even, __m256& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
