@@ -65,6 +65,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens each (fewer preemptions in a tight KV pool; 0: off)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes")
+    g.add_argument("--no-kv-commit-while-idle", dest="commit_kv_while_idle",
+                   action="store_false",
+                   help="the server leaves the KV pool's pages to be committed as tokens land "
+                        "in them, instead of committing them while idle (lower RSS until the "
+                        "pool is used; prompts then pay first-touch faults)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly, without replaying captured decode graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -131,6 +136,7 @@ def build_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, num_threads=args.num_threads,
                enable_prefix_caching=args.enable_prefix_caching,
+               commit_kv_while_idle=args.commit_kv_while_idle,
                admission_lookahead=args.admission_lookahead,
                tensor_parallel_size=args.tensor_parallel_size,
                quantization=getattr(args, "quantization", None),

@@ -29,6 +29,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None = a default that fits the machine
     enable_prefix_caching: bool = True  # share full blocks of identical prefixes
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # The server commits the pool's memory while it is idle (KVCache.commit_next), so no
+    # prompt's step pays the first touch of its blocks; off: pages come as tokens land.
+    commit_while_idle: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

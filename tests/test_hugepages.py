@@ -114,3 +114,68 @@ def test_kv_cache_on_the_cpu_is_zeroed_and_shaped():
     k0, v0 = kv.layers[0]
     k0[1, 2] = 1.0
     assert kv.data[0, 0, 1, 2].eq(1).all() and kv.data.sum() == 2 * 8
+
+
+def _rss_kb(ptr: int) -> int:
+    """Rss of the mapping holding address ptr (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    return 0
+
+
+def _populate_works() -> bool:
+    t = hugepages.empty(hugepages.HUGE_PAGE)
+    return hugepages.populate(t.data_ptr(), t.numel())
+
+
+needs_populate = pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not _populate_works(),
+                                    reason="MADV_POPULATE_WRITE needs Linux 5.14+")
+
+
+@needs_populate
+def test_populate_commits_pages_and_keeps_what_they_hold():
+    t = hugepages.empty(8 * hugepages.HUGE_PAGE, huge=False)
+    t[5] = 7
+    t[-1] = 9
+    assert _rss_kb(t.data_ptr()) < 1024  # two pages touched, not 16 MB
+    assert hugepages.populate(t.data_ptr() + 3, t.numel() - 3)  # unaligned: whole pages
+    assert _rss_kb(t.data_ptr()) >= 16 * 1024
+    assert t[5] == 7 and t[-1] == 9 and int(t.sum()) == 16
+    assert not hugepages.populate(t.data_ptr(), 0)
+
+
+@needs_populate
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])  # int8: scales too
+def test_kv_cache_commits_its_pool_in_block_order_keeping_contents(dtype):
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64,
+                      intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=32, max_position_embeddings=64)
+    # A block of a layer's K is 16 x 2 x 32 bytes or twice that: 1 KB / 2 KB, so the pool
+    # spans several 2 MB windows of blocks.
+    kv = KVCache(cfg, num_blocks=5000, block_size=16, dtype=dtype, device=torch.device("cpu"))
+    pool = kv.data.numel() * kv.data.element_size()
+    scales = 0 if kv.scales is None else kv.scales.numel() * 4
+    assert kv.uncommitted_bytes == pool + scales  # every byte once
+    # Blocks are handed out from block 0 up: the first units are block 0 onwards of every
+    # region (each layer's K and V, and their scales), before any region's later blocks.
+    regions = [t.data_ptr() for layer in kv.layers for t in layer]
+    order = kv._uncommitted[::-1]
+    assert {p for p, _ in order[:len(regions)]} == set(regions)
+    assert order[len(regions)][0] not in regions
+    k0 = kv.layers[1][0]
+    k0[4999, 3] = 1
+    assert _rss_kb(kv.data.data_ptr()) < (pool + scales) // 1024 // 4
+    steps = 0
+    while kv.commit_next():
+        steps += 1
+    assert kv.uncommitted_bytes == 0 and not kv.commit_next()
+    assert steps >= 6 * 2  # two windows or more, each of 6 regions (12 with scales)
+    assert _rss_kb(kv.data.data_ptr()) >= (pool + scales) // 1024  # all of it resident
+    assert int(k0[4999, 3].eq(1).sum()) == k0[4999, 3].numel()
+    assert int(kv.data.ne(0).sum()) == k0[4999, 3].numel()

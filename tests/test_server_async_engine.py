@@ -16,6 +16,19 @@ from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def _no_idle_work(llm, monkeypatch):
+    """These tests step the session's engine from the test thread (llm.generate) while an
+    AsyncLLMEngine's thread owns it, which only holds while that thread is idle: it must
+    not commit the pool then (CacheConfig.commit_while_idle), or it would step the engine
+    itself when it next looks."""
+    import dataclasses
+
+    config = llm.engine.config
+    monkeypatch.setattr(llm.engine, "config", dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, commit_while_idle=False)))
+
+
 @pytest.fixture
 def aengine(llm):
     engine = AsyncLLMEngine(llm.engine, max_queue=8)
@@ -215,3 +228,51 @@ def test_build_raises_what_the_factory_raised():
 
     with pytest.raises(ValueError, match="nowhere.gguf"):
         AsyncLLMEngine.build(factory)
+
+
+def test_idle_engine_commits_the_kv_pool_and_serves_meanwhile(monkeypatch):
+    # CacheConfig.commit_while_idle: the engine thread commits the pool a slice at a time
+    # while nothing is queued, and a request arriving meanwhile is served at once. An engine
+    # of its own: the shared one is stepped from the test thread too (_no_idle_work).
+    import dataclasses
+
+    from servelm import LLM, hugepages
+
+    probe = hugepages.empty(hugepages.HUGE_PAGE)
+    if not hugepages.populate(probe.data_ptr(), probe.numel()):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, commit_kv_while_idle=False)
+    kv, config = llm.engine.kv_cache, llm.engine.config
+    before = kv.uncommitted_bytes  # off: nothing committed
+    assert not config.cache.commit_while_idle and before > 32 << 20
+    assert not llm.engine.commit_idle() and kv.uncommitted_bytes == before
+    monkeypatch.setattr(llm.engine, "config", dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, commit_while_idle=True)))
+    expected = llm.generate(TEXT_PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncLLMEngine(llm.engine)
+    engine.start()
+    try:
+        async def one():
+            return await _collect(engine.generate(TEXT_PROMPTS[0], GREEDY))
+
+        outs = asyncio.run(one())
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == expected
+        deadline = time.monotonic() + 60
+        while kv.uncommitted_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kv.uncommitted_bytes == 0
+        outs = asyncio.run(one())
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == expected
+    finally:
+        engine.stop()
+
+
+def test_serve_flag_turns_idle_commit_off(monkeypatch):
+    import servelm.entrypoints.llm as entry
+    from servelm.cli import build_llm, make_parser
+
+    seen = {}
+    monkeypatch.setattr(entry, "LLM", lambda **kw: seen.update(kw))
+    for flags, want in (([], True), (["--no-kv-commit-while-idle"], False)):
+        build_llm(make_parser().parse_args(["serve", *flags]))
+        assert seen["commit_kv_while_idle"] is want

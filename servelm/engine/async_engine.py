@@ -267,13 +267,19 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        idle_work = True  # LLMEngine.commit_idle has more to do
         while True:
             with self._cond:
-                while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                while not (self._inbox or self._stopping or engine.has_unfinished_requests()
+                           or idle_work):
                     self._cond.wait()
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
+            if not inbox and not engine.has_unfinished_requests():
+                # Idle: one slice (a few ms), then the inbox is looked at again.
+                idle_work = engine.commit_idle()
+                continue
             # Counted up front so that the pending count stays right even if _apply raises.
             num_added = sum(item[4].n for item in inbox if item[0] == "add")
             try:

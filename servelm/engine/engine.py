@@ -376,6 +376,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def commit_idle(self) -> bool:
+        """Idle work, one slice at a time: commit the next part of the KV pool's memory
+        (CacheConfig.commit_while_idle). Returns whether any is left; False at once where
+        it is off, or the pool lives in other processes (tensor parallel) or on a device."""
+        commit = getattr(self.kv_cache, "commit_next", None)
+        return bool(self.config.cache.commit_while_idle and commit is not None and commit())
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._groups)

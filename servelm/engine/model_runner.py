@@ -67,17 +67,53 @@ class KVCache:
             self.data = buf[:rows].view(dtype).view(shape)
             self.scales = (buf[rows:].view(torch.float32).view(shape[:-1])
                            if self.quantized else None)
+            self._uncommitted = self._commit_units()
         else:
             # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).
             self.data = (torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
                          if self.quantized else torch.zeros(shape, dtype=dtype, device=device))
             self.scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=device)
                            if self.quantized else None)
+            self._uncommitted = []  # zeroed, so committed already
         if self.quantized:
             self.layers = [(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
                            for i in range(cfg.num_layers)]
         else:
             self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+
+    def _commit_units(self) -> list[tuple[int, int]]:
+        """The pool's memory as (address, bytes) units in the order blocks are handed out:
+        block ids rise (BlockManager), and a block's rows lie one in each region (a layer's
+        K or V, and their scales), so the units go a window of blocks at a time (a huge
+        page of the largest region), each window's slice of every region."""
+        regions = [t for layer in self.data for t in layer]  # [total, bs, KVH, D] each
+        if self.scales is not None:
+            regions += [t for layer in self.scales for t in layer]
+        total = regions[0].shape[0]
+        spans = [(t.data_ptr(), t[0].numel() * t.element_size()) for t in regions]
+        window = max(1, _hugepages.HUGE_PAGE // max(b for _, b in spans))  # blocks
+        units = [(ptr + lo * b, (min(total, lo + window) - lo) * b)
+                 for lo in range(0, total, window) for ptr, b in spans]
+        units.reverse()  # popped from the end
+        return units
+
+    @property
+    def uncommitted_bytes(self) -> int:
+        """Bytes of the pool commit_next has not reached (0 for a device pool)."""
+        return sum(n for _, n in self._uncommitted)
+
+    def commit_next(self) -> bool:
+        """Fault in the next unit (at most 2 MB) of the pool's untouched memory, keeping what
+        it holds; returns whether any is left. A CPU pool is fresh anonymous memory whose
+        pages are committed where a token's K/V first lands: with prefix caching every new
+        prompt lands in blocks never used before (freed blocks stay cached), so until the
+        pool is committed each prompt pays first-touch faults inside its step, 20-40 ms of
+        a 512-token prompt on a VM. The server calls this while it is idle."""
+        if not self._uncommitted:
+            return False
+        if not _hugepages.populate(*self._uncommitted.pop()):
+            self._uncommitted.clear()  # the kernel cannot: pages come at first touch
+        return bool(self._uncommitted)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -35,7 +35,7 @@ class LLM:
                  fused_decode: bool = True, hugepages: bool = True,
                  triton_attention: bool = True, attention_backend: str = "auto",
                  tuning_cache_dir: str | None = None, shm_collectives: bool = True,
-                 kv_cache_dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", commit_kv_while_idle: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
         holds); kernel_tuning, linear_method ... are KernelConfig's fields;
@@ -55,7 +55,8 @@ class LLM:
                                  shm_collectives=shm_collectives),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
+                              kv_cache_dtype=kv_cache_dtype,
+                              commit_while_idle=commit_kv_while_idle),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
