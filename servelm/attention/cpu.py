@@ -159,7 +159,7 @@ def amx_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """`paged_prefill_attention` with both matmuls on AMX tiles
     (`servelm_amx_attention.paged_prefill_attention`, kernels/csrc/amx_attention.cpp): the
     group's keys packed once into tile layouts, then 16 queries of a KV head at a time, an
-    exact fp32 softmax per row between the two matmuls. bf16 only, head dims 64 and 128; any
+    whole-row fp32 softmax per row between the two matmuls. bf16 only, head dims 64 and 128; any
     other dtype or head dim, an int8 cache, or a window some query's keys overrun, takes the
     C++ op (which falls back to the reference where it must)."""
     d = q.shape[-1]
