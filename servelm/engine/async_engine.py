@@ -57,6 +57,12 @@ class EngineSnapshot:
     stats: EngineStats = field(default_factory=EngineStats)  # a copy of the engine's counters
 
 
+def _put_all(items: list) -> None:
+    """On the event loop: each (queue, output) of one engine step, in order."""
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class RequestStream:
     """One request's outputs in step order: `async for out in stream`.
 
@@ -320,14 +326,19 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._cond:
-            targets = []
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for out in outputs:
                 stream = (self._streams.pop(out.request_id, None) if out.finished
                           else self._streams.get(out.request_id))
                 if stream is not None:
-                    targets.append((stream, out))
-        for stream, out in targets:
-            stream._put(out)
+                    by_loop.setdefault(stream._loop, []).append((stream._queue, out))
+        # One hand-over per event loop and step, not one per request: each wakes the loop
+        # (a write to its self-pipe) and takes the GIL, 64 times a step at 64 streams.
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                pass
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         with self._cond:
