@@ -20,15 +20,15 @@ def _thp_allowed() -> bool:
     return THP.exists() and "[never]" not in THP.read_text()
 
 
-def _anon_huge_kb(ptr: int) -> int:
-    """AnonHugePages of the mapping holding address ptr (/proc/self/smaps)."""
+def _smaps_kb(ptr: int, field: str = "AnonHugePages") -> int:
+    """A field (kB) of the mapping holding address ptr (/proc/self/smaps)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= ptr < hi
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == f"{field}:":
             return int(line.split()[1])
     return 0
 
@@ -46,10 +46,10 @@ def test_empty_is_aligned_writable_and_sized():
 def test_empty_gets_huge_pages_where_the_kernel_allows():
     t = hugepages.empty(8 * hugepages.HUGE_PAGE)
     t.fill_(1)  # fault the pages in
-    assert _anon_huge_kb(t.data_ptr()) >= 2048
+    assert _smaps_kb(t.data_ptr()) >= 2048
     p = hugepages.empty(8 * hugepages.HUGE_PAGE, huge=False)  # KernelConfig.hugepages off
     p.fill_(1)
-    assert _anon_huge_kb(p.data_ptr()) == 0
+    assert _smaps_kb(p.data_ptr()) == 0
 
 
 def test_pack_keeps_values_in_one_region_in_order():
@@ -116,19 +116,6 @@ def test_kv_cache_on_the_cpu_is_zeroed_and_shaped():
     assert kv.data[0, 0, 1, 2].eq(1).all() and kv.data.sum() == 2 * 8
 
 
-def _rss_kb(ptr: int) -> int:
-    """Rss of the mapping holding address ptr (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
-    return 0
-
-
 def _populate_works() -> bool:
     t = hugepages.empty(hugepages.HUGE_PAGE)
     return hugepages.populate(t.data_ptr(), t.numel())
@@ -143,9 +130,9 @@ def test_populate_commits_pages_and_keeps_what_they_hold():
     t = hugepages.empty(8 * hugepages.HUGE_PAGE, huge=False)
     t[5] = 7
     t[-1] = 9
-    assert _rss_kb(t.data_ptr()) < 1024  # two pages touched, not 16 MB
+    assert _smaps_kb(t.data_ptr(), "Rss") < 1024  # two pages touched, not 16 MB
     assert hugepages.populate(t.data_ptr() + 3, t.numel() - 3)  # unaligned: whole pages
-    assert _rss_kb(t.data_ptr()) >= 16 * 1024
+    assert _smaps_kb(t.data_ptr(), "Rss") >= 16 * 1024
     assert t[5] == 7 and t[-1] == 9 and int(t.sum()) == 16
     assert not hugepages.populate(t.data_ptr(), 0)
 
@@ -170,12 +157,12 @@ def test_kv_cache_commits_its_pool_in_block_order_keeping_contents(dtype):
     assert order[len(regions)][0] not in regions
     k0 = kv.layers[1][0]
     k0[4999, 3] = 1
-    assert _rss_kb(kv.data.data_ptr()) < (pool + scales) // 1024 // 4
+    assert _smaps_kb(kv.data.data_ptr(), "Rss") < (pool + scales) // 1024 // 4
     steps = 0
     while kv.commit_next():
         steps += 1
     assert kv.uncommitted_bytes == 0 and not kv.commit_next()
     assert steps >= 6 * 2  # two windows or more, each of 6 regions (12 with scales)
-    assert _rss_kb(kv.data.data_ptr()) >= (pool + scales) // 1024  # all of it resident
+    assert _smaps_kb(kv.data.data_ptr(), "Rss") >= (pool + scales) // 1024  # all of it resident
     assert int(k0[4999, 3].eq(1).sum()) == k0[4999, 3].numel()
     assert int(kv.data.ne(0).sum()) == k0[4999, 3].numel()

@@ -142,26 +142,15 @@ void pv(const uint16_t* p, int ldp, const uint32_t* vp, int npb, float* o) {
   }
 }
 
-// 2^t for t <= 0 by a degree-3 polynomial (relative error 7.5e-5): P is rounded to bf16
-// (2^-9 relative) right after, so exp2_512's degree 5 bought nothing here, and at head dim
-// 64 the softmax costs about what the tile matmuls do.
-inline __m512 exp2_p(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.05517134442925453f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24261033535003662f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932609677314758f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999281167984009f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __mmask16 first_lanes(int n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
 
 // Row i of S (keys [0, nv) valid, ld a multiple of 32) -> P row (bf16, p = 2^(s*c - max),
 // zero from nv up to ld); returns the sum of the unrounded p. Whole 32-key runs unmasked,
-// two accumulators each, both halves packed to bf16 by one instruction.
+// two accumulators each, both halves packed to bf16 by one instruction. 2^x of degree 3:
+// P is rounded to bf16 (2^-9 relative) right after, so degree 5 bought nothing, and at head
+// dim 64 the softmax costs about what the tile matmuls do.
 inline float softmax_row(const float* s, int nv, int ld, float c, uint16_t* p) {
   __m512 mx0 = _mm512_set1_ps(kNegBig), mx1 = mx0;
   int j = 0;
@@ -175,8 +164,8 @@ inline float softmax_row(const float* s, int nv, int ld, float c, uint16_t* p) {
   const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)) * c);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (j = 0; j + 32 <= nv; j += 32) {
-    const __m512 e0 = exp2_p(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv));
-    const __m512 e1 = exp2_p(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), cv, mv));
+    const __m512 e0 = exp2_512<3>(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv));
+    const __m512 e1 = exp2_512<3>(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), cv, mv));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -185,7 +174,7 @@ inline float softmax_row(const float* s, int nv, int ld, float c, uint16_t* p) {
     __m512 e = _mm512_setzero_ps();
     if (j < nv) {
       const __mmask16 m = first_lanes(nv - j);
-      e = _mm512_maskz_mov_ps(m, exp2_p(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), cv, mv)));
+      e = _mm512_maskz_mov_ps(m, exp2_512<3>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), cv, mv)));
       sum0 = _mm512_add_ps(sum0, e);
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
