@@ -379,9 +379,9 @@ class LLMEngine:
     def commit_idle(self) -> bool:
         """Idle work, one slice at a time: commit the next part of the KV pool's memory
         (CacheConfig.commit_while_idle). Returns whether any is left; False at once where
-        it is off, or the pool lives in other processes (tensor parallel) or on a device."""
-        commit = getattr(self.kv_cache, "commit_next", None)
-        return bool(self.config.cache.commit_while_idle and commit is not None and commit())
+        it is off or the pool is on a device (zeroed there). Under tensor parallelism only
+        this process's rank's pool is committed; the other ranks' pages come at first touch."""
+        return self.config.cache.commit_while_idle and self.kv_cache.commit_next()
 
     @property
     def num_unfinished_requests(self) -> int:
