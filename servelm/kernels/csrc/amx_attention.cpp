@@ -16,8 +16,9 @@
 //   2. Work item = (sequence, KV head, 16 consecutive queries), largest first over the
 //      threads; for each of the G query heads: S [16 x keys] = Q K^T in fp32 tiles (only
 //      the key blocks the last query sees), a softmax per row in fp32 (AVX-512: the whole
-//      row is in memory, no online rescaling; 2^x to 7.5e-5 relative), P rounded to bf16 (as the cpu op and a
-//      bf16 matmul with V round it), O = P V in fp32 tiles, normalised by the row's sum.
+//      row is in memory, no online rescaling; 2^x to 7.5e-5 relative), P rounded to bf16
+//      (as the cpu op and a bf16 matmul with V round it), O = P V in fp32 tiles,
+//      normalised by the row's sum.
 // The score rows of an item live in per-thread scratch (16 x keys fp32: 256 KB at 4,096
 // keys), so a long prompt's rows stay in the core's L2.
 
