@@ -408,6 +408,6 @@ def test_cuda_matches_cpu_paths():
     out = sampler(logits, rows)
     assert len(out.token_ids) == 4
     assert out.token_ids[1] in logits[1].topk(4).indices.tolist()
-    cpu = sampler(logits.cpu(), [row(temperature=0.0, output=[1], presence_penalty=1.0)])
+    cpu = sampler(logits[:1].cpu(), [row(temperature=0.0, output=[1], presence_penalty=1.0)])
     assert out.token_ids[0] == cpu.token_ids[0]
     assert math.isfinite(out.logprobs[0].logprob)
