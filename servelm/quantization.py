@@ -13,9 +13,11 @@ is untouched. Activations stay in the model's dtype; only the stored weights shr
 On CUDA, int4 layers of bf16 models also hold the weight in the layout of PyTorch's
 tinygemm kernel (`aten._weight_int4pack_mm`: the same groups, w = s * (q - 8) + z with
 z = m + 8 s, scales and zeros in bf16) and run it for up to `CUDA_INT4_MAX_ROWS` rows;
-int8 layers run `aten._weight_int8pack_mm` where this PyTorch has it for CUDA, else
-the int8 weight converted in the matmul's input and scaled after. Each kernel is first run
-once on a small known case; one that is missing or disagrees is not used.
+past those rows the weight is dequantised by a Triton kernel (servelm.kernels.triton_quant)
+for one bf16 matmul. int8 layers convert the int8 weight in the matmul's input and scale
+after: PyTorch's CUDA `_weight_int8pack_mm` lost to that at every row count on an H200
+(1.9x at one row, 28x at 64; benchmarks/cuda_int4.py). Each kernel is first run once on a
+small known case; one that is missing or disagrees is not used.
 
 On CPU with the C++ kernels (servelm/kernels/csrc/quant.cpp) every call, decode or
 prefill, runs a kernel that streams the packed weight once per few activation rows and
@@ -231,10 +233,10 @@ def _dequantize_codes(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 
 # ---------------------------------------------------------------- CUDA layouts
 
-# Rows from which an int4 layer dequantises the whole weight and runs a bf16 matmul on
-# CUDA instead of tinygemm (a matrix-vector kernel at heart: it reads the weight once
-# per 16 rows).
-CUDA_INT4_MAX_ROWS = 64
+# Rows up to which an int4 layer runs tinygemm on CUDA (a matrix-vector kernel at heart: it
+# reads the weight once per 16 rows); past them it dequantises the whole weight
+# (servelm.kernels.triton_quant) for a bf16 matmul (benchmarks/cuda_int4.py).
+CUDA_INT4_MAX_ROWS = 32
 
 
 def tinygemm_operands(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -276,6 +278,8 @@ def _cuda_op_works(name: str, probe) -> bool:
     case and raises if it fails or disagrees (asked once per process; a kernel that is
     missing or computes with another layout leaves the layer on the PyTorch fallback)."""
     if name not in _cuda_ops:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False  # a probe cannot run inside a CUDA graph (layers ask when built)
         try:
             probe()
             _cuda_ops[name] = True
@@ -321,6 +325,8 @@ class QuantLinear(nn.Module):
             use_kernel and kernels_available())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():  # no rows (a prompt chunk that samples nothing): CUDA's int4 and
+            return x.new_zeros(*x.shape[:-1], self.out_features)  # int8 matmuls refuse those
         if not self.use_kernel or x.device.type != "cpu":
             return self._forward_fallback(x)
         if x.dtype in _KERNEL_DTYPES:
@@ -368,9 +374,6 @@ class Int8Linear(QuantLinear):
         self.tiled = tiled
         if tiled:
             q, scales = pack_int8(q, scales)
-        elif q.is_cuda:
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                _cuda_int8pack_works(q.device, dtype)  # asked now, never inside a graph capture
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
 
@@ -387,7 +390,7 @@ class Int8Linear(QuantLinear):
         return dequantize_int8(self.int8_weight(), self.scales[: self.out_features], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.tiled:
+        if not self.tiled and x.numel():
             return self._forward_fallback(x)
         return super().forward(x)
 
@@ -399,10 +402,7 @@ class Int8Linear(QuantLinear):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.is_cuda and not self.tiled:
             x2 = x.reshape(-1, self.in_features)
-            if _cuda_int8pack_works(x.device, x.dtype):
-                y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight,
-                                                       self.scales.to(x.dtype))
-            elif x.dtype == torch.float16:  # x . q could pass fp16's 65504 before scaling
+            if x.dtype == torch.float16:  # x . q could pass fp16's 65504 before scaling
                 y = F.linear(x2, self.dequantize(x.dtype))
             else:
                 y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
@@ -440,6 +440,8 @@ class Int4Linear(QuantLinear):
                                             out_features)
             self.tg_weight = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
             self.tg_scales_zeros = sz
+        if qweight.is_cuda:
+            _cuda_triton_dequant_works(qweight.device)  # asked now, never inside a graph capture
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE,
@@ -464,6 +466,11 @@ class Int4Linear(QuantLinear):
                                                    self.tg_scales_zeros)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if bias is None else y + bias
+        if x.is_cuda and _cuda_triton_dequant_works(x.device):
+            from servelm.kernels import triton_quant
+            w = triton_quant.dequantize_int4(self.qweight, self.scales, self.mins,
+                                             self.group_size, self.out_features, x.dtype)
+            return F.linear(x, w, bias)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
@@ -552,19 +559,22 @@ def _cuda_int4pack_works(device: torch.device) -> bool:
     return _cuda_op_works("int4pack", probe)
 
 
-def _cuda_int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """_weight_int8pack_mm runs here for this activation dtype and computes x @ (s q)^T."""
+def _cuda_triton_dequant_works(device: torch.device) -> bool:
+    """servelm.kernels.triton_quant's int4 dequantisation compiles here and gives the
+    PyTorch reference's weights."""
     def probe():
+        from servelm.kernels import triton_quant
         g = torch.Generator().manual_seed(0)
-        q = torch.randint(-127, 128, (8, 64), generator=g, dtype=torch.int8)
-        s = torch.rand(8, generator=g).add_(0.5)
-        x = torch.randn(2, 64, generator=g)
-        want = x @ (q.float() * s[:, None]).T
-        got = torch.ops.aten._weight_int8pack_mm(x.to(device, dtype), q.to(device),
-                                                 s.to(device, dtype))
-        if not torch.allclose(got.float().cpu(), want, rtol=0.02, atol=0.02 * want.abs().max().item()):
-            raise RuntimeError("_weight_int8pack_mm disagrees with its weights")
-    return _cuda_op_works(f"int8pack-{dtype}", probe)
+        packed, s, m = quantize_int4_reference(torch.randn(40, 256, generator=g), 64)
+        want = dequantize_int4_reference(packed, s, m, 64, 40)
+        try:
+            got = triton_quant.dequantize_int4(packed.to(device), s.to(device), m.to(device),
+                                               64, 40, torch.float32)
+        except Exception as e:  # Triton's compile errors are no RuntimeError
+            raise RuntimeError(f"{type(e).__name__}: {e}") from e
+        if not torch.allclose(got.cpu(), want, rtol=1e-6, atol=1e-6):
+            raise RuntimeError("the Triton int4 dequantisation disagrees with the reference")
+    return _cuda_op_works("int4-triton-dequant", probe)
 
 
 # The DecodeStack's codes for an int4 layer in q8act's panels (this plus its group size) and

@@ -275,15 +275,17 @@ def test_tinygemm_operands_hold_the_same_weights(group):
 
 def test_cuda_kernel_probes_accept_a_right_kernel_and_refuse_a_failing_one(monkeypatch):
     """The probes that decide whether a CUDA kernel is used run it on a known case: the
-    int8 one passes PyTorch's CPU _weight_int8pack_mm (the same op, another device), and a
-    probe that fails leaves the kernel unused."""
+    Triton int4 dequantisation's passes (here in Triton's interpreter when no GPU is), and
+    a probe that fails leaves the kernel unused."""
     monkeypatch.setattr(Q, "_cuda_ops", {})
-    assert Q._cuda_int8pack_works(torch.device("cpu"), torch.float32)
+    from servelm.kernels import triton_quant
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert Q._cuda_triton_dequant_works(dev) is triton_quant.available()
 
     def wrong():
         raise RuntimeError("disagrees")
     assert Q._cuda_op_works("wrong", wrong) is False
-    assert Q._cuda_ops == {"int8pack-torch.float32": True, "wrong": False}
+    assert Q._cuda_ops == {"int4-triton-dequant": triton_quant.available(), "wrong": False}
 
 
 CUDA = torch.cuda.is_available()
@@ -291,11 +293,11 @@ CUDA = torch.cuda.is_available()
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 16, 64, 200])
+@pytest.mark.parametrize("rows", [1, 16, 32, 33, 200])
 def test_cuda_quantized_layers_match_their_weights(method, rows):
-    """On CUDA: int4 through tinygemm (up to CUDA_INT4_MAX_ROWS rows, then dequantised),
-    int8 through _weight_int8pack_mm or the converted weight; against the dequantised
-    weights in fp32."""
+    """On CUDA: int4 through tinygemm (up to CUDA_INT4_MAX_ROWS rows, then dequantised by
+    the Triton kernel), int8 through the converted weight; against the dequantised weights
+    in fp32."""
     lin = _linear(1536, 576, bias=False).cuda()
     qlin = Q.quantize_linear(lin, method)
     if method == "int4":
@@ -305,6 +307,40 @@ def test_cuda_quantized_layers_match_their_weights(method, rows):
     y = qlin(x)
     assert y.shape == (rows, 1536) and y.dtype == torch.bfloat16
     assert _rel_err(y, ref) < 2e-2
+    if method == "int4" and rows > Q.CUDA_INT4_MAX_ROWS:  # dequantised by the Triton kernel
+        assert Q._cuda_ops["int4-triton-dequant"]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_probes_run_before_any_graph_capture(monkeypatch):
+    """An int4 layer built on CUDA asks its kernels' probes then, before any step runs; one
+    first asked inside a graph capture, where its copies cannot run, answers no without
+    probing or remembering."""
+    monkeypatch.setattr(Q, "_cuda_ops", {})
+    Q.quantize_linear(_linear(256, 64, False).cuda(), "int4")
+    assert Q._cuda_ops == {"int4pack": True, "int4-triton-dequant": True}
+    asked = []
+    graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    with torch.cuda.graph(graph):
+        works = Q._cuda_op_works("unasked", lambda: asked.append(1))
+        x.add_(1)
+    assert works is False and not asked and "unasked" not in Q._cuda_ops
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_quantized_layers_take_inputs_without_rows(method, device):
+    """A prompt chunk that samples no token hands the last layer's o_proj and MLP no rows:
+    CUDA's int4 and int8 matmuls refuse such an input, the layer returns its empty output."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96, bias=True).requires_grad_(False).to(device)
+    qlin = Q.quantize_linear(lin, method)
+    for shape in [(0, 256), (2, 0, 256)]:
+        x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        y = qlin(x)
+        assert y.shape == (*shape[:-1], 96) and y.device.type == device
+    y = qlin(torch.randn(3, 256, device=device, dtype=torch.bfloat16))  # and rows again
+    assert y.shape == (3, 96) and torch.isfinite(y).all()
 
 
 class _Tiny(nn.Module):

@@ -1,0 +1,44 @@
+"""The Triton int4 dequantisation (servelm/kernels/triton_quant.py: what an int4 layer runs
+on CUDA past tinygemm's rows) against the PyTorch reference.
+
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors (conftest.py sets
+TRITON_INTERPRET=1); with one, the same tests run it compiled on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm import quantization as Q
+from servelm.kernels import triton_quant
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_quant.available(), reason="needs Triton")
+
+
+@pytest.mark.parametrize("n,k,group", [(40, 256, 64), (16, 128, 32), (35, 384, 128),
+                                       (1, 64, 32), (200, 512, 256)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_dequantize_int4_gives_the_reference_weights(n, k, group, symmetric):
+    """Rows past a 16-row tile's end (n not a multiple of 16), every group size, both
+    kinds of zero point: the same fp32 weights as the reference (within an FMA's rounding),
+    and the same bf16 weights within one bf16 rounding step."""
+    g = torch.Generator().manual_seed(n * k + group)
+    packed, s, m = Q.quantize_int4_reference(torch.randn(n, k, generator=g), group, symmetric)
+    want = Q.dequantize_int4_reference(packed, s, m, group, n)
+    got = triton_quant.dequantize_int4(packed.to(DEV), s.to(DEV), m.to(DEV), group, n,
+                                       torch.float32)
+    assert got.shape == (n, k) and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+    got16 = triton_quant.dequantize_int4(packed.to(DEV), s.to(DEV), m.to(DEV), group, n)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.cpu().float(), want, rtol=8e-3, atol=1e-6)
+
+
+def test_dequantize_int4_rejects_operands_that_disagree():
+    packed, s, m = Q.quantize_int4_reference(torch.randn(32, 128), 32)
+    with pytest.raises(ValueError, match="do not agree"):
+        triton_quant.dequantize_int4(packed, s, m, 64, 32)  # scales are per 32 inputs
+    with pytest.raises(ValueError, match="do not agree"):
+        triton_quant.dequantize_int4(packed, s, m, 32, 33)  # more rows than the tiles hold
