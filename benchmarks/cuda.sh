@@ -21,12 +21,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} SERVELM_NO_KERNELS=1 PYTHONUNB
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
-timeout 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_triton_attention.py \
+# A hung test costs a minute, not the step, where pytest-timeout is installed.
+pt_timeout=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60")
+timeout 150 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_cuda_graphs.py tests/test_triton_attention.py \
     "tests/test_quantization.py::test_cuda_quantized_layers_match_their_weights" \
     "tests/test_quantization.py::test_tinygemm_operands_hold_the_same_weights" \
     "tests/test_sampler.py::test_cuda_matches_cpu_paths" 2>&1 | tee "$out/tests.log"
 # The quantised KV cache (int8, fp8) in Triton and under captured graphs.
-timeout 300 $py -m pytest -q -p no:cacheprovider tests/test_kv_quant.py -k "triton or graph" \
+timeout 90 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_kv_quant.py -k "triton or graph" \
     2>&1 | tee -a "$out/tests.log"
 
 bench() {
@@ -35,15 +37,15 @@ bench() {
     timeout "$limit" $py benchmarks/synthetic.py "$@" 2>&1 | tee -a "$out/synthetic.log"
 }
 echo "== roofline" | tee -a "$out/synthetic.log"
-timeout 60 $py -m servelm.cli roofline --device cuda --params 8e9 --layers 32 --heads 32 \
+timeout 30 $py -m servelm.cli roofline --device cuda --params 8e9 --layers 32 --heads 32 \
     --kv-heads 8 --head-dim 128 --batches 1,64 --prompt-lens 512 2>&1 | tee -a "$out/synthetic.log"
-bench 90 --shape smollm2-135m --batch 1,8,64 --transformers
-bench 120 --shape llama3-8b --batch 1,64 --transformers
+bench 60 --shape smollm2-135m --batch 1,8,64 --transformers
+bench 90 --shape llama3-8b --batch 1,64 --transformers
 # Decode attention in place (Triton) against gather + SDPA, 64 streams of 1,000 tokens.
-bench 90 --shape llama3-8b --batch 64 --context 1000 --modes eager,gather
+bench 60 --shape llama3-8b --batch 64 --context 1000 --modes eager,gather
 echo "== int4 kernels by rows" | tee -a "$out/synthetic.log"
-timeout 60 $py benchmarks/cuda_int4.py 2>&1 | tee -a "$out/synthetic.log"
-bench 90 --shape llama3-8b --quantization int4 --batch 1,64
-bench 60 --shape smollm2-135m --quantization int4 --batch 1,64
-bench 90 --shape llama3-8b --quantization int8 --batch 1,64
-bench 60 --shape smollm2-135m --quantization int8 --batch 1,64
+timeout 45 $py benchmarks/cuda_int4.py 2>&1 | tee -a "$out/synthetic.log"
+bench 60 --shape llama3-8b --quantization int4 --batch 1,64
+bench 40 --shape smollm2-135m --quantization int4 --batch 1,64
+bench 60 --shape llama3-8b --quantization int8 --batch 1,64
+bench 40 --shape smollm2-135m --quantization int8 --batch 1,64

@@ -1,9 +1,14 @@
-"""int4 matmuls on CUDA by row count: tinygemm (`aten._weight_int4pack_mm`, what Int4Linear
-runs up to CUDA_INT4_MAX_ROWS rows) against dequantising the weight for a bf16 matmul (what
-it runs from there on) and a plain bf16 matmul, on Llama-3-8B's layer shapes; where the
-switch between the first two belongs.
+"""int4 and int8 matmuls on CUDA by row count, on Llama-3-8B's layer shapes: where each
+quantised layer's switch between a few-row kernel and dequantise + dense matmul belongs.
 
-    python benchmarks/cuda_int4.py [--rows 1,16,64,128,256,512]
+int4: tinygemm (`aten._weight_int4pack_mm`, what Int4Linear runs up to CUDA_INT4_MAX_ROWS
+rows) against dequantising the weight for a bf16 matmul, by the Triton kernel
+(servelm.kernels.triton_quant, what it runs from there on) and by the PyTorch reference,
+and a plain bf16 matmul. int8: the int8 weight converted in the matmul's input and scaled
+after (what Int8Linear runs on CUDA) against `aten._weight_int8pack_mm` (which lost at
+every row count on an H200, and so is not used).
+
+    python benchmarks/cuda_int4.py [--rows 1,8,16,32,64,128,256,512]
 """
 
 from __future__ import annotations
@@ -36,25 +41,42 @@ def cuda_ms(fn, reps: int = 20) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int_list, default=[1, 16, 64, 128, 256, 512])
+    ap.add_argument("--rows", type=int_list, default=[1, 8, 16, 32, 64, 128, 256, 512])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs CUDA")
+    from servelm.kernels import triton_quant
+
     torch.manual_seed(0)
-    print(f"{'layer':>8} {'rows':>5} {'tinygemm ms':>12} {'dequant+mm ms':>14} {'bf16 ms':>8}")
+    print(f"int4: tinygemm up to CUDA_INT4_MAX_ROWS = {Q.CUDA_INT4_MAX_ROWS} rows; "
+          "ms a call, median of 3-20")
+    print(f"{'layer':>8} {'rows':>5} {'tinygemm':>9} {'triton dq+mm':>13} {'torch dq+mm':>12} "
+          f"{'int8pack':>9} {'int8 cvt+mm':>12} {'bf16':>7}")
     for name, (n, k) in SHAPES.items():
         lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        q = Q.quantize_linear(lin, "int4")
-        if q.tg_weight is None:
+        q4 = Q.quantize_linear(lin, "int4")
+        q8 = Q.quantize_linear(lin, "int8")
+        if q4.tg_weight is None:
             sys.exit("tinygemm does not run here")
         w = lin.weight.detach()
+        s8 = q8.scales.to(torch.bfloat16)
+
+        def triton_dq(x):
+            return F.linear(x, triton_quant.dequantize_int4(
+                q4.qweight, q4.scales, q4.mins, q4.group_size, n, torch.bfloat16))
+
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             tg = cuda_ms(lambda: torch.ops.aten._weight_int4pack_mm(
-                x, q.tg_weight, q.group_size, q.tg_scales_zeros))
-            dq = cuda_ms(lambda: F.linear(x, q.dequantize(torch.bfloat16)))
+                x, q4.tg_weight, q4.group_size, q4.tg_scales_zeros))
+            tq = cuda_ms(lambda: triton_dq(x))
+            dq = cuda_ms(lambda: F.linear(x, q4.dequantize(torch.bfloat16)), reps=5)
+            i8 = cuda_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, q8.qweight, s8),
+                         reps=20 if m <= 64 else 3)
+            c8 = cuda_ms(lambda: F.linear(x, q8.qweight.to(torch.bfloat16)) * s8)
             bf = cuda_ms(lambda: F.linear(x, w))
-            print(f"{name:>8} {m:5d} {tg:12.3f} {dq:14.3f} {bf:8.3f}", flush=True)
+            print(f"{name:>8} {m:5d} {tg:9.3f} {tq:13.3f} {dq:12.3f} {i8:9.3f} {c8:12.3f} "
+                  f"{bf:7.3f}", flush=True)
 
 
 if __name__ == "__main__":
