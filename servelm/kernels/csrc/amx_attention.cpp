@@ -13,8 +13,8 @@
 //      layouts: K^T as 16 keys x 32 dims blocks of bf16 pairs (the B operand of S = Q K^T)
 //      and V as 32 keys x 16 dims blocks of key pairs (the B operand of O = P V), zero past
 //      the last key.
-//   2. Work item = (sequence, KV head, 16 consecutive queries), largest first over the
-//      threads; for each of the G query heads: S [16 x keys] = Q K^T in fp32 tiles (only
+//   2. Work item = (sequence, KV head, 16 consecutive queries), a head's largest first over
+//      the threads; for each of the G query heads: S [16 x keys] = Q K^T in fp32 tiles (only
 //      the key blocks the last query sees), a softmax per row in fp32 (AVX-512: the whole
 //      row is in memory, no online rescaling; 2^x to 7.5e-5 relative), P rounded to bf16
 //      (as the cpu op and a bf16 matmul with V round it), O = P V in fp32 tiles,
@@ -227,7 +227,12 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         items.push_back({b, h, r0, sp[b] + r0 + 16});
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  // One (sequence, KV head) at a time, its longest rows first: the threads share that head's
+  // packed K/V while it sits in their L2 (ordering by cost alone cycled through every head's,
+  // and at 4,000 keys, 1 MB a head, each item read them from L3 again: 1.09-1.11x there).
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.b != y.b ? x.b < y.b : x.h != y.h ? x.h < y.h : x.cost > y.cost;
+  });
 
   auto run_item = [&](const Item& it) {
     const int b = it.b, h = it.h, r0 = it.r0;
