@@ -328,3 +328,67 @@ def test_cpu_sdpa_leaves_groups_of_short_sequences_to_the_cpp_op(monkeypatch):
         got = _attend(get_backend("cpu_sdpa"), layer, seqs, k, v, None, q_by_slot, 3)
         assert len(calls) == flash_calls
         torch.testing.assert_close(got, cpp, rtol=2e-5, atol=2e-5)
+
+
+def _amx_prompt_case(seqs, H, KVH, D, bs, key_growth=0.0, seed=0):
+    """Prompt chunks (start, tokens) over scattered blocks of one pool, bf16; key_growth
+    makes later keys score ever higher (each row's maximum keeps rising)."""
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-(s + n) // bs) for s, n in seqs]
+    nb = sum(per) + 2
+    k = torch.randn(nb * bs, KVH, D, generator=g)
+    if key_growth:
+        k = k.abs() * (1 + key_growth * torch.arange(nb * bs)[:, None, None])
+    k = k.view(nb, bs, KVH, D).bfloat16()
+    v = torch.randn(nb, bs, KVH, D, generator=g).bfloat16()
+    free = torch.randperm(nb, generator=g).tolist()
+    tables = torch.zeros(len(seqs), max(per), dtype=torch.int32)
+    for i, p in enumerate(per):
+        tables[i, :p] = torch.tensor([free.pop() for _ in range(p)], dtype=torch.int32)
+    q = (torch.randn(sum(n for _, n in seqs), H, D, generator=g) * (0.3 if key_growth else 1))
+    if key_growth:
+        q = q.abs()
+    cu = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32).cumsum(0).int()
+    start = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
+    return q.bfloat16(), k, v, tables, cu, start
+
+
+def _causal_reference(q, k, v, tables, cu, start, scale):
+    """fp32 attention of each chunk's queries over keys 0..its own position."""
+    H, KVH, D = q.shape[1], k.shape[2], k.shape[3]
+    bs, out = k.shape[1], []
+    for i in range(len(start)):
+        s, n = int(start[i]), int(cu[i + 1] - cu[i])
+        pos = torch.arange(s + n)
+        slots = tables[i][pos // bs].long() * bs + pos % bs
+        kk = k.reshape(-1, KVH, D)[slots].float().repeat_interleave(H // KVH, 1)
+        vv = v.reshape(-1, KVH, D)[slots].float().repeat_interleave(H // KVH, 1)
+        qq = q[cu[i]:cu[i + 1]].float()
+        att = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        att = att.masked_fill(pos[None, None, :] > (s + torch.arange(n))[None, :, None],
+                              float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", att.softmax(-1), vv).reshape(n, H * D))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("seqs,growth", [
+    ([(0, 700)], 0.0),                               # one long prompt, a short last tile
+    ([(0, 300), (250, 45), (1000, 17), (0, 3)], 0.0),  # mixed lengths, continued contexts
+    ([(0, 600), (500, 40)], 0.01),                   # each row's max keeps rising
+])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_amx_prompt_kernel_matches_the_reference_on_long_rows(seqs, growth, head_dim):
+    """Rows of hundreds of keys (at head dim 64 the key-major kernel, from 256 keys in the
+    longest row; at 128 the row-major one): against fp32 attention on the same bf16 inputs,
+    within bf16's rounding, including rows whose maximum rises key after key (the online
+    softmax's rescaling) and chunks that continue a context."""
+    if not (load_ops("amx_attention") and torch.ops.servelm_amx_attention.available()):
+        pytest.skip("no AMX-BF16 here")
+    H, KVH = 6, 2
+    q, k, v, tables, cu, start = _amx_prompt_case(seqs, H, KVH, head_dim, 16, growth)
+    scale = head_dim ** -0.5
+    got = torch.ops.servelm_amx_attention.paged_prefill_attention(q, k, v, tables, cu, start,
+                                                                  scale)
+    want = _causal_reference(q, k, v, tables, cu, start, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -317,9 +317,294 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   }
 }
 
+// ---- head dim 64: key-major, flash-style ---------------------------------------------------
+// S^T = K Q^T (rows: 16 keys, lanes: the item's 16 queries), so the softmax runs lane-wise
+// over key vectors with no horizontal reductions; online over chunks of 32 keys, the running
+// max raised only when a key passes it by 2^8 (kTau), which real rows rarely need after their
+// first keys; O^T += V^T P^T with O^T (64 dims x 16 queries) held in tmm0..3 for the whole
+// row of keys. A chunk's P V runs one chunk late, so the tiles multiply while the next
+// chunk's exponentials are computed. K is packed row-major, V^T chunk-major (32 keys).
+
+// Pack keys [k0, k0 + 32) of one KV head: K rows into kp (row-major [nk32][64] bf16) and V^T
+// into vt (chunk k0 / 32: [64 dims][32 keys] bf16), zero past nk.
+void pack_fa64(const PagedKV<c10::BFloat16>& kv, const int32_t* table, int h, int k0, int nk,
+               uint16_t* kp, uint16_t* vt) {
+  constexpr int D = 64;
+  alignas(64) static const uint16_t zero_row[D] = {};
+  const int64_t head_off = static_cast<int64_t>(h) * D;
+  auto krow = [&](int key) -> const uint16_t* {
+    return key < nk ? reinterpret_cast<const uint16_t*>(kv.k + kv.offset(table, key) + head_off) : zero_row;
+  };
+  auto vrow = [&](int key) -> const uint16_t* {
+    return key < nk ? reinterpret_cast<const uint16_t*>(kv.v + kv.offset(table, key) + head_off) : zero_row;
+  };
+  for (int n = 0; n < 32; ++n) std::memcpy(kp + static_cast<int64_t>(k0 + n) * D, krow(k0 + n), D * 2);
+  // pairs[j][d] = (v[k0 + 2j][d], v[k0 + 2j + 1][d]), then transposed to [d][j].
+  alignas(64) uint32_t pairs[16][D];
+  for (int j = 0; j < 16; ++j) {
+    const uint16_t* r0 = vrow(k0 + 2 * j);
+    const uint16_t* r1 = vrow(k0 + 2 * j + 1);
+    for (int db = 0; db < D / 16; ++db) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + db * 16)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + db * 16)));
+      _mm512_store_si512(&pairs[j][db * 16], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  uint32_t* dst = reinterpret_cast<uint32_t*>(vt + static_cast<int64_t>(k0 / 32) * D * 32);
+  for (int db = 0; db < D / 16; ++db) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(&pairs[j][db * 16]);
+    transpose16x16(r);
+    for (int d = 0; d < 16; ++d) _mm512_store_si512(dst + (db * 16 + d) * 16, r[d]);
+  }
+}
+
+// O^T rows (tmm0..3 stored to o: [64][16] fp32) times a per-lane factor, reloaded.
+inline void rescale_o(float* o, __m512 alpha) {
+  _tile_stored(0, o, 64);
+  _tile_stored(1, o + 256, 64);
+  _tile_stored(2, o + 512, 64);
+  _tile_stored(3, o + 768, 64);
+  for (int r = 0; r < 64; ++r) _mm512_store_ps(o + r * 16, _mm512_mul_ps(_mm512_load_ps(o + r * 16), alpha));
+  _tile_loadd(0, o, 64);
+  _tile_loadd(1, o + 256, 64);
+  _tile_loadd(2, o + 512, 64);
+  _tile_loadd(3, o + 768, 64);
+}
+
+// S^T for keys [k0, k0 + 32) into sb [32][16] fp32: K rows (tmm7) times Q^T (tmm4, tmm5).
+inline void scores_t(const uint16_t* kp, int k0, float* sb) {
+  constexpr int D = 64;
+  for (int half = 0; half < 2; ++half) {
+    const uint16_t* kr = kp + static_cast<int64_t>(k0 + 16 * half) * D;
+    _tile_zero(6);
+    _tile_loadd(7, kr, D * 2);
+    _tile_dpbf16ps(6, 7, 4);
+    _tile_loadd(7, kr + 32, D * 2);
+    _tile_dpbf16ps(6, 7, 5);
+    _tile_stored(6, sb + half * 256, 64);
+  }
+}
+
+template <int D>
+void prefill_amx_fa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& cu_q, const at::Tensor& start_pos,
+                    double scale, at::Tensor& out) {
+  static_assert(D == 64, "the key-major kernel holds O^T for 64 dims in tmm0..3");
+  using BF = c10::BFloat16;
+  const PagedKV<BF> kv(k_cache, v_cache, block_tables);
+  const int H = q.size(1), KVH = kv.kv_heads, G = H / KVH;
+  const int B = start_pos.numel();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const BF* qptr = q.data_ptr<BF>();
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* sp = start_pos.data_ptr<int32_t>();
+  BF* optr = out.data_ptr<BF>();
+  const float c = static_cast<float>(scale) * kLog2e;
+
+  std::vector<int64_t> pack_off(static_cast<size_t>(B) * KVH + 1, 0);
+  std::vector<int> nkeys(B);
+  check_prefill_tables(kv, cu, sp, B, "servelm_amx_attention.paged_prefill_attention");
+  for (int b = 0; b < B; ++b) {
+    nkeys[b] = sp[b] + cu[b + 1] - cu[b];
+    const int64_t per_head = static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D;  // dwords: K + V^T
+    for (int h = 0; h < KVH; ++h) pack_off[b * KVH + h + 1] = pack_off[b * KVH + h] + per_head;
+  }
+  at::Tensor packed = at::empty({pack_off.back() + 16}, q.options().dtype(at::kInt));
+  uint32_t* pbase = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
+  auto kp_of = [&](int b, int h) { return reinterpret_cast<uint16_t*>(pbase + pack_off[b * KVH + h]); };
+  auto vt_of = [&](int b, int h) { return kp_of(b, h) + static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D; };
+
+  struct PackItem { int b, h, k0; };
+  struct Item { int b, h, r0; int64_t cost; };
+  std::vector<PackItem> packs;
+  std::vector<Item> items;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < KVH; ++h) {
+      for (int k0 = 0; k0 < nkeys[b]; k0 += 32) packs.push_back({b, h, k0});
+      for (int r0 = 0; r0 < cu[b + 1] - cu[b]; r0 += 16) items.push_back({b, h, r0, sp[b] + r0 + 16});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.b != y.b ? x.b < y.b : x.h != y.h ? x.h < y.h : x.cost > y.cost;
+  });
+  constexpr float kTau = 8.f;  // a row's max is raised only when a key passes it by 2^8
+  alignas(64) static const uint16_t zero_q[D] = {};
+  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+  auto run_item = [&](const Item& it) {
+    const int b = it.b, h = it.h, r0 = it.r0;
+    const int rn = std::min(16, cu[b + 1] - cu[b] - r0);
+    const int pos0 = sp[b] + r0;
+    const int kend = pos0 + rn;
+    const int nch = (kend + 31) / 32;
+    const int full = pos0 / 32;  // chunks every query sees whole
+    alignas(64) float sb[2][512];
+    alignas(64) uint32_t pbs[2][256];
+    alignas(64) uint32_t qt[2 * kBlk];
+    alignas(64) float ob[64 * 16];
+    const uint16_t* kp = kp_of(b, h);
+    const uint16_t* vt = vt_of(b, h);
+    const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32(pos0), lane);
+    for (int g = 0; g < G; ++g) {
+      const int hq = h * G + g;
+      const BF* q0 = qptr + static_cast<int64_t>(cu[b] + r0) * qs0 + static_cast<int64_t>(hq) * qs1;
+      const uint32_t* rows[16];
+      for (int j = 0; j < 16; ++j)
+        rows[j] = reinterpret_cast<const uint32_t*>(j < rn ? reinterpret_cast<const uint16_t*>(q0 + j * qs0) : zero_q);
+      store_b_tile(rows, 0, qt);
+      store_b_tile(rows, 16, qt + kBlk);
+      _tile_loadd(4, qt, 64);
+      _tile_loadd(5, qt + kBlk, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      __m512 m = _mm512_set1_ps(kNegBig), l = _mm512_setzero_ps();
+      const __m512 cv = _mm512_set1_ps(c);
+      int pending = -1;
+      auto pv_chunk = [&](int pc) {
+        const uint16_t* vc = vt + static_cast<int64_t>(pc) * D * 32;
+        _tile_loadd(6, pbs[pc & 1], 64);
+        _tile_loadd(7, vc, 64);
+        _tile_dpbf16ps(0, 7, 6);
+        _tile_loadd(7, vc + 16 * 32, 64);
+        _tile_dpbf16ps(1, 7, 6);
+        _tile_loadd(7, vc + 32 * 32, 64);
+        _tile_dpbf16ps(2, 7, 6);
+        _tile_loadd(7, vc + 48 * 32, 64);
+        _tile_dpbf16ps(3, 7, 6);
+      };
+      auto exp_whole = [&](const float* s, uint32_t* pb, __m512& s0, __m512& s1) {
+        for (int r = 0; r < 16; ++r) {
+          const __m512 e0 = exp2_512<3>(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * r), cv, m));
+          const __m512 e1 = exp2_512<3>(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * r + 16), cv, m));
+          s0 = _mm512_add_ps(s0, e0);
+          s1 = _mm512_add_ps(s1, e1);
+          _mm512_store_si512(pb + r * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+        }
+      };
+      scores_t(kp, 0, sb[0]);
+      for (int ch = 0; ch < nch; ++ch) {
+        const float* s = sb[ch & 1];
+        if (ch + 1 < nch) scores_t(kp, 32 * (ch + 1), sb[(ch + 1) & 1]);
+        if (pending >= 0) pv_chunk(pending);  // pbs[pending & 1] was written a chunk ago
+        pending = ch;
+        const int k0 = 32 * ch;
+        uint32_t* pb = pbs[ch & 1];
+        const bool whole = ch < full;
+        if (whole && ch > 0) {
+          // Against the running max as it is: unless some query's sum over these keys passes
+          // 2^13 (a key above the max by more than that allows, or many near it), done.
+          __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+          exp_whole(s, pb, s0, s1);
+          const __m512 cs = _mm512_add_ps(s0, s1);
+          if (!_mm512_cmp_ps_mask(cs, _mm512_set1_ps(8192.f), _CMP_NLE_UQ)) {
+            l = _mm512_add_ps(l, cs);
+            continue;
+          }
+        }
+        __m512 cm0 = _mm512_set1_ps(kNegBig), cm1 = cm0, cm2 = cm0, cm3 = cm0;
+        if (whole) {
+          for (int k = 0; k < 32; k += 4) {
+            cm0 = _mm512_max_ps(cm0, _mm512_load_ps(s + k * 16));
+            cm1 = _mm512_max_ps(cm1, _mm512_load_ps(s + (k + 1) * 16));
+            cm2 = _mm512_max_ps(cm2, _mm512_load_ps(s + (k + 2) * 16));
+            cm3 = _mm512_max_ps(cm3, _mm512_load_ps(s + (k + 3) * 16));
+          }
+        } else {
+          for (int k = 0; k < 32; ++k) {  // key k0 + k: the lanes whose position reaches it
+            const __mmask16 km = _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(k0 + k));
+            cm0 = _mm512_mask_max_ps(cm0, km, cm0, _mm512_load_ps(s + k * 16));
+          }
+        }
+        // In units of the raw scores (c > 0): t = s c - m c.
+        const __m512 cm = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(cm0, cm1), _mm512_max_ps(cm2, cm3)), cv);
+        if (_mm512_cmp_ps_mask(cm, _mm512_add_ps(m, _mm512_set1_ps(kTau)), _CMP_GT_OQ)) {
+          const __m512 mn = _mm512_max_ps(m, cm);
+          const __m512 alpha = exp2_512<3>(_mm512_max_ps(_mm512_sub_ps(m, mn), _mm512_set1_ps(-126.f)));
+          if (ch > 0) {
+            l = _mm512_mul_ps(l, alpha);
+            rescale_o(ob, alpha);
+          }
+          m = mn;
+        }
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+        if (whole) {
+          exp_whole(s, pb, s0, s1);
+        } else {
+          for (int r = 0; r < 16; ++r) {
+            const __mmask16 k0m = _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(k0 + 2 * r));
+            const __mmask16 k1m = _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(k0 + 2 * r + 1));
+            const __m512 e0 = _mm512_maskz_mov_ps(k0m, exp2_512<3>(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * r), cv, m)));
+            const __m512 e1 = _mm512_maskz_mov_ps(k1m, exp2_512<3>(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * r + 16), cv, m)));
+            s0 = _mm512_add_ps(s0, e0);
+            s1 = _mm512_add_ps(s1, e1);
+            _mm512_store_si512(pb + r * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+          }
+        }
+        l = _mm512_add_ps(l, _mm512_add_ps(s0, s1));
+      }
+      if (pending >= 0) pv_chunk(pending);
+      // O[j][d] = O^T[d][j] / l[j]: scale the rows of O^T, then transpose 16 x 16 blocks.
+      _tile_stored(0, ob, 64);
+      _tile_stored(1, ob + 256, 64);
+      _tile_stored(2, ob + 512, 64);
+      _tile_stored(3, ob + 768, 64);
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+      for (int db = 0; db < 4; ++db) {
+        __m512i r[16];
+        for (int d = 0; d < 16; ++d)
+          r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(ob + (db * 16 + d) * 16), inv));
+        transpose16x16(r);
+        for (int j = 0; j < rn; ++j) {
+          BF* dst = optr + static_cast<int64_t>(cu[b] + r0 + j) * H * D + static_cast<int64_t>(hq) * D + db * 16;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
+        }
+      }
+    }
+  };
+
+  const int nthreads = std::max(1, at::get_num_threads());
+  const int64_t npacks = static_cast<int64_t>(packs.size()), nitems = static_cast<int64_t>(items.size());
+  auto pack_one = [&](const PackItem& pk) {
+    pack_fa64(kv, kv.table(pk.b), pk.h, pk.k0, nkeys[pk.b], kp_of(pk.b, pk.h), vt_of(pk.b, pk.h));
+  };
+  if (nthreads == 1 || nitems <= 1) {
+    for (const PackItem& pk : packs) pack_one(pk);
+    configure_tiles();
+    for (const Item& it : items) run_item(it);
+    _tile_release();
+  } else {
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < npacks; ++i) pack_one(packs[i]);
+      configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < nitems; ++i) run_item(items[i]);
+      _tile_release();
+    }
+  }
+}
+
 #endif  // SERVELM_AMX
 
 bool available() { return amx_available(); }
+
+// The key-major kernel from this many keys in the longest sequence: below it its per-item
+// transposes (Q^T in, O^T out) cost more than it saves (16 sequences of 128 keys: 0.95x;
+// 8 of 256: 1.06x; one of 2,048: 1.33x).
+[[maybe_unused]] constexpr int kKeyMajorMinKeys = 256;
+
+[[maybe_unused]] int longest_keys(const at::Tensor& cu_q, const at::Tensor& start_pos) {
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* sp = start_pos.data_ptr<int32_t>();
+  int most = 0;
+  for (int64_t b = 0; b < start_pos.numel(); ++b) most = std::max(most, sp[b] + cu[b + 1] - cu[b]);
+  return most;
+}
 
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -337,7 +622,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
 #ifdef SERVELM_AMX
-  if (D == 64) prefill_amx<64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+  if (D == 64 && longest_keys(cu_seqlens_q, start_pos) >= kKeyMajorMinKeys)
+    prefill_amx_fa<64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+  else if (D == 64) prefill_amx<64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
   else prefill_amx<128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
 #endif
   return out;
