@@ -11,20 +11,34 @@ namespace {
 
 // ---- RMSNorm
 
+// y = w * round_to<T>(x * r), r = 1 / sqrt(mean(x^2) + eps) given the sum of squares.
 template <typename T>
-void rms_row(const T* x, const T* w, T* y, int64_t N, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < N; ++i) { const float v = to_f<T>(x[i]); ss += v * v; }
+void rms_scale_row(const T* x, const T* w, T* y, int64_t N, float ss, float eps) {
   const float r = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
   for (int64_t i = 0; i < N; ++i)
     y[i] = from_f<T>(to_f<T>(w[i]) * round_to<T>(to_f<T>(x[i]) * r));
 }
 
+template <typename T>
+void rms_row_scalar(const T* x, const T* w, T* y, int64_t N, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < N; ++i) { const float v = to_f<T>(x[i]); ss += v * v; }
+  rms_scale_row<T>(x, w, y, N, ss, eps);
+}
+
 // residual += x (rounded to T), then y = RMSNorm(residual) * w.
 template <typename T>
-void add_rms_row(const T* x, T* residual, const T* w, T* y, int64_t N, float eps) {
+void add_rms_row_scalar(const T* x, T* residual, const T* w, T* y, int64_t N, float eps) {
   for (int64_t i = 0; i < N; ++i) residual[i] = from_f<T>(to_f<T>(residual[i]) + to_f<T>(x[i]));
-  rms_row<T>(residual, w, y, N, eps);
+  rms_row_scalar<T>(residual, w, y, N, eps);
+}
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* y, int64_t N, float eps) { rms_row_scalar<T>(x, w, y, N, eps); }
+
+template <typename T>
+void add_rms_row(const T* x, T* residual, const T* w, T* y, int64_t N, float eps) {
+  add_rms_row_scalar<T>(x, residual, w, y, N, eps);
 }
 
 // ---- rotary + KV cache write
@@ -38,6 +52,54 @@ inline bool rotate_vec(const T*, T*, const float*, const float*, int64_t) { retu
 inline __m512 round_bf16(__m512 v) {
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// bf16 rows 16 lanes at a time (N a multiple of 16, else the scalar loops), rounding where
+// those do; only the sum of squares adds in another order (16 lanes, two accumulators). The
+// scalar loops ran ~1 cycle an element: 4x as long at 512 rows of 576.
+inline void rms_scale_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y,
+                           int64_t N, float ss, float eps) {
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(ss / static_cast<float>(N) + eps));
+  for (int64_t i = 0; i < N; i += 16) {
+    const __m512 v = round_bf16(_mm512_mul_ps(load16<c10::BFloat16>(x + i), r));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16<c10::BFloat16>(w + i), v)));
+  }
+}
+
+template <>
+inline void rms_row<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y,
+                                   int64_t N, float eps) {
+  if (N % 16) return rms_row_scalar(x, w, y, N, eps);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= N; i += 32) {
+    const __m512 v0 = load16<c10::BFloat16>(x + i), v1 = load16<c10::BFloat16>(x + i + 16);
+    a0 = _mm512_fmadd_ps(v0, v0, a0);
+    a1 = _mm512_fmadd_ps(v1, v1, a1);
+  }
+  if (i < N) {
+    const __m512 v0 = load16<c10::BFloat16>(x + i);
+    a0 = _mm512_fmadd_ps(v0, v0, a0);
+  }
+  rms_scale_bf16(x, w, y, N, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), eps);
+}
+
+template <>
+inline void add_rms_row<c10::BFloat16>(const c10::BFloat16* x, c10::BFloat16* residual,
+                                       const c10::BFloat16* w, c10::BFloat16* y, int64_t N,
+                                       float eps) {
+  if (N % 16) return add_rms_row_scalar(x, residual, w, y, N, eps);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  for (int64_t i = 0; i < N; i += 16) {  // the sum rounded to bf16, stored, and squared
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(
+        _mm512_add_ps(load16<c10::BFloat16>(residual + i), load16<c10::BFloat16>(x + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual + i), h);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    if ((i / 16) % 2) a1 = _mm512_fmadd_ps(v, v, a1);
+    else a0 = _mm512_fmadd_ps(v, v, a0);
+  }
+  rms_scale_bf16(residual, w, y, N, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), eps);
 }
 
 // The rotate-half of one bf16 head, 16 lanes at a time, rounding exactly as the scalar loop
