@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks and figures, in one run on a machine with a GPU: the tests that need CUDA
-# (captured decode graphs against the eager path, the Triton attention kernels, the
-# int4/int8 CUDA kernels, the sampler),
+# (captured decode graphs against the eager path, the Triton attention and int4
+# dequantisation kernels, the int4/int8 CUDA layers, the sampler, the whole engine against
+# transformers),
 # then benchmarks/synthetic.py on random weights of real shapes (the embedded model's file
 # is not needed): CUDA graphs against eager decode, side by side, each weight format, and
 # transformers of the same shape. Runs from a checkout without installing it.
@@ -26,7 +27,10 @@ pt_timeout=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60")
 timeout 150 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_cuda_graphs.py tests/test_triton_attention.py \
     "tests/test_quantization.py::test_cuda_quantized_layers_match_their_weights" \
     "tests/test_quantization.py::test_tinygemm_operands_hold_the_same_weights" \
-    "tests/test_sampler.py::test_cuda_matches_cpu_paths" 2>&1 | tee "$out/tests.log"
+    "tests/test_quantization.py::test_cuda_probes_run_before_any_graph_capture" \
+    "tests/test_quantization.py::test_quantized_layers_take_inputs_without_rows" \
+    "tests/test_sampler.py::test_cuda_matches_cpu_paths" tests/test_triton_quant.py \
+    tests/test_engine_cuda.py 2>&1 | tee "$out/tests.log"
 # The quantised KV cache (int8, fp8) in Triton and under captured graphs.
 timeout 90 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_kv_quant.py -k "triton or graph" \
     2>&1 | tee -a "$out/tests.log"
