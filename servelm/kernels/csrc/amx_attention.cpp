@@ -183,6 +183,72 @@ inline float softmax_row(const float* s, int nv, int ld, float c, uint16_t* p) {
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+// What both prompt kernels share: for each (sequence, KV head) a region of its keys rounded
+// up to 32, D dwords a key (K and V in the kernel's layouts); the pack items (32 keys) and
+// the work items (16 queries of one KV head) over the sequences of a call.
+struct PrefillPlan {
+  struct PackItem { int b, h, k0; };
+  struct Item { int b, h, r0; int64_t cost; };
+  int KVH;
+  std::vector<int> nkeys;
+  std::vector<int64_t> pack_off;
+  at::Tensor packed;
+  uint32_t* base;
+  std::vector<PackItem> packs;
+  std::vector<Item> items;
+
+  PrefillPlan(const PagedKV<c10::BFloat16>& kv, const int32_t* cu, const int32_t* sp, int B, int D,
+              const at::Tensor& q)
+      : KVH(kv.kv_heads), nkeys(B), pack_off(static_cast<size_t>(B) * kv.kv_heads + 1, 0) {
+    check_prefill_tables(kv, cu, sp, B, "servelm_amx_attention.paged_prefill_attention");
+    for (int b = 0; b < B; ++b) {
+      nkeys[b] = sp[b] + cu[b + 1] - cu[b];
+      for (int h = 0; h < KVH; ++h)
+        pack_off[b * KVH + h + 1] = pack_off[b * KVH + h] + keys32(b) * D;
+    }
+    packed = at::empty({pack_off.back() + 16}, q.options().dtype(at::kInt));
+    base = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < KVH; ++h) {
+        for (int k0 = 0; k0 < nkeys[b]; k0 += 32) packs.push_back({b, h, k0});
+        for (int r0 = 0; r0 < cu[b + 1] - cu[b]; r0 += 16) items.push_back({b, h, r0, sp[b] + r0 + 16});
+      }
+    // One (sequence, KV head) at a time, its longest rows first: the threads share that
+    // head's packed K/V while it sits in their L2 (ordering by cost alone cycled through every
+    // head's, and at 4,000 keys, 1 MB a head, each item read them from L3 again: 1.09-1.11x).
+    std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+      return x.b != y.b ? x.b < y.b : x.h != y.h ? x.h < y.h : x.cost > y.cost;
+    });
+  }
+  int64_t keys32(int b) const { return (nkeys[b] + 31) / 32 * 32; }
+  uint32_t* region(int b, int h) const { return base + pack_off[b * KVH + h]; }
+};
+
+// Every pack item, then every work item (the tiles configured for each thread), over the
+// threads: packs split evenly, items handed out one at a time.
+template <typename Pack, typename Run>
+void run_plan(const PrefillPlan& plan, Pack pack_one, Run run_item) {
+  const int nthreads = std::max(1, at::get_num_threads());
+  const int64_t npacks = static_cast<int64_t>(plan.packs.size());
+  const int64_t nitems = static_cast<int64_t>(plan.items.size());
+  if (nthreads == 1 || nitems <= 1) {
+    for (const auto& pk : plan.packs) pack_one(pk);
+    configure_tiles();
+    for (const auto& it : plan.items) run_item(it);
+    _tile_release();
+  } else {
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < npacks; ++i) pack_one(plan.packs[i]);
+      configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < nitems; ++i) run_item(plan.items[i]);
+      _tile_release();
+    }
+  }
+}
+
 template <int D>
 void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& cu_q, const at::Tensor& start_pos,
@@ -199,42 +265,12 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   BF* optr = out.data_ptr<BF>();
   const float c = static_cast<float>(scale) * kLog2e;
 
-  // Packed K^T / V per (sequence, KV head): keys rounded up to 32.
-  std::vector<int64_t> pack_off(static_cast<size_t>(B) * KVH + 1, 0);
-  std::vector<int> nkeys(B);
-  check_prefill_tables(kv, cu, sp, B, "servelm_amx_attention.paged_prefill_attention");
-  for (int b = 0; b < B; ++b) {
-    nkeys[b] = sp[b] + cu[b + 1] - cu[b];
-    const int64_t per_head = static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D;  // dwords, K^T + V
-    for (int h = 0; h < KVH; ++h)
-      pack_off[b * KVH + h + 1] = pack_off[b * KVH + h] + per_head;
-  }
-  at::Tensor packed = at::empty({pack_off.back() + 16}, q.options().dtype(at::kInt));
-  uint32_t* pbase = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
-  auto kt_of = [&](int b, int h) { return pbase + pack_off[b * KVH + h]; };
-  auto vp_of = [&](int b, int h) {
-    return kt_of(b, h) + static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D / 2;
-  };
+  // Packed K^T / V per (sequence, KV head).
+  const PrefillPlan plan(kv, cu, sp, B, D, q);
+  auto kt_of = [&](int b, int h) { return plan.region(b, h); };
+  auto vp_of = [&](int b, int h) { return kt_of(b, h) + plan.keys32(b) * D / 2; };
 
-  struct PackItem { int b, h, k0; };
-  struct Item { int b, h, r0; int64_t cost; };
-  std::vector<PackItem> packs;
-  std::vector<Item> items;
-  for (int b = 0; b < B; ++b) {
-    for (int h = 0; h < KVH; ++h) {
-      for (int k0 = 0; k0 < nkeys[b]; k0 += 32) packs.push_back({b, h, k0});
-      for (int r0 = 0; r0 < cu[b + 1] - cu[b]; r0 += 16)
-        items.push_back({b, h, r0, sp[b] + r0 + 16});
-    }
-  }
-  // One (sequence, KV head) at a time, its longest rows first: the threads share that head's
-  // packed K/V while it sits in their L2 (ordering by cost alone cycled through every head's,
-  // and at 4,000 keys, 1 MB a head, each item read them from L3 again: 1.09-1.11x there).
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-    return x.b != y.b ? x.b < y.b : x.h != y.h ? x.h < y.h : x.cost > y.cost;
-  });
-
-  auto run_item = [&](const Item& it) {
+  auto run_item = [&](const PrefillPlan::Item& it) {
     const int b = it.b, h = it.h, r0 = it.r0;
     const int rn = std::min(16, cu[b + 1] - cu[b] - r0);
     const int pos0 = sp[b] + r0;           // the first query's position
@@ -294,27 +330,9 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     }
   };
 
-  const int nthreads = std::max(1, at::get_num_threads());
-  const int64_t npacks = static_cast<int64_t>(packs.size()), nitems = static_cast<int64_t>(items.size());
-  auto pack_one = [&](const PackItem& pk) {
-    pack32<D>(kv, kv.table(pk.b), pk.h, pk.k0, nkeys[pk.b], kt_of(pk.b, pk.h), vp_of(pk.b, pk.h));
-  };
-  if (nthreads == 1 || nitems <= 1) {
-    for (const PackItem& pk : packs) pack_one(pk);
-    configure_tiles();
-    for (const Item& it : items) run_item(it);
-    _tile_release();
-  } else {
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < npacks; ++i) pack_one(packs[i]);
-      configure_tiles();
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < nitems; ++i) run_item(items[i]);
-      _tile_release();
-    }
-  }
+  run_plan(plan, [&](const PrefillPlan::PackItem& pk) {
+    pack32<D>(kv, kv.table(pk.b), pk.h, pk.k0, plan.nkeys[pk.b], kt_of(pk.b, pk.h), vp_of(pk.b, pk.h));
+  }, run_item);
 }
 
 // ---- head dim 64: key-major, flash-style ---------------------------------------------------
@@ -402,38 +420,17 @@ void prefill_amx_fa(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   BF* optr = out.data_ptr<BF>();
   const float c = static_cast<float>(scale) * kLog2e;
 
-  std::vector<int64_t> pack_off(static_cast<size_t>(B) * KVH + 1, 0);
-  std::vector<int> nkeys(B);
-  check_prefill_tables(kv, cu, sp, B, "servelm_amx_attention.paged_prefill_attention");
-  for (int b = 0; b < B; ++b) {
-    nkeys[b] = sp[b] + cu[b + 1] - cu[b];
-    const int64_t per_head = static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D;  // dwords: K + V^T
-    for (int h = 0; h < KVH; ++h) pack_off[b * KVH + h + 1] = pack_off[b * KVH + h] + per_head;
-  }
-  at::Tensor packed = at::empty({pack_off.back() + 16}, q.options().dtype(at::kInt));
-  uint32_t* pbase = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
-  auto kp_of = [&](int b, int h) { return reinterpret_cast<uint16_t*>(pbase + pack_off[b * KVH + h]); };
-  auto vt_of = [&](int b, int h) { return kp_of(b, h) + static_cast<int64_t>((nkeys[b] + 31) / 32 * 32) * D; };
-
-  struct PackItem { int b, h, k0; };
-  struct Item { int b, h, r0; int64_t cost; };
-  std::vector<PackItem> packs;
-  std::vector<Item> items;
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < KVH; ++h) {
-      for (int k0 = 0; k0 < nkeys[b]; k0 += 32) packs.push_back({b, h, k0});
-      for (int r0 = 0; r0 < cu[b + 1] - cu[b]; r0 += 16) items.push_back({b, h, r0, sp[b] + r0 + 16});
-    }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-    return x.b != y.b ? x.b < y.b : x.h != y.h ? x.h < y.h : x.cost > y.cost;
-  });
+  // K rows and V^T per (sequence, KV head).
+  const PrefillPlan plan(kv, cu, sp, B, D, q);
+  auto kp_of = [&](int b, int h) { return reinterpret_cast<uint16_t*>(plan.region(b, h)); };
+  auto vt_of = [&](int b, int h) { return kp_of(b, h) + plan.keys32(b) * D; };
   constexpr float kTau = 8.f;  // a row's max is raised only when a key passes it by 2^8
   alignas(64) static const uint16_t zero_q[D] = {};
   const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 
-  auto run_item = [&](const Item& it) {
+  auto run_item = [&](const PrefillPlan::Item& it) {
     const int b = it.b, h = it.h, r0 = it.r0;
     const int rn = std::min(16, cu[b + 1] - cu[b] - r0);
     const int pos0 = sp[b] + r0;
@@ -566,27 +563,9 @@ void prefill_amx_fa(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     }
   };
 
-  const int nthreads = std::max(1, at::get_num_threads());
-  const int64_t npacks = static_cast<int64_t>(packs.size()), nitems = static_cast<int64_t>(items.size());
-  auto pack_one = [&](const PackItem& pk) {
-    pack_fa64(kv, kv.table(pk.b), pk.h, pk.k0, nkeys[pk.b], kp_of(pk.b, pk.h), vt_of(pk.b, pk.h));
-  };
-  if (nthreads == 1 || nitems <= 1) {
-    for (const PackItem& pk : packs) pack_one(pk);
-    configure_tiles();
-    for (const Item& it : items) run_item(it);
-    _tile_release();
-  } else {
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < npacks; ++i) pack_one(packs[i]);
-      configure_tiles();
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < nitems; ++i) run_item(items[i]);
-      _tile_release();
-    }
-  }
+  run_plan(plan, [&](const PrefillPlan::PackItem& pk) {
+    pack_fa64(kv, kv.table(pk.b), pk.h, pk.k0, plan.nkeys[pk.b], kp_of(pk.b, pk.h), vt_of(pk.b, pk.h));
+  }, run_item);
 }
 
 #endif  // SERVELM_AMX
