@@ -16,8 +16,9 @@ z = m + 8 s, scales and zeros in bf16) and run it for up to `CUDA_INT4_MAX_ROWS`
 past those rows the weight is dequantised by a Triton kernel (servelm.kernels.triton_quant)
 for one bf16 matmul. int8 layers convert the int8 weight in the matmul's input and scale
 after: PyTorch's CUDA `_weight_int8pack_mm` lost to that at every row count on an H200
-(1.9x at one row, 28x at 64; benchmarks/cuda_int4.py). Each kernel is first run once on a
-small known case; one that is missing or disagrees is not used.
+(2.6x at one row, 40x at 64, over Llama-3-8B's four layers; benchmarks/cuda_int4.py).
+Each kernel is first run once on a small known case; one that is missing or disagrees is
+not used.
 
 On CPU with the C++ kernels (servelm/kernels/csrc/quant.cpp) every call, decode or
 prefill, runs a kernel that streams the packed weight once per few activation rows and

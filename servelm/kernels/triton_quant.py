@@ -5,8 +5,9 @@ CUDA runs an int4 layer through tinygemm up to `CUDA_INT4_MAX_ROWS` rows; past t
 weight is dequantised for one dense matmul, and that dequantisation must cost about what
 reading the int4 bytes and writing the dense ones costs. The PyTorch reference
 (`dequantize_int4_reference`: unpack, then scale and shift per group) makes several full
-temporaries and ran at ~60 GB/s on an H200; this kernel reads each int32 word of packed
-nibbles and each group's scale and min once per tile, and writes the dense weight once.
+temporaries and ran at ~60 GB/s on an H200; this kernel reads the packed words and the
+groups' scales and mins through the cache (a word serves 8 columns of a row, a scale a
+group's) and writes the dense weight once: 4-9x the reference there.
 
 Every element: t, r = divmod(n, 16); b, i = divmod(k, 8); the int32 word (t, b, r) of the
 packed tiles holds q[16t + r, 8b + i] at bit 4 (i // 2) + 16 (i % 2), and
