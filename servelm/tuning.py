@@ -67,12 +67,14 @@ KEEP = 1.5              # after a timing round, methods slower than this x the b
 KEEP_FIRST = 3.0
 # The DecodeStack (one C++ call per decode-only step) runs these methods, a stack for each
 # run of buckets on them; the tuner counts what it saves in the first STACK_BUCKETS buckets
-# (1 and 8 rows, up to 22). Timing layer by layer cannot see that saving: the per-op path's
-# calls between the matmuls. That is counted as
+# (1, 8 and 64 rows, up to 181). Timing layer by layer cannot see that saving: the per-op
+# path's calls between the matmuls. (At 64 rows a layer whose stack method and oneDNN tied
+# took either by chance, and with it the whole step: on an AMX Xeon the stack ran 64 streams'
+# steps ~1.15x faster than the per-op path with equal matmul times.) That is counted as
 # STACK_CALLS one-row operator calls per decoder layer, the call's time measured at
 # start-up (_op_call_us); the calibration is in the README ("Choose the kernels").
 STACK_METHODS = ("tiles", "q8act", "amx")
-STACK_BUCKETS = 2
+STACK_BUCKETS = 3
 STACK_CALLS = 20
 
 
@@ -645,13 +647,14 @@ def _op_call_us(model: nn.Module) -> float:
 
 def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
                   stack: StackCost) -> None:
-    """Moves the stack's shapes (stack.keys) to the DecodeStack's methods at 1 and 8 rows,
-    bucket by bucket while that is no slower counting what the stack saves
-    (stack.saved_us()): at one row each shape's fastest stack method (the default within
-    MARGIN; for a quantised shape, not a dequantised method other than the one its larger
-    buckets hold: _one_dequantised_copy), at 8 the one-row method (one stack, one set of
-    weights, for both). free is changed in place. (Larger buckets keep the fastest method:
-    a stack method chosen there anyway, amx, runs them on a stack of their own.)"""
+    """Moves the stack's shapes (stack.keys) to the DecodeStack's methods at 1, 8 and 64
+    rows, bucket by bucket while that is no slower counting what the stack saves
+    (stack.saved_us(), one-row calls: at 64 rows the per-op path's calls cost more, so this
+    errs towards the per-op path): at one row each shape's fastest stack method (the default
+    within MARGIN; for a quantised shape, not a dequantised method other than the one its
+    larger buckets hold: _one_dequantised_copy), at 8 and 64 the one-row method (one stack,
+    one set of weights, for all three). free is changed in place. (The prompt-sized bucket
+    keeps the fastest method.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
         return
@@ -706,7 +709,7 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
     shape's with at most one dequantised copy of its weights: _one_dequantised_copy), or one
     row-invariant method for all (batch_invariant True; None: where every shape has one
     and, summed over the layers, it costs at most INVARIANCE_COST in every bucket). With
-    a stack (a model the DecodeStack runs): the stack's methods at 1 and 8 rows where,
+    a stack (a model the DecodeStack runs): the stack's methods at 1, 8 and 64 rows where,
     counting the calls it saves, they are no slower (_stack_choice); in the invariance
     cost, whichever of the two choices leaves the stack at a bucket where the other keeps
     it (_on_stack) pays those calls."""

@@ -22,8 +22,8 @@ def _layer(n=96, k=576, bias=True):
 
 @pytest.mark.parametrize("n,k", [(96, 576), (1056, 1536)])
 def test_every_row_count_matches_the_reference_and_its_rows_alone(n, k):
-    """Row blocks of 32 (2 x 2 tiles), of 64 (one weight pass) from 33 to 192 rows, and the
-    zero-padded last block: every row equals the same row computed in any other call, and
+    """Row blocks of 32 (2 x 2 tiles) and the zero-padded last block, tiles of exactly the
+    call's rows up to 32: every row equals the same row computed in any other call, and
     the fp32 reference within bf16's rounding. 1056 x 1536: a thread's share of the weight
     runs in panels (amx_linear_kernel.h's kPanelBytes: 10 column pairs at K = 1536), the
     last one short, each passed by every row block in turn."""

@@ -93,7 +93,7 @@ def test_invariance_is_chosen_where_it_costs_at_most_ten_percent():
 
 
 def test_the_decode_stacks_methods_win_where_the_calls_it_saves_pay_for_them():
-    """At 1 and 8 rows the stack's shapes take a stack method (tiles, q8act) when its time
+    """At 1, 8 and 64 rows the stack's shapes take a stack method (tiles, q8act) when its time
     summed over the layers is at most the fastest choice's plus the per-op calls the
     DecodeStack saves; shapes outside the stack (an LM head) keep the fastest."""
     def shapes():
@@ -119,6 +119,29 @@ def test_the_decode_stacks_methods_win_where_the_calls_it_saves_pay_for_them():
     one = [_shape({"tiles": [10, 30, 300, 2400], "q8act": [11, 20, 300, 2400]}, [])]
     tuning._decide(one, False, tuning.TuningReport(one), tuning.StackCost({"k"}, 30, 20.0))
     assert one[0].methods[:2] == ["tiles", "tiles"]
+
+
+def test_at_64_rows_the_stack_keeps_layers_that_tie_with_onednn():
+    """Two shapes at 64 rows: amx ahead on one, 2 us behind on the other (30 layers: 60 us,
+    3 us a layer saved: 90 us). Summed with the
+    calls the stack saves, amx is no slower, so both take it (one stack for 1 to 181 rows)
+    rather than the per-op path for the whole step; far behind (the last case), they keep
+    the fastest."""
+    def shapes(gu_amx):
+        qkv = _shape({"amx": [45, 48, 56, 310], "onednn": [85, 77, 63, 265]}, [])
+        gu = _shape({"amx": [153, 158, gu_amx, 880], "onednn": [200, 194, 201, 746]}, [])
+        gu.key = "gu"
+        return [qkv, gu]
+
+    got = shapes(203)
+    tuning._decide(got, False, tuning.TuningReport(got), tuning.StackCost({"k", "gu"}, 30, 3.0))
+    assert [sc.methods for sc in got] == [["amx", "amx", "amx", "onednn"]] * 2
+    got = shapes(203)  # without the stack: the fastest per bucket
+    tuning._decide(got, False, tuning.TuningReport(got))
+    assert got[1].methods[2] == "onednn"
+    got = shapes(400)  # 30 layers x 199 us behind: more than the 90 us saved
+    tuning._decide(got, False, tuning.TuningReport(got), tuning.StackCost({"k", "gu"}, 30, 3.0))
+    assert [sc.methods[2] for sc in got] == ["amx", "onednn"]
 
 
 def test_an_invariant_choice_leaving_the_stack_pays_for_its_calls():

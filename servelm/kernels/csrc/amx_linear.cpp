@@ -14,8 +14,8 @@
 //       column pairs; each row block runs over the thread's pairs, their weights streamed
 //       (prefetched ahead of the tile loads) past the block's A tiles. Blocks by row count:
 //         up to 32   the tiles configured to the call's rows, read straight from x;
-//         33 to 192  blocks of 64 rows, 4 A tiles x 1 B tile (the weight streams in one pass);
-//         above      blocks of 32 rows, 2 A tiles x 2 B tiles (one tile load per multiply).
+//         above      blocks of 32 rows, 2 A tiles x 2 B tiles (one tile load per multiply),
+//                    over panels of ~1 MB of weights that stay in L2 while every block passes.
 //       Above 32 rows x is first packed into contiguous 1 KB A tiles (a tile of 16 rows of a
 //       long x was the kernel's slowest load). A row's result depends on that row only (the
 //       same K order in every path): batch-invariant.
@@ -91,7 +91,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const int64_t elems = amx_linear::packed_elems(M, K);
   if (elems) apack = at::empty({elems}, xc.options());
   c10::BFloat16* ap = elems ? apack.data_ptr<c10::BFloat16>() : nullptr;
-  const int64_t bh = amx_linear::block_rows(M), padded = amx_linear::padded_rows(M);
+  const int64_t bh = amx_linear::kBlockRows, padded = amx_linear::padded_rows(M);
   auto run = [&](int64_t p0, int64_t p1) {
     amx_linear::configure(M);
     amx_linear::pairs(xp, ap, M, K, wp, bp, op, N, p0, p1);

@@ -263,23 +263,12 @@ struct Team {
   }
   void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
               c10::BFloat16* y, int64_t M, const QLinear* next) {
-    matmul(L, x, xs, y, M, next, [](double) {});
-  }
-  // The same, calling during(fraction of this thread's share done) every few tiles, so other
-  // memory traffic (the K/V rows the thread attends to next) can ride along with the stream.
-  template <typename During>
-  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
-              c10::BFloat16* y, int64_t M, const QLinear* next, During&& during) {
     guarded([&] {
       int64_t t0, t1;
       L.share(tid, n, t0, t1);
-      constexpr int64_t kStep = 4;
+      constexpr int64_t kStep = 4;  // tiles a run() call (a few column pairs: panels in L1/L2)
       if (t0 < t1) L.begin(M);
-      for (int64_t c = t0; c < t1; c += kStep) {
-        const int64_t e = std::min(t1, c + kStep);
-        L.run(x, xs.data(), y, M, c, e);
-        during(static_cast<double>(e - t0) / static_cast<double>(t1 - t0));
-      }
+      for (int64_t c = t0; c < t1; c += kStep) L.run(x, xs.data(), y, M, c, std::min(t1, c + kStep));
       if (t0 < t1) L.end();
       if (next) next->prefetch(tid, n, kWarm);
     });
@@ -288,19 +277,15 @@ struct Team {
 };
 
 // One thread's attention items for a step (the same for every layer: the plan depends only
-// on the context lengths), and their K/V rows as byte runs in a layer's cache, which the
-// thread pulls into its L2 while it streams the matmul before that layer's attention. Each
-// item is a sequence's context range; items go to threads in order, split where the tokens
-// attended (their cost) reach equal shares.
+// on the context lengths). Each item is a sequence's context range; items go to threads in
+// order, split where the tokens attended (their cost) reach equal shares. (Prefetching the
+// first of a thread's K/V rows while it streamed the matmul before the attention measured
+// slower on an AMX Xeon at 1, 8 and 64 rows: the matmul lost more than the attention gained.)
 struct AttnShare {
-  int64_t i0 = 0, i1 = 0;                          // items [i0, i1)
-  std::vector<std::pair<int64_t, int64_t>> runs;   // (byte offset, bytes), either cache
-  int64_t bytes = 0;
-  // At most this many bytes of each cache (more would push the weights' stream out of L2).
-  static constexpr int64_t kMaxBytes = 192 << 10;
+  int64_t i0 = 0, i1 = 0;  // items [i0, i1)
 
   template <typename Att>
-  void plan(const Att& att, const PagedKV<c10::BFloat16>& kv, int tid, int nt) {
+  void plan(const Att& att, int tid, int nt) {
     const int64_t items = att.items();
     std::vector<int64_t> cost(items);
     int64_t total = 0;
@@ -322,36 +307,6 @@ struct AttnShare {
       }
     }
     if (i0 < 0) i0 = i1 = 0;
-    const int64_t row = kv.tok_stride * static_cast<int64_t>(sizeof(c10::BFloat16));
-    for (int64_t it = i0; it < i1 && bytes < kMaxBytes; ++it) {
-      int b, t0, t1;
-      att.item_range(it, b, t0, t1);
-      kv.for_runs(kv.table(b), t0, t1, [&](int64_t off, int rows) {
-        const int64_t n = std::min<int64_t>(rows * row, kMaxBytes - bytes);
-        if (n <= 0) return;
-        runs.emplace_back(off * static_cast<int64_t>(sizeof(c10::BFloat16)), n);
-        bytes += n;
-      });
-    }
-  }
-
-  // Prefetches (into L2) the runs of caches k, v up to `frac` of the bytes, resuming where the
-  // last call stopped; start() rewinds for the next layer.
-  size_t run_ = 0;
-  int64_t off_ = 0, done_ = 0;
-  void start() { run_ = 0, off_ = 0, done_ = 0; }
-  void advance(const void* k, const void* v, double frac) {
-    const int64_t target = static_cast<int64_t>(frac * static_cast<double>(bytes));
-    const char* kc = static_cast<const char*>(k);
-    const char* vc = static_cast<const char*>(v);
-    while (done_ < target && run_ < runs.size()) {
-      const auto [o, n] = runs[run_];
-      _mm_prefetch(kc + o + off_, _MM_HINT_T1);
-      _mm_prefetch(vc + o + off_, _MM_HINT_T1);
-      off_ += 64;
-      done_ += 64;
-      if (off_ >= n) ++run_, off_ = 0;
-    }
   }
 };
 
@@ -573,9 +528,8 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   // One parallel region for the whole step. Per layer: the norm and qkv_proj; rotary + KV
-  // write; attention, each thread running its share of the work items (the first of whose
-  // K/V it prefetched while streaming the previous matmul); then o_proj .. down_proj, the norm and
-  // SiLU between them. Row steps split the rows, matmuls the tiles.
+  // write; attention, each thread running its share of the work items; then o_proj ..
+  // down_proj, the norm and SiLU between them. Row steps split the rows, matmuls the tiles.
   template <int DT>
   at::Tensor run_impl(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -620,17 +574,10 @@ class DecodeStack : public torch::CustomClassHolder {
 
     team_region([&](Team& t) {
       AttnShare share;
-      share.plan(att, kv0, t.tid, t.n);
-      auto kv_rows = [&](size_t l) {  // prefetch this thread's K/V rows of layer l, in step
-        share.start();
-        const void* k = layers_[l].k_cache.data_ptr();
-        const void* v = layers_[l].v_cache.data_ptr();
-        return [&share, k, v](double frac) { share.advance(k, v, frac); };
-      };
+      share.plan(att, t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const StackLayer& s = layers_[l];
-        // Norm + qkv_proj (layer 0: the K/V rows come in here; later layers: during the
-        // previous layer's gate_up_proj).
+        // Norm + qkv_proj.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.ln1.data_ptr<BF>();
           for (int64_t m = m0; m < m1; ++m) {
@@ -639,8 +586,7 @@ class DecodeStack : public torch::CustomClassHolder {
           }
           s.qkv.sums(h1, M, m0, m1, xs1.data());
         }, s.qkv);
-        if (l == 0) t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, kv_rows(0));
-        else t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
+        t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
         // Rotary + KV write, then attention: each thread its items.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           BF* kc = s.k_cache.data_ptr<BF>();
@@ -665,8 +611,7 @@ class DecodeStack : public torch::CustomClassHolder {
             add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
           s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
-        if (l + 1 < layers_.size()) t.matmul(s.gu, h2, xs3, gu_out, M, &s.down, kv_rows(l + 1));
-        else t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
+        t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
         t.rows(M, [&](int64_t m0, int64_t m1) {
           for (int64_t m = m0; m < m1; ++m)
             silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
