@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks and figures, in one run on a machine with a GPU: the tests that need CUDA
-# (captured decode graphs against the eager path, the Triton attention and int4
-# dequantisation kernels, the int4/int8 CUDA layers, the sampler, the whole engine against
-# transformers),
+# (captured decode graphs against the eager path, the Triton attention kernels, int4
+# dequantisation and int8 matmul, the int4/int8 CUDA layers, the sampler, the whole engine
+# against transformers, int4 and int8 served),
 # then benchmarks/synthetic.py on random weights of real shapes (the embedded model's file
 # is not needed): CUDA graphs against eager decode, side by side, each weight format, and
 # transformers of the same shape. Runs from a checkout without installing it.

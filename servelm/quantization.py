@@ -14,9 +14,11 @@ On CUDA, int4 layers of bf16 models also hold the weight in the layout of PyTorc
 tinygemm kernel (`aten._weight_int4pack_mm`: the same groups, w = s * (q - 8) + z with
 z = m + 8 s, scales and zeros in bf16) and run it for up to `CUDA_INT4_MAX_ROWS` rows;
 past those rows the weight is dequantised by a Triton kernel (servelm.kernels.triton_quant)
-for one bf16 matmul. int8 layers convert the int8 weight in the matmul's input and scale
-after: PyTorch's CUDA `_weight_int8pack_mm` lost to that at every row count on an H200
-(2.6x at one row, 40x at 64, over Llama-3-8B's four layers; benchmarks/cuda_int4.py).
+for one bf16 matmul. int8 layers run a Triton matmul that converts the int8 weight in
+registers for up to `CUDA_INT8_MAX_ROWS` rows (triton_quant.int8_linear), past them convert
+the weight in the matmul's input and scale after: PyTorch's CUDA `_weight_int8pack_mm` lost
+to that at every row count on an H200 (2.6x at one row, 40x at 64, over Llama-3-8B's four
+layers; benchmarks/cuda_int4.py).
 Each kernel is first run once on a small known case; one that is missing or disagrees is
 not used.
 
@@ -238,6 +240,10 @@ def _dequantize_codes(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 # reads the weight once per 16 rows); past them it dequantises the whole weight
 # (servelm.kernels.triton_quant) for a bf16 matmul (benchmarks/cuda_int4.py).
 CUDA_INT4_MAX_ROWS = 32
+# int8 layers on CUDA, bf16 / fp16 activations: up to this many rows servelm.kernels.
+# triton_quant.int8_linear (the weight converted in registers); past them the weight is
+# converted for one dense matmul.
+CUDA_INT8_MAX_ROWS = 64
 
 
 def tinygemm_operands(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -377,6 +383,8 @@ class Int8Linear(QuantLinear):
             q, scales = pack_int8(q, scales)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
+        if q.is_cuda:
+            _cuda_triton_int8_works(q.device)  # asked now, never inside a graph capture
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, use_kernel: bool | None = None) -> "Int8Linear":
@@ -402,6 +410,11 @@ class Int8Linear(QuantLinear):
     def _forward_fallback(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.is_cuda and not self.tiled:
+            if (x.dtype in (torch.bfloat16, torch.float16)
+                    and x.numel() <= CUDA_INT8_MAX_ROWS * self.in_features
+                    and _cuda_triton_int8_works(x.device)):
+                from servelm.kernels import triton_quant
+                return triton_quant.int8_linear(x, self.qweight, self.scales, bias)
             x2 = x.reshape(-1, self.in_features)
             if x.dtype == torch.float16:  # x . q could pass fp16's 65504 before scaling
                 y = F.linear(x2, self.dequantize(x.dtype))
@@ -576,6 +589,25 @@ def _cuda_triton_dequant_works(device: torch.device) -> bool:
         if not torch.allclose(got.cpu(), want, rtol=1e-6, atol=1e-6):
             raise RuntimeError("the Triton int4 dequantisation disagrees with the reference")
     return _cuda_op_works("int4-triton-dequant", probe)
+
+
+def _cuda_triton_int8_works(device: torch.device) -> bool:
+    """servelm.kernels.triton_quant's int8 matmul compiles here and agrees with the
+    dequantised weight's matmul (bf16 activations, a bias, rows and columns past a block)."""
+    def probe():
+        from servelm.kernels import triton_quant
+        g = torch.Generator().manual_seed(0)
+        q, s = quantize_int8(torch.randn(40, 256, generator=g))
+        x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+        b = torch.randn(40, generator=g).to(torch.bfloat16)
+        want = x.float() @ dequantize_int8(q, s, torch.float32).T + b.float()
+        try:
+            got = triton_quant.int8_linear(x.to(device), q.to(device), s.to(device), b.to(device))
+        except Exception as e:  # Triton's compile errors are no RuntimeError
+            raise RuntimeError(f"{type(e).__name__}: {e}") from e
+        if not torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=2e-2):
+            raise RuntimeError("the Triton int8 matmul disagrees with the reference")
+    return _cuda_op_works("int8-triton", probe)
 
 
 # The DecodeStack's codes for an int4 layer in q8act's panels (this plus its group size) and

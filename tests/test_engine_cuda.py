@@ -2,7 +2,7 @@
 device against transformers: a tiny random Llama saved as a Hugging Face directory with a
 word-level tokenizer built here, so nothing is read from the embedded model (the GPU machine
 carries no model file). On the CPU every CI run checks the same path in fp32; with CUDA,
-fp32 and bf16, with captured decode graphs and eagerly, and int4."""
+fp32 and bf16, with captured decode graphs and eagerly, and int4 and int8."""
 
 from __future__ import annotations
 
@@ -90,14 +90,16 @@ def test_the_engine_matches_transformers_greedy(checkpoint, device, dtype, eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_int4_serves_on_cuda(checkpoint):
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_weights_serve_on_cuda(checkpoint, quantization):
     """int4 weights (tinygemm for decode rows, the Triton dequantisation for the 300-token
-    prompt, and no rows at all for the last layer of a chunk that samples nothing) through
-    the whole engine: every request gets all its tokens, each in the vocabulary."""
+    prompt, and no rows at all for the last layer of a chunk that samples nothing) and int8
+    (the Triton matmul for decode rows, the converted weight for the prompt) through the
+    whole engine: every request gets all its tokens, each in the vocabulary."""
     path, _, prompts = checkpoint
     kw = dict(model=path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20,
               max_model_len=512)
-    q = LLM(quantization="int4", **kw).generate([{"prompt_token_ids": p} for p in prompts],
-                                                GREEDY, use_tqdm=False)
+    q = LLM(quantization=quantization, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in q] == [STEPS] * len(prompts)
     assert all(0 <= t < 503 for o in q for t in o.outputs[0].token_ids)

@@ -313,12 +313,14 @@ def test_cuda_quantized_layers_match_their_weights(method, rows):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_probes_run_before_any_graph_capture(monkeypatch):
-    """An int4 layer built on CUDA asks its kernels' probes then, before any step runs; one
-    first asked inside a graph capture, where its copies cannot run, answers no without
-    probing or remembering."""
+    """An int4 or int8 layer built on CUDA asks its kernels' probes then, before any step
+    runs; one first asked inside a graph capture, where its copies cannot run, answers no
+    without probing or remembering."""
     monkeypatch.setattr(Q, "_cuda_ops", {})
     Q.quantize_linear(_linear(256, 64, False).cuda(), "int4")
     assert Q._cuda_ops == {"int4pack": True, "int4-triton-dequant": True}
+    Q.quantize_linear(_linear(256, 64, False).cuda(), "int8")
+    assert Q._cuda_ops["int8-triton"] is True
     asked = []
     graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
     with torch.cuda.graph(graph):

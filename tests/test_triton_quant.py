@@ -42,3 +42,43 @@ def test_dequantize_int4_rejects_operands_that_disagree():
         triton_quant.dequantize_int4(packed, s, m, 64, 32)  # scales are per 32 inputs
     with pytest.raises(ValueError, match="do not agree"):
         triton_quant.dequantize_int4(packed, s, m, 32, 33)  # more rows than the tiles hold
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 256), (5, 96, 320), (17, 33, 128), (64, 64, 512),
+                                   (40, 200, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_matches_the_dequantised_matmul(m, n, k, dtype, with_bias):
+    """Rows and columns past a block's end, K past a K block's (96, 320), each row-block
+    size (1, 5: 16 rows; 17: 32; 40, 64: 64), with and without a bias: the matmul of the
+    dequantised weight in fp32, within the output dtype's rounding (the sums are fp32)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    q, s = Q.quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    want = x.float() @ Q.dequantize_int8(q, s, torch.float32).T
+    if b is not None:
+        want += b.float()
+    got = triton_quant.int8_linear(x.to(DEV), q.to(DEV), s.to(DEV),
+                                   None if b is None else b.to(DEV))
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), want, rtol=1e-2, atol=2e-2)
+    # Leading dims kept, a strided (non-contiguous rows) input read in place.
+    x3 = torch.randn(2, m, 2 * k, generator=g).to(dtype)[..., :k]
+    got3 = triton_quant.int8_linear(x3.to(DEV), q.to(DEV), s.to(DEV))
+    want3 = x3.float() @ Q.dequantize_int8(q, s, torch.float32).T
+    assert got3.shape == (2, m, n)
+    torch.testing.assert_close(got3.cpu().float(), want3, rtol=1e-2, atol=2e-2)
+
+
+def test_int8_linear_rejects_operands_that_disagree():
+    q, s = Q.quantize_int8(torch.randn(32, 128))
+    with pytest.raises(ValueError, match="int8 operands"):
+        triton_quant.int8_linear(torch.randn(2, 64).to(DEV), q.to(DEV), s.to(DEV))
+    with pytest.raises(ValueError, match="int8 operands"):
+        triton_quant.int8_linear(torch.randn(2, 128).to(DEV), q.float().to(DEV), s.to(DEV))
+    with pytest.raises(ValueError, match="int8 operands"):
+        triton_quant.int8_linear(torch.randn(2, 128).to(DEV), q.to(DEV), s.to(DEV),
+                                 torch.zeros(31).to(DEV))
+    empty = triton_quant.int8_linear(torch.randn(0, 128).to(DEV), q.to(DEV), s.to(DEV))
+    assert empty.shape == (0, 32)

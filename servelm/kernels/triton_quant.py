@@ -1,5 +1,6 @@
-"""Triton kernel that dequantises an int4 layer's tiled weights (servelm.quantization's
-layout) into a dense [N, K] matrix, in one pass.
+"""Triton kernels for quantised layers on CUDA: the int4 layer's tiled weights
+(servelm.quantization's layout) dequantised into a dense [N, K] matrix in one pass, and the
+int8 layer's matmul with its weight converted in registers.
 
 CUDA runs an int4 layer through tinygemm up to `CUDA_INT4_MAX_ROWS` rows; past that the
 weight is dequantised for one dense matmul, and that dequantisation must cost about what
@@ -13,6 +14,13 @@ Every element: t, r = divmod(n, 16); b, i = divmod(k, 8); the int32 word (t, b, 
 packed tiles holds q[16t + r, 8b + i] at bit 4 (i // 2) + 16 (i % 2), and
 w = s[t, k // G, r] * q + m[t, k // G, r], computed in fp32, stored in the output's dtype.
 Tests run it in Triton's interpreter on CPU tensors against the reference.
+
+int8 (`int8_linear`): y = (x @ q^T) * s + bias for q int8 [N, K] and one scale per output
+row, for the few rows of decode steps. Converting q to the activations' dtype first, as
+the fallback does, reads a byte and writes two per weight before the matmul reads those
+two; here each program loads a [BLOCK_K, BLOCK_N] tile of int8 codes, converts it in
+registers and multiplies it with the activations' tile (exact products, fp32 sums, scaled
+once, rounded once to the output dtype), so the weight is read once, a byte per weight.
 """
 
 from __future__ import annotations
@@ -41,6 +49,60 @@ if triton is not None:
         w = q.to(tl.float32) * s + m
         dst = out + n[:, None].to(tl.int64) * K + k[None, :]
         tl.store(dst, w.to(out.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _int8_linear_kernel(x, q, s, bias, out, M, N, K, stride_xm, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            a = tl.load(x + m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(q + n[None, :].to(tl.int64) * K + k[:, None],
+                        mask=(n[None, :] < N) & (k[:, None] < K), other=0)
+            # In fp32: tf32 on CUDA holds an int8 code and a bf16 or fp16 activation exactly,
+            # so the products are exact either way (and Triton's interpreter converts int8 to
+            # bf16 wrongly).
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+        acc *= tl.load(s + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        dst = out + m[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16, fp16 or fp32) times the int8 weight q [N, K] with per-row scales
+    [>= N] (+ bias [N]): [..., N] in x's dtype, fp32 sums."""
+    if not available():
+        raise RuntimeError("Triton is not installed")
+    N, K = q.shape
+    if q.dtype != torch.int8 or x.shape[-1] != K or scales.numel() < N or (
+            bias is not None and bias.numel() != N):
+        raise ValueError(f"int8 operands do not agree: x {tuple(x.shape)}, q {tuple(q.shape)} "
+                         f"{q.dtype}, scales {tuple(scales.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        # Few rows: narrow column blocks so every SM streams a share of the weight.
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+        block_n, block_k = (32, 128) if M <= 32 else (64, 64)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        _int8_linear_kernel[grid](x2, q.contiguous(), scales.contiguous(),
+                                  bias if bias is not None else scales, out, M, N, K,
+                                  x2.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                                  BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.reshape(*x.shape[:-1], N)
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
