@@ -73,12 +73,15 @@ def test_int8_linear_matches_the_dequantised_matmul(m, n, k, dtype, with_bias):
 
 def test_int8_linear_rejects_operands_that_disagree():
     q, s = Q.quantize_int8(torch.randn(32, 128))
+    bf = torch.bfloat16
     with pytest.raises(ValueError, match="int8 operands"):
-        triton_quant.int8_linear(torch.randn(2, 64).to(DEV), q.to(DEV), s.to(DEV))
+        triton_quant.int8_linear(torch.randn(2, 64).to(DEV, bf), q.to(DEV), s.to(DEV))
     with pytest.raises(ValueError, match="int8 operands"):
-        triton_quant.int8_linear(torch.randn(2, 128).to(DEV), q.float().to(DEV), s.to(DEV))
+        triton_quant.int8_linear(torch.randn(2, 128).to(DEV, bf), q.float().to(DEV), s.to(DEV))
     with pytest.raises(ValueError, match="int8 operands"):
-        triton_quant.int8_linear(torch.randn(2, 128).to(DEV), q.to(DEV), s.to(DEV),
+        triton_quant.int8_linear(torch.randn(2, 128).to(DEV, bf), q.to(DEV), s.to(DEV),
                                  torch.zeros(31).to(DEV))
-    empty = triton_quant.int8_linear(torch.randn(0, 128).to(DEV), q.to(DEV), s.to(DEV))
+    with pytest.raises(ValueError, match="float32"):  # tf32 would round fp32 activations
+        triton_quant.int8_linear(torch.randn(2, 128).to(DEV), q.to(DEV), s.to(DEV))
+    empty = triton_quant.int8_linear(torch.randn(0, 128).to(DEV, bf), q.to(DEV), s.to(DEV))
     assert empty.shape == (0, 32)

@@ -78,14 +78,14 @@ if triton is not None:
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16, fp16 or fp32) times the int8 weight q [N, K] with per-row scales
-    [>= N] (+ bias [N]): [..., N] in x's dtype, fp32 sums."""
+    """x [..., K] (bf16 or fp16, which tf32 holds exactly; not fp32) times the int8 weight
+    q [N, K] with per-row scales [>= N] (+ bias [N]): [..., N] in x's dtype, fp32 sums."""
     if not available():
         raise RuntimeError("Triton is not installed")
     N, K = q.shape
-    if q.dtype != torch.int8 or x.shape[-1] != K or scales.numel() < N or (
-            bias is not None and bias.numel() != N):
-        raise ValueError(f"int8 operands do not agree: x {tuple(x.shape)}, q {tuple(q.shape)} "
+    if (q.dtype != torch.int8 or x.dtype not in (torch.bfloat16, torch.float16)
+            or x.shape[-1] != K or scales.numel() < N or (bias is not None and bias.numel() != N)):
+        raise ValueError(f"int8 operands do not agree: x {tuple(x.shape)} {x.dtype}, q {tuple(q.shape)} "
                          f"{q.dtype}, scales {tuple(scales.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)}")
     x2 = x.reshape(-1, K)
