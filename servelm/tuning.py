@@ -652,7 +652,7 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     (stack.saved_us(), one-row calls: at 64 rows the per-op path's calls cost more, so this
     errs towards the per-op path): at one row each shape's fastest stack method (the default
     within MARGIN; for a quantised shape, not a dequantised method other than the one its
-    larger buckets hold: _one_dequantised_copy), at 8 and 64 the one-row method (one stack,
+    other buckets hold: _one_dequantised_copy), at 8 and 64 the one-row method (one stack,
     one set of weights, for all three). free is changed in place. (The prompt-sized bucket
     keeps the fastest method.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
@@ -664,8 +664,9 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
         for i in idx:
             sc = shapes[i]
             if b == 0:
-                # (not a second dequantised copy of a quantised layer's weights)
-                held = {m for m in free[i][STACK_BUCKETS:] if m in lm.DEQUANTISED}
+                # (not a second dequantised copy of a quantised layer's weights: every
+                # bucket past the first keeps its own method where the stack stops early)
+                held = {m for m in free[i][1:] if m in lm.DEQUANTISED}
                 t = {m: ts for m, ts in sc.times_us.items()
                      if m in STACK_METHODS and math.isfinite(ts[0])
                      and not (sc.quantised and m in lm.DEQUANTISED and held - {m})}

@@ -121,6 +121,18 @@ def test_the_decode_stacks_methods_win_where_the_calls_it_saves_pay_for_them():
     assert one[0].methods[:2] == ["tiles", "tiles"]
 
 
+def test_the_stack_adds_no_second_dequantised_copy_where_it_stops_early():
+    """An int4 shape whose fastest method is oneDNN at 1 and 64 rows, q8act at 8 and 512:
+    amx, the stack's fastest at one row, would be a second dequantised copy beside the 64-row
+    bucket's oneDNN should the stack stop before that bucket (here at 8 rows), so it is not
+    offered; q8act does not pay at one row, and every bucket keeps its fastest."""
+    sc = _shape({"onednn": [8, 30, 90, 800], "amx": [9, 25, 5000, 3000],
+                 "q8act": [12, 20, 300, 700]}, [])
+    sc.key = "int4g32/bfloat16:256x256"
+    tuning._decide([sc], False, tuning.TuningReport([sc]), tuning.StackCost({sc.key}, 30, 3.0))
+    assert sc.methods == ["onednn", "q8act", "onednn", "q8act"]
+
+
 def test_at_64_rows_the_stack_keeps_layers_that_tie_with_onednn():
     """Two shapes at 64 rows: amx ahead on one, 2 us behind on the other (30 layers: 60 us,
     3 us a layer saved: 90 us). Summed with the
