@@ -614,12 +614,14 @@ def _cuda_triton_int8_works(device: torch.device) -> bool:
 # a bf16 layer in AMX tile order (decode_stack.h, QLinear::kQ8Act and kAmx).
 STACK_Q8ACT = 1 << 20
 STACK_AMX = -2
+STACK_AMX_GATED = -3  # a SwiGLU gate_up in AMX tile order, SiLU in its epilogue (gate_silu)
 
 
 def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor], int] | None:
     """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
     group size (0 for int8, -1 for bf16 tiles, STACK_AMX for bf16 in AMX tile order,
-    STACK_Q8ACT + the group size for int4 in q8act's panels); None when it does not run on
+    STACK_AMX_GATED for a gate_silu() gate_up in it, STACK_Q8ACT + the group size for int4
+    in q8act's panels); None when it does not run on
     the C++ kernels. A layer run by row bucket (BucketedLinear) answers for the module that
     runs a call of `rows` rows."""
     from servelm.layers.amx import AmxLinear
@@ -630,7 +632,7 @@ def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor]
     if isinstance(module, Int4Q8Linear):
         return [module.qweight, module.scales, module.mins], STACK_Q8ACT + module.group_size
     if isinstance(module, AmxLinear):
-        return [module.packed], STACK_AMX
+        return [module.packed], STACK_AMX_GATED if module.gated else STACK_AMX
     if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:
         return [module.qweight], -1
     if isinstance(module, Int4Linear) and module.use_kernel:

@@ -77,3 +77,54 @@ def test_quantised_layers_run_on_their_weights_dequantised_to_bf16(fmt):
     want = x.float() @ w.T + src.bias.float()
     torch.testing.assert_close(mod(x).float(), want, rtol=2e-2, atol=2e-2)
     assert tuning.row_invariant(mod, torch.randn(tuning.INVARIANCE_CALL, 576).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gated_gate_up_writes_silu_gate_times_up_bit_for_bit(bias):
+    """gate_silu(): the [gate; up] weight's 16-output blocks alternated so each column pair is
+    a gate block and its up block, and silu(gate) * up written in the kernel's epilogue: the
+    same bits as the layer's product followed by servelm_ops.silu_and_mul, at every row-block
+    shape; forward() still returns gate_up in the source's order."""
+    from servelm.kernels import load_ops
+
+    assert load_ops("ops")
+    src = _layer(n=2 * 1536, k=576, bias=bias)
+    plain = lm.build("amx", src, torch.bfloat16)
+    gated = lm.build("amx", src, torch.bfloat16)
+    gated.gate_silu()
+    assert gated.gated and not plain.gated and "SiLU-gated" in repr(gated)
+    x = torch.randn(300, 576).to(torch.bfloat16)
+    for rows in (1, 5, 16, 17, 32, 33, 64, 100, 300):
+        want = plain(x[:rows])
+        assert torch.equal(gated(x[:rows]), want), rows  # its plain output: unchanged
+        fused = gated.silu_mul(x[:rows])
+        assert fused.shape == (rows, 1536)
+        assert torch.equal(fused, torch.ops.servelm_ops.silu_and_mul(want)), rows
+    assert gated.silu_mul(x[:0]).shape == (0, 1536)
+    gated.gate_silu()  # a second call changes nothing
+    assert torch.equal(gated(x), plain(x))
+
+
+def test_a_swiglu_mlp_fuses_its_activation_only_on_amx():
+    """GatedMLP.fuse_activation gates the amx modules of a SwiGLU gate_up (every bucket's,
+    in a BucketedLinear) and leaves other methods and GeGLU alone; the MLP's kernel path
+    gives the same bits after it as before."""
+    from servelm.kernels import load_ops
+    from servelm.models.layers import GatedMLP
+
+    assert load_ops("ops")
+    torch.manual_seed(0)
+    mlp = GatedMLP(576, 1536).to(torch.bfloat16)
+    src = mlp.gate_up_proj
+    amx_mod, onednn_mod = lm.build("amx", src, torch.bfloat16), lm.build("onednn", src, torch.bfloat16)
+    mlp.gate_up_proj = lm.BucketedLinear([onednn_mod, amx_mod, amx_mod, onednn_mod],
+                                         ["onednn", "amx", "amx", "onednn"])
+    xs = [torch.randn(rows, 576).to(torch.bfloat16) for rows in (1, 8, 70, 300)]
+    want = [mlp(x, kernels=True) for x in xs]
+    assert mlp.fuse_activation() == 1 and amx_mod.gated and not hasattr(onednn_mod, "gated")
+    assert mlp.fuse_activation() == 0
+    for x, w in zip(xs, want):
+        assert torch.equal(mlp(x, kernels=True), w), x.shape[0]
+    gelu = GatedMLP(576, 1536, act="gelu_tanh").to(torch.bfloat16)
+    gelu.gate_up_proj = lm.build("amx", gelu.gate_up_proj, torch.bfloat16)
+    assert gelu.fuse_activation() == 0 and not gelu.gate_up_proj.gated

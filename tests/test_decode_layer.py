@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
 BS = 16  # KV block size
 # From these many rows on the matmuls decode each weight tile once (a different kernel).
 # q8act runs one kernel at every row count: its rows are those of the int4 tiles.
-# amx: its tiles fit the call's rows up to 32, then blocks of 64.
+# amx: its tiles fit the call's rows up to 32, then blocks of 32.
 DECODE_ONCE = {"int4": 48, "int8": 24, "mixed": 24, "bf16": 8, "mixed16": 8, "q8act": 48,
-               "mixedq8": 24, "amx": 33, "mixedamx": 33}
+               "mixedq8": 24, "amx": 33, "mixedamx": 33, "amxsilu": 8, "amxsilu2": 33}
 
 
 def _config(**kw) -> ModelConfig:
@@ -51,8 +51,10 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
             method_targets(model.layers, (name,), "tiles")
-        elif method == "amx":  # bf16 weights in AMX tile order
+        elif method in ("amx", "amxsilu"):  # bf16 weights in AMX tile order
             method_targets(model.layers, (name,), "amx")
+            if method == "amxsilu":  # gate_up with its gate and up blocks alternating
+                assert all(layer.mlp.fuse_activation() == 1 for layer in model.layers)
         elif method == "q8act":  # int4 in q8act's panels (activations quantised to int8)
             Q.quantize_model(model.layers, "int4", targets=(name,))
             method_targets(model.layers, (name,), "q8act")
@@ -104,6 +106,10 @@ FORMATS = {
     "mixedq8": {"qkv_proj": "q8act", "o_proj": "int8", "gate_up_proj": "int4", "down_proj": "q8act"},
     "amx": dict.fromkeys(Q.TARGETS, "amx"),
     "mixedamx": {"qkv_proj": "amx", "o_proj": "int4", "gate_up_proj": "amx", "down_proj": "q8act"},
+    # gate_up writes silu(gate) * up itself (QLinear::kAmxGated); down on the tiles (bf16)
+    # and on amx (whose A tiles the stack packs from 33 rows: its own row step)
+    "amxsilu": {"qkv_proj": "amx", "o_proj": "amx", "gate_up_proj": "amxsilu", "down_proj": "bf16"},
+    "amxsilu2": {**dict.fromkeys(Q.TARGETS, "amx"), "gate_up_proj": "amxsilu"},
 }
 
 
@@ -232,8 +238,10 @@ def test_decode_stack_rejects_bad_arguments():
         stack(groups=[32, 0, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: bf16 weight must be"):  # as bf16
         stack(groups=[32, -1, 32, 32] * 2)
-    with pytest.raises(RuntimeError, match="group size -3 is none of int4's"):
-        stack(groups=[32, -3, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="group size -4 is none of int4's"):
+        stack(groups=[32, -4, 32, 32] * 2)
+    with pytest.raises(RuntimeError, match="only gate_up_proj may be gated amx"):
+        stack(groups=[32, Q.STACK_AMX_GATED, 32, 32] * 2)
     q8 = Q.STACK_Q8ACT
     with pytest.raises(RuntimeError, match="none of int4's .* or q8act's"):  # q8act, no group
         stack(groups=[32, q8, 32, 32] * 2)

@@ -251,6 +251,8 @@ def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypa
         return mod(x), x.shape[0] * (0.9e-6 if fast else 1e-6)
 
     monkeypatch.setattr(tuning, "_timed_call", fake)
+    # (no SiLU pass to add to non-amx gate_ups: the fake matmuls take ~1 µs, a real pass more)
+    monkeypatch.setattr(tuning, "_silu_pass_us", lambda width, act: [0.0] * len(lm.BUCKET_ROWS))
     for stack, want in ((True, ("tiles", "q8act")), (False, ("qdot",))):
         model = LlamaForCausalLM(cfg, max_positions=256).to(torch.bfloat16)
         report = tuning.finalize_linears(model, "int4", _cfg(tmp_path, tuning="fresh",
@@ -261,6 +263,39 @@ def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypa
         assert all(s.methods[0] in want for s in layers), report.table()
     cache = tuning_cache.TuningCache(tmp_path, tuning_cache.machine_key(torch.get_num_threads()))
     assert cache.get(tuning.OP_CALL_KEY)["times_us"]["rms_norm"][0] > 0
+
+
+def test_a_swiglu_gate_up_counts_the_silu_pass_that_amx_fuses(tmp_path, monkeypatch):
+    """A SwiGLU MLP's gate_up on amx writes silu(gate) * up itself: the tuner adds the
+    separate SiLU pass (measured once per width, cached) to every other method's time for
+    that shape only. With oneDNN a little faster than amx for the matmul alone, gate_up
+    takes amx (gated) and the other layers keep oneDNN."""
+    from servelm.layers import amx
+    from servelm.models.config import ModelConfig
+    from servelm.models.llama import LlamaForCausalLM
+
+    if not amx.available():
+        pytest.skip("no AMX-BF16 here")
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, max_position_embeddings=256)
+
+    def fake(mod, x):  # oneDNN 5% faster than amx, everything else far behind
+        t = 1.0 if isinstance(mod, amx.AmxLinear) else 0.95 if isinstance(mod, PackedLinear) else 9
+        return mod(x), x.shape[0] * t * 1e-6
+
+    monkeypatch.setattr(tuning, "_timed_call", fake)
+    monkeypatch.setattr(tuning, "_silu_pass_us", lambda width, act: [0.5 * r for r in lm.BUCKET_ROWS])
+    model = LlamaForCausalLM(cfg, max_positions=256).to(torch.bfloat16)
+    report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh", fused_decode=False))
+    by_kind = {s.names[0].rsplit(".", 1)[-1]: s for s in report.shapes}
+    assert by_kind["gate_up_proj"].methods == ["amx"] * 4, report.table()
+    assert all(by_kind[k].methods == ["onednn"] * 4 for k in ("qkv_proj", "o_proj", "down_proj"))
+    gu = by_kind["gate_up_proj"].times_us
+    assert gu["onednn"][3] == pytest.approx(512 * 0.95 + 256) and gu["amx"][3] == pytest.approx(512)
+    assert all(layer.mlp.gate_up_proj.gated for layer in model.layers)
+    cache = tuning_cache.TuningCache(tmp_path, tuning_cache.machine_key(torch.get_num_threads()))
+    assert cache.get(f"{tuning.ACT_KEY}:192")["times_us"]["silu_and_mul"] == [0.5 * r for r in lm.BUCKET_ROWS]
 
 
 def test_row_invariance_check_catches_a_row_count_dependent_kernel():

@@ -3,8 +3,10 @@
 bf16 (as the onednn method does: a batch of rows is compute-bound, and AMX multiplies bf16).
 The weight is packed once into tile order (pairs of 16-column
 blocks, a contiguous stream each); a call runs its rows in blocks (up to 32 rows on tiles of
-exactly its rows, 33-192 in blocks of 64, more in blocks of 32) against each pair, with fp32
-sums in AMX tiles rounded once to bf16. Each row's result depends on that row only, so the
+exactly its rows, more in blocks of 32) against each pair, with fp32 sums in AMX tiles rounded
+once to bf16. A SwiGLU MLP's gate_up layer is packed with its gate and up blocks alternating
+(gate_silu) and writes silu(gate) * up directly (the MLP's separate SiLU pass over a
+[rows, 2 x intermediate] product, 6% of a 512-token prompt's time, is gone). Each row's result depends on that row only, so the
 method is batch-invariant. The tuner chooses it per layer shape and row bucket where it
 measures faster than the other methods (oneDNN's own AMX path among them).
 """
@@ -53,10 +55,41 @@ class AmxLinear(nn.Module):
         b = src.bias
         self.register_buffer("bias", None if b is None else b.detach().float().contiguous())
         self._op = ops.linear.default
+        self.gated = False  # gate_silu(): the weight's gate and up blocks alternate
+
+    @torch.no_grad()
+    def gate_silu(self) -> None:
+        """Make this layer, a SwiGLU MLP's fused [gate; up] projection, run silu(gate) * up
+        in its epilogue (silu_mul): its 16-output blocks reordered in place so that each
+        column pair is a gate block and the up block of the same features (the kernel's
+        gated_linear). forward() still returns gate_up in the source's order."""
+        if self.gated:
+            return
+        n, k = self.out_features, self.in_features
+        pairs, ksteps = n // 32, k // 32
+        # New block 2q + h (h: 0 gate, 1 up) is source block q + h * pairs.
+        order = torch.arange(pairs).view(pairs, 1) + torch.tensor([0, pairs])
+        order = order.reshape(-1)
+        blocks = self.packed.view(pairs, ksteps, 2, 256).permute(0, 2, 1, 3).reshape(2 * pairs, ksteps, 256)
+        self.packed = (blocks[order].view(pairs, 2, ksteps, 256).permute(0, 2, 1, 3)
+                       .contiguous().view(-1))
+        if self.bias is not None:
+            self.bias = self.bias.view(2 * pairs, 16)[order].reshape(-1).contiguous()
+        self.gated = True
+        self._gated_op = torch.ops.servelm_amx_linear.gated_linear.default
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate_silu() layer: [.., out_features / 2], the same bits
+        as forward() followed by servelm_ops.silu_and_mul."""
+        return self._gated_op(x, self.packed, self.bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self.packed, self.bias, self.out_features)
+        y = self._op(x, self.packed, self.bias, self.out_features)
+        if self.gated:  # back to [gate; up]: block 2q + h to h * pairs + q
+            y = y.view(*y.shape[:-1], -1, 2, 16).transpose(-2, -3).reshape(y.shape)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, bf16 AMX tiles")
+                f"bias={self.bias is not None}, bf16 AMX tiles"
+                + (", SiLU-gated" if self.gated else ""))

@@ -298,7 +298,28 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    @torch.no_grad()
+    def fuse_activation(self) -> int:
+        """Where gate_up runs on the amx method (any row bucket), have it write
+        silu(gate) * up itself (AmxLinear.gate_silu; SwiGLU only). Returns the modules
+        changed."""
+        from servelm.layers.amx import AmxLinear
+
+        if self.act != "silu":
+            return 0
+        mods = getattr(self.gate_up_proj, "impls", [self.gate_up_proj])
+        fused = [m for m in mods if isinstance(m, AmxLinear) and not m.gated]
+        for m in fused:
+            m.gate_silu()
+        return len(fused)
+
     def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        if kernels and self.act == "silu":
+            gu_mod = self.gate_up_proj
+            if hasattr(gu_mod, "module_for"):
+                gu_mod = gu_mod.module_for(x.numel() // gu_mod.in_features)
+            if getattr(gu_mod, "gated", False):
+                return self.down_proj(gu_mod.silu_mul(x))
         gu = self.gate_up_proj(x)
         if kernels and self.act == "silu":
             if gu.stride(-1) != 1:

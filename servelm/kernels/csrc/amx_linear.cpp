@@ -19,6 +19,13 @@
 //       Above 32 rows x is first packed into contiguous 1 KB A tiles (a tile of 16 rows of a
 //       long x was the kernel's slowest load). A row's result depends on that row only (the
 //       same K order in every path): batch-invariant.
+//   gated_linear(Tensor x bf16 [M, K], Tensor packed, Tensor? bias fp32 [N], int N)
+//       -> bf16 [M, N / 2]
+//       A SwiGLU gate_up in one pass: the weight packed from [gate; up] with their 16-row
+//       blocks alternating (gate 0, up 0, gate 1, up 1, ..: each column pair is one gate block
+//       and its up block; the bias in the same order), and silu(gate) * up written instead of
+//       gate_up: the same bits as linear() then servelm_ops.silu_and_mul on the unpermuted
+//       weight, without writing and reading back the [M, N] product.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,9 +69,9 @@ at::Tensor pack(const at::Tensor& w) {
   return out;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                  int64_t N) {
-  const char* name = "servelm_amx_linear.linear";
+at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t N, bool gated) {
+  const char* name = gated ? "servelm_amx_linear.gated_linear" : "servelm_amx_linear.linear";
   TORCH_CHECK(available(), name, ": AMX-BF16 is not available here");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.device().is_cpu(), name,
               ": x must be bf16 on the CPU");
@@ -76,7 +83,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const at::Tensor xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
+  shape.back() = gated ? N / 2 : N;
   at::Tensor out = at::empty(shape, x.options());
   if (M == 0) return out;
 #ifdef SERVELM_AMX
@@ -94,7 +101,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const int64_t bh = amx_linear::kBlockRows, padded = amx_linear::padded_rows(M);
   auto run = [&](int64_t p0, int64_t p1) {
     amx_linear::configure(M);
-    amx_linear::pairs(xp, ap, M, K, wp, bp, op, N, p0, p1);
+    amx_linear::pairs(xp, ap, M, K, wp, bp, op, N, p0, p1, gated);
     _tile_release();
   };
   const int nthreads = std::max(1, at::get_num_threads());
@@ -121,15 +128,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   return out;
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t N) {
+  return run_linear(x, packed, bias, N, false);
+}
+
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                        int64_t N) {
+  return run_linear(x, packed, bias, N, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_amx_linear, m) {
   m.def("available() -> bool", &available);  // no tensor to dispatch on: a catch-all kernel
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
+  m.def("gated_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_amx_linear, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("gated_linear", &gated_linear);
 }

@@ -13,6 +13,7 @@
 
 #include "decode_attention.h"  // transpose16x16 (amx_tiles.h's store_b_tile)
 #include "amx_tiles.h"        // SERVELM_AMX, load_tile_config, kBlk
+#include "row_kernels.h"      // silu16, silu_mul_store: a gated layer's epilogue
 
 namespace {
 namespace amx_linear {
@@ -48,8 +49,11 @@ struct ATiles {
 // 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
 // column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c. prefetch: the
 // pair streams from memory (else it is in cache, and prefetching it only costs issue slots).
+// during(kb) after each K step's multiplies: vector work (the previous block's epilogue)
+// that then runs while the tile unit is busy with them.
+template <typename During>
 inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c,
-                       bool prefetch = true) {
+                       bool prefetch, During&& during) {
   const bool two = rows > 16;  // a second row tile
   _tile_zero(0);
   _tile_zero(1);
@@ -70,6 +74,7 @@ inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    during(kb);
   }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + 16, 128);
@@ -120,22 +125,63 @@ inline void configure(int64_t M) {
 // Weights per panel of column pairs (pairs): a panel stays in L2 while every row block passes it.
 constexpr int64_t kPanelBytes = int64_t(1) << 20;
 
+// A block's C sums waiting for their epilogue: rows r0 .. r0 + rows of column pair p, in c;
+// rows [0, done) written out already.
+struct Pending {
+  const float* c = nullptr;
+  int64_t r0 = 0, p = 0;
+  int rows = 0, done = 0;
+};
+
+// Rows [i0, i1) of a pending block + bias, rounded to bf16 into out [M, N] (gated: silu(g) *
+// u into out [M, N / 2], see pairs()).
+inline void epilogue(const Pending& b, int i0, int i1, const float* bp, c10::BFloat16* op, int64_t N,
+                     bool gated) {
+  const int64_t p = b.p;
+  for (int i = i0; i < i1; ++i) {
+    const float* c = b.c + i * 32;
+    __m512 v0 = _mm512_load_ps(c), v1 = _mm512_load_ps(c + 16);
+    if (bp) {
+      v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bp + p * 32));
+      v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bp + p * 32 + 16));
+    }
+    const __m512i gu = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+    if (gated) {  // g and u as gate_up would store them, read back
+      const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm512_castsi512_si256(gu)), 16));
+      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(gu, 1)), 16));
+      silu_mul_store(op + (b.r0 + i) * (N / 2) + p * 16, silu16(g), u);
+    } else {
+      _mm512_storeu_si512(op + (b.r0 + i) * N + p * 32, gu);
+    }
+  }
+}
+
 // Column pairs [p0, p1) of the packed weight wp for all M rows of x [M, K] (ap: its packed
 // A tiles from 33 rows on, else unused), + bias (fp32, or null), rounded once to bf16 into
-// out [M, N]. In panels of pairs holding about kPanelBytes of weights, each panel row block
-// after row block: the weight streams from memory once, in the first block's pass (a
+// out [M, N]. gated: a SwiGLU gate_up whose pairs are (gate block p, up block p) (packed from
+// a weight whose 16-row blocks alternate gate and up): out [M, N / 2] gets silu(g) * u for
+// the pair's 16 features, g and u rounded to bf16 first (the same bits as storing gate_up and
+// running silu_row over it, without the [M, N] round trip through memory). In panels of
+// pairs holding about kPanelBytes of weights, each panel row block after row block: the weight streams from memory once, in the first block's pass (a
 // thread's share of a large layer streamed again for every 32-row block had made 512-row
 // calls memory-bound), and the block's A tiles stay in cache while the panel passes them.
 // The same sums in the same order whatever the panels. The tiles must be configure(M)d.
 inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, int64_t K,
                   const uint32_t* wp, const float* bp, c10::BFloat16* op, int64_t N, int64_t p0,
-                  int64_t p1) {
+                  int64_t p1, bool gated = false) {
   constexpr int bh = kBlockRows, nt = bh / 16;
   const int ksteps = static_cast<int>(K / 32);
   const int64_t nblocks = (M + bh - 1) / bh;
   // (a pair holds K * 64 bytes; one row block: no panels)
   const int64_t panel = nblocks > 1 ? std::max<int64_t>(1, kPanelBytes / (K * 64)) : p1 - p0;
-  alignas(64) float c[32 * 32];
+  // Each block's epilogue (bias, rounding to bf16, SiLU) runs a few rows per K step of the
+  // next block's multiplies (pair_block's during), on the vector units while the tile unit
+  // works: run after the block, it had stalled the tiles for its whole length.
+  alignas(64) float cbuf[2][32 * 32];
+  int cur = 0;
+  Pending prev;  // the block whose epilogue is still to run
   for (int64_t q0 = p0; q0 < p1; q0 += panel) {
     const int64_t q1 = std::min(p1, q0 + panel);
     for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -145,19 +191,21 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
                                : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
       for (int64_t p = q0; p < q1; ++p) {
         const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
-        pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, c, blk == 0);
-        for (int i = 0; i < rows; ++i) {
-          c10::BFloat16* dst = op + (r0 + i) * N + p * 32;
-          __m512 v0 = _mm512_load_ps(c + i * 32), v1 = _mm512_load_ps(c + i * 32 + 16);
-          if (bp) {
-            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bp + p * 32));
-            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bp + p * 32 + 16));
+        const int per = prev.rows ? (prev.rows + ksteps - 1) / ksteps : 0;
+        pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, cbuf[cur], blk == 0, [&](int) {
+          if (prev.done < prev.rows) {
+            const int i1 = std::min(prev.rows, prev.done + per);
+            epilogue(prev, prev.done, i1, bp, op, N, gated);
+            prev.done = i1;
           }
-          _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
-        }
+        });
+        epilogue(prev, prev.done, prev.rows, bp, op, N, gated);  // (none left: per covers it)
+        prev = Pending{cbuf[cur], r0, p, rows, 0};
+        cur ^= 1;
       }
     }
   }
+  epilogue(prev, prev.done, prev.rows, bp, op, N, gated);
 }
 
 #endif  // SERVELM_AMX

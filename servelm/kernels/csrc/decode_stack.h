@@ -30,12 +30,16 @@
 struct QLinear {
   static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
   static constexpr int64_t kAmx = -2;   // the code of a bf16 layer in AMX tile order (G: kBf16)
+  // The code of a SwiGLU gate_up in AMX tile order, its gate and up blocks alternating
+  // (amx_linear::pairs' gated): its output is silu(gate) * up, [M, N / 2].
+  static constexpr int64_t kAmxGated = -3;
   // The code of an int4 layer in q8act's panels (activations quantised per call to int8,
   // q8act_kernel.h): this plus its group size.
   static constexpr int64_t kQ8Act = int64_t{1} << 20;
   int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
   bool q8 = false;  // int4 in q8act's panels (G its group size)
   bool amx = false;  // bf16 in AMX tile order (amx_linear_kernel.h; G is kBf16)
+  bool gated = false;  // amx, a gated gate_up: out gets silu(gate) * up
   const uint8_t* qw = nullptr;
   const void* sc = nullptr;
   const c10::Half* mn = nullptr;
@@ -77,7 +81,7 @@ struct QLinear {
 #ifdef SERVELM_AMX
     if (amx) {
       amx_linear::pairs(x, reinterpret_cast<const c10::BFloat16*>(xs), M, K,
-                        reinterpret_cast<const uint32_t*>(qw), bias, out, N, t0 / 2, (t1 + 1) / 2);
+                        reinterpret_cast<const uint32_t*>(qw), bias, out, N, t0 / 2, (t1 + 1) / 2, gated);
       return;
     }
 #endif
@@ -168,12 +172,13 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
                      const char* name) {
   QLinear L;
   L.q8 = G > QLinear::kQ8Act;
-  L.amx = G == QLinear::kAmx;
+  L.amx = G == QLinear::kAmx || G == QLinear::kAmxGated;
+  L.gated = G == QLinear::kAmxGated;
   L.G = L.q8 ? G - QLinear::kQ8Act : L.amx ? QLinear::kBf16 : G;
   L.N = N;
   L.K = K;
-  TORCH_CHECK(G >= QLinear::kAmx && G != QLinear::kQ8Act, "DecodeStack ", name, ": group size ", G,
-              " is none of int4's (> 0), int8's (0), bf16's (-1), amx's (-2) or q8act's (",
+  TORCH_CHECK(G >= QLinear::kAmxGated && G != QLinear::kQ8Act, "DecodeStack ", name, ": group size ", G,
+              " is none of int4's (> 0), int8's (0), bf16's (-1), amx's (-2), gated amx's (-3) or q8act's (",
               QLinear::kQ8Act, " + group size)");
   const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
   TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
@@ -337,7 +342,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] (tiles
   // or q8act's panels), int8 [qweight, scales], bf16 [weight] or amx [packed]; group_sizes: per
   // layer and linear, the int4 group size, 0 (int8), -1 (bf16), -2 (amx: bf16 in AMX tile
-  // order) or QLinear::kQ8Act + the group size (int4 in q8act's panels); norms: per layer input and post-attention RMSNorm weights; qkv_biases:
+  // order), -3 (gate_up only: amx with gate and up blocks alternating, SiLU in its epilogue)
+  // or QLinear::kQ8Act + the group size (int4 in q8act's panels); norms: per layer input and
+  // post-attention RMSNorm weights; qkv_biases:
   // per layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
               std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
@@ -368,12 +375,15 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
       const int64_t D = s.k_cache.size(3), qkv_n = (num_heads + 2 * num_kv_heads) * D;
       const int64_t* g = group_sizes.data() + 4 * l;
+      TORCH_CHECK(g[0] != QLinear::kAmxGated && g[1] != QLinear::kAmxGated && g[3] != QLinear::kAmxGated,
+                  "DecodeStack: only gate_up_proj may be gated amx (-3)");
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
       s.o = parse_linear(keep_, j, g[1], hidden, num_heads * D, "o_proj");
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 16K
       // bytes, bf16 16K elements.
       TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
-      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 || g[2] == QLinear::kAmx ? 8 : 16) * hidden);
+      const bool amx_gu = g[2] == QLinear::kAmx || g[2] == QLinear::kAmxGated;
+      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 || amx_gu ? 8 : 16) * hidden);
       s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
       s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
       // run() sizes its per-step buffers from layer 0.
@@ -611,12 +621,15 @@ class DecodeStack : public torch::CustomClassHolder {
             add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
           s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
-        t.matmul(s.gu, h2, xs3, gu_out, M, &s.down);
-        t.rows(M, [&](int64_t m0, int64_t m1) {
-          for (int64_t m = m0; m < m1; ++m)
-            silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
-          s.down.sums(act, M, m0, m1, xs4.data());
-        }, s.down);
+        // A gated gate_up writes silu(gate) * up itself.
+        t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down);
+        if (!s.gu.gated || s.down.scratch(M))
+          t.rows(M, [&](int64_t m0, int64_t m1) {
+            if (!s.gu.gated)
+              for (int64_t m = m0; m < m1; ++m)
+                silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+            s.down.sums(act, M, m0, m1, xs4.data());
+          }, s.down);
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
       }
     });
