@@ -9,7 +9,7 @@ the source, a module computing the same function (up to its rounding) in its own
 |----------|----------------|---------------------------------------------------------------|
 | tiles    | bf16/fp32/int4/int8 | servelm's C++ kernels over 16-row tiles (quant.cpp)     |
 | onednn   | all (CPU)      | oneDNN's prepacked matmul (AMX where the CPU has it); int4/int8 weights dequantised once to the activation dtype |
-| amx      | bf16, int4, int8 (AMX CPUs) | servelm's AMX tile kernel over the weight packed in tile order (amx_linear.cpp), 32 rows x 32 outputs a step; int4/int8 weights dequantised once to bf16; batch-invariant |
+| amx      | bf16, int4, int8 (AMX CPUs) | servelm's AMX tile kernel over the weight packed in tile order (amx_linear.cpp), 32 rows x 32 outputs a step; int4/int8 weights dequantised once to bf16; batch-invariant; a SwiGLU gate_up writes silu(gate) * up itself (GatedMLP.fuse_activation) |
 | int4pack | int4           | PyTorch's `_weight_int4pack_mm_for_cpu` (bf16; fp32 activations are rounded to bf16 for it) |
 | int8pack | int8           | PyTorch's `_weight_int8pack_mm` (row-major int8)              |
 | qdot     | int4 (groups of 32) / int8 | servelm's AVX2 integer dot products over activations quantised per call to int16 per block of 32, ~16 bits (qdot.cpp) |
