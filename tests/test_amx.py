@@ -116,7 +116,8 @@ def test_a_swiglu_mlp_fuses_its_activation_only_on_amx():
     torch.manual_seed(0)
     mlp = GatedMLP(576, 1536).to(torch.bfloat16)
     src = mlp.gate_up_proj
-    amx_mod, onednn_mod = lm.build("amx", src, torch.bfloat16), lm.build("onednn", src, torch.bfloat16)
+    amx_mod = lm.build("amx", src, torch.bfloat16)
+    onednn_mod = lm.build("onednn", src, torch.bfloat16)
     mlp.gate_up_proj = lm.BucketedLinear([onednn_mod, amx_mod, amx_mod, onednn_mod],
                                          ["onednn", "amx", "amx", "onednn"])
     xs = [torch.randn(rows, 576).to(torch.bfloat16) for rows in (1, 8, 70, 300)]

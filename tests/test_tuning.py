@@ -285,9 +285,11 @@ def test_a_swiglu_gate_up_counts_the_silu_pass_that_amx_fuses(tmp_path, monkeypa
         return mod(x), x.shape[0] * t * 1e-6
 
     monkeypatch.setattr(tuning, "_timed_call", fake)
-    monkeypatch.setattr(tuning, "_silu_pass_us", lambda width, act: [0.5 * r for r in lm.BUCKET_ROWS])
+    passes = [0.5 * r for r in lm.BUCKET_ROWS]
+    monkeypatch.setattr(tuning, "_silu_pass_us", lambda width, act: passes)
     model = LlamaForCausalLM(cfg, max_positions=256).to(torch.bfloat16)
-    report = tuning.finalize_linears(model, None, _cfg(tmp_path, tuning="fresh", fused_decode=False))
+    report = tuning.finalize_linears(model, None,
+                                     _cfg(tmp_path, tuning="fresh", fused_decode=False))
     by_kind = {s.names[0].rsplit(".", 1)[-1]: s for s in report.shapes}
     assert by_kind["gate_up_proj"].methods == ["amx"] * 4, report.table()
     assert all(by_kind[k].methods == ["onednn"] * 4 for k in ("qkv_proj", "o_proj", "down_proj"))
@@ -295,7 +297,7 @@ def test_a_swiglu_gate_up_counts_the_silu_pass_that_amx_fuses(tmp_path, monkeypa
     assert gu["onednn"][3] == pytest.approx(512 * 0.95 + 256) and gu["amx"][3] == pytest.approx(512)
     assert all(layer.mlp.gate_up_proj.gated for layer in model.layers)
     cache = tuning_cache.TuningCache(tmp_path, tuning_cache.machine_key(torch.get_num_threads()))
-    assert cache.get(f"{tuning.ACT_KEY}:192")["times_us"]["silu_and_mul"] == [0.5 * r for r in lm.BUCKET_ROWS]
+    assert cache.get(f"{tuning.ACT_KEY}:192")["times_us"]["silu_and_mul"] == passes
 
 
 def test_row_invariance_check_catches_a_row_count_dependent_kernel():

@@ -6,9 +6,10 @@ blocks, a contiguous stream each); a call runs its rows in blocks (up to 32 rows
 exactly its rows, more in blocks of 32) against each pair, with fp32 sums in AMX tiles rounded
 once to bf16. A SwiGLU MLP's gate_up layer is packed with its gate and up blocks alternating
 (gate_silu) and writes silu(gate) * up directly (the MLP's separate SiLU pass over a
-[rows, 2 x intermediate] product, 6% of a 512-token prompt's time, is gone). Each row's result depends on that row only, so the
-method is batch-invariant. The tuner chooses it per layer shape and row bucket where it
-measures faster than the other methods (oneDNN's own AMX path among them).
+[rows, 2 x intermediate] product, 6% of a 512-token prompt's time, is gone). Each row's
+result depends on that row only, so the method is batch-invariant. The tuner chooses it per
+layer shape and row bucket where it measures faster than the other methods (oneDNN's own AMX
+path among them).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class AmxLinear(nn.Module):
         # New block 2q + h (h: 0 gate, 1 up) is source block q + h * pairs.
         order = torch.arange(pairs).view(pairs, 1) + torch.tensor([0, pairs])
         order = order.reshape(-1)
-        blocks = self.packed.view(pairs, ksteps, 2, 256).permute(0, 2, 1, 3).reshape(2 * pairs, ksteps, 256)
+        blocks = (self.packed.view(pairs, ksteps, 2, 256).permute(0, 2, 1, 3)
+                  .reshape(2 * pairs, ksteps, 256))
         self.packed = (blocks[order].view(pairs, 2, ksteps, 256).permute(0, 2, 1, 3)
                        .contiguous().view(-1))
         if self.bias is not None:

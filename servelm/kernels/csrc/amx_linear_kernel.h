@@ -164,9 +164,10 @@ inline void epilogue(const Pending& b, int i0, int i1, const float* bp, c10::BFl
 // a weight whose 16-row blocks alternate gate and up): out [M, N / 2] gets silu(g) * u for
 // the pair's 16 features, g and u rounded to bf16 first (the same bits as storing gate_up and
 // running silu_row over it, without the [M, N] round trip through memory). In panels of
-// pairs holding about kPanelBytes of weights, each panel row block after row block: the weight streams from memory once, in the first block's pass (a
-// thread's share of a large layer streamed again for every 32-row block had made 512-row
-// calls memory-bound), and the block's A tiles stay in cache while the panel passes them.
+// pairs holding about kPanelBytes of weights, each panel row block after row block: the
+// weight streams from memory once, in the first block's pass (a thread's share of a large
+// layer streamed again for every 32-row block had made 512-row calls memory-bound), and the
+// block's A tiles stay in cache while the panel passes them.
 // The same sums in the same order whatever the panels. The tiles must be configure(M)d.
 inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, int64_t K,
                   const uint32_t* wp, const float* bp, c10::BFloat16* op, int64_t N, int64_t p0,
