@@ -66,7 +66,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from servelm.bench.process import free_port, run_bench
+# Run as a script, this directory leads sys.path, and its kernels.py then answers
+# transformers' probe for the `kernels` package (find_spec), whose import then fails inside
+# `from transformers import ...`. Nothing here imports a sibling module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from servelm.bench.process import free_port, run_bench  # noqa: E402
 from servelm.cli import positive
 from servelm.config import LINEAR_METHODS
 from servelm.models.loader import default_model_path
