@@ -621,9 +621,8 @@ def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor]
     """A kernel layer's tensors as `servelm_quant.DecodeStack` takes them, with its int4
     group size (0 for int8, -1 for bf16 tiles, STACK_AMX for bf16 in AMX tile order,
     STACK_AMX_GATED for a gate_silu() gate_up in it, STACK_Q8ACT + the group size for int4
-    in q8act's panels); None when it does not run on
-    the C++ kernels. A layer run by row bucket (BucketedLinear) answers for the module that
-    runs a call of `rows` rows."""
+    in q8act's panels); None when it does not run on the C++ kernels. A layer run by row
+    bucket (BucketedLinear) answers for the module that runs a call of `rows` rows."""
     from servelm.layers.amx import AmxLinear
     from servelm.layers.q8act import Int4Q8Linear
 

@@ -635,16 +635,17 @@ def _silu_pass_us(width: int, act: torch.dtype) -> list[float]:
     from servelm.models.layers import silu_and_mul_ref
 
     op = torch.ops.servelm_ops.silu_and_mul if load_ops("ops") else silu_and_mul_ref
-    out = []
-    for rows in lm.BUCKET_ROWS:
-        x = torch.randn(rows, width).to(act)
-        ts = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            op(x)
-            ts.append(time.perf_counter() - t0)
-        out.append(sorted(ts)[len(ts) // 2] * 1e6)
-    return out
+    return [_median_call_us(op, torch.randn(rows, width).to(act), 7) for rows in lm.BUCKET_ROWS]
+
+
+def _median_call_us(fn, x: torch.Tensor, calls: int) -> float:
+    """µs of fn(x), the median of `calls` calls."""
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e6
 
 
 @dataclasses.dataclass
@@ -681,12 +682,7 @@ def _op_call_us(model: nn.Module) -> float:
     RMSNorm on the C++ kernels), the median of 200 calls."""
     norm = model.norm
     x = torch.randn(1, norm.weight.shape[0]).to(norm.weight.dtype)
-    ts = []
-    for _ in range(200):
-        t0 = time.perf_counter()
-        norm(x, kernels=True)
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2] * 1e6
+    return _median_call_us(lambda t: norm(t, kernels=True), x, 200)
 
 
 def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
