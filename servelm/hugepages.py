@@ -34,9 +34,12 @@ def empty(nbytes: int, huge: bool = True) -> torch.Tensor:
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE)
     buf = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -buf.data_ptr() % HUGE_PAGE
-    if huge and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+    # Plain pages are asked for too: with THP "always" the kernel would otherwise back the
+    # region with huge pages anyway.
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+    if advice is not None and sys.platform.startswith("linux"):
         try:
-            region.madvise(mmap.MADV_HUGEPAGE, start, size)
+            region.madvise(advice, start, size)
         except OSError:  # THP compiled out or disabled: plain pages
             pass
     return buf[start:start + nbytes]
