@@ -26,7 +26,9 @@ def test_every_row_count_matches_the_reference_and_its_rows_alone(n, k):
     call's rows up to 32: every row equals the same row computed in any other call, and
     the fp32 reference within bf16's rounding. 1056 x 1536: a thread's share of the weight
     runs in panels (amx_linear_kernel.h's kPanelBytes: 10 column pairs at K = 1536), the
-    last one short, each passed by every row block in turn."""
+    last one short, each passed by every row block in turn. From 4 row blocks at K = 576
+    (kStreamMinBlocks, kL1ABytes) the weight's tiles load with the non-temporal hint:
+    rows 100 and up must give the bits that 64 and 65 rows give."""
     src = _layer(n, k)
     mod = lm.build("amx", src, torch.bfloat16)
     x = torch.randn(300, k).to(torch.bfloat16)

@@ -49,11 +49,12 @@ struct ATiles {
 // 32 rows (`rows` of them configured: tmm0/1/4 the first 16, tmm2/3/5 the rest) against
 // column pair wp (K/32 steps of two B tiles): C = A W^T as fp32 [32][32] in c. prefetch: the
 // pair streams from memory (else it is in cache, and prefetching it only costs issue slots).
+// stream: the B tiles loaded with the non-temporal hint (TILELOADDT1, see pairs()).
 // during(kb) after each K step's multiplies: vector work (the previous block's epilogue)
 // that then runs while the tile unit is busy with them.
 template <typename During>
 inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps, float* c,
-                       bool prefetch, During&& during) {
+                       bool prefetch, bool stream, During&& during) {
   const bool two = rows > 16;  // a second row tile
   _tile_zero(0);
   _tile_zero(1);
@@ -65,9 +66,9 @@ inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps
     const uint32_t* b = wp + static_cast<int64_t>(kb) * 2 * kBlk;
     if (prefetch) prefetch_step(b + kPrefetchSteps * 2 * kBlk);
     _tile_loadd(4, a.at(kb, 0), a.stride);
-    _tile_loadd(6, b, 64);
+    if (stream) _tile_stream_loadd(6, b, 64); else _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, b + kBlk, 64);
+    if (stream) _tile_stream_loadd(7, b + kBlk, 64); else _tile_loadd(7, b + kBlk, 64);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
       _tile_loadd(5, a.at(kb, 1), a.stride);
@@ -125,6 +126,11 @@ inline void configure(int64_t M) {
 // Weights per panel of column pairs (pairs): a panel stays in L2 while every row block passes it.
 constexpr int64_t kPanelBytes = int64_t(1) << 20;
 
+// A row block's A tiles (32 rows x K bf16) up to this size are kept in L1 (48 KB) while a
+// panel passes them (pairs()); from this many row blocks on.
+constexpr int64_t kL1ABytes = 40 << 10;
+constexpr int64_t kStreamMinBlocks = 4;
+
 // A block's C sums waiting for their epilogue: rows r0 .. r0 + rows of column pair p, in c;
 // rows [0, done) written out already.
 struct Pending {
@@ -180,6 +186,11 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
   // Each block's epilogue (bias, rounding to bf16, SiLU) runs a few rows per K step of the
   // next block's multiplies (pair_block's during), on the vector units while the tile unit
   // works: run after the block, it had stalled the tiles for its whole length.
+  // With many blocks and a block's A tiles small enough for L1, the weight's tiles are loaded
+  // with the non-temporal hint: they come from L2 (the panel) every block anyway, and loaded
+  // plainly they evicted the block's A tiles, which were then reloaded from L2 for every pair
+  // (at K = 1536 neither fits, and streaming either operand was no faster).
+  const bool stream = nblocks >= kStreamMinBlocks && 32 * K * 2 <= kL1ABytes;
   alignas(64) float cbuf[2][32 * 32];
   int cur = 0;
   Pending prev;  // the block whose epilogue is still to run
@@ -193,7 +204,7 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
       for (int64_t p = q0; p < q1; ++p) {
         const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
         const int per = prev.rows ? (prev.rows + ksteps - 1) / ksteps : 0;
-        pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, cbuf[cur], blk == 0, [&](int) {
+        pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, cbuf[cur], blk == 0, stream, [&](int) {
           if (prev.done < prev.rows) {
             const int i1 = std::min(prev.rows, prev.done + per);
             epilogue(prev, prev.done, i1, bp, op, N, gated);
