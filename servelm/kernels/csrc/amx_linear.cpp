@@ -17,8 +17,10 @@
 //         above      blocks of 32 rows, 2 A tiles x 2 B tiles (one tile load per multiply),
 //                    over panels of ~1 MB of weights that stay in L2 while every block passes.
 //       Above 32 rows x is first packed into contiguous 1 KB A tiles (a tile of 16 rows of a
-//       long x was the kernel's slowest load). A row's result depends on that row only (the
-//       same K order in every path): batch-invariant.
+//       long x was the kernel's slowest load), except in streaming calls (kernel header's
+//       streams(): 4 blocks or more, a block's A tiles small enough to stay in L1), which read
+//       whole blocks from x and pack only a last, partial one. A row's result depends on that
+//       row only (the same K order in every path): batch-invariant.
 //   gated_linear(Tensor x bf16 [M, K], Tensor packed, Tensor? bias fp32 [N], int N)
 //       -> bf16 [M, N / 2]
 //       A SwiGLU gate_up in one pass: the weight packed from [gate; up] with their 16-row
@@ -99,6 +101,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   if (elems) apack = at::empty({elems}, xc.options());
   c10::BFloat16* ap = elems ? apack.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t bh = amx_linear::kBlockRows, padded = amx_linear::padded_rows(M);
+  const int64_t from = amx_linear::packed_from(M, K);
   auto run = [&](int64_t p0, int64_t p1) {
     amx_linear::configure(M);
     amx_linear::pairs(xp, ap, M, K, wp, bp, op, N, p0, p1, gated);
@@ -109,14 +112,14 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   // every core, even for one row.
   const bool small = M * N * K < (int64_t(1) << 21) && N * K < (int64_t(1) << 17);
   if (nthreads == 1 || pairs == 1 || small) {
-    if (ap) amx_linear::pack_rows(xp, ap, M, K, 0, padded);
+    if (ap && from < padded) amx_linear::pack_rows(xp, ap, M, K, from, padded);
     run(0, pairs);
   } else {
 #pragma omp parallel num_threads(nthreads)
     {
-      if (ap) {
+      if (ap && from < padded) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < padded; r += bh) amx_linear::pack_rows(xp, ap, M, K, r, r + bh);
+        for (int64_t r = from; r < padded; r += bh) amx_linear::pack_rows(xp, ap, M, K, r, r + bh);
       }  // (the for's barrier: every block packed before any is read)
       // Contiguous runs of column pairs: each thread streams its share of the weight, once
       // per row block.

@@ -92,13 +92,30 @@ inline void pair_block(const ATiles& a, int rows, const uint32_t* wp, int ksteps
 // blocks ran the linears 1.2x faster.
 constexpr int kBlockRows = 32;
 
+// Streaming calls: from kStreamMinBlocks row blocks, where a block's A tiles (32 rows x K
+// bf16) fit in L1 (48 KB) with room to spare, the weight's tiles are loaded with the
+// non-temporal hint (TILELOADDT1). They come from L2 (the panel, see pairs()) for every block
+// anyway; loaded plainly they evicted the block's A tiles, which were then reloaded from L2
+// for every pair. Kept in L1, the A tiles are read straight from x (16 rows K * 2 bytes
+// apart) as fast as from a packed copy, so such a call packs only its last, partial block.
+// At K = 1536 neither operand fits, and streaming either was no faster.
+constexpr int64_t kL1ABytes = 40 << 10;
+constexpr int64_t kStreamMinBlocks = 4;
+inline bool streams(int64_t M, int64_t K) {
+  return (M + kBlockRows - 1) / kBlockRows >= kStreamMinBlocks && kBlockRows * K * 2 <= kL1ABytes;
+}
+
 // Rows of the packed A tiles of a call of M rows, M rounded up to its row blocks (none up to
-// 32 rows: those are read from x); packed_elems: their elements.
+// 32 rows: those are read from x); packed_elems: their elements. Rows before packed_from(M,
+// K) are never packed (read from x: up to 32 rows, and a streaming call's whole blocks).
 inline int64_t padded_rows(int64_t M) {
   if (M <= 32) return 0;
   return (M + kBlockRows - 1) / kBlockRows * kBlockRows;
 }
 inline int64_t packed_elems(int64_t M, int64_t K) { return padded_rows(M) * K; }
+inline int64_t packed_from(int64_t M, int64_t K) {
+  return streams(M, K) ? M / kBlockRows * kBlockRows : 0;
+}
 
 // Rows [r0, r1) of a call of M rows packed from x [M, K] into ap ([block][K step][row tile]
 // contiguous 1 KB tiles); rows from M on (the last block's padding) are zeros.
@@ -125,11 +142,6 @@ inline void configure(int64_t M) {
 
 // Weights per panel of column pairs (pairs): a panel stays in L2 while every row block passes it.
 constexpr int64_t kPanelBytes = int64_t(1) << 20;
-
-// A row block's A tiles (32 rows x K bf16) up to this size are kept in L1 (48 KB) while a
-// panel passes them (pairs()); from this many row blocks on.
-constexpr int64_t kL1ABytes = 40 << 10;
-constexpr int64_t kStreamMinBlocks = 4;
 
 // A block's C sums waiting for their epilogue: rows r0 .. r0 + rows of column pair p, in c;
 // rows [0, done) written out already.
@@ -186,11 +198,7 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
   // Each block's epilogue (bias, rounding to bf16, SiLU) runs a few rows per K step of the
   // next block's multiplies (pair_block's during), on the vector units while the tile unit
   // works: run after the block, it had stalled the tiles for its whole length.
-  // With many blocks and a block's A tiles small enough for L1, the weight's tiles are loaded
-  // with the non-temporal hint: they come from L2 (the panel) every block anyway, and loaded
-  // plainly they evicted the block's A tiles, which were then reloaded from L2 for every pair
-  // (at K = 1536 neither fits, and streaming either operand was no faster).
-  const bool stream = nblocks >= kStreamMinBlocks && 32 * K * 2 <= kL1ABytes;
+  const bool stream = streams(M, K);  // whole blocks' A tiles read from x
   alignas(64) float cbuf[2][32 * 32];
   int cur = 0;
   Pending prev;  // the block whose epilogue is still to run
@@ -199,8 +207,9 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t r0 = blk * bh;
       const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
-      const ATiles a = M <= 32 ? ATiles{xp, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))}
-                               : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
+      const ATiles a = r0 + bh <= packed_from(M, K) || M <= 32
+                           ? ATiles{xp + r0 * K, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))}
+                           : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
       for (int64_t p = q0; p < q1; ++p) {
         const uint32_t* wpair = wp + p * ksteps * 2 * kBlk;
         const int per = prev.rows ? (prev.rows + ksteps - 1) / ksteps : 0;

@@ -107,8 +107,10 @@ struct QLinear {
   void sums(const c10::BFloat16* x, int64_t M, int64_t m0, int64_t m1, float* xs) const {
 #ifdef SERVELM_AMX
     if (amx) {
-      if (const int64_t padded = amx_linear::padded_rows(M))
-        amx_linear::pack_rows(x, reinterpret_cast<c10::BFloat16*>(xs), M, K, m0, m1 == M ? padded : m1);
+      if (const int64_t padded = amx_linear::padded_rows(M)) {
+        const int64_t from = std::max(m0, amx_linear::packed_from(M, K)), end = m1 == M ? padded : m1;
+        if (from < end) amx_linear::pack_rows(x, reinterpret_cast<c10::BFloat16*>(xs), M, K, from, end);
+      }
       return;
     }
 #endif
