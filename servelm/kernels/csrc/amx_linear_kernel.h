@@ -198,7 +198,8 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
   // Each block's epilogue (bias, rounding to bf16, SiLU) runs a few rows per K step of the
   // next block's multiplies (pair_block's during), on the vector units while the tile unit
   // works: run after the block, it had stalled the tiles for its whole length.
-  const bool stream = streams(M, K);  // whole blocks' A tiles read from x
+  const bool stream = streams(M, K);
+  const int64_t from = packed_from(M, K);  // the blocks before it read their A tiles from x
   alignas(64) float cbuf[2][32 * 32];
   int cur = 0;
   Pending prev;  // the block whose epilogue is still to run
@@ -207,7 +208,7 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t r0 = blk * bh;
       const int rows = static_cast<int>(std::min<int64_t>(bh, M - r0));
-      const ATiles a = r0 + bh <= packed_from(M, K) || M <= 32
+      const ATiles a = M <= 32 || r0 + bh <= from
                            ? ATiles{xp + r0 * K, 32, 16 * K, K * static_cast<int64_t>(sizeof(c10::BFloat16))}
                            : ATiles{ap + blk * ksteps * nt * 512, nt * 512, 512, 64};
       for (int64_t p = q0; p < q1; ++p) {
