@@ -5,6 +5,7 @@ alternating in one run.
                                     [--dtype bfloat16|float32|auto]
                                     [--kernel-tuning cached|fresh] [--rounds N]
                                     [--base-kernels DIR] [--streams N] [--ttft N[,N...]]
+                                    [--without-amx]
 
 Each side builds `LLM(model, dtype, quantization, kernel_tuning)` (dtype bfloat16 unless
 --dtype says otherwise; auto: the engine's default for this CPU and format) in a fresh
@@ -19,7 +20,14 @@ token out, three times after an untimed one, and the side's figure is the fastes
 REV is checked out into a temporary git worktree, its C++ kernels built into their own
 directory first (a few minutes, not timed; --base-kernels keeps them for the next run).
 Each side keeps its kernel table in a directory of its own; with --kernel-tuning cached,
-its first start measures the table and is not counted.
+its first start measures the table and is not counted. A revision from before the tuner
+(no `kernel_tuning` argument) runs its built-in choices.
+
+--without-amx runs both sides as on a CPU without AMX, to check on an AMX machine that the
+paths a CPU without it takes (AVX512-BF16, as on the AMD EPYC) did not get slower: oneDNN
+capped at AVX512_CORE_BF16 (ONEDNN_MAX_CPU_ISA) and servelm's own AMX kernels reported
+unavailable, so the tuner and the attention selection never see them. (Only the code paths
+are the other machine's: its cache sizes and bandwidth are not.)
 """
 
 from __future__ import annotations
@@ -36,9 +44,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
-import json, sys, time
+import inspect, json, sys, time
 t = time.perf_counter()
 from servelm import LLM, SamplingParams
+if sys.argv[8] == "1":  # --without-amx: servelm's AMX kernels (where this revision has them)
+    try:
+        import servelm.layers.amx as amx
+        amx.available = lambda: False
+    except ImportError:
+        pass
+    try:
+        import servelm.attention.cpu as attention_cpu
+        attention_cpu.amx_available = lambda: False
+    except ImportError:
+        pass
 q = None if sys.argv[2] == "none" else sys.argv[2]
 kw = {"model": sys.argv[1]} if sys.argv[1] else {}
 streams = int(sys.argv[4])
@@ -47,10 +66,12 @@ if streams:
     kw["max_num_seqs"] = streams
 if ttfts:
     kw.update(enable_prefix_caching=False, max_model_len=max(ttfts) + 64)
-llm = LLM(dtype=sys.argv[7], quantization=q, kernel_tuning=sys.argv[3],
-          tuning_cache_dir=sys.argv[5], **kw)
-out = {"start": time.perf_counter() - t, "tuning": llm.engine.tuning.seconds,
-       "source": llm.engine.tuning.source}
+if "kernel_tuning" in inspect.signature(LLM).parameters:  # else: from before the tuner
+    kw.update(kernel_tuning=sys.argv[3], tuning_cache_dir=sys.argv[5])
+llm = LLM(dtype=sys.argv[7], quantization=q, **kw)
+tuning = getattr(llm.engine, "tuning", None)
+out = {"start": time.perf_counter() - t, "tuning": tuning.seconds if tuning else 0.0,
+       "source": tuning.source if tuning else "none"}
 vocab = llm.get_tokenizer().vocab_size
 if streams:
     ids = [[(1000 + 7 * i + j) % vocab for j in range(128)] for i in range(2 * streams)]
@@ -93,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time generation with this many streams (e.g. 64)")
     ap.add_argument("--ttft", default="", metavar="N[,N...]",
                     help="also time the first token of a prompt of each of these lengths")
+    ap.add_argument("--without-amx", action="store_true",
+                    help="both sides as on a CPU without AMX (oneDNN capped at "
+                         "AVX512_CORE_BF16, servelm's AMX kernels hidden)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -116,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
                        cwd=ROOT, check=True, capture_output=True)
         try:
             kernels = args.base_kernels or str(Path(tmp) / "kernels")
-            envs = {"base": dict(os.environ, PYTHONPATH=str(base), SERVELM_KERNEL_DIR=kernels),
-                    "tree": dict(os.environ, PYTHONPATH=str(ROOT))}
+            env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16") \
+                if args.without_amx else os.environ
+            envs = {"base": dict(env, PYTHONPATH=str(base), SERVELM_KERNEL_DIR=kernels),
+                    "tree": dict(env, PYTHONPATH=str(ROOT))}
             print(f"building {args.base}'s kernels ...", flush=True)
             # (Its exit status says whether every kernel built; one that did not leaves
             # that side on its PyTorch fallback, as it would run for a user.)
@@ -128,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                 r = subprocess.run([sys.executable, "-c", CHILD, args.model, args.quantization,
                                     args.kernel_tuning, str(args.streams),
                                     str(Path(tmp) / f"{side}-cache"),
-                                    ",".join(map(str, ttfts)), args.dtype], env=envs[side],
+                                    ",".join(map(str, ttfts)), args.dtype,
+                                    "1" if args.without_amx else "0"], env=envs[side],
                                    cwd=tmp, capture_output=True, text=True)
                 if r.returncode:
                     raise SystemExit(f"{side} failed to start:\n{r.stderr[-2000:]}")

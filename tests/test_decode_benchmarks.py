@@ -267,7 +267,9 @@ def test_compare_takes_ratios_against_transformers_else_the_first_servelm_format
                                           (("--base", "HEAD", "--ttft", "512,x"),
                                            "--ttft must be prompt lengths"),
                                           (("--base", "HEAD", "--ttft", "0"),
-                                           "--ttft must be prompt lengths")])
+                                           "--ttft must be prompt lengths"),
+                                          (("--base", "HEAD", "--without-amx", "--rounds", "0"),
+                                           "--rounds must be at least 1")])
 def test_startup_ab_rejects_bad_arguments(args, message, capsys):
     code, err = script_usage_error("startup_ab.py", *args, capsys=capsys)
     assert code == 2 and message in err
