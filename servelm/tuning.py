@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,6 +42,13 @@ from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.05          # another method must beat the default by 5% to replace it
+# A model whose linear weights outgrow the last-level cache streams them from memory every
+# decode step, so its one- and 8-row buckets are timed from memory too: before each round of
+# those timings a buffer this many times the LLC is read (_Evictor). Without it a sweep
+# (SWEEP_BYTES) stays in a large L3 from one round to the next (480 MB on the AMX Xeon) and
+# the methods are ranked by their speed from L3 (README, "Choose the kernels").
+EVICT_FACTOR = 1.5
+COLD_KEY = ":from-memory"  # the cache's key for a shape timed so
 SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
 SLICE_BYTES = 4 << 20   # a layer over twice this is timed on a slice of its outputs this big
 SLICE_MIN_OUT = 1024    # ... of at least this many outputs (every thread has whole panels)
@@ -119,6 +127,8 @@ class TuningReport:
     # off or a forced method), and what that costs against the fastest choice per bucket.
     batch_invariant: bool | None = None
     invariance_cost: list[float] = dataclasses.field(default_factory=list)
+    # The one- and 8-row buckets timed from memory: the weights outgrow the LLC (EVICT_FACTOR).
+    from_memory: bool = False
 
     def table(self) -> str:
         inv = {None: "not checked", True: "yes", False: "no"}[self.batch_invariant]
@@ -127,6 +137,7 @@ class TuningReport:
                 f"{r}: {c:.2f}x" for r, c in zip(lm.BUCKET_ROWS, self.invariance_cost))
         head = (f"linear methods ({self.source}, {self.seconds:.2f} s"
                 + (f", cache {self.cache_path}" if self.cache_path else "")
+                + ("; 1 and 8 rows timed from memory" if self.from_memory else "")
                 + f"; batch-invariant: {inv})")
         return "\n".join([head] + ["  " + s.row() for s in self.shapes])
 
@@ -246,7 +257,8 @@ def _time_sweep(mods: list[nn.Module], x: torch.Tensor) -> float:
 
 
 def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
-                      first: dict[str, float] | None = None) -> dict[str, float]:
+                      first: dict[str, float] | None = None,
+                      evict=None) -> dict[str, float]:
     """Seconds per call of each method's sweep: the best of a few rounds, each round timing
     every method still in the running once in turn, so a machine whose load drifts (other
     processes, frequency) weighs on every method alike rather than on whichever was timed
@@ -256,7 +268,9 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     tenth of a second a call. The caller has just run each sweep's first module on x (its
     known-answer check), which warmed it up; first: the seconds those calls took (one
     module a sweep), a sample for the best but no round: taken as the first round, they
-    dropped oneDNN at 64 rows, whose first call of a shape compiles its kernel."""
+    dropped oneDNN at 64 rows, whose first call of a shape compiles its kernel. evict: called
+    (untimed) before each round, so every method's sweep in it reads its weights from memory
+    (each sweep's weights are read once a round)."""
     best = {k: math.inf for k in sweeps}
     active = list(sweeps)
     rounds, spent = 0, 0.0
@@ -267,6 +281,8 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     # the dropped ones no longer take, and their best is the less noisy for it.
     while active and rounds < MAX_REPS and (rounds < MIN_REPS
                                             or spent < TARGET_S * len(sweeps)):
+        if evict is not None:
+            evict()
         for k in active:
             mods = sweeps[k]
             t = _time_sweep(mods, x)
@@ -283,7 +299,7 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
 
 @torch.inference_mode()
 def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: int = 0,
-            time_it: bool = True, default: str | None = None
+            time_it: bool = True, default: str | None = None, evict=None
             ) -> tuple[dict[str, list[float]], list[str], list[str]]:
     """Time each method over layers of one shape (srcs) at every bucket's row count (unless
     not time_it: one method, nothing to compare), the methods interleaved round by round.
@@ -301,7 +317,8 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     time whole at those buckets (_slice_outputs: an LM head) is timed and checked there on
     a slice of its outputs, the times scaled to the whole layer (at one and 8 rows, a layer
     over twice SWEEP_BYTES on a slice of SWEEP_BYTES); finalize_linears checks the chosen
-    methods on the whole layer.
+    methods on the whole layer. evict (see _time_interleaved): the one- and 8-row buckets
+    timed from memory.
 
     Row invariance (row_invariant: a call of INVARIANCE_CALL rows, then windows of it, on
     a slice of at most INVARIANCE_BYTES of the layer's outputs) is checked lazily, in the order
@@ -392,7 +409,8 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         # more sample (a cold first call only loses to the rounds' best).
         first = {m: call_s[m] for m in timed} if rows > 8 else None
         per = scale if rows > 8 else src0.out_features / sweep_keep
-        for method, sec in _time_interleaved(timed, x, first).items():
+        for method, sec in _time_interleaved(timed, x, first,
+                                             evict if rows <= 8 else None).items():
             times[method].append(sec * per * 1e6)
         best.append(min((t[i] for t in times.values() if len(t) > i), default=math.inf))
     remaining = [m for m in built if m not in failed
@@ -442,6 +460,37 @@ def _clone_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
         return None
     c = t.detach().clone()
     return nn.Parameter(c, requires_grad=False) if isinstance(t, nn.Parameter) else c
+
+
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The last-level cache's size in bytes as the OS reports it for CPU 0 (its largest
+    cache of level 3 or more; 0: none reported)."""
+    best = 0
+    for d in Path(root).glob("index*"):
+        try:
+            level = int((d / "level").read_text())
+            size = (d / "size").read_text().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+            n = int(size[:-1] if size[-1:].isalpha() else size) * unit
+        except (OSError, ValueError):
+            continue
+        if level >= 3:
+            best = max(best, n)
+    return best
+
+
+class _Evictor:
+    """Reads a buffer EVICT_FACTOR times the LLC each call: what was cached is gone after it
+    (allocated on the first call: a start that reads its table back never pays for it)."""
+
+    def __init__(self, llc: int):
+        self.nbytes = int(EVICT_FACTOR * llc)
+        self.buf: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        if self.buf is None:
+            self.buf = torch.ones(self.nbytes, dtype=torch.uint8)
+        self.buf.max()
 
 
 def _tensors(src: nn.Module) -> list[torch.Tensor]:
@@ -522,6 +571,11 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     tune = not forced and kcfg.tuning != "off" and fast
     cache = (TuningCache(cache_dir(kcfg.tuning_cache_dir), machine_key(torch.get_num_threads()))
              if tune else None)
+    # Weights beyond the LLC come from memory every decode step: so do their timings.
+    llc = llc_bytes() if tune else 0
+    weights = sum(_bytes(it[3]) for items in groups.values() for it in items)
+    evict = _Evictor(llc) if llc and weights > llc else None
+    cache_keys = {k: k + COLD_KEY if evict else k for k in groups}
     shapes: list[ShapeChoice] = []
     measured = False
     for key, items in groups.items():
@@ -539,15 +593,16 @@ def finalize_linears(model: nn.Module, quantization: str | None,
             # Dequantise + matmul every call (a quantised layer's reference) is never
             # the fastest; one candidate left is checked but needs no timing.
             cands = [m for m in applicable if m != "torch" or isinstance(src, nn.Linear)]
-            entry = None if kcfg.tuning == "fresh" else cache.get(key)
+            entry = None if kcfg.tuning == "fresh" else cache.get(cache_keys[key])
             if entry is not None and not set(cands) <= set(entry.get("candidates", [])):
                 entry = None  # a method that runs here now was not measured: measure again
             if entry is None:
                 with unpacked_once():  # each method's layout from one unpacking
                     times, failed, invariant = measure([it[3] for it in items], cands, act,
-                                                       time_it=len(cands) > 1, default=default)
-                cache.put(key, times, failed, invariant, cands)
-                entry = cache.get(key)
+                                                       time_it=len(cands) > 1, default=default,
+                                                       evict=evict)
+                cache.put(cache_keys[key], times, failed, invariant, cands)
+                entry = cache.get(cache_keys[key])
                 measured = True
             else:
                 shape.cached = True
@@ -570,7 +625,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
         shapes.append(shape)
     report = TuningReport(shapes, source=("forced" if forced else "off" if not tune
                                           else "measured" if measured else "cached"),
-                          cache_path=str(cache.path) if cache else None)
+                          cache_path=str(cache.path) if cache else None,
+                          from_memory=evict is not None)
     if tune:
         stack = None
         on_stack = _stack_layers(model, act, kcfg)
@@ -590,7 +646,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 # Timed and checked on a slice: the methods are checked on the whole layer
                 # too, once (the cache keeps the methods that passed; a 1.5B model's LM
                 # head took a second to check at every start).
-                entry = cache.get(shape.key)
+                entry = cache.get(cache_keys[shape.key])
                 passed = entry.setdefault("whole_ok", [])
                 if not set(shape.methods) <= set(passed):
                     if _whole_layer_ok(mod, src, act):

@@ -986,3 +986,61 @@ def test_a_long_one_row_call_does_not_scale_the_few_row_bucket(tmp_path, monkeyp
         assert shape.methods[:3] == ["onednn", "torch", "torch"]
         assert shape.times_us["onednn"][3] == shape.times_us["onednn"][2] * 512 / 64
     assert {r for _, r in timed} == {1, 8, 64}  # 512 rows: scaled from 64, never called
+
+
+# ---------------------------------------------------------------- weights beyond the LLC
+
+def test_llc_bytes_reads_the_largest_cache_of_level_three_or_more(tmp_path):
+    for i, (level, size) in enumerate([(1, "48K"), (2, "2048K"), (3, "491520K"), (3, "32M")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert tuning.llc_bytes(str(tmp_path)) == 491520 << 10
+    (tmp_path / "index2" / "size").write_text("garbage\n")  # unreadable: skipped
+    assert tuning.llc_bytes(str(tmp_path)) == 32 << 20
+    assert tuning.llc_bytes(str(tmp_path / "none")) == 0  # nothing reported
+
+
+def test_memory_bound_timings_evict_the_cache_before_each_round(monkeypatch):
+    """Every method's sweep in a round is timed after one eviction (each sweep's weights are
+    read once a round), and nothing is evicted where no evict is given."""
+    events = []
+    monkeypatch.setattr(tuning, "_time_sweep", lambda mods, x: events.append(mods[0]) or 1e-3)
+    sweeps = {"a": ["A"], "b": ["B"]}
+    tuning._time_interleaved(sweeps, torch.zeros(1, 4), evict=lambda: events.append("evict"))
+    assert events[:3] == ["evict", "A", "B"] and events[3:6] == ["evict", "A", "B"]
+    assert len(events) % 3 == 0 and events[::3] == ["evict"] * (len(events) // 3)
+    events.clear()
+    tuning._time_interleaved(sweeps, torch.zeros(1, 4))
+    assert "evict" not in events and events
+
+
+def test_weights_beyond_the_llc_are_timed_from_memory_at_one_and_8_rows(tmp_path, monkeypatch):
+    cands = [m for m in lm.METHODS if lm.applies(m, nn.Linear(64, 96), torch.float32, True)]
+    if len(cands) < 2:
+        pytest.skip("one linear method here: nothing to measure")
+    evicts, rounds = [], []
+    real = tuning._time_interleaved
+
+    def spy(sweeps, x, first=None, evict=None):
+        rounds.append((x.shape[0], evict is not None))
+        return real(sweeps, x, first, None if evict is None else lambda: evicts.append(1))
+
+    monkeypatch.setattr(tuning, "_time_interleaved", spy)
+    monkeypatch.setattr(tuning, "llc_bytes", lambda: 1 << 20)  # _Block's 115 KB fit
+    warm = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert not warm.from_memory and not any(e for _, e in rounds) and not evicts
+    rounds.clear()
+    monkeypatch.setattr(tuning, "llc_bytes", lambda: 4096)  # outgrown
+    cold = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert cold.from_memory and "timed from memory" in cold.table() and evicts
+    assert {(rows, e) for rows, e in rounds} <= {(1, True), (8, True), (64, False), (512, False)}
+    assert {rows for rows, e in rounds if e} == {1, 8}
+    # The cache keeps the two tables apart: each is read back for its own kind of model.
+    keys = set(tuning_cache.TuningCache(tmp_path, tuning_cache.machine_key(
+        torch.get_num_threads())).entries)
+    assert {k + tuning.COLD_KEY for k in (s.key for s in warm.shapes)} <= keys
+    assert {s.key for s in warm.shapes} <= keys
+    again = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert again.source == "cached" and again.from_memory
