@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
 
@@ -174,36 +173,10 @@ def max_batch(m: ModelShape, kv_pool_bytes: float, context: int) -> int | None:
 # ---- measuring the machine ---------------------------------------------------------------
 
 
-def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The last-level cache's size in bytes as the OS reports it for CPU 0 (its largest
-    cache of level 3 or more; 0: none reported)."""
-    best = 0
-    for d in Path(root).glob("index*"):
-        try:
-            level = int((d / "level").read_text())
-            size = (d / "size").read_text().strip()
-            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
-            n = int(size[:-1] if size[-1:].isalpha() else size) * unit
-        except (OSError, ValueError):
-            continue
-        if level >= 3:
-            best = max(best, n)
-    return best
-
-
-def probe_bytes(device_type: str) -> int:
-    """The bandwidth probe's buffer: on the CPU twice the last-level cache, at least 256 MB
-    and at most 2 GB (256 MB alone stayed partly in the AMX Xeon's 480 MB L3, which read
-    30 GB/s against 21 with 960 MB); on a GPU 1 GB."""
-    if device_type != "cpu":
-        return 1 << 30
-    return max(256 << 20, min(2 * llc_bytes(), 2 << 30))
-
-
 def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
                      seconds: float = 0.5) -> Hardware:
-    """Measure read bandwidth (summing a buffer far larger than the caches: probe_bytes) and
-    matmul throughput in `dtype` (square matmuls), best of several repeats."""
+    """Measure read bandwidth (summing a buffer far larger than the caches) and matmul
+    throughput in `dtype` (square matmuls), best of several repeats."""
     import torch
 
     dev = torch.device(device)
@@ -219,7 +192,7 @@ def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
             rate = max(rate, work / (time.perf_counter() - t))
         return rate
 
-    buf = torch.ones(probe_bytes(dev.type), dtype=torch.uint8, device=dev)
+    buf = torch.ones(256 << 20 if dev.type == "cpu" else 1 << 30, dtype=torch.uint8, device=dev)
     words = buf.view(torch.int64)
     bandwidth = best(lambda: words.sum(), buf.numel())
     # Square matmuls of the largest size (up to 2048, CUDA 8192) whose one call stays within

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,7 +37,6 @@ from torch import nn
 from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
 from servelm.quantization import unpacked_once
-from servelm.roofline import llc_bytes
 from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 
 logger = logging.getLogger(__name__)
@@ -460,6 +460,23 @@ def _clone_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
         return None
     c = t.detach().clone()
     return nn.Parameter(c, requires_grad=False) if isinstance(t, nn.Parameter) else c
+
+
+def llc_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The last-level cache's size in bytes as the OS reports it for CPU 0 (its largest
+    cache of level 3 or more; 0: none reported)."""
+    best = 0
+    for d in Path(root).glob("index*"):
+        try:
+            level = int((d / "level").read_text())
+            size = (d / "size").read_text().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+            n = int(size[:-1] if size[-1:].isalpha() else size) * unit
+        except (OSError, ValueError):
+            continue
+        if level >= 3:
+            best = max(best, n)
+    return best
 
 
 class _Evictor:

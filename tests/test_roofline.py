@@ -158,11 +158,3 @@ def test_moe_reads_its_chosen_experts_and_multiplies_only_active_weights():
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64),
         weight_bits=16, kv_bits=16)
     assert dense.weight_bytes(1) == dense.weight_bytes(64) == dense.weight_bytes_per_step
-
-
-def test_the_bandwidth_probe_reads_past_the_last_level_cache(monkeypatch):
-    for llc, want in ((0, 256 << 20), (32 << 20, 256 << 20), (480 << 20, 960 << 20),
-                      (4 << 30, 2 << 30)):
-        monkeypatch.setattr(rl, "llc_bytes", lambda llc=llc: llc)
-        assert rl.probe_bytes("cpu") == want
-    assert rl.probe_bytes("cuda") == 1 << 30
