@@ -573,8 +573,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
              if tune else None)
     # Weights beyond the LLC come from memory every decode step: so do their timings.
     llc = llc_bytes() if tune else 0
-    weights = sum(_bytes(it[3]) for items in groups.values() for it in items)
-    evict = _Evictor(llc) if llc and weights > llc else None
+    evict = (_Evictor(llc) if llc and sum(_bytes(it[3]) for items in groups.values()
+                                          for it in items) > llc else None)
     cache_keys = {k: k + COLD_KEY if evict else k for k in groups}
     shapes: list[ShapeChoice] = []
     measured = False
