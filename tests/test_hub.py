@@ -180,6 +180,10 @@ def test_bare_name_of_a_gguf_repo(tmp_path, hub_env, gguf_repo):
         resolve_model("org/two")
     one = add_snapshot(hub_env, "org/one", {"m-Q8_0.gguf": b"GGUF a", "README.md": b""})
     assert resolve_model("org/one") == str(one / "m-Q8_0.gguf")
+    # a tag between separators beats a shorter name that only contains it (BF16 vs F16)
+    fp = add_snapshot(hub_env, "org/fp", {"m-BF16.gguf": b"GGUF a", "model-F16.gguf": b"GGUF b"})
+    assert resolve_model("org/fp:f16") == str(fp / "model-F16.gguf")
+    assert resolve_model("org/fp:BF16") == str(fp / "m-BF16.gguf")
 
 
 def test_missing_or_incomplete_repo_offline_says_how_to_get_it(tmp_path, hub_env):
