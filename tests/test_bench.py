@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
@@ -384,7 +385,6 @@ BASE = ["bench", "--base-url", "http://localhost:1"]
 
 @pytest.mark.parametrize("flags, message", [
     (["--concurrency", "2", "--request-rate", "3"], "not allowed with"),
-    ([], "one of the arguments --concurrency --request-rate --sweep-concurrency is required"),
     (["--sweep-concurrency", "1,x"], "expected a positive integer"),
     (["--sweep-concurrency", "2", "--concurrency", "2"], "not allowed with"),
     (["--concurrency", "0"], "expected a positive integer"),
@@ -402,7 +402,6 @@ def test_bad_flags(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num-prompts", "2", "--output-len", "2"], "--input-len is required"),
     (["--num-prompts", "2", "--input-len", "2", "--output-len", "2", "--endpoint", "/v1/x"],
      "endpoint must end in"),
     (["--dataset", "/nonexistent.jsonl"], "cannot read dataset"),
@@ -413,10 +412,103 @@ def test_bad_combinations(flags, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_plot_needs_sweep(capsys):
-    assert main(BASE + ["--concurrency", "1", "--num-prompts", "1", "--input-len", "1",
-                        "--output-len", "1", "--plot", "x.png"]) == 2
-    assert "--plot needs --sweep-concurrency" in capsys.readouterr().err
+def test_defaults_for_a_bare_bench(capsys):
+    from servelm.bench.cli import apply_defaults
+
+    args = make_parser().parse_args(["bench"])
+    assert args.base_url == "http://127.0.0.1:8000"  # `servelm serve`'s default address
+    apply_defaults(args)
+    assert (args.concurrency, args.request_rate, args.sweep_concurrency) == (8, None, None)
+    assert (args.num_prompts, args.input_len, args.output_len) == (32, 256, 128)
+    # Another mode, or given values, are kept; a dataset keeps its own count and lengths.
+    args = make_parser().parse_args(["bench", "--request-rate", "2", "--input-len", "7"])
+    apply_defaults(args)
+    assert (args.concurrency, args.request_rate, args.input_len) == (None, 2.0, 7)
+    args = make_parser().parse_args(["bench", "--dataset", "d.jsonl"])
+    apply_defaults(args)
+    assert (args.num_prompts, args.input_len, args.output_len) == (None, None, None)
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help lines
+    for shown in ("(default: http://127.0.0.1:8000", "(default: 256)",
+                  "(default for random prompts: 128)", "(default: 32;", "--sweep-concurrency is "
+                  "given: 8)", "(default: /v1/completions)"):
+        assert shown in text
+
+
+def test_defaults_reach_the_server(fake, tmp_path):
+    out = tmp_path / "r.json"
+    assert bench(fake, "--num-prompts", "3", "--output-len", "2", "--json", str(out)) == 0
+    assert STATE.count == 4 and STATE.max_in_flight == 3  # all 3 at once: concurrency 8
+    assert all(len(b["prompt"]) == 256 for b in STATE.bodies[1:])
+    doc = load(out)
+    assert doc["config"]["concurrency"] == 8 and doc["config"]["input_len"] == 256
+    assert doc["summary"]["total_input_tokens"] == 3 * 256
+
+
+def test_single_run_plot(fake, tmp_path, capsys, monkeypatch):
+    import matplotlib.image
+
+    from servelm.bench import plot
+
+    drawn = []
+    real_plot_run = plot.plot_run
+
+    def spy(series, path, title):
+        drawn.append((series, title))
+        real_plot_run(series, path, title)
+
+    monkeypatch.setattr(plot, "plot_run", spy)
+    out, png = tmp_path / "r.json", tmp_path / "run.png"
+    rc = bench(fake, "--concurrency", "2", "--num-prompts", "6", "--input-len", "8",
+               "--output-len", "5", "--json", str(out), "--plot", str(png))
+    assert rc == 0 and f"wrote {png}" in capsys.readouterr().err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert matplotlib.image.imread(png).shape[:2] == (495, 1650)  # 15 x 4.5 in at 110 dpi
+
+    [(series, title)] = drawn
+    assert "8 in / 5 out" in title and "concurrency 2" in title
+    doc = load(out)
+    s, reqs = doc["summary"], doc["requests"]
+    assert sum(series.bucket_tokens) == s["total_output_tokens"] == 30
+    assert sum(r * series.bucket_s for r in series.bucket_rates) == pytest.approx(30)
+    assert series.duration_s == s["duration_s"]
+    # Each token lands in the bucket of its arrival: start + TTFT + the gaps before it.
+    w = series.bucket_s
+    assert len(series.bucket_tokens) == math.ceil(s["duration_s"] / w) >= plot.MIN_BUCKETS
+    expected = [0] * len(series.bucket_tokens)
+    for r in reqs:
+        t = r["start_s"] + r["ttft_s"]
+        for gap in [0.0] + r["itl_s"]:
+            t += gap
+            expected[min(int(t / w), len(expected) - 1)] += 1
+    assert series.bucket_tokens == expected
+    assert series.ttft_ms == pytest.approx([1000 * r["ttft_s"] for r in reqs])
+    assert series.tpot_ms == pytest.approx([1000 * r["tpot_s"] for r in reqs])
+    assert series.itl_ms == pytest.approx([1000 * x for r in reqs for x in r["itl_s"]])
+    assert len(series.itl_ms) == 6 * 4
+
+
+def test_token_times_and_buckets():
+    from servelm.bench import plot
+
+    t0 = 100.0
+    streamed = rec(0, 0.2, 1.2, 3, itl=[0.5, 0.5], start=t0 + 0.5)   # tokens at 0.7, 1.2, 1.7
+    whole = rec(1, 0.4, 0.4, 5, start=t0 + 1.0)                        # 5 tokens at once: 1.4
+    failed = rec(2, None, 0.01, 4, ok=False, error="boom", start=t0)
+    assert plot.token_times(streamed, t0) == pytest.approx([0.7, 1.2, 1.7])
+    assert plot.token_times(whole, t0) == pytest.approx([1.4] * 5)
+    assert plot.token_times(failed, t0) == []
+    records = [streamed, whole, failed]
+    assert plot.throughput_buckets(records, t0, 2.0, 1.0) == [1, 7]
+    assert plot.throughput_buckets(records, t0, 2.0, 0.5) == [0, 1, 6, 1]
+    # A run shorter than its last tokens' clock readings: they count in the last bucket.
+    assert plot.throughput_buckets(records, t0, 1.0, 1.0) == [8]
+    assert [plot.bucket_width(d) for d in (60.0, 10.0, 9.0, 0.3, 0.01)] == [
+        1.0, 1.0, 0.5, 0.025, 0.01]
+    series = plot.run_series(records, t0, 2.0)
+    assert series.bucket_s == 0.1 and sum(series.bucket_tokens) == 8
+    assert series.ttft_ms == pytest.approx([200, 400]) and series.tpot_ms == pytest.approx([500, 0])
 
 
 def test_bad_url_scheme(capsys):

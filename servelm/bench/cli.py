@@ -13,6 +13,15 @@ import sys
 from typing import Any
 
 
+# What a bare `servelm bench` does: a local `servelm serve` (its default address), random
+# prompts, a few requests in flight.
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_INPUT_LEN = 256
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_NUM_PROMPTS = 32
+DEFAULT_CONCURRENCY = 8
+
+
 class BenchError(Exception):
     """A run that cannot start or go on: reported as one line, no traceback."""
 
@@ -65,34 +74,43 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Load generator for any OpenAI-compatible completions endpoint: streams "
                     "requests at a fixed concurrency or Poisson rate and reports TTFT, TPOT, "
                     "inter-token latency, end-to-end latency, throughput and goodput.")
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
+    p.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                   help="server root (default: %(default)s, where `servelm serve` listens)")
     p.add_argument("--endpoint", default="/v1/completions",
                    help="/v1/completions (token-id prompts, exact input length) or "
-                        "/v1/chat/completions (word prompts)")
+                        "/v1/chat/completions (word prompts) (default: %(default)s)")
     p.add_argument("--model", default=None,
                    help="model name to send (default: the first one listed at /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    mode = p.add_mutually_exclusive_group(required=True)
+    mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=_positive_int, metavar="N",
-                      help="keep N requests in flight")
+                      help="keep N requests in flight (default, when neither --request-rate "
+                           f"nor --sweep-concurrency is given: {DEFAULT_CONCURRENCY})")
     mode.add_argument("--request-rate", type=_rate, metavar="R",
                       help="Poisson arrivals at R requests/s ('inf': all at once)")
     mode.add_argument("--sweep-concurrency", type=_level_list, metavar="N,N,...",
                       help="one run per concurrency level (e.g. 1,2,4,8,16,32,64), each "
                            "sending max(--num-prompts, level) requests")
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="with --sweep-concurrency: draw tok/s, TTFT and TPOT against "
+                   help="draw the run: TTFT, TPOT and ITL distributions and output tokens/s "
+                        "over time; with --sweep-concurrency, tok/s, TTFT and TPOT against "
                         "concurrency, with the server's roofline (servelm servers) as the ideal")
     p.add_argument("--num-prompts", type=_positive_int, metavar="N",
-                   help="requests to send (default with --dataset: one per line)")
+                   help=f"requests to send (default: {DEFAULT_NUM_PROMPTS}; with --dataset: "
+                        "one per line)")
     p.add_argument("--input-len", type=_positive_int, metavar="N",
-                   help="prompt length in tokens for random prompts")
+                   help="prompt length in tokens for random prompts "
+                        f"(default: {DEFAULT_INPUT_LEN})")
     p.add_argument("--output-len", type=_positive_int, metavar="N",
-                   help="max_tokens per request (with --dataset: for lines without output_len)")
+                   help="max_tokens per request (with --dataset: for lines without output_len) "
+                        f"(default for random prompts: {DEFAULT_OUTPUT_LEN})")
     p.add_argument("--dataset", default=None, metavar="FILE.jsonl",
-                   help='prompts, one {"prompt": ..., "output_len": ...} per line')
-    p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
-    p.add_argument("--temperature", type=float, default=0.0)
+                   help='prompts, one {"prompt": ..., "output_len": ...} per line '
+                        "(default: random prompts)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for prompts and arrival times (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default: %(default)s)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject the field)")
     p.add_argument("--no-stream", dest="stream", action="store_false",
@@ -103,7 +121,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                    help="write config, aggregates and per-request records as JSON")
     p.add_argument("--timeout", type=_positive_float, default=600.0, metavar="SECONDS",
-                   help="per-request read timeout")
+                   help="per-request read timeout (default: %(default)g)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up request")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -112,16 +130,22 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def apply_defaults(args) -> None:
+    """Fill in what the parser leaves unset because it depends on other flags: the mode
+    (--concurrency when none is given) and, for random prompts, the request count and the
+    lengths. A dataset keeps its own count and lengths, as without these defaults."""
+    if args.concurrency is None and args.request_rate is None and args.sweep_concurrency is None:
+        args.concurrency = DEFAULT_CONCURRENCY
+    if args.dataset is None:
+        for name, value in (("num_prompts", DEFAULT_NUM_PROMPTS),
+                            ("input_len", DEFAULT_INPUT_LEN), ("output_len", DEFAULT_OUTPUT_LEN)):
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+
+
 def _check_args(args) -> None:
-    if args.plot is not None and args.sweep_concurrency is None:
-        raise BenchError("--plot needs --sweep-concurrency")
     if not args.base_url.startswith(("http://", "https://")):
         raise BenchError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
-    if args.dataset is None:
-        for flag, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
-                            ("--output-len", args.output_len)):
-            if value is None:
-                raise BenchError(f"{flag} is required for random prompts (or give --dataset)")
 
 
 def _urls(base_url: str, endpoint: str) -> tuple[str, str]:
@@ -253,6 +277,8 @@ async def _bench(args, prompts, kind: str, url: str, models_url: str) -> int:
         if args.json_path:
             report.write_json(args.json_path, config, runs[0]["summary"], runs[0]["records"],
                               runs[0]["t0"])
+        if args.plot:
+            _plot_run(args, runs[0], model)
         return 0 if runs[0]["summary"]["completed"] else 1
     _finish_sweep(args, config, runs, metrics, model)
     return 0 if all(r["summary"]["completed"] for r in runs) else 1
@@ -293,6 +319,21 @@ def _finish_sweep(args, config, runs, metrics, model) -> None:
                          f"max({args.num_prompts}, concurrency) requests per level",
                          roof, in_len, out_len)
         print(f"servelm bench: wrote {args.plot}", file=sys.stderr)
+
+
+def _plot_run(args, run, model) -> None:
+    """The single run's picture: latency distributions and throughput over time."""
+    from servelm.bench import plot
+
+    shape = (f"{args.input_len} in / {args.output_len} out" if args.dataset is None
+             else f"dataset {args.dataset}")
+    mode = (f"concurrency {args.concurrency}" if args.concurrency is not None
+            else f"request rate {args.request_rate:g}/s")
+    s = run["summary"]
+    series = plot.run_series(run["records"], run["t0"], s["duration_s"])
+    plot.plot_run(series, args.plot, f"servelm bench: {model}, {shape}, {mode}, "
+                  f"{s['completed']} of {len(run['records'])} requests completed")
+    print(f"servelm bench: wrote {args.plot}", file=sys.stderr)
 
 
 async def _run_level(args, client, url, model, prompts, payload, headers, concurrency):
@@ -345,6 +386,7 @@ def run_bench(args) -> int:
     from servelm.bench.client import endpoint_kind
 
     try:
+        apply_defaults(args)
         _check_args(args)
         try:
             kind = endpoint_kind(args.endpoint)
