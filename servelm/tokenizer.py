@@ -108,6 +108,9 @@ class Tokenizer:
         eos_ids = {i for i in (self.eos_token_id, *extra_eos_token_ids) if i is not None}
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self.chat_template = chat_template
+        # Template variables every render gets unless the call overrides them
+        # (--chat-template-kwargs).
+        self.default_template_kwargs: dict[str, Any] = {}
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added_special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         named = {self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id} - {None}
@@ -115,7 +118,6 @@ class Tokenizer:
         # Mirrors transformers: explicit flags (or a missing post-processor) rebuild the post-processor.
         if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
-        self._compiled_template: jinja2.Template | None = None
         self._max_token_chars: int | None = None
         self._token_texts: dict[int, str] = {}
 
@@ -340,25 +342,29 @@ class Tokenizer:
         return bool(self.chat_template) and "tools" in self.chat_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render `messages` with the model's chat template, as transformers does (tokenize=False).
 
         A message's `content` may be a string or a list of `{"type": "text", "text": ...}` parts,
-        which are joined with newlines. ValueError if the model has no template, a part is not text,
-        or the template rejects the conversation.
+        which are joined with newlines. `chat_template` renders with that template instead of
+        the model's; `template_kwargs` become template variables (vLLM's
+        chat_template_kwargs, e.g. enable_thinking), over `default_template_kwargs`. ValueError
+        if there is no template, a part is not text, or the template rejects the conversation.
         """
-        if not self.chat_template:
-            raise ValueError("the model has no chat template")
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+        source = chat_template or self.chat_template
+        if not source:
+            raise ValueError(NO_CHAT_TEMPLATE)
         conversation = [_flatten_message(m) for m in messages]
+        variables = {**self.default_template_kwargs, **(template_kwargs or {})}
+        for name in ("messages", "tools", "add_generation_prompt"):
+            variables.pop(name, None)  # these are the request's own
         try:
-            return self._compiled_template.render(
+            return _compile_template(source).render(
+                **{"documents": None, **self._special_tokens, **variables},
                 messages=conversation,
                 tools=tools,
-                documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
@@ -399,6 +405,31 @@ def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[
         out += [(lft, rgt, score) for lft, rgt in local]
     out.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(lft, rgt) for lft, rgt, _ in out]
+
+
+NO_CHAT_TEMPLATE = ("the model has no chat template (a base model?): pass one with "
+                    "--chat-template FILE_OR_JINJA (serve, chat, generate), chat_template= "
+                    "(LLM.chat) or the request's 'chat_template' field, or send a plain prompt "
+                    "to /v1/completions")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's argument: a file's path (read), or the Jinja source itself (as vLLM
+    takes it). The template is compiled here, so a broken one fails at start-up."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+        if value.endswith(".json"):  # a chat_template.json, as HF repos ship it
+            source = json.loads(source).get("chat_template", "")
+    elif any(c in value for c in "{}\n"):
+        source = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file (and not an inline Jinja "
+                         f"template)")
+    if not source or not isinstance(source, str):
+        raise ValueError(f"--chat-template {value!r} holds no template")
+    _compile_template(source)  # ValueError naming the syntax error
+    return source
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 from contextlib import asynccontextmanager
 from typing import Callable, TypeVar
 
@@ -75,8 +76,13 @@ def _parse(body: bytes, model: type[M]) -> M:
         raise from_validation_error(e) from None
 
 
-def _cache_salt(key_salt: str | None, request_salt: str | None) -> str | None:
-    """One prefix-cache namespace per (API key, cache_salt); None: the shared one."""
+def _cache_salt(key_salt: str | None, request_salt: str | None,
+                cache_prompt: bool = True) -> str | None:
+    """One prefix-cache namespace per (API key, cache_salt); None: the shared one.
+    cache_prompt false (llama-server's): a namespace of the request's own, so it reads no
+    cached prefix and leaves none that another request could find."""
+    if not cache_prompt:
+        return f"{key_salt or ''}/{request_salt or ''}/{uuid.uuid4().hex}"
     if key_salt is None and request_salt is None:
         return None
     return f"{key_salt or ''}/{request_salt or ''}"
@@ -212,7 +218,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
             return req, endpoint.prepare(ctx, req)
 
         req, prepared = await asyncio.to_thread(prepare)
-        gen = Generation(ctx, prepared, _cache_salt(request.state.key_salt, req.cache_salt))
+        salt = _cache_salt(request.state.key_salt, req.cache_salt, req.cache_prompt)
+        gen = Generation(ctx, prepared, salt)
         if req.stream:
             return EventStreamResponse(endpoint.stream(ctx, req, gen), on_close=gen.close)
         return await _unless_disconnected(request, endpoint.complete(ctx, req, gen), gen)

@@ -36,9 +36,11 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     if tools and not tok.renders_tools:
         messages = _describe_tools(messages, tools)
     try:
-        text = tok.apply_chat_template(messages, tools=tools)
+        text = tok.apply_chat_template(messages, tools=tools, chat_template=req.chat_template,
+                                       template_kwargs=req.template_kwargs())
     except ValueError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        param = "chat_template" if req.chat_template else "messages"
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
     fields = dict(_FIELDS)
     if req.max_completion_tokens is None:
         fields["max_tokens"] = "max_tokens"
@@ -47,7 +49,9 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = structured_outputs(ctx, req)
     parallel = req.parallel_tool_calls is not False
-    parser: ToolParser | None = ctx.tool_parser if tools else None
+    parser: ToolParser | None = (ctx.tool_parser.for_tools([t["function"]["name"]
+                                                             for t in tools])
+                                  if tools else None)
     if choice == "required" or isinstance(choice, NamedToolChoice):
         # The answer is forced into the tools' schemas by a grammar: any model can do it.
         if structured is not None:

@@ -1,7 +1,10 @@
 """Pydantic schemas of the OpenAI-compatible API: requests (strict) and responses.
 
-Requests forbid unknown fields, and fields of the OpenAI API that servelm does not implement
-are declared only so that setting them gets a 400 naming them, never silent neglect.
+Requests forbid unknown fields. The fields clients send fall in three kinds: those servelm
+honours; those that only carry metadata or policy (IGNORED_FIELDS: accepted, logged once at
+debug, no effect on the output); and those that would change the output if ignored, which
+servelm does not implement: declared only so that setting them gets a 400 naming them, never
+silent neglect.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
+
+import logging
 
 from servelm.outputs import Logprob
 from servelm.sampling_params import MAX_LOGPROBS
@@ -27,6 +32,24 @@ def _whole_number(v: Any) -> Any:
 
 # An integer field: strict, except that a float with no fractional part counts.
 Int = Annotated[int, BeforeValidator(_whole_number)]
+
+
+logger = logging.getLogger(__name__)
+
+# Fields that carry metadata or a policy with no effect on one server's output: OpenAI's
+# stored-completion and routing fields, and prompt_cache_key (a routing hint: one engine's
+# prefix cache is already shared by every request with the same cache salt).
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier",
+                  "prompt_cache_key", "verbosity")
+_ignored_seen: set[str] = set()
+
+
+def _log_ignored(request: BaseModel) -> None:
+    """One debug line per ignored field name the first time a request sets it."""
+    for name in IGNORED_FIELDS:
+        if name not in _ignored_seen and getattr(request, name, None) is not None:
+            _ignored_seen.add(name)
+            logger.debug("request field %r accepted and ignored (metadata only)", name)
 
 
 def _unsupported(name: str) -> ValueError:
@@ -91,7 +114,16 @@ class SamplingRequest(_Request):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # identifies the caller; accepted and not used
+    # Metadata and policy only (IGNORED_FIELDS): accepted, no effect on the output.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # llama-server's: false keeps this request's prompt out of the prefix cache (nothing
+    # read from it, and its blocks kept under a salt of its own, which no request shares)
+    cache_prompt: bool = True
     # servelm extensions (vLLM's names)
     top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -114,6 +146,11 @@ class SamplingRequest(_Request):
     # vLLM's: the top-N alternatives at every prompt position, in the response's
     # prompt_logprobs (not streamed: a chunk has no place for them, as in vLLM)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _note_ignored(self) -> "SamplingRequest":
+        _log_ignored(self)
+        return self
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -250,17 +287,42 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # The chat template: vLLM's chat_template_kwargs (template variables, e.g.
+    # enable_thinking) and chat_template (the Jinja source, instead of the model's).
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, min_length=1)
+    # Given to the template as a variable (gpt-oss-style templates read it); "none" also
+    # sets enable_thinking false (Qwen3-style) unless chat_template_kwargs says otherwise.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # ignored (no model uses it)
+    # Only text out: ["text"] is accepted, audio refused below.
+    modalities: list[Literal["text", "audio"]] | None = None
     # Not implemented; declared so that using them is a 400 that names them.
     functions: Any = None
     function_call: Any = None
     audio: Any = None
-    modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
 
-    @field_validator("functions", "function_call", "audio", "modalities", "prediction",
-                     "reasoning_effort", "web_search_options")
+    @field_validator("modalities")
+    @classmethod
+    def _text_only_out(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError("'modalities' other than [\"text\"] is not supported by servelm "
+                             "(it answers in text only)")
+        return v
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables this request gives the chat template."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                variables.setdefault("enable_thinking", False)
+        return variables
+
+    @field_validator("functions", "function_call", "audio", "prediction",
+                     "web_search_options")
     @classmethod
     def _unset_only(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None:
