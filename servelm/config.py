@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = (None, "int8", "int4")
+# Weight formats: None = the checkpoint's own (a GGUF's tensor types, an HF
+# quantization_config; dequantised when an explicit dtype is given), "none" = dequantised.
+QUANTIZATIONS = (None, "none", "int8", "int4")
 # How a linear layer's matmul runs (servelm.layers.linear_methods); "auto": chosen per layer
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows",
@@ -197,7 +199,16 @@ class SpeculativeConfig:
 class EngineConfig:
     """Everything an LLMEngine is built from."""
 
-    model: str | None = None  # GGUF file or HF directory; None = the embedded default
+    # GGUF file, HF directory, Hugging Face id ORG/NAME or ORG/NAME:QUANT (servelm.models.hub);
+    # None = the embedded default
+    model: str | None = None
+    revision: str | None = None  # of a Hugging Face id: branch, tag or commit
+    download_dir: str | None = None  # Hugging Face cache directory (default: HF's own)
+    tokenizer: str | None = None  # another GGUF / HF directory / id to take the tokenizer from
+    # A chat template replacing the model's (Jinja source), and variables every render gets
+    # (a request's chat_template_kwargs override them).
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
     # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32 (bfloat16 for int4
     # where the q8act kernel runs and for unquantised weights where bfp runs; int8 stays
     # float32: engine.resolve_dtype)
@@ -206,7 +217,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = physical cores (CPU)
     tensor_parallel_size: int = 1  # ranks sharing every weight (servelm.distributed); 1 = none
-    quantization: str | None = None  # weight-only: None, "int8" (per channel), "int4" (groups)
+    # weight-only: None (the checkpoint's), "none", "int8" (per channel), "int4" (groups of 32)
+    quantization: str | None = None
     # CUDA: decode steps replay captured graphs (servelm.engine.cuda_graphs) unless this is
     # set; the eager model is then used for every step, as on the CPU.
     enforce_eager: bool = False
@@ -225,8 +237,12 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of None, 'int8', 'int4', "
-                             f"got {self.quantization!r}")
+            raise ValueError(f"quantization must be one of None (the checkpoint's), 'none', "
+                             f"'int8', 'int4', got {self.quantization!r}")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs,
+                                                                    dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, "
+                             f"got {self.chat_template_kwargs!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.speculative is not None and self.tensor_parallel_size > 1:

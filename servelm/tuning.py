@@ -28,11 +28,13 @@ import copy
 import dataclasses
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
@@ -40,6 +42,7 @@ from servelm.quantization import unpacked_once
 from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 
 logger = logging.getLogger(__name__)
+progress = logging.getLogger("servelm.progress")  # what a user waits for (servelm.cli shows it)
 
 MARGIN = 0.05          # another method must beat the default by 5% to replace it
 # A model whose linear weights outgrow the last-level cache streams them from memory every
@@ -578,6 +581,14 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     cache_keys = {k: k + COLD_KEY if evict else k for k in groups}
     shapes: list[ShapeChoice] = []
     measured = False
+    todo = ([k for k in groups if kcfg.tuning == "fresh" or cache.get(cache_keys[k]) is None]
+            if tune else [])
+    if todo:
+        progress.info("measuring the matmul methods for %d of %d layer shapes on this machine "
+                      "(each %s): once, then cached in %s", len(todo), len(groups),
+                      "from memory" if evict else "timed", cache.path)
+    bar = tqdm(total=len(todo), desc="tuning matmuls", unit="shape", file=sys.stderr,
+               disable=not todo or None, leave=False)
     for key, items in groups.items():
         src = items[0][3]
         default = lm.default_method(src, act, fast, auto=not forced)
@@ -604,6 +615,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 cache.put(cache_keys[key], times, failed, invariant, cands)
                 entry = cache.get(cache_keys[key])
                 measured = True
+                bar.update(1)
             else:
                 shape.cached = True
             shape.times_us = {m: t for m, t in times_from(entry).items() if m in applicable}
@@ -623,6 +635,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 shape.times_us = {m: t if m == "amx" else [a + b for a, b in zip(t, pass_us)]
                                   for m, t in shape.times_us.items()}
         shapes.append(shape)
+    bar.close()
     report = TuningReport(shapes, source=("forced" if forced else "off" if not tune
                                           else "measured" if measured else "cached"),
                           cache_path=str(cache.path) if cache else None,
@@ -668,6 +681,9 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 m.fuse_activation()
     pack_weights(model, huge=kcfg.hugepages)
     report.seconds = time.perf_counter() - t0
+    if todo:
+        progress.info("matmul methods measured in %.0f s (cached for the next start)",
+                      report.seconds)
     logger.info("%s", report.table())
     return report
 

@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from servelm.engine.sampler import Sampler, token_logprobs
 from servelm.structured_outputs import GrammarCompiler
 from servelm.engine.scheduler import Scheduler
 from servelm.models import kv_quant
+from servelm.models.hub import resolve_model
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from servelm.roofline import Hardware, ModelShape
@@ -26,6 +27,9 @@ from servelm.sampling_params import SamplingParams
 from servelm.tuning import TuningReport, finalize_linears
 
 logger = logging.getLogger(__name__)
+# What a user waits for at start-up (loading, a first kernel tuning): the CLI shows this
+# logger at INFO whatever --log-level says.
+progress = logging.getLogger("servelm.progress")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -88,6 +92,27 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     return _DTYPES[name]
 
 
+def resolve_quantization(config: EngineConfig, ckpt) -> tuple[str | None, str]:
+    """The weight format to run (None: the activation dtype's) and how it was chosen, for
+    the log: an explicit quantization wins; else the checkpoint's own format (a GGUF's
+    tensor types, an HF quantization_config), unless an explicit dtype asks for dequantised
+    weights."""
+    if config.quantization == "none":
+        return None, "dequantised (quantization 'none')"
+    if config.quantization is not None:
+        return config.quantization, f"{config.quantization} (asked for)"
+    native, described = ckpt.native_quantization()
+    if native is not None and config.dtype != "auto":
+        return None, f"dequantised to {config.dtype} (dtype given; the file: {described})"
+    return native, described
+
+
+def _disk_bytes(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+    return os.path.getsize(path)
+
+
 def _default_kv_bytes(device: torch.device) -> int:
     """After the weights are loaded: most of what the GPU has free; on CPU a quarter of
     the available memory, at most 2 GiB."""
@@ -135,14 +160,27 @@ class LLMEngine:
         if config.num_threads or self.device.type == "cpu":
             # Default: one intra-op thread per physical core (torch may count hyper-threads).
             torch.set_num_threads(config.num_threads or physical_cores())
+        t_load = time.perf_counter()
+        ckpt = open_checkpoint(resolve_model(config.model, config.revision, config.download_dir))
+        # The weight format, decided once: the checkpoint's own unless one was asked for;
+        # every later reader (the TP ranks, the draft) sees the resolved value.
+        quantization, self.weight_format = resolve_quantization(config, ckpt)
+        self.config = config = replace(config, model=ckpt.path, quantization=quantization)
         self.dtype = resolve_dtype(config.dtype, self.device, config.quantization,
                                    config.kernels.cpu_kernels)
         # The KV pool's storage dtype: the model's, or int8 / fp8 with scales (kv_quant).
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, self.dtype)
-        ckpt = open_checkpoint(config.model)
         self.model_path = ckpt.path
         self.model_config = ckpt.config()
-        self.tokenizer = ckpt.tokenizer()
+        progress.info("loading %s (%s, %.2f GB on disk): weights %s, activations %s",
+                      ckpt.path, self.model_config.architecture, _disk_bytes(ckpt.path) / 1e9,
+                      self.weight_format, str(self.dtype).removeprefix("torch."))
+        self.tokenizer = (open_checkpoint(resolve_model(config.tokenizer, config.revision,
+                                                        config.download_dir)).tokenizer()
+                          if config.tokenizer else ckpt.tokenizer())
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
+        self.tokenizer.default_template_kwargs = dict(config.chat_template_kwargs or {})
 
         sched_cfg, cache_cfg = config.scheduler, config.cache
         max_len = self.model_config.max_position_embeddings
@@ -225,9 +263,11 @@ class LLMEngine:
         # serving does not walk it and stall a step.
         gc.collect()
         gc.freeze()
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
-                    num_blocks, cache_cfg.block_size, num_blocks * block_bytes / 2**20,
-                    self.max_model_len)
+        self.kv_capacity_tokens = num_blocks * cache_cfg.block_size
+        progress.info("ready in %.1f s; KV cache: %d tokens (%d blocks of %d, %.1f MiB), "
+                      "max_model_len %d", time.perf_counter() - t_load,
+                      self.kv_capacity_tokens, num_blocks, cache_cfg.block_size,
+                      num_blocks * block_bytes / 2**20, self.max_model_len)
 
     def _load_draft(self, max_len: int):
         """speculative_config method draft_model: the draft model, checked and loaded (its

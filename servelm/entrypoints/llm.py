@@ -24,6 +24,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 revision: str | None = None, download_dir: str | None = None,
+                 tokenizer: str | None = None, chat_template: str | None = None,
+                 chat_template_kwargs: dict | None = None,
                  kv_cache_memory: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, seed: int = 0,
@@ -38,13 +41,18 @@ class LLM:
                  kv_cache_dtype: str = "auto", commit_kv_while_idle: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
-        holds); kernel_tuning, linear_method ... are KernelConfig's fields;
+        holds). model: a GGUF file, an HF directory, a Hugging Face id ORG/NAME (revision,
+        download_dir) or ORG/NAME:QUANT; quantization None: the checkpoint's own format;
+        chat_template: a file or the Jinja source, replacing the model's;
+        kernel_tuning, linear_method ... are KernelConfig's fields;
         speculative_config as vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, num_threads=num_threads,
+            model=model, revision=revision, download_dir=download_dir, tokenizer=tokenizer,
+            chat_template=_template(chat_template), chat_template_kwargs=chat_template_kwargs,
+            dtype=dtype, device=device, seed=seed, num_threads=num_threads,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization,
             enforce_eager=enforce_eager, speculative=speculative_config,
             kernels=KernelConfig(cpu_kernels=cpu_kernels, linear_method=linear_method,
@@ -79,13 +87,22 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        chat_template: a file or the Jinja source, instead of the model's;
+        chat_template_kwargs: template variables (e.g. {"enable_thinking": False});
+        tools: OpenAI-style tool definitions, for templates that render them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
+        template = _template(chat_template)
         prompts: list[Prompt] = []
         for conv in convs:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           tools=tools, chat_template=template,
+                                           template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
@@ -118,6 +135,15 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[rid] for rid in ids]
+
+
+def _template(value: str | None) -> str | None:
+    """A chat template given as a file or as the source itself (load_chat_template)."""
+    if value is None:
+        return None
+    from servelm.tokenizer import load_chat_template
+
+    return load_chat_template(value)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
