@@ -1,4 +1,9 @@
-"""servelm command line: generate | chat."""
+"""servelm: a fast LLM inference engine and OpenAI-compatible server.
+
+Commands: serve (the HTTP API and web console), generate (one completion in the terminal),
+chat (a conversation in the terminal), bench (load-test a server), roofline (what bounds
+prefill and decode here), tune (measure the matmul methods), models (what can be served here
+without a download). `servelm COMMAND --help` shows each one's flags and their defaults."""
 
 from __future__ import annotations
 
@@ -39,14 +44,91 @@ def _speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with each flag's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default in (None, False, argparse.SUPPRESS)
+                or action.nargs == 0 or isinstance(default, list)):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+                 "fp32": "float32"}
+# vLLM's and llama-server's names for the tool-call formats servelm parses.
+TOOL_PARSER_ALIASES = {"qwen": "hermes", "qwen2_5": "hermes", "qwen25": "hermes",
+                       "llama3": "llama3_json", "llama": "llama3_json"}
+
+
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text.lower(), text.lower())
+
+
+def _tool_parser(text: str) -> str:
+    return TOOL_PARSER_ALIASES.get(text.lower(), text.lower())
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _chat_template(text: str) -> str:
+    from servelm.tokenizer import load_chat_template
+
+    try:
+        return load_chat_template(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantisation: int8 per channel, int4 in groups of 32")
+    if positional_model:  # `servelm serve MODEL`, as `vllm serve` takes it
+        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model (the same as --model)")
+    g.add_argument("--model", "-m", default=None,
+                   help="GGUF file, Hugging Face model directory, Hugging Face id ORG/NAME, or "
+                        "ORG/NAME:QUANT for a GGUF in such a repo (default: the embedded "
+                        "SmolLM2-135M); `servelm models` lists those here")
+    g.add_argument("--revision", default=None,
+                   help="of a Hugging Face id: branch, tag or commit (default: main)")
+    g.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="Hugging Face cache to read and download into (default: HF_HUB_CACHE "
+                        "or ~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 never downloads")
+    g.add_argument("--tokenizer", default=None,
+                   help="take the tokenizer (and chat template) from this model instead")
+    g.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE|JINJA",
+                   help="chat template replacing the model's: a file, or the Jinja source")
+    g.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='variables every chat template render gets, e.g. '
+                        '\'{"enable_thinking": false}\' (a request\'s own override them)')
+    g.add_argument("--dtype", type=_dtype, default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation (and unquantised weight) dtype; half, fp16, bf16, float "
+                        "and fp32 are accepted too. auto: bfloat16 where the machine runs it "
+                        "fast, else float32")
+    g.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4"],
+                   help="weight format: int8 per channel, int4 in groups of 32, none "
+                        "(dequantised). Default: the checkpoint's own (a GGUF's Q4/Q5/K-quant "
+                        "tensors int4, Q8_0/Q6_K int8, F16/BF16 as they are; an HF "
+                        "quantization_config), dequantised if --dtype is given")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=None,
+                   metavar="N", help="accepted for llama.cpp's users and ignored: every layer "
+                                     "runs on --device")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's users: servelm never runs a model's own code")
     g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                    help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -57,14 +139,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="max tokens per step (longer prompts are prefilled in chunks)")
-    g.add_argument("--max-model-len", type=int, default=None, help="cap on context length")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads (default: one per physical core)")
+    g.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=None,
+                   help="cap on context length (default: the model's)")
+    g.add_argument("--num-threads", "--threads", "-t", type=int, default=None,
+                   help="CPU threads (default: one per physical core)")
     g.add_argument("--admission-lookahead", type=int, default=64, metavar="TOKENS",
                    help="admit a request only if running ones keep room for this many more "
                         "tokens each (fewer preemptions in a tight KV pool; 0: off)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
+                   dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_true", default=True,
+                   help="share KV blocks of identical prompt prefixes (the default)")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted for vLLM's users: long prompts are always prefilled in "
+                        "chunks of --max-num-batched-tokens")
     g.add_argument("--no-kv-commit-while-idle", dest="commit_kv_while_idle",
                    action="store_false",
                    help="the server leaves the KV pool's pages to be committed as tokens land "
@@ -128,13 +218,27 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def model_arg(args) -> str | None:
+    """The model named by --model / -m or the positional MODEL (ValueError if they differ)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"two models given: {tag!r} and --model {args.model!r}")
+    return tag if tag is not None else args.model
+
+
 def build_llm(args):
     from servelm.entrypoints.llm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+    if args.n_gpu_layers is not None:
+        logging.getLogger("servelm.progress").info(
+            "--n-gpu-layers is ignored: every layer runs on --device %s", args.device)
+    return LLM(model=model_arg(args), dtype=args.dtype, device=args.device,
+               revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
+               chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs,
                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, num_threads=args.num_threads,
+               seed=getattr(args, "engine_seed", None) or 0,
                enable_prefix_caching=args.enable_prefix_caching,
                commit_kv_while_idle=args.commit_kv_while_idle,
                admission_lookahead=args.admission_lookahead,
@@ -296,10 +400,15 @@ def cmd_roofline(args) -> int:
                               kv_bits=_kv_bits(args.kv_cache_dtype, args.bits or 16,
                                                args.head_dim))
     else:
+        from servelm.models.hub import resolve_model
         from servelm.models.loader import open_checkpoint
+        from servelm.quantization import quantized_bits_per_weight
 
-        cfg = open_checkpoint(args.model).config()
-        bits = args.bits or rl.BYTES[dname] * 8
+        ckpt = open_checkpoint(resolve_model(args.model))
+        cfg = ckpt.config()
+        native, _ = ckpt.native_quantization()  # a quantised file runs quantised
+        bits = args.bits or (quantized_bits_per_weight(native) if native
+                             else rl.BYTES[dname] * 8)
         model = rl.ModelShape.from_config(
             cfg, weight_bits=bits,
             kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim))
@@ -332,9 +441,18 @@ def cmd_tune(args) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="servelm", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="servelm", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="WARNING",
+                        help="DEBUG, INFO, WARNING or ERROR (start-up progress shows at any)")
+    parser.add_argument("--version", action="version", version=f"servelm {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_parser = sub.add_parser
+
+    def add_parser(*a, **kw):  # every command's --help shows its defaults
+        return _add_parser(*a, formatter_class=HelpFormatter, **kw)
+
+    sub.add_parser = add_parser
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
@@ -346,7 +464,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     chat.add_argument("--system", default=None, help="system message")
-    add_engine_args(chat)
+    add_engine_args(chat, positional_model=True)
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
@@ -389,10 +507,25 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256,
                        help="max sequences waiting to run beyond those running (--max-num-seqs); "
                        "past it requests get 503 with Retry-After")
-    serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+    serve.add_argument("--tool-call-parser", type=_tool_parser, default="auto",
+                       choices=TOOL_CALL_PARSERS,
                        help="how answers to requests with tools are read for tool calls: "
-                       "hermes (<tool_call> JSON), llama3_json, mistral ([TOOL_CALLS]); auto "
-                       "(default): the one the chat template's format names, else hermes")
+                       "hermes (<tool_call> JSON or a bare JSON call; qwen is the same), "
+                       "llama3_json, mistral ([TOOL_CALLS]); auto (default): the one the chat "
+                       "template's format names, else hermes")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's users: tool_choice auto is always served")
+    serve.add_argument("--seed", dest="engine_seed", type=int, default=0,
+                       help="the engine's seed (a request's own 'seed' makes it reproducible)")
+    serve.add_argument("--root-path", default="",
+                       help="the path prefix a reverse proxy serves the API under")
+    serve.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this private key (PEM; with --ssl-certfile)")
+    serve.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                       help="the certificate (chain) for --ssl-keyfile (PEM)")
+    serve.add_argument("--disable-log-requests", "--no-access-log", dest="access_log",
+                       action="store_false",
+                       help="no access-log line per request (shown with --log-level INFO)")
     serve.add_argument("--served-model-name", default=None,
                        help="model name in the API (default: the model file's basename)")
     serve.add_argument("--roofline-bandwidth", type=positive(float), default=None,
@@ -401,12 +534,12 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--roofline-flops", type=positive(float), default=None,
                        metavar="TFLOP/s", help="matmul peak for /metrics utilisation "
                        "(default: measured at start)")
-    add_engine_args(serve)
+    add_engine_args(serve, positional_model=True)
     serve.set_defaults(func=cmd_serve)
 
     tune = sub.add_parser("tune", help="measure each linear layer's matmul methods here and "
                           "cache the fastest (what serve/generate/chat then read back)")
-    add_engine_args(tune)
+    add_engine_args(tune, positional_model=True)
     tune.set_defaults(func=cmd_tune, kernel_tuning="fresh")
 
     roof = sub.add_parser("roofline", help="predicted prefill/decode limits for a model here")
@@ -440,12 +573,33 @@ def make_parser() -> argparse.ArgumentParser:
     from servelm.bench.cli import add_bench_parser  # argparse only: keeps startup fast
 
     add_bench_parser(sub)
+    from servelm.models.catalog import add_models_parser
+
+    add_models_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("servelm")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Start-up progress (loading, a first kernel tuning) shows whatever the level, as plain
+    # lines on stderr.
+    progress = logging.getLogger("servelm.progress")
+    if progress.level == logging.NOTSET and not progress.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("servelm: %(message)s"))
+        progress.addHandler(handler)
+        progress.propagate = False
+        progress.setLevel(min(logging.INFO, logging.getLogger().level))
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one line, no traceback

@@ -10,10 +10,26 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_model_name(model: str | None) -> str:
-    """The name /v1/models reports: the model file's (or directory's) basename."""
+    """The name /v1/models reports: a local model file's (or directory's) basename, or the
+    Hugging Face id as given."""
     if model is None:
         return EMBEDDED_MODEL_NAME
+    if not os.path.exists(model):
+        return model
     return os.path.basename(os.path.normpath(model))
+
+
+def banner(engine, name: str, url: str) -> str:
+    """What `servelm serve` prints once it listens: where, what, and in which format."""
+    shape = f"{engine.model_config.architecture}, {engine.model_config.num_layers} layers"
+    return "\n".join([
+        f"servelm: serving {name} on {url} ({shape})",
+        f"  weights   {engine.weight_format}; activations "
+        f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}",
+        f"  KV cache  {engine.kv_capacity_tokens:,} tokens "
+        f"(max {engine.max_model_len:,} per request)",
+        f"  console   {url}/",
+        f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats)"])
 
 
 def server_options(args):
@@ -66,6 +82,13 @@ def serve(args) -> int:
     from servelm.server.transport import (DrainingServer, deadline_protocol, listen,
                                           raise_open_file_limit)
 
+    from servelm.cli import model_arg
+
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for path in (args.ssl_keyfile, args.ssl_certfile):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"no such file: {path}")
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0 <= args.port < 65536:
@@ -76,10 +99,12 @@ def serve(args) -> int:
     # Built on its own thread, which then runs it: all torch work stays on one thread.
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
-    name = args.served_model_name or default_model_name(args.model)
+    name = args.served_model_name or default_model_name(model_arg(args))
     app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
-                            http=deadline_protocol(options.header_timeout))
+                            http=deadline_protocol(options.header_timeout),
+                            root_path=args.root_path, access_log=args.access_log,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     # SIGTERM: stop accepting, refuse new requests, give those in flight shutdown_timeout.
     server = DrainingServer(config, options.shutdown_timeout, expire=engine.expire,
                             on_start=engine.start_drain)
@@ -87,7 +112,9 @@ def serve(args) -> int:
     # that was installed before it ran; a no-op handler there lets the process exit with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     host, port = sock.getsockname()[:2]
-    print(f"servelm: serving {name} on http://{host}:{port} (OpenAI API under /v1)",
+    scheme = "https" if args.ssl_keyfile else "http"
+    shown = f"[{host}]" if ":" in host else host
+    print(banner(engine.engine, name, f"{scheme}://{shown}:{port}{args.root_path}"),
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
