@@ -201,3 +201,21 @@ def add_gguf_metadata(writer, meta: dict) -> None:
             writer.add_float32(key, value)
         else:
             writer.add_string(key, value)
+
+
+def real_model(name: str) -> str:
+    """The path of a model scripts/fetch_models.py fetches (`make test` fetches what the
+    suite needs); the test skips, saying how to fetch it, where it is absent."""
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location(
+        "fetch_models", Path(__file__).parents[1] / "scripts" / "fetch_models.py")
+    fetch_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_models)
+    path = fetch_models.model_path(name)
+    if not path.is_file():
+        pytest.skip(f"{name} is not fetched: python scripts/fetch_models.py {name}")
+    return str(path)
