@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from servelm.server.tools import (ArrayCallsParser, HermesParser, Llama3JsonParser,
-                                  MistralParser, NamedCallParser, ToolCallStream, forced_schema,
+from servelm.server.tools import (CALLS, NOT_CALLS, ArrayCallsParser, HermesParser,
+                                  Llama3JsonParser, MistralParser, NamedCallParser,
+                                  ToolCallStream, bare_calls, forced_schema,
                                   parser_for_template, value_end)
 
 
@@ -166,3 +167,107 @@ def test_a_call_cut_short_streams_its_start_then_ends_as_content():
     assert content == text
     (name, args), = calls
     assert name == "f" and '{"x": 1'.startswith(args) and args
+
+
+# ---- bare calls: the whole answer a call object or an array, as small Qwen models write them --
+
+TOOL_NAMES = ["get_weather", "get_time"]
+WEATHER = '{"city": "Paris"}'
+BARE = [  # (answer, the calls it holds: [] means it is content)
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", WEATHER)]),
+    ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+     [("get_weather", '{\n    "city": "Paris"\n  }')]),
+    ('  [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"parameters": {"tz": "CET"}, '
+     '"name": "get_time"}]\n', [("get_weather", WEATHER), ("get_time", '{"tz": "CET"}')]),
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+     [("get_weather", WEATHER)]),
+    ('```\n{"name": "get_time", "arguments": {}}\n```', [("get_time", "{}")]),
+    ('{"name": "get_news", "arguments": {"city": "Paris"}}', []),           # not a tool offered
+    ('[{"name": "get_weather", "arguments": {}}, {"name": "nope", "arguments": {}}]', []),
+    ('{"city": "Paris"}', []),                                              # JSON, not a call
+    ('{"name": "get_weather"}', []),                                        # no arguments
+    ('{"name": "get_weather", "arguments": [1]}', []),
+    ('{"name": "get_weather", "arguments": "Paris"}', []),                  # a string, not JSON
+    ('{"name": "get_weather", "arguments": {}, "id": 1}', []),              # another key
+    ('{"name": "get_weather", "arguments": {}}\nThat is the call.', []),    # more than a call
+    ("{x} is the set holding only x.", []),
+    ('```python\nprint({"name": 1})\n```', []),
+    ("[]", []),
+]
+
+
+@pytest.mark.parametrize("text,calls", BARE, ids=[f"bare-{i}" for i in range(len(BARE))])
+def test_bare_calls_parse_whole_and_streamed(text, calls):
+    parser = HermesParser().for_tools(TOOL_NAMES)
+    content = "" if calls else text
+    assert whole(parser, text) == (content, calls)
+    for step in (1, 4):
+        assert streamed(parser, text, list(range(step, len(text), step))) == (content, calls)
+
+
+def test_bare_calls_need_the_requests_tools():
+    """Without the request's tool names (a parser not made for a request) JSON stays text."""
+    text = BARE[0][0]
+    assert whole(HermesParser(), text) == (text, [])
+    assert whole(HermesParser().for_tools(["other"]), text) == (text, [])
+    assert MistralParser().for_tools(TOOL_NAMES).name == "mistral"
+
+
+@pytest.mark.parametrize("text,calls", [c for c in BARE if c[1]],
+                         ids=[f"bare-{i}" for i, c in enumerate(BARE) if c[1]])
+def test_a_bare_call_streams_nothing_until_it_is_the_whole_answer(text, calls):
+    """Every prefix of a call is held back whole: no content leaks out of it, and the call
+    goes out with the last step, when nothing more can follow it."""
+    stream = ToolCallStream(HermesParser().for_tools(TOOL_NAMES))
+    for end in range(len(text) + 1):
+        assert stream.feed(text[:end], final=False) == ("", []), text[:end]
+    content, deltas = stream.feed(text, final=True)
+    assert content == "" and [d.name for d in deltas if d.id] == [n for n, _ in calls]
+
+
+def test_text_opening_like_a_call_is_released_once_it_cannot_be_one():
+    stream = ToolCallStream(HermesParser().for_tools(TOOL_NAMES))
+    assert stream.feed("{", final=False) == ("", [])
+    assert stream.feed('{"na', final=False) == ("", [])
+    assert stream.feed('{"name": "get_w', final=False) == ("", [])
+    assert stream.feed('{"name": "get_x', final=False) == ('{"name": "get_x', [])
+    assert stream.feed('{"name": "get_x", "a', final=True) == ('", "a', [])
+    stream = ToolCallStream(HermesParser().for_tools(TOOL_NAMES))
+    assert stream.feed("``", final=False) == ("", [])
+    assert stream.feed("```js", final=False) == ("", [])
+    assert stream.feed("```js\n", final=False) == ("```js", [])  # trailing whitespace held
+    stream = ToolCallStream(HermesParser().for_tools(TOOL_NAMES))
+    assert stream.feed("{x} is", final=False) == ("{x} is", [])
+    # A complete call, then more text: content after all, never a call.
+    stream = ToolCallStream(HermesParser().for_tools(TOOL_NAMES))
+    text = BARE[0][0]
+    assert stream.feed(text + "\n", final=False) == ("", [])
+    assert stream.feed(text + "\nDone", final=True) == (text + "\nDone", [])
+
+
+def test_a_bare_call_cut_short_is_content():
+    text = BARE[0][0][:-3]
+    parser = HermesParser().for_tools(TOOL_NAMES)
+    assert whole(parser, text) == (text, [])
+    assert streamed(parser, text, list(range(1, len(text)))) == (text, [])
+
+
+def test_bare_call_verdicts_never_go_back_on_not_calls():
+    """Once a text cannot be a call no longer one can: released content is never taken back."""
+    texts = [t for t, _ in BARE] + ['{"x\\u0041": 1}', '{"name": "get\\u005fweather", "a',
+                                    '```jsonx {}', '{"name": "get_weather", "arguments": {}} x']
+    for text in texts:
+        verdicts = [bare_calls(text[:end], frozenset(TOOL_NAMES))[0]
+                    for end in range(len(text) + 1)]
+        if NOT_CALLS in verdicts:
+            first = verdicts.index(NOT_CALLS)
+            assert set(verdicts[first:]) == {NOT_CALLS}, (text, verdicts)
+    assert bare_calls('{"name": "get\\u005fweather", "arguments": {}}',
+                      frozenset(TOOL_NAMES))[0] == CALLS  # an escape spelling a tool's name
+
+
+def test_tagged_calls_still_parse_with_the_requests_tools():
+    parser = HermesParser().for_tools(TOOL_NAMES)
+    assert whole(parser, HERMES_TWO) == whole(HermesParser(), HERMES_TWO)
+    cuts = list(range(3, len(HERMES_TWO), 3))
+    assert streamed(parser, HERMES_TWO, cuts) == whole(HermesParser(), HERMES_TWO)

@@ -8,7 +8,9 @@ text the model wrote for them, as written.
 
 Formats:
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated (Hermes,
-  Qwen2/2.5/3; also what servelm asks of a model whose template does not render tools);
+  Qwen2/2.5/3; also what servelm asks of a model whose template does not render tools); or,
+  as small Qwen models often answer, the whole answer one bare call object or an array of
+  them, in a ```json fence or not, each naming a tool of the request (`bare_calls`);
 - llama3_json: the whole answer is `{"name": ..., "parameters": {...}}`, calls joined by `;`
   (Llama 3.1+, after `<|python_tag|>` or not);
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer
@@ -187,12 +189,32 @@ class ToolParser:
     def new_call_id(self) -> str:
         return new_call_id()
 
+    def for_tools(self, names: list[str]) -> ToolParser:
+        """The parser for one request offering the tools `names` (this one, unless the format
+        reads calls only by the names it may name)."""
+        return self
+
 
 class HermesParser(ToolParser):
+    """Calls in <tool_call> tags; with the request's tool names (`for_tools`), also a bare
+    call object or array as the whole answer."""
+
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
+    def __init__(self, tools: frozenset[str] = frozenset()):
+        self.tools = tools
+
+    def for_tools(self, names: list[str]) -> HermesParser:
+        return HermesParser(frozenset(names))
+
     def parse(self, text: str, final: bool) -> Parsed:
+        if self.tools:
+            state, calls = bare_calls(text, self.tools)
+            if state == CALLS and final:
+                return Parsed("", calls)
+            if state != NOT_CALLS and not final:
+                return Parsed("")  # held back: it may yet be (or is, if it ends here) a call
         start = text.find(self.OPEN)
         if start < 0:
             return Parsed(text if final else text[:_held_back(text, (self.OPEN,))])
@@ -303,6 +325,151 @@ class NamedCallParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         return Parsed("", [PartialCall(self.function, text.strip() if final else text.lstrip(),
                                        complete=final)])
+
+
+# ---- bare calls: the whole answer a call object or an array of them --------------------------
+
+CALLS, MAYBE, NOT_CALLS = "calls", "maybe", "not calls"
+FENCE = "```"
+CALL_KEYS = ("name", "arguments", "parameters")
+
+
+def bare_calls(text: str, tools: frozenset[str]) -> tuple[str, list[PartialCall]]:
+    """Whether `text` is, as a whole answer, one call object or an array of them (CALLS, with
+    the calls), may still become one as it goes on (MAYBE), or cannot (NOT_CALLS). Whitespace
+    and a ```json (or bare ```) fence may wrap it; each object has exactly a "name" among
+    `tools` and "arguments" (or "parameters"): an object, or a string holding one. A verdict
+    of NOT_CALLS stands for every longer text, so content released on it is never taken back.
+    CALLS holds only where the answer ends: more text after the calls would make it content.
+    """
+    i = skip_ws(text, 0)
+    rest = text[i:]
+    fenced = rest.startswith(FENCE)
+    if not fenced and FENCE.startswith(rest):
+        return MAYBE, []  # nothing yet, or the fence's first backticks
+    if fenced:
+        i += len(FENCE)
+        tag = text[i:i + 4]
+        if tag == "json":
+            i += 4
+        elif "json".startswith(tag) and i + len(tag) == len(text):
+            return MAYBE, []
+        if i < len(text) and text[i] not in WS + "{[":
+            return NOT_CALLS, []  # another language, or a longer tag
+        i = skip_ws(text, i)
+        if i >= len(text):
+            return MAYBE, []
+    if text[i] == "{":
+        state, call, end = _bare_object(text, i, tools)
+        calls = [call] if call else []
+    elif text[i] == "[":
+        state, calls, end = _bare_array(text, i, tools)
+    else:
+        return NOT_CALLS, []
+    if state != CALLS:
+        return state, []
+    j = skip_ws(text, end)
+    if fenced and text.startswith(FENCE, j):
+        j = skip_ws(text, j + len(FENCE))
+    elif fenced and FENCE.startswith(text[j:]):
+        j = len(text)  # the closing fence partly written, or missing at the end
+    return (CALLS, calls) if j == len(text) else (NOT_CALLS, [])
+
+
+def _bare_array(s: str, i: int, tools: frozenset[str]
+                ) -> tuple[str, list[PartialCall], int]:
+    """The array of call objects at s[i] ('['): its state, calls and end (when CALLS)."""
+    calls: list[PartialCall] = []
+    j = i + 1
+    while True:
+        j = skip_ws(s, j)
+        if j >= len(s):
+            return MAYBE, [], 0
+        if s[j] != "{":
+            return NOT_CALLS, [], 0  # also an empty array: no call
+        state, call, end = _bare_object(s, j, tools)
+        if state != CALLS:
+            return state, [], 0
+        calls.append(call)
+        j = skip_ws(s, end)
+        if j >= len(s):
+            return MAYBE, [], 0
+        if s[j] == "]":
+            return CALLS, calls, j + 1
+        if s[j] != ",":
+            return NOT_CALLS, [], 0
+        j += 1
+
+
+def _could_be(partial: str, words) -> bool:
+    """Whether an unfinished JSON string's raw text may still spell one of `words`: its part
+    before any escape begins one of them (what an escape spells is left to the whole string)."""
+    head = partial.split("\\", 1)[0]
+    return any(w.startswith(head) for w in words)
+
+
+def _bare_object(s: str, i: int, tools: frozenset[str]
+                 ) -> tuple[str, PartialCall | None, int]:
+    """The call object at s[i] ('{'): its state, and the call and its end when CALLS."""
+    call, seen, j = PartialCall(), set(), i + 1
+    while True:
+        j = skip_ws(s, j)
+        if j >= len(s):
+            return MAYBE, None, 0
+        if s[j] == "}":
+            if call.name is None or call.arguments is None:
+                return NOT_CALLS, None, 0
+            call.complete = True
+            return CALLS, call, j + 1
+        if seen:
+            if s[j] != ",":
+                return NOT_CALLS, None, 0
+            j = skip_ws(s, j + 1)
+            if j >= len(s):
+                return MAYBE, None, 0
+        if s[j] != '"':
+            return NOT_CALLS, None, 0
+        key_end = value_end(s, j)
+        if key_end is None:
+            return (MAYBE if _could_be(s[j + 1:], CALL_KEYS) else NOT_CALLS), None, 0
+        key = _loads(s[j:key_end])
+        role = "name" if key == "name" else "arguments"
+        if key not in CALL_KEYS or role in seen:
+            return NOT_CALLS, None, 0
+        seen.add(role)
+        j = skip_ws(s, key_end)
+        if j < len(s) and s[j] != ":":
+            return NOT_CALLS, None, 0
+        j = skip_ws(s, j + 1)
+        if j >= len(s):
+            return MAYBE, None, 0
+        end = value_end(s, j)
+        if role == "name":
+            if s[j] != '"':
+                return NOT_CALLS, None, 0
+            if end is None:
+                return (MAYBE if _could_be(s[j + 1:], tools) else NOT_CALLS), None, 0
+            if _loads(s[j:end]) not in tools:
+                return NOT_CALLS, None, 0
+            call.name = _loads(s[j:end])
+        else:
+            if s[j] not in '{"':
+                return NOT_CALLS, None, 0
+            if end is None:
+                return MAYBE, None, 0
+            args = s[j:end] if s[j] == "{" else _loads(s[j:end])
+            if not isinstance(args, str) or not isinstance(_loads(args), dict):
+                return NOT_CALLS, None, 0
+            call.arguments = args
+        j = end
+
+
+def _loads(s: str):
+    """The JSON value of s, or None where it is not JSON."""
+    try:
+        return json.loads(s)
+    except ValueError:
+        return None
 
 
 def _checked(text: str, final: bool, start: int, calls: list[PartialCall]) -> Parsed:
