@@ -49,7 +49,7 @@ MARGIN = 0.05          # another method must beat the default by 5% to replace i
 # decode step, so its one- and 8-row buckets are timed from memory too: before each round of
 # those timings a buffer this many times the LLC is read (_Evictor). Without it a sweep
 # (SWEEP_BYTES) stays in a large L3 from one round to the next (480 MB on the AMX Xeon) and
-# the methods are ranked by their speed from L3 (README, "Choose the kernels").
+# the methods are ranked by their speed from L3 (docs/kernels.md, "Choose the kernels").
 EVICT_FACTOR = 1.5
 COLD_KEY = ":from-memory"  # the cache's key for a shape timed so
 SWEEP_BYTES = 48 << 20  # weights swept per timing of the one-row and few-row buckets
@@ -74,7 +74,7 @@ INVARIANCE_BYTES = 2 << 20  # ... on a slice of a layer holding over this (an LM
 KEEP = 1.5              # after a timing round, methods slower than this x the best drop out
 # ... but after the first round only those this much slower: one busy spell on a shared VM,
 # long enough to cover a method's whole first sweep, must not drop the method that is
-# fastest the rest of the time (a cached table keeps the choice; README, "Choose the kernels").
+# fastest the rest of the time (a cached table keeps the choice; docs/kernels.md, "Choose the kernels").
 KEEP_FIRST = 3.0
 # The DecodeStack (one C++ call per decode-only step) runs these methods, a stack for each
 # run of buckets on them; the tuner counts what it saves in the first STACK_BUCKETS buckets
@@ -83,7 +83,7 @@ KEEP_FIRST = 3.0
 # took either by chance, and with it the whole step: on an AMX Xeon the stack ran 64 streams'
 # steps ~1.15x faster than the per-op path with equal matmul times.) That is counted as
 # STACK_CALLS one-row operator calls per decoder layer, the call's time measured at
-# start-up (_op_call_us); the calibration is in the README ("Choose the kernels").
+# start-up (_op_call_us); the calibration is in docs/kernels.md ("Choose the kernels").
 STACK_METHODS = ("tiles", "q8act", "amx")
 STACK_BUCKETS = 3
 STACK_CALLS = 20
@@ -234,7 +234,7 @@ def row_invariant(module: nn.Module, x: torch.Tensor) -> bool:
     INVARIANCE_WINDOWS disjoint windows of m rows of x equals those rows of module(x). A
     kernel that switches algorithm or splits the reduction by row count fails it. In bf16
     the output's rounding hides most of the fp32 sums such a switch changes, so one window
-    may miss it (README, "Choose the kernels"): the windows look at up to 8x as many rows."""
+    may miss it (docs/kernels.md, "Choose the kernels"): the windows look at up to 8x as many rows."""
     try:
         full = module(x)
         n = x.shape[0]

@@ -42,7 +42,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 # Groups whose longest sequence attends fewer keys than this stay on the C++ op, which takes
 # a whole group in one call: a sequence at a time, PyTorch's flash attention loses to it on
-# many short prompts (README, "Choose the kernels"). time_prompt measures from here up.
+# many short prompts (docs/kernels.md, "Choose the kernels"). time_prompt measures from here up.
 SDPA_MIN_KEYS = 512
 
 

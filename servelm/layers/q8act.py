@@ -6,7 +6,7 @@ products summed exactly in integers by the AVX2 byte multiply-add (four times th
 of an fp32 FMA a vector), then scaled per block in fp32. That is llama.cpp's Q4_0 x Q8_0 and
 OpenVINO's CPU dynamic quantisation (groups of 32): a batch or a prompt, compute-bound, runs
 up to about twice the fp32 panels' rate. The price is the activations' rounding: about 8
-bits a block, coarser than bf16's (the model-level effect: README, "q8act"; tested in
+bits a block, coarser than bf16's (the model-level effect: docs/kernels.md, "q8act"; tested in
 tests/test_quantization.py), so the method applies to bf16 activations only (fp32 runs keep
 fp32-accurate methods). Each
 row is quantised and reduced on its own, in order: its bits do not depend on the row count.
