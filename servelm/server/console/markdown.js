@@ -4,14 +4,15 @@
 // text with their address, not made clickable.
 //
 // Blocks: fenced code (``` or ~~~, left open while an answer streams), headings, lists,
-// block quotes, rules, paragraphs (single newlines kept). Inline: `code`, **bold**,
-// *italic*, ~~struck~~, [text](address).
+// block quotes, rules, GitHub-style pipe tables, paragraphs (single newlines kept).
+// Inline: `code`, **bold**, *italic*, ~~struck~~, [text](address).
 
 const FENCE = /^\s*(```+|~~~+)\s*([\w#+.-]*)\s*$/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^\s*>\s?(.*)$/;
 const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
+const DELIMITER_CELL = /^\s*(:?)-+(:?)\s*$/;
 const INLINE = new RegExp([
   /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/.source,             // 1, 2: code
   /\*\*(?=\S)([\s\S]*?\S)\*\*/.source,                     // 3: bold
@@ -55,6 +56,61 @@ export function renderInline(parent, text) {
   if (last < text.length) parent.append(document.createTextNode(text.slice(last)));
 }
 
+/** A table row's cells: split on unescaped pipes, an outer pipe at either end dropped;
+ * `\|` stands for a pipe inside a cell (code spans included, as on GitHub). */
+function tableCells(line) {
+  const cells = [""];
+  const row = line.trim();
+  for (let i = 0; i < row.length; i++) {
+    if (row[i] === "\\" && row[i + 1] === "|") {
+      cells[cells.length - 1] += "|";
+      i++;
+    } else if (row[i] === "|") {
+      cells.push("");
+    } else {
+      cells[cells.length - 1] += row[i];
+    }
+  }
+  if (row.startsWith("|")) cells.shift();
+  if (cells.length > 1 && /(^|[^\\])\|$/.test(row)) cells.pop();
+  return cells.map((c) => c.trim());
+}
+
+/** The columns' alignments ("left", "center", "right" or "") if `line` is a table's
+ * delimiter row (`|---|:---:|--:|`), else null. */
+function alignments(line) {
+  if (!line.includes("-") || !/^[\s|:-]+$/.test(line)) return null;
+  const cells = tableCells(line);
+  const aligns = [];
+  for (const cell of cells) {
+    const m = DELIMITER_CELL.exec(cell);
+    if (!m) return null;
+    aligns.push(m[1] && m[2] ? "center" : m[2] ? "right" : m[1] ? "left" : "");
+  }
+  return aligns;
+}
+
+/** A <table> (in a wrapper that scrolls sideways if it must) of the header row, the
+ * alignments and the body rows; each row has the header's number of cells, padded or cut. */
+function table(header, aligns, rows) {
+  const wrap = el("div", "table");
+  const t = wrap.appendChild(el("table"));
+  const addRow = (parent, cells, tag) => {
+    const tr = parent.appendChild(el("tr"));
+    aligns.forEach((align, j) => {
+      const cell = tr.appendChild(el(tag));
+      if (align) cell.dataset.align = align;
+      renderInline(cell, cells[j] ?? "");
+    });
+  };
+  addRow(t.appendChild(el("thead")), header, "th");
+  if (rows.length) {
+    const body = t.appendChild(el("tbody"));
+    for (const cells of rows) addRow(body, cells, "td");
+  }
+  return wrap;
+}
+
 function paragraph(lines) {
   const p = el("p");
   lines.forEach((line, i) => {
@@ -94,6 +150,18 @@ export function renderMarkdown(text) {
       const h = el(`h${Math.min(6, m[1].length + 2)}`);
       renderInline(h, m[2]);
       out.append(h);
+    } else if (line.includes("|") && i + 1 < lines.length
+               && alignments(lines[i + 1])?.length === tableCells(line).length) {
+      // A header row, then its delimiter row; body rows up to a blank or pipeless line
+      // (GitHub would take a pipeless line as a one-cell row; models mean a paragraph).
+      flush();
+      const aligns = alignments(lines[i + 1]);
+      const rows = [];
+      for (i += 2; i < lines.length && lines[i].includes("|") && lines[i].trim(); i++) {
+        rows.push(tableCells(lines[i]));
+      }
+      i--;
+      out.append(table(tableCells(line), aligns, rows));
     } else if (RULE.test(line)) {
       flush();
       out.append(el("hr"));
