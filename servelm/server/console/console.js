@@ -74,16 +74,23 @@ async function connect() {
     const res = await api("/v1/models");
     if (!res.ok) throw new Error(await errorText(res));
     const { data } = await res.json();
+    // An option is the model's whole name; its context length is shown beside the picker.
     $("model").replaceChildren(...data.map((m) => {
       const o = document.createElement("option");
-      o.value = m.id;
-      o.textContent = m.max_model_len ? `${m.id} (${m.max_model_len} tokens)` : m.id;
+      o.value = o.textContent = m.id;
+      if (m.max_model_len) o.dataset.len = `${num(m.max_model_len)} tokens`;
       return o;
     }));
+    showModelLength();
     setStatus(`connected · ${data.length} model${data.length === 1 ? "" : "s"}`, "ok");
   } catch (e) {
     if (!(e instanceof AuthError)) setStatus(`cannot list models: ${e.message}`, "bad");
   }
+}
+
+function showModelLength() {
+  const m = $("model");
+  $("model-len").textContent = m.options[m.selectedIndex]?.dataset.len || "";
 }
 
 // ---- chat -------------------------------------------------------------------------------------
@@ -341,6 +348,7 @@ async function poll() {
 $("send").addEventListener("click", send);
 $("stop").addEventListener("click", () => controller?.abort());
 $("clear").addEventListener("click", clearChat);
+$("model").addEventListener("change", showModelLength);
 $("input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
     e.preventDefault();

@@ -5,7 +5,11 @@
 // compute-bound; its distance below the roof is what the phase leaves on the table.
 
 const NS = "http://www.w3.org/2000/svg";
-const W = 640, H = 330, LEFT = 60, RIGHT = 24, TOP = 16, BOTTOM = 42;
+const H = 330, LEFT = 60, RIGHT = 24, TOP = 16, BOTTOM = 42;
+// The drawing's width in viewBox units: the chart's CSS width within these bounds, so its
+// labels keep their size from a phone's width up, and only a very wide chart scales them up.
+const MIN_W = 320, MAX_W = 760;
+const CHAR_W = 6.2;  // a label character's width, about, at the chart's 11 px
 const PREFIXES = [[1e15, "P"], [1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
 
 /** `v` with an SI prefix, to three significant digits: si(2.54e10, "B/s") = "25.4 GB/s". */
@@ -36,6 +40,9 @@ export function phasePoint(phase) {
 /** Redraw `svg` for `roof` (stats.roofline). */
 export function drawRoofline(svg, roof) {
   svg.replaceChildren();
+  const W = Math.round(Math.min(MAX_W, Math.max(MIN_W, svg.clientWidth || 640)));
+  const box = `0 0 ${W} ${H}`;
+  if (svg.getAttribute("viewBox") !== box) svg.setAttribute("viewBox", box);
   const hw = roof.machine;
   const points = ["decode", "prefill"]
     .map((name) => ({ name, p: phasePoint(roof[name]) }))
@@ -81,13 +88,18 @@ export function drawRoofline(svg, roof) {
       `ridge ${si(ridge)} FLOP/B`);
     node(svg, "text", { x: sx(ridge) - 8, y: H - BOTTOM - 22, class: "region left" }, "memory-bound ←");
     node(svg, "text", { x: sx(ridge) + 8, y: H - BOTTOM - 22, class: "region right" }, "→ compute-bound");
-    node(svg, "text", { x: W - RIGHT - 4, y: sy(hw.flops) - 6, class: "roof-label end" },
-      `compute roof ${si(hw.flops, "FLOP/s")}`);
-    // The bandwidth label runs along its roof, at the slope's on-screen angle.
+    // Above the compute roof at its right end; under it where a narrow chart would bring
+    // it back over the ridge (and the bandwidth roof's label).
+    const computeLabel = `compute roof ${si(hw.flops, "FLOP/s")}`;
+    const above = W - RIGHT - 4 - computeLabel.length * CHAR_W > sx(ridge) + 8;
+    node(svg, "text", { x: W - RIGHT - 4, y: sy(hw.flops) + (above ? -6 : 16),
+      class: "roof-label end" }, computeLabel);
+    // The bandwidth label runs along its roof, at the slope's on-screen angle, centred on
+    // the slope's middle decade.
     const xm = Math.sqrt(xStart * ridge);
     const angle = (Math.atan2(sy(hw.bandwidth * ridge) - sy(hw.bandwidth * xStart),
       sx(ridge) - sx(xStart)) * 180) / Math.PI;
-    node(svg, "text", { x: sx(xm), y: sy(hw.bandwidth * xm) - 6, class: "roof-label",
+    node(svg, "text", { x: sx(xm), y: sy(hw.bandwidth * xm) - 6, class: "roof-label mid",
       transform: `rotate(${angle} ${sx(xm)} ${sy(hw.bandwidth * xm) - 6})` },
     `bandwidth roof ${si(hw.bandwidth, "B/s")}`);
   }
@@ -101,7 +113,8 @@ export function drawRoofline(svg, roof) {
       node(g, "line", { class: "headroom", x1: cx, x2: cx, y1: cy, y2: sy(attainable) });
     }
     node(g, "circle", { cx, cy, r: 6 });
-    const label = `${name}${p.bound ? ` · ${p.bound}-bound` : ""}`;
+    // The bound as well where the chart is wide enough for it (the table below says it too).
+    const label = `${name}${p.bound && W >= 480 ? ` · ${p.bound}-bound` : ""}`;
     // Beside the point if it fits, else under it (the roof is always above a point); moved
     // down past any label already there.
     const width = label.length * 7;
