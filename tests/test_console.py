@@ -416,3 +416,227 @@ def test_model_output_cannot_inject_html(console, server):
     assert out.locator("pre code").text_content() == '<iframe src="/"></iframe>'
     assert "(javascript:alert(1))" in text  # an address is shown, never followed
     rec.assert_clean(server.url)
+
+
+# ---- the layout, 360 px to 4K, and Markdown tables --------------------------------------------
+
+LONG_NAME = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+# An answer with a table, a long unbroken word and a long code line: none may widen the page.
+TABLE_ANSWER = (
+    "Two models compared:\n\n"
+    "| Model | Params | Notes |\n"
+    "|:---|---:|:---:|\n"
+    f"| `{LONG_NAME}` | 1.5 B | **fast**, splits on `a\\|b` |\n"
+    "| SmolLM2 | 135 M |\n"
+    "\nThen a word too long for any line: " + "w" * 150 + "\n\n"
+    "```python\nprint(" + "'code', " * 40 + ")\n```\n")
+
+
+def sse(text: str, pieces: int = 6) -> str:
+    """`text` as a chat completion's event stream, in `pieces` chunks."""
+    step = -(-len(text) // pieces)
+    chunks = [{"choices": [{"index": 0, "delta": {"content": text[i:i + step]},
+                            "finish_reason": None}]} for i in range(0, len(text), step)]
+    chunks[-1]["choices"][0]["finish_reason"] = "stop"
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+@pytest.fixture(scope="module")
+def wide_content(browser, server):
+    """A second console page whose server lists a long model name first (served here by a
+    route) and whose chat holds TABLE_ANSWER; its dashboard polls the real server, which has
+    answered two chats (every figure then has a value, at its widest)."""
+    for t in concurrent_chats(server.url, 2, 16):
+        t.join()
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    rec = Recorder(page)
+    models = {"object": "list", "data": [
+        {"id": LONG_NAME, "object": "model", "owned_by": "servelm", "max_model_len": 32768},
+        {"id": MODEL, "object": "model", "owned_by": "servelm", "max_model_len": 1024}]}
+    page.route("**/v1/models", lambda route: route.fulfill(json=models))
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=sse(TABLE_ANSWER)))
+    page.goto(f"{server.url}/")
+    page.get_by_test_id("api-key-input").fill(KEY)
+    page.get_by_test_id("api-key-submit").click()
+    page.locator("#model option").first.wait_for(state="attached", timeout=60_000)
+    ask(page, "Compare two models in a table.", 64)
+    last_answer(page)
+    page.wait_for_function("() => document.querySelector('#roofline .roof')", timeout=60_000)
+    yield page, rec
+    page.close()
+
+
+# Every way the page can fail to fit, as a list of sentences (empty: it fits). A "card" is
+# the header, the chat panel or a dashboard card. An element inside a card must lie within the
+# card's box, unless an element between them clips it (it then scrolls there: only a code
+# block or a table may scroll sideways); no two runs of text overlap (the chart's own labels
+# aside); no title is cut; the model picker has room for its selected name.
+LAYOUT_PROBLEMS = """() => {
+    const problems = [];
+    const view = document.documentElement.clientWidth;
+    if (document.documentElement.scrollWidth > view) {
+        problems.push(`the page scrolls sideways: ${document.documentElement.scrollWidth} px`);
+    }
+    const name = (e) => `${e.tagName.toLowerCase()}${e.id ? '#' + e.id : ''}` +
+        `${[...e.classList].map((c) => '.' + c).join('')} "${e.textContent.trim().slice(0, 30)}"`;
+    const clips = (e) => getComputedStyle(e).overflowX !== 'visible';
+    const cards = [...document.querySelectorAll('.top, .chat, .card')];
+    for (const card of cards) {
+        const box = card.getBoundingClientRect();
+        if (box.left < -0.5 || box.right > view + 0.5) problems.push(`${name(card)} off screen`);
+        for (const e of [card, ...card.querySelectorAll('*')]) {
+            if (!e.getClientRects().length) continue;  // not rendered
+            if (clips(e) && e.scrollWidth > e.clientWidth + 1 && !e.matches('pre, .table')) {
+                problems.push(`${name(e)} scrolls sideways: ${e.scrollWidth} > ${e.clientWidth}`);
+            }
+            let clipped = false;
+            for (let a = e.parentElement; e !== card && a !== card; a = a.parentElement) {
+                clipped ||= clips(a);
+            }
+            const r = e.getBoundingClientRect();
+            if (e === card || clipped || (!r.width && !r.height)) continue;
+            if (r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5
+                || r.bottom > box.bottom + 0.5) {
+                problems.push(`${name(e)} overflows ${name(card)}`);
+            }
+        }
+        // Runs of text, one box a line, from distinct text nodes: where they show (cut by
+        // the elements that clip them), none may overlap.
+        const runs = [];
+        const walk = document.createTreeWalker(card, NodeFilter.SHOW_TEXT);
+        for (let t; (t = walk.nextNode());) {
+            if (!t.data.trim() || t.parentElement.closest('svg')) continue;
+            const range = document.createRange();
+            range.selectNodeContents(t);
+            for (let r of range.getClientRects()) {
+                r = DOMRect.fromRect(r);
+                for (let a = t.parentElement; a !== card.parentElement; a = a.parentElement) {
+                    if (!clips(a)) continue;
+                    const c = a.getBoundingClientRect();
+                    const left = Math.max(r.left, c.left), top = Math.max(r.top, c.top);
+                    r = new DOMRect(left, top, Math.max(0, Math.min(r.right, c.right) - left),
+                                    Math.max(0, Math.min(r.bottom, c.bottom) - top));
+                }
+                if (r.width && r.height) runs.push([t, r]);
+            }
+        }
+        for (let i = 0; i < runs.length; i++) {
+            for (let j = i + 1; j < runs.length; j++) {
+                const [t, a] = runs[i], [u, b] = runs[j];
+                const dx = Math.min(a.right, b.right) - Math.max(a.left, b.left);
+                const dy = Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top);
+                if (t !== u && dx > 1 && dy > 1) {
+                    problems.push(`"${t.data.trim()}" overlaps "${u.data.trim()}"`);
+                }
+            }
+        }
+    }
+    for (const h of document.querySelectorAll('h1, h2')) {
+        if (h.getClientRects().length && h.scrollWidth > h.clientWidth) {
+            problems.push(`title ${name(h)} cut: ${h.scrollWidth} > ${h.clientWidth} px`);
+        }
+    }
+    // The picker's room for text (its width less its padding) against the selected name's.
+    const select = document.getElementById('model');
+    const style = getComputedStyle(select);
+    const ctx = document.createElement('canvas').getContext('2d');
+    ctx.font = style.font;
+    const text = select.options[select.selectedIndex].text;
+    const room = select.clientWidth - parseFloat(style.paddingLeft)
+        - parseFloat(style.paddingRight);
+    if (ctx.measureText(text).width > room + 0.5) {
+        problems.push(`the picker shows ${room} px of "${text}", ` +
+                      `${ctx.measureText(text).width} px wide`);
+    }
+    return problems;
+}"""
+
+
+@pytest.mark.parametrize("width", [360, 420, 1024, 1440, 3840])
+def test_console_fits_the_window(wide_content, server, width):
+    """At each width the whole page fits: no card overflows or overlaps its text, no title is
+    cut, the picker shows the long model name whole; a screenshot of each is kept."""
+    page, rec = wide_content
+    page.set_viewport_size({"width": width, "height": 900})
+    for _ in range(2):  # the dashboard redrawn at this width (the chart follows its width)
+        with page.expect_response("**/v1/stats"):
+            pass
+    assert page.locator("#model").input_value() == LONG_NAME
+    problems = page.evaluate(LAYOUT_PROBLEMS)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / f"console-{width}px.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert problems == [], f"{len(problems)} problems at {width} px (see {shot}): {problems[:12]}"
+    rec.assert_clean(server.url)
+
+
+def test_chat_answer_renders_a_markdown_table(wide_content):
+    """TABLE_ANSWER's pipe table is a <table>: its header, alignments and cells (a short row
+    padded, an escaped pipe kept in its code), with the text around it as paragraphs."""
+    page, _ = wide_content
+    out = page.get_by_test_id("chat-output")
+    table = out.locator("table")
+    assert table.count() == 1
+    assert table.locator("thead th").all_text_contents() == ["Model", "Params", "Notes"]
+    assert [th.get_attribute("data-align") for th in table.locator("thead th").all()] == [
+        "left", "right", "center"]
+    rows = table.locator("tbody tr").all()
+    assert [r.locator("td").all_text_contents() for r in rows] == [
+        [LONG_NAME, "1.5 B", "fast, splits on a|b"], ["SmolLM2", "135 M", ""]]
+    assert rows[0].locator("td").first.locator("code").text_content() == LONG_NAME
+    assert rows[0].locator("td strong").text_content() == "fast"
+    assert rows[0].locator("td").last.locator("code").text_content() == "a|b"
+    assert out.locator("p").first.text_content() == "Two models compared:"
+    assert "|" not in out.locator("p").all_text_contents()[1]
+
+
+# renderMarkdown run in the page on each text: its top-level blocks, a table as its header and
+# body cells ([text, alignment] each), anything else as [tag, text, tags inside it].
+RENDER = """async (texts) => {
+    const { renderMarkdown } = await import('/console/markdown.js');
+    const cells = (row) => [...row.children].map((c) => [c.textContent, c.dataset.align || '']);
+    return texts.map((text) => {
+        const box = document.createElement('div');
+        box.append(renderMarkdown(text));
+        return [...box.children].map((b) => {
+            const t = b.querySelector('table');
+            if (!t) return [b.tagName.toLowerCase(), b.textContent,
+                            [...b.querySelectorAll('*')].map((e) => e.tagName.toLowerCase())];
+            return {head: [...t.tHead.rows].map(cells),
+                    body: [...t.tBodies].flatMap((tb) => [...tb.rows].map(cells)),
+                    tags: [...new Set([...t.querySelectorAll('th *, td *')]
+                                      .map((e) => e.tagName.toLowerCase()))]};
+        });
+    });
+}"""
+
+
+def test_markdown_renders_pipe_tables(console):
+    """GitHub's pipe tables, in the page: outer pipes optional, alignments, escaped pipes,
+    rows padded or cut to the header's width, markup in a cell kept as text; a delimiter row
+    of another width, or none, leaves the lines a paragraph."""
+    page, _ = console
+    texts = ["a | b\n--|--\n1 | 2",
+             "| x |\n|---|",
+             "before\n| l | c | r |\n| :-- | :-: | --: |\n"
+             "| <img src=x onerror=alert(1)> | `c\\|d` | *e* |\n| 1 | 2 | 3 | 4 |\n| 5 |\n\nafter",
+             "| a | b |\n|---|\n| 1 | 2 |",
+             "| a | b |\n|---|---|\nplain text",
+             "| a | b |\n| - | x |"]
+    got = page.evaluate(RENDER, texts)
+    assert got[0] == [{"head": [[["a", ""], ["b", ""]]], "body": [[["1", ""], ["2", ""]]],
+                       "tags": []}]
+    assert got[1] == [{"head": [[["x", ""]]], "body": [], "tags": []}]
+    assert got[2] == [
+        ["p", "before", []],
+        {"head": [[["l", "left"], ["c", "center"], ["r", "right"]]],
+         "body": [[["<img src=x onerror=alert(1)>", "left"], ["c|d", "center"], ["e", "right"]],
+                  [["1", "left"], ["2", "center"], ["3", "right"]],
+                  [["5", "left"], ["", "center"], ["", "right"]]],
+         "tags": ["code", "em"]},
+        ["p", "after", []]]
+    assert got[3] == [["p", "| a | b ||---|| 1 | 2 |", ["br", "br"]]]
+    assert got[4] == [{"head": [[["a", ""], ["b", ""]]], "body": [], "tags": []},
+                      ["p", "plain text", []]]
+    assert got[5] == [["p", "| a | b || - | x |", ["br"]]]
