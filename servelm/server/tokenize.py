@@ -1,21 +1,24 @@
-"""POST /tokenize and POST /detokenize, in vLLM's shape: a prompt (or a conversation through
-the chat template) to token ids, and token ids back to text."""
+"""POST /tokenize and POST /detokenize, in vLLM's shape: a prompt (or a conversation, with
+its tools, through the chat template) to token ids, and token ids back to text."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
 from servelm.server.errors import APIError
-from servelm.server.protocol import ChatMessage, Int, _Request
+from servelm.server.chat import _describe_tools
+from servelm.server.protocol import ChatMessage, Int, ToolDefinition, _Request
 from servelm.server.serving import ServingContext, encode_prompt
 
 
 class TokenizeRequest(_Request):
-    """Exactly one of prompt (text) or messages (rendered by the chat template first)."""
+    """Exactly one of prompt (text) or messages (rendered by the chat template first, with
+    `tools` as a chat request with them renders them; like vLLM's, no tool_choice)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolDefinition] | None = Field(None, min_length=1)
     # vLLM's defaults: special tokens (BOS ...) for a prompt, none for a rendered conversation
     # (its template writes them)
     add_special_tokens: bool | None = None
@@ -46,14 +49,20 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "exactly one of 'prompt' and 'messages' is required",
                        param="prompt" if req.prompt is None else "messages", code="invalid_value")
-    if req.add_generation_prompt is not None and req.messages is None:
-        raise APIError(400, "'add_generation_prompt' applies to 'messages' only",
-                       param="add_generation_prompt", code="invalid_value")
+    for name in ("add_generation_prompt", "tools"):
+        if getattr(req, name) is not None and req.messages is None:
+            raise APIError(400, f"'{name}' applies to 'messages' only", param=name,
+                           code="invalid_value")
     if req.messages is not None:
+        # As the chat route renders them (chat.prepare), so the ids are what it would prefill.
+        messages = [m.to_template() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if tools and not tok.renders_tools:
+            messages = _describe_tools(messages, tools)
         try:
             text = tok.apply_chat_template(
-                [m.to_template() for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt is not False)
+                messages, add_generation_prompt=req.add_generation_prompt is not False,
+                tools=tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         fields, special = {"": "messages"}, bool(req.add_special_tokens)
@@ -61,7 +70,8 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
         text, fields = req.prompt, {"": "prompt"}
         special = req.add_special_tokens is not False
     ids = encode_prompt(ctx, text, fields, add_special_tokens=special)
-    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    strs = ([tok.decode([t], skip_special_tokens=False) for t in ids]
+            if req.return_token_strs else None)
     return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.engine.max_model_len,
                             tokens=ids, token_strs=strs)
 
