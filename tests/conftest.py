@@ -115,7 +115,7 @@ SLOW_FIRST = ["test_families.py", "test_quantization.py", "test_server.py", "tes
               "test_decode_benchmarks.py", "test_triton_attention.py", "test_kernels.py",
               "test_decode_layer.py", "test_prefix_caching.py", "test_formats.py",
               "test_spec_draft.py", "test_prepack.py", "test_server_api.py",
-              "test_server_first_hour.py", "test_weight_format.py"]
+              "test_server_first_hour.py", "test_tools_real.py", "test_weight_format.py"]
 
 
 def pytest_collection_modifyitems(config, items):

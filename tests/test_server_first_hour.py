@@ -118,9 +118,13 @@ def test_request_chat_template_and_kwargs(server):
         "prompt": "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
                   "<start_of_turn>model\n", "add_special_tokens": False}).json()
     assert ids["count"] == plain
-    r = chat(client, chat_template=TEMPLATE,
-             chat_template_kwargs={"greeting": "Good morning, dear model. "})
+    kwargs = {"greeting": "Good morning, dear model. "}
+    r = chat(client, chat_template=TEMPLATE, chat_template_kwargs=kwargs)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > plain + 4
+    # /tokenize renders a conversation with the same template and variables.
+    ids = client.post("/tokenize", json={"messages": MESSAGES, "chat_template": TEMPLATE,
+                                         "chat_template_kwargs": kwargs}).json()
+    assert ids["count"] == r.json()["usage"]["prompt_tokens"]
     r = chat(client, chat_template="{% for m in messages %}{{ m.content")
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 

@@ -34,7 +34,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
              if req.tools and choice != "none" else None)
     messages = [m.to_template() for m in req.messages]
     if tools and not tok.renders_tools:
-        messages = _describe_tools(messages, tools)
+        messages = describe_tools(messages, tools)
     try:
         text = tok.apply_chat_template(messages, tools=tools, chat_template=req.chat_template,
                                        template_kwargs=req.template_kwargs())
@@ -67,7 +67,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     return Prepared([(text, ids)], params, fields, parser, parallel)
 
 
-def _describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     """For a template that does not render tools: the tools described in the system message,
     and earlier calls written into their assistant turns in the format asked for there."""
     prompt = tool_system_prompt(tools)

@@ -3,10 +3,12 @@ its tools, through the chat template) to token ids, and token ids back to text."
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from servelm.server.errors import APIError
-from servelm.server.chat import _describe_tools
+from servelm.server.chat import describe_tools
 from servelm.server.protocol import ChatMessage, Int, ToolDefinition, _Request
 from servelm.server.serving import ServingContext, encode_prompt
 
@@ -19,6 +21,9 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ToolDefinition] | None = Field(None, min_length=1)
+    # As the chat route takes them (vLLM's TokenizeChatRequest has them too).
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's defaults: special tokens (BOS ...) for a prompt, none for a rendered conversation
     # (its template writes them)
     add_special_tokens: bool | None = None
@@ -49,7 +54,7 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "exactly one of 'prompt' and 'messages' is required",
                        param="prompt" if req.prompt is None else "messages", code="invalid_value")
-    for name in ("add_generation_prompt", "tools"):
+    for name in ("add_generation_prompt", "tools", "chat_template", "chat_template_kwargs"):
         if getattr(req, name) is not None and req.messages is None:
             raise APIError(400, f"'{name}' applies to 'messages' only", param=name,
                            code="invalid_value")
@@ -58,13 +63,15 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
         messages = [m.to_template() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         if tools and not tok.renders_tools:
-            messages = _describe_tools(messages, tools)
+            messages = describe_tools(messages, tools)
         try:
             text = tok.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt is not False,
-                tools=tools)
+                tools=tools, chat_template=req.chat_template,
+                template_kwargs=req.chat_template_kwargs)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            param = "chat_template" if req.chat_template else "messages"
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
         fields, special = {"": "messages"}, bool(req.add_special_tokens)
     else:
         text, fields = req.prompt, {"": "prompt"}
