@@ -71,6 +71,9 @@ def read_quant_config(cfg: dict[str, Any]) -> HFQuant | None:
     if not q:
         return None
     method = str(q.get("quant_method", "")).lower()
+    if method == "gguf":
+        # transformers' mark on a model it dequantised from a GGUF: the weights are dense.
+        return None
     if method == "awq":
         return _awq(q)
     if method == "gptq":

@@ -275,6 +275,8 @@ def resolve_model(spec: str | None, revision: str | None = None,
         return spec
     if os.path.exists(os.path.expanduser(spec)):
         return os.path.expanduser(spec)
+    if spec.startswith(("/", ".", "~")) or spec.lower().endswith(".gguf"):
+        return spec  # a path, not a name: the loader says it does not exist
     repo_id, quant = parse_name(spec)
     cache = hub_cache_dir(download_dir)
     at = f" at revision {revision!r}" if revision else ""
