@@ -184,6 +184,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "that costs at most 10%% more, measured)")
     k.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="the fastest method per row bucket, invariant or not")
+    k.add_argument("--dequantized-copy-memory", type=_size, default=None, metavar="BYTES",
+                   help="how much memory a quantised model's dequantised weight copies may "
+                        "take (the amx and onednn methods keep a layer's weight in the "
+                        "activation dtype too, for faster prompts); 0: none (default: a "
+                        "quarter of the memory available at start-up)")
     k.add_argument("--tuning-cache-dir", default=None, metavar="DIR",
                    help="where the tuning table is cached (default: ~/.cache/servelm)")
     k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
@@ -247,6 +252,7 @@ def build_llm(args):
                enforce_eager=getattr(args, "enforce_eager", False),
                kernel_tuning=args.kernel_tuning, linear_method=args.linear_method,
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
+               dequantized_copy_memory=args.dequantized_copy_memory,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
                hugepages=args.hugepages, triton_attention=args.triton_attention,
                shm_collectives=args.shm_collectives,

@@ -104,8 +104,19 @@ class KernelConfig:
     # run, else triton where it runs, else reference) or one by name, refused at start-up
     # (ValueError) where it cannot run.
     attention_backend: str = "auto"
+    # Bytes the dequantised weight copies of a quantised model may take (the amx and onednn
+    # methods hold a layer's weight again in the activation dtype, for faster prompts);
+    # past it the largest layers do without. None: a quarter of the memory available when
+    # the tuner decides; 0: none.
+    dequantized_copy_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.dequantized_copy_bytes is not None and (
+                isinstance(self.dequantized_copy_bytes, bool)
+                or not isinstance(self.dequantized_copy_bytes, int)
+                or self.dequantized_copy_bytes < 0):
+            raise ValueError(f"dequantized_copy_bytes must be an integer >= 0 or None "
+                             f"(auto), got {self.dequantized_copy_bytes!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -132,6 +132,8 @@ class TuningReport:
     invariance_cost: list[float] = dataclasses.field(default_factory=list)
     # The one- and 8-row buckets timed from memory: the weights outgrow the LLC (EVICT_FACTOR).
     from_memory: bool = False
+    # Quantised shapes that may not hold a dequantised copy (over the copies' memory budget).
+    copies_dropped: list[str] = dataclasses.field(default_factory=list)
 
     def table(self) -> str:
         inv = {None: "not checked", True: "yes", False: "no"}[self.batch_invariant]
@@ -141,6 +143,8 @@ class TuningReport:
         head = (f"linear methods ({self.source}, {self.seconds:.2f} s"
                 + (f", cache {self.cache_path}" if self.cache_path else "")
                 + ("; 1 and 8 rows timed from memory" if self.from_memory else "")
+                + (f"; {len(self.copies_dropped)} shapes without dequantised copies (budget)"
+                   if self.copies_dropped else "")
                 + f"; batch-invariant: {inv})")
         return "\n".join([head] + ["  " + s.row() for s in self.shapes])
 
@@ -651,6 +655,9 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 entry, measured = cache.get(OP_CALL_KEY), True
             per_layer = STACK_CALLS * times_from(entry)["rms_norm"][0]
             stack = StackCost(keys, len(model.layers), per_layer)
+        budget = (kcfg.dequantized_copy_bytes if kcfg.dequantized_copy_bytes is not None
+                  else available_memory() // 4)
+        report.copies_dropped = _limit_dequantised_copies(shapes, groups, act, budget)
         _decide(shapes, kcfg.batch_invariant, report, stack)
     for shape in shapes:
         for j, (qname, parent, name, src) in enumerate(groups[shape.key]):
@@ -796,6 +803,45 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
             return
         for i in idx:
             free[i][b] = alt[i]
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (what the auto budget of dequantised copies is a
+    share of)."""
+    import os
+
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def _limit_dequantised_copies(shapes: list[ShapeChoice],
+                              groups: dict[str, list[tuple[str, nn.Module, str, nn.Module]]],
+                              act: torch.dtype, budget: int) -> list[str]:
+    """Keeps the dequantised copies a quantised model's layers may hold (lm.DEQUANTISED:
+    amx and onednn hold the weight again in the activation dtype, 3-4x an int4 layer's
+    bytes, for faster prompts) within `budget` bytes, at most one per layer
+    (_one_dequantised_copy): while the shapes that could choose one would hold more, the
+    largest shape loses those methods. Returns the shapes' keys that lost them."""
+    size = torch.empty(0, dtype=act).element_size()
+    cost = {sc.key: size * sum(it[3].in_features * it[3].out_features for it in groups[sc.key])
+            for sc in shapes
+            if sc.quantised and any(m in lm.DEQUANTISED for m in sc.times_us)}
+    dropped = []
+    for key in sorted(cost, key=cost.get, reverse=True):
+        if sum(cost[k] for k in cost if k not in dropped) <= budget:
+            break
+        sc = next(sc for sc in shapes if sc.key == key)
+        sc.times_us = {m: t for m, t in sc.times_us.items() if m not in lm.DEQUANTISED}
+        sc.invariant = [m for m in sc.invariant if m not in lm.DEQUANTISED]
+        sc.candidates = [m for m in sc.candidates if m not in lm.DEQUANTISED]
+        dropped.append(key)
+    if dropped:
+        progress.info("no dequantised weight copies for %d of %d quantised layer shapes: all "
+                      "would take %.2f GB, over the budget of %.2f GB", len(dropped),
+                      len(cost), sum(cost.values()) / 1e9, budget / 1e9)
+    return dropped
 
 
 def _one_dequantised_copy(sc: ShapeChoice, methods: list[str]) -> list[str]:

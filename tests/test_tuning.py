@@ -1044,3 +1044,42 @@ def test_weights_beyond_the_llc_are_timed_from_memory_at_one_and_8_rows(tmp_path
     assert {s.key for s in warm.shapes} <= keys
     again = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
     assert again.source == "cached" and again.from_memory
+
+
+def test_dequantised_copies_stay_within_their_memory_budget():
+    """The shapes of a quantised model that could hold a bf16 copy (amx, onednn) hold them
+    only while all of them fit the budget: past it the largest shape does without (its
+    quantised methods take every bucket), then the next; plain bf16 shapes are not counted."""
+    times = {"q8act": [10, 30, 900, 9000], "amx": [12, 25, 300, 3000],
+             "onednn": [40, 60, 400, 3500]}
+
+    def shapes():
+        out = []
+        for key, n in (("int4g32/bfloat16:4864x896", 24), ("int4g32/bfloat16:896x896", 24),
+                       ("bfloat16/bfloat16:896x896", 1)):
+            sc = _shape(dict(times), ["q8act", "amx"], n=n, default="q8act")
+            sc.key = key
+            out.append(sc)
+        return out
+
+    def groups(shapes):
+        sizes = {s.key: tuple(int(x) for x in s.key.rsplit(":", 1)[1].split("x"))
+                 for s in shapes}
+        return {s.key: [("l", None, "l", torch.nn.Linear(*sizes[s.key], device="meta"))]
+                * len(s.names) for s in shapes}
+
+    big = 24 * 4864 * 896 * 2  # bf16 bytes of the large shape's copies
+    small = 24 * 896 * 896 * 2
+    for budget, dropped in ((big + small, []), (big + small - 1, ["int4g32/bfloat16:4864x896"]),
+                            (small - 1, ["int4g32/bfloat16:4864x896",
+                                         "int4g32/bfloat16:896x896"])):
+        ss = shapes()
+        got = tuning._limit_dequantised_copies(ss, groups(ss), torch.bfloat16, budget)
+        assert got == dropped, budget
+        tuning._decide(ss, False, tuning.TuningReport(ss))
+        for sc in ss:
+            held = {m for m in sc.methods if m in ("amx", "onednn")}
+            assert (not held) == (sc.key in dropped), (budget, sc.key, sc.methods)
+            assert "amx" not in sc.invariant or sc.key not in dropped
+    with pytest.raises(ValueError, match="dequantized_copy_bytes"):
+        KernelConfig(dequantized_copy_bytes=-1)

@@ -25,10 +25,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
         for t in tensors:
             if t is None or t.device.type == "meta":
                 continue
-            key = t.untyped_storage().data_ptr()
+            try:
+                key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            except NotImplementedError:  # an opaque tensor (oneDNN's packed weight)
+                key, nbytes = id(t), t.numel() * t.element_size()
             if key not in seen:
                 seen.add(key)
-                total += t.untyped_storage().nbytes()
+                total += nbytes
     return total
 
 

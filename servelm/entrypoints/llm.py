@@ -39,7 +39,8 @@ class LLM:
                  triton_attention: bool = True, attention_backend: str = "auto",
                  tuning_cache_dir: str | None = None, shm_collectives: bool = True,
                  kv_cache_dtype: str = "auto", commit_kv_while_idle: bool = True,
-                 speculative_config: dict | SpeculativeConfig | None = None):
+                 speculative_config: dict | SpeculativeConfig | None = None,
+                 dequantized_copy_memory: int | None = None):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
         holds). model: a GGUF file, an HF directory, a Hugging Face id ORG/NAME (revision,
         download_dir) or ORG/NAME:QUANT; quantization None: the checkpoint's own format;
@@ -60,7 +61,8 @@ class LLM:
                                  batch_invariant=batch_invariant, fused_decode=fused_decode,
                                  hugepages=hugepages, triton_attention=triton_attention,
                                  attention_backend=attention_backend,
-                                 shm_collectives=shm_collectives),
+                                 shm_collectives=shm_collectives,
+                                 dequantized_copy_bytes=dequantized_copy_memory),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype,
