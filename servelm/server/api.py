@@ -11,6 +11,7 @@ import hmac
 import logging
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import anyio
@@ -32,6 +33,10 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
 from servelm.server.serving import Generation, ServingContext
 from servelm.server.stats import LiveStats
 from servelm.server.tools import parser_for_template
+
+# Protocol adapters: modules whose add_routes(app, routes) serve another API (Anthropic's,
+# OpenAI's Responses, Ollama's ...) over the same generation path.
+ADAPTERS: tuple = ()
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -132,6 +137,31 @@ async def _unless_disconnected(request: Request, work, gen: Generation):
     return task.result()
 
 
+@dataclass
+class Routes:
+    """What a protocol adapter (servelm.server.ADAPTERS: another API over the same
+    generation path) needs from the app to add its routes: the serving context, the
+    options, the API-key check (a FastAPI dependency), the model check, the body reader
+    (size and time limits), and the disconnect watch of non-streaming answers."""
+
+    ctx: ServingContext
+    options: ServerOptions
+    check_api_key: Callable
+    check_model: Callable[[str], None]
+
+    async def read(self, request: Request) -> bytes:
+        return await read_body(request, self.options)
+
+    @staticmethod
+    async def unless_disconnected(request: Request, work, gen: Generation):
+        return await _unless_disconnected(request, work, gen)
+
+    @staticmethod
+    def cache_salt(request: Request, request_salt: str | None = None,
+                   cache_prompt: bool = True) -> str | None:
+        return _cache_salt(request.state.key_salt, request_salt, cache_prompt)
+
+
 def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | None = None,
               tool_call_parser: str = "auto") -> FastAPI:
     """An app serving `engine` as `model_name`; the engine thread runs for the app's lifespan.
@@ -168,6 +198,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
         if not options.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not token and request.headers.get("x-api-key"):  # Anthropic's clients send this
+            scheme, token = "bearer", request.headers["x-api-key"]
         sent = token.strip().encode()
         # Every key compared, in constant time each: which one matched does not show.
         match = None
@@ -175,7 +207,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
             if hmac.compare_digest(sent, key.encode()):
                 match = key
         if scheme.lower() != "bearer" or match is None:
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')",
                            code="invalid_api_key")
         request.state.key_salt = options.key_salt(match)
 
@@ -236,6 +269,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
 
     app.include_router(v1)
     app.include_router(console.router(bool(options.api_keys)))
+    routes = Routes(ctx, options, check_api_key, check_model)
+    for adapter in ADAPTERS:  # the other APIs, each a module with add_routes(app, routes)
+        adapter.add_routes(app, routes)
 
     # vLLM's routes, outside /v1 as there, but behind the key like every other.
     async def parse_then(request: Request, schema: type[M], handle):
