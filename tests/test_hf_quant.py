@@ -9,7 +9,6 @@ layout itself; the expected weights are (q - z) * s from those codes, in float64
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import real_model
 from servelm.models.loader import ModelLoadError, load_model, open_checkpoint
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 2, 96
@@ -427,19 +427,8 @@ def test_gguf_mix_is_weighted_by_linear_elements(tmp_path):
     assert (native, described) == ("int8", "GGUF (Q6_K 62%, Q4_K 31%, F16 8%): int8 weights")
 
 
-def _fetched(name: str) -> str:
-    spec = importlib.util.spec_from_file_location(
-        "fetch_models", Path(__file__).parents[1] / "scripts" / "fetch_models.py")
-    fetch_models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch_models)
-    path = fetch_models.model_path(name)
-    if not path.is_file():
-        pytest.skip(f"{name} is not fetched: python scripts/fetch_models.py {name}")
-    return str(path)
-
-
 def test_qwen25_q4_k_m_gguf_is_int4():
-    native, described = open_checkpoint(_fetched("qwen25-coder-0.5b")).native_quantization()
+    native, described = open_checkpoint(real_model("qwen25-coder-0.5b")).native_quantization()
     assert native == "int4"
     assert described.startswith("GGUF Q4_K_M (") and "Q4_K" in described
     assert described.endswith("): int4 weights")

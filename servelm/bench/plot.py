@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from servelm.bench.client import RequestRecord
+from servelm.bench.sweep import save_figure
 
 # Buckets of the throughput-over-time panel: a second each, finer for runs too short to
 # fill MIN_BUCKETS of them.
@@ -139,9 +140,4 @@ def plot_run(series: RunSeries, path: str, title: str) -> None:
     ax.set_xlabel("seconds from the run's start")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Output throughput over time")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, [ax], path, title)

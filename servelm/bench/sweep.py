@@ -109,6 +109,14 @@ def plot_sweep(levels: Sequence[dict[str, Any]], path: str, title: str,
         ax.set_xscale("log", base=2)
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.set_xlabel("concurrency")
+    save_figure(fig, axes, path, title)
+
+
+def save_figure(fig, axes, path: str, title: str) -> None:
+    """The bench figures' common finish: grids, legends, the title, a PNG at path."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
