@@ -54,6 +54,9 @@ class Request:
         # Until its prompt logprobs are complete: every prompt position's logits are wanted,
         # so the prefix cache is not read (cached positions would never be computed).
         self.needs_prompt_logits = False
+        # A pooling request's PoolingParams: its prompt is pooled, never sampled, and it
+        # neither reads nor fills the prefix cache (mean pooling needs every position).
+        self.pooling_params: Any = None
         # Speculative decoding: the draft tokens to verify in the next step (after the last
         # token; never part of output_token_ids until accepted), and the proposer's state.
         self.spec_token_ids: list[int] = []

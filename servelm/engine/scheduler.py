@@ -110,7 +110,8 @@ class Scheduler:
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
             cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
-                      if bm.enable_caching and not req.needs_prompt_logits else [])
+                      if bm.enable_caching and not req.needs_prompt_logits
+                      and req.pooling_params is None else [])
             num_cached = len(cached) * bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)
@@ -182,7 +183,8 @@ class Scheduler:
             if s.num_rejected:
                 # The next step runs the token after the accepted ones: keep its slot.
                 bm.truncate(req.request_id, req.num_computed_tokens + 1)
-            if bm.enable_caching and req.num_computed_tokens // bs > s.start // bs:
+            if (bm.enable_caching and req.pooling_params is None
+                    and req.num_computed_tokens // bs > s.start // bs):
                 tokens = req.token_slice(0, min(req.num_computed_tokens, req.num_tokens))
                 if s.num_draft:  # the accepted drafts are not appended yet
                     tokens += req.spec_token_ids[:req.num_computed_tokens - len(tokens)]
