@@ -1,10 +1,15 @@
-"""What the engine hands back: per-request outputs, per-sample completions, timings."""
+"""What the engine hands back: per-request outputs, per-sample completions, timings; a pooling
+request's vector (vLLM's PoolingRequestOutput, and EmbeddingRequestOutput for LLM.embed)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from servelm.engine.request import Request
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -114,3 +119,54 @@ class RequestOutput:
     def metrics(self) -> RequestMetrics | None:
         """Timings of the first sample (the only one when n == 1)."""
         return self.outputs[0].metrics if self.outputs else None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: the pooled vector (fp32, 1-D, on the CPU)."""
+
+    data: "torch.Tensor"
+
+
+_O = TypeVar("_O")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """A pooling request when it has finished (vLLM's shape; the engine reports it once).
+    num_cached_tokens is always 0: pooling requests never read the prefix cache."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None  # queue time and end-to-end latency
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding as a list of floats (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "EmbeddingOutput":
+        if output.data.ndim != 1:
+            raise ValueError("an embedding is a 1-D vector")
+        return EmbeddingOutput(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """What LLM.embed returns per prompt: `.outputs.embedding`."""
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(out.request_id, EmbeddingOutput.from_base(out.outputs),
+                                      out.prompt_token_ids, out.num_cached_tokens,
+                                      out.finished, out.prompt, out.metrics)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from servelm.engine.engine import EngineStats, LLMEngine
-from servelm.outputs import RequestOutput
+from servelm.outputs import PoolingRequestOutput, RequestOutput
+from servelm.pooling_params import PoolingParams
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException] = (
+            asyncio.Queue())
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         """Engine thread -> event loop."""
@@ -230,11 +232,35 @@ class AsyncLLMEngine:
             return snap.num_waiting + self._num_pending + n
         return max(0, snap.num_running + self._num_pending + n - self._max_seqs())
 
-    def generate(self, prompt: str | list[int] | None, params: SamplingParams,
+    def encode(self, prompt: str | list[int] | None, params: PoolingParams,
+               request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+               cache_salt: str | None = None) -> RequestStream:
+        """Validate and queue a pooling request (an embedding), under generate()'s admission
+        control and with its errors; its stream yields one PoolingRequestOutput, at the end."""
+        return self.generate(prompt, params, request_id, prompt_token_ids, cache_salt)
+
+    def check_fits(self, num_prompts: int, n: int = 1) -> None:
+        """ValueError, naming the limits, when num_prompts prompts of n samples each are more
+        sequences than could ever be admitted at once (running + queued): waiting would not
+        help, so this is the caller's error, not a full queue's (QueueFullError)."""
+        if self.max_queue is None:
+            return
+        most = self._max_seqs() + self.max_queue
+        if num_prompts * n <= most:
+            return
+        limits = (f"this server admits at most {most} sequences at once (--max-num-seqs "
+                  f"{self._max_seqs()} running + --max-queue {self.max_queue} waiting)")
+        if num_prompts == 1:
+            raise ValueError(f"n ({n}) is more samples than {limits}")
+        raise ValueError(f"{num_prompts} prompts x n={n} are {num_prompts * n} sequences, more "
+                         f"than {limits}; send them in smaller requests")
+
+    def generate(self, prompt: str | list[int] | None, params: SamplingParams | PoolingParams,
                  request_id: str | None = None,
                  prompt_token_ids: list[int] | None = None,
                  cache_salt: str | None = None) -> RequestStream:
-        """Validate and queue a request; returns its stream of outputs.
+        """Validate and queue a request; returns its stream of outputs (PoolingParams: a
+        pooling request, see encode).
 
         cache_salt keeps the request's prompt out of other salts' prefix caches.
         Must be called from a running event loop. Raises at once (nothing is queued):
@@ -245,9 +271,7 @@ class AsyncLLMEngine:
             raise ShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
-        if self.max_queue is not None and params.n > self._max_seqs() + self.max_queue:
-            raise ValueError(f"n ({params.n}) is more samples than this server can ever admit at "
-                             f"once ({self._max_seqs()} running + {self.max_queue} queued)")
+        self.check_fits(1, params.n)
         text, ids, _ = self.engine.prepare_prompt(prompt, params, prompt_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream = RequestStream(self, rid, asyncio.get_running_loop())

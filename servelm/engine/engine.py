@@ -21,7 +21,10 @@ from servelm.engine.scheduler import Scheduler
 from servelm.models import kv_quant
 from servelm.models.hub import resolve_model
 from servelm.models.loader import load_model, open_checkpoint
-from servelm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from servelm.models.config import POOLING_TYPES
+from servelm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
+                             RequestMetrics, RequestOutput)
+from servelm.pooling_params import PoolingParams
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
 from servelm.tuning import TuningReport, finalize_linears
@@ -132,6 +135,62 @@ class _Sample:
     logprobs: list | None
     emitted_tokens: int = 0
     metrics: RequestMetrics | None = None  # computed once, when the sample finishes
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How this model pools (embeddings): what its checkpoint says (GGUF <arch>.pooling_type,
+    sentence-transformers' modules), else the last token's final hidden state, normalised:
+    what a decoder trained for embeddings (Qwen3-Embedding) uses, so any chat model answers
+    too. `unsupported`: why its stated pooling cannot be run (requests are refused)."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    hidden_size: int = 0
+    matryoshka_dimensions: tuple[int, ...] | None = None  # None: no Matryoshka; (): any
+    unsupported: str | None = None
+
+    @classmethod
+    def of(cls, cfg) -> "PoolingConfig":
+        return cls(pooling_type=cfg.pooling_type or "last",
+                   normalize=True if cfg.pooling_normalize is None else cfg.pooling_normalize,
+                   hidden_size=cfg.hidden_size, matryoshka_dimensions=cfg.matryoshka_dimensions,
+                   unsupported=cfg.pooling_unsupported
+                   or (None if (cfg.pooling_type or "last") in POOLING_TYPES
+                       else f"it pools by {cfg.pooling_type}"))
+
+    def check(self, params: PoolingParams) -> None:
+        """ValueError (naming the field) for params this model cannot honour."""
+        if self.unsupported:
+            raise ValueError(f"this model cannot embed here: {self.unsupported}")
+        d = params.dimensions
+        if d is None or d == self.hidden_size:
+            return
+        if d > self.hidden_size:
+            raise ValueError(f"dimensions {d} is more than the model's {self.hidden_size}")
+        if self.matryoshka_dimensions is None:
+            raise ValueError(f"dimensions {d}: this model does not support Matryoshka "
+                             f"embeddings (its {self.hidden_size} values are one embedding; "
+                             f"leave dimensions out)")
+        if self.matryoshka_dimensions and d not in self.matryoshka_dimensions:
+            raise ValueError(f"dimensions {d} is not one this model was trained for: "
+                             f"{list(self.matryoshka_dimensions)}")
+
+
+@dataclass
+class _Pooling:
+    """A pooling request in flight: what it has pooled of its prompt so far."""
+
+    request: Request
+    params: PoolingParams
+    prompt: str | None
+    acc: torch.Tensor | None = None  # mean: the sum so far; cls: the first position's
+    next_pos: int = 0                # positions before it are in acc (recomputes skip them)
+
+
+# A pooling request's sampling params: never sampled; one "token" keeps the scheduler's
+# lookahead from reserving blocks past its prompt, and speculation away from it.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 @dataclass
@@ -255,6 +314,8 @@ class LLMEngine:
         # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._groups: dict[str, _Group] = {}
+        self._pooling: dict[str, _Pooling] = {}
+        self.pooling_config = PoolingConfig.of(self.model_config)
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
         self.stats = EngineStats()
@@ -305,7 +366,8 @@ class LLMEngine:
     # ---- requests in -------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
-                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
+                    arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None,
                     cache_salt: str | None = None) -> str:
         """Queue a prompt (text or token ids); returns the request id. ValueError if it cannot run.
@@ -313,14 +375,20 @@ class LLMEngine:
         prompt_token_ids, when given, are used as they are (prompt is then only reported back).
         cache_salt: prefix-cache blocks are shared only between requests of the same salt
         (None is a salt of its own), so cached_tokens tells nothing across salts.
+        PoolingParams make it a pooling request (an embedding): scheduled like any prompt,
+        never sampled; one PoolingRequestOutput when its last prompt chunk has run.
         """
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        if request_id in self._groups or any(c in self._owner for c in child_ids):
+        if (request_id in self._groups or request_id in self._pooling
+                or any(c in self._owner for c in child_ids)):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling(request_id, prompt, params, arrival_time,
+                                     prompt_token_ids, cache_salt)
         text, ids, max_tokens = self.prepare_prompt(prompt, params, prompt_token_ids)
         group = _Group(request_id, text, ids,
                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
@@ -347,12 +415,35 @@ class LLMEngine:
         self._groups[request_id] = group
         return request_id
 
-    def prepare_prompt(self, prompt: str | list[int] | None, params: SamplingParams,
+    def add_pooling_request(self, request_id: str | None, prompt: str | list[int] | None,
+                            params: PoolingParams | None = None,
+                            arrival_time: float | None = None,
+                            prompt_token_ids: list[int] | None = None,
+                            cache_salt: str | None = None) -> str:
+        """add_request with PoolingParams (default: the model's pooling, whole vector)."""
+        return self.add_request(request_id, prompt, params or PoolingParams(), arrival_time,
+                                prompt_token_ids, cache_salt)
+
+    def _add_pooling(self, request_id: str, prompt, params: PoolingParams,
+                     arrival_time: float | None, prompt_token_ids: list[int] | None,
+                     cache_salt: str | None) -> str:
+        text, ids, _ = self.prepare_prompt(prompt, params, prompt_token_ids)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        req = Request(request_id, ids, _POOLING_SAMPLING, 1, arrival, cache_salt=cache_salt)
+        req.pooling_params = params
+        self._pooling[request_id] = _Pooling(req, params, text)
+        self.scheduler.add_request(req)
+        return request_id
+
+    def prepare_prompt(self, prompt: str | list[int] | None,
+                       params: SamplingParams | PoolingParams,
                        prompt_token_ids: list[int] | None = None
                        ) -> tuple[str | None, list[int], int]:
         """Tokenise and check a prompt without queueing it: (text, token ids, max_tokens).
 
-        Raises ValueError naming the problem; safe to call from another thread.
+        Raises ValueError naming the problem; safe to call from another thread. A pooling
+        request (PoolingParams) may fill the whole context (it generates nothing); its
+        params are checked against the model's pooling (PoolingConfig.check).
         """
         if prompt is not None and not isinstance(prompt, (str, list, tuple)):
             # A dict would be read as its keys ("prompt token id 'prompt_token_ids'").
@@ -367,6 +458,8 @@ class LLMEngine:
             text, ids = None, list(prompt or [])
         if prompt_token_ids is not None or not isinstance(prompt, str):
             self._check_in_vocab(ids, "prompt token id")
+        if isinstance(params, PoolingParams):
+            return text, ids, self._check_pooling(ids, params)
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids entry")
         self._check_in_vocab(params.logit_bias or (), "logit_bias token id")
         return text, ids, self._check_length(ids, params)
@@ -377,6 +470,18 @@ class LLMEngine:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"{what} {t!r} is outside the vocabulary [0, {vocab})")
+
+    def _check_pooling(self, ids: list[int], params: PoolingParams) -> int:
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("embeddings are not served with tensor_parallel_size > 1 (the "
+                             "ranks return logits, not hidden states)")
+        self.pooling_config.check(params)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, but the maximum context length is "
+                             f"{self.max_model_len} tokens")
+        return 1
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> int:
         if not ids:
@@ -393,6 +498,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False if it is unknown or already done."""
+        pooling = self._pooling.pop(request_id, None)
+        if pooling is not None:
+            self._finish(pooling.request, RequestStatus.FINISHED_ABORTED)
+            self.stats.num_aborted += 1
+            return True
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
@@ -425,12 +535,13 @@ class LLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self._groups) + len(self._pooling)
 
     # ---- one step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass over the mixed batch, sample, and report progress."""
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Schedule, run one forward pass over the mixed batch, sample, and report progress
+        (a pooling request: once, when its last prompt chunk has run)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         sched = self.scheduler.schedule()
@@ -448,12 +559,21 @@ class LLMEngine:
             ids = req.token_slice(s.start, s.start + s.num_new_tokens - s.num_draft)
             if s.num_draft:
                 ids += req.spec_token_ids
-            seqs.append(SeqInput(ids, s.start, self.block_manager.block_table(req.request_id),
-                                 s.samples, all_logits=req.needs_prompt_logits,
+            table = self.block_manager.block_table(req.request_id)
+            if req.pooling_params is not None:
+                seqs.append(self._pooling_input(ids, s, table))
+                continue
+            seqs.append(SeqInput(ids, s.start, table, s.samples,
+                                 all_logits=req.needs_prompt_logits,
                                  num_logits=s.num_draft + 1))
         t0 = time.perf_counter()
-        logits, rows = self.runner.execute(seqs)
-        if any(q.all_logits for q in seqs):
+        pooled = None
+        if any(q.pooling for q in seqs):
+            logits, rows, hidden, hidden_rows = self.runner.execute_pooling(seqs)
+            pooled = (hidden, hidden_rows)
+        else:
+            logits, rows = self.runner.execute(seqs)
+        if any(q.all_logits and not q.pooling for q in seqs):
             logits, rows = self._take_prompt_logprobs(seqs, sched, logits, rows)
         if any(s.num_draft for s in sched.scheduled):
             emitted = self._verify(sched, logits, rows)
@@ -482,7 +602,63 @@ class LLMEngine:
                     break  # stopped inside an accepted run: the rest is dropped
             req.spec_token_ids = []
             touched[group.request_id] = group
-        return [self._make_output(g) for g in touched.values()]
+        outputs: list = [self._make_output(g) for g in touched.values()]
+        if pooled is not None:
+            outputs += self._pool(sched, *pooled)
+        return outputs
+
+    def _pooling_input(self, ids: list[int], s, table: list[int]) -> SeqInput:
+        """A pooling request's chunk: the rows its pooling reads come back as hidden states
+        (every position for mean, the first chunk's for CLS, the last position at the end)."""
+        kind = self.pooling_config.pooling_type
+        every = kind == "mean" or (kind == "cls" and s.start == 0)
+        return SeqInput(ids, s.start, table, s.samples, all_logits=every, pooling=True)
+
+    def _pool(self, sched, hidden: torch.Tensor, rows: list[int]) -> list[PoolingRequestOutput]:
+        """Fold this step's hidden-state rows into each pooling request's pooling; finish
+        those whose prompt is complete: their vector (truncated, normalised), blocks freed."""
+        kind = self.pooling_config.pooling_type
+        by_seq: dict[int, list[int]] = {}
+        for r, i in enumerate(rows):
+            by_seq.setdefault(i, []).append(r)
+        outputs = []
+        for i, rs in by_seq.items():
+            s = sched.scheduled[i]
+            state = self._pooling.get(s.request.request_id)
+            if state is None:
+                continue
+            h = hidden[rs]
+            if kind == "mean" and s.start + len(rs) > state.next_pos:
+                # Rows are positions s.start...; after a preemption the recomputed ones
+                # before next_pos are in the sum already.
+                part = h[max(0, state.next_pos - s.start):].sum(0)
+                state.acc = part if state.acc is None else state.acc + part
+                state.next_pos = s.start + len(rs)
+            elif kind == "cls" and s.start == 0 and state.acc is None:
+                state.acc = h[0].clone()
+            if s.samples:
+                outputs.append(self._finish_pooling(state, h[-1]))
+        return outputs
+
+    def _finish_pooling(self, state: _Pooling, last: torch.Tensor) -> PoolingRequestOutput:
+        req, params, cfg = state.request, state.params, self.pooling_config
+        if cfg.pooling_type == "mean":
+            vec = state.acc / req.num_prompt_tokens
+        elif cfg.pooling_type == "cls":
+            vec = state.acc
+        else:
+            vec = last
+        if params.dimensions is not None:
+            vec = vec[:params.dimensions]
+        if cfg.normalize if params.normalize is None else params.normalize:
+            vec = torch.nn.functional.normalize(vec, dim=0)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks, uncached, freed now
+        del self._pooling[req.request_id]
+        self.stats.num_pooling_requests += 1
+        self.stats.num_pooling_tokens += req.num_prompt_tokens
+        return PoolingRequestOutput(req.request_id, PoolingOutput(vec.cpu().contiguous()),
+                                    req.prompt_token_ids, 0, True, state.prompt,
+                                    RequestMetrics.of(req))
 
     def _take_prompt_logprobs(self, seqs: list[SeqInput], sched, logits: torch.Tensor,
                               rows: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -521,7 +697,7 @@ class LLMEngine:
                 group.prompt_logprobs.append(entry)
         for q, s in zip(seqs, sched.scheduled):
             req = s.request
-            if q.all_logits:
+            if q.all_logits and not q.pooling:
                 group = self._owner[req.request_id][0]
                 req.needs_prompt_logits = len(group.prompt_logprobs) < req.num_prompt_tokens
         if len(keep) == len(rows):
@@ -632,6 +808,10 @@ class EngineStats:
     # matmul FLOPs of prefill steps' prompt tokens (LM head, last layer's tail: sampled rows)
     prefill_flops: float = 0.0
 
+    # Pooling (embedding) requests finished, and their prompt tokens (within prefill's).
+    num_pooling_requests: int = 0
+    num_pooling_tokens: int = 0
+
     # Speculative decoding: sequences verified with drafts, draft tokens, accepted drafts.
     num_spec_verifications: int = 0
     num_spec_draft_tokens: int = 0
@@ -663,14 +843,15 @@ class EngineStats:
             n = s.num_new_tokens
             num_tokens += n
             context += s.start + n  # each sequence's context is read once
-            if s.samples:
+            samples = s.samples and s.request.pooling_params is None
+            if samples:
                 self.num_generated_tokens += 1  # accepted drafts: record_spec
             if s.num_draft or (n == 1 and s.start >= s.request.num_prompt_tokens):
                 self.num_decode_tokens += n  # a verification: the token and its drafts
             else:
                 prefill_tokens += n
                 flops += shape.prefill_flops(n, context=s.start + n // 2,
-                                             sampled_rows=1 if s.samples else 0)
+                                             sampled_rows=1 if samples else 0)
         # Every weight once (a MoE model: the experts this many tokens are expected to reach).
         read = shape.weight_bytes(num_tokens) + context * (shape.kv_bytes_per_token or 0)
         self.num_prefill_tokens += prefill_tokens

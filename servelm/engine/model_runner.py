@@ -35,6 +35,10 @@ class SeqInput:
     # Logits rows wanted, for the last num_logits tokens (speculation: the last real token
     # and each draft token after it, k + 1; otherwise 1).
     num_logits: int = 1
+    # A pooling request's chunk: its rows (the last position's with `sample`, every
+    # position's with `all_logits`) come back as final hidden states, never logits
+    # (execute_pooling).
+    pooling: bool = False
 
 
 class KVCache:
@@ -213,6 +217,8 @@ class ModelRunner:
         """Returns fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to
         (a sequence with num_logits m has m consecutive rows, its last m positions'; one
         with all_logits a row per token)."""
+        if any(s.pooling for s in seqs):
+            raise ValueError("a step with pooling sequences runs through execute_pooling")
         if self.graphs is not None and not any(s.all_logits for s in seqs):
             out = self.graphs.execute(seqs)
             if out is not None:
@@ -235,3 +241,26 @@ class ModelRunner:
         hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
         logits = self.model.compute_logits(hidden)
         return logits, sampled
+
+    @torch.inference_mode()
+    def execute_pooling(self, seqs: list[SeqInput]
+                        ) -> tuple[torch.Tensor, list[int], torch.Tensor, list[int]]:
+        """A step with pooling sequences (SeqInput.pooling), possibly beside generating
+        ones: execute()'s (logits, rows) for the others, and the pooling sequences' rows
+        as fp32 final hidden states (after the final norm, as transformers'
+        last_hidden_state) [P, hidden] with, per row, its sequence's index (a sequence's
+        rows in position order). Always the eager forward: captured graphs and the
+        DecodeStack return no hidden states per sequence kind."""
+        batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
+                                             self.num_queries_per_kv, self.device,
+                                             self.attention, kernels=self.use_kernels)
+        hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
+        pool = [r for r, i in enumerate(sampled) if seqs[i].pooling]
+        keep = [r for r, i in enumerate(sampled) if not seqs[i].pooling]
+        pooled = hidden[torch.tensor(pool, device=hidden.device)].float()
+        if keep:
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(keep, device=hidden.device)])
+        else:
+            logits = torch.empty(0, self.model.config.vocab_size, device=hidden.device)
+        return logits, [sampled[r] for r in keep], pooled, [sampled[r] for r in pool]

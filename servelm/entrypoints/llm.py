@@ -10,7 +10,8 @@ from tqdm import tqdm
 from servelm.config import (CacheConfig, EngineConfig, KernelConfig, SchedulerConfig,
                             SpeculativeConfig)
 from servelm.engine.engine import LLMEngine
-from servelm.outputs import RequestOutput
+from servelm.outputs import EmbeddingRequestOutput, RequestOutput
+from servelm.pooling_params import PoolingParams
 from servelm.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -86,6 +87,25 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's LLM.embed: `out.outputs.embedding`, a list of
+        floats), in prompt order. The prompts run through the same scheduler as generate's
+        (batched, chunked); the model's pooling (LLMEngine.pooling_config: last token,
+        L2-normalised, unless the checkpoint says otherwise); pooling_params: dimensions
+        (Matryoshka models only) and normalize, one for all or one per prompt."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"pooling_params has {len(params)} entries for "
+                                 f"{len(prompts)} prompts")
+        return [EmbeddingRequestOutput.from_base(out)
+                for out in self._run(prompts, params, use_tqdm)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

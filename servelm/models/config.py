@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+# The poolings servelm runs: the last token's final hidden state, the mean over the prompt,
+# or the first token's (CLS).
+POOLING_TYPES = ("last", "mean", "cls")
+# llama.cpp's enum llama_pooling_type, as GGUF's <arch>.pooling_type holds it.
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
+# sentence-transformers' 1_Pooling/config.json flags -> servelm's pooling.
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+               "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+               "pooling_mode_weightedmean_tokens": "weightedmean"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True           # renormalise the chosen experts' weights
     dense_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
+    # ---- pooling (embeddings), as the checkpoint states it; None: it says nothing ----
+    pooling_type: str | None = None       # last | mean | cls (or one servelm cannot run)
+    pooling_normalize: bool | None = None  # sentence-transformers' Normalize module
+    # Matryoshka: the checkpoint says its leading dimensions are an embedding of their own
+    # (None: it does not; (): any count; else the counts it was trained for).
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    pooling_unsupported: str | None = None  # why its stated pooling cannot be run here
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,13 +158,19 @@ class ModelConfig:
             if cfg.get(key) is not None:
                 raise ValueError(f"{key}={cfg[key]} is not supported")
         base.update(family.hf_config(cfg, base))
+        if cfg.get("matryoshka_dimensions"):
+            base["matryoshka_dimensions"] = tuple(int(d) for d in cfg["matryoshka_dimensions"])
+        elif cfg.get("is_matryoshka"):
+            base["matryoshka_dimensions"] = ()
         return cls(**base)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "ModelConfig":
         cfg_path = os.path.join(path, "config.json")
         with open(cfg_path) as f:
-            return cls.from_hf_dict(json.load(f))
+            cfg = cls.from_hf_dict(json.load(f))
+        pooling = sentence_transformers_pooling(path)
+        return replace(cfg, **pooling) if pooling else cfg
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
@@ -202,6 +225,12 @@ class ModelConfig:
         if rot and int(rot) != base["head_dim"]:
             base["rotary_dim"] = int(rot)
         base.update(family.gguf_config(get, base, tensor_names))
+        pooling = get("pooling_type")
+        if pooling is not None and int(pooling) != 0:  # 0: none stated
+            kind = _GGUF_POOLING.get(int(pooling), f"type {int(pooling)}")
+            base["pooling_type"] = kind
+            if kind not in POOLING_TYPES:
+                base["pooling_unsupported"] = f"the GGUF's pooling_type is {kind}"
         return cls(**base)
 
 
@@ -244,3 +273,40 @@ def hf_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if window >= cfg.get("max_position_embeddings", 1 << 62):
         types = (FULL,) * num_layers  # a window as long as the context is no window
     return () if SLIDING not in types else types
+
+
+def sentence_transformers_pooling(path: str) -> dict[str, Any]:
+    """ModelConfig's pooling fields from a sentence-transformers checkpoint's modules.json
+    (its Pooling module's config.json, whether a Normalize module follows; {} without one).
+    Modules servelm does not apply (a Dense projection, a pooling other than last, mean or
+    CLS, several at once) are named in pooling_unsupported rather than run wrongly."""
+    try:
+        with open(os.path.join(path, "modules.json")) as f:
+            modules = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out: dict[str, Any] = {"pooling_normalize": False}
+    problems = []
+    for m in modules:
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Normalize":
+            out["pooling_normalize"] = True
+        elif kind == "Pooling":
+            try:
+                with open(os.path.join(path, m.get("path", ""), "config.json")) as f:
+                    flags = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                problems.append(f"its Pooling config cannot be read ({e})")
+                continue
+            modes = [v for k, v in _ST_POOLING.items() if flags.get(k)]
+            if len(modes) != 1:
+                problems.append(f"its Pooling module combines {modes or 'no'} modes")
+            else:
+                out["pooling_type"] = modes[0]
+                if modes[0] not in POOLING_TYPES:
+                    problems.append(f"its Pooling module pools by {modes[0]}")
+        elif kind != "Transformer":
+            problems.append(f"it has a {kind} module, which servelm does not apply")
+    if problems:
+        out["pooling_unsupported"] = "; ".join(problems)
+    return out
