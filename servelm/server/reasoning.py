@@ -1,0 +1,178 @@
+"""Reasoning models: the thought (`<think>...</think>`) split from the answer (no torch).
+
+vLLM's parser names. qwen3: a thought is what the answer opens with `<think>` (Qwen3's
+thinking mode); absent the tags, all of it is the answer. deepseek_r1: the answer starts
+inside a thought (DeepSeek-R1's template opens `<think>` in the prompt; a `<think>` the model
+writes first anyway is dropped) that lasts until `</think>`; absent it, all of it is thought.
+Either way the prompt has the last word: a prompt whose generation prompt left `<think>`
+open (Qwen3-Thinking, R1 distills) starts the answer inside the thought, one that closed it
+(Qwen3's enable_thinking false) starts it in the answer.
+
+Only the first thought is one: after `</think>` every byte is the answer's. The thought loses
+its surrounding blank space and the answer the blank space that opens it (as Qwen3's template
+strips them when it renders a past turn).
+
+The API other adapters use: `ReasoningParser.for_prompt(prompt)`, then `split(text)` for a
+whole answer or `stream()` for one fed delta by delta; both give the same text at every chunk
+boundary (a tag split across deltas is held back, never leaked into either field).
+`answer_grammar(spec)`: a structured-outputs constraint moved behind the thought.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from servelm.structured_outputs import StructuredOutputsParams
+
+START, END = "<think>", "</think>"
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+
+# Where a stream is: before any thought, inside the thought, in the answer after it.
+_BEFORE, _THINKING, _AFTER = "before", "thinking", "after"
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag` (held until we know)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """One answer read delta by delta: feed(delta) -> (reasoning, content) new this delta;
+    finish() -> what was held back at the end. Joined, they equal ReasoningParser.split."""
+
+    def __init__(self, state: str):
+        self._state = state
+        self._fresh = True  # nothing of the current part sent yet (its opening space dropped)
+        self._held = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text, self._held = self._held + delta, ""
+        reasoning, content = [], []
+        while text:
+            if self._state == _BEFORE:
+                i = text.find(START)
+                if i < 0:
+                    keep = _partial(text, START)
+                    content.append(text[:len(text) - keep])
+                    self._held = text[len(text) - keep:]
+                    break
+                content.append(text[:i])
+                text = text[i + len(START):]
+                self._state, self._fresh = _THINKING, True
+            elif self._state == _THINKING:
+                if self._fresh:
+                    text = text.lstrip()
+                    if text.startswith(START):  # the model opens what the prompt opened
+                        text = text[len(START):]
+                        continue
+                    if not text or START.startswith(text) or END.startswith(text):
+                        self._held = text
+                        break
+                    self._fresh = False
+                i = text.find(END)
+                if i >= 0:
+                    reasoning.append(text[:i].rstrip())
+                    text = text[i + len(END):]
+                    self._state, self._fresh = _AFTER, True
+                    continue
+                keep = _partial(text, END)
+                body = text[:len(text) - keep]
+                sent = body.rstrip()  # trailing space waits: it may end the thought
+                reasoning.append(sent)
+                self._held = body[len(sent):] + text[len(text) - keep:]
+                break
+            else:
+                if self._fresh:
+                    text = text.lstrip()
+                    if not text:
+                        break
+                    self._fresh = False
+                content.append(text)
+                break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the answer: text held back (a tag's beginning) is plain text after all."""
+        held, self._held = self._held, ""
+        if self._state == _THINKING:
+            return held.rstrip(), ""
+        return "", held
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A reasoning format (`name`, vLLM's) and where an answer starts: `state` is set for one
+    prompt by for_prompt (chat.prepare puts that one on Prepared.reasoning_parser)."""
+
+    name: str
+    state: str
+
+    def for_prompt(self, prompt: str) -> "ReasoningParser":
+        """This parser for answers to `prompt`: inside a thought when the prompt ends in an
+        open one, in the answer when it closed one, else the format's own start."""
+        opened, closed = prompt.rfind(START), prompt.rfind(END)
+        if opened > closed:
+            return replace(self, state=_THINKING)
+        if closed >= 0 and prompt.rstrip().endswith(END):
+            return replace(self, state=_BEFORE)
+        return replace(self, state=_THINKING if self.name == "deepseek_r1" else _BEFORE)
+
+    @property
+    def thinks_first(self) -> bool:
+        """Whether the answer begins inside a thought (else one may still be opened)."""
+        return self.state == _THINKING
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.state)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer -> (the thought, or None if there was none or it was empty; the
+        answer's text)."""
+        s = self.stream()
+        r1, c1 = s.feed(text)
+        r2, c2 = s.finish()
+        return (r1 + r2) or None, c1 + c2
+
+    def answer_grammar(self, spec: StructuredOutputsParams) -> StructuredOutputsParams:
+        """`spec` applied to the answer after the thought: a Lark grammar whose thought is any
+        text up to `</think>` (the thought itself optional when the answer may open one).
+        ValueError for a spec given as a grammar of its own (it cannot be nested here)."""
+        if spec.kind == "grammar":
+            raise ValueError("a grammar cannot be applied behind the thought of a reasoning "
+                             "model; use a JSON schema, regex or choice, or send "
+                             "chat_template_kwargs {\"enable_thinking\": false}")
+        if spec.kind in ("json", "json_object"):
+            schema = spec.json if spec.kind == "json" else {"type": "object"}
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            answer = "%json " + json.dumps(schema)
+        elif spec.kind == "regex":
+            answer = "/" + spec.regex.replace("/", "\\/") + "/"
+        else:
+            answer = " | ".join(json.dumps(c) for c in spec.choice)
+        thought = 'thought "\\n"{0,2}'
+        opening = thought if self.thinks_first else f'("{START}" {thought})?'
+        return StructuredOutputsParams(grammar="\n".join([
+            f"start: {opening} answer",
+            f"thought[lazy]: /(?s:.*){END.replace('/', chr(92) + '/')}/",
+            f"answer: {answer}"]))
+
+
+def parser_for_template(name: str, chat_template: str | None) -> ReasoningParser | None:
+    """The parser --reasoning-parser names, or (auto) qwen3 where the chat template writes
+    `<think>` (Qwen3, R1 distills: for_prompt sees the thought the prompt opens),
+    deepseek_r1 where it only strips `</think>` from past turns (the first R1 distills,
+    whose answers open with a thought without the tag); none elsewhere."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {name!r}")
+    if name == "auto":
+        t = chat_template or ""
+        name = "qwen3" if START in t else "deepseek_r1" if END in t else "none"
+    if name == "none":
+        return None
+    return ReasoningParser(name, _THINKING if name == "deepseek_r1" else _BEFORE)
