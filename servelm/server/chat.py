@@ -12,11 +12,13 @@ from servelm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                                      DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                      NamedToolChoice, ToolCall)
+from servelm.server.reasoning import ReasoningParser, ReasoningStream
 from servelm.server.serving import (SSE_DONE, Generation, Prepared, ServingContext, TokenText,
                                     compile_structured, encode_prompt, new_id, new_logprobs,
                                     sampling_params, sse, structured_outputs)
 from servelm.server.tools import (ArrayCallsParser, NamedCallParser, ToolCallStream, ToolParser,
                                   forced_schema, tool_system_prompt)
+from servelm.structured_outputs import StructuredOutputsParams
 
 # SamplingParams / engine names -> this endpoint's request fields, for error params.
 _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "": "messages",
@@ -48,6 +50,7 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = structured_outputs(ctx, req)
+    reasoning = ctx.reasoning_parser.for_prompt(text) if ctx.reasoning_parser else None
     parallel = req.parallel_tool_calls is not False
     parser: ToolParser | None = (ctx.tool_parser.for_tools([t["function"]["name"]
                                                              for t in tools])
@@ -62,9 +65,33 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
         schema = forced_schema([t["function"] for t in tools], named, parallel)
         structured = compile_structured(ctx, {"json": schema}, "tools")
         parser = NamedCallParser(named) if named else ArrayCallsParser()
+        if reasoning is not None:
+            structured = _behind_thought(ctx, reasoning, structured, "tool_choice")
+    elif structured is not None and reasoning is not None:
+        structured = _behind_thought(ctx, reasoning, structured, _structured_param(req))
     params = sampling_params(req, max_tokens, logprobs, fields, structured,
                              skip_special_tokens=parser.skip_special_tokens if parser else True)
-    return Prepared([(text, ids)], params, fields, parser, parallel)
+    return Prepared([(text, ids)], params, fields, parser, parallel, reasoning)
+
+
+def _structured_param(req: ChatCompletionRequest) -> str:
+    """The field a (single, already checked) structured-outputs constraint came from."""
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    return next(f"guided_{k}" for k in ("json", "regex", "choice", "grammar")
+                if getattr(req, f"guided_{k}") is not None)
+
+
+def _behind_thought(ctx: ServingContext, reasoning: ReasoningParser,
+                    structured: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    """A reasoning model's constraint applies to the answer after its thought."""
+    try:
+        spec = reasoning.answer_grammar(structured)
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+    return compile_structured(ctx, {"grammar": spec.grammar}, param)
 
 
 def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -88,21 +115,35 @@ def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 def _message(prepared: Prepared, text: str, finish_reason: str | None
              ) -> tuple[ChatResponseMessage, str | None]:
-    """The answer as a message: its tool calls (when the request had tools) and content."""
+    """The answer as a message: its thought (a reasoning model's), then its tool calls (when
+    the request had tools, read from the answer after the thought only) and content."""
+    thought = None
+    if prepared.reasoning_parser is not None:
+        thought, text = prepared.reasoning_parser.split(text)
     parser = prepared.tool_parser
     if parser is None:
-        return ChatResponseMessage(content=text), finish_reason
+        return _with_thought(text, thought), finish_reason
     parsed = parser.parse(text, final=True)
     calls = [c for c in parsed.calls if c.name is not None]
     if not prepared.parallel_tool_calls:
         calls = calls[:1]
     if not calls:
-        return ChatResponseMessage(content=parsed.content), finish_reason
+        return _with_thought(parsed.content, thought), finish_reason
     tool_calls = [ToolCall(id=parser.new_call_id(),
                            function=FunctionCall(name=c.name, arguments=c.arguments or ""))
                   for c in calls]
-    return (ChatResponseMessage(content=parsed.content or None, tool_calls=tool_calls),
+    message = _with_thought(parsed.content or None, thought)
+    return (message.model_copy(update={"tool_calls": tool_calls}),
             "tool_calls" if finish_reason == "stop" else finish_reason)
+
+
+def _with_thought(content: str | None, thought: str | None) -> ChatResponseMessage:
+    """A message with its thought under both names; an answer that is only a thought has
+    no content (None, as vLLM sends it)."""
+    if thought is None:
+        return ChatResponseMessage(content=content)
+    return ChatResponseMessage(content=content or None, reasoning_content=thought,
+                               reasoning=thought)
 
 
 def _logprobs(token_text: TokenText, entries: list) -> ChatLogprobs:
@@ -132,7 +173,8 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest,
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest,
                  gen: Generation) -> AsyncIterator[str]:
-    """Server-sent events: a role chunk per choice, then one chunk per step with new tokens."""
+    """Server-sent events: a role chunk per choice, then one chunk per step with new tokens
+    (a reasoning model's: the thought's text and the answer's apart)."""
     token_text = TokenText(ctx.engine.tokenizer)
     base = ChatCompletionChunk(id=new_id("chatcmpl"), model=ctx.model_name, choices=[])
 
@@ -145,6 +187,9 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
     parser = gen.prepared.tool_parser
     calls = ([ToolCallStream(parser, gen.prepared.parallel_tool_calls) for _ in range(req.n)]
              if parser is not None else None)
+    reasoning = gen.prepared.reasoning_parser
+    thoughts = ([_Thought(reasoning.stream()) for _ in range(req.n)]
+                if reasoning is not None else None)
     for i in range(req.n):
         yield sse(chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
     try:
@@ -159,11 +204,21 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
                         lp = _logprobs(token_text, new_logprobs(o, sent[o.index]))
                     sent[o.index] = len(o.token_ids)
                     done[o.index] = o.finished
+                    text, thought = o.text, None
                     delta, finish_reason = ChatDelta(content=o.delta_text), o.finish_reason
+                    if thoughts is not None:
+                        thought, answer = thoughts[o.index].feed(o.delta_text, o.finished)
+                        text = thoughts[o.index].answer
+                        delta = ChatDelta(content=answer or None)
                     if calls is not None:
-                        delta, finish_reason = _tool_delta(calls[o.index], o.text, finish_reason)
-                        if not (delta.content or delta.tool_calls or lp or o.finished):
-                            continue  # held back: it may turn out to be a call
+                        delta, finish_reason = _tool_delta(calls[o.index], text, finish_reason)
+                    if thought:
+                        delta = delta.model_copy(update={"reasoning_content": thought,
+                                                         "reasoning": thought})
+                    if ((calls is not None or thoughts is not None)
+                            and not (delta.content or delta.tool_calls or thought or lp
+                                     or o.finished)):
+                        continue  # held back: it may turn out to be a call or a tag
                     step.append(chunk([ChatChunkChoice(
                         index=o.index, delta=delta, logprobs=lp, finish_reason=finish_reason)]))
                 if out.finished:
@@ -176,6 +231,23 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE
+
+
+class _Thought:
+    """One choice's stream through the reasoning parser: the thought's and the answer's new
+    text each step, and the answer so far (what a tool parser reads)."""
+
+    def __init__(self, stream: ReasoningStream):
+        self._stream = stream
+        self.answer = ""
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str]:
+        thought, answer = self._stream.feed(delta)
+        if final:
+            more_thought, more_answer = self._stream.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        self.answer += answer
+        return thought, answer
 
 
 def _tool_delta(calls: ToolCallStream, text: str, finish_reason: str | None

@@ -462,6 +462,10 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's thought (--reasoning-parser), apart from the answer: vLLM's
+    # reasoning_content and its newer name reasoning, the same text.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -497,6 +501,8 @@ class DeltaToolCall(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # the thought's new text, as in ChatResponseMessage
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

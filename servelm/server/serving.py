@@ -19,6 +19,7 @@ from servelm.server.errors import APIError, from_value_error
 from servelm.server.metrics import ServerMetrics
 from servelm.server.protocol import (PromptTokensDetails, RequestTimings, SamplingRequest,
                                      TopLogprob, UsageInfo)
+from servelm.server.reasoning import ReasoningParser
 from servelm.server.tools import HermesParser, ToolParser
 from servelm.structured_outputs import StructuredOutputsParams
 
@@ -31,6 +32,7 @@ class ServingContext:
     metrics: ServerMetrics
     model_name: str
     tool_parser: ToolParser = field(default_factory=HermesParser)  # for tool_choice "auto"
+    reasoning_parser: ReasoningParser | None = None  # how a thought is told from the answer
 
 
 def new_id(prefix: str) -> str:
@@ -48,6 +50,7 @@ class Prepared:
     fields: dict[str, str]
     tool_parser: ToolParser | None = None  # chat with tools: how its answers are read
     parallel_tool_calls: bool = True
+    reasoning_parser: ReasoningParser | None = None  # chat: the thought split from the answer
 
 
 def encode_prompt(ctx: ServingContext, text: str, fields: dict[str, str],
