@@ -58,8 +58,9 @@ def _st_modules(d, pooling: str, normalize: bool, dense: bool = False) -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, hf_tokenizer):
     """name -> HF directory of one tiny random Qwen3 (norms perturbed), as: a plain causal
-    LM, a mean-pooling sentence-transformers model, a Matryoshka last-token model, one with
-    a Dense module; and transformers' base model (final hidden states) as the reference."""
+    LM, sentence-transformers models pooling by mean (normalised) and by CLS (not), a
+    Matryoshka last-token model, one with a Dense module; and transformers' base model
+    (final hidden states) as the reference."""
     torch.manual_seed(7)
     cfg = transformers.Qwen3Config(vocab_size=hf_tokenizer.vocab_size, **TINY)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
@@ -71,11 +72,12 @@ def tiny(tmp_path_factory, hf_tokenizer):
     model.save_pretrained(plain)
     hf_tokenizer.save_pretrained(plain)
     dirs = {"plain": plain}
-    for name in ("mean", "matryoshka", "dense"):
+    for name in ("mean", "cls", "matryoshka", "dense"):
         d = tmp_path_factory.mktemp(f"tiny-{name}") / "ckpt"
         shutil.copytree(plain, d)
         dirs[name] = d
     _st_modules(dirs["mean"], "mean_tokens", normalize=True)
+    _st_modules(dirs["cls"], "cls_token", normalize=False)
     _st_modules(dirs["dense"], "lasttoken", normalize=True, dense=True)
     c = json.loads((dirs["matryoshka"] / "config.json").read_text())
     (dirs["matryoshka"] / "config.json").write_text(json.dumps(
@@ -128,19 +130,21 @@ def test_last_token_pooling_matches_transformers(tiny):
         PoolingParams(dimensions=0)
 
 
-def test_mean_pooling_through_chunked_prefill_matches_transformers(tiny):
-    """A sentence-transformers model that pools by mean: every position's final hidden
-    state, across prefill chunks of 8 tokens (the budget), summed once each."""
+@pytest.mark.parametrize("kind", ["mean", "cls"])
+def test_mean_and_cls_pooling_through_chunked_prefill_match_transformers(tiny, kind):
+    """sentence-transformers models that pool by mean (every position's final hidden state,
+    summed once each) or CLS (the first position's), across prefill chunks of 8 tokens."""
     dirs, ref = tiny
-    llm = _llm(dirs["mean"], max_num_batched_tokens=8, max_num_seqs=4)
+    llm = _llm(dirs[kind], max_num_batched_tokens=8, max_num_seqs=4)
     cfg = llm.engine.pooling_config
-    assert (cfg.pooling_type, cfg.normalize) == ("mean", True)
+    assert (cfg.pooling_type, cfg.normalize) == (kind, kind == "mean")
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     assert max(len(x) for x in ids) > 3 * 8  # several chunks
     got = _vectors(llm.embed(PROMPTS, use_tqdm=False))
-    want = torch.stack([_unit(_hidden(ref, x).mean(0)) for x in ids])
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    pool = (lambda h: _unit(h.mean(0))) if kind == "mean" else (lambda h: h[0])
+    want = torch.stack([pool(_hidden(ref, x)) for x in ids])
+    torch.testing.assert_close(got, want, atol=ATOL if kind == "mean" else 1e-4, rtol=1e-5)
 
 
 def test_batches_of_mixed_lengths_equal_one_at_a_time(tiny):

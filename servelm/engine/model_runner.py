@@ -257,10 +257,12 @@ class ModelRunner:
         hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
         pool = [r for r, i in enumerate(sampled) if seqs[i].pooling]
         keep = [r for r, i in enumerate(sampled) if not seqs[i].pooling]
-        pooled = hidden[torch.tensor(pool, device=hidden.device)].float()
+        def rows(idx: list[int]) -> torch.Tensor:
+            return hidden[torch.tensor(idx, dtype=torch.long, device=hidden.device)]
+
+        pooled = rows(pool).float()  # none: a chunk whose rows its pooling does not read
         if keep:
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(keep, device=hidden.device)])
+            logits = self.model.compute_logits(rows(keep))
         else:
             logits = torch.empty(0, self.model.config.vocab_size, device=hidden.device)
         return logits, [sampled[r] for r in keep], pooled, [sampled[r] for r in pool]
