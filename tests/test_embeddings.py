@@ -334,3 +334,28 @@ def test_wrong_model_is_a_404_and_the_server_keeps_serving(client):
     assert e.value.body["code"] == "model_not_found"
     ok = client.embeddings.create(model=MODEL, input="still here", encoding_format="float")
     assert len(ok.data[0].embedding) == 576
+
+
+def test_a_preempted_pooling_request_is_recomputed_and_pools_each_position_once(tiny):
+    """Five blocks of 16 tokens: a generation (31 + 40 tokens) and a 60-token mean-pooling
+    prompt cannot both hold theirs, so the pooling request, admitted last, is preempted
+    mid-prompt and recomputed after; its mean still counts each position once."""
+    dirs, _ = tiny
+    gen_ids, pool_ids = list(range(100, 131)), list(range(200, 260))
+    alone = _vectors(_llm(dirs["mean"]).embed([pool_ids], use_tqdm=False))[0]
+    llm = LLM(model=dirs["mean"], dtype="float32", kernel_tuning="off",
+              kv_cache_memory=5 * 12288, max_num_batched_tokens=8, max_num_seqs=4,
+              admission_lookahead=0)
+    engine = llm.engine
+    assert engine.block_manager.num_blocks == 5
+    engine.add_request("g", gen_ids, SamplingParams(temperature=0, max_tokens=40,
+                                                    ignore_eos=True))
+    engine.add_pooling_request("e", pool_ids)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.scheduler.num_preemptions > 0
+    assert len(done["g"].outputs[0].token_ids) == 40
+    torch.testing.assert_close(done["e"].outputs.data, alone, atol=1e-5, rtol=0)
