@@ -230,7 +230,7 @@ ASK_WEATHER = TOOL_SHOTS + [{"role": "user", "content": "Weather in Paris?"}]
 def server():
     s = Server("--chat-template", TEMPLATE, "--reasoning-parser", "deepseek_r1",
                "--kernel-tuning", "off")
-    yield s.wait_ready()
+    yield s.wait_ready(timeout=300)  # a loaded machine starts it slowly
     s.stop()
 
 
