@@ -251,7 +251,7 @@ def test_generation_and_embeddings_share_the_engine_and_its_steps(llm, monkeypat
 def server():
     from test_server import Server
 
-    s = Server("--kernel-tuning", "off").wait_ready()
+    s = Server("--kernel-tuning", "off").wait_ready(timeout=300)  # CPUs shared with others
     yield s
     s.stop()
 
