@@ -10,6 +10,9 @@ for ordinary schemas on the embedded model.
 A grammar is compiled once per distinct spec (cached) into a template matcher; each sample
 gets a copy. Compiling happens wherever the request is prepared: the server does it in its
 worker thread, before the request reaches the engine, so no step waits on a compile.
+
+JSON is generated so that it ends, as llama.cpp's JSON grammars make it (bounded_schema): a
+small model left free to add whitespace, digits or keys may add them until max_tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +27,20 @@ if TYPE_CHECKING:
     import torch
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+# JSON written compactly, as json.dumps writes it: whitespace only in the separators
+# (llguidance's options; a schema's own top-level "x-guidance" keys win).
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Integers within RFC 8259's interoperable range (16 digits, as llama.cpp's grammars allow);
+# numbers too, with at most NUMBER_DECIMALS digits after the point and no exponent.
+MAX_SAFE_INTEGER = 2**53 - 1
+NUMBER_DECIMALS = 9
+# Keywords whose value is a subschema, a list of them, or a name -> subschema map.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,82 @@ class StructuredOutputsParams:
         return f"{self.kind}:{json.dumps(value, sort_keys=True)}"
 
 
+def _types(node: dict) -> set:
+    t = node.get("type")
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def _bound(node: dict, side: str) -> float | None:
+    """The schema's own minimum or maximum (inclusive or exclusive), if a number."""
+    for key in (side, "exclusive" + side.capitalize()):
+        v = node.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _bound_node(node: dict, closed: bool) -> dict:
+    """One schema node with its numbers bounded and, where `closed`, an object with listed
+    properties closed to others; its subschemas likewise."""
+    out = dict(node)
+    types = _types(node)
+    if types & {"integer", "number"}:
+        lo, hi = _bound(node, "minimum"), _bound(node, "maximum")
+        # Only a side the schema leaves open, and never past the other side's bound.
+        if not {"minimum", "exclusiveMinimum"} & node.keys() and (hi is None
+                                                                 or hi >= -MAX_SAFE_INTEGER):
+            out["minimum"] = -MAX_SAFE_INTEGER
+        if not {"maximum", "exclusiveMaximum"} & node.keys() and (lo is None
+                                                                 or lo <= MAX_SAFE_INTEGER):
+            out["maximum"] = MAX_SAFE_INTEGER
+        if "number" in types and "multipleOf" not in node:
+            out["multipleOf"] = float(f"1e-{NUMBER_DECIMALS}")
+    if (closed and "properties" in node
+            and not {"additionalProperties", "patternProperties",
+                     "unevaluatedProperties"} & node.keys()):
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(node.get(key), dict):
+            out[key] = _bound_node(node[key], closed)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [_bound_node(n, closed) if isinstance(n, dict) else n for n in node[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {k: _bound_node(n, closed) if isinstance(n, dict) else n
+                        for k, n in node[key].items()}
+    return out
+
+
+def _merges_objects(node: Any) -> bool:
+    """Whether an allOf anywhere joins several schemas (whose properties merge: closing
+    each one would leave none of the others' keys)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return True
+        return any(_merges_objects(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_merges_objects(v) for v in node)
+    return False
+
+
+def bounded_schema(schema: dict) -> dict:
+    """The schema as servelm generates it, so that an answer ends: compact JSON, integers
+    and numbers within +-(2**53 - 1) (numbers with at most NUMBER_DECIMALS decimals), and
+    an object with listed properties but no word on others closed to others (as llama.cpp
+    and xgrammar's strict mode read it; OpenAI's strict schemas say so themselves), unless
+    an allOf merges schemas. Bounds the schema gives itself are kept."""
+    out = _bound_node(schema, closed=not _merges_objects(schema))
+    out["x-guidance"] = {**JSON_FORMAT, **(schema.get("x-guidance") or {})}
+    return out
+
+
+def compact_schema(schema: dict) -> dict:
+    """The schema as given, only written compactly (the fallback where bounds do not
+    compile, e.g. a minimum past MAX_SAFE_INTEGER)."""
+    return {**schema, "x-guidance": {**JSON_FORMAT, **(schema.get("x-guidance") or {})}}
+
+
 class GrammarError(ValueError):
     """A schema, regex or grammar that cannot be compiled; `kind` says which."""
 
@@ -103,21 +196,30 @@ class GrammarCompiler:
                 self._ll = self._ll or ll
         return self._ll
 
-    def _grammar(self, spec: StructuredOutputsParams) -> str:
+    def _grammars(self, spec: StructuredOutputsParams) -> list[str]:
+        """The spec's grammar, most bounded first: a JSON schema bounded, then as given
+        (compact); the last one's error is the one reported."""
         import llguidance
 
         kind = spec.kind
         try:
-            if kind == "json":
-                return llguidance.LLMatcher.grammar_from_json_schema(spec.json)
-            if kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            if kind in ("json", "json_object"):
+                schema = {"type": "object"} if kind == "json_object" else spec.json
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except ValueError:
+                        pass  # llguidance names the problem
+                if not isinstance(schema, dict):
+                    return [llguidance.LLMatcher.grammar_from_json_schema(schema)]
+                return [llguidance.LLMatcher.grammar_from_json_schema(s)
+                        for s in (bounded_schema(schema), compact_schema(schema))]
             if kind == "regex":
-                return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+                return [llguidance.LLMatcher.grammar_from_regex(spec.regex)]
             if kind == "choice":
-                return llguidance.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in spec.choice))
-            return llguidance.grammar_from("grammar", spec.grammar)
+                return [llguidance.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(json.dumps(c) for c in spec.choice))]
+            return [llguidance.grammar_from("grammar", spec.grammar)]
         except ValueError as e:
             raise GrammarError(kind, str(e)) from None
 
@@ -132,9 +234,11 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        grammar = self._grammar(spec)
-        m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if m.is_error():
+        for grammar in self._grammars(spec):
+            m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if not m.is_error():
+                break
+        else:
             raise GrammarError(spec.kind, m.get_error().strip())
         with self._lock:
             self._cache[key] = m

@@ -125,3 +125,56 @@ def test_sampler_masks_only_constrained_rows(llm):
     first = tok.decode([out.token_ids[0]])
     assert first and ("yes".startswith(first) or "no".startswith(first))
     assert out.token_ids[1] == 0
+
+
+# ---- JSON that ends -------------------------------------------------------------------------
+
+
+def _accepts(llm, schema: dict, text: str) -> bool:
+    """Whether the JSON grammar servelm compiles for `schema` takes `text` whole."""
+    m = llm.engine.grammars.matcher(StructuredOutputsParams(json=schema))
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
+
+
+def test_json_is_bounded_so_that_answers_end(llm):
+    """Compact whitespace, integers and numbers of at most 16 digits (numbers: 9 decimals),
+    no keys beyond the listed ones: what a small model could otherwise add forever."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "x": {"type": "number"}}, "required": ["n", "x"]}
+    assert _accepts(llm, schema, '{"n": 9007199254740991, "x": -0.125}')
+    assert _accepts(llm, schema, '{"n": -9007199254740991, "x": 0.123456789}')
+    for bad in ('{"n": 90071992547409910, "x": 1}', '{\n"n": 1, "x": 1}', '{"n":1, "x": 1}',
+                '{"n": 1,  "x": 1}', '{"n": 1, "x": 0.1234567891}', '{"n": 1, "x": 1e5}',
+                '{"n": 1, "x": 2, "y": 3}'):
+        assert not _accepts(llm, schema, bad), bad
+
+
+def test_json_bounds_keep_what_the_schema_says(llm):
+    # Its own format (x-guidance), its own bounds, its own word on other keys.
+    flexible = {"type": "object", "properties": {"n": {"type": "integer"}},
+                "x-guidance": {"whitespace_flexible": True}}
+    assert _accepts(llm, flexible, '{\n  "n": 1\n}')
+    assert _accepts(llm, {"type": "integer", "minimum": 1e17}, "100000000000000001")
+    assert _accepts(llm, {"type": "number", "multipleOf": 0.5}, "-1.5")
+    assert _accepts(llm, {"type": "object", "properties": {"a": {"type": "integer"}},
+                          "additionalProperties": True}, '{"a": 1, "b": 2}')
+    # An allOf merging objects: none is closed (each would refuse the other's keys).
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"properties": {"b": {"type": "integer"}}}]}
+    assert _accepts(llm, merged, '{"a": 1, "b": 2}')
+    assert _accepts(llm, {"type": "object"}, '{"any": [1, {"x": null}]}')
+
+
+def test_an_answer_that_looped_to_max_tokens_now_ends(llm):
+    """A union of bool and int: greedy, the embedded model wrote '1000...' until max_tokens
+    when digits were unbounded."""
+    schema = {"type": "object", "properties": {"flag": {"anyOf": [{"type": "boolean"},
+                                                                  {"type": "integer"}]}},
+              "required": ["flag"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    out = llm.chat([{"role": "user", "content": "A record, as JSON."}], params,
+                   use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert set(json.loads(out.text)) == {"flag"}
