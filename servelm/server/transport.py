@@ -1,12 +1,15 @@
-"""The connection layer under the app: the listening socket, uvicorn's HTTP/1.1 protocol with
-header deadlines, and a server whose SIGTERM drain ends with an answer for everyone."""
+"""The connection layer under the app: the listening socket (quiet while out of file
+descriptors), uvicorn's HTTP/1.1 protocol with header deadlines, and a server whose SIGTERM
+drain ends with an answer for everyone."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
 import socket
+import time
 from typing import Callable
 
 import uvicorn
@@ -23,7 +26,7 @@ def listen(host: str, port: int) -> socket.socket:
     the client's delayed ACK (~40 ms) on every response written in more than one piece.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = ListeningSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
     try:
@@ -33,6 +36,52 @@ def listen(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
     return sock
+
+
+# accept() failures that end when connections close: out of descriptors or kernel memory.
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_ASYNCIO_ACCEPT_ERROR = "socket.accept() out of system resource"
+
+
+class ListeningSocket(socket.socket):
+    """A listening socket whose accept() fails quietly while the process is out of file
+    descriptors: one log line a second at most, instead of a traceback a failed accept.
+
+    asyncio, on such a failure, stops reading the socket for a second (then accepts again,
+    so serving goes on once connections close), but it tries the rest of its accept batch
+    first (uvicorn's backlog, 2048) and logs a traceback for each: 54 MB of log in 10 s at a
+    256-descriptor limit. The first failure here is raised (asyncio then pauses); the calls
+    after it within the pause report an empty queue instead, ending the batch.
+    """
+
+    _failed_at = -1e9
+    _logged_at = -1e9
+
+    def accept(self):
+        now = time.monotonic()
+        if now - self._failed_at < 0.5:  # asyncio's pause (1 s) has not passed since
+            raise BlockingIOError(errno.EAGAIN, "accepting paused: out of resources")
+        try:
+            return super().accept()
+        except OSError as e:
+            if e.errno not in _OUT_OF_RESOURCES:
+                raise
+            self._failed_at = now
+            if now - self._logged_at >= 1.0:
+                self._logged_at = now
+                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                logger.error("cannot accept connections: %s (open-file limit %s); new "
+                             "connections wait until some close (raise `ulimit -n`)",
+                             e.strerror, soft)
+            raise
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """An event-loop exception handler: asyncio's report of an accept() out of resources is
+    dropped (ListeningSocket has logged its line); anything else goes to the default."""
+    if context.get("message") == _ASYNCIO_ACCEPT_ERROR:
+        return
+    loop.default_exception_handler(context)
 
 
 def raise_open_file_limit() -> int:
@@ -115,6 +164,10 @@ class DrainingServer(uvicorn.Server):
         self.drain_s = drain_s
         self._expire = expire
         self._on_start = on_start
+
+    async def serve(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(quiet_accept_errors)
+        await super().serve(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         self._on_start()
