@@ -151,6 +151,7 @@ class Generation:
         self._closed = False
         base = new_id("req")
         try:
+            ctx.engine.check_fits(len(prompts), params.n)  # a retry could never succeed: 400
             for i, (text, ids) in enumerate(prompts):
                 self.streams.append(ctx.engine.generate(text, params, f"{base}-{i}",
                                                         prompt_token_ids=ids,
