@@ -121,7 +121,7 @@ def tokenizer(gguf_path):
 
 def scrape(url: str) -> dict[str, float]:
     """/metrics as {'name{labels}': value}."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text  # behind the key, as the API
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
 
@@ -817,7 +817,7 @@ def test_whole_number_floats_count_as_integers(server):
 
 
 def test_openapi_describes_the_request_bodies(server):
-    spec = httpx.get(f"{server.url}/openapi.json").json()
+    spec = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
     schemas = spec["components"]["schemas"]
     for path, model, field in (("/v1/chat/completions", "ChatCompletionRequest", "messages"),
                                ("/v1/completions", "CompletionRequest", "prompt")):

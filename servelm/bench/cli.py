@@ -214,10 +214,12 @@ async def _discover(client, models_url: str, headers: dict[str, str], model: str
                          f"pass --model") from None
 
 
-async def _scrape_servelm(client, url: str) -> dict[str, float] | None:
-    """A servelm server's Prometheus counters ({name: value}); None from other servers."""
+async def _scrape_servelm(client, url: str, headers: dict | None = None
+                          ) -> dict[str, float] | None:
+    """A servelm server's Prometheus counters ({name: value}); None from other servers.
+    headers: the API key, which guards /metrics too unless the server opens it."""
     try:
-        r = await client.get(url, timeout=5)
+        r = await client.get(url, timeout=5, headers=headers)
     except Exception:
         return None
     if r.status_code != 200 or "servelm_" not in r.text:
@@ -361,7 +363,7 @@ async def _run_level(args, client, url, model, prompts, payload, headers, concur
     # over them stalls the event loop for 100+ ms mid-run and shows up as fake latency.
     # Frozen objects are skipped by the collector.
     metrics_url = url.split("/v1/")[0] + "/metrics"
-    before = await _scrape_servelm(client, metrics_url)
+    before = await _scrape_servelm(client, metrics_url, headers)
     gc.collect()
     gc.freeze()
     t0 = time.perf_counter()
@@ -373,7 +375,7 @@ async def _run_level(args, client, url, model, prompts, payload, headers, concur
     finally:
         gc.unfreeze()
         bar.close()
-    after = await _scrape_servelm(client, metrics_url) if before else None
+    after = await _scrape_servelm(client, metrics_url, headers) if before else None
     summary = report.summarize(records, duration, args.slo)
     summary["server"] = report.server_utilization(before, after)
     return summary, records, t0, after

@@ -151,18 +151,19 @@ async def soak(base_url: str, seconds: float, model: str, headers: dict[str, str
         rep.health_checks = len(health)
         rep.health_max_s = health[-1]
         rep.health_p99_s = health[min(len(health) - 1, int(len(health) * 0.99))]
-    rep.settled = await _settle(base_url)
+    rep.settled = await _settle(base_url, headers)
     return rep
 
 
-async def _settle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
+async def _settle(base_url: str, headers: dict[str, str] | None = None,
+                  timeout: float = 30.0) -> dict[str, float]:
     """/metrics once nothing runs or waits and no KV block is held (or at the timeout)."""
     import httpx
 
     keys = ("servelm_num_requests_running", "servelm_num_requests_waiting",
             "servelm_kv_cache_usage_ratio")
     end = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as http:
+    async with httpx.AsyncClient(timeout=5, headers=headers) as http:
         while True:
             m = _scrape((await http.get(f"{base_url}/metrics")).text)
             settled = {k: m.get(k, float("nan")) for k in keys}

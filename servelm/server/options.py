@@ -32,6 +32,8 @@ class ServerOptions:
     body_timeout: seconds a request has to finish sending its body (408 past it).
     shutdown_timeout: on SIGTERM, seconds in-flight requests have to finish; then each
         ends with an error (streams: an error event and [DONE]) and the server exits.
+    public_metrics, public_docs: with api_keys, /metrics, or /openapi.json, /docs and
+        /redoc, open without a key (servelm.server.access).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -43,6 +45,8 @@ class ServerOptions:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    public_metrics: bool = False
+    public_docs: bool = False
     _salts: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
