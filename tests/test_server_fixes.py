@@ -37,8 +37,10 @@ def server():
     s = Server("--api-key", KEY, "--max-num-seqs", str(SEQS), "--max-queue", str(QUEUE),
                "--kernel-tuning", "off", "--threads", "1", "--roofline-bandwidth", "30",
                "--roofline-flops", "1")
-    yield s.wait_ready(timeout=300)
-    s.stop()
+    try:
+        yield s.wait_ready(timeout=300)
+    finally:  # a server that did not start is stopped too
+        s.stop()
 
 
 @pytest.fixture(scope="module")
