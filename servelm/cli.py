@@ -16,6 +16,7 @@ from typing import Iterator
 from servelm.config import ATTENTION_BACKENDS, KERNEL_TUNING, KV_CACHE_DTYPES, LINEAR_METHODS
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
+from servelm.server.reasoning import REASONING_PARSERS
 from servelm.server.tools import TOOL_CALL_PARSERS
 
 
@@ -488,6 +489,15 @@ def make_parser() -> argparse.ArgumentParser:
                        "from $SERVELM_API_KEY (comma-separated), which keeps keys out of ps")
     serve.add_argument("--api-key-file", default=None, metavar="FILE",
                        help="API keys, one a line ('#' starts a comment)")
+    serve.add_argument("--public-metrics", action="store_true",
+                       help="with an API key, serve /metrics without one (it is behind the "
+                       "key by default: it tells request and token counts, latencies and "
+                       "load; Prometheus can send the key with 'authorization: credentials'; "
+                       "open it for a scraper on a trusted network that cannot)")
+    serve.add_argument("--public-docs", action="store_true",
+                       help="with an API key, serve /openapi.json, /docs and /redoc without "
+                       "one (behind the key by default; the docs pages are read in a browser, "
+                       "which cannot send the key)")
     serve.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME,...",
                        help="Host header names to accept besides IP addresses and localhost "
                        "('*': any); other names get 403 (DNS rebinding)")
@@ -512,13 +522,20 @@ def make_parser() -> argparse.ArgumentParser:
                        "ends with an error (streams: an error event and [DONE]) (default 30)")
     serve.add_argument("--max-queue", type=int, default=256,
                        help="max sequences waiting to run beyond those running (--max-num-seqs); "
-                       "past it requests get 503 with Retry-After")
+                       "past it requests get 503 with Retry-After, and a request of more "
+                       "sequences than both together (prompts x n) gets 400")
     serve.add_argument("--tool-call-parser", type=_tool_parser, default="auto",
                        choices=TOOL_CALL_PARSERS,
                        help="how answers to requests with tools are read for tool calls: "
                        "hermes (<tool_call> JSON or a bare JSON call; qwen is the same), "
                        "llama3_json, mistral ([TOOL_CALLS]); auto (default): the one the chat "
                        "template's format names, else hermes")
+    serve.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                       help="how a reasoning model's thought is told from its answer "
+                       "(reasoning_content): qwen3 (<think>...</think> opening the answer), "
+                       "deepseek_r1 (the answer starts in a thought, until </think>); auto "
+                       "(default): qwen3 where the chat template writes <think>, deepseek_r1 "
+                       "where it only strips </think> from past turns, else none")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's users: tool_choice auto is always served")
     serve.add_argument("--seed", dest="engine_seed", type=int, default=0,

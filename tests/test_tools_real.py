@@ -105,6 +105,24 @@ def test_tokenize_with_tools_is_the_chat_routes_prefill(tokenizer):
     assert with_prompt.count > no_prompt.count
 
 
+def test_tool_choice_none_after_a_call_renders_the_history(tokenizer):
+    """tool_choice "none" leaves the tools out of the prompt, but the history's earlier call
+    is still written out (a template that renders no tools cannot take tool_calls)."""
+    ctx = _context(tokenizer)
+    messages = [*_ask("Weather in Oslo?"),
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": messages,
+                                                "tools": [WEATHER], "tool_choice": "none"})
+    ((_, ids),) = chat.prepare(ctx, req).prompts
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "Oslo" in text and "-3 C" in text and "Get the current weather" not in text
+    got = tokenize(ctx, TokenizeRequest.model_validate({"messages": messages}))
+    assert got.tokens == ids
+
+
 def test_tokenize_tools_need_messages(tokenizer):
     with pytest.raises(APIError) as e:
         tokenize(_context(tokenizer), TokenizeRequest.model_validate(

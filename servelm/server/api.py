@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelm.engine.async_engine import AsyncLLMEngine
-from servelm.server import chat, completions, console, tokenize
+from servelm.server import chat, completions, console, reasoning, tokenize
 from servelm.server.errors import APIError, from_validation_error
 from servelm.server.guard import RequestGuard, read_body
 from servelm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -33,10 +33,12 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
 from servelm.server.serving import Generation, ServingContext
 from servelm.server.stats import LiveStats
 from servelm.server.tools import parser_for_template
+from servelm.server import access, openapi_errors
+from servelm.server import anthropic, embeddings, ollama, responses  # adapters
 
 # Protocol adapters: modules whose add_routes(app, routes) serve another API (Anthropic's,
 # OpenAI's Responses, Ollama's ...) over the same generation path.
-ADAPTERS: tuple = ()
+ADAPTERS: tuple = (embeddings, ollama, responses, anthropic)
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -163,16 +165,19 @@ class Routes:
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | None = None,
-              tool_call_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> FastAPI:
     """An app serving `engine` as `model_name`; the engine thread runs for the app's lifespan.
 
     With options.api_keys set, every /v1 route needs `Authorization: Bearer <one of them>`.
     tool_call_parser: how answers to requests with tools are read (servelm.server.tools).
+    reasoning_parser: how a thought is told from the answer (servelm.server.reasoning).
     """
     options = options or ServerOptions()
     metrics = ServerMetrics(engine)
     ctx = ServingContext(engine, metrics, model_name,
-                         parser_for_template(tool_call_parser, engine.tokenizer.chat_template))
+                         parser_for_template(tool_call_parser, engine.tokenizer.chat_template),
+                         reasoning.parser_for_template(reasoning_parser,
+                                                       engine.tokenizer.chat_template))
     live = LiveStats(engine, metrics, model_name)
 
     @asynccontextmanager
@@ -312,6 +317,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
     _add_schemas(app, [ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
                        CompletionRequest, CompletionResponse, CompletionChunk,
                        tokenize.TokenizeRequest, tokenize.DetokenizeRequest])
+    private = access.require_key(app, options, check_api_key)  # /metrics, the docs
+    openapi_errors.document_errors(app, options, private)
     return app
 
 

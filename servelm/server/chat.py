@@ -35,7 +35,8 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     tools = ([t.model_dump(exclude_none=True) for t in req.tools]
              if req.tools and choice != "none" else None)
     messages = [m.to_template() for m in req.messages]
-    if tools and not tok.renders_tools:
+    if not tok.renders_tools and (tools or any(m.get("tool_calls") for m in messages)):
+        # (with tool_choice "none" too: earlier calls in the history still need writing out)
         messages = describe_tools(messages, tools)
     try:
         text = tok.apply_chat_template(messages, tools=tools, chat_template=req.chat_template,
@@ -94,10 +95,10 @@ def _behind_thought(ctx: ServingContext, reasoning: ReasoningParser,
     return compile_structured(ctx, {"grammar": spec.grammar}, param)
 
 
-def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """For a template that does not render tools: the tools described in the system message,
-    and earlier calls written into their assistant turns in the format asked for there."""
-    prompt = tool_system_prompt(tools)
+def describe_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """For a template that does not render tools: the tools described in the system message
+    (none: tool_choice "none"), and earlier calls written into their assistant turns in the
+    format asked for there."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
@@ -108,6 +109,9 @@ def describe_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
                 for c in m["tool_calls"])
             m = {"role": m["role"], "content": ((m.get("content") or "") + calls).strip()}
         out.append(m)
+    if not tools:
+        return out
+    prompt = tool_system_prompt(tools)
     if out and out[0]["role"] == "system":
         return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *out[1:]]
     return [{"role": "system", "content": prompt}, *out]

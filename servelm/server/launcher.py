@@ -46,7 +46,8 @@ def server_options(args):
                          allowed_headers=split(args.allowed_headers),
                          max_request_bytes=args.max_request_bytes,
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                         shutdown_timeout=args.shutdown_timeout)
+                         shutdown_timeout=args.shutdown_timeout,
+                         public_metrics=args.public_metrics, public_docs=args.public_docs)
 
 
 def _build_engine(args, build_llm):
@@ -100,7 +101,8 @@ def serve(args) -> int:
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(model_arg(args))
-    app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser)
+    app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
                             http=deadline_protocol(options.header_timeout),
                             root_path=args.root_path, access_log=args.access_log,

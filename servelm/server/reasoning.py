@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from servelm.structured_outputs import StructuredOutputsParams
+from servelm.structured_outputs import StructuredOutputsParams, bounded_schema
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
@@ -149,7 +149,7 @@ class ReasoningParser:
             schema = spec.json if spec.kind == "json" else {"type": "object"}
             if isinstance(schema, str):
                 schema = json.loads(schema)
-            answer = "%json " + json.dumps(schema)
+            answer = "%json " + json.dumps(bounded_schema(schema))  # compact, bounded
         elif spec.kind == "regex":
             answer = "/" + spec.regex.replace("/", "\\/") + "/"
         else:

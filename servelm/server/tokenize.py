@@ -62,7 +62,7 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
         # As the chat route renders them (chat.prepare), so the ids are what it would prefill.
         messages = [m.to_template() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        if tools and not tok.renders_tools:
+        if not tok.renders_tools and (tools or any(m.get("tool_calls") for m in messages)):
             messages = describe_tools(messages, tools)
         try:
             text = tok.apply_chat_template(
