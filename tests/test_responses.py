@@ -265,6 +265,8 @@ def test_errors_on_the_wire_and_still_serving(client, server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.retrieve("resp_123")
+    assert "ResponsesRequest" in httpx.get(f"{server.url}/openapi.json").json()["components"][
+        "schemas"]
     assert "keeps no responses" in e.value.body["message"]
     ok = client.responses.create(**greedy(input=QUESTION, max_output_tokens=8))
     assert ok.status in ("completed", "incomplete") and ok.output_text

@@ -63,8 +63,8 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     ctx = routes.ctx
 
     @app.post("/v1/responses", dependencies=[Depends(routes.check_api_key)],
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/json": {"schema": ResponsesRequest.model_json_schema()}}}})
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}})
     async def create_response(request: Request):
         body = await routes.read(request)
 
@@ -87,6 +87,24 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     async def retrieve_response(response_id: str):
         raise APIError(404, f"no response '{response_id}': servelm keeps no responses (every "
                             f"request is store=false)", param="response_id", code="not_found")
+
+    _document(app)
+
+
+def _document(app: FastAPI) -> None:
+    """The hand-parsed request's schema in /openapi.json's components."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base()
+            js = ResponsesRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.update(js.pop("$defs", {}))
+            comps["ResponsesRequest"] = js
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 # ---- the request as a chat request ----------------------------------------------------------
