@@ -2,9 +2,10 @@
 
 from servelm.entrypoints.llm import LLM
 from servelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from servelm.pooling_params import PoolingParams
 from servelm.sampling_params import SamplingParams
 from servelm.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "RequestMetrics"]
 __version__ = "0.1.0"

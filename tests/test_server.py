@@ -591,7 +591,7 @@ BAD_INPUTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop", "string"),
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop_token_ids": [2, 49152]}, 400,
      "stop_token_ids", "49152"),
-    ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, None, "Not Found"),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi"}, 404, None, "Not Found"),
 ]
 
 

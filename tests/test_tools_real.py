@@ -165,8 +165,11 @@ def test_served_tokenize_with_tools_is_what_chat_prefills(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
-@pytest.mark.parametrize("question", list(RECORDED), ids=["bare", "fenced"])
-def test_real_bare_json_calls_come_back_as_tool_calls(server, client, question):
+@pytest.mark.parametrize("question,stream", [(q, q == list(RECORDED)[1]) for q in RECORDED],
+                         ids=["bare", "fenced-streamed"])
+def test_real_bare_json_calls_come_back_as_tool_calls(server, client, question, stream):
+    """The bare call answered whole, the fenced one streamed (each answer is a few seconds
+    of fp32 decoding: the parser's stream and whole paths meet both shapes in test_tools)."""
     messages = _ask(question)
     # The model's own text for the prompt the chat route prefills: a bare call, no tags.
     ids = httpx.post(f"{server.url}/tokenize", timeout=60, json={
@@ -175,14 +178,15 @@ def test_real_bare_json_calls_come_back_as_tool_calls(server, client, question):
     assert raw.choices[0].text == RECORDED[question]
     assert raw.choices[0].finish_reason == "stop"
 
-    whole = client.chat.completions.create(model=SERVED, messages=messages, tools=[WEATHER],
-                                           max_tokens=60, temperature=0)
-    choice = whole.choices[0]
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and call.id.startswith("call_")
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
-
+    if not stream:
+        whole = client.chat.completions.create(model=SERVED, messages=messages,
+                                               tools=[WEATHER], max_tokens=60, temperature=0)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        return
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
         "model": SERVED, "messages": messages, "tools": [WEATHER], "max_tokens": 60,
         "temperature": 0, "stream": True})
@@ -190,6 +194,6 @@ def test_real_bare_json_calls_come_back_as_tool_calls(server, client, question):
     assert not "".join(d["delta"].get("content") or "" for d in deltas)  # nothing leaked
     pieces = [p for d in deltas for p in d["delta"].get("tool_calls") or []]
     assert [p["function"]["name"] for p in pieces if p.get("id")] == ["get_weather"]
-    assert "".join(p["function"].get("arguments") or "" for p in pieces) == \
-        call.function.arguments
+    arguments = "".join(p["function"].get("arguments") or "" for p in pieces)
+    assert json.loads(arguments) == {"city": "Paris"}
     assert deltas[-1]["finish_reason"] == "tool_calls"
