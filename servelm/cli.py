@@ -190,6 +190,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                         "take (the amx and onednn methods keep a layer's weight in the "
                         "activation dtype too, for faster prompts); 0: none (default: a "
                         "quarter of the memory available at start-up)")
+    k.add_argument("--no-overlap-grammar-masks", dest="overlap_grammar_masks",
+                   action="store_false",
+                   help="structured outputs: compute the grammars' masks after the forward, "
+                        "not on a thread beside it")
     k.add_argument("--tuning-cache-dir", default=None, metavar="DIR",
                    help="where the tuning table is cached (default: ~/.cache/servelm)")
     k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
@@ -254,6 +258,7 @@ def build_llm(args):
                kernel_tuning=args.kernel_tuning, linear_method=args.linear_method,
                batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
                dequantized_copy_memory=args.dequantized_copy_memory,
+               overlap_grammar_masks=args.overlap_grammar_masks,
                cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
                hugepages=args.hugepages, triton_attention=args.triton_attention,
                shm_collectives=args.shm_collectives,

@@ -109,6 +109,9 @@ class KernelConfig:
     # past it the largest layers do without. None: a quarter of the memory available when
     # the tuner decides; 0: none.
     dequantized_copy_bytes: int | None = None
+    # Structured outputs: the next-token masks of the step's constrained rows computed on a
+    # background thread while the forward runs (structured_outputs.MaskPrefetch).
+    overlap_grammar_masks: bool = True
 
     def __post_init__(self) -> None:
         if self.dequantized_copy_bytes is not None and (
@@ -133,7 +136,7 @@ class KernelConfig:
             raise ValueError(f"kernel tuning must be one of {', '.join(KERNEL_TUNING)}, "
                              f"got {self.tuning!r}")
         for name in ("cpu_kernels", "fused_decode", "hugepages", "triton_attention",
-                     "shm_collectives"):
+                     "shm_collectives", "overlap_grammar_masks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):

@@ -252,24 +252,82 @@ class GrammarCompiler:
 
 
 _executor = None
+_prefetcher = None
+
+
+def _compute_masks(matchers: list, bits_ptr: int, words: int) -> None:
+    """The matchers' next-token bitmasks into int32 rows of `words` at bits_ptr (no torch:
+    llguidance's own threads, the GIL released)."""
+    import llguidance
+
+    global _executor
+    if len(matchers) == 1:
+        matchers[0].unsafe_compute_mask_ptr(bits_ptr, words * 4)
+        return
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits_ptr,
+                                      words * 4, len(matchers))
+
+
+def _unpack(bits: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32)
+    return (((bits.unsqueeze(-1) >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab]) != 0
 
 
 def allowed_mask(matchers: list, vocab: int) -> "torch.Tensor":
     """[len(matchers), vocab] bool: the tokens each matcher allows next; several rows are
     computed in parallel by llguidance's own threads. (llguidance.torch is not used: it
     applies torch.compile at import, which imports torch._dynamo, seconds.)"""
-    import llguidance
     import torch
 
-    global _executor
     words = (vocab + 31) // 32
     bits = torch.zeros((len(matchers), words), dtype=torch.int32)
-    if len(matchers) == 1:
-        matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
-    else:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
-                                          bits.data_ptr(), words * 4, len(matchers))
-    shifts = torch.arange(32, dtype=torch.int32)
-    return (((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(matchers), -1)[:, :vocab]) != 0
+    _compute_masks(matchers, bits.data_ptr(), words)
+    return _unpack(bits, vocab)
+
+
+def _compute_into(matchers: list, bits) -> None:
+    """_compute_masks into a numpy buffer this call keeps alive while it writes."""
+    _compute_masks(matchers, bits.ctypes.data, bits.shape[1])
+
+
+class MaskPrefetch:
+    """The next-token masks of matchers computed on a background thread while the step's
+    forward runs (as vLLM and SGLang overlap them): a matcher only moves when its token is
+    sampled, after the forward, so the masks started before it are the ones the sampler
+    needs. The thread makes no torch call (a second thread's OpenMP regions would start a
+    pool of their own); the bits are unpacked on the caller's thread by `get`."""
+
+    def __init__(self, matchers: list, vocab: int):
+        import concurrent.futures
+
+        import numpy as np
+
+        global _prefetcher
+        if _prefetcher is None:
+            _prefetcher = concurrent.futures.ThreadPoolExecutor(1, "servelm-masks")
+        self.vocab = vocab
+        self.rows = {id(m): i for i, m in enumerate(matchers)}
+        words = (vocab + 31) // 32
+        self._bits = np.zeros((len(matchers), words), dtype=np.int32)
+        self._done = _prefetcher.submit(_compute_into, list(matchers), self._bits)
+        self._mask: "torch.Tensor | None" = None
+
+    def get(self, matcher) -> "torch.Tensor | None":
+        """The [vocab] bool mask of a matcher given at construction, else None."""
+        row = self.rows.get(id(matcher))
+        if row is None:
+            return None
+        if self._mask is None:
+            import torch
+
+            self._done.result()
+            self._mask = _unpack(torch.from_numpy(self._bits), self.vocab)
+        return self._mask[row]
+
+    def wait(self) -> None:
+        """Block until the background work is done (its buffer must outlive it)."""
+        self._done.result()

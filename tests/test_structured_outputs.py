@@ -127,6 +127,59 @@ def test_sampler_masks_only_constrained_rows(llm):
     assert out.token_ids[1] == 0
 
 
+def test_masks_prefetched_during_the_forward_equal_the_sampler_own(llm):
+    """MaskPrefetch (started before the forward) gives each matcher the mask allowed_mask
+    computes after it; the sampler takes those rows from it, and computes rows it lacks."""
+    from servelm.structured_outputs import MaskPrefetch, allowed_mask
+
+    vocab = llm.engine.model_config.vocab_size
+    specs = [StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(regex=r"\d+"),
+             StructuredOutputsParams(json={"type": "object"})]
+    matchers = [llm.engine.grammars.matcher(s) for s in specs]
+    ids = llm.get_tokenizer().encode("12", add_special_tokens=False)
+    assert matchers[1].consume_tokens(ids)  # one advanced past its start
+    pre = MaskPrefetch(matchers[:2], vocab)
+    got = [pre.get(m) for m in matchers[:2]]  # (waits: a matcher serves one thread at once)
+    want = allowed_mask(matchers, vocab)
+    for i in range(2):
+        assert torch.equal(got[i], want[i])
+    assert pre.get(matchers[2]) is None
+
+    class Row:
+        def __init__(self, grammar):
+            self.sampling_params = SamplingParams(temperature=0)
+            self.prompt_token_ids, self.output_token_ids = [1], []
+            self.generator, self.grammar = None, grammar
+
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    rows = [Row(m) for m in matchers]
+    sampler = Sampler(llm.engine.tokenizer.eos_token_ids)
+    assert sampler(logits, rows, MaskPrefetch(matchers[:2], vocab)).token_ids == \
+        sampler(logits, rows).token_ids
+
+
+def test_overlapped_masks_give_the_same_answers():
+    """The engine with and without the masks computed beside the forward: the same tokens."""
+    from servelm import LLM
+
+    kw = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=64 << 20)
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {
+        "city": {"type": "string"}, "n": {"type": "integer"}}, "required": ["city", "n"]})
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec),
+              SamplingParams(temperature=0, max_tokens=8),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z ]+"))]
+    prompts = ["A city as JSON:", "The capital of France is", "Say something:"]
+    got = {}
+    for overlap in (True, False):
+        llm = LLM(overlap_grammar_masks=overlap, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[overlap] = [o.outputs[0].token_ids for o in outs]
+        if outs[0].outputs[0].finish_reason == "stop":
+            assert set(json.loads(outs[0].outputs[0].text)) == {"city", "n"}
+    assert got[True] == got[False]
+
+
 # ---- JSON that ends -------------------------------------------------------------------------
 
 

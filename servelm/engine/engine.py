@@ -16,7 +16,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.sampler import Sampler, token_logprobs
-from servelm.structured_outputs import GrammarCompiler
+from servelm.structured_outputs import GrammarCompiler, MaskPrefetch
 from servelm.engine.scheduler import Scheduler
 from servelm.models import kv_quant
 from servelm.models.hub import resolve_model
@@ -566,6 +566,14 @@ class LLMEngine:
             seqs.append(SeqInput(ids, s.start, table, s.samples,
                                  all_logits=req.needs_prompt_logits,
                                  num_logits=s.num_draft + 1))
+        masks = None
+        if self.config.kernels.overlap_grammar_masks and not any(
+                s.num_draft for s in sched.scheduled):
+            # Structured outputs: the sampling rows' masks computed during the forward.
+            grammars = [s.request.grammar for s in sched.scheduled
+                        if s.samples and s.request.grammar is not None]
+            if grammars:
+                masks = MaskPrefetch(grammars, self.model_config.vocab_size)
         t0 = time.perf_counter()
         pooled = None
         if any(q.pooling for q in seqs):
@@ -579,7 +587,7 @@ class LLMEngine:
             emitted = self._verify(sched, logits, rows)
         else:
             sampled_reqs = [sched.scheduled[i].request for i in rows]
-            result = self.sampler(logits, sampled_reqs) if sampled_reqs else None
+            result = self.sampler(logits, sampled_reqs, masks) if sampled_reqs else None
             emitted = [([result.token_ids[j]], [result.logprobs[j]]) for j in range(len(rows))]
         self.scheduler.update_after_step(sched)
         # The sampler has read the logits back, so the step's device work is done.

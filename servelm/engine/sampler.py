@@ -65,11 +65,20 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplerRow],
-                    constrained: list[int]) -> torch.Tensor:
-    """-inf for every token the row's grammar does not allow next (a copy of the logits)."""
+                    constrained: list[int], prefetched=None) -> torch.Tensor:
+    """-inf for every token the row's grammar does not allow next (a copy of the logits).
+    prefetched: a structured_outputs.MaskPrefetch holding some rows' masks already."""
     from servelm.structured_outputs import allowed_mask
 
-    allowed = allowed_mask([rows[i].grammar for i in constrained], logits.shape[1])
+    got = {i: prefetched.get(rows[i].grammar) for i in constrained} if prefetched else {}
+    rest = [i for i in constrained if got.get(i) is None]
+    if prefetched is not None:
+        prefetched.wait()  # (one llguidance executor: never two threads on it at once)
+    if rest:
+        for i, mask in zip(rest, allowed_mask([rows[i].grammar for i in rest],
+                                              logits.shape[1])):
+            got[i] = mask
+    allowed = torch.stack([got[i][:logits.shape[1]] for i in constrained])
     index = torch.tensor(constrained, device=logits.device)
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed.to(logits.device), _NEG_INF)
@@ -107,11 +116,13 @@ class Sampler:
         """``eos_token_ids``: banned while a row has fewer than min_tokens outputs."""
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
+                 masks=None) -> SamplerOutput:
         """Sample one token per row.
 
         ``logits`` is ``[len(rows), vocab]``; all work happens on its device and
-        it is never modified. A row's ``generator`` may live on any device.
+        it is never modified. A row's ``generator`` may live on any device. ``masks``:
+        a structured_outputs.MaskPrefetch with grammars' masks computed during the forward.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [{len(rows)}, vocab], got {tuple(logits.shape)}")
@@ -120,7 +131,7 @@ class Sampler:
         logits = raw = logits.float()
         constrained = [i for i, row in enumerate(rows) if getattr(row, "grammar", None) is not None]
         if constrained:  # structured outputs: only the tokens each grammar allows next
-            logits = _apply_grammars(logits, rows, constrained)
+            logits = _apply_grammars(logits, rows, constrained, masks)
         if any(row.sampling_params.logit_bias for row in rows):
             logits = _apply_logit_bias(logits, rows)
         if all(_argmax_only(row) for row in rows):  # the common greedy step: one op

@@ -41,7 +41,8 @@ class LLM:
                  tuning_cache_dir: str | None = None, shm_collectives: bool = True,
                  kv_cache_dtype: str = "auto", commit_kv_while_idle: bool = True,
                  speculative_config: dict | SpeculativeConfig | None = None,
-                 dequantized_copy_memory: int | None = None):
+                 dequantized_copy_memory: int | None = None,
+                 overlap_grammar_masks: bool = True):
         """The engine's settings by name (servelm.config: EngineConfig and the configs it
         holds). model: a GGUF file, an HF directory, a Hugging Face id ORG/NAME (revision,
         download_dir) or ORG/NAME:QUANT; quantization None: the checkpoint's own format;
@@ -63,7 +64,8 @@ class LLM:
                                  hugepages=hugepages, triton_attention=triton_attention,
                                  attention_backend=attention_backend,
                                  shm_collectives=shm_collectives,
-                                 dequantized_copy_bytes=dequantized_copy_memory),
+                                 dequantized_copy_bytes=dequantized_copy_memory,
+                                 overlap_grammar_masks=overlap_grammar_masks),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype,
