@@ -260,10 +260,7 @@ async def stream(ctx: ServingContext, req: MessagesRequest, gen: Generation
                 o = out.outputs[0]
                 events, pieces, thought, text = [], [], "", o.delta_text
                 if thoughts is not None:
-                    thought, text = thoughts.feed(o.delta_text)
-                    if o.finished:
-                        more_thought, more_text = thoughts.finish()
-                        thought, text = thought + more_thought, text + more_text
+                    thought, text = thoughts.feed(o.delta_text, o.finished)
                 answer += text
                 if thought:
                     events += blocks.text(thought, "thinking")

@@ -246,10 +246,7 @@ class _Thought:
         self.answer = ""
 
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
-        thought, answer = self._stream.feed(delta)
-        if final:
-            more_thought, more_answer = self._stream.finish()
-            thought, answer = thought + more_thought, answer + more_answer
+        thought, answer = self._stream.feed(delta, final)
         self.answer += answer
         return thought, answer
 

@@ -297,10 +297,7 @@ class _Answer:
                         continue
                     text, thought = o.delta_text, ""
                     if thoughts is not None:
-                        thought, text = thoughts.feed(o.delta_text)
-                        if o.finished:
-                            more_thought, more_text = thoughts.finish()
-                            thought, text = thought + more_thought, text + more_text
+                        thought, text = thoughts.feed(o.delta_text, o.finished)
                     answer += text
                     if calls is not None:
                         text, pieces = calls.feed(answer, final=o.finished)

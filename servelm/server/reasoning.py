@@ -41,15 +41,23 @@ def _partial(text: str, tag: str) -> int:
 
 
 class ReasoningStream:
-    """One answer read delta by delta: feed(delta) -> (reasoning, content) new this delta;
-    finish() -> what was held back at the end. Joined, they equal ReasoningParser.split."""
+    """One answer read delta by delta: feed(delta) -> (reasoning, content) new this delta,
+    with final=True also what was held back at the end (finish()). Joined, they equal
+    ReasoningParser.split."""
 
     def __init__(self, state: str):
         self._state = state
         self._fresh = True  # nothing of the current part sent yet (its opening space dropped)
         self._held = ""
 
-    def feed(self, delta: str) -> tuple[str, str]:
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        reasoning, content = self._feed(delta)
+        if final:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _feed(self, delta: str) -> tuple[str, str]:
         text, self._held = self._held + delta, ""
         reasoning, content = [], []
         while text:
@@ -132,10 +140,8 @@ class ReasoningParser:
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer -> (the thought, or None if there was none or it was empty; the
         answer's text)."""
-        s = self.stream()
-        r1, c1 = s.feed(text)
-        r2, c2 = s.finish()
-        return (r1 + r2) or None, c1 + c2
+        reasoning, content = self.stream().feed(text, final=True)
+        return reasoning or None, content
 
     def answer_grammar(self, spec: StructuredOutputsParams) -> StructuredOutputsParams:
         """`spec` applied to the answer after the thought: a Lark grammar whose thought is any

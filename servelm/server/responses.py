@@ -329,10 +329,7 @@ class StreamedItems:
         """The events for one step's new text (`final`: the answer ends with it)."""
         thought, answer = "", delta
         if self.thought is not None:
-            thought, answer = self.thought.feed(delta)
-            if final:
-                more_thought, more_answer = self.thought.finish()
-                thought, answer = thought + more_thought, answer + more_answer
+            thought, answer = self.thought.feed(delta, final)
         self.answer += answer
         out = self._write(OutputReasoning, thought) if thought else []
         content, pieces = ((answer, []) if self.calls is None
