@@ -61,6 +61,23 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class MetadataFields(_Request):
+    """The fields that only carry metadata or policy (IGNORED_FIELDS): accepted, logged once
+    at debug, no effect on the output; shared by every OpenAI-shaped request."""
+
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @model_validator(mode="after")
+    def _note_ignored(self):
+        _log_ignored(self)
+        return self
+
+
 class StreamOptions(_Request):
     """What a stream carries besides choices: include_usage adds a final usage chunk."""
 
@@ -100,7 +117,7 @@ class StructuredOutputsRequest(_Request):
     json_object: bool | None = None
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(MetadataFields):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -114,13 +131,6 @@ class SamplingRequest(_Request):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Metadata and policy only (IGNORED_FIELDS): accepted, no effect on the output.
-    user: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     # llama-server's: false keeps this request's prompt out of the prefix cache (nothing
     # read from it, and its blocks kept under a salt of its own, which no request shares)
     cache_prompt: bool = True
@@ -146,11 +156,6 @@ class SamplingRequest(_Request):
     # vLLM's: the top-N alternatives at every prompt position, in the response's
     # prompt_logprobs (not streamed: a chunk has no place for them, as in vLLM)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _note_ignored(self) -> "SamplingRequest":
-        _log_ignored(self)
-        return self
 
     @field_validator("prompt_logprobs")
     @classmethod

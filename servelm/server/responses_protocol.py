@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+from pydantic import (BaseModel, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from servelm.server.errors import APIError, from_validation_error
-from servelm.server.protocol import Int, _log_ignored
+from servelm.server.protocol import Int, MetadataFields, _Request
 
 # Output items that name a server-side tool: what OpenAI runs itself, servelm does not.
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
@@ -29,14 +29,10 @@ BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
 HARMLESS_INCLUDES = ("reasoning.encrypted_content",)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 # ---- input items ------------------------------------------------------------------------------
 
 
-class TextPart(_Strict):
+class TextPart(_Request):
     """A text content part: input_text (what a user, system or developer says), output_text
     (an earlier answer, as the API returned it) or refusal."""
 
@@ -58,7 +54,7 @@ class TextPart(_Strict):
         return self.refusal if self.type == "refusal" else self.text
 
 
-class MessageItem(_Strict):
+class MessageItem(_Request):
     """A turn: role and content (a string or text parts)."""
 
     type: Literal["message"] = "message"
@@ -73,7 +69,7 @@ class MessageItem(_Strict):
         return [{"type": "text", "text": p.value} for p in self.content]
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_Request):
     """A call the model made earlier (sent back with the conversation)."""
 
     type: Literal["function_call"]
@@ -84,7 +80,7 @@ class FunctionCallItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_Request):
     """What a call returned: a string, or input_text parts."""
 
     type: Literal["function_call_output"]
@@ -100,7 +96,7 @@ class FunctionCallOutputItem(_Strict):
         return "".join(p.value for p in self.output)
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(_Request):
     """An earlier answer's reasoning, sent back: accepted, and left out of the prompt (chat
     templates drop past turns' reasoning too)."""
 
@@ -113,13 +109,13 @@ class ReasoningItem(_Strict):
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-_ITEMS: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,
+_ITEMS: dict[str, type[_Request]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                     "function_call_output": FunctionCallOutputItem,
                                     "reasoning": ReasoningItem}
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 
 
-def _validated(model: type[_Strict], data: Any, prefix: str):
+def _validated(model: type[_Request], data: Any, prefix: str):
     """model.model_validate(data); a failure is a 400 naming the field under `prefix`."""
     try:
         return model.model_validate(data)
@@ -169,7 +165,7 @@ def parse_items(raw: str | list[Any]) -> list[InputItem]:
 # ---- tools, tool choice, text format ----------------------------------------------------------
 
 
-class FunctionTool(_Strict):
+class FunctionTool(_Request):
     """A function the model may call: the Responses shape (name at the top level)."""
 
     type: Literal["function"]
@@ -198,12 +194,12 @@ def parse_tools(raw: list[Any] | None) -> list[FunctionTool]:
     return tools
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(_Request):
     type: Literal["function"]
     name: str
 
 
-class AllowedTools(_Strict):
+class AllowedTools(_Request):
     """{"type": "allowed_tools", "mode": "auto" | "required", "tools": [...]}: only these."""
 
     type: Literal["allowed_tools"]
@@ -244,7 +240,7 @@ def parse_tool_choice(raw: Any, tools: list[FunctionTool]) -> ToolChoice:
     return choice
 
 
-class TextFormat(_Strict):
+class TextFormat(_Request):
     """text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
     "name", "schema", "description", "strict"}."""
 
@@ -267,12 +263,12 @@ class TextFormat(_Strict):
         return self
 
 
-class TextConfig(_Strict):
+class TextConfig(_Request):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; no model uses it
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(_Request):
     """reasoning.effort reaches the chat template (as chat's reasoning_effort); a summary is
     given only where there is one (servelm writes none)."""
 
@@ -281,14 +277,14 @@ class ReasoningConfig(_Strict):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Request):
     include_obfuscation: bool | None = None  # accepted: servelm pads no deltas
 
 
 # ---- the request ------------------------------------------------------------------------------
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(MetadataFields):
     """Body of POST /v1/responses."""
 
     model: str
@@ -307,13 +303,7 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: Int | None = Field(None, ge=1)  # a cap on built-in tool calls: none run
-    # Metadata and policy only (protocol.IGNORED_FIELDS): accepted, no effect on the output.
-    user: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    # (the metadata-only fields: MetadataFields)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     background: bool | None = None
     # Not implemented; declared so that using them is a 400 that says why.
@@ -322,11 +312,6 @@ class ResponsesRequest(_Strict):
     prompt: Any = None
     top_logprobs: Any = None
     context_management: Any = None
-
-    @model_validator(mode="after")
-    def _note_ignored(self) -> "ResponsesRequest":
-        _log_ignored(self)
-        return self
 
     @field_validator("previous_response_id", "conversation")
     @classmethod
