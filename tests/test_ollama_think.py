@@ -7,21 +7,10 @@ from __future__ import annotations
 import ollama
 import pytest
 
+from test_reasoning import GREET, TEMPLATE, THOUGHT  # the model made to think
 from tests.test_server import Server
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
-            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-            "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and "
-            "enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% else %}"
-            "{{ '<think>\\n' }}{% endif %}{% endif %}")
-THOUGHT = "The user greets me."
-# Worked turns, thought then answer: greedy decoding copies the pattern, </think> included.
-GREET = [{"role": "system", "content": "You are a helpful assistant."}] + [
-    m for _ in range(3) for m in (
-        {"role": "user", "content": "Say hi"},
-        {"role": "assistant", "content": f"<think>\n{THOUGHT}\n</think>\n\nHi!"})] + [
-    {"role": "user", "content": "Say hi"}]
 GREEDY = {"temperature": 0, "num_predict": 20}
 
 

@@ -8,7 +8,6 @@ the openai client's parse(), fp32 and bf16)."""
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from servelm.engine.async_engine import EngineSnapshot
 from servelm.server.api import build_app
 from servelm.server.options import ServerOptions
 from test_server import KEY, MODEL, ROOT, Server
+from test_server_api import Code, Level, Record
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEQS, QUEUE = 4, 4  # --max-num-seqs, --max-queue: at most 8 sequences at once
@@ -210,23 +210,7 @@ def test_serve_flags_parse():
 # ---- structured outputs end ------------------------------------------------------------------
 
 
-class Level(str, enum.Enum):
-    low = "low"
-    high = "high"
-
-
-class Code(BaseModel):
-    code: str = Field(pattern=r"^[A-Z]{2}[0-9]$")  # a string pattern
-    level: Level                                   # an enum
-
-
-class Record(BaseModel):  # test_server_api's: the five shapes together
-    name: str = Field(max_length=8)
-    inner: Code                                        # a nested object
-    scores: list[int] = Field(min_length=1, max_length=2)  # a bounded array
-    flag: bool | int                                   # a union
-
-
+# test_server_api's Record (its five shapes together), and each shape alone.
 class Pattern(BaseModel):
     code: str = Field(pattern=r"^[A-Z]{2}[0-9]$")
 
