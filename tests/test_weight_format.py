@@ -129,3 +129,14 @@ def test_qwen_q4_k_m_runs_int4():
     assert packed < 0.35 * 2 * params
     out = llm.generate("def fibonacci(n):", GREEDY, use_tqdm=False)[0].outputs[0].text
     assert out.strip()
+
+
+def test_tokenizer_from_another_checkpoint(gguf_path):
+    """--tokenizer: the tokenizer (and template) of another file; one with more tokens than
+    the model has rows is refused by name."""
+    from helpers import real_model
+
+    same = LLM(tokenizer=gguf_path, **KW)
+    assert same.engine.tokenizer.vocab_size == same.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="tokenizer .*qwen.* tokens are more than the model's"):
+        LLM(tokenizer=real_model("qwen25-coder-0.5b"), **KW)

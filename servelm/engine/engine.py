@@ -237,6 +237,9 @@ class LLMEngine:
         self.tokenizer = (open_checkpoint(resolve_model(config.tokenizer, config.revision,
                                                         config.download_dir)).tokenizer()
                           if config.tokenizer else ckpt.tokenizer())
+        if config.tokenizer and self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer {config.tokenizer}: its {self.tokenizer.vocab_size} "
+                             f"tokens are more than the model's {self.model_config.vocab_size}")
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.tokenizer.default_template_kwargs = dict(config.chat_template_kwargs or {})
