@@ -1,4 +1,4 @@
-"""TPExecutor: the engine's model runner when tensor_parallel_size > 1 (rank 0's side).
+"""TPExecutor: the engine's executor when tensor_parallel_size > 1 (rank 0's side).
 
 It starts N-1 worker processes on this host (torch.multiprocessing, spawn, a store on a
 free loopback port), or, when the process was launched by torchrun (RANK, WORLD_SIZE,
@@ -7,8 +7,9 @@ Rank 0 runs the engine (scheduler, sampler, clients); on any other torchrun rank
 constructor runs the worker loop and then exits the process: the same command line
 serves on rank 0 and works on the others.
 
-`execute(seqs) -> (logits, rows)` has ModelRunner's interface: it broadcasts the step's
-metadata, runs rank 0's shard, and gathers the logits. A worker that dies (or any failure
+It implements servelm.engine.executor.Executor: `execute(seqs) -> (logits, rows)`
+broadcasts the step's metadata, runs rank 0's shard, and gathers the logits. Every rank
+builds its shard, pool and runner with the same ModelWorker as a single process does. A worker that dies (or any failure
 inside a step: the ranks are then out of step) raises WorkerDiedError, which is fatal
 (`fatal = True`): the async engine fails every request in flight and reports unhealthy.
 """
@@ -27,10 +28,12 @@ import torch
 
 from servelm.distributed.parallel_state import TPGroup, torchrun_env, torchrun_store
 from servelm.distributed.sharding import ShardPlan
-from servelm.distributed.worker import (STEP, STOP, allocate_kv, encode_seqs, load_rank,
+from servelm.distributed.worker import (STEP, STOP, allocate_rank, encode_seqs, load_rank,
                                         run_step, spawn_main, worker_main)
-from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.engine.executor import Executor, default_kv_bytes, pool_blocks
+from servelm.engine.model_runner import KVCache, SeqInput
 from servelm.models import kv_quant
+from servelm.models.registry import family_for_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +91,16 @@ def per_rank_threads(config, local_ranks: int) -> int:
     return max(1, total // local_ranks)
 
 
-class TPExecutor:
+class TPExecutor(Executor):
     """Rank 0 of a tensor-parallel world: owns rank 0's shard and KV pool, drives the rest."""
 
     def __init__(self, config, ckpt, model_config, dtype: torch.dtype, device: torch.device,
                  max_len: int):
         tp = config.tensor_parallel_size
-        for rank in range(tp):  # a model that cannot be split fails here, before any process
+        # A model that cannot be split fails here, before any process starts (shard_model
+        # checks it again per rank).
+        family_for_architecture(model_config.architecture).require_tensor_parallel()
+        for rank in range(tp):
             ShardPlan.of(model_config, rank, tp)
         self.ranks = _Ranks()
         self._finalizer = weakref.finalize(self, self.ranks.close)
@@ -121,10 +127,10 @@ class TPExecutor:
         self.ranks.group = self.group = group
         self.device = device
         try:
-            self.model, self.plan = load_rank(group, ckpt, model_config, dtype, device, max_len,
-                                              config.quantization, config.kernels)
-            self.tuning = self.model.tuning
-            self.kv_cache = self._allocate_kv(config, model_config, dtype, device)
+            self.worker, self.plan = load_rank(group, config, ckpt, model_config, dtype,
+                                               device, max_len)
+            self.num_blocks = self._size_pools(config, model_config, dtype, device)
+            allocate_rank(self.worker, config, dtype, self.num_blocks)
             group.control_all_reduce_max(0)  # every rank has loaded and allocated
         except Exception as e:
             self.ranks.close()
@@ -132,7 +138,6 @@ class TPExecutor:
             if reported:
                 raise WorkerDiedError(f"tensor-parallel start-up failed: {reported}") from e
             raise
-        self.runner = ModelRunner(self.model, self.kv_cache, device, kernels=config.kernels)
         self.ranks.usable = True
         logger.info("tensor parallelism: %d ranks; rank 0 holds query heads %s, KV heads %s",
                     tp, self.plan.q_heads, self.plan.kv_heads)
@@ -174,32 +179,22 @@ class TPExecutor:
             self.ranks.close()
             raise
 
-    def _allocate_kv(self, config, model_config, dtype, device) -> KVCache:
-        """Rank 0 decides the number of blocks for every rank: kv_cache_memory is per rank,
-        and the rank with the most KV heads must fit it."""
-        from servelm.engine.engine import _default_kv_bytes
-
+    def _size_pools(self, config, model_config, dtype, device) -> int:
+        """Rank 0 decides the number of blocks for every rank (broadcast to them):
+        kv_cache_memory is per rank, and the rank with the most KV heads must fit it."""
         cache = config.cache
         most_kv = max(ShardPlan.of(model_config, r, self.group.world).num_kv_heads
                       for r in range(self.group.world))
         dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)  # the pool's storage
         per_head = KVCache.bytes_per_block(model_config, cache.block_size, dtype) \
             // model_config.num_kv_heads
-        kv_bytes = cache.kv_cache_memory or _default_kv_bytes(device)
-        num_blocks = kv_bytes // (per_head * most_kv)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
-                             f"(one block takes {per_head * most_kv} bytes on a rank)")
+        num_blocks = pool_blocks(cache.kv_cache_memory or default_kv_bytes(device),
+                                 per_head * most_kv, " on a rank")
         self.group.broadcast_object(num_blocks)
         self.block_bytes = per_head * self.plan.num_kv_heads
-        return allocate_kv(self.model, num_blocks, cache.block_size, dtype, device,
-                           config.kernels.hugepages)
+        return num_blocks
 
     # ---- steps ---------------------------------------------------------------------------
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a worker has died (cheap: no collective)."""
@@ -230,7 +225,7 @@ class TPExecutor:
         self.ranks.busy = True
         try:
             self.group.broadcast_object((STEP, encode_seqs(seqs)))
-            return run_step(self.group, self.runner, self.plan, seqs)
+            return run_step(self.group, self.worker.runner, self.plan, seqs)
         except Exception as e:
             # Let a dying worker finish dying, so the message can say what happened.
             deadline = time.monotonic() + 2
@@ -246,6 +241,11 @@ class TPExecutor:
             self._fail(msg, e)
         finally:
             self.ranks.busy = False
+
+    def execute_pooling(self, seqs: list[SeqInput]):
+        """Pooling requests (embeddings) do not run across ranks."""
+        raise NotImplementedError("pooling requests (embeddings) are not supported with "
+                                  "tensor_parallel_size > 1")
 
     def shutdown(self) -> None:
         """Stop the workers (they exit after the stop message); idempotent."""

@@ -1,11 +1,13 @@
 """One tensor-parallel rank: load its shard, hold its KV pool, run each step rank 0 sends.
 
-Rank 0 (servelm.distributed.executor) and every worker share the code here, so both
-build the same shapes and run the same collectives in the same order:
+Rank 0 (servelm.distributed.executor) and every worker share the code here, and build
+their shard, pool and runner with the single process's ModelWorker (servelm.engine.executor),
+so all build the same shapes and run the same collectives in the same order:
 
     rank 0                                   workers
-    load shard                               load shard
-    broadcast num_blocks           ->        allocate KV pool
+    load shard, tune its linears             load shard, tune its linears
+    broadcast num_blocks           ->        receive num_blocks
+    allocate KV pool, runner                 allocate KV pool, runner
     ready (all-reduce)             <->       ready
     per step: broadcast metadata   ->        receive metadata
               forward (61 all-reduces for SmolLM2) <-> forward
@@ -28,10 +30,9 @@ import torch.nn.functional as F
 
 from servelm.distributed.parallel_state import TPGroup
 from servelm.distributed.sharding import Shard, ShardPlan
-from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.engine.executor import ModelWorker
+from servelm.engine.model_runner import ModelRunner, SeqInput
 from servelm.models import kv_quant
-from servelm.models.loader import load_model
-from servelm.tuning import finalize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -39,24 +40,23 @@ STOP = "stop"
 STEP = "step"
 
 
-def load_rank(group: TPGroup, ckpt, cfg, dtype: torch.dtype, device: torch.device,
-              max_len: int, quantization: str | None = None, kernels=None
-              ) -> tuple[torch.nn.Module, ShardPlan]:
-    """This rank's shard of the model, read from the checkpoint's parts it needs only.
-
-    Weight quantisation swaps the shard's plain nn.Linear layers as on one device (the
-    all-reduces live in the parallel attention and MLP modules around them)."""
+def load_rank(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: torch.device,
+              max_len: int) -> tuple[ModelWorker, ShardPlan]:
+    """This rank's worker (servelm.engine.executor.ModelWorker, as on one device) over its
+    shard of the model, read from the checkpoint's parts it needs only; its KV pool comes
+    with allocate_rank. Weight quantisation swaps the shard's plain nn.Linear layers as on
+    one device (the all-reduces live in the parallel attention and MLP modules around them)."""
     plan = ShardPlan.of(cfg, group.rank, group.world)
-    model = load_model(ckpt, cfg, dtype, device, max_positions=max_len,
-                       shard=Shard(plan, group))
-    model.tuning = finalize_linears(model, quantization, kernels)
-    return model, plan
+    worker = ModelWorker(ckpt, cfg, dtype, device, max_len, config.quantization,
+                         config.kernels, shard=Shard(plan, group))
+    return worker, plan
 
 
-def allocate_kv(model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                device: torch.device, hugepages: bool = True) -> KVCache:
-    """The rank's own pool: its KV heads only (model.config is the rank's local config)."""
-    return KVCache(model.config, num_blocks, block_size, dtype, device, hugepages=hugepages)
+def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype, num_blocks: int) -> None:
+    """The rank's own pool (its KV heads only: the worker's model.config is the rank's
+    local config) and its runner; no CUDA graphs (a step's collectives run outside them)."""
+    worker.allocate(num_blocks, config.cache.block_size,
+                    kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype))
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
@@ -98,15 +98,10 @@ def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: t
                 max_len: int) -> None:
     """Everything a rank other than 0 does, from loading to the stop message."""
     try:
-        model, plan = load_rank(group, ckpt, cfg, dtype, device, max_len,
-                                config.quantization, config.kernels)
-        num_blocks = group.broadcast_object()
-        kv = allocate_kv(model, num_blocks, config.cache.block_size,
-                         kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype), device,
-                         config.kernels.hugepages)
-        runner = ModelRunner(model, kv, device, kernels=config.kernels)
+        worker, plan = load_rank(group, config, ckpt, cfg, dtype, device, max_len)
+        allocate_rank(worker, config, dtype, group.broadcast_object())  # rank 0's count
         group.control_all_reduce_max(0)  # ready
-        serve_steps(group, runner, plan)
+        serve_steps(group, worker.runner, plan)
     except BaseException:
         group.report_error(f"rank {group.rank}: {traceback.format_exc()}")
         raise

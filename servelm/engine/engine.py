@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -13,21 +12,21 @@ import torch
 from servelm.config import EngineConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
-from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.engine.executor import Executor, UniProcExecutor
+from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.sampler import Sampler, token_logprobs
 from servelm.structured_outputs import GrammarCompiler, MaskPrefetch
 from servelm.engine.scheduler import Scheduler
 from servelm.models import kv_quant
 from servelm.models.hub import resolve_model
-from servelm.models.loader import load_model, open_checkpoint
+from servelm.models.loader import open_checkpoint
 from servelm.models.config import POOLING_TYPES
 from servelm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
                              RequestMetrics, RequestOutput)
 from servelm.pooling_params import PoolingParams
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
-from servelm.tuning import TuningReport, finalize_linears
 
 logger = logging.getLogger(__name__)
 # What a user waits for at start-up (loading, a first kernel tuning): the CLI shows this
@@ -35,7 +34,6 @@ logger = logging.getLogger(__name__)
 progress = logging.getLogger("servelm.progress")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,23 +52,6 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def physical_cores() -> int:
-    """Physical cores this process may run on: hyper-threads of one core share its vector
-    units, so matmul threads beyond one per core only contend."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not cpus:
-        return max(1, (os.cpu_count() or 2) // 2)
-    cores = set()
-    for cpu in cpus:
-        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        try:
-            with open(f"{topo}/physical_package_id") as f1, open(f"{topo}/core_id") as f2:
-                cores.add((f1.read().strip(), f2.read().strip()))
-        except OSError:
-            cores.add(("?", str(cpu)))  # no topology: count each CPU as a core
-    return max(1, len(cores))
 
 
 def resolve_dtype(name: str, device: torch.device, quantization: str | None = None,
@@ -116,14 +97,19 @@ def _disk_bytes(path: str) -> int:
     return os.path.getsize(path)
 
 
-def _default_kv_bytes(device: torch.device) -> int:
-    """After the weights are loaded: most of what the GPU has free; on CPU a quarter of
-    the available memory, at most 2 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(64 << 20, min(_DEFAULT_CPU_KV_BYTES, avail // 4))
+def build_executor(config: EngineConfig, ckpt, model_config, dtype: torch.dtype,
+                   device: torch.device, max_len: int, load_draft=None) -> Executor:
+    """The executor for a resolved config: the tensor-parallel one (servelm.distributed,
+    imported only then) with tensor_parallel_size > 1, else the whole model in this
+    process. load_draft: the draft model's loader (speculative decoding; one process only).
+
+    Under torchrun, on a rank other than 0, the tensor-parallel executor serves as a worker
+    and exits the process (the same command line serves on rank 0 and works elsewhere)."""
+    if config.tensor_parallel_size > 1:
+        from servelm.distributed.executor import TPExecutor
+
+        return TPExecutor(config, ckpt, model_config, dtype, device, max_len)
+    return UniProcExecutor(config, ckpt, model_config, dtype, device, max_len, load_draft)
 
 
 @dataclass
@@ -214,12 +200,13 @@ class LLMEngine:
     """Continuous batching engine: requests join and leave the running batch at every step."""
 
     def __init__(self, config: EngineConfig | None = None):
-        self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
-        if config.num_threads or self.device.type == "cpu":
-            # Default: one intra-op thread per physical core (torch may count hyper-threads).
-            torch.set_num_threads(config.num_threads or physical_cores())
+        """Resolve the configuration (the checkpoint, its weight format, the dtypes, the
+        tokenizer), ask for the executor that runs the model (build_executor), then build
+        the scheduling around it. Process-wide settings (threads, gc.freeze) are not the
+        engine's: the process's entry makes them (servelm.runtime)."""
+        config = config or EngineConfig()
         t_load = time.perf_counter()
+        self.device = resolve_device(config.device)
         ckpt = open_checkpoint(resolve_model(config.model, config.revision, config.download_dir))
         # The weight format, decided once: the checkpoint's own unless one was asked for;
         # every later reader (the TP ranks, the draft) sees the resolved value.
@@ -229,79 +216,51 @@ class LLMEngine:
                                    config.kernels.cpu_kernels)
         # The KV pool's storage dtype: the model's, or int8 / fp8 with scales (kv_quant).
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, self.dtype)
-        self.model_path = ckpt.path
-        self.model_config = ckpt.config()
+        self.model_path, self.model_config = ckpt.path, ckpt.config()
         progress.info("loading %s (%s, %.2f GB on disk): weights %s, activations %s",
                       ckpt.path, self.model_config.architecture, _disk_bytes(ckpt.path) / 1e9,
                       self.weight_format, str(self.dtype).removeprefix("torch."))
-        self.tokenizer = (open_checkpoint(resolve_model(config.tokenizer, config.revision,
-                                                        config.download_dir)).tokenizer()
-                          if config.tokenizer else ckpt.tokenizer())
-        if config.tokenizer and self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ValueError(f"tokenizer {config.tokenizer}: its {self.tokenizer.vocab_size} "
+        self.tokenizer = self._open_tokenizer(ckpt)
+        max_len = self.model_config.max_position_embeddings
+        if config.scheduler.max_model_len is not None:
+            max_len = min(max_len, config.scheduler.max_model_len)
+        self.executor = build_executor(config, ckpt, self.model_config, self.dtype,
+                                       self.device, max_len,
+                                       load_draft=lambda: self._load_draft(max_len))
+        num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
+        # A sequence longer than the whole pool could never run.
+        self.max_model_len = min(max_len, num_blocks * block_size)
+        self.kv_capacity_tokens = num_blocks * block_size
+        self._build_scheduling(num_blocks)
+        progress.info("ready in %.1f s; KV cache: %d tokens (%d blocks of %d, %.1f MiB), "
+                      "max_model_len %d", time.perf_counter() - t_load,
+                      self.kv_capacity_tokens, num_blocks, block_size,
+                      num_blocks * self.executor.block_bytes / 2**20, self.max_model_len)
+
+    def _open_tokenizer(self, ckpt):
+        """The checkpoint's tokenizer, or --tokenizer's (which must fit the model's
+        vocabulary), with the chat template and its variables."""
+        config = self.config
+        tokenizer = (open_checkpoint(resolve_model(config.tokenizer, config.revision,
+                                                   config.download_dir)).tokenizer()
+                     if config.tokenizer else ckpt.tokenizer())
+        if config.tokenizer and tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer {config.tokenizer}: its {tokenizer.vocab_size} "
                              f"tokens are more than the model's {self.model_config.vocab_size}")
         if config.chat_template is not None:
-            self.tokenizer.chat_template = config.chat_template
-        self.tokenizer.default_template_kwargs = dict(config.chat_template_kwargs or {})
+            tokenizer.chat_template = config.chat_template
+        tokenizer.default_template_kwargs = dict(config.chat_template_kwargs or {})
+        return tokenizer
 
-        sched_cfg, cache_cfg = config.scheduler, config.cache
-        max_len = self.model_config.max_position_embeddings
-        if sched_cfg.max_model_len is not None:
-            max_len = min(max_len, sched_cfg.max_model_len)
-        draft = None
-        if config.tensor_parallel_size > 1:
-            from servelm.distributed.executor import TPExecutor
-            from servelm.models.registry import family_for_architecture
-
-            # Refused before any process starts (shard_model checks it again per rank).
-            family_for_architecture(self.model_config.architecture).require_tensor_parallel()
-
-            # N ranks (spawned here, or started by torchrun), each with 1/N of every weight
-            # and its own KV pool; on a torchrun rank other than 0 this serves as a worker
-            # and exits. The executor stands in for the ModelRunner.
-            self.runner = TPExecutor(config, ckpt, self.model_config, self.dtype,
-                                     self.device, max_len)
-            self.model, self.kv_cache = self.runner.model, self.runner.kv_cache
-            self.tuning = self.runner.tuning
-            num_blocks, block_bytes = self.runner.num_blocks, self.runner.block_bytes
-        else:
-            self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
-                                    max_positions=max_len)
-            # Weight-only quantisation (activations keep self.dtype) and, on CPU, each linear
-            # layer's method per row bucket, measured here (or read back): module swaps.
-            self.tuning = finalize_linears(self.model, config.quantization, config.kernels)
-            # A draft model (speculative decoding) before the KV pools: its weights come out
-            # of the memory the pools are sized from, and its pool shares their budget.
-            draft = self._load_draft(max_len)
-            block_bytes = KVCache.bytes_per_block(self.model_config, cache_cfg.block_size,
-                                                  self.kv_dtype)
-            draft_bytes = (draft.bytes_per_block(cache_cfg.block_size, self.kv_dtype)
-                           if draft is not None else 0)
-            kv_bytes = cache_cfg.kv_cache_memory or _default_kv_bytes(self.device)
-            # With a draft model, both pools hold the same number of blocks (tokens).
-            num_blocks = kv_bytes // (block_bytes + draft_bytes)
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
-                                 f"(one block takes {block_bytes + draft_bytes} bytes)")
-            graphs = self.device.type == "cuda" and not config.enforce_eager
-            self.kv_cache = KVCache(self.model_config, num_blocks, cache_cfg.block_size,
-                                    self.kv_dtype, self.device, spare_block=graphs,
-                                    hugepages=config.kernels.hugepages)
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device, cuda_graphs=graphs,
-                                      max_graph_batch=min(256, sched_cfg.max_num_seqs),
-                                      kernels=config.kernels)
-            if draft is not None:
-                draft.allocate(num_blocks, cache_cfg.block_size, self.kv_dtype,
-                               cache_cfg.enable_prefix_caching, cuda_graphs=graphs,
-                               max_graph_batch=min(256, sched_cfg.max_num_seqs))
-            block_bytes += draft_bytes
-        # A sequence longer than the whole pool could never run.
-        self.max_model_len = min(max_len, num_blocks * cache_cfg.block_size)
+    def _build_scheduling(self, num_blocks: int) -> None:
+        """Everything around the executor: blocks, scheduler, the step's roofline shape,
+        speculation, sampler, grammars, the requests' bookkeeping."""
+        config = self.config
+        cache_cfg = config.cache
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
                                           enable_caching=cache_cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        bits = torch.empty(0, dtype=self.dtype).element_size() * 8
-        weight_bits = bits
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        weight_bits = torch.empty(0, dtype=self.dtype).element_size() * 8
         if config.quantization:
             from servelm.quantization import quantized_bits_per_weight
 
@@ -312,7 +271,8 @@ class LLMEngine:
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None
         if config.speculative is not None:
-            self.speculator = self._build_speculator(config.speculative, draft, weight_bits)
+            self.speculator = self._build_speculator(config.speculative, self.executor.draft,
+                                                     weight_bits)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         # Structured outputs: specs -> grammar matchers (llguidance loaded on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -322,16 +282,6 @@ class LLMEngine:
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
         self.stats = EngineStats()
-        # Everything allocated so far lives as long as the engine (vocabulary, weights'
-        # wrappers): move it out of the collector's way, so a full collection during
-        # serving does not walk it and stall a step.
-        gc.collect()
-        gc.freeze()
-        self.kv_capacity_tokens = num_blocks * cache_cfg.block_size
-        progress.info("ready in %.1f s; KV cache: %d tokens (%d blocks of %d, %.1f MiB), "
-                      "max_model_len %d", time.perf_counter() - t_load,
-                      self.kv_capacity_tokens, num_blocks, cache_cfg.block_size,
-                      num_blocks * block_bytes / 2**20, self.max_model_len)
 
     def _load_draft(self, max_len: int):
         """speculative_config method draft_model: the draft model, checked and loaded (its
@@ -518,13 +468,11 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raise if the engine can no longer step (a tensor-parallel worker has died)."""
-        if self.config.tensor_parallel_size > 1:
-            self.runner.check_health()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Release what outlives the engine object: tensor-parallel worker processes."""
-        if self.config.tensor_parallel_size > 1:
-            self.runner.shutdown()
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -534,7 +482,7 @@ class LLMEngine:
         (CacheConfig.commit_while_idle). Returns whether any is left; False at once where
         it is off or the pool is on a device (zeroed there). Under tensor parallelism only
         this process's rank's pool is committed; the other ranks' pages come at first touch."""
-        return self.config.cache.commit_while_idle and self.kv_cache.commit_next()
+        return self.config.cache.commit_while_idle and self.executor.kv_cache.commit_next()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -580,10 +528,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         pooled = None
         if any(q.pooling for q in seqs):
-            logits, rows, hidden, hidden_rows = self.runner.execute_pooling(seqs)
+            logits, rows, hidden, hidden_rows = self.executor.execute_pooling(seqs)
             pooled = (hidden, hidden_rows)
         else:
-            logits, rows = self.runner.execute(seqs)
+            logits, rows = self.executor.execute(seqs)
         if any(q.all_logits and not q.pooling for q in seqs):
             logits, rows = self._take_prompt_logprobs(seqs, sched, logits, rows)
         if any(s.num_draft for s in sched.scheduled):

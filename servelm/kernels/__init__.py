@@ -7,6 +7,11 @@ registers its `torch.ops.servelm_<name>.*` operators. Every caller keeps a pure-
 path and uses it when `load_ops` returns False (no compiler, a failed build, or
 SERVELM_NO_KERNELS=1: a build concern, nothing is compiled, as on a GPU machine) or when
 KernelConfig.cpu_kernels is off (the run-time choice: the eager reference).
+
+What the kernels take from the process is settled once (`prepare`: SERVELM_NO_KERNELS read,
+ninja's directory on PATH), by the process's start-up (servelm.runtime.init_process), else
+by the first `load_ops`; a loaded name's answer is cached, so a call on a step's path is
+one dictionary lookup and never reads the environment.
 """
 
 from __future__ import annotations
@@ -22,6 +27,21 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 _loaded: dict[str, bool] = {}
 _lock = threading.Lock()
+_disabled: bool | None = None  # SERVELM_NO_KERNELS, once prepare() has read it
+
+
+def prepare() -> bool:
+    """Once per process (later calls return the first answer): read SERVELM_NO_KERNELS and
+    put the interpreter's directory on PATH, where torch.utils.cpp_extension looks for
+    ninja (the pip package installs it beside the interpreter). Returns whether the kernels
+    are turned off."""
+    global _disabled
+    if _disabled is None:
+        bindir = os.path.dirname(sys.executable)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        _disabled = os.environ.get("SERVELM_NO_KERNELS", "") not in ("", "0")
+    return _disabled
 
 
 def build_dir() -> Path:
@@ -37,13 +57,11 @@ def available_sources() -> list[str]:
 
 def load_ops(name: str, verbose: bool = False) -> bool:
     """Build (if needed) and load csrc/<name>.cpp; True when its ops are registered."""
-    if os.environ.get("SERVELM_NO_KERNELS", "") not in ("", "0"):
-        return False
     ok = _loaded.get(name)
     if ok is None:
         with _lock:
             if name not in _loaded:
-                _loaded[name] = _build(name, verbose)
+                _loaded[name] = not prepare() and _build(name, verbose)
             ok = _loaded[name]
     return ok
 
@@ -56,10 +74,7 @@ def _build(name: str, verbose: bool) -> bool:
     try:
         from torch.utils import cpp_extension
 
-        # ninja may live beside this interpreter (the pip package) rather than on PATH.
-        bindir = os.path.dirname(sys.executable)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        # ninja: found on PATH (prepare() put the interpreter's directory there).
         out = build_dir() / name
         out.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(

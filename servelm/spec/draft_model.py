@@ -1,7 +1,8 @@
 """Draft model proposer: a smaller model with the target's vocabulary drafts k tokens, one
 forward at a time (greedy), over a paged KV pool of its own.
 
-The draft keeps its own `ModelRunner`, `KVCache` and `BlockManager` (same block size and
+The draft keeps its own `ModelRunner`, `KVCache` (built, with its weights and linear
+tuning, by the same ModelWorker as the target's) and `BlockManager` (same block size and
 block count as the target's, prefix caching as the target's). Each request's draft state
 says which of its tokens the draft pool holds: `real` tokens of the sequence, then the drafts
 it fed after them last time (`fed`). The next time, the drafts the target accepted are just
@@ -26,9 +27,10 @@ import torch
 
 from servelm.config import KernelConfig, SpeculativeConfig
 from servelm.engine.block_manager import BlockManager
+from servelm.engine.executor import ModelWorker
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
-from servelm.models.loader import ModelLoadError, load_model, open_checkpoint
+from servelm.models.loader import ModelLoadError, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,6 @@ class DraftModelProposer:
                  quantization: str | None = None, kernels: KernelConfig | None = None):
         """Open and check the draft (vocabulary, tokenizer) and load its weights, in the
         target's dtype, device and weight quantisation. Its KV pool comes with allocate()."""
-        from servelm.tuning import finalize_linears
-
         self.path = spec.model
         try:
             ckpt = open_checkpoint(spec.model)
@@ -78,29 +78,26 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config model: {e}") from e
         check_vocabulary(spec.model, self.config, tokenizer, target_cfg, target_tokenizer)
         self.max_len = min(max_len, self.config.max_position_embeddings)
-        self.device = device
-        self.kernels = kernels or KernelConfig()
         try:
-            self.model = load_model(ckpt, self.config, dtype, device, max_positions=self.max_len)
+            self.worker = ModelWorker(ckpt, self.config, dtype, device, self.max_len,
+                                      quantization, kernels or KernelConfig())
         except ModelLoadError as e:
             raise ValueError(f"speculative_config model: {e}") from e
-        self.tuning = finalize_linears(self.model, quantization, self.kernels)
+        self.model = self.worker.model
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.block_manager: BlockManager | None = None
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        return KVCache.bytes_per_block(self.config, block_size, kv_dtype)
+        return self.worker.bytes_per_block(block_size, kv_dtype)
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  enable_caching: bool, cuda_graphs: bool = False,
                  max_graph_batch: int = 256) -> None:
         """The draft's own KV pool (num_blocks blocks), its runner and its block tables."""
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, kv_dtype, self.device,
-                                spare_block=cuda_graphs, hugepages=self.kernels.hugepages)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device,
-                                  cuda_graphs=cuda_graphs, max_graph_batch=max_graph_batch,
-                                  kernels=self.kernels)
+        self.worker.allocate(num_blocks, block_size, kv_dtype, cuda_graphs=cuda_graphs,
+                             max_graph_batch=max_graph_batch)
+        self.kv_cache, self.runner = self.worker.kv_cache, self.worker.runner
         self.block_manager = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
 
     # ---- proposing -------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""Executor: how the engine's steps run, the one seam between the engine (scheduler,
+sampler, requests) and the model.
+
+    Executor            the interface the engine holds: execute / execute_pooling (a step's
+                        logits), the KV pool it sized (num_blocks, block_bytes, kv_cache),
+                        check_health, shutdown; read-only model, tuning report and runner
+    UniProcExecutor     one process: the model, its KV pool (sized with a draft model's,
+                        which shares the budget) and its ModelRunner
+    TPExecutor          tensor parallelism (servelm.distributed.executor): rank 0's shard,
+                        driving the other ranks
+    ModelWorker         model + linear tuning + KV pool + runner, built in one place for
+                        every process that runs a model: the single process, each tensor-
+                        parallel rank, a draft model
+    default_kv_bytes    the KV budget when kv_cache_memory is not given
+
+The engine chooses the executor (servelm.engine.engine.build_executor): this module does
+not import servelm.distributed, which imports it.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Callable, Protocol
+
+import torch
+
+from servelm.config import EngineConfig, KernelConfig
+from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.models import kv_quant
+from servelm.models.config import ModelConfig
+from servelm.models.loader import load_model
+from servelm.tuning import TuningReport, finalize_linears
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def default_kv_bytes(device: torch.device) -> int:
+    """The KV pools' budget without kv_cache_memory, after the weights are loaded: most of
+    what the GPU has free; on CPU a quarter of the available memory, at most 2 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(64 << 20, min(DEFAULT_CPU_KV_BYTES, avail // 4))
+
+
+def pool_blocks(kv_bytes: int, block_bytes: int, where: str = "") -> int:
+    """Blocks of block_bytes in a kv_bytes budget; ValueError when not even one fits."""
+    num_blocks = kv_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
+                         f"(one block takes {block_bytes} bytes{where})")
+    return num_blocks
+
+
+class ModelWorker:
+    """One process's model as it runs: built in two stages, because the KV pool's size is
+    known only once the weights are in memory (free memory after them, a draft model's
+    share, the tensor-parallel ranks' agreement on one block count).
+
+    ModelWorker(...)   the weights loaded (the rank's shard under tensor parallelism), then
+                       weight quantisation and each linear layer's method (finalize_linears)
+    allocate(...)      the KV pool (the model's KV heads: a rank's own) and the ModelRunner
+    """
+
+    def __init__(self, ckpt, model_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, max_len: int, quantization: str | None,
+                 kernels: KernelConfig, shard=None):
+        self.device = device
+        self.kernels = kernels
+        self.model = load_model(ckpt, model_config, dtype, device, max_positions=max_len,
+                                shard=shard)
+        # Weight-only quantisation (activations keep dtype) and, on CPU, each linear layer's
+        # method per row bucket, measured here (or read back): module swaps.
+        self.tuning: TuningReport = finalize_linears(self.model, quantization, kernels)
+        self.kv_cache: KVCache | None = None
+        self.runner: ModelRunner | None = None
+
+    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """One KV block of this model's pool (its own KV heads)."""
+        return KVCache.bytes_per_block(self.model.config, block_size, kv_dtype)
+
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256) -> None:
+        """The KV pool (with a spare block for captured CUDA-graph steps) and the runner."""
+        self.kv_cache = KVCache(self.model.config, num_blocks, block_size, kv_dtype,
+                                self.device, spare_block=cuda_graphs,
+                                hugepages=self.kernels.hugepages)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device,
+                                  cuda_graphs=cuda_graphs, max_graph_batch=max_graph_batch,
+                                  kernels=self.kernels)
+
+
+class Executor(abc.ABC):
+    """What the engine runs a step through. An implementation builds its model (or shards)
+    and KV pool(s) in its constructor and sets `worker` (this process's ModelWorker),
+    `num_blocks` (the block manager's size) and `block_bytes` (one block in this process,
+    every pool that holds it)."""
+
+    worker: ModelWorker
+    num_blocks: int
+    block_bytes: int
+    # A draft model whose pool was sized with the target's (speculative decoding): the
+    # engine's speculator drafts with it.
+    draft = None
+
+    @abc.abstractmethod
+    def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
+        """A step's fp32 logits [S, vocab] and, per row, the index in `seqs` it belongs to
+        (ModelRunner.execute)."""
+
+    @abc.abstractmethod
+    def execute_pooling(self, seqs: list[SeqInput]
+                        ) -> tuple[torch.Tensor, list[int], torch.Tensor, list[int]]:
+        """A step with pooling sequences: (logits, rows) for the others and the pooling
+        sequences' final hidden states with their rows (ModelRunner.execute_pooling)."""
+
+    @abc.abstractmethod
+    def check_health(self) -> None:
+        """Raise if steps can no longer run (a tensor-parallel worker has died)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release what outlives the executor object (worker processes); idempotent."""
+
+    # Read-only views of this process's worker, for the engine (commit_next on the pool),
+    # `servelm tune` (the tuning report, the linear layers), tests and benchmarks.
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model
+
+    @property
+    def tuning(self) -> TuningReport:
+        return self.worker.tuning
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.worker.kv_cache
+
+    @property
+    def runner(self) -> ModelRunner:
+        """This process's ModelRunner (its attention backend, its kernel choice)."""
+        return self.worker.runner
+
+
+class DraftPool(Protocol):
+    """What the executor needs of a draft model (servelm.spec.draft_model's proposer): the
+    size of its KV block, and its pool allocated with the target's block count."""
+
+    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int: ...
+
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 enable_caching: bool, cuda_graphs: bool = False,
+                 max_graph_batch: int = 256) -> None: ...
+
+
+class UniProcExecutor(Executor):
+    """The whole model in this process."""
+
+    def __init__(self, config: EngineConfig, ckpt, model_config: ModelConfig,
+                 dtype: torch.dtype, device: torch.device, max_len: int,
+                 load_draft: Callable[[], DraftPool | None] | None = None):
+        """config: the resolved EngineConfig (quantization decided). load_draft: loads the
+        draft model (speculative decoding), called once the target's weights are in."""
+        cache = config.cache
+        self.worker = ModelWorker(ckpt, model_config, dtype, device, max_len,
+                                  config.quantization, config.kernels)
+        # A draft model before the KV pools: its weights come out of the memory the pools
+        # are sized from, and its pool shares their budget.
+        self.draft = load_draft() if load_draft is not None else None
+        kv_dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)
+        block_bytes = self.worker.bytes_per_block(cache.block_size, kv_dtype)
+        if self.draft is not None:
+            block_bytes += self.draft.bytes_per_block(cache.block_size, kv_dtype)
+        # With a draft model, both pools hold the same number of blocks (tokens).
+        self.num_blocks = pool_blocks(cache.kv_cache_memory or default_kv_bytes(device),
+                                      block_bytes)
+        self.block_bytes = block_bytes
+        graphs = device.type == "cuda" and not config.enforce_eager
+        max_graph_batch = min(256, config.scheduler.max_num_seqs)
+        self.worker.allocate(self.num_blocks, cache.block_size, kv_dtype,
+                             cuda_graphs=graphs, max_graph_batch=max_graph_batch)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, cache.block_size, kv_dtype,
+                                cache.enable_prefix_caching, cuda_graphs=graphs,
+                                max_graph_batch=max_graph_batch)
+
+    def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
+        return self.worker.runner.execute(seqs)
+
+    def execute_pooling(self, seqs: list[SeqInput]
+                        ) -> tuple[torch.Tensor, list[int], torch.Tensor, list[int]]:
+        return self.worker.runner.execute_pooling(seqs)
+
+    def check_health(self) -> None:
+        """One process: nothing can die apart from it."""
+
+    def shutdown(self) -> None:
+        """Nothing outlives the object (the pool and weights go with it)."""
