@@ -137,7 +137,7 @@ def engine_ttft(prompt_len: int = 512, reps: int = 7, dtype: str = "bfloat16") -
 
     from servelm import LLM, SamplingParams
     llm = LLM(dtype=dtype, enable_prefix_caching=False, max_model_len=max(2048, prompt_len + 16))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     sp = SamplingParams(temperature=0, max_tokens=1)
     have, backend = runner.use_kernels, runner.attention
     modes = {f"kernels, {n} attention": (True, n)
@@ -228,7 +228,7 @@ def attention_table(args) -> None:
 def engine_table(args) -> None:
     from servelm import LLM
     llm = LLM(dtype="bfloat16", kv_cache_memory=(5 << 29))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     have, backend = runner.use_kernels, runner.attention
     paths = (True, False) if have else (False,)
 

@@ -55,13 +55,13 @@ def main() -> None:
               enable_prefix_caching=False, kernel_tuning=args.kernel_tuning)
     if args.what == "stack":
         llm = LLM(linear_method=args.linear_method, **kw)
-        if not llm.engine.model.fused_decode:
+        if not llm.engine.executor.model.fused_decode:
             raise SystemExit("the DecodeStack is not bound here (needs the C++ kernels' "
                              "AVX512-BF16 tiles, and a model it implements)")
         engines = {"stack": llm, "per-op": llm}
         from servelm.tuning import linear_summary
 
-        print(linear_summary(llm.engine.model))
+        print(linear_summary(llm.engine.executor.model))
     else:
         huge, plain = LLM(**kw), LLM(hugepages=False, **kw)
         engines = {"huge pages": huge, "plain pages": plain}
@@ -71,7 +71,7 @@ def main() -> None:
     def run(name: str, n: int) -> float:
         llm = engines[name]
         if args.what == "stack":
-            llm.engine.model.fused_decode = name == "stack"
+            llm.engine.executor.model.fused_decode = name == "stack"
         outs = llm.generate([list(range(1000 + i, 1016 + i)) for i in range(n)], gen,
                             use_tqdm=False)
         return n / statistics.median(o.metrics.tpot for o in outs)
@@ -88,7 +88,7 @@ def main() -> None:
               f"{off} {statistics.median(res[off]):8.1f} tok/s, ratio median "
               f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     if args.what == "stack":
-        engines["stack"].engine.model.fused_decode = True
+        engines["stack"].engine.executor.model.fused_decode = True
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def main() -> None:
     probe = LLM(dtype=args.dtype, kv_cache_memory=1 << 20, num_threads=args.num_threads,
                 kernel_tuning="off")
     eng = probe.engine
-    cfg, bs = eng.model_config, eng.kv_cache.block_size
+    cfg, bs = eng.model_config, eng.executor.kv_cache.block_size
     blocks = -(-(args.input_len + args.output_len) // bs)
     bf16_block = 2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * 2
     pool = args.pool_seqs * blocks * bf16_block
@@ -70,7 +70,7 @@ def main() -> None:
         e = llm.engine
         for i, p in enumerate(prompts):
             e.add_request(f"r{i}", None, sp, prompt_token_ids=p)
-        engines.append([name, llm, 0.0, 0, e.kv_cache.num_blocks])
+        engines.append([name, llm, 0.0, 0, e.executor.kv_cache.num_blocks])
     active = list(engines)
     while active:
         for item in list(active):

@@ -27,7 +27,7 @@ def decode_rate(llm: LLM, batch: int, tokens: int) -> tuple[float, dict]:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = [f"Request {i}: tell me a long story about the sea." for i in range(batch)]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    group = getattr(engine.runner, "group", None)
+    group = getattr(engine.executor, "group", None)
     s0 = engine.stats
     secs0, toks0, steps0 = s0.decode_seconds, s0.num_decode_tokens, s0.num_steps
     ar0 = (group.num_all_reduces, group.all_reduce_bytes) if group else (0, 0)
@@ -41,7 +41,7 @@ def decode_rate(llm: LLM, batch: int, tokens: int) -> tuple[float, dict]:
         comm = {"all_reduces_per_step": per_step,
                 "bytes_per_step": per_step * batch * engine.model_config.hidden_size * elem,
                 # rank 0 gathers every other rank's fp32 logits block for the sampler
-                "gather_bytes": batch * engine.runner.plan.vocab_per_rank * 4 * (group.world - 1)}
+                "gather_bytes": batch * engine.executor.plan.vocab_per_rank * 4 * (group.world - 1)}
     return (s.num_decode_tokens - toks0) / (s.decode_seconds - secs0), comm
 
 

@@ -447,8 +447,8 @@ def cmd_tune(args) -> int:
 
     args.kv_cache_memory = args.kv_cache_memory or (64 << 20)
     llm = build_llm(args)
-    print(llm.engine.tuning.table())
-    print(linear_summary(llm.engine.model))
+    print(llm.engine.executor.tuning.table())
+    print(linear_summary(llm.engine.executor.model))
     return 0
 
 

@@ -22,7 +22,7 @@ def run_seqs(engine, seqs: list[tuple[list[int], int, str]]) -> torch.Tensor:
     for ids, start, owner in seqs:
         bm.allocate(owner, start + len(ids))
         inputs.append(SeqInput(ids, start, bm.block_table(owner), True))
-    logits, rows = engine.runner.execute(inputs)
+    logits, rows = engine.executor.execute(inputs)
     order = sorted(range(len(rows)), key=lambda r: rows[r])
     return logits[order]
 

@@ -332,7 +332,7 @@ def bf16_quant_llms():
 def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     _needs(str(quant))
     llm = bf16_quant_llms[quant]
-    model = llm.engine.model
+    model = llm.engine.executor.model
     assert model.fused_decode
     runs = []
     real = model._decode_stacks
@@ -372,11 +372,11 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
 def test_engine_binds_the_stack_only_where_it_applies():
     kw = dict(kv_cache_memory=32 << 20, linear_method="tiles")
     # fp32 activations (the kernels split them into bf16 hi + lo): the per-op path.
-    assert not LLM(dtype="float32", quantization="int4", **kw).engine.model.fused_decode
+    assert not LLM(dtype="float32", quantization="int4", **kw).engine.executor.model.fused_decode
     # bf16 weights in the kernels' tiles: on the stack too; on oneDNN's matmuls, not.
-    assert LLM(dtype="bfloat16", **kw).engine.model.fused_decode
+    assert LLM(dtype="bfloat16", **kw).engine.executor.model.fused_decode
     assert not LLM(dtype="bfloat16", kv_cache_memory=32 << 20,
-                   linear_method="onednn").engine.model.fused_decode
+                   linear_method="onednn").engine.executor.model.fused_decode
     # The switch for side-by-side runs.
     assert not LLM(dtype="bfloat16", quantization="int4", fused_decode=False,
-                   **kw).engine.model.fused_decode
+                   **kw).engine.executor.model.fused_decode

@@ -212,13 +212,13 @@ def test_generation_and_embeddings_share_the_engine_and_its_steps(llm, monkeypat
     alone_vec = _vectors(llm.embed(PROMPTS + [unique], use_tqdm=False))
 
     kinds = []  # per step with pooling: (pooling chunks, other sequences)
-    real = engine.runner.execute_pooling
+    real = engine.executor.execute_pooling
 
     def spy(seqs):
         kinds.append((sum(s.pooling for s in seqs), sum(not s.pooling for s in seqs)))
         return real(seqs)
 
-    monkeypatch.setattr(engine.runner, "execute_pooling", spy)
+    monkeypatch.setattr(engine.executor, "execute_pooling", spy)
     engine.add_request("g0", texts[0], greedy)
     engine.step()  # g0 prefilled: it decodes while the embeddings prefill
     engine.add_request("g1", texts[1], greedy)

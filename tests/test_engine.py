@@ -289,12 +289,21 @@ def test_step_accounting_against_the_roofline_model(llm):
     assert st.decode_bandwidth > 0 and st.prefill_flops_rate > 0
 
 
-def test_default_threads_one_per_physical_core(llm):
+def test_default_threads_one_per_physical_core():
     import os
 
-    from servelm.engine.engine import physical_cores
+    from servelm.config import EngineConfig
+    from servelm.runtime import init_process, physical_cores
 
     n = physical_cores()
     assert 1 <= n <= len(os.sched_getaffinity(0))
-    # The engine was built without num_threads: torch runs one thread per physical core.
-    assert torch.get_num_threads() == n
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n + 1)
+        # The process's start-up without num_threads: one thread per physical core on CPU.
+        init_process(EngineConfig(device="cpu"))
+        assert torch.get_num_threads() == n
+        init_process(EngineConfig(device="cpu", num_threads=n + 1))  # asked for: that
+        assert torch.get_num_threads() == n + 1
+    finally:
+        torch.set_num_threads(before)

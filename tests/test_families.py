@@ -163,7 +163,7 @@ def test_moe_reads_each_expert_once_a_step(checkpoints, monkeypatch):
     monkeypatch.setattr(moe, "expert_mlp", counting)
     prompts = [_ids(llm, p) for p in PROMPTS]
     prompt_logits(llm.engine, prompts)  # one step, all three prompts
-    moe_layers = [m for m in llm.engine.runner.model.layers if isinstance(m.mlp, moe.SparseMoE)]
+    moe_layers = [m for m in llm.engine.executor.model.layers if isinstance(m.mlp, moe.SparseMoE)]
     assert len(moe_layers) == 2  # layer 1 is dense (mlp_only_layers)
     # Each (layer, expert) ran once, over all its tokens: every token reached k = 2 experts
     # (layer 0: every prompt token; the last layer's MLP runs only for the sampled rows).

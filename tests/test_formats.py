@@ -48,7 +48,7 @@ def test_hf_directory_gives_the_same_tokens_as_the_gguf(llm, hf_dir):
 
 def test_bf16_stays_close_to_fp32(llm):
     bf16 = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
-    assert bf16.engine.kv_cache.data.dtype == torch.bfloat16
+    assert bf16.engine.executor.kv_cache.data.dtype == torch.bfloat16
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in TEXT_PROMPTS]
     ref = prompt_logits(llm.engine, prompts)

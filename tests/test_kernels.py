@@ -223,7 +223,7 @@ def _greedy(llm, prompts, n):
 
 
 def _runner(llm):
-    return llm.engine.runner
+    return llm.engine.executor.runner
 
 
 def test_fp32_engine_with_kernels_matches_eager_greedy(llm):
@@ -277,10 +277,10 @@ def test_sampled_only_forward_is_the_full_forward_at_the_sampled_rows(llm, kerne
         ours = torch.tensor([b for o in owners for b in bm.block_table(o)])
         with torch.inference_mode():
             kv.data[:, :, ours] = 0
-            full = llm.engine.model(batch, kv.layers)
+            full = llm.engine.executor.model(batch, kv.layers)
             kv_full = kv.data[:, :, ours].clone()
             kv.data[:, :, ours] = 0
-            part = llm.engine.model(batch, kv.layers, sampled_only=True)
+            part = llm.engine.executor.model(batch, kv.layers, sampled_only=True)
         assert part.shape == (2, full.shape[1]) and full.shape[0] == 61
         torch.testing.assert_close(part, full[batch.logits_indices], rtol=1e-4, atol=1e-4)
         assert torch.equal(kv.data[:, :, ours], kv_full) and kv_full.any()

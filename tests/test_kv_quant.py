@@ -313,14 +313,14 @@ def test_quality_kl_and_perplexity_against_the_unquantised_cache(int8_llm):
     (fp8); top-1 agreement 0.994 (int8), 0.969 (fp8)."""
     engine = int8_llm.engine
     ids = int8_llm.get_tokenizer().encode(TEXT)[:256]
-    cfg, bs = engine.model_config, engine.kv_cache.block_size
+    cfg, bs = engine.model_config, engine.executor.kv_cache.block_size
     nb = -(-len(ids) // bs)
 
     def run(kv_dtype, use_kernels):
         kv = KVCache(cfg, nb, bs, kv_dtype, torch.device("cpu"))
-        return _teacher_forced(engine.model, kv, use_kernels, ids)
+        return _teacher_forced(engine.executor.model, kv, use_kernels, ids)
 
-    kernels = engine.runner.use_kernels
+    kernels = engine.executor.runner.use_kernels
     ref = torch.log_softmax(run(torch.float32, kernels), -1)
     res = {}
     for name, kv_dtype, use_kernels in (("fp32", torch.float32, kernels),
@@ -345,9 +345,9 @@ def test_engine_on_an_int8_cache_with_chunked_prefill_and_prefix_caching(int8_ll
     from servelm import SamplingParams
 
     engine = int8_llm.engine
-    assert engine.kv_cache.quantized and engine.kv_dtype == torch.int8
+    assert engine.executor.kv_cache.quantized and engine.kv_dtype == torch.int8
     fp32_blocks = (64 << 20) // KVCache.bytes_per_block(engine.model_config, 16, torch.float32)
-    assert engine.kv_cache.num_blocks / fp32_blocks == pytest.approx(256 / 68, rel=0.01)
+    assert engine.executor.kv_cache.num_blocks / fp32_blocks == pytest.approx(256 / 68, rel=0.01)
     prompt = "The capital of France is Paris. " + TEXT[:600]
     assert len(int8_llm.get_tokenizer().encode(prompt)) > 128  # > max_num_batched_tokens
     sp = SamplingParams(temperature=0, max_tokens=6)

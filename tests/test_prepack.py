@@ -81,7 +81,7 @@ def plain_fp32():
     from servelm import LLM
 
     plain = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method="torch")
-    assert type(plain.engine.model.lm_head) is nn.Linear
+    assert type(plain.engine.executor.model.lm_head) is nn.Linear
     return _logits_and_tokens(plain, _fp32_prompts(), 16)
 
 
@@ -96,7 +96,7 @@ def test_engine_fp32_fast_paths_match_plain_linear(path, plain_fp32):
     from servelm.quantization import TiledLinear
 
     fast = LLM(dtype="float32", kv_cache_memory=64 << 20, linear_method=path)
-    head = fast.engine.model.lm_head
+    head = fast.engine.executor.model.lm_head
     if path == "tiles":
         if not applies("tiles", nn.Linear(576, 8), torch.float32, True):
             pytest.skip("no tiled kernels on this CPU")
@@ -104,7 +104,7 @@ def test_engine_fp32_fast_paths_match_plain_linear(path, plain_fp32):
     elif path == "onednn":
         assert isinstance(head, PackedLinear)
     if path != "auto":  # the tuner may keep plain F.linear for some layers and buckets
-        assert not any(type(m) is nn.Linear for m in fast.engine.model.modules())
+        assert not any(type(m) is nn.Linear for m in fast.engine.executor.model.modules())
     got_tokens, got_lp = _logits_and_tokens(fast, _fp32_prompts(), 16)
     want_tokens, want_lp = plain_fp32
     assert got_tokens == want_tokens

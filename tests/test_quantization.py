@@ -397,7 +397,7 @@ def quant_llms():
 def all_logits(engine, ids: list[int]) -> torch.Tensor:
     """fp32 logits at every position of one prompt: the runner's batch for it, through the
     model with every position's hidden state kept, then the LM head."""
-    bm, runner = engine.block_manager, engine.runner
+    bm, runner = engine.block_manager, engine.executor.runner
     bm.allocate("all-logits", len(ids))
     try:
         seq = SeqInput(ids, 0, bm.block_table("all-logits"), True)
@@ -405,9 +405,9 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
                                        runner.num_queries_per_kv, runner.device,
                                        runner.attention, kernels=runner.use_kernels)
         with torch.inference_mode():
-            hidden = engine.model(batch, runner.kv_cache.layers)
+            hidden = engine.executor.model(batch, runner.kv_cache.layers)
             assert hidden.shape[0] == len(ids)
-            return engine.model.compute_logits(hidden).float()
+            return engine.executor.model.compute_logits(hidden).float()
     finally:
         bm.free("all-logits")
 
@@ -444,7 +444,7 @@ def test_quality_kl_and_perplexity(reference, quant_llms):
         # against 0.0531 for int4 on the fp32 panels (bf16 activations), 0.053 here (fp32).
         engines["int4 q8act"] = _engine("bfloat16", "int4", "q8act")
         assert any(isinstance(m, q8act.Int4Q8Linear)
-                   for m in engines["int4 q8act"].engine.model.modules())
+                   for m in engines["int4 q8act"].engine.executor.model.modules())
     q = quality(reference, engines)
     print({k: f"KL {kl:.4f} ppl {ppl:.2f}" for k, (kl, ppl) in q.items()})
     kl8, ppl8 = q["int8"]
@@ -471,13 +471,13 @@ def test_bf16_quality_on_block_floating_point(reference):
     if not (bfp.available() and panels.available()):
         pytest.skip("the bfp and panels kernels are not built here (AVX2, FMA, F16C)")
     engines = {m: _engine("bfloat16", None, m) for m in ("bfp", "panels")}
-    assert isinstance(engines["bfp"].engine.model.lm_head, bfp.BfpLinear)
+    assert isinstance(engines["bfp"].engine.executor.model.lm_head, bfp.BfpLinear)
     # int8 weights in fp32 runs: their codes against 15-bit activation blocks, against the
     # same weights on panels (fp32 FMAs over the dequantised codes): KL 0.0034 on both,
     # perplexity 17.49 on both.
     for m in ("bfp", "panels"):
         engines[f"int8 {m}"] = _engine("float32", "int8", m)
-    assert isinstance(engines["int8 bfp"].engine.model.lm_head, bfp.BfpLinear)
+    assert isinstance(engines["int8 bfp"].engine.executor.model.lm_head, bfp.BfpLinear)
     q = quality(reference, engines)
     print({k: f"KL {kl:.4f} ppl {ppl:.2f}" for k, (kl, ppl) in q.items()})
     assert q["panels"][0] < 0.005, q
@@ -497,8 +497,8 @@ def test_bf16_quality_through_the_decode_once_prompt_path(llm, reference):
     engines = {q: _engine("bfloat16", q) for q in ("int8", "int4")}
     engines["bf16"] = _engine("bfloat16", None, "tiles")  # bf16 weights in the kernels' tiles
     engines["bf16 oneDNN"] = _engine("bfloat16", None, "onednn")
-    assert isinstance(engines["bf16"].engine.model.lm_head, Q.TiledLinear)
-    assert not isinstance(engines["bf16 oneDNN"].engine.model.lm_head, Q.TiledLinear)
+    assert isinstance(engines["bf16"].engine.executor.model.lm_head, Q.TiledLinear)
+    assert not isinstance(engines["bf16 oneDNN"].engine.executor.model.lm_head, Q.TiledLinear)
     assert len(llm.get_tokenizer().encode(TEXT)) > 100
     q = quality(reference, engines)
     ppl32 = q["fp32"][1]

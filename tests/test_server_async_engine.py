@@ -156,8 +156,8 @@ def test_expire_ends_requests_in_flight_and_refuses_new_ones(aengine):
 
 
 def test_step_error_reaches_every_request_and_loop_survives(aengine, llm, monkeypatch):
-    runner = llm.engine.runner
-    real_execute = runner.execute
+    executor = llm.engine.executor
+    real_execute = executor.execute
     calls = {"n": 0}
 
     def flaky(seqs):
@@ -166,7 +166,7 @@ def test_step_error_reaches_every_request_and_loop_survives(aengine, llm, monkey
             raise RuntimeError("injected fault")
         return real_execute(seqs)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(executor, "execute", flaky)
 
     async def main():
         streams = [aengine.generate(p, GREEDY) for p in TEXT_PROMPTS[:2]]
@@ -242,7 +242,7 @@ def test_idle_engine_commits_the_kv_pool_and_serves_meanwhile(monkeypatch):
     if not hugepages.populate(probe.data_ptr(), probe.numel()):
         pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20, commit_kv_while_idle=False)
-    kv, config = llm.engine.kv_cache, llm.engine.config
+    kv, config = llm.engine.executor.kv_cache, llm.engine.config
     before = kv.uncommitted_bytes  # off: nothing committed
     assert not config.cache.commit_while_idle and before > 32 << 20
     assert not llm.engine.commit_idle() and kv.uncommitted_bytes == before

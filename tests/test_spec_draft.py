@@ -34,6 +34,9 @@ def self_draft():
                                   "num_speculative_tokens": K})
     assert llm.engine.block_manager.num_blocks == 8  # target and draft share the budget
     assert llm.engine.speculator.proposer.block_manager.num_blocks == 8
+    # The executor sized one budget for both pools and handed the speculator its draft.
+    assert llm.engine.executor.block_bytes == 2 * block_bytes
+    assert llm.engine.executor.draft is llm.engine.speculator.proposer
     sp = llm.engine.speculator
     # Whatever this machine measured: speculate every step (a self-draft costs as much as
     # the target, so the roofline alone would never speculate with it).
@@ -130,7 +133,7 @@ def plain(self_draft):
 
 def test_self_draft_gives_plain_greedy_and_accepts_everything(self_draft, plain):
     eng = self_draft.engine
-    assert eng.speculator.proposer.kv_cache is not eng.kv_cache  # a pool of its own
+    assert eng.speculator.proposer.kv_cache is not eng.executor.kv_cache  # a pool of its own
     prompts, plain = plain
     spec, drafted, accepted = _run(self_draft, True, prompts, GREEDY)
     for a, b in zip(plain, spec):

@@ -161,7 +161,7 @@ def tp_results(request) -> dict:
     llm = LLM(**ENGINE, tensor_parallel_size=request.param)
     try:
         out = _run_all(llm)
-        assert llm.engine.runner.check_health() is None
+        assert llm.engine.executor.check_health() is None
         out["threads"] = torch.get_num_threads()
         out["tp"] = request.param
         out["llm"] = llm  # the last test to use it kills one of its workers
@@ -207,12 +207,12 @@ def test_bf16_tp2_runs_its_all_reduces_not_the_decode_stack(quantization):
             release(llm.engine, "d")
 
     one = LLM(**engine)
-    assert one.engine.model.fused_decode
+    assert one.engine.executor.model.fused_decode
     want = decode_logits(one)
     del one
     two = LLM(**engine, tensor_parallel_size=2)
     try:
-        assert not two.engine.model.fused_decode
+        assert not two.engine.executor.model.fused_decode
         got = decode_logits(two)
     finally:
         two.engine.shutdown()
@@ -321,7 +321,7 @@ def test_worker_dying_while_idle_is_reported_not_hung(tp_results):
     llm = tp_results["llm"]
     try:
         assert llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-        (pid,) = llm.engine.runner.worker_pids
+        (pid,) = llm.engine.executor.worker_pids
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
         with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid \d+\) was killed by signal 9"):

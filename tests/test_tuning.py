@@ -695,7 +695,7 @@ def test_int4_engine_tuned_gives_the_reference_tokens(int4_engines):
     got = [o.outputs[0].token_ids for o in int4_engines["auto"].generate(prompts, sp)]
     want = [o.outputs[0].token_ids for o in int4_engines["torch"].generate(prompts, sp)]
     assert got == want
-    assert int4_engines["torch"].engine.tuning.source == "forced"
+    assert int4_engines["torch"].engine.executor.tuning.source == "forced"
 
 
 def test_batch_invariant_engine_gives_bit_identical_results_alone_and_together():
@@ -706,7 +706,7 @@ def test_batch_invariant_engine_gives_bit_identical_results_alone_and_together()
     from servelm import LLM, SamplingParams
 
     llm = LLM(kv_cache_memory=64 << 20, batch_invariant=True, enable_prefix_caching=False)
-    if not llm.engine.tuning.batch_invariant:
+    if not llm.engine.executor.tuning.batch_invariant:
         pytest.skip("no row-invariant linear method for some layer on this CPU")
     prompts = [f"Story {i}: once upon a time" + " and then" * (i % 5) for i in range(16)]
     sps = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=5,

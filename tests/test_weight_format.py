@@ -84,12 +84,12 @@ def test_q8_0_file_runs_int8(q8_llms):
     eng = native.engine
     assert eng.config.quantization == "int8"
     assert "Q8_0" in eng.weight_format and "int8" in eng.weight_format
-    kinds = linear_kinds(eng.model)
+    kinds = linear_kinds(eng.executor.model)
     assert kinds and all(issubclass(k, Int8Linear) for k in kinds)
-    assert bf16.engine.config.quantization is None and not linear_kinds(bf16.engine.model)
+    assert bf16.engine.config.quantization is None and not linear_kinds(bf16.engine.executor.model)
     assert "dequantised to bfloat16" in bf16.engine.weight_format
     # int8 linears: about half the bytes of the bf16 copy (the embedding table is shared).
-    assert weight_bytes(eng.model) < 0.75 * weight_bytes(bf16.engine.model)
+    assert weight_bytes(eng.executor.model) < 0.75 * weight_bytes(bf16.engine.executor.model)
     # ... and it still answers as the dequantised model does.
     prompt = "The capital of France is"
     a = native.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -100,10 +100,10 @@ def test_q8_0_file_runs_int8(q8_llms):
 def test_explicit_quantization_wins(q8_gguf):
     llm = LLM(model=q8_gguf, quantization="int4", **KW)
     assert llm.engine.config.quantization == "int4"
-    kinds = linear_kinds(llm.engine.model)
+    kinds = linear_kinds(llm.engine.executor.model)
     assert kinds and all(issubclass(k, Int4Linear) for k in kinds)
     none = LLM(model=q8_gguf, quantization="none", **KW)
-    assert none.engine.config.quantization is None and not linear_kinds(none.engine.model)
+    assert none.engine.config.quantization is None and not linear_kinds(none.engine.executor.model)
     assert none.engine.weight_format.startswith("dequantised")
 
 
@@ -121,8 +121,8 @@ def test_qwen_q4_k_m_runs_int4():
     llm = LLM(model=path, **KW)
     eng = llm.engine
     assert eng.config.quantization == "int4" and "Q4_K_M" in eng.weight_format
-    linear = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
-    assert linear and all(isinstance(m, Int4Linear) for m in linear), linear_kinds(eng.model)
+    linear = [m for m in eng.executor.model.modules() if isinstance(m, QuantLinear)]
+    assert linear and all(isinstance(m, Int4Linear) for m in linear), linear_kinds(eng.executor.model)
     params = sum(m.in_features * m.out_features for m in linear)
     # int4 in groups of 32 with fp16 scales and mins: 5 bits a weight, against bf16's 16.
     packed = weight_bytes(torch.nn.ModuleList(linear))
