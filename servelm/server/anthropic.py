@@ -30,6 +30,7 @@ from servelm.server import chat
 from servelm.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from servelm.server.errors import APIError, from_validation_error
 from servelm.server.serving import Generation, Prepared, ServingContext
+from servelm.server.sse import EventStreamResponse
 from servelm.server.tools import ToolCallStream, ToolParser
 
 if TYPE_CHECKING:
@@ -290,8 +291,6 @@ async def stream(ctx: ServingContext, req: MessagesRequest, gen: Generation
 def add_routes(app: FastAPI, routes: Routes) -> None:
     """POST /v1/messages and /v1/messages/count_tokens, behind the API key (x-api-key or
     a bearer token), every error in Anthropic's shape."""
-    from servelm.server.api import EventStreamResponse  # api imports this module first
-
     ctx = routes.ctx
 
     async def check_api_key(request: Request) -> None:

@@ -14,10 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,6 +30,7 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, CompletionChunk, CompletionRequest,
                                      CompletionResponse, ModelCard, ModelList)
 from servelm.server.serving import Generation, ServingContext
+from servelm.server.sse import EventStreamResponse
 from servelm.server.stats import LiveStats
 from servelm.server.tools import parser_for_template
 from servelm.server import access, openapi_errors
@@ -42,36 +42,6 @@ ADAPTERS: tuple = (embeddings, ollama, responses, anthropic)
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that stop, and abort their requests, as soon as the client leaves.
-
-    Starlette only listens for the disconnect under old ASGI versions; here we always do,
-    so a request still waiting in the queue (sending nothing) is aborted too.
-    """
-
-    def __init__(self, content, on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream_then_stop() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the connection closed mid-write
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream_then_stop)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            self._on_close()
-            await self.body_iterator.aclose()
 
 
 def _parse(body: bytes, model: type[M]) -> M:

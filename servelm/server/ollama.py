@@ -36,6 +36,7 @@ from servelm.server.protocol import ChatCompletionRequest, CompletionRequest
 from servelm.server.serving import (Generation, Prepared, ServingContext, TokenText,
                                     new_logprobs)
 from servelm.server.tools import ToolCallStream
+from servelm.server.sse import EventStreamResponse
 
 try:
     from servelm.server import embeddings
@@ -327,8 +328,6 @@ def _loaded(req: _Generating, chat_shaped: bool) -> dict:
 
 def _ndjson(lines: AsyncIterator[str], on_close: Callable[[], None]) -> Response:
     """A stream of JSON lines that stops, and aborts its request, when the client leaves."""
-    from servelm.server.api import EventStreamResponse  # here: api imports this module
-
     response = EventStreamResponse(lines, on_close=on_close)
     response.headers["content-type"] = NDJSON
     return response

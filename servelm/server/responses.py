@@ -40,6 +40,7 @@ from servelm.server.responses_protocol import (AllowedTools, FunctionCallItem,
                                                ToolChoice, parse_items, parse_tool_choice,
                                                parse_tools)
 from servelm.server.serving import Generation, Prepared, ServingContext
+from servelm.server.sse import EventStreamResponse
 from servelm.server.tools import ToolCallStream
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ def _id(prefix: str) -> str:
 
 
 def add_routes(app: FastAPI, routes: Routes) -> None:
-    from servelm.server.api import EventStreamResponse  # api imports this module first
-
     ctx = routes.ctx
 
     @app.post("/v1/responses", dependencies=[Depends(routes.check_api_key)],

@@ -3,7 +3,7 @@ norms, sandwich norms, GELU-tanh, embeddings scaled by sqrt(hidden), (1 + w) RMS
 
 from __future__ import annotations
 
-from servelm.models.config import FULL, SLIDING, hf_layer_types, rope_theta
+from servelm.models.hf_keys import FULL, SLIDING, hf_layer_types, rope_theta
 from servelm.models.family import Family
 
 

@@ -3,7 +3,7 @@ layer when its config sets one); Mixtral-shaped MoE GGUFs are llama.cpp's `llama
 
 from __future__ import annotations
 
-from servelm.models.config import SLIDING, hf_layer_types
+from servelm.models.hf_keys import SLIDING, hf_layer_types
 from servelm.models.family import Family
 
 

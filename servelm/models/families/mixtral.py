@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servelm.models.config import hf_layer_types
+from servelm.models.hf_keys import hf_layer_types
 from servelm.models.family import Family
 
 

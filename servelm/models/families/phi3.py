@@ -4,7 +4,7 @@ partial rotary where partial_rotary_factor < 1."""
 
 from __future__ import annotations
 
-from servelm.models.config import hf_layer_types
+from servelm.models.hf_keys import hf_layer_types
 from servelm.models.family import Family
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servelm.models.config import FULL, SLIDING
+from servelm.models.hf_keys import FULL, SLIDING
 from servelm.models.family import Family
 
 

@@ -1,0 +1,51 @@
+"""The HF config keys that ModelConfig and the family files (families/) both read: the
+attention kind of each layer, the rotary base and scaling (transformers 4's and 5's
+spellings). Below config.py and the registry, so a family imports them without importing
+either."""
+
+from __future__ import annotations
+
+from typing import Any
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def rope_theta(cfg: dict[str, Any], layer_type: str = FULL) -> float:
+    """HF keeps the base in rope_theta (transformers 4) or rope_parameters (5), which may be
+    split per layer type (Gemma 3: full_attention / sliding_attention)."""
+    params = cfg.get("rope_parameters") or {}
+    if layer_type in params:
+        params = params[layer_type]
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def rope_scaling(cfg: dict[str, Any], layer_type: str = FULL) -> dict[str, Any] | None:
+    """HF keeps scaling in rope_scaling (transformers 4) or rope_parameters (5)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if scaling and layer_type in scaling:
+        scaling = scaling[layer_type]
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+    out = {**scaling, "rope_type": kind}
+    if kind == "yarn":
+        out.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if out.get("factor") is None:
+            out["factor"] = cfg["max_position_embeddings"] / out["original_max_position_embeddings"]
+    return out
+
+
+def hf_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """The per-layer attention kinds a HF config states (layer_types, or one sliding_window
+    for every layer, as Mistral's), or () when every layer attends to everything."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return ()
+    types = tuple(cfg.get("layer_types") or (SLIDING,) * num_layers)
+    if window >= cfg.get("max_position_embeddings", 1 << 62):
+        types = (FULL,) * num_layers  # a window as long as the context is no window
+    return () if SLIDING not in types else types
