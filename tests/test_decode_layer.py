@@ -78,12 +78,13 @@ def _setup(cfg, lens, seed=1):
         seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
         at += nb
     batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
-                                   torch.device("cpu"), "cpu", kernels=True)
+                                   torch.device("cpu"), "cpu")
     return batch, data, caches
 
 
 def _both(model, batch, data, caches):
     """(hidden, KV pool) from the per-op kernel path and from the stack."""
+    model.select_ops(True)  # the C++ ops, on the modules the model has now
     assert model.bind_decode_layers(caches)
     results = []
     for fused in (False, True):

@@ -201,9 +201,9 @@ def test_kernel_batch_puts_decodes_first_with_ragged_tables():
             SeqInput([5], 19, [0, 1]),                       # context 20
             SeqInput([6], 1999, list(range(10, 135))),       # context 2000
             SeqInput(list(range(20)), 16, [7, 8, 9], sample=False)]  # chunk, no logits
-    batch, sampled = build_forward_batch(seqs, bs, 3, torch.device("cpu"), "cpu", kernels=True)
+    batch, sampled = build_forward_batch(seqs, bs, 3, torch.device("cpu"), "cpu")
     dec = batch.attn.decodes
-    assert batch.kernels and batch.attn.backend.name == "cpu" and dec.num == 2
+    assert batch.attn.backend.name == "cpu" and dec.num == 2
     assert dec.context_lens.tolist() == [20, 2000]
     assert dec.block_tables.dtype == torch.int32
     assert dec.block_tables.shape == (2, 125)
@@ -269,18 +269,19 @@ def test_sampled_only_forward_is_the_full_forward_at_the_sampled_rows(llm, kerne
         seqs = [SeqInput([11], 30, bm.block_table("so-a")),
                 SeqInput(list(range(300, 320)), 0, bm.block_table("so-b")),
                 SeqInput(list(range(500, 540)), 0, bm.block_table("so-c"), sample=False)]
-        batch, sampled = build_forward_batch(seqs, runner.kv_cache.block_size,
-                                             runner.num_queries_per_kv, runner.device,
-                                             "cpu" if kernels else "reference", kernels=kernels)
-        assert sampled == [0, 1]
-        kv = runner.kv_cache
-        ours = torch.tensor([b for o in owners for b in bm.block_table(o)])
-        with torch.inference_mode():
-            kv.data[:, :, ours] = 0
-            full = llm.engine.executor.model(batch, kv.layers)
-            kv_full = kv.data[:, :, ours].clone()
-            kv.data[:, :, ours] = 0
-            part = llm.engine.executor.model(batch, kv.layers, sampled_only=True)
+        with runner_path(runner, kernels=kernels):
+            batch, sampled = build_forward_batch(seqs, runner.kv_cache.block_size,
+                                                 runner.num_queries_per_kv, runner.device,
+                                                 runner.attention)
+            assert sampled == [0, 1]
+            kv = runner.kv_cache
+            ours = torch.tensor([b for o in owners for b in bm.block_table(o)])
+            with torch.inference_mode():
+                kv.data[:, :, ours] = 0
+                full = llm.engine.executor.model(batch, kv.layers)
+                kv_full = kv.data[:, :, ours].clone()
+                kv.data[:, :, ours] = 0
+                part = llm.engine.executor.model(batch, kv.layers, sampled_only=True)
         assert part.shape == (2, full.shape[1]) and full.shape[0] == 61
         torch.testing.assert_close(part, full[batch.logits_indices], rtol=1e-4, atol=1e-4)
         assert torch.equal(kv.data[:, :, ours], kv_full) and kv_full.any()

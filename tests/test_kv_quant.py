@@ -295,13 +295,18 @@ def _teacher_forced(model, kv_cache, use_kernels, ids, chunk=128):
     table = list(range(-(-len(ids) // kv_cache.block_size)))
     g = model.config.num_heads // model.config.num_kv_heads
     out = []
-    with torch.inference_mode():
-        for s in range(0, len(ids), chunk):
-            seq = SeqInput(ids[s:s + chunk], s, table, True)
-            batch, _ = build_forward_batch([seq], kv_cache.block_size, g, torch.device("cpu"),
-                                           "cpu" if use_kernels else "reference",
-                                           kernels=use_kernels)
-            out.append(model.compute_logits(model(batch, kv_cache.layers)).float())
+    had = model.norm.uses_kernels
+    model.select_ops(use_kernels)
+    try:
+        with torch.inference_mode():
+            for s in range(0, len(ids), chunk):
+                seq = SeqInput(ids[s:s + chunk], s, table, True)
+                batch, _ = build_forward_batch([seq], kv_cache.block_size, g,
+                                               torch.device("cpu"),
+                                               "cpu" if use_kernels else "reference")
+                out.append(model.compute_logits(model(batch, kv_cache.layers)).float())
+    finally:
+        model.select_ops(had)
     return torch.cat(out)
 
 

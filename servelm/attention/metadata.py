@@ -1,5 +1,6 @@
 """One step's attention metadata: the padded groups (AttnGroup), the ragged decode rows
-(RaggedDecodes), and the flat token lists a backend fills in the order it attends them."""
+(RaggedDecodes), the flat token lists a backend fills in the order it attends them, and
+the ForwardBatch that carries them and the step's tokens to the model."""
 
 from __future__ import annotations
 
@@ -103,6 +104,21 @@ class AttentionMetadata:
     backend: AttentionBackend
     groups: list[AttnGroup]
     decodes: RaggedDecodes | None = None
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs besides weights and the cache: explicit, no globals.
+    Which implementation each op runs is not here: the model's op modules chose it once
+    (servelm.models.layers.select_ops)."""
+
+    input_ids: torch.Tensor       # [T] long, all scheduled tokens flattened
+    positions: torch.Tensor       # [T] long
+    slot_mapping: torch.Tensor    # [T] long: block_id * block_size + offset of each token's KV
+    logits_indices: torch.Tensor  # [S] long: flat tokens whose next-token logits are needed
+    # The attention backend's metadata for this step, the backend with it; the flat tokens
+    # are in the order that backend attends them.
+    attn: AttentionMetadata
 
 
 class FlatTokens:

@@ -38,8 +38,7 @@ from typing import Callable
 import torch
 
 from servelm.attention import AttentionBackend, AttentionMetadata, AttnGroup, get_backend
-from servelm.attention.metadata import decode_lists
-from servelm.models.layers import ForwardBatch
+from servelm.attention.metadata import ForwardBatch, decode_lists
 
 logger = logging.getLogger(__name__)
 

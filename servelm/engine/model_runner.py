@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,12 +12,14 @@ from servelm import hugepages as _hugepages
 from servelm.attention import AttentionBackend, AttentionSpec, get_backend
 from servelm.attention import select as select_attention
 from servelm.attention.cpu import KV_DTYPES as CPU_KV_DTYPES
-from servelm.attention.metadata import decode_lists
+from servelm.attention.metadata import ForwardBatch, decode_lists
 from servelm.config import KernelConfig
 from servelm.kernels import load_ops
 from servelm.models import kv_quant
 from servelm.models.config import ModelConfig
-from servelm.models.layers import ForwardBatch
+
+if TYPE_CHECKING:
+    from servelm.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -128,18 +131,17 @@ class KVCache:
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
-                        device: torch.device, attention: AttentionBackend | str = "reference",
-                        kernels: bool = False) -> tuple[ForwardBatch, list[int]]:
+                        device: torch.device, attention: AttentionBackend | str = "reference"
+                        ) -> tuple[ForwardBatch, list[int]]:
     """Flatten sequences into one batch, in the order and with the metadata of the
     `attention` backend (an AttentionBackend or its name; see servelm.attention): the
     reference groups decodes apart from prompt chunks by context length, triton forms one
     group of each, cpu puts the decodes first as ragged rows. Returns the batch and, for each
-    sampled row of the logits, the index of its sequence in `seqs`. `kernels`: the layers
-    run servelm's C++ fused ops (norms, rotary + KV write, SiLU)."""
+    sampled row of the logits, the index of its sequence in `seqs`."""
     if isinstance(attention, str):
         attention = get_backend(attention)
     flat, meta = attention.build(seqs, block_size, num_queries_per_kv, device)
-    return ForwardBatch(**flat.tensors(device), attn=meta, kernels=kernels), flat.sampled
+    return ForwardBatch(**flat.tensors(device), attn=meta), flat.sampled
 
 
 def pin_module_attributes(model: torch.nn.Module) -> None:
@@ -161,7 +163,7 @@ def pin_module_attributes(model: torch.nn.Module) -> None:
 class ModelRunner:
     """Owns the model and the KV cache; runs one step's forward and returns logits."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256,
                  kernels: KernelConfig | None = None):
         """cuda_graphs: decode steps of up to max_graph_batch rows replay captured CUDA
@@ -171,39 +173,41 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        pin_module_attributes(model)  # weights are final: loaded, quantised or sharded
         cfg: ModelConfig = model.config
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
         # The path is decided once: fused C++ kernels (norms, rotary + KV write, SiLU) on
         # CPU when they build, else the eager PyTorch reference (CUDA, no compiler,
-        # kernels.cpu_kernels off); and the attention backend (servelm.attention.select:
-        # C++ kernels in place over the block tables on the CPU, Triton on CUDA, else
-        # gather + SDPA). Tests may flip both (use_kernels, attention).
+        # kernels.cpu_kernels off), each op module bound to its choice (select_ops); and
+        # the attention backend (servelm.attention.select: C++ kernels in place over the
+        # block tables on the CPU, Triton on CUDA, else gather + SDPA). Tests may flip both
+        # (use_kernels, which selects the ops again, and attention).
         cpu = torch.device(device).type == "cpu"
         kv_dtype = kv_cache.data.dtype
         # The activations' dtype (a quantised pool's storage dtype is not it).
-        dtype = model.norm.weight.dtype if hasattr(model, "norm") else kv_dtype
+        dtype = model.norm.weight.dtype
         if (kernels.cpu_kernels and cpu and kv_dtype == torch.float8_e4m3fn
                 and load_ops("ops")):
             raise ValueError("kv_cache_dtype 'fp8' cannot be read by servelm's C++ CPU "
                              "kernels: use kv_cache_dtype 'int8' there, or turn the kernels "
                              "off (cpu_kernels=False, --no-cpu-kernels) to run fp8 on the "
                              "PyTorch reference")
-        self.use_kernels = (kernels.cpu_kernels and cpu and kv_dtype in CPU_KV_DTYPES
-                            and load_ops("ops"))
+        use_kernels = bool(kernels.cpu_kernels and cpu and kv_dtype in CPU_KV_DTYPES
+                           and load_ops("ops"))
+        self._use_kernels = use_kernels
+        model.select_ops(use_kernels)
         self.attention: AttentionBackend = select_attention(kernels, AttentionSpec(
             torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, kv_cache.block_size))
         logger.info("attention backend: %s", self.attention.name)
         # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
-        if (self.use_kernels and self.attention.ragged_decodes and kernels.fused_decode
-                and hasattr(model, "bind_decode_layers")):
+        if use_kernels and self.attention.ragged_decodes and kernels.fused_decode:
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
+        # The ops are chosen: the weights are final (loaded, quantised or sharded) too.
+        pin_module_attributes(model)
         self.graphs = None
         # A sliding-window layer picks its attention path by the step's context lengths
         # (host data), which a captured graph would freeze: such models decode eagerly.
-        windowed = any(getattr(layer.self_attn, "window", None)
-                       for layer in getattr(model, "layers", ()))
+        windowed = any(layer.self_attn.window for layer in model.layers)
         if cuda_graphs and windowed:
             logger.info("CUDA graphs off: the model has sliding-window layers")
         if cuda_graphs and not windowed:
@@ -211,6 +215,19 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, kv_cache, device, max_batch=max_graph_batch,
                                        attention=self.attention)
+
+    @property
+    def use_kernels(self) -> bool:
+        """Whether the model's op modules run servelm's C++ ops (else the PyTorch
+        references), as chosen at construction."""
+        return self._use_kernels
+
+    @use_kernels.setter
+    def use_kernels(self, kernels: bool) -> None:
+        """Tests and benchmarks compare the paths on one runner: every op module is selected
+        again (the DecodeStacks run only beside the C++ ops)."""
+        self._use_kernels = bool(kernels)
+        self.model.select_ops(self._use_kernels)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
@@ -223,8 +240,7 @@ class ModelRunner:
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out
-        if (self.use_kernels and self.attention.ragged_decodes
-                and hasattr(self.model, "decode_stack_takes")
+        if (self.attention.ragged_decodes
                 and self.model.decode_stack_takes(self.kv_cache.layers, len(seqs))
                 and all(len(s.token_ids) == 1 and s.sample for s in seqs)):
             # Decodes only, on the DecodeStack: its input as plain lists, no ForwardBatch (a
@@ -235,7 +251,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
-                                             self.attention, kernels=self.use_kernels)
+                                             self.attention)
         # Only the rows that sample go through the last layer's o_proj and MLP and the LM
         # head: no logits (or final hidden states) for prompt positions.
         hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
@@ -253,7 +269,7 @@ class ModelRunner:
         DecodeStack return no hidden states per sequence kind."""
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
-                                             self.attention, kernels=self.use_kernels)
+                                             self.attention)
         hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
         pool = [r for r, i in enumerate(sampled) if seqs[i].pooling]
         keep = [r for r, i in enumerate(sampled) if not seqs[i].pooling]

@@ -7,21 +7,29 @@ names checkpoints' tensors and reads its config keys. One layer is
     x = x + [attn_out_norm](attention(input_layernorm(x)))
     x = x + [mlp_out_norm](mlp(post_attention_layernorm(x)))
 
-(the bracketed norms: Gemma's sandwich). Sliding layers may take a second rotary table.
+(the bracketed norms: Gemma's sandwich), run in residual-stream form: each layer returns
+its MLP output (delta) and the residual stream x, and the next norm adds the delta into x
+in place before normalising it (RMSNorm.add_forward: one C++ pass with the kernels, the
+same bits as x + delta then the norm in the PyTorch reference). Sliding layers may take a
+second rotary table. Which implementation each op runs (C++ or PyTorch) the op modules
+chose once (select_ops); the forward here is the same either way.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
 
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
-from servelm.models.layers import Attention, ForwardBatch, GatedMLP, RMSNorm, RotaryEmbedding
+from servelm.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, select_ops
 from servelm.models.moe import SparseMoE
+
+if TYPE_CHECKING:
+    from servelm.attention.metadata import ForwardBatch
 
 
 def _has_decode_stack() -> bool:
@@ -41,7 +49,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)
         self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
-                                   window=cfg.window(index), scale=cfg.attn_scale)
+                                   window=cfg.window(index), scale=cfg.attn_scale,
+                                   rotary_dim=cfg.rotary_dim)
         self.post_attention_layernorm = RMSNorm(h, eps)
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
@@ -53,35 +62,25 @@ class DecoderLayer(nn.Module):
         # Which rotary table the layer takes: sliding layers their own base, where it differs.
         self.local_rotary = cfg.window(index) is not None and cfg.rope_local_theta is not None
 
-    def forward(self, x, cos, sin, batch, kv_cache, rows=None):
-        """rows: only these flat tokens continue past attention (the last layer, when only
-        the sampled tokens' hidden states are wanted); every token's K/V is still written."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache, rows=rows)
-        if self.attn_out_norm is not None:
-            a = self.attn_out_norm(a)
-        x = (x if rows is None else x[rows]) + a
-        m = self.mlp(self.post_attention_layernorm(x))
-        if self.mlp_out_norm is not None:
-            m = self.mlp_out_norm(m)
-        return x + m
-
-    def forward_fused(self, delta, residual, cos, sin, batch, kv_cache, rows=None):
-        """Kernel path: residual += delta (the previous layer's MLP output, None for the first
-        layer) fused into the norms; returns (this layer's MLP output, residual), residual
-        updated in place (or, with rows as in forward, its rows taken first)."""
+    def forward(self, delta, residual, cos, sin, batch, kv_cache, rows=None):
+        """residual += delta (the previous layer's MLP output, None for the first layer)
+        inside the input norm; returns (this layer's MLP output, residual), residual updated
+        in place. rows: only these flat tokens continue past attention (the last layer, when
+        only the sampled tokens' hidden states are wanted; the residual's rows are taken
+        first); every token's K/V is still written."""
         if delta is None:
-            h = self.input_layernorm(residual, kernels=True)
+            h = self.input_layernorm(residual)
         else:
-            h = self.input_layernorm.add_forward(delta, residual, kernels=True)
+            h = self.input_layernorm.add_forward(delta, residual)
         a = self.self_attn(h, cos, sin, batch, kv_cache, rows=rows)
         if rows is not None:
             residual = residual[rows]
         if self.attn_out_norm is not None:
-            a = self.attn_out_norm(a, kernels=True)
-        h = self.post_attention_layernorm.add_forward(a, residual, kernels=True)
-        m = self.mlp(h, kernels=True)
+            a = self.attn_out_norm(a)
+        h = self.post_attention_layernorm.add_forward(a, residual)
+        m = self.mlp(h)
         if self.mlp_out_norm is not None:
-            m = self.mlp_out_norm(m, kernels=True)
+            m = self.mlp_out_norm(m)
         return m, residual
 
     def linears(self) -> tuple[nn.Module, ...]:
@@ -147,6 +146,15 @@ class CausalLM(nn.Module):
         self.fused_decode = False  # set by bind_decode_layers
         self._decode_stacks: list = []  # (first row count, last, DecodeStack)
         self._decode_kv = None
+
+    def select_ops(self, kernels: bool) -> None:
+        """Every op module's implementation, chosen once the weights are final (the
+        ModelRunner's, before it pins the modules): servelm's C++ ops, or the PyTorch
+        references. The DecodeStacks bind_decode_layers binds run only beside the C++ ops
+        (they are the same arithmetic), so the references turn them off and the C++ ops
+        back on."""
+        select_ops(self, kernels)
+        self.fused_decode = kernels and bool(self._decode_stacks)
 
     def init_rotary(self, device: torch.device | None = None) -> None:
         """(Re)build the rotary tables (buffers not in any checkpoint) on `device`: the
@@ -271,35 +279,28 @@ class CausalLM(nn.Module):
         rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
         # The DecodeStack takes a step of decodes only, as the cpu backend's ragged rows.
         dec = batch.attn.decodes
-        fused = (batch.kernels and dec is not None and dec.num == n
-                 and self.decode_stack_takes(kv_caches, n))
+        fused = dec is not None and dec.num == n and self.decode_stack_takes(kv_caches, n)
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
             return self._stack_for(n).run_tokens(batch.input_ids, batch.positions,
                                                  batch.slot_mapping,
                                                  dec.block_tables, dec.context_lens)
+        # The residual stream x, updated in place by each norm's add.
         x = self.embed(batch.input_ids)
         tables = [self.rotary.cos_sin(batch.positions, x.dtype)]
         if self.rotary_local is not None:
             tables.append(self.rotary_local.cos_sin(batch.positions, x.dtype))
-        if batch.kernels:
-            # The residual stream is updated in place by the fused add + RMSNorm kernels.
+        if fused:
+            cos, sin = tables[0]
+            delta = self._stack_for(n).run(x, cos, sin, batch.slot_mapping,
+                                           dec.block_tables, dec.context_lens)
+            if rows is not None:
+                delta, x = delta[rows], x[rows]
+        else:
             delta = None
-            if fused:
-                cos, sin = tables[0]
-                delta = self._stack_for(n).run(x, cos, sin, batch.slot_mapping,
-                                               dec.block_tables, dec.context_lens)
-                if rows is not None:
-                    delta, x = delta[rows], x[rows]
-            else:
-                for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                    cos, sin = tables[layer.local_rotary]
-                    delta, x = layer.forward_fused(delta, x, cos, sin, batch, kv,
-                                                   rows=rows if i == last else None)
-            return self.norm.add_forward(delta, x, kernels=True)
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            cos, sin = tables[layer.local_rotary]
-            x = layer(x, cos, sin, batch, kv, rows=rows if i == last else None)
-        return self.norm(x)
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                cos, sin = tables[layer.local_rotary]
+                delta, x = layer(delta, x, cos, sin, batch, kv, rows=rows if i == last else None)
+        return self.norm.add_forward(delta, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> fp32 logits [S, vocab] (soft-capped where the family caps)."""

@@ -1,11 +1,17 @@
 """Building blocks shared by model families: RMSNorm, rotary embedding, attention (its
 projections, norms and rotary; the attention over the paged cache is servelm.attention's),
-gated MLP."""
+gated MLP.
+
+The op modules (OpModule: RMSNorm, Attention's rotary + KV write, GatedMLP's activation,
+the MoE's) each have a PyTorch reference and, where servelm's C++ ops run, a version on
+them. Which one a module runs is chosen once, when the model is final (`select_ops`, the
+ModelRunner's, before it pins the modules' attributes): the module keeps the chosen
+function and its forward calls it, with no flag per call. A module not selected runs the
+reference."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,23 +21,7 @@ from torch import nn
 from servelm.models import kv_quant
 
 if TYPE_CHECKING:
-    from servelm.attention import AttentionMetadata
-
-
-@dataclass
-class ForwardBatch:
-    """Everything one forward pass needs besides weights and the cache: explicit, no globals."""
-
-    input_ids: torch.Tensor       # [T] long, all scheduled tokens flattened
-    positions: torch.Tensor       # [T] long
-    slot_mapping: torch.Tensor    # [T] long: block_id * block_size + offset of each token's KV
-    logits_indices: torch.Tensor  # [S] long: flat tokens whose next-token logits are needed
-    # The attention backend's metadata for this step (servelm.attention), the backend with it;
-    # the flat tokens are in the order that backend attends them.
-    attn: AttentionMetadata
-    # servelm's C++ fused ops (decided once by the ModelRunner): add + RMSNorm, rotary + KV
-    # write, SiLU-and-mul, the DecodeStack; else their PyTorch references.
-    kernels: bool = False
+    from servelm.attention.metadata import ForwardBatch
 
 
 # ---- fused CPU kernels (servelm/kernels/csrc/ops.cpp) and their PyTorch references ----------
@@ -97,23 +87,53 @@ def _ops():
     return torch.ops.servelm_ops
 
 
-class RMSNorm(nn.Module):
+class OpModule(nn.Module):
+    """A module whose arithmetic has a PyTorch reference and a version on servelm's C++ ops
+    (servelm/kernels/csrc/ops.cpp): `select(kernels)` binds one, once, as plain function
+    attributes its forward calls (functions, not bound methods: no reference cycle, and
+    nothing that pin_module_attributes replaces). Built, a module runs the reference."""
+
+    uses_kernels = False  # the last selection
+
+    def select(self, kernels: bool) -> None:
+        raise NotImplementedError
+
+
+def select_ops(model: nn.Module, kernels: bool) -> None:
+    """Every op module under `model` (itself included) runs servelm's C++ ops (kernels True;
+    the caller has checked they load) or the PyTorch references, from now on. Call it once
+    the weights are final (loaded, quantised, tuned), before pin_module_attributes."""
+    for m in model.modules():
+        if isinstance(m, OpModule):
+            m.select(kernels)
+
+
+class RMSNorm(OpModule):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.select(False)
 
-    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
-        if kernels:
-            return _ops().rms_norm(x, self.weight, self.eps)
-        return rms_norm_ref(x, self.weight, self.eps)
+    def select(self, kernels: bool) -> None:
+        self.uses_kernels = kernels
+        self._norm = _ops().rms_norm if kernels else rms_norm_ref
+        self._add_norm = _ops().fused_add_rms_norm if kernels else fused_add_rms_norm_ref
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kernels: bool = False
-                    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place), then normalise it: one pass with the kernels."""
-        if kernels:
-            return _ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """The per-head q/k norm of an attention layer: the PyTorch reference on either path
+    (the kernels' rotary + KV write takes q and k normalised in place, by this)."""
+
+    def select(self, kernels: bool) -> None:
+        super().select(False)
 
 
 class RotaryEmbedding(nn.Module):
@@ -208,32 +228,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
-class Attention(nn.Module):
+class Attention(OpModule):
     """Multi-head attention with grouped-query KV heads over a paged KV cache.
 
     Options (the shared block every family builds from): a q/k/v bias, an RMSNorm over each
     head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
     and a softmax scale other than head_dim ** -0.5. The rotary table is the caller's (a
-    model may hold one per layer kind); with a partial rotary it is narrower than head_dim.
+    model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
+    narrower than head_dim. The op chosen once (select): the projection's norms, rotary
+    and KV write in PyTorch (qkv_ref) or in one C++ pass (qkv_kernels); the attention
+    itself is the batch's backend's.
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
-                 window: int | None = None, scale: float | None = None):
+                 window: int | None = None, scale: float | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
-                            window=window, scale=scale)
+                            window=window, scale=scale, rotary_dim=rotary_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.q_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
         self.window = window
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.rotary_dim = rotary_dim or head_dim
+        self.select(False)
+
+    def select(self, kernels: bool) -> None:
+        self.uses_kernels = kernels
+        self._qkv = qkv_kernels if kernels else qkv_ref
+        # The kernel's rotary turns every dim of a head; a partial rotary runs the reference
+        # rotary + KV write on the kernels' in-place layout.
+        self._rotary_kv_write = (_ops().rotary_kv_write
+                                 if kernels and self.rotary_dim == self.head_dim
+                                 else rotary_kv_write_ref)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -243,53 +278,53 @@ class Attention(nn.Module):
         # (k, v) or, quantised, (k, v, k_scale, v_scale): see KVCache.layers.
         k_cache, v_cache, *scales = kv_cache
         scales = tuple(scales) or None
-        if batch.kernels:
-            q = self._qkv_kernels(x, cos, sin, batch, k_cache, v_cache, scales)
-        else:
-            q = self._qkv(x, cos, sin, batch, k_cache, v_cache, scales)
+        q = self._qkv(self, x, cos, sin, batch.slot_mapping, k_cache, v_cache, scales)
         out = batch.attn.backend.forward(self, q, k_cache, v_cache, scales, batch.attn)
         return self.o_proj(out if rows is None else out[rows])
 
-    def _qkv(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache, scales) -> torch.Tensor:
-        """q [T, H, D] after its norm and rotary; k and v written into their slots (the
-        PyTorch reference)."""
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.reshape(T, self.num_heads, self.head_dim), k.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        ks, vs = scales or (None, None)
-        # Each token's K/V is written once, into its slot; attention then reads the cache.
-        kv_quant.write(k_cache, ks, batch.slot_mapping, k)
-        kv_quant.write(v_cache, vs, batch.slot_mapping, v)
-        return q
 
-    def _qkv_kernels(self, x, cos, sin, batch: ForwardBatch, k_cache, v_cache, scales
-                     ) -> torch.Tensor:
-        """`_qkv` on the C++ fused ops: q is a view of the projection, rotated in place."""
-        T, d = x.shape[0], self.head_dim
-        ops = _ops()
-        qkv = self.qkv_proj(x)
-        if qkv.stride(-1) != 1:
-            qkv = qkv.contiguous()
-        ks, vs = scales or (None, None)  # scales: (k, v) of an int8 cache, else none
-        if self.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
-            q_k = qkv[:, :self.q_size + self.kv_size]
-            q_k[:, :self.q_size] = self.q_norm(q_k[:, :self.q_size].view(T, -1, d)).view(T, -1)
-            q_k[:, self.q_size:] = self.k_norm(q_k[:, self.q_size:].view(T, -1, d)).view(T, -1)
-        # Rotary on q (in place) and k, and k/v written into their slots: one pass (the
-        # reference for a partial rotary, which the kernel does not take).
-        rotary_kv_write = ops.rotary_kv_write if cos.shape[-1] == d else rotary_kv_write_ref
-        rotary_kv_write(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping,
-                        self.num_heads, self.num_kv_heads, ks, vs)
-        return qkv[:, :self.q_size].view(T, self.num_heads, d)
+def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
+            ) -> torch.Tensor:
+    """q [T, H, D] after its norm and rotary; k and v written into their slots (the
+    PyTorch reference)."""
+    T = x.shape[0]
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = q.reshape(T, attn.num_heads, attn.head_dim), k.reshape(T, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v = v.view(T, attn.num_kv_heads, attn.head_dim)
+    ks, vs = scales or (None, None)
+    # Each token's K/V is written once, into its slot; attention then reads the cache.
+    kv_quant.write(k_cache, ks, slot_mapping, k)
+    kv_quant.write(v_cache, vs, slot_mapping, v)
+    return q
 
 
-class GatedMLP(nn.Module):
+def qkv_kernels(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
+                ) -> torch.Tensor:
+    """`qkv_ref` on the C++ fused ops: q is a view of the projection, rotated in place."""
+    T, d = x.shape[0], attn.head_dim
+    qkv = attn.qkv_proj(x)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    ks, vs = scales or (None, None)  # scales: (k, v) of an int8 cache, else none
+    if attn.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
+        q_k = qkv[:, :attn.q_size + attn.kv_size]
+        q_k[:, :attn.q_size] = attn.q_norm(q_k[:, :attn.q_size].view(T, -1, d)).view(T, -1)
+        q_k[:, attn.q_size:] = attn.k_norm(q_k[:, attn.q_size:].view(T, -1, d)).view(T, -1)
+    # Rotary on q (in place) and k, and k/v written into their slots: one pass.
+    attn._rotary_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping,
+                          attn.num_heads, attn.num_kv_heads, ks, vs)
+    return qkv[:, :attn.q_size].view(T, attn.num_heads, d)
+
+
+class GatedMLP(OpModule):
     """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is SiLU (SwiGLU)
-    or tanh-approximated GELU (GeGLU, Gemma)."""
+    or tanh-approximated GELU (GeGLU, Gemma). The op chosen once (select): the activation
+    in PyTorch (mlp_ref), or a SwiGLU's on the C++ silu_and_mul (mlp_kernels), or written
+    by an amx gate_up itself (mlp_gated, or mlp_bucket_gated where only some of its row
+    buckets run a gated amx module)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
@@ -297,6 +332,35 @@ class GatedMLP(nn.Module):
         self.intermediate, self.act = intermediate, act
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.select(False)
+
+    def select(self, kernels: bool) -> None:
+        """Reads the gate_up module as it is now: select again after swapping it (the
+        tuner's methods) or gating it (fuse_activation does)."""
+        self.uses_kernels = kernels
+        self._gated_ids = frozenset()
+        self._silu_mul = None
+        if not kernels or self.act != "silu":
+            self._mlp = mlp_ref
+            return
+        from servelm.layers.amx import AmxLinear
+        from servelm.layers.linear_methods import BucketedLinear
+
+        self._silu_mul = _ops().silu_and_mul
+        gu = self.gate_up_proj
+        bucketed = isinstance(gu, BucketedLinear)
+        mods = list(gu.impls) if bucketed else [gu]
+        gated = [m for m in mods if isinstance(m, AmxLinear) and m.gated]
+        if not gated:
+            self._mlp = mlp_kernels
+        elif not bucketed:
+            self._mlp = mlp_gated
+        else:
+            self._gated_ids = frozenset(id(m) for m in gated)
+            self._mlp = mlp_bucket_gated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(self, x)
 
     @torch.no_grad()
     def fuse_activation(self) -> int:
@@ -311,21 +375,37 @@ class GatedMLP(nn.Module):
         fused = [m for m in mods if isinstance(m, AmxLinear) and not m.gated]
         for m in fused:
             m.gate_silu()
+        if fused:
+            self.select(self.uses_kernels)
         return len(fused)
 
-    def forward(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
-        if kernels and self.act == "silu":
-            gu_mod = self.gate_up_proj
-            if hasattr(gu_mod, "module_for"):
-                gu_mod = gu_mod.module_for(x.numel() // gu_mod.in_features)
-            if getattr(gu_mod, "gated", False):
-                return self.down_proj(gu_mod.silu_mul(x))
-        gu = self.gate_up_proj(x)
-        if kernels and self.act == "silu":
-            if gu.stride(-1) != 1:
-                gu = gu.contiguous()
-            return self.down_proj(_ops().silu_and_mul(gu))
-        return self.down_proj(gated_act(gu, self.act))
+
+def mlp_ref(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    return mlp.down_proj(gated_act(mlp.gate_up_proj(x), mlp.act))
+
+
+def mlp_kernels(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    gu = mlp.gate_up_proj(x)
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    return mlp.down_proj(mlp._silu_mul(gu))
+
+
+def mlp_gated(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    """gate_up is one gated amx module: it writes silu(gate) * up itself."""
+    return mlp.down_proj(mlp.gate_up_proj.silu_mul(x))
+
+
+def mlp_bucket_gated(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    """Some of gate_up's row buckets run a gated amx module: the one for x's rows
+    writes the activation itself where it is gated."""
+    gu = mlp.gate_up_proj.module_for(x.numel() // mlp.gate_up_proj.in_features)
+    if id(gu) in mlp._gated_ids:
+        return mlp.down_proj(gu.silu_mul(x))
+    out = gu(x)
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    return mlp.down_proj(mlp._silu_mul(out))
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
