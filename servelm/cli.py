@@ -13,36 +13,23 @@ import logging
 import sys
 from typing import Iterator
 
-from servelm.config import ATTENTION_BACKENDS, KERNEL_TUNING, KV_CACHE_DTYPES, LINEAR_METHODS
+from servelm.config import KV_CACHE_DTYPES, EngineOption, engine_options, size
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server.reasoning import REASONING_PARSERS
 from servelm.server.tools import TOOL_CALL_PARSERS
 
 
-def _size(text: str) -> int:
-    """'2GiB', '512MB', '1e9' -> bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    t = text.strip().lower()
-    for suffix, mult in units.items():
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
-
-
-def _speculative_config(text: str):
-    """--speculative-config JSON -> SpeculativeConfig (argparse reports a ValueError)."""
-    import json
-
-    from servelm.config import SpeculativeConfig
-
-    try:
-        return SpeculativeConfig.from_dict(json.loads(text))
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _arg_type(parse):
+    """An option's parser as an argparse type: its ValueError is the usage error's message
+    (argparse: "argument --flag: message")."""
+    def arg_type(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    arg_type.__name__ = parse.__name__
+    return arg_type
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -57,163 +44,68 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
-DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
-                 "fp32": "float32"}
 # vLLM's and llama-server's names for the tool-call formats servelm parses.
 TOOL_PARSER_ALIASES = {"qwen": "hermes", "qwen2_5": "hermes", "qwen25": "hermes",
                        "llama3": "llama3_json", "llama": "llama3_json"}
-
-
-def _dtype(text: str) -> str:
-    return DTYPE_ALIASES.get(text.lower(), text.lower())
 
 
 def _tool_parser(text: str) -> str:
     return TOOL_PARSER_ALIASES.get(text.lower(), text.lower())
 
 
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def _chat_template(text: str) -> str:
-    from servelm.tokenizer import load_chat_template
-
-    try:
-        return load_chat_template(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+# Other engines' flags, accepted so their users' command lines run, and ignored: no config
+# field stands behind them (build_llm notes --n-gpu-layers in the log).
+IGNORED_ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict], ...] = (
+    (("--n-gpu-layers", "-ngl", "--gpu-layers"),
+     dict(type=int, default=None, metavar="N",
+          help="accepted for llama.cpp's users and ignored: every layer runs on --device")),
+    (("--trust-remote-code",),
+     dict(action="store_true",
+          help="accepted for vLLM's users: servelm never runs a model's own code")),
+    (("--enable-chunked-prefill",),
+     dict(action="store_true",
+          help="accepted for vLLM's users: long prompts are always prefilled in chunks of "
+               "--max-num-batched-tokens")),
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    g = p.add_argument_group("engine")
+    """The engine's flags, one per option of servelm.config (engine_options()), in their
+    groups; then the accepted-and-ignored ones."""
+    groups = {"engine": p.add_argument_group("engine")}
     if positional_model:  # `servelm serve MODEL`, as `vllm serve` takes it
         p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model (the same as --model)")
-    g.add_argument("--model", "-m", default=None,
-                   help="GGUF file, Hugging Face model directory, Hugging Face id ORG/NAME, or "
-                        "ORG/NAME:QUANT for a GGUF in such a repo (default: the embedded "
-                        "SmolLM2-135M); `servelm models` lists those here")
-    g.add_argument("--revision", default=None,
-                   help="of a Hugging Face id: branch, tag or commit (default: main)")
-    g.add_argument("--download-dir", default=None, metavar="DIR",
-                   help="Hugging Face cache to read and download into (default: HF_HUB_CACHE "
-                        "or ~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 never downloads")
-    g.add_argument("--tokenizer", default=None,
-                   help="take the tokenizer (and chat template) from this model instead")
-    g.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE|JINJA",
-                   help="chat template replacing the model's: a file, or the Jinja source")
-    g.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help='variables every chat template render gets, e.g. '
-                        '\'{"enable_thinking": false}\' (a request\'s own override them)')
-    g.add_argument("--dtype", type=_dtype, default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation (and unquantised weight) dtype; half, fp16, bf16, float "
-                        "and fp32 are accepted too. auto: bfloat16 where the machine runs it "
-                        "fast, else float32")
-    g.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4"],
-                   help="weight format: int8 per channel, int4 in groups of 32, none "
-                        "(dequantised). Default: the checkpoint's own (a GGUF's Q4/Q5/K-quant "
-                        "tensors int4, Q8_0/Q6_K int8, F16/BF16 as they are; an HF "
-                        "quantization_config), dequantised if --dtype is given")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=int, default=None,
-                   metavar="N", help="accepted for llama.cpp's users and ignored: every layer "
-                                     "runs on --device")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM's users: servelm never runs a model's own code")
-    g.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
-                   help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="how the KV pool stores K and V: the model dtype (auto), or int8 / "
-                        "fp8 (e4m3) with a scale per token and KV head (~2x the tokens of "
-                        "bf16 in the same --kv-cache-memory)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                   help="max tokens per step (longer prompts are prefilled in chunks)")
-    g.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=None,
-                   help="cap on context length (default: the model's)")
-    g.add_argument("--num-threads", "--threads", "-t", type=int, default=None,
-                   help="CPU threads (default: one per physical core)")
-    g.add_argument("--admission-lookahead", type=int, default=64, metavar="TOKENS",
-                   help="admit a request only if running ones keep room for this many more "
-                        "tokens each (fewer preemptions in a tight KV pool; 0: off)")
-    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
-                   dest="enable_prefix_caching", action="store_false",
-                   help="do not share KV blocks of identical prompt prefixes")
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_true", default=True,
-                   help="share KV blocks of identical prompt prefixes (the default)")
-    g.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="accepted for vLLM's users: long prompts are always prefilled in "
-                        "chunks of --max-num-batched-tokens")
-    g.add_argument("--no-kv-commit-while-idle", dest="commit_kv_while_idle",
-                   action="store_false",
-                   help="the server leaves the KV pool's pages to be committed as tokens land "
-                        "in them, instead of committing them while idle (lower RSS until the "
-                        "pool is used; prompts then pay first-touch faults)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run every step eagerly, without replaying captured decode graphs")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="shard the model over N processes (under torchrun: its WORLD_SIZE; "
-                        "--num-threads is then shared among the ranks on this host)")
-    g.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   metavar="JSON", help='speculative decoding, as vLLM\'s: e.g. \'{"method": '
-                   '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                   '"prompt_lookup_min": 2}\'')
-    k = p.add_argument_group("kernels (how a step runs; decided once at start-up)")
-    k.add_argument("--kernel-tuning", default="cached", choices=list(KERNEL_TUNING),
-                   help="linear methods per layer shape and row bucket: measured once per "
-                        "machine and cached (cached), measured now (fresh), or the built-in "
-                        "defaults (off)")
-    k.add_argument("--linear-method", default="auto", choices=list(LINEAR_METHODS),
-                   help="one matmul method for every linear layer where it applies "
-                        "(default auto: the measured table)")
-    k.add_argument("--batch-invariant", action="store_true", default=None,
-                   help="always run batch-invariant matmuls (each layer one method whose rows "
-                        "were checked bit-identical at every row count), so a request's "
-                        "results do not depend on what shares its steps (default: wherever "
-                        "that costs at most 10%% more, measured)")
-    k.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                   help="the fastest method per row bucket, invariant or not")
-    k.add_argument("--dequantized-copy-memory", type=_size, default=None, metavar="BYTES",
-                   help="how much memory a quantised model's dequantised weight copies may "
-                        "take (the amx and onednn methods keep a layer's weight in the "
-                        "activation dtype too, for faster prompts); 0: none (default: a "
-                        "quarter of the memory available at start-up)")
-    k.add_argument("--no-overlap-grammar-masks", dest="overlap_grammar_masks",
-                   action="store_false",
-                   help="structured outputs: compute the grammars' masks after the forward, "
-                        "not on a thread beside it")
-    k.add_argument("--tuning-cache-dir", default=None, metavar="DIR",
-                   help="where the tuning table is cached (default: ~/.cache/servelm)")
-    k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="the PyTorch eager reference instead of servelm's C++ CPU kernels")
-    k.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
-                   help="decode steps op by op instead of on the one-call DecodeStack")
-    k.add_argument("--no-hugepages", dest="hugepages", action="store_false",
-                   help="weights and KV cache in plain pages, not 2 MB huge pages")
-    k.add_argument("--no-shm-collectives", dest="shm_collectives", action="store_false",
-                   help="CPU tensor parallelism: gloo for the ranks' all-reduces, not shared "
-                        "memory")
-    k.add_argument("--no-triton", dest="triton_attention", action="store_false",
-                   help="CUDA: gather + SDPA attention instead of the Triton kernels")
-    k.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                   help="attention over the paged KV cache: servelm's C++ kernels (cpu; "
-                        "cpu_sdpa / cpu_amx: prompts on PyTorch's flash attention / on "
-                        "servelm's AMX kernel), Triton (CUDA), or gather + SDPA (reference); "
-                        "default auto: the fastest cpu backend measured here where the C++ "
-                        "kernels run, else triton where it runs, else reference. One that "
-                        "cannot run here is refused at start-up")
+    for o in engine_options():
+        if o.group not in groups:
+            groups[o.group] = p.add_argument_group(o.group)
+        _add_option(groups[o.group], o)
+    for flags, kwargs in IGNORED_ENGINE_FLAGS:
+        groups["engine"].add_argument(*flags, **kwargs)
+
+
+def _add_option(g, o: EngineOption) -> None:
+    """One option's flags: a value flag, or a bool's store_true / store_false pair."""
+    spec = o.spec
+    if o.is_bool:
+        if o.flags:
+            g.add_argument(*o.flags, dest=o.dest, action="store_true", default=o.default,
+                           help=_escape(spec.help))
+        if o.no_flags:
+            g.add_argument(*o.no_flags, dest=o.dest, action="store_false", default=o.default,
+                           help=_escape(spec.no_help if o.flags else spec.help))
+        return
+    if not o.flags:
+        return
+    kind = next((t for t in (int, float) if o.type in (t, t | None)), None)
+    g.add_argument(*o.flags, dest=o.dest, default=o.default,
+                   type=_arg_type(spec.parse) if spec.parse else kind,
+                   choices=list(spec.choices) if spec.choices else None,
+                   metavar=spec.metavar, help=_escape(spec.help))
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -236,34 +128,21 @@ def model_arg(args) -> str | None:
     return tag if tag is not None else args.model
 
 
+def engine_keywords(args) -> dict:
+    """LLM(...)'s keywords from a command's parsed engine flags: each option's value under
+    its keyword (those whose value this command has), the model from --model or MODEL."""
+    kw = {o.keyword: getattr(args, o.dest) for o in engine_options() if hasattr(args, o.dest)}
+    kw["model"] = model_arg(args)
+    return kw
+
+
 def build_llm(args):
     from servelm.entrypoints.llm import LLM
 
     if args.n_gpu_layers is not None:
         logging.getLogger("servelm.progress").info(
             "--n-gpu-layers is ignored: every layer runs on --device %s", args.device)
-    return LLM(model=model_arg(args), dtype=args.dtype, device=args.device,
-               revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
-               chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs,
-               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, num_threads=args.num_threads,
-               seed=getattr(args, "engine_seed", None) or 0,
-               enable_prefix_caching=args.enable_prefix_caching,
-               commit_kv_while_idle=args.commit_kv_while_idle,
-               admission_lookahead=args.admission_lookahead,
-               tensor_parallel_size=args.tensor_parallel_size,
-               quantization=getattr(args, "quantization", None),
-               enforce_eager=getattr(args, "enforce_eager", False),
-               kernel_tuning=args.kernel_tuning, linear_method=args.linear_method,
-               batch_invariant=args.batch_invariant, tuning_cache_dir=args.tuning_cache_dir,
-               dequantized_copy_memory=args.dequantized_copy_memory,
-               overlap_grammar_masks=args.overlap_grammar_masks,
-               cpu_kernels=args.cpu_kernels, fused_decode=args.fused_decode,
-               hugepages=args.hugepages, triton_attention=args.triton_attention,
-               shm_collectives=args.shm_collectives,
-               attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-               speculative_config=getattr(args, "speculative_config", None))
+    return LLM(**engine_keywords(args))
 
 
 def sampling_params(args) -> SamplingParams:
@@ -483,7 +362,7 @@ def make_parser() -> argparse.ArgumentParser:
     def cmd_serve(args) -> int:  # imported here so that generate and chat never load FastAPI
         from servelm.server.launcher import serve
 
-        return serve(args)
+        return serve(args, build_llm, model_arg(args))
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -590,7 +469,7 @@ def make_parser() -> argparse.ArgumentParser:
                       help="tokens per sequence for the decode table")
     roof.add_argument("--prompt-lens", type=int_list, default=[128, 512, 2048])
     roof.add_argument("--batches", type=int_list, default=[1, 4, 16, 64, 256])
-    roof.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
+    roof.add_argument("--kv-cache-memory", type=_arg_type(size), default=None, metavar="BYTES",
                       help="KV pool size, to show how many sequences fit")
     roof.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                       help="how the pool stores K and V (int8 / fp8: 1 byte an element plus "

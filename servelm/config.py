@@ -1,8 +1,20 @@
-"""Engine configuration: frozen dataclasses, validated once at start-up."""
+"""Engine configuration: frozen dataclasses, validated once at start-up.
+
+Every engine option is declared once, here, as a config field made with `option(...)`: its
+default, its `LLM(...)` keyword, its CLI flags and their help. `servelm.cli.add_engine_args`
+and `LLM(...)`'s keywords are generated from these fields (`engine_options()`), and
+`EngineConfig.from_options(**keywords)` builds the config from those keywords."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import difflib
+import json
+import textwrap
+import typing
+from dataclasses import MISSING, dataclass, field
+from functools import lru_cache
+from typing import Any, Callable
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -23,17 +35,270 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cpu_sdpa", "cpu_amx", "triton
 INVARIANCE_COST = 1.10  # batch_invariant=None: invariant where it costs at most 10% more
 
 
+# ---------------------------------------------------------------- options: declared once
+
+OPTION = "servelm.option"  # a field's metadata key: its Option
+GROUP = "servelm.cli_group"  # a sub-config field's metadata key: its flags' --help group
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a config field is set from outside the engine: `LLM(keyword=...)` and CLI flags.
+
+    help: the flag's --help text (for the flags in `flags`, else for those in `no_flags`).
+    keyword: the LLM keyword (and argparse dest), where it is not the field's name.
+    flags: the CLI spellings; None: `--keyword-with-dashes` (a bool: only if its default is
+    not True); (): no flag, and `no_flag` says why.
+    no_flags: a bool's store_false spellings (None: `--no-keyword` where its default is True,
+    else none), `no_help` their help where `flags` has its own.
+    parse: CLI text -> value (argparse's type; a ValueError is a usage error naming the flag).
+    convert: a keyword's value -> the field's (for CLI values and LLM keywords alike).
+    dest: where a command's parsed arguments hold the value, where it is not the keyword.
+    """
+
+    help: str
+    keyword: str | None = None
+    flags: tuple[str, ...] | None = None
+    no_flags: tuple[str, ...] | None = None
+    no_help: str | None = None
+    parse: Callable[[str], Any] | None = None
+    convert: Callable[[Any], Any] | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    keyword_type: str | None = None  # LLM's annotation, where it takes more than the field
+    no_flag: str | None = None
+    dest: str | None = None
+
+
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, **spec) -> Any:
+    """A config field that is an engine option: `Option(**spec)` in its metadata."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={OPTION: Option(**spec)})
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine option as the CLI and LLM(...) see it: a config field and its Option."""
+
+    name: str  # the field's name in its config
+    section: str | None  # the EngineConfig field holding that config; None: EngineConfig's own
+    config: type
+    type: Any  # the field's type (resolved annotation)
+    default: Any
+    spec: Option
+    group: str  # the --help group of its flags
+
+    @property
+    def keyword(self) -> str:
+        return self.spec.keyword or self.name
+
+    @property
+    def dest(self) -> str:
+        return self.spec.dest or self.keyword
+
+    @property
+    def is_bool(self) -> bool:
+        return self.type in (bool, bool | None)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        if self.spec.flags is not None:
+            return self.spec.flags
+        if self.is_bool and self.default is True:
+            return ()
+        return ("--" + self.keyword.replace("_", "-"),)
+
+    @property
+    def no_flags(self) -> tuple[str, ...]:
+        if self.spec.no_flags is not None:
+            return self.spec.no_flags
+        if self.is_bool and self.default is True:
+            return ("--no-" + self.keyword.replace("_", "-"),)
+        return ()
+
+    @property
+    def path(self) -> str:
+        """Where the field lives, e.g. 'KernelConfig.tuning'."""
+        return f"{self.config.__name__}.{self.name}"
+
+
+def _options_of(config: type, section: str | None, group: str,
+                only: str | None = None) -> list[EngineOption]:
+    hints = typing.get_type_hints(config)
+    out = []
+    for f in dataclasses.fields(config):
+        if only is not None and f.name != only:
+            continue
+        if f.metadata.get(OPTION) is None:
+            raise TypeError(f"{config.__name__}.{f.name} is not declared with option()")
+        default = f.default if f.default is not MISSING else f.default_factory()
+        out.append(EngineOption(f.name, section, config, hints[f.name], default,
+                                f.metadata[OPTION], group))
+    return out
+
+
+def options_of(config: type) -> list[EngineOption]:
+    """Every option a config dataclass declares, in declaration order, its sub-configs'
+    (fields declared with sub_config) expanded in place. A TypeError if a field is neither,
+    or two options share a keyword."""
+    out = []
+    for f in dataclasses.fields(config):
+        if GROUP in f.metadata:
+            out.extend(_options_of(f.default_factory, f.name, f.metadata[GROUP]))
+        else:
+            out.extend(_options_of(config, None, "engine", only=f.name))
+    keywords = [o.keyword for o in out]
+    dup = sorted({k for k in keywords if keywords.count(k) > 1})
+    if dup:
+        raise TypeError(f"{config.__name__}: more than one option has the keyword "
+                        f"{', '.join(dup)}")
+    return out
+
+
+def sub_config(config: type, group: str = "engine") -> Any:
+    """A field holding a config dataclass whose own fields are options; `group`: the --help
+    group their flags are listed under."""
+    return field(default_factory=config, metadata={GROUP: group})
+
+
+@lru_cache(maxsize=None)
+def _engine_options(config: type) -> tuple[EngineOption, ...]:
+    return tuple(options_of(config))
+
+
+def engine_options(config: type | None = None) -> tuple[EngineOption, ...]:
+    """EngineConfig's options in declaration order: what add_engine_args and LLM take."""
+    return _engine_options(config or EngineConfig)
+
+
+def config_from_options(config: type, options: dict[str, Any], caller: str):
+    """`config` (EngineConfig or one shaped like it) from option keywords: each value goes to
+    its field (through its Option's convert), each sub-config is built from its own; an
+    unknown keyword is a TypeError naming it, as Python's own."""
+    specs = {o.keyword: o for o in engine_options(config)}
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for keyword, value in options.items():
+        o = specs.get(keyword)
+        if o is None:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {keyword!r}"
+                            + _did_you_mean(keyword, specs))
+        if o.spec.convert is not None and value is not None:
+            value = o.spec.convert(value)
+        if o.section is None:
+            top[o.name] = value
+        else:
+            sections.setdefault(o.section, {})[o.name] = value
+    for f in dataclasses.fields(config):
+        if GROUP in f.metadata:
+            top[f.name] = f.default_factory(**sections.get(f.name, {}))
+    return config(**top)
+
+
+def _did_you_mean(keyword: str, specs: dict[str, EngineOption]) -> str:
+    for o in specs.values():
+        if keyword == o.name:
+            return f" ({o.path} is the keyword {o.keyword!r})"
+    close = difflib.get_close_matches(keyword, list(specs), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def options_doc(config: type | None = None) -> str:
+    """The options as a docstring: each keyword, its default, and what it does."""
+    lines = []
+    for o in engine_options(config):
+        flags = o.flags or o.no_flags
+        cli = f" [{', '.join(flags)}]" if flags else ""
+        text = o.spec.help if o.flags or not o.no_flags else f"{o.no_flags[0]}: {o.spec.help}"
+        if o.flags and o.no_flags and o.spec.no_help:
+            text = f"{text}; {o.no_flags[0]}: {o.spec.no_help}"
+        lines.append(f"{o.keyword}={o.default!r}{cli} ({o.path})")
+        lines.extend(textwrap.wrap(text, 88, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(lines)
+
+
+# CLI text -> value (Option.parse; a ValueError's message is the usage error).
+
+SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+              "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+                 "fp32": "float32"}
+
+
+def size(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    t = text.strip().lower()
+    try:
+        for suffix, mult in SIZE_UNITS.items():
+            if t.endswith(suffix):
+                return int(float(t[: -len(suffix)]) * mult)
+        return int(float(t))
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 1GiB, 512MB, 1e9)") from None
+
+
+def dtype_name(text: str) -> str:
+    """A dtype, vLLM's and PyTorch's short names accepted: half, fp16, bf16, float, fp32."""
+    return DTYPE_ALIASES.get(text.lower(), text.lower())
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def chat_template(text: str) -> str:
+    """A chat template given as a file or as the Jinja source itself, compiled."""
+    from servelm.tokenizer import load_chat_template
+
+    return load_chat_template(text)
+
+
+def speculative_config(value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+    """vLLM's speculative_config, as JSON text or a dict -> SpeculativeConfig."""
+    if isinstance(value, str):
+        value = json_object(value)
+    if isinstance(value, dict):
+        try:
+            return SpeculativeConfig.from_dict(value)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+    return value
+
+
+# ---------------------------------------------------------------- the configs
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool: block size and how much memory it may take."""
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None = a default that fits the machine
-    enable_prefix_caching: bool = True  # share full blocks of identical prefixes
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # bytes; None = a default that fits the machine
+    kv_cache_memory: int | None = option(
+        None, parse=size, metavar="BYTES",
+        help="KV cache pool size, e.g. 1GiB (default: fits the machine)")
+    kv_cache_dtype: str = option(  # one of KV_CACHE_DTYPES
+        "auto", choices=KV_CACHE_DTYPES,
+        help="how the KV pool stores K and V: the model dtype (auto), or int8 / fp8 (e4m3) "
+             "with a scale per token and KV head (~2x the tokens of bf16 in the same "
+             "--kv-cache-memory)")
+    block_size: int = option(16, help="tokens per KV block")
+    enable_prefix_caching: bool = option(  # share full blocks of identical prefixes
+        True, flags=("--enable-prefix-caching",),
+        no_flags=("--no-prefix-caching", "--no-enable-prefix-caching"),
+        help="share KV blocks of identical prompt prefixes (the default)",
+        no_help="do not share KV blocks of identical prompt prefixes")
     # The server commits the pool's memory while it is idle (KVCache.commit_next), so no
     # prompt's step pays the first touch of its blocks; off: pages come as tokens land.
-    commit_while_idle: bool = True
+    commit_while_idle: bool = option(
+        True, keyword="commit_kv_while_idle", no_flags=("--no-kv-commit-while-idle",),
+        help="the server leaves the KV pool's pages to be committed as tokens land in them, "
+             "instead of committing them while idle (lower RSS until the pool is used; "
+             "prompts then pay first-touch faults)")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -49,12 +314,18 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: sequences per step and tokens per step."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None  # None = the model's context length
+    max_num_seqs: int = option(256, help="max sequences per step")
+    max_num_batched_tokens: int = option(
+        4096, help="max tokens per step (longer prompts are prefilled in chunks)")
+    max_model_len: int | None = option(  # None = the model's context length
+        None, flags=("--max-model-len", "--ctx-size", "-c"),
+        help="cap on context length (default: the model's)")
     # Admission keeps free the blocks running requests need for this many more tokens:
     # fewer preemptions (each one recomputes a sequence) when the KV pool is tight.
-    admission_lookahead: int = 64
+    admission_lookahead: int = option(
+        64, metavar="TOKENS",
+        help="admit a request only if running ones keep room for this many more tokens each "
+             "(fewer preemptions in a tight KV pool; 0: off)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -77,41 +348,73 @@ class SchedulerConfig:
 class KernelConfig:
     """How a step runs, decided once at start-up: every code-path choice is a field here."""
 
-    # servelm's C++ CPU kernels (attention over block tables, fused norms/rotary, tiled and
-    # quantised matmuls, the DecodeStack); False: the PyTorch eager reference everywhere.
-    cpu_kernels: bool = True
-    # "auto": each linear layer runs, per row bucket, the method measured fastest here (that
-    # passed its known-answer check); else that one method wherever it applies.
-    linear_method: str = "auto"
     # off: the built-in defaults, nothing timed; cached: timed once per machine, CPU,
     # weight format and thread count, then read back; fresh: timed now (cache rewritten).
-    tuning: str = "cached"
-    tuning_cache_dir: str | None = None  # None: $XDG_CACHE_HOME/servelm or ~/.cache/servelm
+    tuning: str = option(
+        "cached", keyword="kernel_tuning", choices=KERNEL_TUNING,
+        help="linear methods per layer shape and row bucket: measured once per machine and "
+             "cached (cached), measured now (fresh), or the built-in defaults (off)")
+    # "auto": each linear layer runs, per row bucket, the method measured fastest here (that
+    # passed its known-answer check); else that one method wherever it applies.
+    linear_method: str = option(
+        "auto", choices=LINEAR_METHODS,
+        help="one matmul method for every linear layer where it applies (default auto: the "
+             "measured table)")
     # Batch invariance: each layer runs one method for every row count, one whose rows were
     # checked bit-identical whatever the row count, so a request's results never depend on
     # what shares its steps. None: wherever that costs at most INVARIANCE_COST more linear
     # time in every row bucket (measured); True: always (where such methods exist); False:
     # the fastest method per bucket.
-    batch_invariant: bool | None = None
-    fused_decode: bool = True      # decode-only steps on the DecodeStack (one C++ call)
-    hugepages: bool = True         # weights and KV cache in 2 MB transparent huge pages
-    triton_attention: bool = True  # CUDA: Triton attention in place over the block tables
-    # CPU tensor parallelism: the model's all-reduces and gathers between ranks on one host
-    # through a shared-memory segment (servelm.distributed.shm); False, or ranks on several
-    # hosts: gloo for all of them.
-    shm_collectives: bool = True
-    # servelm.attention's backend, chosen once at start-up: "auto" (cpu where the C++ kernels
-    # run, else triton where it runs, else reference) or one by name, refused at start-up
-    # (ValueError) where it cannot run.
-    attention_backend: str = "auto"
+    batch_invariant: bool | None = option(
+        None, no_flags=("--no-batch-invariant",),
+        help="always run batch-invariant matmuls (each layer one method whose rows were "
+             "checked bit-identical at every row count), so a request's results do not depend "
+             "on what shares its steps (default: wherever that costs at most 10% more, "
+             "measured)",
+        no_help="the fastest method per row bucket, invariant or not")
     # Bytes the dequantised weight copies of a quantised model may take (the amx and onednn
     # methods hold a layer's weight again in the activation dtype, for faster prompts);
     # past it the largest layers do without. None: a quarter of the memory available when
     # the tuner decides; 0: none.
-    dequantized_copy_bytes: int | None = None
+    dequantized_copy_bytes: int | None = option(
+        None, keyword="dequantized_copy_memory", parse=size, metavar="BYTES",
+        help="how much memory a quantised model's dequantised weight copies may take (the "
+             "amx and onednn methods keep a layer's weight in the activation dtype too, for "
+             "faster prompts); 0: none (default: a quarter of the memory available at "
+             "start-up)")
     # Structured outputs: the next-token masks of the step's constrained rows computed on a
     # background thread while the forward runs (structured_outputs.MaskPrefetch).
-    overlap_grammar_masks: bool = True
+    overlap_grammar_masks: bool = option(
+        True, help="structured outputs: compute the grammars' masks after the forward, not on "
+                   "a thread beside it")
+    tuning_cache_dir: str | None = option(  # None: $XDG_CACHE_HOME/servelm or ~/.cache/servelm
+        None, metavar="DIR", help="where the tuning table is cached (default: ~/.cache/servelm)")
+    # servelm's C++ CPU kernels (attention over block tables, fused norms/rotary, tiled and
+    # quantised matmuls, the DecodeStack); False: the PyTorch eager reference everywhere.
+    cpu_kernels: bool = option(
+        True, help="the PyTorch eager reference instead of servelm's C++ CPU kernels")
+    fused_decode: bool = option(  # decode-only steps on the DecodeStack (one C++ call)
+        True, help="decode steps op by op instead of on the one-call DecodeStack")
+    hugepages: bool = option(  # weights and KV cache in 2 MB transparent huge pages
+        True, help="weights and KV cache in plain pages, not 2 MB huge pages")
+    # CPU tensor parallelism: the model's all-reduces and gathers between ranks on one host
+    # through a shared-memory segment (servelm.distributed.shm); False, or ranks on several
+    # hosts: gloo for all of them.
+    shm_collectives: bool = option(
+        True, help="CPU tensor parallelism: gloo for the ranks' all-reduces, not shared memory")
+    triton_attention: bool = option(  # CUDA: Triton attention in place over the block tables
+        True, no_flags=("--no-triton",),
+        help="CUDA: gather + SDPA attention instead of the Triton kernels")
+    # servelm.attention's backend, chosen once at start-up: "auto" (cpu where the C++ kernels
+    # run, else triton where it runs, else reference) or one by name, refused at start-up
+    # (ValueError) where it cannot run.
+    attention_backend: str = option(
+        "auto", choices=ATTENTION_BACKENDS,
+        help="attention over the paged KV cache: servelm's C++ kernels (cpu; cpu_sdpa / "
+             "cpu_amx: prompts on PyTorch's flash attention / on servelm's AMX kernel), Triton "
+             "(CUDA), or gather + SDPA (reference); default auto: the fastest cpu backend "
+             "measured here where the C++ kernels run, else triton where it runs, else "
+             "reference. One that cannot run here is refused at start-up")
 
     def __post_init__(self) -> None:
         if self.dequantized_copy_bytes is not None and (
@@ -211,35 +514,79 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an LLMEngine is built from."""
+    """Everything an LLMEngine is built from: its own options and its sub-configs'."""
 
     # GGUF file, HF directory, Hugging Face id ORG/NAME or ORG/NAME:QUANT (servelm.models.hub);
     # None = the embedded default
-    model: str | None = None
-    revision: str | None = None  # of a Hugging Face id: branch, tag or commit
-    download_dir: str | None = None  # Hugging Face cache directory (default: HF's own)
-    tokenizer: str | None = None  # another GGUF / HF directory / id to take the tokenizer from
+    model: str | None = option(
+        None, flags=("--model", "-m"),
+        help="GGUF file, Hugging Face model directory, Hugging Face id ORG/NAME, or "
+             "ORG/NAME:QUANT for a GGUF in such a repo (default: the embedded SmolLM2-135M); "
+             "`servelm models` lists those here")
+    revision: str | None = option(  # of a Hugging Face id: branch, tag or commit
+        None, help="of a Hugging Face id: branch, tag or commit (default: main)")
+    download_dir: str | None = option(  # Hugging Face cache directory (default: HF's own)
+        None, metavar="DIR",
+        help="Hugging Face cache to read and download into (default: HF_HUB_CACHE or "
+             "~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 never downloads")
+    tokenizer: str | None = option(  # another GGUF / HF directory / id to take it from
+        None, help="take the tokenizer (and chat template) from this model instead")
     # A chat template replacing the model's (Jinja source), and variables every render gets
     # (a request's chat_template_kwargs override them).
-    chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template: str | None = option(
+        None, parse=chat_template, convert=chat_template, metavar="FILE|JINJA",
+        help="chat template replacing the model's: a file, or the Jinja source")
+    chat_template_kwargs: dict | None = option(
+        None, parse=json_object, metavar="JSON",
+        help="variables every chat template render gets, e.g. '{\"enable_thinking\": false}' "
+             "(a request's own override them)")
     # auto: bfloat16 on CUDA and CPUs with AMX/AVX512-BF16, else float32 (bfloat16 for int4
     # where the q8act kernel runs and for unquantised weights where bfp runs; int8 stays
     # float32: engine.resolve_dtype)
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None = physical cores (CPU)
-    tensor_parallel_size: int = 1  # ranks sharing every weight (servelm.distributed); 1 = none
+    dtype: str = option(
+        "auto", parse=dtype_name, choices=DTYPES,
+        help="activation (and unquantised weight) dtype; half, fp16, bf16, float and fp32 are "
+             "accepted too. auto: bfloat16 where the machine runs it fast, else float32")
     # weight-only: None (the checkpoint's), "none", "int8" (per channel), "int4" (groups of 32)
-    quantization: str | None = None
+    quantization: str | None = option(
+        None, flags=("--quantization", "-q"), choices=tuple(q for q in QUANTIZATIONS if q),
+        help="weight format: int8 per channel, int4 in groups of 32, none (dequantised). "
+             "Default: the checkpoint's own (a GGUF's Q4/Q5/K-quant tensors int4, Q8_0/Q6_K "
+             "int8, F16/BF16 as they are; an HF quantization_config), dequantised if --dtype "
+             "is given")
+    device: str = option("auto", help="auto, cpu, cuda or cuda:N")
+    seed: int = option(
+        0, flags=(), dest="engine_seed",
+        no_flag="`servelm serve --seed` (dest engine_seed) sets it; generate's and chat's "
+                "--seed is the sampling seed",
+        help="the engine's seed (a request's own 'seed' makes it reproducible)")
+    cache: CacheConfig = sub_config(CacheConfig)
+    scheduler: SchedulerConfig = sub_config(SchedulerConfig)
+    num_threads: int | None = option(  # torch intra-op threads; None = physical cores (CPU)
+        None, flags=("--num-threads", "--threads", "-t"),
+        help="CPU threads (default: one per physical core)")
     # CUDA: decode steps replay captured graphs (servelm.engine.cuda_graphs) unless this is
     # set; the eager model is then used for every step, as on the CPU.
-    enforce_eager: bool = False
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kernels: KernelConfig = field(default_factory=KernelConfig)
-    speculative: SpeculativeConfig | None = None  # None: one token per sequence per step
+    enforce_eager: bool = option(
+        False, help="CUDA: run every step eagerly, without replaying captured decode graphs")
+    tensor_parallel_size: int = option(  # ranks sharing every weight (servelm.distributed)
+        1, flags=("--tensor-parallel-size", "-tp"), metavar="N",
+        help="shard the model over N processes (under torchrun: its WORLD_SIZE; --num-threads "
+             "is then shared among the ranks on this host)")
+    # None: one token per sequence per step (servelm.spec)
+    speculative: SpeculativeConfig | None = option(
+        None, keyword="speculative_config", parse=speculative_config,
+        convert=speculative_config, metavar="JSON", keyword_type="dict | SpeculativeConfig | None",
+        help="speculative decoding, as vLLM's: e.g. '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'")
+    kernels: KernelConfig = sub_config(KernelConfig,
+                                       "kernels (how a step runs; decided once at start-up)")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The config from LLM(...)'s keywords (engine_options(): each names one field of
+        this config or of a sub-config); an unknown keyword is a TypeError naming it."""
+        return config_from_options(cls, options, f"{cls.__name__}.from_options")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

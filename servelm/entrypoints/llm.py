@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from servelm.config import (CacheConfig, EngineConfig, KernelConfig, SchedulerConfig,
-                            SpeculativeConfig)
+from servelm.config import EngineConfig, config_from_options, engine_options, options_doc
 from servelm.engine.engine import LLMEngine
 from servelm.outputs import EmbeddingRequestOutput, RequestOutput
 from servelm.pooling_params import PoolingParams
@@ -24,56 +24,10 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 revision: str | None = None, download_dir: str | None = None,
-                 tokenizer: str | None = None, chat_template: str | None = None,
-                 chat_template_kwargs: dict | None = None,
-                 kv_cache_memory: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, seed: int = 0,
-                 num_threads: int | None = None, enable_prefix_caching: bool = True,
-                 admission_lookahead: int = 64, tensor_parallel_size: int = 1,
-                 quantization: str | None = None, enforce_eager: bool = False,
-                 kernel_tuning: str = "cached", linear_method: str = "auto",
-                 batch_invariant: bool | None = None, cpu_kernels: bool = True,
-                 fused_decode: bool = True, hugepages: bool = True,
-                 triton_attention: bool = True, attention_backend: str = "auto",
-                 tuning_cache_dir: str | None = None, shm_collectives: bool = True,
-                 kv_cache_dtype: str = "auto", commit_kv_while_idle: bool = True,
-                 speculative_config: dict | SpeculativeConfig | None = None,
-                 dequantized_copy_memory: int | None = None,
-                 overlap_grammar_masks: bool = True):
-        """The engine's settings by name (servelm.config: EngineConfig and the configs it
-        holds). model: a GGUF file, an HF directory, a Hugging Face id ORG/NAME (revision,
-        download_dir) or ORG/NAME:QUANT; quantization None: the checkpoint's own format;
-        chat_template: a file or the Jinja source, replacing the model's;
-        kernel_tuning, linear_method ... are KernelConfig's fields;
-        speculative_config as vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-        "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
-        if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        self.engine = LLMEngine(EngineConfig(
-            model=model, revision=revision, download_dir=download_dir, tokenizer=tokenizer,
-            chat_template=_template(chat_template), chat_template_kwargs=chat_template_kwargs,
-            dtype=dtype, device=device, seed=seed, num_threads=num_threads,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-            enforce_eager=enforce_eager, speculative=speculative_config,
-            kernels=KernelConfig(cpu_kernels=cpu_kernels, linear_method=linear_method,
-                                 tuning=kernel_tuning, tuning_cache_dir=tuning_cache_dir,
-                                 batch_invariant=batch_invariant, fused_decode=fused_decode,
-                                 hugepages=hugepages, triton_attention=triton_attention,
-                                 attention_backend=attention_backend,
-                                 shm_collectives=shm_collectives,
-                                 dequantized_copy_bytes=dequantized_copy_memory,
-                                 overlap_grammar_masks=overlap_grammar_masks),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype,
-                              commit_while_idle=commit_kv_while_idle),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len,
-                                      admission_lookahead=admission_lookahead)))
+    def __init__(self, model: str | None = None, **options: Any):
+        # The docstring and signature are generated below, from the options' declarations.
+        self.engine = LLMEngine(config_from_options(EngineConfig, {"model": model, **options},
+                                                    "LLM"))
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -168,6 +122,25 @@ def _template(value: str | None) -> str | None:
     from servelm.tokenizer import load_chat_template
 
     return load_chat_template(value)
+
+
+def _options_signature() -> inspect.Signature:
+    """LLM.__init__'s signature: model, then every engine option as a keyword with its
+    default (servelm.config.engine_options)."""
+    P = inspect.Parameter
+    options = sorted(engine_options(), key=lambda o: o.keyword != "model")  # model first
+    return inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD)] + [
+        P(o.keyword, P.POSITIONAL_OR_KEYWORD if o.keyword == "model" else P.KEYWORD_ONLY,
+          default=o.default, annotation=o.spec.keyword_type or inspect.formatannotation(o.type))
+        for o in options])
+
+
+LLM.__init__.__signature__ = _options_signature()
+LLM.__init__.__doc__ = ("""The engine's settings by keyword, each a field of servelm.config's
+EngineConfig or of a config it holds (its CLI flags in brackets). model: a GGUF file, an HF
+directory, a Hugging Face id ORG/NAME (revision, download_dir) or ORG/NAME:QUANT.
+
+""" + options_doc())
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

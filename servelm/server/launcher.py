@@ -73,17 +73,15 @@ def _build_engine(args, build_llm):
     return engine
 
 
-def serve(args) -> int:
-    """Entry point of `servelm serve` (args from servelm.cli's parser); returns the exit status."""
+def serve(args, build_llm, model: str | None) -> int:
+    """Entry point of `servelm serve`: args from servelm.cli's parser, build_llm(args) -> its
+    LLM, model as given (for the served name); returns the exit status."""
     import uvicorn
 
-    from servelm.cli import build_llm
     from servelm.engine.async_engine import AsyncLLMEngine
     from servelm.server.api import build_app
     from servelm.server.transport import (DrainingServer, deadline_protocol, listen,
                                           raise_open_file_limit)
-
-    from servelm.cli import model_arg
 
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
@@ -100,7 +98,7 @@ def serve(args) -> int:
     # Built on its own thread, which then runs it: all torch work stays on one thread.
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
-    name = args.served_model_name or default_model_name(model_arg(args))
+    name = args.served_model_name or default_model_name(model)
     app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
