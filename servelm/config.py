@@ -66,7 +66,7 @@ class Option:
     choices: tuple | None = None
     metavar: str | None = None
     keyword_type: str | None = None  # LLM's annotation, where it takes more than the field
-    no_flag: str | None = None
+    no_flag: str | None = None  # why a field has no flag
     dest: str | None = None
 
 
@@ -122,19 +122,13 @@ class EngineOption:
         return f"{self.config.__name__}.{self.name}"
 
 
-def _options_of(config: type, section: str | None, group: str,
-                only: str | None = None) -> list[EngineOption]:
-    hints = typing.get_type_hints(config)
-    out = []
-    for f in dataclasses.fields(config):
-        if only is not None and f.name != only:
-            continue
-        if f.metadata.get(OPTION) is None:
-            raise TypeError(f"{config.__name__}.{f.name} is not declared with option()")
-        default = f.default if f.default is not MISSING else f.default_factory()
-        out.append(EngineOption(f.name, section, config, hints[f.name], default,
-                                f.metadata[OPTION], group))
-    return out
+def _option(config: type, f: dataclasses.Field, hints: dict, section: str | None,
+            group: str) -> EngineOption:
+    if f.metadata.get(OPTION) is None:
+        raise TypeError(f"{config.__name__}.{f.name} is not declared with option()")
+    default = f.default if f.default is not MISSING else f.default_factory()
+    return EngineOption(f.name, section, config, hints[f.name], default, f.metadata[OPTION],
+                        group)
 
 
 def options_of(config: type) -> list[EngineOption]:
@@ -142,11 +136,15 @@ def options_of(config: type) -> list[EngineOption]:
     (fields declared with sub_config) expanded in place. A TypeError if a field is neither,
     or two options share a keyword."""
     out = []
+    hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
         if GROUP in f.metadata:
-            out.extend(_options_of(f.default_factory, f.name, f.metadata[GROUP]))
+            sub = f.default_factory
+            sub_hints = typing.get_type_hints(sub)
+            out.extend(_option(sub, g, sub_hints, f.name, f.metadata[GROUP])
+                       for g in dataclasses.fields(sub))
         else:
-            out.extend(_options_of(config, None, "engine", only=f.name))
+            out.append(_option(config, f, hints, None, "engine"))
     keywords = [o.keyword for o in out]
     dup = sorted({k for k in keywords if keywords.count(k) > 1})
     if dup:
