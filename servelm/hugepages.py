@@ -87,3 +87,18 @@ def pack(tensors: list[torch.Tensor], huge: bool = True) -> list[torch.Tensor]:
         view.copy_(t)
         out.append(view)
     return out
+
+
+def pack_weights(model: torch.nn.Module, huge: bool = True) -> int:
+    """Move every CPU layer's repacked tensors (a module's `packed_tensors`: the quantised
+    layers, qdot's and panels' layouts) into one region of 2 MB huge pages (plain pages if
+    not `huge`), in module order (the order a step reads them): the weight stream then
+    crosses ~40 pages a step instead of ~19,000 (servelm.hugepages). Returns the bytes
+    packed."""
+    fields = [(m, name) for m in model.modules() if getattr(m, "packed_tensors", None)
+              and getattr(m, m.packed_tensors[0]).device.type == "cpu"
+              for name in m.packed_tensors if getattr(m, name, None) is not None]
+    views = pack([getattr(m, name) for m, name in fields], huge=huge)
+    for (m, name), v in zip(fields, views):
+        setattr(m, name, v)
+    return sum(v.numel() * v.element_size() for v in views)

@@ -265,3 +265,17 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
         lines.append(f"  the KV pool ({_fmt_bytes(kv_pool_bytes)}{stored}) holds "
                      f"{int(kv_pool_bytes // kv):,} tokens: {limit} sequences of {context} tokens")
     return "\n".join(lines)
+
+
+def quantized_bits_per_weight(method: str | None, group_size: int | None = None,
+                              dtype_bits: int = 32) -> float:
+    """Bits read per weight of the quantised layers (scales included), for the roofline;
+    group_size None: int4's default. (The formats' module is imported only here: this one
+    imports no torch.)"""
+    if method is None:
+        return float(dtype_bits)
+    from servelm.quantization.numerics import DEFAULT_GROUP_SIZE, check_method
+
+    check_method(method)
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return 8.0 if method == "int8" else 4.0 + 32.0 / group_size

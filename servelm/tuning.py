@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
-from servelm.quantization import unpacked_once
+from servelm.quantization.numerics import unpacked_once
 from servelm.tuning_cache import TuningCache, cache_dir, machine_key, times_from
 
 logger = logging.getLogger(__name__)
@@ -532,7 +532,7 @@ def _slice_outputs(src: nn.Module, target: int | None = None, whole: int | None 
 
 def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """(qualified name, parent, attribute, source) of every linear layer a method can run."""
-    from servelm.quantization import QuantLinear, TiledLinear
+    from servelm.quantization.formats import QuantLinear, TiledLinear
 
     out = []
     for pname, parent in model.named_modules():
@@ -556,7 +556,9 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     quantised when asked (weight-only), then on the CPU each layer swapped for the method
     chosen per row bucket (by kernels.linear_method, else measured or read from the cache),
     the kernels' weights packed into huge pages in the order a step reads them."""
-    from servelm.quantization import kernels_available, pack_weights, quantize_model
+    from servelm.hugepages import pack_weights
+    from servelm.quantization.formats import kernels_available
+    from servelm.quantization.surgery import quantize_model
 
     kcfg = kernels or KernelConfig()
     p = next(model.parameters(), None)
@@ -746,7 +748,7 @@ def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set
     activations, the C++ kernels, fused_decode on); else None."""
     from servelm.kernels import load_ops
     from servelm.models.decoder import _has_decode_stack
-    from servelm.quantization import kernels_available
+    from servelm.quantization.formats import kernels_available
 
     if not (kcfg.fused_decode and kcfg.cpu_kernels and act == torch.bfloat16
             and hasattr(model, "decode_stack_supported") and kernels_available()
@@ -759,8 +761,11 @@ def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set
 def _op_call_us(model: nn.Module) -> float:
     """µs of one one-row operator call as the per-op path makes it (the model's final
     RMSNorm on the C++ kernels), the median of 200 calls."""
-    norm = model.norm
+    norm = copy.deepcopy(model.norm)  # a copy bound to the kernels, the model's own untouched
     x = torch.randn(1, norm.weight.shape[0]).to(norm.weight.dtype)
+    if hasattr(norm, "select"):  # an op that binds its path once (models.layers.OpModule)
+        norm.select(True)
+        return _median_call_us(norm, x, 200)
     return _median_call_us(lambda t: norm(t, kernels=True), x, 200)
 
 
@@ -945,7 +950,7 @@ def _swap(src: nn.Module, methods: list[str], act: torch.dtype) -> nn.Module:
 def linear_summary(model: nn.Module) -> str:
     """How many linear layers run each method, bucket by bucket, and the DecodeStack's
     reach: one line each, for logs and `servelm tune`."""
-    from servelm.quantization import QuantLinear
+    from servelm.quantization.formats import QuantLinear
     from servelm.prepack import PackedLinear
 
     def name(m: nn.Module) -> str:

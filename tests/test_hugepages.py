@@ -94,7 +94,7 @@ def test_pack_weights_moves_quantised_layers_without_changing_results():
     x = torch.randn(3, 64)
     xo = torch.randn(2, 96)
     ref = [model["qkv_proj"](x), model["o_proj"](xo), model["down_proj"](x)]
-    assert Q.pack_weights(model) > 0
+    assert hugepages.pack_weights(model) > 0
     got = [model["qkv_proj"](x), model["o_proj"](xo), model["down_proj"](x)]
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
@@ -115,7 +115,7 @@ def test_pack_weights_moves_panel_layers_too():
                            "b": panels.PanelLinear(nn.Linear(40, 24, bias=False))})
     x = torch.randn(3, 64)
     ref = model["b"](model["a"](x))
-    assert Q.pack_weights(model) > 0
+    assert hugepages.pack_weights(model) > 0
     assert torch.equal(model["b"](model["a"](x)), ref)
     ts = (model["a"].panels, model["a"].bias, model["b"].panels)
     assert len({t.untyped_storage().data_ptr() for t in ts}) == 1

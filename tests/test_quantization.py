@@ -12,6 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm import quantization as Q
+from servelm.quantization import formats as QF
+from servelm.quantization import numerics as QN
+from servelm.layers.stack import kernel_weights
+from servelm.roofline import quantized_bits_per_weight
 from servelm.config import EngineConfig
 from servelm.sampling_params import SamplingParams
 from servelm.engine.model_runner import SeqInput, build_forward_batch
@@ -50,7 +54,7 @@ def test_int4_roundtrip_and_packing(group):
     lane = lanes[..., 0] | (lanes[..., 1] << 8)  # t, b, L
     for t, b, r, e, j in [(0, 0, 0, 0, 0), (0, 3, 5, 1, 2), (1, 31, 7, 1, 3), (1, 2, 3, 0, 1)]:
         assert (lane[t, b, 2 * r + e] >> (4 * j)) & 15 == codes[16 * t + r, 8 * b + 2 * j + e]
-    assert torch.equal(Q._pack_tiles(Q.unpack_int4(q).to(torch.int32)), q)
+    assert torch.equal(QN._pack_tiles(Q.unpack_int4(q).to(torch.int32)), q)
     err = (Q.dequantize_int4(q, s, m, group, 24) - w).abs().reshape(24, -1, group)
     sc = s.float().transpose(1, 2).reshape(32, -1)[:24]
     assert (err <= sc[..., None] * 0.51 + 1e-3).all()
@@ -160,10 +164,10 @@ def test_tiled_kernels_and_layer_reject_or_route_what_they_cannot_take():
     layer = Q.TiledLinear.from_linear(lin)
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, lin.weight.float(), lin.bias.float()))
-    assert Q.kernel_weights(layer) == ([layer.qweight], -1)
-    assert Q.kernel_weights(Q.TiledLinear.from_linear(_linear(40, 64, True))) is None  # fp32
+    assert kernel_weights(layer) == ([layer.qweight], -1)
+    assert kernel_weights(Q.TiledLinear.from_linear(_linear(40, 64, True))) is None  # fp32
     layer.use_kernel = False  # as KernelConfig(cpu_kernels=False) has it: PyTorch, off the stack
-    assert Q.kernel_weights(layer) is None
+    assert kernel_weights(layer) is None
     xb = x.bfloat16()
     torch.testing.assert_close(layer(xb), F.linear(xb, lin.weight, lin.bias))
 
@@ -277,15 +281,15 @@ def test_cuda_kernel_probes_accept_a_right_kernel_and_refuse_a_failing_one(monke
     """The probes that decide whether a CUDA kernel is used run it on a known case: the
     Triton int4 dequantisation's passes (here in Triton's interpreter when no GPU is), and
     a probe that fails leaves the kernel unused."""
-    monkeypatch.setattr(Q, "_cuda_ops", {})
+    monkeypatch.setattr(QF, "_cuda_ops", {})
     from servelm.kernels import triton_quant
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    assert Q._cuda_triton_dequant_works(dev) is triton_quant.available()
+    assert QF._cuda_triton_dequant_works(dev) is triton_quant.available()
 
     def wrong():
         raise RuntimeError("disagrees")
-    assert Q._cuda_op_works("wrong", wrong) is False
-    assert Q._cuda_ops == {"int4-triton-dequant": triton_quant.available(), "wrong": False}
+    assert QF._cuda_op_works("wrong", wrong) is False
+    assert QF._cuda_ops == {"int4-triton-dequant": triton_quant.available(), "wrong": False}
 
 
 CUDA = torch.cuda.is_available()
@@ -308,7 +312,7 @@ def test_cuda_quantized_layers_match_their_weights(method, rows):
     assert y.shape == (rows, 1536) and y.dtype == torch.bfloat16
     assert _rel_err(y, ref) < 2e-2
     if method == "int4" and rows > Q.CUDA_INT4_MAX_ROWS:  # dequantised by the Triton kernel
-        assert Q._cuda_ops["int4-triton-dequant"]
+        assert QF._cuda_ops["int4-triton-dequant"]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -316,17 +320,17 @@ def test_cuda_probes_run_before_any_graph_capture(monkeypatch):
     """An int4 or int8 layer built on CUDA asks its kernels' probes then, before any step
     runs; one first asked inside a graph capture, where its copies cannot run, answers no
     without probing or remembering."""
-    monkeypatch.setattr(Q, "_cuda_ops", {})
+    monkeypatch.setattr(QF, "_cuda_ops", {})
     Q.quantize_linear(_linear(256, 64, False).cuda(), "int4")
-    assert Q._cuda_ops == {"int4pack": True, "int4-triton-dequant": True}
+    assert QF._cuda_ops == {"int4pack": True, "int4-triton-dequant": True}
     Q.quantize_linear(_linear(256, 64, False).cuda(), "int8")
-    assert Q._cuda_ops["int8-triton"] is True
+    assert QF._cuda_ops["int8-triton"] is True
     asked = []
     graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
     with torch.cuda.graph(graph):
-        works = Q._cuda_op_works("unasked", lambda: asked.append(1))
+        works = QF._cuda_op_works("unasked", lambda: asked.append(1))
         x.add_(1)
-    assert works is False and not asked and "unasked" not in Q._cuda_ops
+    assert works is False and not asked and "unasked" not in QF._cuda_ops
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -518,7 +522,7 @@ def test_engine_generates_coherent_text(quant, quant_llms):
 
 def test_engine_bf16_int4_generates_and_reports_bits():
     llm = _engine("bfloat16", "int4")
-    assert llm.engine.shape.weight_bits == Q.quantized_bits_per_weight("int4")
+    assert llm.engine.shape.weight_bits == quantized_bits_per_weight("int4")
     sp = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "The capital of Italy is", "1, 2, 3, 4,",
                "Water boils at", "The capital of Spain is"]

@@ -1,5 +1,5 @@
 """Triton kernels for quantised layers on CUDA: the int4 layer's tiled weights
-(servelm.quantization's layout) dequantised into a dense [N, K] matrix in one pass, and the
+(servelm.quantization.numerics' layout) dequantised into a dense [N, K] matrix in one pass, and the
 int8 layer's matmul with its weight converted in registers.
 
 CUDA runs an int4 layer through tinygemm up to `CUDA_INT4_MAX_ROWS` rows; past that the

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from servelm.kernels import load_ops
-from servelm.quantization import Int4Linear, Int8Linear
+from servelm.quantization.formats import Int4Linear, Int8Linear
 
 
 def available() -> bool:

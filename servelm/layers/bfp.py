@@ -42,7 +42,7 @@ def available() -> bool:
 def applies(src: nn.Module, act: torch.dtype) -> bool:
     """A bf16 nn.Linear on the CPU with bf16 activations, or an int8 layer on the CPU with
     fp32 or bf16 activations."""
-    from servelm.quantization import Int8Linear
+    from servelm.quantization.formats import Int8Linear
 
     if isinstance(src, Int8Linear):
         return (act in (torch.float32, torch.bfloat16) and src.qweight.device.type == "cpu"
@@ -101,10 +101,10 @@ class BfpLinear(nn.Module):
     (widened as they are read), its per-output scale every block's (fp32 or bf16
     activations, 15-bit mantissas a block)."""
 
-    packed_tensors = ("wq", "ws", "bias")  # into huge pages (quantization.pack_weights)
+    packed_tensors = ("wq", "ws", "bias")  # into huge pages (hugepages.pack_weights)
 
     def __init__(self, src: nn.Module):
-        from servelm.quantization import Int8Linear
+        from servelm.quantization.formats import Int8Linear
 
         super().__init__()
         if not available():

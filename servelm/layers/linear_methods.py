@@ -33,8 +33,9 @@ from torch import nn
 
 from servelm.layers import amx, bfp, gemv, panels, q8act, qdot
 from servelm.prepack import PackedLinear, prepack_supported
-from servelm.quantization import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear, TiledLinear,
-                                  kernels_available, tinygemm_operands, unpack_int4)
+from servelm.quantization.formats import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
+                                          TiledLinear, kernels_available)
+from servelm.quantization.numerics import tinygemm_operands, unpack_int4
 
 # Representative row counts of the buckets; a call of r rows runs bucket i's method for the
 # bucket whose row count is nearest r in ratio (bounds at the geometric means: 1 | 2-22 |

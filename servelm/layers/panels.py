@@ -36,7 +36,7 @@ def available() -> bool:
 def applies(src: nn.Module, act: torch.dtype) -> bool:
     """An fp32 or bf16 nn.Linear on the CPU with activations of its dtype, or an int4 or int8
     layer on the CPU with fp32 or bf16 activations."""
-    from servelm.quantization import Int4Linear, Int8Linear
+    from servelm.quantization.formats import Int4Linear, Int8Linear
 
     if isinstance(src, (Int4Linear, Int8Linear)):
         op = "int4_linear" if isinstance(src, Int4Linear) else "int8_linear"
@@ -67,7 +67,7 @@ class PanelLinear(nn.Module):
     """An fp32 or bf16 linear layer on panels.cpp: the weight packed into panels (a copy in
     the weight's dtype), the bias in fp32; the output in the activations' dtype."""
 
-    packed_tensors = ("panels", "bias")  # into huge pages (quantization.pack_weights)
+    packed_tensors = ("panels", "bias")  # into huge pages (hugepages.pack_weights)
 
     def __init__(self, src: nn.Linear):
         super().__init__()
@@ -97,7 +97,7 @@ class Int4PanelLinear(nn.Module):
     packed_tensors = ("qpanels", "scales", "mins", "bias")
 
     def __init__(self, src):
-        from servelm.quantization import unpack_int4
+        from servelm.quantization.numerics import unpack_int4
 
         super().__init__()
         if not available():

@@ -30,7 +30,7 @@ def available() -> bool:
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
     """An int4 layer on the CPU (groups a multiple of 32) with bf16 activations."""
-    from servelm.quantization import Int4Linear
+    from servelm.quantization.formats import Int4Linear
 
     return (isinstance(src, Int4Linear) and act == torch.bfloat16
             and src.qweight.device.type == "cpu" and src.group_size % BLOCK == 0
@@ -66,7 +66,7 @@ class Int4Q8Linear(nn.Module):
     compute_dtype = torch.bfloat16  # the known-answer check's tolerance: not fp32-accurate
 
     def __init__(self, src):
-        from servelm.quantization import int4_codec, unpack_int4
+        from servelm.quantization.numerics import int4_codec, unpack_int4
 
         super().__init__()
         if not available():

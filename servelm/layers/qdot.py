@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from servelm.kernels import load_ops
-from servelm.quantization import Int4Linear, Int8Linear, unpack_int4
+from servelm.quantization.formats import Int4Linear, Int8Linear
+from servelm.quantization.numerics import unpack_int4
 
 BLOCK = 32  # inputs per activation block; int4 needs weight groups of this size
 ROWS = 4    # weight rows streamed together
