@@ -12,7 +12,8 @@ metadata from the scheduled sequences, and attends one layer over the paged KV c
     triton     CUDA Triton kernels (servelm.attention.triton), in place over the block tables
 
 The backend is chosen once, at start-up (`select`, from KernelConfig.attention_backend);
-the step's ForwardBatch carries its metadata, and with it the backend, to every layer.
+the step's ForwardBatch (metadata.py) carries its metadata, and with it the backend, to
+every layer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from servelm.attention.backend import AttentionBackend, AttentionSpec
 from servelm.attention.cpu import (PROMPT_TOKENS, CpuAmxBackend, CpuBackend, CpuSdpaBackend,
                                   time_prompt)
-from servelm.attention.metadata import AttentionMetadata, AttnGroup, RaggedDecodes
+from servelm.attention.metadata import AttentionMetadata, AttnGroup, ForwardBatch, RaggedDecodes
 from servelm.attention.reference import ReferenceBackend
 from servelm.attention.triton import TritonBackend
 
@@ -93,4 +94,4 @@ def _measured_cpu_backend(kernels, spec: AttentionSpec, names: list[str]) -> Att
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "AttnGroup", "BACKENDS",
-           "RaggedDecodes", "get_backend", "select"]
+           "ForwardBatch", "RaggedDecodes", "get_backend", "select"]
