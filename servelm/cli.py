@@ -422,8 +422,11 @@ def make_parser() -> argparse.ArgumentParser:
                        "where it only strips </think> from past turns, else none")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's users: tool_choice auto is always served")
-    serve.add_argument("--seed", dest="engine_seed", type=int, default=0,
-                       help="the engine's seed (a request's own 'seed' makes it reproducible)")
+    # The engine's seed option, as serve's own flag (generate's and chat's --seed is the
+    # sampling seed): its dest, default and help are the option's.
+    seed = next(o for o in engine_options() if o.keyword == "seed")
+    serve.add_argument("--seed", dest=seed.dest, type=int, default=seed.default,
+                       help=seed.spec.help)
     serve.add_argument("--root-path", default="",
                        help="the path prefix a reverse proxy serves the API under")
     serve.add_argument("--ssl-keyfile", default=None, metavar="FILE",
