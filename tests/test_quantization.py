@@ -249,6 +249,26 @@ def test_kernels_off_by_config_run_pytorch():
     torch.testing.assert_close(qlin(x), x @ qlin.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
+def test_each_layer_chooses_its_path_once():
+    """A weight-format layer binds the path its state calls for when it is built, and again
+    only when that state changes (use_kernel set, the module moved); forward runs the bound
+    path and nothing else."""
+    lin = _linear(64, 128, bias=True)
+    kernel = "kernel" if Q.kernels_available() else "dequantise"
+    int4, int8 = Q.quantize_linear(lin, "int4"), Q.quantize_linear(lin, "int8")
+    assert int4.path == kernel and int8.path == kernel
+    assert Q.Int8Linear(*Q.quantize_int8(lin.weight), lin.bias, tiled=False).path == "int8pack"
+    assert Q.TiledLinear.from_linear(lin).path == kernel
+    int4.use_kernel = False
+    assert int4.path == "dequantise"
+    int4.use_kernel = Q.kernels_available()
+    assert int4.path == kernel
+    assert int8.to("meta").path == "dequantise"  # no kernel runs on that device
+    seen = []
+    int4._path = lambda layer, x: seen.append(tuple(x.shape)) or x[..., :64]
+    assert int4(torch.randn(2, 128)).shape == (2, 64) and seen == [(2, 128)]
+
+
 def test_float16_activations():
     qlin = Q.quantize_linear(_linear(64, 128, bias=False), "int4")
     x = torch.randn(3, 128)
@@ -407,7 +427,7 @@ def all_logits(engine, ids: list[int]) -> torch.Tensor:
         seq = SeqInput(ids, 0, bm.block_table("all-logits"), True)
         batch, _ = build_forward_batch([seq], runner.kv_cache.block_size,
                                        runner.num_queries_per_kv, runner.device,
-                                       runner.attention, kernels=runner.use_kernels)
+                                       runner.attention)
         with torch.inference_mode():
             hidden = engine.executor.model(batch, runner.kv_cache.layers)
             assert hidden.shape[0] == len(ids)

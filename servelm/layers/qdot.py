@@ -73,7 +73,7 @@ class QDotLinear(nn.Module):
     the call, integer dot products, fp32 accumulation (fp32-accurate to ~1e-4 of
     the output's magnitude)."""
 
-    packed_tensors = ("qweight", "scales", "bias")  # into huge pages (pack_weights)
+    packed_tensors = ("qweight", "scales", "bias")  # into huge pages (hugepages.pack_weights)
 
     def __init__(self, src: Int4Linear | Int8Linear):
         super().__init__()

@@ -93,7 +93,13 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantLinear(nn.Module):
-    """Common parts of the quantised linear layers: shape, bias, kernel choice."""
+    """Common parts of the weight-format layers: shape, bias, and the path a call runs.
+
+    The path (`path`: its name; `_path`: the function forward calls) is chosen once from
+    the layer's state: its weight's device, `use_kernel` and the layout it holds; again
+    only when that state changes (use_kernel set, the module moved). It is a plain function
+    of (layer, x), not a bound method: no reference cycle. A path keeps to its own input
+    checks (an activation dtype it does not take runs the dequantised matmul)."""
 
     method = ""
     packed_tensors = ("qweight", "scales", "mins", "bias")  # what pack_weights moves
@@ -103,19 +109,54 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        # Decided once (None: wherever the kernels load): forward runs every step, and
-        # asking the loader each call cost ~0.3 ms of a 5 ms one-stream decode step.
-        self.use_kernel = kernels_available() if use_kernel is None else (
+        # None: wherever the kernels load (asked once, not per call).
+        self._use_kernel = kernels_available() if use_kernel is None else bool(
             use_kernel and kernels_available())
+
+    @property
+    def use_kernel(self) -> bool:
+        return self._use_kernel
+
+    @use_kernel.setter
+    def use_kernel(self, value: bool) -> None:
+        self._use_kernel = bool(value)
+        if "_path" in self.__dict__:
+            self._select()
+
+    def _select(self) -> None:
+        """Bind the path this layer's state calls for (subclasses: _choose)."""
+        self.path, self._path = self._choose()
+
+    def _choose(self) -> tuple[str, object]:
+        raise NotImplementedError
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        if "_path" in self.__dict__:
+            self._select()  # a move to another device calls for another path
+        return out
+
+    def _device(self) -> torch.device:
+        return self.qweight.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.numel():  # no rows (a prompt chunk that samples nothing): CUDA's int4 and
             return x.new_zeros(*x.shape[:-1], self.out_features)  # int8 matmuls refuse those
-        if not self.use_kernel or x.device.type != "cpu":
-            return self._forward_fallback(x)
+        return self._path(self, x)
+
+    # The paths every format shares.
+    @staticmethod
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """servelm's C++ kernel (CPU): fp32 and bf16 activations as they are, others in fp32."""
         if x.dtype in _KERNEL_DTYPES:
             return self._kernel(x)
         return self._kernel(x.float()).to(x.dtype)
+
+    @staticmethod
+    def _run_dequantised(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference: the dequantised weight in x's dtype, one F.linear."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -126,7 +167,9 @@ class Int8Linear(QuantLinear):
     """Symmetric per-output-channel int8 weights.
 
     Stored tiled for the C++ kernel when it is available and in_features % 4 == 0, else
-    row-major [N, K] int8 for PyTorch's `_weight_int8pack_mm`.
+    row-major [N, K] int8 for PyTorch's `_weight_int8pack_mm`. Paths: "kernel" (tiled, on
+    the CPU with the kernels), "int8pack" (row-major on the CPU), "cuda" (row-major on
+    CUDA), "dequantise" (anything else).
     """
 
     method = "int8"
@@ -141,8 +184,7 @@ class Int8Linear(QuantLinear):
             q, scales = pack_int8(q, scales)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
-        if q.is_cuda:
-            _cuda_triton_int8_works(q.device)  # asked now, never inside a graph capture
+        self._select()  # on CUDA this asks the Triton probe now, never inside a graph capture
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, use_kernel: bool | None = None) -> "Int8Linear":
@@ -156,42 +198,56 @@ class Int8Linear(QuantLinear):
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_int8(self.int8_weight(), self.scales[: self.out_features], dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.tiled and x.numel():
-            return self._forward_fallback(x)
-        return super().forward(x)
+    def _choose(self):
+        device = self._device()
+        if self.tiled:
+            if self.use_kernel and device.type == "cpu":
+                return "kernel", QuantLinear._run_kernel
+            return "dequantise", QuantLinear._run_dequantised
+        if device.type == "cuda":
+            self._triton = _cuda_triton_int8_works(device)
+            return "cuda", Int8Linear._run_cuda
+        if device.type == "cpu":
+            return "int8pack", Int8Linear._run_int8pack
+        return "dequantise", QuantLinear._run_dequantised
 
     def _kernel(self, x):
         return torch.ops.servelm_quant.int8_linear.default(x, self.qweight, self.scales,
                                                            self.out_features, self.bias)
 
-    def _forward_fallback(self, x):
+    @staticmethod
+    def _run_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-major int8 on CUDA: the Triton matmul (bf16 / fp16, up to CUDA_INT8_MAX_ROWS
+        rows, where its probe passed), else the weight converted in the matmul's input."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if x.is_cuda and not self.tiled:
-            if (x.dtype in (torch.bfloat16, torch.float16)
-                    and x.numel() <= CUDA_INT8_MAX_ROWS * self.in_features
-                    and _cuda_triton_int8_works(x.device)):
-                from servelm.kernels import triton_quant
-                return triton_quant.int8_linear(x, self.qweight, self.scales, bias)
-            x2 = x.reshape(-1, self.in_features)
-            if x.dtype == torch.float16:  # x . q could pass fp16's 65504 before scaling
-                y = F.linear(x2, self.dequantize(x.dtype))
-            else:
-                y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y if bias is None else y + bias
-        if x.device.type == "cpu" and not self.tiled:
-            # PyTorch's fused CPU kernel; scales must be in the activation dtype.
-            y = torch.ops.aten._weight_int8pack_mm(
-                x.reshape(-1, self.in_features).contiguous(), self.qweight,
-                self.scales.to(x.dtype))
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y if bias is None else y + bias
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        if (self._triton and x.dtype in (torch.bfloat16, torch.float16)
+                and x.numel() <= CUDA_INT8_MAX_ROWS * self.in_features):
+            from servelm.kernels import triton_quant
+            return triton_quant.int8_linear(x, self.qweight, self.scales, bias)
+        x2 = x.reshape(-1, self.in_features)
+        if x.dtype == torch.float16:  # x . q could pass fp16's 65504 before scaling
+            y = F.linear(x2, self.dequantize(x.dtype))
+        else:
+            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def _run_int8pack(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-major int8 on the CPU: PyTorch's fused kernel (scales in x's dtype)."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
 
 class Int4Linear(QuantLinear):
-    """Group-wise asymmetric int4 weights (w = s * q + m per group of inputs), tiled."""
+    """Group-wise asymmetric int4 weights (w = s * q + m per group of inputs), tiled.
+    Paths: "kernel" (on the CPU with the kernels), "cuda" (tinygemm for up to
+    CUDA_INT4_MAX_ROWS bf16 rows where it takes the shape, else the weight dequantised by
+    the Triton kernel where its probe passed, else by PyTorch), "dequantise" (anything else).
+    """
 
     method = "int4"
 
@@ -212,8 +268,7 @@ class Int4Linear(QuantLinear):
                                             out_features)
             self.tg_weight = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
             self.tg_scales_zeros = sz
-        if qweight.is_cuda:
-            _cuda_triton_dequant_works(qweight.device)  # asked now, never inside a graph capture
+        self._select()  # on CUDA this asks the Triton probe now, never inside a graph capture
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE,
@@ -225,11 +280,21 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size,
                                self.out_features, dtype)
 
+    def _choose(self):
+        device = self._device()
+        if self.use_kernel and device.type == "cpu":
+            return "kernel", QuantLinear._run_kernel
+        if device.type == "cuda":
+            self._triton = _cuda_triton_dequant_works(device)
+            return "cuda", Int4Linear._run_cuda
+        return "dequantise", QuantLinear._run_dequantised
+
     def _kernel(self, x):
         return torch.ops.servelm_quant.int4_linear.default(
             x, self.qweight, self.scales, self.mins, self.group_size, self.out_features, self.bias)
 
-    def _forward_fallback(self, x):
+    @staticmethod
+    def _run_cuda(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if (self.tg_weight is not None and x.dtype == torch.bfloat16
                 and x.numel() <= CUDA_INT4_MAX_ROWS * self.in_features):
@@ -238,7 +303,7 @@ class Int4Linear(QuantLinear):
                                                    self.tg_scales_zeros)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if bias is None else y + bias
-        if x.is_cuda and _cuda_triton_dequant_works(x.device):
+        if self._triton:
             from servelm.kernels import triton_quant
             w = triton_quant.dequantize_int4(self.qweight, self.scales, self.mins,
                                              self.group_size, self.out_features, x.dtype)
@@ -259,8 +324,9 @@ class TiledLinear(QuantLinear):
     fp32: K vectors of 16). Below 8 rows the weight streams through the dot products (bf16)
     or broadcast FMAs (fp32) once per 4 rows; from 8 rows a GEMM micro-kernel runs over the
     tiles in place. oneDNN's prepacked matmuls streamed the LM head at ~50 GB/s at one row
-    here, these ~62 (bf16). bf16 layers can join the DecodeStack. Activations of the
-    weight's dtype on the CPU run the kernel; anything else F.linear on the unpacked weight."""
+    here, these ~62 (bf16). bf16 layers can join the DecodeStack. Paths: "kernel" (on the
+    CPU with the kernels: activations of the weight's dtype run the tiles, others the
+    dequantised matmul), "dequantise" (anything else)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  use_kernel: bool | None = None):
@@ -269,9 +335,8 @@ class TiledLinear(QuantLinear):
             raise TypeError(f"TiledLinear takes bfloat16 or float32 weights, got {weight.dtype}")
         self.dtype = weight.dtype
         self.method = "bf16" if weight.dtype == torch.bfloat16 else "fp32"
-        op = TILE_OPS[weight.dtype]
-        self._op = getattr(torch.ops.servelm_quant, op).default if self.use_kernel else None
         self.register_buffer("qweight", pack_tiles(weight.detach()))
+        self._select()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "TiledLinear":
@@ -280,15 +345,21 @@ class TiledLinear(QuantLinear):
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return unpack_tiles(self.qweight, self.out_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.use_kernel and self._op is not None and x.dtype == self.dtype
-                and x.device.type == "cpu"):
-            return self._op(x, self.qweight, self.out_features, self.bias)
-        return self._forward_fallback(x)
+    def _choose(self):
+        if self.use_kernel and self._device().type == "cpu":
+            self._op = getattr(torch.ops.servelm_quant, TILE_OPS[self.dtype]).default
+            return "kernel", TiledLinear._run_tiles
+        self._op = None
+        return "dequantise", QuantLinear._run_dequantised
 
-    def _forward_fallback(self, x):
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._path(self, x)  # no rows: each path answers for itself
+
+    @staticmethod
+    def _run_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.dtype:
+            return self._op(x, self.qweight, self.out_features, self.bias)
+        return QuantLinear._run_dequantised(self, x)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", {self.method} tiles"
