@@ -35,6 +35,7 @@ from servelm import LLM, SamplingParams
 from servelm.config import EngineConfig
 from servelm.distributed.executor import WorkerDiedError
 from servelm.distributed.sharding import ShardPlan, split_range
+from servelm.engine.executor import Executor
 from servelm.models.config import ModelConfig
 from servelm.quantization import kernels_available
 from test_server import KEY, MODEL, ROOT, Server
@@ -161,6 +162,7 @@ def tp_results(request) -> dict:
     llm = LLM(**ENGINE, tensor_parallel_size=request.param)
     try:
         out = _run_all(llm)
+        assert isinstance(llm.engine.executor, Executor)  # the engine's one interface
         assert llm.engine.executor.check_health() is None
         out["threads"] = torch.get_num_threads()
         out["tp"] = request.param
@@ -168,6 +170,7 @@ def tp_results(request) -> dict:
         yield out
     finally:
         llm.engine.shutdown()
+        llm.engine.shutdown()  # idempotent
 
 
 def test_greedy_tokens_identical_to_tp1(reference, tp_results):
