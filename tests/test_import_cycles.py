@@ -2,7 +2,9 @@
 level and inside functions: a lazy import is still an edge of the layering), except those
 under `if TYPE_CHECKING:`, has no strongly connected component of more than one module.
 
-Static (ast), so it costs no imports and sees imports that only run on some paths."""
+Static (ast), so it costs no imports and sees imports that only run on some paths. An
+import names its module, not the packages above it: importing servelm.x.y also runs
+servelm/__init__.py (which imports the LLM entry point), an edge this graph leaves out."""
 
 from __future__ import annotations
 
