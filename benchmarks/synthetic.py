@@ -36,7 +36,7 @@ from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models.config import ModelConfig
 from servelm.models.loader import build_model
 from servelm.tuning import finalize_linears
-from servelm.quantization import quantized_bits_per_weight
+from servelm.roofline import quantized_bits_per_weight
 from servelm.roofline import ModelShape
 
 SHAPES = {

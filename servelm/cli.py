@@ -293,7 +293,7 @@ def cmd_roofline(args) -> int:
     else:
         from servelm.models.hub import resolve_model
         from servelm.models.loader import open_checkpoint
-        from servelm.quantization import quantized_bits_per_weight
+        from servelm.roofline import quantized_bits_per_weight
 
         ckpt = open_checkpoint(resolve_model(args.model))
         cfg = ckpt.config()

@@ -4,5 +4,5 @@ parallel_state  process groups on a c10d store; collectives; torchrun's environm
 sharding        ShardPlan (which heads / rows / vocabulary each rank holds), the parallel
                 modules, shard_model (applied after the model is built, before loading)
 worker          one rank's life: load its shard, allocate its KV pool, run broadcast steps
-executor        TPExecutor: rank 0's ModelRunner stand-in; spawns or joins the other ranks
+executor        TPExecutor (an engine Executor): rank 0's shard; spawns or joins the other ranks
 """

@@ -262,7 +262,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         weight_bits = torch.empty(0, dtype=self.dtype).element_size() * 8
         if config.quantization:
-            from servelm.quantization import quantized_bits_per_weight
+            from servelm.roofline import quantized_bits_per_weight
 
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
         self.shape = ModelShape.from_config(

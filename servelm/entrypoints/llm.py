@@ -12,6 +12,7 @@ from servelm.config import EngineConfig, config_from_options, engine_options, op
 from servelm.engine.engine import LLMEngine
 from servelm.outputs import EmbeddingRequestOutput, RequestOutput
 from servelm.pooling_params import PoolingParams
+from servelm.runtime import finish_startup, init_process
 from servelm.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -26,8 +27,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any):
         # The docstring and signature are generated below, from the options' declarations.
-        self.engine = LLMEngine(config_from_options(EngineConfig, {"model": model, **options},
-                                                    "LLM"))
+        config = config_from_options(EngineConfig, {"model": model, **options}, "LLM")
+        init_process(config)  # this process's start-up: threads, the kernels' environment
+        self.engine = LLMEngine(config)
+        finish_startup()  # what start-up allocated, out of the garbage collector's way
         self._next_id = 0
 
     def get_tokenizer(self):
