@@ -1,4 +1,4 @@
-"""servelm_quant.DecodeStack: all decoder layers of a decode-only step in one C++ call.
+"""servelm_stack.DecodeStack: all decoder layers of a decode-only step in one C++ call.
 
 It must give exactly (bit for bit) what the per-op kernel path gives, since it runs the
 same kernels with the same split of the work; these tests compare the two on random
@@ -15,6 +15,7 @@ from servelm import quantization as Q
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.layers import amx, q8act
+from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
 from tests.helpers import method_targets
@@ -217,18 +218,18 @@ def test_decode_stack_rejects_bad_arguments():
     rows = 3
     batch, data, caches = _setup(cfg, [20] * rows)
     parts = [layer.decode_stack_args() for layer in model.layers]
-    attn = model.layers[0].self_attn
+    desc = decode_stack.describe(model)
 
     def stack(weights=None, groups=None, norms=None, caches=caches):
-        return torch.classes.servelm_quant.DecodeStack(
+        return torch.classes.servelm_stack.DecodeStack(
             [t for p in parts for t in p[0]] if weights is None else weights,
             [g for p in parts for g in p[1]] if groups is None else groups,
             [t for p in parts for t in p[2]] if norms is None else norms,
-            [p[3] for p in parts], [k for k, _ in caches], [v for _, v in caches], 1e-5,
-            attn.num_heads, attn.num_kv_heads, attn.scale)
+            [p[3] for p in parts], [k for k, _ in caches], [v for _, v in caches],
+            desc.layer_options(), desc.model_options(), desc.model_scalars())
 
     weights = [t for p in parts for t in p[0]]
-    with pytest.raises(RuntimeError, match="per layer 2 norms, 4 group sizes"):
+    with pytest.raises(RuntimeError, match="per layer 6 norms, 4 formats"):
         stack(groups=[32] * 7)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
         stack(weights=weights[:-1])
