@@ -1,0 +1,162 @@
+"""The DecodeStack on every family whose layers it can describe (servelm.models.decode_stack):
+Qwen3 (q/k norms), Mistral (a window on every layer), Phi-3 (partial rotary), Gemma 3 (q/k
+norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax scale, an
+embedding scale), Qwen2 (qkv bias) and Llama, each against the per-op kernel path on tiny
+random models, int4 and bf16 weights, contexts short of and past the window. A family it
+cannot describe (routed experts) runs op by op and says why.
+
+Bit for bit, except where the per-op path runs a PyTorch op and the stack the kernels'
+row kernel: the q/k norms (the per-op path's RMSNorm in PyTorch sums the squares in another
+order). There the stack is compared bit for bit against the per-op path with its q/k norms
+on the servelm_ops kernel (the arithmetic the stack runs), and within a tolerance against
+the path as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from servelm import quantization as Q
+from servelm.engine.model_runner import SeqInput, build_forward_batch
+from servelm.kernels import load_ops
+from servelm.models import decode_stack
+from servelm.models.config import FULL, SLIDING, ModelConfig
+from servelm.models.decoder import CausalLM
+from tests.helpers import method_targets
+
+pytestmark = pytest.mark.skipif(
+    not (Q.kernels_available() and load_ops("ops") and decode_stack.available()),
+    reason="needs the C++ kernels (AVX-512 BF16)")
+
+BS = 16  # KV block size
+WINDOW = 24  # the sliding layers' window: some contexts below run past it
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+            num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+FAMILIES = {
+    "llama": dict(architecture="LlamaForCausalLM"),
+    "qwen2": dict(architecture="Qwen2ForCausalLM", family="qwen2", attention_bias=True),
+    "qwen3": dict(architecture="Qwen3ForCausalLM", family="qwen3", qk_norm=True, head_dim=32),
+    "mistral": dict(architecture="MistralForCausalLM", sliding_window=WINDOW,
+                    layer_types=(SLIDING,) * 3),
+    "phi3": dict(architecture="Phi3ForCausalLM", family="phi3", rotary_dim=8),
+    "gemma3": dict(architecture="Gemma3ForCausalLM", family="gemma3", qk_norm=True,
+                   sandwich_norms=True, hidden_act="gelu_tanh", head_dim=32,
+                   embed_scale=math.sqrt(64), attn_scale=24 ** -0.5, sliding_window=WINDOW,
+                   layer_types=(SLIDING, FULL, SLIDING), rope_local_theta=10000.0,
+                   rope_theta=1e6, final_logit_softcap=30.0),
+}
+QK_NORM = {"qwen3", "gemma3"}
+
+
+def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
+    cfg = ModelConfig(**{**BASE, **FAMILIES[family]})
+    torch.manual_seed(seed)
+    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(torch.bfloat16)
+    if fmt == "bf16":  # bf16 weights in the kernels' tiles
+        method_targets(model.layers, Q.TARGETS, "tiles")
+    else:
+        Q.quantize_model(model.layers, fmt)
+    return model.eval()
+
+
+def _setup(cfg: ModelConfig, lens: list[int], seed: int = 1):
+    """Decode rows with these context lengths, random KV pools, the runner's batch."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BS) for n in lens) + 4
+    shape = (cfg.num_layers, 2, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
+    data = torch.randn(shape, generator=g).bfloat16()
+    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
+    perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
+    seqs, at = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // BS)
+        seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
+        at += nb
+    batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
+                                   torch.device("cpu"), "cpu", kernels=True)
+    return batch, data, caches
+
+
+def _both(model, batch, data, caches):
+    """(hidden, KV pool) from the per-op kernel path and from the stack."""
+    assert model.bind_decode_layers(caches)
+    results = []
+    for fused in (False, True):
+        saved = data.clone()
+        model.fused_decode = fused
+        with torch.inference_mode():
+            hidden = model(batch, caches)
+        results.append((hidden, data.clone()))
+        data.copy_(saved)
+    return results
+
+
+def _kernel_qk_norms(model, monkeypatch) -> None:
+    """The per-op path's q/k norms on the servelm_ops RMSNorm kernel (each head a row)."""
+    ops = torch.ops.servelm_ops
+    for layer in model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            def forward(x, kernels=False, norm=norm):
+                return ops.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps).view(x.shape)
+            monkeypatch.setattr(norm, "forward", forward)
+
+
+LENS = [[1], [WINDOW - 1, WINDOW, WINDOW + 1], [5, 100, 17, 300], list(range(1, 200, 4))]
+
+
+@pytest.mark.parametrize("lens", LENS, ids=["one", "window", "mixed", "many"])
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_on_the_stack_is_the_per_op_path(family, fmt, lens, monkeypatch):
+    model = _model(family, fmt)
+    assert model.decode_stack_supported()
+    batch, data, caches = _setup(model.config, lens)
+    if family in QK_NORM:
+        (h_ref, _), _ = _both(model, batch, data, caches)
+        _kernel_qk_norms(model, monkeypatch)
+    (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+    assert torch.equal(h0, h1)
+    assert torch.equal(kv0, kv1)  # each layer's new K/V written alike
+    if family in QK_NORM:  # the per-op path as it is: its q/k norms in PyTorch
+        assert (h_ref.float() - h1.float()).abs().max() <= 0.05 * h_ref.float().abs().max()
+        assert torch.nn.functional.cosine_similarity(h_ref.float(), h1.float()).min() > 0.999
+
+
+def test_the_description_carries_each_layer_option():
+    d = decode_stack.describe(_model("gemma3", "int4"))
+    assert [(x.window, x.local_rotary) for x in d.layers] == [(WINDOW, True), (0, False),
+                                                                (WINDOW, True)]
+    assert all(x.qk_norm and x.sandwich_norms and not x.qkv_bias for x in d.layers)
+    assert d.activation == decode_stack.Activation.GELU_TANH and d.scale == 24 ** -0.5
+    assert d.embed_scale == 8.0 and d.rotary_dim == 32
+    assert decode_stack.describe(_model("phi3", "int4")).rotary_dim == 8
+    assert decode_stack.describe(_model("qwen2", "int4")).layers[0].qkv_bias
+    assert decode_stack.describe(_model("mistral", "int4")).layers[2].window == WINDOW
+
+
+def test_a_moe_model_runs_op_by_op_and_says_why(caplog):
+    cfg = ModelConfig(**{**BASE, "architecture": "Qwen3MoeForCausalLM", "family": "qwen3_moe",
+                         "qk_norm": True, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32})
+    torch.manual_seed(0)
+    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings).to(torch.bfloat16)
+    reason = decode_stack.describe(model)
+    assert isinstance(reason, str) and "layer 0" in reason and "experts" in reason
+    assert not model.decode_stack_supported()
+    _, _, caches = _setup(cfg, [4])
+    with caplog.at_level(logging.INFO, logger="servelm.models.decode_stack"):
+        assert not model.bind_decode_layers(caches) and not model.fused_decode
+    assert reason in caplog.text
+    assert model.decode_stack_ranges() == []
