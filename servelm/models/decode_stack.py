@@ -257,7 +257,12 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """CausalLM.bind_decode_layers: one DecodeStack per run of row buckets
     (linear_methods.BUCKET_ROWS) whose calls every linear layer runs on the same modules,
     each over all layers and their KV caches, with the embedding, rotary tables and final
-    norm bound for run_tokens. Sets model._decode_stacks [(first rows, last rows, stack)],
+    norm bound for run_tokens. The linear layers must be int4 / int8 / bf16 kernel layers
+    (int4 also in q8act's panels; bf16, or int4 / int8 dequantised, in AMX tile order):
+    servelm.tuning may choose q8act for one and a few rows and amx from 23, and then both
+    kinds of step run on a stack (each holds the weights by reference). As the per-op
+    kernels, from 48 rows (24 with an int8 layer, bf16 tiles from 8) its matmuls decode each
+    weight tile once. Sets model._decode_stacks [(first rows, last rows, stack)],
     model._decode_kv and model.fused_decode; True when at least one stack is bound."""
     from servelm.layers.linear_methods import BUCKET_ROWS, bucket_row_range
 
