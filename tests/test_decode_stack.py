@@ -14,6 +14,7 @@ the path as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -166,3 +167,39 @@ def test_a_moe_model_runs_op_by_op_and_says_why(caplog):
         assert not model.bind_decode_layers(caches) and not model.fused_decode
     assert reason in caplog.text
     assert model.decode_stack_ranges() == []
+
+
+def test_run_rotary_takes_both_tables_and_the_stack_checks_its_description():
+    """run_rotary (from embedded rows and each table's cos/sin rows) is run_tokens' middle;
+    a description the stack cannot run is refused by name."""
+    model = _model("gemma3", "int4")
+    cfg = model.config
+    lens = [3, 40, 9]
+    batch, data, caches = _setup(cfg, lens)
+    assert model.bind_decode_layers(caches)
+    stack = model._decode_stacks[0][2]
+    dec = batch.attn.decodes
+    args = (batch.slot_mapping, dec.block_tables, dec.context_lens)
+    with torch.inference_mode():
+        saved = data.clone()
+        want = stack.run_tokens(batch.input_ids, batch.positions, *args)
+        data.copy_(saved)
+        x = model.embed(batch.input_ids)
+        tables = [t for r in (model.rotary, model.rotary_local)
+                  for t in r.cos_sin(batch.positions, torch.bfloat16)]
+        delta = stack.run_rotary(x, tables, *args)
+        got = torch.ops.servelm_ops.fused_add_rms_norm(delta, x, model.norm.weight,
+                                                       model.norm.eps)
+        assert torch.equal(got, want)
+        with pytest.raises(RuntimeError, match="4 rotary tensors"):
+            stack.run(x, *tables[:2], *args)
+    desc = decode_stack.describe(model)
+    parts = [decode_stack.layer_args(layer) for layer in model.layers]
+    with pytest.raises(RuntimeError, match="rotary_dim must be even"):
+        decode_stack.build(dataclasses.replace(desc, rotary_dim=7), parts, caches)
+    with pytest.raises(RuntimeError, match="neither SiLU"):
+        decode_stack.build(dataclasses.replace(desc, activation=5), parts, caches)
+    no_k = [(w, f, [n if i != decode_stack.NormSlot.K else torch.empty(0)
+                    for i, n in enumerate(norms)], b) for w, f, norms, b in parts]
+    with pytest.raises(RuntimeError, match="q and k norms come together"):
+        decode_stack.build(desc, no_k, caches)
