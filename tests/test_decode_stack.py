@@ -203,3 +203,80 @@ def test_run_rotary_takes_both_tables_and_the_stack_checks_its_description():
                     for i, n in enumerate(norms)], b) for w, f, norms, b in parts]
     with pytest.raises(RuntimeError, match="q and k norms come together"):
         decode_stack.build(desc, no_k, caches)
+
+
+# ---------------------------------------------------------------- through the engine
+
+ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_llms(tmp_path_factory, hf_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    from servelm import LLM
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    out = {}
+    for i, (name, (config_cls, model_cls, extra)) in enumerate(ENGINE_FAMILIES.items()):
+        torch.manual_seed(i)
+        cfg = getattr(transformers, config_cls)(vocab_size=hf_tokenizer.vocab_size,
+                                                **{**common, **extra})
+        model = getattr(transformers, model_cls)(cfg).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.add_(torch.randn_like(p) * 0.2)
+        d = tmp_path_factory.mktemp(f"hf-{name}")
+        model.save_pretrained(d)
+        hf_tokenizer.save_pretrained(d)
+        # No prefix caching: both runs must batch the same rows.
+        out[name] = LLM(model=str(d), dtype="bfloat16", quantization="int4",
+                        linear_method="tiles", kv_cache_memory=16 << 20, max_model_len=256,
+                        enable_prefix_caching=False)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(ENGINE_FAMILIES))
+def test_engine_runs_each_familys_decode_steps_on_the_stack(family, family_llms):
+    from servelm import SamplingParams
+
+    llm = family_llms[family]
+    model = llm.engine.model
+    assert model.fused_decode
+    real, calls = model._decode_stacks, []
+
+    class Counting:
+        def __init__(self, stack):
+            self.stack = stack
+
+        def run_lists(self, *a):
+            calls.append(len(a[0]))
+            return self.stack.run_lists(*a)
+
+        def run_tokens(self, *a):
+            calls.append(a[0].shape[0])
+            return self.stack.run_tokens(*a)
+
+    prompts = [list(range(10, 40)), [5, 6, 7], list(range(100, 140))]  # past the window
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    try:
+        model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
+        fused = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        model.fused_decode = False
+        per_op = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        model._decode_stacks, model.fused_decode = real, True
+    assert 3 in calls  # decode steps of all three went through the stack
+    for a, b in zip(fused, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if family not in QK_NORM:  # q/k norms: a few elements in 1e5 round apart (above)
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
