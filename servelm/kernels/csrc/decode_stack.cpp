@@ -43,7 +43,9 @@ namespace {
 // The layer description's fields, as the constructor takes them (mirrored by the IntEnums
 // of servelm/models/decode_stack.py).
 // Per layer, its norm weights in this order (an empty tensor: the layer has none).
-enum NormSlot : int64_t { kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm, kNormSlots };
+enum NormSlot : int64_t {
+  kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm, kNormSlots
+};
 // Per layer, these integers.
 enum LayerOption : int64_t { kWindow, kRotaryTable, kLayerOptions };
 // For the model, these integers ...
