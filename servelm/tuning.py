@@ -763,10 +763,8 @@ def _op_call_us(model: nn.Module) -> float:
     RMSNorm on the C++ kernels), the median of 200 calls."""
     norm = copy.deepcopy(model.norm)  # a copy bound to the kernels, the model's own untouched
     x = torch.randn(1, norm.weight.shape[0]).to(norm.weight.dtype)
-    if hasattr(norm, "select"):  # an op that binds its path once (models.layers.OpModule)
-        norm.select(True)
-        return _median_call_us(norm, x, 200)
-    return _median_call_us(lambda t: norm(t, kernels=True), x, 200)
+    norm.select(True)
+    return _median_call_us(norm, x, 200)
 
 
 def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],

@@ -1,4 +1,4 @@
-"""servelm_quant.DecodeStack: all decoder layers of a decode-only step in one C++ call.
+"""servelm_stack.DecodeStack: all decoder layers of a decode-only step in one C++ call.
 
 It must give exactly (bit for bit) what the per-op kernel path gives, since it runs the
 same kernels with the same split of the work; these tests compare the two on random
@@ -15,6 +15,8 @@ from servelm import quantization as Q
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.layers import amx, q8act
+from servelm.layers.stack import StackFormat
+from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
 from tests.helpers import method_targets
@@ -218,18 +220,18 @@ def test_decode_stack_rejects_bad_arguments():
     rows = 3
     batch, data, caches = _setup(cfg, [20] * rows)
     parts = [layer.decode_stack_args() for layer in model.layers]
-    attn = model.layers[0].self_attn
+    desc = decode_stack.describe(model)
 
     def stack(weights=None, groups=None, norms=None, caches=caches):
-        return torch.classes.servelm_quant.DecodeStack(
+        return torch.classes.servelm_stack.DecodeStack(
             [t for p in parts for t in p[0]] if weights is None else weights,
             [g for p in parts for g in p[1]] if groups is None else groups,
             [t for p in parts for t in p[2]] if norms is None else norms,
-            [p[3] for p in parts], [k for k, _ in caches], [v for _, v in caches], 1e-5,
-            attn.num_heads, attn.num_kv_heads, attn.scale)
+            [p[3] for p in parts], [k for k, _ in caches], [v for _, v in caches],
+            desc.layer_options(), desc.model_options(), desc.model_scalars())
 
     weights = [t for p in parts for t in p[0]]
-    with pytest.raises(RuntimeError, match="per layer 2 norms, 4 group sizes"):
+    with pytest.raises(RuntimeError, match="per layer 6 norms, 4 formats"):
         stack(groups=[32] * 7)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
         stack(weights=weights[:-1])
@@ -242,8 +244,8 @@ def test_decode_stack_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="group size -4 is none of int4's"):
         stack(groups=[32, -4, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="only gate_up_proj may be gated amx"):
-        stack(groups=[32, Q.STACK_AMX_GATED, 32, 32] * 2)
-    q8 = Q.STACK_Q8ACT
+        stack(groups=[32, StackFormat.AMX_GATED, 32, 32] * 2)
+    q8 = StackFormat.Q8ACT
     with pytest.raises(RuntimeError, match="none of int4's .* or q8act's"):  # q8act, no group
         stack(groups=[32, q8, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: q8act qweight must be"):  # tiles
@@ -251,7 +253,7 @@ def test_decode_stack_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="q8act group size must be a multiple of 32"):
         stack(groups=[32, q8 + 16, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: amx"):  # int4 tiles as amx
-        stack(groups=[32, Q.STACK_AMX, 32, 32] * 2)
+        stack(groups=[32, StackFormat.AMX, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
         stack(norms=[t.float() for p in parts for t in p[2]])
     # The step's buffers are sized from layer 0: a layer with another MLP width is refused.

@@ -75,7 +75,7 @@ def _tiny_model(qk_norm=False, rotary_dim=None):
 def test_op_modules_are_bound_to_their_implementation_once_built():
     """The ModelRunner selects every op module's implementation at construction: with the
     C++ kernels a model's norms, rotary + KV write and SwiGLU activation are servelm_ops'
-    (the per-head q/k norms stay the reference), without them the PyTorch references; the
+    (the per-head q/k norms a head a row), without them the PyTorch references; the
     forwards take no flag, the choice survives pinning, and the same tokens' hidden states
     agree between the two."""
     import inspect
@@ -96,6 +96,7 @@ def test_op_modules_are_bound_to_their_implementation_once_built():
     assert ref.model.norm.__dict__["_norm"] is L.rms_norm_ref
     assert layer.self_attn.__dict__["_qkv"] is L.qkv_ref
     assert layer.mlp.__dict__["_mlp"] is L.mlp_ref
+    assert layer.self_attn.q_norm._norm is L.rms_norm_ref
     seqs = [SeqInput(list(range(1, 12)), 0, [0])]
     want, _ = ref.execute(seqs)
     if not load_ops("ops"):
@@ -109,7 +110,7 @@ def test_op_modules_are_bound_to_their_implementation_once_built():
     assert layer.input_layernorm.__dict__["_add_norm"] is ops.fused_add_rms_norm
     assert layer.self_attn._qkv is L.qkv_kernels
     assert layer.self_attn._rotary_kv_write is ops.rotary_kv_write
-    assert layer.self_attn.q_norm._norm is L.rms_norm_ref  # per-head: the reference
+    assert layer.self_attn.q_norm._norm is L.head_rms_norm  # per head, a head a row
     assert layer.mlp._mlp is L.mlp_kernels and layer.mlp._silu_mul is ops.silu_and_mul
     got, _ = run.execute(seqs)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
-from servelm.kernels import load_ops
+from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, select_ops
 from servelm.models.moe import SparseMoE
@@ -33,13 +33,8 @@ if TYPE_CHECKING:
 
 
 def _has_decode_stack() -> bool:
-    """Whether quant.cpp registered the DecodeStack class: it builds empty on a CPU without
-    AVX-512 BF16 (torch.classes raises RuntimeError, not AttributeError, for a missing one)."""
-    try:
-        torch.classes.servelm_quant.DecodeStack
-    except (RuntimeError, AttributeError):
-        return False
-    return True
+    """Whether the DecodeStack class is registered (decode_stack.available)."""
+    return decode_stack.available()
 
 
 class DecoderLayer(nn.Module):
@@ -89,34 +84,15 @@ class DecoderLayer(nn.Module):
         return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     def is_plain(self) -> bool:
-        """Whether this is the layer the DecodeStack implements (Llama's: pre-norms only,
-        SwiGLU, full attention, no q/k norm, default scale); other layers run per op."""
-        attn = self.self_attn
-        return (type(attn) is Attention and type(self.mlp) is GatedMLP
-                and self.mlp.act == "silu" and attn.q_norm is None and attn.window is None
-                and attn.scale == attn.head_dim ** -0.5 and self.attn_out_norm is None
-                and not self.local_rotary)
+        """Whether the DecodeStack can describe this layer (decode_stack.describe_layer);
+        a layer it cannot runs per op."""
+        return not isinstance(decode_stack.describe_layer(self), str)
 
     def decode_stack_args(self, rows: int = 1) -> tuple | None:
-        """This layer's part of a `servelm_quant.DecodeStack` for steps of `rows` rows:
-        (weights, group sizes, norms, qkv bias), when the layer is_plain, all four linear
-        layers run calls of that many rows on the int4/int8/bf16 C++ kernels (int4: tiles
-        or q8act's panels; bf16, or int4/int8 dequantised: tiles or AMX tile order) and only
-        qkv has a bias; else None. Not for tensor-parallel layers
-        (their subclasses all-reduce the attention and MLP outputs, which the stack does not)."""
-        from servelm.quantization import kernel_weights
-
-        if not self.is_plain():
-            return None
-        linears = self.linears()
-        attn = self.self_attn
-        parts = [kernel_weights(m, rows) for m in linears]
-        if any(p is None for p in parts) or any(m.bias is not None for m in linears[1:]):
-            return None
-        bias = attn.qkv_proj.bias
-        return ([t for ts, _ in parts for t in ts], [g for _, g in parts],
-                [self.input_layernorm.weight, self.post_attention_layernorm.weight],
-                torch.empty(0) if bias is None else bias)
+        """This layer's part of a DecodeStack for steps of `rows` rows (decode_stack.layer_args:
+        weights, format codes, norms, qkv bias), or None where the stack cannot take it."""
+        args = decode_stack.layer_args(self, rows)
+        return None if isinstance(args, str) else args
 
 
 class CausalLM(nn.Module):
@@ -169,73 +145,20 @@ class CausalLM(nn.Module):
                                                 None).to(device)
 
     def decode_stack_supported(self) -> bool:
-        """Whether the whole-step C++ executor implements this model (else the per-layer
-        kernel path runs it): every layer is_plain, and nothing outside the layers that the
-        executor does not do (embedding scale, logit soft-cap are outside it or absent)."""
-        return (all(layer.is_plain() for layer in self.layers)
-                and self.config.embed_scale == 1.0 and self.rotary_local is None
-                and self.config.rotary_dim in (None, self.config.head_dim))
+        """Whether the whole-step C++ executor can describe this model (decode_stack.describe;
+        else the per-layer kernel path runs its decode steps)."""
+        return not isinstance(decode_stack.describe(self), str)
 
     def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
         decoder layer and its KV cache (with the embedding, rotary tables and final norm) into
-        `servelm_quant.DecodeStack`s, which then run decode-only bf16 batches from token ids
-        to the final norm in one C++ call per step, bit-identical to the per-op path (from
-        48 rows, 24 with an int8 layer, its matmuls decode each weight tile once, as the
-        per-op kernels do; bf16 tiles from 8). One stack per run of row buckets
-        (linear_methods.BUCKET_ROWS) whose calls every linear layer runs on the same modules,
-        when those are int4/int8/bf16 kernel layers (int4 also in q8act's panels; bf16, or
-        int4/int8 dequantised, in AMX tile order): servelm.tuning may choose q8act for one
-        and a few rows and amx from 23, and then both kinds of step run on a stack (each
-        stack holds the weights by reference). Only when the model is one the executor
-        supports (decode_stack_supported), and over an unquantised KV cache (kv_cache_dtype
-        auto: it does not read scales). The runner binds it unless KernelConfig.fused_decode
-        is off."""
-        from servelm.layers.linear_methods import BUCKET_ROWS, bucket_row_range
-
-        self.fused_decode, self._decode_stacks, self._decode_kv = False, [], None
-        # A quantised KV cache ((k, v, k_scale, v_scale) a layer) is not one the DecodeStack
-        # reads: decode steps then run op by op, whose attention reads it.
-        if any(len(kv) != 2 for kv in kv_caches):
-            return False
-        if not (load_ops("quant") and load_ops("ops") and _has_decode_stack()
-                and self.decode_stack_supported()
-                and self.embed_tokens.weight.dtype == torch.bfloat16):
-            return False
-        linears = [m for layer in self.layers for m in layer.linears()]
-        # Per bucket, the module every linear layer runs a call of that many rows on.
-        used = [[id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
-                for rows in BUCKET_ROWS]
-        groups: list[list[int]] = []  # runs of buckets on the same modules
-        for b in range(len(BUCKET_ROWS)):
-            if groups and used[b] == used[groups[-1][0]]:
-                groups[-1].append(b)
-            else:
-                groups.append([b])
-        attn = self.layers[0].self_attn
-        bf16 = torch.bfloat16
-        # The rotary tables rounded to bf16 once (rounding commutes with the per-step gather).
-        cos, sin = self.rotary.cos.to(bf16).contiguous(), self.rotary.sin.to(bf16).contiguous()
-        for group in groups:
-            parts = [layer.decode_stack_args(BUCKET_ROWS[group[0]]) for layer in self.layers]
-            if any(p is None for p in parts):
-                continue
-            stack = torch.classes.servelm_quant.DecodeStack(
-                [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
-                [t for p in parts for t in p[2]], [p[3] for p in parts],
-                [k for k, _ in kv_caches], [v for _, v in kv_caches], self.config.rms_norm_eps,
-                attn.num_heads, attn.num_kv_heads, attn.scale)
-            # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
-            stack.bind_io(self.embed_tokens.weight, cos, sin, self.norm.weight)
-            lo, hi = bucket_row_range(group[0])[0], bucket_row_range(group[-1])[1]
-            hi = min(hi, stack.max_rows())
-            if lo <= hi:
-                self._decode_stacks.append((lo, hi, stack))
-        if not self._decode_stacks:
-            return False
-        self._decode_kv = kv_caches
-        self.fused_decode = True
-        return True
+        `servelm_stack.DecodeStack`s, which then run decode-only bf16 batches from token ids
+        to the final norm in one C++ call per step, bit-identical to the per-op kernel path
+        (decode_stack.bind: one stack per run of row buckets on the same modules; a model or
+        layer it cannot describe says why, once, and runs op by op). Only over an unquantised
+        KV cache (kv_cache_dtype auto: it does not read scales). The runner binds it unless
+        KernelConfig.fused_decode is off."""
+        return decode_stack.bind(self, kv_caches)
 
     def decode_stack_ranges(self) -> list[tuple[int, int]]:
         """The row counts (first, last) of decode-only steps a DecodeStack runs, one range a
@@ -290,9 +213,9 @@ class CausalLM(nn.Module):
         if self.rotary_local is not None:
             tables.append(self.rotary_local.cos_sin(batch.positions, x.dtype))
         if fused:
-            cos, sin = tables[0]
-            delta = self._stack_for(n).run(x, cos, sin, batch.slot_mapping,
-                                           dec.block_tables, dec.context_lens)
+            delta = self._stack_for(n).run_rotary(x, [t for cs in tables for t in cs],
+                                                  batch.slot_mapping, dec.block_tables,
+                                                  dec.context_lens)
             if rows is not None:
                 delta, x = delta[rows], x[rows]
         else:

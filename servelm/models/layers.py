@@ -128,12 +128,20 @@ class RMSNorm(OpModule):
         return self._add_norm(x, residual, self.weight, self.eps)
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head of x [T, heads, D] on the C++ op, a head a row (the arithmetic
+    the DecodeStack's q/k norms run)."""
+    return _ops().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
 class HeadRMSNorm(RMSNorm):
-    """The per-head q/k norm of an attention layer: the PyTorch reference on either path
-    (the kernels' rotary + KV write takes q and k normalised in place, by this)."""
+    """The per-head q/k norm of an attention layer (x [T, heads, D]; the kernels' rotary + KV
+    write then takes q and k normalised in place)."""
 
     def select(self, kernels: bool) -> None:
-        super().select(False)
+        super().select(kernels)
+        if kernels:
+            self._norm = head_rms_norm
 
 
 class RotaryEmbedding(nn.Module):

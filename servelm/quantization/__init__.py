@@ -3,7 +3,7 @@
 - numerics: quantise / dequantise / pack / unpack int8 and int4, the bf16 / fp32 tiles,
   tinygemm's operands (no layers, no choice of kernel);
 - formats: the layers that hold a weight format (QuantLinear, Int8Linear, Int4Linear,
-  TiledLinear) and the DecodeStack's codes for them (STACK_*);
+  TiledLinear);
 - surgery: quantize_model / quantize_linear, the model's layers swapped by name (TARGETS).
 
 `quantize_model(model, "int8" | "int4")` replaces the model's `nn.Linear` layers (qkv_proj,
@@ -11,9 +11,8 @@ o_proj, gate_up_proj, down_proj, lm_head) by `Int8Linear` / `Int4Linear`. The na
 are the package's public ones, importable from here or from their module.
 """
 
-from servelm.quantization.formats import (CUDA_INT4_MAX_ROWS, CUDA_INT8_MAX_ROWS, STACK_AMX,
-                                          STACK_AMX_GATED, STACK_Q8ACT, TILE_OPS, Int4Linear,
-                                          Int8Linear, QuantLinear, TiledLinear,
+from servelm.quantization.formats import (CUDA_INT4_MAX_ROWS, CUDA_INT8_MAX_ROWS, TILE_OPS,
+                                          Int4Linear, Int8Linear, QuantLinear, TiledLinear,
                                           kernels_available)
 from servelm.quantization.numerics import (DEFAULT_GROUP_SIZE, GROUP_SIZES, METHODS,
                                            check_method, dequantize_int4,
@@ -27,7 +26,7 @@ from servelm.quantization.surgery import TARGETS, quantize_linear, quantize_mode
 
 __all__ = [
     "CUDA_INT4_MAX_ROWS", "CUDA_INT8_MAX_ROWS", "DEFAULT_GROUP_SIZE", "GROUP_SIZES", "METHODS",
-    "STACK_AMX", "STACK_AMX_GATED", "STACK_Q8ACT", "TARGETS", "TILE_OPS", "Int4Linear",
+    "TARGETS", "TILE_OPS", "Int4Linear",
     "Int8Linear", "QuantLinear", "TiledLinear", "check_method", "dequantize_int4",
     "dequantize_int4_reference", "dequantize_int8", "dequantize_tinygemm", "inner_k_tiles",
     "int4_codec", "kernels_available", "pack_int8", "pack_tiles", "quantize_int4",
@@ -35,18 +34,3 @@ __all__ = [
     "tinygemm_operands", "unpack_int4", "unpack_int4_reference", "unpack_int8", "unpack_tiles",
     "unpacked_once",
 ]
-
-# Names that left this package, kept importable here until their importers are rewired:
-# the DecodeStack's operands (servelm.layers.stack, above the layers it inspects), huge-page
-# packing (servelm.hugepages) and the roofline's bits per weight (servelm.roofline). Resolved
-# on first use, so importing this package imports none of those modules.
-_MOVED = {"kernel_weights": "servelm.layers.stack", "pack_weights": "servelm.hugepages",
-          "quantized_bits_per_weight": "servelm.roofline"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

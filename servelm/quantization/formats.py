@@ -417,10 +417,3 @@ def _cuda_triton_int8_works(device: torch.device) -> bool:
         if not torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=2e-2):
             raise RuntimeError("the Triton int8 matmul disagrees with the reference")
     return _cuda_op_works("int8-triton", probe)
-
-
-# The DecodeStack's codes for an int4 layer in q8act's panels (this plus its group size) and
-# a bf16 layer in AMX tile order (decode_stack.h, QLinear::kQ8Act and kAmx).
-STACK_Q8ACT = 1 << 20
-STACK_AMX = -2
-STACK_AMX_GATED = -3  # a SwiGLU gate_up in AMX tile order, SiLU in its epilogue (gate_silu)

@@ -1,6 +1,6 @@
 // The amx linear kernel's inner parts (the layout: amx_linear.cpp's head): activation rows
 // packed into A tiles, and column pairs of the packed weight times them. Shared by the
-// servelm_amx_linear operator (amx_linear.cpp) and the DecodeStack (quant.cpp), so a layer
+// servelm_amx_linear operator (amx_linear.cpp) and the DecodeStack (decode_stack.cpp), so a layer
 // gives the same bits on either. Inline, in an anonymous namespace (each extension compiles
 // its own copy), names inside `amx_linear`.
 #pragma once

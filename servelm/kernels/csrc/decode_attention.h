@@ -1,5 +1,5 @@
 // Paged decode attention kernels, shared by ops.cpp (the paged_decode_attention op) and
-// quant.cpp (the DecodeStack, which runs the same work items inside its own parallel region):
+// decode_stack.cpp (the DecodeStack, which runs the same work items inside its own parallel region):
 // one query per sequence over its cached tokens, read in place through int32 block tables;
 // the G = H / KVH query heads of one KV head are processed together, so each K/V row is
 // loaded once; online softmax in fp32. Also the dtype helpers the other ops.cpp kernels use.

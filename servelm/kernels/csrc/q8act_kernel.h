@@ -1,6 +1,6 @@
 // The q8act kernel's inner parts: an activation row quantised per block of 32 inputs to int8,
 // and int4 panels times those rows (the layouts: q8act.cpp's head). Shared by the
-// servelm_q8act operator (q8act.cpp) and the DecodeStack (quant.cpp), so a layer gives the same
+// servelm_q8act operator (q8act.cpp) and the DecodeStack (decode_stack.cpp), so a layer gives the same
 // bits on either. Strict float semantics (no-fast-math) for everything here, whatever the
 // including file's: the rounding of d = max|x| / 127 and of the products must not depend on
 // which extension compiled them. Inline, in an anonymous namespace (each extension compiles

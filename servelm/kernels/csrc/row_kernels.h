@@ -1,5 +1,5 @@
 // Row kernels of a decoder layer (RMSNorm, residual add + RMSNorm, rotary + KV write, SiLU and
-// mul), shared by ops.cpp (the servelm_ops operators) and quant.cpp (the DecodeStack, which
+// mul), shared by ops.cpp (the servelm_ops operators) and decode_stack.cpp (the DecodeStack, which
 // runs them inline on its own buffers), so both paths produce the same bits. Each rounds
 // where the PyTorch reference rounds (e.g. bf16 RMSNorm output is rounded before the weight
 // multiply), so bf16 results stay close to the eager path.
@@ -190,7 +190,7 @@ inline void check_slots(const int64_t* slots, int64_t T, int64_t nslots, const c
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // a * b, rounded once. -ffast-math lets the compiler reassociate plain vector products
-// (g * (r * y) into (g * r) * y), and it did so differently in ops.cpp and quant.cpp; an
+// (g * (r * y) into (g * r) * y), and it did so differently in ops.cpp and the DecodeStack; an
 // explicit rounding mode makes the product opaque to it, so both paths give the same bits.
 inline __m512 mul_rn(__m512 a, __m512 b) {
   return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

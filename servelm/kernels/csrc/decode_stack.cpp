@@ -1,14 +1,68 @@
 // DecodeStack: every decoder layer of a decode-only step in one C++ call (torch class
-// servelm_quant.DecodeStack). Not a standalone header: quant.cpp includes it inside its
-// anonymous namespace, after the int4 / int8 / bf16 tiled matmul kernels the stack runs
-// (int4_range, int8_range, decoded_range, bf16_range, group_sums, the checks), and with
-// decode_attention.h and row_kernels.h already included. AVX-512 BF16 only, as quant.cpp.
+// servelm_stack.DecodeStack), for any layer the model can describe to it (a
+// servelm.models.decode_stack.StackDescription): RMSNorm before attention and MLP, optional
+// q/k norms (per head, before the rotary), qkv bias, sandwich norms after attention and the
+// MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
+// a sliding window per layer, any softmax scale, a SiLU or tanh-GELU gated MLP, and an
+// embedding scale. Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
+// its row steps row_kernels.h's (the servelm_ops operators'), its attention
+// decode_attention.h's: each thread runs the share of the work the per-op path's threads
+// would, so results are those of the per-op path bit for bit (where that path runs the same
+// kernels). AVX-512 BF16 only, as quant.cpp: elsewhere this compiles to nothing and no class
+// is registered (the model then runs decode steps op by op).
 
-#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/all.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <map>
+#include <memory>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+
+#include "tiled_kernels.h"     // the int4 / int8 / bf16 tiled matmuls, as servelm_quant runs them
+#include "decode_attention.h"
+#include "q8act_kernel.h"      // q8act layers
+#include "amx_linear_kernel.h"  // amx layers (where AMX-BF16 is built)
+#include "row_kernels.h"
+
+namespace {
+
+// The layer description's fields, as the constructor takes them (mirrored by the IntEnums
+// of servelm/models/decode_stack.py).
+// Per layer, its norm weights in this order (an empty tensor: the layer has none).
+enum NormSlot : int64_t {
+  kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm, kNormSlots
+};
+// Per layer, these integers.
+enum LayerOption : int64_t { kWindow, kRotaryTable, kLayerOptions };
+// For the model, these integers ...
+enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kModelOptions };
+// ... and these floats.
+enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kModelScalars };
+// The gated MLP's activation.
+enum Activation : int64_t { kSilu, kGeluTanh };
+// The weight format codes (servelm.quantization.StackFormat): > 0 int4 with that group
+// size, kInt8, kBf16 (tiles), kAmx, kAmxGated, kQ8Act + the group size.
+namespace format {
+constexpr int64_t kInt8 = 0, kBf16 = -1, kAmx = -2, kAmxGated = -3, kQ8Act = int64_t{1} << 20;
+}
 
 // ---------------------------------------------------------------- decoder layers, decode rows
 
-// A Llama-family model's decoder layers for M single-token (decode) rows, when all their
+// A model's decoder layers for M single-token (decode) rows, when all their
 // linear layers are int4 / int8 / bf16 kernel layers (int4 in the tiles or in q8act's panels,
 // q8act_kernel.h; bf16 in the tiles or in AMX tile order, amx_linear_kernel.h): one C++ call
 // per step (DecodeStack.run) and one parallel region for all the layers. From Python the same
@@ -28,14 +82,14 @@
 // per call, they cost more than their arithmetic.
 
 struct QLinear {
-  static constexpr int64_t kBf16 = -1;  // G of a bf16 (tiled) layer
-  static constexpr int64_t kAmx = -2;   // the code of a bf16 layer in AMX tile order (G: kBf16)
-  // The code of a SwiGLU gate_up in AMX tile order, its gate and up blocks alternating
+  static constexpr int64_t kBf16 = format::kBf16;  // G of a bf16 (tiled) layer
+  static constexpr int64_t kAmx = format::kAmx;    // a bf16 layer in AMX tile order (G: kBf16)
+  // A SwiGLU gate_up in AMX tile order, its gate and up blocks alternating
   // (amx_linear::pairs' gated): its output is silu(gate) * up, [M, N / 2].
-  static constexpr int64_t kAmxGated = -3;
-  // The code of an int4 layer in q8act's panels (activations quantised per call to int8,
+  static constexpr int64_t kAmxGated = format::kAmxGated;
+  // An int4 layer in q8act's panels (activations quantised per call to int8,
   // q8act_kernel.h): this plus its group size.
-  static constexpr int64_t kQ8Act = int64_t{1} << 20;
+  static constexpr int64_t kQ8Act = format::kQ8Act;
   int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
   bool q8 = false;  // int4 in q8act's panels (G its group size)
   bool amx = false;  // bf16 in AMX tile order (amx_linear_kernel.h; G is kBf16)
@@ -331,56 +385,139 @@ void team_region(const Body& body) {
   if (err) std::rethrow_exception(err);
 }
 
+// ---------------------------------------------------------------- the layers' row steps
+
+// rotary_token for a partial rotary (the first R of each head's D dims turn, the rest pass
+// through), rounding as the PyTorch reference (servelm.models.layers.apply_rotary) that the
+// per-op path runs for it: x*cos and rotated*sin rounded to T, then summed and rounded.
+template <typename T>
+void rotary_token_partial(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t H,
+                          int64_t KVH, int64_t D, int64_t R) {
+  float c[kMaxD], s[kMaxD];
+  for (int64_t i = 0; i < R; ++i) { c[i] = to_f<T>(cos[i]); s[i] = to_f<T>(sin[i]); }
+  const int64_t half = R / 2;
+  auto rotate = [&](const T* x, T* y) {  // y may alias x
+    if (y != x) std::memcpy(y + R, x + R, sizeof(T) * (D - R));
+    if (rotate_vec(x, y, c, s, half)) return;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
+      const float a1 = round_to<T>(x1 * c[i]), b1 = round_to<T>(-x2 * s[i]);
+      const float a2 = round_to<T>(x2 * c[i + half]), b2 = round_to<T>(x1 * s[i + half]);
+      y[i] = from_f<T>(a1 + b1);
+      y[i + half] = from_f<T>(a2 + b2);
+    }
+  };
+  for (int64_t h = 0; h < H; ++h) rotate(row + h * D, row + h * D);
+  const T* ksrc = row + H * D;
+  for (int64_t h = 0; h < KVH; ++h) rotate(ksrc + h * D, kdst + h * D);
+  std::memcpy(vdst, row + (H + KVH) * D, sizeof(T) * KVH * D);
+}
+
+// gelu_tanh(gate) * up for rows [m0, m1) of gu [M, 2 I] (gate, then up) into act [M, I]: the
+// PyTorch operators the per-op path runs (F.gelu(gate, approximate="tanh") * up), called on
+// this thread's rows (inside the parallel region ATen runs them on the calling thread; each
+// row's result does not depend on the rows beside it), so the bits are theirs.
+void gelu_tanh_rows(const c10::BFloat16* gu, c10::BFloat16* act, int64_t m0, int64_t m1, int64_t I) {
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16);
+  auto* g = const_cast<c10::BFloat16*>(gu) + m0 * 2 * I;
+  const at::Tensor gate = at::from_blob(g, {m1 - m0, I}, {2 * I, 1}, opts);
+  const at::Tensor up = at::from_blob(g + I, {m1 - m0, I}, {2 * I, 1}, opts);
+  at::Tensor out = at::from_blob(act + m0 * I, {m1 - m0, I}, opts);
+  at::mul_out(out, at::gelu(gate, "tanh"), up);
+}
+
+// ---------------------------------------------------------------- the stack
+
 struct StackLayer {
-  at::Tensor ln1, ln2, k_cache, v_cache;
+  at::Tensor norms[kNormSlots];  // bf16 weights; undefined where the layer has none
+  at::Tensor k_cache, v_cache;
   QLinear qkv, o, gu, down;
   std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
+  int64_t window = 0;           // > 0: attends its last `window` keys
+  int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers'
+  int attention = 0;            // its DecodeAttention in run_impl (one per distinct window)
+  const c10::BFloat16* norm(NormSlot k) const {
+    return norms[k].defined() ? norms[k].data_ptr<c10::BFloat16>() : nullptr;
+  }
 };
 
-// The decoder layers of a model, bound once (weights, norms, KV cache views), run for a batch
-// of decode rows by one call per step. Python holds it as torch.classes.servelm_quant.DecodeStack.
+// The decoder layers of a model, bound once (weights, norms, KV cache views, its layer
+// description), run for a batch of decode rows by one call per step. Python holds it as
+// torch.classes.servelm_stack.DecodeStack (bound by servelm.models.decode_stack).
 class DecodeStack : public torch::CustomClassHolder {
  public:
   // weights: per layer, per linear (qkv, o, gate_up, down) int4 [qweight, scales, mins] (tiles
-  // or q8act's panels), int8 [qweight, scales], bf16 [weight] or amx [packed]; group_sizes: per
-  // layer and linear, the int4 group size, 0 (int8), -1 (bf16), -2 (amx: bf16 in AMX tile
-  // order), -3 (gate_up only: amx with gate and up blocks alternating, SiLU in its epilogue)
-  // or QLinear::kQ8Act + the group size (int4 in q8act's panels); norms: per layer input and
-  // post-attention RMSNorm weights; qkv_biases:
-  // per layer, an empty tensor for none; k_caches / v_caches: per layer [NB, BS, KVH, D].
-  DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> group_sizes,
+  // or q8act's panels), int8 [qweight, scales], bf16 [weight] or amx [packed]; formats: per
+  // layer and linear, its code (format::, servelm.quantization.StackFormat; kAmxGated
+  // gate_up only); norms: per layer kNormSlots weights (NormSlot order; empty: none);
+  // qkv_biases: per layer, an empty tensor for none; k_caches / v_caches: per layer
+  // [NB, BS, KVH, D]; layer_options: per layer kLayerOptions integers; model_options
+  // (kModelOptions) and model_scalars (kModelScalars): the model's.
+  DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> formats,
               std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
-              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double eps,
-              int64_t num_heads, int64_t num_kv_heads, double scale)
-      : keep_(std::move(weights)), eps_(eps), heads_(num_heads), kv_heads_(num_kv_heads), scale_(scale) {
-    const size_t L = norms.size() / 2;
-    TORCH_CHECK(L >= 1 && norms.size() == 2 * L && group_sizes.size() == 4 * L &&
-                    qkv_biases.size() == L && k_caches.size() == L && v_caches.size() == L,
-                "DecodeStack: per layer 2 norms, 4 group sizes, a qkv bias and K/V caches, got ",
-                norms.size(), " norms, ", group_sizes.size(), " group sizes, ", qkv_biases.size(),
-                " biases, ", k_caches.size(), "/", v_caches.size(), " caches");
-    const int64_t hidden = norms[0].numel();
+              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+              std::vector<int64_t> layer_options, std::vector<int64_t> model_options,
+              std::vector<double> model_scalars)
+      : keep_(std::move(weights)) {
+    TORCH_CHECK(model_options.size() == kModelOptions && model_scalars.size() == kModelScalars,
+                "DecodeStack: ", static_cast<int64_t>(kModelOptions), " model options and ",
+                static_cast<int64_t>(kModelScalars), " model scalars, got ", model_options.size(),
+                " and ", model_scalars.size());
+    heads_ = model_options[kNumHeads];
+    kv_heads_ = model_options[kNumKvHeads];
+    act_ = model_options[kActivation];
+    eps_ = model_scalars[kEps];
+    scale_ = model_scalars[kScale];
+    embed_scale_ = model_scalars[kEmbedScale];
+    TORCH_CHECK(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0,
+                "DecodeStack: num_heads must be a multiple of num_kv_heads");
+    TORCH_CHECK(act_ == kSilu || act_ == kGeluTanh, "DecodeStack: activation ", act_,
+                " is neither SiLU (0) nor tanh-GELU (1)");
+    const size_t L = k_caches.size();
+    TORCH_CHECK(L >= 1 && norms.size() == kNormSlots * L && formats.size() == 4 * L &&
+                    qkv_biases.size() == L && v_caches.size() == L &&
+                    layer_options.size() == kLayerOptions * L,
+                "DecodeStack: per layer ", static_cast<int64_t>(kNormSlots), " norms, 4 formats, a qkv "
+                "bias, K/V caches and ", static_cast<int64_t>(kLayerOptions), " layer options, got ",
+                norms.size(), " norms, ", formats.size(), " formats, ", qkv_biases.size(), " biases, ",
+                k_caches.size(), "/", v_caches.size(), " caches, ", layer_options.size(), " options for ",
+                L, " layers");
+    const int64_t hidden = norms[kInputNorm].numel();
     layers_.reserve(L);
     size_t j = 0;
+    std::map<int64_t, int> windows;
     for (size_t l = 0; l < L; ++l) {
       StackLayer s;
-      s.ln1 = norms[2 * l];
-      s.ln2 = norms[2 * l + 1];
       s.k_cache = k_caches[l];
       s.v_cache = v_caches[l];
-      for (const auto* t : {&s.ln1, &s.ln2})
-        TORCH_CHECK(t->dim() == 1 && t->numel() == hidden && t->is_contiguous() &&
-                        t->scalar_type() == at::kBFloat16,
-                    "DecodeStack: norm weights must be contiguous bfloat16 [", hidden, "]");
       TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
-                      s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == num_kv_heads,
+                      s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == kv_heads_,
                   "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
-      const int64_t D = s.k_cache.size(3), qkv_n = (num_heads + 2 * num_kv_heads) * D;
-      const int64_t* g = group_sizes.data() + 4 * l;
+      const int64_t D = s.k_cache.size(3), qkv_n = (heads_ + 2 * kv_heads_) * D;
+      for (int k = 0; k < kNormSlots; ++k) {
+        const at::Tensor& t = norms[kNormSlots * l + k];
+        const bool required = k == kInputNorm || k == kPostAttentionNorm;
+        if (!required && !t.numel()) continue;
+        const int64_t n = k == kQNorm || k == kKNorm ? D : hidden;
+        TORCH_CHECK(t.dim() == 1 && t.numel() == n && t.is_contiguous() && t.scalar_type() == at::kBFloat16,
+                    "DecodeStack: norm weights must be contiguous bfloat16 [", n, "]");
+        s.norms[k] = t;
+      }
+      TORCH_CHECK(!s.norms[kQNorm].defined() == !s.norms[kKNorm].defined(),
+                  "DecodeStack: q and k norms come together");
+      const int64_t* opt = layer_options.data() + kLayerOptions * l;
+      s.window = opt[kWindow];
+      s.table = opt[kRotaryTable];
+      TORCH_CHECK(s.window >= 0 && s.window <= INT32_MAX, "DecodeStack: window must be >= 0 (0: none)");
+      TORCH_CHECK(s.table == 0 || s.table == 1, "DecodeStack: rotary table must be 0 or 1");
+      uses_local_ |= s.table == 1;
+      s.attention = windows.emplace(s.window, static_cast<int>(windows.size())).first->second;
+      const int64_t* g = formats.data() + 4 * l;
       TORCH_CHECK(g[0] != QLinear::kAmxGated && g[1] != QLinear::kAmxGated && g[3] != QLinear::kAmxGated,
                   "DecodeStack: only gate_up_proj may be gated amx (-3)");
+      TORCH_CHECK(g[2] != QLinear::kAmxGated || act_ == kSilu, "DecodeStack: gated amx is SiLU's");
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
-      s.o = parse_linear(keep_, j, g[1], hidden, num_heads * D, "o_proj");
+      s.o = parse_linear(keep_, j, g[1], hidden, heads_ * D, "o_proj");
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 16K
       // bytes, bf16 16K elements.
       TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
@@ -401,6 +538,12 @@ class DecodeStack : public torch::CustomClassHolder {
       layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
+    for (const auto& [w, i] : windows) windows_.push_back(w);
+    for (const auto& [w, i] : windows) windows_[i] = w;
+    const int64_t D = layers_[0].k_cache.size(3);
+    rot_ = model_options[kRotaryDim];
+    TORCH_CHECK(rot_ > 0 && rot_ <= D && rot_ % 2 == 0 && rot_ <= kMaxD,
+                "DecodeStack: rotary_dim must be even and in (0, head_dim], got ", rot_);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -408,32 +551,35 @@ class DecodeStack : public torch::CustomClassHolder {
   // on, its matmuls decode each weight tile once, as int4_linear / int8_linear do.
   int64_t max_rows() const { return kMaxRows; }
 
-  // Once, for run_tokens: the embedding table [V, hidden], the rotary tables cos, sin [P, D]
-  // (P positions, already rounded to bfloat16) and the final norm weight [hidden].
+  // Once, for run_tokens: the embedding table [V, hidden], the rotary tables cos, sin [P, R]
+  // (P positions, R the rotary dims, already rounded to bfloat16) and the final norm weight
+  // [hidden].
   void bind_io(at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm) {
-    const int64_t hidden = layers_[0].ln1.numel(), D = layers_[0].k_cache.size(3);
+    const int64_t hidden = layers_[0].norms[kInputNorm].numel();
     TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.is_contiguous() &&
                     embed.scalar_type() == at::kBFloat16,
                 "DecodeStack.bind_io: embed must be contiguous bfloat16 [V, ", hidden, "]");
-    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes() &&
-                    cos.is_contiguous() && sin.is_contiguous() &&
-                    cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-                "DecodeStack.bind_io: cos/sin must be contiguous bfloat16 [P, ", D, "]");
+    check_table(cos, sin, "bind_io");
     TORCH_CHECK(final_norm.dim() == 1 && final_norm.numel() == hidden &&
                     final_norm.is_contiguous() && final_norm.scalar_type() == at::kBFloat16,
                 "DecodeStack.bind_io: final_norm must be contiguous bfloat16 [", hidden, "]");
-    embed_ = embed, cos_ = cos, sin_ = sin, final_norm_ = final_norm;
+    embed_ = embed, cos_[0] = cos, sin_[0] = sin, final_norm_ = final_norm;
+  }
+  // Once, for run_tokens where layers take the sliding layers' rotary table: it, as bind_io's.
+  void bind_local_rotary(at::Tensor cos, at::Tensor sin) {
+    check_table(cos, sin, "bind_local_rotary");
+    cos_[1] = cos, sin_[1] = sin;
   }
 
-  // A whole decode step from token ids and positions (int64 [M]): the embedding rows and
-  // rotary rows gathered here, every layer as run(), then the final
+  // A whole decode step from token ids and positions (int64 [M]): the embedding rows (times
+  // the embedding scale) and rotary rows gathered here, every layer as run(), then the final
   // residual add + RMSNorm. Returns the normalised hidden states [M, hidden], the same bits
-  // as embedding, indexing cos/sin, run() and fused_add_rms_norm one op after another: those
-  // small ops cost ~50 us of a ~1.6 ms one-stream step between two steps' streams of weights.
+  // as embedding, indexing cos/sin, run() and fused_add_rms_norm one op after another.
   at::Tensor run_tokens(at::Tensor input_ids, at::Tensor positions, at::Tensor slot_mapping,
                         at::Tensor block_tables, at::Tensor context_lens) {
     TORCH_CHECK(embed_.defined(), "DecodeStack.run_tokens: call bind_io first");
-    const int64_t M = input_ids.numel(), hidden = embed_.size(1), D = cos_.size(1);
+    TORCH_CHECK(!uses_local_ || cos_[1].defined(), "DecodeStack.run_tokens: call bind_local_rotary first");
+    const int64_t M = input_ids.numel(), hidden = embed_.size(1), R = rot_;
     for (const auto* t : {&input_ids, &positions})
       TORCH_CHECK(t->dim() == 1 && t->numel() == M && t->is_contiguous() && t->scalar_type() == at::kLong,
                   "DecodeStack.run_tokens: input_ids and positions must be contiguous int64 [M]");
@@ -441,26 +587,33 @@ class DecodeStack : public torch::CustomClassHolder {
     using BF = c10::BFloat16;
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t V = embed_.size(0), P = cos_.size(0);
+    const int64_t V = embed_.size(0), tables = uses_local_ ? 2 : 1;
     for (int64_t m = 0; m < M; ++m) {
       TORCH_CHECK(ids[m] >= 0 && ids[m] < V, "DecodeStack.run_tokens: input_ids[", m, "] = ", ids[m],
                   " is outside the vocabulary (", V, ")");
-      TORCH_CHECK(pos[m] >= 0 && pos[m] < P, "DecodeStack.run_tokens: positions[", m, "] = ", pos[m],
-                  " is outside the rotary table (", P, " positions)");
+      for (int64_t k = 0; k < tables; ++k)
+        TORCH_CHECK(pos[m] >= 0 && pos[m] < cos_[k].size(0), "DecodeStack.run_tokens: positions[", m,
+                    "] = ", pos[m], " is outside the rotary table (", cos_[k].size(0), " positions)");
     }
     at::Tensor residual = at::empty({M, hidden}, embed_.options());
-    at::Tensor rot = at::empty({2, M, D}, embed_.options());
+    at::Tensor rot = at::empty({2 * tables, M, R}, embed_.options());
     BF* res = residual.data_ptr<BF>();
     BF* rc = rot.data_ptr<BF>();
     const BF* emb = embed_.data_ptr<BF>();
-    const BF* ct = cos_.data_ptr<BF>();
-    const BF* st = sin_.data_ptr<BF>();
     for (int64_t m = 0; m < M; ++m) {
       std::memcpy(res + m * hidden, emb + ids[m] * hidden, sizeof(BF) * hidden);
-      std::memcpy(rc + m * D, ct + pos[m] * D, sizeof(BF) * D);
-      std::memcpy(rc + (M + m) * D, st + pos[m] * D, sizeof(BF) * D);
+      for (int64_t k = 0; k < tables; ++k) {
+        std::memcpy(rc + ((2 * k) * M + m) * R, cos_[k].data_ptr<BF>() + pos[m] * R, sizeof(BF) * R);
+        std::memcpy(rc + ((2 * k + 1) * M + m) * R, sin_[k].data_ptr<BF>() + pos[m] * R, sizeof(BF) * R);
+      }
     }
-    const at::Tensor delta = run(residual, rot[0], rot[1], slot_mapping, block_tables, context_lens);
+    if (embed_scale_ != 1.0) {  // the scale rounded to bf16, times each element, rounded
+      const float sc = static_cast<float>(BF(static_cast<float>(embed_scale_)));
+      for (int64_t i = 0; i < M * hidden; ++i) res[i] = BF(static_cast<float>(res[i]) * sc);
+    }
+    std::vector<at::Tensor> t{rot[0], rot[1]};
+    if (tables == 2) t.insert(t.end(), {rot[2], rot[3]});
+    const at::Tensor delta = run_rotary(residual, t, slot_mapping, block_tables, context_lens);
     at::Tensor out = at::empty({M, hidden}, embed_.options());
     const BF* dp = delta.data_ptr<BF>();
     const BF* w = final_norm_.data_ptr<BF>();
@@ -507,13 +660,23 @@ class DecodeStack : public torch::CustomClassHolder {
     return run_tokens(ids_t, pos_t, slot_t, tab_t, len_t);
   }
 
-  // All layers for M decode rows: residual [M, hidden] (the embeddings) is updated in place
-  // and the last layer's MLP output returned (the model adds it before its final norm).
+  // All layers for M decode rows: residual [M, hidden] (the embeddings, scaled) is updated in
+  // place and the last layer's MLP output returned (the model adds it before its final norm);
+  // cos, sin: the model's rotary rows [M, R]. A stack whose layers take the sliding layers'
+  // table too runs from run_rotary.
   at::Tensor run(at::Tensor residual, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
                  at::Tensor block_tables, at::Tensor context_lens) {
+    return run_rotary(residual, {cos, sin}, slot_mapping, block_tables, context_lens);
+  }
+
+  // run with the rotary rows as a list: [cos, sin] of the model's table, then (where layers
+  // take it) [cos, sin] of the sliding layers' table.
+  at::Tensor run_rotary(at::Tensor residual, std::vector<at::Tensor> tables, at::Tensor slot_mapping,
+                        at::Tensor block_tables, at::Tensor context_lens) {
+    const int64_t hidden = layers_[0].norms[kInputNorm].numel();
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
-                    residual.device().is_cpu() && residual.size(1) == layers_[0].ln1.numel(),
-                "DecodeStack: residual must be contiguous bfloat16 [M, ", layers_[0].ln1.numel(), "] on the CPU");
+                    residual.device().is_cpu() && residual.size(1) == hidden,
+                "DecodeStack: residual must be contiguous bfloat16 [M, ", hidden, "] on the CPU");
     const int64_t M = residual.size(0);
     TORCH_CHECK(M >= 1 && M <= kMaxRows, "DecodeStack takes 1 to ", kMaxRows, " rows, got ", M);
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
@@ -524,38 +687,49 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: block_tables and context_lens must be contiguous int32");
     check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(1),
                        layers_[0].k_cache.size(1), "DecodeStack");
-    const int64_t D = layers_[0].k_cache.size(3);
-    for (const auto* t : {&cos, &sin})
-      TORCH_CHECK(t->dim() == 2 && t->size(0) == M && t->size(1) == D && t->is_contiguous() &&
-                      t->scalar_type() == at::kBFloat16,
-                  "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", D, "]");
+    TORCH_CHECK(tables.size() == (uses_local_ ? 4u : 2u), "DecodeStack: ", uses_local_ ? 4 : 2,
+                " rotary tensors (cos, sin", uses_local_ ? ", then the sliding layers' cos, sin)" : ")",
+                ", got ", tables.size());
+    for (const auto& t : tables)
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == rot_ && t.is_contiguous() &&
+                      t.scalar_type() == at::kBFloat16,
+                  "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", rot_, "]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
                 "DecodeStack: slot_mapping must be contiguous int64");
     check_slots(slot_mapping.data_ptr<int64_t>(), M,
                 layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1), "DecodeStack");
-    if (D == 64) return run_impl<64>(residual, cos, sin, slot_mapping, block_tables, context_lens);
-    if (D == 128) return run_impl<128>(residual, cos, sin, slot_mapping, block_tables, context_lens);
-    return run_impl<0>(residual, cos, sin, slot_mapping, block_tables, context_lens);
+    const int64_t D = layers_[0].k_cache.size(3);
+    if (D == 64) return run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens);
+    if (D == 128) return run_impl<128>(residual, tables, slot_mapping, block_tables, context_lens);
+    return run_impl<0>(residual, tables, slot_mapping, block_tables, context_lens);
   }
 
  private:
-  // One parallel region for the whole step. Per layer: the norm and qkv_proj; rotary + KV
-  // write; attention, each thread running its share of the work items; then o_proj ..
-  // down_proj, the norm and SiLU between them. Row steps split the rows, matmuls the tiles.
+  void check_table(const at::Tensor& cos, const at::Tensor& sin, const char* fn) const {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == rot_ && cos.sizes() == sin.sizes() &&
+                    cos.is_contiguous() && sin.is_contiguous() &&
+                    cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+                "DecodeStack.", fn, ": cos/sin must be contiguous bfloat16 [P, ", rot_, "]");
+  }
+
+  // One parallel region for the whole step. Per layer: the norm and qkv_proj; q/k norms,
+  // rotary + KV write; attention, each thread running its share of the work items; then
+  // o_proj .. down_proj, the norms and the activation between them. Row steps split the
+  // rows, matmuls the tiles.
   template <int DT>
-  at::Tensor run_impl(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
+  at::Tensor run_impl(at::Tensor& residual, const std::vector<at::Tensor>& tables,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& context_lens) {
     using BF = c10::BFloat16;
     using Attention = DecodeAttention<BF, DT>;
     const int64_t M = residual.size(0), hidden = residual.size(1);
-    const int64_t D = layers_[0].k_cache.size(3);
+    const int64_t D = layers_[0].k_cache.size(3), R = rot_;
     const int64_t qkv_n = layers_[0].qkv.N, inter = layers_[0].gu.N / 2;
     const auto opts = residual.options();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    const BF* cos_p = cos.data_ptr<BF>();
-    const BF* sin_p = sin.data_ptr<BF>();
+    const BF* cos_p[2] = {tables[0].data_ptr<BF>(), tables.size() > 2 ? tables[2].data_ptr<BF>() : nullptr};
+    const BF* sin_p[2] = {tables[1].data_ptr<BF>(), tables.size() > 2 ? tables[3].data_ptr<BF>() : nullptr};
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     const int nthreads = std::max(1, at::get_num_threads());
     // The step's activations, one buffer each for all layers (each is consumed before the
@@ -580,32 +754,54 @@ class DecodeStack : public torch::CustomClassHolder {
     };
     std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),
         xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down));
-    // One plan for every layer (it depends only on the lengths); each layer sets its caches.
+    // One attention per distinct window, its plan for every layer of that window (the plan
+    // depends only on the lengths and the window); each layer sets its caches.
     const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, block_tables);
-    Attention att(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale, nthreads, attn);
+    std::vector<std::unique_ptr<Attention>> atts;
+    for (const int64_t w : windows_)
+      atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
+                                                 nthreads, attn, static_cast<int>(w)));
+    const BF* final_mlp_norm = layers_.back().norm(kMlpOutNorm);
 
     team_region([&](Team& t) {
-      AttnShare share;
-      share.plan(att, t.tid, t.n);
+      std::vector<AttnShare> shares(atts.size());
+      for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const StackLayer& s = layers_[l];
-        // Norm + qkv_proj.
+        Attention& att = *atts[s.attention];
+        const AttnShare& share = shares[s.attention];
+        // (The previous layer's MLP output norm,) residual add, norm, qkv_proj.
+        const BF* prev_out_norm = l ? layers_[l - 1].norm(kMlpOutNorm) : nullptr;
         t.rows(M, [&](int64_t m0, int64_t m1) {
-          const BF* w = s.ln1.data_ptr<BF>();
+          const BF* w = s.norm(kInputNorm);
           for (int64_t m = m0; m < m1; ++m) {
+            if (prev_out_norm) rms_row<BF>(delta + m * hidden, prev_out_norm, delta + m * hidden, hidden, eps);
             if (l) add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
             else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
           }
           s.qkv.sums(h1, M, m0, m1, xs1.data());
         }, s.qkv);
         t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
-        // Rotary + KV write, then attention: each thread its items.
+        // q/k norms, rotary + KV write, then attention: each thread its items.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           BF* kc = s.k_cache.data_ptr<BF>();
           BF* vc = s.v_cache.data_ptr<BF>();
-          for (int64_t m = m0; m < m1; ++m)
-            rotary_token<BF>(qkv_out + m * qkv_n, cos_p + m * D, sin_p + m * D, kc + slots[m] * kv_heads_ * D,
-                             vc + slots[m] * kv_heads_ * D, heads_, kv_heads_, D);
+          const BF* qn = s.norm(kQNorm);
+          const BF* kn = s.norm(kKNorm);
+          const BF* cp = cos_p[s.table];
+          const BF* sp = sin_p[s.table];
+          for (int64_t m = m0; m < m1; ++m) {
+            BF* row = qkv_out + m * qkv_n;
+            if (qn) {
+              for (int64_t h = 0; h < heads_; ++h) rms_row<BF>(row + h * D, qn, row + h * D, D, eps);
+              for (int64_t h = heads_; h < heads_ + kv_heads_; ++h)
+                rms_row<BF>(row + h * D, kn, row + h * D, D, eps);
+            }
+            BF* kd = kc + slots[m] * kv_heads_ * D;
+            BF* vd = vc + slots[m] * kv_heads_ * D;
+            if (R == D) rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D);
+            else rotary_token_partial<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, R);
+          }
         }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, block_tables)); });
         t.guarded([&] {
           for (int64_t it = share.i0; it < share.i1; ++it) att.run_item(it);
@@ -618,31 +814,62 @@ class DecodeStack : public torch::CustomClassHolder {
         }, s.o);
         t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
         t.rows(M, [&](int64_t m0, int64_t m1) {
-          const BF* w = s.ln2.data_ptr<BF>();
-          for (int64_t m = m0; m < m1; ++m)
+          const BF* w = s.norm(kPostAttentionNorm);
+          const BF* on = s.norm(kAttnOutNorm);
+          for (int64_t m = m0; m < m1; ++m) {
+            if (on) rms_row<BF>(o_out + m * hidden, on, o_out + m * hidden, hidden, eps);
             add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
+          }
           s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
         // A gated gate_up writes silu(gate) * up itself.
         t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down);
         if (!s.gu.gated || s.down.scratch(M))
           t.rows(M, [&](int64_t m0, int64_t m1) {
-            if (!s.gu.gated)
-              for (int64_t m = m0; m < m1; ++m)
-                silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+            if (!s.gu.gated) {
+              if (act_ == kGeluTanh) gelu_tanh_rows(gu_out, act, m0, m1, inter);
+              else
+                for (int64_t m = m0; m < m1; ++m)
+                  silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+            }
             s.down.sums(act, M, m0, m1, xs4.data());
           }, s.down);
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
       }
+      if (final_mlp_norm)  // the last layer's MLP output norm (the others' run in the next layer)
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          for (int64_t m = m0; m < m1; ++m)
+            rms_row<BF>(delta + m * hidden, final_mlp_norm, delta + m * hidden, hidden, eps);
+        }, layers_[0].qkv);
     });
     return out;
   }
 
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
-  double eps_;
-  at::Tensor embed_, cos_, sin_, final_norm_;  // bind_io's, for run_tokens
+  std::vector<int64_t> windows_;  // the distinct windows, in the layers' attention order
+  double eps_, scale_, embed_scale_;
+  int64_t heads_, kv_heads_, act_, rot_;
+  bool uses_local_ = false;
+  at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
   static constexpr int64_t kMaxRows = 4096;
-  int64_t heads_, kv_heads_;
-  double scale_;
 };
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_stack, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<double>>())
+      .def("run", &DecodeStack::run)
+      .def("run_rotary", &DecodeStack::run_rotary)
+      .def("bind_io", &DecodeStack::bind_io)
+      .def("bind_local_rotary", &DecodeStack::bind_local_rotary)
+      .def("run_tokens", &DecodeStack::run_tokens)
+      .def("run_lists", &DecodeStack::run_lists)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("max_rows", &DecodeStack::max_rows);
+}
+
+#endif  // AVX-512 BF16

@@ -1,0 +1,311 @@
+"""The whole-step decoder: a model's decoder layers bound into C++ DecodeStacks
+(servelm/kernels/csrc/decode_stack.cpp, `torch.classes.servelm_stack.DecodeStack`), which run
+a decode-only step from token ids to the final norm in one call.
+
+The stack runs any layer it can be told about: the model describes its layers here
+(`describe`: a StackDescription, the layer options the C++ side takes), or says why it
+cannot (a short reason, logged once when the model is bound; the per-op kernel path then
+runs its decode steps). A description covers
+
+    x = x + [attn_out_norm](o_proj(attention(rotary([q/k norm](qkv_proj(norm(x)))))))
+    x = x + [mlp_out_norm](down_proj(act(gate) * up))
+
+with RMSNorms (Gemma's (1 + w) is folded into the weights at load), an optional qkv bias,
+full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
+sliding window per layer, any softmax scale, SiLU or tanh-GELU, and an embedding scale.
+What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
+layer that does not run on the C++ int4 / int8 / bf16 kernels, a bias other than qkv's)
+keeps the model op by op. `servelm.models.decoder.CausalLM`'s stack methods delegate here.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from servelm.kernels import load_ops
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the layer description as the C++ constructor takes it (decode_stack.cpp's enums) ------
+
+class NormSlot(enum.IntEnum):
+    """Per layer, its norm weights in this order (an empty tensor where it has none)."""
+
+    INPUT = 0
+    POST_ATTENTION = 1
+    Q = 2
+    K = 3
+    ATTN_OUT = 4
+    MLP_OUT = 5
+
+
+class LayerOption(enum.IntEnum):
+    """Per layer, these integers."""
+
+    WINDOW = 0  # > 0: the layer attends its last WINDOW keys
+    ROTARY_TABLE = 1  # 0: the model's rotary table, 1: the sliding layers' (rotary_local)
+
+
+class ModelOption(enum.IntEnum):
+    NUM_HEADS = 0
+    NUM_KV_HEADS = 1
+    ROTARY_DIM = 2  # the first ROTARY_DIM dims of each head turn (head_dim: all)
+    ACTIVATION = 3  # an Activation
+
+
+class ModelScalar(enum.IntEnum):
+    EPS = 0
+    SCALE = 1  # the softmax scale
+    EMBED_SCALE = 2
+
+
+class Activation(enum.IntEnum):
+    SILU = 0
+    GELU_TANH = 1
+
+
+_ACTIVATIONS = {"silu": Activation.SILU, "gelu_tanh": Activation.GELU_TANH}
+
+
+@dataclass(frozen=True)
+class LayerDescription:
+    qk_norm: bool
+    sandwich_norms: bool
+    qkv_bias: bool
+    window: int  # 0: full attention
+    local_rotary: bool
+
+
+@dataclass(frozen=True)
+class StackDescription:
+    """What the DecodeStack needs to know of a model beyond its tensors."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    activation: Activation
+    eps: float
+    scale: float
+    embed_scale: float
+    layers: tuple[LayerDescription, ...]
+
+    def layer_options(self) -> list[int]:
+        out = []
+        for layer in self.layers:
+            opts = [0] * len(LayerOption)
+            opts[LayerOption.WINDOW] = layer.window
+            opts[LayerOption.ROTARY_TABLE] = int(layer.local_rotary)
+            out += opts
+        return out
+
+    def model_options(self) -> list[int]:
+        opts = [0] * len(ModelOption)
+        opts[ModelOption.NUM_HEADS] = self.num_heads
+        opts[ModelOption.NUM_KV_HEADS] = self.num_kv_heads
+        opts[ModelOption.ROTARY_DIM] = self.rotary_dim
+        opts[ModelOption.ACTIVATION] = int(self.activation)
+        return opts
+
+    def model_scalars(self) -> list[float]:
+        s = [0.0] * len(ModelScalar)
+        s[ModelScalar.EPS] = self.eps
+        s[ModelScalar.SCALE] = self.scale
+        s[ModelScalar.EMBED_SCALE] = self.embed_scale
+        return s
+
+
+def available() -> bool:
+    """Whether decode_stack.cpp registered the DecodeStack class: it builds empty on a CPU
+    without AVX-512 BF16 (torch.classes raises RuntimeError, not AttributeError, for a
+    missing one)."""
+    if not load_ops("decode_stack"):
+        return False
+    try:
+        torch.classes.servelm_stack.DecodeStack
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+# ---- describing a model ----------------------------------------------------------------------
+
+def describe_layer(layer) -> LayerDescription | str:
+    """The layer as the stack takes it, or why it cannot (a short reason)."""
+    from servelm.models.layers import Attention, GatedMLP
+
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention:  # e.g. tensor parallel's, which all-reduce its output
+        return f"its attention is {type(attn).__name__}, not the plain Attention"
+    if type(mlp) is not GatedMLP:
+        return (f"its MLP is {type(mlp).__name__} (routed experts run op by op)"
+                if hasattr(mlp, "experts_gate_up") or "MoE" in type(mlp).__name__
+                else f"its MLP is {type(mlp).__name__}, not the plain GatedMLP")
+    if mlp.act not in _ACTIVATIONS:
+        return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
+    if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
+        return "it has one sandwich norm without the other"
+    return LayerDescription(qk_norm=attn.q_norm is not None,
+                            sandwich_norms=layer.attn_out_norm is not None,
+                            qkv_bias=attn.qkv_proj.bias is not None,
+                            window=attn.window or 0, local_rotary=bool(layer.local_rotary))
+
+
+def describe(model) -> StackDescription | str:
+    """The model as the stack takes it, or why it cannot (the first layer's reason)."""
+    cfg = model.config
+    layers = []
+    for i, layer in enumerate(model.layers):
+        d = describe_layer(layer)
+        if isinstance(d, str):
+            return f"layer {i}: {d}"
+        layers.append(d)
+    attn = model.layers[0].self_attn
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale):
+            return f"layer {i}: its heads or softmax scale differ from layer 0's"
+        if layer.mlp.act != model.layers[0].mlp.act:
+            return f"layer {i}: its activation differs from layer 0's"
+    rotary_dim = cfg.rotary_dim or attn.head_dim
+    if model.rotary.cos.shape[-1] != rotary_dim:
+        return "its rotary table is not rotary_dim wide"
+    if any(d.local_rotary for d in layers) and model.rotary_local is None:
+        return "a layer takes the sliding layers' rotary table, which the model lacks"
+    return StackDescription(
+        num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
+        eps=model.layers[0].input_layernorm.eps, scale=attn.scale,
+        embed_scale=cfg.embed_scale, layers=tuple(layers))
+
+
+def layer_args(layer, rows: int = 1) -> tuple | str:
+    """The layer's tensors for a DecodeStack of steps of `rows` rows: (weights, format
+    codes, norms in NormSlot order, qkv bias), or why not (a linear layer not on the C++
+    kernels for calls of that many rows, a bias other than qkv's)."""
+    from servelm.layers.stack import kernel_weights
+
+    d = describe_layer(layer)
+    if isinstance(d, str):
+        return d
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    parts = [kernel_weights(m, rows) for m in linears]
+    for name, p in zip(names, parts):
+        if p is None:
+            return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
+    for name, m in zip(names[1:], linears[1:]):
+        if getattr(m, "bias", None) is not None:
+            return f"its {name} has a bias"
+    none = torch.empty(0)
+    norms = [none] * len(NormSlot)
+    norms[NormSlot.INPUT] = layer.input_layernorm.weight
+    norms[NormSlot.POST_ATTENTION] = layer.post_attention_layernorm.weight
+    if attn.q_norm is not None:
+        norms[NormSlot.Q], norms[NormSlot.K] = attn.q_norm.weight, attn.k_norm.weight
+    if layer.attn_out_norm is not None:
+        norms[NormSlot.ATTN_OUT] = layer.attn_out_norm.weight
+        norms[NormSlot.MLP_OUT] = layer.mlp_out_norm.weight
+    bias = attn.qkv_proj.bias
+    return ([t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms,
+            none if bias is None else bias)
+
+
+def build(description: StackDescription, parts: list[tuple], kv_caches: list[tuple]):
+    """A DecodeStack of these layers (layer_args of each) over their KV caches."""
+    return torch.classes.servelm_stack.DecodeStack(
+        [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
+        [t for p in parts for t in p[2]], [p[3] for p in parts],
+        [k for k, _ in kv_caches], [v for _, v in kv_caches],
+        description.layer_options(), description.model_options(), description.model_scalars())
+
+
+# ---- binding ---------------------------------------------------------------------------------
+
+_logged: set[str] = set()
+
+
+def _not_used(reason: str) -> bool:
+    """Says once per reason (at start-up: models are bound once) why decode steps run op by
+    op; returns False."""
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("DecodeStack not used, decode steps run op by op: %s", reason)
+    return False
+
+
+def unsupported_reason(model, kv_caches: list[tuple] | None = None) -> str | None:
+    """Why this model (over these caches) cannot run on a DecodeStack at all, or None."""
+    if kv_caches is not None and any(len(kv) != 2 for kv in kv_caches):
+        return "the KV cache is quantised (the stack reads bf16 caches only)"
+    if not (load_ops("quant") and load_ops("ops") and available()):
+        return "the C++ kernels (AVX-512 BF16) are not available here"
+    if model.embed_tokens.weight.dtype != torch.bfloat16:
+        return f"the model runs in {model.embed_tokens.weight.dtype}, not bfloat16"
+    d = describe(model)
+    return d if isinstance(d, str) else None
+
+
+def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """CausalLM.bind_decode_layers: one DecodeStack per run of row buckets
+    (linear_methods.BUCKET_ROWS) whose calls every linear layer runs on the same modules,
+    each over all layers and their KV caches, with the embedding, rotary tables and final
+    norm bound for run_tokens. The linear layers must be int4 / int8 / bf16 kernel layers
+    (int4 also in q8act's panels; bf16, or int4 / int8 dequantised, in AMX tile order):
+    servelm.tuning may choose q8act for one and a few rows and amx from 23, and then both
+    kinds of step run on a stack (each holds the weights by reference). As the per-op
+    kernels, from 48 rows (24 with an int8 layer, bf16 tiles from 8) its matmuls decode each
+    weight tile once. Sets model._decode_stacks [(first rows, last rows, stack)],
+    model._decode_kv and model.fused_decode; True when at least one stack is bound."""
+    from servelm.layers.linear_methods import BUCKET_ROWS, bucket_row_range
+
+    model.fused_decode, model._decode_stacks, model._decode_kv = False, [], None
+    reason = unsupported_reason(model, kv_caches)
+    if reason is not None:
+        return _not_used(reason)
+    desc = describe(model)
+    linears = [m for layer in model.layers for m in layer.linears()]
+    # Per bucket, the module every linear layer runs a call of that many rows on.
+    used = [[id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
+            for rows in BUCKET_ROWS]
+    groups: list[list[int]] = []  # runs of buckets on the same modules
+    for b in range(len(BUCKET_ROWS)):
+        if groups and used[b] == used[groups[-1][0]]:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    bf16 = torch.bfloat16
+    # The rotary tables rounded to bf16 once (rounding commutes with the per-step gather).
+    cos, sin = model.rotary.cos.to(bf16).contiguous(), model.rotary.sin.to(bf16).contiguous()
+    local = None
+    if any(d.local_rotary for d in desc.layers):
+        r = model.rotary_local
+        local = r.cos.to(bf16).contiguous(), r.sin.to(bf16).contiguous()
+    reasons = []
+    for group in groups:
+        parts = [layer_args(layer, BUCKET_ROWS[group[0]]) for layer in model.layers]
+        bad = next(((i, p) for i, p in enumerate(parts) if isinstance(p, str)), None)
+        if bad is not None:
+            reasons.append(f"layer {bad[0]}: {bad[1]}")
+            continue
+        stack = build(desc, parts, kv_caches)
+        # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
+        stack.bind_io(model.embed_tokens.weight, cos, sin, model.norm.weight)
+        if local is not None:
+            stack.bind_local_rotary(*local)
+        lo, hi = bucket_row_range(group[0])[0], bucket_row_range(group[-1])[1]
+        hi = min(hi, stack.max_rows())
+        if lo <= hi:
+            model._decode_stacks.append((lo, hi, stack))
+    if not model._decode_stacks:
+        return _not_used("; ".join(dict.fromkeys(reasons)) or "no row bucket it can run")
+    model._decode_kv = kv_caches
+    model.fused_decode = True
+    return True

@@ -1,0 +1,260 @@
+"""The DecodeStack on every family whose layers it can describe (servelm.models.decode_stack):
+Qwen3 (q/k norms), Mistral (a window on every layer), Phi-3 (partial rotary), Gemma 3 (q/k
+norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax scale, an
+embedding scale), Qwen2 (qkv bias) and Llama, each against the per-op kernel path on tiny
+random models, int4 and bf16 weights, contexts short of and past the window. A family it
+cannot describe (routed experts) runs op by op and says why.
+
+Bit for bit: the per-op path's q/k norms run the same row kernel as the stack's (a head a
+row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+
+from servelm import quantization as Q
+from servelm.engine.model_runner import SeqInput, build_forward_batch
+from servelm.kernels import load_ops
+from servelm.models import decode_stack
+from servelm.models.config import FULL, SLIDING, ModelConfig
+from servelm.models.decoder import CausalLM
+from tests.helpers import method_targets
+
+pytestmark = pytest.mark.skipif(
+    not (Q.kernels_available() and load_ops("ops") and decode_stack.available()),
+    reason="needs the C++ kernels (AVX-512 BF16)")
+
+BS = 16  # KV block size
+WINDOW = 24  # the sliding layers' window: some contexts below run past it
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+            num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+FAMILIES = {
+    "llama": dict(architecture="LlamaForCausalLM"),
+    "qwen2": dict(architecture="Qwen2ForCausalLM", family="qwen2", attention_bias=True),
+    "qwen3": dict(architecture="Qwen3ForCausalLM", family="qwen3", qk_norm=True, head_dim=32),
+    "mistral": dict(architecture="MistralForCausalLM", sliding_window=WINDOW,
+                    layer_types=(SLIDING,) * 3),
+    "phi3": dict(architecture="Phi3ForCausalLM", family="phi3", rotary_dim=8),
+    "gemma3": dict(architecture="Gemma3ForCausalLM", family="gemma3", qk_norm=True,
+                   sandwich_norms=True, hidden_act="gelu_tanh", head_dim=32,
+                   embed_scale=math.sqrt(64), attn_scale=24 ** -0.5, sliding_window=WINDOW,
+                   layer_types=(SLIDING, FULL, SLIDING), rope_local_theta=10000.0,
+                   rope_theta=1e6, final_logit_softcap=30.0),
+}
+
+
+def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
+    cfg = ModelConfig(**{**BASE, **FAMILIES[family]})
+    torch.manual_seed(seed)
+    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(torch.bfloat16)
+    if fmt == "bf16":  # bf16 weights in the kernels' tiles
+        method_targets(model.layers, Q.TARGETS, "tiles")
+    else:
+        Q.quantize_model(model.layers, fmt)
+    model.select_ops(True)  # the per-op path on servelm's C++ ops, as the runner selects it
+    return model.eval()
+
+
+def _setup(cfg: ModelConfig, lens: list[int], seed: int = 1):
+    """Decode rows with these context lengths, random KV pools, the runner's batch."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BS) for n in lens) + 4
+    shape = (cfg.num_layers, 2, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
+    data = torch.randn(shape, generator=g).bfloat16()
+    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
+    perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
+    seqs, at = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // BS)
+        seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
+        at += nb
+    batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
+                                   torch.device("cpu"), "cpu")
+    return batch, data, caches
+
+
+def _both(model, batch, data, caches):
+    """(hidden, KV pool) from the per-op kernel path and from the stack."""
+    assert model.bind_decode_layers(caches)
+    results = []
+    for fused in (False, True):
+        saved = data.clone()
+        model.fused_decode = fused
+        with torch.inference_mode():
+            hidden = model(batch, caches)
+        results.append((hidden, data.clone()))
+        data.copy_(saved)
+    return results
+
+
+# Contexts: one row; either side of the window and past it; 50 rows (from 48 the int4
+# matmuls decode each weight tile once).
+LENS = [[1], [WINDOW - 1, WINDOW, WINDOW + 1, 100, 17, 300], list(range(1, 200, 4))]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_on_the_stack_is_the_per_op_path(family, fmt):
+    model = _model(family, fmt)
+    assert model.decode_stack_supported()
+    for lens in LENS:
+        batch, data, caches = _setup(model.config, lens)
+        before = data.clone()
+        (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+        assert torch.equal(h0, h1)
+        assert torch.equal(kv0, kv1)  # each layer's new K/V written alike
+        assert not torch.equal(kv0, before)
+
+
+def test_the_description_carries_each_layer_option():
+    d = decode_stack.describe(_model("gemma3", "int4"))
+    assert [(x.window, x.local_rotary) for x in d.layers] == [(WINDOW, True), (0, False),
+                                                                (WINDOW, True)]
+    assert all(x.qk_norm and x.sandwich_norms and not x.qkv_bias for x in d.layers)
+    assert d.activation == decode_stack.Activation.GELU_TANH and d.scale == 24 ** -0.5
+    assert d.embed_scale == 8.0 and d.rotary_dim == 32
+    assert decode_stack.describe(_model("phi3", "int4")).rotary_dim == 8
+    assert decode_stack.describe(_model("qwen2", "int4")).layers[0].qkv_bias
+    assert decode_stack.describe(_model("mistral", "int4")).layers[2].window == WINDOW
+
+
+def test_a_moe_model_runs_op_by_op_and_says_why(caplog):
+    cfg = ModelConfig(**{**BASE, "architecture": "Qwen3MoeForCausalLM", "family": "qwen3_moe",
+                         "qk_norm": True, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32})
+    torch.manual_seed(0)
+    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings).to(torch.bfloat16)
+    reason = decode_stack.describe(model)
+    assert isinstance(reason, str) and "layer 0" in reason and "experts" in reason
+    assert not model.decode_stack_supported()
+    _, _, caches = _setup(cfg, [4])
+    with caplog.at_level(logging.INFO, logger="servelm.models.decode_stack"):
+        assert not model.bind_decode_layers(caches) and not model.fused_decode
+    assert reason in caplog.text
+    assert model.decode_stack_ranges() == []
+
+
+def test_run_rotary_takes_both_tables_and_the_stack_checks_its_description():
+    """run_rotary (from embedded rows and each table's cos/sin rows) is run_tokens' middle;
+    a description the stack cannot run is refused by name."""
+    model = _model("gemma3", "int4")
+    cfg = model.config
+    lens = [3, 40, 9]
+    batch, data, caches = _setup(cfg, lens)
+    assert model.bind_decode_layers(caches)
+    stack = model._decode_stacks[0][2]
+    dec = batch.attn.decodes
+    args = (batch.slot_mapping, dec.block_tables, dec.context_lens)
+    with torch.inference_mode():
+        saved = data.clone()
+        want = stack.run_tokens(batch.input_ids, batch.positions, *args)
+        data.copy_(saved)
+        x = model.embed(batch.input_ids)
+        tables = [t for r in (model.rotary, model.rotary_local)
+                  for t in r.cos_sin(batch.positions, torch.bfloat16)]
+        delta = stack.run_rotary(x, tables, *args)
+        got = torch.ops.servelm_ops.fused_add_rms_norm(delta, x, model.norm.weight,
+                                                       model.norm.eps)
+        assert torch.equal(got, want)
+        with pytest.raises(RuntimeError, match="4 rotary tensors"):
+            stack.run(x, *tables[:2], *args)
+    desc = decode_stack.describe(model)
+    parts = [decode_stack.layer_args(layer) for layer in model.layers]
+    with pytest.raises(RuntimeError, match="rotary_dim must be even"):
+        decode_stack.build(dataclasses.replace(desc, rotary_dim=7), parts, caches)
+    with pytest.raises(RuntimeError, match="neither SiLU"):
+        decode_stack.build(dataclasses.replace(desc, activation=5), parts, caches)
+    no_k = [(w, f, [n if i != decode_stack.NormSlot.K else torch.empty(0)
+                    for i, n in enumerate(norms)], b) for w, f, norms, b in parts]
+    with pytest.raises(RuntimeError, match="q and k norms come together"):
+        decode_stack.build(desc, no_k, caches)
+
+
+# ---------------------------------------------------------------- through the engine
+
+ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_llms(tmp_path_factory, hf_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    from servelm import LLM
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    out = {}
+    for i, (name, (config_cls, model_cls, extra)) in enumerate(ENGINE_FAMILIES.items()):
+        torch.manual_seed(i)
+        cfg = getattr(transformers, config_cls)(vocab_size=hf_tokenizer.vocab_size,
+                                                **{**common, **extra})
+        model = getattr(transformers, model_cls)(cfg).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.add_(torch.randn_like(p) * 0.2)
+        d = tmp_path_factory.mktemp(f"hf-{name}")
+        model.save_pretrained(d)
+        hf_tokenizer.save_pretrained(d)
+        # No prefix caching: both runs must batch the same rows.
+        out[name] = LLM(model=str(d), dtype="bfloat16", quantization="int4",
+                        linear_method="tiles", kv_cache_memory=16 << 20, max_model_len=256,
+                        enable_prefix_caching=False)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(ENGINE_FAMILIES))
+def test_engine_runs_each_familys_decode_steps_on_the_stack(family, family_llms):
+    from servelm import SamplingParams
+
+    llm = family_llms[family]
+    model = llm.engine.executor.model
+    assert model.fused_decode
+    real, calls = model._decode_stacks, []
+
+    class Counting:
+        def __init__(self, stack):
+            self.stack = stack
+
+        def run_lists(self, *a):
+            calls.append(len(a[0]))
+            return self.stack.run_lists(*a)
+
+        def run_tokens(self, *a):
+            calls.append(a[0].shape[0])
+            return self.stack.run_tokens(*a)
+
+    prompts = [list(range(10, 40)), [5, 6, 7], list(range(100, 140))]  # past the window
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    try:
+        model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
+        fused = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        model.fused_decode = False
+        per_op = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        model._decode_stacks, model.fused_decode = real, True
+    assert 3 in calls  # decode steps of all three went through the stack
+    for a, b in zip(fused, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
