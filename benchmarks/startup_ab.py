@@ -4,7 +4,8 @@ alternating in one run.
     python benchmarks/startup_ab.py --base REV [--model PATH] [--quantization int4|int8|none]
                                     [--dtype bfloat16|float32|auto]
                                     [--kernel-tuning cached|fresh] [--rounds N]
-                                    [--base-kernels DIR] [--streams N] [--ttft N[,N...]]
+                                    [--base-kernels DIR] [--base-tree DIR] [--streams N]
+                                    [--ttft N[,N...]]
                                     [--without-amx]
 
 Each side builds `LLM(model, dtype, quantization, kernel_tuning)` (dtype bfloat16 unless
@@ -69,7 +70,8 @@ if ttfts:
 if "kernel_tuning" in inspect.signature(LLM).parameters:  # else: from before the tuner
     kw.update(kernel_tuning=sys.argv[3], tuning_cache_dir=sys.argv[5])
 llm = LLM(dtype=sys.argv[7], quantization=q, **kw)
-tuning = getattr(llm.engine, "tuning", None)
+executor = getattr(llm.engine, "executor", None)  # the model's side, where it has one
+tuning = getattr(executor or llm.engine, "tuning", None)
 out = {"start": time.perf_counter() - t, "tuning": tuning.seconds if tuning else 0.0,
        "source": tuning.source if tuning else "none"}
 vocab = llm.get_tokenizer().vocab_size
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--base-kernels", default=None,
                     help="where REV's kernels are built (default: a temporary directory)")
+    ap.add_argument("--base-tree", default=None, metavar="DIR",
+                    help="an existing checkout of REV to run (kept; with --base-kernels its "
+                         "kernels are built once for all runs) instead of a temporary worktree")
     ap.add_argument("--streams", type=int, default=0,
                     help="also time generation with this many streams (e.g. 64)")
     ap.add_argument("--ttft", default="", metavar="N[,N...]",
@@ -135,9 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     if rev.returncode:
         ap.error(f"--base {args.base}: not a revision of this repository")
     with tempfile.TemporaryDirectory(prefix="servelm-startup-ab-") as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), rev.stdout.strip()],
-                       cwd=ROOT, check=True, capture_output=True)
+        base = Path(args.base_tree) if args.base_tree else Path(tmp) / "base"
+        if not args.base_tree:
+            subprocess.run(["git", "worktree", "add", "--detach", str(base), rev.stdout.strip()],
+                           cwd=ROOT, check=True, capture_output=True)
         try:
             kernels = args.base_kernels or str(Path(tmp) / "kernels")
             env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16") \
@@ -175,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"round {r + 1} {side}: start {got['start']:.2f} s, tuning "
                           f"{got['source']} {got['tuning']:.2f} s{streams}", flush=True)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
-                           capture_output=True)
+            if not args.base_tree:
+                subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
+                               capture_output=True)
     for key in ("start", "tuning"):
         b = statistics.median(x[key] for x in res["base"])
         t = statistics.median(x[key] for x in res["tree"])
