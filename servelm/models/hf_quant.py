@@ -1,6 +1,6 @@
 """Pre-quantised Hugging Face checkpoints: AWQ, GPTQ and compressed-tensors integer weights.
 
-servelm runs its own int4 / int8 weight formats (servelm/quantization.py), so a quantised
+servelm runs its own int4 / int8 weight formats (servelm.quantization), so a quantised
 checkpoint is read as what it is (`HFQuant`, from config.json's quantization_config: which
 format to run it in by default) and each packed linear layer is unpacked here to its dense
 weight, exactly (q - z) * s in fp32, for the engine to quantise again in its own layout.
