@@ -219,3 +219,40 @@ def real_model(name: str) -> str:
     if not path.is_file():
         pytest.skip(f"{name} is not fetched: python scripts/fetch_models.py {name}")
     return str(path)
+
+
+def generate_with_and_without_the_stack(llm, prompts: list[list[int]], sp):
+    """The engine's outputs for `prompts` (token ids) with its DecodeStacks, counting the rows
+    of each stack call, then op by op (fused_decode off): (fused, per_op, rows per call)."""
+    model = llm.engine.executor.model
+    real, calls = model._decode_stacks, []
+
+    class Counting:  # a stack, counting its calls (run_tokens: whole steps from token ids)
+        def __init__(self, stack):
+            self.stack = stack
+
+        def run(self, *a):
+            calls.append(a[0].shape[0])
+            return self.stack.run(*a)
+
+        def run_rotary(self, *a):
+            calls.append(a[0].shape[0])
+            return self.stack.run_rotary(*a)
+
+        def run_tokens(self, *a):
+            calls.append(a[0].shape[0])
+            return self.stack.run_tokens(*a)
+
+        def run_lists(self, *a):
+            calls.append(len(a[0]))
+            return self.stack.run_lists(*a)
+
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    try:
+        model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
+        fused = llm.generate(requests, sp, use_tqdm=False)
+        model.fused_decode = False
+        per_op = llm.generate(requests, sp, use_tqdm=False)
+    finally:
+        model._decode_stacks, model.fused_decode = real, True
+    return fused, per_op, calls

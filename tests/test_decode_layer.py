@@ -19,7 +19,7 @@ from servelm.layers.stack import StackFormat
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
-from tests.helpers import method_targets
+from tests.helpers import generate_with_and_without_the_stack, method_targets
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
@@ -337,35 +337,10 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     llm = bf16_quant_llms[quant]
     model = llm.engine.executor.model
     assert model.fused_decode
-    runs = []
-    real = model._decode_stacks
-
-    class Counting:  # a stack, counting its calls (run_tokens: whole steps from token ids)
-        def __init__(self, stack):
-            self.stack = stack
-
-        def run(self, *a):
-            runs.append(a[0].shape[0])
-            return self.stack.run(*a)
-
-        def run_tokens(self, *a):
-            runs.append(a[0].shape[0])
-            return self.stack.run_tokens(*a)
-
-        def run_lists(self, *a):
-            runs.append(len(a[0]))
-            return self.stack.run_lists(*a)
-
     ids = llm.get_tokenizer().encode("The first rule of serving language models is")
     prompts = [ids, ids[:3], list(range(1000, 1300))]  # one context past 256 tokens
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    try:
-        model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
-        fused = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        model.fused_decode = False
-        per_op = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    finally:
-        model._decode_stacks, model.fused_decode = real, True
+    fused, per_op, runs = generate_with_and_without_the_stack(llm, prompts, sp)
     assert 3 in runs  # decode steps of all three went through the stack
     for a, b in zip(fused, per_op):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -24,7 +24,7 @@ from servelm.kernels import load_ops
 from servelm.models import decode_stack
 from servelm.models.config import FULL, SLIDING, ModelConfig
 from servelm.models.decoder import CausalLM
-from tests.helpers import method_targets
+from tests.helpers import generate_with_and_without_the_stack, method_targets
 
 pytestmark = pytest.mark.skipif(
     not (Q.kernels_available() and load_ops("ops") and decode_stack.available()),
@@ -231,29 +231,9 @@ def test_engine_runs_each_familys_decode_steps_on_the_stack(family, family_llms)
     llm = family_llms[family]
     model = llm.engine.executor.model
     assert model.fused_decode
-    real, calls = model._decode_stacks, []
-
-    class Counting:
-        def __init__(self, stack):
-            self.stack = stack
-
-        def run_lists(self, *a):
-            calls.append(len(a[0]))
-            return self.stack.run_lists(*a)
-
-        def run_tokens(self, *a):
-            calls.append(a[0].shape[0])
-            return self.stack.run_tokens(*a)
-
     prompts = [list(range(10, 40)), [5, 6, 7], list(range(100, 140))]  # past the window
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    try:
-        model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
-        fused = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        model.fused_decode = False
-        per_op = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    finally:
-        model._decode_stacks, model.fused_decode = real, True
+    fused, per_op, calls = generate_with_and_without_the_stack(llm, prompts, sp)
     assert 3 in calls  # decode steps of all three went through the stack
     for a, b in zip(fused, per_op):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

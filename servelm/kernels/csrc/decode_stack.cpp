@@ -387,32 +387,6 @@ void team_region(const Body& body) {
 
 // ---------------------------------------------------------------- the layers' row steps
 
-// rotary_token for a partial rotary (the first R of each head's D dims turn, the rest pass
-// through), rounding as the PyTorch reference (servelm.models.layers.apply_rotary) that the
-// per-op path runs for it: x*cos and rotated*sin rounded to T, then summed and rounded.
-template <typename T>
-void rotary_token_partial(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t H,
-                          int64_t KVH, int64_t D, int64_t R) {
-  float c[kMaxD], s[kMaxD];
-  for (int64_t i = 0; i < R; ++i) { c[i] = to_f<T>(cos[i]); s[i] = to_f<T>(sin[i]); }
-  const int64_t half = R / 2;
-  auto rotate = [&](const T* x, T* y) {  // y may alias x
-    if (y != x) std::memcpy(y + R, x + R, sizeof(T) * (D - R));
-    if (rotate_vec(x, y, c, s, half)) return;
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
-      const float a1 = round_to<T>(x1 * c[i]), b1 = round_to<T>(-x2 * s[i]);
-      const float a2 = round_to<T>(x2 * c[i + half]), b2 = round_to<T>(x1 * s[i + half]);
-      y[i] = from_f<T>(a1 + b1);
-      y[i + half] = from_f<T>(a2 + b2);
-    }
-  };
-  for (int64_t h = 0; h < H; ++h) rotate(row + h * D, row + h * D);
-  const T* ksrc = row + H * D;
-  for (int64_t h = 0; h < KVH; ++h) rotate(ksrc + h * D, kdst + h * D);
-  std::memcpy(vdst, row + (H + KVH) * D, sizeof(T) * KVH * D);
-}
-
 // gelu_tanh(gate) * up for rows [m0, m1) of gu [M, 2 I] (gate, then up) into act [M, I]: the
 // PyTorch operators the per-op path runs (F.gelu(gate, approximate="tanh") * up), called on
 // this thread's rows (inside the parallel region ATen runs them on the calling thread; each
@@ -799,8 +773,7 @@ class DecodeStack : public torch::CustomClassHolder {
             }
             BF* kd = kc + slots[m] * kv_heads_ * D;
             BF* vd = vc + slots[m] * kv_heads_ * D;
-            if (R == D) rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D);
-            else rotary_token_partial<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, R);
+            rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, R);
           }
         }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, block_tables)); });
         t.guarded([&] {

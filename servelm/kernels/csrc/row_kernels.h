@@ -129,14 +129,17 @@ inline bool rotate_vec<c10::BFloat16>(const c10::BFloat16* x, c10::BFloat16* y, 
 #endif
 
 // One token: its H query heads rotated in place in row (q | k | v, D each), its KVH key heads
-// rotated into kdst and its values copied to vdst (the token's cache rows); cos/sin [D].
+// rotated into kdst and its values copied to vdst (the token's cache rows); cos/sin [R]. A
+// partial rotary (R < D: the first R of each head's D dims turn, the rest pass through).
 template <typename T>
 void rotary_token(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t H, int64_t KVH,
-                  int64_t D) {
+                  int64_t D, int64_t R = -1) {
+  if (R < 0) R = D;
   float c[kMaxD], s[kMaxD];
-  for (int64_t i = 0; i < D; ++i) { c[i] = to_f<T>(cos[i]); s[i] = to_f<T>(sin[i]); }
-  const int64_t half = D / 2;
+  for (int64_t i = 0; i < R; ++i) { c[i] = to_f<T>(cos[i]); s[i] = to_f<T>(sin[i]); }
+  const int64_t half = R / 2;
   auto rotate = [&](const T* x, T* y) {  // y may alias x
+    if (y != x && R < D) std::memcpy(y + R, x + R, sizeof(T) * (D - R));
     if (rotate_vec(x, y, c, s, half)) return;
     for (int64_t i = 0; i < half; ++i) {
       const float x1 = to_f<T>(x[i]), x2 = to_f<T>(x[i + half]);
