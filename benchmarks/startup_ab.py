@@ -15,7 +15,9 @@ seconds the engine took to start (loading, quantising, tuning or reading the tab
 building the layers) and the tuner's own seconds. With --streams N the same engine
 (max_num_seqs N) then generates 128 tokens for each of 2N prompts of 128 tokens (greedy,
 ignoring EOS) twice, after a short warm-up, and the side's figure is the faster run's
-output tokens per second (prefill included, as a batch of requests arriving at once).
+output tokens per second (prefill included, as a batch of requests arriving at once);
+--streams 1 also times the decode step alone (the median of a request's engine steps after
+its prompt's, the best of three requests).
 With --ttft N the engine (prefix caching off) also times one prompt of N tokens, one
 token out, three times after an untimed one, and the side's figure is the fastest.
 REV is checked out into a temporary git worktree, its C++ kernels built into their own
@@ -45,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
-import inspect, json, sys, time
+import inspect, json, statistics, sys, time
 t = time.perf_counter()
 from servelm import LLM, SamplingParams
 if sys.argv[8] == "1":  # --without-amx: servelm's AMX kernels (where this revision has them)
@@ -87,6 +89,18 @@ if streams:
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         best = max(best, n / (time.perf_counter() - t))
     out["tok_s"] = best
+    if streams == 1:  # the decode step alone: the median over a request's steps, best of 3
+        eng, per_request = llm.engine, []
+        for r in range(3):
+            eng.add_request(f"steps-{r}", None, sp, prompt_token_ids=ids[r])
+            times, done = [], False
+            while not done:
+                t = time.perf_counter()
+                outs = eng.step()
+                times.append(time.perf_counter() - t)
+                done = any(o.finished for o in outs)
+            per_request.append(statistics.median(times[2:]))  # after the prompt's step
+        out["step_ms"] = min(per_request) * 1000
 for n in ttfts:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
@@ -176,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                     res[side].append(start(side))
                     got = res[side][-1]
                     streams = f", {got['tok_s']:.1f} tok/s" if args.streams else ""
+                    streams += (f", decode step {got['step_ms']:.2f} ms"
+                                if "step_ms" in got else "")
                     streams += "".join(f", TTFT {n} {got[f'ttft_{n}'] * 1000:.0f} ms"
                                        for n in ttfts)
                     print(f"round {r + 1} {side}: start {got['start']:.2f} s, tuning "
@@ -196,6 +212,12 @@ def main(argv: list[str] | None = None) -> None:
         t = statistics.median(x["tok_s"] for x in res["tree"])
         print(f"{args.streams} streams: {args.base} {b:.1f} tok/s, this tree {t:.1f} tok/s; this "
               f"tree / {args.base} per round " + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f", median {statistics.median(ratios):.2f}x")
+    if args.streams == 1:  # the decode step alone (base time / tree time)
+        ratios = [b["step_ms"] / t["step_ms"] for b, t in zip(res["base"], res["tree"])]
+        print(f"decode step: {args.base} {statistics.median(x['step_ms'] for x in res['base']):.2f}"
+              f" ms, this tree {statistics.median(x['step_ms'] for x in res['tree']):.2f} ms; "
+              f"{args.base} / this tree per round " + ", ".join(f"{x:.2f}x" for x in ratios)
               + f", median {statistics.median(ratios):.2f}x")
     for n in ttfts:  # each round's pair (base time / tree time: over 1, the tree is faster)
         key = f"ttft_{n}"
