@@ -2,10 +2,11 @@
 
 `finalize_linears` turns every loaded linear layer into the module the engine runs: for
 each distinct layer (weight format, in x out features, bias) and row bucket
-(linear_methods.BUCKET_ROWS) it times every method that applies (linear_methods.METHODS),
-on the layer's own weights, and keeps the fastest one that passed a known-answer check
-against the fp32 reference. The table is cached per machine (CPU model and flags, threads,
-torch and kernel sources) in the user's cache directory, so the next start reads it back.
+(linear_methods.BUCKET_ROWS) it times every method its weight format can run
+(linear_methods.WeightFormat.methods), on the layer's own weights, and keeps the fastest
+one that passed a known-answer check against the fp32 reference. The table is cached per
+machine (CPU model and flags, threads, torch and kernel sources) in the user's cache
+directory, so the next start reads it back.
 
 The default method (tiles where they run) is kept unless another is faster by more than
 `MARGIN`: timings on a shared machine drift by a few percent, and the tiles (like q8act)
@@ -598,7 +599,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     for key, items in groups.items():
         src = items[0][3]
         default = lm.default_method(src, act, fast, auto=not forced)
-        applicable = [m for m in lm.METHODS if lm.applies(m, src, act, fast)]
+        fmt = lm.WeightFormat.of(src)
+        applicable = fmt.methods(src, act, fast)
         if not forced:
             applicable = [m for m in applicable if lm.tunable(m, act)]
         shape = ShapeChoice(key, [it[0] for it in items], [default] * len(lm.BUCKET_ROWS),
@@ -609,7 +611,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
         elif tune:
             # Dequantise + matmul every call (a quantised layer's reference) is never
             # the fastest; one candidate left is checked but needs no timing.
-            cands = [m for m in applicable if m != "torch" or isinstance(src, nn.Linear)]
+            cands = [m for m in applicable if m != "torch" or not fmt.quantised]
             entry = None if kcfg.tuning == "fresh" else cache.get(cache_keys[key])
             if entry is not None and not set(cands) <= set(entry.get("candidates", [])):
                 entry = None  # a method that runs here now was not measured: measure again

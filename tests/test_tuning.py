@@ -4,6 +4,7 @@ cache, the per-bucket dispatch, and every method against the fp32 reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -17,6 +18,15 @@ from servelm import tuning, tuning_cache
 from servelm.config import KernelConfig
 from servelm.layers import linear_methods as lm
 from servelm.prepack import PackedLinear
+
+
+def _never(monkeypatch, *names: str) -> None:
+    """The linear methods' registry with the methods `names` applying to no layer."""
+    methods = tuple(dataclasses.replace(m, runs=lambda src, act: False) if m.name in names
+                    else m for m in lm.LINEAR_METHODS)
+    monkeypatch.setattr(lm, "LINEAR_METHODS", methods)
+    monkeypatch.setattr(lm, "METHODS_BY_NAME", {m.name: m for m in methods})
+
 
 INF = math.inf
 
@@ -475,7 +485,7 @@ def test_fake_timings_pick_the_expected_methods(tmp_path, monkeypatch):
     if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
         pytest.skip("oneDNN cannot pack fp32 here")
     _fake_times(monkeypatch, {nn.Linear: {1, 8}, PackedLinear: {64, 512}})
-    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
+    _never(monkeypatch, "tiles")  # the same choice on every CPU
     model = _Block()
     x = torch.randn(3, 64)
     want = model(x)
@@ -537,9 +547,7 @@ def test_a_hopeless_method_is_scaled_not_timed_and_not_checked_for_invariance(tm
     monkeypatch.setattr(tuning, "_timed_call", fake)
     monkeypatch.setattr(tuning, "row_invariant",
                         lambda m, x: checked.append(type(m)) or real_inv(m, x))
-    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
-    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
-    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    _never(monkeypatch, "tiles", "gemv", "gemv_rows", "panels")  # the same choice on every CPU
     report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
     # oneDNN: the one-row bucket only (its check the first call there), for both shapes.
     onednn_rows = [r for t, r in timed if t is PackedLinear]
@@ -566,9 +574,7 @@ def test_past_a_compute_bound_bucket_a_lesser_gap_is_hopeless(tmp_path, monkeypa
         return mod(x), x.shape[0] * (5e-6 if isinstance(mod, PackedLinear) else 1e-6)
 
     monkeypatch.setattr(tuning, "_timed_call", fake)
-    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)
-    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
-    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    _never(monkeypatch, "tiles", "gemv", "gemv_rows", "panels")
     report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
     assert {r for t, r in timed if t is PackedLinear} == {1, 8, 64}
     assert {r for t, r in timed if t is nn.Linear} == set(lm.BUCKET_ROWS)
@@ -755,7 +761,7 @@ def _sliced(monkeypatch):
     monkeypatch.setattr(tuning, "SLICE_BYTES", 1)
     monkeypatch.setattr(tuning, "INVARIANCE_BYTES", 1)
     monkeypatch.setattr(tuning, "SLICE_MIN_OUT", 32)
-    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)
+    _never(monkeypatch, "tiles")
 
 
 def test_a_large_layer_is_timed_on_a_slice_only_at_prompt_sized_buckets(monkeypatch):
@@ -836,8 +842,7 @@ def test_a_method_wrong_on_the_whole_layer_but_right_on_its_slice_is_not_kept(tm
     if not lm.applies("onednn", nn.Linear(64, 96), torch.float32, True):
         pytest.skip("oneDNN cannot pack fp32 here")
     _sliced(monkeypatch)
-    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
-    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    _never(monkeypatch, "gemv", "gemv_rows", "panels")
     real_build = lm.build
     monkeypatch.setattr(lm, "build", lambda m, src, act: _WrongPastEight(real_build(m, src, act))
                         if m == "onednn" and src.out_features > 32 else real_build(m, src, act))
@@ -977,9 +982,7 @@ def test_a_long_one_row_call_does_not_scale_the_few_row_bucket(tmp_path, monkeyp
         return mod(x), rows * (2e-3 if packed else 1e-3)  # 64 rows: past EXTRAPOLATE_S
 
     monkeypatch.setattr(tuning, "_timed_call", fake)
-    monkeypatch.setattr(lm, "_tiles_ok", lambda *a: False)  # the same choice on every CPU
-    monkeypatch.setattr(lm.gemv, "applies", lambda *a: False)
-    monkeypatch.setattr(lm.panels, "applies", lambda *a: False)
+    _never(monkeypatch, "tiles", "gemv", "gemv_rows", "panels")  # the same choice on every CPU
     report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh",
                                                            batch_invariant=False))
     for shape in report.shapes:

@@ -20,12 +20,22 @@ the source, a module computing the same function (up to its rounding) in its own
 | bfp      | bf16 (bf16 activations only), int8 | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32, within bf16's output rounding of the bf16 product; int8 weights are their own mantissas (a byte each, widened as read) against 15-bit activation blocks |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
+Each method is a `LinearMethod` (its name, whether it applies, how it builds, its flags for
+the tuner), registered once in `LINEAR_METHODS` in the untuned default's order of
+preference; `METHODS`, `BF16_INSIDE`, `DEQUANTISED`, `applies`, `build`, `tunable` and
+`default_method` read that registry. A source's format is a `WeightFormat` (`of(src)`): its
+name (the tuner's cache keys), its fp32 reference weight, a head of its first outputs, and
+the methods that can run it (`methods`).
+
 `BucketedLinear` holds one module per row bucket (`BUCKET_ROWS`: one row, a few, a batch,
 prompt-sized) and runs the one for the call's row count; where every bucket chose the same
 method the layer is that module alone. servelm.tuning decides which, once, at start-up.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +52,6 @@ from servelm.quantization.numerics import tinygemm_operands, unpack_int4
 # 23-181 | 182+).
 BUCKET_ROWS = (1, 8, 64, 512)
 _BOUNDS = (1, 22, 181)
-# In the order the untuned default prefers them (default_method).
-METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows", "panels",
-           "q8act", "bfp", "amx", "torch")
 
 
 def bucket_row_range(bucket: int) -> tuple[int, int]:
@@ -61,88 +68,240 @@ def bucket_of(rows: int) -> int:
     return len(_BOUNDS)
 
 
-def weight_format(src: nn.Module) -> str:
-    """'bfloat16', 'float32', 'int8' or 'int4g<group>': what a source layer stores."""
-    if isinstance(src, Int4Linear):
-        return f"int4g{src.group_size}"
-    if isinstance(src, Int8Linear):
-        return "int8"
-    if isinstance(src, nn.Linear):
-        return str(src.weight.dtype).removeprefix("torch.")
-    raise TypeError(f"not a linear layer source: {type(src).__name__}")
+# ---------------------------------------------------------------- weight formats
 
+@dataclass(frozen=True)
+class WeightFormat:
+    """What a source layer stores: a plain weight of one dtype (kind 'bfloat16', 'float32',
+    'float16', ...: an nn.Linear) or servelm's int8 (per output channel) or int4 (per group of
+    `group_size` inputs) quantisation. `of(src)` reads it from a source once; the rest asks
+    the format, not the layer's class. It lives beside the methods, not in
+    servelm.quantization.formats, because `methods` reads their registry, which sits above
+    quantization in the import layering.
 
-def reference_weight(src: nn.Module) -> torch.Tensor:
-    """The source's weights [N, K] in fp32: what every method must compute with."""
-    if isinstance(src, nn.Linear):
+    Each method taking `src` expects a source of this format (the one `of` returned it for)."""
+
+    kind: str
+    group_size: int = 0  # int4: the inputs sharing a scale and a min
+
+    @staticmethod
+    def of(src: nn.Module) -> "WeightFormat":
+        """The format of a source layer: an nn.Linear, an Int4Linear or an Int8Linear."""
+        if isinstance(src, Int4Linear):
+            return WeightFormat("int4", src.group_size)
+        if isinstance(src, Int8Linear):
+            return WeightFormat("int8")
+        if isinstance(src, nn.Linear):
+            return WeightFormat(str(src.weight.dtype).removeprefix("torch."))
+        raise TypeError(f"not a linear layer source: {type(src).__name__}")
+
+    @property
+    def quantised(self) -> bool:
+        """int4 or int8: the weight is codes and scales, not the model dtype's values."""
+        return self.kind in ("int4", "int8")
+
+    @property
+    def name(self) -> str:
+        """'bfloat16', 'float32', 'int8' or 'int4g<group>': the tuner's cache keys start with
+        it (servelm.tuning), so it never changes for a format."""
+        return f"int4g{self.group_size}" if self.kind == "int4" else self.kind
+
+    def stored(self, src: nn.Module) -> torch.Tensor:
+        """The tensor holding the source's weight: its own (plain) or its codes (quantised)."""
+        return src.qweight if self.quantised else src.weight
+
+    def device(self, src: nn.Module) -> torch.device:
+        return self.stored(src).device
+
+    def reference(self, src: nn.Module) -> torch.Tensor:
+        """The source's weights [N, K] in fp32: what every method must compute with."""
+        if self.quantised:
+            return src.dequantize(torch.float32)
         return src.weight.detach().float()
-    return src.dequantize(torch.float32)
+
+    @torch.no_grad()
+    def head(self, src: nn.Module, n: int) -> nn.Module:
+        """A source of this format holding `src`'s first n output features (n a multiple of
+        16, the tiles' height)."""
+        if n % 16 or not 0 < n <= src.out_features:
+            raise ValueError(f"head: n must be a multiple of 16 in 1..{src.out_features}, got {n}")
+        bias = None if src.bias is None else src.bias[:n].clone()
+        if self.kind == "int4":
+            t = n // 16
+            return Int4Linear(src.qweight[:t].clone(), src.scales[:t].clone(),
+                              src.mins[:t].clone(), src.group_size, n, bias,
+                              use_kernel=src.use_kernel)
+        if self.kind == "int8":
+            return Int8Linear(src.int8_weight()[:n].clone(), src.scales[:n].clone(), bias,
+                              tiled=src.tiled, use_kernel=src.use_kernel)
+        out = nn.Linear(src.in_features, n, bias=bias is not None, device="meta")
+        out.weight = nn.Parameter(src.weight.detach()[:n].clone(), requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(bias, requires_grad=False)
+        return out
+
+    def methods(self, src: nn.Module, act: torch.dtype, kernels: bool) -> list[str]:
+        """The registered methods that can run `src` (of this format; whether one runs also
+        depends on its shape and device) with activations of dtype `act`, in preference
+        order (METHODS)."""
+        return [m.name for m in LINEAR_METHODS if m.applies(src, act, kernels)]
 
 
-def _device(src: nn.Module) -> torch.device:
-    return (src.weight if isinstance(src, nn.Linear) else src.qweight).device
+# ---------------------------------------------------------------- methods
+
+@dataclass(frozen=True)
+class LinearMethod:
+    """One way to run a linear layer's matmul.
+
+    runs(src, act): whether it takes this source and activation dtype, asked only on the CPU
+    with the optimised kernels allowed (the reference, `anywhere`, takes every source
+    everywhere); make(src, act): the module computing src's matmul its way.
+    bf16_inside: it computes in bf16 whatever the activations (fp32 ones rounded on the way
+    in); the tuner leaves it out of fp32 runs, which asked for fp32 accuracy (on a Xeon with
+    AMX, int4pack at one row flipped a greedy token of the embedded model against the fp32
+    reference); a forced --linear-method still runs it.
+    dequantised: it runs a quantised (int4, int8) layer on a dequantised copy of its weights
+    in the activations' dtype, 4x an int4 layer's bytes in bf16: the tuner gives a quantised
+    layer at most one such method (tuning._one_dequantised_copy).
+    untuned_quantised: the untuned default (default_method) may pick it for a quantised
+    layer (not onednn: its dequantised copy would undo the quantisation's memory saving)."""
+
+    name: str
+    runs: Callable[[nn.Module, torch.dtype], bool]
+    make: Callable[[nn.Module, torch.dtype], nn.Module]
+    bf16_inside: bool = False
+    dequantised: bool = False
+    untuned_quantised: bool = True
+    anywhere: bool = False
+
+    def applies(self, src: nn.Module, act: torch.dtype, kernels: bool) -> bool:
+        """Whether it can run this source with activations of dtype `act` (kernels: the
+        optimised CPU paths may run; False leaves only the reference)."""
+        if self.anywhere:
+            return True
+        if not kernels or WeightFormat.of(src).device(src).type != "cpu":
+            return False
+        return self.runs(src, act)
+
+    @torch.no_grad()
+    def build(self, src: nn.Module, act: torch.dtype) -> nn.Module:
+        """A module running `src`'s matmul this way (which must apply)."""
+        return self.make(src, act)
+
+    def tunable(self, act: torch.dtype) -> bool:
+        """Whether the tuner may choose it for activations of dtype `act`."""
+        return not (act == torch.float32 and self.bf16_inside)
 
 
-def _tiles_ok(src: nn.Module, act: torch.dtype, kernels: bool) -> bool:
-    if not kernels or _device(src).type != "cpu":
-        return False
-    if isinstance(src, nn.Linear):
+def _tiles_runs(src: nn.Module, act: torch.dtype) -> bool:
+    fmt = WeightFormat.of(src)
+    if not fmt.quantised:
         w = src.weight
         return (w.dtype in TILE_OPS and w.dtype == act and kernels_available()
                 and hasattr(torch.ops.servelm_quant, "f32_linear")
                 and (w.dtype == torch.float32 or src.in_features % 2 == 0))
-    if isinstance(src, Int8Linear):
+    if fmt.kind == "int8":
         return src.use_kernel and src.tiled
     return src.use_kernel
 
 
+def _torch_make(src: nn.Module, act: torch.dtype) -> nn.Module:
+    return _Dequantised(src) if WeightFormat.of(src).quantised else src
+
+
+def _tiles_make(src: nn.Module, act: torch.dtype) -> nn.Module:
+    return src if WeightFormat.of(src).quantised else TiledLinear.from_linear(src)
+
+
+def _onednn_make(src: nn.Module, act: torch.dtype) -> nn.Module:
+    if not WeightFormat.of(src).quantised:
+        return PackedLinear(src)
+    bias = src.bias
+    lin = nn.Linear(src.in_features, src.out_features, bias=bias is not None,
+                    device="meta")  # weights assigned next: no random init
+    lin.weight = nn.Parameter(src.dequantize(act), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().to(act), requires_grad=False)
+    return PackedLinear(lin)
+
+
+def _panels_make(src: nn.Module, act: torch.dtype) -> nn.Module:
+    kind = WeightFormat.of(src).kind
+    if kind == "int4":
+        return panels.Int4PanelLinear(src)
+    if kind == "int8":
+        return panels.Int8PanelLinear(src)
+    return panels.PanelLinear(src)
+
+
+def _int4pack_runs(src: nn.Module, act: torch.dtype) -> bool:
+    return (WeightFormat.of(src).kind == "int4" and act in (torch.bfloat16, torch.float32)
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and src.in_features % 32 == 0 and src.out_features % 8 == 0)
+
+
+def _int8pack_make(src: nn.Module, act: torch.dtype) -> nn.Module:
+    if not src.tiled:
+        return src  # already row-major int8 on _weight_int8pack_mm
+    return Int8Linear(src.int8_weight().contiguous(), src.scales[: src.out_features].clone(),
+                      src.bias, tiled=False)
+
+
+# Every method, in the order the untuned default prefers them (default_method).
+LINEAR_METHODS: tuple[LinearMethod, ...] = (
+    LinearMethod("tiles", _tiles_runs, _tiles_make),
+    LinearMethod("onednn", lambda src, act: prepack_supported(act, "cpu"), _onednn_make,
+                 dequantised=True, untuned_quantised=False),
+    LinearMethod("qdot", qdot.applies, lambda src, act: qdot.QDotLinear(src)),
+    LinearMethod("int4pack", _int4pack_runs, lambda src, act: Int4PackLinear(src),
+                 bf16_inside=True),
+    LinearMethod("int8pack",
+                 lambda src, act: (WeightFormat.of(src).kind == "int8"
+                                   and act in (torch.bfloat16, torch.float32)),
+                 _int8pack_make),
+    LinearMethod("gemv", gemv.applies, lambda src, act: gemv.GemvLinear(src)),
+    LinearMethod("gemv_rows", gemv.applies, lambda src, act: gemv.GemvLinear(src, by_row=True)),
+    LinearMethod("panels", panels.applies, _panels_make),
+    LinearMethod("q8act", q8act.applies, lambda src, act: q8act.Int4Q8Linear(src)),
+    LinearMethod("bfp", bfp.applies, lambda src, act: bfp.BfpLinear(src)),
+    LinearMethod("amx", amx.applies, lambda src, act: amx.AmxLinear(src), dequantised=True),
+    LinearMethod("torch", lambda src, act: True, _torch_make, anywhere=True),
+)
+METHODS_BY_NAME: dict[str, LinearMethod] = {m.name: m for m in LINEAR_METHODS}
+
+# The registry's names and flags as the tuple constants callers read.
+METHODS = tuple(METHODS_BY_NAME)
+BF16_INSIDE = tuple(m.name for m in LINEAR_METHODS if m.bf16_inside)
+DEQUANTISED = tuple(m.name for m in LINEAR_METHODS if m.dequantised)
+
+
+def by_name(name: str) -> LinearMethod:
+    """The registered method called `name` (ValueError for any other name)."""
+    try:
+        return METHODS_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown linear method {name!r}; one of {', '.join(METHODS)}") from None
+
+
+def weight_format(src: nn.Module) -> str:
+    """'bfloat16', 'float32', 'int8' or 'int4g<group>': what a source layer stores."""
+    return WeightFormat.of(src).name
+
+
+def reference_weight(src: nn.Module) -> torch.Tensor:
+    """The source's weights [N, K] in fp32: what every method must compute with."""
+    return WeightFormat.of(src).reference(src)
+
+
 def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> bool:
-    """Whether `method` can run this source with activations of dtype `act` (kernels: the
-    optimised CPU paths may run; False leaves only "torch", the reference)."""
-    on_cpu = _device(src).type == "cpu"
-    if method == "torch":
-        return True
-    if not (on_cpu and kernels):
-        return False
-    if method == "tiles":
-        return _tiles_ok(src, act, kernels)
-    if method == "onednn":
-        return prepack_supported(act, "cpu")
-    if method == "qdot":
-        return qdot.applies(src, act)
-    if method in ("gemv", "gemv_rows"):
-        return gemv.applies(src, act)
-    if method == "panels":
-        return panels.applies(src, act)
-    if method == "q8act":
-        return q8act.applies(src, act)
-    if method == "bfp":
-        return bfp.applies(src, act)
-    if method == "amx":
-        return amx.applies(src, act)
-    if method == "int4pack":
-        return (isinstance(src, Int4Linear) and act in (torch.bfloat16, torch.float32)
-                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-                and src.in_features % 32 == 0 and src.out_features % 8 == 0)
-    if method == "int8pack":
-        return isinstance(src, Int8Linear) and act in (torch.bfloat16, torch.float32)
-    raise ValueError(f"unknown linear method {method!r}; one of {', '.join(METHODS)}")
-
-
-# Methods that compute in bf16 whatever the activations: fp32 ones are rounded to bf16 on the
-# way in. The tuner leaves them out of fp32 runs, which asked for fp32 accuracy (on a Xeon
-# with AMX, int4pack at one row flipped a greedy token of the embedded model against the fp32
-# reference); a forced --linear-method still runs them.
-BF16_INSIDE = ("int4pack",)
-# Methods that run a quantised (int4, int8) layer on a dequantised copy of its weights, in
-# the activations' dtype: each copy holds 4x an int4 layer's bytes in bf16, so the tuner
-# gives a quantised layer at most one of them (tuning._one_dequantised_copy).
-DEQUANTISED = ("onednn", "amx")
+    """Whether `method` can run this source with activations of dtype `act`
+    (kernels: the optimised CPU paths may run; False leaves only "torch", the reference)."""
+    return by_name(method).applies(src, act, kernels)
 
 
 def tunable(method: str, act: torch.dtype) -> bool:
     """Whether the tuner may choose `method` for activations of dtype `act`."""
-    return not (act == torch.float32 and method in BF16_INSIDE)
+    return by_name(method).tunable(act)
 
 
 def default_method(src: nn.Module, act: torch.dtype, kernels: bool,
@@ -151,81 +310,27 @@ def default_method(src: nn.Module, act: torch.dtype, kernels: bool,
     prepacked matmul (plain weights), servelm's AVX2 integer kernels (int4/int8) or
     PyTorch's own int4/int8 kernels. auto (no method forced, tuned or with tuning off):
     only among the methods the tuner may choose (tunable)."""
-    for m in METHODS:
-        if m == "onednn" and not isinstance(src, nn.Linear):
-            continue  # a dequantised copy would undo the quantisation's memory saving
-        if auto and not tunable(m, act):
+    quantised = WeightFormat.of(src).quantised
+    for m in LINEAR_METHODS:
+        if quantised and not m.untuned_quantised:
             continue
-        if applies(m, src, act, kernels):
-            return m
+        if auto and not m.tunable(act):
+            continue
+        if m.applies(src, act, kernels):
+            return m.name
     return "torch"
 
 
-@torch.no_grad()
 def head(src: nn.Module, n: int) -> nn.Module:
     """A source of the same format holding `src`'s first n output features (n a multiple
     of 16, the tiles' height): what the tuner times in place of a layer too large to time
     whole (an LM head), since a method's time grows with the outputs as it does with K."""
-    if n % 16 or not 0 < n <= src.out_features:
-        raise ValueError(f"head: n must be a multiple of 16 in 1..{src.out_features}, got {n}")
-    bias = None if src.bias is None else src.bias[:n].clone()
-    if isinstance(src, nn.Linear):
-        out = nn.Linear(src.in_features, n, bias=bias is not None, device="meta")
-        out.weight = nn.Parameter(src.weight.detach()[:n].clone(), requires_grad=False)
-        if bias is not None:
-            out.bias = nn.Parameter(bias, requires_grad=False)
-        return out
-    if isinstance(src, Int4Linear):
-        t = n // 16
-        return Int4Linear(src.qweight[:t].clone(), src.scales[:t].clone(), src.mins[:t].clone(),
-                          src.group_size, n, bias, use_kernel=src.use_kernel)
-    if isinstance(src, Int8Linear):
-        return Int8Linear(src.int8_weight()[:n].clone(), src.scales[:n].clone(), bias,
-                          tiled=src.tiled, use_kernel=src.use_kernel)
-    raise TypeError(f"not a linear layer source: {type(src).__name__}")
+    return WeightFormat.of(src).head(src, n)
 
 
-@torch.no_grad()
 def build(method: str, src: nn.Module, act: torch.dtype) -> nn.Module:
     """A module running `src`'s matmul by `method` (which must apply)."""
-    bias = src.bias
-    if method == "torch":
-        return src if isinstance(src, nn.Linear) else _Dequantised(src)
-    if method == "tiles":
-        return TiledLinear.from_linear(src) if isinstance(src, nn.Linear) else src
-    if method == "onednn":
-        if isinstance(src, nn.Linear):
-            return PackedLinear(src)
-        lin = nn.Linear(src.in_features, src.out_features, bias=bias is not None,
-                        device="meta")  # weights assigned next: no random init
-        lin.weight = nn.Parameter(src.dequantize(act), requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias.detach().to(act), requires_grad=False)
-        return PackedLinear(lin)
-    if method == "qdot":
-        return qdot.QDotLinear(src)
-    if method in ("gemv", "gemv_rows"):
-        return gemv.GemvLinear(src, by_row=method == "gemv_rows")
-    if method == "panels":
-        if isinstance(src, Int4Linear):
-            return panels.Int4PanelLinear(src)
-        if isinstance(src, Int8Linear):
-            return panels.Int8PanelLinear(src)
-        return panels.PanelLinear(src)
-    if method == "q8act":
-        return q8act.Int4Q8Linear(src)
-    if method == "bfp":
-        return bfp.BfpLinear(src)
-    if method == "amx":
-        return amx.AmxLinear(src)
-    if method == "int4pack":
-        return Int4PackLinear(src)
-    if method == "int8pack":
-        if not src.tiled:
-            return src  # already row-major int8 on _weight_int8pack_mm
-        return Int8Linear(src.int8_weight().contiguous(), src.scales[: src.out_features].clone(),
-                          bias, tiled=False)
-    raise ValueError(f"unknown linear method {method!r}; one of {', '.join(METHODS)}")
+    return by_name(method).build(src, act)
 
 
 class _Dequantised(nn.Module):
