@@ -92,7 +92,8 @@ if streams:
     if streams == 1:  # the decode step alone: the median over a request's steps, best of 3
         eng, per_request = llm.engine, []
         for r in range(3):
-            eng.add_request(f"steps-{r}", None, sp, prompt_token_ids=ids[r])
+            prompt = [(3000 + 13 * r + j) % vocab for j in range(128)]
+            eng.add_request(f"steps-{r}", None, sp, prompt_token_ids=prompt)
             times, done = [], False
             while not done:
                 t = time.perf_counter()
