@@ -256,3 +256,41 @@ def generate_with_and_without_the_stack(llm, prompts: list[list[int]], sp):
     finally:
         model._decode_stacks, model.fused_decode = real, True
     return fused, per_op, calls
+
+
+def decode_rows(cfg, lens: list[int], block_size: int = 16, seed: int = 1):
+    """Decode rows whose contexts (after this token) have the given lengths, per-layer bf16
+    KV pools of random keys / values in scattered blocks, and the batch the model runner
+    would build for the cpu backend: (batch, the pools' one tensor, per-layer (k, v))."""
+    from servelm.engine.model_runner import build_forward_batch
+
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    data = torch.randn(shape, generator=g).bfloat16()
+    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
+    perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
+    seqs, at = [], 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
+        at += nb
+    batch, _ = build_forward_batch(seqs, block_size, cfg.num_heads // cfg.num_kv_heads,
+                                   torch.device("cpu"), "cpu")
+    return batch, data, caches
+
+
+def per_op_and_stack(model, batch, data, caches):
+    """[(hidden, KV pool)] from the per-op kernel path, then from the DecodeStack, each from
+    the same pools (the model's ops selected onto the C++ kernels first)."""
+    model.select_ops(True)
+    assert model.bind_decode_layers(caches)
+    results = []
+    for fused in (False, True):
+        saved = data.clone()
+        model.fused_decode = fused
+        with torch.inference_mode():
+            hidden = model(batch, caches)
+        results.append((hidden, data.clone()))
+        data.copy_(saved)
+    return results

@@ -12,14 +12,14 @@ import torch
 
 from servelm import LLM, SamplingParams
 from servelm import quantization as Q
-from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.layers import amx, q8act
 from servelm.layers.stack import StackFormat
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
-from tests.helpers import generate_with_and_without_the_stack, method_targets
+from tests.helpers import (decode_rows, generate_with_and_without_the_stack,
+                           method_targets, per_op_and_stack)
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
@@ -66,37 +66,10 @@ def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaFor
 
 
 def _setup(cfg, lens, seed=1):
-    """Decode rows whose contexts (after this token) have the given lengths, per-layer KV
-    pools filled with random keys/values, and the batch the model runner would build."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BS) for n in lens) + 4
-    shape = (cfg.num_layers, 2, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
-    data = torch.randn(shape, generator=g).bfloat16()
-    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
-    perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()  # scattered blocks
-    seqs, at = [], 0
-    for i, n in enumerate(lens):
-        nb = -(-n // BS)
-        seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
-        at += nb
-    batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
-                                   torch.device("cpu"), "cpu")
-    return batch, data, caches
+    return decode_rows(cfg, lens, BS, seed)
 
 
-def _both(model, batch, data, caches):
-    """(hidden, KV pool) from the per-op kernel path and from the stack."""
-    model.select_ops(True)  # the C++ ops, on the modules the model has now
-    assert model.bind_decode_layers(caches)
-    results = []
-    for fused in (False, True):
-        saved = data.clone()
-        model.fused_decode = fused
-        with torch.inference_mode():
-            hidden = model(batch, caches)
-        results.append((hidden, data.clone()))
-        data.copy_(saved)
-    return results
+_both = per_op_and_stack
 
 
 FORMATS = {

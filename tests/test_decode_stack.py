@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from servelm import quantization as Q
-from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
 from servelm.models import decode_stack
 from servelm.models.config import FULL, SLIDING, ModelConfig
 from servelm.models.decoder import CausalLM
-from tests.helpers import generate_with_and_without_the_stack, method_targets
+from tests.helpers import (decode_rows, generate_with_and_without_the_stack,
+                           method_targets, per_op_and_stack)
 
 pytestmark = pytest.mark.skipif(
     not (Q.kernels_available() and load_ops("ops") and decode_stack.available()),
@@ -69,36 +69,11 @@ def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
     return model.eval()
 
 
-def _setup(cfg: ModelConfig, lens: list[int], seed: int = 1):
-    """Decode rows with these context lengths, random KV pools, the runner's batch."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BS) for n in lens) + 4
-    shape = (cfg.num_layers, 2, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
-    data = torch.randn(shape, generator=g).bfloat16()
-    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
-    perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
-    seqs, at = [], 0
-    for i, n in enumerate(lens):
-        nb = -(-n // BS)
-        seqs.append(SeqInput([7 + i], n - 1, perm[at:at + nb]))
-        at += nb
-    batch, _ = build_forward_batch(seqs, BS, cfg.num_heads // cfg.num_kv_heads,
-                                   torch.device("cpu"), "cpu")
-    return batch, data, caches
+def _setup(cfg, lens, seed=1):
+    return decode_rows(cfg, lens, BS, seed)
 
 
-def _both(model, batch, data, caches):
-    """(hidden, KV pool) from the per-op kernel path and from the stack."""
-    assert model.bind_decode_layers(caches)
-    results = []
-    for fused in (False, True):
-        saved = data.clone()
-        model.fused_decode = fused
-        with torch.inference_mode():
-            hidden = model(batch, caches)
-        results.append((hidden, data.clone()))
-        data.copy_(saved)
-    return results
+_both = per_op_and_stack
 
 
 # Contexts: one row; either side of the window and past it; 50 rows (from 48 the int4
