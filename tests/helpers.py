@@ -294,3 +294,18 @@ def per_op_and_stack(model, batch, data, caches):
         results.append((hidden, data.clone()))
         data.copy_(saved)
     return results
+
+
+def random_bf16_model(cfg, seed: int = 0):
+    """servelm's decoder for cfg with random weights (norms near 1, the rest ~0.2), in bf16."""
+    from servelm.models.decoder import CausalLM
+
+    torch.manual_seed(seed)
+    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    return model.to(torch.bfloat16)

@@ -19,7 +19,7 @@ from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
 from tests.helpers import (decode_rows, generate_with_and_without_the_stack,
-                           method_targets, per_op_and_stack)
+                           method_targets, per_op_and_stack, random_bf16_model)
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
                                 reason="needs the C++ kernels (AVX-512 BF16)")
@@ -41,15 +41,7 @@ def _config(**kw) -> ModelConfig:
 
 def _model(cfg: ModelConfig, formats: dict[str, str], seed: int = 0) -> LlamaForCausalLM:
     """A random bf16 model with each linear of every layer quantised as formats says."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg, max_positions=cfg.max_position_embeddings)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 0.2)
-    model = model.to(torch.bfloat16)
+    model = random_bf16_model(cfg, seed)
     for name, method in formats.items():
         if method == "bf16":  # bf16 weights in the kernels' tiles
             method_targets(model.layers, (name,), "tiles")

@@ -24,7 +24,7 @@ from servelm.models import decode_stack
 from servelm.models.config import FULL, SLIDING, ModelConfig
 from servelm.models.decoder import CausalLM
 from tests.helpers import (decode_rows, generate_with_and_without_the_stack,
-                           method_targets, per_op_and_stack)
+                           method_targets, per_op_and_stack, random_bf16_model)
 
 pytestmark = pytest.mark.skipif(
     not (Q.kernels_available() and load_ops("ops") and decode_stack.available()),
@@ -52,15 +52,7 @@ FAMILIES = {
 
 def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
     cfg = ModelConfig(**{**BASE, **FAMILIES[family]})
-    torch.manual_seed(seed)
-    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 0.2)
-    model = model.to(torch.bfloat16)
+    model = random_bf16_model(cfg, seed)
     if fmt == "bf16":  # bf16 weights in the kernels' tiles
         method_targets(model.layers, Q.TARGETS, "tiles")
     else:
