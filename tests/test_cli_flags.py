@@ -83,6 +83,15 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith("servelm 0.1")
 
 
+def test_python_dash_m_servelm_is_the_command():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "servelm", "--version"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("servelm 0.1")
+
+
 def test_help_lists_commands_and_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
