@@ -16,6 +16,7 @@ one dictionary lookup and never reads the environment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -77,14 +78,33 @@ def _build(name: str, verbose: bool) -> bool:
         # ninja: found on PATH (prepare() put the interpreter's directory there).
         out = build_dir() / name
         out.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"servelm_{name}", sources=[str(src)], build_directory=str(out),
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", _headers_flag()],
-            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+        with _build_lock(out):
+            cpp_extension.load(
+                name=f"servelm_{name}", sources=[str(src)], build_directory=str(out),
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
+                              _headers_flag()],
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
         return True
     except Exception as e:  # no compiler, a build error: fall back to PyTorch, say why once
         logger.warning("servelm C++ kernels %r unavailable, using PyTorch ops: %s", name, e)
         return False
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One process at a time builds or loads an extension's directory, holding an flock the
+    kernel releases when its holder dies. cpp_extension's own `lock` file is not released by a
+    process killed mid-build, and every later start would wait on it forever: holding the
+    flock, a `lock` file left there is such a dead build's, and is removed."""
+    import fcntl
+
+    with open(out / "servelm.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = out / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _headers_flag() -> str:
