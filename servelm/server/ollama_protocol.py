@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from servelm.server.protocol import Int, ToolDefinition, _Request
+from servelm.server.protocol import Int, ToolDefinition, _Request, no_suffix
 
 # Ollama's own defaults for what a request leaves out (api.DefaultOptions); penalties stay
 # off, since servelm cannot limit them to the last repeat_last_n (64) tokens as Ollama does.
@@ -222,13 +222,7 @@ class GenerateRequest(_Generating):
     def _text_only(cls, v: list | None) -> list | None:
         return _no_images(v, "images")
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("'suffix' is not supported by servelm: it builds no "
-                             "fill-in-the-middle prompts")
-        return v
+    _no_suffix = field_validator("suffix")(no_suffix)
 
     @field_validator("template")
     @classmethod

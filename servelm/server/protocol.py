@@ -56,6 +56,22 @@ def _unsupported(name: str) -> ValueError:
     return ValueError(f"'{name}' is not supported by servelm")
 
 
+def stream_options_need_stream(cls, v, info: ValidationInfo):
+    """A field validator (every API with OpenAI's stream_options): only with stream true."""
+    if v is not None and not info.data.get("stream"):
+        raise ValueError("'stream_options' is only allowed when 'stream' is true")
+    return v
+
+
+def no_suffix(cls, v: str | None) -> str | None:
+    """A field validator (completions, Ollama's generate): no fill-in-the-middle prompts."""
+    if v:
+        raise ValueError("'suffix' is not supported by servelm: it builds no "
+                         "fill-in-the-middle prompts (the embedded model has no "
+                         "<fim_prefix>/<fim_suffix>/<fim_middle> tokens)")
+    return v
+
+
 class _Request(BaseModel):
     # strict: a JSON true is not an integer and "3" is not a number.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -174,12 +190,7 @@ class SamplingRequest(MetadataFields):
                 raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
         return v
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo):
-        if v is not None and not info.data.get("stream"):
-            raise ValueError("'stream_options' is only allowed when 'stream' is true")
-        return v
+    _stream_options_need_stream = field_validator("stream_options")(stream_options_need_stream)
 
 
 class FunctionDefinition(_Request):
@@ -393,14 +404,7 @@ class CompletionRequest(SamplingRequest):
         raise ValueError("prompt must be a string, a list of strings, a non-empty list of token "
                          "ids, or a list of token id lists")
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("'suffix' is not supported by servelm: it builds no "
-                             "fill-in-the-middle prompts (the embedded model has no "
-                             "<fim_prefix>/<fim_suffix>/<fim_middle> tokens)")
-        return v
+    _no_suffix = field_validator("suffix")(no_suffix)
 
     @field_validator("best_of")
     @classmethod

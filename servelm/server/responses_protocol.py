@@ -17,7 +17,8 @@ from pydantic import (BaseModel, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from servelm.server.errors import APIError, from_validation_error
-from servelm.server.protocol import Int, MetadataFields, _Request
+from servelm.server.protocol import (Int, MetadataFields, _Request,
+                                     stream_options_need_stream)
 
 # Output items that name a server-side tool: what OpenAI runs itself, servelm does not.
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
@@ -353,12 +354,7 @@ class ResponsesRequest(MetadataFields):
                 raise ValueError(f"include {value!r} is not supported by servelm")
         return v
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo):
-        if v is not None and not info.data.get("stream"):
-            raise ValueError("'stream_options' is only allowed when 'stream' is true")
-        return v
+    _stream_options_need_stream = field_validator("stream_options")(stream_options_need_stream)
 
 
 # ---- the response -----------------------------------------------------------------------------
