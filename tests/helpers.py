@@ -309,3 +309,33 @@ def random_bf16_model(cfg, seed: int = 0):
             else:
                 p.copy_(torch.randn_like(p) * 0.2)
     return model.to(torch.bfloat16)
+
+
+# The shape of the tiny random HF checkpoints the family tests make.
+TINY_HF_CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+
+
+def tiny_hf_checkpoint(directory, config_cls: str, model_cls: str, extra: dict, tokenizer,
+                       seed: int):
+    """A tiny random transformers checkpoint of one family (its config and model class
+    names, TINY_HF_CONFIG updated by extra) saved with the tokenizer in directory: norms
+    perturbed off their init so a wrong norm convention shows, embeddings scaled to the
+    usual magnitude. Returns the transformers model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(vocab_size=tokenizer.vocab_size,
+                                            **{**TINY_HF_CONFIG, **extra})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif "embed" in name:
+                p.mul_(0.5 / max(cfg.initializer_range, 1e-3) * 0.02)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model

@@ -24,7 +24,8 @@ from servelm.models import decode_stack
 from servelm.models.config import FULL, SLIDING, ModelConfig
 from servelm.models.decoder import CausalLM
 from tests.helpers import (decode_rows, generate_with_and_without_the_stack,
-                           method_targets, per_op_and_stack, random_bf16_model)
+                           method_targets, per_op_and_stack, random_bf16_model,
+                           tiny_hf_checkpoint)
 
 pytestmark = pytest.mark.skipif(
     not (Q.kernels_available() and load_ops("ops") and decode_stack.available()),
@@ -165,25 +166,13 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
 
 @pytest.fixture(scope="module")
 def family_llms(tmp_path_factory, hf_tokenizer):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from servelm import LLM
 
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     out = {}
     for i, (name, (config_cls, model_cls, extra)) in enumerate(ENGINE_FAMILIES.items()):
-        torch.manual_seed(i)
-        cfg = getattr(transformers, config_cls)(vocab_size=hf_tokenizer.vocab_size,
-                                                **{**common, **extra})
-        model = getattr(transformers, model_cls)(cfg).eval()
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
-                    p.add_(torch.randn_like(p) * 0.2)
         d = tmp_path_factory.mktemp(f"hf-{name}")
-        model.save_pretrained(d)
-        hf_tokenizer.save_pretrained(d)
+        tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
         # No prefix caching: both runs must batch the same rows.
         out[name] = LLM(model=str(d), dtype="bfloat16", quantization="int4",
                         linear_method="tiles", kv_cache_memory=16 << 20, max_model_len=256,

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from helpers import add_gguf_metadata, prompt_logits
+from helpers import add_gguf_metadata, prompt_logits, tiny_hf_checkpoint
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -20,9 +20,6 @@ from servelm.models.registry import family_for_architecture, supported_architect
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 WINDOW = 8  # shorter than every prompt below: the sliding layers drop keys
 
 FAMILIES = {
@@ -57,19 +54,8 @@ def checkpoints(tmp_path_factory, hf_tokenizer):
     their init so a wrong norm convention shows."""
     out = {}
     for i, (name, (config_cls, model_cls, extra)) in enumerate(FAMILIES.items()):
-        torch.manual_seed(i)
-        cfg = getattr(transformers, config_cls)(vocab_size=hf_tokenizer.vocab_size,
-                                                **{**COMMON, **extra})
-        model = getattr(transformers, model_cls)(cfg).eval()
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
-                    p.add_(torch.randn_like(p) * 0.2)
-                elif "embed" in pname:
-                    p.mul_(0.5 / max(cfg.initializer_range, 1e-3) * 0.02)
         d = tmp_path_factory.mktemp(f"hf-{name}")
-        model.save_pretrained(d)
-        hf_tokenizer.save_pretrained(d)
+        model = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
         out[name] = (str(d), model)
     return out
 
