@@ -258,6 +258,16 @@ def generate_with_and_without_the_stack(llm, prompts: list[list[int]], sp):
     return fused, per_op, calls
 
 
+def assert_stack_decodes_as_per_op(llm, prompts: list[list[int]], sp) -> None:
+    """Every prompt's decode steps went through a DecodeStack, and its tokens and logprobs
+    are the per-op path's exactly."""
+    fused, per_op, calls = generate_with_and_without_the_stack(llm, prompts, sp)
+    assert len(prompts) in calls  # decode steps of all of them went through the stack
+    for a, b in zip(fused, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def decode_rows(cfg, lens: list[int], block_size: int = 16, seed: int = 1):
     """Decode rows whose contexts (after this token) have the given lengths, per-layer bf16
     KV pools of random keys / values in scattered blocks, and the batch the model runner

@@ -18,7 +18,7 @@ from servelm.layers.stack import StackFormat
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM
-from tests.helpers import (decode_rows, generate_with_and_without_the_stack,
+from tests.helpers import (decode_rows, assert_stack_decodes_as_per_op,
                            method_targets, per_op_and_stack, random_bf16_model)
 
 pytestmark = pytest.mark.skipif(not (Q.kernels_available() and load_ops("ops")),
@@ -305,11 +305,7 @@ def test_engine_decode_stack_matches_per_op_path(quant, bf16_quant_llms):
     ids = llm.get_tokenizer().encode("The first rule of serving language models is")
     prompts = [ids, ids[:3], list(range(1000, 1300))]  # one context past 256 tokens
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    fused, per_op, runs = generate_with_and_without_the_stack(llm, prompts, sp)
-    assert 3 in runs  # decode steps of all three went through the stack
-    for a, b in zip(fused, per_op):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_stack_decodes_as_per_op(llm, prompts, sp)
 
 
 def test_engine_binds_the_stack_only_where_it_applies():
