@@ -748,13 +748,11 @@ def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set
     """The ids of the linear layers a DecodeStack would run (every decoder layer's qkv, o,
     gate_up and down), when the model is one it implements and it can run here (bf16
     activations, the C++ kernels, fused_decode on); else None."""
-    from servelm.kernels import load_ops
-    from servelm.models.decoder import _has_decode_stack
-    from servelm.quantization.formats import kernels_available
+    from servelm.models import decode_stack
+    from servelm.models.decoder import CausalLM
 
     if not (kcfg.fused_decode and kcfg.cpu_kernels and act == torch.bfloat16
-            and hasattr(model, "decode_stack_supported") and kernels_available()
-            and load_ops("ops") and _has_decode_stack() and model.decode_stack_supported()):
+            and isinstance(model, CausalLM) and decode_stack.unsupported_reason(model) is None):
         return None
     return {id(m) for layer in model.layers for m in layer.linears()}
 

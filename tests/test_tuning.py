@@ -248,9 +248,9 @@ def test_a_model_the_stack_runs_keeps_its_layers_on_the_stack(tmp_path, monkeypa
     from servelm.layers import qdot
     from servelm.models.config import ModelConfig
     from servelm.models.llama import LlamaForCausalLM
-    from servelm.models.decoder import _has_decode_stack
+    from servelm.models import decode_stack
 
-    if not (Q.kernels_available() and _has_decode_stack()):
+    if not (Q.kernels_available() and decode_stack.available()):
         pytest.skip("needs the C++ kernels (AVX-512 BF16)")
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
                       intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -32,11 +32,6 @@ if TYPE_CHECKING:
     from servelm.attention.metadata import ForwardBatch
 
 
-def _has_decode_stack() -> bool:
-    """Whether the DecodeStack class is registered (decode_stack.available)."""
-    return decode_stack.available()
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()

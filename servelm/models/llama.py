@@ -1,5 +1,5 @@
 """Compatibility: the Llama model class is the generic decoder (servelm/models/decoder.py)."""
 
-from servelm.models.decoder import CausalLM, DecoderLayer, _has_decode_stack  # noqa: F401
+from servelm.models.decoder import CausalLM, DecoderLayer  # noqa: F401
 
 LlamaForCausalLM = CausalLM
