@@ -14,6 +14,7 @@ from servelm.outputs import EmbeddingRequestOutput, RequestOutput
 from servelm.pooling_params import PoolingParams
 from servelm.runtime import finish_startup, init_process
 from servelm.sampling_params import SamplingParams
+from servelm.tokenizer import load_chat_template
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -78,7 +79,7 @@ class LLM:
         tools: OpenAI-style tool definitions, for templates that render them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        template = _template(chat_template)
+        template = None if chat_template is None else load_chat_template(chat_template)
         prompts: list[Prompt] = []
         for conv in convs:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
@@ -116,15 +117,6 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[rid] for rid in ids]
-
-
-def _template(value: str | None) -> str | None:
-    """A chat template given as a file or as the source itself (load_chat_template)."""
-    if value is None:
-        return None
-    from servelm.tokenizer import load_chat_template
-
-    return load_chat_template(value)
 
 
 def _options_signature() -> inspect.Signature:
