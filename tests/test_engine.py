@@ -118,6 +118,19 @@ def test_max_tokens_and_eos(llm):
     assert "<|im_end|>" not in chat.text
 
 
+def test_chat_takes_a_template_as_source_or_file_with_its_variables(llm, tmp_path):
+    template = "{% for m in messages %}<<{{ m.content }}{{ mark }}>>{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    for given in (template, str(path)):
+        out = llm.chat([{"role": "user", "content": "Hi"}], sp, use_tqdm=False,
+                       chat_template=given, chat_template_kwargs={"mark": "!"})[0]
+        assert out.prompt == "<<Hi!>>"
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("<<Hi!>>",
+                                                                  add_special_tokens=False)
+
+
 def test_stop_strings_and_stop_token_ids(llm):
     free = llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=20),
                         use_tqdm=False)[0].outputs[0]
