@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm import quantization as Q
-from servelm.engine.engine import resolve_device
+from servelm.runtime import resolve_device
 from servelm.models.loader import load_model, open_checkpoint
 from servelm.prepack import PackedLinear, prepack_supported
 

@@ -279,7 +279,8 @@ def cmd_roofline(args) -> int:
     import torch
 
     from servelm import roofline as rl
-    from servelm.engine.engine import resolve_device, resolve_dtype
+    from servelm.engine.engine import resolve_dtype
+    from servelm.runtime import resolve_device
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -38,11 +38,13 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def _runs_on_cpu(device: str) -> bool:
-    """Whether an engine's device option (EngineConfig.device) resolves to the CPU."""
-    if device == "auto":
-        return not torch.cuda.is_available()
-    return device.startswith("cpu")
+def resolve_device(name: str) -> torch.device:
+    """An engine's device option (EngineConfig.device): auto is CUDA where it is available."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return torch.device(name)
 
 
 def init_process(config=None) -> None:
@@ -53,7 +55,7 @@ def init_process(config=None) -> None:
     (torch may count hyper-threads); on a GPU torch's own count unless one was given."""
     num_threads = getattr(config, "num_threads", None)
     device = getattr(config, "device", "auto")
-    if num_threads or _runs_on_cpu(device):
+    if num_threads or resolve_device(device).type == "cpu":
         torch.set_num_threads(num_threads or physical_cores())
     kernels.prepare()
 

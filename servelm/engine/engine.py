@@ -27,6 +27,7 @@ from servelm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRe
 from servelm.pooling_params import PoolingParams
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
+from servelm.runtime import resolve_device
 
 logger = logging.getLogger(__name__)
 # What a user waits for at start-up (loading, a first kernel tuning): the CLI shows this
@@ -34,14 +35,6 @@ logger = logging.getLogger(__name__)
 progress = logging.getLogger("servelm.progress")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
-    return torch.device(name)
 
 
 def cpu_has_fast_bf16() -> bool:
