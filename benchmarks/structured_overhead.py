@@ -110,7 +110,8 @@ def main() -> None:
     url = args.base_url or server.__enter__().url
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        asyncio.run(phase(url, model, 2, 4, True))  # warm-up: first grammar, first steps
+        for c in (True, False):  # warm-up: the first grammar, the batch's first steps
+            asyncio.run(phase(url, model, args.concurrency, 8, c))
         rows = []
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)

@@ -153,9 +153,54 @@ def test_masks_prefetched_during_the_forward_equal_the_sampler_own(llm):
 
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     rows = [Row(m) for m in matchers]
-    sampler = Sampler(llm.engine.tokenizer.eos_token_ids)
+    sampler = Sampler(llm.engine.tokenizer.eos_token_ids, check_grammar_after=False)
     assert sampler(logits, rows, MaskPrefetch(matchers[:2], vocab)).token_ids == \
         sampler(logits, rows).token_ids
+
+
+def test_greedy_rows_checked_after_choose_what_masking_first_chooses(llm):
+    """A greedy constrained row takes its argmax and computes a mask only when the grammar
+    rejects it: step by step along JSON, a regex and a choice, beside a sampled constrained
+    row, a free row and a row with a logit_bias, the tokens equal those of masking every
+    constrained row first, and both paths are taken (tokens accepted and rejected)."""
+    from servelm.structured_outputs import allowed_mask
+
+    vocab = llm.engine.model_config.vocab_size
+    eos = llm.engine.tokenizer.eos_token_ids
+    specs = [StructuredOutputsParams(json={"type": "object", "properties": {
+                 "a": {"type": "string"}}, "required": ["a"]}),
+             StructuredOutputsParams(regex=r"[a-z]{3,40}"),
+             StructuredOutputsParams(choice=["alpha", "beta"])]
+
+    class Row:
+        def __init__(self, grammar, **kw):
+            self.sampling_params = SamplingParams(**{"temperature": 0, **kw})
+            self.prompt_token_ids, self.output_token_ids = [1], []
+            self.grammar = grammar
+            self.generator = torch.Generator().manual_seed(7) if kw.get("seed") else None
+
+    pairs = {after: [Row(llm.engine.grammars.matcher(s)) for s in specs] + [
+        Row(llm.engine.grammars.matcher(specs[1]), logit_bias={5: 3.0}),
+        Row(llm.engine.grammars.matcher(specs[1]), temperature=0.8, seed=7), Row(None)]
+        for after in (True, False)}
+    samplers = {after: Sampler(eos, check_grammar_after=after) for after in (True, False)}
+    gen = torch.Generator().manual_seed(0)
+    accepted = rejected = 0
+    for _ in range(12):
+        logits = torch.randn(len(pairs[True]), vocab, generator=gen) * 4
+        allowed = logits.argmax(-1)
+        for i, row in enumerate(pairs[True][:4]):
+            if not row.grammar.is_stopped():
+                ok = bool(allowed_mask([row.grammar], vocab)[0][allowed[i]])
+                accepted, rejected = accepted + ok, rejected + (not ok)
+        out = {after: samplers[after](logits, pairs[after]).token_ids for after in pairs}
+        assert out[True] == out[False]
+        for after in pairs:
+            for row, tok in zip(pairs[after], out[after]):
+                row.output_token_ids.append(tok)
+                if row.grammar is not None and not row.grammar.is_stopped():
+                    assert row.grammar.consume_token(tok)
+    assert accepted and rejected
 
 
 def test_overlapped_masks_give_the_same_answers():

@@ -15,7 +15,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, UniProcExecutor
 from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
-from servelm.engine.sampler import Sampler, token_logprobs
+from servelm.engine.sampler import Sampler, checks_grammar_after, token_logprobs
 from servelm.structured_outputs import GrammarCompiler, MaskPrefetch
 from servelm.engine.scheduler import Scheduler
 from servelm.models import kv_quant
@@ -514,8 +514,11 @@ class LLMEngine:
         if self.config.kernels.overlap_grammar_masks and not any(
                 s.num_draft for s in sched.scheduled):
             # Structured outputs: the sampling rows' masks computed during the forward.
+            # (Greedy rows check their argmax against the grammar after the forward instead.)
             grammars = [s.request.grammar for s in sched.scheduled
-                        if s.samples and s.request.grammar is not None]
+                        if s.samples and s.request.grammar is not None
+                        and not (self.sampler.check_grammar_after
+                                 and checks_grammar_after(s.request))]
             if grammars:
                 masks = MaskPrefetch(grammars, self.model_config.vocab_size)
         t0 = time.perf_counter()

@@ -109,12 +109,37 @@ def _argmax_only(row: SamplerRow) -> bool:
             and len(row.output_token_ids) >= p.min_tokens)
 
 
+def checks_grammar_after(row: SamplerRow) -> bool:
+    """Whether a constrained row's token is chosen first and checked against its grammar
+    after (the mask computed only when the grammar rejects it): exact for a row whose token
+    is the argmax, since the argmax over the allowed tokens is the argmax over all of them
+    whenever that one is allowed (llama.cpp's sampler checks its grammar the same way)."""
+    return getattr(row, "grammar", None) is not None and _argmax_only(row)
+
+
+def _recheck_grammars(logits: torch.Tensor, token_ids: list[int],
+                      rows: Sequence[SamplerRow], checked: list[int]) -> list[int]:
+    """token_ids with each checked row's token replaced, where its grammar rejects it, by the
+    argmax over the tokens the grammar allows (their masks computed for those rows only)."""
+    rejected = [i for i in checked if rows[i].grammar.validate_tokens([token_ids[i]]) != 1]
+    if rejected:
+        sub = [rows[i] for i in rejected]
+        masked = _apply_grammars(logits[rejected], sub, list(range(len(rejected))))
+        for i, tok in zip(rejected, _argmax(masked).tolist()):
+            token_ids[i] = tok
+    return token_ids
+
+
 class Sampler:
     """Chooses the next token for every row of a batch of logits."""
 
-    def __init__(self, eos_token_ids: frozenset[int] | set[int]):
-        """``eos_token_ids``: banned while a row has fewer than min_tokens outputs."""
+    def __init__(self, eos_token_ids: frozenset[int] | set[int], check_grammar_after: bool = True):
+        """``eos_token_ids``: banned while a row has fewer than min_tokens outputs.
+        ``check_grammar_after``: greedy constrained rows take their argmax and compute a mask
+        only when the grammar rejects it (`checks_grammar_after`); False masks every
+        constrained row first (the reference the check is tested against)."""
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.check_grammar_after = check_grammar_after
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
                  masks=None) -> SamplerOutput:
@@ -130,13 +155,20 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = raw = logits.float()
         constrained = [i for i, row in enumerate(rows) if getattr(row, "grammar", None) is not None]
-        if constrained:  # structured outputs: only the tokens each grammar allows next
-            logits = _apply_grammars(logits, rows, constrained, masks)
+        checked = [i for i in constrained if checks_grammar_after(rows[i])] \
+            if self.check_grammar_after else []
+        masked = [i for i in constrained if i not in checked] if checked else constrained
+        if masked:  # structured outputs: only the tokens each grammar allows next
+            logits = _apply_grammars(logits, rows, masked, masks)
+        elif masks is not None:
+            masks.wait()  # (its buffer must outlive the background work)
         if any(row.sampling_params.logit_bias for row in rows):
             logits = _apply_logit_bias(logits, rows)
         if all(_argmax_only(row) for row in rows):  # the common greedy step: one op
-            return SamplerOutput(token_ids=_argmax(logits).tolist(),
-                                 logprobs=[None] * len(rows))
+            token_ids = _argmax(logits).tolist()
+            if checked:
+                token_ids = _recheck_grammars(logits, token_ids, rows, checked)
+            return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows))
         params = [row.sampling_params for row in rows]
 
         # Reported logprobs come from the model's own distribution, before any
@@ -148,6 +180,9 @@ class Sampler:
         logits = self._ban_stop_tokens(logits, rows)
         logits = self._apply_penalties(logits, rows)
         token_ids = self._choose(logits, rows)  # [B]
+        if checked:  # (their rows are greedy, past min_tokens and unpenalised)
+            token_ids = torch.tensor(_recheck_grammars(logits, token_ids.tolist(), rows, checked),
+                                     device=token_ids.device)
 
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
