@@ -1,0 +1,135 @@
+"""LoRA adapters on the linear layers: the base matmul runs once for every row of a step,
+then each row's adapter adds its low-rank delta, B (A x), on that row only (Punica's and
+S-LoRA's segmented form, not a merged weight per request and not one adapter per batch).
+
+Every adapted linear (LoRALinear) holds a slot per resident adapter, stacked:
+
+    lora_a [max_loras, J * R, K]   the A matrices of the layer's J parts, R rows each
+    lora_b [max_loras, N, R]       B, one R-vector per output column, its part's scale folded in
+
+where the J parts are the fused layer's outputs (q, k, v of qkv_proj; gate and up of
+gate_up_proj; one for o_proj and down_proj) with column bounds `bounds` (J + 1 ints). A
+column n of part j is y[m, n] += B[s, n] . (A[s, jR:(j+1)R] x[m]) for a row m whose slot s
+is >= 0. An adapter of lower rank fills its first rows of A and columns of B (zeros after);
+a part it does not adapt stays zero. The step's slot of each row comes from LoRAStep, set
+by the runner before the forward: token rows, or the sampled rows a model's last layer keeps.
+
+`lora_add_ref` is the PyTorch reference; servelm's C++ op (`servelm_ops.lora_add`, the same
+arguments) runs it on the CPU, and the DecodeStack runs it inside a whole decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+# The linear layers an adapter may adapt: the decoder's module name -> PEFT's names of
+# its parts, in the fused layer's column order.
+TARGET_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def lora_add_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 row_slots: torch.Tensor, bounds: Sequence[int]) -> None:
+    """y [M, N] += each row's delta in place (rows with slot -1 untouched), in fp32, rounded
+    once into y's dtype. x [M, K]; lora_a [S, J*R, K]; lora_b [S, N, R]; row_slots [M] int32;
+    bounds: the J parts' column bounds (bounds[0] == 0, bounds[J] == N)."""
+    R = lora_b.shape[2]
+    slots = row_slots.long()
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().flatten()
+        t = x[rows].float() @ lora_a[s].float().t()  # [m, J*R]
+        delta = torch.empty(rows.numel(), y.shape[1], dtype=torch.float32, device=y.device)
+        for j in range(len(bounds) - 1):
+            c0, c1 = bounds[j], bounds[j + 1]
+            delta[:, c0:c1] = t[:, j * R:(j + 1) * R] @ lora_b[s, c0:c1].float().t()
+        y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+class LoRAStep:
+    """The step's adapter slot of each row, shared by a model's LoRALinears: `tokens` for
+    a layer that sees every token, `rows` for the last layer's sampled rows (the runner's
+    sampled_only forward); None when no row of the step has an adapter."""
+
+    def __init__(self):
+        self.tokens: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+
+    def set(self, tokens: torch.Tensor | None, rows: torch.Tensor | None) -> None:
+        self.tokens, self.rows = tokens, rows
+
+    def clear(self) -> None:
+        self.tokens = self.rows = None
+
+    def slots(self, num_rows: int) -> torch.Tensor | None:
+        """The slots of a layer input of num_rows rows (every token, or the sampled rows:
+        when both counts agree every token is sampled, so the two lists are the same)."""
+        if self.tokens is None:
+            return None
+        return self.tokens if num_rows == self.tokens.shape[0] else self.rows
+
+
+class LoRALinear(nn.Module):
+    """A linear layer (any of servelm's methods: `base`) with resident adapters' deltas."""
+
+    def __init__(self, base: nn.Module, parts: Sequence[int], in_features: int,
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 step: LoRAStep):
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = in_features, sum(parts)
+        self.bounds = tuple([0] + [sum(parts[:j + 1]) for j in range(len(parts))])
+        self.max_rank = max_rank
+        self.lora_a = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype,
+                                  device=device)
+        self.lora_b = torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype,
+                                  device=device)
+        self.step = step
+        self.select(False)
+
+    def select(self, kernels: bool) -> None:
+        """The delta on servelm's C++ op (CPU) or the PyTorch reference."""
+        self._add = torch.ops.servelm_ops.lora_add if kernels else lora_add_ref
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots = self.step.slots(x.shape[0])
+        if slots is not None:
+            if y.stride(-1) != 1 or (y.dim() == 2 and y.stride(0) != y.shape[1]):
+                y = y.contiguous()
+            self._add(y, x, self.lora_a, self.lora_b, slots, self.bounds)
+        return y
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+                 ) -> None:
+        """Slot `slot` holds an adapter's (A [r, K], B [N_j, r], scale folded into B) per
+        part (None: that part not adapted): copied in, zero-padded to max_rank."""
+        R = self.max_rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for j, ab in enumerate(parts):
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            c0, c1 = self.bounds[j], self.bounds[j + 1]
+            self.lora_a[slot, j * R:j * R + r] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, c0:c1, :r] = b.to(self.lora_b.dtype)
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def slot_bytes(self) -> int:
+        """Bytes one resident adapter takes in this layer."""
+        return (self.lora_a[0].numel() + self.lora_b[0].numel()) * self.lora_a.element_size()
