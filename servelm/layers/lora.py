@@ -97,7 +97,13 @@ class LoRALinear(nn.Module):
 
     def select(self, kernels: bool) -> None:
         """The delta on servelm's C++ op (CPU) or the PyTorch reference."""
-        self._add = torch.ops.servelm_ops.lora_add if kernels else lora_add_ref
+        op = None
+        if kernels:
+            try:
+                op = torch.ops.servelm_ops.lora_add
+            except (AttributeError, RuntimeError):  # an older build of the ops
+                op = None
+        self._add = op or lora_add_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -133,3 +139,4 @@ class LoRALinear(nn.Module):
     def slot_bytes(self) -> int:
         """Bytes one resident adapter takes in this layer."""
         return (self.lora_a[0].numel() + self.lora_b[0].numel()) * self.lora_a.element_size()
+

@@ -103,8 +103,10 @@ def select_ops(model: nn.Module, kernels: bool) -> None:
     """Every op module under `model` (itself included) runs servelm's C++ ops (kernels True;
     the caller has checked they load) or the PyTorch references, from now on. Call it once
     the weights are final (loaded, quantised, tuned), before pin_module_attributes."""
+    from servelm.layers.lora import LoRALinear
+
     for m in model.modules():
-        if isinstance(m, OpModule):
+        if isinstance(m, (OpModule, LoRALinear)):
             m.select(kernels)
 
 
@@ -334,6 +336,10 @@ class GatedMLP(OpModule):
     by an amx gate_up itself (mlp_gated, or mlp_bucket_gated where only some of its row
     buckets run a gated amx module)."""
 
+    # False: gate_up's output stays gate and up (an adapter adds its delta to them), never
+    # the activation an amx gate_up could write itself.
+    fusable = True
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         self.options = dict(hidden=hidden, intermediate=intermediate, act=act)
@@ -377,7 +383,7 @@ class GatedMLP(OpModule):
         changed."""
         from servelm.layers.amx import AmxLinear
 
-        if self.act != "silu":
+        if self.act != "silu" or not self.fusable:
             return 0
         mods = getattr(self.gate_up_proj, "impls", [self.gate_up_proj])
         fused = [m for m in mods if isinstance(m, AmxLinear) and not m.gated]

@@ -1,0 +1,49 @@
+"""The model's adaptable linear layers wrapped in LoRALinears (servelm.layers.lora), once its
+weights are final."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from servelm.layers.lora import LoRALinear, LoRAStep
+
+
+def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[int, ...], int]]:
+    """(module path, parent, attribute, parts' widths, in_features) of every linear layer an
+    adapter may adapt: each decoder layer's attention projections and its dense gated MLP
+    (a routed-experts MLP keeps its experts unadapted)."""
+    from servelm.models.layers import Attention, GatedMLP
+
+    out = []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        if isinstance(attn, Attention):
+            out.append((f"layers.{i}.self_attn.qkv_proj", attn, "qkv_proj",
+                        (attn.q_size, attn.kv_size, attn.kv_size), attn.options["hidden"]))
+            out.append((f"layers.{i}.self_attn.o_proj", attn, "o_proj",
+                        (attn.options["hidden"],), attn.q_size))
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, GatedMLP):
+            out.append((f"layers.{i}.mlp.gate_up_proj", mlp, "gate_up_proj",
+                        (mlp.intermediate, mlp.intermediate), mlp.options["hidden"]))
+            out.append((f"layers.{i}.mlp.down_proj", mlp, "down_proj",
+                        (mlp.options["hidden"],), mlp.intermediate))
+    return out
+
+
+def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
+    """Wrap every adaptable linear layer of `model` (weights final: loaded, quantised, tuned;
+    a SwiGLU gate_up not gated by its amx method: GatedMLP.fusable False before tuning) in a LoRALinear with
+    max_loras empty slots of rank max_rank; `model.lora_step` is their shared LoRAStep.
+    Returns the wrapped layers by module path (the adapter loader's names)."""
+    step = LoRAStep()
+    dtype = model.norm.weight.dtype
+    device = model.norm.weight.device
+    wrapped = {}
+    for path, parent, attr, parts, k in adaptable_layers(model):
+        base = getattr(parent, attr)
+        mod = LoRALinear(base, parts, k, max_loras, max_rank, dtype, device, step)
+        setattr(parent, attr, mod)
+        wrapped[path] = mod
+    model.lora_step = step
+    return wrapped
