@@ -131,6 +131,19 @@ def test_peft_llama_every_target(tmp_path, infix, bin_file):
     assert adapter.nbytes == own * 4 and adapter.nbytes_in(torch.bfloat16) == own * 2
 
 
+def test_peft_keys_without_the_peft_model_prefix(tmp_path):
+    """transformers' own adapter saving (PeftAdapterMixin) names tensors from the model
+    down: model.layers.0.self_attn.q_proj.lora_A.weight."""
+    weights = split_weights(("q_proj", "up_proj"), layers=(0,))
+    path = write_peft(tmp_path / "ad", {})
+    sd = {}
+    for (i, t), (a, b) in weights.items():
+        for kind, w in (("lora_A", a), ("lora_B", b)):
+            sd[peft_key(i, t, kind).removeprefix("base_model.model.")] = w
+    save_file(sd, path + "/adapter_model.safetensors")
+    assert_split(load_adapter(path, LLAMA), weights, lambda i, t: 16 / 4)
+
+
 def test_peft_qwen2_some_targets_rslora(tmp_path):
     weights = split_weights(("q_proj", "v_proj", "down_proj"), layers=(1,), rank=8)
     conf = peft_config(r=8, lora_alpha=32, use_rslora=True,
