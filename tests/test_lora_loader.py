@@ -493,3 +493,60 @@ def test_refused_gguf(tmp_path):
         "w.gguf", tensors=wrong)
     with pytest.raises(LoRAError, match="rank 4 is over the maximum LoRA rank 2"):
         load_adapter(write_gguf(tmp_path / "r.gguf", "llama", good), LLAMA, max_rank=2)
+
+
+# ---- against PEFT itself ---------------------------------------------------------------------
+
+HF_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.mark.parametrize("arch,targets,options", [
+    ("Llama", list(SPLIT),
+     dict(rank_pattern={"v_proj": 2, "model.layers.1.mlp.down_proj": 8},
+          alpha_pattern={"k_proj": 3, "layers.0.self_attn.o_proj": 24})),
+    ("Qwen2", ["q_proj", "k_proj", "v_proj", "down_proj"], dict(use_rslora=True)),
+    ("Phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+     dict(rank_pattern={"gate_up_proj": 6})),
+])
+def test_peft_saved_adapter_deltas(tmp_path, arch, targets, options):
+    """An adapter PEFT itself made and saved (random A and B) loads to PEFT's own delta
+    weights, scale (alpha / r, rsLoRA, rank_pattern, alpha_pattern) included, and a fused
+    checkpoint layer's delta is its parts' side by side."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    hf_cfg = getattr(transformers, f"{arch}Config")(**HF_TINY)
+    model = getattr(transformers, f"{arch}ForCausalLM")(hf_cfg)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=targets,
+                                                  init_lora_weights=False, **options))
+    peft_model.save_pretrained(tmp_path / "ad")
+    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    adapter = load_adapter(str(tmp_path / "ad"), cfg)
+
+    expected = {}
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
+            hf = name.removeprefix("base_model.model.model.")
+            expected[hf] = module.get_delta_weight("default").detach()
+    assert len(expected) == 2 * len(targets)
+    parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                "gate_up_proj": ("gate_proj", "up_proj")}
+    got = {}
+    for path, parts in adapter.modules.items():
+        prefix, module = path.rsplit(".", 1)
+        deltas = [None if ab is None else ab[1] @ ab[0] for ab in parts]
+        fused = f"{prefix}.{module}" in expected
+        if fused or len(parts) == 1:
+            got[f"{prefix}.{module}"] = torch.cat(deltas)
+        else:
+            for part, delta in zip(parts_of[module], deltas):
+                if delta is not None:
+                    got[f"{prefix}.{part}"] = delta
+    assert set(got) == set(expected)
+    for name, delta in expected.items():
+        torch.testing.assert_close(got[name], delta, rtol=1e-5, atol=1e-6, msg=name)
+    assert adapter.rank == max([4, *options.get("rank_pattern", {}).values()])
