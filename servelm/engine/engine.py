@@ -253,13 +253,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
                                           enable_caching=cache_cfg.enable_prefix_caching)
         # LoRA adapters: the registered ones and the model's resident slots.
-        self.lora = None
-        lora_layers = getattr(self.executor.worker, "lora_layers", None)
-        if lora_layers is not None:
-            from servelm.lora.manager import LoRAManager
-
-            self.lora = LoRAManager(lora_layers, config.lora.max_loras,
-                                    config.lora.max_lora_rank, self.model_config)
+        self.lora = self.executor.lora_manager(config, self.model_config)
+        if self.lora is not None:
             for name, path in config.lora.lora_modules:
                 self.lora.register(name, path)
         self.scheduler = Scheduler(config.scheduler, self.block_manager,

@@ -22,9 +22,16 @@ class LoRAManager:
     """The registered adapters (name -> LoRARequest and loaded weights) and the resident ones
     (name -> slot, least recently used first) of one model's wrapped layers."""
 
-    def __init__(self, layers: dict, max_loras: int, max_rank: int, model_config):
-        """layers: the wrapped LoRALinears by module path (servelm.lora.wrap.apply_lora)."""
+    def __init__(self, layers: dict, max_loras: int, max_rank: int, model_config,
+                 plan=None):
+        """layers: the wrapped LoRALinears by module path (servelm.lora.wrap.apply_lora).
+        plan: this rank's servelm.distributed.sharding.ShardPlan under tensor parallelism
+        (each adapter written as its shard), else None."""
         self.layers = layers
+        self.plan = plan
+        # Called as on_write(slot, name, path) after an adapter is written into a slot (the
+        # tensor-parallel executor has the other ranks write their shards).
+        self.on_write = None
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.model_config = model_config
@@ -119,9 +126,49 @@ class LoRAManager:
             if parts is None:
                 layer.clear_slot(slot)
             else:
-                layer.set_slot(slot, parts)
+                layer.set_slot(slot, parts if self.plan is None
+                               else shard_parts(path, parts, self.plan))
         self.loads += 1
+        if self.on_write is not None:
+            self.on_write(slot, name, self.requests[name].lora_path)
+
+    def write(self, slot: int, name: str, path: str) -> None:
+        """A tensor-parallel worker: write its shard of the adapter rank 0 wrote into slot
+        (registered from path on first sight)."""
+        if name not in self.requests or self.requests[name].lora_path != path:
+            self.requests.pop(name, None)
+            self._weights.pop(name, None)
+            self.register(name, path)
+        for other, s in list(self.resident.items()):
+            if s == slot:
+                del self.resident[other]
+        self._write(name, slot)
+        self.resident[name] = slot
 
     def slot_bytes(self) -> int:
         """Bytes one resident slot takes across the model's adapted layers."""
         return sum(layer.slot_bytes() for layer in self.layers.values())
+
+
+def shard_parts(path: str, parts: list, plan) -> list:
+    """An adapted layer's parts as this rank holds them (Megatron's split, as the base's:
+    servelm.distributed.sharding): column-parallel qkv_proj and gate_up_proj keep the rank's
+    rows of each part's B (its heads, its slice of the intermediate size) and all of A;
+    row-parallel o_proj and down_proj keep the rank's columns of A and all of B, their
+    partial deltas summed by the layer's all-reduce with its output."""
+    D = plan.head_dim
+    q = slice(plan.q_heads[0] * D, plan.q_heads[1] * D)
+    kv = slice(plan.kv_heads[0] * D, plan.kv_heads[1] * D)
+    inter = slice(*plan.intermediate)
+    kind = path.rsplit(".", 1)[1]
+    rows = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}.get(kind)
+    cols = {"o_proj": q, "down_proj": inter}.get(kind)
+    out = []
+    for j, ab in enumerate(parts):
+        if ab is None:
+            out.append(None)
+        elif rows is not None:
+            out.append((ab[0], ab[1][rows[j]]))
+        else:
+            out.append((ab[0][:, cols], ab[1]))
+    return out
