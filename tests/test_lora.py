@@ -168,3 +168,30 @@ def test_lora_needs_enabling():
     llm = LLM(**KW)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, "/x"))
+
+
+def test_speculation_and_structured_outputs_with_an_adapter(family_setups):
+    """ngram speculation with an adapter gives the adapter's greedy tokens (its drafts are
+    verified by the adapted model), and a JSON schema holds for an adapted request."""
+    import json
+
+    from servelm import StructuredOutputsParams
+
+    path, _, adapters = family_setups["llama"]
+    lr = LoRARequest("spec", 1, adapters[0][0])
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"
+    plain = LLM(model=path, enable_lora=True, **KW)
+    spec = LLM(model=path, enable_lora=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}, **KW)
+    want = plain.generate([prompt], GREEDY, use_tqdm=False, lora_request=lr)[0]
+    got = spec.generate([prompt], GREEDY, use_tqdm=False, lora_request=lr)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert spec.engine.stats.num_spec_accepted_tokens > 0  # drafts were verified and kept
+    base = plain.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert base.outputs[0].token_ids != want.outputs[0].token_ids
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    out = plain.generate(["Answer as JSON:"], SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        use_tqdm=False, lora_request=lr)[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["n"], int)

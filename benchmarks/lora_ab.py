@@ -1,0 +1,144 @@
+"""LoRA adapters' cost, side by side in one process: an engine serving adapters against the
+same model served alone (an engine without LoRA), the two taking turns round by round.
+
+    python benchmarks/lora_ab.py [--model PATH] [--adapters 8] [--rank 16] [--streams 64]
+                                 [--output-len 64] [--rounds 3] [--json OUT]
+
+- many streams: --streams prompts at once, spread round-robin over --adapters rank --rank
+  adapters (every projection adapted), against the same prompts on the engine without
+  LoRA: output tokens per second, and their ratio;
+- one stream: one request with an adapter against the base engine's: TPOT (its engine steps
+  after the prompt), and their ratio;
+- memory: the bytes one resident adapter takes in the model's slots, against its own
+  weights' bytes in the activation dtype.
+
+The adapters are random PEFT-format directories written for the model's shapes (no peft
+needed), A and B non-zero, in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from servelm import LLM, LoRARequest, SamplingParams
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(directory: Path, cfg, rank: int, seed: int) -> None:
+    """A PEFT LoRA directory for a model of config cfg (servelm's ModelConfig)."""
+    from safetensors.torch import save_file
+
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i in range(cfg.num_layers):
+        for t in TARGETS:
+            part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            k, n = shapes[t]
+            key = f"base_model.model.model.layers.{i}.{part}.{t}"
+            sd[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=g) * k ** -0.5
+            sd[f"{key}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.01
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+
+
+def throughput(llm: LLM, prompts: list[str], out_len: int, loras) -> float:
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    dt = time.perf_counter() - t
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+
+def tpot(llm: LLM, prompt: str, out_len: int, lora) -> float:
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    best = float("inf")
+    for _ in range(2):
+        m = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].metrics
+        best = min(best, statistics.median(m.inter_token_latencies))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: the embedded model")
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args()
+
+    base = LLM(args.model, max_num_seqs=args.streams)
+    lora = LLM(args.model, max_num_seqs=args.streams, enable_lora=True,
+               max_loras=args.adapters, max_lora_rank=args.rank)
+    cfg = lora.engine.model_config
+    tmp = tempfile.TemporaryDirectory()
+    loras = []
+    for i in range(args.adapters):
+        d = Path(tmp.name) / f"a{i}"
+        write_adapter(d, cfg, args.rank, seed=i)
+        loras.append(LoRARequest(f"a{i}", i + 1, str(d)))
+        lora.engine.add_lora(loras[-1])
+    prompts = [f"Request {i}: explain how a paged KV cache lets many users share memory."
+               for i in range(args.streams)]
+    spread = [loras[i % len(loras)] for i in range(args.streams)]
+    one = prompts[0]
+    # Warm-up: every adapter resident, every batch shape seen once.
+    throughput(base, prompts, 8, None)
+    throughput(lora, prompts, 8, spread)
+    tpot(base, one, 8, None)
+    tpot(lora, one, 8, loras[0])
+
+    rows = []
+    for r in range(args.rounds):
+        sides = [("base", base, None, None), ("lora", lora, spread, loras[0])]
+        if r % 2:
+            sides.reverse()
+        row = {"round": r}
+        for name, llm, many, single in sides:
+            row[f"{name}_tok_s"] = throughput(llm, prompts, args.output_len, many)
+            row[f"{name}_tpot_ms"] = tpot(llm, one, args.output_len, single) * 1e3
+        row["streams_ratio"] = row["lora_tok_s"] / row["base_tok_s"]
+        row["tpot_ratio"] = row["lora_tpot_ms"] / row["base_tpot_ms"]
+        rows.append(row)
+        print(f"round {r}: {args.streams} streams over {args.adapters} adapters "
+              f"{row['lora_tok_s']:.0f} tok/s vs base {row['base_tok_s']:.0f} "
+              f"({row['streams_ratio']:.3f}x); one stream TPOT {row['lora_tpot_ms']:.2f} ms vs "
+              f"{row['base_tpot_ms']:.2f} ({row['tpot_ratio']:.3f}x)", flush=True)
+    mgr = lora.engine.lora
+    dtype = lora.engine.dtype
+    slot = mgr.slot_bytes()
+    own = mgr.adapter(loras[0].lora_name).nbytes_in(dtype)
+    summary = {
+        "streams_ratio": statistics.median(r["streams_ratio"] for r in rows),
+        "tpot_ratio": statistics.median(r["tpot_ratio"] for r in rows),
+        "slot_bytes": slot, "adapter_bytes": own, "model": cfg.name_or_path
+        if hasattr(cfg, "name_or_path") else args.model or "embedded",
+        "weight_format": lora.engine.weight_format, "dtype": str(dtype)}
+    print(f"median: many streams {summary['streams_ratio']:.3f}x the base's tok/s, one stream "
+          f"{summary['tpot_ratio']:.3f}x its TPOT; a resident rank-{args.rank} adapter takes "
+          f"{slot / 2**20:.2f} MiB in the slots, its weights {own / 2**20:.2f} MiB "
+          f"({lora.engine.weight_format}, {dtype})")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"rounds": rows, **summary}, indent=2))
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
