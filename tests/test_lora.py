@@ -196,3 +196,38 @@ def test_speculation_and_structured_outputs_with_an_adapter(family_setups):
         temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
         use_tqdm=False, lora_request=lr)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text)["n"], int)
+
+
+def adapted_logits(engine, ids: list[int], name: str | None) -> torch.Tensor:
+    """The next-token logits after a whole prompt, with an adapter (or the base: None)."""
+    from helpers import release
+    from servelm.engine.model_runner import SeqInput
+
+    slot = engine.lora.slots_for([name])[name] if name else -1
+    engine.block_manager.allocate("probe", len(ids))
+    try:
+        logits, _ = engine.executor.execute([SeqInput(
+            ids, 0, engine.block_manager.block_table("probe"), True, lora_slot=slot)])
+    finally:
+        release(engine, "probe")
+    return logits[0].float()
+
+
+def test_a_quantised_base_keeps_its_adapters_in_the_activation_dtype(family_setups):
+    """int4 weights, bf16 activations: the adapters' slots are bf16, and an adapter moves
+    the int4 model's logits as PEFT's moves the fp32 model's."""
+    path, base, adapters = family_setups["llama"]
+    llm = LLM(model=path, enable_lora=True, quantization="int4",
+              **{**KW, "dtype": "bfloat16", "fused_decode": False})
+    engine = llm.engine
+    assert {m.lora_a.dtype for m in engine.lora.layers.values()} == {torch.bfloat16}
+    engine.add_lora(LoRARequest("q", 1, adapters[0][0]))
+    for prompt in PROMPTS:
+        ids = llm.get_tokenizer().encode(prompt)
+        ours = adapted_logits(engine, ids, "q") - adapted_logits(engine, ids, None)
+        with torch.no_grad():
+            ref = (adapters[0][1](input_ids=torch.tensor([ids])).logits[0, -1]
+                   - base(torch.tensor([ids])).logits[0, -1])
+        cos = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
+        ratio = (ours.norm() / ref.norm()).item()
+        assert cos > 0.9 and 0.7 < ratio < 1.4, (prompt, cos, ratio)
