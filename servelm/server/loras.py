@@ -101,7 +101,7 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
         try:
             await ctx.engine.add_lora(lora, replace=req.load_inplace)
         except ValueError as e:  # the loader's LoRAError: what does not fit, named
-            raise APIError(400, f"LoRA adapter '{name}' from {req.lora_path}: {e}",
+            raise APIError(400, f"LoRA adapter '{name}': {e}",
                            param="lora_path", code="invalid_value") from None
         logger.info("LoRA adapter %s loaded from %s", name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
