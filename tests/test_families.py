@@ -40,6 +40,11 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Weights and caps that make both caps bend (Gemma 2's own caps: 50 and 30); its
+    # default layer types alternate sliding and global.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, initializer_range=0.1,
+        attn_logit_softcapping=1.5, final_logit_softcapping=0.3)),
 }
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
@@ -157,6 +162,23 @@ def test_moe_reads_each_expert_once_a_step(checkpoints, monkeypatch):
     assert sum(rows) == 2 * (sum(len(p) for p in prompts) + len(prompts))
 
 
+@pytest.mark.skipif(not load_ops("ops"), reason="needs the C++ kernels")
+def test_soft_capped_attention_takes_the_reference_backend(checkpoints):
+    """The C++ and Triton attention kernels do not soft-cap scores: Gemma 2 attends on the
+    reference backend, chosen at start-up (an explicit kernel backend is refused), and its
+    layers decline the DecodeStack with the reason."""
+    from servelm.models import decode_stack
+
+    path, _ = checkpoints["gemma2"]
+    kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
+              max_model_len=256)
+    runner = LLM(**kw).engine.executor.runner
+    assert runner.use_kernels and runner.attention.name == "reference"
+    assert decode_stack.describe_layer(runner.model.layers[0]) == "its attention scores are soft-capped"
+    with pytest.raises(ValueError, match="do not soft-cap attention scores"):
+        LLM(attention_backend="cpu", **kw)
+
+
 def test_config_keys_each_family_reads(checkpoints):
     def cfg(name):
         with open(f"{checkpoints[name][0]}/config.json") as f:
@@ -167,6 +189,11 @@ def test_config_keys_each_family_reads(checkpoints):
     assert gemma.rope_local_theta == 10000.0 and gemma.rope_theta == 1e6
     assert gemma.sandwich_norms and gemma.qk_norm and gemma.hidden_act == "gelu_tanh"
     assert gemma.attn_scale == pytest.approx(24 ** -0.5)
+    gemma2 = cfg("gemma2")
+    assert gemma2.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (1.5, 0.3)
+    assert gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.embed_scale == 8.0
+    assert gemma2.attn_scale == pytest.approx(24 ** -0.5)
     assert cfg("qwen2").attention_bias  # transformers always gives Qwen2 a q/k/v bias
     assert cfg("phi3").rotary_dim == 8
     assert cfg("mistral").window(0) == WINDOW

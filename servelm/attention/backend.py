@@ -22,6 +22,9 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    # Attention scores soft-capped (cap * tanh(scores / cap), Gemma 2): the reference
+    # backend's explicit matmuls run it, the kernels do not.
+    logit_softcap: float | None = None
 
 
 class AttentionBackend:

@@ -111,6 +111,8 @@ class CpuBackend(AttentionBackend):
         if spec.kv_dtype not in KV_DTYPES:
             return (f"servelm's C++ kernels cannot read a {spec.kv_dtype} KV cache "
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
+        if spec.logit_softcap:
+            return "servelm's C++ attention kernels do not soft-cap attention scores"
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

@@ -1,5 +1,5 @@
 """The reference backend: K/V gathered block by block into padded groups, SDPA with a
-causal (or sliding-window) mask. The eager fp32 path every other backend is tested
+causal (or sliding-window) mask (explicit matmuls where scores are soft-capped). The eager fp32 path every other backend is tested
 against; it runs any device, KV dtype, head dim and window."""
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ from servelm.models import kv_quant
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     group: AttnGroup, scale: float, window: int | None = None,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention of one group's queries over keys/values read through its block tables.
 
     q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
     Returns [n, H * D]. Grouped-query heads share their KV head without copying it:
     the G query heads of one KV head are laid out as G * Q rows of one attention call.
     A quantised cache comes with its (k, v) scales [num_blocks, block_size, KVH]: the
-    gathered blocks are dequantised to q's dtype (never the whole cache).
+    gathered blocks are dequantised to q's dtype (never the whole cache). softcap: the
+    scaled scores become softcap * tanh(scores / softcap) before the mask and softmax
+    (Gemma 2), in explicit matmuls (SDPA has no such option).
     """
     B, Q = group.pad_index.shape
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -40,7 +43,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.window_mask(window), scale=scale)
+    mask = group.window_mask(window)
+    if softcap:
+        s = torch.matmul(qp, k.transpose(-1, -2)).float() * scale
+        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        # A padding row masks every key: its NaNs are dropped by unpad_index below.
+        o = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), v)
+    else:
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
     o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
     return o[group.unpad_index]
 
@@ -69,4 +79,4 @@ class ReferenceBackend(AttentionBackend):
 
     def forward(self, layer, q, k_cache, v_cache, scales, meta):
         return per_group(q, meta.groups, lambda qg, g: paged_attention(
-            qg, k_cache, v_cache, g, layer.scale, layer.window, scales))
+            qg, k_cache, v_cache, g, layer.scale, layer.window, scales, layer.softcap))

@@ -19,6 +19,8 @@ class TritonBackend(AttentionBackend):
 
         if spec.device.type != "cuda":
             return f"the Triton kernels run on CUDA, not {spec.device.type}"
+        if spec.logit_softcap:
+            return "the Triton attention kernels do not soft-cap attention scores"
         if not ta.available():
             return "Triton is not installed"
         # Both kernels must compile for this shape here and agree with the references.

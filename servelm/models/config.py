@@ -56,7 +56,8 @@ class ModelConfig:
     sliding_window: int | None = None     # keys a sliding layer sees, itself included
     layer_types: tuple[str, ...] = ()     # per layer FULL | SLIDING; () = every layer FULL
     rope_local_theta: float | None = None  # sliding layers' rotary base (Gemma 3)
-    final_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
+    attn_logit_softcap: float | None = None   # the same on attention scores (Gemma 2)
     # ---- mixture of experts (0 experts: a dense model) ----
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -88,6 +89,9 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
+        for cap in ("final_logit_softcap", "attn_logit_softcap"):
+            if getattr(self, cap) is not None and not getattr(self, cap) > 0:
+                raise ValueError(f"{cap} {getattr(self, cap)} must be positive")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
@@ -157,10 +161,11 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
         )
-        for key in ("attn_logit_softcapping",):
-            if cfg.get(key) is not None:
-                raise ValueError(f"{key}={cfg[key]} is not supported")
         base.update(family.hf_config(cfg, base))
+        # A soft-cap the family does not read would be dropped silently: refuse it.
+        for key, field_ in (("attn_logit_softcapping", "attn_logit_softcap"),):
+            if cfg.get(key) is not None and field_ not in base:
+                raise ValueError(f"{key}={cfg[key]} is not supported for {archs[0]}")
         if cfg.get("matryoshka_dimensions"):
             base["matryoshka_dimensions"] = tuple(int(d) for d in cfg["matryoshka_dimensions"])
         elif cfg.get("is_matryoshka"):

@@ -150,6 +150,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
         return "it has one sandwich norm without the other"
+    if attn.softcap:
+        return "its attention scores are soft-capped"
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=attn.qkv_proj.bias is not None,

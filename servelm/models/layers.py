@@ -243,7 +243,9 @@ class Attention(OpModule):
 
     Options (the shared block every family builds from): a q/k/v bias, an RMSNorm over each
     head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
-    and a softmax scale other than head_dim ** -0.5. The rotary table is the caller's (a
+    a softmax scale other than head_dim ** -0.5, and a soft-cap on the scores (softcap:
+    scores = softcap * tanh(scores / softcap), Gemma 2; only the reference backend runs
+    it, servelm.attention.select chooses it at start-up). The rotary table is the caller's (a
     model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
     narrower than head_dim. The op chosen once (select): the projection's norms, rotary
     and KV write in PyTorch (qkv_ref) or in one C++ pass (qkv_kernels); the attention
@@ -253,12 +255,13 @@ class Attention(OpModule):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
                  window: int | None = None, scale: float | None = None,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, softcap: float | None = None):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
-                            window=window, scale=scale, rotary_dim=rotary_dim)
+                            window=window, scale=scale, rotary_dim=rotary_dim,
+                            softcap=softcap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
@@ -269,6 +272,7 @@ class Attention(OpModule):
         self.window = window
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.rotary_dim = rotary_dim or head_dim
+        self.softcap = softcap
         self.select(False)
 
     def select(self, kernels: bool) -> None:

@@ -7,6 +7,7 @@ how its configs and checkpoints read."""
 from __future__ import annotations
 
 from servelm.models.family import Family
+from servelm.models.families.gemma2 import Gemma2
 from servelm.models.families.gemma3 import Gemma3
 from servelm.models.families.llama import Llama, Mistral
 from servelm.models.families.mixtral import Mixtral
@@ -15,7 +16,7 @@ from servelm.models.families.qwen2 import Qwen2
 from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
 
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
-                                Phi3(), Gemma3())
+                                Phi3(), Gemma3(), Gemma2())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
