@@ -45,6 +45,8 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, initializer_range=0.1,
         attn_logit_softcapping=1.5, final_logit_softcapping=0.3)),
+    # Four layers: the fourth attends without rotary (no_rope_layer_interval 4).
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4)),
 }
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
@@ -194,6 +196,7 @@ def test_config_keys_each_family_reads(checkpoints):
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (1.5, 0.3)
     assert gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.embed_scale == 8.0
     assert gemma2.attn_scale == pytest.approx(24 ** -0.5)
+    assert cfg("smollm3").no_rope_layers == (3,)
     assert cfg("qwen2").attention_bias  # transformers always gives Qwen2 a q/k/v bias
     assert cfg("phi3").rotary_dim == 8
     assert cfg("mistral").window(0) == WINDOW
@@ -264,7 +267,7 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
-              "mixtral": "llama", "mistral": "llama", "llama3": "llama"}
+              "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3"}
 
 
 def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool = False) -> None:
@@ -337,9 +340,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                      "down_proj": "down", "w2": "down"}[e.group(2)]
             stacked.setdefault((i, which), []).append((int(e.group(1)), t))
             continue
-        if arch == "llama" and part == "self_attn.q_proj":
+        if arch in ("llama", "smollm3") and part == "self_attn.q_proj":
             t = _llamacpp_permute(t, cfg.num_attention_heads)
-        elif arch == "llama" and part == "self_attn.k_proj":
+        elif arch in ("llama", "smollm3") and part == "self_attn.k_proj":
             t = _llamacpp_permute(t, cfg.num_key_value_heads)
         w.add_tensor(f"blk.{i}.{_GGUF_PARTS[part]}.{kind}", t.numpy())
     rope = cfg.rope_parameters
@@ -359,7 +362,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                    "mixtral", "phi3"])
+                                    "mixtral", "phi3", "smollm3"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

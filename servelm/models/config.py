@@ -56,6 +56,7 @@ class ModelConfig:
     sliding_window: int | None = None     # keys a sliding layer sees, itself included
     layer_types: tuple[str, ...] = ()     # per layer FULL | SLIDING; () = every layer FULL
     rope_local_theta: float | None = None  # sliding layers' rotary base (Gemma 3)
+    no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
     attn_logit_softcap: float | None = None   # the same on attention scores (Gemma 2)
     # ---- mixture of experts (0 experts: a dense model) ----

@@ -152,6 +152,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return "it has one sandwich norm without the other"
     if attn.softcap:
         return "its attention scores are soft-capped"
+    if not attn.rope:
+        return "it has no rotary (a NoPE layer)"
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=attn.qkv_proj.bias is not None,

@@ -40,7 +40,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
                                    window=cfg.window(index), scale=cfg.attn_scale,
-                                   rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap)
+                                   rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
+                                   rope=index not in cfg.no_rope_layers)
         self.post_attention_layernorm = RMSNorm(h, eps)
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,

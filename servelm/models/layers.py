@@ -58,6 +58,18 @@ def rotary_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv_quant.write(v_cache, v_scale, slot_mapping, v.view(T, num_kv_heads, d))
 
 
+def kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """`rotary_kv_write_ref` of a layer without rotary (cos and sin unused): k and v written
+    into their cache slots as projected, q left as it is."""
+    T, d = qkv.shape[0], k_cache.shape[-1]
+    _, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    kv_quant.write(k_cache, k_scale, slot_mapping, k.reshape(T, num_kv_heads, d))
+    kv_quant.write(v_cache, v_scale, slot_mapping, v.reshape(T, num_kv_heads, d))
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, window: int = 0, k_scale: torch.Tensor | None = None,
@@ -245,7 +257,8 @@ class Attention(OpModule):
     head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
     a softmax scale other than head_dim ** -0.5, and a soft-cap on the scores (softcap:
     scores = softcap * tanh(scores / softcap), Gemma 2; only the reference backend runs
-    it, servelm.attention.select chooses it at start-up). The rotary table is the caller's (a
+    it, servelm.attention.select chooses it at start-up), and no rotary at all (rope False:
+    SmolLM3's NoPE layers; the KV write then takes k as projected). The rotary table is the caller's (a
     model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
     narrower than head_dim. The op chosen once (select): the projection's norms, rotary
     and KV write in PyTorch (qkv_ref) or in one C++ pass (qkv_kernels); the attention
@@ -255,13 +268,14 @@ class Attention(OpModule):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
                  window: int | None = None, scale: float | None = None,
-                 rotary_dim: int | None = None, softcap: float | None = None):
+                 rotary_dim: int | None = None, softcap: float | None = None,
+                 rope: bool = True):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
                             window=window, scale=scale, rotary_dim=rotary_dim,
-                            softcap=softcap)
+                            softcap=softcap, rope=rope)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
@@ -273,6 +287,7 @@ class Attention(OpModule):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.rotary_dim = rotary_dim or head_dim
         self.softcap = softcap
+        self.rope = rope
         self.select(False)
 
     def select(self, kernels: bool) -> None:
@@ -280,7 +295,8 @@ class Attention(OpModule):
         self._qkv = qkv_kernels if kernels else qkv_ref
         # The kernel's rotary turns every dim of a head; a partial rotary runs the reference
         # rotary + KV write on the kernels' in-place layout.
-        self._rotary_kv_write = (_ops().rotary_kv_write
+        self._rotary_kv_write = (kv_write_ref if not self.rope
+                                 else _ops().rotary_kv_write
                                  if kernels and self.rotary_dim == self.head_dim
                                  else rotary_kv_write_ref)
 
@@ -306,7 +322,8 @@ def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
     q, k = q.reshape(T, attn.num_heads, attn.head_dim), k.reshape(T, attn.num_kv_heads, attn.head_dim)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if attn.rope:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     v = v.view(T, attn.num_kv_heads, attn.head_dim)
     ks, vs = scales or (None, None)
     # Each token's K/V is written once, into its slot; attention then reads the cache.

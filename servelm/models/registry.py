@@ -14,9 +14,10 @@ from servelm.models.families.mixtral import Mixtral
 from servelm.models.families.phi3 import Phi3
 from servelm.models.families.qwen2 import Qwen2
 from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
+from servelm.models.families.smollm3 import SmolLM3
 
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
-                                Phi3(), Gemma3(), Gemma2())
+                                Phi3(), Gemma3(), Gemma2(), SmolLM3())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
