@@ -47,6 +47,9 @@ FAMILIES = {
         attn_logit_softcapping=1.5, final_logit_softcapping=0.3)),
     # Four layers: the fourth attends without rotary (no_rope_layer_interval 4).
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
+        logits_scaling=8.0)),
 }
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
@@ -197,6 +200,9 @@ def test_config_keys_each_family_reads(checkpoints):
     assert gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.embed_scale == 8.0
     assert gemma2.attn_scale == pytest.approx(24 ** -0.5)
     assert cfg("smollm3").no_rope_layers == (3,)
+    granite = cfg("granite")
+    assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
+            granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
     assert cfg("qwen2").attention_bias  # transformers always gives Qwen2 a q/k/v bias
     assert cfg("phi3").rotary_dim == 8
     assert cfg("mistral").window(0) == WINDOW
@@ -267,7 +273,9 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
-              "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3"}
+              "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
+             "granite": "granite"}
+_GGUF_PERMUTED = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
 
 
 def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool = False) -> None:
@@ -300,6 +308,12 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     if getattr(cfg, "sliding_window", None):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if family == "granite":
+        for key, value in {"embedding_scale": cfg.embedding_multiplier,
+                           "residual_scale": cfg.residual_multiplier,
+                           "logit_scale": cfg.logits_scaling,
+                           "attention.scale": cfg.attention_multiplier}.items():
+            w.add_float32(f"{arch}.{key}", value)
     if family == "phi3":
         w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * cfg.partial_rotary_factor))
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
@@ -340,9 +354,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                      "down_proj": "down", "w2": "down"}[e.group(2)]
             stacked.setdefault((i, which), []).append((int(e.group(1)), t))
             continue
-        if arch in ("llama", "smollm3") and part == "self_attn.q_proj":
+        if arch in _GGUF_PERMUTED and part == "self_attn.q_proj":
             t = _llamacpp_permute(t, cfg.num_attention_heads)
-        elif arch in ("llama", "smollm3") and part == "self_attn.k_proj":
+        elif arch in _GGUF_PERMUTED and part == "self_attn.k_proj":
             t = _llamacpp_permute(t, cfg.num_key_value_heads)
         w.add_tensor(f"blk.{i}.{_GGUF_PARTS[part]}.{kind}", t.numpy())
     rope = cfg.rope_parameters
@@ -362,7 +376,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                    "mixtral", "phi3", "smollm3"])
+                                    "mixtral", "phi3", "smollm3", "granite"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

@@ -51,6 +51,8 @@ class ModelConfig:
     qk_norm: bool = False                 # RMSNorm over each head's q and k (Qwen3, Gemma 3)
     sandwich_norms: bool = False          # norms after attention and after the MLP (Gemma)
     embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
+    residual_scale: float = 1.0           # attention and MLP outputs multiplied by this (Granite)
+    logits_scaling: float = 1.0           # logits divided by this (Granite)
     attn_scale: float | None = None       # softmax scale; None: head_dim ** -0.5
     rotary_dim: int | None = None         # partial rotary (Phi-3.5/4): the first dims only
     sliding_window: int | None = None     # keys a sliding layer sees, itself included
@@ -90,6 +92,8 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
+        if not self.logits_scaling:
+            raise ValueError("logits_scaling must not be 0")
         for cap in ("final_logit_softcap", "attn_logit_softcap"):
             if getattr(self, cap) is not None and not getattr(self, cap) > 0:
                 raise ValueError(f"{cap} {getattr(self, cap)} must be positive")

@@ -154,6 +154,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention scores are soft-capped"
     if not attn.rope:
         return "it has no rotary (a NoPE layer)"
+    if layer.residual_scale != 1.0:
+        return "its attention and MLP outputs are scaled (residual_scale)"
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=attn.qkv_proj.bias is not None,

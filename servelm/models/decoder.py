@@ -4,10 +4,10 @@ Built from the shared blocks (layers.py: attention with its options, the gated M
 rotary tables; moe.py: routed experts) as a ModelConfig says; the family (family.py) only
 names checkpoints' tensors and reads its config keys. One layer is
 
-    x = x + [attn_out_norm](attention(input_layernorm(x)))
-    x = x + [mlp_out_norm](mlp(post_attention_layernorm(x)))
+    x = x + [attn_out_norm](attention(input_layernorm(x))) [* residual_scale]
+    x = x + [mlp_out_norm](mlp(post_attention_layernorm(x))) [* residual_scale]
 
-(the bracketed norms: Gemma's sandwich), run in residual-stream form: each layer returns
+(the bracketed norms: Gemma's sandwich; the scale: Granite's residual_multiplier), run in residual-stream form: each layer returns
 its MLP output (delta) and the residual stream x, and the next norm adds the delta into x
 in place before normalising it (RMSNorm.add_forward: one C++ pass with the kernels, the
 same bits as x + delta then the norm in the PyTorch reference). Sliding layers may take a
@@ -50,6 +50,7 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
         self.attn_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        self.residual_scale = cfg.residual_scale  # each branch's output times this (Granite)
         # Which rotary table the layer takes: sliding layers their own base, where it differs.
         self.local_rotary = cfg.window(index) is not None and cfg.rope_local_theta is not None
 
@@ -68,10 +69,14 @@ class DecoderLayer(nn.Module):
             residual = residual[rows]
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
+        if self.residual_scale != 1.0:
+            a = a * self.residual_scale
         h = self.post_attention_layernorm.add_forward(a, residual)
         m = self.mlp(h)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
+        if self.residual_scale != 1.0:
+            m = m * self.residual_scale
         return m, residual
 
     def linears(self) -> tuple[nn.Module, ...]:
@@ -222,8 +227,11 @@ class CausalLM(nn.Module):
         return self.norm.add_forward(delta, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> fp32 logits [S, vocab] (soft-capped where the family caps)."""
+        """hidden: [S, hidden] -> fp32 logits [S, vocab] (divided by logits_scaling, and
+        soft-capped, where the family says)."""
         logits = self.lm_head(hidden).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
