@@ -50,6 +50,7 @@ FAMILIES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
         logits_scaling=8.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
 }
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
@@ -200,6 +201,8 @@ def test_config_keys_each_family_reads(checkpoints):
     assert gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.embed_scale == 8.0
     assert gemma2.attn_scale == pytest.approx(24 ** -0.5)
     assert cfg("smollm3").no_rope_layers == (3,)
+    olmo2 = cfg("olmo2")
+    assert olmo2.qk_norm_whole and olmo2.sandwich_norms and not olmo2.pre_norms
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
@@ -246,9 +249,10 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
         torch.set_num_threads(threads)  # rank 0 took its share of the threads
 
 
-@pytest.mark.parametrize("family", ["mixtral"])
+@pytest.mark.parametrize("family", ["mixtral", "olmo2"])
 def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family, monkeypatch):
-    # Every family here splits; a future one that cannot says so before any rank starts.
+    # A family that cannot split says so before any rank starts: OLMo 2 (its q/k norms
+    # need every head), and Mixtral made one here.
     monkeypatch.setattr(family_for_architecture("MixtralForCausalLM"), "tensor_parallel",
                         False)
     path, _ = checkpoints[family]
@@ -274,7 +278,10 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
-             "granite": "granite"}
+             "granite": "granite", "olmo2": "olmo2"}
+# Where a family's llama.cpp names differ from _GGUF_PARTS'.
+_GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
+                                "post_feedforward_layernorm": "post_ffw_norm"}}
 _GGUF_PERMUTED = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
 
 
@@ -358,7 +365,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
             t = _llamacpp_permute(t, cfg.num_attention_heads)
         elif arch in _GGUF_PERMUTED and part == "self_attn.k_proj":
             t = _llamacpp_permute(t, cfg.num_key_value_heads)
-        w.add_tensor(f"blk.{i}.{_GGUF_PARTS[part]}.{kind}", t.numpy())
+        gguf_part = _GGUF_FAMILY_PARTS.get(family, {}).get(part) or _GGUF_PARTS[part]
+        w.add_tensor(f"blk.{i}.{gguf_part}.{kind}", t.numpy())
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "llama3":  # as llama.cpp's converter: a divisor per frequency
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -376,7 +384,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                    "mixtral", "phi3", "smollm3", "granite"])
+                                    "mixtral", "phi3", "smollm3", "granite", "olmo2"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

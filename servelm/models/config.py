@@ -49,7 +49,9 @@ class ModelConfig:
     # ---- the shared blocks' options (defaults: Llama) ----
     hidden_act: str = "silu"              # the gated MLP's activation: silu | gelu_tanh
     qk_norm: bool = False                 # RMSNorm over each head's q and k (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False           # ... over all of q and of k instead (OLMo 2)
     sandwich_norms: bool = False          # norms after attention and after the MLP (Gemma)
+    pre_norms: bool = True                # False: no norms before them (OLMo 2: sandwich only)
     embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0           # attention and MLP outputs multiplied by this (Granite)
     logits_scaling: float = 1.0           # logits divided by this (Granite)
@@ -92,6 +94,10 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole needs qk_norm")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("a model without pre-norms needs the sandwich norms")
         if not self.logits_scaling:
             raise ValueError("logits_scaling must not be 0")
         for cap in ("final_logit_softcap", "attn_logit_softcap"):
@@ -119,7 +125,9 @@ class ModelConfig:
 
     def _params(self, active: bool) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = ((2 if self.sandwich_norms else 0) + (2 if self.pre_norms else 0)) * h
+        if self.qk_norm:
+            norms += q + kv if self.qk_norm_whole else 2 * self.head_dim
         attn = h * (q + 2 * kv) + q * h
         layers = sum(attn + self._mlp_params(i, active) + norms for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)

@@ -137,7 +137,7 @@ def available() -> bool:
 
 def describe_layer(layer) -> LayerDescription | str:
     """The layer as the stack takes it, or why it cannot (a short reason)."""
-    from servelm.models.layers import Attention, GatedMLP
+    from servelm.models.layers import Attention, GatedMLP, RMSNorm
 
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention:  # e.g. tensor parallel's, which all-reduce its output
@@ -154,6 +154,10 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention scores are soft-capped"
     if not attn.rope:
         return "it has no rotary (a NoPE layer)"
+    if attn.qk_norm_whole:
+        return "its q/k norms span the whole projection, not each head"
+    if not isinstance(layer.input_layernorm, RMSNorm):
+        return "it has no norms before attention and the MLP"
     if layer.residual_scale != 1.0:
         return "its attention and MLP outputs are scaled (residual_scale)"
     return LayerDescription(qk_norm=attn.q_norm is not None,

@@ -7,7 +7,8 @@ names checkpoints' tensors and reads its config keys. One layer is
     x = x + [attn_out_norm](attention(input_layernorm(x))) [* residual_scale]
     x = x + [mlp_out_norm](mlp(post_attention_layernorm(x))) [* residual_scale]
 
-(the bracketed norms: Gemma's sandwich; the scale: Granite's residual_multiplier), run in residual-stream form: each layer returns
+(the bracketed norms: Gemma's sandwich; the scale: Granite's residual_multiplier; OLMo 2
+has the sandwich norms only, a NoNorm in place of the other two), run in residual-stream form: each layer returns
 its MLP output (delta) and the residual stream x, and the next norm adds the delta into x
 in place before normalising it (RMSNorm.add_forward: one C++ pass with the kernels, the
 same bits as x + delta then the norm in the PyTorch reference). Sliding layers may take a
@@ -25,7 +26,8 @@ from torch import nn
 
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
-from servelm.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, select_ops
+from servelm.models.layers import (Attention, GatedMLP, NoNorm, RMSNorm, RotaryEmbedding,
+                                   select_ops)
 from servelm.models.moe import SparseMoE
 
 if TYPE_CHECKING:
@@ -36,13 +38,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
+        self.input_layernorm = RMSNorm(h, eps) if cfg.pre_norms else NoNorm()
         self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
                                    window=cfg.window(index), scale=cfg.attn_scale,
                                    rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
-                                   rope=index not in cfg.no_rope_layers)
-        self.post_attention_layernorm = RMSNorm(h, eps)
+                                   rope=index not in cfg.no_rope_layers,
+                                   qk_norm_whole=cfg.qk_norm_whole)
+        self.post_attention_layernorm = RMSNorm(h, eps) if cfg.pre_norms else NoNorm()
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)

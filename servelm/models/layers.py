@@ -148,6 +148,17 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return _ops().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
+class NoNorm(nn.Module):
+    """In a norm's place where a layer has none (OLMo 2's pre-norms): forward returns x,
+    add_forward adds x into the residual (in place) and returns the residual itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual.add_(x)
+
+
 class HeadRMSNorm(RMSNorm):
     """The per-head q/k norm of an attention layer (x [T, heads, D]; the kernels' rotary + KV
     write then takes q and k normalised in place)."""
@@ -256,7 +267,8 @@ class Attention(OpModule):
     Options (the shared block every family builds from): a q/k/v bias, an RMSNorm over each
     head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
     a softmax scale other than head_dim ** -0.5, and a soft-cap on the scores (softcap:
-    scores = softcap * tanh(scores / softcap), Gemma 2; only the reference backend runs
+    scores = softcap * tanh(scores / softcap), Gemma 2; q/k norms over the whole projection
+    rather than each head, qk_norm_whole, OLMo 2; only the reference backend runs
     it, servelm.attention.select chooses it at start-up), and no rotary at all (rope False:
     SmolLM3's NoPE layers; the KV write then takes k as projected). The rotary table is the caller's (a
     model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
@@ -269,20 +281,24 @@ class Attention(OpModule):
                  bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
                  window: int | None = None, scale: float | None = None,
                  rotary_dim: int | None = None, softcap: float | None = None,
-                 rope: bool = True):
+                 rope: bool = True, qk_norm_whole: bool = False):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
                             window=window, scale=scale, rotary_dim=rotary_dim,
-                            softcap=softcap, rope=rope)
+                            softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
-        self.q_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
+        self.qk_norm_whole = qk_norm_whole
+        if qk_norm and qk_norm_whole:
+            self.q_norm, self.k_norm = RMSNorm(self.q_size, eps), RMSNorm(self.kv_size, eps)
+        else:
+            self.q_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
+            self.k_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
         self.window = window
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.rotary_dim = rotary_dim or head_dim
@@ -319,8 +335,10 @@ def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
     PyTorch reference)."""
     T = x.shape[0]
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    if attn.qk_norm_whole:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.reshape(T, attn.num_heads, attn.head_dim), k.reshape(T, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
+    if attn.q_norm is not None and not attn.qk_norm_whole:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if attn.rope:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -340,7 +358,11 @@ def qkv_kernels(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, sc
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     ks, vs = scales or (None, None)  # scales: (k, v) of an int8 cache, else none
-    if attn.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
+    if attn.qk_norm_whole:  # norms of all of q and of k, in place, before the rotary
+        q_k = qkv[:, :attn.q_size + attn.kv_size]
+        q_k[:, :attn.q_size] = attn.q_norm(q_k[:, :attn.q_size].contiguous())
+        q_k[:, attn.q_size:] = attn.k_norm(q_k[:, attn.q_size:].contiguous())
+    elif attn.q_norm is not None:  # per-head norms of q and k, in place, before the rotary
         q_k = qkv[:, :attn.q_size + attn.kv_size]
         q_k[:, :attn.q_size] = attn.q_norm(q_k[:, :attn.q_size].view(T, -1, d)).view(T, -1)
         q_k[:, attn.q_size:] = attn.k_norm(q_k[:, attn.q_size:].view(T, -1, d)).view(T, -1)

@@ -1,0 +1,34 @@
+"""OLMo 2: Llama's attention and MLP with norms after each (on their outputs, before they
+join the residual stream) and none before, and q/k RMSNorms over the whole q and k
+projections (not per head)."""
+
+from __future__ import annotations
+
+from servelm.models.family import Family
+from servelm.models.hf_keys import hf_layer_types
+
+
+class Olmo2(Family):
+    name = "olmo2"
+    architectures = ("Olmo2ForCausalLM",)
+    gguf_architectures = ("olmo2",)
+    # Its post_attention_layernorm follows attention (the decoder's attn_out_norm); the
+    # decoder's own pre-norms are NoNorms, with no weights.
+    renames = {"post_attention_layernorm": "attn_out_norm",
+               "post_feedforward_layernorm": "mlp_out_norm"}
+    gguf_layer_names = {"post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
+    # Each rank would hold some heads of q and k, and the norm needs all of them.
+    tensor_parallel = False
+
+    def _common(self):
+        return {"qk_norm": True, "qk_norm_whole": True, "sandwich_norms": True,
+                "pre_norms": False}
+
+    def hf_config(self, cfg, base):
+        return {**self._common(), "attention_bias": bool(cfg.get("attention_bias", False)),
+                "layer_types": hf_layer_types(cfg, base["num_layers"]),
+                "sliding_window": cfg.get("sliding_window")}
+
+    def gguf_config(self, get, base, tensor_names):
+        return self._common()
