@@ -51,6 +51,9 @@ FAMILIES = {
         embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
         logits_scaling=8.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, mlp_only_layers=[1])),
 }
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
@@ -201,6 +204,9 @@ def test_config_keys_each_family_reads(checkpoints):
     assert gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.embed_scale == 8.0
     assert gemma2.attn_scale == pytest.approx(24 ** -0.5)
     assert cfg("smollm3").no_rope_layers == (3,)
+    qwen2_moe = cfg("qwen2_moe")
+    assert qwen2_moe.shared_expert_intermediate_size == 80 and qwen2_moe.attention_bias
+    assert qwen2_moe.dense_layers == (1,) and not qwen2_moe.norm_topk_prob
     olmo2 = cfg("olmo2")
     assert olmo2.qk_norm_whole and olmo2.sandwich_norms and not olmo2.pre_norms
     granite = cfg("granite")
@@ -225,12 +231,13 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         assert arch in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
     as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE by
-    its intermediate slice, the router whole; Mixtral's below, from GGUF)."""
+    its intermediate slice, the router whole; Qwen2-MoE's shared expert by its own slice,
+    its gate whole; Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
               max_model_len=256, num_threads=2)
@@ -275,10 +282,14 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
                "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp",
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
-             "granite": "granite", "olmo2": "olmo2"}
+             "granite": "granite", "olmo2": "olmo2", "qwen2_moe": "qwen2moe"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"}}
@@ -329,6 +340,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         w.add_uint32(f"{arch}.expert_feed_forward_length", inter)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length",
+                         cfg.shared_expert_intermediate_size)
     add_gguf_metadata(w, tokenizer_meta)
     state = {k: v.float() for k, v in model.state_dict().items()}
     stacked: dict[tuple[int, str], list] = {}
@@ -384,7 +398,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                    "mixtral", "phi3", "smollm3", "granite", "olmo2"])
+                                    "mixtral", "phi3", "smollm3", "granite", "olmo2", "qwen2_moe"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

@@ -10,7 +10,8 @@ weight is read) for their 1/N versions with the same call interface:
   gate and up), `down_proj` row-parallel: one all-reduce;
 - mixture of experts: every expert sharded as that MLP is (its slice of the expert's
   intermediate size), the router replicated, so each rank routes every token alike and
-  runs its slice of the chosen experts: one all-reduce, as for a dense MLP;
+  runs its slice of the chosen experts: one all-reduce, as for a dense MLP; a shared
+  expert (Qwen2-MoE) by its own intermediate slice, its sigmoid gate replicated;
 - embedding: this rank's slice of the vocabulary; tokens outside it embed to zero and one
   all-reduce fills them in;
 - LM head: the same vocabulary slice (tied checkpoints share the embedding's shard); the
@@ -67,6 +68,7 @@ class ShardPlan:
     total_intermediate: int = 0
     moe_intermediate: tuple[int, int] = (0, 0)  # each expert's slice (MoE models)
     total_moe_intermediate: int = 0
+    shared_intermediate: tuple[int, int] = (0, 0)  # the shared expert's slice (Qwen2-MoE)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
@@ -98,6 +100,13 @@ class ShardPlan:
                 raise ValueError(f"tensor_parallel_size {world} is more than the experts' "
                                  f"intermediate size {cfg.moe_intermediate_size}")
             moe = split_range(cfg.moe_intermediate_size, world, rank)
+        shared = (0, 0)
+        if cfg.num_experts and cfg.shared_expert_intermediate_size:
+            if world > cfg.shared_expert_intermediate_size:
+                raise ValueError(f"tensor_parallel_size {world} is more than the shared "
+                                 f"expert's intermediate size "
+                                 f"{cfg.shared_expert_intermediate_size}")
+            shared = split_range(cfg.shared_expert_intermediate_size, world, rank)
         per = -(-cfg.vocab_size // world)
         if (world - 1) * per >= cfg.vocab_size:
             raise ValueError(f"vocabulary of {cfg.vocab_size} cannot be split {world} ways")
@@ -107,7 +116,7 @@ class ShardPlan:
                    vocab=(rank * per, min(cfg.vocab_size, (rank + 1) * per)),
                    vocab_per_rank=per, vocab_size=cfg.vocab_size, total_heads=H,
                    total_kv_heads=KVH, total_intermediate=cfg.intermediate_size,
-                   moe_intermediate=moe,
+                   moe_intermediate=moe, shared_intermediate=shared,
                    total_moe_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0)
 
     @property
@@ -127,13 +136,19 @@ class ShardPlan:
         return self.moe_intermediate[1] - self.moe_intermediate[0]
 
     @property
+    def shared_intermediate_size(self) -> int:
+        return self.shared_intermediate[1] - self.shared_intermediate[0]
+
+    @property
     def local_vocab(self) -> int:
         return self.vocab[1] - self.vocab[0]
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The model config as this rank sees it: its heads (the KV pool holds only its own
         KV heads) and its intermediate slices; the vocabulary stays the model's."""
-        moe = {"moe_intermediate_size": self.moe_intermediate_size} if cfg.num_experts else {}
+        moe = {"moe_intermediate_size": self.moe_intermediate_size,
+               "shared_expert_intermediate_size": self.shared_intermediate_size
+               } if cfg.num_experts else {}
         return dataclasses.replace(cfg, num_heads=self.num_heads,
                                    num_kv_heads=self.num_kv_heads,
                                    intermediate_size=self.intermediate_size, **moe)
@@ -143,6 +158,8 @@ class ShardPlan:
         (r"\.self_attn\.q_proj\.(weight|bias)$", 0, "q_heads", "head"),
         (r"\.self_attn\.(k|v)_proj\.(weight|bias)$", 0, "kv_heads", "head"),
         (r"\.self_attn\.o_proj\.weight$", 1, "q_heads", "head"),
+        (r"\.mlp\.shared_expert\.(gate|up)_proj\.weight$", 0, "shared_intermediate", "one"),
+        (r"\.mlp\.shared_expert\.down_proj\.weight$", 1, "shared_intermediate", "one"),
         (r"\.mlp\.(gate|up)_proj\.weight$", 0, "intermediate", "one"),
         (r"\.mlp\.down_proj\.weight$", 1, "intermediate", "one"),
         (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
@@ -247,7 +264,8 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
                           "num_kv_heads": plan.num_kv_heads})
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp = ParallelSparseMoE(
-                    group, **{**layer.mlp.options, "intermediate": plan.moe_intermediate_size})
+                    group, **{**layer.mlp.options, "intermediate": plan.moe_intermediate_size,
+                              "shared_intermediate": plan.shared_intermediate_size})
             else:
                 layer.mlp = ParallelGatedMLP(
                     group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})

@@ -69,6 +69,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True           # renormalise the chosen experts' weights
     dense_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
+    # A shared expert beside the routed ones in every MoE layer, its output gated by
+    # sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0: none.
+    shared_expert_intermediate_size: int = 0
     # ---- pooling (embeddings), as the checkpoint states it; None: it says nothing ----
     pooling_type: str | None = None       # last | mean | cls (or one servelm cannot run)
     pooling_normalize: bool | None = None  # sentence-transformers' Normalize module
@@ -121,7 +124,8 @@ class ModelConfig:
         if not self.is_moe_layer(layer):
             return 3 * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared
 
     def _params(self, active: bool) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

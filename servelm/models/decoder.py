@@ -48,7 +48,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps) if cfg.pre_norms else NoNorm()
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
-                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,
+                                 cfg.shared_expert_intermediate_size)
         else:
             self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
         self.attn_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None

@@ -6,6 +6,10 @@ the family asks (`norm_topk_prob`; Mixtral always), renormalises their weights. 
 tokens runs one gate_up and one down matmul over all of them: a step reads an expert's
 weights once however many tokens chose it (no per-token loop), and an expert no token chose
 is not read at all. The outputs are scattered back, weighted, with one index_add.
+
+A shared expert (Qwen2-MoE), where the family has one, runs on every token beside them:
+a GatedMLP (so on the C++ ops where they run) whose output, times
+sigmoid(shared_expert_gate(x)), is added to the routed experts'.
 """
 
 from __future__ import annotations
@@ -14,23 +18,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.models.layers import gated_act
+from servelm.models.layers import GatedMLP, gated_act
 
 
 class SparseMoE(nn.Module):
     """The MLP of a MoE layer: router `gate` [E, hidden] and stacked expert weights
-    experts_gate_up [E, 2 * I, hidden] (gate rows, then up) and experts_down [E, hidden, I]."""
+    experts_gate_up [E, 2 * I, hidden] (gate rows, then up) and experts_down [E, hidden, I];
+    with shared_intermediate, a shared_expert (GatedMLP) and its shared_expert_gate [1, hidden]."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool = True, act: str = "silu"):
+                 norm_topk_prob: bool = True, act: str = "silu", shared_intermediate: int = 0):
         super().__init__()
         self.options = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
-                            top_k=top_k, norm_topk_prob=norm_topk_prob, act=act)
+                            top_k=top_k, norm_topk_prob=norm_topk_prob, act=act,
+                            shared_intermediate=shared_intermediate)
         self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
         self.norm_topk_prob, self.act = norm_topk_prob, act
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate:
+            self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of every token."""
@@ -58,7 +68,11 @@ class SparseMoE(nn.Module):
                                                   self.experts_down[e], self.act)
                 start += n
         out.mul_(weights.view(-1)[order].unsqueeze(1))
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        routed = torch.zeros_like(x).index_add_(0, tokens, out)
+        if self.shared_expert is None:
+            return routed
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:

@@ -15,12 +15,13 @@ from servelm.models.families.olmo2 import Olmo2
 from servelm.models.families.mixtral import Mixtral
 from servelm.models.families.phi3 import Phi3
 from servelm.models.families.qwen2 import Qwen2
+from servelm.models.families.qwen2_moe import Qwen2Moe
 from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
 from servelm.models.families.smollm3 import SmolLM3
 
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
-                                Granite(), Olmo2())
+                                Granite(), Olmo2(), Qwen2Moe())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 

@@ -1,0 +1,42 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases) with top-k
+routed experts and beside them a shared expert on every token, its output gated by
+sigmoid(shared_expert_gate(x)); MoE on every decoder_sparse_step-th layer outside
+mlp_only_layers, dense MLPs elsewhere."""
+
+from __future__ import annotations
+
+from servelm.models.families.qwen2 import _qwen_windows
+from servelm.models.family import Family
+
+
+class Qwen2Moe(Family):
+    name = "qwen2_moe"
+    architectures = ("Qwen2MoeForCausalLM",)
+    gguf_architectures = ("qwen2moe",)
+    gguf_layer_names = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                        "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+
+    def hf_config(self, cfg, base):
+        n = base["num_layers"]
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        only = set(cfg.get("mlp_only_layers") or ())
+        return {"attention_bias": bool(cfg.get("qkv_bias", True)),
+                **_qwen_windows(cfg, n),
+                "num_experts": cfg["num_experts"],
+                "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["moe_intermediate_size"],
+                "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0),
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
+
+    def gguf_config(self, get, base, tensor_names):
+        # llama.cpp's qwen2moe does not renormalise the chosen experts' weights.
+        return {"shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
+                "norm_topk_prob": False}
+
+    def from_gguf(self, hf_name, arr, cfg, rows_of):
+        if hf_name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
+            return arr.reshape(1, -1)  # llama.cpp keeps the gate as a vector
+        return super().from_gguf(hf_name, arr, cfg, rows_of)
