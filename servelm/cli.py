@@ -100,7 +100,7 @@ def _add_option(g, o: EngineOption) -> None:
     kind = next((t for t in (int, float) if o.type in (t, t | None)), None)
     g.add_argument(*o.flags, dest=o.dest, default=o.default,
                    type=_arg_type(spec.parse) if spec.parse else kind,
-                   choices=list(spec.choices) if spec.choices else None,
+                   choices=list(spec.choices) if spec.choices else None, nargs=spec.nargs,
                    metavar=spec.metavar, help=_escape(spec.help))
 
 

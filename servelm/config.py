@@ -68,6 +68,7 @@ class Option:
     keyword_type: str | None = None  # LLM's annotation, where it takes more than the field
     no_flag: str | None = None  # why a field has no flag
     dest: str | None = None
+    nargs: str | None = None  # a value flag taking several values (argparse's nargs)
 
 
 def option(default: Any = MISSING, *, default_factory: Any = MISSING, **spec) -> Any:
@@ -342,6 +343,69 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+def lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """LoRA adapters served from start-up, as (name, path) pairs, from vLLM's spellings:
+    'name=path' strings (or a list of them), JSON objects {"name": ..., "path": ...}, or a
+    dict name -> path."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = list(value.items())
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        value = [value]
+    out = []
+    for item in value:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            item = json_object(item)
+        if isinstance(item, dict):
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+                raise ValueError(f"a LoRA module needs a 'name' and a 'path', got {item!r}")
+            item = (item["name"], item["path"])
+        elif isinstance(item, str):
+            name, eq, path = item.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"a LoRA module is name=path, got {item!r}")
+            item = (name, path)
+        if (not isinstance(item, (list, tuple)) or len(item) != 2
+                or not all(isinstance(x, str) and x for x in item)):
+            raise ValueError(f"a LoRA module is name=path, got {item!r}")
+        out.append((item[0], item[1]))
+    names = [n for n, _ in out]
+    for n in names:
+        if names.count(n) > 1:
+            raise ValueError(f"LoRA module {n!r} is named twice")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (servelm.lora)."""
+
+    enable_lora: bool = option(False, help="serve LoRA adapters (--lora-modules, "
+                               "LoRARequest, /v1/load_lora_adapter)")
+    max_loras: int = option(
+        4, metavar="N",
+        help="adapters resident at once (a step holds at most N; the least recently used "
+             "one is evicted for another)")
+    max_lora_rank: int = option(16, metavar="R", help="the largest adapter rank accepted")
+    lora_modules: tuple = option(
+        (), parse=str, convert=lora_modules, nargs="+", metavar="NAME=PATH",
+        keyword_type="dict | list | tuple",
+        help="adapters served from start-up, each NAME=PATH (a PEFT directory or a GGUF LoRA) "
+             "or a JSON object with name and path; implies --enable-lora")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """How a step runs, decided once at start-up: every code-path choice is a field here."""
@@ -559,6 +623,7 @@ class EngineConfig:
                 "--seed is the sampling seed",
         help="the engine's seed (a request's own 'seed' makes it reproducible)")
     cache: CacheConfig = sub_config(CacheConfig)
+    lora: LoRAConfig = sub_config(LoRAConfig, "LoRA adapters")
     scheduler: SchedulerConfig = sub_config(SchedulerConfig)
     num_threads: int | None = option(  # torch intra-op threads; None = physical cores (CPU)
         None, flags=("--num-threads", "--threads", "-t"),

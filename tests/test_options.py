@@ -27,6 +27,8 @@ from servelm.config import (EngineConfig, KernelConfig, SpeculativeConfig, engin
 FLAGS = {
     "--model": "model", "-m": "model", "--revision": "revision",
     "--download-dir": "download_dir", "--tokenizer": "tokenizer",
+    "--enable-lora": "enable_lora", "--max-loras": "max_loras",
+    "--max-lora-rank": "max_lora_rank", "--lora-modules": "lora_modules",
     "--chat-template": "chat_template", "--chat-template-kwargs": "chat_template_kwargs",
     "--dtype": "dtype", "--quantization": "quantization", "-q": "quantization",
     "--device": "device", "--n-gpu-layers": "n_gpu_layers", "-ngl": "n_gpu_layers",
@@ -65,6 +67,7 @@ KEYWORDS = {
     "attention_backend": "auto", "tuning_cache_dir": None, "shm_collectives": True,
     "kv_cache_dtype": "auto", "commit_kv_while_idle": True, "speculative_config": None,
     "dequantized_copy_memory": None, "overlap_grammar_masks": True,
+    "enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "lora_modules": (),
 }
 IGNORED = {flag for flags, _ in IGNORED_ENGINE_FLAGS for flag in flags}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -202,7 +205,8 @@ def test_a_command_line_builds_the_config_its_llm_keywords_build(captured, tmp_p
             "1GiB", "--no-overlap-grammar-masks", "--tuning-cache-dir", "/tmp/tune",
             "--no-cpu-kernels", "--no-fused-decode", "--no-hugepages", "--no-shm-collectives",
             "--no-triton", "--attention-backend", "reference", "-ngl", "99",
-            "--trust-remote-code", "--enable-chunked-prefill"]
+            "--trust-remote-code", "--enable-chunked-prefill", "--enable-lora", "--max-loras",
+            "3", "--max-lora-rank", "8", "--lora-modules", "a=/x", "b=/y"]
     keywords = dict(
         model="m.gguf", revision="v2", download_dir="/tmp/hf", tokenizer="tok.gguf",
         chat_template=TEMPLATE, chat_template_kwargs={"enable_thinking": False},
@@ -214,7 +218,8 @@ def test_a_command_line_builds_the_config_its_llm_keywords_build(captured, tmp_p
         linear_method="tiles", batch_invariant=False, dequantized_copy_memory=1 << 30,
         overlap_grammar_masks=False, tuning_cache_dir="/tmp/tune", cpu_kernels=False,
         fused_decode=False, hugepages=False, shm_collectives=False, triton_attention=False,
-        attention_backend="reference")
+        attention_backend="reference", enable_lora=True, max_loras=3, max_lora_rank=8,
+        lora_modules={"a": "/x", "b": "/y"})
     # Every option given a value not its default (but one: speculation needs one rank).
     assert set(keywords) == set(KEYWORDS) - {"tensor_parallel_size"}
     assert all(v != KEYWORDS[k] for k, v in keywords.items())

@@ -129,7 +129,7 @@ class CpuBackend(AttentionBackend):
             [seqs[i] for i in decodes], block_size)
         logits_indices = [r for r, i in enumerate(decodes) if seqs[i].sample or seqs[i].all_logits]
         sampled = [i for i in decodes if seqs[i].sample or seqs[i].all_logits]
-        flat = FlatTokens(input_ids, positions, slots, logits_indices, sampled)
+        flat = FlatTokens(input_ids, positions, slots, logits_indices, sampled, list(decodes))
         groups = flat.add_grouped(seqs, prompts, keys, nd, block_size, num_queries_per_kv, device)
         dec = RaggedDecodes(
             nd, torch.tensor(tables, dtype=torch.int32, device=device).view(nd, max_blocks),

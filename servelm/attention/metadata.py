@@ -119,13 +119,18 @@ class ForwardBatch:
     # The attention backend's metadata for this step, the backend with it; the flat tokens
     # are in the order that backend attends them.
     attn: AttentionMetadata
+    # LoRA: each flat token's and each logits row's adapter slot ([T], [S] int32; -1 none),
+    # or None when no sequence of the step has an adapter.
+    lora_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class FlatTokens:
     """The flat per-token lists of a batch, filled sequence by sequence."""
 
     def __init__(self, input_ids=None, positions=None, slots=None, logits_indices=None,
-                 sampled=None):
+                 sampled=None, order=None):
+        # The sequences' indices in flat order (each one's tokens are contiguous).
+        self.order: list[int] = order if order is not None else []
         self.input_ids: list[int] = input_ids if input_ids is not None else []
         self.positions: list[int] = positions if positions is not None else []
         self.slots: list[int] = slots if slots is not None else []
@@ -149,6 +154,7 @@ class FlatTokens:
         for j, i in enumerate(order):
             s = seqs[i]
             n = len(s.token_ids)
+            self.order.append(i)
             self.input_ids += s.token_ids
             pos = range(s.start_pos, s.start_pos + n)
             self.positions += pos

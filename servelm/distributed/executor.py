@@ -29,7 +29,7 @@ import torch
 from servelm.distributed.parallel_state import TPGroup, torchrun_env, torchrun_store
 from servelm.distributed.sharding import ShardPlan
 from servelm.distributed.worker import (STEP, STOP, allocate_rank, encode_seqs, load_rank,
-                                        run_step, spawn_main, worker_main)
+                                        lora_manager, run_step, spawn_main, worker_main)
 from servelm.engine.executor import Executor, default_kv_bytes, pool_blocks
 from servelm.engine.model_runner import KVCache, SeqInput
 from servelm.models import kv_quant
@@ -139,6 +139,9 @@ class TPExecutor(Executor):
                 raise WorkerDiedError(f"tensor-parallel start-up failed: {reported}") from e
             raise
         self.ranks.usable = True
+        # LoRA: the adapters rank 0's manager wrote into slots since the last step, which the
+        # other ranks write (their shards) before running it.
+        self.lora_writes: list[tuple[int, str, str]] = []
         logger.info("tensor parallelism: %d ranks; rank 0 holds query heads %s, KV heads %s",
                     tp, self.plan.q_heads, self.plan.kv_heads)
 
@@ -224,7 +227,8 @@ class TPExecutor(Executor):
         self.check_health()
         self.ranks.busy = True
         try:
-            self.group.broadcast_object((STEP, encode_seqs(seqs)))
+            writes, self.lora_writes = self.lora_writes, []
+            self.group.broadcast_object((STEP, encode_seqs(seqs), writes))
             return run_step(self.group, self.worker.runner, self.plan, seqs)
         except Exception as e:
             # Let a dying worker finish dying, so the message can say what happened.
@@ -241,6 +245,13 @@ class TPExecutor(Executor):
             self._fail(msg, e)
         finally:
             self.ranks.busy = False
+
+    def lora_manager(self, config, model_config):
+        """Rank 0's LoRA manager (its shards), reporting each write to the other ranks."""
+        mgr = lora_manager(self.worker, config, model_config, self.plan)
+        if mgr is not None:
+            mgr.on_write = lambda slot, name, path: self.lora_writes.append((slot, name, path))
+        return mgr
 
     def execute_pooling(self, seqs: list[SeqInput]):
         """Pooling requests (embeddings) do not run across ranks."""

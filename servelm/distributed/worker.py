@@ -48,8 +48,18 @@ def load_rank(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: tor
     one device (the all-reduces live in the parallel attention and MLP modules around them)."""
     plan = ShardPlan.of(cfg, group.rank, group.world)
     worker = ModelWorker(ckpt, cfg, dtype, device, max_len, config.quantization,
-                         config.kernels, shard=Shard(plan, group))
+                         config.kernels, shard=Shard(plan, group), lora=config.lora)
     return worker, plan
+
+
+def lora_manager(worker: ModelWorker, config, cfg, plan: ShardPlan):
+    """This rank's LoRA manager (its shards of each adapter), None without LoRA."""
+    if worker.lora_layers is None:
+        return None
+    from servelm.lora.manager import LoRAManager
+
+    return LoRAManager(worker.lora_layers, config.lora.max_loras, config.lora.max_lora_rank,
+                       cfg, plan=plan)
 
 
 def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype, num_blocks: int) -> None:
@@ -60,8 +70,8 @@ def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype, num_blocks: i
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
-    return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits, s.num_logits)
-            for s in seqs]
+    return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits, s.num_logits,
+             s.pooling, s.lora_slot) for s in seqs]
 
 
 def decode_seqs(items: list[tuple]) -> list[SeqInput]:
@@ -84,12 +94,16 @@ def run_step(group: TPGroup, runner: ModelRunner, plan: ShardPlan,
     return torch.cat(parts, dim=1)[:, :plan.vocab_size], sampled
 
 
-def serve_steps(group: TPGroup, runner: ModelRunner, plan: ShardPlan) -> None:
-    """A worker's loop: run every step rank 0 broadcasts, until it says stop."""
+def serve_steps(group: TPGroup, runner: ModelRunner, plan: ShardPlan, lora=None) -> None:
+    """A worker's loop: run every step rank 0 broadcasts, until it says stop. A step first
+    writes this rank's shard of the LoRA adapters rank 0 made resident for it (lora: the
+    rank's LoRAManager)."""
     while True:
         msg = group.broadcast_object()
         if msg[0] == STOP:
             return
+        for slot, name, path in msg[2]:
+            lora.write(slot, name, path)
         with torch.inference_mode():
             run_step(group, runner, plan, decode_seqs(msg[1]))
 
@@ -101,7 +115,7 @@ def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: t
         worker, plan = load_rank(group, config, ckpt, cfg, dtype, device, max_len)
         allocate_rank(worker, config, dtype, group.broadcast_object())  # rank 0's count
         group.control_all_reduce_max(0)  # ready
-        serve_steps(group, worker.runner, plan)
+        serve_steps(group, worker.runner, plan, lora_manager(worker, config, cfg, plan))
     except BaseException:
         group.report_error(f"rank {group.rank}: {traceback.format_exc()}")
         raise

@@ -1,14 +1,15 @@
 """AsyncLLMEngine: the engine stepped by one background thread, with an asyncio face.
 
-The engine is not thread-safe, so one thread owns it. Adds and aborts reach that thread
-through an inbox (a list under a condition variable) and are applied between steps; each
-step's outputs go back to the event loop through one asyncio.Queue per request. Model
-compute therefore never runs on the event loop.
+The engine is not thread-safe, so one thread owns it. Adds, aborts and LoRA adapter loads
+and unloads reach that thread through an inbox (a list under a condition variable) and are
+applied between steps; each step's outputs go back to the event loop through one
+asyncio.Queue per request. Model compute therefore never runs on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -45,6 +46,10 @@ class ShuttingDownError(EngineDeadError):
     get this error."""
 
 
+class LoRANotLoadedError(LookupError):
+    """The request names a LoRA adapter that was unloaded before the engine thread took it."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine state published by the engine thread after every iteration (read from any thread)."""
@@ -56,6 +61,8 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # of which found cached
     stats: EngineStats = field(default_factory=EngineStats)  # a copy of the engine's counters
+    lora_resident: tuple[str, ...] = ()  # LoRA adapters in the model's slots, LRU first
+    lora_loads: int = 0                  # adapters written into a slot (residency misses)
 
 
 def _put_all(items: list) -> None:
@@ -143,6 +150,10 @@ class AsyncLLMEngine:
         self._stopping = False
         self.draining = False                  # set by start_drain(): no new requests
         self._ids = itertools.count()
+        # The registered LoRA adapters (name -> LoRARequest), republished by the engine thread
+        # whenever they change: a new dict each time, read from any thread.
+        self.loras: dict = {}
+        self._publish_loras()
         self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
 
     @classmethod
@@ -162,6 +173,7 @@ class AsyncLLMEngine:
         def run() -> None:
             try:
                 self.engine = factory()
+                self._publish_loras()
             except BaseException as e:  # handed to the caller below
                 self.error = e
                 return
@@ -180,6 +192,11 @@ class AsyncLLMEngine:
     def tokenizer(self):
         """The engine's tokenizer (thread-safe to use from the event loop)."""
         return self.engine.tokenizer
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters (--enable-lora)."""
+        return getattr(self.engine, "lora", None) is not None
 
     @property
     def healthy(self) -> bool:
@@ -258,11 +275,14 @@ class AsyncLLMEngine:
     def generate(self, prompt: str | list[int] | None, params: SamplingParams | PoolingParams,
                  request_id: str | None = None,
                  prompt_token_ids: list[int] | None = None,
-                 cache_salt: str | None = None) -> RequestStream:
+                 cache_salt: str | None = None, lora_request=None) -> RequestStream:
         """Validate and queue a request; returns its stream of outputs (PoolingParams: a
         pooling request, see encode).
 
         cache_salt keeps the request's prompt out of other salts' prefix caches.
+        lora_request: a registered LoRA adapter's name (or a LoRARequest) to run it with;
+        one unloaded before the engine thread takes the request fails its stream with
+        LoRANotLoadedError.
         Must be called from a running event loop. Raises at once (nothing is queued):
         ValueError for a prompt that cannot run, QueueFullError, EngineDeadError
         (ShuttingDownError while draining).
@@ -282,7 +302,8 @@ class AsyncLLMEngine:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = stream
-            self._inbox.append(("add", rid, text, ids, params, time.perf_counter(), cache_salt))
+            self._inbox.append(("add", rid, text, ids, params, time.perf_counter(), cache_salt,
+                                lora_request))
             self._num_pending += params.n
             self._cond.notify()
         return stream
@@ -292,6 +313,53 @@ class AsyncLLMEngine:
         with self._cond:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
+
+    async def add_lora(self, lora_request, replace: bool = False) -> None:
+        """Register (load and check) a LoRA adapter on the engine thread, between steps.
+        ValueError: LoRA is off, the name is taken (unless replace: then the new adapter takes
+        the old one's place if no request uses it, and the old one stays if the new one does
+        not load), or the adapter does not fit the model."""
+
+        def add(engine: LLMEngine) -> None:
+            name = lora_request.lora_name
+            old = engine.lora.get(name) if engine.lora is not None else None
+            if old is None:
+                engine.add_lora(lora_request)
+                return
+            if not replace:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+            engine.remove_lora(name)
+            try:
+                engine.add_lora(lora_request)
+            except Exception:  # the old one stays
+                engine.add_lora(old)
+                raise
+
+        await self._call(add)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregister a LoRA adapter on the engine thread: KeyError if unknown, ValueError
+        while requests use it."""
+        await self._call(lambda engine: engine.remove_lora(name))
+
+    def new_lora_id(self) -> int:
+        """An integer id no registered adapter has."""
+        return max((r.lora_int_id for r in self.loras.values()), default=0) + 1
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread between steps; its result or exception here."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._inbox.append(("call", fn, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
+    def _publish_loras(self) -> None:
+        """Engine thread: the registered adapters as the event loop sees them."""
+        list_loras = getattr(self.engine, "list_loras", None)
+        self.loras = {r.lora_name: r for r in list_loras()} if list_loras else {}
 
     # ---- engine thread ---------------------------------------------------------------------
 
@@ -325,26 +393,48 @@ class AsyncLLMEngine:
                     break
             finally:
                 self._publish(num_added)
-        self._fail_all(EngineDeadError(f"the engine has stopped: {self.error or 'shut down'}"))
+        dead = EngineDeadError(f"the engine has stopped: {self.error or 'shut down'}")
+        self._fail_all(dead)
+        with self._cond:
+            left, self._inbox = self._inbox, []
+        for item in left:  # calls nobody will run
+            if item[0] == "call" and item[2].set_running_or_notify_cancel():
+                item[2].set_exception(dead)
 
     def _apply(self, inbox: list[tuple]) -> None:
-        """Apply queued adds and aborts in order."""
+        """Apply queued adds, aborts and calls in order."""
         for item in inbox:
             if item[0] == "fail_all":
                 self._fail_all(item[1])
+                continue
+            if item[0] == "call":
+                _, fn, future = item
+                if not future.set_running_or_notify_cancel():  # its caller has gone
+                    continue
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # the caller's to answer
+                    future.set_exception(e)
+                finally:
+                    self._publish_loras()
                 continue
             if item[0] == "abort":
                 self.engine.abort_request(item[1])  # frees its blocks before the next step
                 self._deliver_error(item[1], RequestAbortedError(f"request {item[1]} was aborted"))
                 continue
-            _, rid, text, ids, params, arrival, salt = item
+            _, rid, text, ids, params, arrival, salt, lora = item
             with self._cond:
                 live = rid in self._streams
             if not live:  # failed by an engine error while it sat in the inbox
                 continue
+            known = self.engine.lora
+            if isinstance(lora, str) and (known is None or lora not in known):
+                self._deliver_error(rid, LoRANotLoadedError(
+                    f"the LoRA adapter '{lora}' was unloaded"))
+                continue
             try:
                 self.engine.add_request(rid, text, params, arrival, prompt_token_ids=ids,
-                                        cache_salt=salt)
+                                        cache_salt=salt, lora_request=lora)
             except Exception as e:  # e.g. the context shrank since validation: tell the caller
                 self._deliver_error(rid, e)
 
@@ -387,7 +477,10 @@ class AsyncLLMEngine:
     def _publish(self, num_added: int) -> None:
         sched, stats = self.engine.scheduler, self.engine.stats
         bm = self.engine.block_manager
-        snap = EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+        lora = self.engine.lora
+        snap = EngineSnapshot(lora_resident=tuple(lora.resident) if lora else (),
+                              lora_loads=lora.loads if lora else 0,
+                              num_running=sched.num_running, num_waiting=sched.num_waiting,
                               kv_cache_usage=bm.usage, num_preemptions=sched.num_preemptions,
                               prefix_cache_queries=bm.num_queried_tokens,
                               prefix_cache_hits=bm.num_hit_tokens, stats=replace(stats))

@@ -252,7 +252,13 @@ class LLMEngine:
         cache_cfg = config.cache
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
                                           enable_caching=cache_cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # LoRA adapters: the registered ones and the model's resident slots.
+        self.lora = self.executor.lora_manager(config, self.model_config)
+        if self.lora is not None:
+            for name, path in config.lora.lora_modules:
+                self.lora.register(name, path)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   max_loras=config.lora.max_loras if self.lora else None)
         weight_bits = torch.empty(0, dtype=self.dtype).element_size() * 8
         if config.quantization:
             from servelm.roofline import quantized_bits_per_weight
@@ -315,8 +321,12 @@ class LLMEngine:
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora_request=None) -> str:
         """Queue a prompt (text or token ids); returns the request id. ValueError if it cannot run.
+
+        lora_request: a servelm.lora.LoRARequest (registered here if it is new) or the name of
+        a registered adapter; the request runs with that adapter, and its prefix-cache blocks
+        are its adapter's own.
 
         prompt_token_ids, when given, are used as they are (prompt is then only reported back).
         cache_salt: prefix-cache blocks are shared only between requests of the same salt
@@ -325,6 +335,9 @@ class LLMEngine:
         never sampled; one PoolingRequestOutput when its last prompt chunk has run.
         """
         params = params or SamplingParams()
+        lora_name = self._lora_name(lora_request)
+        if lora_name is not None:  # two adapters never share KV blocks
+            cache_salt = f"{cache_salt or ''}\x00lora:{lora_name}"
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
@@ -344,6 +357,7 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             req = Request(rid, ids, params, max_tokens, arrival, gen, cache_salt=cache_salt)
+            req.lora_name = lora_name
             if params.structured_outputs is not None:
                 req.grammar = self.grammars.matcher(params.structured_outputs)
             # The first sample computes every prompt position (its siblings then share its
@@ -360,6 +374,43 @@ class LLMEngine:
             self.scheduler.add_request(req)
         self._groups[request_id] = group
         return request_id
+
+    def add_lora(self, lora_request) -> bool:
+        """Register (load and check) a LoRA adapter; False if it was already registered.
+        ValueError (servelm.lora.loader.LoRAError) when it does not fit the model."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        known = lora_request.lora_name in self.lora
+        self.lora.add(lora_request)
+        return not known
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter: KeyError if unknown, ValueError while requests use it."""
+        if self.lora is None or name not in self.lora:
+            raise KeyError(name)
+        users = sum(r.lora_name == name
+                    for r in list(self.scheduler.running) + list(self.scheduler.waiting))
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s)")
+        self.lora.remove(name)
+
+    def list_loras(self) -> list:
+        """The registered adapters' LoRARequests."""
+        return list(self.lora.requests.values()) if self.lora is not None else []
+
+    def _lora_name(self, lora_request) -> str | None:
+        """The adapter a request names (a LoRARequest is registered if new), None for the
+        base model; ValueError when LoRA is off or the name is unknown."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request needs LoRA enabled (enable_lora=True, "
+                             "--enable-lora or --lora-modules)")
+        if isinstance(lora_request, str):
+            if lora_request not in self.lora:
+                raise ValueError(f"LoRA adapter {lora_request!r} is not loaded")
+            return lora_request
+        return self.lora.add(lora_request).lora_name
 
     def add_pooling_request(self, request_id: str | None, prompt: str | list[int] | None,
                             params: PoolingParams | None = None,
@@ -496,6 +547,9 @@ class LLMEngine:
             return []
         now = time.perf_counter()
         seqs = []
+        lora_slots = (self.lora.slots_for(s.request.lora_name for s in sched.scheduled
+                                          if s.request.lora_name is not None)
+                      if self.lora is not None else {})
         for s in sched.scheduled:
             req = s.request
             if req.first_scheduled_time is None:
@@ -509,7 +563,8 @@ class LLMEngine:
                 continue
             seqs.append(SeqInput(ids, s.start, table, s.samples,
                                  all_logits=req.needs_prompt_logits,
-                                 num_logits=s.num_draft + 1))
+                                 num_logits=s.num_draft + 1,
+                                 lora_slot=lora_slots.get(req.lora_name, -1)))
         masks = None
         if self.config.kernels.overlap_grammar_masks and not any(
                 s.num_draft for s in sched.scheduled):

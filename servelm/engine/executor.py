@@ -25,10 +25,12 @@ from typing import Callable, Protocol
 
 import torch
 
-from servelm.config import EngineConfig, KernelConfig
+from servelm.config import EngineConfig, KernelConfig, LoRAConfig
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models import kv_quant
 from servelm.models.config import ModelConfig
+from servelm.lora.wrap import apply_lora
+from servelm.models.layers import GatedMLP
 from servelm.models.loader import load_model
 from servelm.tuning import TuningReport, finalize_linears
 
@@ -66,14 +68,22 @@ class ModelWorker:
 
     def __init__(self, ckpt, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, max_len: int, quantization: str | None,
-                 kernels: KernelConfig, shard=None):
+                 kernels: KernelConfig, shard=None, lora: LoRAConfig | None = None):
         self.device = device
         self.kernels = kernels
         self.model = load_model(ckpt, model_config, dtype, device, max_positions=max_len,
                                 shard=shard)
+        lora = lora if lora is not None and lora.enabled else None
+        if lora is not None:  # adapters add to gate and up: no activation inside gate_up
+            for m in self.model.modules():
+                if isinstance(m, GatedMLP):
+                    m.fusable = False
         # Weight-only quantisation (activations keep dtype) and, on CPU, each linear layer's
         # method per row bucket, measured here (or read back): module swaps.
         self.tuning: TuningReport = finalize_linears(self.model, quantization, kernels)
+        # LoRA: the adaptable layers wrapped, with max_loras empty slots each.
+        self.lora_layers = (apply_lora(self.model, lora.max_loras, lora.max_lora_rank)
+                            if lora is not None else None)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
 
@@ -124,6 +134,15 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Release what outlives the executor object (worker processes); idempotent."""
 
+    def lora_manager(self, config: EngineConfig, model_config: ModelConfig):
+        """The LoRA adapters' manager over this process's wrapped layers (None without LoRA)."""
+        if self.worker.lora_layers is None:
+            return None
+        from servelm.lora.manager import LoRAManager
+
+        return LoRAManager(self.worker.lora_layers, config.lora.max_loras,
+                           config.lora.max_lora_rank, model_config)
+
     # Read-only views of this process's worker, for the engine (commit_next on the pool),
     # `servelm tune` (the tuning report, the linear layers), tests and benchmarks.
 
@@ -166,7 +185,7 @@ class UniProcExecutor(Executor):
         draft model (speculative decoding), called once the target's weights are in."""
         cache = config.cache
         self.worker = ModelWorker(ckpt, model_config, dtype, device, max_len,
-                                  config.quantization, config.kernels)
+                                  config.quantization, config.kernels, lora=config.lora)
         # A draft model before the KV pools: its weights come out of the memory the pools
         # are sized from, and its pool shares their budget.
         self.draft = load_draft() if load_draft is not None else None

@@ -42,6 +42,8 @@ class SeqInput:
     # position's with `all_logits`) come back as final hidden states, never logits
     # (execute_pooling).
     pooling: bool = False
+    # The resident slot of its LoRA adapter (servelm.lora), -1: the base model alone.
+    lora_slot: int = -1
 
 
 class KVCache:
@@ -141,7 +143,13 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
     if isinstance(attention, str):
         attention = get_backend(attention)
     flat, meta = attention.build(seqs, block_size, num_queries_per_kv, device)
-    return ForwardBatch(**flat.tensors(device), attn=meta), flat.sampled
+    lora = None
+    if any(s.lora_slot >= 0 for s in seqs):
+        tokens = [seqs[i].lora_slot for i in flat.order for _ in seqs[i].token_ids]
+        rows = [seqs[i].lora_slot for i in flat.sampled]
+        lora = (torch.tensor(tokens, dtype=torch.int32, device=device),
+                torch.tensor(rows, dtype=torch.int32, device=device))
+    return ForwardBatch(**flat.tensors(device), attn=meta, lora_slots=lora), flat.sampled
 
 
 def pin_module_attributes(model: torch.nn.Module) -> None:
@@ -202,6 +210,8 @@ class ModelRunner:
         # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
         if use_kernels and self.attention.ragged_decodes and kernels.fused_decode:
             model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
+        # LoRA adapters' slots of each step's rows (servelm.lora.wrap), None without them.
+        self.lora_step = getattr(model, "lora_step", None)
         # The ops are chosen: the weights are final (loaded, quantised or sharded) too.
         pin_module_attributes(model)
         self.graphs = None
@@ -210,7 +220,10 @@ class ModelRunner:
         windowed = any(layer.self_attn.window for layer in model.layers)
         if cuda_graphs and windowed:
             logger.info("CUDA graphs off: the model has sliding-window layers")
-        if cuda_graphs and not windowed:
+        elif cuda_graphs and self.lora_step is not None:
+            # (Each step's slots are host data a captured graph would freeze.)
+            logger.info("CUDA graphs off: LoRA adapters are enabled")
+        if cuda_graphs and not windowed and self.lora_step is None:
             from servelm.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, kv_cache, device, max_batch=max_graph_batch,
@@ -240,23 +253,43 @@ class ModelRunner:
             out = self.graphs.execute(seqs)
             if out is not None:
                 return out
+        adapted = self.lora_step is not None and any(s.lora_slot >= 0 for s in seqs)
         if (self.attention.ragged_decodes
                 and self.model.decode_stack_takes(self.kv_cache.layers, len(seqs))
+                and (not adapted or getattr(self.model, "stack_runs_lora", False))
                 and all(len(s.token_ids) == 1 and s.sample for s in seqs)):
             # Decodes only, on the DecodeStack: its input as plain lists, no ForwardBatch (a
             # one-stream step's small ops and tensors cost 3-5x their time alone there, run
             # on caches the weight stream has just gone through).
             ids, pos, slots, tables, lens, _ = decode_lists(seqs, self.kv_cache.block_size)
-            hidden = self.model.decode_step(ids, pos, slots, tables, lens)
+            if adapted:  # decode rows are the sequences in order, one token each
+                t = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)
+                self.lora_step.set(t, t)
+            try:
+                hidden = self.model.decode_step(ids, pos, slots, tables, lens)
+            finally:
+                if adapted:
+                    self.lora_step.clear()
             return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
                                              self.attention)
         # Only the rows that sample go through the last layer's o_proj and MLP and the LM
         # head: no logits (or final hidden states) for prompt positions.
-        hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
+        hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden)
         return logits, sampled
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model over a ForwardBatch (sampled rows only), its LoRA slots set for the
+        adapted layers while it runs."""
+        if self.lora_step is None or batch.lora_slots is None:
+            return self.model(batch, self.kv_cache.layers, sampled_only=True)
+        self.lora_step.set(*batch.lora_slots)
+        try:
+            return self.model(batch, self.kv_cache.layers, sampled_only=True)
+        finally:
+            self.lora_step.clear()
 
     @torch.inference_mode()
     def execute_pooling(self, seqs: list[SeqInput]
@@ -270,7 +303,7 @@ class ModelRunner:
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
                                              self.attention)
-        hidden = self.model(batch, self.kv_cache.layers, sampled_only=True)
+        hidden = self._forward(batch)
         pool = [r for r, i in enumerate(sampled) if seqs[i].pooling]
         keep = [r for r, i in enumerate(sampled) if not seqs[i].pooling]
         def rows(idx: list[int]) -> torch.Tensor:

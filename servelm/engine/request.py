@@ -50,6 +50,7 @@ class Request:
                  cache_salt: str | None = None):
         self.request_id = request_id
         self.cache_salt = cache_salt  # prefix-cache namespace (None: the shared one)
+        self.lora_name: str | None = None  # the LoRA adapter it runs with (None: the base)
         self.grammar: Any = None      # its structured-outputs matcher (llguidance), if any
         # Until its prompt logprobs are complete: every prompt position's logits are wanted,
         # so the prefix cache is not read (cached positions would never be computed).

@@ -51,9 +51,14 @@ class Scheduler:
     recomputed later.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 max_loras: int | None = None):
+        """max_loras: distinct LoRA adapters one step may hold (their resident slots); a
+        waiting request whose adapter would be one too many waits, and later ones are
+        admitted past it."""
         self.config = config
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -104,9 +109,17 @@ class Scheduler:
         # Only admit new work when no running request had to give up its blocks, and
         # only into blocks the running requests will not need for their next tokens.
         reserve = None  # computed at the first admission attempt: most steps admit none
-        while (self.waiting and budget > 0 and not out.preempted
+        adapters = None  # the running requests' LoRA adapters, at the first one that has one
+        j = 0  # waiting[:j]: requests passed over because their adapter has no slot
+        while (j < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[j]
+            if req.lora_name is not None and self.max_loras is not None:
+                if adapters is None:
+                    adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+                if req.lora_name not in adapters and len(adapters) >= self.max_loras:
+                    j += 1
+                    continue
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
             cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
@@ -122,7 +135,9 @@ class Scheduler:
                 reserve = self._lookahead_blocks(self.running)
             if self.running and bm.num_free_blocks - take - own < reserve:
                 break  # the blocks are spoken for by running requests' next tokens
-            self.waiting.popleft()
+            del self.waiting[j]
+            if adapters is not None and req.lora_name is not None:
+                adapters.add(req.lora_name)
             bm.allocate(req.request_id, num_cached + n, cached)
             bm.record_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached

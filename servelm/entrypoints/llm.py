@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from servelm.config import EngineConfig, config_from_options, engine_options, options_doc
 from servelm.engine.engine import LLMEngine
+from servelm.lora import LoRARequest
 from servelm.outputs import EmbeddingRequestOutput, RequestOutput
 from servelm.pooling_params import PoolingParams
 from servelm.runtime import finish_startup, init_process
@@ -39,14 +40,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        lora_request: a LoRA adapter for every prompt, or one per prompt (None: the base
+        model); needs enable_lora=True.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, _as_lora_list(lora_request, len(prompts)))
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -71,7 +76,9 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         chat_template: a file or the Jinja source, instead of the model's;
@@ -87,21 +94,24 @@ class LLM:
                                            template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+        return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm,
+                         _as_lora_list(lora_request, len(prompts)))
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool,
+             loras: list | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
+                kw = {"lora_request": lora} if lora is not None else {}
                 if isinstance(prompt, dict):
                     engine.add_request(rid, prompt.get("prompt"), p,
-                                       prompt_token_ids=prompt.get("prompt_token_ids"))
+                                       prompt_token_ids=prompt.get("prompt_token_ids"), **kw)
                 else:
-                    engine.add_request(rid, prompt, p)
+                    engine.add_request(rid, prompt, p, **kw)
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -117,6 +127,16 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[rid] for rid in ids]
+
+
+def _as_lora_list(lora_request, n: int) -> list:
+    """One LoRARequest (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, (LoRARequest, str)):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+    return loras
 
 
 def _options_signature() -> inspect.Signature:

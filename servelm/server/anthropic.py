@@ -183,7 +183,7 @@ async def complete(ctx: ServingContext, req: MessagesRequest, gen: Generation
     blocks += [{"type": "tool_use", "id": _call_id(parser), "name": c.name,
                 "input": _input(c.arguments)} for c in calls]
     stop_reason, stop_sequence = _stop(o, bool(calls), req.max_tokens)
-    message = _message(f"msg_{uuid.uuid4().hex}", ctx.model_name)
+    message = _message(f"msg_{uuid.uuid4().hex}", gen.model)
     message.update(content=blocks, stop_reason=stop_reason, stop_sequence=stop_sequence,
                    usage=_usage(gen))
     return JSONResponse(message)
@@ -251,7 +251,7 @@ async def stream(ctx: ServingContext, req: MessagesRequest, gen: Generation
     thoughts = reasoning.stream() if reasoning is not None else None
     answer = ""  # the answer so far, after any thought: what the tool parser reads
     blocks = _Blocks()
-    start = _message(f"msg_{uuid.uuid4().hex}", ctx.model_name)
+    start = _message(f"msg_{uuid.uuid4().hex}", gen.model)
     start["usage"] = {"input_tokens": sum(gen.prompt_lens), "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     yield _event("message_start", {"message": start})
@@ -305,8 +305,10 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
 
         def work():
             req = _parse(body, schema)
-            routes.check_model(req.model)
-            return req, prepare(ctx, req)
+            lora = routes.check_model(req.model)
+            prepared = prepare(ctx, req)
+            prepared.lora = lora
+            return req, prepared
 
         return await asyncio.to_thread(work)
 

@@ -34,11 +34,11 @@ from servelm.server.sse import EventStreamResponse
 from servelm.server.stats import LiveStats
 from servelm.server.tools import parser_for_template
 from servelm.server import access, openapi_errors
-from servelm.server import anthropic, embeddings, ollama, responses  # adapters
+from servelm.server import anthropic, embeddings, loras, ollama, responses  # adapters
 
 # Protocol adapters: modules whose add_routes(app, routes) serve another API (Anthropic's,
-# OpenAI's Responses, Ollama's ...) over the same generation path.
-ADAPTERS: tuple = (embeddings, ollama, responses, anthropic)
+# OpenAI's Responses, Ollama's, vLLM's LoRA loading ...) over the same generation path.
+ADAPTERS: tuple = (embeddings, ollama, responses, anthropic, loras)
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -113,13 +113,14 @@ async def _unless_disconnected(request: Request, work, gen: Generation):
 class Routes:
     """What a protocol adapter (servelm.server.ADAPTERS: another API over the same
     generation path) needs from the app to add its routes: the serving context, the
-    options, the API-key check (a FastAPI dependency), the model check, the body reader
-    (size and time limits), and the disconnect watch of non-streaming answers."""
+    options, the API-key check (a FastAPI dependency), the model check (the LoRA adapter
+    the name runs, None for the base; a 404 in OpenAI's shape when it names neither), the
+    body reader (size and time limits), and the disconnect watch of non-streaming answers."""
 
     ctx: ServingContext
     options: ServerOptions
     check_api_key: Callable
-    check_model: Callable[[str], None]
+    check_model: Callable[[str], str | None]
 
     async def read(self, request: Request) -> bytes:
         return await read_body(request, self.options)
@@ -187,10 +188,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
                            code="invalid_api_key")
         request.state.key_salt = options.key_salt(match)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter `name` runs (None: the served model); 404 when it is neither."""
+        try:
+            return ctx.adapter(name)
+        except KeyError:
+            adapters = ", ".join(f"'{a}'" for a in engine.loras)
+            also = f" and the LoRA adapters {adapters}" if adapters else ""
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"'{model_name}'", param="model", code="model_not_found")
+                                f"'{model_name}'{also}", param="model",
+                           code="model_not_found") from None
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -199,11 +206,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
         cfg = getattr(llm, "model_config", None)
         return ModelCard(id=model_name, family=cfg and cfg.family,
                          architecture=cfg and cfg.architecture,
-                         max_model_len=getattr(llm, "max_model_len", None))
+                         max_model_len=getattr(llm, "max_model_len", None),
+                         root=getattr(llm, "model_path", None))
 
     @v1.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        """The served model, then each LoRA adapter (its parent the served model)."""
+        base = model_card()
+        return ModelList(data=[base, *loras.adapter_cards(ctx, base)])
 
     @v1.get("/stats")
     async def stats() -> dict:
@@ -212,7 +222,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
 
     @v1.get("/models/{name:path}")
     async def retrieve_model(name: str) -> ModelCard:
-        check_model(name)
+        lora = engine.loras.get(name)  # read once: the engine thread replaces the dict
+        if lora is not None and name != model_name:
+            return loras.card(model_card(), lora)
+        check_model(name)  # a 404 unless it is the served model
         return model_card()
 
     async def generate(request: Request, schema: type[BaseModel], endpoint):
@@ -222,8 +235,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
 
         def prepare():
             req = _parse(body, schema)
-            check_model(req.model)
-            return req, endpoint.prepare(ctx, req)
+            lora = check_model(req.model)
+            prepared = endpoint.prepare(ctx, req)
+            prepared.lora = lora
+            return req, prepared
 
         req, prepared = await asyncio.to_thread(prepare)
         salt = _cache_salt(request.state.key_salt, req.cache_salt, req.cache_prompt)

@@ -170,7 +170,7 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest,
         choices.append(ChatChoice(
             index=o.index, message=message, finish_reason=finish_reason,
             logprobs=_logprobs(token_text, o.logprobs) if req.logprobs else None))
-    return ChatCompletionResponse(id=new_id("chatcmpl"), model=ctx.model_name, choices=choices,
+    return ChatCompletionResponse(id=new_id("chatcmpl"), model=gen.model, choices=choices,
                                   usage=gen.usage(), metrics=gen.timings(),
                                   prompt_logprobs=out.prompt_logprobs)
 
@@ -180,7 +180,7 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest,
     """Server-sent events: a role chunk per choice, then one chunk per step with new tokens
     (a reasoning model's: the thought's text and the answer's apart)."""
     token_text = TokenText(ctx.engine.tokenizer)
-    base = ChatCompletionChunk(id=new_id("chatcmpl"), model=ctx.model_name, choices=[])
+    base = ChatCompletionChunk(id=new_id("chatcmpl"), model=gen.model, choices=[])
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return base.model_copy(update={"choices": choices})

@@ -115,7 +115,7 @@ async def complete(ctx: ServingContext, req: CompletionRequest,
     if not generate:  # the one token sampled to finish the request is not an output
         usage = usage.model_copy(update={"completion_tokens": 0,
                                          "total_tokens": usage.prompt_tokens})
-    return CompletionResponse(id=new_id("cmpl"), model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=new_id("cmpl"), model=gen.model, choices=choices,
                               usage=usage, metrics=gen.timings())
 
 
@@ -123,7 +123,7 @@ async def stream(ctx: ServingContext, req: CompletionRequest,
                  gen: Generation) -> AsyncIterator[str]:
     """Server-sent events: one chunk per choice per step that produced tokens."""
     token_text = TokenText(ctx.engine.tokenizer)
-    base = CompletionChunk(id=new_id("cmpl"), model=ctx.model_name, choices=[])
+    base = CompletionChunk(id=new_id("cmpl"), model=gen.model, choices=[])
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     num_choices = len(req.prompt) * req.n
     sent = [0] * num_choices     # tokens sent per choice

@@ -255,7 +255,10 @@ def add_routes(app: FastAPI, routes: "Routes") -> None:
 
         def parse() -> EmbeddingRequest:
             req = _parse(body)
-            routes.check_model(req.model)
+            if routes.check_model(req.model) is not None:
+                raise APIError(400, f"'{req.model}' is a LoRA adapter; embeddings come from the "
+                                    f"base model only: send model '{ctx.model_name}'",
+                               param="model", code="invalid_value")
             return req
 
         req = await asyncio.to_thread(parse)

@@ -22,14 +22,19 @@ def default_model_name(model: str | None) -> str:
 def banner(engine, name: str, url: str) -> str:
     """What `servelm serve` prints once it listens: where, what, and in which format."""
     shape = f"{engine.model_config.architecture}, {engine.model_config.num_layers} layers"
-    return "\n".join([
+    lines = [
         f"servelm: serving {name} on {url} ({shape})",
         f"  weights   {engine.weight_format}; activations "
         f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}",
         f"  KV cache  {engine.kv_capacity_tokens:,} tokens "
-        f"(max {engine.max_model_len:,} per request)",
-        f"  console   {url}/",
-        f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats)"])
+        f"(max {engine.max_model_len:,} per request)"]
+    if engine.lora is not None:  # each adapter a model of its own name, on this one
+        lora = engine.config.lora
+        lines.append(f"  LoRA      up to {lora.max_loras} resident, rank <= {lora.max_lora_rank}; "
+                     f"{len(engine.list_loras())} loaded (/v1/load_lora_adapter adds more)")
+        lines += [f"            {r.lora_name} = {r.lora_path}" for r in engine.list_loras()]
+    return "\n".join([*lines, f"  console   {url}/",
+                      f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats)"])
 
 
 def server_options(args):

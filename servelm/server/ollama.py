@@ -368,8 +368,11 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
 
         def parse_and_prepare():
             req = _parse(body, schema)
-            check_model(ctx.model_name, req.model)
-            return req, prepare(ctx, req)
+            lora = check_model(ctx.model_name, req.model, ctx.engine.loras)
+            job = prepare(ctx, req)
+            if job is not None:
+                job.prepared.lora = lora
+            return req, job
 
         req, job = await asyncio.to_thread(parse_and_prepare)
         if job is None:
@@ -392,7 +395,10 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     @app.get("/api/tags", tags=["ollama"])
     async def ollama_tags(request: Request):
         async def tags():
-            return {"models": [(await served()).entry()]}
+            base = await served()
+            adapters = [(r.lora_name, r.lora_path) for r in ctx.engine.loras.values()]
+            return {"models": [base.entry(), *await asyncio.to_thread(
+                lambda: [base.adapter_entry(*a) for a in adapters])]}
         return await guarded(request, tags)
 
     @app.get("/api/ps", tags=["ollama"])
@@ -414,8 +420,11 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
             name = req.model or req.name
             if not name:
                 raise APIError(400, "model is required")
-            check_model(ctx.model_name, name)
-            return await asyncio.to_thread((await served()).show)
+            lora = check_model(ctx.model_name, name, ctx.engine.loras)
+            body = await asyncio.to_thread((await served()).show)
+            if lora is not None:  # the base's, as the adapter's parent
+                body["details"] = {**body["details"], "parent_model": (await served()).name}
+            return body
         return await guarded(request, show)
 
     @app.post("/api/embed", tags=["ollama"])
@@ -423,7 +432,9 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
         async def embed():
             start = time.perf_counter()
             req = _parse(await routes.read(request), EmbedRequest)
-            check_model(ctx.model_name, req.model)
+            if check_model(ctx.model_name, req.model, ctx.engine.loras) is not None:
+                raise APIError(400, f"'{req.model}' is a LoRA adapter; embeddings come from "
+                                    f"the base model only: send model '{ctx.model_name}'")
             if embeddings is None:
                 raise APIError(501, "/api/embed is not available: this servelm build has no "
                                     "embeddings API")

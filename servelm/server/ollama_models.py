@@ -1,6 +1,7 @@
 """What Ollama's /api/tags, /api/show and /api/ps say about the one model servelm serves:
 its name (Ollama's name:tag form), file size and digest, details (format, family, parameter
-size, quantization level) and model_info (the GGUF header's keys, as Ollama shows them)."""
+size, quantization level) and model_info (the GGUF header's keys, as Ollama shows them); and
+each LoRA adapter served on it, listed as a model whose parent_model is the base."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import functools
 import hashlib
 import os
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -32,11 +33,20 @@ def tagged(served: str) -> str:
     return served if ":" in served.rsplit("/", 1)[-1] else f"{served}:latest"
 
 
-def check_model(served: str, name: str) -> None:
-    """A 404 in Ollama's words unless `name` is the served model (its tag optional, any case,
-    as Ollama matches names)."""
-    if name.casefold() not in (served.casefold(), tagged(served).casefold()):
+def check_model(served: str, name: str, adapters: Iterable[str] = ()) -> str | None:
+    """None when `name` is the served model, the adapter's own name when it names one of
+    `adapters` (LoRA adapters' names), each matched with its tag optional and in any case,
+    as Ollama matches names; a 404 in Ollama's words when it names none of them."""
+    def names(n: str) -> tuple[str, str]:
+        return n.casefold(), tagged(n).casefold()
+
+    key = name.casefold()
+    if key in names(served):
+        return None
+    found = next((a for a in adapters if key in names(a)), None)
+    if found is None:
         raise APIError(404, f"model '{name}' not found")
+    return found
 
 
 def _human(n: int) -> str:
@@ -112,6 +122,16 @@ class ServedModel:
         """One element of /api/tags' models."""
         return {"name": self.name, "model": self.name, "modified_at": self.modified_at,
                 "size": self.size, "digest": self.digest, "details": self.details}
+
+    def adapter_entry(self, name: str, path: str) -> dict[str, Any]:
+        """/api/tags' element of a LoRA adapter on this model (its files read: off the event
+        loop), its parent_model the base's name."""
+        size, mtime = _disk(path) if os.path.exists(path) else (0, 0.0)
+        key = f"{os.path.abspath(path)}:{size}:{mtime}"
+        tag = tagged(name)
+        return {"name": tag, "model": tag, "modified_at": timestamp(mtime), "size": size,
+                "digest": hashlib.sha256(key.encode()).hexdigest(),
+                "details": {**self.details, "parent_model": self.name}}
 
     def running(self) -> dict[str, Any]:
         """One element of /api/ps' models."""

@@ -31,10 +31,12 @@ class ErrorResponse(BaseModel):
 
 
 WHY = {
-    400: "a malformed body, or a field that is missing, unknown or invalid (param names it)",
+    400: "a malformed body, or a field that is missing, unknown or invalid (param names it); "
+         "a LoRA adapter that cannot load (or LoRA not enabled)",
     401: "no API key, or a wrong one (Authorization: Bearer <key>, or x-api-key)",
     403: "the Host header does not name this server (--allowed-hosts)",
-    404: "the model is not the one this server serves",
+    404: "the model is neither the one this server serves nor a LoRA adapter loaded on it "
+         "(unload: no adapter of that name)",
     408: "the body did not arrive within --body-timeout",
     413: "the body is over --max-request-bytes",
     415: "the body is not JSON (Content-Type: application/json)",
@@ -55,6 +57,8 @@ ROUTES = {
     ("get", "/v1/models"): (),
     ("get", "/v1/models/{name}"): (404,),
     ("get", "/v1/stats"): (),
+    ("post", "/v1/load_lora_adapter"): (400, 408, 413, 503),
+    ("post", "/v1/unload_lora_adapter"): (400, 404, 408, 413, 503),
     ("get", "/health"): (503,),
     ("get", "/metrics"): (),
 }

@@ -574,6 +574,9 @@ class ModelCard(BaseModel):
     family: str | None = None          # the model family (llama, qwen2, gemma3, ...)
     architecture: str | None = None    # the HF architecture name
     max_model_len: int | None = None
+    # vLLM's: where the model comes from (a LoRA adapter's path), and an adapter's base model.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

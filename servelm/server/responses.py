@@ -72,8 +72,9 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
                 req = ResponsesRequest.model_validate_json(body)
             except ValidationError as e:
                 raise from_validation_error(e) from None
-            routes.check_model(req.model)
+            lora = routes.check_model(req.model)
             prepared, shell = prepare_request(ctx, req)
+            prepared.lora = lora
             return req, prepared, shell
 
         req, prepared, shell = await asyncio.to_thread(prepare)
@@ -210,7 +211,7 @@ def _shell(ctx: ServingContext, req: ResponsesRequest, tools: list[FunctionTool]
     fmt = req.text.format if req.text else None
     reasoning = req.reasoning
     return ResponseObject(
-        id=_id("resp"), status="in_progress", model=ctx.model_name,
+        id=_id("resp"), status="in_progress", model=req.model,
         instructions=req.instructions, max_output_tokens=req.max_output_tokens,
         max_tool_calls=req.max_tool_calls, parallel_tool_calls=req.parallel_tool_calls is not False,
         reasoning={"effort": reasoning and reasoning.effort,

@@ -11,8 +11,8 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel
 
-from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
-                                         RequestStream, ShuttingDownError)
+from servelm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, LoRANotLoadedError,
+                                         QueueFullError, RequestStream, ShuttingDownError)
 from servelm.outputs import CompletionOutput, RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server.errors import APIError, from_value_error
@@ -34,6 +34,15 @@ class ServingContext:
     tool_parser: ToolParser = field(default_factory=HermesParser)  # for tool_choice "auto"
     reasoning_parser: ReasoningParser | None = None  # how a thought is told from the answer
 
+    def adapter(self, name: str) -> str | None:
+        """The LoRA adapter a request's model field names: None for the served model itself;
+        KeyError when it names neither (each API answers that in its own shape)."""
+        if name == self.model_name:
+            return None
+        if name in self.engine.loras:
+            return name
+        raise KeyError(name)
+
 
 def new_id(prefix: str) -> str:
     """A response or request id, unique across servers: 'chatcmpl-<32 hex digits>'."""
@@ -51,6 +60,7 @@ class Prepared:
     tool_parser: ToolParser | None = None  # chat with tools: how its answers are read
     parallel_tool_calls: bool = True
     reasoning_parser: ReasoningParser | None = None  # chat: the thought split from the answer
+    lora: str | None = None  # the LoRA adapter it runs with (ServingContext.adapter); None: base
 
 
 def encode_prompt(ctx: ServingContext, text: str, fields: dict[str, str],
@@ -146,6 +156,8 @@ class Generation:
         self.prepared = prepared
         prompts, params, fields = prepared.prompts, prepared.params, prepared.fields
         self.prompt_lens = [len(ids) for _, ids in prompts]
+        # The name answers carry: the adapter's, or the served model's.
+        self.model = prepared.lora or ctx.model_name
         self.last: list[RequestOutput | None] = [None] * len(prompts)
         self.streams: list[RequestStream] = []
         self._closed = False
@@ -155,7 +167,8 @@ class Generation:
             for i, (text, ids) in enumerate(prompts):
                 self.streams.append(ctx.engine.generate(text, params, f"{base}-{i}",
                                                         prompt_token_ids=ids,
-                                                        cache_salt=cache_salt))
+                                                        cache_salt=cache_salt,
+                                                        lora_request=prepared.lora))
         except (ValueError, QueueFullError, EngineDeadError) as e:
             self._closed = True  # refused: nothing to record
             for s in self.streams:
@@ -188,6 +201,9 @@ class Generation:
                     except ShuttingDownError as e:  # past the drain time
                         raise APIError(503, f"{e}: the request did not finish within the "
                                             f"shutdown timeout", code="server_shutting_down") from e
+                    except LoRANotLoadedError as e:  # unloaded since the model was checked
+                        raise APIError(404, str(e), param="model",
+                                       code="model_not_found") from e
                     except Exception as e:  # the engine failed this request
                         raise APIError(500, f"generation failed: {e}", code="engine_error") from e
                     self.last[i] = out

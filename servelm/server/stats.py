@@ -81,6 +81,7 @@ class LiveStats:
         hw = getattr(llm, "hardware", None)
         shape = llm.shape
         bm = llm.block_manager
+        lora = getattr(llm, "lora", None)  # the LoRAManager, when adapters are served
         span = now - base[0] if base else None
         d = _delta(st, base[1]) if base else None
 
@@ -108,6 +109,10 @@ class LiveStats:
                          "capacity_tokens": bm.num_blocks * bm.block_size,
                          "bytes_per_token": shape.kv_bytes_per_token,
                          "max_model_len": llm.max_model_len},
+            "lora": None if lora is None else {
+                "loaded": list(self._engine.loras), "resident": list(snap.lora_resident),
+                "max_loras": lora.max_loras, "slot_bytes": lora.slot_bytes(),
+                "loads": snap.lora_loads},
             "prefix_cache": {"queried_tokens": snap.prefix_cache_queries,
                              "hit_tokens": snap.prefix_cache_hits,
                              "hit_rate": (snap.prefix_cache_hits / snap.prefix_cache_queries

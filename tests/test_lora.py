@@ -1,0 +1,170 @@
+"""LoRA adapters served by the engine: greedy tokens equal transformers + PEFT (fp32) for
+Llama, Qwen2 (q/k/v bias), Qwen3 and Phi-3 (fused projections); a mixed batch gives each
+sequence its tokens alone; residency past max_loras; prefix-cache separation; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_hf_checkpoint
+from servelm import LLM, LoRARequest, SamplingParams
+from servelm.kernels import load_ops
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16),
+              ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6),
+              ["q_proj", "v_proj", "down_proj"]),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32),
+              ["q_proj", "k_proj", "o_proj", "up_proj"]),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5),
+             ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+}
+PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+           "1, 2, 3, 5, 8, 13, 21, 34, 55,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+KW = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256)
+
+
+def make_adapter(base, directory, targets: list[str], seed: int, rank: int = 8,
+                 alpha: int = 16, **conf):
+    """A PEFT LoRA adapter on a copy of the base with random non-zero A and B, saved to
+    directory; returns the PEFT model (the reference)."""
+    import copy
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, **conf))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def reference_tokens(model, ids: list[int], n: int = 16) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def family_setups(tmp_path_factory, hf_tokenizer):
+    """family -> (base directory, base model, [(adapter dir, PEFT model)] x 2)."""
+    out = {}
+    for i, (name, (config_cls, model_cls, extra, targets)) in enumerate(FAMILIES.items()):
+        d = tmp_path_factory.mktemp(f"lora-base-{name}")
+        base = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
+        adapters = []
+        for j in range(2):
+            ad = tmp_path_factory.mktemp(f"lora-{name}-{j}")
+            conf = {"use_rslora": True} if j else {}
+            adapters.append((str(ad), make_adapter(base, ad, targets, seed=100 * i + j,
+                                                   rank=8 if j == 0 else 4, **conf)))
+        out[name] = (str(d), base, adapters)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_tokens_equal_transformers_with_peft(family_setups, family):
+    """Each adapter alone, the base, and all three mixed in one batch (an adapter twice):
+    every sequence's tokens are PEFT's, on the kernels' path and the eager reference."""
+    path, base, adapters = family_setups[family]
+    tok_ids = None
+    for kernels in ((True, False) if load_ops("ops") else (False,)):
+        llm = LLM(model=path, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  cpu_kernels=kernels, **KW)
+        tok = llm.get_tokenizer()
+        tok_ids = [tok.encode(p) for p in PROMPTS]
+        loras = [LoRARequest(f"a{j}", j + 1, ad) for j, (ad, _) in enumerate(adapters)]
+        want = {None: [reference_tokens(base, ids) for ids in tok_ids]}
+        for lr, (_, ref) in zip(loras, adapters):
+            want[lr.lora_name] = [reference_tokens(ref, ids) for ids in tok_ids]
+            assert want[lr.lora_name] != want[None]  # the adapter changes the answer
+        prompts = [{"prompt_token_ids": ids} for ids in tok_ids]
+        for lr in [None] + loras:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lr)
+            name = lr and lr.lora_name
+            assert [o.outputs[0].token_ids for o in outs] == want[name], (family, name, kernels)
+        mixed = [loras[0], None, loras[1], loras[0]]
+        outs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[1]], GREEDY,
+                            use_tqdm=False, lora_request=mixed)
+        assert [o.outputs[0].token_ids for o in outs] == [
+            want["a0"][0], want[None][1], want["a1"][2], want["a0"][1]], (family, kernels)
+
+
+@pytest.fixture(scope="module")
+def llama_engine(family_setups):
+    path, _, adapters = family_setups["llama"]
+    llm = LLM(model=path, enable_lora=True, max_loras=1, max_lora_rank=8,
+              max_num_batched_tokens=32, max_num_seqs=4, **KW)
+    return llm, adapters
+
+
+def test_more_adapters_than_slots_take_turns(llama_engine):
+    """max_loras 1: two adapters in one call run in turns (one resident a step, the other
+    waiting, not refused), each with its own tokens; the slot is rewritten on each switch."""
+    llm, adapters = llama_engine
+    a, b = (LoRARequest(f"s{j}", 10 + j, ad) for j, (ad, _) in enumerate(adapters))
+    prompts = PROMPTS[:2]
+    alone = {lr.lora_name: [o.outputs[0].token_ids for o in
+                            llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lr)]
+             for lr in (a, b)}
+    loads = llm.engine.lora.loads
+    outs = llm.generate(prompts * 2, GREEDY, use_tqdm=False, lora_request=[a, b, b, a])
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [alone["s0"][0], alone["s1"][1], alone["s1"][0], alone["s0"][1]]
+    assert llm.engine.lora.loads > loads
+    assert len(llm.engine.lora.resident) == 1
+
+
+def test_two_adapters_never_share_prefix_cache_blocks(llama_engine):
+    """The same long prompt under the base and an adapter: no cached tokens across them,
+    cached tokens within one."""
+    llm, adapters = llama_engine
+    lr = LoRARequest("p0", 20, adapters[0][0])
+    prompt = PROMPTS[0] * 3
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([prompt], one, use_tqdm=False)
+    first = llm.generate([prompt], one, use_tqdm=False, lora_request=lr)[0]
+    again = llm.generate([prompt], one, use_tqdm=False, lora_request=lr)[0]
+    assert first.metrics.num_cached_tokens == 0
+    assert again.metrics.num_cached_tokens > 0
+
+
+def test_bad_adapters_are_refused_by_name(llama_engine, family_setups, tmp_path):
+    llm, adapters = llama_engine
+    engine = llm.engine
+    with pytest.raises(ValueError, match="no-such"):
+        engine.add_lora(LoRARequest("missing", 30, str(tmp_path / "no-such")))
+    qwen_adapter = family_setups["qwen3"][2][0][0]  # another base's shapes
+    with pytest.raises(ValueError, match="layers.0.self_attn"):
+        engine.add_lora(LoRARequest("wrong-base", 31, qwen_adapter))
+    big = tmp_path / "big"
+    make_adapter(family_setups["llama"][1], big, ["q_proj"], seed=5, rank=16)
+    with pytest.raises(ValueError, match="rank"):
+        engine.add_lora(LoRARequest("too-big", 32, str(big)))
+    with pytest.raises(ValueError, match="not loaded"):
+        llm.generate(["x"], GREEDY, use_tqdm=False, lora_request="never-loaded")
+    assert not engine.has_unfinished_requests()
+    # Still serving, and an adapter can come and go.
+    assert engine.add_lora(LoRARequest("tmp", 33, adapters[1][0]))
+    assert not engine.add_lora(LoRARequest("tmp", 33, adapters[1][0]))
+    engine.remove_lora("tmp")
+    with pytest.raises(KeyError):
+        engine.remove_lora("tmp")
+    assert llm.generate(["x"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_lora_needs_enabling():
+    llm = LLM(**KW)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate(["x"], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, "/x"))
