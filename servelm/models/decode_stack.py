@@ -289,12 +289,15 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     servelm.tuning may choose q8act for one and a few rows and amx from 23, and then both
     kinds of step run on a stack (each holds the weights by reference). As the per-op
     kernels, from 48 rows (24 with an int8 layer, bf16 tiles from 8) its matmuls decode each
-    weight tile once. Sets model._decode_stacks [(first rows, last rows, stack)],
-    model._decode_kv and model.fused_decode; True when at least one stack is bound."""
+    weight tile once. Each adapted linear's adapters are bound too (bind_lora). Sets
+    model._decode_stacks [(first rows, last rows, stack)], model._decode_kv,
+    model.fused_decode and model.stack_runs_lora (the stacks add the adapted linears'
+    deltas: they were wrapped before this bind); True when at least one stack is bound."""
     from servelm.layers.linear_methods import BUCKET_ROWS, bucket_row_range
     from servelm.layers.stack import base_linear
 
     model.fused_decode, model._decode_stacks, model._decode_kv = False, [], None
+    model.stack_runs_lora = False
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
         return _not_used(reason)
@@ -316,7 +319,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     if any(d.local_rotary for d in desc.layers):
         r = model.rotary_local
         local = r.cos.to(bf16).contiguous(), r.sin.to(bf16).contiguous()
-    reasons = []
+    reasons, adapted = [], 0
     for group in groups:
         parts = [layer_args(layer, BUCKET_ROWS[group[0]]) for layer in model.layers]
         bad = next(((i, p) for i, p in enumerate(parts) if isinstance(p, str)), None)
@@ -324,7 +327,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
             reasons.append(f"layer {bad[0]}: {bad[1]}")
             continue
         stack = build(desc, parts, kv_caches)
-        bind_lora(stack, model)
+        adapted = bind_lora(stack, model)
         # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
         stack.bind_io(model.embed_tokens.weight, cos, sin, model.norm.weight)
         if local is not None:
@@ -337,4 +340,5 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         return _not_used("; ".join(dict.fromkeys(reasons)) or "no row bucket it can run")
     model._decode_kv = kv_caches
     model.fused_decode = True
+    model.stack_runs_lora = adapted > 0
     return True

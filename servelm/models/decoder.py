@@ -201,7 +201,10 @@ class CausalLM(nn.Module):
         dec = batch.attn.decodes
         fused = dec is not None and dec.num == n and self.decode_stack_takes(kv_caches, n)
         if fused and "lora_step" in self.__dict__:  # adapters: the step's row slots
-            decode_stack.set_lora_rows(self, self._stack_for(n))
+            # (a stack bound before the layers were wrapped has none: op by op then)
+            fused = self.stack_runs_lora or self.lora_step.tokens is None
+            if fused:
+                decode_stack.set_lora_rows(self, self._stack_for(n))
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
             return self._stack_for(n).run_tokens(batch.input_ids, batch.positions,
                                                  batch.slot_mapping,
