@@ -213,3 +213,55 @@ def test_the_op_on_the_per_op_path_is_the_reference():
     effect = (ref.float() - base.float()).abs().max()
     assert effect > 0.5
     assert (op.float() - ref.float()).abs().max() < 0.05 * effect
+
+
+# ---- the engine: adapted decode steps on the stack ------------------------------------------
+
+@STACK
+def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer):
+    """A bf16 engine with two PEFT adapters: a mixed batch (base, each adapter, one twice)
+    decodes on the DecodeStack, and its tokens and logprobs are the per-op path's."""
+    pytest.importorskip("peft")
+    from servelm import LLM, LoRARequest, SamplingParams
+    from tests.helpers import tiny_hf_checkpoint
+    from tests.test_lora import make_adapter
+
+    base = tiny_hf_checkpoint(tmp_path / "base", "LlamaConfig", "LlamaForCausalLM",
+                              dict(head_dim=16), hf_tokenizer, seed=0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    loras = []
+    for j in range(2):
+        make_adapter(base, tmp_path / f"a{j}", targets, seed=10 + j, rank=8 - 4 * j)
+        loras.append(LoRARequest(f"a{j}", j + 1, str(tmp_path / f"a{j}")))
+    llm = LLM(model=str(tmp_path / "base"), enable_lora=True, max_loras=2, max_lora_rank=8,
+              dtype="bfloat16", kernel_tuning="off", kv_cache_memory=16 << 20,
+              max_model_len=256)
+    model = llm.engine.executor.model
+    assert model.fused_decode and model.stack_runs_lora
+    steps = []
+    decode_step = model.decode_step
+
+    def counting(*a):
+        steps.append(model.lora_step.tokens is not None)
+        return decode_step(*a)
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 17 + 3 * i, 4]} for i in range(4)]
+    mixed = [loras[0], None, loras[1], loras[0]]
+    model.decode_step = counting
+    try:
+        fused = llm.generate(prompts, sp, use_tqdm=False, lora_request=mixed)
+    finally:
+        del model.decode_step
+    assert any(steps)  # adapted decode steps ran on the stack
+    model.fused_decode = False
+    try:
+        per_op = llm.generate(prompts, sp, use_tqdm=False, lora_request=mixed)
+        plain = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        model.fused_decode = True
+    for a, b in zip(fused, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert fused[1].outputs[0].logprobs == plain[1].outputs[0].logprobs
+    assert fused[0].outputs[0].logprobs != plain[0].outputs[0].logprobs
