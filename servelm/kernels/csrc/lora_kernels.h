@@ -30,6 +30,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#include "decode_attention.h"  // transpose16x16
 #define SERVELM_LORA_AVX512 1
 #endif
 
@@ -156,6 +157,21 @@ template <> inline void st16<c10::BFloat16>(c10::BFloat16* p, __m512 v, __mmask1
   _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(r));
 }
 
+// bt[r * 16 + i] = B[i, r] (fp32) for a block of w <= 16 columns of B (rows R apart), zero
+// for i >= w: 16 x 16 tiles transposed in registers.
+template <typename T>
+inline void transpose_block(const T* b, int64_t R, int w, float* bt) {
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, R - r0);
+    const __mmask16 k = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1);
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i)
+      v[i] = i < w ? _mm512_castps_si512(ld16<T>(b + i * R + r0, k)) : _mm512_setzero_si512();
+    transpose16x16(v);
+    for (int64_t r = 0; r < n; ++r) _mm512_storeu_ps(bt + (r0 + r) * 16, _mm512_castsi512_ps(v[r]));
+  }
+}
+
 // out[r] = a . x[r] for NR rows: 16-lane chunk q of K goes to accumulator q % 4 (the last,
 // partial chunk masked), then (acc0 + acc1) + (acc2 + acc3) summed across lanes.
 template <typename T, int NR>
@@ -234,11 +250,10 @@ __attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, c
     const float* tj0 = t + L.block_part[blk] * R;
     for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
       const T* b = L.b + (G.slot[g] * L.N + c0) * R;
-      for (int i = 0; i < 16; ++i)
-        for (int64_t r = 0; r < R; ++r) bt[r * 16 + i] = i < w ? as_float(b[i * R + r]) : 0.f;
       const int32_t* rows = G.rows.data() + G.begin[g];
       const int64_t n = G.begin[g + 1] - G.begin[g];
 #ifdef SERVELM_LORA_AVX512
+      transpose_block<T>(b, R, w, bt);
       const __mmask16 mask = static_cast<__mmask16>(w == 16 ? 0xffffu : (1u << w) - 1);
       int64_t q = 0;
       for (; q + kNR <= n; q += kNR) {
@@ -262,6 +277,8 @@ __attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, c
         st16<T>(yp, _mm512_add_ps(ld16<T>(yp, mask), acc), mask);
       }
 #else
+      for (int i = 0; i < 16; ++i)
+        for (int64_t r = 0; r < R; ++r) bt[r * 16 + i] = i < w ? as_float(b[i * R + r]) : 0.f;
       for (int64_t q = 0; q < n; ++q) {
         const float* tm = tj0 + rows[q] * JR;
         T* yp = y + rows[q] * ldy + c0;
