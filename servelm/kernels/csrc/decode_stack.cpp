@@ -4,8 +4,9 @@
 // q/k norms (per head, before the rotary), qkv bias, sandwich norms after attention and the
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
 // a sliding window per layer, any softmax scale, a SiLU or tanh-GELU gated MLP, an
-// embedding scale, and LoRA adapters on any of a layer's four linears (bind_lora: the deltas of
-// the step's rows, set_lora_rows, added after the linear's matmul, lora_kernels.h). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
+// embedding scale, and LoRA adapters on any of a layer's four linears (bind_lora; the deltas
+// of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
+// adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
 // its row steps row_kernels.h's (the servelm_ops operators'), its attention
 // decode_attention.h's: each thread runs the share of the work the per-op path's threads
 // would, so results are those of the per-op path bit for bit (where that path runs the same
