@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from servelm.layers.amx import AmxLinear
+from servelm.layers.lora import LoRALinear
 from servelm.layers.q8act import Int4Q8Linear
 from servelm.quantization.formats import Int4Linear, Int8Linear, TiledLinear
 
@@ -35,10 +36,17 @@ class StackFormat(enum.IntEnum):
         return StackFormat.Q8ACT + group_size
 
 
+def base_linear(module: nn.Module) -> nn.Module:
+    """The linear layer that computes module's matmul: an adapted layer's (LoRALinear) base."""
+    return module.base if isinstance(module, LoRALinear) else module
+
+
 def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor], int] | None:
     """A kernel layer's tensors as `servelm_stack.DecodeStack` takes them, with its format
     code (StackFormat); None when it does not run on the C++ kernels. A layer run by row
-    bucket (BucketedLinear) answers for the module that runs a call of `rows` rows."""
+    bucket (BucketedLinear) answers for the module that runs a call of `rows` rows; an adapted
+    one (LoRALinear) for its base (the stack binds its adapters apart: bind_lora)."""
+    module = base_linear(module)
     if hasattr(module, "module_for"):
         module = module.module_for(rows)
     if isinstance(module, Int4Q8Linear):

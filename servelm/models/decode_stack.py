@@ -15,7 +15,10 @@ full or partial rotary from the model's table or the sliding layers' own (Gemma 
 sliding window per layer, any softmax scale, SiLU or tanh-GELU, and an embedding scale.
 What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
 layer that does not run on the C++ int4 / int8 / bf16 kernels, a bias other than qkv's)
-keeps the model op by op. `servelm.models.decoder.CausalLM`'s stack methods delegate here.
+keeps the model op by op. An adapted linear (servelm.layers.lora.LoRALinear) runs its base
+on those kernels and its adapters' deltas after it (bind_lora), for the rows of the step
+whose slot the model's LoRAStep gives (set_lora_rows, before each run).
+`servelm.models.decoder.CausalLM`'s stack methods delegate here.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ def available() -> bool:
 
 def describe_layer(layer) -> LayerDescription | str:
     """The layer as the stack takes it, or why it cannot (a short reason)."""
+    from servelm.layers.stack import base_linear
     from servelm.models.layers import Attention, GatedMLP, RMSNorm
 
     attn, mlp = layer.self_attn, layer.mlp
@@ -162,7 +166,7 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention and MLP outputs are scaled (residual_scale)"
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
-                            qkv_bias=attn.qkv_proj.bias is not None,
+                            qkv_bias=base_linear(attn.qkv_proj).bias is not None,
                             window=attn.window or 0, local_rotary=bool(layer.local_rotary))
 
 
@@ -199,7 +203,7 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     """The layer's tensors for a DecodeStack of steps of `rows` rows: (weights, format
     codes, norms in NormSlot order, qkv bias), or why not (a linear layer not on the C++
     kernels for calls of that many rows, a bias other than qkv's)."""
-    from servelm.layers.stack import kernel_weights
+    from servelm.layers.stack import StackFormat, base_linear, kernel_weights
 
     d = describe_layer(layer)
     if isinstance(d, str):
@@ -211,8 +215,10 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     for name, p in zip(names, parts):
         if p is None:
             return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
+    if base_linear(mlp.gate_up_proj) is not mlp.gate_up_proj and parts[2][1] == StackFormat.AMX_GATED:
+        return "its adapted gate_up_proj is gated (writes silu(gate) * up: no delta adds to it)"
     for name, m in zip(names[1:], linears[1:]):
-        if getattr(m, "bias", None) is not None:
+        if getattr(base_linear(m), "bias", None) is not None:
             return f"its {name} has a bias"
     none = torch.empty(0)
     norms = [none] * len(NormSlot)
@@ -223,7 +229,7 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     if layer.attn_out_norm is not None:
         norms[NormSlot.ATTN_OUT] = layer.attn_out_norm.weight
         norms[NormSlot.MLP_OUT] = layer.mlp_out_norm.weight
-    bias = attn.qkv_proj.bias
+    bias = base_linear(attn.qkv_proj).bias
     return ([t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms,
             none if bias is None else bias)
 
@@ -235,6 +241,27 @@ def build(description: StackDescription, parts: list[tuple], kv_caches: list[tup
         [t for p in parts for t in p[2]], [p[3] for p in parts],
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
         description.layer_options(), description.model_options(), description.model_scalars())
+
+
+def bind_lora(stack, model) -> int:
+    """Each adapted linear's adapter stacks (LoRALinear.lora_a / lora_b, which the adapter
+    manager fills in place) bound into the stack by reference, with its parts' bounds; the
+    linears in DecoderLayer.linears() order (decode_stack.cpp's Linear). Returns how many."""
+    from servelm.layers.lora import LoRALinear
+
+    n = 0
+    for i, layer in enumerate(model.layers):
+        for j, m in enumerate(layer.linears()):
+            if isinstance(m, LoRALinear):
+                stack.bind_lora(i, j, m.lora_a, m.lora_b, list(m.bounds))
+                n += 1
+    return n
+
+
+def set_lora_rows(model, stack) -> None:
+    """Before a stack run of a model with adapters (model.lora_step): the step's row slots
+    (int32 [M]), or None when no row has an adapter. A model without adapters never calls it."""
+    stack.set_lora_rows(model.lora_step.tokens)
 
 
 # ---- binding ---------------------------------------------------------------------------------
@@ -272,16 +299,20 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     servelm.tuning may choose q8act for one and a few rows and amx from 23, and then both
     kinds of step run on a stack (each holds the weights by reference). As the per-op
     kernels, from 48 rows (24 with an int8 layer, bf16 tiles from 8) its matmuls decode each
-    weight tile once. Sets model._decode_stacks [(first rows, last rows, stack)],
-    model._decode_kv and model.fused_decode; True when at least one stack is bound."""
+    weight tile once. Each adapted linear's adapters are bound too (bind_lora). Sets
+    model._decode_stacks [(first rows, last rows, stack)], model._decode_kv,
+    model.fused_decode and model.stack_runs_lora (the stacks add the adapted linears'
+    deltas: they were wrapped before this bind); True when at least one stack is bound."""
     from servelm.layers.linear_methods import BUCKET_ROWS, bucket_row_range
+    from servelm.layers.stack import base_linear
 
     model.fused_decode, model._decode_stacks, model._decode_kv = False, [], None
+    model.stack_runs_lora = False
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
         return _not_used(reason)
     desc = describe(model)
-    linears = [m for layer in model.layers for m in layer.linears()]
+    linears = [base_linear(m) for layer in model.layers for m in layer.linears()]
     # Per bucket, the module every linear layer runs a call of that many rows on.
     used = [[id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
             for rows in BUCKET_ROWS]
@@ -298,7 +329,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     if any(d.local_rotary for d in desc.layers):
         r = model.rotary_local
         local = r.cos.to(bf16).contiguous(), r.sin.to(bf16).contiguous()
-    reasons = []
+    reasons, adapted = [], 0
     for group in groups:
         parts = [layer_args(layer, BUCKET_ROWS[group[0]]) for layer in model.layers]
         bad = next(((i, p) for i, p in enumerate(parts) if isinstance(p, str)), None)
@@ -306,6 +337,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
             reasons.append(f"layer {bad[0]}: {bad[1]}")
             continue
         stack = build(desc, parts, kv_caches)
+        adapted = bind_lora(stack, model)
         # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
         stack.bind_io(model.embed_tokens.weight, cos, sin, model.norm.weight)
         if local is not None:
@@ -318,4 +350,5 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         return _not_used("; ".join(dict.fromkeys(reasons)) or "no row bucket it can run")
     model._decode_kv = kv_caches
     model.fused_decode = True
+    model.stack_runs_lora = adapted > 0
     return True

@@ -189,6 +189,8 @@ class CausalLM(nn.Module):
         servelm.attention.metadata.decode_lists builds them): the final hidden states [M, hidden], the same
         bits as forward() on the equivalent batch."""
         stack = self._stack_for(len(input_ids))
+        if "lora_step" in self.__dict__:  # adapters: the step's row slots (servelm.lora.wrap)
+            decode_stack.set_lora_rows(self, stack)
         return stack.run_lists(input_ids, positions, slots, tables, context_lens)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -208,6 +210,11 @@ class CausalLM(nn.Module):
         # The DecodeStack takes a step of decodes only, as the cpu backend's ragged rows.
         dec = batch.attn.decodes
         fused = dec is not None and dec.num == n and self.decode_stack_takes(kv_caches, n)
+        if fused and "lora_step" in self.__dict__:  # adapters: the step's row slots
+            # (a stack bound before the layers were wrapped has none: op by op then)
+            fused = self.stack_runs_lora or self.lora_step.tokens is None
+            if fused:
+                decode_stack.set_lora_rows(self, self._stack_for(n))
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
             return self._stack_for(n).run_tokens(batch.input_ids, batch.positions,
                                                  batch.slot_mapping,

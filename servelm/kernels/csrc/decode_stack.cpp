@@ -3,8 +3,10 @@
 // servelm.models.decode_stack.StackDescription): RMSNorm before attention and MLP, optional
 // q/k norms (per head, before the rotary), qkv bias, sandwich norms after attention and the
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
-// a sliding window per layer, any softmax scale, a SiLU or tanh-GELU gated MLP, and an
-// embedding scale. Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
+// a sliding window per layer, any softmax scale, a SiLU or tanh-GELU gated MLP, an
+// embedding scale, and LoRA adapters on any of a layer's four linears (bind_lora; the deltas
+// of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
+// adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
 // its row steps row_kernels.h's (the servelm_ops operators'), its attention
 // decode_attention.h's: each thread runs the share of the work the per-op path's threads
 // would, so results are those of the per-op path bit for bit (where that path runs the same
@@ -37,6 +39,7 @@
 #include "q8act_kernel.h"      // q8act layers
 #include "amx_linear_kernel.h"  // amx layers (where AMX-BF16 is built)
 #include "row_kernels.h"
+#include "lora_kernels.h"      // LoRA deltas, as servelm_ops.lora_add runs them
 
 namespace {
 
@@ -322,8 +325,11 @@ struct Team {
   void rows(int64_t M, F&& f, const QLinear& next) {
     rows(M, f, next, [] {});
   }
+  // extra(): this thread's share of other work that reads only x (a LoRA shrink), before the
+  // barrier.
+  template <typename Extra>
   void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
-              c10::BFloat16* y, int64_t M, const QLinear* next) {
+              c10::BFloat16* y, int64_t M, const QLinear* next, Extra&& extra) {
     guarded([&] {
       int64_t t0, t1;
       L.share(tid, n, t0, t1);
@@ -331,9 +337,14 @@ struct Team {
       if (t0 < t1) L.begin(M);
       for (int64_t c = t0; c < t1; c += kStep) L.run(x, xs.data(), y, M, c, std::min(t1, c + kStep));
       if (t0 < t1) L.end();
+      extra();
       if (next) next->prefetch(tid, n, kWarm);
     });
     barrier();
+  }
+  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
+              c10::BFloat16* y, int64_t M, const QLinear* next) {
+    matmul(L, x, xs, y, M, next, [] {});
   }
 };
 
@@ -402,10 +413,14 @@ void gelu_tanh_rows(const c10::BFloat16* gu, c10::BFloat16* act, int64_t m0, int
 
 // ---------------------------------------------------------------- the stack
 
+// A layer's linears in the order the constructor and bind_lora take them.
+enum Linear : int64_t { kQkv, kO, kGateUp, kDown, kLinears };
+
 struct StackLayer {
   at::Tensor norms[kNormSlots];  // bf16 weights; undefined where the layer has none
   at::Tensor k_cache, v_cache;
   QLinear qkv, o, gu, down;
+  lora::Adapter<c10::BFloat16> lora[kLinears];  // bind_lora's; unbound where none
   std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
   int64_t window = 0;           // > 0: attends its last `window` keys
   int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers'
@@ -539,6 +554,43 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack.bind_io: final_norm must be contiguous bfloat16 [", hidden, "]");
     embed_ = embed, cos_[0] = cos, sin_[0] = sin, final_norm_ = final_norm;
   }
+  // Once per adapted linear (servelm.layers.lora.LoRALinear) of layer `layer`, `linear` a
+  // Linear: its adapters' stacks lora_a [S, J*R, K], lora_b [S, N, R] (bf16, held by reference:
+  // adapters are copied into them, never reallocated) and its parts' column bounds (J + 1). Every
+  // adapted linear has the same S slots. A run then adds the deltas of set_lora_rows' rows right
+  // after that linear's matmul.
+  void bind_lora(int64_t layer, int64_t linear, at::Tensor lora_a, at::Tensor lora_b,
+                 std::vector<int64_t> bounds) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && linear >= 0 && linear < kLinears,
+                "DecodeStack.bind_lora: layer ", layer, " linear ", linear, " is not one of ", num_layers(),
+                " layers' ", static_cast<int64_t>(kLinears), " linears");
+    StackLayer& s = layers_[layer];
+    const QLinear& q = linear == kQkv ? s.qkv : linear == kO ? s.o : linear == kGateUp ? s.gu : s.down;
+    TORCH_CHECK(!q.gated, "DecodeStack.bind_lora: a gated gate_up_proj writes silu(gate) * up, which no "
+                "delta can be added to");
+    auto L = lora::make_adapter<c10::BFloat16>(lora_a, lora_b, bounds, q.N, q.K, "DecodeStack.bind_lora");
+    TORCH_CHECK(lora_slots_ == 0 || L.S == lora_slots_, "DecodeStack.bind_lora: every adapted linear needs the "
+                "same number of slots, got ", L.S, " and ", lora_slots_);
+    lora_slots_ = L.S;
+    lora_jr_ = std::max(lora_jr_, L.JR());
+    lora_r_ = std::max(lora_r_, L.R);
+    lora_keep_.insert(lora_keep_.end(), {lora_a, lora_b});
+    s.lora[linear] = std::move(L);
+  }
+
+  // Before a run (and for every run after it, until set again): each row's adapter slot, int32
+  // [M] (-1: none), or None / empty when no row of the step has one.
+  void set_lora_rows(c10::optional<at::Tensor> rows) {
+    if (!rows || !rows->numel()) {
+      lora_rows_ = at::Tensor();
+      return;
+    }
+    TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == at::kInt && rows->is_contiguous() &&
+                    rows->device().is_cpu(),
+                "DecodeStack.set_lora_rows: row slots must be contiguous int32 [M] on the CPU");
+    lora_rows_ = *rows;
+  }
+
   // Once, for run_tokens where layers take the sliding layers' rotary table: it, as bind_io's.
   void bind_local_rotary(at::Tensor cos, at::Tensor sin) {
     check_table(cos, sin, "bind_local_rotary");
@@ -736,8 +788,37 @@ class DecodeStack : public torch::CustomClassHolder {
       atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
                                                  nthreads, attn, static_cast<int>(w)));
     const BF* final_mlp_norm = layers_.back().norm(kMlpOutNorm);
+    // The step's LoRA rows grouped by slot, and the shrink's output t [M, J*R] (fp32), shared
+    // by each adapted linear in turn.
+    lora::RowGroups lora_groups;
+    if (lora_slots_ && lora_rows_.defined()) {
+      TORCH_CHECK(lora_rows_.numel() == M, "DecodeStack: set_lora_rows gave ", lora_rows_.numel(),
+                  " row slots for a step of ", M, " rows");
+      lora_groups.build(lora_rows_.data_ptr<int32_t>(), M, lora_slots_, "DecodeStack");
+    }
+    const bool lora_on = !lora_groups.empty();
+    std::vector<float> lora_t(lora_on ? M * lora_jr_ : 0);
 
     team_region([&](Team& t) {
+      std::vector<float> lora_bt(lora_on ? 16 * lora_r_ : 0);  // expand's transposed B block
+      // A linear's LoRA shrink (this thread's items; inside the matmul's phase, which reads the
+      // same input) and expand (its column blocks, once the matmul's output is whole).
+      auto shrink = [&](const lora::Adapter<BF>& adapter, const BF* x, int64_t ldx) {
+        return [&, L = &adapter, x, ldx] {
+          if (!lora_on || !L->bound()) return;
+          const int64_t n = lora_groups.chunks() * L->JR();
+          lora::shrink<BF>(*L, lora_groups, x, ldx, lora_t.data(), n * t.tid / t.n, n * (t.tid + 1) / t.n);
+        };
+      };
+      auto expand = [&](const lora::Adapter<BF>& L, BF* y, int64_t ldy) {
+        if (!lora_on || !L.bound()) return;
+        t.guarded([&] {
+          const int64_t n = L.blocks();
+          lora::expand<BF>(L, lora_groups, lora_t.data(), y, ldy, n * t.tid / t.n, n * (t.tid + 1) / t.n,
+                           lora_bt.data());
+        });
+        t.barrier();
+      };
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
@@ -755,7 +836,8 @@ class DecodeStack : public torch::CustomClassHolder {
           }
           s.qkv.sums(h1, M, m0, m1, xs1.data());
         }, s.qkv);
-        t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr);
+        t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, shrink(s.lora[kQkv], h1, hidden));
+        expand(s.lora[kQkv], qkv_out, qkv_n);
         // q/k norms, rotary + KV write, then attention: each thread its items.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           BF* kc = s.k_cache.data_ptr<BF>();
@@ -785,7 +867,8 @@ class DecodeStack : public torch::CustomClassHolder {
           att.finish(static_cast<int>(m0), static_cast<int>(m1));
           s.o.sums(attn, M, m0, m1, xs2.data());
         }, s.o);
-        t.matmul(s.o, attn, xs2, o_out, M, &s.gu);
+        t.matmul(s.o, attn, xs2, o_out, M, &s.gu, shrink(s.lora[kO], attn, heads_ * D));
+        expand(s.lora[kO], o_out, hidden);
         t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.norm(kPostAttentionNorm);
           const BF* on = s.norm(kAttnOutNorm);
@@ -796,7 +879,8 @@ class DecodeStack : public torch::CustomClassHolder {
           s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
         // A gated gate_up writes silu(gate) * up itself.
-        t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down);
+        t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down, shrink(s.lora[kGateUp], h2, hidden));
+        expand(s.lora[kGateUp], gu_out, 2 * inter);
         if (!s.gu.gated || s.down.scratch(M))
           t.rows(M, [&](int64_t m0, int64_t m1) {
             if (!s.gu.gated) {
@@ -807,7 +891,9 @@ class DecodeStack : public torch::CustomClassHolder {
             }
             s.down.sums(act, M, m0, m1, xs4.data());
           }, s.down);
-        t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+        t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
+                 shrink(s.lora[kDown], act, inter));
+        expand(s.lora[kDown], delta, hidden);
       }
       if (final_mlp_norm)  // the last layer's MLP output norm (the others' run in the next layer)
         t.rows(M, [&](int64_t m0, int64_t m1) {
@@ -825,6 +911,9 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
+  std::vector<at::Tensor> lora_keep_;  // bind_lora's stacks, which the layers point into
+  int64_t lora_slots_ = 0, lora_jr_ = 0, lora_r_ = 0;  // S; the largest J * R and R bound
+  at::Tensor lora_rows_;  // set_lora_rows'; undefined: no row has an adapter
   static constexpr int64_t kMaxRows = 4096;
 };
 
@@ -839,6 +928,8 @@ TORCH_LIBRARY(servelm_stack, m) {
       .def("run_rotary", &DecodeStack::run_rotary)
       .def("bind_io", &DecodeStack::bind_io)
       .def("bind_local_rotary", &DecodeStack::bind_local_rotary)
+      .def("bind_lora", &DecodeStack::bind_lora)
+      .def("set_lora_rows", &DecodeStack::set_lora_rows)
       .def("run_tokens", &DecodeStack::run_tokens)
       .def("run_lists", &DecodeStack::run_lists)
       .def("num_layers", &DecodeStack::num_layers)

@@ -15,6 +15,12 @@
 //                   k_cache, v_cache (mutated), slot_mapping int64 [T], H, KVH) -> ()
 //   silu_and_mul(x [T,2I]) -> [T,I]
 //   argmax_rows(x float32 [M,N]) -> int64 [M]: torch.argmax(x, -1) (first maximum; NaN is largest)
+//   lora_add(y [M,N] (mutated), x [M,K], lora_a [S,J*R,K], lora_b [S,N,R], row_slots int32 [M],
+//            bounds [J+1]) -> ()
+//       Each row's LoRA delta (servelm.layers.lora.lora_add_ref): y[m, c] += B[s, c] . (A[s, part
+//       j of c] x[m]) for a row of slot s >= 0, in fp32, rounded into y once; rows grouped by slot
+//       so each adapter's A and B are read once a call (lora_kernels.h, which the DecodeStack
+//       runs too). x, y, A, B all bf16 or all fp32; y may be a view with a row stride.
 //   paged_prefill_attention(q [T,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
 //                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale,
 //                           k_scale=None, v_scale=None) -> [T, H*D]
@@ -46,6 +52,7 @@
 
 #include "decode_attention.h"
 #include "row_kernels.h"
+#include "lora_kernels.h"
 
 namespace {
 
@@ -1001,6 +1008,50 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+template <typename T>
+void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                   const int32_t* row_slots, at::IntArrayRef bounds) {
+  const int64_t M = y.size(0), N = y.size(1), K = x.size(1);
+  const auto L = lora::make_adapter<T>(lora_a, lora_b, bounds, N, K, "lora_add");
+  lora::RowGroups G;
+  G.build(row_slots, M, L.S, "lora_add");
+  if (G.empty()) return;
+  const int64_t JR = L.JR();
+  std::vector<float> t(M * JR);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+  // Grains: ~32K multiply-adds a task, so a decode row's small layer stays on one thread.
+  const int64_t rows_per_chunk = (static_cast<int64_t>(G.rows.size()) + G.chunks() - 1) / G.chunks();
+  at::parallel_for(0, G.chunks() * JR, std::max<int64_t>(1, (int64_t{1} << 15) / (K * rows_per_chunk)),
+                   [&](int64_t i0, int64_t i1) { lora::shrink<T>(L, G, xp, ldx, t.data(), i0, i1); });
+  const int64_t rows = static_cast<int64_t>(G.rows.size());
+  at::parallel_for(0, L.blocks(), std::max<int64_t>(1, (int64_t{1} << 15) / (16 * L.R * rows)),
+                   [&](int64_t b0, int64_t b1) {
+                     std::vector<float> bt(16 * L.R);
+                     lora::expand<T>(L, G, t.data(), yp, ldy, b0, b1, bt.data());
+                   });
+}
+
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+              const at::Tensor& row_slots, at::IntArrayRef bounds) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && y.stride(1) == 1 && x.stride(1) == 1 &&
+                  y.device().is_cpu() && x.device().is_cpu(),
+              "lora_add: y [M, N] and x [M, K] must be CPU matrices of M rows, each row contiguous");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && lora_a.scalar_type() == y.scalar_type() &&
+                  lora_b.scalar_type() == y.scalar_type() &&
+                  (y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat),
+              "lora_add: y, x, lora_a and lora_b must be all bfloat16 or all float32, got ", y.scalar_type(),
+              ", ", x.scalar_type(), ", ", lora_a.scalar_type(), ", ", lora_b.scalar_type());
+  TORCH_CHECK(row_slots.dim() == 1 && row_slots.numel() == y.size(0) && row_slots.scalar_type() == at::kInt &&
+                  row_slots.is_contiguous(),
+              "lora_add: row_slots must be contiguous int32 [M]");
+  if (y.size(0) == 0) return;
+  const int32_t* rs = row_slots.data_ptr<int32_t>();
+  if (y.scalar_type() == at::kBFloat16) lora_add_impl<c10::BFloat16>(y, x, lora_a, lora_b, rs, bounds);
+  else lora_add_impl<float>(y, x, lora_a, lora_b, rs, bounds);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_ops, m) {
@@ -1017,6 +1068,8 @@ TORCH_LIBRARY(servelm_ops, m) {
         "Tensor cu_seqlens_q, Tensor start_pos, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
+        "int[] bounds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
@@ -1027,4 +1080,5 @@ TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("lora_add", &lora_add);
 }

@@ -1,0 +1,267 @@
+"""The LoRA delta in C++: servelm_ops.lora_add against servelm.layers.lora.lora_add_ref (bf16
+and fp32; 1, 2 or 3 parts; several slots and rows without one; ranks padded with zeros; a
+strided y; 1 to 300 rows), and inside the DecodeStack, whose decode steps with adapters are
+the per-op path's bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm import quantization as Q
+from servelm.kernels import load_ops
+from servelm.layers.lora import LoRALinear, lora_add_ref
+from servelm.models import decode_stack
+from servelm.models.config import ModelConfig
+from tests.helpers import decode_rows, method_targets, per_op_and_stack, random_bf16_model
+
+pytestmark = pytest.mark.skipif(not load_ops("ops"), reason="needs servelm's C++ kernels")
+
+
+def _op():
+    return torch.ops.servelm_ops.lora_add
+
+
+def _adapters(S, parts, K, R, dtype, ranks, g):
+    """lora_a [S, J*R, K], lora_b [S, N, R] of random adapters, slot s of rank ranks[s] (its
+    later rows of A and columns of B zero)."""
+    J, N = len(parts), sum(parts)
+    a = torch.randn(S, J * R, K, generator=g) * 0.2
+    b = torch.randn(S, N, R, generator=g) * 0.2
+    for s, r in enumerate(ranks):
+        for j in range(J):
+            a[s, j * R + r:(j + 1) * R] = 0
+        b[s, :, r:] = 0
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + p)
+    return a.to(dtype), b.to(dtype), bounds
+
+
+def _close(got, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # each side rounds its own fp32 sum once: at most an ulp apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("parts", [(40,), (48, 16, 16), (35, 35)])
+@pytest.mark.parametrize("M", [1, 7, 64, 300])
+def test_lora_add_is_the_reference(dtype, parts, M):
+    g = torch.Generator().manual_seed(M * 7 + len(parts))
+    K, R, S = 72, 8, 3  # K and the parts not multiples of 16: the masked tails
+    a, b, bounds = _adapters(S, parts, K, R, dtype, ranks=(8, 3, 5), g=g)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    slots = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)
+    if M >= 7:
+        slots[:4] = torch.tensor([0, -1, 2, 0], dtype=torch.int32)
+    N = sum(parts)
+    wide = torch.randn(M, N + 9, generator=g).to(dtype)  # y: a view with a row stride > N
+    y = wide[:, 5:5 + N]
+    want = y.clone()
+    lora_add_ref(want, x, a, b, slots, bounds)
+    before = wide.clone()
+    _op()(y, x, a, b, slots, bounds)
+    _close(y, want, dtype)
+    none = slots < 0
+    assert torch.equal(y[none], before[:, 5:5 + N][none])  # rows without an adapter untouched
+    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 5 + N:], before[:, 5 + N:])
+    if (~none).any():
+        assert not torch.equal(y[~none], before[:, 5:5 + N][~none])
+
+
+def test_a_rows_delta_does_not_depend_on_its_batch():
+    """Each value's arithmetic is fixed: a row's delta alone equals its delta among 300 rows
+    of several slots, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    a, b, bounds = _adapters(2, (64, 32), 96, 16, torch.bfloat16, ranks=(16, 4), g=g)
+    x = torch.randn(300, 96, generator=g).bfloat16()
+    slots = torch.randint(-1, 2, (300,), generator=g, dtype=torch.int32)
+    y0 = torch.randn(300, 96, generator=g).bfloat16()
+    y = y0.clone()
+    _op()(y, x, a, b, slots, bounds)
+    for m in (0, 1, 77, 150, 299):
+        one = y0[m:m + 1].clone()
+        _op()(one, x[m:m + 1], a, b, slots[m:m + 1], bounds)
+        assert torch.equal(one, y[m:m + 1])
+
+
+def test_lora_add_refuses_what_it_cannot_run():
+    a = torch.zeros(2, 8, 16)
+    b = torch.zeros(2, 8, 8)
+    x, y = torch.zeros(3, 16), torch.zeros(3, 8)
+    with pytest.raises(RuntimeError, match="row slot 2 of row 1"):
+        _op()(y, x, a, b, torch.tensor([0, 2, -1], dtype=torch.int32), [0, 8])
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
+        _op()(y.bfloat16(), x.bfloat16(), a, b, torch.zeros(3, dtype=torch.int32), [0, 8])
+    with pytest.raises(RuntimeError, match="bounds"):
+        _op()(y, x, a, b, torch.zeros(3, dtype=torch.int32), [0, 4])
+    with pytest.raises(RuntimeError, match="int32"):
+        _op()(y, x, a, b, torch.zeros(3, dtype=torch.long), [0, 8])
+
+
+# ---- inside the DecodeStack -----------------------------------------------------------------
+
+STACK = pytest.mark.skipif(
+    not (Q.kernels_available() and decode_stack.available()),
+    reason="needs the C++ kernels (AVX-512 BF16)")
+
+CFG = dict(architecture="Qwen2ForCausalLM", family="qwen2", attention_bias=True,
+           vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+           num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+SLOTS = [0, -1, 1, 0]  # the batch's rows: two adapters, one row without, one adapter twice
+LENS = [5, 17, 40, 9]
+
+
+def _lora_model(fmt: str):
+    """A tiny random bf16 model (its linears on the C++ kernels), every adaptable linear
+    wrapped, adapters of ranks 8 and 3 in slots 0 and 1 (q, v, o, gate, up, down adapted; k
+    not, in slot 1)."""
+    from servelm.lora.wrap import apply_lora
+
+    cfg = ModelConfig(**CFG)
+    model = random_bf16_model(cfg, seed=0)
+    if fmt == "bf16":
+        method_targets(model.layers, Q.TARGETS, "tiles")
+    else:
+        Q.quantize_model(model.layers, fmt)
+    wrapped = apply_lora(model, max_loras=2, max_rank=8)
+    g = torch.Generator().manual_seed(5)
+    for layer in wrapped.values():
+        widths = [layer.bounds[j + 1] - layer.bounds[j] for j in range(len(layer.bounds) - 1)]
+        for slot, rank in ((0, 8), (1, 3)):
+            parts = [(torch.randn(rank, layer.in_features, generator=g) * 0.3,
+                      torch.randn(w, rank, generator=g) * 0.3) for w in widths]
+            if slot == 1 and len(parts) == 3:
+                parts[1] = None
+            layer.set_slot(slot, parts)
+    model.select_ops(True)
+    return model.eval(), wrapped
+
+
+def _forward(model, batch, data, caches, fused: bool):
+    saved = data.clone()
+    model.fused_decode = fused
+    with torch.inference_mode():
+        hidden = model(batch, caches)
+    data.copy_(saved)
+    return hidden
+
+
+# 50 rows: from 48 the int4 matmuls decode each weight tile once; slots 0, 1 and none mixed.
+WIDE = list(range(1, 200, 4))
+WIDE_SLOTS = [(-1, 0, 1, 0, 1, 1, -1)[i % 7] for i in range(len(WIDE))]
+
+
+@STACK
+@pytest.mark.parametrize("rows", ["four", "fifty"])
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_the_stack_adds_each_rows_adapter_as_the_per_op_path(fmt, rows):
+    model, _ = _lora_model(fmt)
+    lens, slots = (LENS, SLOTS) if rows == "four" else (WIDE, WIDE_SLOTS)
+    batch, data, caches = decode_rows(model.config, lens, 16, seed=1)
+    model.lora_step.set(torch.tensor(slots, dtype=torch.int32), None)
+    (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
+    assert torch.equal(h0, h1)
+    assert torch.equal(kv0, kv1)
+    # No adapter: the rows with one change, the rows without are the same.
+    model.lora_step.clear()
+    base = _forward(model, batch, data, caches, fused=True)
+    assert torch.equal(base, _forward(model, batch, data, caches, fused=False))
+    for m, s in enumerate(slots):
+        assert torch.equal(base[m], h1[m]) == (s < 0)
+
+
+@STACK
+def test_decode_step_takes_the_steps_lora_rows():
+    """CausalLM.decode_step (plain lists) hands the stack model.lora_step's rows too."""
+    model, _ = _lora_model("bf16")
+    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
+    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
+    model.select_ops(True)
+    assert model.bind_decode_layers(caches)
+    want = _forward(model, batch, data, caches, fused=True)
+    dec = batch.attn.decodes
+    lists = (batch.input_ids.tolist(), batch.positions.tolist(), batch.slot_mapping.tolist(),
+             dec.block_tables.flatten().tolist(), dec.context_lens.tolist())
+    saved = data.clone()
+    with torch.inference_mode():
+        got = model.decode_step(*lists)
+    data.copy_(saved)
+    assert torch.equal(got, want)
+    model.lora_step.clear()
+    with torch.inference_mode():
+        plain = model.decode_step(*lists)
+    data.copy_(saved)
+    assert not torch.equal(plain, want)
+
+
+@STACK
+def test_the_op_on_the_per_op_path_is_the_reference():
+    """The per-op path with servelm_ops.lora_add is the one with lora_add_ref, up to each
+    rounding its fp32 sum once: far closer than the adapters' effect."""
+    model, wrapped = _lora_model("bf16")
+    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
+    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
+    op = _forward(model, batch, data, caches, fused=False)
+    for m in wrapped.values():
+        m.select(False)
+    ref = _forward(model, batch, data, caches, fused=False)
+    model.lora_step.clear()
+    base = _forward(model, batch, data, caches, fused=False)
+    effect = (ref.float() - base.float()).abs().max()
+    assert effect > 0.5
+    assert (op.float() - ref.float()).abs().max() < 0.05 * effect
+
+
+# ---- the engine: adapted decode steps on the stack ------------------------------------------
+
+@STACK
+def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer):
+    """A bf16 engine with two PEFT adapters: a mixed batch (base, each adapter, one twice)
+    decodes on the DecodeStack, and its tokens and logprobs are the per-op path's."""
+    pytest.importorskip("peft")
+    from servelm import LLM, LoRARequest, SamplingParams
+    from tests.helpers import tiny_hf_checkpoint
+    from tests.test_lora import make_adapter
+
+    base = tiny_hf_checkpoint(tmp_path / "base", "LlamaConfig", "LlamaForCausalLM",
+                              dict(head_dim=16), hf_tokenizer, seed=0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    loras = []
+    for j in range(2):
+        make_adapter(base, tmp_path / f"a{j}", targets, seed=10 + j, rank=8 - 4 * j)
+        loras.append(LoRARequest(f"a{j}", j + 1, str(tmp_path / f"a{j}")))
+    llm = LLM(model=str(tmp_path / "base"), enable_lora=True, max_loras=2, max_lora_rank=8,
+              dtype="bfloat16", kernel_tuning="off", kv_cache_memory=16 << 20,
+              max_model_len=256)
+    model = llm.engine.executor.model
+    assert model.fused_decode and model.stack_runs_lora
+    steps = []
+    decode_step = model.decode_step
+
+    def counting(*a):
+        steps.append(model.lora_step.tokens is not None)
+        return decode_step(*a)
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 17 + 3 * i, 4]} for i in range(4)]
+    mixed = [loras[0], None, loras[1], loras[0]]
+    model.decode_step = counting
+    try:
+        fused = llm.generate(prompts, sp, use_tqdm=False, lora_request=mixed)
+    finally:
+        del model.decode_step
+    assert any(steps)  # adapted decode steps ran on the stack
+    model.fused_decode = False
+    try:
+        per_op = llm.generate(prompts, sp, use_tqdm=False, lora_request=mixed)
+        plain = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        model.fused_decode = True
+    for a, b in zip(fused, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert fused[1].outputs[0].logprobs == plain[1].outputs[0].logprobs
+    assert fused[0].outputs[0].logprobs != plain[0].outputs[0].logprobs
