@@ -54,6 +54,7 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, mlp_only_layers=[1])),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0)),
 }
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
@@ -207,6 +208,9 @@ def test_config_keys_each_family_reads(checkpoints):
     qwen2_moe = cfg("qwen2_moe")
     assert qwen2_moe.shared_expert_intermediate_size == 80 and qwen2_moe.attention_bias
     assert qwen2_moe.dense_layers == (1,) and not qwen2_moe.norm_topk_prob
+    glm4 = cfg("glm4")
+    assert glm4.rope_interleaved and glm4.rotary_dim == 8 and glm4.sandwich_norms
+    assert glm4.attention_bias
     olmo2 = cfg("olmo2")
     assert olmo2.qk_norm_whole and olmo2.sandwich_norms and not olmo2.pre_norms
     granite = cfg("granite")
@@ -231,13 +235,14 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         assert arch in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
     as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE by
     its intermediate slice, the router whole; Qwen2-MoE's shared expert by its own slice,
-    its gate whole; Mixtral's below, from GGUF)."""
+    its gate whole; GLM-4's pairwise-rotary q/k rows reordered within each rank's heads;
+    Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
               max_model_len=256, num_threads=2)
@@ -289,10 +294,13 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
-             "granite": "granite", "olmo2": "olmo2", "qwen2_moe": "qwen2moe"}
+             "granite": "granite", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
+             "glm4": "glm4"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
-                                "post_feedforward_layernorm": "post_ffw_norm"}}
+                                "post_feedforward_layernorm": "post_ffw_norm"},
+                      "glm4": {"post_self_attn_layernorm": "post_attention_norm",
+                               "post_mlp_layernorm": "post_ffw_norm"}}
 _GGUF_PERMUTED = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
 
 
@@ -332,8 +340,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                            "logit_scale": cfg.logits_scaling,
                            "attention.scale": cfg.attention_multiplier}.items():
             w.add_float32(f"{arch}.{key}", value)
-    if family == "phi3":
-        w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * cfg.partial_rotary_factor))
+    if family in ("phi3", "glm4"):
+        factor = cfg.rope_parameters.get("partial_rotary_factor") or cfg.partial_rotary_factor
+        w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * factor))
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     if experts:
         w.add_uint32(f"{arch}.expert_count", experts)
@@ -398,7 +407,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                    "mixtral", "phi3", "smollm3", "granite", "olmo2", "qwen2_moe"])
+                                    "mixtral", "phi3", "smollm3", "granite", "olmo2",
+                                    "qwen2_moe", "glm4"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

@@ -57,6 +57,9 @@ class ModelConfig:
     logits_scaling: float = 1.0           # logits divided by this (Granite)
     attn_scale: float | None = None       # softmax scale; None: head_dim ** -0.5
     rotary_dim: int | None = None         # partial rotary (Phi-3.5/4): the first dims only
+    # Rotary over adjacent pairs of dims (GPT-J style, GLM-4), not the two halves: q and k
+    # rows are reordered at load so the rotate-half rotary computes the same scores.
+    rope_interleaved: bool = False
     sliding_window: int | None = None     # keys a sliding layer sees, itself included
     layer_types: tuple[str, ...] = ()     # per layer FULL | SLIDING; () = every layer FULL
     rope_local_theta: float | None = None  # sliding layers' rotary base (Gemma 3)

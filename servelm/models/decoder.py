@@ -7,8 +7,9 @@ names checkpoints' tensors and reads its config keys. One layer is
     x = x + [attn_out_norm](attention(input_layernorm(x))) [* residual_scale]
     x = x + [mlp_out_norm](mlp(post_attention_layernorm(x))) [* residual_scale]
 
-(the bracketed norms: Gemma's sandwich; the scale: Granite's residual_multiplier; OLMo 2
-has the sandwich norms only, a NoNorm in place of the other two), run in residual-stream form: each layer returns
+(the bracketed norms: Gemma's and GLM-4's sandwich; the scale: Granite's
+residual_multiplier; OLMo 2 has the sandwich norms only, a NoNorm in place of the other
+two), run in residual-stream form: each layer returns
 its MLP output (delta) and the residual stream x, and the next norm adds the delta into x
 in place before normalising it (RMSNorm.add_forward: one C++ pass with the kernels, the
 same bits as x + delta then the norm in the PyTorch reference). Sliding layers may take a
@@ -27,7 +28,7 @@ from torch import nn
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.layers import (Attention, GatedMLP, NoNorm, RMSNorm, RotaryEmbedding,
-                                   select_ops)
+                                   rotate_half_rows, select_ops)
 from servelm.models.moe import SparseMoE
 
 if TYPE_CHECKING:
@@ -258,7 +259,8 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in (HF names, in the family's spelling); every parameter
-        must be filled exactly once."""
+        must be filled exactly once. A pairwise rotary's q/k rows (rope_interleaved) are
+        reordered to the rotate-half layout on the way (layers.rotate_half_rows)."""
         if self.config.tie_word_embeddings:
             # Re-tie: moving the model off the meta device gives each module its own tensor.
             self.lm_head.weight = self.embed_tokens.weight
@@ -273,6 +275,9 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
             tensor = self.family.transform(name, tensor)
+            if self.config.rope_interleaved and re.search(r"\.self_attn\.[qk]_proj\.", name):
+                cfg = self.config
+                tensor = rotate_half_rows(tensor, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
             fused_experts = self._FUSED_EXPERTS.fullmatch(name)
             if fused_experts:  # all experts in one tensor, as transformers 5 holds them
                 prefix, part = fused_experts.groups()

@@ -250,6 +250,18 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rotate_half_rows(w: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """q or k projection rows (weight or bias, whole heads of head_dim) of a checkpoint
+    whose rotary turns adjacent pairs (dims 2i, 2i + 1 at frequency i), reordered so each
+    head's first rotary_dim rows are the pairs' first members then their second: the
+    rotate-half rotary (dims i, i + rotary_dim / 2 at frequency i) then turns the same
+    pairs, and q . k is unchanged since q and k move alike."""
+    perm = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                      torch.arange(rotary_dim, head_dim)))
+    heads = w.shape[0] // head_dim
+    return w.reshape(heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]. With rotary_dim < head_dim
     (partial rotary) only the first rotary_dim dims turn; the rest pass through."""

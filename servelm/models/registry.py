@@ -9,6 +9,7 @@ from __future__ import annotations
 from servelm.models.family import Family
 from servelm.models.families.gemma2 import Gemma2
 from servelm.models.families.gemma3 import Gemma3
+from servelm.models.families.glm4 import Glm4
 from servelm.models.families.granite import Granite
 from servelm.models.families.llama import Llama, Mistral
 from servelm.models.families.olmo2 import Olmo2
@@ -21,7 +22,7 @@ from servelm.models.families.smollm3 import SmolLM3
 
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
-                                Granite(), Olmo2(), Qwen2Moe())
+                                Granite(), Olmo2(), Qwen2Moe(), Glm4())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
