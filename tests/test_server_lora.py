@@ -31,6 +31,9 @@ PROMPT = "Hello there, my name is"
 CHAT = [{"role": "user", "content": "Tell me a story."}]
 MAX_TOKENS = 10
 MAX_RANK = 8
+# The same untimed choice of matmul methods in the server and the offline reference: the
+# same tokens, and no start-up spent measuring a model this small.
+ENGINE = {"kernel_tuning": "off"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -75,7 +78,8 @@ def files(tmp_path_factory, hf_tokenizer):
 def server(files):
     s = Server("--model", files.base, "--served-model-name", BASE, "--api-key", KEY,
                "--lora-modules", f"a1={files.a1}", f"a2={files.a2}",
-               "--max-loras", "2", "--max-lora-rank", str(MAX_RANK))
+               "--max-loras", "2", "--max-lora-rank", str(MAX_RANK),
+               *(a for k, v in ENGINE.items() for a in (f"--{k.replace('_', '-')}", v)))
     try:
         yield s.wait_ready()
     finally:
@@ -91,7 +95,7 @@ def client(server):
 def offline(files):
     """The reference: the offline LLM over the same files, greedy."""
     llm = LLM(model=files.base, dtype="float32", enable_lora=True, max_lora_rank=MAX_RANK,
-              kv_cache_memory=64 << 20, max_model_len=1024)
+              kv_cache_memory=64 << 20, max_model_len=1024, **ENGINE)
     ids = {name: i for i, name in enumerate(("a1", "a2", "a3"), 1)}
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
@@ -300,3 +304,44 @@ def test_lora_disabled_and_documented():
         assert op["requestBody"]["content"]["application/json"]["schema"]["required"][0] == \
             "lora_name"
     assert json.dumps(spec)  # serialisable as served
+
+
+
+def test_load_inplace_and_reload_under_one_name(server, client, files, offline):
+    """load_inplace puts the new adapter in the old one's place; one that fails to load keeps
+    the old one; unload then load under the same name runs the new weights."""
+    def load(path, inplace=False):
+        return _post(server, "/v1/load_lora_adapter",
+                     {"lora_name": "a4", "lora_path": path, "load_inplace": inplace})
+
+    assert load(files.a1).status_code == 200
+    assert _complete(client, "a4") == offline.complete("a1")
+    assert load(files.a2, inplace=True).status_code == 200
+    assert _complete(client, "a4") == offline.complete("a2")
+    r = load("/no/such/adapter", inplace=True)
+    assert r.status_code == 400 and "/no/such/adapter" in r.json()["error"]["message"]
+    assert _complete(client, "a4") == offline.complete("a2")
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "a4"}).status_code == 200
+    assert load(files.a1).status_code == 200
+    assert _complete(client, "a4") == offline.complete("a1")
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "a4"}).status_code == 200
+
+
+# Longer than a KV block: its first block goes into the prefix cache.
+LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+@pytest.mark.xfail(strict=True, reason="the engine salts an adapter's prefix-cache blocks by its "
+                   "name only, so a name loaded again reads its old weights' cached KV")
+def test_a_name_loaded_again_never_reads_its_old_weights_kv(server, client, files):
+    def complete(model):
+        r = client.completions.create(model=model, prompt=LONG, max_tokens=MAX_TOKENS,
+                                      temperature=0)
+        return r.choices[0].text
+
+    want = {name: complete(name) for name in ("a1", "a2")}
+    for path, inplace, name in ((files.a1, False, "a1"), (files.a2, True, "a2")):
+        r = _post(server, "/v1/load_lora_adapter",
+                  {"lora_name": "a5", "lora_path": path, "load_inplace": inplace})
+        assert r.status_code == 200
+        assert complete("a5") == want[name]

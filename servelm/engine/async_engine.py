@@ -154,6 +154,7 @@ class AsyncLLMEngine:
         # whenever they change: a new dict each time, read from any thread.
         self.loras: dict = {}
         self._publish_loras()
+        self._last_lora_id = 0  # guarded by _cond
         self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
 
     @classmethod
@@ -343,8 +344,12 @@ class AsyncLLMEngine:
         await self._call(lambda engine: engine.remove_lora(name))
 
     def new_lora_id(self) -> int:
-        """An integer id no registered adapter has."""
-        return max((r.lora_int_id for r in self.loras.values()), default=0) + 1
+        """An integer id no adapter has had in this engine's life: an id names one load, so
+        a name loaded again (from another path, or the same one changed) gets a new one."""
+        with self._cond:
+            self._last_lora_id = 1 + max([self._last_lora_id,
+                                          *(r.lora_int_id for r in self.loras.values())])
+            return self._last_lora_id
 
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """fn(engine) on the engine thread between steps; its result or exception here."""

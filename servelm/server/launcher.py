@@ -104,6 +104,10 @@ def serve(args, build_llm, model: str | None) -> int:
     engine = AsyncLLMEngine.build(lambda: _build_engine(args, build_llm),
                                   max_queue=args.max_queue)
     name = args.served_model_name or default_model_name(model)
+    if name in engine.loras:  # the name would always run the base model
+        engine.stop()
+        raise ValueError(f"--lora-modules names an adapter '{name}', the served model's name: "
+                         f"give the adapter another name (or --served-model-name)")
     app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
