@@ -109,7 +109,7 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         slots = self.step.slots(x.shape[0])
         if slots is not None:
-            if y.stride(-1) != 1 or (y.dim() == 2 and y.stride(0) != y.shape[1]):
+            if y.stride(-1) != 1:
                 y = y.contiguous()
             self._add(y, x, self.lora_a, self.lora_b, slots, self.bounds)
         return y
