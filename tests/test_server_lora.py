@@ -228,6 +228,10 @@ def test_load_use_unload(server, client, offline, files):
     stats = httpx.get(f"{server.url}/v1/stats", headers=AUTH).json()["lora"]
     assert stats["loaded"] == ["a1", "a2", "a3"] and stats["max_loras"] == 2
     assert stats["resident"][-1] == "a1" and len(stats["resident"]) == 2
+    metrics = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    assert "servelm_lora_adapters_loaded 3.0" in metrics
+    assert "servelm_lora_adapters_resident 2.0" in metrics
+    assert f"servelm_lora_adapter_loads_total {float(stats['loads'])}" in metrics
     r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "a3"})
     assert r.status_code == 200 and "a3" in r.text
     assert "a3" not in [m.id for m in client.models.list().data]

@@ -92,6 +92,16 @@ class _EngineCollector:
         yield CounterMetricFamily("servelm_prefill_step_flops",
                                   "Matmul FLOPs of the prompt tokens of those steps.",
                                   value=s.stats.prefill_flops)
+        if getattr(self._engine, "lora_enabled", False):
+            yield GaugeMetricFamily("servelm_lora_adapters_loaded",
+                                    "LoRA adapters registered (requests may name them).",
+                                    value=len(self._engine.loras))
+            yield GaugeMetricFamily("servelm_lora_adapters_resident",
+                                    "LoRA adapters in the model's slots (at most --max-loras).",
+                                    value=len(s.lora_resident))
+            yield CounterMetricFamily("servelm_lora_adapter_loads",
+                                      "LoRA adapters written into a slot (residency misses).",
+                                      value=s.lora_loads)
         shape = getattr(self._engine.engine, "shape", None)
         if shape is not None:
             # The model's side of the roofline, so a client (servelm bench --plot) can draw
