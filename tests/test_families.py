@@ -55,7 +55,12 @@ FAMILIES = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, mlp_only_layers=[1])),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        sliding_window=WINDOW, norm_epsilon=1e-5)),
 }
+
+# Families with biases on linear layers, which the checkpoints fixture makes non-zero.
+BIASED = ("starcoder2", "glm4", "qwen2_moe")
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -66,11 +71,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, hf_tokenizer):
     """family -> (HF directory, transformers model), random weights, norms perturbed off
-    their init so a wrong norm convention shows."""
+    their init so a wrong norm convention shows (and the linear layers' biases, which
+    transformers initialises to zero, where BIASED)."""
     out = {}
     for i, (name, (config_cls, model_cls, extra)) in enumerate(FAMILIES.items()):
         d = tmp_path_factory.mktemp(f"hf-{name}")
         model = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
+        if name in BIASED:
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith(".bias") and "norm" not in pname:
+                        p.normal_(0.0, 0.05)
+            model.save_pretrained(d)
         out[name] = (str(d), model)
     return out
 
@@ -208,6 +220,9 @@ def test_config_keys_each_family_reads(checkpoints):
     qwen2_moe = cfg("qwen2_moe")
     assert qwen2_moe.shared_expert_intermediate_size == 80 and qwen2_moe.attention_bias
     assert qwen2_moe.dense_layers == (1,) and not qwen2_moe.norm_topk_prob
+    coder = cfg("starcoder2")
+    assert coder.norm_type == "layer" and not coder.mlp_gated and coder.mlp_bias
+    assert coder.attention_bias and coder.attention_out_bias and coder.window(0) == WINDOW
     glm4 = cfg("glm4")
     assert glm4.rope_interleaved and glm4.rotary_dim == 8 and glm4.sandwich_norms
     assert glm4.attention_bias
@@ -261,10 +276,10 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
         torch.set_num_threads(threads)  # rank 0 took its share of the threads
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmo2"])
+@pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2"])
 def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family, monkeypatch):
     # A family that cannot split says so before any rank starts: OLMo 2 (its q/k norms
-    # need every head), and Mixtral made one here.
+    # need every head), Starcoder2 (its row-parallel biases), and Mixtral made one here.
     monkeypatch.setattr(family_for_architecture("MixtralForCausalLM"), "tensor_parallel",
                         False)
     path, _ = checkpoints[family]
@@ -291,11 +306,12 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                "mlp.shared_expert.up_proj": "ffn_up_shexp",
                "mlp.shared_expert.down_proj": "ffn_down_shexp",
-               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
-             "glm4": "glm4"}
+             "glm4": "glm4", "starcoder2": "starcoder2"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
@@ -330,7 +346,10 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                        "attention.head_count_kv": cfg.num_key_value_heads,
                        "attention.key_length": head_dim}.items():
         w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if family == "starcoder2":  # LayerNorms
+        w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg.norm_epsilon)
+    else:
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     if getattr(cfg, "sliding_window", None):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
@@ -363,8 +382,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         if name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", t.numpy())
             continue
-        if name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", t.numpy())
+        if name in ("model.norm.weight", "model.norm.bias"):
+            w.add_tensor(f"output_norm.{name.rpartition('.')[2]}", t.numpy())
             continue
         fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
         if fused:  # transformers' in-memory experts: [E, 2I, H] (gate, then up) / [E, H, I]
@@ -408,7 +427,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
-                                    "qwen2_moe", "glm4"])
+                                    "qwen2_moe", "glm4", "starcoder2"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

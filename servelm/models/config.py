@@ -47,7 +47,11 @@ class ModelConfig:
     attention_bias: bool = False
     family: str = "llama"
     # ---- the shared blocks' options (defaults: Llama) ----
-    hidden_act: str = "silu"              # the gated MLP's activation: silu | gelu_tanh
+    hidden_act: str = "silu"              # the MLP's activation: silu | gelu_tanh
+    mlp_gated: bool = True                # act(gate) * up; False: act(up) alone (Starcoder2)
+    mlp_bias: bool = False                # the MLP's linear layers have biases (Starcoder2)
+    attention_out_bias: bool = False      # o_proj has a bias (Starcoder2)
+    norm_type: str = "rms"                # rms | layer (LayerNorm with a bias: Starcoder2)
     qk_norm: bool = False                 # RMSNorm over each head's q and k (Qwen3, Gemma 3)
     qk_norm_whole: bool = False           # ... over all of q and of k instead (OLMo 2)
     sandwich_norms: bool = False          # norms after attention and after the MLP (Gemma)
@@ -100,6 +104,10 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
+        if self.norm_type not in ("rms", "layer"):
+            raise ValueError(f"unsupported norm_type {self.norm_type!r} (supported: rms, layer)")
+        if self.mlp_bias and self.mlp_gated:
+            raise ValueError("a gated MLP with biases is not supported")
         if self.qk_norm_whole and not self.qk_norm:
             raise ValueError("qk_norm_whole needs qk_norm")
         if not self.pre_norms and not self.sandwich_norms:
@@ -125,7 +133,7 @@ class ModelConfig:
     def _mlp_params(self, layer: int, active: bool) -> int:
         h = self.hidden_size
         if not self.is_moe_layer(layer):
-            return 3 * h * self.intermediate_size
+            return (3 if self.mlp_gated else 2) * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
         shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
         return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared

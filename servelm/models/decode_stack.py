@@ -161,7 +161,9 @@ def describe_layer(layer) -> LayerDescription | str:
     if attn.qk_norm_whole:
         return "its q/k norms span the whole projection, not each head"
     if not isinstance(layer.input_layernorm, RMSNorm):
-        return "it has no norms before attention and the MLP"
+        return (f"its norms are {type(layer.input_layernorm).__name__}s, not RMSNorms"
+                if hasattr(layer.input_layernorm, "weight")
+                else "it has no norms before attention and the MLP")
     if layer.residual_scale != 1.0:
         return "its attention and MLP outputs are scaled (residual_scale)"
     return LayerDescription(qk_norm=attn.q_norm is not None,

@@ -27,8 +27,8 @@ from torch import nn
 
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
-from servelm.models.layers import (Attention, GatedMLP, NoNorm, RMSNorm, RotaryEmbedding,
-                                   rotate_half_rows, select_ops)
+from servelm.models.layers import (MLP, Attention, GatedMLP, NoNorm, RotaryEmbedding,
+                                   make_norm, rotate_half_rows, select_ops)
 from servelm.models.moe import SparseMoE
 
 if TYPE_CHECKING:
@@ -39,22 +39,26 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps) if cfg.pre_norms else NoNorm()
+        norm = cfg.norm_type
+        self.input_layernorm = make_norm(norm, h, eps) if cfg.pre_norms else NoNorm()
         self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
                                    window=cfg.window(index), scale=cfg.attn_scale,
                                    rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
                                    rope=index not in cfg.no_rope_layers,
-                                   qk_norm_whole=cfg.qk_norm_whole)
-        self.post_attention_layernorm = RMSNorm(h, eps) if cfg.pre_norms else NoNorm()
+                                   qk_norm_whole=cfg.qk_norm_whole,
+                                   out_bias=cfg.attention_out_bias)
+        self.post_attention_layernorm = make_norm(norm, h, eps) if cfg.pre_norms else NoNorm()
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,
                                  cfg.shared_expert_intermediate_size)
-        else:
+        elif cfg.mlp_gated:
             self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
-        self.attn_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
-        self.mlp_out_norm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        else:
+            self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        self.attn_out_norm = make_norm(norm, h, eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = make_norm(norm, h, eps) if cfg.sandwich_norms else None
         self.residual_scale = cfg.residual_scale  # each branch's output times this (Granite)
         # Which rotary table the layer takes: sliding layers their own base, where it differs.
         self.local_rotary = cfg.window(index) is not None and cfg.rope_local_theta is not None
@@ -116,7 +120,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg.norm_type, cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.rotary_local = None
         if torch.get_default_device().type != "meta":  # else build_model makes them later:
             self.init_rotary()  # arithmetic on meta tensors imports torch._dynamo (~3 s)

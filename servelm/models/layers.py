@@ -148,6 +148,29 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return _ops().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (Starcoder2): PyTorch's op on every path (servelm's C++ ops have
+    none), with RMSNorm's interface."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then normalise it."""
+        return self.forward(residual.add_(x))
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """The model's norm: RMSNorm ("rms") or LayerNorm with a bias ("layer")."""
+    return LayerNorm(dim, eps) if kind == "layer" else RMSNorm(dim, eps)
+
+
 class NoNorm(nn.Module):
     """In a norm's place where a layer has none (OLMo 2's pre-norms): forward returns x,
     add_forward adds x into the residual (in place) and returns the residual itself."""
@@ -280,7 +303,7 @@ class Attention(OpModule):
     head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
     a softmax scale other than head_dim ** -0.5, and a soft-cap on the scores (softcap:
     scores = softcap * tanh(scores / softcap), Gemma 2; q/k norms over the whole projection
-    rather than each head, qk_norm_whole, OLMo 2; only the reference backend runs
+    rather than each head, qk_norm_whole, OLMo 2; an o_proj bias, out_bias, Starcoder2; only the reference backend runs
     it, servelm.attention.select chooses it at start-up), and no rotary at all (rope False:
     SmolLM3's NoPE layers; the KV write then takes k as projected). The rotary table is the caller's (a
     model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
@@ -293,18 +316,19 @@ class Attention(OpModule):
                  bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
                  window: int | None = None, scale: float | None = None,
                  rotary_dim: int | None = None, softcap: float | None = None,
-                 rope: bool = True, qk_norm_whole: bool = False):
+                 rope: bool = True, qk_norm_whole: bool = False, out_bias: bool = False):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
                             window=window, scale=scale, rotary_dim=rotary_dim,
-                            softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole)
+                            softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole,
+                            out_bias=out_bias)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=out_bias)
         self.qk_norm_whole = qk_norm_whole
         if qk_norm and qk_norm_whole:
             self.q_norm, self.k_norm = RMSNorm(self.q_size, eps), RMSNorm(self.kv_size, eps)
@@ -475,6 +499,26 @@ def mlp_bucket_gated(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     if out.stride(-1) != 1:
         out = out.contiguous()
     return mlp.down_proj(mlp._silu_mul(out))
+
+
+class MLP(nn.Module):
+    """c_proj(act(c_fc(x))), not gated, with or without biases (Starcoder2; the checkpoint's
+    names). The PyTorch activation on every path."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "gelu_tanh",
+                 bias: bool = True):
+        super().__init__()
+        self.options = dict(hidden=hidden, intermediate=intermediate, act=act, bias=bias)
+        self.intermediate, self.act = intermediate, act
+        self.c_fc = nn.Linear(hidden, intermediate, bias=bias)
+        self.c_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(activation(self.c_fc(x), self.act))
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:

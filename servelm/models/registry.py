@@ -19,10 +19,12 @@ from servelm.models.families.qwen2 import Qwen2
 from servelm.models.families.qwen2_moe import Qwen2Moe
 from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
 from servelm.models.families.smollm3 import SmolLM3
+from servelm.models.families.starcoder2 import Starcoder2
 
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
-                                Granite(), Olmo2(), Qwen2Moe(), Glm4())
+                                Granite(), Olmo2(), Qwen2Moe(), Glm4(),
+                                Starcoder2())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
