@@ -201,6 +201,31 @@ def test_soft_capped_attention_takes_the_reference_backend(checkpoints):
         LLM(attention_backend="cpu", **kw)
 
 
+# What the whole-step DecodeStack says of each family's layers (None: it takes them all);
+# the families it declines decode op by op on the C++ kernels.
+STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
+                  "smollm3": "it has no rotary (a NoPE layer)",
+                  "granite": "its attention and MLP outputs are scaled (residual_scale)",
+                  "olmo2": "its q/k norms span the whole projection, not each head",
+                  "qwen2_moe": "its MLP is SparseMoE (routed experts run op by op)",
+                  "starcoder2": "its MLP is MLP, not the plain GatedMLP",
+                  "glm4": None}
+
+
+@pytest.mark.parametrize("family", list(STACK_DECLINES))
+def test_decode_stack_takes_or_declines_each_family(checkpoints, family):
+    from servelm.models import decode_stack
+    from servelm.models.decoder import CausalLM
+
+    with open(f"{checkpoints[family][0]}/config.json") as f:
+        model = CausalLM(ModelConfig.from_hf_dict(json.load(f)), max_positions=64)
+    got = decode_stack.describe(model)
+    if STACK_DECLINES[family] is None:
+        assert isinstance(got, decode_stack.StackDescription), got
+    else:  # the first layer it cannot take (SmolLM3's fourth; Qwen2-MoE's first is MoE)
+        assert isinstance(got, str) and got.endswith(STACK_DECLINES[family]), got
+
+
 def test_config_keys_each_family_reads(checkpoints):
     def cfg(name):
         with open(f"{checkpoints[name][0]}/config.json") as f:
