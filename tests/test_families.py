@@ -136,7 +136,8 @@ def test_kernel_path_matches_eager_through_chunks_and_the_prefix_cache(checkpoin
     assert all(o.metrics.num_cached_tokens >= 16 for o in outs), [(len(o.prompt_token_ids), o.metrics.num_cached_tokens) for o in outs]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "phi3", "qwen2_moe", "starcoder2",
+                                    "olmo2"])
 def test_quantised_weights_stay_close(checkpoints, family):
     """int8 within 1e-3 (cosine) of fp32; int4 the same on the kernel and eager paths (on
     random weights its rounding alone moves the logits a few percent)."""
