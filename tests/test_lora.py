@@ -218,7 +218,7 @@ def test_a_quantised_base_keeps_its_adapters_in_the_activation_dtype(family_setu
     the int4 model's logits as PEFT's moves the fp32 model's."""
     path, base, adapters = family_setups["llama"]
     llm = LLM(model=path, enable_lora=True, quantization="int4",
-              **{**KW, "dtype": "bfloat16", "fused_decode": False})
+              **{**KW, "dtype": "bfloat16"})
     engine = llm.engine
     assert {m.lora_a.dtype for m in engine.lora.layers.values()} == {torch.bfloat16}
     engine.add_lora(LoRARequest("q", 1, adapters[0][0]))
@@ -231,3 +231,21 @@ def test_a_quantised_base_keeps_its_adapters_in_the_activation_dtype(family_setu
         cos = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
         ratio = (ours.norm() / ref.norm()).item()
         assert cos > 0.9 and 0.7 < ratio < 1.4, (prompt, cos, ratio)
+
+
+def test_an_adapter_loaded_again_never_reads_its_old_weights_kv(llama_engine):
+    """Unload, then load other weights under the same name and id: the prompt's blocks the
+    old weights cached are not reused (each registration salts its own)."""
+    llm, adapters = llama_engine
+    prompt = PROMPTS[0] * 3
+    one = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], one, use_tqdm=False,
+                         lora_request=LoRARequest("re", 40, adapters[0][0]))[0]
+    llm.engine.remove_lora("re")
+    second = llm.generate([prompt], one, use_tqdm=False,
+                          lora_request=LoRARequest("re", 40, adapters[1][0]))[0]
+    fresh = llm.generate([prompt], one, use_tqdm=False,
+                         lora_request=LoRARequest("other", 41, adapters[1][0]))[0]
+    assert second.metrics.num_cached_tokens == 0
+    assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert first.outputs[0].token_ids != fresh.outputs[0].token_ids

@@ -335,8 +335,6 @@ def test_load_inplace_and_reload_under_one_name(server, client, files, offline):
 LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
 
-@pytest.mark.xfail(strict=True, reason="the engine salts an adapter's prefix-cache blocks by its "
-                   "name only, so a name loaded again reads its old weights' cached KV")
 def test_a_name_loaded_again_never_reads_its_old_weights_kv(server, client, files):
     def complete(model):
         r = client.completions.create(model=model, prompt=LONG, max_tokens=MAX_TOKENS,

@@ -336,8 +336,9 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         lora_name = self._lora_name(lora_request)
-        if lora_name is not None:  # two adapters never share KV blocks
-            cache_salt = f"{cache_salt or ''}\x00lora:{lora_name}"
+        if lora_name is not None:  # two adapters (or two loads of one name) never share KV
+            cache_salt = (f"{cache_salt or ''}\x00lora:{lora_name}:"
+                          f"{self.lora.generation[lora_name]}")
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1

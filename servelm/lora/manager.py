@@ -40,6 +40,10 @@ class LoRAManager:
         self.resident: OrderedDict[str, int] = OrderedDict()
         self._next_id = 1
         self.loads = 0  # adapters written into a slot (residency misses)
+        # name -> which registration it is (a count over every add): the prefix-cache salt,
+        # so an adapter loaded again under its name never reads its old weights' KV.
+        self.generation: dict[str, int] = {}
+        self._generations = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.requests
@@ -68,6 +72,8 @@ class LoRAManager:
                             f"this model does not adapt")
         self.requests[request.lora_name] = request
         self._weights[request.lora_name] = adapter
+        self._generations += 1
+        self.generation[request.lora_name] = self._generations
         self._next_id = max(self._next_id, request.lora_int_id + 1)
         logger.info("LoRA adapter %s: rank %d, %d modules, from %s", request.lora_name,
                     adapter.rank, len(adapter.modules), request.lora_path)
@@ -83,6 +89,7 @@ class LoRAManager:
         """Forget an adapter (KeyError if unknown); its slot is freed."""
         del self.requests[name]
         del self._weights[name]
+        del self.generation[name]
         slot = self.resident.pop(name, None)
         if slot is not None:
             for layer in self.layers.values():
@@ -136,8 +143,8 @@ class LoRAManager:
         """A tensor-parallel worker: write its shard of the adapter rank 0 wrote into slot
         (registered from path on first sight)."""
         if name not in self.requests or self.requests[name].lora_path != path:
-            self.requests.pop(name, None)
-            self._weights.pop(name, None)
+            if name in self.requests:
+                self.remove(name)
             self.register(name, path)
         for other, s in list(self.resident.items()):
             if s == slot:
