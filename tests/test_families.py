@@ -51,6 +51,12 @@ FAMILIES = {
         embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
         logits_scaling=8.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # Layers sliding, sliding, sliding, full; the full layers' rotary YaRN-scaled.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=WINDOW, head_dim=16, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                               "original_max_position_embeddings": 128},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, mlp_only_layers=[1])),
@@ -208,6 +214,7 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "smollm3": "it has no rotary (a NoPE layer)",
                   "granite": "its attention and MLP outputs are scaled (residual_scale)",
                   "olmo2": "its q/k norms span the whole projection, not each head",
+                  "olmo3": "its q/k norms span the whole projection, not each head",
                   "qwen2_moe": "its MLP is SparseMoE (routed experts run op by op)",
                   "starcoder2": "its MLP is MLP, not the plain GatedMLP",
                   "glm4": None}
@@ -254,6 +261,10 @@ def test_config_keys_each_family_reads(checkpoints):
     assert glm4.attention_bias
     olmo2 = cfg("olmo2")
     assert olmo2.qk_norm_whole and olmo2.sandwich_norms and not olmo2.pre_norms
+    olmo3 = cfg("olmo3")
+    assert olmo3.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
+    assert (olmo3.rope_theta, olmo3.rope_local_theta) == (5e5, 1e4)
+    assert olmo3.rope_scaling["rope_type"] == "yarn" and olmo3.qk_norm_whole
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)

@@ -1,11 +1,11 @@
-"""OLMo 2: Llama's attention and MLP with norms after each (on their outputs, before they
+"""OLMo 2 and 3: Llama's attention and MLP with norms after each (on their outputs, before they
 join the residual stream) and none before, and q/k RMSNorms over the whole q and k
 projections (not per head)."""
 
 from __future__ import annotations
 
 from servelm.models.family import Family
-from servelm.models.hf_keys import hf_layer_types
+from servelm.models.hf_keys import FULL, SLIDING, hf_layer_types, rope_theta
 
 
 class Olmo2(Family):
@@ -32,3 +32,22 @@ class Olmo2(Family):
 
     def gguf_config(self, get, base, tensor_names):
         return self._common()
+
+
+class Olmo3(Olmo2):
+    """OLMo 3: OLMo 2's layer with sliding-window layers (three in four by default), their
+    rotary without the full layers' scaling (a second table where the two differ)."""
+
+    name = "olmo3"
+    architectures = ("Olmo3ForCausalLM",)
+    gguf_architectures = ()  # llama.cpp's own spelling of OLMo 3 is not read here yet
+
+    def hf_config(self, cfg, base):
+        out = {**super().hf_config(cfg, base)}
+        n = base["num_layers"]
+        if cfg.get("sliding_window") and not cfg.get("layer_types"):
+            out["layer_types"] = tuple(FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n))
+        local = rope_theta(cfg, SLIDING)
+        if local != base["rope_theta"] or base.get("rope_scaling"):
+            out["rope_local_theta"] = local
+        return out
