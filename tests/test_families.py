@@ -63,6 +63,10 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
         sliding_window=WINDOW, norm_epsilon=1e-5)),
+    # Layers sliding, sliding, sliding, global (the global one without rotary).
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=WINDOW, sliding_window_pattern=4, head_dim=16)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16)),
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
@@ -217,7 +221,8 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "olmo3": "its q/k norms span the whole projection, not each head",
                   "qwen2_moe": "its MLP is SparseMoE (routed experts run op by op)",
                   "starcoder2": "its MLP is MLP, not the plain GatedMLP",
-                  "glm4": None}
+                  "exaone4": "it has no norms before attention and the MLP",
+                  "glm4": None, "ernie4_5": None}
 
 
 @pytest.mark.parametrize("family", list(STACK_DECLINES))
@@ -265,6 +270,10 @@ def test_config_keys_each_family_reads(checkpoints):
     assert olmo3.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
     assert (olmo3.rope_theta, olmo3.rope_local_theta) == (5e5, 1e4)
     assert olmo3.rope_scaling["rope_type"] == "yarn" and olmo3.qk_norm_whole
+    exaone = cfg("exaone4")
+    assert exaone.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
+    assert exaone.no_rope_layers == (3,) and exaone.qk_norm and not exaone.qk_norm_whole
+    assert not exaone.pre_norms and cfg("ernie4_5").rope_interleaved
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
@@ -287,13 +296,15 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         assert arch in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4",
+                                    "exaone4"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
     as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE by
     its intermediate slice, the router whole; Qwen2-MoE's shared expert by its own slice,
     its gate whole; GLM-4's pairwise-rotary q/k rows reordered within each rank's heads;
+    EXAONE 4's post-only norms, per-head q/k norms and rotary-less global layers;
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
@@ -348,7 +359,7 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
              "granite": "granite", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
-             "glm4": "glm4", "starcoder2": "starcoder2"}
+             "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
@@ -464,7 +475,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
-                                    "qwen2_moe", "glm4", "starcoder2"])
+                                    "qwen2_moe", "glm4", "starcoder2", "ernie4_5"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

@@ -7,6 +7,8 @@ how its configs and checkpoints read."""
 from __future__ import annotations
 
 from servelm.models.family import Family
+from servelm.models.families.ernie4_5 import Ernie4_5
+from servelm.models.families.exaone4 import Exaone4
 from servelm.models.families.gemma2 import Gemma2
 from servelm.models.families.gemma3 import Gemma3
 from servelm.models.families.glm4 import Glm4
@@ -24,7 +26,7 @@ from servelm.models.families.starcoder2 import Starcoder2
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
-                                Glm4(), Starcoder2())
+                                Glm4(), Starcoder2(), Exaone4(), Ernie4_5())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
