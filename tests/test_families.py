@@ -67,6 +67,9 @@ FAMILIES = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
         num_hidden_layers=4, sliding_window=WINDOW, sliding_window_pattern=4, head_dim=16)),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+        attention_multiplier=0.4, residual_multiplier=0.22, logits_scaling=8.0)),
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
@@ -222,6 +225,7 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "qwen2_moe": "its MLP is SparseMoE (routed experts run op by op)",
                   "starcoder2": "its MLP is MLP, not the plain GatedMLP",
                   "exaone4": "it has no norms before attention and the MLP",
+                  "granitemoe": "its MLP is SparseMoE (routed experts run op by op)",
                   "glm4": None, "ernie4_5": None}
 
 
@@ -274,6 +278,8 @@ def test_config_keys_each_family_reads(checkpoints):
     assert exaone.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
     assert exaone.no_rope_layers == (3,) and exaone.qk_norm and not exaone.qk_norm_whole
     assert not exaone.pre_norms and cfg("ernie4_5").rope_interleaved
+    gmoe = cfg("granitemoe")
+    assert (gmoe.num_experts, gmoe.moe_intermediate_size, gmoe.residual_scale) == (4, 96, 0.22)
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
@@ -297,14 +303,15 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4",
-                                    "exaone4"])
+                                    "exaone4", "granitemoe"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
     as each rank's rows of every part, and its partial rotary; each expert of Qwen3-MoE by
     its intermediate slice, the router whole; Qwen2-MoE's shared expert by its own slice,
     its gate whole; GLM-4's pairwise-rotary q/k rows reordered within each rank's heads;
-    EXAONE 4's post-only norms, per-head q/k norms and rotary-less global layers;
+    EXAONE 4's post-only norms, per-head q/k norms and rotary-less global layers; Granite
+    MoE's experts from their one input_linear / output_linear tensor each;
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
@@ -351,6 +358,7 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
                "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+               "block_sparse_moe.router": "ffn_gate_inp",
                "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                "mlp.shared_expert.up_proj": "ffn_up_shexp",
                "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -358,14 +366,14 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
-             "granite": "granite", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
+             "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
              "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
                       "glm4": {"post_self_attn_layernorm": "post_attention_norm",
                                "post_mlp_layernorm": "post_ffw_norm"}}
-_GGUF_PERMUTED = ("llama", "smollm3", "granite")  # q/k rows permuted by llama.cpp's converter
+_GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")  # q/k rows permuted by llama.cpp's converter
 
 
 def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool = False) -> None:
@@ -401,7 +409,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     if getattr(cfg, "sliding_window", None):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-    if family == "granite":
+    if family in ("granite", "granitemoe"):
         for key, value in {"embedding_scale": cfg.embedding_multiplier,
                            "residual_scale": cfg.residual_multiplier,
                            "logit_scale": cfg.logits_scaling,
@@ -433,7 +441,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         if name in ("model.norm.weight", "model.norm.bias"):
             w.add_tensor(f"output_norm.{name.rpartition('.')[2]}", t.numpy())
             continue
-        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        fused = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+                             r"(gate_up_proj|down_proj)", name)
         if fused:  # transformers' in-memory experts: [E, 2I, H] (gate, then up) / [E, H, I]
             i = int(fused.group(1))
             if fused.group(2) == "down_proj":
@@ -475,7 +484,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
-                                    "qwen2_moe", "glm4", "starcoder2", "ernie4_5"])
+                                    "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
+                                    "granitemoe"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

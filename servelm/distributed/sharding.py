@@ -174,6 +174,7 @@ class ShardPlan:
          "moe_intermediate", "one"),
         (r"\.(mlp|block_sparse_moe)\.experts\.down_proj(\.weight)?$", 2, "moe_intermediate",
          "one"),
+        (r"\.block_sparse_moe\.output_linear\.weight$", 2, "moe_intermediate", "one"),  # Granite
     )
     # Checkpoint tensors that hold several of the above stacked along one dim (Phi-3's;
     # transformers 5's experts [E, 2 I, H]): each part's slice, at its offset in the tensor.
@@ -185,6 +186,9 @@ class ShardPlan:
          (("intermediate", "one", "total_intermediate"),
           ("intermediate", "one", "total_intermediate"))),
         (r"\.(mlp|block_sparse_moe)\.experts\.gate_up_proj$", 1,
+         (("moe_intermediate", "one", "total_moe_intermediate"),
+          ("moe_intermediate", "one", "total_moe_intermediate"))),
+        (r"\.block_sparse_moe\.input_linear\.weight$", 1,  # Granite MoE's [E, 2 I, H]
          (("moe_intermediate", "one", "total_moe_intermediate"),
           ("moe_intermediate", "one", "total_moe_intermediate"))),
     )

@@ -5,6 +5,8 @@ logits_scaling."""
 
 from __future__ import annotations
 
+import re
+
 from servelm.models.families.llama import Llama
 
 
@@ -30,3 +32,28 @@ class Granite(Llama):
                 "attn_scale": float(scale) if scale else None,
                 "residual_scale": float(get("residual_scale", 1.0)),
                 "logits_scaling": float(get("logit_scale", 1.0))}
+
+
+class GraniteMoe(Granite):
+    """Granite 3.x MoE: Granite's multipliers, every MLP top-k routed experts (the router
+    softmaxes the chosen experts' logits: the renormalised top-k of a softmax)."""
+
+    name = "granitemoe"
+    architectures = ("GraniteMoeForCausalLM",)
+    gguf_architectures = ("granitemoe",)
+
+    def hf_config(self, cfg, base):
+        return {**super().hf_config(cfg, base), "num_experts": cfg["num_local_experts"],
+                "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+
+    def gguf_config(self, get, base, tensor_names):
+        return {**super().gguf_config(get, base, tensor_names), "norm_topk_prob": True}
+
+    def internal_name(self, hf_name):
+        # Its checkpoints' experts in one tensor each (input_linear: gate then up rows) and
+        # router.layer, or transformers 5's names for them.
+        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        name = re.sub(r"\.mlp\.router(\.layer)?\.weight$", ".mlp.gate.weight", name)
+        name = re.sub(r"\.mlp\.input_linear\.weight$", ".mlp.experts.gate_up_proj", name)
+        return re.sub(r"\.mlp\.output_linear\.weight$", ".mlp.experts.down_proj", name)
