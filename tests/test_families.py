@@ -70,10 +70,14 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
         attention_multiplier=0.4, residual_multiplier=0.22, logits_scaling=8.0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
+    "stablelm_parallel": ("StableLmConfig", "StableLmForCausalLM", dict(
+        use_parallel_residual=True)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4)),
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
-BIASED = ("starcoder2", "glm4", "qwen2_moe")
+BIASED = ("starcoder2", "glm4", "qwen2_moe", "stablelm", "phi")
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -114,7 +118,8 @@ def test_eager_fp32_matches_transformers(checkpoints, family):
     path, ref = checkpoints[family]
     llm = LLM(model=path, dtype="float32", cpu_kernels=False, kernel_tuning="off",
               kv_cache_memory=16 << 20, max_model_len=256)
-    assert llm.engine.model_config.family == {"llama3": "llama", "qwen3_yarn": "qwen3"}.get(family, family)
+    assert llm.engine.model_config.family == {"llama3": "llama", "qwen3_yarn": "qwen3",
+                                              "stablelm_parallel": "stablelm"}.get(family, family)
     prompts = [_ids(llm, p) for p in PROMPTS]
     ours = prompt_logits(llm.engine, prompts)
     for i, ids in enumerate(prompts):
@@ -226,6 +231,9 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "starcoder2": "its MLP is MLP, not the plain GatedMLP",
                   "exaone4": "it has no norms before attention and the MLP",
                   "granitemoe": "its MLP is SparseMoE (routed experts run op by op)",
+                  "stablelm": "its norms are LayerNorms, not RMSNorms",
+                  "stablelm_parallel": "its attention and MLP run in parallel on one norm",
+                  "phi": "its MLP is MLP, not the plain GatedMLP",
                   "glm4": None, "ernie4_5": None}
 
 
@@ -280,6 +288,10 @@ def test_config_keys_each_family_reads(checkpoints):
     assert not exaone.pre_norms and cfg("ernie4_5").rope_interleaved
     gmoe = cfg("granitemoe")
     assert (gmoe.num_experts, gmoe.moe_intermediate_size, gmoe.residual_scale) == (4, 96, 0.22)
+    stablelm, parallel, phi = cfg("stablelm"), cfg("stablelm_parallel"), cfg("phi")
+    assert stablelm.rotary_dim == 4 and stablelm.attention_bias and stablelm.norm_type == "layer"
+    assert parallel.parallel_block and not stablelm.parallel_block
+    assert phi.parallel_block and phi.lm_head_bias and phi.attention_out_bias and phi.rotary_dim == 8
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
@@ -303,7 +315,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4",
-                                    "exaone4", "granitemoe"])
+                                    "exaone4", "granitemoe", "stablelm_parallel"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
@@ -311,7 +323,8 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     its intermediate slice, the router whole; Qwen2-MoE's shared expert by its own slice,
     its gate whole; GLM-4's pairwise-rotary q/k rows reordered within each rank's heads;
     EXAONE 4's post-only norms, per-head q/k norms and rotary-less global layers; Granite
-    MoE's experts from their one input_linear / output_linear tensor each;
+    MoE's experts from their one input_linear / output_linear tensor each; StableLM's
+    parallel block, LayerNorms and partial rotary;
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
@@ -331,10 +344,11 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
         torch.set_num_threads(threads)  # rank 0 took its share of the threads
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2"])
+@pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2", "phi"])
 def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family, monkeypatch):
     # A family that cannot split says so before any rank starts: OLMo 2 (its q/k norms
-    # need every head), Starcoder2 (its row-parallel biases), and Mixtral made one here.
+    # need every head), Starcoder2 and Phi (their row-parallel biases), and Mixtral made
+    # one here.
     monkeypatch.setattr(family_for_architecture("MixtralForCausalLM"), "tensor_parallel",
                         False)
     path, _ = checkpoints[family]
@@ -363,11 +377,13 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.shared_expert.up_proj": "ffn_up_shexp",
                "mlp.shared_expert.down_proj": "ffn_down_shexp",
                "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-               "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+               "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",
+               "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down", "self_attn.dense": "attn_output"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
-             "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5"}
+             "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
+             "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
@@ -402,8 +418,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                        "attention.head_count_kv": cfg.num_key_value_heads,
                        "attention.key_length": head_dim}.items():
         w.add_uint32(f"{arch}.{key}", value)
-    if family == "starcoder2":  # LayerNorms
-        w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg.norm_epsilon)
+    layer_norm_eps = getattr(cfg, "layer_norm_eps", None) or getattr(cfg, "norm_epsilon", None)
+    if layer_norm_eps:  # LayerNorms (Starcoder2, StableLM, Phi)
+        w.add_float32(f"{arch}.attention.layer_norm_epsilon", layer_norm_eps)
     else:
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
@@ -415,7 +432,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                            "logit_scale": cfg.logits_scaling,
                            "attention.scale": cfg.attention_multiplier}.items():
             w.add_float32(f"{arch}.{key}", value)
-    if family in ("phi3", "glm4"):
+    if family in ("phi3", "glm4", "stablelm", "stablelm_parallel", "phi"):
         factor = cfg.rope_parameters.get("partial_rotary_factor") or cfg.partial_rotary_factor
         w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * factor))
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
@@ -431,14 +448,15 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     state = {k: v.float() for k, v in model.state_dict().items()}
     stacked: dict[tuple[int, str], list] = {}
     for name, t in state.items():
-        if name == "lm_head.weight":
+        if name in ("lm_head.weight", "lm_head.bias"):
             if not cfg.tie_word_embeddings:
-                w.add_tensor("output.weight", t.numpy())
+                w.add_tensor(f"output.{name.rpartition('.')[2]}", t.numpy())
             continue
         if name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", t.numpy())
             continue
-        if name in ("model.norm.weight", "model.norm.bias"):
+        if name in ("model.norm.weight", "model.norm.bias", "model.final_layernorm.weight",
+                    "model.final_layernorm.bias"):
             w.add_tensor(f"output_norm.{name.rpartition('.')[2]}", t.numpy())
             continue
         fused = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
@@ -485,7 +503,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
                                     "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
-                                    "granitemoe"])
+                                    "granitemoe", "stablelm", "stablelm_parallel", "phi"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

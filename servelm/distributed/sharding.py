@@ -163,7 +163,7 @@ class ShardPlan:
         (r"\.mlp\.(gate|up)_proj\.weight$", 0, "intermediate", "one"),
         (r"\.mlp\.down_proj\.weight$", 1, "intermediate", "one"),
         (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
-        (r"(^|\.)lm_head\.weight$", 0, "vocab", "one"),
+        (r"(^|\.)lm_head\.(weight|bias)$", 0, "vocab", "one"),
         # Experts, one tensor each (HF; Mixtral spells gate, down, up w1, w2, w3) ...
         (r"\.(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$", 0,
          "moe_intermediate", "one"),
@@ -274,7 +274,7 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
                 layer.mlp = ParallelGatedMLP(
                     group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
         model.embed_tokens = VocabParallelEmbedding(*plan.vocab, cfg.hidden_size, group)
-        model.lm_head = nn.Linear(cfg.hidden_size, plan.local_vocab, bias=False)
+        model.lm_head = nn.Linear(cfg.hidden_size, plan.local_vocab, bias=cfg.lm_head_bias)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.config = plan.local_config(cfg)

@@ -56,6 +56,10 @@ class ModelConfig:
     qk_norm_whole: bool = False           # ... over all of q and of k instead (OLMo 2)
     sandwich_norms: bool = False          # norms after attention and after the MLP (Gemma)
     pre_norms: bool = True                # False: no norms before them (OLMo 2: sandwich only)
+    # Attention and MLP both read the input norm's output and are added together
+    # (x + attn(ln(x)) + mlp(ln(x)): Phi-2, StableLM's use_parallel_residual).
+    parallel_block: bool = False
+    lm_head_bias: bool = False            # the LM head has a bias (Phi-2)
     embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0           # attention and MLP outputs multiplied by this (Granite)
     logits_scaling: float = 1.0           # logits divided by this (Granite)
@@ -108,6 +112,9 @@ class ModelConfig:
             raise ValueError(f"unsupported norm_type {self.norm_type!r} (supported: rms, layer)")
         if self.mlp_bias and self.mlp_gated:
             raise ValueError("a gated MLP with biases is not supported")
+        if self.parallel_block and (self.sandwich_norms or not self.pre_norms
+                                    or self.residual_scale != 1.0):
+            raise ValueError("a parallel block takes neither sandwich norms nor a residual scale")
         if self.qk_norm_whole and not self.qk_norm:
             raise ValueError("qk_norm_whole needs qk_norm")
         if not self.pre_norms and not self.sandwich_norms:

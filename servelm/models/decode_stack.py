@@ -154,6 +154,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
         return "it has one sandwich norm without the other"
+    if getattr(layer, "parallel", False):
+        return "its attention and MLP run in parallel on one norm"
     if attn.softcap:
         return "its attention scores are soft-capped"
     if not attn.rope:

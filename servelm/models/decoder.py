@@ -7,6 +7,8 @@ names checkpoints' tensors and reads its config keys. One layer is
     x = x + [attn_out_norm](attention(input_layernorm(x))) [* residual_scale]
     x = x + [mlp_out_norm](mlp(post_attention_layernorm(x))) [* residual_scale]
 
+or, a parallel block (Phi-2), x = x + attention(input_layernorm(x)) + mlp(input_layernorm(x))
+
 (the bracketed norms: Gemma's and GLM-4's sandwich; the scale: Granite's
 residual_multiplier; OLMo 2 has the sandwich norms only, a NoNorm in place of the other
 two), run in residual-stream form: each layer returns
@@ -48,7 +50,9 @@ class DecoderLayer(nn.Module):
                                    rope=index not in cfg.no_rope_layers,
                                    qk_norm_whole=cfg.qk_norm_whole,
                                    out_bias=cfg.attention_out_bias)
-        self.post_attention_layernorm = make_norm(norm, h, eps) if cfg.pre_norms else NoNorm()
+        self.parallel = cfg.parallel_block  # the MLP reads the input norm's output too
+        self.post_attention_layernorm = (None if self.parallel else make_norm(norm, h, eps)
+                                         if cfg.pre_norms else NoNorm())
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,
@@ -74,6 +78,10 @@ class DecoderLayer(nn.Module):
         else:
             h = self.input_layernorm.add_forward(delta, residual)
         a = self.self_attn(h, cos, sin, batch, kv_cache, rows=rows)
+        if self.parallel:
+            if rows is not None:
+                residual, h = residual[rows], h[rows]
+            return a + self.mlp(h), residual
         if rows is not None:
             residual = residual[rows]
         if self.attn_out_norm is not None:
@@ -126,7 +134,7 @@ class CausalLM(nn.Module):
             self.init_rotary()  # arithmetic on meta tensors imports torch._dynamo (~3 s)
         # Always a module, so quantisation and tensor parallelism can swap it like any other
         # linear layer; tied checkpoints share the embedding's parameter.
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = False  # set by bind_decode_layers

@@ -16,18 +16,20 @@ from servelm.models.families.granite import Granite, GraniteMoe
 from servelm.models.families.llama import Llama, Mistral
 from servelm.models.families.olmo2 import Olmo2, Olmo3
 from servelm.models.families.mixtral import Mixtral
+from servelm.models.families.phi import Phi
 from servelm.models.families.phi3 import Phi3
 from servelm.models.families.qwen2 import Qwen2
 from servelm.models.families.qwen2_moe import Qwen2Moe
 from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
 from servelm.models.families.smollm3 import SmolLM3
+from servelm.models.families.stablelm import StableLm
 from servelm.models.families.starcoder2 import Starcoder2
 
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
-                                GraniteMoe())
+                                GraniteMoe(), StableLm(), Phi())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
