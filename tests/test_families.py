@@ -74,6 +74,7 @@ FAMILIES = {
     "stablelm_parallel": ("StableLmConfig", "StableLmForCausalLM", dict(
         use_parallel_residual=True)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.25)),
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
@@ -234,6 +235,7 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "stablelm": "its norms are LayerNorms, not RMSNorms",
                   "stablelm_parallel": "its attention and MLP run in parallel on one norm",
                   "phi": "its MLP is MLP, not the plain GatedMLP",
+                  "cohere": "its attention and MLP run in parallel on one norm",
                   "glm4": None, "ernie4_5": None}
 
 
@@ -292,6 +294,9 @@ def test_config_keys_each_family_reads(checkpoints):
     assert stablelm.rotary_dim == 4 and stablelm.attention_bias and stablelm.norm_type == "layer"
     assert parallel.parallel_block and not stablelm.parallel_block
     assert phi.parallel_block and phi.lm_head_bias and phi.attention_out_bias and phi.rotary_dim == 8
+    cohere = cfg("cohere")
+    assert cohere.logits_scaling == 4.0 and cohere.norm_type == "layer_no_bias"
+    assert cohere.parallel_block and cohere.rope_interleaved and cohere.tie_word_embeddings
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
@@ -315,7 +320,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4",
-                                    "exaone4", "granitemoe", "stablelm_parallel"])
+                                    "exaone4", "granitemoe", "stablelm_parallel", "cohere"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
@@ -324,7 +329,8 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     its gate whole; GLM-4's pairwise-rotary q/k rows reordered within each rank's heads;
     EXAONE 4's post-only norms, per-head q/k norms and rotary-less global layers; Granite
     MoE's experts from their one input_linear / output_linear tensor each; StableLM's
-    parallel block, LayerNorms and partial rotary;
+    parallel block, LayerNorms and partial rotary; Cohere's pairwise rotary in a parallel
+    block;
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
@@ -383,7 +389,8 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
              "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
-             "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2"}
+             "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
+             "cohere": "command-r"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
@@ -432,6 +439,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                            "logit_scale": cfg.logits_scaling,
                            "attention.scale": cfg.attention_multiplier}.items():
             w.add_float32(f"{arch}.{key}", value)
+    if family == "cohere":
+        w.add_float32(f"{arch}.logit_scale", cfg.logit_scale)
     if family in ("phi3", "glm4", "stablelm", "stablelm_parallel", "phi"):
         factor = cfg.rope_parameters.get("partial_rotary_factor") or cfg.partial_rotary_factor
         w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * factor))
@@ -503,7 +512,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
                                     "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
-                                    "granitemoe", "stablelm", "stablelm_parallel", "phi"])
+                                    "granitemoe", "stablelm", "stablelm_parallel", "phi",
+                                    "cohere"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

@@ -52,6 +52,7 @@ class ModelConfig:
     mlp_bias: bool = False                # the MLP's linear layers have biases (Starcoder2)
     attention_out_bias: bool = False      # o_proj has a bias (Starcoder2)
     norm_type: str = "rms"                # rms | layer (LayerNorm with a bias: Starcoder2)
+                                          # | layer_no_bias (Cohere)
     qk_norm: bool = False                 # RMSNorm over each head's q and k (Qwen3, Gemma 3)
     qk_norm_whole: bool = False           # ... over all of q and of k instead (OLMo 2)
     sandwich_norms: bool = False          # norms after attention and after the MLP (Gemma)
@@ -108,8 +109,9 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
-        if self.norm_type not in ("rms", "layer"):
-            raise ValueError(f"unsupported norm_type {self.norm_type!r} (supported: rms, layer)")
+        if self.norm_type not in ("rms", "layer", "layer_no_bias"):
+            raise ValueError(f"unsupported norm_type {self.norm_type!r} "
+                             f"(supported: rms, layer, layer_no_bias)")
         if self.mlp_bias and self.mlp_gated:
             raise ValueError("a gated MLP with biases is not supported")
         if self.parallel_block and (self.sandwich_norms or not self.pre_norms

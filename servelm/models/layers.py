@@ -149,13 +149,13 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a bias (Starcoder2): PyTorch's op on every path (servelm's C++ ops have
-    none), with RMSNorm's interface."""
+    """LayerNorm, with a bias (Starcoder2) or without (Cohere): PyTorch's op on every path
+    (servelm's C++ ops have none), with RMSNorm's interface."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,8 +167,11 @@ class LayerNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    """The model's norm: RMSNorm ("rms") or LayerNorm with a bias ("layer")."""
-    return LayerNorm(dim, eps) if kind == "layer" else RMSNorm(dim, eps)
+    """The model's norm: RMSNorm ("rms"), LayerNorm with a bias ("layer") or without
+    ("layer_no_bias")."""
+    if kind == "rms":
+        return RMSNorm(dim, eps)
+    return LayerNorm(dim, eps, bias=kind == "layer")
 
 
 class NoNorm(nn.Module):

@@ -7,6 +7,7 @@ how its configs and checkpoints read."""
 from __future__ import annotations
 
 from servelm.models.family import Family
+from servelm.models.families.cohere import Cohere
 from servelm.models.families.ernie4_5 import Ernie4_5
 from servelm.models.families.exaone4 import Exaone4
 from servelm.models.families.gemma2 import Gemma2
@@ -14,8 +15,8 @@ from servelm.models.families.gemma3 import Gemma3
 from servelm.models.families.glm4 import Glm4
 from servelm.models.families.granite import Granite, GraniteMoe
 from servelm.models.families.llama import Llama, Mistral
-from servelm.models.families.olmo2 import Olmo2, Olmo3
 from servelm.models.families.mixtral import Mixtral
+from servelm.models.families.olmo2 import Olmo2, Olmo3
 from servelm.models.families.phi import Phi
 from servelm.models.families.phi3 import Phi3
 from servelm.models.families.qwen2 import Qwen2
@@ -29,7 +30,7 @@ FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe()
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
-                                GraniteMoe(), StableLm(), Phi())
+                                GraniteMoe(), StableLm(), Phi(), Cohere())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
