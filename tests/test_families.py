@@ -75,6 +75,11 @@ FAMILIES = {
         use_parallel_residual=True)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4)),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.25)),
+    # YaRN over an original context of 8: the queries' scale steps every 8 positions.
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
@@ -236,6 +241,7 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "stablelm_parallel": "its attention and MLP run in parallel on one norm",
                   "phi": "its MLP is MLP, not the plain GatedMLP",
                   "cohere": "its attention and MLP run in parallel on one norm",
+                  "ministral3": "its queries are scaled by their position",
                   "glm4": None, "ernie4_5": None}
 
 
@@ -297,6 +303,9 @@ def test_config_keys_each_family_reads(checkpoints):
     cohere = cfg("cohere")
     assert cohere.logits_scaling == 4.0 and cohere.norm_type == "layer_no_bias"
     assert cohere.parallel_block and cohere.rope_interleaved and cohere.tie_word_embeddings
+    ministral = cfg("ministral3")
+    assert (ministral.query_scale_beta, ministral.query_scale_period) == (0.5, 8)
+    assert ministral.rope_scaling["rope_type"] == "yarn"
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)

@@ -72,6 +72,10 @@ class ModelConfig:
     sliding_window: int | None = None     # keys a sliding layer sees, itself included
     layer_types: tuple[str, ...] = ()     # per layer FULL | SLIDING; () = every layer FULL
     rope_local_theta: float | None = None  # sliding layers' rotary base (Gemma 3)
+    # Queries scaled by 1 + beta * ln(1 + floor(position / period)) after the rotary
+    # (Llama 4's attention temperature, Ministral 3's llama_4_scaling_beta); 0: none.
+    query_scale_beta: float = 0.0
+    query_scale_period: int = 0
     no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
     attn_logit_softcap: float | None = None   # the same on attention scores (Gemma 2)
@@ -117,6 +121,8 @@ class ModelConfig:
         if self.parallel_block and (self.sandwich_norms or not self.pre_norms
                                     or self.residual_scale != 1.0):
             raise ValueError("a parallel block takes neither sandwich norms nor a residual scale")
+        if self.query_scale_beta and self.query_scale_period <= 0:
+            raise ValueError("query_scale_beta needs a positive query_scale_period")
         if self.qk_norm_whole and not self.qk_norm:
             raise ValueError("qk_norm_whole needs qk_norm")
         if not self.pre_norms and not self.sandwich_norms:

@@ -158,6 +158,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention and MLP run in parallel on one norm"
     if attn.softcap:
         return "its attention scores are soft-capped"
+    if attn.q_scale_beta:
+        return "its queries are scaled by their position"
     if not attn.rope:
         return "it has no rotary (a NoPE layer)"
     if attn.qk_norm_whole:

@@ -49,7 +49,9 @@ class DecoderLayer(nn.Module):
                                    rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
                                    rope=index not in cfg.no_rope_layers,
                                    qk_norm_whole=cfg.qk_norm_whole,
-                                   out_bias=cfg.attention_out_bias)
+                                   out_bias=cfg.attention_out_bias,
+                                   q_scale_beta=cfg.query_scale_beta,
+                                   q_scale_period=cfg.query_scale_period)
         self.parallel = cfg.parallel_block  # the MLP reads the input norm's output too
         self.post_attention_layernorm = (None if self.parallel else make_norm(norm, h, eps)
                                          if cfg.pre_norms else NoNorm())

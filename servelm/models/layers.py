@@ -306,7 +306,9 @@ class Attention(OpModule):
     head's q and k before the rotary (qk_norm), a sliding window (the last `window` keys),
     a softmax scale other than head_dim ** -0.5, and a soft-cap on the scores (softcap:
     scores = softcap * tanh(scores / softcap), Gemma 2; q/k norms over the whole projection
-    rather than each head, qk_norm_whole, OLMo 2; an o_proj bias, out_bias, Starcoder2; only the reference backend runs
+    rather than each head, qk_norm_whole, OLMo 2; an o_proj bias, out_bias, Starcoder2;
+    queries scaled by their position after the rotary, q_scale_beta / q_scale_period,
+    Ministral 3; only the reference backend runs
     it, servelm.attention.select chooses it at start-up), and no rotary at all (rope False:
     SmolLM3's NoPE layers; the KV write then takes k as projected). The rotary table is the caller's (a
     model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
@@ -319,14 +321,16 @@ class Attention(OpModule):
                  bias: bool = False, qk_norm: bool = False, eps: float = 1e-6,
                  window: int | None = None, scale: float | None = None,
                  rotary_dim: int | None = None, softcap: float | None = None,
-                 rope: bool = True, qk_norm_whole: bool = False, out_bias: bool = False):
+                 rope: bool = True, qk_norm_whole: bool = False, out_bias: bool = False,
+                 q_scale_beta: float = 0.0, q_scale_period: int = 0):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, bias=bias, qk_norm=qk_norm, eps=eps,
                             window=window, scale=scale, rotary_dim=rotary_dim,
                             softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole,
-                            out_bias=out_bias)
+                            out_bias=out_bias, q_scale_beta=q_scale_beta,
+                            q_scale_period=q_scale_period)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
@@ -343,6 +347,7 @@ class Attention(OpModule):
         self.rotary_dim = rotary_dim or head_dim
         self.softcap = softcap
         self.rope = rope
+        self.q_scale_beta, self.q_scale_period = q_scale_beta, q_scale_period
         self.select(False)
 
     def select(self, kernels: bool) -> None:
@@ -364,8 +369,18 @@ class Attention(OpModule):
         k_cache, v_cache, *scales = kv_cache
         scales = tuple(scales) or None
         q = self._qkv(self, x, cos, sin, batch.slot_mapping, k_cache, v_cache, scales)
+        if self.q_scale_beta:
+            q = q * query_scale(batch.positions, self.q_scale_beta, self.q_scale_period, q.dtype)
         out = batch.attn.backend.forward(self, q, k_cache, v_cache, scales, batch.attn)
         return self.o_proj(out if rows is None else out[rows])
+
+
+def query_scale(positions: torch.Tensor, beta: float, period: int, dtype: torch.dtype
+                ) -> torch.Tensor:
+    """[T, 1, 1]: 1 + beta * ln(1 + floor(position / period)), computed in fp32 as
+    transformers does, then in q's dtype."""
+    s = 1 + beta * torch.log(1 + torch.floor(positions / period))
+    return s.to(dtype).view(-1, 1, 1)
 
 
 def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales

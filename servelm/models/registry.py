@@ -15,6 +15,7 @@ from servelm.models.families.gemma3 import Gemma3
 from servelm.models.families.glm4 import Glm4
 from servelm.models.families.granite import Granite, GraniteMoe
 from servelm.models.families.llama import Llama, Mistral
+from servelm.models.families.ministral3 import Ministral3
 from servelm.models.families.mixtral import Mixtral
 from servelm.models.families.olmo2 import Olmo2, Olmo3
 from servelm.models.families.phi import Phi
@@ -30,7 +31,7 @@ FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe()
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
-                                GraniteMoe(), StableLm(), Phi(), Cohere())
+                                GraniteMoe(), StableLm(), Phi(), Cohere(), Ministral3())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
