@@ -329,7 +329,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4",
-                                    "exaone4", "granitemoe", "stablelm_parallel", "cohere"])
+                                    "exaone4", "granitemoe", "stablelm_parallel", "cohere",
+                                    "granite", "smollm3", "ministral3"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
@@ -339,7 +340,8 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     EXAONE 4's post-only norms, per-head q/k norms and rotary-less global layers; Granite
     MoE's experts from their one input_linear / output_linear tensor each; StableLM's
     parallel block, LayerNorms and partial rotary; Cohere's pairwise rotary in a parallel
-    block;
+    block; Granite's scaled residual, SmolLM3's rotary-less layers, Ministral 3's
+    position-scaled queries;
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
@@ -399,12 +401,15 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
              "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
              "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
-             "cohere": "command-r"}
+             "cohere": "command-r", "gemma2": "gemma2"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
                       "glm4": {"post_self_attn_layernorm": "post_attention_norm",
-                               "post_mlp_layernorm": "post_ffw_norm"}}
+                               "post_mlp_layernorm": "post_ffw_norm"},
+                      "gemma2": {"post_attention_layernorm": "post_attention_norm",
+                                 "pre_feedforward_layernorm": "ffn_norm",
+                                 "post_feedforward_layernorm": "post_ffw_norm"}}
 _GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")  # q/k rows permuted by llama.cpp's converter
 
 
@@ -450,6 +455,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
             w.add_float32(f"{arch}.{key}", value)
     if family == "cohere":
         w.add_float32(f"{arch}.logit_scale", cfg.logit_scale)
+    if family == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
     if family in ("phi3", "glm4", "stablelm", "stablelm_parallel", "phi"):
         factor = cfg.rope_parameters.get("partial_rotary_factor") or cfg.partial_rotary_factor
         w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * factor))
@@ -466,6 +474,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     state = {k: v.float() for k, v in model.state_dict().items()}
     stacked: dict[tuple[int, str], list] = {}
     for name, t in state.items():
+        if family == "gemma2" and name.endswith("norm.weight"):
+            t = t + 1  # llama.cpp's converter stores Gemma's (1 + w)
         if name in ("lm_head.weight", "lm_head.bias"):
             if not cfg.tie_word_embeddings:
                 w.add_tensor(f"output.{name.rpartition('.')[2]}", t.numpy())
@@ -539,6 +549,29 @@ def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, ggu
     assert gg.engine.model_config.family == {"mistral": "llama"}.get(family, hf.engine.model_config.family)
     prompts = [_ids(hf, p) for p in PROMPTS]
     assert [_ids(gg, p) for p in PROMPTS] == prompts
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_gemma2_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path):
+    """Gemma 2 in llama.cpp's spelling: its norms stored as 1 + w, the sandwich norms' names,
+    both soft-caps in the metadata, alternating sliding layers from the window. llama.cpp
+    stores no query_pre_attn_scalar (it takes head_dim), so this checkpoint's is head_dim."""
+    from servelm.models.gguf_file import GGUFReader
+
+    config_cls, model_cls, extra = FAMILIES["gemma2"]
+    ref = tiny_hf_checkpoint(tmp_path / "hf", config_cls, model_cls,
+                             {**extra, "query_pre_attn_scalar": 32}, hf_tokenizer, seed=3)
+    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    _write_gguf(tmp_path / "model.gguf", "gemma2", ref, meta)
+    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
+              kv_cache_memory=16 << 20, max_model_len=256)
+    hf = LLM(model=str(tmp_path / "hf"), **kw)
+    gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
+    assert gg.engine.model_config.family == "gemma2"
+    assert gg.engine.model_config.layer_types == hf.engine.model_config.layer_types
+    prompts = [_ids(hf, p) for p in PROMPTS]
     torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
                                rtol=1e-5, atol=1e-5)
 

@@ -155,7 +155,8 @@ class ModelConfig:
 
     def _params(self, active: bool) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        norms = ((2 if self.sandwich_norms else 0) + (2 if self.pre_norms else 0)) * h
+        pre = (1 if self.parallel_block else 2) if self.pre_norms else 0
+        norms = ((2 if self.sandwich_norms else 0) + pre) * h
         if self.qk_norm:
             norms += q + kv if self.qk_norm_whole else 2 * self.head_dim
         attn = h * (q + 2 * kv) + q * h
