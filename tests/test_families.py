@@ -80,10 +80,13 @@ FAMILIES = {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=4)),
+    "gpt_neox_sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        num_key_value_heads=4, use_parallel_residual=False, hidden_act="gelu_new")),
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
-BIASED = ("starcoder2", "glm4", "qwen2_moe", "stablelm", "phi")
+BIASED = ("starcoder2", "glm4", "qwen2_moe", "stablelm", "phi", "gpt_neox")
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -125,7 +128,8 @@ def test_eager_fp32_matches_transformers(checkpoints, family):
     llm = LLM(model=path, dtype="float32", cpu_kernels=False, kernel_tuning="off",
               kv_cache_memory=16 << 20, max_model_len=256)
     assert llm.engine.model_config.family == {"llama3": "llama", "qwen3_yarn": "qwen3",
-                                              "stablelm_parallel": "stablelm"}.get(family, family)
+                                              "stablelm_parallel": "stablelm",
+                                              "gpt_neox_sequential": "gpt_neox"}.get(family, family)
     prompts = [_ids(llm, p) for p in PROMPTS]
     ours = prompt_logits(llm.engine, prompts)
     for i, ids in enumerate(prompts):
@@ -242,6 +246,7 @@ STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
                   "phi": "its MLP is MLP, not the plain GatedMLP",
                   "cohere": "its attention and MLP run in parallel on one norm",
                   "ministral3": "its queries are scaled by their position",
+                  "gpt_neox": "its MLP is MLP, not the plain GatedMLP",
                   "glm4": None, "ernie4_5": None}
 
 
@@ -306,6 +311,10 @@ def test_config_keys_each_family_reads(checkpoints):
     ministral = cfg("ministral3")
     assert (ministral.query_scale_beta, ministral.query_scale_period) == (0.5, 8)
     assert ministral.rope_scaling["rope_type"] == "yarn"
+    neox, neox_seq = cfg("gpt_neox"), cfg("gpt_neox_sequential")
+    assert neox.parallel_block and neox.parallel_mlp_norm and not neox_seq.parallel_block
+    assert neox.qkv_per_head and neox.hidden_act == "gelu" and neox.rotary_dim == 4
+    assert neox_seq.hidden_act == "gelu_tanh"
     granite = cfg("granite")
     assert (granite.embed_scale, granite.attn_scale, granite.residual_scale,
             granite.logits_scaling) == (12.0, 0.4, 0.22, 8.0)
@@ -361,11 +370,11 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
         torch.set_num_threads(threads)  # rank 0 took its share of the threads
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2", "phi"])
+@pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2", "phi", "gpt_neox"])
 def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family, monkeypatch):
     # A family that cannot split says so before any rank starts: OLMo 2 (its q/k norms
-    # need every head), Starcoder2 and Phi (their row-parallel biases), and Mixtral made
-    # one here.
+    # need every head), Starcoder2, Phi and GPT-NeoX (their row-parallel biases), and
+    # Mixtral made one here.
     monkeypatch.setattr(family_for_architecture("MixtralForCausalLM"), "tensor_parallel",
                         False)
     path, _ = checkpoints[family]

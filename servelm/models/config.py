@@ -47,7 +47,7 @@ class ModelConfig:
     attention_bias: bool = False
     family: str = "llama"
     # ---- the shared blocks' options (defaults: Llama) ----
-    hidden_act: str = "silu"              # the MLP's activation: silu | gelu_tanh
+    hidden_act: str = "silu"              # the MLP's activation: silu | gelu_tanh | gelu
     mlp_gated: bool = True                # act(gate) * up; False: act(up) alone (Starcoder2)
     mlp_bias: bool = False                # the MLP's linear layers have biases (Starcoder2)
     attention_out_bias: bool = False      # o_proj has a bias (Starcoder2)
@@ -60,6 +60,10 @@ class ModelConfig:
     # Attention and MLP both read the input norm's output and are added together
     # (x + attn(ln(x)) + mlp(ln(x)): Phi-2, StableLM's use_parallel_residual).
     parallel_block: bool = False
+    parallel_mlp_norm: bool = False       # ... the MLP on a norm of its own (GPT-NeoX)
+    # The fused qkv checkpoint tensor holds each head's q, k and v together (GPT-NeoX's
+    # query_key_value); reordered at load to the decoder's q | k | v blocks.
+    qkv_per_head: bool = False
     lm_head_bias: bool = False            # the LM head has a bias (Phi-2)
     embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
     residual_scale: float = 1.0           # attention and MLP outputs multiplied by this (Granite)
@@ -109,8 +113,11 @@ class ModelConfig:
             raise ValueError(f"unsupported layer types {sorted(bad)} (supported: {FULL}, {SLIDING})")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding-attention layers need a sliding_window")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "gelu"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r} "
+                             f"(supported: silu, gelu_tanh, gelu)")
+        if self.qkv_per_head and self.num_heads != self.num_kv_heads:
+            raise ValueError("qkv_per_head needs as many KV heads as query heads")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
         if self.norm_type not in ("rms", "layer", "layer_no_bias"):
@@ -155,7 +162,7 @@ class ModelConfig:
 
     def _params(self, active: bool) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        pre = (1 if self.parallel_block else 2) if self.pre_norms else 0
+        pre = (1 if self.parallel_block and not self.parallel_mlp_norm else 2) if self.pre_norms else 0
         norms = ((2 if self.sandwich_norms else 0) + pre) * h
         if self.qk_norm:
             norms += q + kv if self.qk_norm_whole else 2 * self.head_dim

@@ -8,6 +8,7 @@ names checkpoints' tensors and reads its config keys. One layer is
     x = x + [mlp_out_norm](mlp(post_attention_layernorm(x))) [* residual_scale]
 
 or, a parallel block (Phi-2), x = x + attention(input_layernorm(x)) + mlp(input_layernorm(x))
+(GPT-NeoX: the MLP's own post_attention_layernorm(x))
 
 (the bracketed norms: Gemma's and GLM-4's sandwich; the scale: Granite's
 residual_multiplier; OLMo 2 has the sandwich norms only, a NoNorm in place of the other
@@ -53,8 +54,9 @@ class DecoderLayer(nn.Module):
                                    q_scale_beta=cfg.query_scale_beta,
                                    q_scale_period=cfg.query_scale_period)
         self.parallel = cfg.parallel_block  # the MLP reads the input norm's output too
-        self.post_attention_layernorm = (None if self.parallel else make_norm(norm, h, eps)
-                                         if cfg.pre_norms else NoNorm())
+        self.post_attention_layernorm = (
+            None if self.parallel and not cfg.parallel_mlp_norm
+            else make_norm(norm, h, eps) if cfg.pre_norms else NoNorm())
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,
@@ -83,6 +85,8 @@ class DecoderLayer(nn.Module):
         if self.parallel:
             if rows is not None:
                 residual, h = residual[rows], h[rows]
+            if self.post_attention_layernorm is not None:
+                h = self.post_attention_layernorm(residual)
             return a + self.mlp(h), residual
         if rows is not None:
             residual = residual[rows]
@@ -274,7 +278,8 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in (HF names, in the family's spelling); every parameter
         must be filled exactly once. A pairwise rotary's q/k rows (rope_interleaved) are
-        reordered to the rotate-half layout on the way (layers.rotate_half_rows)."""
+        reordered to the rotate-half layout on the way (layers.rotate_half_rows), and a
+        fused qkv tensor laid out head by head (qkv_per_head) to q | k | v blocks."""
         if self.config.tie_word_embeddings:
             # Re-tie: moving the model off the meta device gives each module its own tensor.
             self.lm_head.weight = self.embed_tokens.weight
@@ -292,6 +297,9 @@ class CausalLM(nn.Module):
             if self.config.rope_interleaved and re.search(r"\.self_attn\.[qk]_proj\.", name):
                 cfg = self.config
                 tensor = rotate_half_rows(tensor, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
+            if self.config.qkv_per_head and re.search(r"\.self_attn\.qkv_proj\.", name):
+                d = self.config.head_dim  # [heads, (q, k, v), d, ...] -> [(q, k, v), heads, d, ...]
+                tensor = tensor.reshape(-1, 3, d, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
             fused_experts = self._FUSED_EXPERTS.fullmatch(name)
             if fused_experts:  # all experts in one tensor, as transformers 5 holds them
                 prefix, part = fused_experts.groups()

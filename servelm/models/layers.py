@@ -536,12 +536,12 @@ class MLP(nn.Module):
 
 
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
-    return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")
+    if act == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up of a fused [.., 2 * intermediate] projection."""
     gate, up = gate_up.chunk(2, dim=-1)
-    if act == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    return activation(gate, act) * up
