@@ -1,6 +1,7 @@
 """The reference backend: K/V gathered block by block into padded groups, SDPA with a
-causal (or sliding-window) mask (explicit matmuls where scores are soft-capped). The eager fp32 path every other backend is tested
-against; it runs any device, KV dtype, head dim and window."""
+causal (or sliding-window) mask (explicit matmuls where scores are soft-capped). The eager
+fp32 path every other backend is tested against; it runs any device, KV dtype, head dim,
+window and soft-cap."""
 
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ class ModelConfig:
         if not self.is_moe_layer(layer):
             return (3 if self.mlp_gated else 2) * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        shared_i = self.shared_expert_intermediate_size
+        shared = 3 * h * shared_i + h if shared_i else 0
         return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared
 
     def _params(self, active: bool) -> int:

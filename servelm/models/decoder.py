@@ -298,8 +298,10 @@ class CausalLM(nn.Module):
                 cfg = self.config
                 tensor = rotate_half_rows(tensor, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
             if self.config.qkv_per_head and re.search(r"\.self_attn\.qkv_proj\.", name):
-                d = self.config.head_dim  # [heads, (q, k, v), d, ...] -> [(q, k, v), heads, d, ...]
-                tensor = tensor.reshape(-1, 3, d, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+                # [heads, (q, k, v), d, ...] -> [(q, k, v), heads, d, ...]
+                d = self.config.head_dim
+                tensor = (tensor.reshape(-1, 3, d, *tensor.shape[1:]).transpose(0, 1)
+                          .reshape(tensor.shape))
             fused_experts = self._FUSED_EXPERTS.fullmatch(name)
             if fused_experts:  # all experts in one tensor, as transformers 5 holds them
                 prefix, part = fused_experts.groups()

@@ -25,7 +25,8 @@ class Gemma2(Gemma3):
             types = tuple(SLIDING if i % 2 == 0 else FULL for i in range(n))
         return {**self._common(base, cfg.get("query_pre_attn_scalar") or base["head_dim"]),
                 "qk_norm": False, "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
-                "layer_types": types, "sliding_window": cfg.get("sliding_window") if types else None,
+                "layer_types": types,
+                "sliding_window": cfg.get("sliding_window") if types else None,
                 **self._caps(cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping"))}
 
     def gguf_config(self, get, base, tensor_names):

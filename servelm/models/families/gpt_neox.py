@@ -14,8 +14,9 @@ from servelm.models.family import Family
 
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
          "gelu_fast": "gelu_tanh"}
-_NAMES = ((r"^gpt_neox\.", ""), (r"^embed_in\.", "embed_tokens."), (r"^embed_out\.", "lm_head."),
-          (r"^final_layer_norm\.", "norm."), (r"\.attention\.query_key_value\.", ".self_attn.qkv_proj."),
+_NAMES = ((r"^gpt_neox\.", ""), (r"^embed_in\.", "embed_tokens."),
+          (r"^embed_out\.", "lm_head."), (r"^final_layer_norm\.", "norm."),
+          (r"\.attention\.query_key_value\.", ".self_attn.qkv_proj."),
           (r"\.attention\.dense\.", ".self_attn.o_proj."),
           (r"\.mlp\.dense_h_to_4h\.", ".mlp.c_fc."), (r"\.mlp\.dense_4h_to_h\.", ".mlp.c_proj."))
 
