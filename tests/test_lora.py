@@ -23,6 +23,9 @@ FAMILIES = {
               ["q_proj", "k_proj", "o_proj", "up_proj"]),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5),
              ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    # Pairwise rotary: the base's q/k rows are reordered at load, and B's with them.
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0),
+             ["q_proj", "k_proj", "v_proj", "gate_up_proj"]),
 }
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",

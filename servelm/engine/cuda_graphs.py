@@ -108,7 +108,7 @@ class DecodeGraphs:
 
     def _forward(self, B: int, W: int) -> torch.Tensor:
         """The step for B rows and block tables W wide, reading only the static buffer:
-        bf16/fp32 logits [B, vocab] (the model's dtype)."""
+        fp32 logits [B, vocab] (the model's compute_logits: its scaling and soft-cap too)."""
         buf = self._buf
         positions = buf[B:2 * B]
         group = AttnGroup(start=0, end=B, pad_index=self._arange[:B].view(B, 1),
@@ -122,7 +122,7 @@ class DecodeGraphs:
                              slot_mapping=buf[2 * B:3 * B], logits_indices=self._arange[:B],
                              attn=AttentionMetadata(self.attention, [group]))
         hidden = self.model(batch, self.kv_cache.layers)
-        return self.model.lm_head(hidden)
+        return self.model.compute_logits(hidden)
 
     def _get(self, B: int, W: int):
         key = (B, W)

@@ -139,6 +139,9 @@ def load_adapter(path: str, model_config, name: str | None = None,
     else:
         raise LoRAError(f"{path}: not a LoRA adapter (a PEFT directory with "
                         f"adapter_config.json, or a GGUF LoRA file)")
+    if getattr(model_config, "qkv_per_head", False):
+        raise LoRAError(f"{path}: servelm does not adapt a base whose q/k/v rows are "
+                        f"interleaved head by head (GPT-NeoX)")
     modules, rank = _place(path, weights, model_config, max_rank)
     return LoRAAdapter(name=name, path=path, rank=rank, alpha=alpha, modules=modules,
                        format=fmt)
@@ -206,6 +209,12 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
                                 f"{TARGET_PARTS[module.split('.')[1]][j]} is adapted twice "
                                 f"(a fused layer and its parts both targeted?)")
             rows = b if part is not None else b[bounds[j]:bounds[j + 1]]
+            if module == "self_attn.qkv_proj" and j < 2 and cfg.rope_interleaved:
+                # The base's q/k rows were reordered at load for its pairwise rotary
+                # (layers.rotate_half_rows): B's rows move with them.
+                from servelm.models.layers import rotate_half_rows
+
+                rows = rotate_half_rows(rows, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
             parts[j] = (a, rows.contiguous())
     return modules, rank
 

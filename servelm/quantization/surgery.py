@@ -10,7 +10,7 @@ from servelm.quantization.formats import Int4Linear, Int8Linear, QuantLinear
 from servelm.quantization.numerics import DEFAULT_GROUP_SIZE, GROUP_SIZES, check_method
 
 # The linear layers a Llama-family model swaps (by attribute name).
-TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "lm_head")
 
 
 def quantize_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,
