@@ -337,9 +337,10 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         assert arch in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "glm4",
-                                    "exaone4", "granitemoe", "stablelm_parallel", "cohere",
-                                    "granite", "smollm3", "ministral3"])
+# One family for each way of sharding (the others' options are rank-local: a rank runs them
+# on its heads as one device does; the suite's time is kept for the distinct splits).
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "phi3", "qwen2_moe", "glm4",
+                                    "granitemoe", "stablelm_parallel"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
