@@ -199,6 +199,50 @@ inline void dot_rows(const T* a, const T* const* x, int64_t K, float* out) {
     out[r] = _mm512_reduce_add_ps(
         _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
 }
+#ifdef __AVX512BF16__
+// bf16 rows where the CPU has AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs a step (each
+// product exact in fp32) into 16 fp32 lanes, with no widening of either operand; lane sums
+// then as above. The op and the DecodeStack share it, so their bits still agree.
+template <>
+inline void dot_rows<c10::BFloat16, kNR>(const c10::BFloat16* a, const c10::BFloat16* const* x, int64_t K,
+                                         float* out) {
+  __m512 acc[kNR][2];
+  for (int r = 0; r < kNR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64)
+    for (int u = 0; u < 2; ++u) {
+      const __m512bh av = (__m512bh)_mm512_loadu_si512(a + k + 32 * u);
+      for (int r = 0; r < kNR; ++r)
+        acc[r][u] = _mm512_dpbf16_ps(acc[r][u], av, (__m512bh)_mm512_loadu_si512(x[r] + k + 32 * u));
+    }
+  for (; k < K; k += 32) {
+    const int64_t n = std::min<int64_t>(32, K - k);
+    const __mmask32 m = n == 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
+    const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(m, a + k);
+    for (int r = 0; r < kNR; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, (__m512bh)_mm512_maskz_loadu_epi16(m, x[r] + k));
+  }
+  for (int r = 0; r < kNR; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+template <>
+inline void dot_rows<c10::BFloat16, 1>(const c10::BFloat16* a, const c10::BFloat16* const* x, int64_t K,
+                                       float* out) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64)
+    for (int u = 0; u < 2; ++u)
+      acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(a + k + 32 * u),
+                                (__m512bh)_mm512_loadu_si512(x[0] + k + 32 * u));
+  for (; k < K; k += 32) {
+    const int64_t n = std::min<int64_t>(32, K - k);
+    const __mmask32 m = n == 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(m, a + k),
+                              (__m512bh)_mm512_maskz_loadu_epi16(m, x[0] + k));
+  }
+  out[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+#endif
 #else
 template <typename T, int NR>
 inline void dot_rows(const T* a, const T* const* x, int64_t K, float* out) {
