@@ -110,8 +110,8 @@ def hf_tokenizer(gguf_path):
 SERIAL = {"test_tensor_parallel.py", "test_lora_tp.py", "test_bench.py"}
 # The slowest first, so that neither worker is left with a long module at the end while
 # the other idles (--dist loadfile hands out whole modules in this order).
-SLOW_FIRST = ["test_families.py", "test_quantization.py", "test_server.py", "test_lora.py",
-              "test_engine.py", "test_tuning.py", "test_server_lora.py", "test_console.py", "test_real_models.py",
+SLOW_FIRST = ["test_families.py", "test_quantization.py", "test_server.py", "test_engine.py",
+              "test_tuning.py", "test_console.py", "test_real_models.py",
               "test_decode_benchmarks.py", "test_triton_attention.py", "test_kernels.py",
               "test_decode_layer.py", "test_prefix_caching.py", "test_formats.py",
               "test_spec_draft.py", "test_prepack.py", "test_server_api.py",
