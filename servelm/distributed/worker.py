@@ -54,12 +54,9 @@ def load_rank(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: tor
 
 def lora_manager(worker: ModelWorker, config, cfg, plan: ShardPlan):
     """This rank's LoRA manager (its shards of each adapter), None without LoRA."""
-    if worker.lora_layers is None:
-        return None
     from servelm.lora.manager import LoRAManager
 
-    return LoRAManager(worker.lora_layers, config.lora.max_loras, config.lora.max_lora_rank,
-                       cfg, plan=plan)
+    return LoRAManager.of_worker(worker, config, cfg, plan)
 
 
 def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype, num_blocks: int) -> None:

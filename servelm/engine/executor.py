@@ -136,12 +136,9 @@ class Executor(abc.ABC):
 
     def lora_manager(self, config: EngineConfig, model_config: ModelConfig):
         """The LoRA adapters' manager over this process's wrapped layers (None without LoRA)."""
-        if self.worker.lora_layers is None:
-            return None
         from servelm.lora.manager import LoRAManager
 
-        return LoRAManager(self.worker.lora_layers, config.lora.max_loras,
-                           config.lora.max_lora_rank, model_config)
+        return LoRAManager.of_worker(self.worker, config, model_config)
 
     # Read-only views of this process's worker, for the engine (commit_next on the pool),
     # `servelm tune` (the tuning report, the linear layers), tests and benchmarks.

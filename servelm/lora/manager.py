@@ -45,6 +45,15 @@ class LoRAManager:
         self.generation: dict[str, int] = {}
         self._generations = 0
 
+    @classmethod
+    def of_worker(cls, worker, config, model_config, plan=None) -> "LoRAManager | None":
+        """The manager over a ModelWorker's wrapped layers (config: the EngineConfig; plan:
+        the rank's ShardPlan under tensor parallelism), None when LoRA is off."""
+        if worker.lora_layers is None:
+            return None
+        return cls(worker.lora_layers, config.lora.max_loras, config.lora.max_lora_rank,
+                   model_config, plan=plan)
+
     def __contains__(self, name: str) -> bool:
         return name in self.requests
 
