@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -262,14 +263,12 @@ class ModelRunner:
             # one-stream step's small ops and tensors cost 3-5x their time alone there, run
             # on caches the weight stream has just gone through).
             ids, pos, slots, tables, lens, _ = decode_lists(seqs, self.kv_cache.block_size)
+            lora = None
             if adapted:  # decode rows are the sequences in order, one token each
                 t = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)
-                self.lora_step.set(t, t)
-            try:
+                lora = (t, t)
+            with self._lora(lora):
                 hidden = self.model.decode_step(ids, pos, slots, tables, lens)
-            finally:
-                if adapted:
-                    self.lora_step.clear()
             return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,
@@ -283,13 +282,12 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model over a ForwardBatch (sampled rows only), its LoRA slots set for the
         adapted layers while it runs."""
-        if self.lora_step is None or batch.lora_slots is None:
+        with self._lora(batch.lora_slots):
             return self.model(batch, self.kv_cache.layers, sampled_only=True)
-        self.lora_step.set(*batch.lora_slots)
-        try:
-            return self.model(batch, self.kv_cache.layers, sampled_only=True)
-        finally:
-            self.lora_step.clear()
+
+    def _lora(self, slots: tuple[torch.Tensor, torch.Tensor] | None):
+        """The adapted layers' slots (tokens, rows) for a forward; nothing without LoRA."""
+        return self.lora_step.applied(slots) if self.lora_step is not None else nullcontext()
 
     @torch.inference_mode()
     def execute_pooling(self, seqs: list[SeqInput]

@@ -20,6 +20,7 @@ arguments) runs it on the CPU, and the DecodeStack runs it inside a whole decode
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -68,6 +69,18 @@ class LoRAStep:
 
     def clear(self) -> None:
         self.tokens = self.rows = None
+
+    @contextmanager
+    def applied(self, slots: tuple[torch.Tensor, torch.Tensor] | None):
+        """Within: (tokens, rows) set, cleared after; None sets nothing."""
+        if slots is None:
+            yield
+            return
+        self.set(*slots)
+        try:
+            yield
+        finally:
+            self.clear()
 
     def slots(self, num_rows: int) -> torch.Tensor | None:
         """The slots of a layer input of num_rows rows (every token, or the sampled rows:
