@@ -316,3 +316,15 @@ def test_the_launcher_does_not_import_the_cli():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "servelm.cli" not in imported
+
+
+def test_lora_options_refuse_bad_values_by_name():
+    for bad, match in [({"lora_modules": ["nopath"]}, "name=path"),
+                       ({"lora_modules": ["a=/x", "a=/y"]}, "named twice"),
+                       ({"lora_modules": [{"name": "a"}]}, "'name' and a 'path'"),
+                       ({"max_loras": 0}, "max_loras"), ({"max_lora_rank": 0}, "max_lora_rank")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_options(**bad)
+    cfg = EngineConfig.from_options(lora_modules={"a": "/x"})
+    assert cfg.lora.enabled and cfg.lora.lora_modules == (("a", "/x"),)
+    assert not EngineConfig.from_options().lora.enabled
