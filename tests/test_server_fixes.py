@@ -93,7 +93,10 @@ def test_out_of_file_descriptors_logs_a_line_a_second_and_serving_goes_on(server
     conns = []
     try:
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_now + 6, hard))
-        for _ in range(60):  # idle connections: past the limit they wait in the backlog
+        # Idle connections, 10 past the limit: they wait in the backlog. Few enough that, once
+        # they close, the server accepts the waiting ones in a pause (1 s) or two: each batch
+        # of accepts ends at the limit, and then asyncio pauses before the next.
+        for _ in range(16):
             conns.append(socket.create_connection(_addr(server.url), timeout=5))
         time.sleep(3.5)
         lines = _accept_lines(server.output()[before:])
@@ -234,15 +237,18 @@ class Union(BaseModel):
 SHAPES = [Pattern, Enum, Nested, Bounded, Union, Record]
 
 
-def _parse_all(client: openai.OpenAI) -> None:
-    """Each shape through parse(), all at once (one batch: the test's time is one answer's)."""
-    def parse(shape):
-        return client.chat.completions.parse(
-            model=MODEL, messages=[{"role": "user", "content": "A record, as JSON."}],
-            response_format=shape, max_tokens=160, temperature=0)
+def _kw(shape) -> dict:
+    return dict(model=MODEL, messages=[{"role": "user", "content": "A record, as JSON."}],
+                response_format=shape, max_tokens=160, temperature=0)
 
-    with ThreadPoolExecutor(len(SHAPES)) as pool:
-        choices = [r.choices[0] for r in pool.map(parse, SHAPES)]
+
+def _parse_all(client: openai.OpenAI, also=None):
+    """Each shape through parse(), all at once (one batch: the test's time is one answer's),
+    with `also` (a call) beside them; its result, and the shapes' choices."""
+    with ThreadPoolExecutor(len(SHAPES) + 1) as pool:
+        extra = pool.submit(also) if also is not None else None
+        choices = [r.choices[0] for r in
+                   pool.map(lambda shape: client.chat.completions.parse(**_kw(shape)), SHAPES)]
     unfinished = {s.__name__: c.message.content for s, c in zip(SHAPES, choices)
                   if c.finish_reason != "stop"}
     assert not unfinished
@@ -250,16 +256,17 @@ def _parse_all(client: openai.OpenAI) -> None:
         assert isinstance(c.message.parsed, shape), c.message.content
         # written compactly, as json.dumps writes it
         assert json.dumps(json.loads(c.message.content)) == c.message.content
+    return (extra.result() if extra is not None else None), choices
 
 
 def test_structured_outputs_end_fp32(client):
-    _parse_all(client)
-    # Streamed: the same text as the whole answer.
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "A record, as JSON."}],
-              response_format=Record, max_tokens=160, temperature=0)
-    whole = client.chat.completions.parse(**kw).choices[0].message
-    with client.chat.completions.stream(**kw) as stream:
-        final = stream.get_final_completion().choices[0]
+    # Record streamed, beside the shapes: the same text as its whole answer among them.
+    def streamed():
+        with client.chat.completions.stream(**_kw(Record)) as stream:
+            return stream.get_final_completion().choices[0]
+
+    final, choices = _parse_all(client, streamed)
+    whole = choices[SHAPES.index(Record)].message
     assert final.finish_reason == "stop"
     assert final.message.content == whole.content and final.message.parsed == whole.parsed
 
