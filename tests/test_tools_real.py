@@ -149,12 +149,17 @@ def client(server) -> openai.OpenAI:
                          timeout=300)
 
 
-def test_served_tokenize_with_tools_is_what_chat_prefills(server, client):
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    return load_tokenizer(_qwen_path())
+
+
+def test_served_tokenize_with_tools_is_what_chat_prefills(server, client, qwen_tokenizer):
     messages = _ask("What is the weather like in Paris today?")
     body = {"model": SERVED, "messages": messages, "tools": [WEATHER]}
     r = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    tok = load_tokenizer(_qwen_path())
+    tok = qwen_tokenizer
     expected = tok.encode(tok.apply_chat_template(messages, tools=[WEATHER]),
                           add_special_tokens=False)
     assert r.json()["tokens"] == expected
@@ -167,21 +172,24 @@ def test_served_tokenize_with_tools_is_what_chat_prefills(server, client):
 
 @pytest.mark.parametrize("question,stream", [(q, q == list(RECORDED)[1]) for q in RECORDED],
                          ids=["bare", "fenced-streamed"])
-def test_real_bare_json_calls_come_back_as_tool_calls(server, client, question, stream):
+def test_real_bare_json_calls_come_back_as_tool_calls(server, client, qwen_tokenizer, question,
+                                                     stream):
     """The bare call answered whole, the fenced one streamed (each answer is a few seconds
-    of fp32 decoding: the parser's stream and whole paths meet both shapes in test_tools)."""
+    of fp32 decoding: the parser's stream and whole paths meet both shapes in test_tools).
+    The answer's logprobs spell the model's own text, the call as it wrote it: one answer
+    shows both what the model wrote and what the chat route made of it."""
     messages = _ask(question)
-    # The model's own text for the prompt the chat route prefills: a bare call, no tags.
-    ids = httpx.post(f"{server.url}/tokenize", timeout=60, json={
-        "model": SERVED, "messages": messages, "tools": [WEATHER]}).json()["tokens"]
-    raw = client.completions.create(model=SERVED, prompt=ids, max_tokens=60, temperature=0)
-    assert raw.choices[0].text == RECORDED[question]
-    assert raw.choices[0].finish_reason == "stop"
+    eos = {qwen_tokenizer.token_text(i) for i in qwen_tokenizer.eos_token_ids}
+
+    def assert_model_wrote(tokens: list[str]) -> None:
+        # The recorded text, no tags, then the end of the turn (not max_tokens).
+        assert "".join(tokens[:-1]) == RECORDED[question] and tokens[-1] in eos, tokens
 
     if not stream:
-        whole = client.chat.completions.create(model=SERVED, messages=messages,
+        whole = client.chat.completions.create(model=SERVED, messages=messages, logprobs=True,
                                                tools=[WEATHER], max_tokens=60, temperature=0)
         choice = whole.choices[0]
+        assert_model_wrote([c.token for c in choice.logprobs.content])
         assert choice.finish_reason == "tool_calls" and not choice.message.content
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather" and call.id.startswith("call_")
@@ -189,8 +197,10 @@ def test_real_bare_json_calls_come_back_as_tool_calls(server, client, question, 
         return
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
         "model": SERVED, "messages": messages, "tools": [WEATHER], "max_tokens": 60,
-        "temperature": 0, "stream": True})
+        "temperature": 0, "stream": True, "logprobs": True})
     deltas = [c["choices"][0] for c in sse_events(r.text.splitlines()) if c["choices"]]
+    assert_model_wrote([e["token"] for d in deltas if d.get("logprobs")
+                        for e in d["logprobs"]["content"]])
     assert not "".join(d["delta"].get("content") or "" for d in deltas)  # nothing leaked
     pieces = [p for d in deltas for p in d["delta"].get("tool_calls") or []]
     assert [p["function"]["name"] for p in pieces if p.get("id")] == ["get_weather"]
