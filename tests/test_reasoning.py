@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -254,6 +255,14 @@ def _streamed(client, **kw) -> tuple[str | None, str | None, list, str]:
     return reasoning or None, content or None, calls, finish
 
 
+def _whole_and_streamed(client, **kw):
+    """The answer whole and streamed (_streamed's tuple), asked at once: one batch, not two
+    answers one after the other (the same greedy prompt twice in a step)."""
+    with ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(_streamed, client, **kw)
+        return client.chat.completions.create(**kw), streamed.result()
+
+
 def _thought(message) -> str | None:
     assert getattr(message, "reasoning", None) == getattr(message, "reasoning_content", None)
     return getattr(message, "reasoning_content", None)
@@ -261,10 +270,10 @@ def _thought(message) -> str | None:
 
 def test_served_thought_and_answer(client):
     kw = dict(model=MODEL, messages=GREET, temperature=0, max_tokens=30)
-    r = client.chat.completions.create(**kw)
+    r, streamed = _whole_and_streamed(client, **kw)
     msg = r.choices[0].message
     assert (_thought(msg), msg.content, r.choices[0].finish_reason) == (THOUGHT, "Hi!", "stop")
-    assert _streamed(client, **kw) == (THOUGHT, "Hi!", [], "stop")
+    assert streamed == (THOUGHT, "Hi!", [], "stop")
 
 
 def test_served_unfinished_thought_is_all_reasoning(client, server):
@@ -292,14 +301,13 @@ def test_served_thinking_off_is_all_answer(client):
 def test_served_tool_call_after_a_thought(client):
     kw = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER],
               temperature=0, max_tokens=60)
-    r = client.chat.completions.create(**kw)
+    r, (reasoning, content, calls, finish) = _whole_and_streamed(client, **kw)
     msg = r.choices[0].message
     assert _thought(msg) == TOOL_THOUGHT and not msg.content
     assert r.choices[0].finish_reason == "tool_calls"
     (call,) = msg.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == \
         ("get_weather", {"city": "Paris"})
-    reasoning, content, calls, finish = _streamed(client, **kw)
     assert (reasoning, content, finish) == (TOOL_THOUGHT, None, "tool_calls")
     assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
     assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"}
@@ -311,11 +319,11 @@ def test_served_json_answer_after_the_thought(client):
     kw = dict(model=MODEL, messages=GREET, temperature=0, max_tokens=40,
               response_format={"type": "json_schema",
                                "json_schema": {"name": "r", "schema": schema}})
-    r = client.chat.completions.create(**kw)
+    r, streamed = _whole_and_streamed(client, **kw)
     msg = r.choices[0].message
     assert _thought(msg) == THOUGHT and json.loads(msg.content) in ({"reply": "hi"},
                                                                     {"reply": "bye"})
-    assert _streamed(client, **kw) == (THOUGHT, msg.content, [], r.choices[0].finish_reason)
+    assert streamed == (THOUGHT, msg.content, [], r.choices[0].finish_reason)
 
 
 def test_served_grammar_behind_a_thought_is_refused(client, server):
