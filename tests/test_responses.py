@@ -7,6 +7,7 @@ text directly, with no server."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -75,10 +76,19 @@ def test_create_text(client):
     assert r.text.format.type == "text" and r.store is False
 
 
+def _wire(server, kw) -> tuple[httpx.Response, str]:
+    with httpx.stream("POST", f"{server.url}/v1/responses",
+                      json=greedy(stream=True, **kw), timeout=120) as r:
+        return r, r.read().decode()
+
+
 def test_stream_equals_create(client, server):
     kw = {"input": QUESTION, "max_output_tokens": 40}
-    plain = client.responses.create(**greedy(**kw))
-    events, final = streamed(client, **kw)
+    with ThreadPoolExecutor(2) as pool:  # the three at once: one batch, not three in turn
+        in_stream = pool.submit(streamed, client, **kw)
+        on_wire = pool.submit(_wire, server, kw)
+        plain = client.responses.create(**greedy(**kw))
+        (events, final), (r, body) = in_stream.result(), on_wire.result()
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
@@ -95,9 +105,6 @@ def test_stream_equals_create(client, server):
     assert done.text == text and done.item_id == final.output[0].id
     assert final.usage.output_tokens == plain.usage.output_tokens
     # On the wire: OpenAI's framing (the event name, then its data), no [DONE].
-    with httpx.stream("POST", f"{server.url}/v1/responses",
-                      json=greedy(stream=True, **kw), timeout=120) as r:
-        body = r.read().decode()
     assert r.headers["content-type"].startswith("text/event-stream")
     assert body.startswith("event: response.created\ndata: {")
     assert "[DONE]" not in body and body.rstrip().split("\n")[-2] == "event: response.completed"
@@ -106,12 +113,13 @@ def test_stream_equals_create(client, server):
 def test_instructions_are_the_system_message(client):
     """instructions lead the conversation, as a developer message there would."""
     kw = {"max_output_tokens": 24}
-    bare = client.responses.create(**greedy(input=QUESTION, **kw))
-    told = client.responses.create(**greedy(input=QUESTION, instructions="Answer in French.",
-                                            **kw))
-    as_item = client.responses.create(**greedy(input=[
-        {"role": "developer", "content": "Answer in French."},
-        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}], **kw))
+    asks = [dict(input=QUESTION, max_output_tokens=1),  # its prompt's length only
+            dict(input=QUESTION, instructions="Answer in French.", **kw),
+            dict(input=[{"role": "developer", "content": "Answer in French."},
+                        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+                 **kw)]
+    with ThreadPoolExecutor(len(asks)) as pool:  # at once: one batch, not three in turn
+        bare, told, as_item = pool.map(lambda a: client.responses.create(**greedy(**a)), asks)
     assert told.instructions == "Answer in French."
     assert told.usage.input_tokens != bare.usage.input_tokens  # the default system prompt goes
     assert told.usage.input_tokens == as_item.usage.input_tokens
@@ -140,14 +148,16 @@ def _calls(response) -> list:
 def test_tool_choice_required(client):
     kw = {"input": "What is the weather in Paris?", "tools": TOOLS[:1],
           "tool_choice": "required"}
-    r = client.responses.create(**greedy(**kw))
+    with ThreadPoolExecutor(1) as pool:  # whole and streamed at once: one batch
+        in_stream = pool.submit(streamed, client, **kw)
+        r = client.responses.create(**greedy(**kw))
+        events, final = in_stream.result()
     (call,) = _calls(r)
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     assert call.id.startswith("fc_") and call.status == "completed"
     args = json.loads(call.arguments)
     assert set(args) == {"city"} and isinstance(args["city"], str)
     assert r.tool_choice == "required" and r.tools[0].name == "get_weather"
-    events, final = streamed(client, **kw)
     kinds = [e.type for e in events]
     assert "response.function_call_arguments.delta" in kinds
     assert "response.output_text.delta" not in kinds
@@ -192,12 +202,14 @@ def test_function_call_output_round_trip(client):
     assert second.usage.input_tokens > first.usage.input_tokens + 10
     conversation += second.output
     conversation.append({"role": "user", "content": "Thanks."})
-    third = client.responses.create(**greedy(input=conversation, tools=TOOLS[:1],
-                                             max_output_tokens=8))
+    # Streamed (asked at once, one batch), the same conversation gives the same answer.
+    with ThreadPoolExecutor(1) as pool:
+        in_stream = pool.submit(streamed, client, final=False, input=conversation,
+                                tools=TOOLS[:1], max_output_tokens=8)
+        third = client.responses.create(**greedy(input=conversation, tools=TOOLS[:1],
+                                                 max_output_tokens=8))
+        events, _ = in_stream.result()
     assert third.usage.input_tokens > second.usage.input_tokens
-    # Streamed, the same conversation gives the same answer.
-    events, _ = streamed(client, final=False, input=conversation, tools=TOOLS[:1],
-                         max_output_tokens=8)
     last = events[-1].response
     assert last.status == third.status and last.output_text == third.output_text
     assert [o.type for o in last.output] == [o.type for o in third.output]
