@@ -327,8 +327,12 @@ def cmd_tune(args) -> int:
 
     args.kv_cache_memory = args.kv_cache_memory or (64 << 20)
     llm = build_llm(args)
-    print(llm.engine.executor.tuning.table())
+    report = llm.engine.executor.tuning
+    print(report.table())
     print(linear_summary(llm.engine.executor.model))
+    if report.provisional:
+        print("PROVISIONAL: the timings stayed unstable (is the machine busy?); the table "
+              "was not cached: run `servelm tune` again on a quieter machine")
     return 0
 
 

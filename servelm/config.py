@@ -451,6 +451,11 @@ class KernelConfig:
                    "a thread beside it")
     tuning_cache_dir: str | None = option(  # None: $XDG_CACHE_HOME/servelm or ~/.cache/servelm
         None, metavar="DIR", help="where the tuning table is cached (default: ~/.cache/servelm)")
+    # A provisional table (timings unstable at start-up, not cached) or one the decode steps
+    # contradict is measured again while the engine idles, and cached (servelm.retune).
+    retune_when_idle: bool = option(
+        True, help="never measure the linear methods again while the engine idles (a "
+                   "table timed unstably at start-up then stays uncached)")
     # servelm's C++ CPU kernels (attention over block tables, fused norms/rotary, tiled and
     # quantised matmuls, the DecodeStack); False: the PyTorch eager reference everywhere.
     cpu_kernels: bool = option(
@@ -501,7 +506,7 @@ class KernelConfig:
             raise ValueError(f"kernel tuning must be one of {', '.join(KERNEL_TUNING)}, "
                              f"got {self.tuning!r}")
         for name in ("cpu_kernels", "fused_decode", "hugepages", "triton_attention",
-                     "shm_collectives", "overlap_grammar_masks"):
+                     "shm_collectives", "overlap_grammar_masks", "retune_when_idle"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):

@@ -21,6 +21,12 @@ method per layer costs at most INVARIANCE_COST more (or where asked), every laye
 for all rows, and a request's results no longer depend on its batch. Timing drops a method
 from a bucket's later rounds once it is KEEP times the best, and the known-answer check is
 each timing's warm-up call.
+
+Timings a busy machine spoiled are not cached: a bucket whose rounds disagree, or a method
+timed faster at more rows than at fewer, is timed again (a few times at most); a shape
+still unstable makes the table provisional (TuningReport.provisional): served, not
+cached, and measured again when the engine is idle (servelm.retune, from the report's
+RetunePlan).
 """
 
 from __future__ import annotations
@@ -77,6 +83,19 @@ KEEP = 1.5              # after a timing round, methods slower than this x the b
 # long enough to cover a method's whole first sweep, must not drop the method that is
 # fastest the rest of the time (a cached table keeps the choice; docs/kernels.md, "Choose the kernels").
 KEEP_FIRST = 3.0
+# Stability of the timings (measure): a bucket's rounds disagree where its fastest method's
+# median round is over SPREAD times its best and, by median rounds, another method is ahead
+# of it (by MARGIN, and JITTER_US µs per call: below that a small layer's timer noise); it
+# is timed again up to STABLE_RETRIES times, the rounds pooled. A method timed faster at the
+# larger of two buckets timed alike (MONOTONE_PAIRS, under MONOTONE times the smaller's) has
+# both timed again once: unless the second timing repeats the first (a kernel's own
+# behaviour), what still disagrees makes the table provisional: served, not cached,
+# re-measured when the engine is idle (servelm.retune).
+SPREAD = 1.25
+JITTER_US = 5.0
+STABLE_RETRIES = 2
+MONOTONE = 0.75
+MONOTONE_PAIRS = ((0, 1), (2, 3))  # (1, 8) rows: sweeps; (64, 512): one layer or slice
 # The DecodeStack (one C++ call per decode-only step) runs these methods, a stack for each
 # run of buckets on them; the tuner counts what it saves in the first STACK_BUCKETS buckets
 # (1, 8 and 64 rows, up to 181). Timing layer by layer cannot see that saving: the per-op
@@ -88,6 +107,19 @@ KEEP_FIRST = 3.0
 STACK_METHODS = ("tiles", "q8act", "amx")
 STACK_BUCKETS = 3
 STACK_CALLS = 20
+
+
+@dataclasses.dataclass
+class Stability:
+    """What measure found unstable in one shape's timings (empty reasons: trusted), and how
+    many buckets it timed again to settle them."""
+
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    retries: int = 0
+
+    @property
+    def unstable(self) -> bool:
+        return bool(self.reasons)
 
 
 @dataclasses.dataclass
@@ -103,6 +135,8 @@ class ShapeChoice:
     cached: bool = False
     invariant: list[str] = dataclasses.field(default_factory=list)  # checked row-invariant
     candidates: list[str] = dataclasses.field(default_factory=list)  # checked (and timed)
+    # Why its timings are not trusted (measure's Stability.reasons; empty: trusted)
+    unstable: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def quantised(self) -> bool:
@@ -135,19 +169,32 @@ class TuningReport:
     from_memory: bool = False
     # Quantised shapes that may not hold a dequantised copy (over the copies' memory budget).
     copies_dropped: list[str] = dataclasses.field(default_factory=list)
+    # Some shape's timings stayed unstable (ShapeChoice.unstable): the table is served but
+    # not cached, and re-measured when the engine is idle (servelm.retune).
+    provisional: bool = False
+    # What an idle re-tune needs to measure this table's shapes again (servelm.retune;
+    # None where nothing was tuned: tuning off, a forced method, not the CPU).
+    plan: "RetunePlan | None" = None
 
     def table(self) -> str:
         inv = {None: "not checked", True: "yes", False: "no"}[self.batch_invariant]
         if self.invariance_cost:
             inv += ", invariant methods cost " + " | ".join(
                 f"{r}: {c:.2f}x" for r, c in zip(lm.BUCKET_ROWS, self.invariance_cost))
+        unstable = sum(1 for s in self.shapes if s.unstable)
         head = (f"linear methods ({self.source}, {self.seconds:.2f} s"
+                + (f"; PROVISIONAL: {unstable} shapes timed unstably, not cached, re-tuned "
+                   "when idle" if self.provisional else "")
                 + (f", cache {self.cache_path}" if self.cache_path else "")
                 + ("; 1 and 8 rows timed from memory" if self.from_memory else "")
                 + (f"; {len(self.copies_dropped)} shapes without dequantised copies (budget)"
                    if self.copies_dropped else "")
                 + f"; batch-invariant: {inv})")
-        return "\n".join([head] + ["  " + s.row() for s in self.shapes])
+        rows = []
+        for s in self.shapes:
+            rows.append("  " + s.row())
+            rows += ["      unstable: " + r for r in s.unstable]
+        return "\n".join([head] + rows)
 
 
 # ---------------------------------------------------------------- choosing
@@ -264,6 +311,13 @@ def _time_sweep(mods: list[nn.Module], x: torch.Tensor) -> float:
     return sum(_timed_call(m, x)[1] for m in mods) / len(mods)
 
 
+class _Timings(dict):
+    """_time_interleaved's result: seconds per call by method (the best round), and in
+    `samples` every round's, by method (what the stability check reads: _unstable_rounds)."""
+
+    samples: dict[str, list[float]]
+
+
 def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
                       first: dict[str, float] | None = None,
                       evict=None) -> dict[str, float]:
@@ -278,8 +332,10 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
     module a sweep), a sample for the best but no round: taken as the first round, they
     dropped oneDNN at 64 rows, whose first call of a shape compiles its kernel. evict: called
     (untimed) before each round, so every method's sweep in it reads its weights from memory
-    (each sweep's weights are read once a round)."""
+    (each sweep's weights are read once a round). Returns a _Timings (with each round's
+    seconds in its samples)."""
     best = {k: math.inf for k in sweeps}
+    samples: dict[str, list[float]] = {}
     active = list(sweeps)
     rounds, spent = 0, 0.0
     if first:  # a sample, not a round: a first call may be cold (oneDNN compiles a kernel
@@ -295,6 +351,7 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
             mods = sweeps[k]
             t = _time_sweep(mods, x)
             best[k] = min(best[k], t)
+            samples.setdefault(k, []).append(t)
             spent += t * len(mods)
         rounds += 1
         lo = min(best.values())
@@ -302,14 +359,33 @@ def _time_interleaved(sweeps: dict[str, list[nn.Module]], x: torch.Tensor,
         active = [k for k in active if best[k] <= keep * lo]
         if len(active) < 2 and rounds >= MIN_REPS:  # the one left is chosen anyway
             break
-    return best
+    out = _Timings(best)
+    out.samples = samples
+    return out
+
+
+def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: int = 0,
+            time_it: bool = True, default: str | None = None, evict=None,
+            stability: "Stability | None" = None
+            ) -> tuple[dict[str, list[float]], list[str], list[str]]:
+    """measure_pieces run to its end: the shape measured in one go."""
+    pieces = measure_pieces(srcs, methods, act, seed, time_it, default, evict, stability)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
 
 
 @torch.inference_mode()
-def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: int = 0,
-            time_it: bool = True, default: str | None = None, evict=None
-            ) -> tuple[dict[str, list[float]], list[str], list[str]]:
-    """Time each method over layers of one shape (srcs) at every bucket's row count (unless
+def measure_pieces(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: int = 0,
+                   time_it: bool = True, default: str | None = None, evict=None,
+                   stability: "Stability | None" = None):
+    """A generator: measure's work, yielding between its pieces (building the methods, each
+    bucket's timing, the invariance check), so an idle engine can run it a piece at a time
+    (servelm.retune); its return value (StopIteration.value) is measure's.
+
+    Time each method over layers of one shape (srcs) at every bucket's row count (unless
     not time_it: one method, nothing to compare), the methods interleaved round by round.
     Returns µs per call by method and bucket, the methods that failed their known-answer
     check, and the row-invariant method (row_invariant) that choose(batch_invariant=True)
@@ -327,6 +403,14 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
     over twice SWEEP_BYTES on a slice of SWEEP_BYTES); finalize_linears checks the chosen
     methods on the whole layer. evict (see _time_interleaved): the one- and 8-row buckets
     timed from memory.
+
+    Stability (recorded in `stability`): a bucket whose choice rests on rounds that
+    disagree (_unstable_rounds) is timed again, up to STABLE_RETRIES times, the rounds
+    pooled; a method timed clearly faster at 8 rows than at one, or at 512 than at 64
+    (_non_monotone: the pairs timed alike), has both buckets timed again once (the same
+    times again: the kernel's own behaviour, trusted). What still disagrees after that is
+    written to stability.reasons: the shape's times are not to be trusted (finalize_linears
+    then serves the table but does not cache it).
 
     Row invariance (row_invariant: a call of INVARIANCE_CALL rows, then windows of it, on
     a slice of at most INVARIANCE_BYTES of the layer's outputs) is checked lazily, in the order
@@ -382,6 +466,7 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         return built[method][0] if inv_part is None else lm.build(method, inv_part, act)
 
     for method in methods:
+        yield
         mods = _sweep_modules(method, sweep if time_it else sweep[:1], act)
         # (Timed, a method is checked at each bucket, its first call there.)
         if not time_it and not checked(method, mods[0], 0, sweep_keep):
@@ -394,7 +479,35 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         invariant = [m for m in built if row_invariant(inv_module(m), x_inv)]
         return {m: t for m, t in times.items() if t}, failed, invariant
     best: list[float] = []
+    timed_at: list[dict[str, list[nn.Module]]] = []  # per bucket: the sweeps timed there
+    samples_at: list[dict[str, list[float]]] = []   # ... and each round's seconds per call
+    per_at: list[float] = []                        # ... and their scale to the whole layer
+    retries = 0
+
+    def retime(i: int, which: list[str]) -> dict[str, float]:
+        """Bucket i timed again for `which` (methods timed there), its rounds pooled; the
+        new timing's own µs by method."""
+        nonlocal retries
+        retries += 1
+        rows = lm.BUCKET_ROWS[i]
+        sub = {m: timed_at[i][m] for m in which}
+        again = _time_interleaved(sub, xs[i], None, evict if rows <= 8 else None)
+        _pool(samples_at[i], again)
+        for m, sec in again.items():
+            times[m][i] = min(times[m][i], sec * per_at[i] * 1e6)
+            for j in range(i + 1, n):  # a larger bucket scaled from this one follows it
+                if j >= len(timed_at) or m in timed_at[j] or len(times[m]) <= j:
+                    break
+                times[m][j] = times[m][j - 1] * lm.BUCKET_ROWS[j] / lm.BUCKET_ROWS[j - 1]
+        return {m: sec * per_at[i] * 1e6 for m, sec in again.items()}
+
+    def noisy(i: int) -> dict[str, float]:
+        """_unstable_rounds at bucket i."""
+        return _unstable_rounds({m: times[m][i] for m in timed_at[i]}, samples_at[i],
+                                per_at[i] * 1e6)
+
     for i, (rows, x) in enumerate(zip(lm.BUCKET_ROWS, xs)):
+        yield
         timed: dict[str, list[nn.Module]] = {}
         for method, mods in built.items():
             t = times[method]
@@ -417,13 +530,53 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
         # more sample (a cold first call only loses to the rounds' best).
         first = {m: call_s[m] for m in timed} if rows > 8 else None
         per = scale if rows > 8 else src0.out_features / sweep_keep
-        for method, sec in _time_interleaved(timed, x, first,
-                                             evict if rows <= 8 else None).items():
+        timed_at.append(timed)
+        samples_at.append({})
+        per_at.append(per)
+        got = _time_interleaved(timed, x, first, evict if rows <= 8 else None)
+        _pool(samples_at[i], got)
+        for method, sec in got.items():
             times[method].append(sec * per * 1e6)
+        for _ in range(STABLE_RETRIES):
+            if not noisy(i):
+                break
+            yield
+            retime(i, [m for m in timed if m in samples_at[i]])
         best.append(min((t[i] for t in times.values() if len(t) > i), default=math.inf))
+    pairs = _non_monotone(times, [set(t) for t in timed_at])
+    first_us = {(m, b): times[m][b] for m, i, j in pairs for b in (i, j)}
+    again_us: dict[tuple[str, int], float] = {}
+    for i, j in sorted({(i, j) for _, i, j in pairs}):
+        for b in (i, j):
+            yield
+            again_us.update({(m, b): us for m, us in retime(b, list(timed_at[b])).items()})
+
+    def reproduced(m: str, i: int, j: int) -> bool:
+        """Whether timing buckets i and j again gave method m the times it had (within
+        SPREAD): a kernel that is faster at more rows (amx at 8 rows against one: its
+        one-row call pads a whole tile) rather than a spell that came and went."""
+        for b in (i, j):
+            a, c = first_us.get((m, b), math.inf), again_us.get((m, b), math.inf)
+            if not max(a, c) <= SPREAD * min(a, c):
+                return False
+        return True
+    if stability is not None:
+        stability.retries += retries
+        for b in range(n):
+            for m, spread in noisy(b).items():
+                stability.reasons.append(f"{m} at {lm.BUCKET_ROWS[b]} rows: its rounds "
+                                         f"disagree (median {spread:.2f}x its best; by "
+                                         "medians another method is ahead)")
+        for m, i, j in _non_monotone(times, [set(t) for t in timed_at]):
+            if reproduced(m, i, j):
+                continue
+            stability.reasons.append(f"{m} timed faster at {lm.BUCKET_ROWS[j]} rows than at "
+                                     f"{lm.BUCKET_ROWS[i]} ({times[m][j]:.0f} against "
+                                     f"{times[m][i]:.0f} us)")
     remaining = [m for m in built if m not in failed
                  and any(times[m][i] <= INVARIANT_WITHIN * best[i] for i in range(n))]
     while remaining:
+        yield
         pick = choose(times, default or remaining[0], True, invariant=remaining)[0]
         if pick not in remaining:
             break
@@ -431,6 +584,65 @@ def measure(srcs: list[nn.Module], methods: list[str], act: torch.dtype, seed: i
             return times, failed, [pick]
         remaining.remove(pick)
     return times, failed, []
+
+
+def _pool(samples: dict[str, list[float]], got: dict[str, float]) -> None:
+    """A timing's rounds (_Timings.samples) added to a bucket's."""
+    for m, ts in getattr(got, "samples", {}).items():
+        samples.setdefault(m, []).extend(ts)
+
+
+def _median(ts: list[float]) -> float:
+    """A method's typical round: of two, the slower; of an even number past two, the lower
+    middle one (a re-timing's quiet rounds outvote a spell's as soon as they are half)."""
+    return max(ts) if len(ts) == 2 else sorted(ts)[(len(ts) - 1) // 2]
+
+
+def _unstable_rounds(best_us: dict[str, float], samples: dict[str, list[float]],
+                     us_per_s: float) -> dict[str, float]:
+    """Whether one bucket's choice rests on rounds that disagree: {the fastest method (by
+    best_us, µs per call): its median round over its best} where that ratio is over SPREAD
+    and, ranked by their median rounds instead, another method is ahead of it by over
+    MARGIN (and JITTER_US µs per call; us_per_s turns a sample into the whole layer's µs);
+    else {}. A method's noisy rounds that change no choice (far ahead, or far behind) do
+    not count: the table is as good either way. A method with one round (dropped after it)
+    has no median."""
+    meds = {m: _median(ts) * us_per_s for m, ts in samples.items()
+            if len(ts) >= 2 and m in best_us}
+    if not meds or not best_us:
+        return {}
+    win = min(best_us, key=best_us.get)
+    if win not in meds:
+        return {}
+    spread = meds[win] / max(best_us[win], 1e-12)
+    other = min((v for m, v in meds.items() if m != win), default=math.inf)
+    if spread > SPREAD and meds[win] > other * (1 + MARGIN) and meds[win] - other > JITTER_US:
+        return {win: spread}
+    return {}
+
+
+def _non_monotone(times: dict[str, list[float]], timed_at: list[set[str]]
+                  ) -> list[tuple[str, int, int]]:
+    """(method, smaller bucket, larger bucket) where a method was timed clearly faster (under
+    MONOTONE times, and by over JITTER_US) at the larger of two buckets timed alike: one and
+    8 rows (a sweep, from memory where the weights outgrow the LLC) or 64 and 512 (one layer
+    or slice). A call of more rows does at least the work of fewer; such a pair says a busy
+    spell weighed on the smaller bucket's rounds. Only methods within KEEP of a bucket's
+    best there count: the others are never chosen."""
+    out = []
+    for i, j in MONOTONE_PAIRS:
+        if j >= len(timed_at):
+            continue
+        fastest = [min((t[b] for t in times.values() if len(t) > b), default=math.inf)
+                   for b in (i, j)]
+        for m, t in times.items():
+            if m not in timed_at[i] or m not in timed_at[j]:
+                continue
+            if not (t[i] <= KEEP * fastest[0] or t[j] <= KEEP * fastest[1]):
+                continue
+            if t[j] < MONOTONE * t[i] and t[i] - t[j] > JITTER_US:
+                out.append((m, i, j))
+    return out
 
 
 def _sweep_modules(method: str, srcs: list[nn.Module], act: torch.dtype) -> list[nn.Module]:
@@ -616,10 +828,12 @@ def finalize_linears(model: nn.Module, quantization: str | None,
             if entry is not None and not set(cands) <= set(entry.get("candidates", [])):
                 entry = None  # a method that runs here now was not measured: measure again
             if entry is None:
+                stab = Stability()
                 with unpacked_once():  # each method's layout from one unpacking
                     times, failed, invariant = measure([it[3] for it in items], cands, act,
                                                        time_it=len(cands) > 1, default=default,
-                                                       evict=evict)
+                                                       evict=evict, stability=stab)
+                shape.unstable = stab.reasons
                 cache.put(cache_keys[key], times, failed, invariant, cands)
                 entry = cache.get(cache_keys[key])
                 measured = True
@@ -647,7 +861,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     report = TuningReport(shapes, source=("forced" if forced else "off" if not tune
                                           else "measured" if measured else "cached"),
                           cache_path=str(cache.path) if cache else None,
-                          from_memory=evict is not None)
+                          from_memory=evict is not None,
+                          provisional=any(s.unstable for s in shapes))
     if tune:
         stack = None
         on_stack = _stack_layers(model, act, kcfg)
@@ -663,6 +878,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                   else available_memory() // 4)
         report.copies_dropped = _limit_dequantised_copies(shapes, groups, act, budget)
         _decide(shapes, kcfg.batch_invariant, report, stack)
+        report.plan = RetunePlan.of(groups, shapes, cache, cache_keys, act, fast,
+                                    evict is not None, model.norm if stack else None)
     for shape in shapes:
         for j, (qname, parent, name, src) in enumerate(groups[shape.key]):
             mod = _swap(src, shape.methods, act)
@@ -684,8 +901,13 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                         shape.methods = ["torch"] * len(lm.BUCKET_ROWS)
                         mod = _swap(src, shape.methods, act)
             setattr(parent, name, mod)
-    if measured:
+    if measured and not report.provisional:
         cache.save()
+    elif report.provisional:
+        logger.warning("the linear methods' timings stayed unstable (the machine is busy?): "
+                       "serving this table without caching it, to be measured again when "
+                       "the engine is idle:\n  %s",
+                       "\n  ".join(f"{s.key}: {r}" for s in shapes for r in s.unstable))
     if fast:  # SwiGLU gate_up layers on amx: SiLU in the matmul's epilogue
         for m in model.modules():
             if hasattr(m, "fuse_activation"):
@@ -693,10 +915,88 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     pack_weights(model, huge=kcfg.hugepages)
     report.seconds = time.perf_counter() - t0
     if todo:
-        progress.info("matmul methods measured in %.0f s (cached for the next start)",
-                      report.seconds)
+        progress.info("matmul methods measured in %.0f s (%s)", report.seconds,
+                      "PROVISIONAL: timings unstable, not cached; measured again when idle"
+                      if report.provisional else "cached for the next start")
     logger.info("%s", report.table())
     return report
+
+
+@dataclasses.dataclass
+class PlannedShape:
+    """One distinct layer shape as an idle re-tune measures it again: on a fresh layer of
+    the same format and size (synthetic_source), the live one having been swapped."""
+
+    key: str                # the shape key (_shape_key)
+    cache_key: str          # its key in the cache (COLD_KEY appended when timed from memory)
+    fmt: str                # lm.weight_format: 'bfloat16', 'float32', 'int8', 'int4g32', ...
+    in_features: int
+    out_features: int
+    bias: bool
+    layers: int             # how many layers share it (the sweep spans up to this many)
+    candidates: list[str]
+    default: str
+    silu_width: int = 0     # a SwiGLU gate_up: its SiLU pass's cache entry (ACT_KEY) too
+
+
+@dataclasses.dataclass
+class RetunePlan:
+    """What finalize_linears measured, in the form an idle re-tune (servelm.retune) measures
+    it again and caches it: the cache's file and key, the activations' dtype, whether the
+    small buckets were timed from memory, each shape, and the model's final norm (what the
+    per-op call time, OP_CALL_KEY, is timed on; None for a model without the stack)."""
+
+    cache_dir: Path
+    machine: dict
+    act: torch.dtype
+    fast: bool              # the C++ kernels run (KernelConfig.cpu_kernels, on the CPU)
+    from_memory: bool
+    shapes: list[PlannedShape]
+    norm: nn.Module | None = None
+
+    @classmethod
+    def of(cls, groups: dict[str, list[tuple[str, nn.Module, str, nn.Module]]],
+           shapes: list[ShapeChoice], cache: TuningCache, cache_keys: dict[str, str],
+           act: torch.dtype, fast: bool, from_memory: bool, norm: nn.Module | None
+           ) -> "RetunePlan":
+        planned = []
+        for sc in shapes:
+            items = groups[sc.key]
+            src = items[0][3]
+            entry = cache.get(cache_keys[sc.key]) or {}
+            planned.append(PlannedShape(
+                sc.key, cache_keys[sc.key], lm.weight_format(src), src.in_features,
+                src.out_features, src.bias is not None, len(items),
+                list(entry.get("candidates", sc.candidates)),
+                lm.default_method(src, act, fast, auto=True),
+                src.out_features if cache.get(f"{ACT_KEY}:{src.out_features}") is not None
+                and _swiglu_gate_ups(items) else 0))
+        return cls(cache.path.parent, cache.key, act, fast, from_memory, planned, norm)
+
+
+def synthetic_source(shape: PlannedShape, fast: bool) -> nn.Module:
+    """A fresh layer of the shape's format and size with random weights: what an idle
+    re-tune times in place of the model's own layers (swapped for their methods, and a
+    method's speed does not depend on the weights' values)."""
+    from servelm.quantization.surgery import quantize_linear
+
+    fmt = shape.fmt
+    dtype = torch.float32 if fmt.startswith("int") else getattr(torch, fmt)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape.out_features, shape.in_features, generator=g) / shape.in_features ** 0.5
+    lin = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if shape.bias:
+            lin.bias.normal_(generator=g)
+    if fmt.startswith("int"):
+        from servelm.quantization.formats import kernels_available
+
+        kernels = fast and kernels_available()
+        if fmt == "int8":
+            return quantize_linear(lin, "int8", use_kernel=kernels)
+        return quantize_linear(lin, "int4", int(fmt.removeprefix("int4g")), use_kernel=kernels)
+    return lin.to(dtype)
 
 
 OP_CALL_KEY = "decode/op_call"  # the cache entry of _op_call_us's measurement

@@ -25,6 +25,7 @@ from servelm.models.config import POOLING_TYPES
 from servelm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput,
                              RequestMetrics, RequestOutput)
 from servelm.pooling_params import PoolingParams
+from servelm.retune import IdleRetuner
 from servelm.roofline import Hardware, ModelShape
 from servelm.sampling_params import SamplingParams
 from servelm.runtime import resolve_device
@@ -281,6 +282,9 @@ class LLMEngine:
         self._owner: dict[str, tuple[_Group, int]] = {}  # engine request id -> group, sample
         self._counter = 0
         self.stats = EngineStats()
+        # The linear-method table re-measured while idle where it is provisional or the
+        # decode steps contradict it (KernelConfig.retune_when_idle; servelm.retune).
+        self.retuner = IdleRetuner.of(self.executor.tuning, config.kernels)
 
     def _load_draft(self, max_len: int):
         """speculative_config method draft_model: the draft model, checked and loaded (its
@@ -524,10 +528,14 @@ class LLMEngine:
 
     def commit_idle(self) -> bool:
         """Idle work, one slice at a time: commit the next part of the KV pool's memory
-        (CacheConfig.commit_while_idle). Returns whether any is left; False at once where
-        it is off or the pool is on a device (zeroed there). Under tensor parallelism only
-        this process's rank's pool is committed; the other ranks' pages come at first touch."""
-        return self.config.cache.commit_while_idle and self.executor.kv_cache.commit_next()
+        (CacheConfig.commit_while_idle), then a piece of re-tuning the linear methods
+        (IdleRetuner.idle_piece). Returns whether any is left; False at once where both are
+        off or done. Under tensor parallelism only this process's rank's pool is committed;
+        the other ranks' pages come at first touch."""
+        if self.config.cache.commit_while_idle and self.executor.kv_cache.commit_next():
+            return True
+        # Then a piece of re-measuring a provisional or suspect linear-method table.
+        return self.retuner is not None and self.retuner.idle_piece()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -594,7 +602,10 @@ class LLMEngine:
             emitted = [([result.token_ids[j]], [result.logprobs[j]]) for j in range(len(rows))]
         self.scheduler.update_after_step(sched)
         # The sampler has read the logits back, so the step's device work is done.
-        self.stats.record_step(sched, time.perf_counter() - t0, self.shape)
+        seconds = time.perf_counter() - t0
+        self.stats.record_step(sched, seconds, self.shape)
+        if self.retuner is not None:  # busy, and the decode steps' times checked
+            self.retuner.record(sched, seconds)
 
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
