@@ -4,6 +4,8 @@ enable_thinking is false) and --reasoning-parser deepseek_r1, through the `ollam
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import ollama
 import pytest
 
@@ -27,11 +29,17 @@ def joined(parts, field: str) -> str:
 
 
 def test_thinking_apart_streamed_and_not(client):
-    for think in (True, "high"):
-        r = client.chat(model=MODEL, messages=GREET, think=think, options=GREEDY)
+    # The three asked at once (one batch, not three answers one after the other); think
+    # unset, streamed: a thinking model thinks (Ollama's default for one).
+    with ThreadPoolExecutor(3) as pool:
+        streamed = pool.submit(lambda: list(client.chat(model=MODEL, messages=GREET,
+                                                        options=GREEDY, stream=True)))
+        whole = list(pool.map(lambda think: client.chat(model=MODEL, messages=GREET,
+                                                        think=think, options=GREEDY),
+                              (True, "high")))
+        parts = streamed.result()
+    for r in whole:
         assert (r.message.thinking, r.message.content, r.done_reason) == (THOUGHT, "Hi!", "stop")
-    # think unset: a thinking model thinks (Ollama's default for one)
-    parts = list(client.chat(model=MODEL, messages=GREET, options=GREEDY, stream=True))
     assert (joined(parts, "thinking"), joined(parts, "content")) == (THOUGHT, "Hi!")
     assert parts[-1].done and parts[-1].eval_count == r.eval_count
 
