@@ -10,6 +10,7 @@ serving."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -229,17 +230,21 @@ def _check_input(block, tool: dict) -> None:
 def test_forced_tool_use(server, client, choice, tool):
     kw = dict(messages=_weather_question(), tools=[WEATHER, TIME], max_tokens=64,
               tool_choice={**choice, "disable_parallel_tool_use": True})
-    msg = _ask(client, **kw)
+
+    # The SDK's stream helper: its events are the wire's (ping aside), its final message
+    # assembled from them. Asked beside the whole answer: one batch, not two in turn.
+    def stream():
+        with client.messages.stream(model=MODEL, extra_body=GREEDY, **kw) as s:
+            return ([e for e in s if e.type in ("content_block_start", "content_block_delta",
+                                                "message_delta")], s.get_final_message())
+
+    with ThreadPoolExecutor(1) as pool:
+        in_stream = pool.submit(stream)
+        msg = _ask(client, **kw)
+        events, final = in_stream.result()
     (block,) = msg.content
     _check_input(block, tool)
     assert msg.stop_reason == "tool_use"
-
-    # The SDK's stream helper: its events are the wire's (ping aside), its final message
-    # assembled from them.
-    with client.messages.stream(model=MODEL, extra_body=GREEDY, **kw) as s:
-        events = [e for e in s if e.type in ("content_block_start", "content_block_delta",
-                                             "message_delta")]
-        final = s.get_final_message()
     (streamed,) = final.content
     _check_input(streamed, tool)
     assert streamed.input == block.input and final.stop_reason == "tool_use"
