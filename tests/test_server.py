@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -364,18 +365,23 @@ def test_auto_tool_calls_are_parsed_from_the_answer(client):
     ask = [{"role": "user", "content": "What is 2 + 40?"}]
     kwargs = dict(model=MODEL, messages=ask, tools=TOOLS, temperature=0, max_tokens=60,
                   extra_body={"structured_outputs": {"regex": regex}})
-    r = client.chat.completions.create(**kwargs)
+    # Whole, streamed and (below) without tools, asked at once: one batch, not three in turn.
+    with ThreadPoolExecutor(2) as pool:
+        in_stream = pool.submit(lambda: _assembled(client.chat.completions.create(**kwargs,
+                                                                                 stream=True)))
+        untold = pool.submit(client.chat.completions.create, **{**kwargs, "tools": None})
+        r = client.chat.completions.create(**kwargs)
+        (content, calls, finish), untold = in_stream.result(), untold.result()
     choice = r.choices[0]
     assert choice.message.content == "Adding."
     assert [(c.function.name, json.loads(c.function.arguments))
             for c in choice.message.tool_calls] == [("add", {"a": 2, "b": 40})]
     assert choice.finish_reason == "tool_calls"
-    content, calls, finish = _assembled(client.chat.completions.create(**kwargs, stream=True))
     assert (content, finish) == ("Adding.", "tool_calls")
     assert calls == [{"name": "add", "arguments": choice.message.tool_calls[0].function.arguments}]
     # Without tools the same text is plain content.
-    r = client.chat.completions.create(**{**kwargs, "tools": None})
-    assert r.choices[0].message.tool_calls == [] and "<tool_call>" in r.choices[0].message.content
+    assert (untold.choices[0].message.tool_calls == []
+            and "<tool_call>" in untold.choices[0].message.content)
 
 
 def test_tools_reach_the_prompt_and_history_holds_calls_and_results(client):
