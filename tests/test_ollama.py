@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import ollama
@@ -227,15 +228,16 @@ def test_logprobs(client):
 
 
 def test_tools_give_tool_calls_streamed_and_not(client):
-    options = {**GREEDY, "num_predict": 40}
-    r = client.chat(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], format=CALL_SCHEMA,
-                    options=options)
+    kw = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], format=CALL_SCHEMA,
+              options={**GREEDY, "num_predict": 40})
+    with ThreadPoolExecutor(1) as pool:  # both at once: one batch, not two answers in turn
+        streamed = pool.submit(lambda: list(client.chat(stream=True, **kw)))
+        r = client.chat(**kw)
+        parts = streamed.result()
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather"
     assert set(call.function.arguments) == {"city"} and r.message.content == ""
     assert r.done_reason == "stop"
-    parts = list(client.chat(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER],
-                             format=CALL_SCHEMA, options=options, stream=True))
     assert "".join(p.message.content for p in parts) == ""
     assert parts[-1].message.tool_calls == r.message.tool_calls
     assert all(p.message.tool_calls is None for p in parts[:-1])
