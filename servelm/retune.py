@@ -5,11 +5,14 @@ machine) without caching it: TuningReport.provisional. A cached table can be wro
 (tuned under a load the stability checks did not see). The engine keeps one IdleRetuner
 (built once, from the report's RetunePlan, where KernelConfig.retune_when_idle is on):
 
-    DriftMonitor   each decode-only step's seconds against the table's prediction for its
-                   rows (the chosen methods' measured µs summed over the layers); a window
-                   of DRIFT_STEPS steps of one bucket whose median runs DRIFT times faster
-                   than the matmuls alone were measured to take says those times were
-                   inflated, and marks the table suspect
+    DriftMonitor   each decode-only step's seconds over the table's prediction for its
+                   rows (the chosen methods' measured µs summed over the layers), the median
+                   of a window of DRIFT_STEPS steps of one row bucket, against that bucket's
+                   reference: the first window's median once the table was trusted, cached
+                   beside it (STEP_KEY, per table: its shapes and methods). A window DRIFT
+                   times under it (steps now that much faster against the table's times:
+                   they were inflated, timed on a busier machine) marks the table suspect.
+                   (Slower steps are not judged: a longer context alone makes them slower.)
     IdleRetuner    a provisional or suspect table measured again once the engine has been
                    idle IDLE_AFTER_S (no running or waiting requests: LLMEngine.commit_idle),
                    one piece per call (a method built, a bucket timed, ...), so a request
@@ -22,6 +25,8 @@ machine) without caching it: TuningReport.provisional. A cached table can be wro
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
@@ -33,6 +38,7 @@ from servelm.config import KernelConfig
 from servelm.layers import linear_methods as lm
 from servelm.quantization.numerics import unpacked_once
 from servelm.tuning_cache import TuningCache
+from servelm.tuning_cache import times_from as tuning_times
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,13 @@ DRIFT_STEPS = 256    # ... judged on the median of this many decode steps of one
 IDLE_AFTER_S = 30.0  # idle this long (no step) before a re-tune's piece runs
 IDLE_POLL_S = 0.01   # while waiting for that: the engine thread's sleep per idle call
 MAX_RETUNES = 3      # attempts a process makes (a machine busy for good stays provisional)
+STEP_KEY = "decode/step_ratio"  # + ":<table fingerprint>": DriftMonitor's references
+
+
+def table_fingerprint(report: tuning.TuningReport) -> str:
+    """What a step-time reference belongs to: the table's shapes and their methods."""
+    text = json.dumps([(s.key, s.methods) for s in report.shapes], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def predicted_us(report: tuning.TuningReport) -> list[float]:
@@ -59,13 +72,19 @@ def predicted_us(report: tuning.TuningReport) -> list[float]:
 
 class DriftMonitor:
     """Decode step times against the table's prediction (predicted: µs per bucket's row
-    count, predicted_us). record(rows, seconds) -> whether this step turned it suspect."""
+    count, predicted_us): per bucket the median of a window of steps' ratio to it, against
+    reference[b] (None: the first window's median becomes it, if learn). record(rows,
+    seconds) -> whether this step turned it suspect; `learned`: the buckets whose reference
+    a window set."""
 
-    def __init__(self, predicted: list[float], bound: float = DRIFT,
-                 window: int = DRIFT_STEPS):
+    def __init__(self, predicted: list[float], reference: list[float | None] | None = None,
+                 bound: float = DRIFT, window: int = DRIFT_STEPS, learn: bool = True):
         self.predicted = predicted
+        self.reference = list(reference) if reference else [None] * len(lm.BUCKET_ROWS)
         self.bound = bound
         self.window = window
+        self.learn = learn
+        self.learned: list[int] = []
         self.ratios = [deque(maxlen=window) for _ in lm.BUCKET_ROWS]
         self.suspect: str | None = None  # why, once it fired
 
@@ -94,10 +113,16 @@ class DriftMonitor:
             return False
         median = sorted(ratios)[len(ratios) // 2]
         ratios.clear()  # windows do not overlap
-        if median * self.bound < 1.0:
-            self.suspect = (f"decode steps of {lm.BUCKET_ROWS[b]}-row bucket ran "
-                            f"{1 / median:.2f}x faster than the table's matmuls alone "
-                            f"(median of {self.window} steps)")
+        ref = self.reference[b]
+        if ref is None or not math.isfinite(ref):
+            if self.learn:
+                self.reference[b] = median
+                self.learned.append(b)
+            return False
+        if median * self.bound < ref:
+            self.suspect = (f"decode steps of the {lm.BUCKET_ROWS[b]}-row bucket ran "
+                            f"{ref / median:.2f}x faster against the table's times than when "
+                            f"it was trusted (median of {self.window} steps)")
             return True
         return False
 
@@ -108,9 +133,15 @@ class IdleRetuner:
     nothing to run: whether it wants to be called again."""
 
     def __init__(self, plan: tuning.RetunePlan, provisional: bool, predicted: list[float],
-                 idle_after: float = IDLE_AFTER_S, clock=time.monotonic, sleep=time.sleep):
+                 idle_after: float = IDLE_AFTER_S, clock=time.monotonic, sleep=time.sleep,
+                 fingerprint: str = ""):
         self.plan = plan
-        self.drift = DriftMonitor(predicted)
+        self.step_key = f"{STEP_KEY}:{fingerprint}"
+        entry = None if provisional else TuningCache(plan.cache_dir, plan.machine).get(
+            self.step_key)
+        reference = tuning_times(entry)["ratio"] if entry else None
+        # (A provisional table's times are not trusted: no reference is learned from them.)
+        self.drift = DriftMonitor(predicted, reference, learn=not provisional)
         self.pending: str | None = "provisional" if provisional else None  # why, if due
         self.idle_after = idle_after
         self.clock, self.sleep = clock, sleep
@@ -124,7 +155,8 @@ class IdleRetuner:
         """The engine's re-tuner: None where nothing was tuned (no plan) or it is off."""
         if report.plan is None or not kernels.retune_when_idle:
             return None
-        return cls(report.plan, report.provisional, predicted_us(report))
+        return cls(report.plan, report.provisional, predicted_us(report),
+                   fingerprint=table_fingerprint(report))
 
     def record(self, sched, seconds: float) -> None:
         """A step ran (sched: the scheduler's output): the engine is busy; a decode-only
@@ -136,7 +168,14 @@ class IdleRetuner:
             self.record_decode(len(sched.scheduled), seconds)
 
     def record_decode(self, rows: int, seconds: float) -> None:
-        if self.drift.record(rows, seconds) and self.pending is None:
+        suspect = self.drift.record(rows, seconds)
+        if self.drift.learned:  # a bucket's reference: cached beside the table
+            self.drift.learned.clear()
+            cache = TuningCache(self.plan.cache_dir, self.plan.machine)
+            cache.put(self.step_key, {"ratio": [math.inf if r is None else r
+                                                for r in self.drift.reference]}, [], [], [])
+            cache.save()
+        if suspect and self.pending is None:
             self.pending = self.drift.suspect
             logger.warning("the linear-method table looks wrong: %s; it is measured again "
                            "when the engine is idle", self.pending)
@@ -202,6 +241,7 @@ class IdleRetuner:
             cache.put(key, times, failed, invariant, cands)
         for key, times in extra.items():
             cache.put(key, times, [], [], [])
+        cache.entries.pop(self.step_key, None)  # measured against the old times
         cache.save()
         self.written = True
         self.pending = None

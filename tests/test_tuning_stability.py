@@ -274,14 +274,14 @@ PREDICTED = [100.0, 150.0, 400.0, 3000.0]  # µs per bucket's row count
 
 
 def test_drift_fires_on_steps_well_off_the_prediction():
-    mon = retune.DriftMonitor(PREDICTED, window=32)
-    fired = [mon.record(1, 60e-6) for _ in range(32)]  # 1.67x faster than the matmuls alone
+    mon = retune.DriftMonitor(PREDICTED, reference=[1.0] * 4, window=32)
+    fired = [mon.record(1, 60e-6) for _ in range(32)]  # 1.67x faster than the reference
     assert fired == [False] * 31 + [True]
     assert mon.suspect and "1-row" in mon.suspect
 
 
 def test_drift_does_not_fire_near_the_prediction_or_on_slower_steps():
-    mon = retune.DriftMonitor(PREDICTED, window=32)
+    mon = retune.DriftMonitor(PREDICTED, reference=[1.0] * 4, window=32)
     for i in range(10 * 32):
         rows = (1, 5, 30, 100, 300)[i % 5]
         # the step: the matmuls' time and some more (attention, norms, sampling), with a
@@ -290,6 +290,19 @@ def test_drift_does_not_fire_near_the_prediction_or_on_slower_steps():
         assert not mon.record(rows, mon.predict_us(rows) * (0.5 if fast else 1.1) * 1e-6)
         assert not mon.record(rows, mon.predict_us(rows) * 3e-6)
     assert mon.suspect is None
+
+
+def test_drift_learns_its_reference_from_the_first_window():
+    """Without a reference (none cached for this table) the first window's median becomes
+    it: steps 0.45x the matmuls' summed times are this table's normal (one call for the
+    whole step), and only a later window well under that fires."""
+    mon = retune.DriftMonitor(PREDICTED, window=16)
+    assert not any(mon.record(1, 45e-6) for _ in range(16))
+    assert mon.learned == [0] and mon.reference[0] == pytest.approx(0.45)
+    assert not any(mon.record(1, 40e-6) for _ in range(16))  # within DRIFT of it
+    assert any(mon.record(1, 30e-6) for _ in range(16))
+    frozen = retune.DriftMonitor(PREDICTED, window=16, learn=False)  # a provisional table
+    assert not any(frozen.record(1, 10e-6) for _ in range(64)) and frozen.reference[0] is None
 
 
 def test_the_prediction_is_interpolated_between_buckets():
@@ -337,7 +350,7 @@ def _decode_step(rows: int):
 def _retuner(tmp_path, provisional=True) -> tuple[retune.IdleRetuner, _Clock]:
     clock = _Clock()
     r = retune.IdleRetuner(_plan(tmp_path), provisional, PREDICTED, idle_after=30.0,
-                           clock=clock, sleep=clock.sleep)
+                           clock=clock, sleep=clock.sleep, fingerprint="t")
     return r, clock
 
 
@@ -375,16 +388,28 @@ def test_the_idle_retune_waits_for_idle_then_writes_the_cache(tmp_path, monkeypa
 
 
 def test_a_trusted_table_is_not_retuned_unless_the_steps_contradict_it(tmp_path, monkeypatch):
+    """A trusted table's first window of one-row steps is its reference, cached beside it
+    (a later start reads it back); a window well faster than it marks the table suspect,
+    and the idle re-tune caches a new table (and drops the reference, taken against the
+    old times)."""
     fake = _FakeSweeps(monkeypatch)
     r, clock = _retuner(tmp_path, provisional=False)
     clock.now = 100.0
     assert not r.idle_piece() and not fake.rounds
-    for _ in range(retune.DRIFT_STEPS):  # 1 row: predicted 100 µs, steps take 50
-        r.record(_decode_step(1), 50e-6)
+    for _ in range(retune.DRIFT_STEPS):  # 1 row: predicted 100 µs, steps take 80
+        r.record(_decode_step(1), 80e-6)
+    assert r.pending is None
+    later, _ = _retuner(tmp_path, provisional=False)
+    assert later.drift.reference[0] == pytest.approx(0.8)
+    assert _retuner(tmp_path, provisional=True)[0].drift.reference == [None] * len(ROWS)
+    for _ in range(retune.DRIFT_STEPS):  # now 40 µs: twice as fast against the table
+        r.record(_decode_step(1), 40e-6)
     assert r.pending and "faster" in r.pending
     clock.now = 200.0
     _run_idle(r, clock)
-    assert r.written and _cache_files(tmp_path)
+    assert r.written
+    cache = tuning_cache.TuningCache(tmp_path, r.plan.machine)
+    assert cache.get(r.plan.shapes[0].cache_key) and cache.get(r.step_key) is None
 
 
 def test_an_idle_retune_unstable_again_is_not_cached_and_gives_up(tmp_path, monkeypatch):
