@@ -8,7 +8,7 @@ machine) without caching it: TuningReport.provisional. A cached table can be wro
     DriftMonitor   each decode-only step's seconds over the table's prediction for its
                    rows (the chosen methods' measured µs summed over the layers), the median
                    of a window of DRIFT_STEPS steps of one row bucket, against that bucket's
-                   reference: the first window's median once the table was trusted, cached
+                   reference: the first window's median on a trusted table, cached
                    beside it (STEP_KEY, per table: its shapes and methods). A window DRIFT
                    times under it (steps now that much faster against the table's times:
                    they were inflated, timed on a busier machine) marks the table suspect.
@@ -42,7 +42,7 @@ from servelm.tuning_cache import times_from as tuning_times
 
 logger = logging.getLogger(__name__)
 
-DRIFT = 1.3          # steps this many times faster than the table's matmuls: its times are off
+DRIFT = 1.3          # a window this many times under its reference: the table's times are off
 DRIFT_STEPS = 256    # ... judged on the median of this many decode steps of one row bucket
 IDLE_AFTER_S = 30.0  # idle this long (no step) before a re-tune's piece runs
 IDLE_POLL_S = 0.01   # while waiting for that: the engine thread's sleep per idle call
