@@ -62,10 +62,10 @@ class Server:
             elif self.proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"server did not start:\n{self.output()}")
             else:
-                time.sleep(0.2)
+                time.sleep(0.05)  # polled often: every module waits here for its servers
         while httpx.get(f"{self.url}/health").status_code != 200:
             assert time.monotonic() < deadline, self.output()
-            time.sleep(0.2)
+            time.sleep(0.05)
         return self
 
     def stop(self) -> int:
