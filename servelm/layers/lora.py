@@ -5,12 +5,14 @@ S-LoRA's segmented form, not a merged weight per request and not one adapter per
 Every adapted linear (LoRALinear) holds a slot per resident adapter, stacked:
 
     lora_a [max_loras, J * R, K]   the A matrices of the layer's J parts, R rows each
-    lora_b [max_loras, N, R]       B, one R-vector per output column, its part's scale folded in
+    lora_b [max_loras, P, N, 2]    B in rank pairs (P = ceil(R / 2)): rank r of column n at
+                                   [s, r // 2, n, r % 2], two ranks of a column side by side
+                                   as vdpbf16ps multiplies them; its part's scale folded in
 
 where the J parts are the fused layer's outputs (q, k, v of qkv_proj; gate and up of
 gate_up_proj; one for o_proj and down_proj) with column bounds `bounds` (J + 1 ints). A
 column n of part j is y[m, n] += B[s, n] . (A[s, jR:(j+1)R] x[m]) for a row m whose slot s
-is >= 0. An adapter of lower rank fills its first rows of A and columns of B (zeros after);
+is >= 0. An adapter of lower rank fills its first rows of A and of B (zeros after);
 a part it does not adapt stays zero. The step's slot of each row comes from LoRAStep, set
 by the runner before the forward: token rows, or the sampled rows a model's last layer keeps.
 
@@ -38,21 +40,27 @@ TARGET_PARTS: dict[str, tuple[str, ...]] = {
 
 def lora_add_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  row_slots: torch.Tensor, bounds: Sequence[int]) -> None:
-    """y [M, N] += each row's delta in place (rows with slot -1 untouched), in fp32, rounded
-    once into y's dtype. x [M, K]; lora_a [S, J*R, K]; lora_b [S, N, R]; row_slots [M] int32;
-    bounds: the J parts' column bounds (bounds[0] == 0, bounds[J] == N)."""
-    R = lora_b.shape[2]
+    """y [M, N] += each row's delta in place (rows with slot -1 untouched): t = A x in fp32
+    rounded to y's dtype (a model's lora_A output), then B t in fp32, rounded once into y.
+    x [M, K]; lora_a [S, J*R, K]; lora_b [S, ceil(R/2), N, 2]; row_slots [M] int32; bounds:
+    the J parts' column bounds (bounds[0] == 0, bounds[J] == N)."""
+    R = lora_a.shape[1] // (len(bounds) - 1)
     slots = row_slots.long()
     for s in torch.unique(slots).tolist():
         if s < 0:
             continue
         rows = (slots == s).nonzero().flatten()
-        t = x[rows].float() @ lora_a[s].float().t()  # [m, J*R]
+        t = (x[rows].float() @ lora_a[s].float().t()).to(y.dtype).float()  # [m, J*R]
         delta = torch.empty(rows.numel(), y.shape[1], dtype=torch.float32, device=y.device)
         for j in range(len(bounds) - 1):
             c0, c1 = bounds[j], bounds[j + 1]
-            delta[:, c0:c1] = t[:, j * R:(j + 1) * R] @ lora_b[s, c0:c1].float().t()
+            delta[:, c0:c1] = t[:, j * R:(j + 1) * R] @ rank_major(lora_b[s])[:R, c0:c1].float()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def rank_major(b: torch.Tensor) -> torch.Tensor:
+    """One slot's B in rank pairs [P, N, 2] as [2P, N] (rank r's row of columns)."""
+    return b.transpose(1, 2).reshape(-1, b.shape[1])
 
 
 class LoRAStep:
@@ -103,7 +111,7 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.lora_a = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype,
                                   device=device)
-        self.lora_b = torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype,
+        self.lora_b = torch.zeros(max_loras, (max_rank + 1) // 2, self.out_features, 2, dtype=dtype,
                                   device=device)
         self.step = step
         self.select(False)
@@ -142,7 +150,10 @@ class LoRALinear(nn.Module):
             r = a.shape[0]
             c0, c1 = self.bounds[j], self.bounds[j + 1]
             self.lora_a[slot, j * R:j * R + r] = a.to(self.lora_a.dtype)
-            self.lora_b[slot, c0:c1, :r] = b.to(self.lora_b.dtype)
+            bt = torch.zeros(2 * self.lora_b.shape[1], c1 - c0, dtype=self.lora_b.dtype,
+                             device=self.lora_b.device)
+            bt[:r] = b.t()
+            self.lora_b[slot, :, c0:c1] = bt.view(-1, 2, c1 - c0).transpose(1, 2)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:

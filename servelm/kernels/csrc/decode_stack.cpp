@@ -555,8 +555,9 @@ class DecodeStack : public torch::CustomClassHolder {
     embed_ = embed, cos_[0] = cos, sin_[0] = sin, final_norm_ = final_norm;
   }
   // Once per adapted linear (servelm.layers.lora.LoRALinear) of layer `layer`, `linear` a
-  // Linear: its adapters' stacks lora_a [S, J*R, K], lora_b [S, N, R] (bf16, held by reference:
-  // adapters are copied into them, never reallocated) and its parts' column bounds (J + 1). Every
+  // Linear: its adapters' stacks lora_a [S, J*R, K], lora_b [S, ceil(R/2), N, 2] (bf16, held by
+  // reference: adapters are copied into them, never reallocated) and its parts' column bounds
+  // (J + 1). Every
   // adapted linear has the same S slots. A run then adds the deltas of set_lora_rows' rows right
   // after that linear's matmul.
   void bind_lora(int64_t layer, int64_t linear, at::Tensor lora_a, at::Tensor lora_b,
@@ -572,8 +573,7 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(lora_slots_ == 0 || L.S == lora_slots_, "DecodeStack.bind_lora: every adapted linear needs the "
                 "same number of slots, got ", L.S, " and ", lora_slots_);
     lora_slots_ = L.S;
-    lora_jr_ = std::max(lora_jr_, L.JR());
-    lora_r_ = std::max(lora_r_, L.R);
+    lora_jp_ = std::max(lora_jp_, L.J * lora::paired_ranks(L.R));
     lora_keep_.insert(lora_keep_.end(), {lora_a, lora_b});
     s.lora[linear] = std::move(L);
   }
@@ -797,10 +797,9 @@ class DecodeStack : public torch::CustomClassHolder {
       lora_groups.build(lora_rows_.data_ptr<int32_t>(), M, lora_slots_, "DecodeStack");
     }
     const bool lora_on = !lora_groups.empty();
-    std::vector<float> lora_t(lora_on ? M * lora_jr_ : 0);
+    std::vector<BF> lora_t(lora_on ? M * lora_jp_ : 0);
 
     team_region([&](Team& t) {
-      std::vector<float> lora_bt(lora_on ? 16 * lora_r_ : 0);  // expand's transposed B block
       // A linear's LoRA shrink (this thread's items; inside the matmul's phase, which reads the
       // same input) and expand (its column blocks, once the matmul's output is whole).
       auto shrink = [&](const lora::Adapter<BF>& adapter, const BF* x, int64_t ldx) {
@@ -814,8 +813,8 @@ class DecodeStack : public torch::CustomClassHolder {
         if (!lora_on || !L.bound()) return;
         t.guarded([&] {
           const int64_t n = L.blocks();
-          lora::expand<BF>(L, lora_groups, lora_t.data(), y, ldy, n * t.tid / t.n, n * (t.tid + 1) / t.n,
-                           lora_bt.data());
+          lora::expand<BF>(L, lora_groups, lora_t.data(), y, ldy, n * t.tid / t.n,
+                           n * (t.tid + 1) / t.n);
         });
         t.barrier();
       };
@@ -912,7 +911,8 @@ class DecodeStack : public torch::CustomClassHolder {
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
   std::vector<at::Tensor> lora_keep_;  // bind_lora's stacks, which the layers point into
-  int64_t lora_slots_ = 0, lora_jr_ = 0, lora_r_ = 0;  // S; the largest J * R and R bound
+  int64_t lora_slots_ = 0, lora_jp_ = 0;  // S; the largest J * paired_ranks(R) bound (the shrink's
+                                          // t [M, J, P2])
   at::Tensor lora_rows_;  // set_lora_rows'; undefined: no row has an adapter
   static constexpr int64_t kMaxRows = 4096;
 };

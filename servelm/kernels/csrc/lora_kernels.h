@@ -2,20 +2,26 @@
 // (servelm_ops.lora_add) and decode_stack.cpp (the DecodeStack adds them inside its step), so
 // both paths give the same bits:
 //
-//   y[m, c] += B[s, c, :] . (A[s, jR:(j+1)R, :] x[m])   row m of slot s >= 0, column c of part j
+//   y[m, c] += sum_r B[s, r, c] (A[s, jR + r, :] . x[m])   row m of slot s >= 0, column c of part j
 //
-// with lora_a [S, J*R, K], lora_b [S, N, R], x [M, K], y [M, N], all of one dtype T (bf16 or
-// fp32), accumulated in fp32 and rounded into y once. Rows are grouped by slot (RowGroups), so
-// each resident adapter's A and B stream through memory once per call:
-//   shrink  t[m, i] = A[s, i, :] . x[m] (fp32), work items (a chunk of a slot's rows, a row i of A);
-//   expand  y[m, c] = round(y[m, c] + sum_r t[m, jR + r] B[s, c, r]), work items 16-column blocks.
-// Each value's arithmetic is fixed (a dot's four 16-lane accumulators over K in order, then their
-// sum; an expand column's FMA chain over r in order) whatever thread computes it, so a row's delta
-// is the same on the op and in the stack however each splits the work.
+// with lora_a [S, J*R, K], lora_b [S, P, N, 2] (B in rank pairs, P = ceil(R / 2): rank r of
+// column c at [s, r / 2, c, r % 2], what vdpbf16ps multiplies; an odd R's last pair half zero),
+// x [M, K], y [M, N], all of one dtype T (bf16 or fp32), accumulated in fp32 and rounded into y
+// once. Rows are grouped by slot (RowGroups), so each resident adapter's A and
+// B stream through memory once per call:
+//   shrink  t[m, j, r] = T(A[s, jR + r, :] . x[m]): an fp32 dot rounded to T, as a model's
+//           lora_A output is; work items (a chunk of a slot's rows, a row of A);
+//   expand  y[m, c] = round(y[m, c] + delta), work items panels of up to 64 columns of a part,
+//           4 rows x 4 vectors of 16 columns a tile, where delta is
+//           - bf16 on AVX512-BF16: vdpbf16ps over the rank pairs in order;
+//           - otherwise: an fp32 FMA chain over r in order of t[m, j, r] B[s, r, c].
+// Each value's arithmetic is fixed (a dot's accumulators over K in order, then their sum; an
+// expand column's chain over r in order) whatever thread computes it, so a row's delta is the
+// same on the op and in the stack however each splits the work.
 //
 // Prompt-sized calls (hundreds of rows of one slot) run the same loops, blocked kNR rows at a
-// time: one load of a row of A (or of B's transposed block) serves kNR rows, and a slot's A and
-// B (r x (K + N) elements, tens of KB) stay in L1/L2 while its rows stream past. at::matmul per
+// time: one load of a row of A (or of a B vector) serves kNR rows, and a slot's A and B
+// (r x (K + N) elements, tens of KB) stay in L1/L2 while its rows stream past. at::matmul per
 // slot would gather the slot's rows into a copy, scatter the result back, and round differently
 // with the row count (a row's delta would then depend on the batch it is in).
 #pragma once
@@ -26,11 +32,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#include "decode_attention.h"  // transpose16x16
+#include "decode_attention.h"  // transpose16x16, which amx_tiles.h's helpers use
+#include "amx_tiles.h"         // SERVELM_AMX, amx_available, TileConfig
 #define SERVELM_LORA_AVX512 1
 #endif
 
@@ -78,18 +86,21 @@ struct RowGroups {
   }
 };
 
+constexpr int kPanel = 64;  // columns of an expand work item: 4 vectors of 16
+
 // One adapted linear layer's stacked adapters (pointers into tensors its owner keeps) and the
-// expand's column blocks: 16 columns at most, never across a part's bounds.
+// expand's column panels: kPanel columns at most, never across a part's bounds.
 template <typename T>
 struct Adapter {
   const T* a = nullptr;  // [S, J * R, K]
-  const T* b = nullptr;  // [S, N, R]
+  const T* b = nullptr;  // [S, P, N, 2]
   int64_t S = 0, J = 0, R = 0, K = 0, N = 0;
-  std::vector<int64_t> block_part, block_col;  // per block: its part and first column
+  std::vector<int64_t> block_part, block_col;  // per panel: its part and first column
   std::vector<int> block_width;
 
   bool bound() const { return a != nullptr; }
   int64_t JR() const { return J * R; }
+  int64_t P() const { return (R + 1) / 2; }
   int64_t blocks() const { return static_cast<int64_t>(block_part.size()); }
 };
 
@@ -98,28 +109,28 @@ template <typename T>
 Adapter<T> make_adapter(const at::Tensor& lora_a, const at::Tensor& lora_b, at::IntArrayRef bounds,
                         int64_t N, int64_t K, const char* who) {
   const auto dtype = c10::CppTypeToScalarType<T>::value;
-  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.is_contiguous() && lora_b.is_contiguous() &&
+  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 4 && lora_a.is_contiguous() && lora_b.is_contiguous() &&
                   lora_a.scalar_type() == dtype && lora_b.scalar_type() == dtype &&
                   lora_a.device().is_cpu() && lora_b.device().is_cpu(),
-              who, ": lora_a [S, J*R, K] and lora_b [S, N, R] must be contiguous ", dtype, " on the CPU");
+              who, ": lora_a [S, J*R, K] and lora_b [S, P, N, 2] must be contiguous ", dtype, " on the CPU");
   const int64_t J = static_cast<int64_t>(bounds.size()) - 1;
   TORCH_CHECK(J >= 1 && bounds[0] == 0 && bounds[J] == N, who, ": bounds must run from 0 to N = ", N,
               " (J + 1 ints), got ", bounds);
   for (int64_t j = 0; j < J; ++j)
     TORCH_CHECK(bounds[j] <= bounds[j + 1], who, ": bounds must not decrease, got ", bounds);
   Adapter<T> L;
-  L.S = lora_a.size(0), L.J = J, L.R = lora_b.size(2), L.K = K, L.N = N;
-  TORCH_CHECK(lora_b.size(0) == L.S && lora_b.size(1) == N && lora_a.size(1) == J * L.R &&
-                  lora_a.size(2) == K && L.R >= 1,
+  L.S = lora_a.size(0), L.J = J, L.R = lora_a.size(1) / J, L.K = K, L.N = N;
+  TORCH_CHECK(lora_a.size(1) % J == 0 && L.R >= 1 && lora_a.size(2) == K && lora_b.size(0) == L.S &&
+                  lora_b.size(1) == L.P() && lora_b.size(2) == N && lora_b.size(3) == 2,
               who, ": lora_a ", lora_a.sizes(), " and lora_b ", lora_b.sizes(), " do not fit a layer of ",
-              K, " inputs and ", N, " outputs in ", J, " parts (lora_a [S, J*R, K], lora_b [S, N, R])");
+              K, " inputs and ", N, " outputs in ", J, " parts (lora_a [S, J*R, K], lora_b [S, ceil(R/2), N, 2])");
   L.a = lora_a.data_ptr<T>();
   L.b = lora_b.data_ptr<T>();
   for (int64_t j = 0; j < J; ++j)
-    for (int64_t c = bounds[j]; c < bounds[j + 1]; c += 16) {
+    for (int64_t c = bounds[j]; c < bounds[j + 1]; c += kPanel) {
       L.block_part.push_back(j);
       L.block_col.push_back(c);
-      L.block_width.push_back(static_cast<int>(std::min<int64_t>(16, bounds[j + 1] - c)));
+      L.block_width.push_back(static_cast<int>(std::min<int64_t>(kPanel, bounds[j + 1] - c)));
     }
   return L;
 }
@@ -155,21 +166,6 @@ template <> inline void st16<c10::BFloat16>(c10::BFloat16* p, __m512 v, __mmask1
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(r));
-}
-
-// bt[r * 16 + i] = B[i, r] (fp32) for a block of w <= 16 columns of B (rows R apart), zero
-// for i >= w: 16 x 16 tiles transposed in registers.
-template <typename T>
-inline void transpose_block(const T* b, int64_t R, int w, float* bt) {
-  for (int64_t r0 = 0; r0 < R; r0 += 16) {
-    const int64_t n = std::min<int64_t>(16, R - r0);
-    const __mmask16 k = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1);
-    __m512i v[16];
-    for (int i = 0; i < 16; ++i)
-      v[i] = i < w ? _mm512_castps_si512(ld16<T>(b + i * R + r0, k)) : _mm512_setzero_si512();
-    transpose16x16(v);
-    for (int64_t r = 0; r < n; ++r) _mm512_storeu_ps(bt + (r0 + r) * 16, _mm512_castsi512_ps(v[r]));
-  }
 }
 
 // out[r] = a . x[r] for NR rows: 16-lane chunk q of K goes to accumulator q % 4 (the last,
@@ -254,12 +250,20 @@ inline void dot_rows(const T* a, const T* const* x, int64_t K, float* out) {
 }
 #endif
 
-// Shrink items [i0, i1) of (G.chunks() x L.JR()): item c * JR + i sets t[m * JR + i] = A[s, i] . x[m]
-// for the rows m of chunk c (slot s). x rows are ldx apart.
+// Shrink items [i0, i1) of (G.chunks() x L.JR()): item c * JR + i sets t[m, j, r] (i = jR + r) for
+// the rows m of chunk c (slot s). x rows are ldx apart; t [M, J, P2] (P2 = R rounded up to even:
+// an odd R's last element of each part is set to zero, the other half of the expand's last pair).
+inline int64_t paired_ranks(int64_t R) { return (R + 1) & ~int64_t{1}; }
+
 template <typename T>
 __attribute__((noinline)) void shrink(const Adapter<T>& L, const RowGroups& G, const T* x, int64_t ldx,
-                                      float* t, int64_t i0, int64_t i1) {
-  const int64_t JR = L.JR(), K = L.K;
+                                      T* t, int64_t i0, int64_t i1) {
+  const int64_t JR = L.JR(), K = L.K, R = L.R, P2 = paired_ranks(R), JP = L.J * P2;
+  auto put = [&](int32_t m, int64_t i, float v) {
+    const int64_t j = i / R, r = i % R;
+    t[m * JP + j * P2 + r] = static_cast<T>(v);
+    if (r + 1 == R && P2 != R) t[m * JP + j * P2 + R] = static_cast<T>(0.f);
+  };
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t c = item / JR, i = item % JR;
     const T* a = L.a + (G.slot[G.chunk_group[c]] * JR + i) * K;
@@ -271,65 +275,262 @@ __attribute__((noinline)) void shrink(const Adapter<T>& L, const RowGroups& G, c
       const T* xr[kNR];
       for (int q = 0; q < kNR; ++q) xr[q] = x + rows[r + q] * ldx;
       dot_rows<T, kNR>(a, xr, K, out);
-      for (int q = 0; q < kNR; ++q) t[rows[r + q] * JR + i] = out[q];
+      for (int q = 0; q < kNR; ++q) put(rows[r + q], i, out[q]);
     }
     for (; r < n; ++r) {
       const T* xr[1] = {x + rows[r] * ldx};
       dot_rows<T, 1>(a, xr, K, out);
-      t[rows[r] * JR + i] = out[0];
+      put(rows[r], i, out[0]);
     }
   }
 }
 
-// Expand blocks [b0, b1) of L.blocks(), every group's rows: y[m, c] = round(y[m, c] + the FMA
-// chain over r of t[m * JR + jR + r] * B[s, c, r]). bt: 16 * R floats of scratch (B's block
-// transposed, 16 columns a rank).
+// Expand panels [b0, b1) of L.blocks(), every group's rows: y[m, c] = round(y[m, c] + delta[m, c])
+// (the header's two forms) from the shrink's t.
+#if defined(SERVELM_LORA_AVX512) && defined(__AVX512BF16__)
+#define SERVELM_LORA_PAIRED 1
+#endif
+
+#ifdef SERVELM_LORA_AVX512
+// The masks of a panel of w columns: vector k's 16 columns (m16), its 32 bf16 of pairs (m32),
+// and as fp32 pairs its first and last 8 columns' 16 floats (lo, hi).
+struct PanelMasks {
+  __mmask16 m16[4], lo[4], hi[4];
+  __mmask32 m32[4];
+  explicit PanelMasks(int w) {
+    for (int k = 0; k < 4; ++k) {
+      const int wk = std::max(0, std::min(16, w - 16 * k));
+      m16[k] = static_cast<__mmask16>((1u << wk) - 1);
+      m32[k] = wk == 16 ? 0xffffffffu : static_cast<__mmask32>((1u << (2 * wk)) - 1);
+      lo[k] = static_cast<__mmask16>((1u << (2 * std::min(wk, 8))) - 1);
+      hi[k] = static_cast<__mmask16>((1u << (2 * std::max(wk - 8, 0))) - 1);
+    }
+  }
+};
+
+// Ranks 2i and 2i + 1 of vector k's 16 columns as fp32 (even, odd), from pair row bp.
+inline void rank_pair(const float* bp, const PanelMasks& pm, int k, __m512& even, __m512& odd) {
+  const __m512 v0 = _mm512_maskz_loadu_ps(pm.lo[k], bp + 32 * k);
+  const __m512 v1 = _mm512_maskz_loadu_ps(pm.hi[k], bp + 32 * k + 16);
+  even = _mm512_permutex2var_ps(v0, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), v1);
+  odd = _mm512_permutex2var_ps(v0, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), v1);
+}
+inline void rank_pair(const c10::BFloat16* bp, const PanelMasks& pm, int k, __m512& even, __m512& odd) {
+  const __m512i v = _mm512_maskz_loadu_epi16(pm.m32[k], bp + 32 * k);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// y[p][16k ..] = round(y + acc[p][k]) for NR rows' NV vectors; bf16 with AVX512-BF16: two vectors
+// a vcvtne2ps2bf16 (round to nearest even, as st16; fp32 denormals read as zero).
+template <typename T, int NR, int NV>
+inline void add_rows(__m512 (&acc)[NR][NV], T* const* yr, const PanelMasks& pm) {
+#ifdef SERVELM_LORA_PAIRED
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+#pragma GCC unroll 4
+    for (int p = 0; p < NR; ++p) {
+#pragma GCC unroll 2
+      for (int k = 0; k + 1 < NV; k += 2) {
+        T* yp = yr[p] + 16 * k;
+        const __mmask32 m = static_cast<__mmask32>(pm.m16[k]) | (static_cast<__mmask32>(pm.m16[k + 1]) << 16);
+        const __m512i v = _mm512_maskz_loadu_epi16(m, yp);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        const __m512 hi =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+        const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_add_ps(hi, acc[p][k + 1]), _mm512_add_ps(lo, acc[p][k]));
+        _mm512_mask_storeu_epi16(yp, m, (__m512i)r);
+      }
+      if (NV % 2) {
+        T* yp = yr[p] + 16 * (NV - 1);
+        const __mmask16 m = pm.m16[NV - 1];
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(ld16<T>(yp, m), acc[p][NV - 1]));
+        _mm256_mask_storeu_epi16(yp, m, (__m256i)r);
+      }
+    }
+    return;
+  }
+#endif
+#pragma GCC unroll 4
+  for (int p = 0; p < NR; ++p)
+#pragma GCC unroll 4
+    for (int k = 0; k < NV; ++k) {
+      T* yp = yr[p] + 16 * k;
+      st16<T>(yp, _mm512_add_ps(ld16<T>(yp, pm.m16[k]), acc[p][k]), pm.m16[k]);
+    }
+}
+
+// NR rows x NV vectors of a panel: acc over the rank pairs in order, then into y.
+template <typename T, int NR, int NV>
+inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, T* const* yr,
+                        const PanelMasks& pm) {
+  __m512 acc[NR][NV];
+#pragma GCC unroll 4
+  for (int p = 0; p < NR; ++p)
+#pragma GCC unroll 4
+    for (int k = 0; k < NV; ++k) acc[p][k] = _mm512_setzero_ps();
+#ifdef SERVELM_LORA_PAIRED
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    for (int64_t i = 0; i < P; ++i) {
+      __m512bh bv[NV];
+#pragma GCC unroll 4
+      for (int k = 0; k < NV; ++k) bv[k] = (__m512bh)_mm512_maskz_loadu_epi16(pm.m32[k], b + i * ldb + 32 * k);
+#pragma GCC unroll 4
+      for (int p = 0; p < NR; ++p) {
+        uint32_t v;
+        std::memcpy(&v, tr[p] + 2 * i, sizeof(v));
+        const __m512bh tp = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+#pragma GCC unroll 4
+        for (int k = 0; k < NV; ++k) acc[p][k] = _mm512_dpbf16_ps(acc[p][k], bv[k], tp);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < P; ++i) {
+      __m512 even[NV], odd[NV];
+#pragma GCC unroll 4
+      for (int k = 0; k < NV; ++k) rank_pair(b + i * ldb, pm, k, even[k], odd[k]);
+#pragma GCC unroll 4
+      for (int p = 0; p < NR; ++p) {
+        const __m512 te = _mm512_set1_ps(as_float(tr[p][2 * i]));
+        const __m512 to = _mm512_set1_ps(as_float(tr[p][2 * i + 1]));
+#pragma GCC unroll 4
+        for (int k = 0; k < NV; ++k) acc[p][k] = _mm512_fmadd_ps(to, odd[k], _mm512_fmadd_ps(te, even[k], acc[p][k]));
+      }
+    }
+  }
+  add_rows<T, NR, NV>(acc, yr, pm);
+}
+
+template <typename T, int NV>
+inline void expand_rows(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
+                        int64_t P, T* y, int64_t ldy, const PanelMasks& pm) {
+  int64_t q = 0;
+  for (; q + kNR <= n; q += kNR) {
+    const T* tr[kNR];
+    T* yr[kNR];
+    for (int p = 0; p < kNR; ++p) tr[p] = t + rows[q + p] * ldt, yr[p] = y + rows[q + p] * ldy;
+    expand_tile<T, kNR, NV>(b, ldb, tr, P, yr, pm);
+  }
+  for (; q < n; ++q) {
+    const T* tr[1] = {t + rows[q] * ldt};
+    T* yr[1] = {y + rows[q] * ldy};
+    expand_tile<T, 1, NV>(b, ldb, tr, P, yr, pm);
+  }
+}
+
+// The vector form over a panel of w columns.
 template <typename T>
-__attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, const float* t, T* y,
-                                      int64_t ldy, int64_t b0, int64_t b1, float* bt) {
-  const int64_t R = L.R, JR = L.JR();
+inline void expand_panel(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
+                         int64_t P, T* y, int64_t ldy, int w) {
+  const PanelMasks pm(w);
+  switch ((w + 15) / 16) {
+    case 1: expand_rows<T, 1>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
+    case 2: expand_rows<T, 2>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
+    case 3: expand_rows<T, 3>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
+    default: expand_rows<T, 4>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
+  }
+}
+#endif
+
+#ifdef SERVELM_AMX
+// The AMX form (bf16, R <= 32, where the OS grants the tile state): per 16 rows of a slot and
+// 16 columns, C [rows x 16] = T [rows x 2P] . B [2P x 16] in one tdpbf16ps (B's rank pairs are
+// the tile's B layout as they lie: pair row i of the vector's columns at b + i * 2N), C then
+// added into y as add_rows does. A panel whose width is not whole vectors runs the vector form
+// (the same columns always do, whatever the batch).
+inline bool expands_on_amx(int64_t R) { return R <= 32 && amx_available(); }
+
+// Vector k of a panel: C tile TC, B tile TB (tile numbers are literals in the instructions).
+#define SERVELM_LORA_AMX_VEC(k, TC, TB)          \
+  if (k < nv) {                                  \
+    _tile_zero(TC);                              \
+    _tile_loadd(TB, b + 32 * k, 4 * N);          \
+    _tile_dpbf16ps(TC, 0, TB);                   \
+    _tile_stored(TC, cbuf + 256 * k, 64);        \
+  }
+
+inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, const c10::BFloat16* t,
+                       c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1) {
+  using BF = c10::BFloat16;
+  const int64_t N = L.N, P = L.P(), P2 = 2 * P, JP = L.J * P2;
+  int64_t most = 0;
+  for (size_t g = 0; g + 1 < G.begin.size(); ++g) most = std::max(most, G.begin[g + 1] - G.begin[g]);
+  const int tr = static_cast<int>(std::min<int64_t>(16, most));  // A's and C's rows
+  TileConfig cfg;
+  cfg.colsb[0] = static_cast<uint16_t>(4 * P), cfg.rows[0] = static_cast<uint8_t>(tr);  // A: T's rows
+  for (int i = 1; i < 3; ++i) cfg.colsb[i] = 64, cfg.rows[i] = static_cast<uint8_t>(P);  // B: P pairs
+  for (int i = 4; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = static_cast<uint8_t>(tr);  // C
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");  // (as load_tile_config: keep the stores)
+  _tile_loadconfig(&cfg);
+  alignas(64) BF abuf[16 * 32] = {};
+  alignas(64) float cbuf[4 * 256];
+  const PanelMasks full(kPanel);
   for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t c0 = L.block_col[blk];
+    const int64_t c0 = L.block_col[blk], j = L.block_part[blk];
     const int w = L.block_width[blk];
-    const float* tj0 = t + L.block_part[blk] * R;
+    const int nv = w / 16;
     for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
-      const T* b = L.b + (G.slot[g] * L.N + c0) * R;
+      const BF* b = L.b + (G.slot[g] * P * N + c0) * 2;
       const int32_t* rows = G.rows.data() + G.begin[g];
       const int64_t n = G.begin[g + 1] - G.begin[g];
+      if (w % 16) {
+        expand_panel<BF>(b, 2 * N, t + j * P2, JP, rows, n, P, y + c0, ldy, w);
+        continue;
+      }
+      for (int64_t q0 = 0; q0 < n; q0 += tr) {
+        const int64_t nq = std::min<int64_t>(tr, n - q0);
+        for (int64_t r = 0; r < nq; ++r) std::memcpy(abuf + r * P2, t + rows[q0 + r] * JP + j * P2, P2 * sizeof(BF));
+        _tile_loadd(0, abuf, 4 * P);
+        SERVELM_LORA_AMX_VEC(0, 4, 1)
+        SERVELM_LORA_AMX_VEC(1, 5, 2)
+        SERVELM_LORA_AMX_VEC(2, 6, 1)
+        SERVELM_LORA_AMX_VEC(3, 7, 2)
+        for (int64_t r = 0; r < nq; ++r) {
+          __m512 acc[1][4];
+          for (int k = 0; k < 4; ++k) acc[0][k] = k < nv ? _mm512_loadu_ps(cbuf + 256 * k + 16 * r) : _mm512_setzero_ps();
+          BF* yr[1] = {y + rows[q0 + r] * ldy + c0};
+          switch (nv) {
+            case 1: { __m512 a[1][1] = {{acc[0][0]}}; add_rows<BF, 1, 1>(a, yr, full); break; }
+            case 2: { __m512 a[1][2] = {{acc[0][0], acc[0][1]}}; add_rows<BF, 1, 2>(a, yr, full); break; }
+            case 3: { __m512 a[1][3] = {{acc[0][0], acc[0][1], acc[0][2]}}; add_rows<BF, 1, 3>(a, yr, full); break; }
+            default: add_rows<BF, 1, 4>(acc, yr, full); break;
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#undef SERVELM_LORA_AMX_VEC
+#endif
+
+template <typename T>
+__attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, const T* t, T* y, int64_t ldy,
+                                      int64_t b0, int64_t b1) {
+#ifdef SERVELM_AMX
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    if (expands_on_amx(L.R)) return expand_amx(L, G, t, y, ldy, b0, b1);
+#endif
+  const int64_t N = L.N, P = L.P(), JP = L.J * 2 * P;
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t c0 = L.block_col[blk], j = L.block_part[blk];
+    const int w = L.block_width[blk];
+    for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
+      const T* b = L.b + (G.slot[g] * P * N + c0) * 2;  // pair i of column c0 + c at b + (i N + c) 2
+      const int32_t* rows = G.rows.data() + G.begin[g];
+      const int64_t n = G.begin[g + 1] - G.begin[g];
+      const T* tj = t + j * 2 * P;
 #ifdef SERVELM_LORA_AVX512
-      transpose_block<T>(b, R, w, bt);
-      const __mmask16 mask = static_cast<__mmask16>(w == 16 ? 0xffffu : (1u << w) - 1);
-      int64_t q = 0;
-      for (; q + kNR <= n; q += kNR) {
-        __m512 acc[kNR];
-        for (int p = 0; p < kNR; ++p) acc[p] = _mm512_setzero_ps();
-        for (int64_t r = 0; r < R; ++r) {
-          const __m512 bv = _mm512_loadu_ps(bt + r * 16);
-          for (int p = 0; p < kNR; ++p)
-            acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(tj0[rows[q + p] * JR + r]), bv, acc[p]);
-        }
-        for (int p = 0; p < kNR; ++p) {
-          T* yp = y + rows[q + p] * ldy + c0;
-          st16<T>(yp, _mm512_add_ps(ld16<T>(yp, mask), acc[p]), mask);
-        }
-      }
-      for (; q < n; ++q) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t r = 0; r < R; ++r)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(tj0[rows[q] * JR + r]), _mm512_loadu_ps(bt + r * 16), acc);
-        T* yp = y + rows[q] * ldy + c0;
-        st16<T>(yp, _mm512_add_ps(ld16<T>(yp, mask), acc), mask);
-      }
+      expand_panel<T>(b, 2 * N, tj, JP, rows, n, P, y + c0, ldy, w);
 #else
-      for (int i = 0; i < 16; ++i)
-        for (int64_t r = 0; r < R; ++r) bt[r * 16 + i] = i < w ? as_float(b[i * R + r]) : 0.f;
       for (int64_t q = 0; q < n; ++q) {
-        const float* tm = tj0 + rows[q] * JR;
+        const T* tm = tj + rows[q] * JP;
         T* yp = y + rows[q] * ldy + c0;
-        for (int i = 0; i < w; ++i) {
+        for (int c = 0; c < w; ++c) {
           float acc = 0.f;
-          for (int64_t r = 0; r < R; ++r) acc += tm[r] * bt[r * 16 + i];
-          yp[i] = static_cast<T>(as_float(yp[i]) + acc);
+          for (int64_t r = 0; r < 2 * P; ++r) acc += as_float(tm[r]) * as_float(b[((r / 2) * N + c) * 2 + r % 2]);
+          yp[c] = static_cast<T>(as_float(yp[c]) + acc);
         }
       }
 #endif

@@ -15,7 +15,7 @@
 //                   k_cache, v_cache (mutated), slot_mapping int64 [T], H, KVH) -> ()
 //   silu_and_mul(x [T,2I]) -> [T,I]
 //   argmax_rows(x float32 [M,N]) -> int64 [M]: torch.argmax(x, -1) (first maximum; NaN is largest)
-//   lora_add(y [M,N] (mutated), x [M,K], lora_a [S,J*R,K], lora_b [S,N,R], row_slots int32 [M],
+//   lora_add(y [M,N] (mutated), x [M,K], lora_a [S,J*R,K], lora_b [S,ceil(R/2),N,2], row_slots int32 [M],
 //            bounds [J+1]) -> ()
 //       Each row's LoRA delta (servelm.layers.lora.lora_add_ref): y[m, c] += B[s, c] . (A[s, part
 //       j of c] x[m]) for a row of slot s >= 0, in fp32, rounded into y once; rows grouped by slot
@@ -1017,7 +1017,7 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   G.build(row_slots, M, L.S, "lora_add");
   if (G.empty()) return;
   const int64_t JR = L.JR();
-  std::vector<float> t(M * JR);
+  std::vector<T> t(M * L.J * lora::paired_ranks(L.R));
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
@@ -1026,11 +1026,8 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
   at::parallel_for(0, G.chunks() * JR, std::max<int64_t>(1, (int64_t{1} << 15) / (K * rows_per_chunk)),
                    [&](int64_t i0, int64_t i1) { lora::shrink<T>(L, G, xp, ldx, t.data(), i0, i1); });
   const int64_t rows = static_cast<int64_t>(G.rows.size());
-  at::parallel_for(0, L.blocks(), std::max<int64_t>(1, (int64_t{1} << 15) / (16 * L.R * rows)),
-                   [&](int64_t b0, int64_t b1) {
-                     std::vector<float> bt(16 * L.R);
-                     lora::expand<T>(L, G, t.data(), yp, ldy, b0, b1, bt.data());
-                   });
+  at::parallel_for(0, L.blocks(), std::max<int64_t>(1, (int64_t{1} << 15) / (lora::kPanel * L.R * rows)),
+                   [&](int64_t b0, int64_t b1) { lora::expand<T>(L, G, t.data(), yp, ldy, b0, b1); });
 }
 
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
