@@ -51,6 +51,7 @@ FLAGS = {
     "--dequantized-copy-memory": "dequantized_copy_memory",
     "--no-overlap-grammar-masks": "overlap_grammar_masks",
     "--tuning-cache-dir": "tuning_cache_dir", "--no-cpu-kernels": "cpu_kernels",
+    "--no-retune-when-idle": "retune_when_idle",
     "--no-fused-decode": "fused_decode", "--no-hugepages": "hugepages",
     "--no-shm-collectives": "shm_collectives", "--no-triton": "triton_attention",
     "--attention-backend": "attention_backend",
@@ -66,7 +67,7 @@ KEYWORDS = {
     "fused_decode": True, "hugepages": True, "triton_attention": True,
     "attention_backend": "auto", "tuning_cache_dir": None, "shm_collectives": True,
     "kv_cache_dtype": "auto", "commit_kv_while_idle": True, "speculative_config": None,
-    "dequantized_copy_memory": None, "overlap_grammar_masks": True,
+    "dequantized_copy_memory": None, "overlap_grammar_masks": True, "retune_when_idle": True,
     "enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "lora_modules": (),
 }
 IGNORED = {flag for flags, _ in IGNORED_ENGINE_FLAGS for flag in flags}
@@ -205,6 +206,7 @@ def test_a_command_line_builds_the_config_its_llm_keywords_build(captured, tmp_p
             "1GiB", "--no-overlap-grammar-masks", "--tuning-cache-dir", "/tmp/tune",
             "--no-cpu-kernels", "--no-fused-decode", "--no-hugepages", "--no-shm-collectives",
             "--no-triton", "--attention-backend", "reference", "-ngl", "99",
+            "--no-retune-when-idle",
             "--trust-remote-code", "--enable-chunked-prefill", "--enable-lora", "--max-loras",
             "3", "--max-lora-rank", "8", "--lora-modules", "a=/x", "b=/y"]
     keywords = dict(
@@ -218,7 +220,8 @@ def test_a_command_line_builds_the_config_its_llm_keywords_build(captured, tmp_p
         linear_method="tiles", batch_invariant=False, dequantized_copy_memory=1 << 30,
         overlap_grammar_masks=False, tuning_cache_dir="/tmp/tune", cpu_kernels=False,
         fused_decode=False, hugepages=False, shm_collectives=False, triton_attention=False,
-        attention_backend="reference", enable_lora=True, max_loras=3, max_lora_rank=8,
+        attention_backend="reference", retune_when_idle=False, enable_lora=True, max_loras=3,
+        max_lora_rank=8,
         lora_modules={"a": "/x", "b": "/y"})
     # Every option given a value not its default (but one: speculation needs one rank).
     assert set(keywords) == set(KEYWORDS) - {"tensor_parallel_size"}

@@ -27,6 +27,7 @@ def _no_idle_work(llm, monkeypatch):
     config = llm.engine.config
     monkeypatch.setattr(llm.engine, "config", dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, commit_while_idle=False)))
+    monkeypatch.setattr(llm.engine, "retuner", None)  # nor re-tune its linear methods
 
 
 @pytest.fixture
@@ -241,7 +242,8 @@ def test_idle_engine_commits_the_kv_pool_and_serves_meanwhile(monkeypatch):
     probe = hugepages.empty(hugepages.HUGE_PAGE)
     if not hugepages.populate(probe.data_ptr(), probe.numel()):
         pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
-    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, commit_kv_while_idle=False)
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, commit_kv_while_idle=False,
+              retune_when_idle=False)
     kv, config = llm.engine.executor.kv_cache, llm.engine.config
     before = kv.uncommitted_bytes  # off: nothing committed
     assert not config.cache.commit_while_idle and before > 32 << 20

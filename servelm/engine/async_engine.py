@@ -389,6 +389,9 @@ class AsyncLLMEngine:
                 self._apply(inbox)
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
+                    # A step may leave idle work behind: the re-tune its decode times asked
+                    # for (LLMEngine.commit_idle returns False at once when there is none).
+                    idle_work = True
             except Exception as e:
                 logger.exception("engine step failed; failing every request in flight")
                 # A fatal error (a tensor-parallel worker died) leaves no engine to step.
