@@ -325,7 +325,7 @@ struct Team {
   void rows(int64_t M, F&& f, const QLinear& next) {
     rows(M, f, next, [] {});
   }
-  // extra(): this thread's share of other work that reads only x (a LoRA shrink), before the
+  // extra(): this thread's other work on its own output tiles (a LoRA expand), before the
   // barrier.
   template <typename Extra>
   void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
@@ -800,23 +800,24 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<BF> lora_t(lora_on ? M * lora_jp_ : 0);
 
     team_region([&](Team& t) {
-      // A linear's LoRA shrink (this thread's items; inside the matmul's phase, which reads the
-      // same input) and expand (its column blocks, once the matmul's output is whole).
-      auto shrink = [&](const lora::Adapter<BF>& adapter, const BF* x, int64_t ldx) {
-        return [&, L = &adapter, x, ldx] {
-          if (!lora_on || !L->bound()) return;
-          const int64_t n = lora_groups.chunks() * L->JR();
-          lora::shrink<BF>(*L, lora_groups, x, ldx, lora_t.data(), n * t.tid / t.n, n * (t.tid + 1) / t.n);
-        };
+      // A linear's LoRA delta without a phase of its own: the shrink of this thread's rows at
+      // the end of the row step that wrote them (the linear's input), the expand of this
+      // thread's share of the output columns right after its tiles in the matmul's phase.
+      lora::RowGroups mine;  // this thread's rows of the step (Team::rows' split)
+      if (lora_on)
+        mine.build(lora_rows_.data_ptr<int32_t>(), M, lora_slots_, "DecodeStack", M * t.tid / t.n,
+                   M * (t.tid + 1) / t.n);
+      auto shrink = [&](const lora::Adapter<BF>& L, const BF* x, int64_t ldx) {
+        if (lora_on && L.bound() && !mine.empty())
+          lora::shrink<BF>(L, mine, x, ldx, lora_t.data(), 0, mine.chunks() * L.JR());
       };
-      auto expand = [&](const lora::Adapter<BF>& L, BF* y, int64_t ldy) {
-        if (!lora_on || !L.bound()) return;
-        t.guarded([&] {
-          const int64_t n = L.blocks();
-          lora::expand<BF>(L, lora_groups, lora_t.data(), y, ldy, n * t.tid / t.n,
-                           n * (t.tid + 1) / t.n);
-        });
-        t.barrier();
+      auto expand = [&](const lora::Adapter<BF>& adapter, const QLinear& q, BF* y, int64_t ldy) {
+        return [&, L = &adapter, q = &q, y, ldy] {
+          if (!lora_on || !L->bound()) return;
+          int64_t t0, t1;
+          q->share(t.tid, t.n, t0, t1);
+          if (t0 < t1) lora::expand<BF>(*L, lora_groups, lora_t.data(), y, ldy, 0, L->blocks(), 16 * t0, 16 * t1);
+        };
       };
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
@@ -834,9 +835,9 @@ class DecodeStack : public torch::CustomClassHolder {
             else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
           }
           s.qkv.sums(h1, M, m0, m1, xs1.data());
+          shrink(s.lora[kQkv], h1, hidden);
         }, s.qkv);
-        t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, shrink(s.lora[kQkv], h1, hidden));
-        expand(s.lora[kQkv], qkv_out, qkv_n);
+        t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, expand(s.lora[kQkv], s.qkv, qkv_out, qkv_n));
         // q/k norms, rotary + KV write, then attention: each thread its items.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           BF* kc = s.k_cache.data_ptr<BF>();
@@ -865,9 +866,9 @@ class DecodeStack : public torch::CustomClassHolder {
         t.rows(M, [&](int64_t m0, int64_t m1) {
           att.finish(static_cast<int>(m0), static_cast<int>(m1));
           s.o.sums(attn, M, m0, m1, xs2.data());
+          shrink(s.lora[kO], attn, heads_ * D);
         }, s.o);
-        t.matmul(s.o, attn, xs2, o_out, M, &s.gu, shrink(s.lora[kO], attn, heads_ * D));
-        expand(s.lora[kO], o_out, hidden);
+        t.matmul(s.o, attn, xs2, o_out, M, &s.gu, expand(s.lora[kO], s.o, o_out, hidden));
         t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.norm(kPostAttentionNorm);
           const BF* on = s.norm(kAttnOutNorm);
@@ -876,11 +877,12 @@ class DecodeStack : public torch::CustomClassHolder {
             add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
           }
           s.gu.sums(h2, M, m0, m1, xs3.data());
+          shrink(s.lora[kGateUp], h2, hidden);
         }, s.gu);
         // A gated gate_up writes silu(gate) * up itself.
-        t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down, shrink(s.lora[kGateUp], h2, hidden));
-        expand(s.lora[kGateUp], gu_out, 2 * inter);
-        if (!s.gu.gated || s.down.scratch(M))
+        t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down,
+                 expand(s.lora[kGateUp], s.gu, gu_out, 2 * inter));
+        if (!s.gu.gated || s.down.scratch(M) || s.lora[kDown].bound())
           t.rows(M, [&](int64_t m0, int64_t m1) {
             if (!s.gu.gated) {
               if (act_ == kGeluTanh) gelu_tanh_rows(gu_out, act, m0, m1, inter);
@@ -889,10 +891,10 @@ class DecodeStack : public torch::CustomClassHolder {
                   silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
             }
             s.down.sums(act, M, m0, m1, xs4.data());
+            shrink(s.lora[kDown], act, inter);
           }, s.down);
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
-                 shrink(s.lora[kDown], act, inter));
-        expand(s.lora[kDown], delta, hidden);
+                 expand(s.lora[kDown], s.down, delta, hidden));
       }
       if (final_mlp_norm)  // the last layer's MLP output norm (the others' run in the next layer)
         t.rows(M, [&](int64_t m0, int64_t m1) {

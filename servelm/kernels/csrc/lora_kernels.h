@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -58,12 +59,13 @@ struct RowGroups {
   bool empty() const { return slot.empty(); }
   int64_t chunks() const { return static_cast<int64_t>(chunk_group.size()); }
 
-  // row_slots [M] (-1: no adapter; else < S).
-  void build(const int32_t* row_slots, int64_t M, int64_t S, const char* who) {
+  // row_slots [M] (-1: no adapter; else < S): rows [m0, m1) of them (default: all).
+  void build(const int32_t* row_slots, int64_t M, int64_t S, const char* who, int64_t m0 = 0, int64_t m1 = -1) {
+    if (m1 < 0) m1 = M;
     rows.clear(), slot.clear(), begin.clear();
     chunk_group.clear(), chunk_begin.clear(), chunk_end.clear();
     std::vector<int64_t> at(S + 1, 0);
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
       const int32_t s = row_slots[m];
       TORCH_CHECK(s >= -1 && s < S, who, ": row slot ", s, " of row ", m, " is outside [-1, ", S, ")");
       if (s >= 0) ++at[s + 1];
@@ -75,7 +77,7 @@ struct RowGroups {
     if (slot.empty()) return;
     begin.push_back(at[S]);
     rows.resize(at[S]);
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = m0; m < m1; ++m)
       if (row_slots[m] >= 0) rows[at[row_slots[m]]++] = static_cast<int32_t>(m);
     for (size_t g = 0; g + 1 < begin.size(); ++g)
       for (int64_t b = begin[g]; b < begin[g + 1]; b += kRowChunk) {
@@ -437,8 +439,8 @@ inline void expand_panel(const T* b, int64_t ldb, const T* t, int64_t ldt, const
 // The AMX form (bf16, R <= 32, where the OS grants the tile state): per 16 rows of a slot and
 // 16 columns, C [rows x 16] = T [rows x 2P] . B [2P x 16] in one tdpbf16ps (B's rank pairs are
 // the tile's B layout as they lie: pair row i of the vector's columns at b + i * 2N), C then
-// added into y as add_rows does. A panel whose width is not whole vectors runs the vector form
-// (the same columns always do, whatever the batch).
+// added into y as add_rows does. A panel that is not whole vectors on the 16-column grid runs
+// the vector form (the same columns always do, whatever the batch or the column range).
 inline bool expands_on_amx(int64_t R) { return R <= 32 && amx_available(); }
 
 // Vector k of a panel: C tile TC, B tile TB (tile numbers are literals in the instructions).
@@ -451,7 +453,7 @@ inline bool expands_on_amx(int64_t R) { return R <= 32 && amx_available(); }
   }
 
 inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, const c10::BFloat16* t,
-                       c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1) {
+                       c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t c_lo, int64_t c_hi) {
   using BF = c10::BFloat16;
   const int64_t N = L.N, P = L.P(), P2 = 2 * P, JP = L.J * P2;
   int64_t most = 0;
@@ -467,14 +469,17 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
   alignas(64) float cbuf[4 * 256];
   const PanelMasks full(kPanel);
   for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t c0 = L.block_col[blk], j = L.block_part[blk];
-    const int w = L.block_width[blk];
+    const int64_t j = L.block_part[blk];
+    const bool whole = L.block_col[blk] % 16 == 0 && L.block_width[blk] % 16 == 0;
+    const int64_t c0 = std::max(L.block_col[blk], c_lo), c1 = std::min(L.block_col[blk] + L.block_width[blk], c_hi);
+    if (c0 >= c1) continue;
+    const int w = static_cast<int>(c1 - c0);
     const int nv = w / 16;
     for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
       const BF* b = L.b + (G.slot[g] * P * N + c0) * 2;
       const int32_t* rows = G.rows.data() + G.begin[g];
       const int64_t n = G.begin[g + 1] - G.begin[g];
-      if (w % 16) {
+      if (!whole) {
         expand_panel<BF>(b, 2 * N, t + j * P2, JP, rows, n, P, y + c0, ldy, w);
         continue;
       }
@@ -505,17 +510,22 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
 #undef SERVELM_LORA_AMX_VEC
 #endif
 
+// Panels [b0, b1), their columns within [c_lo, c_hi) (a DecodeStack thread's share of the
+// matmul's columns); a column's arithmetic does not depend on the range.
 template <typename T>
 __attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, const T* t, T* y, int64_t ldy,
-                                      int64_t b0, int64_t b1) {
+                                      int64_t b0, int64_t b1, int64_t c_lo = 0,
+                                      int64_t c_hi = std::numeric_limits<int64_t>::max()) {
 #ifdef SERVELM_AMX
   if constexpr (std::is_same<T, c10::BFloat16>::value)
-    if (expands_on_amx(L.R)) return expand_amx(L, G, t, y, ldy, b0, b1);
+    if (expands_on_amx(L.R)) return expand_amx(L, G, t, y, ldy, b0, b1, c_lo, c_hi);
 #endif
   const int64_t N = L.N, P = L.P(), JP = L.J * 2 * P;
   for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t c0 = L.block_col[blk], j = L.block_part[blk];
-    const int w = L.block_width[blk];
+    const int64_t j = L.block_part[blk];
+    const int64_t c0 = std::max(L.block_col[blk], c_lo), c1 = std::min(L.block_col[blk] + L.block_width[blk], c_hi);
+    if (c0 >= c1) continue;
+    const int w = static_cast<int>(c1 - c0);
     for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
       const T* b = L.b + (G.slot[g] * P * N + c0) * 2;  // pair i of column c0 + c at b + (i N + c) 2
       const int32_t* rows = G.rows.data() + G.begin[g];
