@@ -800,16 +800,27 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<BF> lora_t(lora_on ? M * lora_jp_ : 0);
 
     team_region([&](Team& t) {
-      // A linear's LoRA delta without a phase of its own: the shrink of this thread's rows at
-      // the end of the row step that wrote them (the linear's input), the expand of this
-      // thread's share of the output columns right after its tiles in the matmul's phase.
+      // A linear's LoRA delta: the expand of this thread's share of the output columns right
+      // after its tiles in the matmul's phase; the shrink before the matmul, of one row at the
+      // end of the row step that wrote it (no phase of its own), of more rows in a phase of
+      // its own split by (rows of a slot, row of A) items, so that each adapter's A is read
+      // once a step (split by rows, every thread would read every slot's A).
+      const bool rows_shrink = M == 1;
       lora::RowGroups mine;  // this thread's rows of the step (Team::rows' split)
-      if (lora_on)
+      if (lora_on && rows_shrink)
         mine.build(lora_rows_.data_ptr<int32_t>(), M, lora_slots_, "DecodeStack", M * t.tid / t.n,
                    M * (t.tid + 1) / t.n);
       auto shrink = [&](const lora::Adapter<BF>& L, const BF* x, int64_t ldx) {
-        if (lora_on && L.bound() && !mine.empty())
+        if (lora_on && rows_shrink && L.bound() && !mine.empty())
           lora::shrink<BF>(L, mine, x, ldx, lora_t.data(), 0, mine.chunks() * L.JR());
+      };
+      auto shrink_phase = [&](const lora::Adapter<BF>& L, const BF* x, int64_t ldx) {
+        if (!lora_on || rows_shrink || !L.bound()) return;
+        t.guarded([&] {
+          const int64_t n = lora_groups.chunks() * L.JR();
+          lora::shrink<BF>(L, lora_groups, x, ldx, lora_t.data(), n * t.tid / t.n, n * (t.tid + 1) / t.n);
+        });
+        t.barrier();
       };
       auto expand = [&](const lora::Adapter<BF>& adapter, const QLinear& q, BF* y, int64_t ldy) {
         return [&, L = &adapter, q = &q, y, ldy] {
@@ -837,6 +848,7 @@ class DecodeStack : public torch::CustomClassHolder {
           s.qkv.sums(h1, M, m0, m1, xs1.data());
           shrink(s.lora[kQkv], h1, hidden);
         }, s.qkv);
+        shrink_phase(s.lora[kQkv], h1, hidden);
         t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, expand(s.lora[kQkv], s.qkv, qkv_out, qkv_n));
         // q/k norms, rotary + KV write, then attention: each thread its items.
         t.rows(M, [&](int64_t m0, int64_t m1) {
@@ -868,6 +880,7 @@ class DecodeStack : public torch::CustomClassHolder {
           s.o.sums(attn, M, m0, m1, xs2.data());
           shrink(s.lora[kO], attn, heads_ * D);
         }, s.o);
+        shrink_phase(s.lora[kO], attn, heads_ * D);
         t.matmul(s.o, attn, xs2, o_out, M, &s.gu, expand(s.lora[kO], s.o, o_out, hidden));
         t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.norm(kPostAttentionNorm);
@@ -880,6 +893,7 @@ class DecodeStack : public torch::CustomClassHolder {
           shrink(s.lora[kGateUp], h2, hidden);
         }, s.gu);
         // A gated gate_up writes silu(gate) * up itself.
+        shrink_phase(s.lora[kGateUp], h2, hidden);
         t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down,
                  expand(s.lora[kGateUp], s.gu, gu_out, 2 * inter));
         if (!s.gu.gated || s.down.scratch(M) || s.lora[kDown].bound())
@@ -893,6 +907,7 @@ class DecodeStack : public torch::CustomClassHolder {
             s.down.sums(act, M, m0, m1, xs4.data());
             shrink(s.lora[kDown], act, inter);
           }, s.down);
+        shrink_phase(s.lora[kDown], act, inter);
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
                  expand(s.lora[kDown], s.down, delta, hidden));
       }
