@@ -226,15 +226,29 @@ def test_bf16_tp2_runs_its_all_reduces_not_the_decode_stack(quantization):
 
 # ---- the server ------------------------------------------------------------------------------
 
-def _worker_pids(pid: int) -> list[int]:
-    """Spawned tensor-parallel workers among a process's children (not the resource tracker)."""
+def _children(pid: int) -> list[int]:
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in f.read().split():
-                with open(f"/proc/{child}/cmdline", "rb") as c:
-                    if b"spawn_main" in c.read():
-                        out.append(int(child))
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as c:
+        return c.read()
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """A process's tensor-parallel workers: spawned children, or the children of its
+    forkserver (not the forkserver itself, nor the resource tracker)."""
+    out = []
+    for child in _children(pid):
+        cmd = _cmdline(child)
+        if b"spawn_main" in cmd:
+            out.append(child)
+        elif b"forkserver" in cmd:
+            out += _children(child)
     return sorted(out)
 
 

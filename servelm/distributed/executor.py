@@ -40,6 +40,20 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 300.0
 
 
+def _worker_context():
+    """How tensor-parallel ranks start: forked from a server process that imported torch and
+    servelm's worker once (a spawned rank re-imports them, seconds of every engine start);
+    spawned where there is no forkserver. Either way a rank shares nothing with this process
+    but its arguments, and sees the environment the server started with."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["servelm.distributed.worker"])
+    return ctx
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank died or the ranks fell out of step; the engine cannot go on."""
 
@@ -154,7 +168,7 @@ class TPExecutor(Executor):
         tp = config.tensor_parallel_size
         store = TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context()
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, tp):
             p = ctx.Process(target=spawn_main, name=f"servelm-tp-worker-{rank}", daemon=True,

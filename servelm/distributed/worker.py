@@ -119,10 +119,15 @@ def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: t
 
 
 def _watch_parent(parent: int) -> None:
-    """A spawned worker whose engine process is gone has nothing to serve: exit."""
+    """A worker whose engine process is gone has nothing to serve: exit. (The engine is not
+    the worker's parent: a forkserver is.)"""
     def watch() -> None:
         while True:
-            if os.getppid() != parent:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # a pid taken by another user's process: ours is gone
                 os._exit(1)
             time.sleep(1.0)
     threading.Thread(target=watch, name="servelm-tp-parent-watch", daemon=True).start()
@@ -130,7 +135,8 @@ def _watch_parent(parent: int) -> None:
 
 def spawn_main(rank: int, world: int, port: int, config, dtype: torch.dtype, device: str,
                max_len: int, threads: int, parent: int, log_level: int) -> None:
-    """Entry point of a worker process started by the executor (torch.multiprocessing spawn)."""
+    """Entry point of a worker process started by the executor (forked from the forkserver
+    that preloaded this module, or spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=log_level, format=f"%(levelname)s tp-rank{rank} %(name)s: "
                                                 f"%(message)s")
