@@ -31,7 +31,6 @@ import logging
 import math
 import time
 from collections import deque
-from types import SimpleNamespace
 
 from servelm import tuning
 from servelm.config import KernelConfig
@@ -224,8 +223,7 @@ class IdleRetuner:
                                                                                      plan.act)}
         if plan.norm is not None:
             yield
-            extra[tuning.OP_CALL_KEY] = {
-                "rms_norm": [tuning._op_call_us(SimpleNamespace(norm=plan.norm))]}
+            extra[tuning.OP_CALL_KEY] = {"rms_norm": [tuning._op_call_us(plan.norm)]}
         if unstable:
             give_up = self.attempts >= MAX_RETUNES
             logger.warning("re-tuning the linear methods while idle: timings unstable again "

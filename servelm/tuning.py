@@ -870,7 +870,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
             keys = {k for k, items in groups.items() if any(id(it[3]) in on_stack for it in items)}
             entry = None if kcfg.tuning == "fresh" else cache.get(OP_CALL_KEY)
             if entry is None:
-                cache.put(OP_CALL_KEY, {"rms_norm": [_op_call_us(model)]}, [], [], [])
+                cache.put(OP_CALL_KEY, {"rms_norm": [_op_call_us(model.norm)]}, [], [], [])
                 entry, measured = cache.get(OP_CALL_KEY), True
             per_layer = STACK_CALLS * times_from(entry)["rms_norm"][0]
             stack = StackCost(keys, len(model.layers), per_layer)
@@ -1058,10 +1058,10 @@ def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set
 
 
 @torch.inference_mode()
-def _op_call_us(model: nn.Module) -> float:
+def _op_call_us(model_norm: nn.Module) -> float:
     """µs of one one-row operator call as the per-op path makes it (the model's final
-    RMSNorm on the C++ kernels), the median of 200 calls."""
-    norm = copy.deepcopy(model.norm)  # a copy bound to the kernels, the model's own untouched
+    RMSNorm, model_norm, on the C++ kernels), the median of 200 calls."""
+    norm = copy.deepcopy(model_norm)  # a copy bound to the kernels, the model's own untouched
     x = torch.randn(1, norm.weight.shape[0]).to(norm.weight.dtype)
     norm.select(True)
     return _median_call_us(norm, x, 200)
