@@ -557,9 +557,8 @@ class DecodeStack : public torch::CustomClassHolder {
   // Once per adapted linear (servelm.layers.lora.LoRALinear) of layer `layer`, `linear` a
   // Linear: its adapters' stacks lora_a [S, J*R, K], lora_b [S, ceil(R/2), N, 2] (bf16, held by
   // reference: adapters are copied into them, never reallocated) and its parts' column bounds
-  // (J + 1). Every
-  // adapted linear has the same S slots. A run then adds the deltas of set_lora_rows' rows right
-  // after that linear's matmul.
+  // (J + 1). Every adapted linear has the same S slots. A run then adds the deltas of
+  // set_lora_rows' rows to that linear's output.
   void bind_lora(int64_t layer, int64_t linear, at::Tensor lora_a, at::Tensor lora_b,
                  std::vector<int64_t> bounds) {
     TORCH_CHECK(layer >= 0 && layer < num_layers() && linear >= 0 && linear < kLinears,

@@ -467,7 +467,6 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
   _tile_loadconfig(&cfg);
   alignas(64) BF abuf[16 * 32] = {};
   alignas(64) float cbuf[4 * 256];
-  const PanelMasks full(kPanel);
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t j = L.block_part[blk];
     const bool whole = L.block_col[blk] % 16 == 0 && L.block_width[blk] % 16 == 0;
@@ -475,6 +474,7 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
     if (c0 >= c1) continue;
     const int w = static_cast<int>(c1 - c0);
     const int nv = w / 16;
+    const PanelMasks pm(w);  // (whole: vectors past nv masked off, their acc zero)
     for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
       const BF* b = L.b + (G.slot[g] * P * N + c0) * 2;
       const int32_t* rows = G.rows.data() + G.begin[g];
@@ -495,12 +495,7 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
           __m512 acc[1][4];
           for (int k = 0; k < 4; ++k) acc[0][k] = k < nv ? _mm512_loadu_ps(cbuf + 256 * k + 16 * r) : _mm512_setzero_ps();
           BF* yr[1] = {y + rows[q0 + r] * ldy + c0};
-          switch (nv) {
-            case 1: { __m512 a[1][1] = {{acc[0][0]}}; add_rows<BF, 1, 1>(a, yr, full); break; }
-            case 2: { __m512 a[1][2] = {{acc[0][0], acc[0][1]}}; add_rows<BF, 1, 2>(a, yr, full); break; }
-            case 3: { __m512 a[1][3] = {{acc[0][0], acc[0][1], acc[0][2]}}; add_rows<BF, 1, 3>(a, yr, full); break; }
-            default: add_rows<BF, 1, 4>(acc, yr, full); break;
-          }
+          add_rows<BF, 1, 4>(acc, yr, pm);
         }
       }
     }
