@@ -40,6 +40,21 @@ if "SERVELM_TEST_KEEP_CACHE" not in os.environ:
         os.environ["SERVELM_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="servelm-test-cache-")
     os.environ["XDG_CACHE_HOME"] = os.environ["SERVELM_TEST_CACHE_HOME"]
 
+@pytest.fixture(scope="session", autouse=True)
+def _steady_kernel_timings():
+    """The engines the tests build cache their linear-method tables as measured: the
+    stability checks (servelm.tuning: timed again, then served uncached where the rounds
+    disagree) would make a table timed under the suite's own load provisional, measured
+    again at every engine build and never "cached", by chance. test_tuning_stability.py
+    puts the real checks back for its own tests (every timing there is faked)."""
+    from servelm import tuning
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tuning, "_unstable_rounds", lambda *a, **k: {})
+        mp.setattr(tuning, "_non_monotone", lambda *a, **k: [])
+        yield
+
+
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

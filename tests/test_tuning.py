@@ -20,15 +20,6 @@ from servelm.layers import linear_methods as lm
 from servelm.prepack import PackedLinear
 
 
-@pytest.fixture(autouse=True)
-def _steady_timings(monkeypatch):
-    """These tests are about what is measured, cached and chosen, not about a busy machine:
-    the stability checks (test_tuning_stability.py) would make a table timed under CI's load
-    provisional and uncached, and a test asserting "cached" fail by chance."""
-    monkeypatch.setattr(tuning, "_unstable_rounds", lambda *a, **k: {})
-    monkeypatch.setattr(tuning, "_non_monotone", lambda *a, **k: [])
-
-
 def _never(monkeypatch, *names: str) -> None:
     """The linear methods' registry with the methods `names` applying to no layer."""
     methods = tuple(dataclasses.replace(m, runs=lambda src, act: False) if m.name in names

@@ -18,6 +18,16 @@ from servelm.config import KernelConfig
 from servelm.layers import linear_methods as lm
 
 ROWS = lm.BUCKET_ROWS
+# The real checks, as imported (conftest's _steady_kernel_timings replaces them for the
+# rest of the suite while it runs).
+_REAL_CHECKS = {"_unstable_rounds": tuning._unstable_rounds,
+                "_non_monotone": tuning._non_monotone}
+
+
+@pytest.fixture(autouse=True)
+def _real_stability_checks(monkeypatch):
+    for name, fn in _REAL_CHECKS.items():
+        monkeypatch.setattr(tuning, name, fn)
 
 
 def _base_s(rows: int) -> float:
