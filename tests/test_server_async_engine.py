@@ -278,3 +278,23 @@ def test_serve_flag_turns_idle_commit_off(monkeypatch):
     for flags, want in (([], True), (["--no-kv-commit-while-idle"], False)):
         build_llm(make_parser().parse_args(["serve", *flags]))
         assert seen["commit_kv_while_idle"] is want
+
+
+def test_a_call_republishes_the_adapters_before_its_caller_hears_back(aengine, llm, monkeypatch):
+    """A client told "loaded" (load_lora_adapter) may name the adapter in its very next
+    request: the engine thread republishes `loras` before it completes the call's future
+    (a done-callback runs the moment the future completes, on that thread)."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    registered = []
+    monkeypatch.setattr(llm.engine, "list_loras", lambda: list(registered), raising=False)
+    seen = []
+    future = concurrent.futures.Future()
+    future.add_done_callback(lambda f: seen.append(set(aengine.loras)))
+    with aengine._cond:
+        aengine._inbox.append(("call", lambda engine: registered.append(
+            SimpleNamespace(lora_name="fresh", lora_int_id=7)), future))
+        aengine._cond.notify()
+    future.result(timeout=30)
+    assert seen == [{"fresh"}]

@@ -419,12 +419,16 @@ class AsyncLLMEngine:
                 _, fn, future = item
                 if not future.set_running_or_notify_cancel():  # its caller has gone
                     continue
+                # The adapters are republished before the caller hears back: a client told
+                # "loaded" may use the adapter in its very next request.
                 try:
-                    future.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except Exception as e:  # the caller's to answer
-                    future.set_exception(e)
-                finally:
                     self._publish_loras()
+                    future.set_exception(e)
+                else:
+                    self._publish_loras()
+                    future.set_result(result)
                 continue
             if item[0] == "abort":
                 self.engine.abort_request(item[1])  # frees its blocks before the next step
