@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+import os
+import sys
+import threading
+from array import array
+from collections import OrderedDict, deque
+from functools import lru_cache
 
 # A full block's identity: (the key id of the block before it, or for a first block the
 # request's cache salt (-1 without one), its tokens). Chaining through the previous block
@@ -15,6 +21,86 @@ def _root(salt: str | None) -> int | str:
     return -1 if salt is None else salt
 
 
+_LITTLE = sys.byteorder == "little"
+assert array("I").itemsize == 4, "token ids are digested as uint32"
+
+
+@lru_cache(maxsize=1024)
+def _salt_bytes(salt: str | None) -> bytes:
+    """A salt's bytes in a block's digest: None and "" differ, and the length ends it."""
+    if salt is None:
+        return b"\x00"
+    raw = salt.encode("utf-8", "surrogatepass")
+    return b"\x01" + len(raw).to_bytes(4, "little") + raw
+
+
+def block_digest(parent: int, salt: str | None, tokens) -> int:
+    """A full block's digest: a 64-bit BLAKE2b over the previous block's digest (0 for a
+    first block), the request's cache salt and the block's token ids (little-endian
+    uint32), so equal prefixes under equal salts give equal digests in any process.
+    The router computes the same digests for a prompt (servelm.router)."""
+    ids = array("I", tokens)
+    if not _LITTLE:
+        ids.byteswap()
+    data = parent.to_bytes(8, "little") + _salt_bytes(salt) + ids.tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def prompt_digests(token_ids: list[int], block_size: int, salt: str | None = None) -> list[int]:
+    """The digests of every full block of token_ids, in order (what a server that computed
+    them holds in its prefix cache)."""
+    out, parent = [], 0
+    for i in range(len(token_ids) // block_size):
+        parent = block_digest(parent, salt, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class CacheEventLog:
+    """The prefix cache's changes as a bounded log of ("stored" | "removed", digest) events
+    with sequence numbers, for a reader in another thread (the server's
+    GET /v1/cache_events, which the router polls). A reader too far behind (or of another
+    instance: a restarted server starts a new log) gets a snapshot of the digests cached
+    now instead of a gap."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self.instance = os.urandom(8).hex()
+        self._lock = threading.Lock()
+        self._events: deque[tuple[str, int]] = deque(maxlen=capacity)
+        self._seq = 0          # the last event's number (events are numbered from 1)
+        self._live: set[int] = set()
+
+    def stored(self, digest: int) -> None:
+        with self._lock:
+            self._seq += 1
+            self._events.append(("stored", digest))
+            self._live.add(digest)
+
+    def removed(self, digest: int) -> None:
+        with self._lock:
+            self._seq += 1
+            self._events.append(("removed", digest))
+            self._live.discard(digest)
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def since(self, seq: int | None) -> tuple[int, list[tuple[str, int]] | None, list[int] | None]:
+        """(the last event's number, the events after `seq` in order, None) while the log
+        still holds them all; else (the number, None, every digest cached now). seq None:
+        the snapshot."""
+        with self._lock:
+            last = self._seq
+            first = last - len(self._events) + 1  # the oldest event held
+            if seq is None or seq > last or seq < first - 1:
+                return last, None, list(self._live)
+            n = last - seq
+            events = list(self._events)[len(self._events) - n:] if n else []
+            return last, events, None
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks and takes them back; optionally shares full blocks.
 
@@ -24,7 +110,8 @@ class BlockManager:
     room, least recently freed first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 event_capacity: int = 1 << 16):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
@@ -34,12 +121,15 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
-        # Prefix cache: key -> block, block -> (key, key id); per request, how many of its
-        # leading blocks are registered and the key id of the last of them (its chain so far).
+        # Prefix cache: key -> block, block -> (key, key id, digest); per request, how many
+        # of its leading blocks are registered and the key id and digest of the last of them
+        # (its chain so far). Digests (block_digest) name blocks outside this process:
+        # events publishes them as blocks are cached and evicted.
         self._cached: dict[BlockKey, int] = {}
-        self._block_key: dict[int, tuple[BlockKey, int]] = {}
+        self._block_key: dict[int, tuple[BlockKey, int, int]] = {}
         self._num_registered: dict[str, int] = {}
-        self._chain: dict[str, int] = {}
+        self._chain: dict[str, tuple[int | str, int]] = {}
+        self.events = CacheEventLog(event_capacity) if enable_caching else None
         self._next_key_id = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -105,25 +195,29 @@ class BlockManager:
         done = self._num_registered.get(request_id, 0)
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
-        parent = self._chain.get(request_id, _root(salt))
+        parent, digest = self._chain.get(request_id, (_root(salt), 0))
         for i in range(done, full):
             block = table[i]
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            if block in self._block_key:  # shared from the cache already
-                parent = self._block_key[block][1]
+            entry = self._block_key.get(block)
+            if entry is not None:  # shared from the cache already
+                _, parent, digest = entry
                 continue
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = (parent, tokens)
             owner = self._cached.get(key)
             if owner is not None:
                 # Another request computed the same prefix first; keep this copy private.
-                parent = self._block_key[owner][1]
+                _, parent, digest = self._block_key[owner]
                 continue
             key_id = self._next_key_id
             self._next_key_id += 1
+            digest = block_digest(digest, salt, tokens)
             self._cached[key] = block
-            self._block_key[block] = (key, key_id)
+            self._block_key[block] = (key, key_id, digest)
+            self.events.stored(digest)
             parent = key_id
         self._num_registered[request_id] = full
-        self._chain[request_id] = parent
+        self._chain[request_id] = (parent, digest)
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -162,7 +256,7 @@ class BlockManager:
                 self._take(b)
             table.extend(cached)
             self._num_registered[request_id] = len(cached)
-            self._chain[request_id] = self._block_key[cached[-1]][1]
+            self._chain[request_id] = self._block_key[cached[-1]][1:]
         new = []
         for _ in range(self.num_blocks_for(num_tokens) - len(table)):
             block, _ = self._free.popitem(last=False)  # least recently freed first
@@ -213,6 +307,7 @@ class BlockManager:
         entry = self._block_key.pop(block, None)
         if entry is not None:
             del self._cached[entry[0]]
+            self.events.removed(entry[2])
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]

@@ -31,6 +31,7 @@ from servelm.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                      CompletionResponse, ModelCard, ModelList)
 from servelm.server.serving import Generation, ServingContext
 from servelm.server.sse import EventStreamResponse
+from servelm.server import stats as stats_mod
 from servelm.server.stats import LiveStats
 from servelm.server.tools import parser_for_template
 from servelm.server import access, openapi_errors
@@ -219,6 +220,19 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
     async def stats() -> dict:
         """The engine's state, rates and roofline position (servelm's own; the console's)."""
         return live.report()
+
+    @v1.get("/cache_events")
+    async def cache_events(since: int | None = None, instance: str | None = None) -> dict:
+        """The prefix cache's stored / removed block digests after event `since` (of the
+        log `instance`, when given: another one's numbers mean nothing here), for a
+        cache-aware router; a snapshot instead when the log no longer reaches back."""
+        llm = getattr(engine, "engine", None)
+        if llm is None:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        log = llm.block_manager.events
+        if instance is not None and log is not None and instance != log.instance:
+            since = None
+        return stats_mod.cache_events(llm, since, bool(options.api_keys))
 
     @v1.get("/models/{name:path}")
     async def retrieve_model(name: str) -> ModelCard:

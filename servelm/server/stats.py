@@ -136,6 +136,28 @@ class LiveStats:
         }
 
 
+def cache_events(llm, since: int | None, keyed: bool) -> dict:
+    """GET /v1/cache_events: the prefix cache's "stored" / "removed" block digests
+    (block_manager.block_digest, 16 hex digits) after event `since`, in order; "reset" true
+    (and "blocks": every digest cached now, instead of events) when the log no longer holds
+    them all, `since` is missing, or it is another instance's (a restarted server).
+    keyed: whether the server has API keys, each its own cache salt (a router computing
+    digests needs to know)."""
+    bm = llm.block_manager
+    log = bm.events
+    out = {"object": "servelm.cache_events", "enabled": log is not None,
+           "block_size": bm.block_size, "keyed": keyed,
+           "instance": log.instance if log else None}
+    if log is None:
+        return {**out, "seq": 0, "reset": False, "events": []}
+    seq, events, blocks = log.since(since)
+    if events is None:
+        return {**out, "seq": seq, "reset": True, "events": [],
+                "blocks": [f"{d:016x}" for d in blocks]}
+    return {**out, "seq": seq, "reset": False,
+            "events": [[kind, f"{d:016x}"] for kind, d in events]}
+
+
 def _delta(now: EngineStats, then: EngineStats) -> EngineStats:
     """The counters' growth from `then` to `now`."""
     return EngineStats(**{f.name: getattr(now, f.name) - getattr(then, f.name)
