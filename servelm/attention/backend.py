@@ -25,6 +25,9 @@ class AttentionSpec:
     # Attention scores soft-capped (cap * tanh(scores / cap), Gemma 2): the reference
     # backend's explicit matmuls run it, the kernels do not.
     logit_softcap: float | None = None
+    # A learned logit per query head joins each query's softmax denominator (attention
+    # sinks, gpt-oss: Attention.sinks): the reference backend runs it, the kernels do not.
+    sinks: bool = False
 
 
 class AttentionBackend:

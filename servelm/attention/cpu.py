@@ -113,6 +113,9 @@ class CpuBackend(AttentionBackend):
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
         if spec.logit_softcap:
             return "servelm's C++ attention kernels do not soft-cap attention scores"
+        if spec.sinks:
+            return ("servelm's C++ attention kernels do not add attention sinks to the softmax "
+                    "(their decode op returns no log-sum-exp to merge one with)")
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

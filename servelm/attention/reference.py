@@ -1,7 +1,7 @@
 """The reference backend: K/V gathered block by block into padded groups, SDPA with a
-causal (or sliding-window) mask (explicit matmuls where scores are soft-capped). The eager
-fp32 path every other backend is tested against; it runs any device, KV dtype, head dim,
-window and soft-cap."""
+causal (or sliding-window) mask (explicit matmuls where scores are soft-capped or the
+softmax has sinks). The eager fp32 path every other backend is tested against; it runs any
+device, KV dtype, head dim, window, soft-cap and attention sink."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from servelm.models import kv_quant
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     group: AttnGroup, scale: float, window: int | None = None,
                     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Attention of one group's queries over keys/values read through its block tables.
 
     q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
@@ -25,7 +26,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     A quantised cache comes with its (k, v) scales [num_blocks, block_size, KVH]: the
     gathered blocks are dequantised to q's dtype (never the whole cache). softcap: the
     scaled scores become softcap * tanh(scores / softcap) before the mask and softmax
-    (Gemma 2), in explicit matmuls (SDPA has no such option).
+    (Gemma 2), in explicit matmuls (SDPA has no such option). sinks [H]: one logit per query
+    head that joins every query's softmax as a key without a value (gpt-oss), so the weights
+    of the real keys sum to less than one: exp(s_i) / (sum_j exp(s_j) + exp(sink)).
     """
     B, Q = group.pad_index.shape
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -45,11 +48,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
     mask = group.window_mask(window)
-    if softcap:
+    if softcap or sinks is not None:
         s = torch.matmul(qp, k.transpose(-1, -2)).float() * scale
-        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
-        # A padding row masks every key: its NaNs are dropped by unpad_index below.
-        o = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), v)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask, float("-inf"))
+        if sinks is None:
+            # A padding row masks every key: its NaNs are dropped by unpad_index below.
+            p = torch.softmax(s, dim=-1)
+        else:  # the sink as one more column of every row (query head kvh * g + i's rows)
+            sink = sinks.float().view(1, kvh, g, 1, 1).expand(B, kvh, g, Q, 1)
+            p = torch.softmax(torch.cat((s, sink.reshape(B, kvh, g * Q, 1)), -1), -1)[..., :-1]
+        o = torch.matmul(p.to(q.dtype), v)
     else:
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
     o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
@@ -80,4 +90,5 @@ class ReferenceBackend(AttentionBackend):
 
     def forward(self, layer, q, k_cache, v_cache, scales, meta):
         return per_group(q, meta.groups, lambda qg, g: paged_attention(
-            qg, k_cache, v_cache, g, layer.scale, layer.window, scales, layer.softcap))
+            qg, k_cache, v_cache, g, layer.scale, layer.window, scales, layer.softcap,
+            getattr(layer, "sinks", None)))

@@ -21,6 +21,8 @@ class TritonBackend(AttentionBackend):
             return f"the Triton kernels run on CUDA, not {spec.device.type}"
         if spec.logit_softcap:
             return "the Triton attention kernels do not soft-cap attention scores"
+        if spec.sinks:
+            return "the Triton attention kernels do not add attention sinks to the softmax"
         if not ta.available():
             return "Triton is not installed"
         # Both kernels must compile for this shape here and agree with the references.

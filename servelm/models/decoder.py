@@ -53,14 +53,22 @@ class DecoderLayer(nn.Module):
                                    out_bias=cfg.attention_out_bias,
                                    q_scale_beta=cfg.query_scale_beta,
                                    q_scale_period=cfg.query_scale_period)
+        if cfg.extra.get("attention_sinks"):
+            # A learned logit per query head in each query's softmax denominator (gpt-oss):
+            # the reference backend runs it, the kernel backends decline (AttentionSpec.sinks).
+            self.self_attn.sinks = nn.Parameter(torch.empty(cfg.num_heads))
         self.parallel = cfg.parallel_block  # the MLP reads the input norm's output too
         self.post_attention_layernorm = (
             None if self.parallel and not cfg.parallel_mlp_norm
             else make_norm(norm, h, eps) if cfg.pre_norms else NoNorm())
         if cfg.is_moe_layer(index):
+            # gpt-oss's router and expert biases and clamped SwiGLU: its family's extra options.
+            moe_options = {k: cfg.extra[k] for k in ("router_bias", "expert_bias",
+                                                     "swiglu_limit", "swiglu_alpha")
+                           if k in cfg.extra}
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,
-                                 cfg.shared_expert_intermediate_size)
+                                 cfg.shared_expert_intermediate_size, **moe_options)
         elif cfg.mlp_gated:
             self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
         else:
@@ -272,7 +280,8 @@ class CausalLM(nn.Module):
     # Fused parameters and the checkpoint names stacked into them, in row order.
     _STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     # Experts: one tensor per expert (HF) or all experts in one (GGUF's *_exps).
-    _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight")
+    _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)"
+                         r"\.(weight|bias)")
     _FUSED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -335,6 +344,8 @@ class CausalLM(nn.Module):
                      loaded: set[str]) -> None:
         prefix, expert, part = m.group(1), m.group(2), m.group(3)
         name = f"{prefix}.experts_down" if part == "down_proj" else f"{prefix}.experts_gate_up"
+        if m.group(4) == "bias":  # [E, 2 * I] / [E, hidden]: rows on the same dim as the weight's
+            name += "_bias"
         if name not in params:
             raise ValueError(f"checkpoint has an unexpected weight {m.group(0)!r}")
         p = params[name]

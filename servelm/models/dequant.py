@@ -4,7 +4,9 @@ far faster (whole tensors at once, on every thread, instead of 16-row groups): l
 embedded Q4_1 model goes from seconds of dequantising to a fraction of one. The commonest
 types (KERNEL_TYPES) run on servelm's C++ twin of these functions when it is built
 (kernels/csrc/gguf_dequant.cpp, bit for bit the same): the torch versions' temporaries of
-several bytes a weight took ~11 s of a Qwen2.5-1.5B Q4_K_M file's load."""
+several bytes a weight took ~11 s of a Qwen2.5-1.5B Q4_K_M file's load. MXFP4 too, in
+ggml's blocks and in an HF checkpoint's blocks and scales (gpt-oss's experts: mxfp4_hf, bit
+for bit transformers' dequantisation)."""
 
 from __future__ import annotations
 
@@ -121,11 +123,46 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, QK_K)
 
 
+# MXFP4 (the OCP microscaling format): blocks of 32 E2M1 values (4 bits: sign, 2 exponent
+# bits, 1 mantissa bit) sharing one E8M0 scale byte e, 2^(e - 127). Computed as gguf-py does:
+# 2^(e - 128) (from its bits) times the code's value doubled, every product exact. The HF
+# codes' table has transformers' -0.0 for code 8, ggml's +0.0.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1_DOUBLED = tuple(2 * v for v in E2M1)
+_GGML_E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _mx_values(codes: torch.Tensor, exponents: torch.Tensor, doubled: tuple) -> torch.Tensor:
+    """E2M1 codes [..., 32] (uint8) scaled by E8M0 bytes [..., 1] -> float32."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32) * torch.tensor(doubled, dtype=torch.float32)[codes.long()]
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """ggml's block_mxfp4: the scale byte, then 16 bytes whose low nibbles are values 0-15
+    and high nibbles values 16-31."""
+    return _mx_values(_nibbles(b[:, 1:], 16).reshape(b.shape[0], -1), b[:, :1],
+                      _GGML_E2M1_DOUBLED)
+
+
+def mxfp4_hf(blocks: torch.Tensor, scales: torch.Tensor,
+             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An HF checkpoint's MXFP4 tensor (gpt-oss's experts: `*_blocks` [..., G, 16] uint8,
+    each byte two values, the low nibble first; `*_scales` [..., G] uint8) -> [..., G * 32]
+    in dtype, exactly: what transformers' convert_moe_packed_tensors computes, before its
+    final transpose. bf16 by default: exact, and half an fp32 temporary's memory."""
+    b = blocks.view(torch.uint8)
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)     # [..., G, 32]
+    values = _mx_values(codes, scales.view(torch.uint8).unsqueeze(-1), _E2M1_DOUBLED)
+    return values.to(dtype).flatten(-2)
+
+
 # GGML type name -> (elements per block, bytes per block, block dequantiser)
 _BLOCKS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
     "Q5_1": (32, 24, _q5_1), "Q8_0": (32, 34, _q8_0), "Q4_K": (256, 144, _q4_k),
-    "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
+    "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k), "MXFP4": (32, 17, _mxfp4),
 }
 
 

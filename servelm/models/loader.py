@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from servelm.models import hf_quant
+from servelm.models import dequant, hf_quant
 from servelm.models.config import ModelConfig
 from servelm.models.paths import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # noqa: F401
                                   ModelLoadError, default_model_path, read_gguf,
@@ -108,8 +108,6 @@ class GGUFFile:
         dequantised."""
         import gguf
 
-        from servelm.models import dequant
-
         data, shape, part = t.data, t.shape, None
         if piece is not None:
             data, shape, part = _slice_raw(t, qtype, *piece)
@@ -189,6 +187,8 @@ class HFCheckpoint:
     def __init__(self, path: str):
         self.path = path
         self._quant: tuple[hf_quant.HFQuant | None] | None = None
+        # MXFP4 experts (gpt-oss: quant_method mxfp4), dequantised as they are read.
+        self._mxfp4 = False
 
     def quantization(self) -> hf_quant.HFQuant | None:
         """config.json's quantization_config, read once; ModelLoadError for a method servelm
@@ -197,7 +197,9 @@ class HFCheckpoint:
             cfg_path = os.path.join(self.path, "config.json")
             try:
                 with open(cfg_path) as f:
-                    self._quant = (hf_quant.read_quant_config(json.load(f)),)
+                    raw = json.load(f)
+                self._mxfp4 = _quant_method(raw) == "mxfp4"
+                self._quant = (None if self._mxfp4 else hf_quant.read_quant_config(raw),)
             except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
                 raise ModelLoadError(f"{cfg_path}: {e}") from e
         return self._quant[0]
@@ -207,6 +209,8 @@ class HFCheckpoint:
         dtype) and a line for the log: AWQ / GPTQ / compressed-tensors up to 4 bits -> int4,
         8 bits -> int8; unquantised -> None."""
         quant = self.quantization()
+        if self._mxfp4:  # servelm keeps experts in the activation dtype (not int4 yet)
+            return None, "Hugging Face safetensors, MXFP4 experts (dequantised on load)"
         if quant is None:
             return None, "Hugging Face safetensors: unquantised weights"
         return quant.native()
@@ -250,6 +254,15 @@ class HFCheckpoint:
                            disable=None, leave=False):
             if key in skip:
                 continue
+            mx = self._mxfp4 and key.endswith(("_blocks", "_scales"))
+            base = key[:-len("_blocks")] if mx else key
+            if mx and base + "_blocks" in file_of and base + "_scales" in file_of:
+                if key.endswith("_blocks"):  # the pair at its blocks; its scales skipped
+                    yield base, self._mxfp4_dense(
+                        handle(f).get_tensor(key),
+                        handle(file_of[base + "_scales"]).get_tensor(base + "_scales"),
+                        base, slice_of)
+                continue
             prefix = layer_of.get(key)
             if prefix is not None:  # a packed layer: all its parts at its first one
                 members = layers.pop(prefix, None)
@@ -268,6 +281,18 @@ class HFCheckpoint:
                 yield key, parts[0] if len(parts) == 1 else torch.cat(parts, pieces[0][0])
 
     @staticmethod
+    def _mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor, name: str,
+                     slice_of: SliceOf | None) -> torch.Tensor:
+        """An MXFP4 tensor's values (dequant.mxfp4_hf: [..., out, in], exact, bf16) in the
+        layout of the checkpoint's dense form, [..., in, out], as transformers loads it."""
+        weight = dequant.mxfp4_hf(blocks, scales).transpose(-1, -2)
+        pieces = slice_of and slice_of(name)
+        if pieces:
+            weight = torch.cat([weight.narrow(dim, start, end - start)
+                                for dim, start, end in pieces], pieces[0][0])
+        return weight
+
+    @staticmethod
     def _dense(quant: hf_quant.HFQuant, prefix: str, parts: dict[str, torch.Tensor],
                slice_of: SliceOf | None) -> tuple[str, torch.Tensor]:
         """A packed layer's tensors (by part name) -> its dense weight (fp32, exact), named
@@ -284,6 +309,11 @@ class HFCheckpoint:
             weight = torch.cat([weight.narrow(dim, start, end - start)
                                 for dim, start, end in pieces], pieces[0][0])
         return name, weight
+
+
+def _quant_method(cfg: dict[str, Any]) -> str:
+    q = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    return str(q.get("quant_method", "")).lower()
 
 
 Checkpoint = GGUFFile | HFCheckpoint

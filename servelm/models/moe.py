@@ -10,9 +10,17 @@ is not read at all. The outputs are scattered back, weighted, with one index_add
 A shared expert (Qwen2-MoE), where the family has one, runs on every token beside them:
 a GatedMLP (so on the C++ ops where they run) whose output, times
 sigmoid(shared_expert_gate(x)), is added to the routed experts'.
+
+gpt-oss's experts (options, chosen at construction): a router with a bias, experts with
+biases on both projections, and a clamped SwiGLU (swiglu_limit, swiglu_alpha: the gate
+clamped above, up on both sides, (up + 1) * gate * sigmoid(alpha * gate)). Its router takes
+the top k logits and a softmax over those: the same weights as the softmax over all then
+renormalised over the top k (norm_topk_prob), which is how they are computed here.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,19 +32,35 @@ from servelm.models.layers import GatedMLP, gated_act
 class SparseMoE(nn.Module):
     """The MLP of a MoE layer: router `gate` [E, hidden] and stacked expert weights
     experts_gate_up [E, 2 * I, hidden] (gate rows, then up) and experts_down [E, hidden, I];
-    with shared_intermediate, a shared_expert (GatedMLP) and its shared_expert_gate [1, hidden]."""
+    with shared_intermediate, a shared_expert (GatedMLP) and its shared_expert_gate [1, hidden];
+    with router_bias, the router's bias [E]; with expert_bias, experts_gate_up_bias [E, 2 * I]
+    (gate, then up) and experts_down_bias [E, hidden]; with swiglu_limit, the experts'
+    activation is gpt-oss's clamped SwiGLU (swiglu_alpha its sigmoid gain) instead of act."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool = True, act: str = "silu", shared_intermediate: int = 0):
+                 norm_topk_prob: bool = True, act: str = "silu", shared_intermediate: int = 0,
+                 router_bias: bool = False, expert_bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.0):
         super().__init__()
         self.options = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                             top_k=top_k, norm_topk_prob=norm_topk_prob, act=act,
-                            shared_intermediate=shared_intermediate)
+                            shared_intermediate=shared_intermediate, router_bias=router_bias,
+                            expert_bias=expert_bias, swiglu_limit=swiglu_limit,
+                            swiglu_alpha=swiglu_alpha)
         self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
         self.norm_topk_prob, self.act = norm_topk_prob, act
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.experts_gate_up_bias = self.experts_down_bias = None
+        if expert_bias:
+            self.experts_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.experts_down_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        # One expert's MLP, chosen once: the plain gated MLP, or gpt-oss's (biases, clamps).
+        self._expert = self._clamped_expert if swiglu_limit is not None or expert_bias \
+            else self._plain_expert
+        self._act = (functools.partial(clamped_swiglu, limit=swiglu_limit, alpha=swiglu_alpha)
+                     if swiglu_limit is not None else functools.partial(gated_act, act=act))
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
@@ -64,8 +88,7 @@ class SparseMoE(nn.Module):
         start = 0
         for e, n in enumerate(counts):
             if n:
-                out[start:start + n] = expert_mlp(xs[start:start + n], self.experts_gate_up[e],
-                                                  self.experts_down[e], self.act)
+                out[start:start + n] = self._expert(xs[start:start + n], e)
                 start += n
         out.mul_(weights.view(-1)[order].unsqueeze(1))
         routed = torch.zeros_like(x).index_add_(0, tokens, out)
@@ -74,7 +97,25 @@ class SparseMoE(nn.Module):
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
 
+    def _plain_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return expert_mlp(x, self.experts_gate_up[e], self.experts_down[e], self.act)
+
+    def _clamped_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gbias = None if self.experts_gate_up_bias is None else self.experts_gate_up_bias[e]
+        dbias = None if self.experts_down_bias is None else self.experts_down_bias[e]
+        h = self._act(F.linear(x, self.experts_gate_up[e], gbias))
+        return F.linear(h, self.experts_down[e], dbias)
+
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     """One expert over all the tokens routed to it: [n, hidden] -> [n, hidden]."""
     return F.linear(gated_act(F.linear(x, gate_up), act), down)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of a fused [.., 2 * I] projection (gate, then up):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
