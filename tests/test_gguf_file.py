@@ -72,6 +72,22 @@ def test_torch_dequantisation_is_gguf_pys_bit_for_bit(type_name, kernels):
     assert np.array_equal(got, ref, equal_nan=True)
 
 
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_q5_dequantisation_in_chunks_is_gguf_pys(type_name, monkeypatch):
+    """Q5_0/Q5_1 run a chunk of blocks at a time: chunks of 7 over 120 blocks (the last one
+    partial) give gguf-py's values too."""
+    import gguf
+
+    from servelm.models import dequant
+
+    monkeypatch.setattr(dequant, "_Q5_CHUNK", 7)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(1).integers(0, 256, size=(4, 30 * size), dtype=np.uint8)
+    ref = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(-1)
+    assert np.array_equal(dequant.dequantize(raw, type_name).numpy(), ref, equal_nan=True)
+
+
 def test_torch_dequantisation_of_the_embedded_model_is_gguf_pys(gguf_path):
     import gguf
 

@@ -31,13 +31,6 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat([q & 0x0F, q >> 4], dim=2)
 
 
-def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
-    """Little-endian bit i of each block's bytes, for i < count: (n, count) uint8."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    bits = (qh.unsqueeze(-1) >> shifts) & 1  # (n, bytes, 8)
-    return bits.reshape(qh.shape[0], -1)[:, :count]
-
-
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 0)
     x = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)
@@ -56,21 +49,51 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return (d * q) + m
 
 
-def _q5(b: torch.Tensor, qh_at: int) -> torch.Tensor:
-    ql = _nibbles(b[:, qh_at + 4:], 16).reshape(b.shape[0], -1)
-    qh = _bits(b[:, qh_at:qh_at + 4], 32)
-    return ql | (qh << 4)
+def _fifth_bits(set_: int, clear: int) -> torch.Tensor:
+    """Q5_0/Q5_1's high bits: a byte -> its 8 bits, least significant first, each the byte
+    `set_` or `clear`, the eight read as one little-endian int64 (a gather moves them at once)."""
+    bits = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+    return torch.where(bits, set_, clear).to(torch.uint8).view(torch.int64).reshape(-1)
+
+
+# Q5_1's 0x10 for a set bit; Q5_0's 0x00 (set) or 0xF0 (clear): a nibble OR'd with that is,
+# read as int8, nibble + 16 * bit - 16, the centred value itself.
+_FIFTH = {"Q5_1": _fifth_bits(0x10, 0x00), "Q5_0": _fifth_bits(0x00, 0xF0)}
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
+_Q5_CHUNK = 65536  # blocks a pass: a pass's temporaries stay small, the output written once
+
+
+def _q5(b: torch.Tensor, qh_at: int, kind: str) -> torch.Tensor:
+    """Q5_0 (d * (q - 16)) and Q5_1 (d * q + m) blocks -> (n, 32) float32. The 5-bit codes
+    are built 8 at a time in int64 words (the nibbles masked, the fifth bits gathered from
+    _FIFTH), a chunk of blocks at a time; exact integers times the same float32 scales, so
+    bit for bit the per-value arithmetic of gguf-py."""
+    n = b.shape[0]
+    table = _FIFTH[kind]
+    out = torch.empty(n, 32, dtype=torch.float32)
+    for s in range(0, n, _Q5_CHUNK):
+        c = b[s:s + _Q5_CHUNK]
+        # (m, 2): values 0-15, 16-31 (a fresh copy: a one-block chunk's slice is "contiguous")
+        qs = torch.empty(c.shape[0], 16, dtype=torch.uint8).copy_(c[:, qh_at + 4:])
+        qs = qs.view(torch.int64)
+        q = table[c[:, qh_at:qh_at + 4].to(torch.int32)]       # (m, 4): their fifth bits
+        q[:, :2] |= qs & _LOW_NIBBLES
+        q[:, 2:] |= (qs >> 4) & _LOW_NIBBLES
+        q = q.view(torch.uint8)
+        rows = out[s:s + c.shape[0]]
+        if kind == "Q5_0":
+            torch.mul(_f16(c, 0), q.view(torch.int8), out=rows)
+        else:
+            torch.mul(_f16(c, 0), q, out=rows).add_(_f16(c, 2))
+    return out
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b, 0)
-    q = _q5(b, 2).to(torch.int8) - 16
-    return d * q.to(torch.float32)
+    return _q5(b, 2, "Q5_0")
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(b, 0), _f16(b, 2)
-    return (d * _q5(b, 4).to(torch.float32)) + m
+    return _q5(b, 4, "Q5_1")
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
