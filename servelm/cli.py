@@ -1,7 +1,7 @@
 """servelm: a fast LLM inference engine and OpenAI-compatible server.
 
 Commands: serve (the HTTP API and web console), generate (one completion in the terminal),
-chat (a conversation in the terminal), bench (load-test a server), roofline (what bounds
+chat (a conversation in the terminal), router (one front over several servers), bench (load-test a server), roofline (what bounds
 prefill and decode here), tune (measure the matmul methods), models (what can be served here
 without a download). `servelm COMMAND --help` shows each one's flags and their defaults."""
 
@@ -336,6 +336,20 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def add_router_args(g) -> None:
+    """The routing policy's flags (servelm router, serve --data-parallel-size)."""
+    from servelm.router.policy import POLICIES
+
+    g.add_argument("--router-policy", "--policy", dest="router_policy", default="cache_aware",
+                   choices=POLICIES, help="cache_aware: the backend holding the longest "
+                   "cached prefix of the prompt, unless its load exceeds the least loaded "
+                   "one's by more than --router-load-bound, else the least loaded; "
+                   "least_loaded; round_robin")
+    g.add_argument("--router-load-bound", type=int, default=4096, metavar="TOKENS",
+                   help="how many more tokens in flight the backend with the longest cached "
+                   "prefix may have than the least loaded one and still get the request")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="servelm", description=__doc__,
                                      formatter_class=HelpFormatter)
@@ -365,8 +379,13 @@ def make_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     def cmd_serve(args) -> int:  # imported here so that generate and chat never load FastAPI
-        from servelm.server.launcher import serve
+        from servelm.server.launcher import default_model_name, serve
 
+        if args.data_parallel_size > 1:
+            from servelm.router.serve import serve_data_parallel
+
+            name = args.served_model_name or default_model_name(model_arg(args))
+            return serve_data_parallel(args, args.argv, name)
         return serve(args, build_llm, model_arg(args))
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -449,8 +468,48 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--roofline-flops", type=positive(float), default=None,
                        metavar="TFLOP/s", help="matmul peak for /metrics utilisation "
                        "(default: measured at start)")
+    dp = serve.add_argument_group("data parallel")
+    dp.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="N",
+                    help="N replicas of the engine, each its own process with its own KV pool "
+                    "(--kv-cache-memory is per replica) and its share of the CPU cores "
+                    "(pinned; --threads, if given, is per replica), behind a cache-aware "
+                    "router on --port; a replica that dies fails its requests and is "
+                    "restarted")
+    add_router_args(dp)
     add_engine_args(serve, positional_model=True)
     serve.set_defaults(func=cmd_serve)
+
+    def cmd_router(args) -> int:
+        from servelm.router.serve import run_router
+
+        return run_router(args)
+
+    rt = sub.add_parser("router", help="an OpenAI-compatible front routing each request to "
+                        "one of several servelm (or other OpenAI-compatible) servers, by what "
+                        "each has cached and its load")
+    rt.add_argument("--backend", nargs="+", action="extend", required=True, metavar="URL",
+                    help="the backends' base URLs, e.g. http://10.0.0.2:8000 (repeatable)")
+    rt.add_argument("--host", default="127.0.0.1", help="address to bind")
+    rt.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    rt.add_argument("--model", dest="tokenizer_model", default=None, metavar="PATH",
+                    help="the backends' model (a .gguf file or a model directory), for its "
+                    "tokenizer (default: the first backend's /v1/models root, a path on its "
+                    "host)")
+    from servelm.config import chat_template
+
+    rt.add_argument("--chat-template", dest="router_chat_template", default=None,
+                    type=_arg_type(chat_template), metavar="FILE|JINJA", help="the backends' --chat-template, if they have one "
+                    "(the source; prompts are tokenised as they render them)")
+    rt.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' from clients (repeatable; "
+                    "also $SERVELM_API_KEY); the client's key is passed to the backend")
+    rt.add_argument("--api-key-file", default=None, metavar="FILE",
+                    help="client API keys, one a line")
+    rt.add_argument("--backend-api-key", default=None, metavar="KEY",
+                    help="send this key to every backend instead of the client's (and on the "
+                    "router's health checks and cache-event polls)")
+    add_router_args(rt)
+    rt.set_defaults(func=cmd_router)
 
     tune = sub.add_parser("tune", help="measure each linear layer's matmul methods here and "
                           "cache the fastest (what serve/generate/chat then read back)")
@@ -505,6 +564,7 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve's replicas take it
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # Start-up progress (loading, a first kernel tuning) shows whatever the level, as plain
     # lines on stderr.

@@ -1,0 +1,608 @@
+"""The router: an OpenAI-compatible front that passes each request to one of its backends
+(servelm servers, or any OpenAI-compatible server) and streams the answer back as it comes.
+
+A request's life here: the router's own key check; the body read (under a size limit); its
+prompt tokenised as the backend will (prompts.py, in a worker thread, only where the
+cache-aware policy has digests to compare); the policy's choice among the backends up
+(policy.py); the request sent on a fresh connection, so that a connection refused means it
+never reached the backend, and only then is it retried on another; the answer passed
+through, a stream chunk by chunk (a backend dying mid-stream ends it with an error event),
+a plain answer whole (a backend dying before it answers: 502).
+
+Each backend has a monitor task: its health (GET /health, else /v1/models for a server
+without one) every health_interval, and while it is up its prefix cache's events (GET
+/v1/cache_events) every poll_interval; a backend that fails a check, or refuses a
+connection, leaves the rotation until a check passes again."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from servelm.router.policy import REASONS, BackendView, Policy
+from servelm.router.prompts import CHAT, COMPLETIONS, MESSAGES, Prompt, PromptReader
+from servelm.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+# Headers that belong to one connection, never forwarded.
+_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+        "upgrade", "proxy-authorization", "proxy-connection", "trailer"}
+_TOKENISED = (CHAT, COMPLETIONS, MESSAGES)
+_STREAMED = ("text/event-stream", "application/x-ndjson")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's options (validated here: ValueError names the bad one).
+
+    load_bound: tokens by which the backend holding the longest cached prefix may be more
+    loaded than the least loaded one and still get the request (cache_aware).
+    model: where the backends' tokenizer is read from (a .gguf file or a model directory);
+    None: the first backend's /v1/models root (a path on the backend's host).
+    backend_api_key: sent to every backend instead of the client's own key (default: the
+    client's goes through). poll_api_key: the key of the router's own checks and polls
+    (default backend_api_key)."""
+
+    backends: tuple[str, ...]
+    policy: str = "cache_aware"
+    load_bound: int = 4096
+    model: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    api_keys: tuple[str, ...] = ()
+    backend_api_key: str | None = None
+    poll_api_key: str | None = None
+    poll_interval: float = 0.1
+    health_interval: float = 1.0
+    connect_timeout: float = 2.0
+    max_request_bytes: int = 8 << 20
+
+    def __post_init__(self):
+        if not self.backends:
+            raise ValueError("the router needs at least one backend: --backend URL [URL ...]")
+        for url in self.backends:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"a backend is an http(s) URL like http://10.0.0.2:8000, "
+                                 f"got {url!r}")
+        if len({u.rstrip("/") for u in self.backends}) != len(self.backends):
+            raise ValueError("a backend is named twice")
+        Policy(self.policy, self.load_bound)  # its ValueError names the policy
+        for name in ("poll_interval", "health_interval", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Backend:
+    """A backend: its URL, the policy's view of it, and the router's counters for it."""
+
+    url: str
+    view: BackendView
+    routed: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_health: float = 0.0
+    model_id: str | None = None
+    model_root: str | None = None
+
+
+class Router:
+    """The backends, their monitors, the policy and the counters; serves through app()."""
+
+    def __init__(self, config: RouterConfig, tokenizer=None,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.config = config
+        self.policy = Policy(config.policy, config.load_bound)
+        self.backends = [Backend(u.rstrip("/"), BackendView(u.rstrip("/"), up=False))
+                         for u in config.backends]
+        self.reader = PromptReader(tokenizer) if tokenizer is not None else None
+        self.routed = dict.fromkeys(REASONS, 0)
+        self.retries = 0
+        self.failed_midway = 0
+        self.unavailable = 0
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """The client, one first check of every backend (so a request right after start
+        finds those up), then their monitors."""
+        c = self.config
+        # No keep-alive: every request opens its own connection, so that a refused one
+        # surely never reached the backend (a reused connection's failure could be either).
+        self._client = httpx.AsyncClient(
+            transport=self._transport,
+            timeout=httpx.Timeout(connect=c.connect_timeout, read=None, write=60.0,
+                                  pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+        await asyncio.gather(*(self._check(b) for b in self.backends))
+        self._tasks = [asyncio.create_task(self._monitor(b)) for b in self.backends]
+        if self.reader is None and self.config.policy == "cache_aware":
+            self._tasks.append(asyncio.create_task(self._load_tokenizer()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _load_tokenizer(self) -> None:
+        """The backends' tokenizer, from --model or the first backend's /v1/models root
+        (until it is loaded, requests are routed by load)."""
+        from servelm.tokenizer import load_tokenizer
+
+        path = self.config.model
+        while path is None:
+            path = next((b.model_root for b in self.backends if b.model_root), None)
+            if path is None:
+                await asyncio.sleep(self.config.health_interval)
+        try:
+            tok = await asyncio.to_thread(load_tokenizer, path)
+        except Exception as e:  # the backends' root is a path on their host, maybe not here
+            logger.warning("router: cannot load the backends' tokenizer from %s (%s): routing "
+                           "by load only (give --model)", path, e)
+            return
+        if self.config.chat_template is not None:
+            tok.chat_template = self.config.chat_template
+        tok.default_template_kwargs = dict(self.config.chat_template_kwargs or {})
+        name = next((b.model_id for b in self.backends if b.model_id), None)
+        self.reader = PromptReader(tok, name)
+
+    def _headers(self) -> dict[str, str]:
+        key = self.config.poll_api_key or self.config.backend_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async def _check(self, b: Backend) -> None:
+        """One health check: GET /health (a server without it: /v1/models)."""
+        b.last_health = time.monotonic()
+        try:
+            r = await self._client.get(f"{b.url}/health", headers=self._headers(),
+                                       timeout=self.config.connect_timeout + 1)
+            if r.status_code == 404:
+                r = await self._client.get(f"{b.url}/v1/models", headers=self._headers(),
+                                           timeout=self.config.connect_timeout + 1)
+            ok = r.status_code == 200
+            why = None if ok else f"health check answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"health check failed: {e!r}"
+        if ok and b.model_root is None:
+            await self._read_model(b)
+        self._set_up(b, ok, why)
+
+    async def _read_model(self, b: Backend) -> None:
+        try:
+            r = await self._client.get(f"{b.url}/v1/models", headers=self._headers(),
+                                       timeout=self.config.connect_timeout + 1)
+            card = r.json()["data"][0]
+            b.model_id, b.model_root = card.get("id"), card.get("root")
+        except Exception:
+            pass
+
+    def _set_up(self, b: Backend, up: bool, why: str | None = None) -> None:
+        if up != b.view.up:
+            if up:  # a first check passing is no news
+                (logger.warning if b.failures or b.last_error else logger.info)(
+                    "router: backend %s is up", b.url)
+            else:
+                logger.warning("router: backend %s left the rotation: %s", b.url, why)
+                b.view.forget_cache()
+                b.view.servelm = None  # asked again when it comes back
+        b.view.up = up
+        if why:
+            b.last_error = why
+
+    async def _poll_events(self, b: Backend) -> None:
+        v = b.view
+        params = {} if v.seq is None else {"since": v.seq, "instance": v.instance}
+        try:
+            r = await self._client.get(f"{b.url}/v1/cache_events", params=params,
+                                       headers=self._headers(),
+                                       timeout=self.config.connect_timeout + 1)
+        except httpx.HTTPError as e:
+            self._set_up(b, False, f"cache events failed: {e!r}")
+            return
+        if r.status_code == 200:
+            v.apply_events(r.json())
+        elif r.status_code in (404, 405):
+            v.servelm = False  # not servelm (or an older one): load-balanced only
+        elif r.status_code in (401, 403):
+            logger.warning("router: backend %s refuses its cache events (%d): give "
+                           "--backend-api-key; load-balanced only", b.url, r.status_code)
+            v.servelm = False
+
+    async def _monitor(self, b: Backend) -> None:
+        c = self.config
+        while True:
+            try:
+                if not b.view.up or time.monotonic() - b.last_health >= c.health_interval:
+                    await self._check(b)
+                if b.view.up and b.view.servelm is not False and c.policy == "cache_aware":
+                    await self._poll_events(b)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("router: monitoring %s", b.url)
+            await asyncio.sleep(c.poll_interval if b.view.up else
+                                min(c.health_interval, 0.5))
+
+    # ---- routing -----------------------------------------------------------------------
+
+    def _client_key(self, request: Request) -> str | None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not token and request.headers.get("x-api-key"):
+            return request.headers["x-api-key"].strip()
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    def check_key(self, request: Request) -> None:
+        if not self.config.api_keys:
+            return
+        sent = (self._client_key(request) or "").encode()
+        match = False
+        for key in self.config.api_keys:
+            match |= hmac.compare_digest(sent, key.encode())
+        if not match:
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", code="invalid_api_key")
+
+    async def _prompt(self, path: str, body: bytes) -> Prompt:
+        """The request's prompt where the cache-aware policy can use it (tokenised in a
+        worker thread), else only its expected output (for the load)."""
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            return Prompt()
+        reader = self.reader
+        wanted = (path in _TOKENISED and reader is not None and self.config.policy ==
+                  "cache_aware" and any(b.view.cached for b in self.backends))
+        if not wanted:
+            mt = parsed.get("max_tokens") if isinstance(parsed, dict) else None
+            return Prompt(max_tokens=mt if isinstance(mt, int) else None)
+        return await asyncio.to_thread(reader.read, path, parsed)
+
+    def _choose(self, prompt: Prompt, api_key: str | None, tried: list[BackendView]):
+        key = self.config.backend_api_key or api_key
+
+        def digests_for(block_size: int, keyed: bool) -> list[int]:
+            return prompt.digests(block_size, key if keyed else None)
+
+        return self.policy.choose([b.view for b in self.backends], digests_for, tried)
+
+    def _forward_headers(self, request: Request) -> dict[str, str]:
+        out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.config.backend_api_key:
+            out.pop("x-api-key", None)
+            out["authorization"] = f"Bearer {self.config.backend_api_key}"
+        return out
+
+    async def proxy(self, request: Request) -> Response:
+        """Pass a request to the backend the policy picks; the answer back as it comes."""
+        self.check_key(request)
+        body = await self._read_body(request)
+        path = request.url.path
+        prompt = await self._prompt(path, body) if request.method == "POST" else Prompt()
+        load = prompt.load_tokens() if prompt.token_ids is not None else (
+            len(body) // 4 + (prompt.max_tokens or 256) if request.method == "POST" else 0)
+        headers = self._forward_headers(request)
+        tried: list[BackendView] = []
+        errors: list[str] = []
+        while True:
+            choice = self._choose(prompt, self._client_key(request), tried)
+            if choice is None:
+                self.unavailable += 1
+                detail = f" ({'; '.join(errors)})" if errors else ""
+                raise APIError(503, f"no backend is available: none of the "
+                                    f"{len(self.backends)} is up{detail}",
+                               code="no_backend_available", headers={"Retry-After": "1"})
+            b = next(x for x in self.backends if x.view is choice.backend)
+            tried.append(b.view)
+            url = f"{b.url}{path}" + (f"?{request.url.query}" if request.url.query else "")
+            upstream = self._client.build_request(request.method, url, content=body,
+                                                  headers=headers)
+            b.view.load_tokens += load
+            b.view.inflight += 1
+            try:
+                resp = await self._client.send(upstream, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # Never reached it: out of the rotation, and the request goes elsewhere.
+                self._release(b, load)
+                b.failures += 1
+                self._set_up(b, False, f"connection failed: {e!r}")
+                errors.append(f"{b.url}: {type(e).__name__}")
+                self.retries += 1
+                continue
+            except httpx.HTTPError as e:
+                self._release(b, load)
+                b.failures += 1
+                self._set_up(b, False, f"failed before answering: {e!r}")
+                raise APIError(502, f"backend {b.url} failed before answering: {e!r}",
+                               code="backend_failed", type="server_error") from None
+            except BaseException:
+                self._release(b, load)
+                raise
+            self.routed[choice.reason] += 1
+            b.routed += 1
+            return await self._answer(request, b, resp, load, path)
+
+    def _release(self, b: Backend, load: int) -> None:
+        b.view.load_tokens -= load
+        b.view.inflight -= 1
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is over {limit} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _answer(self, request: Request, b: Backend, resp: httpx.Response, load: int,
+                      path: str) -> Response:
+        out_headers = {k: v for k, v in resp.headers.items()
+                       if k.lower() not in _HOP and k.lower() != "content-encoding"}
+        kind = resp.headers.get("content-type", "")
+        if kind.startswith(_STREAMED):
+            return StreamingResponse(self._relay(b, resp, load, path, kind),
+                                     status_code=resp.status_code, headers=out_headers)
+        try:
+            reading = asyncio.ensure_future(resp.aread())
+            gone = asyncio.ensure_future(_wait_disconnect(request))
+            await asyncio.wait({reading, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not reading.done():  # the client left: dropping the connection aborts it
+                reading.cancel()
+                return Response(status_code=499)
+            data = reading.result()
+        except httpx.HTTPError as e:
+            b.failures += 1
+            self.failed_midway += 1
+            self._set_up(b, False, f"failed mid-answer: {e!r}")
+            raise APIError(502, f"backend {b.url} failed before finishing its answer: {e!r}",
+                           code="backend_failed", type="server_error") from None
+        finally:
+            await resp.aclose()
+            self._release(b, load)
+        return Response(data, status_code=resp.status_code, headers=out_headers)
+
+    async def _relay(self, b: Backend, resp: httpx.Response, load: int, path: str, kind: str):
+        """A streamed answer, chunk by chunk; a backend failing midway ends it with an error
+        event (and the OpenAI stream's [DONE])."""
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            b.failures += 1
+            self.failed_midway += 1
+            self._set_up(b, False, f"failed mid-stream: {e!r}")
+            yield _stream_error(path, kind, f"backend {b.url} failed mid-stream: {e!r}")
+        finally:
+            await resp.aclose()
+            self._release(b, load)
+
+    # ---- aggregate views ---------------------------------------------------------------
+
+    async def _gather(self, path: str) -> list[httpx.Response | None]:
+        async def one(b: Backend):
+            if not b.view.up:
+                return None
+            try:
+                return await self._client.get(f"{b.url}{path}", headers=self._headers(),
+                                              timeout=self.config.connect_timeout + 3)
+            except httpx.HTTPError:
+                return None
+
+        return await asyncio.gather(*(one(b) for b in self.backends))
+
+    def router_stats(self) -> dict:
+        return {"policy": self.config.policy, "load_bound": self.config.load_bound,
+                "routed": dict(self.routed), "retries": self.retries,
+                "failed_midway": self.failed_midway, "unavailable": self.unavailable,
+                "backends_up": sum(b.view.up for b in self.backends),
+                "backends_total": len(self.backends),
+                "tokenizer": self.reader is not None}
+
+    def _backend_entry(self, b: Backend) -> dict:
+        v = b.view
+        return {"url": b.url, "up": v.up, "servelm": v.servelm, "routed": b.routed,
+                "failures": b.failures, "last_error": b.last_error,
+                "inflight_requests": v.inflight, "load_tokens": v.load_tokens,
+                "cached_blocks": len(v.cached), "block_size": v.block_size}
+
+    async def stats(self) -> dict:
+        """GET /v1/stats: the backends' reports summed where they add up, each one's own
+        report, and the router's counters."""
+        answers = await self._gather("/v1/stats")
+        reports = []
+        for b, r in zip(self.backends, answers):
+            entry = self._backend_entry(b)
+            entry["stats"] = r.json() if r is not None and r.status_code == 200 else None
+            reports.append(entry)
+        return {"object": "servelm.router.stats", "router": self.router_stats(),
+                **_sum_stats([e["stats"] for e in reports if e["stats"]]),
+                "backends": reports}
+
+    async def metrics(self) -> str:
+        """GET /metrics: every backend's families with a backend label, then the router's."""
+        answers = await self._gather("/metrics")
+        texts = [(b.url, r.text) for b, r in zip(self.backends, answers)
+                 if r is not None and r.status_code == 200]
+        return merge_metrics(texts) + self._router_metrics()
+
+    def _router_metrics(self) -> str:
+        lines = ["# HELP servelm_router_routed_total Requests routed, by why the backend "
+                 "was chosen", "# TYPE servelm_router_routed_total counter"]
+        lines += [f'servelm_router_routed_total{{reason="{r}"}} {n}'
+                  for r, n in self.routed.items()]
+        for name, help_, value in (
+                ("retries_total", "Requests retried on another backend (never reached one)",
+                 self.retries),
+                ("failed_midway_total", "Answers a backend failed partway", self.failed_midway),
+                ("unavailable_total", "Requests refused because no backend was up",
+                 self.unavailable)):
+            lines += [f"# HELP servelm_router_{name} {help_}",
+                      f"# TYPE servelm_router_{name} counter", f"servelm_router_{name} {value}"]
+        lines += ["# HELP servelm_router_backends_up Backends in the rotation",
+                  "# TYPE servelm_router_backends_up gauge",
+                  f"servelm_router_backends_up {sum(b.view.up for b in self.backends)}"]
+        for name, help_, get in (
+                ("backend_up", "Whether the backend is in the rotation", lambda b: int(b.view.up)),
+                ("backend_load_tokens", "Tokens of the router's requests in flight there",
+                 lambda b: b.view.load_tokens),
+                ("backend_cached_blocks", "Prefix-cache blocks it holds (its events)",
+                 lambda b: len(b.view.cached)),
+                ("backend_routed_total", "Requests routed to it", lambda b: b.routed)):
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines += [f"# HELP servelm_router_{name} {help_}",
+                      f"# TYPE servelm_router_{name} {kind}"]
+            lines += [f'servelm_router_{name}{{backend="{_label(b.url)}"}} {get(b)}'
+                      for b in self.backends]
+        return "\n".join(lines) + "\n"
+
+    # ---- the app -----------------------------------------------------------------------
+
+    def app(self) -> FastAPI:
+        router = self
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            await router.start()
+            try:
+                yield
+            finally:
+                await router.stop()
+
+        app = FastAPI(title="servelm router", lifespan=lifespan, docs_url=None,
+                      redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(APIError)
+        async def api_error(request: Request, exc: APIError) -> JSONResponse:
+            return exc.response()
+
+        @app.get("/health")
+        async def health():
+            up = sum(b.view.up for b in router.backends)
+            if not up:
+                raise APIError(503, "no backend is up", code="no_backend_available")
+            return {"status": "ok", "backends_up": up, "backends": len(router.backends)}
+
+        @app.get("/v1/stats")
+        async def stats(request: Request):
+            router.check_key(request)
+            return await router.stats()
+
+        @app.get("/metrics")
+        async def metrics(request: Request):
+            router.check_key(request)
+            return Response(await router.metrics(),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+        async def proxy(request: Request, path: str):
+            return await router.proxy(request)
+
+        return app
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _stream_error(path: str, kind: str, message: str) -> bytes:
+    """The event that ends a stream its backend failed: the API's own error shape."""
+    if kind.startswith("application/x-ndjson"):  # Ollama's streams
+        return (json.dumps({"error": message}) + "\n").encode()
+    if path.startswith("/v1/messages"):  # Anthropic's
+        err = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return f"event: error\ndata: {json.dumps(err)}\n\n".encode()
+    err = APIError(502, message, code="backend_failed", type="server_error").body()
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts of several backends as one: each family once (its HELP and TYPE),
+    its samples from every backend with a backend label added."""
+    families: dict[str, dict] = {}
+    for url, text in texts:
+        label = f'backend="{_label(url)}"'
+        family = None
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = families.setdefault(parts[2], {"meta": {}, "samples": []})
+                    family["meta"].setdefault(parts[1], line)
+                continue
+            m = _NAME.match(line)
+            if m is None:
+                continue
+            name, rest = m.group(0), line[m.end():]
+            if rest.startswith("{"):
+                inner = rest[1:]
+                sample = f"{name}{{{label}{',' if not inner.startswith('}') else ''}{inner}"
+            else:
+                sample = f"{name}{{{label}}}{rest}"
+            target = family if family is not None else families.setdefault(
+                name, {"meta": {}, "samples": []})
+            target["samples"].append(sample)
+    out = []
+    for fam in families.values():
+        out += [fam["meta"][k] for k in ("HELP", "TYPE") if k in fam["meta"]]
+        out += fam["samples"]
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def _sum_stats(reports: list[dict]) -> dict:
+    """The parts of several /v1/stats reports that add up: requests, KV blocks, prefix
+    cache and token counts and rates."""
+    def total(*keys) -> float | None:
+        values = []
+        for r in reports:
+            v = r
+            for k in keys:
+                v = v.get(k) if isinstance(v, dict) else None
+            if isinstance(v, (int, float)):
+                values.append(v)
+        return sum(values) if values else None
+
+    queried = total("prefix_cache", "queried_tokens") or 0
+    hits = total("prefix_cache", "hit_tokens") or 0
+    used, blocks = total("kv_cache", "blocks_used"), total("kv_cache", "blocks_total")
+    return {
+        "requests": {k: total("requests", k)
+                     for k in ("running", "waiting", "preemptions", "aborted")},
+        "kv_cache": {"blocks_used": used, "blocks_total": blocks,
+                     "usage": used / blocks if used is not None and blocks else None},
+        "prefix_cache": {"queried_tokens": queried, "hit_tokens": hits,
+                         "hit_rate": hits / queried if queried else None},
+        "tokens": {k: total("tokens", k) for k in ("prompt", "generated", "prompt_per_s",
+                                                    "generated_per_s")},
+    }

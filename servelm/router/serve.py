@@ -1,0 +1,123 @@
+"""The router's processes: `servelm router --backend URL ...` (run_router), and the front of
+`servelm serve --data-parallel-size N` (serve_data_parallel): the router over N replicas
+this process starts and supervises, on the one port the user asked for."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from servelm.router.app import Router, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _serve(router: Router, host: str, port: int, log_level: str, banner,
+           header_timeout: float = 10.0, root_path: str = "", ssl_keyfile=None,
+           ssl_certfile=None, on_exit=None) -> int:
+    import uvicorn
+
+    from servelm.server.transport import deadline_protocol, listen, raise_open_file_limit
+
+    sock = listen(host, port)
+    raise_open_file_limit()
+    config = uvicorn.Config(router.app(), log_level=log_level.lower(),
+                            http=deadline_protocol(header_timeout), root_path=root_path,
+                            access_log=False, ssl_keyfile=ssl_keyfile,
+                            ssl_certfile=ssl_certfile)
+    server = uvicorn.Server(config)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn's own handler takes over
+    h, p = sock.getsockname()[:2]
+    shown = f"[{h}]" if ":" in h else h
+    scheme = "https" if ssl_keyfile else "http"
+    print(banner(f"{scheme}://{shown}:{p}{root_path}"), file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if on_exit is not None:
+            on_exit()
+    return 0
+
+
+def router_config(args, backends: list[str], poll_api_key: str | None = None) -> RouterConfig:
+    from servelm.server.options import read_api_keys
+
+    keys = read_api_keys(args.api_key, getattr(args, "api_key_file", None))
+    return RouterConfig(backends=tuple(backends), policy=args.router_policy,
+                        load_bound=args.router_load_bound,
+                        model=getattr(args, "tokenizer_model", None),
+                        api_keys=tuple(keys),
+                        backend_api_key=getattr(args, "backend_api_key", None),
+                        poll_api_key=poll_api_key,
+                        chat_template=getattr(args, "router_chat_template", None))
+
+
+def run_router(args) -> int:
+    """`servelm router`: args from servelm.cli's router parser."""
+    config = router_config(args, args.backend)
+    router = Router(config)
+
+    def banner(url: str) -> str:
+        lines = [f"servelm: routing on {url} to {len(config.backends)} backends "
+                 f"(policy {config.policy}, load bound {config.load_bound} tokens)"]
+        lines += [f"  backend   {u}" for u in config.backends]
+        return "\n".join([*lines, f"  API       {url}/v1 (OpenAI-compatible; /metrics, "
+                                  f"/v1/stats: every backend and the router)"])
+
+    return _serve(router, args.host, args.port, args.log_level, banner)
+
+
+def serve_data_parallel(args, argv: list[str], model_name: str) -> int:
+    """`servelm serve --data-parallel-size N`: start the replicas (each `servelm serve` on a
+    loopback port, its share of the cores), then the router over them on --host/--port."""
+    from servelm.router.replicas import Replicas, replica_argv
+    from servelm.server.options import read_api_keys
+    from servelm.server.transport import listen
+
+    listen(args.host, args.port).close()  # a taken port fails before the replicas load
+    n = args.data_parallel_size
+    replicas = Replicas(n, replica_argv(argv), threads=args.num_threads)
+    for r in replicas.replicas:
+        print(f"servelm: replica {r.index}: CPUs {_ranges(r.cpus)}, {r.threads} threads, "
+              f"{r.url}", file=sys.stderr, flush=True)
+    replicas.start()
+    keys = read_api_keys(args.api_key, args.api_key_file)
+    # The replicas take the same keys (their arguments and environment are the front's):
+    # a client's key goes through, each key still its own prefix cache; the router's
+    # checks and polls use the first.
+    config = RouterConfig(backends=tuple(replicas.urls), policy=args.router_policy,
+                          load_bound=args.router_load_bound, model=None,
+                          api_keys=tuple(keys), poll_api_key=keys[0] if keys else None,
+                          chat_template=args.chat_template,
+                          chat_template_kwargs=args.chat_template_kwargs)
+    router = Router(config)
+
+    def banner(url: str) -> str:
+        return "\n".join([
+            f"servelm: serving {model_name} on {url} (data parallel: {n} replicas, "
+            f"policy {config.policy})",
+            *[f"  replica {r.index} {r.url} (CPUs {_ranges(r.cpus)})"
+              for r in replicas.replicas],
+            f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats: every replica)"])
+
+    try:
+        return _serve(router, args.host, args.port, args.log_level, banner,
+                      header_timeout=args.header_timeout, root_path=args.root_path,
+                      ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                      on_exit=replicas.stop)
+    except BaseException:
+        replicas.stop()
+        raise
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ",".join(out)
