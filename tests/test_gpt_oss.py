@@ -70,6 +70,17 @@ def test_config_reads_gpt_oss_keys(gpt_oss):
                          "swiglu_limit": LIMIT, "swiglu_alpha": 1.702}
 
 
+def test_decode_steps_run_op_by_op(gpt_oss):
+    """The whole-step DecodeStack declines the routed experts (before it reaches the sinks):
+    gpt-oss decodes op by op."""
+    from servelm.models import decode_stack
+    from servelm.models.decoder import CausalLM
+
+    model = CausalLM(ModelConfig.from_hf_dir(gpt_oss[0]), max_positions=64)
+    got = decode_stack.describe(model)
+    assert isinstance(got, str) and got.endswith("its MLP is SparseMoE (routed experts run op by op)")
+
+
 def test_eager_fp32_matches_transformers(gpt_oss):
     path, ref = gpt_oss
     llm = LLM(model=path, cpu_kernels=False, **KW)

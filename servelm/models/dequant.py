@@ -162,11 +162,19 @@ def _mx_values(codes: torch.Tensor, exponents: torch.Tensor, doubled: tuple) -> 
     return bits.view(torch.float32) * torch.tensor(doubled, dtype=torch.float32)[codes.long()]
 
 
+_MX_CHUNK = 1 << 16  # MXFP4 blocks a pass: its int64 indices stay small (a layer's experts
+                    # are hundreds of millions of values), the output written once
+
+
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     """ggml's block_mxfp4: the scale byte, then 16 bytes whose low nibbles are values 0-15
     and high nibbles values 16-31."""
-    return _mx_values(_nibbles(b[:, 1:], 16).reshape(b.shape[0], -1), b[:, :1],
-                      _GGML_E2M1_DOUBLED)
+    out = torch.empty(b.shape[0], 32, dtype=torch.float32)
+    for i in range(0, b.shape[0], _MX_CHUNK):
+        c = b[i:i + _MX_CHUNK]
+        out[i:i + _MX_CHUNK] = _mx_values(_nibbles(c[:, 1:], 16).reshape(c.shape[0], 32),
+                                          c[:, :1], _GGML_E2M1_DOUBLED)
+    return out
 
 
 def mxfp4_hf(blocks: torch.Tensor, scales: torch.Tensor,
@@ -175,10 +183,14 @@ def mxfp4_hf(blocks: torch.Tensor, scales: torch.Tensor,
     each byte two values, the low nibble first; `*_scales` [..., G] uint8) -> [..., G * 32]
     in dtype, exactly: what transformers' convert_moe_packed_tensors computes, before its
     final transpose. bf16 by default: exact, and half an fp32 temporary's memory."""
-    b = blocks.view(torch.uint8)
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)     # [..., G, 32]
-    values = _mx_values(codes, scales.view(torch.uint8).unsqueeze(-1), _E2M1_DOUBLED)
-    return values.to(dtype).flatten(-2)
+    b = blocks.view(torch.uint8).reshape(-1, 16)
+    s = scales.view(torch.uint8).reshape(-1, 1)
+    out = torch.empty(b.shape[0], 32, dtype=dtype)
+    for i in range(0, b.shape[0], _MX_CHUNK):
+        c = b[i:i + _MX_CHUNK]
+        codes = torch.stack((c & 0x0F, c >> 4), dim=-1).reshape(c.shape[0], 32)
+        out[i:i + _MX_CHUNK] = _mx_values(codes, s[i:i + _MX_CHUNK], _E2M1_DOUBLED)
+    return out.view(*blocks.shape[:-2], -1)
 
 
 # GGML type name -> (elements per block, bytes per block, block dequantiser)
