@@ -1,9 +1,9 @@
 """servelm: a fast LLM inference engine and OpenAI-compatible server.
 
 Commands: serve (the HTTP API and web console), generate (one completion in the terminal),
-chat (a conversation in the terminal), router (one front over several servers), bench (load-test a server), roofline (what bounds
-prefill and decode here), tune (measure the matmul methods), models (what can be served here
-without a download). `servelm COMMAND --help` shows each one's flags and their defaults."""
+chat (a conversation in the terminal), router (one front over several servers), bench
+(load-test a server), roofline (what bounds prefill and decode here), tune (measure the
+matmul methods), models (what can be served here without a download). `servelm COMMAND --help` shows each one's flags and their defaults."""
 
 from __future__ import annotations
 
