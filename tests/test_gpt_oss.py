@@ -245,6 +245,30 @@ def test_mxfp4_dequantisation_is_transformers_and_gguf_py_bit_for_bit():
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
 
+def test_gguf_names_and_fused_gate_up_experts():
+    """llama.cpp's names (sinks, the post-attention norm, the router and its bias, the
+    experts' biases) and its fused gate / up experts (--fuse-gate-up-exps: gate rows, then
+    up), which reach SparseMoE's gate_up rows unchanged."""
+    from servelm.models.registry import family_for_gguf
+
+    fam = family_for_gguf("gpt-oss")
+    names = {"blk.3.attn_sinks.weight": "layers.3.self_attn.sinks",
+             "blk.3.post_attention_norm.weight": "layers.3.post_attention_layernorm.weight",
+             "blk.3.ffn_gate_inp.bias": "layers.3.mlp.gate.bias",
+             "blk.3.ffn_up_exps.bias": "layers.3.mlp.experts.up_proj.bias",
+             "blk.3.ffn_gate_up_exps.weight": "layers.3.mlp.experts.gate_up_proj",
+             "blk.3.ffn_gate_up_exps.bias": "layers.3.mlp.experts_gate_up_bias"}
+    for gguf_name, internal in names.items():
+        assert fam.internal_name(fam.gguf_name(gguf_name)) == internal, gguf_name
+    g = torch.Generator().manual_seed(0)
+    for gguf_name, shape in (("blk.0.ffn_gate_up_exps.weight", (3, 8, 5)),
+                             ("blk.0.ffn_gate_up_exps.bias", (3, 8))):
+        fused = torch.randn(shape, generator=g)
+        hf = fam.gguf_name(gguf_name)
+        arr = torch.from_numpy(np.ascontiguousarray(fam.from_gguf(hf, fused.numpy(), None, 3)))
+        assert torch.equal(fam.transform(fam.internal_name(hf), arr), fused), gguf_name
+
+
 def _mxfp4(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [..., out, in] quantised by gguf-py: (ggml's bytes, HF's blocks [..., out, in / 32,
     16] and scales [..., out, in / 32], the values both hold)."""
