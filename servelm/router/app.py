@@ -196,14 +196,15 @@ class Router:
             pass
 
     def _set_up(self, b: Backend, up: bool, why: str | None = None) -> None:
-        if up != b.view.up:
-            if up:  # a first check passing is no news
-                (logger.warning if b.failures or b.last_error else logger.info)(
-                    "router: backend %s is up", b.url)
-            else:
-                logger.warning("router: backend %s left the rotation: %s", b.url, why)
-                b.view.forget_cache()
-                b.view.servelm = None  # asked again when it comes back
+        if up and not b.view.up:  # a first check passing is no news
+            (logger.warning if b.failures or b.last_error else logger.info)(
+                "router: backend %s is up", b.url)
+        elif not up and (b.view.up or b.last_error is None):
+            logger.warning("router: backend %s %s: %s", b.url,
+                           "left the rotation" if b.view.up else "is not answering", why)
+        if not up and b.view.up:
+            b.view.forget_cache()
+            b.view.servelm = None  # asked again when it comes back
         b.view.up = up
         if why:
             b.last_error = why
@@ -428,16 +429,25 @@ class Router:
                 "cached_blocks": len(v.cached), "block_size": v.block_size}
 
     async def stats(self) -> dict:
-        """GET /v1/stats: the backends' reports summed where they add up, each one's own
+        """GET /v1/stats: a servelm report (the web console reads it) whose counts are the
+        backends' summed (the rest: the first answering backend's), each backend's own
         report, and the router's counters."""
         answers = await self._gather("/v1/stats")
         reports = []
         for b, r in zip(self.backends, answers):
             entry = self._backend_entry(b)
-            entry["stats"] = r.json() if r is not None and r.status_code == 200 else None
+            try:
+                entry["stats"] = r.json() if r is not None and r.status_code == 200 else None
+            except ValueError:
+                entry["stats"] = None
             reports.append(entry)
-        return {"object": "servelm.router.stats", "router": self.router_stats(),
-                **_sum_stats([e["stats"] for e in reports if e["stats"]]),
+        found = [e["stats"] for e in reports if isinstance(e["stats"], dict)]
+        base = json.loads(json.dumps(found[0])) if found else {}
+        for section, values in _sum_stats(found).items():
+            base.setdefault(section, {})
+            if isinstance(base[section], dict):
+                base[section].update(values)
+        return {**base, "object": "servelm.router.stats", "router": self.router_stats(),
                 "backends": reports}
 
     async def metrics(self) -> str:
@@ -596,10 +606,11 @@ def _sum_stats(reports: list[dict]) -> dict:
     queried = total("prefix_cache", "queried_tokens") or 0
     hits = total("prefix_cache", "hit_tokens") or 0
     used, blocks = total("kv_cache", "blocks_used"), total("kv_cache", "blocks_total")
+    capacity = total("kv_cache", "capacity_tokens")
     return {
         "requests": {k: total("requests", k)
                      for k in ("running", "waiting", "preemptions", "aborted")},
-        "kv_cache": {"blocks_used": used, "blocks_total": blocks,
+        "kv_cache": {"blocks_used": used, "blocks_total": blocks, "capacity_tokens": capacity,
                      "usage": used / blocks if used is not None and blocks else None},
         "prefix_cache": {"queried_tokens": queried, "hit_tokens": hits,
                          "hit_rate": hits / queried if queried else None},

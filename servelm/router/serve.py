@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 def _serve(router: Router, host: str, port: int, log_level: str, banner,
            header_timeout: float = 10.0, root_path: str = "", ssl_keyfile=None,
-           ssl_certfile=None, on_exit=None) -> int:
+           ssl_certfile=None, on_exit=None, shutdown_timeout: float = 30.0) -> int:
     import uvicorn
 
     from servelm.server.transport import deadline_protocol, listen, raise_open_file_limit
@@ -25,7 +25,8 @@ def _serve(router: Router, host: str, port: int, log_level: str, banner,
     config = uvicorn.Config(router.app(), log_level=log_level.lower(),
                             http=deadline_protocol(header_timeout), root_path=root_path,
                             access_log=False, ssl_keyfile=ssl_keyfile,
-                            ssl_certfile=ssl_certfile)
+                            ssl_certfile=ssl_certfile,
+                            timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
     signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn's own handler takes over
     h, p = sock.getsockname()[:2]
@@ -105,7 +106,7 @@ def serve_data_parallel(args, argv: list[str], model_name: str) -> int:
         return _serve(router, args.host, args.port, args.log_level, banner,
                       header_timeout=args.header_timeout, root_path=args.root_path,
                       ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                      on_exit=replicas.stop)
+                      on_exit=replicas.stop, shutdown_timeout=args.shutdown_timeout)
     except BaseException:
         replicas.stop()
         raise
