@@ -67,9 +67,10 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
         return BACKENDS["cpu"]
     if kernels.triton_attention and BACKENDS["triton"].unsupported(spec) is None:
         return BACKENDS["triton"]
-    # A model option the kernels lack (a soft-cap) keeps it on the reference: say so once.
+    # A model option the kernels lack (a soft-cap, sinks) keeps it on the reference: say so once.
     fast = "cpu" if spec.device.type == "cpu" else "triton"
-    if spec.logit_softcap and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention):
+    if ((spec.logit_softcap or spec.sinks)
+            and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention)):
         logger.info("attention backend reference, not %s: %s", fast,
                     BACKENDS[fast].unsupported(spec))
     return BACKENDS["reference"]

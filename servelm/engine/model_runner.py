@@ -206,7 +206,8 @@ class ModelRunner:
         model.select_ops(use_kernels)
         self.attention: AttentionBackend = select_attention(kernels, AttentionSpec(
             torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap))
+            cfg.head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
+            sinks=bool(cfg.extra.get("attention_sinks"))))
         logger.info("attention backend: %s", self.attention.name)
         # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
         if use_kernels and self.attention.ragged_decodes and kernels.fused_decode:

@@ -158,6 +158,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention and MLP run in parallel on one norm"
     if attn.softcap:
         return "its attention scores are soft-capped"
+    if getattr(attn, "sinks", None) is not None:
+        return "its attention has sinks (a logit per head in the softmax)"
     if attn.q_scale_beta:
         return "its queries are scaled by their position"
     if not attn.rope:
