@@ -71,11 +71,12 @@ class CacheEventLog:
         self._seq = 0          # the last event's number (events are numbered from 1)
         self._live: set[int] = set()
 
-    def stored(self, digest: int) -> None:
+    def stored(self, *digests: int) -> None:
         with self._lock:
-            self._seq += 1
-            self._events.append(("stored", digest))
-            self._live.add(digest)
+            for digest in digests:
+                self._seq += 1
+                self._events.append(("stored", digest))
+                self._live.add(digest)
 
     def removed(self, digest: int) -> None:
         with self._lock:
@@ -196,6 +197,7 @@ class BlockManager:
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
         parent, digest = self._chain.get(request_id, (_root(salt), 0))
+        stored = []
         for i in range(done, full):
             block = table[i]
             entry = self._block_key.get(block)
@@ -214,8 +216,10 @@ class BlockManager:
             digest = block_digest(digest, salt, tokens)
             self._cached[key] = block
             self._block_key[block] = (key, key_id, digest)
-            self.events.stored(digest)
+            stored.append(digest)
             parent = key_id
+        if stored:
+            self.events.stored(*stored)
         self._num_registered[request_id] = full
         self._chain[request_id] = (parent, digest)
 
