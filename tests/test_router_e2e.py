@@ -149,3 +149,16 @@ def test_killed_replica_fails_its_stream_and_is_restarted(front):
     wait_for(lambda: all(b["up"] for b in stats(front)["backends"]), 120, "the restart")
     assert replica_pid(front, busy) != pid
     assert "replica" in front.output() and "restarting it" in front.output()
+
+
+def test_cache_events_route(front):
+    url = f"{front.replicas[1]}/v1/cache_events"
+    snap = httpx.get(url, headers=AUTH).json()
+    assert snap["reset"] and snap["enabled"] and isinstance(snap["blocks"], list)
+    later = httpx.get(url, headers=AUTH, params={"since": snap["seq"],
+                                                 "instance": snap["instance"]}).json()
+    assert not later["reset"] and later["seq"] >= snap["seq"]
+    other = httpx.get(url, headers=AUTH, params={"since": snap["seq"], "instance": "x"}).json()
+    assert other["reset"]  # another instance's numbers: a snapshot
+    r = httpx.get(url, headers=AUTH, params={"since": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "since"

@@ -222,10 +222,18 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
         return live.report()
 
     @v1.get("/cache_events")
-    async def cache_events(since: int | None = None, instance: str | None = None) -> dict:
+    async def cache_events(request: Request) -> dict:
         """The prefix cache's stored / removed block digests after event `since` (of the
         log `instance`, when given: another one's numbers mean nothing here), for a
         cache-aware router; a snapshot instead when the log no longer reaches back."""
+        query = request.query_params
+        since, instance = query.get("since"), query.get("instance")
+        if since is not None:  # read by hand: a bad one is a 400 in OpenAI's shape
+            try:
+                since = int(since)
+            except ValueError:
+                raise APIError(400, f"'since' is an event number, got {since!r}",
+                               param="since", code="invalid_value") from None
         llm = getattr(engine, "engine", None)
         if llm is None:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
