@@ -371,3 +371,14 @@ def test_merge_metrics_groups_families():
                           ("u2", "# HELP m h\n# TYPE m gauge\nm{a=\"x y\"} 2\n")])
     assert text == ('# HELP m h\n# TYPE m gauge\nm{backend="u1"} 1\n'
                     'm{backend="u2",a="x y"} 2\n')
+
+
+def test_replica_cores_and_arguments():
+    from servelm.router.replicas import replica_argv, split_cores
+
+    groups = [[0, 4], [1, 5], [2, 6], [3, 7], [8]]  # physical cores, siblings together
+    assert split_cores(2, groups) == [[0, 1, 2, 4, 5, 6], [3, 7, 8]]
+    assert split_cores(3, groups[:2]) == [[0, 4], [1, 5], [0, 4]]  # fewer cores: shared
+    argv = ["--log-level", "INFO", "serve", "m.gguf", "--dp", "2", "--port=9000",
+            "--host", "0.0.0.0", "--router-policy", "round_robin", "--api-key", "k"]
+    assert replica_argv(argv) == ["--log-level", "INFO", "serve", "m.gguf", "--api-key", "k"]

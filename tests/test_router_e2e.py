@@ -93,7 +93,10 @@ def replica_pid(front, url: str) -> int:
 
 
 def test_keys_cache_affinity_and_greedy_parity(front):
-    assert httpx.get(f"{front.url}/v1/models").status_code == 401
+    assert httpx.get(f"{front.url}/v1/models").status_code == 401  # the replica's check
+    assert httpx.get(f"{front.url}/v1/stats").status_code == 401     # the front's
+    assert httpx.get(f"{front.url}/", headers={"Host": "evil.example"}).status_code == 403
+    assert httpx.get(f"{front.url}/").status_code == 200  # the console, as a server has it
     r = httpx.get(f"{front.replicas[0]}/v1/cache_events")  # the events are behind the key
     assert r.status_code == 401
     events = httpx.get(f"{front.replicas[0]}/v1/cache_events", headers=AUTH).json()

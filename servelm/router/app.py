@@ -53,7 +53,13 @@ class RouterConfig:
     None: the first backend's /v1/models root (a path on the backend's host).
     backend_api_key: sent to every backend instead of the client's own key (default: the
     client's goes through). poll_api_key: the key of the router's own checks and polls
-    (default backend_api_key)."""
+    (default backend_api_key). forward_host: send the client's Host header on (the
+    data-parallel front, whose replicas check it as the front would: --allowed-hosts);
+    otherwise each backend gets its own URL's. backends_check_keys: the backends hold the
+    same api_keys and check them (the data-parallel front): proxied requests are left to
+    them (the console, CORS preflights and public docs as each server has them), and
+    api_keys guard only the router's own /v1/stats and /metrics (/metrics open with
+    public_metrics)."""
 
     backends: tuple[str, ...]
     policy: str = "cache_aware"
@@ -64,6 +70,9 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     backend_api_key: str | None = None
     poll_api_key: str | None = None
+    forward_host: bool = False
+    backends_check_keys: bool = False
+    public_metrics: bool = False
     poll_interval: float = 0.1
     health_interval: float = 1.0
     connect_timeout: float = 2.0
@@ -287,6 +296,8 @@ class Router:
 
     def _forward_headers(self, request: Request) -> dict[str, str]:
         out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.config.forward_host and "host" in request.headers:
+            out["host"] = request.headers["host"]
         if self.config.backend_api_key:
             out.pop("x-api-key", None)
             out["authorization"] = f"Bearer {self.config.backend_api_key}"
@@ -294,7 +305,8 @@ class Router:
 
     async def proxy(self, request: Request) -> Response:
         """Pass a request to the backend the policy picks; the answer back as it comes."""
-        self.check_key(request)
+        if not self.config.backends_check_keys:
+            self.check_key(request)
         body = await self._read_body(request)
         path = request.url.path
         prompt = await self._prompt(path, body) if request.method == "POST" else Prompt()
@@ -521,11 +533,13 @@ class Router:
 
         @app.get("/metrics")
         async def metrics(request: Request):
-            router.check_key(request)
+            if not router.config.public_metrics:
+                router.check_key(request)
             return Response(await router.metrics(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+        @app.api_route("/{path:path}",
+                       methods=["GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"])
         async def proxy(request: Request, path: str):
             return await router.proxy(request)
 

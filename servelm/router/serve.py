@@ -90,6 +90,9 @@ def serve_data_parallel(args, argv: list[str], model_name: str) -> int:
     config = RouterConfig(backends=tuple(replicas.urls), policy=args.router_policy,
                           load_bound=args.router_load_bound, model=None,
                           api_keys=tuple(keys), poll_api_key=keys[0] if keys else None,
+                          forward_host=True, backends_check_keys=True,
+                          public_metrics=args.public_metrics,
+                          max_request_bytes=args.max_request_bytes,
                           chat_template=args.chat_template,
                           chat_template_kwargs=args.chat_template_kwargs)
     router = Router(config)
