@@ -2,7 +2,7 @@
 metadata from the scheduled sequences, and attends one layer over the paged KV cache.
 
     reference  gather + SDPA (servelm.attention.reference): the eager fp32 reference, any
-               device, KV dtype, head dim and sliding window
+               device, KV dtype, head dim, sliding window and attention chunk
     cpu        servelm's C++ kernels (servelm.attention.cpu): ragged decode and flash-style
                prompt attention in place over the block tables (fp32/bf16/fp16/int8 caches)
     cpu_sdpa   the cpu backend with prompt chunks on PyTorch's CPU flash attention (AMX's
@@ -67,9 +67,10 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
         return BACKENDS["cpu"]
     if kernels.triton_attention and BACKENDS["triton"].unsupported(spec) is None:
         return BACKENDS["triton"]
-    # A model option the kernels lack (a soft-cap, sinks) keeps it on the reference: say so once.
+    # A model option the kernels lack (a soft-cap, sinks, attention chunks) keeps it on the
+    # reference: say so once.
     fast = "cpu" if spec.device.type == "cpu" else "triton"
-    if ((spec.logit_softcap or spec.sinks)
+    if ((spec.logit_softcap or spec.sinks or spec.attention_chunk)
             and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention)):
         logger.info("attention backend reference, not %s: %s", fast,
                     BACKENDS[fast].unsupported(spec))

@@ -28,6 +28,10 @@ class AttentionSpec:
     # A learned logit per query head joins each query's softmax denominator (attention
     # sinks, gpt-oss: Attention.sinks): the reference backend runs it, the kernels do not.
     sinks: bool = False
+    # Chunked local attention on some layers (Llama 4's attention_chunk_size: a query sees
+    # only the keys of its own chunk, floor(pos / chunk) equal; Attention.chunk): the
+    # reference backend runs it, the kernels do not (it is no sliding window).
+    attention_chunk: int | None = None
 
 
 class AttentionBackend:

@@ -116,6 +116,9 @@ class CpuBackend(AttentionBackend):
         if spec.sinks:
             return ("servelm's C++ attention kernels do not add attention sinks to the softmax "
                     "(their decode op returns no log-sum-exp to merge one with)")
+        if spec.attention_chunk:
+            return ("servelm's C++ attention kernels do not run chunked local attention "
+                    "(keys from the query's own chunk only, which is no sliding window)")
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

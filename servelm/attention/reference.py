@@ -1,7 +1,7 @@
 """The reference backend: K/V gathered block by block into padded groups, SDPA with a
-causal (or sliding-window) mask (explicit matmuls where scores are soft-capped or the
-softmax has sinks). The eager fp32 path every other backend is tested against; it runs any
-device, KV dtype, head dim, window, soft-cap and attention sink."""
+causal (or sliding-window, or chunked) mask (explicit matmuls where scores are soft-capped
+or the softmax has sinks). The eager fp32 path every other backend is tested against; it
+runs any device, KV dtype, head dim, window, attention chunk, soft-cap and attention sink."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from servelm.models import kv_quant
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     group: AttnGroup, scale: float, window: int | None = None,
                     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    chunk: int | None = None) -> torch.Tensor:
     """Attention of one group's queries over keys/values read through its block tables.
 
     q: [n, H, D] for the group's n flat tokens; k_cache, v_cache: [num_blocks, block_size, KVH, D].
@@ -29,6 +29,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (Gemma 2), in explicit matmuls (SDPA has no such option). sinks [H]: one logit per query
     head that joins every query's softmax as a key without a value (gpt-oss), so the weights
     of the real keys sum to less than one: exp(s_i) / (sum_j exp(s_j) + exp(sink)).
+    chunk: chunked local attention (Llama 4): a query at position p sees only the keys
+    at positions k <= p with k // chunk == p // chunk.
     """
     B, Q = group.pad_index.shape
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -47,7 +49,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
-    mask = group.window_mask(window)
+    mask = group.window_mask(window) if chunk is None else chunk_mask(group, window, chunk)
     if softcap or sinks is not None:
         s = torch.matmul(qp, k.transpose(-1, -2)).float() * scale
         if softcap:
@@ -64,6 +66,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
     o = o.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, h * d)
     return o[group.unpad_index]
+
+
+def chunk_mask(group: AttnGroup, window: int | None, chunk: int) -> torch.Tensor:
+    """group.window_mask(window) less the keys outside each query's chunk of `chunk`
+    positions; built once a step per chunk size, kept beside the group's window masks."""
+    masks = group.__dict__.setdefault("_masks", {})
+    key = ("chunk", window, chunk)
+    if key not in masks:
+        base = group.window_mask(window)                                   # [B, 1, g * Q, L]
+        B, Q = group.query_pos.shape
+        g = group.num_queries_per_kv
+        keys = torch.arange(base.shape[-1], device=group.query_pos.device).view(1, 1, -1)
+        same = keys // chunk == group.query_pos.unsqueeze(-1) // chunk     # [B, Q, L]
+        masks[key] = base & same.unsqueeze(1).expand(B, g, Q, -1).reshape(B, 1, g * Q, -1)
+    return masks[key]
 
 
 def build_grouped(backend: AttentionBackend, seqs: list, block_size: int, g: int,
@@ -91,4 +108,4 @@ class ReferenceBackend(AttentionBackend):
     def forward(self, layer, q, k_cache, v_cache, scales, meta):
         return per_group(q, meta.groups, lambda qg, g: paged_attention(
             qg, k_cache, v_cache, g, layer.scale, layer.window, scales, layer.softcap,
-            getattr(layer, "sinks", None)))
+            getattr(layer, "sinks", None), getattr(layer, "chunk", None)))

@@ -23,6 +23,9 @@ class TritonBackend(AttentionBackend):
             return "the Triton attention kernels do not soft-cap attention scores"
         if spec.sinks:
             return "the Triton attention kernels do not add attention sinks to the softmax"
+        if spec.attention_chunk:
+            return ("the Triton attention kernels do not run chunked local attention (keys "
+                    "from the query's own chunk only, which is no sliding window)")
         if not ta.available():
             return "Triton is not installed"
         # Both kernels must compile for this shape here and agree with the references.

@@ -207,7 +207,8 @@ class ModelRunner:
         self.attention: AttentionBackend = select_attention(kernels, AttentionSpec(
             torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
-            sinks=bool(cfg.extra.get("attention_sinks"))))
+            sinks=bool(cfg.extra.get("attention_sinks")),
+            attention_chunk=cfg.extra.get("attention_chunk_size")))
         logger.info("attention backend: %s", self.attention.name)
         # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
         if use_kernels and self.attention.ragged_decodes and kernels.fused_decode:

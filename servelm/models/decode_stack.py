@@ -162,6 +162,10 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention has sinks (a logit per head in the softmax)"
     if attn.q_scale_beta:
         return "its queries are scaled by their position"
+    if attn.chunk:
+        return "its attention is chunked (keys from the query's own chunk only)"
+    if attn.qk_l2_norm:
+        return "its q and k are L2-normalised after the rotary"
     if not attn.rope:
         return "it has no rotary (a NoPE layer)"
     if attn.qk_norm_whole:

@@ -43,6 +43,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         norm = cfg.norm_type
+        # Llama 4's per-layer options (its family's extra): chunked local attention, q/k
+        # L2 norms and the position scale of the queries on some layers only.
+        extra = cfg.extra
+        scaled = extra.get("query_scale_layers")  # None: every layer
         self.input_layernorm = make_norm(norm, h, eps) if cfg.pre_norms else NoNorm()
         self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
@@ -51,8 +55,13 @@ class DecoderLayer(nn.Module):
                                    rope=index not in cfg.no_rope_layers,
                                    qk_norm_whole=cfg.qk_norm_whole,
                                    out_bias=cfg.attention_out_bias,
-                                   q_scale_beta=cfg.query_scale_beta,
-                                   q_scale_period=cfg.query_scale_period)
+                                   q_scale_beta=(cfg.query_scale_beta
+                                                 if scaled is None or index in scaled else 0.0),
+                                   q_scale_period=cfg.query_scale_period,
+                                   q_scale_offset=extra.get("query_scale_offset", 0.0),
+                                   chunk=(extra["attention_chunk_size"]
+                                          if index in extra.get("chunked_layers", ()) else None),
+                                   qk_l2_norm=index in extra.get("qk_l2_norm_layers", ()))
         if cfg.extra.get("attention_sinks"):
             # A learned logit per query head in each query's softmax denominator (gpt-oss):
             # the reference backend runs it, the kernel backends decline (AttentionSpec.sinks).
@@ -62,9 +71,12 @@ class DecoderLayer(nn.Module):
             None if self.parallel and not cfg.parallel_mlp_norm
             else make_norm(norm, h, eps) if cfg.pre_norms else NoNorm())
         if cfg.is_moe_layer(index):
-            # gpt-oss's router and expert biases and clamped SwiGLU: its family's extra options.
+            # gpt-oss's router and expert biases and clamped SwiGLU, Llama 4's sigmoid router,
+            # input-weighted experts and ungated shared expert: their families' extra options.
             moe_options = {k: cfg.extra[k] for k in ("router_bias", "expert_bias",
-                                                     "swiglu_limit", "swiglu_alpha")
+                                                     "swiglu_limit", "swiglu_alpha",
+                                                     "router_scoring", "expert_input_weighted",
+                                                     "shared_expert_gate")
                            if k in cfg.extra}
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,

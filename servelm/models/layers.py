@@ -308,9 +308,14 @@ class Attention(OpModule):
     scores = softcap * tanh(scores / softcap), Gemma 2; q/k norms over the whole projection
     rather than each head, qk_norm_whole, OLMo 2; an o_proj bias, out_bias, Starcoder2;
     queries scaled by their position after the rotary, q_scale_beta / q_scale_period,
-    Ministral 3; only the reference backend runs
-    it, servelm.attention.select chooses it at start-up), and no rotary at all (rope False:
-    SmolLM3's NoPE layers; the KV write then takes k as projected). The rotary table is the caller's (a
+    Ministral 3, or Llama 4's attention temperature, q_scale_offset 1; only the reference
+    backend runs the soft-cap, servelm.attention.select chooses it at start-up), no rotary
+    at all (rope False: SmolLM3's NoPE layers; the KV write then takes k as projected),
+    chunked local attention (chunk: a query attends only the keys of its own chunk of
+    `chunk` positions, Llama 4's rope layers; the reference backend runs it, the kernel
+    backends decline it) and a weightless RMS ("L2") norm of each head's q and k after the
+    rotary (qk_l2_norm, Llama 4; the projection's norms, rotary and KV write then run in
+    PyTorch, since the C++ op writes k rotated but not normalised). The rotary table is the caller's (a
     model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
     narrower than head_dim. The op chosen once (select): the projection's norms, rotary
     and KV write in PyTorch (qkv_ref) or in one C++ pass (qkv_kernels); the attention
@@ -322,7 +327,9 @@ class Attention(OpModule):
                  window: int | None = None, scale: float | None = None,
                  rotary_dim: int | None = None, softcap: float | None = None,
                  rope: bool = True, qk_norm_whole: bool = False, out_bias: bool = False,
-                 q_scale_beta: float = 0.0, q_scale_period: int = 0):
+                 q_scale_beta: float = 0.0, q_scale_period: int = 0,
+                 q_scale_offset: float = 0.0, chunk: int | None = None,
+                 qk_l2_norm: bool = False):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -330,7 +337,8 @@ class Attention(OpModule):
                             window=window, scale=scale, rotary_dim=rotary_dim,
                             softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole,
                             out_bias=out_bias, q_scale_beta=q_scale_beta,
-                            q_scale_period=q_scale_period)
+                            q_scale_period=q_scale_period, q_scale_offset=q_scale_offset,
+                            chunk=chunk, qk_l2_norm=qk_l2_norm)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
@@ -348,11 +356,16 @@ class Attention(OpModule):
         self.softcap = softcap
         self.rope = rope
         self.q_scale_beta, self.q_scale_period = q_scale_beta, q_scale_period
+        # The position scale's form, chosen once: Ministral 3's, or Llama 4's (offset 1).
+        self._q_scale = temperature_scale if q_scale_offset else query_scale
+        self.q_scale_offset = q_scale_offset
+        self.chunk = chunk
+        self.qk_l2_norm, self.eps = qk_l2_norm, eps
         self.select(False)
 
     def select(self, kernels: bool) -> None:
         self.uses_kernels = kernels
-        self._qkv = qkv_kernels if kernels else qkv_ref
+        self._qkv = qkv_kernels if kernels and not self.qk_l2_norm else qkv_ref
         # The kernel's rotary turns every dim of a head; a partial rotary runs the reference
         # rotary + KV write on the kernels' in-place layout.
         self._rotary_kv_write = (kv_write_ref if not self.rope
@@ -370,17 +383,34 @@ class Attention(OpModule):
         scales = tuple(scales) or None
         q = self._qkv(self, x, cos, sin, batch.slot_mapping, k_cache, v_cache, scales)
         if self.q_scale_beta:
-            q = q * query_scale(batch.positions, self.q_scale_beta, self.q_scale_period, q.dtype)
+            q = self._q_scale(q, batch.positions, self.q_scale_beta, self.q_scale_period,
+                              self.q_scale_offset)
         out = batch.attn.backend.forward(self, q, k_cache, v_cache, scales, batch.attn)
         return self.o_proj(out if rows is None else out[rows])
 
 
-def query_scale(positions: torch.Tensor, beta: float, period: int, dtype: torch.dtype
-                ) -> torch.Tensor:
-    """[T, 1, 1]: 1 + beta * ln(1 + floor(position / period)), computed in fp32 as
-    transformers does, then in q's dtype."""
+def query_scale(q: torch.Tensor, positions: torch.Tensor, beta: float, period: int,
+                offset: float = 0.0) -> torch.Tensor:
+    """q [T, H, D] times 1 + beta * ln(1 + floor(position / period)) (Ministral 3), the
+    scale computed in fp32 as transformers does, then in q's dtype."""
     s = 1 + beta * torch.log(1 + torch.floor(positions / period))
-    return s.to(dtype).view(-1, 1, 1)
+    return q * s.to(q.dtype).view(-1, 1, 1)
+
+
+def temperature_scale(q: torch.Tensor, positions: torch.Tensor, beta: float, period: int,
+                      offset: float = 1.0) -> torch.Tensor:
+    """Llama 4's attention temperature (attn_temperature_tuning): q [T, H, D] times
+    log1p(floor((position + offset) / period)) * beta + 1 (floor_scale the period,
+    attn_scale beta), multiplied in fp32 and rounded to q's dtype, as transformers does."""
+    s = torch.log1p(torch.floor((positions.float() + offset) / period)) * beta + 1.0
+    return (q * s.view(-1, 1, 1)).to(q.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of x's last dim over its root mean square, no weight (Llama 4's q/k
+    "L2" norm), in fp32 then x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
@@ -396,6 +426,8 @@ def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
         q, k = attn.q_norm(q), attn.k_norm(k)
     if attn.rope:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if attn.qk_l2_norm:  # after the rotary (Llama 4)
+        q, k = l2_norm(q, attn.eps), l2_norm(k, attn.eps)
     v = v.view(T, attn.num_kv_heads, attn.head_dim)
     ks, vs = scales or (None, None)
     # Each token's K/V is written once, into its slot; attention then reads the cache.

@@ -217,9 +217,22 @@ class HFCheckpoint:
 
     def config(self) -> ModelConfig:
         try:
-            return ModelConfig.from_hf_dir(self.path)
+            text = self._text_config()
+            return (ModelConfig.from_hf_dict(text) if text is not None
+                    else ModelConfig.from_hf_dir(self.path))
         except (KeyError, ValueError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"{os.path.join(self.path, 'config.json')}: {e}") from e
+
+    def _text_config(self) -> dict[str, Any] | None:
+        """A multimodal checkpoint's text model config (its family's hf_text_config, e.g.
+        Llama4ForConditionalGeneration's text_config), or None for a text model's own."""
+        with open(os.path.join(self.path, "config.json")) as f:
+            raw = json.load(f)
+        if not raw.get("text_config"):
+            return None
+        family = family_for_architecture((raw.get("architectures") or [""])[0])
+        unwrap = getattr(family, "hf_text_config", None)
+        return unwrap(raw) if unwrap else None
 
     def tokenizer(self):
         from servelm.tokenizer import Tokenizer
@@ -244,6 +257,8 @@ class HFCheckpoint:
         layers, skip = hf_quant.quantised_layers(quant, list(file_of)) if quant else ({}, set())
         layer_of = {name: prefix for prefix, parts in layers.items() for name in parts.values()}
         handles: dict[str, Any] = {}
+        # A multimodal checkpoint's other towers (its family's hf_ignored): not read.
+        ignored = getattr(family_for_architecture(cfg.architecture), "hf_ignored", None)
 
         def handle(f: str):
             if f not in handles:
@@ -252,7 +267,7 @@ class HFCheckpoint:
 
         for f, key in tqdm(names, desc="loading weights", unit="tensor", file=sys.stderr,
                            disable=None, leave=False):
-            if key in skip:
+            if key in skip or (ignored and ignored(key)):
                 continue
             mx = self._mxfp4 and key.endswith(("_blocks", "_scales"))
             base = key[:-len("_blocks")] if mx else key

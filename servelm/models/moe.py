@@ -16,6 +16,11 @@ biases on both projections, and a clamped SwiGLU (swiglu_limit, swiglu_alpha: th
 clamped above, up on both sides, (up + 1) * gate * sigmoid(alpha * gate)). Its router takes
 the top k logits and a softmax over those: the same weights as the softmax over all then
 renormalised over the top k (norm_topk_prob), which is how they are computed here.
+
+Llama 4's (options too): the router's top k logits through a sigmoid (router_scoring
+"sigmoid", no renormalisation), each chosen expert's weight multiplying that expert's INPUT
+rather than its output (expert_input_weighted: expert(w * x)), and a shared expert whose
+output is added ungated (shared_expert_gate False).
 """
 
 from __future__ import annotations
@@ -35,20 +40,32 @@ class SparseMoE(nn.Module):
     with shared_intermediate, a shared_expert (GatedMLP) and its shared_expert_gate [1, hidden];
     with router_bias, the router's bias [E]; with expert_bias, experts_gate_up_bias [E, 2 * I]
     (gate, then up) and experts_down_bias [E, hidden]; with swiglu_limit, the experts'
-    activation is gpt-oss's clamped SwiGLU (swiglu_alpha its sigmoid gain) instead of act."""
+    activation is gpt-oss's clamped SwiGLU (swiglu_alpha its sigmoid gain) instead of act;
+    router_scoring "softmax" (over all experts) or "sigmoid" (of the top k logits);
+    expert_input_weighted: the weights scale the experts' inputs, not their outputs;
+    shared_expert_gate False: the shared expert's output is added as it is (no gate)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, act: str = "silu", shared_intermediate: int = 0,
                  router_bias: bool = False, expert_bias: bool = False,
-                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.0):
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.0,
+                 router_scoring: str = "softmax", expert_input_weighted: bool = False,
+                 shared_expert_gate: bool = True):
         super().__init__()
+        if router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported router_scoring {router_scoring!r} "
+                             f"(supported: softmax, sigmoid)")
         self.options = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                             top_k=top_k, norm_topk_prob=norm_topk_prob, act=act,
                             shared_intermediate=shared_intermediate, router_bias=router_bias,
                             expert_bias=expert_bias, swiglu_limit=swiglu_limit,
-                            swiglu_alpha=swiglu_alpha)
+                            swiglu_alpha=swiglu_alpha, router_scoring=router_scoring,
+                            expert_input_weighted=expert_input_weighted,
+                            shared_expert_gate=shared_expert_gate)
         self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
         self.norm_topk_prob, self.act = norm_topk_prob, act
+        self.route = self._route_sigmoid if router_scoring == "sigmoid" else self._route_softmax
+        self.expert_input_weighted = expert_input_weighted
         self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
@@ -64,9 +81,16 @@ class SparseMoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            if shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's
+        dtype), not renormalised."""
+        logits, ids = self.gate(x).topk(self.top_k, dim=-1)
+        return torch.sigmoid(logits.float()).to(x.dtype), ids
+
+    def _route_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of every token."""
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
@@ -84,17 +108,22 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         xs = x.index_select(0, tokens)
+        if self.expert_input_weighted:  # expert(w * x) (Llama 4), not w * expert(x)
+            xs.mul_(weights.view(-1)[order].unsqueeze(1))
         out = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
             if n:
                 out[start:start + n] = self._expert(xs[start:start + n], e)
                 start += n
-        out.mul_(weights.view(-1)[order].unsqueeze(1))
+        if not self.expert_input_weighted:
+            out.mul_(weights.view(-1)[order].unsqueeze(1))
         routed = torch.zeros_like(x).index_add_(0, tokens, out)
         if self.shared_expert is None:
             return routed
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return routed + shared
 
     def _plain_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:

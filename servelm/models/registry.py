@@ -17,6 +17,7 @@ from servelm.models.families.gpt_neox import GptNeoX
 from servelm.models.families.gpt_oss import GptOss
 from servelm.models.families.granite import Granite, GraniteMoe
 from servelm.models.families.llama import Llama, Mistral
+from servelm.models.families.llama4 import Llama4
 from servelm.models.families.ministral3 import Ministral3
 from servelm.models.families.mixtral import Mixtral
 from servelm.models.families.olmo2 import Olmo2, Olmo3
@@ -34,7 +35,7 @@ FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe()
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
                                 GraniteMoe(), StableLm(), Phi(), Cohere(), Ministral3(),
-                                GptNeoX(), GptOss())
+                                GptNeoX(), GptOss(), Llama4())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
