@@ -189,6 +189,8 @@ def fake_backend(name: str, servelm: bool = True, log: list | None = None) -> Fa
     app.state.events = {"seq": 0, "block_size": BS, "instance": "x", "reset": True,
                         "events": [], "blocks": []}
     app.state.since = []
+    app.state.stats = {"requests": {"running": 1, "waiting": 2},
+                       "prefix_cache": {"queried_tokens": 10, "hit_tokens": 5}}
 
     @app.get("/health")
     async def health():
@@ -206,8 +208,7 @@ def fake_backend(name: str, servelm: bool = True, log: list | None = None) -> Fa
 
         @app.get("/v1/stats")
         async def stats():
-            return {"requests": {"running": 1, "waiting": 2},
-                    "prefix_cache": {"queried_tokens": 10, "hit_tokens": 5}}
+            return app.state.stats
 
         @app.get("/metrics")
         async def metrics():
@@ -382,3 +383,19 @@ def test_replica_cores_and_arguments():
     argv = ["--log-level", "INFO", "serve", "m.gguf", "--dp", "2", "--port=9000",
             "--host", "0.0.0.0", "--router-policy", "round_robin", "--api-key", "k"]
     assert replica_argv(argv) == ["--log-level", "INFO", "serve", "m.gguf", "--api-key", "k"]
+
+
+def test_reported_load_counts_other_clients_requests():
+    apps = {"a": fake_backend("a"), "b": fake_backend("b")}
+    apps["a"].state.stats = {"requests": {"running_tokens": 3000, "waiting_tokens": 2000}}
+    apps["b"].state.stats = {"requests": {"running_tokens": 100, "waiting_tokens": 0}}
+
+    async def body(router, client):
+        await _settle(router, lambda: router.backends[0].view.reported_tokens == 5000)
+        names = [(await client.post("/v1/completions", json={"prompt": [1]})).json()
+                 ["backend"] for _ in range(3)]
+        assert names == ["b"] * 3 and router.routed[LOAD] == 3
+        stats = (await client.get("/v1/stats")).json()
+        assert [b["reported_tokens"] for b in stats["backends"]] == [5000, 100]
+
+    asyncio.run(_with_router(apps, body, policy="least_loaded", health_interval=0.02))

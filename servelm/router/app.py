@@ -10,8 +10,9 @@ through, a stream chunk by chunk (a backend dying mid-stream ends it with an err
 a plain answer whole (a backend dying before it answers: 502).
 
 Each backend has a monitor task: its health (GET /health, else /v1/models for a server
-without one) every health_interval, and while it is up its prefix cache's events (GET
-/v1/cache_events) every poll_interval; a backend that fails a check, or refuses a
+without one) every health_interval, its load (GET /v1/stats: running and waiting tokens)
+twice as often, and while it is up its prefix cache's events (GET /v1/cache_events) every
+poll_interval; a backend that fails a check, or refuses a
 connection, leaves the rotation until a check passes again."""
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Backend:
     failures: int = 0
     last_error: str | None = None
     last_health: float = 0.0
+    last_stats: float = 0.0
     model_id: str | None = None
     model_root: str | None = None
 
@@ -213,6 +215,7 @@ class Router:
                            "left the rotation" if b.view.up else "is not answering", why)
         if not up and b.view.up:
             b.view.forget_cache()
+            b.view.reported_tokens = 0
             b.view.servelm = None  # asked again when it comes back
         b.view.up = up
         if why:
@@ -237,12 +240,29 @@ class Router:
                            "--backend-api-key; load-balanced only", b.url, r.status_code)
             v.servelm = False
 
+    async def _poll_stats(self, b: Backend) -> None:
+        """The backend's running + waiting tokens (a servelm's /v1/stats)."""
+        b.last_stats = time.monotonic()
+        try:
+            r = await self._client.get(f"{b.url}/v1/stats", headers=self._headers(),
+                                       timeout=self.config.connect_timeout + 1)
+            req = r.json().get("requests", {}) if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return  # the health check and the events tell a dead backend
+        tokens = [req.get("running_tokens"), req.get("waiting_tokens")]
+        if all(isinstance(t, int) for t in tokens):
+            b.view.reported_tokens = sum(tokens)
+
     async def _monitor(self, b: Backend) -> None:
         c = self.config
         while True:
             try:
-                if not b.view.up or time.monotonic() - b.last_health >= c.health_interval:
+                now = time.monotonic()
+                if not b.view.up or now - b.last_health >= c.health_interval:
                     await self._check(b)
+                if (b.view.up and c.policy != "round_robin" and b.view.servelm is not False
+                        and now - b.last_stats >= c.health_interval / 2):
+                    await self._poll_stats(b)
                 if b.view.up and b.view.servelm is not False and c.policy == "cache_aware":
                     await self._poll_events(b)
             except asyncio.CancelledError:
@@ -438,6 +458,7 @@ class Router:
         return {"url": b.url, "up": v.up, "servelm": v.servelm, "routed": b.routed,
                 "failures": b.failures, "last_error": b.last_error,
                 "inflight_requests": v.inflight, "load_tokens": v.load_tokens,
+                "reported_tokens": v.reported_tokens,
                 "cached_blocks": len(v.cached), "block_size": v.block_size}
 
     async def stats(self) -> dict:
@@ -487,8 +508,9 @@ class Router:
                   f"servelm_router_backends_up {sum(b.view.up for b in self.backends)}"]
         for name, help_, get in (
                 ("backend_up", "Whether the backend is in the rotation", lambda b: int(b.view.up)),
-                ("backend_load_tokens", "Tokens of the router's requests in flight there",
-                 lambda b: b.view.load_tokens),
+                ("backend_load_tokens", "Its load: the more of the tokens of the "
+                 "router's requests in flight there and the running + waiting tokens it "
+                 "reported", lambda b: b.view.load),
                 ("backend_cached_blocks", "Prefix-cache blocks it holds (its events)",
                  lambda b: len(b.view.cached)),
                 ("backend_routed_total", "Requests routed to it", lambda b: b.routed)):

@@ -3,8 +3,10 @@ backend is too loaded), least loaded, or round robin (no network, no torch).
 
 A backend's view here is what the router knows of it: whether it is up, the block digests
 its prefix cache holds (applied from its cache events, in order), the block size and
-whether it has API keys (how its digests are computed), and its load: the tokens of the
-requests the router has in flight there (prompt plus expected output)."""
+whether it has API keys (how its digests are computed), and its load in tokens: the more
+of the tokens of the requests the router has in flight there (prompt plus expected output),
+which it knows at once, and the running plus waiting tokens the backend last reported
+(GET /v1/stats), which count other clients' requests too."""
 
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ class BackendView:
     cached: set[int] = field(default_factory=set)
     load_tokens: int = 0          # the router's requests in flight there, in tokens
     inflight: int = 0             # ... and in requests
+    reported_tokens: int = 0      # running + waiting tokens, from its last /v1/stats
+
+    @property
+    def load(self) -> int:
+        return max(self.load_tokens, self.reported_tokens)
 
     def apply_events(self, report: dict) -> None:
         """Apply one GET /v1/cache_events answer: its events in order, or its snapshot."""
@@ -131,12 +138,12 @@ class Policy:
             best = max(hits.values(), default=0)
             if best > 0:
                 holders = [b for b in live if hits.get(id(b)) == best]
-                least = min(b.load_tokens for b in live)
-                low = min(b.load_tokens for b in holders)
+                least = min(b.load for b in live)
+                low = min(b.load for b in holders)
                 if low - least <= self.load_bound:
-                    pick = self._next_of([b for b in holders if b.load_tokens == low], backends)
+                    pick = self._next_of([b for b in holders if b.load == low], backends)
                     return Choice(pick, CACHE_HIT, best)
-        least = min(b.load_tokens for b in live)
-        tied = [b for b in live if b.load_tokens == least]
+        least = min(b.load for b in live)
+        tied = [b for b in live if b.load == least]
         reason = LOAD if len(tied) < len(live) else ROUND_ROBIN
         return Choice(self._next_of(tied, backends), reason)

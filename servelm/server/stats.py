@@ -49,6 +49,15 @@ def phase_point(num_bytes: float, flops: float, seconds: float, hw) -> dict | No
     return point
 
 
+def queued_tokens(scheduler) -> tuple[int, int]:
+    """The tokens of the running requests (their contexts so far) and those the waiting
+    ones still have to compute: the load a router weighs. Each list is copied whole first
+    (one C call, during which no engine step runs), so the counts are at most a step old."""
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    return (sum(r.num_tokens for r in running),
+            sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+
+
 class LiveStats:
     """Builds /v1/stats reports; remembers the counters of recent calls for the rates."""
 
@@ -97,12 +106,15 @@ class LiveStats:
             return {"current": point(d) if d else None, "total": point(st)}
 
         prefill_steps = st.num_steps - st.num_decode_steps
+        sched = getattr(llm, "scheduler", None)  # None: an engine stub without one
+        running_tokens, waiting_tokens = queued_tokens(sched) if sched else (None, None)
         return {
             "object": "servelm.stats",
             "model": self._model_name,
             "window_s": span,
             "requests": {"running": snap.num_running, "waiting": snap.num_waiting,
-                         "preemptions": snap.num_preemptions, "aborted": st.num_aborted},
+                         "preemptions": snap.num_preemptions, "aborted": st.num_aborted,
+                         "running_tokens": running_tokens, "waiting_tokens": waiting_tokens},
             "kv_cache": {"blocks_used": round(snap.kv_cache_usage * bm.num_blocks),
                          "blocks_total": bm.num_blocks, "block_size": bm.block_size,
                          "usage": snap.kv_cache_usage,
