@@ -26,10 +26,13 @@ from servelm.models.config import ModelConfig
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-CHUNK = 6  # attention chunk: neither the KV block (16) nor the prefill budget's multiple
+CHUNK = 6  # the attention chunk: it divides neither the KV block (16) nor the prefill budget
+# Weights (initializer_range) and a temperature (floor_scale, attn_scale) large enough that
+# the no-rope layer's query scale, its +1 offset included, moves the logits past 1e-3.
 CONFIG = dict(num_hidden_layers=4, head_dim=16, intermediate_size=48, intermediate_size_mlp=96,
               num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
-              attention_chunk_size=CHUNK, floor_scale=4, attn_scale=0.5,
+              attention_chunk_size=CHUNK, floor_scale=2, attn_scale=1.0,
+              initializer_range=0.1,
               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 64})
@@ -61,7 +64,7 @@ def test_config_reads_llama4_keys(llama4):
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
             cfg.shared_expert_intermediate_size) == (4, 1, 48, 48)
     assert not cfg.norm_topk_prob and cfg.rope_scaling["rope_type"] == "llama3"
-    assert (cfg.query_scale_beta, cfg.query_scale_period) == (0.5, 4)
+    assert (cfg.query_scale_beta, cfg.query_scale_period) == (1.0, 2)
     assert cfg.extra == {"router_scoring": "sigmoid", "expert_input_weighted": True,
                          "shared_expert_gate": False, "qk_l2_norm_layers": (0, 1, 2),
                          "attention_chunk_size": CHUNK, "chunked_layers": (0, 1, 2),
@@ -79,7 +82,7 @@ def test_layers_take_their_options_and_decode_op_by_op(llama4):
     assert [a.chunk for a in attn] == [CHUNK, CHUNK, CHUNK, None]
     assert [a.qk_l2_norm for a in attn] == [True, True, True, False]
     assert [a.rope for a in attn] == [True, True, True, False]
-    assert [a.q_scale_beta for a in attn] == [0.0, 0.0, 0.0, 0.5]
+    assert [a.q_scale_beta for a in attn] == [0.0, 0.0, 0.0, 1.0]
     moe = model.layers[1].mlp
     assert moe.shared_expert_gate is None and moe.expert_input_weighted
     got = decode_stack.describe(model)

@@ -315,9 +315,9 @@ class Attention(OpModule):
     `chunk` positions, Llama 4's rope layers; the reference backend runs it, the kernel
     backends decline it) and a weightless RMS ("L2") norm of each head's q and k after the
     rotary (qk_l2_norm, Llama 4; the projection's norms, rotary and KV write then run in
-    PyTorch, since the C++ op writes k rotated but not normalised). The rotary table is the caller's (a
-    model may hold one per layer kind); with a partial rotary (rotary_dim < head_dim) it is
-    narrower than head_dim. The op chosen once (select): the projection's norms, rotary
+    PyTorch, since the C++ op writes k rotated but not normalised). The rotary table is
+    the caller's (a model may hold one per layer kind); with a partial rotary (rotary_dim <
+    head_dim) it is narrower than head_dim. The op chosen once (select): the projection's norms, rotary
     and KV write in PyTorch (qkv_ref) or in one C++ pass (qkv_kernels); the attention
     itself is the batch's backend's.
     """
