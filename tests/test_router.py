@@ -308,6 +308,8 @@ def test_router_routes_by_cached_prefix_and_streams():
         assert metrics.count("# TYPE servelm_x counter") == 1
         assert 'servelm_router_routed_total{reason="cache_hit"} 2' in metrics
         assert all(b["up"] for b in stats["backends"])
+        # Every answer, streamed or not, gave its load back.
+        assert [(b.view.inflight, b.view.load_tokens) for b in router.backends] == [(0, 0)] * 2
 
     asyncio.run(_with_router(apps, body))
 

@@ -125,6 +125,17 @@ def test_keys_cache_affinity_and_greedy_parity(front):
     assert texts[0] and texts[0] == texts[1] == texts[2]
 
 
+def test_client_leaving_a_stream_aborts_it_on_the_replica(front):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}  # minutes to run out unless aborted
+    with httpx.stream("POST", f"{front.url}/v1/completions", headers=AUTH, json=body,
+                      timeout=60) as s:
+        assert next(line for line in s.iter_lines() if line.startswith("data: "))
+    wait_for(lambda: stats(front)["requests"]["running"] == 0, 10, "the abort")
+    assert all(b["inflight_requests"] == 0 and b["load_tokens"] == 0
+               for b in stats(front)["backends"])
+
+
 def test_killed_replica_fails_its_stream_and_is_restarted(front):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400,
             "ignore_eos": True, "temperature": 0, "stream": True}

@@ -108,6 +108,7 @@ class Backend:
     last_stats: float = 0.0
     model_id: str | None = None
     model_root: str | None = None
+    model_read: bool = False
 
 
 class Router:
@@ -193,7 +194,7 @@ class Router:
             why = None if ok else f"health check answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, why = False, f"health check failed: {e!r}"
-        if ok and b.model_root is None:
+        if ok and not b.model_read:
             await self._read_model(b)
         self._set_up(b, ok, why)
 
@@ -203,6 +204,7 @@ class Router:
                                        timeout=self.config.connect_timeout + 1)
             card = r.json()["data"][0]
             b.model_id, b.model_root = card.get("id"), card.get("root")
+            b.model_read = True
         except Exception:
             pass
 
@@ -394,8 +396,17 @@ class Router:
                        if k.lower() not in _HOP and k.lower() != "content-encoding"}
         kind = resp.headers.get("content-type", "")
         if kind.startswith(_STREAMED):
-            return StreamingResponse(self._relay(b, resp, load, path, kind),
-                                     status_code=resp.status_code, headers=out_headers)
+            done = False
+
+            async def cleanup():  # once, whether the stream ran, ended or never started
+                nonlocal done
+                if not done:
+                    done = True
+                    await resp.aclose()
+                    self._release(b, load)
+
+            return _RelayResponse(self._relay(b, resp, path, kind, cleanup), cleanup,
+                                  status_code=resp.status_code, headers=out_headers)
         try:
             reading = asyncio.ensure_future(resp.aread())
             gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -403,6 +414,7 @@ class Router:
             gone.cancel()
             if not reading.done():  # the client left: dropping the connection aborts it
                 reading.cancel()
+                await asyncio.wait({reading})
                 return Response(status_code=499)
             data = reading.result()
         except httpx.HTTPError as e:
@@ -416,7 +428,7 @@ class Router:
             self._release(b, load)
         return Response(data, status_code=resp.status_code, headers=out_headers)
 
-    async def _relay(self, b: Backend, resp: httpx.Response, load: int, path: str, kind: str):
+    async def _relay(self, b: Backend, resp: httpx.Response, path: str, kind: str, cleanup):
         """A streamed answer, chunk by chunk; a backend failing midway ends it with an error
         event (and the OpenAI stream's [DONE])."""
         try:
@@ -428,8 +440,7 @@ class Router:
             self._set_up(b, False, f"failed mid-stream: {e!r}")
             yield _stream_error(path, kind, f"backend {b.url} failed mid-stream: {e!r}")
         finally:
-            await resp.aclose()
-            self._release(b, load)
+            await cleanup()
 
     # ---- aggregate views ---------------------------------------------------------------
 
@@ -566,6 +577,21 @@ class Router:
             return await router.proxy(request)
 
         return app
+
+
+class _RelayResponse(StreamingResponse):
+    """A relayed stream whose upstream answer is closed, and its load released, however the
+    response ends (a client gone before the stream started never runs the generator)."""
+
+    def __init__(self, content, cleanup, **kwargs):
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
 
 
 async def _wait_disconnect(request: Request) -> None:
