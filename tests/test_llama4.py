@@ -332,3 +332,25 @@ def test_gguf_loads_as_transformers(llama4, gguf_path, tmp_path):
     for ids, out in zip(prompts, outs):
         assert_reference_greedy(ref, ids, out.outputs[0].token_ids,
                                 banned=(cfg.eos_token_id,))
+
+
+def test_gguf_config_follows_llama_cpps_built_in_values():
+    """llama.cpp stores no chunk, temperature or no-rope pattern for `llama4`: chunks of 8192
+    and every 4th layer without rotary unless attention.sliding_window is 0 (then neither),
+    the q/k norms unless the model has 128 experts (Maverick)."""
+    from servelm.models.registry import family_for_gguf
+
+    fam = family_for_gguf("llama4")
+    base = {"num_layers": 8, "num_experts": 16, "moe_intermediate_size": 32}
+    got = fam.gguf_config(lambda key, default=None: None, base, set())
+    assert got["no_rope_layers"] == (3, 7) and got["shared_expert_intermediate_size"] == 32
+    assert got["extra"]["chunked_layers"] == got["extra"]["qk_l2_norm_layers"] == (
+        0, 1, 2, 4, 5, 6)
+    assert (got["query_scale_beta"], got["query_scale_period"]) == (0.1, 8192)
+    maverick = fam.gguf_config(lambda key, default=None: None, {**base, "num_experts": 128},
+                               set())
+    assert maverick["extra"]["qk_l2_norm_layers"] == ()
+    off = fam.gguf_config(lambda key, default=None: 0 if key == "attention.sliding_window"
+                          else default, base, set())
+    assert off["no_rope_layers"] == () and "chunked_layers" not in off["extra"]
+    assert "query_scale_beta" not in off and len(off["extra"]["qk_l2_norm_layers"]) == 8
