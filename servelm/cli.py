@@ -381,6 +381,8 @@ def make_parser() -> argparse.ArgumentParser:
     def cmd_serve(args) -> int:  # imported here so that generate and chat never load FastAPI
         from servelm.server.launcher import default_model_name, serve
 
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         if args.data_parallel_size > 1:
             from servelm.router.serve import serve_data_parallel
 

@@ -401,3 +401,9 @@ def test_reported_load_counts_other_clients_requests():
         assert [b["reported_tokens"] for b in stats["backends"]] == [5000, 100]
 
     asyncio.run(_with_router(apps, body, policy="least_loaded", health_interval=0.02))
+
+
+def test_serve_data_parallel_size_must_be_positive():
+    from servelm.cli import main
+
+    assert main(["serve", "--data-parallel-size", "0"]) == 2

@@ -127,7 +127,7 @@ def test_keys_cache_affinity_and_greedy_parity(front):
 
 def test_client_leaving_a_stream_aborts_it_on_the_replica(front):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900,
-            "ignore_eos": True, "stream": True}  # minutes to run out unless aborted
+            "ignore_eos": True, "stream": True}  # outlasts the wait unless aborted
     with httpx.stream("POST", f"{front.url}/v1/completions", headers=AUTH, json=body,
                       timeout=60) as s:
         assert next(line for line in s.iter_lines() if line.startswith("data: "))
