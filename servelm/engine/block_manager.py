@@ -9,6 +9,7 @@ import threading
 from array import array
 from collections import OrderedDict, deque
 from functools import lru_cache
+from itertools import islice
 
 # A full block's identity: (the key id of the block before it, or for a first block the
 # request's cache salt (-1 without one), its tokens). Chaining through the previous block
@@ -97,8 +98,10 @@ class CacheEventLog:
             first = last - len(self._events) + 1  # the oldest event held
             if seq is None or seq > last or seq < first - 1:
                 return last, None, list(self._live)
-            n = last - seq
-            events = list(self._events)[len(self._events) - n:] if n else []
+            # The newest n from the right: a poll costs its new events, not the log's length
+            # (the engine thread waits on this lock to log more).
+            events = list(islice(reversed(self._events), last - seq))
+            events.reverse()
             return last, events, None
 
 
