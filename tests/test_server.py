@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+import server_zygote
 from servelm import SamplingParams
 from servelm.tokenizer import load_tokenizer
 
@@ -42,11 +43,10 @@ class Server:
 
     def __init__(self, *extra: str, env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="servelm-serve-", suffix=".log")
-        cmd = [sys.executable, "-m", "servelm.cli", "serve", "--port", "0", "--dtype", "float32",
-               "--kv-cache-memory", "256MiB",
-               "--max-model-len", str(MAX_MODEL_LEN), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **(env or {})})
+        args = ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-memory", "256MiB",
+                "--max-model-len", str(MAX_MODEL_LEN), *extra]
+        # `python -m servelm.cli serve ...`, forked from a process that imported it once.
+        self.proc = server_zygote.launch(args, self.log.name, ROOT, {**os.environ, **(env or {})})
         self.url = None
 
     def output(self) -> str:

@@ -10,13 +10,13 @@ import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 import pytest
 
+import server_zygote
 from helpers import real_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,11 +49,11 @@ def server(gemma, tls):
     """`servelm serve GEMMA` (positional), HTTPS, under /api; yields (base URL, banner, client)."""
     key, cert = tls
     log = tempfile.NamedTemporaryFile("w+", prefix="servelm-first-hour-", suffix=".log")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "servelm.cli", "serve", gemma, "--port", "0",
+    proc = server_zygote.launch(  # `python -m servelm.cli serve ...`, forked ready-imported
+        ["serve", gemma, "--port", "0",
          "--kernel-tuning", "off", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
          "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        log.name, ROOT)
     deadline = time.monotonic() + 180
     url = None
     while url is None:
@@ -64,12 +64,12 @@ def server(gemma, tls):
         elif proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"server did not start:\n{text}")
         else:
-            time.sleep(0.2)
+            time.sleep(0.05)
     client = httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=cert),
                           timeout=120)
     while client.get("/health").status_code != 200:
         assert time.monotonic() < deadline
-        time.sleep(0.2)
+        time.sleep(0.05)
     yield url, open(log.name).read(), client
     client.close()
     proc.send_signal(signal.SIGTERM)
