@@ -24,11 +24,17 @@ import time
 
 
 def _preload() -> None:
+    """What every `serve` imports (its engine's build too: the GGUF reader, the kernels'
+    loader); nothing runs (no torch op, no thread, no kernel loaded)."""
+    import gguf  # noqa: F401
+    import torch.utils.cpp_extension  # noqa: F401
     import uvicorn  # noqa: F401
 
     import servelm.cli  # noqa: F401
+    import servelm.models.decoder  # noqa: F401
     import servelm.server.api  # noqa: F401
     import servelm.server.launcher  # noqa: F401
+    import servelm.server.transport  # noqa: F401
 
 
 def _run_child(req: dict) -> None:
