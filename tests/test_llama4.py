@@ -148,9 +148,26 @@ def test_int8_weights_stay_close(llama4):
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.999
 
 
-def test_tensor_parallel_is_refused_before_any_rank_starts(llama4):
-    with pytest.raises(ValueError, match="tensor parallelism does not support the llama4"):
-        LLM(model=llama4[0], tensor_parallel_size=2, **KW)
+def test_tensor_parallel_2_matches_tp1(llama4):
+    """Two ranks, each with half the heads (their chunks, L2 norms and temperature as one
+    device runs them), half of each dense MLP, expert and the shared expert (the router
+    whole, the weights on each rank's expert inputs), as one device's logits and tokens."""
+    path, _ = llama4
+    kw = {**KW, "model": path, "num_threads": 2}
+    one = LLM(**kw)
+    prompts = [_ids(one, p) for p in PROMPTS]
+    want = prompt_logits(one.engine, prompts)
+    tokens = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    threads = torch.get_num_threads()
+    two = LLM(tensor_parallel_size=2, **kw)
+    try:
+        got = prompt_logits(two.engine, prompts)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == tokens
+    finally:
+        two.engine.shutdown()
+        torch.set_num_threads(threads)  # rank 0 took its share of the threads
 
 
 def test_multimodal_checkpoint_serves_its_text_model(llama4, tmp_path):

@@ -175,6 +175,14 @@ class ShardPlan:
         (r"\.(mlp|block_sparse_moe)\.experts\.down_proj(\.weight)?$", 2, "moe_intermediate",
          "one"),
         (r"\.block_sparse_moe\.output_linear\.weight$", 2, "moe_intermediate", "one"),  # Granite
+        # Llama 4's feed_forward: its shared expert, a dense layer's MLP, the experts' down
+        # [E, I, H] (gate_up below).
+        (r"\.feed_forward\.shared_expert\.(gate|up)_proj\.weight$", 0, "shared_intermediate",
+         "one"),
+        (r"\.feed_forward\.shared_expert\.down_proj\.weight$", 1, "shared_intermediate", "one"),
+        (r"\.feed_forward\.(gate|up)_proj\.weight$", 0, "intermediate", "one"),
+        (r"\.feed_forward\.down_proj\.weight$", 1, "intermediate", "one"),
+        (r"\.feed_forward\.experts\.down_proj$", 1, "moe_intermediate", "one"),
     )
     # Checkpoint tensors that hold several of the above stacked along one dim (Phi-3's;
     # transformers 5's experts [E, 2 I, H]): each part's slice, at its offset in the tensor.
@@ -189,6 +197,9 @@ class ShardPlan:
          (("moe_intermediate", "one", "total_moe_intermediate"),
           ("moe_intermediate", "one", "total_moe_intermediate"))),
         (r"\.block_sparse_moe\.input_linear\.weight$", 1,  # Granite MoE's [E, 2 I, H]
+         (("moe_intermediate", "one", "total_moe_intermediate"),
+          ("moe_intermediate", "one", "total_moe_intermediate"))),
+        (r"\.feed_forward\.experts\.gate_up_proj$", 2,  # Llama 4's [E, H, 2 I]
          (("moe_intermediate", "one", "total_moe_intermediate"),
           ("moe_intermediate", "one", "total_moe_intermediate"))),
     )

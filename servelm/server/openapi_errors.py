@@ -57,6 +57,7 @@ ROUTES = {
     ("get", "/v1/models"): (),
     ("get", "/v1/models/{name}"): (404,),
     ("get", "/v1/stats"): (),
+    ("get", "/v1/cache_events"): (400, 503),
     ("post", "/v1/load_lora_adapter"): (400, 408, 413, 503),
     ("post", "/v1/unload_lora_adapter"): (400, 404, 408, 413, 503),
     ("get", "/health"): (503,),

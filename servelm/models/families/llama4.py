@@ -61,9 +61,6 @@ class Llama4(Family):
     gguf_layer_names = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                         "ffn_up_shexp": "mlp.shared_expert.up_proj",
                         "ffn_down_shexp": "mlp.shared_expert.down_proj"}
-    # servelm's tensor-parallel rules do not name Llama 4's feed_forward tensors nor its
-    # [E, hidden, 2I] experts yet.
-    tensor_parallel = False
 
     # ---- the multimodal checkpoint's text model (read by the loader) -------------------------
 
