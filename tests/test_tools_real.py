@@ -8,6 +8,7 @@ tools (servelm describes them), and on Qwen's, which does, then against the serv
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -76,9 +77,15 @@ def _chat_prefill(ctx: ServingContext, messages: list[dict], tools: list[dict]) 
     return ids
 
 
+@functools.cache
+def _tokenizer(path: str):
+    """One load a file for the module (the tokenizer is only read)."""
+    return load_tokenizer(path)
+
+
 @pytest.fixture(scope="module", params=["embedded", QWEN])
 def tokenizer(request, gguf_path):
-    return load_tokenizer(gguf_path if request.param == "embedded" else _qwen_path())
+    return _tokenizer(gguf_path if request.param == "embedded" else _qwen_path())
 
 
 def test_tokenize_with_tools_is_the_chat_routes_prefill(tokenizer):
@@ -151,7 +158,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
-    return load_tokenizer(_qwen_path())
+    return _tokenizer(_qwen_path())
 
 
 def test_served_tokenize_with_tools_is_what_chat_prefills(server, client, qwen_tokenizer):
