@@ -418,6 +418,13 @@ def quant_llms():
     return {q: _engine("float32", q) for q in ("int8", "int4")}
 
 
+@pytest.fixture(scope="module")
+def bf16_int4():
+    """bf16 activations on int4 weights: the decode-once quality test's and the generation
+    test's engine, built once."""
+    return _engine("bfloat16", "int4")
+
+
 def all_logits(engine, ids: list[int]) -> torch.Tensor:
     """fp32 logits at every position of one prompt: the runner's batch for it, through the
     model with every position's hidden state kept, then the LM head."""
@@ -513,12 +520,12 @@ def test_bf16_quality_on_block_floating_point(reference):
 
 
 @needs_kernels
-def test_bf16_quality_through_the_decode_once_prompt_path(llm, reference):
+def test_bf16_quality_through_the_decode_once_prompt_path(llm, reference, bf16_int4):
     # bf16 activations over a prompt of hundreds of tokens: the kernels decode each weight
     # tile to bf16 once and multiply every row (>= 48 rows int4, >= 24 int8, >= 8 bf16
     # weights). Measured: KL to fp32 bf16 0.0009, int8 0.0044, int4 0.055 (fp32
     # activations: 0.0035 / 0.055).
-    engines = {q: _engine("bfloat16", q) for q in ("int8", "int4")}
+    engines = {"int8": _engine("bfloat16", "int8"), "int4": bf16_int4}
     engines["bf16"] = _engine("bfloat16", None, "tiles")  # bf16 weights in the kernels' tiles
     engines["bf16 oneDNN"] = _engine("bfloat16", None, "onednn")
     assert isinstance(engines["bf16"].engine.executor.model.lm_head, Q.TiledLinear)
@@ -540,8 +547,8 @@ def test_engine_generates_coherent_text(quant, quant_llms):
     assert "Paris" in out[0].outputs[0].text
 
 
-def test_engine_bf16_int4_generates_and_reports_bits():
-    llm = _engine("bfloat16", "int4")
+def test_engine_bf16_int4_generates_and_reports_bits(bf16_int4):
+    llm = bf16_int4
     assert llm.engine.shape.weight_bits == quantized_bits_per_weight("int4")
     sp = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "The capital of Italy is", "1, 2, 3, 4,",
