@@ -221,10 +221,17 @@ def test_the_op_on_the_per_op_path_is_the_reference():
 # ---- the engine: adapted decode steps on the stack ------------------------------------------
 
 @STACK
-def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer):
+@pytest.mark.parametrize("method", ["default", "amx"])
+def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer, method):
     """A bf16 engine with two PEFT adapters: a mixed batch (base, each adapter, one twice)
-    decodes on the DecodeStack, and its tokens and logprobs are the per-op path's."""
+    decodes on the DecodeStack, and its tokens and logprobs are the per-op path's. On amx
+    the gate_up is gated (SiLU in its epilogue): the stack adds its deltas there, before the
+    SiLU, and the per-op path adds them to gate and up, then runs silu_and_mul."""
     pytest.importorskip("peft")
+    from servelm.layers import amx
+
+    if method == "amx" and not amx.available():
+        pytest.skip("no AMX tiles here")
     from servelm import LLM, LoRARequest, SamplingParams
     from tests.helpers import tiny_hf_checkpoint
     from tests.test_lora import make_adapter
@@ -238,9 +245,14 @@ def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer)
         loras.append(LoRARequest(f"a{j}", j + 1, str(tmp_path / f"a{j}")))
     llm = LLM(model=str(tmp_path / "base"), enable_lora=True, max_loras=2, max_lora_rank=8,
               dtype="bfloat16", kernel_tuning="off", kv_cache_memory=16 << 20,
-              max_model_len=256)
+              max_model_len=256, **({"linear_method": "amx"} if method == "amx" else {}))
     model = llm.engine.executor.model
     assert model.fused_decode and model.stack_runs_lora
+    if method == "amx":
+        from servelm.layers.stack import base_linear
+
+        gate_up = base_linear(model.layers[0].mlp.gate_up_proj)
+        assert isinstance(gate_up, amx.AmxLinear) and gate_up.gated
     steps = []
     decode_step = model.decode_step
 

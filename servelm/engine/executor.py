@@ -30,7 +30,6 @@ from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.models import kv_quant
 from servelm.models.config import ModelConfig
 from servelm.lora.wrap import apply_lora
-from servelm.models.layers import GatedMLP
 from servelm.models.loader import load_model
 from servelm.tuning import TuningReport, finalize_linears
 
@@ -74,10 +73,6 @@ class ModelWorker:
         self.model = load_model(ckpt, model_config, dtype, device, max_positions=max_len,
                                 shard=shard)
         lora = lora if lora is not None and lora.enabled else None
-        if lora is not None:  # adapters add to gate and up: no activation inside gate_up
-            for m in self.model.modules():
-                if isinstance(m, GatedMLP):
-                    m.fusable = False
         # Weight-only quantisation (activations keep dtype) and, on CPU, each linear layer's
         # method per row bucket, measured here (or read back): module swaps.
         self.tuning: TuningReport = finalize_linears(self.model, quantization, kernels)

@@ -33,7 +33,8 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
 
 def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
     """Wrap every adaptable linear layer of `model` (weights final: loaded, quantised, tuned;
-    a SwiGLU gate_up not gated by its amx method: GatedMLP.fusable False before tuning) in a LoRALinear with
+    a SwiGLU gate_up gated by its amx method too: its forward still returns gate and up, and
+    the DecodeStack adds the delta before the SiLU) in a LoRALinear with
     max_loras empty slots of rank max_rank; `model.lora_step` is their shared LoRAStep.
     Returns the wrapped layers by module path (the adapter loader's names)."""
     step = LoRAStep()

@@ -215,7 +215,7 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     """The layer's tensors for a DecodeStack of steps of `rows` rows: (weights, format
     codes, norms in NormSlot order, qkv bias), or why not (a linear layer not on the C++
     kernels for calls of that many rows, a bias other than qkv's)."""
-    from servelm.layers.stack import StackFormat, base_linear, kernel_weights
+    from servelm.layers.stack import base_linear, kernel_weights
 
     d = describe_layer(layer)
     if isinstance(d, str):
@@ -227,8 +227,6 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     for name, p in zip(names, parts):
         if p is None:
             return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
-    if base_linear(mlp.gate_up_proj) is not mlp.gate_up_proj and parts[2][1] == StackFormat.AMX_GATED:
-        return "its adapted gate_up_proj is gated (writes silu(gate) * up: no delta adds to it)"
     for name, m in zip(names[1:], linears[1:]):
         if getattr(base_linear(m), "bias", None) is not None:
             return f"its {name} has a bias"

@@ -465,10 +465,6 @@ class GatedMLP(OpModule):
     by an amx gate_up itself (mlp_gated, or mlp_bucket_gated where only some of its row
     buckets run a gated amx module)."""
 
-    # False: gate_up's output stays gate and up (an adapter adds its delta to them), never
-    # the activation an amx gate_up could write itself.
-    fusable = True
-
     def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         self.options = dict(hidden=hidden, intermediate=intermediate, act=act)
@@ -512,7 +508,7 @@ class GatedMLP(OpModule):
         changed."""
         from servelm.layers.amx import AmxLinear
 
-        if self.act != "silu" or not self.fusable:
+        if self.act != "silu":
             return 0
         mods = getattr(self.gate_up_proj, "impls", [self.gate_up_proj])
         fused = [m for m in mods if isinstance(m, AmxLinear) and not m.gated]

@@ -140,6 +140,11 @@ inline void configure(int64_t M) {
   else configure_rows();
 }
 
+// v rounded to bf16 (to nearest even, as vcvtneps2bf16) and widened back.
+inline __m512 bf16_float(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 // Weights per panel of column pairs (pairs): a panel stays in L2 while every row block passes it.
 constexpr int64_t kPanelBytes = int64_t(1) << 20;
 
@@ -152,9 +157,10 @@ struct Pending {
 };
 
 // Rows [i0, i1) of a pending block + bias, rounded to bf16 into out [M, N] (gated: silu(g) *
-// u into out [M, N / 2], see pairs()).
+// u into out [M, N / 2], see pairs(); with a row's delta in drows, g and u are rounded
+// again after it is added).
 inline void epilogue(const Pending& b, int i0, int i1, const float* bp, c10::BFloat16* op, int64_t N,
-                     bool gated) {
+                     bool gated, const float* const* drows = nullptr) {
   const int64_t p = b.p;
   for (int i = i0; i < i1; ++i) {
     const float* c = b.c + i * 32;
@@ -165,10 +171,15 @@ inline void epilogue(const Pending& b, int i0, int i1, const float* bp, c10::BFl
     }
     const __m512i gu = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
     if (gated) {  // g and u as gate_up would store them, read back
-      const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+      __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm512_castsi512_si256(gu)), 16));
-      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+      __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(gu, 1)), 16));
+      if (drows && drows[b.r0 + i]) {  // + a LoRA delta (gate's, up's), rounded as lora_add stores
+        const float* d = drows[b.r0 + i];
+        g = bf16_float(_mm512_add_ps(g, _mm512_loadu_ps(d + p * 16)));
+        u = bf16_float(_mm512_add_ps(u, _mm512_loadu_ps(d + N / 2 + p * 16)));
+      }
       silu_mul_store(op + (b.r0 + i) * (N / 2) + p * 16, silu16(g), u);
     } else {
       _mm512_storeu_si512(op + (b.r0 + i) * N + p * 32, gu);
@@ -189,7 +200,7 @@ inline void epilogue(const Pending& b, int i0, int i1, const float* bp, c10::BFl
 // The same sums in the same order whatever the panels. The tiles must be configure(M)d.
 inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, int64_t K,
                   const uint32_t* wp, const float* bp, c10::BFloat16* op, int64_t N, int64_t p0,
-                  int64_t p1, bool gated = false) {
+                  int64_t p1, bool gated = false, const float* const* drows = nullptr) {
   constexpr int bh = kBlockRows, nt = bh / 16;
   const int ksteps = static_cast<int>(K / 32);
   const int64_t nblocks = (M + bh - 1) / bh;
@@ -217,17 +228,17 @@ inline void pairs(const c10::BFloat16* xp, const c10::BFloat16* ap, int64_t M, i
         pair_block(a, M <= 32 ? rows : 32, wpair, ksteps, cbuf[cur], blk == 0, stream, [&](int) {
           if (prev.done < prev.rows) {
             const int i1 = std::min(prev.rows, prev.done + per);
-            epilogue(prev, prev.done, i1, bp, op, N, gated);
+            epilogue(prev, prev.done, i1, bp, op, N, gated, drows);
             prev.done = i1;
           }
         });
-        epilogue(prev, prev.done, prev.rows, bp, op, N, gated);  // (none left: per covers it)
+        epilogue(prev, prev.done, prev.rows, bp, op, N, gated, drows);  // (none left: per covers it)
         prev = Pending{cbuf[cur], r0, p, rows, 0};
         cur ^= 1;
       }
     }
   }
-  epilogue(prev, prev.done, prev.rows, bp, op, N, gated);
+  epilogue(prev, prev.done, prev.rows, bp, op, N, gated, drows);
 }
 
 #endif  // SERVELM_AMX

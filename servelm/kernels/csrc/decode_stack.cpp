@@ -131,17 +131,21 @@ struct QLinear {
 #endif
     return G >= 0 && !decode_once(M) ? M * (K / group()) : 0;
   }
+  // drows (gated amx only): each row's LoRA delta, fp32 [gate | up] in the source's column
+  // order, or null (amx_linear::epilogue adds it before the SiLU).
   void run(const c10::BFloat16* x, const float* xs, c10::BFloat16* out, int64_t M, int64_t t0,
-           int64_t t1) const {
+           int64_t t1, const float* const* drows = nullptr) const {
     const auto* s4 = static_cast<const c10::Half*>(sc);
     const auto* s8 = static_cast<const float*>(sc);
 #ifdef SERVELM_AMX
     if (amx) {
       amx_linear::pairs(x, reinterpret_cast<const c10::BFloat16*>(xs), M, K,
-                        reinterpret_cast<const uint32_t*>(qw), bias, out, N, t0 / 2, (t1 + 1) / 2, gated);
+                        reinterpret_cast<const uint32_t*>(qw), bias, out, N, t0 / 2, (t1 + 1) / 2, gated,
+                        gated ? drows : nullptr);
       return;
     }
 #endif
+    (void)drows;
     if (q8) {
       const int64_t NB = K / q8act::kB;
       q8act::panels(reinterpret_cast<const int8_t*>(xs + 2 * M * NB), xs, xs + M * NB, qw, s4, mn, G,
@@ -325,22 +329,30 @@ struct Team {
   void rows(int64_t M, F&& f, const QLinear& next) {
     rows(M, f, next, [] {});
   }
-  // extra(): this thread's other work on its own output tiles (a LoRA expand), before the
-  // barrier.
-  template <typename Extra>
+  // before(): this thread's work ahead of its tiles (a gated gate_up's LoRA deltas, which its
+  // epilogue adds: drows, QLinear::run); extra(): its other work on its own output tiles (a
+  // LoRA expand), before the barrier.
+  template <typename Extra, typename Before>
   void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
-              c10::BFloat16* y, int64_t M, const QLinear* next, Extra&& extra) {
+              c10::BFloat16* y, int64_t M, const QLinear* next, Extra&& extra, Before&& before,
+              const float* const* drows) {
     guarded([&] {
       int64_t t0, t1;
       L.share(tid, n, t0, t1);
+      before();
       constexpr int64_t kStep = 4;  // tiles a run() call (a few column pairs: panels in L1/L2)
       if (t0 < t1) L.begin(M);
-      for (int64_t c = t0; c < t1; c += kStep) L.run(x, xs.data(), y, M, c, std::min(t1, c + kStep));
+      for (int64_t c = t0; c < t1; c += kStep) L.run(x, xs.data(), y, M, c, std::min(t1, c + kStep), drows);
       if (t0 < t1) L.end();
       extra();
       if (next) next->prefetch(tid, n, kWarm);
     });
     barrier();
+  }
+  template <typename Extra>
+  void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
+              c10::BFloat16* y, int64_t M, const QLinear* next, Extra&& extra) {
+    matmul(L, x, xs, y, M, next, extra, [] {}, nullptr);
   }
   void matmul(const QLinear& L, const c10::BFloat16* x, const std::vector<float>& xs,
               c10::BFloat16* y, int64_t M, const QLinear* next) {
@@ -566,8 +578,6 @@ class DecodeStack : public torch::CustomClassHolder {
                 " layers' ", static_cast<int64_t>(kLinears), " linears");
     StackLayer& s = layers_[layer];
     const QLinear& q = linear == kQkv ? s.qkv : linear == kO ? s.o : linear == kGateUp ? s.gu : s.down;
-    TORCH_CHECK(!q.gated, "DecodeStack.bind_lora: a gated gate_up_proj writes silu(gate) * up, which no "
-                "delta can be added to");
     auto L = lora::make_adapter<c10::BFloat16>(lora_a, lora_b, bounds, q.N, q.K, "DecodeStack.bind_lora");
     TORCH_CHECK(lora_slots_ == 0 || L.S == lora_slots_, "DecodeStack.bind_lora: every adapted linear needs the "
                 "same number of slots, got ", L.S, " and ", lora_slots_);
@@ -797,6 +807,19 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     const bool lora_on = !lora_groups.empty();
     std::vector<BF> lora_t(lora_on ? M * lora_jp_ : 0);
+    // A gated amx gate_up with an adapter: its deltas go to lora_d_ (fp32 [M, 2 * inter], each
+    // thread its own columns' ahead of its tiles), which the epilogue adds before the SiLU,
+    // lora_drows[m] the row's (null: no adapter).
+    std::vector<const float*> lora_drows;
+    bool gated_lora = false;
+    for (const StackLayer& s : layers_) gated_lora |= s.gu.gated && s.lora[kGateUp].bound();
+    if (lora_on && gated_lora) {
+      if (lora_d_.size() < static_cast<size_t>(M * 2 * inter)) lora_d_.resize(M * 2 * inter);
+      lora_drows.assign(M, nullptr);
+      const int32_t* slot = lora_rows_.data_ptr<int32_t>();
+      for (int64_t m = 0; m < M; ++m)
+        if (slot[m] >= 0) lora_drows[m] = lora_d_.data() + m * 2 * inter;
+    }
 
     team_region([&](Team& t) {
       // A linear's LoRA delta: the expand of this thread's share of the output columns right
@@ -823,7 +846,7 @@ class DecodeStack : public torch::CustomClassHolder {
       };
       auto expand = [&](const lora::Adapter<BF>& adapter, const QLinear& q, BF* y, int64_t ldy) {
         return [&, L = &adapter, q = &q, y, ldy] {
-          if (!lora_on || !L->bound()) return;
+          if (!lora_on || !L->bound() || q->gated) return;
           int64_t t0, t1;
           q->share(t.tid, t.n, t0, t1);
           if (t0 < t1) lora::expand<BF>(*L, lora_groups, lora_t.data(), y, ldy, 0, L->blocks(), 16 * t0, 16 * t1);
@@ -891,10 +914,20 @@ class DecodeStack : public torch::CustomClassHolder {
           s.gu.sums(h2, M, m0, m1, xs3.data());
           shrink(s.lora[kGateUp], h2, hidden);
         }, s.gu);
-        // A gated gate_up writes silu(gate) * up itself.
+        // A gated gate_up writes silu(gate) * up itself, an adapter's delta added before the
+        // SiLU: this thread's pairs' gate and up columns' deltas computed ahead of its tiles.
         shrink_phase(s.lora[kGateUp], h2, hidden);
+        const bool gu_delta = lora_on && s.gu.gated && s.lora[kGateUp].bound();
         t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down,
-                 expand(s.lora[kGateUp], s.gu, gu_out, 2 * inter));
+                 expand(s.lora[kGateUp], s.gu, gu_out, 2 * inter), [&] {
+                   if (!gu_delta) return;
+                   int64_t t0, t1;  // tiles in the packed order: pair q = (gate block q, up block q)
+                   s.gu.share(t.tid, t.n, t0, t1);
+                   const lora::Adapter<BF>& L = s.lora[kGateUp];
+                   for (const int64_t base : {int64_t{0}, inter})
+                     lora::expand<BF>(L, lora_groups, lora_t.data(), gu_out, 2 * inter, 0, L.blocks(),
+                                      base + 8 * t0, base + 8 * t1, lora_d_.data(), 2 * inter);
+                 }, gu_delta ? lora_drows.data() : nullptr);
         if (!s.gu.gated || s.down.scratch(M) || s.lora[kDown].bound())
           t.rows(M, [&](int64_t m0, int64_t m1) {
             if (!s.gu.gated) {
@@ -930,6 +963,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t lora_slots_ = 0, lora_jp_ = 0;  // S; the largest J * paired_ranks(R) bound (the shrink's
                                           // t [M, J, P2])
   at::Tensor lora_rows_;  // set_lora_rows'; undefined: no row has an adapter
+  std::vector<float> lora_d_;  // a gated gate_up's deltas for its epilogue (grown, kept)
   static constexpr int64_t kMaxRows = 4096;
 };
 

@@ -362,9 +362,18 @@ inline void add_rows(__m512 (&acc)[NR][NV], T* const* yr, const PanelMasks& pm) 
 }
 
 // NR rows x NV vectors of a panel: acc over the rank pairs in order, then into y.
+// acc[p] stored (fp32, the panel's columns masked) at dr[p] instead of added into y.
+template <int NR, int NV>
+inline void store_rows(__m512 (&acc)[NR][NV], float* const* dr, const PanelMasks& pm) {
+  for (int p = 0; p < NR; ++p)
+    for (int k = 0; k < NV; ++k) _mm512_mask_storeu_ps(dr[p] + 16 * k, pm.m16[k], acc[p][k]);
+}
+
+// NR rows x NV vectors of a panel: acc over the rank pairs in order, then into y (or, dr not
+// null, stored at dr: the delta itself, for a kernel that adds it later, lora::Deltas).
 template <typename T, int NR, int NV>
 inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, T* const* yr,
-                        const PanelMasks& pm) {
+                        const PanelMasks& pm, float* const* dr = nullptr) {
   __m512 acc[NR][NV];
 #pragma GCC unroll 4
   for (int p = 0; p < NR; ++p)
@@ -401,36 +410,40 @@ inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, 
       }
     }
   }
-  add_rows<T, NR, NV>(acc, yr, pm);
+  if (dr) store_rows<NR, NV>(acc, dr, pm);
+  else add_rows<T, NR, NV>(acc, yr, pm);
 }
 
 template <typename T, int NV>
 inline void expand_rows(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
-                        int64_t P, T* y, int64_t ldy, const PanelMasks& pm) {
+                        int64_t P, T* y, int64_t ldy, const PanelMasks& pm, float* d, int64_t ldd) {
   int64_t q = 0;
   for (; q + kNR <= n; q += kNR) {
     const T* tr[kNR];
     T* yr[kNR];
-    for (int p = 0; p < kNR; ++p) tr[p] = t + rows[q + p] * ldt, yr[p] = y + rows[q + p] * ldy;
-    expand_tile<T, kNR, NV>(b, ldb, tr, P, yr, pm);
+    float* dr[kNR];
+    for (int p = 0; p < kNR; ++p)
+      tr[p] = t + rows[q + p] * ldt, yr[p] = y + rows[q + p] * ldy, dr[p] = d ? d + rows[q + p] * ldd : nullptr;
+    expand_tile<T, kNR, NV>(b, ldb, tr, P, yr, pm, d ? dr : nullptr);
   }
   for (; q < n; ++q) {
     const T* tr[1] = {t + rows[q] * ldt};
     T* yr[1] = {y + rows[q] * ldy};
-    expand_tile<T, 1, NV>(b, ldb, tr, P, yr, pm);
+    float* dr[1] = {d ? d + rows[q] * ldd : nullptr};
+    expand_tile<T, 1, NV>(b, ldb, tr, P, yr, pm, d ? dr : nullptr);
   }
 }
 
 // The vector form over a panel of w columns.
 template <typename T>
 inline void expand_panel(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
-                         int64_t P, T* y, int64_t ldy, int w) {
+                         int64_t P, T* y, int64_t ldy, int w, float* d = nullptr, int64_t ldd = 0) {
   const PanelMasks pm(w);
   switch ((w + 15) / 16) {
-    case 1: expand_rows<T, 1>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
-    case 2: expand_rows<T, 2>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
-    case 3: expand_rows<T, 3>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
-    default: expand_rows<T, 4>(b, ldb, t, ldt, rows, n, P, y, ldy, pm); break;
+    case 1: expand_rows<T, 1>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+    case 2: expand_rows<T, 2>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+    case 3: expand_rows<T, 3>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+    default: expand_rows<T, 4>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
   }
 }
 #endif
@@ -453,7 +466,8 @@ inline bool expands_on_amx(int64_t R) { return R <= 32 && amx_available(); }
   }
 
 inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, const c10::BFloat16* t,
-                       c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t c_lo, int64_t c_hi) {
+                       c10::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t c_lo, int64_t c_hi,
+                       float* d, int64_t ldd) {
   using BF = c10::BFloat16;
   const int64_t N = L.N, P = L.P(), P2 = 2 * P, JP = L.J * P2;
   int64_t most = 0;
@@ -480,7 +494,7 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
       const int32_t* rows = G.rows.data() + G.begin[g];
       const int64_t n = G.begin[g + 1] - G.begin[g];
       if (!whole) {
-        expand_panel<BF>(b, 2 * N, t + j * P2, JP, rows, n, P, y + c0, ldy, w);
+        expand_panel<BF>(b, 2 * N, t + j * P2, JP, rows, n, P, y + c0, ldy, w, d ? d + c0 : nullptr, ldd);
         continue;
       }
       for (int64_t q0 = 0; q0 < n; q0 += tr) {
@@ -494,6 +508,11 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
         for (int64_t r = 0; r < nq; ++r) {
           __m512 acc[1][4];
           for (int k = 0; k < 4; ++k) acc[0][k] = k < nv ? _mm512_loadu_ps(cbuf + 256 * k + 16 * r) : _mm512_setzero_ps();
+          if (d) {
+            float* dr[1] = {d + rows[q0 + r] * ldd + c0};
+            store_rows<1, 4>(acc, dr, pm);
+            continue;
+          }
           BF* yr[1] = {y + rows[q0 + r] * ldy + c0};
           add_rows<BF, 1, 4>(acc, yr, pm);
         }
@@ -506,14 +525,17 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
 #endif
 
 // Panels [b0, b1), their columns within [c_lo, c_hi) (a DecodeStack thread's share of the
-// matmul's columns); a column's arithmetic does not depend on the range.
+// matmul's columns); a column's arithmetic does not depend on the range. d not null: each
+// row's delta stored there in fp32 (d[m * ldd + c], the rows of G only) and y left alone:
+// y + delta rounded later is what the add gives (a gated amx gate_up's epilogue does it).
 template <typename T>
 __attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, const T* t, T* y, int64_t ldy,
                                       int64_t b0, int64_t b1, int64_t c_lo = 0,
-                                      int64_t c_hi = std::numeric_limits<int64_t>::max()) {
+                                      int64_t c_hi = std::numeric_limits<int64_t>::max(), float* d = nullptr,
+                                      int64_t ldd = 0) {
 #ifdef SERVELM_AMX
   if constexpr (std::is_same<T, c10::BFloat16>::value)
-    if (expands_on_amx(L.R)) return expand_amx(L, G, t, y, ldy, b0, b1, c_lo, c_hi);
+    if (expands_on_amx(L.R)) return expand_amx(L, G, t, y, ldy, b0, b1, c_lo, c_hi, d, ldd);
 #endif
   const int64_t N = L.N, P = L.P(), JP = L.J * 2 * P;
   for (int64_t blk = b0; blk < b1; ++blk) {
@@ -527,7 +549,7 @@ __attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, c
       const int64_t n = G.begin[g + 1] - G.begin[g];
       const T* tj = t + j * 2 * P;
 #ifdef SERVELM_LORA_AVX512
-      expand_panel<T>(b, 2 * N, tj, JP, rows, n, P, y + c0, ldy, w);
+      expand_panel<T>(b, 2 * N, tj, JP, rows, n, P, y + c0, ldy, w, d ? d + c0 : nullptr, ldd);
 #else
       for (int64_t q = 0; q < n; ++q) {
         const T* tm = tj + rows[q] * JP;
@@ -535,7 +557,8 @@ __attribute__((noinline)) void expand(const Adapter<T>& L, const RowGroups& G, c
         for (int c = 0; c < w; ++c) {
           float acc = 0.f;
           for (int64_t r = 0; r < 2 * P; ++r) acc += as_float(tm[r]) * as_float(b[((r / 2) * N + c) * 2 + r % 2]);
-          yp[c] = static_cast<T>(as_float(yp[c]) + acc);
+          if (d) d[rows[q] * ldd + c0 + c] = acc;
+          else yp[c] = static_cast<T>(as_float(yp[c]) + acc);
         }
       }
 #endif
