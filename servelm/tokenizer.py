@@ -12,6 +12,8 @@ import json
 import os
 from datetime import datetime
 from functools import lru_cache
+from itertools import compress
+from operator import itemgetter
 from typing import Any
 
 import jinja2
@@ -395,16 +397,41 @@ def _gguf_special_tokens(meta: "_GGUFMeta", tokens: list[str], add_bos_default: 
 
 def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """BPE merges implied by a vocabulary: (left, right) for every token that splits into
-    two tokens, ordered by the merged token's score (best first), then by the parts' lengths;
-    a token's own splits in the order of their parts' ids."""
-    out = []
-    for token, score in scores.items():
-        local = [(token[:i], token[i:]) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
-        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        out += [(lft, rgt, score) for lft, rgt in local]
-    out.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(lft, rgt) for lft, rgt, _ in out]
+    two tokens, ordered by the merged token's score (best first), then by the parts' lengths
+    (the longer left part first), ties in the order of `scores` (a token's splits differ in
+    their left part's length, so never tie). The splits are found one position at a time
+    over every token long enough, slicing and looking up in C (map), the right part sliced
+    only where the left part is a token; then one stable sort orders them."""
+    import numpy as np
+
+    tokens = list(scores)
+    live = [k for k, t in enumerate(tokens) if len(t) > 1]
+    found_k: list[int] = []
+    found_at: list[int] = []
+    lefts: list[str] = []
+    rights: list[str] = []
+    known = vocab.__contains__
+    i = 1
+    while live:
+        words = [tokens[k] for k in live]
+        heads = list(map(itemgetter(slice(None, i)), words))
+        is_token = list(map(known, heads))
+        ks = list(compress(live, is_token))
+        heads = list(compress(heads, is_token))
+        tails = list(map(itemgetter(slice(i, None)), compress(words, is_token)))
+        both = list(map(known, tails))
+        found_k += compress(ks, both)
+        lefts += compress(heads, both)
+        rights += compress(tails, both)
+        found_at += [i] * sum(both)
+        i += 1
+        live = [k for k, t in zip(live, words) if len(t) > i]
+    k = np.array(found_k, dtype=np.int64)
+    left_len = np.array(found_at, dtype=np.int64)
+    right_len = np.array([len(t) for t in tokens], dtype=np.int64)[k] - left_len
+    score = np.array(list(scores.values()), dtype=np.float64)[k]
+    order = np.lexsort((k, -right_len, -left_len, -score))  # the last key sorts first
+    return [(lefts[j], rights[j]) for j in order.tolist()]
 
 
 NO_CHAT_TEMPLATE = ("the model has no chat template (a base model?): pass one with "

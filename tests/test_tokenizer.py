@@ -242,6 +242,38 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
 
 
+def _merges_by_definition(vocab, scores):
+    """_merges_from_vocab's contract written plainly: every split of a token into two
+    tokens, ordered by the token's score (best first), then the left part's length, then
+    the right part's (longest first), ties in the order of `scores`."""
+    out = []
+    for token, score in scores.items():
+        out += [(token[:i], token[i:], score) for i in range(1, len(token))
+                if token[:i] in vocab and token[i:] in vocab]
+    out.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(lft, rgt) for lft, rgt, _ in out]
+
+
+def test_merges_from_vocab_are_its_definition():
+    """Random vocabularies (short words over a few letters, so most split several ways):
+    unique scores, Gemma's (minus the id), and scores tied across tokens (-0.0 among them),
+    with the scores in another order than the ids."""
+    import random
+
+    from servelm.tokenizer import _merges_from_vocab
+
+    rng = random.Random(0)
+    words = list(dict.fromkeys("".join(rng.choice("ab\u2581c") for _ in range(rng.randint(1, 7)))
+                               for _ in range(4000)))
+    vocab = {t: i for i, t in enumerate(words)}
+    for scores in ({t: rng.random() for t in reversed(words)},
+                   {t: -i for i, t in enumerate(words)},
+                   {t: rng.choice([0.0, -0.0, -1.0, -2.5, 3.0]) for t in words}):
+        want = _merges_by_definition(vocab, scores)
+        assert len(want) > 1000 and _merges_from_vocab(vocab, scores) == want
+    assert _merges_from_vocab({}, {}) == [] and _merges_from_vocab({"a": 0}, {"a": 0.0}) == []
+
+
 def test_from_dir_template_in_config(tok, saved_dir, tmp_path):
     path = tmp_path / "cfg_template"
     _copy_dir(saved_dir, path, drop={"chat_template.jinja"}, config_update={"chat_template": tok.chat_template})
