@@ -32,6 +32,7 @@ from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.layers import (MLP, Attention, GatedMLP, NoNorm, RotaryEmbedding,
                                    make_norm, rotate_half_rows, select_ops)
+from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
 
 if TYPE_CHECKING:
@@ -48,20 +49,26 @@ class DecoderLayer(nn.Module):
         extra = cfg.extra
         scaled = extra.get("query_scale_layers")  # None: every layer
         self.input_layernorm = make_norm(norm, h, eps) if cfg.pre_norms else NoNorm()
-        self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
-                                   window=cfg.window(index), scale=cfg.attn_scale,
-                                   rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
-                                   rope=index not in cfg.no_rope_layers,
-                                   qk_norm_whole=cfg.qk_norm_whole,
-                                   out_bias=cfg.attention_out_bias,
-                                   q_scale_beta=(cfg.query_scale_beta
-                                                 if scaled is None or index in scaled else 0.0),
-                                   q_scale_period=cfg.query_scale_period,
-                                   q_scale_offset=extra.get("query_scale_offset", 0.0),
-                                   chunk=(extra["attention_chunk_size"]
-                                          if index in extra.get("chunked_layers", ()) else None),
-                                   qk_l2_norm=index in extra.get("qk_l2_norm_layers", ()))
+        mla = extra.get("mla")  # DeepSeek's latent attention (its family's options)
+        if mla:
+            self.self_attn = LatentAttention(h, cfg.num_heads, scale=cfg.attn_scale,
+                                             bias=cfg.attention_bias, **mla)
+        else:
+            self.self_attn = Attention(
+                h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
+                window=cfg.window(index), scale=cfg.attn_scale,
+                rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
+                rope=index not in cfg.no_rope_layers,
+                qk_norm_whole=cfg.qk_norm_whole,
+                out_bias=cfg.attention_out_bias,
+                q_scale_beta=(cfg.query_scale_beta
+                              if scaled is None or index in scaled else 0.0),
+                q_scale_period=cfg.query_scale_period,
+                q_scale_offset=extra.get("query_scale_offset", 0.0),
+                chunk=(extra["attention_chunk_size"]
+                       if index in extra.get("chunked_layers", ()) else None),
+                qk_l2_norm=index in extra.get("qk_l2_norm_layers", ()))
         if cfg.extra.get("attention_sinks"):
             # A learned logit per query head in each query's softmax denominator (gpt-oss):
             # the reference backend runs it, the kernel backends decline (AttentionSpec.sinks).
@@ -76,7 +83,8 @@ class DecoderLayer(nn.Module):
             moe_options = {k: cfg.extra[k] for k in ("router_bias", "expert_bias",
                                                      "swiglu_limit", "swiglu_alpha",
                                                      "router_scoring", "expert_input_weighted",
-                                                     "shared_expert_gate")
+                                                     "shared_expert_gate", "routed_scaling",
+                                                     "n_group", "topk_group", "score_bias")
                            if k in cfg.extra}
             self.mlp = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts,
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,

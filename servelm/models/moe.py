@@ -21,6 +21,16 @@ Llama 4's (options too): the router's top k logits through a sigmoid (router_sco
 "sigmoid", no renormalisation), each chosen expert's weight multiplying that expert's INPUT
 rather than its output (expert_input_weighted: expert(w * x)), and a shared expert whose
 output is added ungated (shared_expert_gate False).
+
+DeepSeek's (options too): the chosen experts' weights times routed_scaling, and shared
+experts added ungated (one GatedMLP as wide as all of them). DeepSeek-V2's router is the
+softmax one (not renormalised), group-limited where the family says (router_scoring
+"softmax_grouped": the experts in n_group groups, each group scored by its best expert,
+the top k chosen only among the topk_group best groups); DeepSeek-V3's (router_scoring
+"sigmoid_grouped") scores every expert by sigmoid(logit), chooses by the score plus a
+learned correction bias (score_bias: e_score_correction_bias [E]) among the topk_group
+groups whose two best biased scores sum highest, and weights the chosen experts by their
+unbiased scores (renormalised with norm_topk_prob). Routing runs in fp32.
 """
 
 from __future__ import annotations
@@ -43,30 +53,48 @@ class SparseMoE(nn.Module):
     activation is gpt-oss's clamped SwiGLU (swiglu_alpha its sigmoid gain) instead of act;
     router_scoring "softmax" (over all experts) or "sigmoid" (of the top k logits);
     expert_input_weighted: the weights scale the experts' inputs, not their outputs;
-    shared_expert_gate False: the shared expert's output is added as it is (no gate)."""
+    shared_expert_gate False: the shared expert's output is added as it is (no gate);
+    DeepSeek's routers (router_scoring "softmax_grouped" / "sigmoid_grouped", n_group,
+    topk_group, score_bias: e_score_correction_bias [E]) and routed_scaling, the chosen
+    experts' weights' factor."""
+
+    ROUTERS = ("softmax", "sigmoid", "softmax_grouped", "sigmoid_grouped")
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, act: str = "silu", shared_intermediate: int = 0,
                  router_bias: bool = False, expert_bias: bool = False,
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.0,
                  router_scoring: str = "softmax", expert_input_weighted: bool = False,
-                 shared_expert_gate: bool = True):
+                 shared_expert_gate: bool = True, routed_scaling: float = 1.0,
+                 n_group: int = 1, topk_group: int = 1, score_bias: bool = False):
         super().__init__()
-        if router_scoring not in ("softmax", "sigmoid"):
+        if router_scoring not in self.ROUTERS:
             raise ValueError(f"unsupported router_scoring {router_scoring!r} "
-                             f"(supported: softmax, sigmoid)")
+                             f"(supported: {', '.join(self.ROUTERS)})")
+        if router_scoring.endswith("_grouped") and (
+                n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group):
+            raise ValueError(f"grouped routing needs n_group ({n_group}) dividing the "
+                             f"{num_experts} experts and topk_group ({topk_group}) in "
+                             f"[1, n_group]")
         self.options = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                             top_k=top_k, norm_topk_prob=norm_topk_prob, act=act,
                             shared_intermediate=shared_intermediate, router_bias=router_bias,
                             expert_bias=expert_bias, swiglu_limit=swiglu_limit,
                             swiglu_alpha=swiglu_alpha, router_scoring=router_scoring,
                             expert_input_weighted=expert_input_weighted,
-                            shared_expert_gate=shared_expert_gate)
+                            shared_expert_gate=shared_expert_gate,
+                            routed_scaling=routed_scaling, n_group=n_group,
+                            topk_group=topk_group, score_bias=score_bias)
         self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
         self.norm_topk_prob, self.act = norm_topk_prob, act
-        self.route = self._route_sigmoid if router_scoring == "sigmoid" else self._route_softmax
+        self.route = {"softmax": self._route_softmax, "sigmoid": self._route_sigmoid,
+                      "softmax_grouped": self._route_softmax_grouped,
+                      "sigmoid_grouped": self._route_sigmoid_grouped}[router_scoring]
+        self.routed_scaling, self.n_group, self.topk_group = routed_scaling, n_group, topk_group
         self.expert_input_weighted = expert_input_weighted
         self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts))
+                                        if score_bias else None)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.experts_gate_up_bias = self.experts_down_bias = None
@@ -96,7 +124,46 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scaling != 1.0:
+            weights = weights * self.routed_scaling
         return weights.to(x.dtype), ids
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, n_group] -> [T, E]: True on the experts of each token's topk_group best groups."""
+        T = group_scores.shape[0]
+        best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        per = self.num_experts // self.n_group
+        return mask.unsqueeze(-1).expand(T, self.n_group, per).reshape(T, self.num_experts)
+
+    def _route_softmax_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V2's group_limited_greedy: the softmax over all experts, groups scored
+        by their best expert, the top k among the topk_group best groups (the others'
+        scores zeroed), times routed_scaling (renormalised with norm_topk_prob)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        groups = probs.view(-1, self.n_group, self.num_experts // self.n_group).amax(-1)
+        probs = probs.masked_fill(~self._group_mask(groups), 0.0)
+        weights, ids = probs.topk(self.top_k, dim=-1, sorted=False)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return (weights * self.routed_scaling).to(x.dtype), ids
+
+    def _route_sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's: sigmoid scores; the choice by score + e_score_correction_bias
+        among the topk_group groups whose two best biased scores sum highest; the weights
+        the chosen experts' unbiased scores (renormalised with norm_topk_prob), times
+        routed_scaling."""
+        scores = torch.sigmoid(self.gate(x).float())
+        bias = self.e_score_correction_bias
+        biased = scores if bias is None else scores + bias.float()
+        groups = biased.view(-1, self.n_group, self.num_experts // self.n_group)
+        groups = groups.topk(2, dim=-1)[0].sum(-1)
+        biased = biased.masked_fill(~self._group_mask(groups), float("-inf"))
+        ids = biased.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling).to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One implementation on every path (PyTorch's matmuls and activation): nothing

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from servelm.models.family import Family
 from servelm.models.families.cohere import Cohere
+from servelm.models.families.deepseek import DeepseekV2, DeepseekV3
 from servelm.models.families.ernie4_5 import Ernie4_5
 from servelm.models.families.exaone4 import Exaone4
 from servelm.models.families.gemma2 import Gemma2
@@ -35,7 +36,7 @@ FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe()
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
                                 GraniteMoe(), StableLm(), Phi(), Cohere(), Ministral3(),
-                                GptNeoX(), GptOss(), Llama4())
+                                GptNeoX(), GptOss(), Llama4(), DeepseekV2(), DeepseekV3())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 

@@ -1,0 +1,110 @@
+"""DeepSeek-V2 and DeepSeek-V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): Llama's
+pre-norm layer with
+
+- multi-head latent attention (servelm/models/mla.py: the query through q_proj or the
+  low-rank q_a_proj / q_a_layernorm / q_b_proj, keys and values expanded from one latent
+  of kv_lora_rank and a rope key shared by the heads; the rotary on the rope dims only, by
+  adjacent pairs (V2 always, V3 with rope_interleave); q/k heads of qk_nope_head_dim +
+  qk_rope_head_dim, value heads of v_head_dim), served from the expanded per-head K and V
+  in the ordinary cache; the softmax scale qk_head_dim ** -0.5 times YaRN's
+  mscale(mscale_all_dim) squared where the rotary is scaled,
+- dense MLPs on the first first_k_dense_replace layers, then MoE layers: n_routed_experts
+  of moe_intermediate_size, num_experts_per_tok chosen, their weights times
+  routed_scaling_factor, and n_shared_experts shared experts on every token, ungated (one
+  MLP of n_shared_experts * moe_intermediate_size). V2's router: softmax, top k
+  (topk_method greedy) or group-limited (group_limited_greedy: n_group groups, the top k
+  among the topk_group best by their best expert), not renormalised (transformers ignores
+  V2's norm_topk_prob; every V2 checkpoint sets it false); V3's: sigmoid scores, the choice
+  biased by e_score_correction_bias among the topk_group groups whose two best sum highest,
+  renormalised with norm_topk_prob.
+
+The checkpoint's shared experts are mlp.shared_experts (SparseMoE's shared_expert), the
+correction bias mlp.gate.e_score_correction_bias (SparseMoE's), the full-rank query
+projection self_attn.q_proj (LatentAttention's query_proj: the decoder fuses q_proj
+tensors into qkv_proj otherwise)."""
+
+from __future__ import annotations
+
+import math
+
+from servelm.models.family import Family
+from servelm.models.hf_keys import rope_scaling
+
+
+def _mscale(factor: float, m: float) -> float:
+    """YaRN's attention scale (transformers' yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+class DeepseekV2(Family):
+    name = "deepseek_v2"
+    architectures = ("DeepseekV2ForCausalLM",)
+    renames = {"shared_experts": "shared_expert", "q_proj": "query_proj"}
+    # Latent attention's projections and the shared experts are not sharded by servelm's
+    # tensor parallelism yet.
+    tensor_parallel = False
+    v3 = False
+
+    def require_tensor_parallel(self) -> None:
+        raise ValueError(f"tensor parallelism does not support the {self.name} family yet: "
+                         f"its multi-head latent attention (kv_a_proj_with_mqa, kv_b_proj) "
+                         f"has no sharded form (run it with tensor_parallel_size 1)")
+
+    def _router(self, cfg) -> tuple[dict, bool]:
+        """The MoE's router options (ModelConfig.extra) and norm_topk_prob."""
+        method = cfg.get("topk_method") or "greedy"
+        if method == "greedy":
+            return {"router_scoring": "softmax"}, False
+        if method == "group_limited_greedy":
+            return {"router_scoring": "softmax_grouped", "n_group": int(cfg["n_group"]),
+                    "topk_group": int(cfg["topk_group"])}, False
+        raise ValueError(f"unsupported DeepSeek-V2 topk_method {method!r} "
+                         f"(supported: greedy, group_limited_greedy)")
+
+    def hf_config(self, cfg, base):
+        n = base["num_layers"]
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        v = int(cfg["v_head_dim"])
+        q_lora = cfg.get("q_lora_rank")
+        scale = (nope + rope) ** -0.5
+        scaling = rope_scaling(cfg)
+        if scaling and scaling["rope_type"] == "yarn" and scaling.get("mscale_all_dim"):
+            m = _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+            scale = scale * m * m
+        router, norm_topk = self._router(cfg)
+        experts = int(cfg.get("n_routed_experts") or 0)
+        dense = min(int(cfg.get("first_k_dense_replace") or 0), n)
+        moe_inter = int(cfg.get("moe_intermediate_size") or 0)
+        pairwise = bool(cfg.get("rope_interleave", True)) if self.v3 else True
+        return {"num_kv_heads": base["num_heads"],  # the expanded cache: a KV head per head
+                "head_dim": max(nope + rope, v), "rotary_dim": rope, "attn_scale": scale,
+                "mlp_bias": bool(cfg.get("mlp_bias", False)),
+                "num_experts": experts,
+                "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+                "moe_intermediate_size": moe_inter,
+                "shared_expert_intermediate_size": moe_inter * int(cfg.get("n_shared_experts") or 0),
+                "norm_topk_prob": norm_topk,
+                "dense_layers": tuple(range(dense)),
+                "extra": {"mla": {"q_lora_rank": q_lora and int(q_lora),
+                                  "kv_lora_rank": int(cfg["kv_lora_rank"]),
+                                  "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+                                  "v_head_dim": v, "rope_pairwise": pairwise},
+                          **router, "shared_expert_gate": False,
+                          "routed_scaling": float(cfg.get("routed_scaling_factor") or 1.0)}}
+
+    # ---- names and values -----------------------------------------------------------------
+
+    def internal_name(self, hf_name):
+        return super().internal_name(hf_name).replace(".mlp.gate.e_score_correction_bias",
+                                                      ".mlp.e_score_correction_bias")
+
+
+class DeepseekV3(DeepseekV2):
+    name = "deepseek_v3"
+    architectures = ("DeepseekV3ForCausalLM",)
+    v3 = True
+
+    def _router(self, cfg):
+        return {"router_scoring": "sigmoid_grouped", "n_group": int(cfg.get("n_group") or 1),
+                "topk_group": int(cfg.get("topk_group") or 1), "score_bias": True}, \
+            bool(cfg.get("norm_topk_prob", True))

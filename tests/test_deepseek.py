@@ -1,0 +1,186 @@
+"""DeepSeek-V2 and V3 against transformers: tiny random checkpoints made by transformers
+(three layers: a dense first layer, then MoE layers with shared experts). V2: the full-rank
+query projection, value heads narrower than the q/k heads (padded in the cache), group-
+limited softmax routing with a routed scaling; V3: the low-rank query (q_a_proj /
+q_a_layernorm / q_b_proj), value heads wider than the q/k heads, YaRN (mscale_all_dim in
+the softmax scale), sigmoid routing with a correction bias over groups. Served token-exact
+through prefill, chunked prefill, decode, the prefix cache and preemption; V3's router
+against transformers' on random hidden states; tensor parallelism refused with its
+reason."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from helpers import assert_reference_greedy, prompt_logits, tiny_hf_checkpoint
+from servelm import LLM, SamplingParams
+from servelm.models.config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              first_k_dense_replace=1, initializer_range=0.1)
+V2 = dict(COMMON, q_lora_rank=None, v_head_dim=16, n_shared_experts=2,
+          topk_method="group_limited_greedy", n_group=4, topk_group=2,
+          routed_scaling_factor=2.0)
+V3 = dict(COMMON, q_lora_rank=32, v_head_dim=32, n_shared_experts=1, n_group=4,
+          topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 128, "mscale": 1.0,
+                           "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0})
+CHECKPOINTS = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", V2),
+               "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", V3)}
+PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital "
+           "of Italy is",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+           "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+KW = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256)
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def deepseek(request, tmp_path_factory, hf_tokenizer):
+    """(version, HF directory, transformers model)."""
+    config_cls, model_cls, extra = CHECKPOINTS[request.param]
+    d = tmp_path_factory.mktemp(f"hf-deepseek-{request.param}")
+    model = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=11)
+    if request.param == "v3":  # a correction bias that moves the routers' choices
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
+        model.save_pretrained(d)
+    return request.param, str(d), model
+
+
+def test_config_reads_deepseek_keys(deepseek):
+    version, path, _ = deepseek
+    cfg = ModelConfig.from_hf_dir(path)
+    assert cfg.family == f"deepseek_{version}"
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.rotary_dim) == (4, 4, 8)
+    assert cfg.head_dim == (24 if version == "v2" else 32)  # max(q/k head, v head)
+    assert cfg.dense_layers == (0,) and cfg.num_experts == 8
+    assert cfg.shared_expert_intermediate_size == (64 if version == "v2" else 32)
+    mla = cfg.extra["mla"]
+    assert mla["q_lora_rank"] == (None if version == "v2" else 32) and mla["rope_pairwise"]
+    if version == "v2":
+        assert cfg.extra["router_scoring"] == "softmax_grouped" and not cfg.norm_topk_prob
+        assert cfg.attn_scale == pytest.approx(24 ** -0.5)
+    else:
+        assert cfg.extra["router_scoring"] == "sigmoid_grouped" and cfg.norm_topk_prob
+        m = 0.1 * torch.log(torch.tensor(4.0)).item() + 1.0  # YaRN's mscale_all_dim, squared
+        assert cfg.attn_scale == pytest.approx(24 ** -0.5 * m * m)
+
+
+def test_eager_fp32_matches_transformers(deepseek):
+    _, path, ref = deepseek
+    llm = LLM(model=path, cpu_kernels=False, **KW)
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    ours = prompt_logits(llm.engine, prompts)
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0, -1].float()
+        diff = (ours[i] - want).abs().max().item()
+        assert diff <= 1e-4 * want.abs().max().item(), f"prompt {i}: max |diff| {diff}"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        assert_reference_greedy(ref, ids, out.outputs[0].token_ids)
+
+
+def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
+    """The C++ ops where they build, a 16-token budget (prompts prefilled in pieces), a
+    second round from the prefix cache, then a pool so small that sequences are preempted:
+    the eager path's tokens every time."""
+    _, path, _ = deepseek
+    eager = LLM(model=path, cpu_kernels=False, **KW)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    fast = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **KW)
+    for round_ in range(2):
+        outs = fast.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, round_
+    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
+    block_bytes = fast.engine.executor.block_bytes
+    tight = LLM(model=path, **{**KW, "kv_cache_memory": 5 * block_bytes},
+                admission_lookahead=0)
+    outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
+    from servelm.models import decode_stack
+    from servelm.models.decoder import CausalLM
+    from servelm.models.mla import LatentAttention
+    from servelm.models.moe import SparseMoE
+
+    version, path, _ = deepseek
+    model = CausalLM(ModelConfig.from_hf_dir(path), max_positions=64)
+    assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.layers)
+    assert not isinstance(model.layers[0].mlp, SparseMoE)
+    moe = model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and moe.shared_expert_gate is None
+    assert (moe.e_score_correction_bias is not None) == (version == "v3")
+    got = decode_stack.describe(model)
+    assert isinstance(got, str) and "LatentAttention" in got
+
+
+def test_tensor_parallel_is_refused_with_the_reason(deepseek):
+    from servelm.models.registry import family_for_architecture
+
+    _, path, _ = deepseek
+    family = family_for_architecture(ModelConfig.from_hf_dir(path).architecture)
+    with pytest.raises(ValueError, match="latent attention"):
+        family.require_tensor_parallel()
+
+
+# ---- the routers against transformers' --------------------------------------------------------
+
+def _moe(cfg: ModelConfig):
+    from servelm.models.moe import SparseMoE
+
+    keys = ("router_scoring", "n_group", "topk_group", "score_bias", "routed_scaling",
+            "shared_expert_gate")
+    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                     cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                     shared_intermediate=cfg.shared_expert_intermediate_size,
+                     **{k: cfg.extra[k] for k in keys if k in cfg.extra})
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_router_chooses_as_transformers(version):
+    """Random hidden states and router weights (V3: a correction bias large enough to
+    change the groups and experts chosen): the same experts and weights."""
+    config_cls, _, extra = CHECKPOINTS[version]
+    hf_cfg = getattr(transformers, config_cls)(vocab_size=32, hidden_size=64,
+                                               intermediate_size=96, **extra)
+    modeling = importlib.import_module(
+        f"transformers.models.deepseek_{version}.modeling_deepseek_{version}")
+    router_cls = getattr(modeling, f"DeepseekV{version[1]}TopkRouter")
+    torch.manual_seed(3)
+    ref = router_cls(hf_cfg)
+    with torch.no_grad():
+        ref.weight.normal_(0, 0.2)
+        if version == "v3":
+            ref.e_score_correction_bias.normal_(0, 0.3)
+    cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": [
+        f"DeepseekV{version[1]}ForCausalLM"]})
+    moe = _moe(cfg)
+    with torch.no_grad():
+        moe.gate.weight.copy_(ref.weight)
+        if version == "v3":
+            moe.e_score_correction_bias.copy_(ref.e_score_correction_bias)
+    x = torch.randn(64, 64)
+    _, want_w, want_ids = ref(x)
+    got_w, got_ids = moe.route(x)
+    want_ids, order = want_ids.sort(-1)
+    got_ids, got_order = got_ids.sort(-1)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, order))
+    if version == "v3":  # the bias changed some choices (else the test would not see it)
+        unbiased = torch.sigmoid(x @ ref.weight.T).topk(2, -1)[1].sort(-1)[0]
+        assert not torch.equal(unbiased, want_ids)
