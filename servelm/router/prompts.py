@@ -116,18 +116,10 @@ class PromptReader:
     def _chat_ids(self, req) -> list[int]:
         """servelm.server.chat.prepare's prompt: the template over the messages (the tools
         written into them for a template that does not render tools), tokenised."""
-        from servelm.server.chat import describe_tools
+        from servelm.server.chat import render, request_tools
 
-        tok = self.tokenizer
-        choice = req.tool_choice or ("auto" if req.tools else "none")
-        tools = ([t.model_dump(exclude_none=True) for t in req.tools]
-                 if req.tools and choice != "none" else None)
-        messages = [m.to_template() for m in req.messages]
-        if not tok.renders_tools and (tools or any(m.get("tool_calls") for m in messages)):
-            messages = describe_tools(messages, tools)
-        text = tok.apply_chat_template(messages, tools=tools, chat_template=req.chat_template,
-                                       template_kwargs=req.template_kwargs())
-        return tok.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(render(self.tokenizer, req, request_tools(req)[1]),
+                                     add_special_tokens=False)
 
 
 def _int(value) -> int | None:

@@ -27,20 +27,33 @@ _FIELDS = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", ""
                              "stop", "stop_token_ids", "logit_bias")}}
 
 
-def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
-    """Render the conversation and tokenise it (in a worker thread: the work grows with the
-    request); a bad request raises APIError before anything runs."""
-    tok = ctx.engine.tokenizer
+def request_tools(req: ChatCompletionRequest) -> tuple[str | object, list[dict] | None]:
+    """The request's tool_choice (defaulted) and the tools the template sees (none for
+    tool_choice "none")."""
     choice = req.tool_choice or ("auto" if req.tools else "none")
     tools = ([t.model_dump(exclude_none=True) for t in req.tools]
              if req.tools and choice != "none" else None)
+    return choice, tools
+
+
+def render(tok, req: ChatCompletionRequest, tools: list[dict] | None) -> str:
+    """The conversation as the chat template renders it (the tools written into the messages
+    for a template that does not render tools); ValueError from the template. A router
+    in front computes the same text (servelm.router.prompts)."""
     messages = [m.to_template() for m in req.messages]
     if not tok.renders_tools and (tools or any(m.get("tool_calls") for m in messages)):
         # (with tool_choice "none" too: earlier calls in the history still need writing out)
         messages = describe_tools(messages, tools)
+    return tok.apply_chat_template(messages, tools=tools, chat_template=req.chat_template,
+                                   template_kwargs=req.template_kwargs())
+
+
+def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
+    """Render the conversation and tokenise it (in a worker thread: the work grows with the
+    request); a bad request raises APIError before anything runs."""
+    choice, tools = request_tools(req)
     try:
-        text = tok.apply_chat_template(messages, tools=tools, chat_template=req.chat_template,
-                                       template_kwargs=req.template_kwargs())
+        text = render(ctx.engine.tokenizer, req, tools)
     except ValueError as e:
         param = "chat_template" if req.chat_template else "messages"
         raise APIError(400, str(e), param=param, code="invalid_value") from None
