@@ -38,29 +38,40 @@ def _preload() -> None:
 
 
 def _run_child(req: dict) -> None:
-    """In the forked child: become `python -m servelm.cli *argv`; never returns."""
+    """In the forked child: become `python -m servelm.cli *argv`, or `python SCRIPT *argv`
+    where the request names a script; never returns."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(req["log"], os.O_WRONLY | os.O_APPEND)
+        out = os.open(req["log"], os.O_WRONLY | os.O_APPEND)
+        err = os.open(req.get("err") or req["log"], os.O_WRONLY | os.O_APPEND)
         os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(null)
-        os.close(log)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in {null, out, err}:
+            os.close(fd)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        import servelm.cli as cli
-
-        sys.modules["__main__"] = cli
-        sys.argv = [cli.__file__, *req["argv"]]
-        sys.path[0] = req["cwd"]
         try:
-            code = cli.main()
+            if req.get("script"):
+                import runpy
+
+                script = req["script"]
+                sys.argv = [script, *req["argv"]]
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+                runpy.run_path(script, run_name="__main__")
+                code = 0
+            else:
+                import servelm.cli as cli
+
+                sys.modules["__main__"] = cli
+                sys.argv = [cli.__file__, *req["argv"]]
+                sys.path[0] = req["cwd"]
+                code = cli.main()
         except SystemExit as e:
             code = e.code
         if code is None:
@@ -144,11 +155,12 @@ def _ask(req: dict) -> dict:
 class ZygoteProcess:
     """The Popen methods the tests use, for a process the zygote forked."""
 
-    def __init__(self, args: list[str], log: str, cwd: str, env: dict[str, str]):
+    def __init__(self, args: list[str], log: str, cwd: str, env: dict[str, str],
+                 script: str | None = None, err: str | None = None):
         self.args = args
         self.returncode: int | None = None
         self.pid = _ask({"op": "start", "argv": list(args), "log": log, "cwd": cwd,
-                         "env": dict(env)})["pid"]
+                         "env": dict(env), "script": script, "err": err})["pid"]
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -182,6 +194,25 @@ def launch(args: list[str], log: str, cwd: str,
             return subprocess.Popen([sys.executable, "-m", "servelm.cli", *args], stdout=f,
                                     stderr=subprocess.STDOUT, cwd=cwd, env=env)
     return ZygoteProcess(args, log, cwd, env)
+
+
+def run_script(script: str, *args: str, cwd: str,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+    cwd=cwd, timeout=timeout), the script run by a process the zygote forked."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        proc = ZygoteProcess(list(args), out.name, cwd, dict(os.environ), script=str(script),
+                             err=err.name)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess([sys.executable, str(script), *args], code,
+                                           out.read(), err.read())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import server_zygote
 from helpers import script_usage_error
 from servelm import quantization as Q
 
@@ -18,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    """`python benchmarks/SCRIPT *args`, forked from a process that imported servelm once."""
+    return server_zygote.run_script(ROOT / "benchmarks" / script, *args, cwd=str(ROOT),
+                                    timeout=600)
 
 
 @pytest.mark.skipif(not Q.kernels_available(), reason="needs the C++ kernels (AVX-512 BF16)")
