@@ -26,7 +26,7 @@ COMMON = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
               n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
               first_k_dense_replace=1, initializer_range=0.1)
 V2 = dict(COMMON, q_lora_rank=None, v_head_dim=16, n_shared_experts=2,
-          topk_method="group_limited_greedy", n_group=4, topk_group=2,
+          topk_method="group_limited_greedy", n_group=4, topk_group=1,
           routed_scaling_factor=2.0)
 V3 = dict(COMMON, q_lora_rank=32, v_head_dim=32, n_shared_experts=1, n_group=4,
           topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
