@@ -170,7 +170,8 @@ def test_stats_need_the_key_and_report_the_engine_and_the_machine(server):
     assert 0 <= kv["blocks_used"] <= kv["blocks_total"] and 0 <= kv["usage"] <= 1
     assert kv["max_model_len"] == 1024
     req = s["requests"]
-    assert set(req) == {"running", "waiting", "preemptions", "aborted"}
+    assert set(req) == {"running", "waiting", "preemptions", "aborted", "running_tokens",
+                        "waiting_tokens"}
     hw = s["roofline"]["machine"]
     assert hw == {"bandwidth": BANDWIDTH, "flops": FLOPS, "ridge": pytest.approx(4.0),
                   "source": "given"}
