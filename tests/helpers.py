@@ -117,6 +117,23 @@ def assert_reference_greedy(ref, ids: list[int], got: list[int], banned=()) -> N
                     f"{want[k]}; reference top-2 logit gap there {float(top2[0] - top2[1]):.2e}")
 
 
+
+def assert_matches_reference(llm, ref, prompts: list[list[int]], greedy) -> None:
+    """An engine (`llm`) against transformers' model `ref` on token-id prompts: each prompt's
+    last logits within 1e-3 of ref's (relative to their largest), then the greedy
+    continuations (`greedy`: SamplingParams, temperature 0) ref's own (EOS banned)."""
+    ours = prompt_logits(llm.engine, prompts)
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0, -1].float()
+        diff = (ours[i] - want).abs().max().item()
+        assert diff <= 1e-3 * want.abs().max().item(), f"prompt {i}: max |diff| {diff}"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == greedy.max_tokens
+        assert_reference_greedy(ref, ids, out.outputs[0].token_ids,
+                                banned=(ref.config.eos_token_id,))
+
 def hf_from_gguf(path: str, tmp_dir):
     """transformers' model from a GGUF, dequantised to fp32: the numerical reference. Read
     from a copy with the same tensors and model metadata but no vocabulary arrays (the

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (add_gguf_metadata, assert_reference_greedy, prompt_logits,
-                     tiny_hf_checkpoint)
+from helpers import (add_gguf_metadata, assert_matches_reference, assert_reference_greedy,
+                     prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -94,17 +94,7 @@ def test_eager_fp32_matches_transformers(llama4):
     llm = LLM(model=path, cpu_kernels=False, **KW)
     prompts = [_ids(llm, p) for p in PROMPTS]
     assert min(map(len, prompts)) > 2 * CHUNK
-    ours = prompt_logits(llm.engine, prompts)
-    for i, ids in enumerate(prompts):
-        with torch.no_grad():
-            want = ref(torch.tensor([ids])).logits[0, -1].float()
-        diff = (ours[i] - want).abs().max().item()
-        assert diff <= 1e-3 * want.abs().max().item(), f"prompt {i}: max |diff| {diff}"
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
-        assert_reference_greedy(ref, ids, out.outputs[0].token_ids,
-                                banned=(ref.config.eos_token_id,))
+    assert_matches_reference(llm, ref, prompts, GREEDY)
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(llama4):
