@@ -4,9 +4,9 @@ query projection, value heads narrower than the q/k heads (padded in the cache),
 limited softmax routing with a routed scaling; V3: the low-rank query (q_a_proj /
 q_a_layernorm / q_b_proj), value heads wider than the q/k heads, YaRN (mscale_all_dim in
 the softmax scale), sigmoid routing with a correction bias over groups. Served token-exact
-through prefill, chunked prefill, decode, the prefix cache and preemption; V3's router
-against transformers' on random hidden states; tensor parallelism refused with its
-reason."""
+through prefill, chunked prefill, decode, the prefix cache and preemption; int8 weights
+close; both routers against transformers' on random hidden states; tensor parallelism
+refused with its reason."""
 
 from __future__ import annotations
 
@@ -110,6 +110,17 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_int8_weights_stay_close(deepseek):
+    """int8 quantises the latent attention's projections, the dense MLP, the shared experts
+    and the LM head, on the C++ kernels: within 2e-3 (cosine) of the fp32 reference."""
+    _, path, _ = deepseek
+    ref = LLM(model=path, cpu_kernels=False, **KW)
+    prompts = [ref.get_tokenizer().encode(p) for p in PROMPTS]
+    want = prompt_logits(ref.engine, prompts)
+    got = prompt_logits(LLM(model=path, quantization="int8", **KW).engine, prompts)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.998
 
 
 def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
