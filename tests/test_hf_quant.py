@@ -376,7 +376,8 @@ def write_gguf(path: Path, tensors: list[tuple[str, str, tuple[int, ...]]],
             w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            raw = rng.integers(0, 256, size=(shape[0], shape[1] // block * size), dtype=np.uint8)
+            raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block * size),
+                               dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -397,6 +398,16 @@ def test_gguf_q8_0_is_int8(tmp_path):
     path = write_gguf(tmp_path / "q8.gguf", _gguf_model("Q8_0", "Q8_0"), "MOSTLY_Q8_0")
     assert open_checkpoint(path).native_quantization() == (
         "int8", "GGUF Q8_0 (Q8_0 100%): int8 weights")
+
+
+def test_gguf_routed_experts_do_not_decide_the_format(tmp_path):
+    """Routed experts (stacked 3-D tensors) stay in the activation dtype whatever the file
+    says (gpt-oss's MXFP4 ones): F16 attention beside 4-bit experts three times its size
+    runs unquantised, not int4."""
+    tensors = _gguf_model("F16", "F16") + [("blk.0.ffn_gate_exps.weight", "Q4_0", (8, 256, 256))]
+    native, described = open_checkpoint(write_gguf(tmp_path / "moe.gguf", tensors,
+                                                   "MOSTLY_F16")).native_quantization()
+    assert native is None and "Q4_0" not in described, described
 
 
 def test_gguf_f16_is_unquantised(tmp_path):

@@ -53,12 +53,14 @@ class GGUFFile:
     def native_quantization(self) -> tuple[str | None, str]:
         """The weight format to run this file in by default (None: the activation dtype) and
         a line for the log. Decided by the linear layers' tensor types (the decoder's 2-D
-        weights and the LM head, by element count; not the embedding table, not norms): more
-        than half 2- to 5-bit blocks -> int4; else more than half quantised -> int8."""
+        weights and the LM head, by element count; not the embedding table, not norms, not
+        routed experts' stacked 3-D tensors, which servelm keeps in the activation dtype:
+        gpt-oss's MXFP4 experts must not make its bf16 attention int4): more than half 2- to
+        5-bit blocks -> int4; else more than half quantised -> int8."""
         counts: dict[str, int] = {}
         for t in self.reader.tensors:
             linear = (t.name.startswith("blk.") and t.name.endswith(".weight")
-                      and len(t.shape) >= 2) or t.name == "output.weight"
+                      and len(t.shape) == 2) or t.name == "output.weight"
             if linear:
                 qtype = _gguf_type_name(t.qtype)
                 counts[qtype] = counts.get(qtype, 0) + int(np.prod(t.shape))
