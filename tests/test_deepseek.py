@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from helpers import assert_reference_greedy, prompt_logits, tiny_hf_checkpoint
+from helpers import assert_matches_reference, prompt_logits, tiny_hf_checkpoint
 from servelm import LLM, SamplingParams
 from servelm.models.config import ModelConfig
 
@@ -80,16 +80,7 @@ def test_eager_fp32_matches_transformers(deepseek):
     _, path, ref = deepseek
     llm = LLM(model=path, cpu_kernels=False, **KW)
     prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
-    ours = prompt_logits(llm.engine, prompts)
-    for i, ids in enumerate(prompts):
-        with torch.no_grad():
-            want = ref(torch.tensor([ids])).logits[0, -1].float()
-        diff = (ours[i] - want).abs().max().item()
-        assert diff <= 1e-4 * want.abs().max().item(), f"prompt {i}: max |diff| {diff}"
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
-        assert_reference_greedy(ref, ids, out.outputs[0].token_ids)
+    assert_matches_reference(llm, ref, prompts, GREEDY)
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
