@@ -256,3 +256,54 @@ def test_an_adapter_loaded_again_never_reads_its_old_weights_kv(llama_engine):
     assert second.metrics.num_cached_tokens == 0
     assert second.outputs[0].token_ids == fresh.outputs[0].token_ids
     assert first.outputs[0].token_ids != fresh.outputs[0].token_ids
+
+
+def test_an_adapter_loads_while_the_engine_steps(llama_engine, monkeypatch):
+    """load_lora_adapter's reading and checking runs beside the engine (a worker thread):
+    a stream in flight gets tokens while a slow load is under way, and the adapter is
+    registered once it is read. (On the engine thread, the load had held every stream.)"""
+    import asyncio
+    import threading
+    import time
+
+    from servelm.engine.async_engine import AsyncLLMEngine
+
+    llm, adapters = llama_engine
+    manager = llm.engine.lora
+    real, loading = manager.load, threading.Event()
+    window = []
+
+    def slow_load(request):
+        window.append(time.monotonic())
+        loading.set()
+        time.sleep(0.5)
+        out = real(request)
+        window.append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(manager, "load", slow_load)
+    engine = AsyncLLMEngine(llm.engine)
+    engine.start()
+    try:
+        async def main():
+            sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            times = []
+
+            async def stream():
+                async for _ in engine.generate(PROMPTS[0], sp):
+                    times.append(time.monotonic())
+
+            task = asyncio.create_task(stream())
+            while not times:
+                await asyncio.sleep(0.005)
+            await engine.add_lora(LoRARequest("bg", 40, adapters[0][0]))
+            await task
+            return times
+
+        times = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert loading.is_set() and "bg" in engine.loras
+    start, end = window
+    assert sum(start < t < end for t in times) >= 5, (start, end, times[:3], times[-3:])
+    llm.engine.remove_lora("bg")

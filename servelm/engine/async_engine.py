@@ -316,24 +316,28 @@ class AsyncLLMEngine:
             self._cond.notify()
 
     async def add_lora(self, lora_request, replace: bool = False) -> None:
-        """Register (load and check) a LoRA adapter on the engine thread, between steps.
-        ValueError: LoRA is off, the name is taken (unless replace: then the new adapter takes
-        the old one's place if no request uses it, and the old one stays if the new one does
-        not load), or the adapter does not fit the model."""
+        """Load and check a LoRA adapter in a worker thread (the engine steps on meanwhile:
+        a large adapter's files do not stall every stream), then register it on the engine
+        thread, between steps. ValueError: LoRA is off, the name is taken (unless replace:
+        then the new adapter takes the old one's place if no request uses it, and the old one
+        stays if the new one does not fit), or the adapter does not fit the model."""
+        load_lora = getattr(self.engine, "load_lora", None)
+        adapter = await asyncio.to_thread(load_lora, lora_request) if load_lora else None
 
         def add(engine: LLMEngine) -> None:
             name = lora_request.lora_name
             old = engine.lora.get(name) if engine.lora is not None else None
             if old is None:
-                engine.add_lora(lora_request)
+                engine.add_lora(lora_request, adapter)
                 return
             if not replace:
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+            kept = engine.lora.adapter(name)
             engine.remove_lora(name)
             try:
-                engine.add_lora(lora_request)
+                engine.add_lora(lora_request, adapter)
             except Exception:  # the old one stays
-                engine.add_lora(old)
+                engine.add_lora(old, kept)
                 raise
 
         await self._call(add)

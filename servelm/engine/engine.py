@@ -380,14 +380,22 @@ class LLMEngine:
         self._groups[request_id] = group
         return request_id
 
-    def add_lora(self, lora_request) -> bool:
+    def add_lora(self, lora_request, adapter=None) -> bool:
         """Register (load and check) a LoRA adapter; False if it was already registered.
-        ValueError (servelm.lora.loader.LoRAError) when it does not fit the model."""
+        adapter: its weights as load_lora read them (then nothing is read here). ValueError
+        (servelm.lora.loader.LoRAError) when it does not fit the model."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
         known = lora_request.lora_name in self.lora
-        self.lora.add(lora_request)
+        self.lora.add(lora_request, adapter)
         return not known
+
+    def load_lora(self, lora_request):
+        """An adapter's weights read and checked for add_lora, registering nothing: safe on
+        another thread while this engine steps. ValueError as add_lora."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        return self.lora.load(lora_request)
 
     def remove_lora(self, name: str) -> None:
         """Unregister an adapter: KeyError if unknown, ValueError while requests use it."""

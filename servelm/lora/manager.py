@@ -60,17 +60,12 @@ class LoRAManager:
     def get(self, name: str) -> LoRARequest | None:
         return self.requests.get(name)
 
-    def add(self, request: LoRARequest) -> LoRARequest:
-        """Register (load and check) an adapter; the same name and path again is a no-op.
-        LoRAError (a ValueError) naming what does not fit."""
+    def load(self, request: LoRARequest):
+        """The adapter's weights read and checked against the model (LoRAError naming what
+        does not fit), not registered: touches nothing add() changes, so another thread may
+        run it while the engine steps (AsyncLLMEngine.add_lora)."""
         from servelm.lora.loader import LoRAError, load_adapter
 
-        old = self.requests.get(request.lora_name)
-        if old is not None:
-            if old.lora_path == request.lora_path:
-                return old
-            raise LoRAError(f"a LoRA adapter named {request.lora_name!r} is already loaded "
-                            f"(from {old.lora_path}); unload it first")
         if not request.lora_path:
             raise LoRAError(f"LoRA adapter {request.lora_name!r} has no path")
         adapter = load_adapter(request.lora_path, self.model_config, name=request.lora_name,
@@ -79,6 +74,22 @@ class LoRAManager:
         if missing:
             raise LoRAError(f"LoRA adapter {request.lora_name!r} adapts {missing[0]}, which "
                             f"this model does not adapt")
+        return adapter
+
+    def add(self, request: LoRARequest, adapter=None) -> LoRARequest:
+        """Register an adapter (loaded and checked here unless `adapter` is load()'s result
+        for it); the same name and path again is a no-op. LoRAError (a ValueError) naming
+        what does not fit."""
+        from servelm.lora.loader import LoRAError
+
+        old = self.requests.get(request.lora_name)
+        if old is not None:
+            if old.lora_path == request.lora_path:
+                return old
+            raise LoRAError(f"a LoRA adapter named {request.lora_name!r} is already loaded "
+                            f"(from {old.lora_path}); unload it first")
+        if adapter is None:
+            adapter = self.load(request)
         self.requests[request.lora_name] = request
         self._weights[request.lora_name] = adapter
         self._generations += 1
