@@ -81,6 +81,10 @@ def test_eager_fp32_matches_transformers(deepseek):
     llm = LLM(model=path, cpu_kernels=False, **KW)
     prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert_matches_reference(llm, ref, prompts, GREEDY)
+    # The roofline's weight bytes count latent attention's own shapes.
+    built = sum(p.numel() for n, p in llm.engine.executor.model.named_parameters()
+                if not n.endswith("e_score_correction_bias"))
+    assert llm.engine.model_config.num_params == built
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):

@@ -158,7 +158,8 @@ class ModelConfig:
             return (3 if self.mlp_gated else 2) * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
         shared_i = self.shared_expert_intermediate_size
-        shared = 3 * h * shared_i + h if shared_i else 0
+        gate = h if self.extra.get("shared_expert_gate", True) else 0  # Qwen2-MoE's sigmoid gate
+        shared = 3 * h * shared_i + gate if shared_i else 0
         return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared
 
     def _params(self, active: bool) -> int:
@@ -167,7 +168,16 @@ class ModelConfig:
         norms = ((2 if self.sandwich_norms else 0) + pre) * h
         if self.qk_norm:
             norms += q + kv if self.qk_norm_whole else 2 * self.head_dim
-        attn = h * (q + 2 * kv) + q * h
+        mla = self.extra.get("mla")
+        if mla:  # DeepSeek's latent attention (models/mla.py)
+            qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+            r, heads, c = mla["q_lora_rank"], self.num_heads, mla["kv_lora_rank"]
+            query = h * heads * qk if r is None else h * r + r + r * heads * qk
+            attn = (query + h * (c + mla["qk_rope_head_dim"]) + c
+                    + c * heads * (mla["qk_nope_head_dim"] + mla["v_head_dim"])
+                    + heads * mla["v_head_dim"] * h)
+        else:
+            attn = h * (q + 2 * kv) + q * h
         layers = sum(attn + self._mlp_params(i, active) + norms for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers + embed + h
