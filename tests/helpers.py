@@ -134,6 +134,30 @@ def assert_matches_reference(llm, ref, prompts: list[list[int]], greedy) -> None
         assert_reference_greedy(ref, ids, out.outputs[0].token_ids,
                                 banned=(ref.config.eos_token_id,))
 
+
+def assert_chunks_cache_and_preemption_keep_tokens(path: str, prompts: list[str], greedy,
+                                                   **kw):
+    """A model's greedy tokens (engine options kw) through a 16-token budget (every prompt
+    prefilled in chunks), a second round from the prefix cache (16 tokens or more cached),
+    then a 5-block pool that preempts: the eager path's (C++ ops off) each time. Returns
+    the chunked engine (an LLM), for further checks."""
+    from servelm import LLM
+
+    eager = LLM(model=path, **{**kw, "cpu_kernels": False})
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
+    fast = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **kw)
+    for round_ in range(2):
+        outs = fast.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, round_
+    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
+    tight = LLM(model=path, **{**kw, "kv_cache_memory": 5 * fast.engine.executor.block_bytes},
+                admission_lookahead=0)
+    outs = tight.generate(prompts, greedy, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    return fast
+
+
 def hf_from_gguf(path: str, tmp_dir):
     """transformers' model from a GGUF, dequantised to fp32: the numerical reference. Read
     from a copy with the same tensors and model metadata but no vocabulary arrays (the

@@ -15,7 +15,8 @@ import importlib
 import pytest
 import torch
 
-from helpers import assert_matches_reference, prompt_logits, tiny_hf_checkpoint
+from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
+                     prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.models.config import ModelConfig
 
@@ -92,19 +93,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
     second round from the prefix cache, then a pool so small that sequences are preempted:
     the eager path's tokens every time."""
     _, path, _ = deepseek
-    eager = LLM(model=path, cpu_kernels=False, **KW)
-    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    fast = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **KW)
-    for round_ in range(2):
-        outs = fast.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, round_
-    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
-    block_bytes = fast.engine.executor.block_bytes
-    tight = LLM(model=path, **{**KW, "kv_cache_memory": 5 * block_bytes},
-                admission_lookahead=0)
-    outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
 
 
 def test_int8_weights_stay_close(deepseek):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (add_gguf_metadata, assert_matches_reference, assert_reference_greedy,
+from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
+                     assert_matches_reference, assert_reference_greedy,
                      prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
@@ -93,22 +94,9 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(gpt_oss):
     """The C++ ops where they build (norms, rotary + KV write; the reference attention, which
     runs the sinks), a 16-token budget (every prompt prefilled in chunks, later ones past
     the window), a second round from the prefix cache, then a pool that preempts."""
-    path, ref = gpt_oss
-    eager = LLM(model=path, cpu_kernels=False, **KW)
-    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    kw = {**KW, "attention_backend": "reference"}
-    fast = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **kw)
-    for round_ in range(2):
-        outs = fast.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, round_
-    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
-    # 16 tokens x 3 layers x (K, V) x 2 KV heads x 16 dims x fp32; a sequence needs 3 blocks.
-    block_bytes = 16 * 3 * 2 * 2 * 16 * 4
-    tight = LLM(model=path, **{**kw, "kv_cache_memory": 5 * block_bytes},
-                admission_lookahead=0)
-    outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == want
+    path, _ = gpt_oss
+    assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY,
+                                                   **{**KW, "attention_backend": "reference"})
 
 
 def test_auto_attention_backend_runs_the_sinks(gpt_oss):
