@@ -392,3 +392,30 @@ def test_the_amx_prompt_kernel_matches_the_reference_on_long_rows(seqs, growth, 
     want = _causal_reference(q, k, v, tables, cu, start, scale)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("option, reason", [
+    ({"logit_softcap": 30.0}, "soft-cap attention scores"),       # Gemma 2
+    ({"sinks": True}, "attention sinks"),                         # gpt-oss
+    ({"attention_chunk": 8}, "chunked local attention"),          # Llama 4
+])
+def test_kernel_backends_decline_reference_only_options_and_auto_takes_the_reference(option,
+                                                                                      reason):
+    """A model option only the reference runs (AttentionSpec.kernels_lack): every kernel
+    backend declines it with the reason, an explicit one is refused, auto takes the
+    reference."""
+    from servelm.attention import BACKENDS
+
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, 4, 2, 16, 16,
+                         **option)
+    for name in ("cpu", "cpu_sdpa", "cpu_amx", "triton"):
+        assert isinstance(BACKENDS[name].unsupported(spec), str), name
+    assert BACKENDS["reference"].unsupported(spec) is None
+    if load_ops("ops"):
+        assert reason in BACKENDS["cpu"].unsupported(spec)
+        with pytest.raises(ValueError, match=reason):
+            select(KernelConfig(attention_backend="cpu"), spec)
+    assert select(KernelConfig(tuning="off"), spec).name == "reference"
+    cuda = AttentionSpec(torch.device("cuda"), torch.float32, torch.float32, 4, 2, 16, 16,
+                         **option)
+    assert reason in BACKENDS["triton"].unsupported(cuda)

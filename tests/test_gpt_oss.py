@@ -181,25 +181,6 @@ def test_reference_attention_sinks_match_a_hand_written_softmax(window):
         torch.testing.assert_close(got, torch.stack(rows), rtol=1e-5, atol=1e-6)
 
 
-def test_kernel_backends_decline_sinks_and_auto_takes_the_reference():
-    from servelm.attention import BACKENDS, AttentionSpec, select
-    from servelm.config import KernelConfig
-
-    spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, 4, 2, 16, 16,
-                         sinks=True)
-    for name in ("cpu", "cpu_sdpa", "cpu_amx", "triton"):
-        assert isinstance(BACKENDS[name].unsupported(spec), str), name
-    assert BACKENDS["reference"].unsupported(spec) is None
-    if load_ops("ops"):
-        assert "attention sinks" in BACKENDS["cpu"].unsupported(spec)
-        with pytest.raises(ValueError, match="attention sinks"):
-            select(KernelConfig(attention_backend="cpu"), spec)
-    assert select(KernelConfig(tuning="off"), spec).name == "reference"
-    cuda = AttentionSpec(torch.device("cuda"), torch.float32, torch.float32, 4, 2, 16, 16,
-                         sinks=True)
-    assert "attention sinks" in BACKENDS["triton"].unsupported(cuda)
-
-
 # ---- MXFP4 ---------------------------------------------------------------------------------
 
 def test_mxfp4_dequantisation_is_transformers_and_gguf_py_bit_for_bit():

@@ -210,25 +210,6 @@ def test_reference_attention_chunks_match_a_hand_written_mask():
         assert not torch.allclose(got, paged_attention(q, kc, vc, group, scale), atol=1e-3)
 
 
-def test_kernel_backends_decline_chunks_and_auto_takes_the_reference():
-    from servelm.attention import BACKENDS, AttentionSpec, select
-    from servelm.config import KernelConfig
-
-    spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, 4, 2, 16, 16,
-                         attention_chunk=8)
-    for name in ("cpu", "cpu_sdpa", "cpu_amx", "triton"):
-        assert isinstance(BACKENDS[name].unsupported(spec), str), name
-    assert BACKENDS["reference"].unsupported(spec) is None
-    if load_ops("ops"):
-        assert "chunked local attention" in BACKENDS["cpu"].unsupported(spec)
-        with pytest.raises(ValueError, match="chunked local attention"):
-            select(KernelConfig(attention_backend="cpu"), spec)
-    assert select(KernelConfig(tuning="off"), spec).name == "reference"
-    cuda = AttentionSpec(torch.device("cuda"), torch.float32, torch.float32, 4, 2, 16, 16,
-                         attention_chunk=8)
-    assert "chunked local attention" in BACKENDS["triton"].unsupported(cuda)
-
-
 # ---- GGUF ----------------------------------------------------------------------------------
 
 def _llama3_rope_factors(cfg) -> np.ndarray:

@@ -70,8 +70,7 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
     # A model option the kernels lack (a soft-cap, sinks, attention chunks) keeps it on the
     # reference: say so once.
     fast = "cpu" if spec.device.type == "cpu" else "triton"
-    if ((spec.logit_softcap or spec.sinks or spec.attention_chunk)
-            and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention)):
+    if spec.kernels_lack() and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention):
         logger.info("attention backend reference, not %s: %s", fast,
                     BACKENDS[fast].unsupported(spec))
     return BACKENDS["reference"]

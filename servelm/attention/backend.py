@@ -33,6 +33,18 @@ class AttentionSpec:
     # reference backend runs it, the kernels do not (it is no sliding window).
     attention_chunk: int | None = None
 
+    def kernels_lack(self) -> str | None:
+        """What this spec asks that only the reference backend runs (the kernel backends'
+        reason to decline, after "<its kernels> do not"), or None."""
+        if self.logit_softcap:
+            return "soft-cap attention scores"
+        if self.sinks:
+            return "add attention sinks to the softmax"
+        if self.attention_chunk:
+            return ("run chunked local attention (keys from the query's own chunk only, which "
+                    "is no sliding window)")
+        return None
+
 
 class AttentionBackend:
     """One way of attending over the paged KV cache. Stateless: one instance per kind, in

@@ -111,14 +111,8 @@ class CpuBackend(AttentionBackend):
         if spec.kv_dtype not in KV_DTYPES:
             return (f"servelm's C++ kernels cannot read a {spec.kv_dtype} KV cache "
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
-        if spec.logit_softcap:
-            return "servelm's C++ attention kernels do not soft-cap attention scores"
-        if spec.sinks:
-            return ("servelm's C++ attention kernels do not add attention sinks to the softmax "
-                    "(their decode op returns no log-sum-exp to merge one with)")
-        if spec.attention_chunk:
-            return ("servelm's C++ attention kernels do not run chunked local attention "
-                    "(keys from the query's own chunk only, which is no sliding window)")
+        if lack := spec.kernels_lack():
+            return f"servelm's C++ attention kernels do not {lack}"
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

@@ -19,13 +19,8 @@ class TritonBackend(AttentionBackend):
 
         if spec.device.type != "cuda":
             return f"the Triton kernels run on CUDA, not {spec.device.type}"
-        if spec.logit_softcap:
-            return "the Triton attention kernels do not soft-cap attention scores"
-        if spec.sinks:
-            return "the Triton attention kernels do not add attention sinks to the softmax"
-        if spec.attention_chunk:
-            return ("the Triton attention kernels do not run chunked local attention (keys "
-                    "from the query's own chunk only, which is no sliding window)")
+        if lack := spec.kernels_lack():
+            return f"the Triton attention kernels do not {lack}"
         if not ta.available():
             return "Triton is not installed"
         # Both kernels must compile for this shape here and agree with the references.
