@@ -158,6 +158,31 @@ def assert_chunks_cache_and_preemption_keep_tokens(path: str, prompts: list[str]
     return fast
 
 
+
+def assert_tensor_parallel_matches(kw: dict, prompts: list[str], greedy=None) -> None:
+    """An engine of options kw (num_threads 2) under tensor_parallel_size=2 against one
+    device: the prompts' last logits within 1e-4, and with `greedy` (SamplingParams) the same
+    tokens. The ranks are shut down and the test process's threads restored after."""
+    from servelm import LLM
+
+    one = LLM(**kw)
+    ids = [one.get_tokenizer().encode(p) for p in prompts]
+    want = prompt_logits(one.engine, ids)
+    tokens = ([o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+              if greedy is not None else None)
+    threads = torch.get_num_threads()
+    two = LLM(tensor_parallel_size=2, **kw)
+    try:
+        got = prompt_logits(two.engine, ids)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        if greedy is not None:
+            outs = two.generate(prompts, greedy, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == tokens
+    finally:
+        two.engine.shutdown()
+        torch.set_num_threads(threads)  # rank 0 took its share of the threads
+
+
 def hf_from_gguf(path: str, tmp_dir):
     """transformers' model from a GGUF, dequantised to fp32: the numerical reference. Read
     from a copy with the same tensors and model metadata but no vocabulary arrays (the

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from helpers import (add_gguf_metadata, assert_reference_greedy, prompt_logits,
-                     tiny_hf_checkpoint)
+from helpers import (add_gguf_metadata, assert_reference_greedy, assert_tensor_parallel_matches,
+                     prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -358,21 +358,9 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     position-scaled queries;
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
-    kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
-              max_model_len=256, num_threads=2)
-    one = LLM(**kw)
-    prompts = [_ids(one, p) for p in PROMPTS]
-    want = prompt_logits(one.engine, prompts)
-    a = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    threads = torch.get_num_threads()
-    two = LLM(tensor_parallel_size=2, **kw)
-    try:
-        got = prompt_logits(two.engine, prompts)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == a
-    finally:
-        two.engine.shutdown()
-        torch.set_num_threads(threads)  # rank 0 took its share of the threads
+    assert_tensor_parallel_matches(dict(model=path, dtype="float32", kernel_tuning="off",
+                                        kv_cache_memory=16 << 20, max_model_len=256,
+                                        num_threads=2), PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2", "phi", "gpt_neox"])
@@ -600,19 +588,9 @@ def test_gguf_moe_tensor_parallel_2_matches_tp1(checkpoints, gguf_path, tmp_path
     meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
             if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
     _write_gguf(tmp_path / "model.gguf", "mixtral", ref, meta, q8_experts=True)
-    kw = dict(model=str(tmp_path / "model.gguf"), dtype="float32", kernel_tuning="off",
-              kv_cache_memory=16 << 20, max_model_len=256, num_threads=2)
-    one = LLM(**kw)
-    prompts = [_ids(one, p) for p in PROMPTS]
-    want = prompt_logits(one.engine, prompts)
-    threads = torch.get_num_threads()
-    two = LLM(tensor_parallel_size=2, **kw)
-    try:
-        got = prompt_logits(two.engine, prompts)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    finally:
-        two.engine.shutdown()
-        torch.set_num_threads(threads)
+    assert_tensor_parallel_matches(dict(model=str(tmp_path / "model.gguf"), dtype="float32",
+                                        kernel_tuning="off", kv_cache_memory=16 << 20,
+                                        max_model_len=256, num_threads=2), PROMPTS)
 
 
 def test_stacked_weights_are_copied_part_by_part_and_a_wrong_part_is_named():

@@ -19,6 +19,7 @@ import torch
 
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
                      assert_matches_reference, assert_reference_greedy,
+                     assert_tensor_parallel_matches,
                      prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
@@ -130,22 +131,7 @@ def test_tensor_parallel_2_matches_tp1(llama4):
     """Two ranks, each with half the heads (their chunks, L2 norms and temperature as one
     device runs them), half of each dense MLP, expert and the shared expert (the router
     whole, the weights on each rank's expert inputs), as one device's logits and tokens."""
-    path, _ = llama4
-    kw = {**KW, "model": path, "num_threads": 2}
-    one = LLM(**kw)
-    prompts = [_ids(one, p) for p in PROMPTS]
-    want = prompt_logits(one.engine, prompts)
-    tokens = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    threads = torch.get_num_threads()
-    two = LLM(tensor_parallel_size=2, **kw)
-    try:
-        got = prompt_logits(two.engine, prompts)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-        outs = two.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == tokens
-    finally:
-        two.engine.shutdown()
-        torch.set_num_threads(threads)  # rank 0 took its share of the threads
+    assert_tensor_parallel_matches({**KW, "model": llama4[0], "num_threads": 2}, PROMPTS, GREEDY)
 
 
 def test_multimodal_checkpoint_serves_its_text_model(llama4, tmp_path):
