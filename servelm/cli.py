@@ -500,8 +500,9 @@ def make_parser() -> argparse.ArgumentParser:
     from servelm.config import chat_template
 
     rt.add_argument("--chat-template", dest="router_chat_template", default=None,
-                    type=_arg_type(chat_template), metavar="FILE|JINJA", help="the backends' --chat-template, if they have one "
-                    "(the source; prompts are tokenised as they render them)")
+                    type=_arg_type(chat_template), metavar="FILE|JINJA",
+                    help="the backends' --chat-template, if they have one (the source; "
+                    "prompts are tokenised as they render them)")
     rt.add_argument("--api-key", action="append", default=None, metavar="KEY",
                     help="require 'Authorization: Bearer KEY' from clients (repeatable; "
                     "also $SERVELM_API_KEY); the client's key is passed to the backend")

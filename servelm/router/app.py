@@ -604,7 +604,9 @@ def _stream_error(path: str, kind: str, message: str) -> bytes:
     if kind.startswith("application/x-ndjson"):  # Ollama's streams
         return (json.dumps({"error": message}) + "\n").encode()
     if path.startswith("/v1/messages"):  # Anthropic's
-        err = {"type": "error", "error": {"type": "api_error", "message": message}}
+        from servelm.server.anthropic import AnthropicError
+
+        err = AnthropicError(502, message).body()
         return f"event: error\ndata: {json.dumps(err)}\n\n".encode()
     err = APIError(502, message, code="backend_failed", type="server_error").body()
     return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
