@@ -1,5 +1,6 @@
 """The q8act linear method (kernels/csrc/q8act.cpp): int4 layers times activations quantised
-per call to int8 per block of 32, summed in integers (AVX2 byte multiply-add)."""
+per call to int8 per block of 32, summed in integers (AVX2 byte multiply-add, or AVX-512
+VNNI's where the CPU has it: the same bits)."""
 
 import pytest
 import torch
@@ -92,6 +93,27 @@ def test_rows_are_bit_identical_whatever_the_row_count():
     for m in (1, 2, 3, 4, 5, 7, 8, 23, 64):
         assert torch.equal(mod(x[:m]), full[:m]), m
     assert torch.equal(mod(x[13:14]), full[13:14])  # a row alone = itself in any block position
+
+
+@pytest.mark.skipif(not (q8act.available() and torch.ops.servelm_q8act.has_wide()),
+                    reason="no AVX-512 VNNI micro-kernel in this build")
+@pytest.mark.parametrize("n,k,group,bias", SHAPES[1:] + [(300, 576, 32, False)])
+def test_the_vnni_kernel_gives_the_avx2_kernels_bits(n, k, group, bias):
+    # The AVX-512 VNNI micro-kernel (8 rows a call) sums each block in int32 and then runs the
+    # AVX2 one's fp32 steps: the same bits at every row count, both 8-row blocks and tails,
+    # in fp32 and bf16, outliers included.
+    src = _int4(n, k, group, bias, seed=k + n)
+    mod = q8act.Int4Q8Linear(src)
+    op = torch.ops.servelm_q8act.int4_linear
+    x = torch.randn(37, k)
+    x[5, 3] = 300.0
+    x[20] *= 1e-3
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (1, 4, 7, 8, 9, 16, 37):
+            xm = x[:m].to(dtype)
+            wide = op(xm, mod.qweight, mod.scales, mod.mins, group, n, mod.bias, True)
+            narrow = op(xm, mod.qweight, mod.scales, mod.mins, group, n, mod.bias, False)
+            assert wide.dtype == dtype and torch.equal(wide, narrow), (dtype, m)
 
 
 def test_bad_operands_are_refused_with_a_clear_error():

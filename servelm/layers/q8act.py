@@ -1,5 +1,6 @@
 """The "q8act" linear method: int4 layers times activations quantised per call to int8
-(kernels/csrc/q8act.cpp; AVX2 + F16C), for bf16 activations.
+(kernels/csrc/q8act.cpp; AVX2 + F16C, and AVX-512 VNNI where the CPU has it: the same bits),
+for bf16 activations.
 
 Each activation row is quantised per block of 32 inputs to int8 (d = max|x| / 127), the
 products summed exactly in integers by the AVX2 byte multiply-add (four times the products

@@ -20,6 +20,8 @@
 //   and chained over the blocks in fp32 in order (two fused multiply-adds a block), so a row's
 //   result is the same bits whatever the row count and whatever rows share its call. y in x's
 //   dtype, rounded once.
+// wide: the AVX-512 VNNI micro-kernel where this build has it (has_wide()), 8 rows a call;
+//   False runs the AVX2 one (4 rows a call): the same bits, which the tests compare.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,7 +49,8 @@ using q8act::kNR;
 
 template <typename X, typename O>
 void gemm_q4(const X* x, const uint8_t* w, const c10::Half* scales, const c10::Half* mins,
-             int64_t group_size, const float* bias, O* out, int64_t M, int64_t N, int64_t K) {
+             int64_t group_size, const float* bias, O* out, int64_t M, int64_t N, int64_t K,
+             bool wide) {
   const int64_t NP = (N + kNR - 1) / kNR, NB = K / kB;
   std::vector<int8_t> qv(M * K);
   std::vector<float> dv(M * NB), dsv(M * NB);
@@ -58,13 +61,13 @@ void gemm_q4(const X* x, const uint8_t* w, const c10::Half* scales, const c10::H
     for (int64_t r = r0; r < r1; ++r) q8act::quantize_row(x + r * K, K, q + r * K, d + r * NB, ds + r * NB);
   });
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    q8act::panels(q, d, ds, w, scales, mins, group_size, bias, out, M, N, K, p0, p1);
+    q8act::panels(q, d, ds, w, scales, mins, group_size, bias, out, M, N, K, p0, p1, wide);
   });
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t group_size, int64_t N,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool wide) {
   const char* name = "servelm_q8act.int4_linear";
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 5 &&
                   qweight.size(2) == 2 && qweight.size(3) == 4 && qweight.size(4) == 32 &&
@@ -88,10 +91,10 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
     const c10::Half* s = scales.data_ptr<c10::Half>();
     const c10::Half* mn = mins.data_ptr<c10::Half>();
     if (x.scalar_type() == at::kFloat)
-      gemm_q4(x.data_ptr<float>(), w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K);
+      gemm_q4(x.data_ptr<float>(), w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K, wide);
     else
       gemm_q4(x.data_ptr<c10::BFloat16>(), w, s, mn, group_size, b,
-              out.data_ptr<c10::BFloat16>(), M, N, K);
+              out.data_ptr<c10::BFloat16>(), M, N, K, wide);
   });
 }
 
@@ -119,11 +122,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) 
   return {q, d, ds};
 }
 
+bool has_wide() { return q8act::kVnni; }
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_q8act, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
-        "int out_features, Tensor? bias=None) -> Tensor");
+        "int out_features, Tensor? bias=None, bool wide=True) -> Tensor");
+  m.def("has_wide() -> bool", &has_wide);
   m.def("quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
 }
 

@@ -144,15 +144,111 @@ inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, c
     for (int j = 0; j < ncols; ++j) c[r * ldc + j] = static_cast<O>(bias ? acc[r][j] + bias[j] : acc[r][j]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SERVELM_Q8ACT_VNNI 1
+// Whether panels() runs the AVX-512 VNNI micro-kernel (wide) by default in this build.
+constexpr bool kVnni = true;
+constexpr int kMRW = 8;  // rows per wide micro-kernel call: 8 int32 + 8 fp32 accumulators
+
+// The same sums on AVX-512 VNNI: one vpdpbusd multiplies 64 unsigned weight bytes by signed
+// activation bytes and adds each lane's four products into an int32 lane, so a block's 32
+// products per output are summed exactly in int32 (|sum| <= 32 x 15 x 127), the integer the
+// AVX2 kernel's int16 pairs add up to, and the block's fp32 steps (s d, two fused
+// multiply-adds) are the AVX2 kernel's lane for lane: the same bits. A 512-bit vector holds a
+// panel's 16 outputs (its two 8-output halves side by side), so a block is 8 multiply-adds a
+// row, against the AVX2 kernel's 16 byte multiply-adds, 16 int16 adds and a widening.
+template <int R, typename O>
+inline void micro_wide(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* w,
+                       const c10::Half* s, const c10::Half* mn, int64_t blocks_per_group, O* c,
+                       int64_t ldc, int ncols, const float* bias, bool prefetch) {
+  static_assert(R >= 1 && R <= kMRW, "eight rows of accumulators at most");
+  const int64_t NB = K / kB;
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < NB; ++b) {
+    __m512i a[R];
+    for (int i = 0; i < R; ++i) a[i] = _mm512_setzero_si512();
+    const uint8_t* wb = w + b * (kNR * kB / 2);
+    const int8_t* qb = q + b * kB;
+    if (prefetch)
+      for (int l = 0; l < kNR * kB / 2; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetch + l, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m512i raw = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + ch * 32))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + ch * 32)), 1);
+      const __m512i lo = _mm512_and_si512(raw, lo4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        int32_t v0, v1;
+        __builtin_memcpy(&v0, qb + i * K + ch * 8, 4);
+        __builtin_memcpy(&v1, qb + i * K + ch * 8 + 4, 4);
+        a[i] = _mm512_dpbusd_epi32(a[i], lo, _mm512_set1_epi32(v0));
+        a[i] = _mm512_dpbusd_epi32(a[i], hi, _mm512_set1_epi32(v1));
+      }
+    }
+    const int64_t g = b / blocks_per_group;
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * kNR)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * kNR)));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 dr = _mm512_set1_ps(d[i * NB + b]), dsr = _mm512_set1_ps(ds[i * NB + b]);
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_mul_ps(sv, dr), f[i]);
+      f[i] = _mm512_fmadd_ps(mv, dsr, f[i]);
+    }
+  }
+  alignas(64) float acc[kNR];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(acc, f[r]);
+    for (int j = 0; j < ncols; ++j) c[r * ldc + j] = static_cast<O>(bias ? acc[j] + bias[j] : acc[j]);
+  }
+}
+
+template <typename O>
+inline void panel_wide(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* wp,
+                       const c10::Half* sp, const c10::Half* mp, int64_t bpg, O* cp, int64_t N,
+                       int ncols, const float* bp, int64_t M) {
+  const int64_t NB = K / kB;
+  int64_t m = 0;
+  for (; m + kMRW <= M; m += kMRW)
+    micro_wide<kMRW>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0);
+#define SERVELM_TAIL(r) \
+  case r: micro_wide<r>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0); break;
+  switch (M - m) {
+    SERVELM_TAIL(7) SERVELM_TAIL(6) SERVELM_TAIL(5) SERVELM_TAIL(4)
+    SERVELM_TAIL(3) SERVELM_TAIL(2) SERVELM_TAIL(1)
+    default: break;
+  }
+#undef SERVELM_TAIL
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
 // Panels [p0, p1) of the weight (q8act's layout) for rows [0, M) of the quantised activations
 // (q [M, K], d and ds [M, K / 32], as quantize_row writes them), into out [M, N] (N its leading
-// dimension). A panel's outputs do not depend on which panels or rows share the call.
+// dimension). A panel's outputs do not depend on which panels or rows share the call, nor on
+// wide: the AVX-512 VNNI micro-kernel where this build has it (the default), else AVX2's,
+// the same bits.
 template <typename O>
 inline void panels(const int8_t* q, const float* d, const float* ds, const uint8_t* w,
                    const c10::Half* scales, const c10::Half* mins, int64_t group_size,
                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t p0,
-                   int64_t p1) {
+                   int64_t p1, bool wide = kVnni) {
   const int64_t NB = K / kB, G = K / group_size, bpg = group_size / kB;
+#ifdef SERVELM_Q8ACT_VNNI
+  if (wide) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_wide(q, d, ds, K, w + p * NB * (kNR * kB / 2), scales + p * G * kNR, mins + p * G * kNR,
+                 bpg, out + p * kNR, N, static_cast<int>(std::min<int64_t>(kNR, N - p * kNR)),
+                 bias ? bias + p * kNR : nullptr, M);
+    return;
+  }
+#endif
+  (void)wide;
   for (int64_t p = p0; p < p1; ++p) {
     const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
     const uint8_t* wp = w + p * NB * (kNR * kB / 2);
