@@ -425,6 +425,18 @@ def bf16_int4():
     return _engine("bfloat16", "int4")
 
 
+@pytest.fixture(scope="module")
+def q8act_int4():
+    """int4 weights on q8act (activations quantised to int8 per block of 32), bf16 runs."""
+    from servelm.layers import q8act
+
+    if not q8act.available():
+        pytest.skip("the q8act kernel is not built here (AVX2, FMA, F16C)")
+    llm = _engine("bfloat16", "int4", "q8act")
+    assert any(isinstance(m, q8act.Int4Q8Linear) for m in llm.engine.executor.model.modules())
+    return llm
+
+
 def all_logits(engine, ids: list[int]) -> torch.Tensor:
     """fp32 logits at every position of one prompt: the runner's batch for it, through the
     model with every position's hidden state kept, then the LM head."""
@@ -465,7 +477,7 @@ def quality(reference, quant_llms):
     return out
 
 
-def test_quality_kl_and_perplexity(reference, quant_llms):
+def test_quality_kl_and_perplexity(reference, quant_llms, request):
     from servelm.layers import q8act
 
     engines = dict(quant_llms)
@@ -473,9 +485,7 @@ def test_quality_kl_and_perplexity(reference, quant_llms):
         # q8act (bf16 runs): int4 weights x activations quantised to int8 per block of 32.
         # Measured on SmolLM2-135M, every layer and the LM head on it: KL to fp32 0.0566
         # against 0.0531 for int4 on the fp32 panels (bf16 activations), 0.053 here (fp32).
-        engines["int4 q8act"] = _engine("bfloat16", "int4", "q8act")
-        assert any(isinstance(m, q8act.Int4Q8Linear)
-                   for m in engines["int4 q8act"].engine.executor.model.modules())
+        engines["int4 q8act"] = request.getfixturevalue("q8act_int4")
     q = quality(reference, engines)
     print({k: f"KL {kl:.4f} ppl {ppl:.2f}" for k, (kl, ppl) in q.items()})
     kl8, ppl8 = q["int8"]
@@ -487,6 +497,49 @@ def test_quality_kl_and_perplexity(reference, quant_llms):
     if "int4 q8act" in q:  # the int8 activations add little to int4's own error
         klq, pplq = q["int4 q8act"]
         assert klq < kl4 + 0.01 and abs(pplq / ppl4 - 1) < 0.01, q
+
+
+# A greedy token of the int8-activation path may differ from the bf16 path's only where the
+# bf16 path's own logits nearly tie: ours at most this far below its best (a few of the bf16
+# logits' rounding steps, 0.125 at the logits' magnitude).
+NEAR_TIE = 0.5
+
+
+def test_int8_activations_meet_the_accuracy_bar(reference, bf16_int4, q8act_int4):
+    """The bar an int8-activation path meets to run by default: against the same int4 weights
+    with bf16 activations, mean KL of the next-token distribution <= 0.005, perplexity within
+    1%, and greedy continuations token for token up to near ties. Measured (512 tokens of
+    prose, every layer and the LM head on q8act): SmolLM2-135M KL 0.0041, perplexity +0.6%;
+    Qwen2.5-Coder-0.5B (Q4_K_M) 0.0014, +0.2%; Gemma-3-270M (Q4_K_M) 0.0037, +0.8%."""
+    from servelm.layers import q8act
+
+    assert not any(isinstance(m, q8act.Int4Q8Linear)
+                   for m in bf16_int4.engine.executor.model.modules())
+    ids = reference[0]
+    base = torch.log_softmax(all_logits(bf16_int4.engine, ids), -1)
+    ours = torch.log_softmax(all_logits(q8act_int4.engine, ids), -1)
+    kl = (base.exp() * (base - ours)).sum(-1).mean().item()
+    target = torch.tensor(ids[1:])[:, None]
+    ppl = [math.exp(-lp[:-1].gather(1, target).mean().item()) for lp in (base, ours)]
+    print(f"q8act against bf16 activations: KL {kl:.4f}, perplexity {ppl[1]:.2f} / {ppl[0]:.2f}")
+    assert kl <= 0.005 and abs(ppl[1] / ppl[0] - 1) <= 0.01, (kl, ppl)
+
+    tok = q8act_int4.get_tokenizer()
+    prompts = [ids[:n] for n in (12, 60, 150)] + [
+        tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):\n   ")]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = q8act_int4.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                               use_tqdm=False)
+    differ = 0
+    for p, out in zip(prompts, outs):
+        got = out.outputs[0].token_ids
+        logits = all_logits(bf16_int4.engine, p + got[:-1])[len(p) - 1:]
+        gap = logits.max(-1).values - logits.gather(1, torch.tensor(got)[:, None]).squeeze(1)
+        assert (gap <= NEAR_TIE).all(), (p[:6], gap.max().item())
+        differ += int((gap > 0).sum())
+    # A near tie now and then (measured: one token in 24 a prompt, a gap of 0.06-0.25,
+    # the bf16 logits' own rounding), not a drift.
+    assert differ <= 0.1 * len(prompts) * greedy.max_tokens, differ
 
 
 def test_bf16_quality_on_block_floating_point(reference):
