@@ -19,6 +19,9 @@ class Hardware:
     bandwidth: float  # bytes/s of memory read
     flops: float      # FLOP/s of matmul in the compute dtype
     source: str = "given"
+    # Multiply-adds x 2 per second of an int8 x int8 -> int32 matmul: the compute roof of
+    # layers whose activations are quantised to int8 (q8act); None where not measured.
+    int8_ops: float | None = None
 
 
 def prompt_flops(num_tokens: int, flops_per_token: float, sampled_row_flops: float,
@@ -154,6 +157,14 @@ def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Pre
                       flops / hw.flops)
 
 
+def int8_hardware(hw: Hardware) -> Hardware | None:
+    """The machine with its int8 matmul rate as the compute roof (what a step on layers with
+    int8 activations is bounded by); None where that rate is not known."""
+    if not hw.int8_ops:
+        return None
+    return Hardware(hw.bandwidth, hw.int8_ops, f"{hw.source}, int8", hw.int8_ops)
+
+
 def ridge_tokens(m: ModelShape, hw: Hardware) -> float:
     """Tokens one step can compute per weight read before arithmetic, not memory, bounds it:
     where tokens x FLOPs per token / peak = weight bytes / bandwidth (KV reads and attention
@@ -181,10 +192,10 @@ def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
 
     dev = torch.device(device)
 
-    def best(fn, work: float) -> float:
+    def best(fn, work: float, budget: float = seconds) -> float:
         fn()
         rate, start = 0.0, time.perf_counter()
-        while time.perf_counter() - start < seconds or rate == 0.0:
+        while time.perf_counter() - start < budget or rate == 0.0:
             t = time.perf_counter()
             fn()
             if dev.type == "cuda":
@@ -215,7 +226,22 @@ def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
             break
         n *= 2
     flops = best(lambda: a @ b, 2.0 * n ** 3)
-    return Hardware(bandwidth, flops, source=f"measured on {device} ({dtype})")
+    return Hardware(bandwidth, flops, source=f"measured on {device} ({dtype})",
+                    int8_ops=_int8_ops(dev, lambda fn, work: best(fn, work, seconds / 4)))
+
+
+def _int8_ops(dev, best) -> float | None:
+    """int8 x int8 -> int32 matmul throughput (torch._int_mm: oneDNN's VNNI / AMX-INT8 kernels
+    on a CPU, int8 tensor cores on CUDA), one 1024-square size; None where it does not run."""
+    import torch
+
+    n = 1024
+    try:
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=dev)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=dev)
+        return best(lambda: torch._int_mm(a, b), 2.0 * n ** 3)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 # ---- the report --------------------------------------------------------------------------
@@ -247,12 +273,19 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     ridge = hw.flops / hw.bandwidth
     lines.append(f"  ridge point: {ridge:.0f} FLOP/byte; decode does about "
                  f"{2 * 8 / m.weight_bits:.0f} FLOP per weight byte per sequence")
+    int8 = int8_hardware(hw)
+    if int8 is not None:
+        lines.append(f"  int8 matmul: {hw.int8_ops / 1e12:.2f} TOP/s ({hw.int8_ops / hw.flops:.1f}x): "
+                     f"the compute roof of layers with int8 activations (q8act), ridge "
+                     f"{hw.int8_ops / hw.bandwidth:.0f} OP/byte")
     lines.append("")
     lines.append("prefill (time to first token, one prompt)")
-    lines.append(f"  {'prompt':>8}{'predicted':>12}{'bound':>10}")
+    lines.append(f"  {'prompt':>8}{'predicted':>12}{'bound':>10}"
+                 + (f"{'int8 roof':>12}" if int8 else ""))
     for n in prompt_lens:
         p = predict_prefill(m, hw, n)
-        lines.append(f"  {n:>8}{p.seconds * 1e3:>10.1f}ms{p.bound:>10}")
+        extra = f"{predict_prefill(m, int8, n).seconds * 1e3:>10.1f}ms" if int8 else ""
+        lines.append(f"  {n:>8}{p.seconds * 1e3:>10.1f}ms{p.bound:>10}{extra}")
     lines.append("")
     lines.append(f"decode (context {context} tokens per sequence)")
     lines.append(f"  {'batch':>8}{'step':>12}{'tok/s':>12}{'bound':>10}")

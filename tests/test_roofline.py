@@ -75,6 +75,25 @@ def test_max_batch_from_the_kv_pool():
 def test_measure_hardware_gives_positive_rates():
     hw = rl.measure_hardware("float32", "cpu", seconds=0.05)
     assert hw.bandwidth > 1e8 and hw.flops > 1e9
+    assert hw.int8_ops is None or hw.int8_ops > 1e9  # int8 x int8 -> int32 where it runs
+
+
+def test_the_int8_roof_bounds_prompts_on_int8_activations():
+    m = rl.ModelShape(num_params=135e6, weight_bits=4.5, num_layers=30, num_kv_heads=3,
+                      head_dim=64, num_heads=9, hidden_size=576, vocab_size=49152,
+                      tied_embeddings=True)
+    hw = rl.Hardware(bandwidth=50e9, flops=0.4e12, int8_ops=1.6e12)
+    int8 = rl.int8_hardware(hw)
+    assert int8.flops == 1.6e12 and int8.bandwidth == hw.bandwidth
+    assert rl.int8_hardware(CPU) is None  # not measured: no int8 roof
+    # A 2,048-token prompt is compute-bound: four times the rate, a quarter of the time.
+    p, p8 = rl.predict_prefill(m, hw, 2048), rl.predict_prefill(m, int8, 2048)
+    assert p.bound == "compute" and p8.seconds == pytest.approx(p.seconds / 4, rel=0.05)
+    text = rl.report(m, hw, prompt_lens=(2048,))
+    assert "int8 matmul: 1.60 TOP/s (4.0x)" in text
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["2048"])
+    assert row.split() == ["2048", f"{p.seconds * 1e3:.1f}ms", "compute", f"{p8.seconds * 1e3:.1f}ms"]
+    assert "int8" not in rl.report(m, CPU)
 
 
 def test_the_probe_sizes_its_matmul_to_the_budget(monkeypatch):

@@ -135,6 +135,10 @@ class _EngineCollector:
             yield GaugeMetricFamily("servelm_roofline_flops_per_second",
                                     "The machine's matmul peak in the compute dtype.",
                                     value=hw.flops)
+            if hw.int8_ops:
+                yield GaugeMetricFamily("servelm_roofline_int8_ops_per_second",
+                                        "The machine's int8 matmul peak: the compute roof of "
+                                        "layers with int8 activations.", value=hw.int8_ops)
             if s.stats.decode_seconds:
                 yield GaugeMetricFamily(
                     "servelm_decode_bandwidth_utilization",

@@ -140,7 +140,8 @@ class LiveStats:
             "roofline": {
                 "machine": None if hw is None else {
                     "bandwidth": hw.bandwidth, "flops": hw.flops,
-                    "ridge": hw.flops / hw.bandwidth, "source": hw.source},
+                    "ridge": hw.flops / hw.bandwidth, "source": hw.source,
+                    "int8_ops": hw.int8_ops},
                 "weight_bytes_per_step": shape.weight_bytes_per_step,
                 "decode": phase("decode"),
                 "prefill": phase("prefill"),

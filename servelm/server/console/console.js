@@ -313,7 +313,8 @@ function update(s) {
   }
 
   const roof = s.roofline, hw = roof.machine;
-  set("m-machine", hw ? `${si(hw.bandwidth, "B/s")} · ${si(hw.flops, "FLOP/s")} · ${hw.source}`
+  set("m-machine", hw ? `${si(hw.bandwidth, "B/s")} · ${si(hw.flops, "FLOP/s")}`
+    + (hw.int8_ops ? ` · int8 ${si(hw.int8_ops, "OP/s")}` : "") + ` · ${hw.source}`
     : "machine not measured");
   drawRoofline($("roofline"), roof);
   showPhase("decode", roof.decode);

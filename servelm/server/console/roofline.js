@@ -56,7 +56,7 @@ export function drawRoofline(svg, roof) {
   if (hw) xs.push(hw.ridge / 50, hw.ridge * 500);
   const x0 = decade(Math.min(...xs.map((x) => x / 2)), false);
   const x1 = decade(Math.max(...xs.map((x) => x * 2)), true);
-  if (hw) ys.push(hw.bandwidth * 10 ** x0, hw.flops * 3);
+  if (hw) ys.push(hw.bandwidth * 10 ** x0, Math.max(hw.flops, hw.int8_ops || 0) * 3);
   const y1 = decade(Math.max(...ys.map((y) => y * 1.5)), true);
   const y0 = Math.max(decade(Math.min(...ys.map((y) => y / 2)), false), y1 - 6);
   const sx = (v) => LEFT + ((Math.log10(v) - x0) / (x1 - x0)) * (W - LEFT - RIGHT);
@@ -94,6 +94,15 @@ export function drawRoofline(svg, roof) {
     const above = W - RIGHT - 4 - computeLabel.length * CHAR_W > sx(ridge) + 8;
     node(svg, "text", { x: W - RIGHT - 4, y: sy(hw.flops) + (above ? -6 : 16),
       class: "roof-label end" }, computeLabel);
+    if (hw.int8_ops > hw.flops) {
+      // int8 activations' roof (q8act layers): the same bandwidth slope, a higher ceiling.
+      const r8 = hw.int8_ops / hw.bandwidth;
+      node(svg, "polyline", { class: "roof int8", "data-testid": "int8-roof", points: [
+        [sx(ridge), sy(hw.flops)], [sx(r8), sy(hw.int8_ops)], [sx(10 ** x1), sy(hw.int8_ops)],
+      ].map((p) => p.join(",")).join(" ") });
+      node(svg, "text", { x: W - RIGHT - 4, y: sy(hw.int8_ops) - 6, class: "roof-label end" },
+        `int8 roof ${si(hw.int8_ops, "OP/s")}`);
+    }
     // The bandwidth label runs along its roof, at the slope's on-screen angle, centred on
     // the slope's middle decade.
     const xm = Math.sqrt(xStart * ridge);
