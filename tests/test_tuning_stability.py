@@ -112,6 +112,22 @@ def test_rounds_still_noisy_after_the_retries_make_the_shape_unstable(monkeypatc
                for r in stab.reasons), stab.reasons
 
 
+def test_a_noisy_near_tie_goes_to_the_steady_method(monkeypatch):
+    """The same busy rounds for good, the other methods' best rounds within MARGIN of the
+    torch method's (a near tie by best rounds, the medians far apart): the medians settle it.
+    The torch method counts at its median round at 8 rows, a steady one is chosen there, and
+    the shape is trusted (not provisional) after the retries."""
+    noisy = _busy(8, lambda n: n % 5 != 0)
+    _FakeSweeps(monkeypatch, lambda rows, n, t: noisy(rows, n, t) * (1 if t else 1.03 / 1.1))
+    stab = tuning.Stability()
+    times, failed, _ = _measure(stab)
+    assert not failed and not stab.unstable, stab.reasons
+    assert stab.retries == tuning.STABLE_RETRIES
+    assert times["torch"][1] == pytest.approx(3 * 80.0)  # its median: a busy round
+    pick = tuning.choose(times, "torch")
+    assert pick[1] != "torch" and pick[0] == "torch", pick
+
+
 def test_noise_that_changes_no_choice_is_not_instability(monkeypatch):
     """The same busy rounds with the torch method far ahead of every other: the choice
     stands whichever rounds are believed."""
