@@ -8,6 +8,7 @@ transformers' `apply_chat_template(..., tokenize=False)`.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from datetime import datetime
@@ -472,15 +473,29 @@ def load_tokenizer(path: str) -> Tokenizer:
     return gguf_tokenizer(path, read_gguf(path).metadata)
 
 
+# The last few GGUF tokenizers built, by the metadata they came from (the same object while
+# models.paths keeps that file's parsed header): building the BPE model from a vocabulary is
+# ~0.15 s, again for every engine of a process on the same file. Each caller gets its own
+# shallow copy, so setting its chat template or template variables stays its own; the
+# tokenizers backend (never changed after construction) and the token-text caches are shared.
+_GGUF_TOKENIZERS: list[tuple[dict, Tokenizer]] = []
+_GGUF_TOKENIZERS_KEPT = 4
+
+
 def gguf_tokenizer(path: str, metadata: dict[str, Any]) -> Tokenizer:
     """The tokenizer a GGUF file's metadata describes; what it lacks or holds wrong is a
     ModelLoadError naming the file."""
     from servelm.models.paths import ModelLoadError
 
-    try:
-        return Tokenizer.from_gguf(metadata)
-    except (KeyError, ValueError, IndexError) as e:
-        raise ModelLoadError(f"{path}: cannot build a tokenizer: {e}") from e
+    built = next((t for m, t in _GGUF_TOKENIZERS if m is metadata), None)
+    if built is None:
+        try:
+            built = Tokenizer.from_gguf(metadata)
+        except (KeyError, ValueError, IndexError) as e:
+            raise ModelLoadError(f"{path}: cannot build a tokenizer: {e}") from e
+        _GGUF_TOKENIZERS.append((metadata, built))
+        del _GGUF_TOKENIZERS[:-_GGUF_TOKENIZERS_KEPT]
+    return copy.copy(built)
 
 
 class _GGUFMeta:

@@ -52,6 +52,33 @@ def test_truncated_file_is_a_clear_error(tmp_path, gguf_path):
         GGUFFile(str(cut))
 
 
+def test_a_file_is_parsed_once_while_unchanged_and_again_when_rewritten(tmp_path, gguf_path):
+    """read_gguf keeps the last few files' parsed headers, by identity (inode, size,
+    modification time): the same file gives the same reader; a file written again, even at
+    the same path, is parsed again. The tokenizer built from a kept header is shared, each
+    caller holding its own copy (its chat template its own)."""
+    import os
+    import shutil
+
+    from servelm.models.paths import read_gguf
+    from servelm.tokenizer import gguf_tokenizer
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(gguf_path, path)
+    first = read_gguf(str(path))
+    assert read_gguf(str(path)) is first
+    a, b = (gguf_tokenizer(str(path), first.metadata) for _ in range(2))
+    assert a is not b and a._backend is b._backend
+    a.chat_template = "{{ messages[0]['content'] }}"
+    assert b.chat_template != a.chat_template
+    assert gguf_tokenizer(str(path), first.metadata).chat_template == b.chat_template
+    shutil.copyfile(gguf_path, path)  # written again: same bytes, a new modification time
+    os.utime(path, ns=(1, 1))
+    again = read_gguf(str(path))
+    assert again is not first and again.metadata == first.metadata
+    assert gguf_tokenizer(str(path), again.metadata)._backend is not a._backend
+
+
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                                        "Q6_K", "F16", "BF16"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import threading
+from collections import OrderedDict
 
 from servelm.models.gguf_file import GGUFReader
 
@@ -48,9 +50,32 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+# The last few files' parsed headers, by file identity: an engine opens its file twice (the
+# loader and the tokenizer), and a process that builds several engines (LLM in a script,
+# the test suite) the same one again and again; parsing a 50k-150k-token vocabulary is
+# ~0.15 s each time. A reader is read-only once parsed (its tensors are views of the map).
+_READERS: OrderedDict[tuple, GGUFReader] = OrderedDict()
+_READERS_KEPT = 4
+_readers_lock = threading.Lock()
+
+
 def read_gguf(path: str) -> GGUFReader:
-    """A GGUF file's reader; a corrupt or truncated file is a ModelLoadError naming it."""
+    """A GGUF file's reader (parsed once per file while it is among the last few read and
+    unchanged: same inode, size and modification time); a corrupt or truncated file is a
+    ModelLoadError naming it."""
     try:
-        return GGUFReader(path)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with _readers_lock:
+            reader = _READERS.get(key)
+            if reader is not None:
+                _READERS.move_to_end(key)
+                return reader
+        reader = GGUFReader(path)
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({e})") from e
+    with _readers_lock:
+        _READERS[key] = reader
+        while len(_READERS) > _READERS_KEPT:
+            _READERS.popitem(last=False)
+    return reader
