@@ -14,7 +14,8 @@ machine: the throughput each start then serves, alternating in one run.
    `kernel_tuning="cached"` from each directory (a provisional table was not cached, so that
    start measures again, quietly, as a server's would) and generates 128 tokens for each of
    2 x `--streams` prompts of 128 tokens (max_num_seqs `--streams`, greedy, EOS ignored),
-   twice after a warm-up; the side's figure is its faster run's output tokens per second.
+   twice after a warm-up; the side's figure is its faster run's output tokens per second
+   (startup_ab.py's child, the same workload).
 
 The bar (issue 57): a table tuned under load serves within 1.1x of a quiet one.
 """
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from startup_ab import CHILD  # noqa: E402  (one engine start, its figures as JSON)
 
 LOAD = """
 import torch
@@ -41,44 +44,15 @@ while True:
     a = torch.tanh(a @ a)
 """
 
-CHILD = """
-import json, sys, time
-from servelm import LLM, SamplingParams
-mode, cache, quant, dtype, streams = sys.argv[1:6]
-streams = int(streams)
-t = time.perf_counter()
-llm = LLM(dtype=dtype, quantization=None if quant == "none" else quant,
-          kernel_tuning=mode, tuning_cache_dir=cache, max_num_seqs=max(streams, 1),
-          kv_cache_memory=1 << 30)
-start = time.perf_counter() - t
-rep = llm.engine.executor.tuning
-out = {"start_s": start, "provisional": bool(getattr(rep, "provisional", False)),
-       "measured": getattr(rep, "source", "") == "measured"}
-if streams:
-    tok = llm.get_tokenizer()
-    base = tok.encode("The tide came in over the long grey sand, and the gulls " * 40)
-    prompts = [{"prompt_token_ids": base[i:i + 128]} for i in range(2 * streams)]
-    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    llm.generate(prompts[:streams], SamplingParams(temperature=0, max_tokens=8,
-                                                   ignore_eos=True), use_tqdm=False)
-    best = 0.0
-    for _ in range(2):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        best = max(best, n / (time.perf_counter() - t))
-    out["tok_s"] = best
-print("RESULT " + json.dumps(out))
-"""
-
-
-def child(mode: str, cache: str, args, streams: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, mode, cache, args.quantization, args.dtype,
-                        str(streams)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if r.returncode or line is None:
-        sys.exit(f"child failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+def child(kernel_tuning: str, cache: str, args, streams: int) -> dict:
+    """One engine start (startup_ab.py's child: the same workload and figures) with its
+    table in `cache`."""
+    r = subprocess.run([sys.executable, "-c", CHILD, "", args.quantization, kernel_tuning,
+                        str(streams), cache, "", args.dtype, "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        sys.exit(f"an engine failed to start ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -101,7 +75,7 @@ def main() -> int:
                 j.kill()
                 j.wait()
         for side, r in tuned.items():
-            print(f"{side} tuning: {r['start_s']:.1f} s to start, table "
+            print(f"{side} tuning: {r['start']:.1f} s to start, table "
                   f"{'provisional (not cached)' if r['provisional'] else 'trusted (cached)'}")
         rates: dict[str, list[float]] = {"quiet": [], "loaded": []}
         for rnd in range(args.rounds):
@@ -109,8 +83,8 @@ def main() -> int:
             for side in order:
                 r = child("cached", dirs[side], args, args.streams)
                 rates[side].append(r["tok_s"])
-                print(f"round {rnd + 1} {side}: {r['tok_s']:.1f} tok/s "
-                      f"(start {r['start_s']:.1f} s{', measured again' if r['measured'] else ''})")
+                print(f"round {rnd + 1} {side}: {r['tok_s']:.1f} tok/s (start {r['start']:.1f} s"
+                      f"{', measured again' if r['source'] == 'measured' else ''})")
         ratios = [q / n for q, n in zip(rates["quiet"], rates["loaded"])]
         print(f"{args.streams} streams: quiet {statistics.median(rates['quiet']):.1f} tok/s, "
               f"loaded {statistics.median(rates['loaded']):.1f} tok/s; quiet / loaded per round "

@@ -75,7 +75,8 @@ llm = LLM(dtype=sys.argv[7], quantization=q, **kw)
 executor = getattr(llm.engine, "executor", None)  # the model's side, where it has one
 tuning = getattr(executor or llm.engine, "tuning", None)
 out = {"start": time.perf_counter() - t, "tuning": tuning.seconds if tuning else 0.0,
-       "source": tuning.source if tuning else "none"}
+       "source": tuning.source if tuning else "none",
+       "provisional": bool(getattr(tuning, "provisional", False))}
 vocab = llm.get_tokenizer().vocab_size
 if streams:
     ids = [[(1000 + 7 * i + j) % vocab for j in range(128)] for i in range(2 * streams)]
