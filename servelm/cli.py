@@ -307,7 +307,7 @@ def cmd_roofline(args) -> int:
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:
-        print(f"measuring {device.type} bandwidth and {dname} matmul throughput ...",
+        print(f"measuring {device.type} bandwidth and {dname} and int8 matmul throughput ...",
               file=sys.stderr)
         torch.set_num_threads(args.num_threads or torch.get_num_threads())
         measured = rl.measure_hardware(dname, device.type)
