@@ -239,15 +239,6 @@ inline void panels(const int8_t* q, const float* d, const float* ds, const uint8
                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t p0,
                    int64_t p1, bool wide = kVnni) {
   const int64_t NB = K / kB, G = K / group_size, bpg = group_size / kB;
-#ifdef SERVELM_Q8ACT_VNNI
-  if (wide) {
-    for (int64_t p = p0; p < p1; ++p)
-      panel_wide(q, d, ds, K, w + p * NB * (kNR * kB / 2), scales + p * G * kNR, mins + p * G * kNR,
-                 bpg, out + p * kNR, N, static_cast<int>(std::min<int64_t>(kNR, N - p * kNR)),
-                 bias ? bias + p * kNR : nullptr, M);
-    return;
-  }
-#endif
   (void)wide;
   for (int64_t p = p0; p < p1; ++p) {
     const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
@@ -256,6 +247,12 @@ inline void panels(const int8_t* q, const float* d, const float* ds, const uint8
     const c10::Half* mp = mins + p * G * kNR;
     const float* bp = bias ? bias + p * kNR : nullptr;
     O* cp = out + p * kNR;
+#ifdef SERVELM_Q8ACT_VNNI
+    if (wide) {
+      panel_wide(q, d, ds, K, wp, sp, mp, bpg, cp, N, ncols, bp, M);
+      continue;
+    }
+#endif
     int64_t m = 0;
     for (; m + kMR <= M; m += kMR)
       micro<kMR>(q + m * K, d + m * NB, ds + m * NB, K, wp, sp, mp, bpg, cp + m * N, N, ncols, bp, m == 0);
