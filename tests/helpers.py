@@ -118,16 +118,25 @@ def assert_reference_greedy(ref, ids: list[int], got: list[int], banned=()) -> N
 
 
 
-def assert_matches_reference(llm, ref, prompts: list[list[int]], greedy) -> None:
-    """An engine (`llm`) against transformers' model `ref` on token-id prompts: each prompt's
-    last logits within 1e-3 of ref's (relative to their largest), then the greedy
-    continuations (`greedy`: SamplingParams, temperature 0) ref's own (EOS banned)."""
-    ours = prompt_logits(llm.engine, prompts)
+def assert_last_logits_match(engine, ref, prompts: list[list[int]]) -> list[tuple]:
+    """Each token-id prompt's last logits from `engine` within 1e-3 of transformers' model
+    `ref`'s (relative to their largest); returns (ours, ref's) per prompt."""
+    ours = prompt_logits(engine, prompts)
+    pairs = []
     for i, ids in enumerate(prompts):
         with torch.no_grad():
             want = ref(torch.tensor([ids])).logits[0, -1].float()
         diff = (ours[i] - want).abs().max().item()
         assert diff <= 1e-3 * want.abs().max().item(), f"prompt {i}: max |diff| {diff}"
+        pairs.append((ours[i], want))
+    return pairs
+
+
+def assert_matches_reference(llm, ref, prompts: list[list[int]], greedy) -> None:
+    """An engine (`llm`) against transformers' model `ref` on token-id prompts: each prompt's
+    last logits within 1e-3 of ref's (relative to their largest), then the greedy
+    continuations (`greedy`: SamplingParams, temperature 0) ref's own (EOS banned)."""
+    assert_last_logits_match(llm.engine, ref, prompts)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     for ids, out in zip(prompts, outs):
         assert len(out.outputs[0].token_ids) == greedy.max_tokens
@@ -395,6 +404,15 @@ TINY_HF_CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0)
+
+
+# The prompts and engine options the tiny families' checkpoints are tested with (fp32,
+# untuned, a small pool): a long factual sentence, code and a number sequence.
+TINY_PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the "
+                "capital of Italy is",
+                "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+                "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233,"]
+TINY_KW = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256)
 
 
 def tiny_hf_checkpoint(directory, config_cls: str, model_cls: str, extra: dict, tokenizer,

@@ -17,6 +17,7 @@ import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
                      prompt_logits, tiny_hf_checkpoint)
+from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.models.config import ModelConfig
 
@@ -36,12 +37,7 @@ V3 = dict(COMMON, q_lora_rank=32, v_head_dim=32, n_shared_experts=1, n_group=4,
                            "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0})
 CHECKPOINTS = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", V2),
                "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", V3)}
-PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital "
-           "of Italy is",
-           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
-           "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-KW = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256)
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))

@@ -21,6 +21,7 @@ from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_
                      assert_matches_reference, assert_reference_greedy,
                      assert_tensor_parallel_matches,
                      prompt_logits, tiny_hf_checkpoint)
+from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -38,12 +39,7 @@ CONFIG = dict(num_hidden_layers=4, head_dim=16, intermediate_size=48, intermedia
               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 64})
-PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital "
-           "of Italy is",
-           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
-           "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-KW = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import CHAT_PROMPTS, TEXT_PROMPTS
-from helpers import assert_reference_greedy, prompt_logits
+from helpers import assert_last_logits_match, assert_reference_greedy
 from servelm import SamplingParams
 
 
@@ -18,13 +17,8 @@ def _chat_ids(llm, conv):
 def test_first_step_logits_match_reference(llm, hf_model):
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [_chat_ids(llm, c) for c in CHAT_PROMPTS[:2]]
-    ours = prompt_logits(llm.engine, prompts)
-    for i, ids in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([ids])).logits[0, -1].float()
-        diff = (ours[i] - ref).abs().max().item()
-        assert diff <= 1e-3 * ref.abs().max().item(), f"prompt {i}: max |diff| {diff}"
-        assert int(ours[i].argmax()) == int(ref.argmax())
+    for ours, ref in assert_last_logits_match(llm.engine, hf_model, prompts):
+        assert int(ours.argmax()) == int(ref.argmax())
 
 
 def test_greedy_continuations_match_reference(llm, hf_model):
