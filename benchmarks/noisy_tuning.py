@@ -17,7 +17,7 @@ machine: the throughput each start then serves, alternating in one run.
    twice after a warm-up; the side's figure is its faster run's output tokens per second
    (startup_ab.py's child, the same workload).
 
-The bar (issue 57): a table tuned under load serves within 1.1x of a quiet one.
+The target: a table tuned under load serves within 1.1x of a quiet one's speed.
 """
 
 from __future__ import annotations
