@@ -21,7 +21,8 @@ def run_seqs(engine, seqs: list[tuple[list[int], int, str]]) -> torch.Tensor:
     inputs = []
     for ids, start, owner in seqs:
         bm.allocate(owner, start + len(ids))
-        inputs.append(SeqInput(ids, start, bm.block_table(owner), True))
+        inputs.append(SeqInput(ids, start, bm.block_table(owner), True,
+                               state_slot=bm.state_slot(owner)))
     logits, rows = engine.executor.execute(inputs)
     order = sorted(range(len(rows)), key=lambda r: rows[r])
     return logits[order]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -122,6 +122,9 @@ class ForwardBatch:
     # LoRA: each flat token's and each logits row's adapter slot ([T], [S] int32; -1 none),
     # or None when no sequence of the step has an adapter.
     lora_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Linear-attention layers: each sequence's flat tokens and state slot
+    # (servelm.models.linear_attention.RecurrentBatch), None for a model without them.
+    recurrent: Any = None
 
 
 class FlatTokens:

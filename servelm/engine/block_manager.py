@@ -112,13 +112,25 @@ class BlockManager:
     block with ref count 0 is in the free queue; with prefix caching, a free block may
     still hold a cached prefix, and is only overwritten (evicted) when the pool needs
     room, least recently freed first.
+
+    With num_state_slots (a model with linear-attention layers: a recurrent state per
+    sequence, servelm.engine.state_cache), each request holding a table also holds one
+    state slot, taken with its first blocks and given back with them; a request finds
+    no room while every slot is held. Such a state sums the whole sequence, so it
+    cannot be rebuilt from shared blocks: prefix caching is refused beside it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 event_capacity: int = 1 << 16):
+                 event_capacity: int = 1 << 16, num_state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
+        if num_state_slots and enable_caching:
+            raise ValueError("prefix caching cannot restore a recurrent state: a model with "
+                             "linear-attention layers runs without it")
+        self.num_state_slots = num_state_slots
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end
+        self._slot: dict[str, int] = {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -153,6 +165,14 @@ class BlockManager:
         """Tokens found in the prefix cache / tokens looked up at admission (a readmitted
         request looks up its outputs so far too)."""
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot (-1: none, or a model without recurrent state)."""
+        return self._slot.get(request_id, -1)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -244,7 +264,11 @@ class BlockManager:
 
     def can_allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> bool:
         """Whether the table can grow to num_tokens tokens, starting from `cached` blocks
-        (for a request that holds none yet)."""
+        (for a request that holds none yet), and a request new to the pool finds a free
+        state slot where the model needs one."""
+        if (self.num_state_slots and request_id not in self._slot and not self._free_slots
+                and num_tokens > 0):
+            return False
         return self.num_blocks_to_take(request_id, num_tokens, cached) <= len(self._free)
 
     def allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> list[int]:
@@ -257,6 +281,8 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks for {request_id!r}: "
                                f"{len(self._free)} free")
         table = self._tables.setdefault(request_id, [])
+        if self.num_state_slots and request_id not in self._slot:
+            self._slot[request_id] = self._free_slots.pop()
         if cached:
             assert not table, "cached prefix blocks go into an empty table"
             for b in cached:
@@ -276,6 +302,9 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Drop the request's hold on its blocks (no-op if it holds none)."""
         table = self._tables.pop(request_id, [])
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         self._num_registered.pop(request_id, None)
         self._chain.pop(request_id, None)
         # Last blocks first: a prefix's tail is the least likely to be shared, so it is

@@ -190,6 +190,22 @@ class _Group:
         return all(s.request.is_finished for s in self.samples)
 
 
+def _recurrent_config(config: EngineConfig) -> EngineConfig:
+    """The engine options a model with linear-attention layers runs with: its recurrent
+    state sums the whole sequence, so it can neither be rebuilt from cached blocks (prefix
+    caching: turned off, logged) nor roll back rejected draft tokens (speculative decoding:
+    refused)."""
+    if config.speculative is not None:
+        raise ValueError("speculative decoding is not supported for a model with "
+                         "linear-attention layers: their recurrent state cannot roll back "
+                         "rejected draft tokens")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching off: the model's linear-attention layers keep a "
+                    "recurrent state per sequence, which cached KV blocks cannot restore")
+        config = replace(config, cache=replace(config.cache, enable_prefix_caching=False))
+    return config
+
+
 class LLMEngine:
     """Continuous batching engine: requests join and leave the running batch at every step."""
 
@@ -211,6 +227,8 @@ class LLMEngine:
         # The KV pool's storage dtype: the model's, or int8 / fp8 with scales (kv_quant).
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.model_path, self.model_config = ckpt.path, ckpt.config()
+        if self.model_config.has_recurrent_state:
+            self.config = config = _recurrent_config(config)
         progress.info("loading %s (%s, %.2f GB on disk): weights %s, activations %s",
                       ckpt.path, self.model_config.architecture, _disk_bytes(ckpt.path) / 1e9,
                       self.weight_format, str(self.dtype).removeprefix("torch."))
@@ -252,7 +270,8 @@ class LLMEngine:
         config = self.config
         cache_cfg = config.cache
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
-                                          enable_caching=cache_cfg.enable_prefix_caching)
+                                          enable_caching=cache_cfg.enable_prefix_caching,
+                                          num_state_slots=self.executor.num_state_slots)
         # LoRA adapters: the registered ones and the model's resident slots.
         self.lora = self.executor.lora_manager(config, self.model_config)
         if self.lora is not None:
@@ -575,13 +594,15 @@ class LLMEngine:
             if s.num_draft:
                 ids += req.spec_token_ids
             table = self.block_manager.block_table(req.request_id)
+            state = self.block_manager.state_slot(req.request_id)
             if req.pooling_params is not None:
-                seqs.append(self._pooling_input(ids, s, table))
+                seqs.append(self._pooling_input(ids, s, table, state))
                 continue
             seqs.append(SeqInput(ids, s.start, table, s.samples,
                                  all_logits=req.needs_prompt_logits,
                                  num_logits=s.num_draft + 1,
-                                 lora_slot=lora_slots.get(req.lora_name, -1)))
+                                 lora_slot=lora_slots.get(req.lora_name, -1),
+                                 state_slot=state))
         masks = None
         if self.config.kernels.overlap_grammar_masks and not any(
                 s.num_draft for s in sched.scheduled):
@@ -637,12 +658,13 @@ class LLMEngine:
             outputs += self._pool(sched, *pooled)
         return outputs
 
-    def _pooling_input(self, ids: list[int], s, table: list[int]) -> SeqInput:
+    def _pooling_input(self, ids: list[int], s, table: list[int], state: int) -> SeqInput:
         """A pooling request's chunk: the rows its pooling reads come back as hidden states
         (every position for mean, the first chunk's for CLS, the last position at the end)."""
         kind = self.pooling_config.pooling_type
         every = kind == "mean" or (kind == "cls" and s.start == 0)
-        return SeqInput(ids, s.start, table, s.samples, all_logits=every, pooling=True)
+        return SeqInput(ids, s.start, table, s.samples, all_logits=every, pooling=True,
+                        state_slot=state)
 
     def _pool(self, sched, hidden: torch.Tensor, rows: list[int]) -> list[PoolingRequestOutput]:
         """Fold this step's hidden-state rows into each pooling request's pooling; finish

@@ -27,6 +27,7 @@ import torch
 
 from servelm.config import EngineConfig, KernelConfig, LoRAConfig
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+from servelm.engine.state_cache import StateCache
 from servelm.models import kv_quant
 from servelm.models.config import ModelConfig
 from servelm.lora.wrap import apply_lora
@@ -53,6 +54,16 @@ def pool_blocks(kv_bytes: int, block_bytes: int, where: str = "") -> int:
         raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no block "
                          f"(one block takes {block_bytes} bytes{where})")
     return num_blocks
+
+
+def state_slots(max_num_seqs: int, slot_bytes: int, kv_bytes: int) -> int:
+    """How many sequences' recurrent states (linear-attention layers) to hold: one for
+    every sequence that may run at once, within half of the pools' budget (the KV blocks
+    of the attention layers take the rest); ValueError when not even one fits."""
+    if slot_bytes > kv_bytes // 2:
+        raise ValueError(f"kv_cache_memory of {kv_bytes} bytes holds no sequence's recurrent "
+                         f"state (one takes {slot_bytes} bytes, within half of the budget)")
+    return min(max_num_seqs, (kv_bytes // 2) // slot_bytes)
 
 
 class ModelWorker:
@@ -86,15 +97,23 @@ class ModelWorker:
         """One KV block of this model's pool (its own KV heads)."""
         return KVCache.bytes_per_block(self.model.config, block_size, kv_dtype)
 
+    def state_bytes(self) -> int:
+        """One sequence's recurrent state in every linear-attention layer (0: none)."""
+        return StateCache.bytes_per_slot(self.model.config, self.model.norm.weight.dtype)
+
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256) -> None:
-        """The KV pool (with a spare block for captured CUDA-graph steps) and the runner."""
+                 cuda_graphs: bool = False, max_graph_batch: int = 256,
+                 state_slots: int = 0) -> None:
+        """The KV pool (with a spare block for captured CUDA-graph steps), the recurrent
+        states' slots (a model with linear-attention layers) and the runner."""
         self.kv_cache = KVCache(self.model.config, num_blocks, block_size, kv_dtype,
                                 self.device, spare_block=cuda_graphs,
                                 hugepages=self.kernels.hugepages)
+        states = (StateCache(self.model.config, state_slots, self.model.norm.weight.dtype,
+                             self.device) if state_slots else None)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device,
                                   cuda_graphs=cuda_graphs, max_graph_batch=max_graph_batch,
-                                  kernels=self.kernels)
+                                  kernels=self.kernels, state_cache=states)
 
 
 class Executor(abc.ABC):
@@ -106,6 +125,9 @@ class Executor(abc.ABC):
     worker: ModelWorker
     num_blocks: int
     block_bytes: int
+    # Recurrent-state slots (linear-attention layers; 0: the model has none): the block
+    # manager hands them out.
+    num_state_slots: int = 0
     # A draft model whose pool was sized with the target's (speculative decoding): the
     # engine's speculator drafts with it.
     draft = None
@@ -185,14 +207,19 @@ class UniProcExecutor(Executor):
         block_bytes = self.worker.bytes_per_block(cache.block_size, kv_dtype)
         if self.draft is not None:
             block_bytes += self.draft.bytes_per_block(cache.block_size, kv_dtype)
+        budget = cache.kv_cache_memory or default_kv_bytes(device)
+        slot_bytes = self.worker.state_bytes()
+        if slot_bytes:  # linear-attention layers: their states first, the blocks in the rest
+            self.num_state_slots = state_slots(config.scheduler.max_num_seqs, slot_bytes, budget)
+            budget -= self.num_state_slots * slot_bytes
         # With a draft model, both pools hold the same number of blocks (tokens).
-        self.num_blocks = pool_blocks(cache.kv_cache_memory or default_kv_bytes(device),
-                                      block_bytes)
+        self.num_blocks = pool_blocks(budget, block_bytes)
         self.block_bytes = block_bytes
         graphs = device.type == "cuda" and not config.enforce_eager
         max_graph_batch = min(256, config.scheduler.max_num_seqs)
         self.worker.allocate(self.num_blocks, cache.block_size, kv_dtype,
-                             cuda_graphs=graphs, max_graph_batch=max_graph_batch)
+                             cuda_graphs=graphs, max_graph_batch=max_graph_batch,
+                             state_slots=self.num_state_slots)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, cache.block_size, kv_dtype,
                                 cache.enable_prefix_caching, cuda_graphs=graphs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,8 +19,10 @@ from servelm.config import KernelConfig
 from servelm.kernels import load_ops
 from servelm.models import kv_quant
 from servelm.models.config import ModelConfig
+from servelm.models.linear_attention import RecurrentBatch
 
 if TYPE_CHECKING:
+    from servelm.engine.state_cache import StateCache
     from servelm.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,8 @@ class SeqInput:
     pooling: bool = False
     # The resident slot of its LoRA adapter (servelm.lora), -1: the base model alone.
     lora_slot: int = -1
+    # Its recurrent-state slot (linear-attention layers: servelm.engine.state_cache), -1 none.
+    state_slot: int = -1
 
 
 class KVCache:
@@ -65,12 +70,14 @@ class KVCache:
         total = num_blocks + spare_block
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
-        shape = (cfg.num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Only the layers with K and V (cfg.kv_layers: not linear attention's), in order.
+        num_layers = len(cfg.kv_layers)
+        shape = (num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
         if torch.device(device).type == "cpu":
             n = total * self.bytes_per_block(cfg, block_size, dtype)
             # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
             buf = _hugepages.empty(n, hugepages).view(torch.uint8)
-            rows = cfg.num_layers * 2 * total * block_size * cfg.num_kv_heads * cfg.head_dim
+            rows = num_layers * 2 * total * block_size * cfg.num_kv_heads * cfg.head_dim
             rows *= torch.empty(0, dtype=dtype).element_size()
             # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
             # nothing to clear, and a page is only committed once a token's KV lands in it.
@@ -87,9 +94,9 @@ class KVCache:
             self._uncommitted = []  # zeroed, so committed already
         if self.quantized:
             self.layers = [(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
-                           for i in range(cfg.num_layers)]
+                           for i in range(num_layers)]
         else:
-            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     def _commit_units(self) -> list[tuple[int, int]]:
         """The pool's memory as (address, bytes) units in the order blocks are handed out:
@@ -127,10 +134,11 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block in every layer, with the scales of a quantised pool."""
+        """K and V of one block in every layer that has them, with the scales of a
+        quantised pool."""
         elem = torch.empty(0, dtype=dtype).element_size()
         row = cfg.head_dim * elem + (4 if kv_quant.is_quantized(dtype) else 0)
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
+        return 2 * len(cfg.kv_layers) * block_size * cfg.num_kv_heads * row
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
@@ -144,13 +152,20 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
     if isinstance(attention, str):
         attention = get_backend(attention)
     flat, meta = attention.build(seqs, block_size, num_queries_per_kv, device)
+    recurrent = None
+    if any(s.state_slot >= 0 for s in seqs):  # linear attention: each sequence's segment
+        lengths = [len(seqs[i].token_ids) for i in flat.order]
+        starts = [0, *accumulate(lengths)][:-1]
+        recurrent = RecurrentBatch.build(starts, lengths, [seqs[i].state_slot for i in flat.order],
+                                         [seqs[i].start_pos == 0 for i in flat.order], device)
     lora = None
     if any(s.lora_slot >= 0 for s in seqs):
         tokens = [seqs[i].lora_slot for i in flat.order for _ in seqs[i].token_ids]
         rows = [seqs[i].lora_slot for i in flat.sampled]
         lora = (torch.tensor(tokens, dtype=torch.int32, device=device),
                 torch.tensor(rows, dtype=torch.int32, device=device))
-    return ForwardBatch(**flat.tensors(device), attn=meta, lora_slots=lora), flat.sampled
+    return (ForwardBatch(**flat.tensors(device), attn=meta, lora_slots=lora,
+                         recurrent=recurrent), flat.sampled)
 
 
 def pin_module_attributes(model: torch.nn.Module) -> None:
@@ -174,15 +189,26 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
                  cuda_graphs: bool = False, max_graph_batch: int = 256,
-                 kernels: KernelConfig | None = None):
+                 kernels: KernelConfig | None = None, state_cache: StateCache | None = None):
         """cuda_graphs: decode steps of up to max_graph_batch rows replay captured CUDA
         graphs (servelm.engine.cuda_graphs); needs a KVCache with a spare block. kernels:
-        which of the C++ / Triton paths may run (all, by default) and the attention backend."""
+        which of the C++ / Triton paths may run (all, by default) and the attention backend.
+        state_cache: the linear-attention layers' recurrent states (a model with them)."""
         kernels = kernels or KernelConfig()
         self.model = model
         self.kv_cache = kv_cache
+        self.state_cache = state_cache
         self.device = device
         cfg: ModelConfig = model.config
+        # What each layer reads and writes, in layer order: its K/V (kv_cache.layers, the
+        # same list where every layer has them) or its recurrent state.
+        self.layer_caches = kv_cache.layers
+        if cfg.has_recurrent_state:
+            if state_cache is None:
+                raise ValueError("a model with linear-attention layers needs a StateCache")
+            kv = iter(kv_cache.layers)
+            self.layer_caches = [state_cache.layers[i] if cfg.is_linear_layer(i) else next(kv)
+                                 for i in range(cfg.num_layers)]
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
         # The path is decided once: fused C++ kernels (norms, rotary + KV write, SiLU) on
         # CPU when they build, else the eager PyTorch reference (CUDA, no compiler,
@@ -220,7 +246,11 @@ class ModelRunner:
         self.graphs = None
         # A sliding-window layer picks its attention path by the step's context lengths
         # (host data), which a captured graph would freeze: such models decode eagerly.
-        windowed = any(layer.self_attn.window for layer in model.layers)
+        windowed = any(layer.window for layer in model.layers)
+        if cuda_graphs and cfg.has_recurrent_state:
+            # (Each step's state slots and segments are host data too.)
+            logger.info("CUDA graphs off: the model has linear-attention layers")
+            cuda_graphs = False
         if cuda_graphs and windowed:
             logger.info("CUDA graphs off: the model has sliding-window layers")
         elif cuda_graphs and self.lora_step is not None:
@@ -285,7 +315,7 @@ class ModelRunner:
         """The model over a ForwardBatch (sampled rows only), its LoRA slots set for the
         adapted layers while it runs."""
         with self._lora(batch.lora_slots):
-            return self.model(batch, self.kv_cache.layers, sampled_only=True)
+            return self.model(batch, self.layer_caches, sampled_only=True)
 
     def _lora(self, slots: tuple[torch.Tensor, torch.Tensor] | None):
         """The adapted layers' slots (tokens, rows) for a forward; nothing without LoRA."""

@@ -122,6 +122,8 @@ class Scheduler:
                     continue
             if req.wait_for is not None and not _prompt_done(req.wait_for):
                 break  # a sibling sample: admitted once the first has cached the prompt
+            if bm.num_state_slots and not bm.num_free_slots:
+                break  # every recurrent-state slot is held (linear-attention layers)
             cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
                       if bm.enable_caching and not req.needs_prompt_logits
                       and req.pooling_params is None else [])

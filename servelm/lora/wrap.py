@@ -16,7 +16,7 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
 
     out = []
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
+        attn = getattr(layer, "self_attn", None)  # (none: a linear-attention layer)
         if isinstance(attn, Attention):
             out.append((f"layers.{i}.self_attn.qkv_proj", attn, "qkv_proj",
                         (attn.q_size, attn.kv_size, attn.kv_size), attn.options["hidden"]))

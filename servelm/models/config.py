@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The config keys the families read too, below this module and the registry.
-from servelm.models.hf_keys import (FULL, SLIDING, hf_layer_types,  # noqa: F401
+from servelm.models.hf_keys import (FULL, LINEAR, SLIDING, hf_layer_types,  # noqa: F401
                                     rope_scaling, rope_theta)
 
 # The poolings servelm runs: the last token's final hidden state, the mean over the prompt,
@@ -74,7 +74,9 @@ class ModelConfig:
     # rows are reordered at load so the rotate-half rotary computes the same scores.
     rope_interleaved: bool = False
     sliding_window: int | None = None     # keys a sliding layer sees, itself included
-    layer_types: tuple[str, ...] = ()     # per layer FULL | SLIDING; () = every layer FULL
+    # Per layer FULL | SLIDING | LINEAR; () = every layer FULL. A LINEAR layer is a gated
+    # DeltaNet (models/linear_attention.py) with the options in extra["linear_attn"].
+    layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' rotary base (Gemma 3)
     # Queries scaled by 1 + beta * ln(1 + floor(position / period)) after the rotary
     # (Llama 4's attention temperature, Ministral 3's llama_4_scaling_beta); 0: none.
@@ -108,9 +110,14 @@ class ModelConfig:
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_layers} layers")
-        bad = set(self.layer_types) - {FULL, SLIDING}
+        bad = set(self.layer_types) - {FULL, SLIDING, LINEAR}
         if bad:
-            raise ValueError(f"unsupported layer types {sorted(bad)} (supported: {FULL}, {SLIDING})")
+            raise ValueError(f"unsupported layer types {sorted(bad)} "
+                             f"(supported: {FULL}, {SLIDING}, {LINEAR})")
+        if LINEAR in self.layer_types and not self.extra.get("linear_attn"):
+            raise ValueError("linear-attention layers need their options (extra['linear_attn'])")
+        if self.layer_types and all(t == LINEAR for t in self.layer_types):
+            raise ValueError("a model needs at least one attention layer")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding-attention layers need a sliding_window")
         if self.hidden_act not in ("silu", "gelu_tanh", "gelu"):
@@ -149,6 +156,20 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether the layer is linear attention (a recurrent state, no KV cache)."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K and V in the paged cache (all but linear attention)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some layer keeps a recurrent state per sequence."""
+        return LINEAR in self.layer_types
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
@@ -178,7 +199,20 @@ class ModelConfig:
                     + heads * mla["v_head_dim"] * h)
         else:
             attn = h * (q + 2 * kv) + q * h
-        layers = sum(attn + self._mlp_params(i, active) + norms for i in range(self.num_layers))
+        if self.extra.get("attn_output_gate"):  # Qwen3-Next: sigmoid(x W) on the output
+            attn += h * q
+        lin = self.extra.get("linear_attn")
+        linear = 0
+        if lin:  # a gated DeltaNet layer (models/linear_attention.py)
+            kd = lin["num_k_heads"] * lin["head_k_dim"]
+            vd = lin["num_v_heads"] * lin["head_v_dim"]
+            conv = 2 * kd + vd
+            linear = (h * (2 * kd + 2 * vd) + h * 2 * lin["num_v_heads"]
+                      + conv * lin["conv_kernel"] + 2 * lin["num_v_heads"]
+                      + lin["head_v_dim"] + vd * h)
+        qk = 2 * self.head_dim if self.qk_norm and not self.qk_norm_whole else 0
+        layers = sum((linear + norms - qk if self.is_linear_layer(i) else attn + norms)
+                     + self._mlp_params(i, active) for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers + embed + h
 
@@ -211,7 +245,7 @@ class ModelConfig:
             family=family.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),  # (none: MoE only)
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,

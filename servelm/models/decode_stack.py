@@ -143,6 +143,8 @@ def describe_layer(layer) -> LayerDescription | str:
     from servelm.layers.stack import base_linear
     from servelm.models.layers import Attention, GatedMLP, RMSNorm
 
+    if getattr(layer, "linear", False):
+        return "it is linear attention (a gated DeltaNet over a recurrent state)"
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention:  # e.g. tensor parallel's, which all-reduce its output
         return f"its attention is {type(attn).__name__}, not the plain Attention"
@@ -166,6 +168,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention is chunked (keys from the query's own chunk only)"
     if attn.qk_l2_norm:
         return "its q and k are L2-normalised after the rotary"
+    if attn.attn_gate is not None:
+        return "its attention output is gated (sigmoid(x W) before o_proj)"
     if not attn.rope:
         return "it has no rotary (a NoPE layer)"
     if attn.qk_norm_whole:

@@ -32,6 +32,7 @@ from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
 from servelm.models.layers import (MLP, Attention, GatedMLP, NoNorm, RotaryEmbedding,
                                    make_norm, rotate_half_rows, select_ops)
+from servelm.models.linear_attention import GatedDeltaNet
 from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
 
@@ -50,7 +51,12 @@ class DecoderLayer(nn.Module):
         scaled = extra.get("query_scale_layers")  # None: every layer
         self.input_layernorm = make_norm(norm, h, eps) if cfg.pre_norms else NoNorm()
         mla = extra.get("mla")  # DeepSeek's latent attention (its family's options)
-        if mla:
+        # A linear-attention layer (Qwen3-Next, Qwen3.5): a gated DeltaNet over the
+        # sequence's recurrent state (its state slot) in place of attention over the KV.
+        self.linear = cfg.is_linear_layer(index)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(h, eps=eps, **extra["linear_attn"])
+        elif mla:
             self.self_attn = LatentAttention(h, cfg.num_heads, scale=cfg.attn_scale,
                                              bias=cfg.attention_bias, **mla)
         else:
@@ -68,7 +74,8 @@ class DecoderLayer(nn.Module):
                 q_scale_offset=extra.get("query_scale_offset", 0.0),
                 chunk=(extra["attention_chunk_size"]
                        if index in extra.get("chunked_layers", ()) else None),
-                qk_l2_norm=index in extra.get("qk_l2_norm_layers", ()))
+                qk_l2_norm=index in extra.get("qk_l2_norm_layers", ()),
+                output_gate=bool(extra.get("attn_output_gate")))
         if cfg.extra.get("attention_sinks"):
             # A learned logit per query head in each query's softmax denominator (gpt-oss):
             # the reference backend runs it, the kernel backends decline (AttentionSpec.sinks).
@@ -109,7 +116,8 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(residual)
         else:
             h = self.input_layernorm.add_forward(delta, residual)
-        a = self.self_attn(h, cos, sin, batch, kv_cache, rows=rows)
+        mixer = self.linear_attn if self.linear else self.self_attn
+        a = mixer(h, cos, sin, batch, kv_cache, rows=rows)
         if self.parallel:
             if rows is not None:
                 residual, h = residual[rows], h[rows]
@@ -134,6 +142,11 @@ class DecoderLayer(nn.Module):
         """qkv, o, gate_up, down: the order the DecodeStack takes them."""
         attn, mlp = self.self_attn, self.mlp
         return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    @property
+    def window(self) -> int | None:
+        """The layer's sliding window (None: full attention, or linear attention)."""
+        return None if self.linear else self.self_attn.window
 
     def is_plain(self) -> bool:
         """Whether the DecodeStack can describe this layer (decode_stack.describe_layer);
@@ -316,13 +329,8 @@ class CausalLM(nn.Module):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         experts: dict[str, set] = {}
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = self.family.internal_name(hf_name)
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding serves as the head
-            tensor = self.family.transform(name, tensor)
+        stacks = {**self._STACKED, **self.family.stacked}
+        for name, tensor in self._named(weights):
             if self.config.rope_interleaved and re.search(r"\.self_attn\.[qk]_proj\.", name):
                 cfg = self.config
                 tensor = rotate_half_rows(tensor, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
@@ -342,7 +350,7 @@ class CausalLM(nn.Module):
             if m:
                 self._copy_expert(params, m, tensor, experts, loaded)
                 continue
-            stacked = next(((fused, part) for fused, parts in self._STACKED.items()
+            stacked = next(((fused, part) for fused, parts in stacks.items()
                             for part in parts if f".{part}." in name), None)
             if stacked is None:
                 self._copy(params, name, tensor)
@@ -351,7 +359,7 @@ class CausalLM(nn.Module):
             fused, part = stacked
             target = name.replace(f".{part}.", f".{fused}.")
             pending.setdefault(target, {})[part] = tensor
-            parts = self._STACKED[fused]
+            parts = stacks[fused]
             if all(p in pending[target] for p in parts):
                 got = pending.pop(target)
                 self._copy(params, target, [got[p] for p in parts])
@@ -359,6 +367,17 @@ class CausalLM(nn.Module):
         missing = set(params) - loaded
         if missing or pending:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:5]}")
+
+    def _named(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Checkpoint tensors as (decoder name, tensor), in the family's spelling and
+        values; a tensor the family splits (Family.split) comes as its parts."""
+        for hf_name, tensor in weights:
+            name = self.family.internal_name(hf_name)
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding serves as the head
+            yield from self.family.split(name, self.family.transform(name, tensor), self.config)
 
     def _copy_expert(self, params, m: re.Match, tensor: torch.Tensor, seen: dict[str, set],
                      loaded: set[str]) -> None:

@@ -57,6 +57,9 @@ class Family:
     gguf_permute_qk = False      # llama.cpp permuted q/k rows for its rotary (llama only)
     norm_offset = 0.0            # the checkpoint stores w, the model scales by offset + w
     tensor_parallel = True       # shard_model can split it
+    # Decoder parameters stacked from several checkpoint tensors, beyond qkv_proj and
+    # gate_up_proj (CausalLM._STACKED): fused name -> the parts in row order.
+    stacked: dict[str, tuple[str, ...]] = {}
 
     def require_tensor_parallel(self) -> None:
         """ValueError unless shard_model can split this family."""
@@ -110,6 +113,13 @@ class Family:
         if self.norm_offset and name.endswith("norm.weight"):
             return tensor.float() + self.norm_offset
         return tensor
+
+    def split(self, name: str, tensor: torch.Tensor, cfg) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor (decoder name, transformed) as the decoder parameters it
+        fills (cfg: the model's ModelConfig): itself, unless one tensor holds two of the
+        decoder's (Qwen3-Next's q_proj: the queries and the output gate) or its rows in
+        another order."""
+        return [(name, tensor)]
 
 
 _RENAME_CACHE: dict[tuple[str, ...], re.Pattern] = {}

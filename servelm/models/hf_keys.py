@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+# A linear-attention layer (Qwen3-Next, Qwen3.5): a recurrent state per sequence, no KV.
+LINEAR = "linear_attention"
 
 
 def rope_theta(cfg: dict[str, Any], layer_type: str = FULL) -> float:

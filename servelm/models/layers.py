@@ -316,7 +316,8 @@ class Attention(OpModule):
     backends decline it) and a weightless RMS ("L2") norm of each head's q and k after the
     rotary (qk_l2_norm, Llama 4; the projection's norms, rotary and KV write then run in
     PyTorch, since the C++ op writes k rotated but not normalised). The rotary table is
-    the caller's (a model may hold one per layer kind); with a partial rotary (rotary_dim <
+    the caller's (a model may hold one per layer kind); an output gate (output_gate: the
+    output times sigmoid(attn_gate(x)) before o_proj, Qwen3-Next); with a partial rotary (rotary_dim <
     head_dim) it is narrower than head_dim. The op chosen once (select): the projection's norms, rotary
     and KV write in PyTorch (qkv_ref) or in one C++ pass (qkv_kernels); the attention
     itself is the batch's backend's.
@@ -329,7 +330,7 @@ class Attention(OpModule):
                  rope: bool = True, qk_norm_whole: bool = False, out_bias: bool = False,
                  q_scale_beta: float = 0.0, q_scale_period: int = 0,
                  q_scale_offset: float = 0.0, chunk: int | None = None,
-                 qk_l2_norm: bool = False):
+                 qk_l2_norm: bool = False, output_gate: bool = False):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -338,12 +339,14 @@ class Attention(OpModule):
                             softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole,
                             out_bias=out_bias, q_scale_beta=q_scale_beta,
                             q_scale_period=q_scale_period, q_scale_offset=q_scale_offset,
-                            chunk=chunk, qk_l2_norm=qk_l2_norm)
+                            chunk=chunk, qk_l2_norm=qk_l2_norm, output_gate=output_gate)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # q, k and v projections fused into one matmul (rows: q, then k, then v).
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=out_bias)
+        # The output gated by sigmoid(attn_gate(x)) before o_proj (Qwen3-Next, Qwen3.5).
+        self.attn_gate = nn.Linear(hidden, self.q_size, bias=False) if output_gate else None
         self.qk_norm_whole = qk_norm_whole
         if qk_norm and qk_norm_whole:
             self.q_norm, self.k_norm = RMSNorm(self.q_size, eps), RMSNorm(self.kv_size, eps)
@@ -386,7 +389,12 @@ class Attention(OpModule):
             q = self._q_scale(q, batch.positions, self.q_scale_beta, self.q_scale_period,
                               self.q_scale_offset)
         out = batch.attn.backend.forward(self, q, k_cache, v_cache, scales, batch.attn)
-        return self.o_proj(out if rows is None else out[rows])
+        if rows is not None:
+            out = out[rows]
+        if self.attn_gate is not None:
+            gate = self.attn_gate(x if rows is None else x[rows])
+            out = out.reshape(out.shape[0], self.q_size) * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 def query_scale(q: torch.Tensor, positions: torch.Tensor, beta: float, period: int,

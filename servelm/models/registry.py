@@ -27,6 +27,7 @@ from servelm.models.families.phi3 import Phi3
 from servelm.models.families.qwen2 import Qwen2
 from servelm.models.families.qwen2_moe import Qwen2Moe
 from servelm.models.families.qwen3 import Qwen3, Qwen3Moe
+from servelm.models.families.qwen3_next import Qwen3_5, Qwen3_5Moe, Qwen3Next
 from servelm.models.families.smollm3 import SmolLM3
 from servelm.models.families.stablelm import StableLm
 from servelm.models.families.starcoder2 import Starcoder2
@@ -36,7 +37,8 @@ FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe()
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
                                 GraniteMoe(), StableLm(), Phi(), Cohere(), Ministral3(),
-                                GptNeoX(), GptOss(), Llama4(), DeepseekV2(), DeepseekV3())
+                                GptNeoX(), GptOss(), Llama4(), DeepseekV2(), DeepseekV3(),
+                                Qwen3Next(), Qwen3_5(), Qwen3_5Moe())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 

@@ -10,7 +10,9 @@ from servelm.quantization.formats import Int4Linear, Int8Linear, QuantLinear
 from servelm.quantization.numerics import DEFAULT_GROUP_SIZE, GROUP_SIZES, check_method
 
 # The linear layers a Llama-family model swaps (by attribute name).
-TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "lm_head")
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "lm_head",
+           # linear attention's projections and an attention output gate (Qwen3-Next)
+           "in_proj_qkvz", "out_proj", "attn_gate")
 
 
 def quantize_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,

@@ -1,0 +1,167 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): hybrid layers.
+
+Three layers in four (layer_types, or every full_attention_interval-th full) are linear
+attention, a gated DeltaNet over a recurrent state per sequence
+(models/linear_attention.py); the others are full attention with q/k norms per head, a
+partial rotary (partial_rotary_factor, 0.25 by default) and the output gated by
+sigmoid(x W_gate) before o_proj. Every RMSNorm scales by (1 + w) but the DeltaNet's gated
+one (w alone). MLPs: Qwen3-Next's MoE (top-k softmax routing, a shared expert gated by
+sigmoid(shared_expert_gate(x)); dense on mlp_only_layers and outside decoder_sparse_step),
+Qwen3.5's dense SwiGLU, Qwen3.5-MoE's MoE on every layer.
+
+Checkpoint layouts:
+- attention q_proj holds each head's query then its gate (rows [heads, 2, head_dim]): split
+  at load into the queries (stacked into qkv_proj) and attn_gate;
+- Qwen3-Next's linear_attn.in_proj_qkvz holds per key head [q, k, v x r, z x r] (r value
+  heads a key head) and in_proj_ba [b x r, a x r]: reordered at load to the decoder's
+  q | k | v | z and b | a blocks; Qwen3.5 keeps in_proj_qkv, in_proj_z, in_proj_b and
+  in_proj_a apart (stacked at load);
+- linear_attn.conv1d.weight [conv_dim, 1, kernel] -> conv_weight [conv_dim, kernel];
+  linear_attn.norm.weight -> norm_weight.
+Qwen3.5's checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the text model's
+config in text_config, its tensors under model.language_model (the vision tower and the
+multi-token-prediction layers, mtp.*, are not read). Text positions turn the multimodal
+rotary (mrope) like the plain one."""
+
+from __future__ import annotations
+
+import torch
+
+from servelm.models.hf_keys import FULL, LINEAR
+from servelm.models.family import Family
+
+
+def _layer_types(cfg: dict, n: int) -> tuple[str, ...]:
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(types)
+    interval = cfg.get("full_attention_interval", 4)
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+
+
+def _partial_rotary(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
+
+
+class Qwen3Next(Family):
+    name = "qwen3_next"
+    architectures = ("Qwen3NextForCausalLM",)
+    norm_offset = 1.0
+    # Parallelism would have to split a DeltaNet layer's heads and its state: not yet.
+    tensor_parallel = False
+
+    @staticmethod
+    def hf_ignored(key: str) -> bool:
+        """The multi-token-prediction layers (mtp.*) and a multimodal checkpoint's vision
+        tower: not read."""
+        return key.startswith(("mtp.", "model.visual.", "visual."))
+
+    def hf_config(self, cfg, base):
+        n = base["num_layers"]
+        head_dim = base["head_dim"]
+        rot = int(head_dim * _partial_rotary(cfg))
+        if cfg.get("attention_bias"):
+            raise ValueError("attention_bias is not supported for hybrid Qwen models")
+        out = {"qk_norm": True, "layer_types": _layer_types(cfg, n),
+               "rotary_dim": rot if rot < head_dim else None,
+               "extra": {"attn_output_gate": True, "linear_attn": {
+                   "num_k_heads": cfg["linear_num_key_heads"],
+                   "num_v_heads": cfg["linear_num_value_heads"],
+                   "head_k_dim": cfg["linear_key_head_dim"],
+                   "head_v_dim": cfg["linear_value_head_dim"],
+                   "conv_kernel": cfg.get("linear_conv_kernel_dim", 4)}}}
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for hybrid "
+                             f"Qwen models (silu only)")
+        return {**out, **self._mlp(cfg, n)}
+
+    def _mlp(self, cfg, n):
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        only = set(cfg.get("mlp_only_layers") or ())
+        if not cfg.get("num_experts"):
+            return {}
+        return {"num_experts": cfg["num_experts"],
+                "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["moe_intermediate_size"],
+                "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0),
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+                "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
+
+    def transform(self, name, tensor):
+        if name.endswith("linear_attn.norm_weight"):
+            return tensor  # the gated norm scales by w itself
+        if name.endswith("linear_attn.conv_weight") and tensor.dim() == 3:
+            return tensor.reshape(tensor.shape[0], tensor.shape[-1])
+        return super().transform(name, tensor)
+
+    def internal_name(self, hf_name):
+        name = super().internal_name(hf_name)
+        return (name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
+                .replace("linear_attn.norm.weight", "linear_attn.norm_weight"))
+
+    def split(self, name, tensor, cfg):
+        if name.endswith("self_attn.q_proj.weight"):  # [heads, (query, gate), head_dim, in]
+            t = tensor.reshape(-1, 2, cfg.head_dim, tensor.shape[-1])
+            return [(name, t[:, 0].reshape(-1, tensor.shape[-1])),
+                    (name.replace("q_proj", "attn_gate"), t[:, 1].reshape(-1, tensor.shape[-1]))]
+        if name.endswith("linear_attn.in_proj_qkvz.weight") and not self.stacked:
+            return [(name, _qkvz_blocks(tensor, cfg.extra["linear_attn"]))]
+        if name.endswith("linear_attn.in_proj_ba.weight") and not self.stacked:
+            return [(name, _ba_blocks(tensor, cfg.extra["linear_attn"]))]
+        return [(name, tensor)]
+
+
+def _qkvz_blocks(w: torch.Tensor, lin: dict) -> torch.Tensor:
+    """Qwen3-Next's per key head [q, k, v x r, z x r] rows -> q | k | v | z."""
+    hk, dk, dv = lin["num_k_heads"], lin["head_k_dim"], lin["head_v_dim"]
+    r = lin["num_v_heads"] // hk
+    q, k, v, z = w.reshape(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    return torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v, z)])
+
+
+def _ba_blocks(w: torch.Tensor, lin: dict) -> torch.Tensor:
+    """Qwen3-Next's per key head [b x r, a x r] rows -> b | a."""
+    r = lin["num_v_heads"] // lin["num_k_heads"]
+    b, a = w.reshape(lin["num_k_heads"], 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])])
+
+
+class Qwen3_5(Qwen3Next):
+    """Qwen3.5: Qwen3-Next's layers with the DeltaNet's projections kept apart and a dense
+    MLP (Qwen3_5ForCausalLM, or the text model of Qwen3_5ForConditionalGeneration)."""
+
+    name = "qwen3_5"
+    architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+    # The separate projections stacked into the decoder's fused ones, in row order.
+    stacked = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+               "in_proj_ba": ("in_proj_b", "in_proj_a")}
+
+    @staticmethod
+    def hf_text_config(cfg: dict) -> dict:
+        text = cfg.get("text_config")
+        if not text:
+            return cfg
+        arch = (cfg.get("architectures") or ["Qwen3_5ForConditionalGeneration"])[0]
+        return {**text, "architectures": [arch]}
+
+    def internal_name(self, hf_name):
+        return super().internal_name(hf_name.replace("model.language_model.", "model.", 1))
+
+    def _mlp(self, cfg, n):
+        return {}
+
+
+class Qwen3_5Moe(Qwen3_5):
+    """Qwen3.5-MoE: Qwen3.5's layers with Qwen3-Next's MoE on every layer (the chosen
+    experts' weights always renormalised)."""
+
+    name = "qwen3_5_moe"
+    architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+
+    def _mlp(self, cfg, n):
+        return {"num_experts": cfg["num_experts"],
+                "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["moe_intermediate_size"],
+                "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0),
+                "norm_topk_prob": True}
