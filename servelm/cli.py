@@ -301,9 +301,12 @@ def cmd_roofline(args) -> int:
         native, _ = ckpt.native_quantization()  # a quantised file runs quantised
         bits = args.bits or (quantized_bits_per_weight(native) if native
                              else rl.BYTES[dname] * 8)
+        from servelm.engine.state_cache import StateCache
+
         model = rl.ModelShape.from_config(
             cfg, weight_bits=bits,
-            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim))
+            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim),
+            state_bytes=StateCache.bytes_per_slot(cfg, dtype))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:

@@ -52,6 +52,12 @@ class ModelShape:
     expert_params: int = 0
     num_experts: int = 0
     experts_per_tok: int = 0
+    # Linear-attention layers (Qwen3-Next, Qwen3.5): one sequence's recurrent state in all
+    # of them (read and written by every step of that sequence, whatever its length), and
+    # the FLOPs of one token's update and readout of it. num_layers then counts only the
+    # layers with a KV cache.
+    state_bytes_per_seq: float = 0.0
+    state_flops_per_token: float = 0.0
 
     def _read_params(self) -> float:
         params = self.num_params
@@ -87,13 +93,14 @@ class ModelShape:
 
     def flops_per_token(self, context: int = 0) -> float:
         """Matmul FLOPs for one token: 2 per weight it multiplies, plus attention over
-        `context` earlier tokens (QK^T and PV: 4 * layers * context * heads * head_dim)."""
+        `context` earlier tokens (QK^T and PV: 4 * layers * context * heads * head_dim) and
+        a linear-attention layer's state update and readout."""
         # The input embedding is a lookup; a MoE token multiplies only its experts' weights.
         params = self._read_params() - self.expert_params * (1.0 - self.expert_fraction(1))
         attn = 0.0
         if None not in (self.num_layers, self.num_heads, self.head_dim):
             attn = 4.0 * self.num_layers * context * self.num_heads * self.head_dim
-        return 2.0 * params + attn
+        return 2.0 * params + attn + self.state_flops_per_token
 
     @property
     def lm_head_flops(self) -> float:
@@ -119,8 +126,17 @@ class ModelShape:
                             sampled_rows)
 
     @classmethod
-    def from_config(cls, cfg, weight_bits: float, kv_bits: float) -> "ModelShape":
-        return cls(num_params=cfg.num_params, weight_bits=weight_bits, num_layers=cfg.num_layers,
+    def from_config(cls, cfg, weight_bits: float, kv_bits: float,
+                    state_bytes: float = 0.0) -> "ModelShape":
+        """state_bytes: one sequence's recurrent state (StateCache.bytes_per_slot)."""
+        lin = cfg.extra.get("linear_attn")
+        state_flops = 0.0
+        if lin and cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
+            per = 2 * lin["num_v_heads"] * lin["head_k_dim"] * lin["head_v_dim"]
+            state_flops = 4.0 * per * (cfg.num_layers - len(cfg.kv_layers))
+        return cls(num_params=cfg.num_params, weight_bits=weight_bits,
+                   num_layers=len(cfg.kv_layers), state_bytes_per_seq=state_bytes,
+                   state_flops_per_token=state_flops,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_heads=cfg.num_heads,
                    hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
@@ -144,14 +160,17 @@ def predict_prefill(m: ModelShape, hw: Hardware, prompt_len: int) -> Prediction:
     the LM head (and the last layer past attention) for the last position only. Attention
     FLOPs use the causal average context (prompt_len / 2)."""
     flops = m.prefill_flops(prompt_len, context=prompt_len // 2)
-    mem = m.weight_bytes(prompt_len) + prompt_len * (m.kv_bytes_per_token or 0)
+    mem = (m.weight_bytes(prompt_len) + prompt_len * (m.kv_bytes_per_token or 0)
+           + 2 * m.state_bytes_per_seq)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
                       flops / hw.flops)
 
 
 def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Prediction:
-    """One decode step for `batch` sequences each attending to `context` tokens."""
-    mem = m.weight_bytes(batch) + batch * context * (m.kv_bytes_per_token or 0)
+    """One decode step for `batch` sequences each attending to `context` tokens (and
+    reading and writing its recurrent state, where the model has one)."""
+    mem = (m.weight_bytes(batch) + batch * context * (m.kv_bytes_per_token or 0)
+           + 2 * batch * m.state_bytes_per_seq)
     flops = batch * m.flops_per_token(context=context)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
                       flops / hw.flops)
@@ -268,8 +287,14 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
              f"  FLOPs per token (no context): {m.flops_per_token() / 1e9:.3f} GFLOP"]
     kv = m.kv_bytes_per_token
     stored = f", {kv_dtype} + scales" if kv_dtype else ""
-    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{stored}): {_fmt_bytes(kv)}"
+    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{stored}"
+                 + (f", {m.num_layers} attention layer{'s' * (m.num_layers != 1)}"
+                    if m.state_bytes_per_seq else "")
+                 + f"): {_fmt_bytes(kv)}"
                  if kv else "  KV cache per token: unknown (give --layers, --kv-heads, --head-dim)")
+    if m.state_bytes_per_seq:
+        lines.append(f"  recurrent state per sequence (linear-attention layers, read and "
+                     f"written every step): {_fmt_bytes(m.state_bytes_per_seq)}")
     ridge = hw.flops / hw.bandwidth
     lines.append(f"  ridge point: {ridge:.0f} FLOP/byte; decode does about "
                  f"{2 * 8 / m.weight_bits:.0f} FLOP per weight byte per sequence")

@@ -887,3 +887,60 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 PrefixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
                                                 deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+# ---- recurrent-state slots (linear-attention layers) --------------------------------------
+
+def test_state_slots_go_with_the_first_blocks_and_come_back_with_the_last():
+    bm = BlockManager(8, 4, num_state_slots=2)
+    assert bm.state_slot("a") == -1 and bm.num_free_slots == 2
+    bm.allocate("a", 5)
+    bm.allocate("b", 1)
+    slots = {bm.state_slot("a"), bm.state_slot("b")}
+    assert slots == {0, 1} and bm.num_free_slots == 0
+    bm.allocate("a", 9)  # growing keeps the slot
+    assert bm.state_slot("a") in slots and bm.num_free_slots == 0
+    # Blocks are free but no slot is: a third request cannot start, and nothing changes.
+    assert bm.num_free_blocks == 4 and not bm.can_allocate("c", 1)
+    with pytest.raises(RuntimeError):
+        bm.allocate("c", 1)
+    assert bm.block_table("c") == [] and bm.state_slot("c") == -1
+    freed = bm.state_slot("a")
+    bm.free("a")
+    assert bm.state_slot("a") == -1 and bm.num_free_slots == 1
+    assert bm.can_allocate("c", 1)
+    bm.allocate("c", 1)
+    assert bm.state_slot("c") == freed
+
+
+def test_state_slots_refuse_prefix_caching():
+    with pytest.raises(ValueError, match="prefix caching cannot restore a recurrent state"):
+        BlockManager(8, 4, enable_caching=True, num_state_slots=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_slots=st.integers(1, 4), ops=st.lists(op, max_size=60))
+def test_random_tables_hold_one_slot_each_and_leak_none(num_slots, ops):
+    """Random growth and frees with fewer slots than requests: every table holds exactly
+    one slot, no two tables share one, a request starts only with a slot free, and every
+    slot is free again at the end."""
+    bm = BlockManager(24, 2, num_state_slots=num_slots)
+    for kind, rid, extra in ops:
+        if kind == "grow":
+            target = len(bm.block_table(rid)) * 2 + extra
+            new_to_pool = rid not in bm.owners()
+            ok = bm.can_allocate(rid, target)
+            if new_to_pool and bm.num_free_slots == 0:
+                assert not ok
+            if ok:
+                bm.allocate(rid, target)
+        else:
+            bm.free(rid)
+        held = [bm.state_slot(r) for r in bm.owners()]
+        assert -1 not in held and len(held) == len(set(held))
+        assert bm.num_free_slots + len(held) == num_slots
+        owned = [b for table in bm.owners().values() for b in table]
+        assert len(owned) == len(set(owned)) and bm.num_free_blocks + len(owned) == 24
+    for rid in REQUEST_IDS:
+        bm.free(rid)
+    assert bm.num_free_slots == num_slots and bm.owners() == {}

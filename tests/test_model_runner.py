@@ -52,9 +52,10 @@ def test_forward_batch_carries_no_path_choice():
     from servelm.attention import metadata
 
     names = [f.name for f in dataclasses.fields(metadata.ForwardBatch)]
-    # (lora_slots: data, each row's adapter slot; not a choice of path.)
+    # (lora_slots: data, each row's adapter slot; recurrent: each sequence's tokens and
+    # state slot for linear attention; neither a choice of path.)
     assert names == ["input_ids", "positions", "slot_mapping", "logits_indices", "attn",
-                     "lora_slots"]
+                     "lora_slots", "recurrent"]
     assert build_forward_batch.__annotations__["return"].startswith("tuple[ForwardBatch")
 
 

@@ -31,8 +31,9 @@ class Sim:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = 4096, enable_caching: bool = False,
-                 admission_lookahead: int = 0):
-        self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
+                 admission_lookahead: int = 0, num_state_slots: int = 0):
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_caching,
+                               num_state_slots=num_state_slots)
         if max_num_seqs is None:  # the config requires a budget of a token per sequence
             max_num_seqs = min(256, max_num_batched_tokens)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -931,3 +932,45 @@ def test_config_rejects_a_negative_admission_lookahead():
     with pytest.raises(ValueError, match="admission_lookahead must be >= 0, got -1"):
         SchedulerConfig(admission_lookahead=-1)
     assert SchedulerConfig(admission_lookahead=0).admission_lookahead == 0
+
+
+# ---- recurrent-state slots (linear-attention layers) ----------------------------------------
+
+def test_admission_waits_for_a_free_state_slot():
+    """Two slots, plenty of blocks: a third request waits until one of the first two
+    finishes, then takes the freed slot; every slot is free at the end."""
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=100, num_state_slots=2)
+    a, b, c = sim.add("a", 3, 2), sim.add("b", 3, 4), sim.add("c", 3, 1)
+    out = sim.step()
+    assert ids(s.request for s in out.scheduled) == ["a", "b"]
+    assert c.status is RequestStatus.WAITING and sim.bm.num_free_slots == 0
+    assert {sim.bm.state_slot("a"), sim.bm.state_slot("b")} == {0, 1}
+    out = sim.step()  # a finishes: its slot is free for c next step
+    assert a.status is RequestStatus.FINISHED_LENGTH and sim.bm.num_free_slots == 1
+    out = sim.step()
+    assert "c" in ids(s.request for s in out.scheduled)
+    sim.run_to_end()
+    assert sim.bm.num_free_slots == 2 and sim.bm.owners() == {}
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_random_loads_with_few_state_slots_finish_and_leak_no_slot(data):
+    """Random prompts and lengths over a small pool (preemptions) with fewer slots than
+    requests: every request finishes with exactly max_tokens outputs, running requests
+    always hold distinct slots, and all slots are free at the end."""
+    slots = data.draw(st.integers(1, 3))
+    sim = Sim(num_blocks=data.draw(st.integers(6, 12)), block_size=2,
+              max_num_batched_tokens=data.draw(st.sampled_from([4, 8, 100])),
+              num_state_slots=slots)
+    reqs = [sim.add(f"r{i}", data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4)))
+            for i in range(data.draw(st.integers(1, 6)))]
+    steps = 0
+    while sim.sched.has_unfinished():
+        out = sim.step()
+        held = [sim.bm.state_slot(r.request_id) for r in sim.sched.running]
+        assert -1 not in held and len(set(held)) == len(held) <= slots
+        steps += 1
+        assert steps < 500
+    assert all(r.num_output_tokens == r.max_tokens for r in reqs)
+    assert sim.bm.num_free_slots == slots and sim.bm.owners() == {}

@@ -266,8 +266,7 @@ class BlockManager:
         """Whether the table can grow to num_tokens tokens, starting from `cached` blocks
         (for a request that holds none yet), and a request new to the pool finds a free
         state slot where the model needs one."""
-        if (self.num_state_slots and request_id not in self._slot and not self._free_slots
-                and num_tokens > 0):
+        if self.num_state_slots and request_id not in self._slot and not self._free_slots:
             return False
         return self.num_blocks_to_take(request_id, num_tokens, cached) <= len(self._free)
 

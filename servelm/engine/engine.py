@@ -15,6 +15,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, UniProcExecutor
 from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
+from servelm.engine.state_cache import StateCache
 from servelm.engine.sampler import Sampler, checks_grammar_after, token_logprobs
 from servelm.structured_outputs import GrammarCompiler, MaskPrefetch
 from servelm.engine.scheduler import Scheduler
@@ -286,7 +287,8 @@ class LLMEngine:
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
         self.shape = ModelShape.from_config(
             self.model_config, weight_bits=weight_bits,
-            kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.head_dim))
+            kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.head_dim),
+            state_bytes=StateCache.bytes_per_slot(self.model_config, self.dtype))
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None
         if config.speculative is not None:

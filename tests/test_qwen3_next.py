@@ -1,0 +1,234 @@
+"""Qwen3-Next and Qwen3.5 (dense, MoE) against transformers: tiny random checkpoints made by
+transformers (four layers: three gated-DeltaNet linear-attention layers over a recurrent
+state, then one full-attention layer with its output gate and a partial rotary; Qwen3-Next
+with MoE layers beside a dense one), served token-exact through prefill, chunked prefill
+mixed with decodes, preemption and recurrent-state slots that run out; the chunked delta
+rule against the token-by-token recurrence; what hybrid models refuse (prefix caching,
+speculative decoding, tensor parallelism); int8 weights; Qwen3.5's multimodal checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from helpers import assert_matches_reference, prompt_logits, tiny_hf_checkpoint
+from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
+from servelm import LLM, SamplingParams
+from servelm.models.config import ModelConfig
+from servelm.models.linear_attention import delta_rule_chunked, delta_rule_step, l2_normalize
+
+transformers = pytest.importorskip("transformers")
+
+HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, initializer_range=0.1)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32)
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory, hf_tokenizer):
+    """(HF directory, transformers model): MoE on layers 0, 2 and 3, a dense MLP on 1."""
+    d = tmp_path_factory.mktemp("hf-qwen3-next")
+    model = tiny_hf_checkpoint(d, "Qwen3NextConfig", "Qwen3NextForCausalLM",
+                               {**HYBRID, **MOE, "mlp_only_layers": [1]}, hf_tokenizer, seed=3)
+    return str(d), model
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory, hf_tokenizer):
+    d = tmp_path_factory.mktemp("hf-qwen3-5")
+    model = tiny_hf_checkpoint(d, "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID,
+                               hf_tokenizer, seed=4)
+    return str(d), model
+
+
+def _ids(llm, prompt):
+    return llm.get_tokenizer().encode(prompt)
+
+
+def test_config_reads_the_hybrid_layout(qwen3_next):
+    path, ref = qwen3_next
+    cfg = ModelConfig.from_hf_dir(path)
+    assert cfg.family == "qwen3_next" and cfg.has_recurrent_state
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert cfg.kv_layers == (3,) and cfg.rotary_dim == 4 and cfg.qk_norm
+    assert cfg.extra == {"attn_output_gate": True, "linear_attn": {
+        "num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8, "conv_kernel": 4}}
+    assert cfg.dense_layers == (1,) and cfg.num_experts == 4
+    # Linear attention's own shapes, the output gate, the gated shared expert: counted.
+    assert cfg.num_params == sum(p.numel() for p in ref.parameters())
+
+
+def test_layers_caches_and_the_decode_path(qwen3_next, caplog):
+    """The linear layers hold no KV blocks but a state slot each sequence; prefix caching
+    is turned off (logged); the whole-step DecodeStack declines them."""
+    from servelm.models import decode_stack
+
+    path, _ = qwen3_next
+    with caplog.at_level(logging.INFO, logger="servelm.engine.engine"):
+        llm = LLM(model=path, max_num_seqs=8, **KW)
+    assert "prefix caching off" in caplog.text
+    engine = llm.engine
+    assert not engine.block_manager.enable_caching
+    assert engine.executor.num_state_slots == engine.block_manager.num_state_slots == 8
+    runner = engine.executor.runner
+    assert len(runner.kv_cache.layers) == 1  # the one full-attention layer's K and V
+    assert [type(c) for c in runner.layer_caches] == [tuple] * 4
+    conv, ssm = runner.layer_caches[0]
+    assert conv.shape == (8, 2 * 16 + 32, 3) and ssm.shape == (8, 4, 8, 8)
+    assert ssm.dtype == torch.float32
+    got = decode_stack.describe(engine.executor.model)
+    assert isinstance(got, str) and "linear attention" in got
+
+
+def test_qwen3_next_matches_transformers(qwen3_next):
+    path, ref = qwen3_next
+    llm = LLM(model=path, **KW)
+    assert_matches_reference(llm, ref, [_ids(llm, p) for p in PROMPTS], GREEDY)
+
+
+def test_qwen3_5_matches_transformers(qwen3_5):
+    path, ref = qwen3_5
+    llm = LLM(model=path, cpu_kernels=False, **KW)
+    assert llm.engine.model_config.family == "qwen3_5"
+    assert_matches_reference(llm, ref, [_ids(llm, p) for p in PROMPTS], GREEDY)
+
+
+def test_qwen3_5_moe_matches_transformers(tmp_path, hf_tokenizer):
+    ref = tiny_hf_checkpoint(tmp_path, "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                             {**HYBRID, **MOE}, hf_tokenizer, seed=5)
+    llm = LLM(model=str(tmp_path), **KW)
+    cfg = llm.engine.model_config
+    assert cfg.family == "qwen3_5_moe" and cfg.dense_layers == () and cfg.norm_topk_prob
+    assert_matches_reference(llm, ref, [_ids(llm, p) for p in PROMPTS[:2]], GREEDY)
+
+
+def test_chunks_mixed_steps_slots_and_preemption_keep_the_tokens(qwen3_next):
+    """The eager path's tokens (C++ ops off), whole prompts in one step each, against:
+    a 16-token budget (prompts in chunks whose recurrent state carries over, decodes of one
+    sequence in the same steps as another's chunks); two state slots for three prompts
+    (the third waits for a slot); a pool that preempts (a recomputed sequence restarts its
+    state from zeros)."""
+    path, _ = qwen3_next
+    eager = LLM(model=path, cpu_kernels=False, **KW)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    chunked = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **KW)
+    outs = chunked.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    two = LLM(model=path, max_num_seqs=2, **KW)
+    assert two.engine.block_manager.num_state_slots == 2
+    assert [o.outputs[0].token_ids
+            for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    ex = chunked.engine.executor  # three slots and five blocks
+    budget = 3 * ex.worker.state_bytes() + 5 * ex.block_bytes
+    tight = LLM(model=path, **{**KW, "kv_cache_memory": budget}, max_num_seqs=3,
+                admission_lookahead=0)
+    assert tight.engine.executor.num_blocks == 5
+    outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert tight.engine.block_manager.num_free_slots == tight.engine.block_manager.num_state_slots
+
+
+def test_what_a_hybrid_model_refuses(qwen3_next):
+    path, _ = qwen3_next
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        LLM(model=path, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            **KW)
+    with pytest.raises(ValueError, match="tensor parallelism does not support"):
+        LLM(model=path, tensor_parallel_size=2, **KW)
+
+
+def test_int8_weights_stay_close(qwen3_next):
+    """int8 quantises the DeltaNet's in/out projections, the attention (its gate too), the
+    dense MLP, the shared experts and the LM head: the logits stay close (cosine 0.95; this
+    tiny random model is chaotic on the second prompt: bf16 activations alone move it to
+    0.89, int8 weights to 0.96, a projection's rows out of order to ~0)."""
+    path, _ = qwen3_next
+    ref = LLM(model=path, cpu_kernels=False, **KW)
+    prompts = [_ids(ref, p) for p in PROMPTS]
+    want = prompt_logits(ref.engine, prompts)
+    llm = LLM(model=path, quantization="int8", **KW)
+    model = llm.engine.executor.model
+    assert type(model.layers[0].linear_attn.in_proj_qkvz) is not torch.nn.Linear
+    assert type(model.layers[3].self_attn.attn_gate) is not torch.nn.Linear
+    got = prompt_logits(llm.engine, prompts)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.95
+
+
+def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(qwen3_5, tmp_path):
+    """Qwen3_5ForConditionalGeneration's layout: the text config under text_config, the
+    tensors under model.language_model., a vision tower and MTP layers beside them (not
+    read)."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = qwen3_5
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(f"{src}/model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 8)
+    tensors["mtp.fc.weight"] = torch.zeros(8, 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads(open(f"{src}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text, "vision_config": {"hidden_size": 8}}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_text(open(f"{src}/{f}").read())
+    kw = {**KW, "cpu_kernels": False}
+    mm, plain = LLM(model=str(tmp_path), **kw), LLM(model=src, **kw)
+    assert mm.engine.model_config.architecture == "Qwen3_5ForConditionalGeneration"
+    prompts = [_ids(plain, p) for p in PROMPTS]
+    assert torch.equal(prompt_logits(mm.engine, prompts), prompt_logits(plain.engine, prompts))
+
+
+# ---- the recurrence itself ------------------------------------------------------------------
+
+@pytest.mark.parametrize("cuts", [(), (1,), (37,), (64, 65), (5, 70, 130)])
+def test_the_chunked_delta_rule_is_the_token_recurrence(cuts):
+    """Over 150 tokens cut into pieces anywhere (a prompt's chunks, a single token), from a
+    non-zero state: the blocked form's outputs and final state are the per-token
+    recurrence's."""
+    g = torch.Generator().manual_seed(0)
+    L, H, Dk, Dv = 150, 3, 8, 5
+    q = l2_normalize(torch.randn(L, H, Dk, generator=g)) * Dk ** -0.5
+    k = l2_normalize(torch.randn(L, H, Dk, generator=g))
+    v = torch.randn(L, H, Dv, generator=g)
+    decay = -torch.rand(L, H, generator=g)
+    beta = torch.rand(L, H, generator=g)
+    S0 = torch.randn(H, Dk, Dv, generator=g) * 0.3
+    want, S_want = [], S0.clone()[None]
+    for t in range(L):
+        want.append(delta_rule_step(S_want, q[t:t + 1], k[t:t + 1], v[t:t + 1],
+                                    decay[t:t + 1], beta[t:t + 1])[0])
+    S = S0.clone()
+    bounds = [0, *cuts, L]
+    got = torch.cat([delta_rule_chunked(S, q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b])
+                     for a, b in zip(bounds, bounds[1:])])
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(S, S_want[0], rtol=1e-4, atol=1e-5)
+
+
+def test_roofline_counts_kv_on_attention_layers_and_the_state_per_sequence(qwen3_next):
+    """KV bytes per token from the one full-attention layer only; every decode row reads
+    and writes its sequence's state (fp32 S, the conv inputs); `servelm roofline` says so."""
+    from servelm import roofline as rl
+    from servelm.engine.state_cache import StateCache
+
+    cfg = ModelConfig.from_hf_dir(qwen3_next[0])
+    state = StateCache.bytes_per_slot(cfg, torch.float32)
+    assert state == 3 * (64 * 3 * 4 + 4 * 8 * 8 * 4)  # three linear layers: conv + S
+    m = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16, state_bytes=state)
+    assert m.kv_bytes_per_token == 2 * 1 * 2 * 16 * 2
+    plain = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
+    hw = rl.Hardware(1e11, 1e12)
+    grow = (rl.predict_decode(m, hw, 8, 100).memory_seconds
+            - rl.predict_decode(plain, hw, 8, 100).memory_seconds)
+    assert grow == pytest.approx(2 * 8 * state / 1e11)
+    assert m.state_flops_per_token == 4.0 * 2 * 4 * 8 * 8 * 3
+    text = rl.report(m, hw)
+    assert "1 attention layer)" in text and "recurrent state per sequence" in text
