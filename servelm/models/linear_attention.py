@@ -17,7 +17,7 @@ k-heads serve v_heads / k_heads value heads each):
 
 with g_t = -exp(A_log) * softplus(a_t + dt_bias) and beta_t = sigmoid(b_t) from the input
 projections. A prompt chunk runs the same recurrence in blocks of CHUNK tokens (the WY
-form: a triangular solve per block, then one state update per block), a decode step runs
+form: a unit-triangular inverse per block, then one state update per block), a decode step runs
 it once for every sequence of the step at once. The output is RMSNorm(o) * silu(z) per
 value head (z a projection of the input), then out_proj.
 
@@ -55,6 +55,8 @@ class RecurrentBatch:
     dec_rows: torch.Tensor | None = None
     dec_slots: torch.Tensor | None = None
     dec_fresh: torch.Tensor | None = None
+    dec_slot: int | None = None     # the slot, when the step has exactly one decode
+    any_fresh: bool = False         # whether a decode starts afresh (a one-token prompt)
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], slots: list[int],
@@ -65,6 +67,8 @@ class RecurrentBatch:
         dec = [i for i, n in enumerate(lengths) if n == 1]
         out = cls(starts, lengths, slots, fresh)
         if dec:
+            out.dec_slot = slots[dec[0]] if len(dec) == 1 else None
+            out.any_fresh = any(fresh[i] for i in dec)
             out.dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=device)
             out.dec_slots = torch.tensor([slots[i] for i in dec], dtype=torch.long, device=device)
             out.dec_fresh = torch.tensor([fresh[i] for i in dec], dtype=torch.bool, device=device)
@@ -83,12 +87,47 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def delta_rule_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """One token of every row: S [B, H, Dk, Dv] updated in place; q, k [B, H, Dk] (q
-    scaled, both normalised), v [B, H, Dv], g, beta [B, H], all fp32. Returns o [B, H, Dv]."""
-    S.mul_(g.exp()[..., None, None])
-    kv = torch.einsum("bhkv,bhk->bhv", S, k)
-    delta = (v - kv) * beta[..., None]
-    S.add_(k[..., :, None] * delta[..., None, :])
-    return torch.einsum("bhkv,bhk->bhv", S, q)
+    scaled, both normalised), v [B, H, Dv], g, beta [B, H], all fp32. Returns o [B, H, Dv].
+
+    With d = exp(g): S' = d S + k delta^T, delta = beta (v - d S^T k), and o = S'^T q =
+    d S^T q + (q . k) delta, so S is read once for both products (one batched matmul of
+    [k; q]) and then updated in place."""
+    B, H, Dk, Dv = S.shape
+    d = g.exp()
+    flat = S.view(B * H, Dk, Dv)
+    kq = torch.stack((k, q), dim=2).view(B * H, 2, Dk)
+    read = torch.bmm(kq, flat).view(B, H, 2, Dv) * d[..., None, None]   # d S^T k, d S^T q
+    delta = (v - read[:, :, 0]) * beta[..., None]
+    o = read[:, :, 1] + (q * k).sum(-1, keepdim=True) * delta
+    S.mul_(d[..., None, None])
+    flat.baddbmm_(k.reshape(B * H, Dk, 1), delta.reshape(B * H, 1, Dv))
+    return o
+
+
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for A [..., n, n] strictly lower triangular (nilpotent): the product
+    (I - A)(I + A^2)(I + A^4)... up to A^(n/2), a few batched matmuls instead of a
+    triangular solve per block."""
+    n = A.shape[-1]
+    eye = torch.eye(n, dtype=A.dtype, device=A.device)
+    T = eye - A
+    P = A
+    span = 2
+    while span < n:
+        P = P @ P
+        T = T + T @ P
+        span *= 2
+    return T
+
+
+_MASKS: dict[tuple[int, str, bool], torch.Tensor] = {}
+
+
+def _lower(n: int, device: torch.device, strict: bool) -> torch.Tensor:
+    key = (n, str(device), strict)
+    if key not in _MASKS:
+        _MASKS[key] = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+    return _MASKS[key]
 
 
 def delta_rule_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -97,39 +136,45 @@ def delta_rule_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     updated in place; q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], fp32. Returns
     o [L, H, Dv].
 
-    Within a block, with c the cumulative log decay from its start, the delta rule's L
+    Within a block, with c the cumulative log decay from its start, the delta rule's
     updates fold into U = T (beta v) and W = T (beta exp(c) k), T = (I + A)^-1 for A the
-    strictly lower [i, j] = beta_i (k_i . k_j) exp(c_i - c_j); the block then reads the
-    state once (new values U - W S), attends within itself causally with the same decays,
-    and writes the state once."""
-    L = q.shape[0]
-    out = torch.empty(L, v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
-    # [H, L, D] from here on.
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-    g, beta = g.transpose(0, 1), beta.transpose(0, 1)
-    for lo in range(0, L, chunk):
-        hi = min(L, lo + chunk)
-        n = hi - lo
-        qc, kc, vc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi]
-        bc = beta[:, lo:hi, None]
-        c = g[:, lo:hi].cumsum(-1)                                 # [H, n]
-        decay = (c[:, :, None] - c[:, None, :])                    # [H, n, n]: c_i - c_j
-        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = torch.where(lower, decay, float("-inf")).exp()     # 0 above the diagonal
-        kb = kc * bc
-        A = (kb @ kc.transpose(-1, -2)) * decay
-        # (I + strictly-lower A) X = B: the triangular solve with a unit diagonal.
-        U = torch.linalg.solve_triangular(A, vc * bc, upper=False, unitriangular=True)
-        W = torch.linalg.solve_triangular(A, kb * c.exp()[..., None], upper=False,
-                                          unitriangular=True)
-        new_v = U - W @ S                                          # [H, n, Dv]
-        attn = (qc @ kc.transpose(-1, -2)) * decay                 # causal, diagonal kept
-        o = (qc * c.exp()[..., None]) @ S + attn @ new_v
-        out[lo:hi] = o.transpose(0, 1)
-        last = c[:, -1:]                                           # [H, 1]
-        S.mul_(last.exp()[..., None])
-        S.add_((kc * (last - c).exp()[..., None]).transpose(-1, -2) @ new_v)
-    return out
+    strictly lower [i, j] = beta_i (k_i . k_j) exp(c_i - c_j): every block's T, U, W and
+    causal in-block scores at once, then one pass over the blocks that reads the state once
+    each (new values U - W S) and writes it once. Padding tokens (k = v = 0, no decay)
+    change nothing."""
+    L, H, Dk = k.shape
+    Dv = v.shape[-1]
+    n = min(chunk, L)
+    nb = -(-L // n)
+    pad = nb * n - L
+    # [H, blocks, n, D] from here on.
+    def blocks(t, fill=0.0):
+        t = t.transpose(0, 1)
+        if pad:
+            t = torch.nn.functional.pad(t, (0, 0, 0, pad) if t.dim() == 3 else (0, pad),
+                                        value=fill)
+        return t.reshape(H, nb, n, *t.shape[2:])
+    q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)
+    c = g.cumsum(-1)                                               # [H, nb, n]
+    diff = c[..., :, None] - c[..., None, :]                        # c_i - c_j
+    decay = torch.where(_lower(n, q.device, False), diff, float("-inf")).exp()
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * decay * _lower(n, q.device, True)
+    T = _unit_lower_inverse(A)
+    U = T @ (v * beta[..., None])                                   # [H, nb, n, Dv]
+    W = T @ (kb * c.exp()[..., None])                               # [H, nb, n, Dk]
+    attn = (q @ k.transpose(-1, -2)) * decay                        # causal, diagonal kept
+    qd = q * c.exp()[..., None]
+    last = c[..., -1:]                                              # [H, nb, 1]
+    kt = (k * (last - c).exp()[..., None]).transpose(-1, -2)        # [H, nb, Dk, n]
+    bd = last.exp()[..., None]                                      # [H, nb, 1, 1]
+    out = torch.empty(H, nb, n, Dv, dtype=torch.float32, device=q.device)
+    for b in range(nb):
+        new_v = U[:, b] - W[:, b] @ S
+        out[:, b] = qd[:, b] @ S + attn[:, b] @ new_v
+        S.mul_(bd[:, b])
+        S.add_(kt[:, b] @ new_v)
+    return out.reshape(H, nb * n, Dv)[:, :L].transpose(0, 1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -223,8 +268,12 @@ class GatedDeltaNet(nn.Module):
         prev = (torch.zeros(k1, self.conv_dim, dtype=mixed.dtype, device=mixed.device)
                 if fresh else conv_state[slot].t().to(mixed.dtype))
         seq = torch.cat([prev, mixed], dim=0)                       # [k1 + n, C]
-        conv = F.conv1d(seq.t()[None], self.conv_weight[:, None, :].to(seq.dtype),
-                        groups=self.conv_dim)[0].t()                 # [n, C]
+        # The causal depthwise convolution as kernel shifted multiply-adds (fp32).
+        w = self.conv_weight.float()
+        conv = seq[:n].float() * w[:, 0]
+        for j in range(1, self.kernel):
+            conv.add_(seq[j:j + n].float() * w[:, j])
+        conv = conv.to(mixed.dtype)
         conv_state[slot].copy_(seq[-k1:].t())
         q, k, v = self._split(F.silu(conv))
         S = ssm_state[slot]
@@ -238,13 +287,18 @@ class GatedDeltaNet(nn.Module):
         rows, slots, fresh = rec.dec_rows, rec.dec_slots, rec.dec_fresh
         x = mixed[rows]                                              # [B, C]
         prev = conv_state[slots].to(x.dtype)                         # [B, C, k1]
-        prev = prev.masked_fill(fresh[:, None, None], 0)
+        if rec.any_fresh:
+            prev.masked_fill_(fresh[:, None, None], 0)
         seq = torch.cat([prev, x[:, :, None]], dim=-1)               # [B, C, K]
         conv = (seq * self.conv_weight.to(seq.dtype)).sum(-1)        # [B, C]
         conv_state[slots] = seq[:, :, 1:].to(conv_state.dtype)
         q, k, v = self._split(F.silu(conv))
-        S = ssm_state[slots]
-        S.masked_fill_(fresh[:, None, None, None], 0)
+        one = rec.dec_slot
+        # One row: its slot's state in place (a view); more: gathered, then written back.
+        S = ssm_state[one:one + 1] if one is not None else ssm_state[slots]
+        if rec.any_fresh:
+            S.masked_fill_(fresh[:, None, None, None], 0)
         o = delta_rule_step(S, q, k, v, g[rows], beta[rows])
-        ssm_state[slots] = S
+        if one is None:
+            ssm_state[slots] = S
         core[rows] = o
