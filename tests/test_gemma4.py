@@ -117,7 +117,8 @@ def test_hub_keys_read_as_per_layer_config(gemma4):
     raw = json.load(open(f"{gemma4[0]}/config.json"))
     hub = {k: v for k, v in raw.items() if k != "per_layer_config"}
     hub.update(global_head_dim=32, num_global_key_value_heads=1)
-    assert ModelConfig.from_hf_dict(hub) == ModelConfig.from_hf_dict(raw)
+    a, b = ModelConfig.from_hf_dict(hub), ModelConfig.from_hf_dict(raw)
+    assert a == b and a.extra == b.extra
     # num_global_key_value_heads applies only with attention_k_eq_v, as in transformers
     cfg = ModelConfig.from_hf_dict({**hub, "attention_k_eq_v": False})
     assert cfg.layer_kv_heads == () and cfg.extra["k_eq_v_layers"] == ()
@@ -128,6 +129,7 @@ def test_hub_keys_read_as_per_layer_config(gemma4):
     ({"num_kv_shared_layers": 6}, "num_kv_shared_layers=6"),
     ({"per_layer_config": {"2": {"head_dim": 32, "intermediate_size": 8}}}, "per_layer_config"),
     ({"enable_moe_block": True, "num_experts": None}, "enable_moe_block needs num_experts"),
+    ({"vocab_size_per_layer_input": 100}, "vocab_size_per_layer_input=100"),
     ({"rope_parameters": {**ROPE, SLIDING: {"rope_type": "linear", "rope_theta": 1e4,
                                             "factor": 2.0}}}, "sliding_attention rope_type"),
 ])
@@ -148,12 +150,13 @@ def test_eager_fp32_matches_transformers(checkpoints, name):
     assert_matches_reference(llm, ref, prompts, GREEDY)
 
 
-def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(gemma4):
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(checkpoints, name):
     """The C++ ops and attention where they build (the cpu backend runs both head sizes), a
     16-token budget (prompts prefilled in chunks past the window), a second round from the
     prefix cache, then a pool of 5 blocks (each the sum of the layers' own) that preempts:
     the eager path's tokens each time. Decode steps run op by op (the DecodeStack declines)."""
-    path, _ = gemma4
+    path, _ = checkpoints[name]
     fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
     ex = fast.engine.executor
     assert not ex.model.fused_decode
@@ -201,9 +204,11 @@ def test_decode_stack_declines_with_the_reason(checkpoints):
                        "gemma4_dense": "layer 0: its values are RMS-normalised (v_norm)"}
 
 
-def test_tensor_parallel_is_refused_before_any_rank_starts(gemma4):
+def test_tensor_parallel_and_lora_are_refused(gemma4):
     with pytest.raises(ValueError, match="tensor parallelism does not support the gemma4"):
         LLM(model=gemma4[0], tensor_parallel_size=2, **KW)
+    with pytest.raises(ValueError, match="LoRA adapters cannot adapt a model whose layers"):
+        LLM(model=gemma4[0], enable_lora=True, cpu_kernels=False, **KW)
 
 
 # ---- the KV pool's per-layer shapes and the backends that cannot run them --------------------

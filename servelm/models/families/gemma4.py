@@ -170,6 +170,12 @@ class Gemma4(Family):
             extra["intermediate_sizes"] = tuple(inter * (2 if s != i else 1)
                                                 for i, s in enumerate(sources))
         ple = _get(cfg, "hidden_size_per_layer_input")
+        if ple and _get(cfg, "vocab_size_per_layer_input") < base["vocab_size"]:
+            # transformers has no row for the other ids either (it fails on them)
+            raise ValueError(f"vocab_size_per_layer_input="
+                             f"{_get(cfg, 'vocab_size_per_layer_input')} is below vocab_size="
+                             f"{base['vocab_size']}: the per-layer inputs lack rows for some "
+                             f"token ids")
         if ple:
             extra.update(per_layer_input_size=int(ple),
                          per_layer_vocab_size=int(_get(cfg, "vocab_size_per_layer_input")))
