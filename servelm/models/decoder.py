@@ -14,13 +14,13 @@ or, a parallel block (Phi-2), x = x + attention(input_layernorm(x)) + mlp(input_
 residual_multiplier; OLMo 2 has the sandwich norms only, a NoNorm in place of the other
 two; Gemma 4 may add routed experts beside the MLP, moe.ExpertsBesideMLP, then its
 per-layer input, ple.py, and multiplies the stream by a scalar per layer), run in
-residual-stream form: each layer returns
-its MLP output (delta) and the residual stream x, and the next norm adds the delta into x
-in place before normalising it (RMSNorm.add_forward: one C++ pass with the kernels, the
-same bits as x + delta then the norm in the PyTorch reference); a Gemma 4 layer adds its
-own and returns no delta. Sliding layers may take a second rotary table (of their own head
-size: Gemma 4's global layers have a larger one, and their own KV-head count). Which implementation each op runs (C++ or PyTorch) the op modules
-chose once (select_ops); the forward here is the same either way.
+residual-stream form: each layer returns its MLP output (delta) and the residual stream x,
+and the next norm adds the delta into x in place before normalising it
+(RMSNorm.add_forward: one C++ pass with the kernels, the same bits as x + delta then the
+norm in the PyTorch reference); a Gemma 4 layer adds its own and returns no delta. Sliding
+layers may take a second rotary table (of their own head size: Gemma 4's global layers
+have a larger one, and their own KV-head count). Which implementation each op runs (C++ or
+PyTorch) the op modules chose once (select_ops); the forward here is the same either way.
 """
 
 from __future__ import annotations
