@@ -77,7 +77,8 @@ def test_layers_caches_and_the_decode_path(qwen3_next, caplog):
     assert not engine.block_manager.enable_caching
     assert engine.executor.num_state_slots == engine.block_manager.num_state_slots == 8
     runner = engine.executor.runner
-    assert len(runner.kv_cache.layers) == 1  # the one full-attention layer's K and V
+    # K and V of the one full-attention layer only.
+    assert runner.kv_cache.data.shape[0] == 1 and runner.kv_cache.layers[:3] == [None] * 3
     assert [type(c) for c in runner.layer_caches] == [tuple] * 4
     conv, ssm = runner.layer_caches[0]
     assert conv.shape == (8, 2 * 16 + 32, 3) and ssm.shape == (8, 4, 8, 8)

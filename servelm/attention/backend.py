@@ -32,6 +32,13 @@ class AttentionSpec:
     # only the keys of its own chunk, floor(pos / chunk) equal; Attention.chunk): the
     # reference backend runs it, the kernels do not (it is no sliding window).
     attention_chunk: int | None = None
+    # (KV heads, head dim) of the layers whose shape is not (num_kv_heads, head_dim): Gemma
+    # 4's global layers. A backend that cannot run one of them declines the model.
+    layer_shapes: tuple[tuple[int, int], ...] = ()
+
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every layer's (KV heads, head dim), each once, the model's own first."""
+        return tuple(dict.fromkeys(((self.num_kv_heads, self.head_dim), *self.layer_shapes)))
 
     def kernels_lack(self) -> str | None:
         """What this spec asks that only the reference backend runs (the kernel backends'

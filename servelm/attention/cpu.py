@@ -18,6 +18,8 @@ from servelm.kernels import load_ops
 
 # KV storage dtypes the C++ ops read (fp8 is not one: kv_quant's int8 only).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+# The C++ decode attention's limits (kernels/csrc/decode_attention.h: kMaxD, kMaxG).
+MAX_HEAD_DIM, MAX_QUERIES_PER_KV = 256, 32
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,6 +115,11 @@ class CpuBackend(AttentionBackend):
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
         if lack := spec.kernels_lack():
             return f"servelm's C++ attention kernels do not {lack}"
+        for kvh, d in spec.shapes():
+            if d > MAX_HEAD_DIM or spec.num_heads // kvh > MAX_QUERIES_PER_KV:
+                return (f"servelm's C++ decode attention takes head dims up to {MAX_HEAD_DIM} "
+                        f"and {MAX_QUERIES_PER_KV} query heads a KV head, not a layer's "
+                        f"{d} and {spec.num_heads // kvh}")
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

@@ -40,21 +40,24 @@ class AttnGroup:
         masks from query_pos and never builds it."""
         return self.window_mask(None)
 
-    def window_mask(self, window: int | None) -> torch.Tensor:
+    def window_mask(self, window: int | None, g: int | None = None) -> torch.Tensor:
         """`mask`, and with a sliding window only the last `window` keys (the query's own
-        included: key > pos - window); one mask per window, built once a step."""
+        included: key > pos - window); one mask per window, built once a step. g: the
+        layer's query heads per KV head where it is not the model's (Gemma 4's global
+        layers have their own KV-head count)."""
         masks = self.__dict__.setdefault("_masks", {})
-        if window not in masks:
+        g = g or self.num_queries_per_kv
+        key = window if g == self.num_queries_per_kv else ("g", window, g)
+        if key not in masks:
             B, Q = self.query_pos.shape
-            g = self.num_queries_per_kv
             keys = torch.arange(self.block_tables.shape[1] * self.block_size,
                                 device=self.query_pos.device).view(1, 1, -1)    # [1, 1, L]
             pos = self.query_pos.unsqueeze(-1)                                  # [B, Q, 1]
             mask = keys <= pos                                                  # causal
             if window is not None:
                 mask &= keys > pos - window
-            masks[window] = mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
-        return masks[window]
+            masks[key] = mask.unsqueeze(1).expand(B, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
+        return masks[key]
 
     def fits_window(self, window: int | None) -> bool:
         """Whether no query of the group has a key outside `window` (then windowed

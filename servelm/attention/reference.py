@@ -49,7 +49,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
-    mask = group.window_mask(window) if chunk is None else chunk_mask(group, window, chunk)
+    mask = (group.window_mask(window, g) if chunk is None
+            else chunk_mask(group, window, chunk, g))
     if softcap or sinks is not None:
         s = torch.matmul(qp, k.transpose(-1, -2)).float() * scale
         if softcap:
@@ -68,15 +69,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return o[group.unpad_index]
 
 
-def chunk_mask(group: AttnGroup, window: int | None, chunk: int) -> torch.Tensor:
-    """group.window_mask(window) less the keys outside each query's chunk of `chunk`
+def chunk_mask(group: AttnGroup, window: int | None, chunk: int, g: int | None = None
+               ) -> torch.Tensor:
+    """group.window_mask(window, g) less the keys outside each query's chunk of `chunk`
     positions; built once a step per chunk size, kept beside the group's window masks."""
     masks = group.__dict__.setdefault("_masks", {})
-    key = ("chunk", window, chunk)
+    g = g or group.num_queries_per_kv
+    key = ("chunk", window, chunk, g)
     if key not in masks:
-        base = group.window_mask(window)                                   # [B, 1, g * Q, L]
+        base = group.window_mask(window, g)                                # [B, 1, g * Q, L]
         B, Q = group.query_pos.shape
-        g = group.num_queries_per_kv
         keys = torch.arange(base.shape[-1], device=group.query_pos.device).view(1, 1, -1)
         same = keys // chunk == group.query_pos.unsqueeze(-1) // chunk     # [B, Q, L]
         masks[key] = base & same.unsqueeze(1).expand(B, g, Q, -1).reshape(B, 1, g * Q, -1)

@@ -23,10 +23,12 @@ class TritonBackend(AttentionBackend):
             return f"the Triton attention kernels do not {lack}"
         if not ta.available():
             return "Triton is not installed"
-        # Both kernels must compile for this shape here and agree with the references.
-        if not ta.works(spec.device, spec.dtype, spec.num_heads, spec.num_kv_heads,
-                        spec.head_dim, spec.block_size, spec.kv_dtype):
-            return "its kernels failed their probe on this shape (see the log)"
+        # Both kernels must compile for each layer's shape here and agree with the references.
+        for kvh, d in spec.shapes():
+            if not ta.works(spec.device, spec.dtype, spec.num_heads, kvh, d, spec.block_size,
+                            spec.kv_dtype):
+                return (f"its kernels failed their probe on {kvh} KV heads of {d} dims "
+                        f"(see the log)")
         return None
 
     def build(self, seqs, block_size, num_queries_per_kv, device):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
@@ -59,7 +60,14 @@ class KVCache:
     block manager never hands out: padding rows of captured CUDA-graph steps write there.
     A quantised pool (dtype int8 or float8_e4m3fn, servelm.models.kv_quant) also holds one
     fp32 scale per token and KV head, `scales` [layers, 2, blocks, block_size, KVH]; each
-    layer's entry of `layers` is then (k, v, k_scale, v_scale), else (k, v)."""
+    layer's entry of `layers` is then (k, v, k_scale, v_scale), else (k, v).
+
+    Layers may differ in KV heads and head size (Gemma 4's global layers: ModelConfig's
+    head_dim_of / kv_heads_of), and a KV-shared layer holds no cache of its own: its entry
+    of `layers` is its source layer's (kv_source). The pool is still one allocation, each
+    layer's K, V (then their scales) a region of it in layer order; `data` and `scales`
+    are then flat views of the rows and the scales, and bytes_per_block the sum over the
+    layers that hold a cache. Uniform models keep the shapes above."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, spare_block: bool = False,
@@ -67,45 +75,56 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pad_block = num_blocks if spare_block else None
         self.quantized = kv_quant.is_quantized(dtype)
+        self.dtype = dtype
         total = num_blocks + spare_block
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
-        # Only the layers with K and V (cfg.kv_layers: not linear attention's), in order.
-        num_layers = len(cfg.kv_layers)
-        shape = (num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
+        own = _own_kv_layers(cfg)
+        shapes = [(total, block_size, cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in own]
+        numels = [2 * math.prod(sh) for sh in shapes]  # K and V of each layer
+        elem = torch.empty(0, dtype=dtype).element_size()
+        rows = sum(numels) * elem
+        # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
+        nscales = sum(n // sh[-1] for n, sh in zip(numels, shapes)) if self.quantized else 0
         if torch.device(device).type == "cpu":
             n = total * self.bytes_per_block(cfg, block_size, dtype)
-            # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
             buf = _hugepages.empty(n, hugepages).view(torch.uint8)
-            rows = num_layers * 2 * total * block_size * cfg.num_kv_heads * cfg.head_dim
-            rows *= torch.empty(0, dtype=dtype).element_size()
             # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
             # nothing to clear, and a page is only committed once a token's KV lands in it.
-            self.data = buf[:rows].view(dtype).view(shape)
-            self.scales = (buf[rows:].view(torch.float32).view(shape[:-1])
-                           if self.quantized else None)
-            self._uncommitted = self._commit_units()
         else:
             # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).
-            self.data = (torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
-                         if self.quantized else torch.zeros(shape, dtype=dtype, device=device))
-            self.scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            buf = torch.zeros(rows + 4 * nscales, dtype=torch.uint8, device=device)
+        flat = buf[:rows].view(dtype)
+        flat_scales = buf[rows:rows + 4 * nscales].view(torch.float32) if self.quantized else None
+        regions, scale_regions, at, sat = [], [], 0, 0
+        for sh, n in zip(shapes, numels):
+            regions.append(flat[at:at + n].view(2, *sh))
+            at += n
+            if self.quantized:
+                scale_regions.append(flat_scales[sat:sat + n // sh[-1]].view(2, *sh[:-1]))
+                sat += n // sh[-1]
+        if cfg.uniform_kv:  # [layers, 2, total, block_size, KVH, D], as always
+            self.data = flat.view(len(own), 2, *shapes[0])
+            self.scales = (flat_scales.view(len(own), 2, *shapes[0][:-1])
                            if self.quantized else None)
-            self._uncommitted = []  # zeroed, so committed already
-        if self.quantized:
-            self.layers = [(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
-                           for i in range(num_layers)]
         else:
-            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+            self.data, self.scales = flat, flat_scales
+        if self.quantized:
+            mine = {i: (r[0], r[1], s[0], s[1]) for i, r, s in zip(own, regions, scale_regions)}
+        else:
+            mine = {i: (r[0], r[1]) for i, r in zip(own, regions)}
+        # (None: a linear-attention layer, whose recurrent state is a StateCache's.)
+        self.layers = [None if cfg.is_linear_layer(i) else mine[cfg.kv_source(i)]
+                       for i in range(cfg.num_layers)]
+        self._regions = [t for r in regions for t in r] + [t for r in scale_regions for t in r]
+        self._uncommitted = self._commit_units() if torch.device(device).type == "cpu" else []
 
     def _commit_units(self) -> list[tuple[int, int]]:
         """The pool's memory as (address, bytes) units in the order blocks are handed out:
         block ids rise (BlockManager), and a block's rows lie one in each region (a layer's
         K or V, and their scales), so the units go a window of blocks at a time (a huge
         page of the largest region), each window's slice of every region."""
-        regions = [t for layer in self.data for t in layer]  # [total, bs, KVH, D] each
-        if self.scales is not None:
-            regions += [t for layer in self.scales for t in layer]
+        regions = self._regions  # [total, bs, KVH, D] each, then the scales [total, bs, KVH]
         total = regions[0].shape[0]
         spans = [(t.data_ptr(), t[0].numel() * t.element_size()) for t in regions]
         window = max(1, _hugepages.HUGE_PAGE // max(b for _, b in spans))  # blocks
@@ -134,11 +153,18 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block in every layer that has them, with the scales of a
-        quantised pool."""
+        """K and V of one block in every layer that holds a cache (each its own shape),
+        with the scales of a quantised pool."""
         elem = torch.empty(0, dtype=dtype).element_size()
-        row = cfg.head_dim * elem + (4 if kv_quant.is_quantized(dtype) else 0)
-        return 2 * len(cfg.kv_layers) * block_size * cfg.num_kv_heads * row
+        scale = 4 if kv_quant.is_quantized(dtype) else 0
+        return sum(2 * block_size * cfg.kv_heads_of(i) * (cfg.head_dim_of(i) * elem + scale)
+                   for i in _own_kv_layers(cfg))
+
+
+def _own_kv_layers(cfg: ModelConfig) -> list[int]:
+    """The layers that hold a KV cache of their own (not KV-shared, not linear
+    attention's recurrent state), in order."""
+    return list(cfg.kv_layers)
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
@@ -201,14 +227,13 @@ class ModelRunner:
         self.device = device
         cfg: ModelConfig = model.config
         # What each layer reads and writes, in layer order: its K/V (kv_cache.layers, the
-        # same list where every layer has them) or its recurrent state.
+        # same list where no layer keeps a recurrent state) or its recurrent state.
         self.layer_caches = kv_cache.layers
         if cfg.has_recurrent_state:
             if state_cache is None:
                 raise ValueError("a model with linear-attention layers needs a StateCache")
-            kv = iter(kv_cache.layers)
-            self.layer_caches = [state_cache.layers[i] if cfg.is_linear_layer(i) else next(kv)
-                                 for i in range(cfg.num_layers)]
+            self.layer_caches = [state_cache.layers[i] if cfg.is_linear_layer(i)
+                                 else kv_cache.layers[i] for i in range(cfg.num_layers)]
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
         # The path is decided once: fused C++ kernels (norms, rotary + KV write, SiLU) on
         # CPU when they build, else the eager PyTorch reference (CUDA, no compiler,
@@ -234,11 +259,14 @@ class ModelRunner:
             torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
             sinks=bool(cfg.extra.get("attention_sinks")),
-            attention_chunk=cfg.extra.get("attention_chunk_size")))
+            attention_chunk=cfg.extra.get("attention_chunk_size"),
+            layer_shapes=tuple(dict.fromkeys(
+                (cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in range(cfg.num_layers)
+                if (cfg.kv_heads_of(i), cfg.head_dim_of(i)) != (cfg.num_kv_heads, cfg.head_dim)))))
         logger.info("attention backend: %s", self.attention.name)
         # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
         if use_kernels and self.attention.ragged_decodes and kernels.fused_decode:
-            model.bind_decode_layers(kv_cache.layers)  # decode-only steps: one C++ call
+            model.bind_decode_layers(self.layer_caches)  # decode-only steps: one C++ call
         # LoRA adapters' slots of each step's rows (servelm.lora.wrap), None without them.
         self.lora_step = getattr(model, "lora_step", None)
         # The ops are chosen: the weights are final (loaded, quantised or sharded) too.
@@ -288,7 +316,7 @@ class ModelRunner:
                 return out
         adapted = self.lora_step is not None and any(s.lora_slot >= 0 for s in seqs)
         if (self.attention.ragged_decodes
-                and self.model.decode_stack_takes(self.kv_cache.layers, len(seqs))
+                and self.model.decode_stack_takes(self.layer_caches, len(seqs))
                 and (not adapted or getattr(self.model, "stack_runs_lora", False))
                 and all(len(s.token_ids) == 1 and s.sample for s in seqs)):
             # Decodes only, on the DecodeStack: its input as plain lists, no ForwardBatch (a

@@ -94,6 +94,13 @@ class ModelConfig:
     # A shared expert beside the routed ones in every MoE layer, its output gated by
     # sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0: none.
     shared_expert_intermediate_size: int = 0
+    # ---- attention shapes per layer (Gemma 4's global layers); () = head_dim and
+    # num_kv_heads on every layer ----
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    # The layer whose K/V each layer attends (Gemma 4's num_kv_shared_layers: the last
+    # layers read an earlier layer's cache and hold none of their own); () = its own.
+    kv_source_layers: tuple[int, ...] = ()
     # ---- pooling (embeddings), as the checkpoint states it; None: it says nothing ----
     pooling_type: str | None = None       # last | mean | cls (or one servelm cannot run)
     pooling_normalize: bool | None = None  # sentence-transformers' Normalize module
@@ -146,6 +153,21 @@ class ModelConfig:
         for cap in ("final_logit_softcap", "attn_logit_softcap"):
             if getattr(self, cap) is not None and not getattr(self, cap) > 0:
                 raise ValueError(f"{cap} {getattr(self, cap)} must be positive")
+        for key in ("layer_head_dims", "layer_kv_heads", "kv_source_layers"):
+            if getattr(self, key) and len(getattr(self, key)) != self.num_layers:
+                raise ValueError(f"{key} has {len(getattr(self, key))} entries for "
+                                 f"{self.num_layers} layers")
+        for i in range(self.num_layers):
+            if self.num_heads % self.kv_heads_of(i):
+                raise ValueError(f"layer {i}: num_heads ({self.num_heads}) must be a multiple "
+                                 f"of its {self.kv_heads_of(i)} KV heads")
+            src = self.kv_source(i)
+            if src != i and not (0 <= src < i and self.kv_source(src) == src):
+                raise ValueError(f"layer {i} reads layer {src}'s KV cache, which is not an "
+                                 f"earlier layer's own")
+            if src != i and (self.head_dim_of(i), self.kv_heads_of(i)) != (
+                    self.head_dim_of(src), self.kv_heads_of(src)):
+                raise ValueError(f"layer {i} reads layer {src}'s KV cache of another shape")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
@@ -162,33 +184,74 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep K and V in the paged cache (all but linear attention)."""
-        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+        """The layers that keep K and V of their own in the paged cache (not linear
+        attention's, not a KV-shared layer's)."""
+        return tuple(i for i in range(self.num_layers)
+                     if not self.is_linear_layer(i) and self.kv_source(i) == i)
 
     @property
     def has_recurrent_state(self) -> bool:
         """Whether some layer keeps a recurrent state per sequence."""
         return LINEAR in self.layer_types
 
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache this layer attends (itself, unless KV-shared)."""
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Every layer holds its own K/V of one shape (num_kv_heads x head_dim)."""
+        return all(self.kv_source(i) == i and self.head_dim_of(i) == self.head_dim
+                   and self.kv_heads_of(i) == self.num_kv_heads for i in range(self.num_layers))
+
+    def intermediate_of(self, layer: int) -> int:
+        """The dense MLP's width on this layer (Gemma 4 doubles some: extra's
+        intermediate_sizes)."""
+        sizes = self.extra.get("intermediate_sizes")
+        return sizes[layer] if sizes else self.intermediate_size
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     def _mlp_params(self, layer: int, active: bool) -> int:
         h = self.hidden_size
+        dense = (3 if self.mlp_gated else 2) * h * self.intermediate_of(layer)
         if not self.is_moe_layer(layer):
-            return (3 if self.mlp_gated else 2) * h * self.intermediate_size
+            return dense
+        if self.extra.get("moe_beside_mlp"):  # Gemma 4: the experts beside the dense MLP
+            experts = self.num_experts_per_tok if active else self.num_experts
+            # + the router (its input scale, its per-expert scale) and the block's 3 norms
+            return (dense + experts * 3 * h * self.moe_intermediate_size
+                    + (h + 1) * self.num_experts + 4 * h)
         experts = self.num_experts_per_tok if active else self.num_experts
         shared_i = self.shared_expert_intermediate_size
         gate = h if self.extra.get("shared_expert_gate", True) else 0  # Qwen2-MoE's sigmoid gate
         shared = 3 * h * shared_i + gate if shared_i else 0
         return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared
 
+    def _attn_params(self, layer: int) -> int:
+        """q, k, v, o and the q/k norms of one layer (a KV-shared layer has no k and v, a
+        Gemma 4 k_eq_v layer no v)."""
+        h, d = self.hidden_size, self.head_dim_of(layer)
+        q, kv = self.num_heads * d, self.kv_heads_of(layer) * d
+        kvs = (0 if self.kv_source(layer) != layer
+               else 1 if layer in self.extra.get("k_eq_v_layers", ()) else 2)
+        norms = 0
+        if self.qk_norm:
+            norms = q + kv if self.qk_norm_whole else (2 if kvs else 1) * d
+        gate = h * q if self.extra.get("attn_output_gate") else 0  # Qwen3-Next's output gate
+        return h * (q + kvs * kv) + q * h + norms + gate
+
     def _params(self, active: bool) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
         pre = (1 if self.parallel_block and not self.parallel_mlp_norm else 2) if self.pre_norms else 0
         norms = ((2 if self.sandwich_norms else 0) + pre) * h
-        if self.qk_norm:
-            norms += q + kv if self.qk_norm_whole else 2 * self.head_dim
         mla = self.extra.get("mla")
         if mla:  # DeepSeek's latent attention (models/mla.py)
             qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
@@ -197,10 +260,6 @@ class ModelConfig:
             attn = (query + h * (c + mla["qk_rope_head_dim"]) + c
                     + c * heads * (mla["qk_nope_head_dim"] + mla["v_head_dim"])
                     + heads * mla["v_head_dim"] * h)
-        else:
-            attn = h * (q + 2 * kv) + q * h
-        if self.extra.get("attn_output_gate"):  # Qwen3-Next: sigmoid(x W) on the output
-            attn += h * q
         lin = self.extra.get("linear_attn")
         linear = 0
         if lin:  # a gated DeltaNet layer (models/linear_attention.py)
@@ -210,10 +269,15 @@ class ModelConfig:
             linear = (h * (2 * kd + 2 * vd) + h * 2 * lin["num_v_heads"]
                       + conv * lin["conv_kernel"] + 2 * lin["num_v_heads"]
                       + lin["head_v_dim"] + vd * h)
-        qk = 2 * self.head_dim if self.qk_norm and not self.qk_norm_whole else 0
-        layers = sum((linear + norms - qk if self.is_linear_layer(i) else attn + norms)
-                     + self._mlp_params(i, active) for i in range(self.num_layers))
+        layers = sum((linear if self.is_linear_layer(i) else attn if mla
+                      else self._attn_params(i)) + self._mlp_params(i, active)
+                     + norms for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        p = self.extra.get("per_layer_input_size")
+        if p:  # Gemma 4's per-layer inputs: the table, the projection and norm, each layer's
+            n = self.num_layers
+            embed += self.extra["per_layer_vocab_size"] * n * p + h * n * p + p
+            layers += n * (2 * h * p + h)
         return layers + embed + h
 
     @property

@@ -168,6 +168,18 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention is chunked (keys from the query's own chunk only)"
     if attn.qk_l2_norm:
         return "its q and k are L2-normalised after the rotary"
+    if getattr(layer, "moe", None) is not None:
+        return "it has routed experts beside its MLP (routed experts run op by op)"
+    if attn.kv_shared:
+        return "it attends an earlier layer's KV cache (KV sharing)"
+    if attn.k_eq_v:
+        return "its values are its keys' projection (k_eq_v)"
+    if attn.v_norm:
+        return "its values are RMS-normalised (v_norm)"
+    if getattr(layer, "per_layer_input", None) is not None:
+        return "it adds a per-layer input (per-layer embeddings)"
+    if getattr(layer, "layer_scalar", None) is not None:
+        return "it scales its residual stream (layer_scalar)"
     if attn.attn_gate is not None:
         return "its attention output is gated (sigmoid(x W) before o_proj)"
     if not attn.rope:

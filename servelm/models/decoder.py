@@ -12,12 +12,15 @@ or, a parallel block (Phi-2), x = x + attention(input_layernorm(x)) + mlp(input_
 
 (the bracketed norms: Gemma's and GLM-4's sandwich; the scale: Granite's
 residual_multiplier; OLMo 2 has the sandwich norms only, a NoNorm in place of the other
-two), run in residual-stream form: each layer returns
-its MLP output (delta) and the residual stream x, and the next norm adds the delta into x
-in place before normalising it (RMSNorm.add_forward: one C++ pass with the kernels, the
-same bits as x + delta then the norm in the PyTorch reference). Sliding layers may take a
-second rotary table. Which implementation each op runs (C++ or PyTorch) the op modules
-chose once (select_ops); the forward here is the same either way.
+two; Gemma 4 may add routed experts beside the MLP, moe.ExpertsBesideMLP, then its
+per-layer input, ple.py, and multiplies the stream by a scalar per layer), run in
+residual-stream form: each layer returns its MLP output (delta) and the residual stream x,
+and the next norm adds the delta into x in place before normalising it
+(RMSNorm.add_forward: one C++ pass with the kernels, the same bits as x + delta then the
+norm in the PyTorch reference); a Gemma 4 layer adds its own and returns no delta. Sliding
+layers may take a second rotary table (of their own head size: Gemma 4's global layers
+have a larger one, and their own KV-head count). Which implementation each op runs (C++ or
+PyTorch) the op modules chose once (select_ops); the forward here is the same either way.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from servelm.models.layers import (MLP, Attention, GatedMLP, NoNorm, RotaryEmbed
                                    make_norm, rotate_half_rows, select_ops)
 from servelm.models.linear_attention import GatedDeltaNet
 from servelm.models.mla import LatentAttention
-from servelm.models.moe import SparseMoE
+from servelm.models.moe import ExpertsBesideMLP, SparseMoE
+from servelm.models.ple import PerLayerEmbedding, PerLayerInput
 
 if TYPE_CHECKING:
     from servelm.attention.metadata import ForwardBatch
@@ -61,7 +65,7 @@ class DecoderLayer(nn.Module):
                                              bias=cfg.attention_bias, **mla)
         else:
             self.self_attn = Attention(
-                h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                h, cfg.num_heads, cfg.kv_heads_of(index), cfg.head_dim_of(index),
                 bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=eps,
                 window=cfg.window(index), scale=cfg.attn_scale,
                 rotary_dim=cfg.rotary_dim, softcap=cfg.attn_logit_softcap,
@@ -75,6 +79,9 @@ class DecoderLayer(nn.Module):
                 chunk=(extra["attention_chunk_size"]
                        if index in extra.get("chunked_layers", ()) else None),
                 qk_l2_norm=index in extra.get("qk_l2_norm_layers", ()),
+                v_norm=bool(extra.get("v_norm")),
+                k_eq_v=index in extra.get("k_eq_v_layers", ()),
+                kv_shared=cfg.kv_source(index) != index,
                 output_gate=bool(extra.get("attn_output_gate")))
         if cfg.extra.get("attention_sinks"):
             # A learned logit per query head in each query's softmax denominator (gpt-oss):
@@ -84,7 +91,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = (
             None if self.parallel and not cfg.parallel_mlp_norm
             else make_norm(norm, h, eps) if cfg.pre_norms else NoNorm())
-        if cfg.is_moe_layer(index):
+        self.moe = None  # Gemma 4's experts beside the dense MLP
+        if cfg.is_moe_layer(index) and extra.get("moe_beside_mlp"):
+            self.mlp = GatedMLP(h, cfg.intermediate_of(index), cfg.hidden_act)
+            self.moe = ExpertsBesideMLP(h, cfg.moe_intermediate_size, cfg.num_experts,
+                                        cfg.num_experts_per_tok, cfg.hidden_act, eps)
+        elif cfg.is_moe_layer(index):
             # gpt-oss's router and expert biases and clamped SwiGLU, Llama 4's sigmoid router,
             # input-weighted experts and ungated shared expert: their families' extra options.
             moe_options = {k: cfg.extra[k] for k in ("router_bias", "expert_bias",
@@ -97,21 +109,29 @@ class DecoderLayer(nn.Module):
                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act,
                                  cfg.shared_expert_intermediate_size, **moe_options)
         elif cfg.mlp_gated:
-            self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
+            self.mlp = GatedMLP(h, cfg.intermediate_of(index), cfg.hidden_act)
         else:
-            self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+            self.mlp = MLP(h, cfg.intermediate_of(index), cfg.hidden_act, cfg.mlp_bias)
         self.attn_out_norm = make_norm(norm, h, eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = make_norm(norm, h, eps) if cfg.sandwich_norms else None
         self.residual_scale = cfg.residual_scale  # each branch's output times this (Granite)
         # Which rotary table the layer takes: sliding layers their own base, where it differs.
         self.local_rotary = cfg.window(index) is not None and cfg.rope_local_theta is not None
+        # Gemma 4: the per-layer input added at the end (ple.py), then the whole residual
+        # stream times layer_scalar; such a layer adds its own MLP output and returns no delta.
+        size = extra.get("per_layer_input_size")
+        self.per_layer_input = PerLayerInput(h, size, cfg.hidden_act, eps) if size else None
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if extra.get("layer_scalar") else None
+        self.closes_stream = self.per_layer_input is not None or self.layer_scalar is not None
 
-    def forward(self, delta, residual, cos, sin, batch, kv_cache, rows=None):
-        """residual += delta (the previous layer's MLP output, None for the first layer)
-        inside the input norm; returns (this layer's MLP output, residual), residual updated
-        in place. rows: only these flat tokens continue past attention (the last layer, when
-        only the sampled tokens' hidden states are wanted; the residual's rows are taken
-        first); every token's K/V is still written."""
+    def forward(self, delta, residual, cos, sin, batch, kv_cache, rows=None,
+                per_layer_input=None):
+        """residual += delta (the previous layer's MLP output, None for the first layer or
+        after a layer that adds its own) inside the input norm; returns (this layer's MLP
+        output, residual), residual updated in place. rows: only these flat tokens continue
+        past attention (the last layer, when only the sampled tokens' hidden states are
+        wanted; the residual's rows are taken first); every token's K/V is still written.
+        per_layer_input: this layer's [T, P] (Gemma 4's, ple.py)."""
         if delta is None:
             h = self.input_layernorm(residual)
         else:
@@ -132,11 +152,21 @@ class DecoderLayer(nn.Module):
             a = a * self.residual_scale
         h = self.post_attention_layernorm.add_forward(a, residual)
         m = self.mlp(h)
+        if self.moe is not None:  # the experts read the stream before the MLP's norm
+            m = self.moe(m, residual)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
         if self.residual_scale != 1.0:
             m = m * self.residual_scale
-        return m, residual
+        if not self.closes_stream:
+            return m, residual
+        residual.add_(m)
+        if self.per_layer_input is not None:
+            p = per_layer_input if rows is None else per_layer_input[rows]
+            residual.add_(self.per_layer_input(residual, p))
+        if self.layer_scalar is not None:
+            residual.mul_(self.layer_scalar)
+        return None, residual
 
     def linears(self) -> tuple[nn.Module, ...]:
         """qkv, o, gate_up, down: the order the DecodeStack takes them."""
@@ -175,6 +205,10 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        size = cfg.extra.get("per_layer_input_size")  # Gemma 4's per-layer inputs (ple.py)
+        self.per_layer_embed = (PerLayerEmbedding(cfg.extra["per_layer_vocab_size"],
+                                                  cfg.hidden_size, cfg.num_layers, size,
+                                                  cfg.rms_norm_eps) if size else None)
         self.norm = make_norm(cfg.norm_type, cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.rotary_local = None
         if torch.get_default_device().type != "meta":  # else build_model makes them later:
@@ -199,14 +233,17 @@ class CausalLM(nn.Module):
 
     def init_rotary(self, device: torch.device | None = None) -> None:
         """(Re)build the rotary tables (buffers not in any checkpoint) on `device`: the
-        model's, and the sliding layers' own where their base differs (Gemma 3)."""
+        model's, and the sliding layers' own where their base differs (Gemma 3), each as
+        wide as its layers' heads (Gemma 4's global layers have larger ones)."""
         cfg = self.config
-        dim = cfg.rotary_dim or cfg.head_dim
-        self.rotary = RotaryEmbedding(dim, self.max_positions, cfg.rope_theta,
-                                      cfg.rope_scaling).to(device)
+        local = [i for i, layer in enumerate(self.layers) if layer.local_rotary]
+        main = next((i for i in range(cfg.num_layers) if i not in local), 0)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim_of(main), self.max_positions,
+                                      cfg.rope_theta, cfg.rope_scaling).to(device)
         self.rotary_local = None
-        if any(layer.local_rotary for layer in self.layers):
-            self.rotary_local = RotaryEmbedding(dim, self.max_positions, cfg.rope_local_theta,
+        if local:
+            self.rotary_local = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim_of(local[0]),
+                                                self.max_positions, cfg.rope_local_theta,
                                                 None).to(device)
 
     def decode_stack_supported(self) -> bool:
@@ -281,6 +318,8 @@ class CausalLM(nn.Module):
                                                  dec.block_tables, dec.context_lens)
         # The residual stream x, updated in place by each norm's add.
         x = self.embed(batch.input_ids)
+        # Gemma 4's per-layer inputs [T, layers, P], from the embedding before any layer.
+        ple = None if self.per_layer_embed is None else self.per_layer_embed(batch.input_ids, x)
         tables = [self.rotary.cos_sin(batch.positions, x.dtype)]
         if self.rotary_local is not None:
             tables.append(self.rotary_local.cos_sin(batch.positions, x.dtype))
@@ -294,8 +333,9 @@ class CausalLM(nn.Module):
             delta = None
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 cos, sin = tables[layer.local_rotary]
-                delta, x = layer(delta, x, cos, sin, batch, kv, rows=rows if i == last else None)
-        return self.norm.add_forward(delta, x)
+                delta, x = layer(delta, x, cos, sin, batch, kv, rows=rows if i == last else None,
+                                 per_layer_input=None if ple is None else ple[:, i])
+        return self.norm(x) if delta is None else self.norm.add_forward(delta, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> fp32 logits [S, vocab] (divided by logits_scaling, and
@@ -360,6 +400,8 @@ class CausalLM(nn.Module):
             target = name.replace(f".{part}.", f".{fused}.")
             pending.setdefault(target, {})[part] = tensor
             parts = stacks[fused]
+            if fused == "qkv_proj":  # a layer may fuse fewer (Gemma 4's k_eq_v, KV-shared)
+                parts = getattr(self._layer_of(target).self_attn, "qkv_parts", parts)
             if all(p in pending[target] for p in parts):
                 got = pending.pop(target)
                 self._copy(params, target, [got[p] for p in parts])
@@ -373,11 +415,24 @@ class CausalLM(nn.Module):
         values; a tensor the family splits (Family.split) comes as its parts."""
         for hf_name, tensor in weights:
             name = self.family.internal_name(hf_name)
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or self._not_read(name):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
             yield from self.family.split(name, self.family.transform(name, tensor), self.config)
+
+    _LAYER = re.compile(r"layers\.(\d+)\.")
+    _KV_PARTS = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+    def _layer_of(self, name: str) -> DecoderLayer:
+        return self.layers[int(self._LAYER.match(name).group(1))]
+
+    def _not_read(self, name: str) -> bool:
+        """A checkpoint tensor the model has no place for, by design: a KV-shared layer's
+        own k / v projections and norms (Gemma 4's checkpoints may hold them; transformers
+        ignores them too)."""
+        m = self._KV_PARTS.match(name)
+        return m is not None and self.config.kv_source(int(m.group(1))) != int(m.group(1))
 
     def _copy_expert(self, params, m: re.Match, tensor: torch.Tensor, seen: dict[str, set],
                      loaded: set[str]) -> None:

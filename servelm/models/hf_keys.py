@@ -31,8 +31,9 @@ def rope_scaling(cfg: dict[str, Any], layer_type: str = FULL) -> dict[str, Any] 
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3", "yarn"):
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+    if kind not in ("linear", "llama3", "yarn", "proportional"):
+        raise ValueError(f"unsupported rope scaling {kind!r} "
+                         f"(supported: linear, llama3, yarn, proportional)")
     out = {**scaling, "rope_type": kind}
     if kind == "yarn":
         out.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))

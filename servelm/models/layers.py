@@ -263,6 +263,14 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / factor
+    if kind == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the head's frequencies
+        # (exponents over the whole head_dim) turn, the rest are 0 (cos 1, sin 0: those
+        # dims pass through unchanged), all divided by factor.
+        head_dim, part = 2 * len(inv_freq), scaling.get("partial_rotary_factor")
+        keep = int((1.0 if part is None else float(part)) * head_dim // 2)
+        inv_freq = torch.cat((inv_freq[:keep], torch.zeros(len(inv_freq) - keep)))
+        return inv_freq / factor
     # llama3: keep high frequencies, divide low ones by factor, blend in between.
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
@@ -315,7 +323,12 @@ class Attention(OpModule):
     `chunk` positions, Llama 4's rope layers; the reference backend runs it, the kernel
     backends decline it) and a weightless RMS ("L2") norm of each head's q and k after the
     rotary (qk_l2_norm, Llama 4; the projection's norms, rotary and KV write then run in
-    PyTorch, since the C++ op writes k rotated but not normalised). The rotary table is
+    PyTorch, since the C++ op writes k rotated but not normalised); Gemma 4's a weightless
+    RMS norm of each head's v (v_norm), the value taken from the key projection as
+    projected, before the k norm and the rotary (k_eq_v: qkv_proj has q and k rows only;
+    the PyTorch path), and a layer reading an earlier layer's K/V (kv_shared: qkv_proj
+    has q rows only, no k norm, nothing written; the cache it is handed is that layer's).
+    The rotary table is
     the caller's (a model may hold one per layer kind); an output gate (output_gate: the
     output times sigmoid(attn_gate(x)) before o_proj, Qwen3-Next); with a partial rotary (rotary_dim <
     head_dim) it is narrower than head_dim. The op chosen once (select): the projection's norms, rotary
@@ -330,7 +343,8 @@ class Attention(OpModule):
                  rope: bool = True, qk_norm_whole: bool = False, out_bias: bool = False,
                  q_scale_beta: float = 0.0, q_scale_period: int = 0,
                  q_scale_offset: float = 0.0, chunk: int | None = None,
-                 qk_l2_norm: bool = False, output_gate: bool = False):
+                 qk_l2_norm: bool = False, v_norm: bool = False, k_eq_v: bool = False,
+                 kv_shared: bool = False, output_gate: bool = False):
         super().__init__()
         # Everything the constructor took, so tensor parallelism can rebuild it on fewer heads.
         self.options = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -339,11 +353,19 @@ class Attention(OpModule):
                             softcap=softcap, rope=rope, qk_norm_whole=qk_norm_whole,
                             out_bias=out_bias, q_scale_beta=q_scale_beta,
                             q_scale_period=q_scale_period, q_scale_offset=q_scale_offset,
-                            chunk=chunk, qk_l2_norm=qk_l2_norm, output_gate=output_gate)
+                            chunk=chunk, qk_l2_norm=qk_l2_norm, v_norm=v_norm,
+                            k_eq_v=k_eq_v, kv_shared=kv_shared,
+                            output_gate=output_gate)
+        if qk_norm_whole and (k_eq_v or kv_shared):
+            raise ValueError("k_eq_v and kv_shared take per-head q/k norms")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        # q, k and v projections fused into one matmul (rows: q, then k, then v).
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        # The checkpoint's projections fused into one matmul, their rows in this order: q,
+        # k and v; q and k where v is k's projection (k_eq_v); q alone (kv_shared).
+        self.qkv_parts = (("q_proj",) if kv_shared else ("q_proj", "k_proj") if k_eq_v
+                          else ("q_proj", "k_proj", "v_proj"))
+        self.qkv_proj = nn.Linear(hidden, self.q_size + (len(self.qkv_parts) - 1) * self.kv_size,
+                                  bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=out_bias)
         # The output gated by sigmoid(attn_gate(x)) before o_proj (Qwen3-Next, Qwen3.5).
         self.attn_gate = nn.Linear(hidden, self.q_size, bias=False) if output_gate else None
@@ -352,7 +374,8 @@ class Attention(OpModule):
             self.q_norm, self.k_norm = RMSNorm(self.q_size, eps), RMSNorm(self.kv_size, eps)
         else:
             self.q_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
-            self.k_norm = HeadRMSNorm(head_dim, eps) if qk_norm else None
+            self.k_norm = HeadRMSNorm(head_dim, eps) if qk_norm and not kv_shared else None
+        self.v_norm, self.k_eq_v, self.kv_shared = v_norm, k_eq_v, kv_shared
         self.window = window
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.rotary_dim = rotary_dim or head_dim
@@ -368,7 +391,9 @@ class Attention(OpModule):
 
     def select(self, kernels: bool) -> None:
         self.uses_kernels = kernels
-        self._qkv = qkv_kernels if kernels and not self.qk_l2_norm else qkv_ref
+        self._qkv = (q_only if self.kv_shared
+                     else qkv_kernels if kernels and not (self.qk_l2_norm or self.k_eq_v)
+                     else qkv_ref)
         # The kernel's rotary turns every dim of a head; a partial rotary runs the reference
         # rotary + KV write on the kernels' in-place layout.
         self._rotary_kv_write = (kv_write_ref if not self.rope
@@ -426,7 +451,9 @@ def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
     """q [T, H, D] after its norm and rotary; k and v written into their slots (the
     PyTorch reference)."""
     T = x.shape[0]
-    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k, *v = attn.qkv_proj(x).split([attn.q_size] + [attn.kv_size] * (len(attn.qkv_parts) - 1),
+                                      dim=-1)
+    v = v[0] if v else k  # k_eq_v: the value is the key projection, before k's norm and rotary
     if attn.qk_norm_whole:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.reshape(T, attn.num_heads, attn.head_dim), k.reshape(T, attn.num_kv_heads, attn.head_dim)
@@ -436,7 +463,9 @@ def qkv_ref(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     if attn.qk_l2_norm:  # after the rotary (Llama 4)
         q, k = l2_norm(q, attn.eps), l2_norm(k, attn.eps)
-    v = v.view(T, attn.num_kv_heads, attn.head_dim)
+    v = v.reshape(T, attn.num_kv_heads, attn.head_dim)
+    if attn.v_norm:
+        v = l2_norm(v, attn.eps)
     ks, vs = scales or (None, None)
     # Each token's K/V is written once, into its slot; attention then reads the cache.
     kv_quant.write(k_cache, ks, slot_mapping, k)
@@ -460,10 +489,23 @@ def qkv_kernels(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, sc
         q_k = qkv[:, :attn.q_size + attn.kv_size]
         q_k[:, :attn.q_size] = attn.q_norm(q_k[:, :attn.q_size].view(T, -1, d)).view(T, -1)
         q_k[:, attn.q_size:] = attn.k_norm(q_k[:, attn.q_size:].view(T, -1, d)).view(T, -1)
+    if attn.v_norm:  # each head's v over its root mean square, no weight, in place
+        v = qkv[:, attn.q_size + attn.kv_size:]
+        v.copy_(l2_norm(v.reshape(T, -1, d), attn.eps).view(T, -1))
     # Rotary on q (in place) and k, and k/v written into their slots: one pass.
     attn._rotary_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping,
                           attn.num_heads, attn.num_kv_heads, ks, vs)
     return qkv[:, :attn.q_size].view(T, attn.num_heads, d)
+
+
+def q_only(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, scales
+           ) -> torch.Tensor:
+    """A KV-shared layer's q [T, H, D] after its norm and rotary; no K/V of its own (the
+    cache it attends is an earlier layer's, already written this step)."""
+    q = attn.qkv_proj(x).reshape(x.shape[0], attn.num_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    return apply_rotary(q, cos, sin) if attn.rope else q
 
 
 class GatedMLP(OpModule):

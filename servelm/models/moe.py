@@ -31,6 +31,12 @@ the top k chosen only among the topk_group best groups); DeepSeek-V3's (router_s
 learned correction bias (score_bias: e_score_correction_bias [E]) among the topk_group
 groups whose two best biased scores sum highest, and weights the chosen experts by their
 unbiased scores (renormalised with norm_topk_prob). Routing runs in fp32.
+
+Gemma 4's (options too, in ExpertsBesideMLP): the router reads its own input (the layer's
+residual stream, not the experts' normalised input) through a weightless RMS norm times a
+learned scale and hidden ** -0.5 (router_input_norm), and the renormalised top-k weights
+are multiplied by a learned per-expert scale (per_expert_scale). The experts run beside the
+layer's dense MLP, each branch with its own norms, and their sum is the layer's MLP output.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.models.layers import GatedMLP, gated_act
+from servelm.models.layers import GatedMLP, RMSNorm, gated_act, l2_norm
 
 
 class SparseMoE(nn.Module):
@@ -56,7 +62,9 @@ class SparseMoE(nn.Module):
     shared_expert_gate False: the shared expert's output is added as it is (no gate);
     DeepSeek's routers (router_scoring "softmax_grouped" / "sigmoid_grouped", n_group,
     topk_group, score_bias: e_score_correction_bias [E]) and routed_scaling, the chosen
-    experts' weights' factor."""
+    experts' weights' factor; Gemma 4's router_input_norm (the router's input normalised
+    without weight, times router_scale [hidden] and hidden ** -0.5; eps its norm's) and
+    per_expert_scale (the chosen weights times per_expert_scale [E])."""
 
     ROUTERS = ("softmax", "sigmoid", "softmax_grouped", "sigmoid_grouped")
 
@@ -66,7 +74,9 @@ class SparseMoE(nn.Module):
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.0,
                  router_scoring: str = "softmax", expert_input_weighted: bool = False,
                  shared_expert_gate: bool = True, routed_scaling: float = 1.0,
-                 n_group: int = 1, topk_group: int = 1, score_bias: bool = False):
+                 n_group: int = 1, topk_group: int = 1, score_bias: bool = False,
+                 router_input_norm: bool = False, per_expert_scale: bool = False,
+                 eps: float = 1e-6):
         super().__init__()
         if router_scoring not in self.ROUTERS:
             raise ValueError(f"unsupported router_scoring {router_scoring!r} "
@@ -84,7 +94,9 @@ class SparseMoE(nn.Module):
                             expert_input_weighted=expert_input_weighted,
                             shared_expert_gate=shared_expert_gate,
                             routed_scaling=routed_scaling, n_group=n_group,
-                            topk_group=topk_group, score_bias=score_bias)
+                            topk_group=topk_group, score_bias=score_bias,
+                            router_input_norm=router_input_norm,
+                            per_expert_scale=per_expert_scale, eps=eps)
         self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
         self.norm_topk_prob, self.act = norm_topk_prob, act
         self.route = {"softmax": self._route_softmax, "sigmoid": self._route_sigmoid,
@@ -95,6 +107,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts))
                                         if score_bias else None)
+        self.router_scale = nn.Parameter(torch.ones(hidden)) if router_input_norm else None
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts)) if per_expert_scale else None
+        self.eps, self.root_scale = eps, hidden ** -0.5
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.experts_gate_up_bias = self.experts_down_bias = None
@@ -120,12 +135,17 @@ class SparseMoE(nn.Module):
 
     def _route_softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of every token."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
+        r = x
+        if self.router_scale is not None:  # Gemma 4's router input
+            r = l2_norm(x, self.eps) * self.router_scale * self.root_scale
+        probs = F.softmax(self.gate(r).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.routed_scaling != 1.0:
             weights = weights * self.routed_scaling
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale[ids]
         return weights.to(x.dtype), ids
 
     def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
@@ -165,11 +185,11 @@ class SparseMoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return (weights * self.routed_scaling).to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
         """One implementation on every path (PyTorch's matmuls and activation): nothing
-        to select."""
+        to select. route: the router's input where it is not x (Gemma 4)."""
         T, k = x.shape[0], self.top_k
-        weights, ids = self.route(x)
+        weights, ids = self.route(x if route is None else route)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -201,6 +221,29 @@ class SparseMoE(nn.Module):
         dbias = None if self.experts_down_bias is None else self.experts_down_bias[e]
         h = self._act(F.linear(x, self.experts_gate_up[e], gbias))
         return F.linear(h, self.experts_down[e], dbias)
+
+
+class ExpertsBesideMLP(nn.Module):
+    """Gemma 4's MoE block, beside a layer's dense MLP: its output m (the dense MLP's) and
+    the residual stream x it read (before the MLP's norm) ->
+
+        mlp_norm(m) + out_norm(experts(input_norm(x), routed on x))
+
+    the router's input x itself (router_input_norm), its top-k weights renormalised and
+    times the per-expert scale. The caller adds its own norm after the sum."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 act: str, eps: float):
+        super().__init__()
+        self.mlp_norm = RMSNorm(hidden, eps)
+        self.input_norm = RMSNorm(hidden, eps)
+        self.out_norm = RMSNorm(hidden, eps)
+        self.experts = SparseMoE(hidden, intermediate, num_experts, top_k, True, act,
+                                 router_input_norm=True, per_expert_scale=True, eps=eps)
+
+    def forward(self, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        routed = self.experts(self.input_norm(x), route=x)
+        return self.mlp_norm(m) + self.out_norm(routed)
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from servelm.models.families.ernie4_5 import Ernie4_5
 from servelm.models.families.exaone4 import Exaone4
 from servelm.models.families.gemma2 import Gemma2
 from servelm.models.families.gemma3 import Gemma3
+from servelm.models.families.gemma4 import Gemma4
 from servelm.models.families.glm4 import Glm4
 from servelm.models.families.gpt_neox import GptNeoX
 from servelm.models.families.gpt_oss import GptOss
@@ -38,7 +39,7 @@ FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe()
                                 Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
                                 GraniteMoe(), StableLm(), Phi(), Cohere(), Ministral3(),
                                 GptNeoX(), GptOss(), Llama4(), DeepseekV2(), DeepseekV3(),
-                                Qwen3Next(), Qwen3_5(), Qwen3_5Moe())
+                                Qwen3Next(), Qwen3_5(), Qwen3_5Moe(), Gemma4())
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_GGUF = {a: f for f in FAMILIES for a in f.gguf_architectures}
 
