@@ -437,3 +437,33 @@ def tiny_hf_checkpoint(directory, config_cls: str, model_cls: str, extra: dict, 
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return model
+
+
+def assert_multimodal_checkpoint_serves_its_text_model(src: str, dst, architecture: str,
+                                                       model_type: str, rename, towers: list[str],
+                                                       kw: dict, prompts: list[str]) -> None:
+    """A multimodal checkpoint made from the text checkpoint `src` in directory `dst`: the
+    text config under text_config (architectures [architecture]), each tensor under the name
+    rename(name) gives, the `towers` tensors (vision, audio, MTP...) beside them. It loads as
+    `architecture` and its prompts' logits equal the text checkpoint's bit for bit (engine
+    options kw, C++ ops off)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from servelm import LLM
+
+    tensors = {rename(k): v for k, v in load_file(f"{src}/model.safetensors").items()}
+    tensors.update({name: torch.zeros(8, 8) for name in towers})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads(open(f"{src}/config.json").read())
+    (dst / "config.json").write_text(json.dumps({
+        "architectures": [architecture], "model_type": model_type,
+        "text_config": text, "vision_config": {"hidden_size": 8}}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / f).write_text(open(f"{src}/{f}").read())
+    kw = {**kw, "cpu_kernels": False}
+    mm, plain = LLM(model=str(dst), **kw), LLM(model=src, **kw)
+    assert mm.engine.model_config.architecture == architecture
+    ids = [plain.get_tokenizer().encode(p) for p in prompts]
+    assert torch.equal(prompt_logits(mm.engine, ids), prompt_logits(plain.engine, ids))

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
-                     prompt_logits, tiny_hf_checkpoint)
+                     assert_multimodal_checkpoint_serves_its_text_model, prompt_logits,
+                     tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.attention import AttentionSpec, select
@@ -167,27 +168,13 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(checkpoints
 
 
 def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):
-    """Gemma4ForConditionalGeneration's layout: the text config under text_config, the
-    tensors under model.language_model., vision and audio towers beside them (not read)."""
-    from safetensors.torch import load_file, save_file
-
-    src, _ = gemma4
-    tensors = {k.replace("model.", "model.language_model.", 1): v
-               for k, v in load_file(f"{src}/model.safetensors").items()}
-    tensors["model.vision_tower.patch_embedder.input_proj.weight"] = torch.zeros(8, 8)
-    tensors["model.embed_audio.embedding_projection.weight"] = torch.zeros(8, 8)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    text = json.load(open(f"{src}/config.json"))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-        "text_config": text, "vision_config": {"hidden_size": 8}}))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / f).write_text(open(f"{src}/{f}").read())
-    kw = {**KW, "cpu_kernels": False}
-    mm, plain = LLM(model=str(tmp_path), **kw), LLM(model=src, **kw)
-    assert mm.engine.model_config.architecture == "Gemma4ForConditionalGeneration"
-    prompts = [_ids(plain, p) for p in PROMPTS]
-    assert torch.equal(prompt_logits(mm.engine, prompts), prompt_logits(plain.engine, prompts))
+    """Gemma4ForConditionalGeneration's layout: the tensors under model.language_model.,
+    vision and audio towers beside them (not read)."""
+    assert_multimodal_checkpoint_serves_its_text_model(
+        gemma4[0], tmp_path, "Gemma4ForConditionalGeneration", "gemma4",
+        lambda k: k.replace("model.", "model.language_model.", 1),
+        ["model.vision_tower.patch_embedder.input_proj.weight",
+         "model.embed_audio.embedding_projection.weight"], KW, PROMPTS)
 
 
 def test_decode_stack_declines_with_the_reason(checkpoints):

@@ -10,7 +10,6 @@ model; llama.cpp's `llama4` GGUF written by gguf-py."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,8 +18,8 @@ import torch
 
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
                      assert_matches_reference, assert_reference_greedy,
-                     assert_tensor_parallel_matches,
-                     prompt_logits, tiny_hf_checkpoint)
+                     assert_multimodal_checkpoint_serves_its_text_model,
+                     assert_tensor_parallel_matches, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
@@ -131,26 +130,13 @@ def test_tensor_parallel_2_matches_tp1(llama4):
 
 
 def test_multimodal_checkpoint_serves_its_text_model(llama4, tmp_path):
-    """Llama4ForConditionalGeneration's layout: the text config under text_config, the
-    tensors under language_model., a vision tower beside them (not read)."""
-    from safetensors.torch import load_file, save_file
-
-    src, _ = llama4
-    tensors = {f"language_model.{k}": v for k, v in load_file(f"{src}/model.safetensors").items()}
-    tensors["vision_model.patch_embedding.linear.weight"] = torch.zeros(8, 8)
-    tensors["multi_modal_projector.linear_1.weight"] = torch.zeros(8, 8)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    text = json.loads(open(f"{src}/config.json").read())
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-        "text_config": text, "vision_config": {"hidden_size": 8}}))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / f).write_text(open(f"{src}/{f}").read())
-    kw = {**KW, "cpu_kernels": False}
-    mm, plain = LLM(model=str(tmp_path), **kw), LLM(model=src, **kw)
-    assert mm.engine.model_config.architecture == "Llama4ForConditionalGeneration"
-    prompts = [_ids(plain, p) for p in PROMPTS]
-    assert torch.equal(prompt_logits(mm.engine, prompts), prompt_logits(plain.engine, prompts))
+    """Llama4ForConditionalGeneration's layout: the tensors under language_model., a
+    vision tower beside them (not read)."""
+    assert_multimodal_checkpoint_serves_its_text_model(
+        llama4[0], tmp_path, "Llama4ForConditionalGeneration", "llama4",
+        lambda k: f"language_model.{k}",
+        ["vision_model.patch_embedding.linear.weight", "multi_modal_projector.linear_1.weight"],
+        KW, PROMPTS)
 
 
 # ---- the chunked mask on the reference attention -------------------------------------------

@@ -8,13 +8,14 @@ speculative decoding, tensor parallelism); int8 weights; Qwen3.5's multimodal ch
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
 
-from helpers import assert_matches_reference, prompt_logits, tiny_hf_checkpoint
+from helpers import (assert_matches_reference,
+                     assert_multimodal_checkpoint_serves_its_text_model, prompt_logits,
+                     tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.models.config import ModelConfig
@@ -163,28 +164,12 @@ def test_int8_weights_stay_close(qwen3_next):
 
 
 def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(qwen3_5, tmp_path):
-    """Qwen3_5ForConditionalGeneration's layout: the text config under text_config, the
-    tensors under model.language_model., a vision tower and MTP layers beside them (not
-    read)."""
-    from safetensors.torch import load_file, save_file
-
-    src, _ = qwen3_5
-    tensors = {k.replace("model.", "model.language_model.", 1): v
-               for k, v in load_file(f"{src}/model.safetensors").items()}
-    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 8)
-    tensors["mtp.fc.weight"] = torch.zeros(8, 8)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    text = json.loads(open(f"{src}/config.json").read())
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": text, "vision_config": {"hidden_size": 8}}))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / f).write_text(open(f"{src}/{f}").read())
-    kw = {**KW, "cpu_kernels": False}
-    mm, plain = LLM(model=str(tmp_path), **kw), LLM(model=src, **kw)
-    assert mm.engine.model_config.architecture == "Qwen3_5ForConditionalGeneration"
-    prompts = [_ids(plain, p) for p in PROMPTS]
-    assert torch.equal(prompt_logits(mm.engine, prompts), prompt_logits(plain.engine, prompts))
+    """Qwen3_5ForConditionalGeneration's layout: the tensors under model.language_model., a
+    vision tower and MTP layers beside them (not read)."""
+    assert_multimodal_checkpoint_serves_its_text_model(
+        qwen3_5[0], tmp_path, "Qwen3_5ForConditionalGeneration", "qwen3_5",
+        lambda k: k.replace("model.", "model.language_model.", 1),
+        ["model.visual.patch_embed.proj.weight", "mtp.fc.weight"], KW, PROMPTS)
 
 
 # ---- the recurrence itself ------------------------------------------------------------------

@@ -71,6 +71,16 @@ class Family:
         """ModelConfig fields beyond the common ones, from config.json."""
         return {}
 
+    def hf_text_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """A multimodal checkpoint's config.json (Llama4ForConditionalGeneration,
+        Gemma4ForConditionalGeneration...) -> its text model's (text_config), with the
+        checkpoint's architecture name; a text model's own config as it is. The loader reads
+        it where a config has a text_config."""
+        text = cfg.get("text_config")
+        if not text:
+            return cfg
+        return {**text, "architectures": cfg.get("architectures") or [self.architectures[0]]}
+
     def gguf_config(self, get: Getter, base: dict[str, Any], tensor_names: set[str]
                     ) -> dict[str, Any]:
         """ModelConfig fields beyond the common ones, from GGUF metadata (get(key, default)

@@ -232,9 +232,7 @@ class HFCheckpoint:
             raw = json.load(f)
         if not raw.get("text_config"):
             return None
-        family = family_for_architecture((raw.get("architectures") or [""])[0])
-        unwrap = getattr(family, "hf_text_config", None)
-        return unwrap(raw) if unwrap else None
+        return family_for_architecture((raw.get("architectures") or [""])[0]).hf_text_config(raw)
 
     def tokenizer(self):
         from servelm.tokenizer import Tokenizer

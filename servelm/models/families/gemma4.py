@@ -116,15 +116,6 @@ class Gemma4(Family):
     # ---- the multimodal checkpoint's text model (read by the loader) -------------------------
 
     @staticmethod
-    def hf_text_config(cfg: dict) -> dict:
-        """config.json of Gemma4ForConditionalGeneration -> its text model's, with the
-        checkpoint's architecture name (Gemma4ForCausalLM's is returned as it is)."""
-        text = cfg.get("text_config")
-        if not text:
-            return cfg
-        return {**text, "architectures": cfg.get("architectures") or ["Gemma4ForCausalLM"]}
-
-    @staticmethod
     def hf_ignored(key: str) -> bool:
         """The multimodal checkpoint's vision and audio towers and their embedders."""
         return key.startswith(_OTHER_TOWERS)

@@ -65,15 +65,6 @@ class Llama4(Family):
     # ---- the multimodal checkpoint's text model (read by the loader) -------------------------
 
     @staticmethod
-    def hf_text_config(cfg: dict) -> dict:
-        """config.json of Llama4ForConditionalGeneration -> its text model's, with the
-        checkpoint's architecture name (Llama4ForCausalLM's is returned as it is)."""
-        text = cfg.get("text_config")
-        if not text:
-            return cfg
-        return {**text, "architectures": cfg.get("architectures") or ["Llama4ForCausalLM"]}
-
-    @staticmethod
     def hf_ignored(key: str) -> bool:
         """A multimodal checkpoint's tensors outside the language model (the vision tower,
         the projector), which the text model does not read."""

@@ -137,14 +137,6 @@ class Qwen3_5(Qwen3Next):
     stacked = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
                "in_proj_ba": ("in_proj_b", "in_proj_a")}
 
-    @staticmethod
-    def hf_text_config(cfg: dict) -> dict:
-        text = cfg.get("text_config")
-        if not text:
-            return cfg
-        arch = (cfg.get("architectures") or ["Qwen3_5ForConditionalGeneration"])[0]
-        return {**text, "architectures": [arch]}
-
     def internal_name(self, hf_name):
         return super().internal_name(hf_name.replace("model.language_model.", "model.", 1))
 
