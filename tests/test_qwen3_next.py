@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from helpers import (assert_matches_reference,
+from helpers import (add_gguf_metadata, assert_matches_reference,
                      assert_multimodal_checkpoint_serves_its_text_model, prompt_logits,
                      tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
@@ -22,6 +22,7 @@ from servelm.models.config import ModelConfig
 from servelm.models.linear_attention import delta_rule_chunked, delta_rule_step, l2_normalize
 
 transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
 
 HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -218,3 +219,137 @@ def test_roofline_counts_kv_on_attention_layers_and_the_state_per_sequence(qwen3
     assert m.state_flops_per_token == 4.0 * 2 * 4 * 8 * 8 * 3
     text = rl.report(m, hw)
     assert "1 attention layer)" in text and "recurrent state per sequence" in text
+
+
+# ---- GGUF (llama.cpp's qwen35 / qwen3next) ---------------------------------------------------
+
+def _tiled(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
+    """Value heads from key-head groups to llama.cpp's tiled order along dim."""
+    t = t.movedim(dim, 0)
+    t = t.reshape(hk, r, d, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    return t.movedim(0, dim)
+
+
+def _qwen35_gguf(ref, path, gguf_path):
+    """The tiny Qwen3.5 in llama.cpp's `qwen35` spelling, as its convert_hf_to_gguf.py
+    writes it (checked against that converter's output, bit for bit, on this model):
+    every norm but the DeltaNet's stored as 1 + w, ssm_a = -exp(A_log), the conv kernel
+    squeezed, value heads tiled across key heads in every tensor that runs over them."""
+    from servelm.models.gguf_file import GGUFReader
+
+    cfg, arch = ref.config, "qwen35"
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"context_length": cfg.max_position_embeddings,
+                       "embedding_length": cfg.hidden_size, "block_count": cfg.num_hidden_layers,
+                       "feed_forward_length": cfg.intermediate_size,
+                       "attention.head_count": cfg.num_attention_heads,
+                       "attention.head_count_kv": cfg.num_key_value_heads,
+                       "attention.key_length": cfg.head_dim,
+                       "attention.value_length": cfg.head_dim,
+                       "rope.dimension_count": cfg.head_dim // 4,
+                       "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": dk,
+                       "ssm.group_count": hk, "ssm.time_step_rank": hv,
+                       "ssm.inner_size": hv * dv, "full_attention_interval": 4}.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.recurrent_layers",
+                [t == "linear_attention" for t in cfg.layer_types])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    add_gguf_metadata(w, {k: v for k, v in GGUFReader(gguf_path).metadata.items()
+                          if k.startswith("tokenizer.") and k != "tokenizer.chat_template"})
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+             "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+             "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
+             "linear_attn.out_proj": "ssm_out"}
+    kd = 2 * hk * dk
+    for name, t in ref.state_dict().items():
+        t = t.float()
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            t = t + 1
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight",
+                          "model.norm.weight": "output_norm.weight"}[name], t.numpy())
+            continue
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", t.numpy())
+            continue
+        i, rest = int(name.split(".")[2]), name.split(".", 3)[3]
+        part, _, kind = rest.rpartition(".")
+        if rest.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            t = t.reshape(t.shape[0], -1) if t.dim() == 3 else t
+            t = torch.cat([t[:kd], _tiled(t[kd:], 0, hk, r, dv)])
+        elif rest.endswith("in_proj_z.weight"):
+            t = _tiled(t, 0, hk, r, dv)
+        elif rest.endswith(("in_proj_b.weight", "in_proj_a.weight")):
+            t = _tiled(t, 0, hk, r, 1)
+        elif rest.endswith("out_proj.weight"):
+            t = _tiled(t, 1, hk, r, dv)
+        elif rest.endswith(("A_log", "dt_bias")):
+            t = _tiled(t, 0, hk, r, 1)
+            w.add_tensor(f"blk.{i}.ssm_a" if rest.endswith("A_log") else f"blk.{i}.ssm_dt.bias",
+                         (-t.exp() if rest.endswith("A_log") else t).contiguous().numpy())
+            continue
+        w.add_tensor(f"blk.{i}.{parts[part]}.{kind}", t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen35_gguf_loads_as_its_hf_checkpoint(qwen3_5, gguf_path, tmp_path):
+    """llama.cpp's `qwen35` file of the tiny Qwen3.5 (two value heads a key head, so the
+    tiled value-head order is undone at load): the same logits and greedy tokens."""
+    src, ref = qwen3_5
+    _qwen35_gguf(ref, tmp_path / "model.gguf", gguf_path)
+    kw = {**KW, "cpu_kernels": False}
+    hf, gg = LLM(model=src, **kw), LLM(model=str(tmp_path / "model.gguf"), **kw)
+    cfg = gg.engine.model_config
+    assert cfg.family == "qwen3_5" and cfg.layer_types == ModelConfig.from_hf_dir(src).layer_types
+    assert cfg.rotary_dim == 4 and cfg.extra["linear_attn"]["num_v_heads"] == 4
+    ids = [_ids(hf, p) for p in PROMPTS]
+    want = prompt_logits(hf.engine, ids)
+    torch.testing.assert_close(prompt_logits(gg.engine, ids), want, rtol=1e-5,
+                               atol=1e-5 * want.abs().max().item())
+    assert ([o.outputs[0].token_ids for o in gg.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in hf.generate(PROMPTS, GREEDY, use_tqdm=False)])
+
+
+def test_qwen3next_gguf_names_and_values():
+    """llama.cpp's qwen3next / qwen35 spellings: ssm_a (no .weight) holds -exp(A_log),
+    ssm_dt.bias the dt_bias, attn_qkv on a linear layer its q | k | v, the DeltaNet's norm
+    w itself (every other norm 1 + w); the config from ssm.* and recurrent_layers."""
+    import numpy as np
+
+    from servelm.models.registry import family_for_gguf
+
+    fam = family_for_gguf("qwen3next")
+    assert fam.gguf_name("blk.2.ssm_a") == "model.layers.2.linear_attn.A_log"
+    assert fam.gguf_name("blk.2.ssm_dt.bias") == "model.layers.2.linear_attn.dt_bias"
+    assert fam.gguf_name("blk.0.attn_qkv.weight") == "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert fam.gguf_name("blk.1.ssm_ba.weight") == "model.layers.1.linear_attn.in_proj_ba.weight"
+    assert fam.gguf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    meta = {"attention.recurrent_layers": [True, True, True, False], "ssm.time_step_rank": 4,
+            "ssm.group_count": 2, "ssm.state_size": 8, "ssm.inner_size": 32,
+            "ssm.conv_kernel": 4}
+    got = fam.gguf_config(lambda key, default=None: meta.get(key, default),
+                          {"num_layers": 4}, set())
+    assert got["layer_types"] == ("linear_attention",) * 3 + ("full_attention",)
+    assert got["extra"]["linear_attn"] == {"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 8,
+                                           "head_v_dim": 8, "conv_kernel": 4}
+    cfg = ModelConfig(architecture="Qwen3NextForCausalLM", vocab_size=8, hidden_size=8,
+                      intermediate_size=8, num_layers=4, num_heads=2, num_kv_heads=1,
+                      head_dim=4, max_position_embeddings=8, family="qwen3_next", **got)
+    a_log = np.array([0.5, -1.0, 2.0, 0.0], dtype=np.float32)
+    np.testing.assert_allclose(fam.from_gguf("model.layers.0.linear_attn.A_log",
+                                             -np.exp(a_log), cfg, 4), a_log, rtol=1e-6)
+    norm = np.array([1.5, 2.0], dtype=np.float32)
+    assert (fam.from_gguf("model.layers.0.linear_attn.norm.weight", norm, cfg, 2) == norm).all()
+    assert (fam.from_gguf("model.layers.0.input_layernorm.weight", norm, cfg, 2)
+            == norm - 1).all()

@@ -25,6 +25,9 @@ rotary (mrope) like the plain one."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import torch
 
 from servelm.models.hf_keys import FULL, LINEAR
@@ -44,10 +47,28 @@ def _partial_rotary(cfg: dict) -> float:
     return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
 
 
+# GGUF blk.N.<part> -> HF names (the linear layers' parts; attention's are the usual ones).
+_GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                     "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+                     "ssm_out": "linear_attn.out_proj", "ssm_ba": "linear_attn.in_proj_ba",
+                     "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                     "attn_gate": "linear_attn.in_proj_z",
+                     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                     "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                     "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+
+
 class Qwen3Next(Family):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
+    gguf_architectures = ("qwen3next",)
+    gguf_layer_names = _GGUF_LAYER_NAMES
     norm_offset = 1.0
+    # A GGUF's linear layers hold q | k | v and z apart: stacked into in_proj_qkvz.
+    stacked = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+               "in_proj_ba": ("in_proj_b", "in_proj_a")}
+    tiled_v_heads = False  # llama.cpp's qwen35 reorders value heads (see the docstring)
     # Parallelism would have to split a DeltaNet layer's heads and its state: not yet.
     tensor_parallel = False
 
@@ -88,6 +109,45 @@ class Qwen3Next(Family):
                 "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
                 "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
 
+    def gguf_config(self, get, base, tensor_names):
+        n = base["num_layers"]
+        rec = get("attention.recurrent_layers")
+        interval = int(get("full_attention_interval", 4))
+        types = (tuple(LINEAR if r else FULL for r in rec[:n]) if rec
+                 else tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)))
+        hv = int(get("ssm.time_step_rank"))
+        out = {"qk_norm": True, "layer_types": types, "norm_topk_prob": True,
+               "extra": {"attn_output_gate": True, "linear_attn": {
+                   "num_k_heads": int(get("ssm.group_count")), "num_v_heads": hv,
+                   "head_k_dim": int(get("ssm.state_size")),
+                   "head_v_dim": int(get("ssm.inner_size")) // hv,
+                   "conv_kernel": int(get("ssm.conv_kernel"))}}}
+        if base.get("num_experts"):
+            out["shared_expert_intermediate_size"] = int(
+                get("expert_shared_feed_forward_length", 0))
+        return out
+
+    def gguf_name(self, gguf_name):
+        # ssm_a has no .weight; ssm_dt's bias is the DeltaNet's dt_bias; attn_qkv on a
+        # linear layer is its q | k | v projection (full layers have attn_q / k / v).
+        m = re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias|attn_qkv\.weight)", gguf_name)
+        if m:
+            part = {"ssm_a": "A_log", "ssm_dt.bias": "dt_bias",
+                    "attn_qkv.weight": "in_proj_qkv.weight"}[m.group(2)]
+            return f"model.layers.{m.group(1)}.linear_attn.{part}"
+        return super().gguf_name(gguf_name)
+
+    def from_gguf(self, hf_name, arr, cfg, rows_of):
+        if hf_name.endswith("linear_attn.A_log"):
+            arr = np.log(-arr.astype(np.float32))  # llama.cpp stores -exp(A_log)
+        elif hf_name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
+            arr = arr.reshape(1, -1)  # llama.cpp keeps the gate as a vector
+        elif not hf_name.endswith("linear_attn.norm.weight"):
+            arr = super().from_gguf(hf_name, arr, cfg, rows_of)
+        if self.tiled_v_heads and ".linear_attn." in hf_name:
+            arr = _grouped_v_heads(hf_name, arr, cfg.extra["linear_attn"])
+        return arr
+
     def transform(self, name, tensor):
         if name.endswith("linear_attn.norm_weight"):
             return tensor  # the gated norm scales by w itself
@@ -105,11 +165,37 @@ class Qwen3Next(Family):
             t = tensor.reshape(-1, 2, cfg.head_dim, tensor.shape[-1])
             return [(name, t[:, 0].reshape(-1, tensor.shape[-1])),
                     (name.replace("q_proj", "attn_gate"), t[:, 1].reshape(-1, tensor.shape[-1]))]
-        if name.endswith("linear_attn.in_proj_qkvz.weight") and not self.stacked:
+        # (Only Qwen3-Next's HF checkpoints and its GGUF's ssm_ba hold these whole, per key
+        # head; the others' parts are stacked.)
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
             return [(name, _qkvz_blocks(tensor, cfg.extra["linear_attn"]))]
-        if name.endswith("linear_attn.in_proj_ba.weight") and not self.stacked:
+        if name.endswith("linear_attn.in_proj_ba.weight"):
             return [(name, _ba_blocks(tensor, cfg.extra["linear_attn"]))]
         return [(name, tensor)]
+
+
+def _grouped_v_heads(hf_name: str, arr: np.ndarray, lin: dict) -> np.ndarray:
+    """A qwen35 GGUF tensor's value heads from llama.cpp's tiled order back to key-head
+    groups (transformers'), along the dims that run over value heads."""
+    hk, hv = lin["num_k_heads"], lin["num_v_heads"]
+    if hk == hv:
+        return arr
+    r, dv, kd = hv // hk, lin["head_v_dim"], lin["num_k_heads"] * lin["head_k_dim"]
+
+    def regroup(a: np.ndarray, axis: int, d: int) -> np.ndarray:
+        a = np.moveaxis(a, axis, 0)
+        a = a.reshape(r, hk, d, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+        return np.moveaxis(a, 0, axis)
+
+    if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([arr[:2 * kd], regroup(arr[2 * kd:], 0, dv)])
+    if hf_name.endswith("in_proj_z.weight"):
+        return regroup(arr, 0, dv)
+    if hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return regroup(arr, 0, 1)
+    if hf_name.endswith("out_proj.weight"):
+        return regroup(arr, 1, dv)
+    return arr
 
 
 def _qkvz_blocks(w: torch.Tensor, lin: dict) -> torch.Tensor:
@@ -133,9 +219,8 @@ class Qwen3_5(Qwen3Next):
 
     name = "qwen3_5"
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-    # The separate projections stacked into the decoder's fused ones, in row order.
-    stacked = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
-               "in_proj_ba": ("in_proj_b", "in_proj_a")}
+    gguf_architectures = ("qwen35",)
+    tiled_v_heads = True
 
     def internal_name(self, hf_name):
         return super().internal_name(hf_name.replace("model.language_model.", "model.", 1))
@@ -150,6 +235,7 @@ class Qwen3_5Moe(Qwen3_5):
 
     name = "qwen3_5_moe"
     architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+    gguf_architectures = ("qwen35moe",)
 
     def _mlp(self, cfg, n):
         return {"num_experts": cfg["num_experts"],
