@@ -303,7 +303,7 @@ def cmd_roofline(args) -> int:
                              else rl.BYTES[dname] * 8)
         model = rl.ModelShape.from_config(
             cfg, weight_bits=bits,
-            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim))
+            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.cache_layout[2]))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:

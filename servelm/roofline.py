@@ -52,6 +52,9 @@ class ModelShape:
     expert_params: int = 0
     num_experts: int = 0
     experts_per_tok: int = 0
+    # The cache's planes per KV head: 2 (K and V), 1 where V is read from K's rows
+    # (DeepSeek's latent cache: 1 KV head of kv_lora_rank + qk_rope_head_dim).
+    kv_planes: int = 2
 
     def _read_params(self) -> float:
         params = self.num_params
@@ -80,10 +83,12 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> float | None:
-        """K and V of one token in every layer, counting only the KV heads."""
+        """K and V of one token in every layer, counting only the KV heads (K alone where
+        V is read from it)."""
         if None in (self.num_layers, self.num_kv_heads, self.head_dim):
             return None
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bits / 8
+        return (self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim
+                * self.kv_bits / 8)
 
     def flops_per_token(self, context: int = 0) -> float:
         """Matmul FLOPs for one token: 2 per weight it multiplies, plus attention over
@@ -120,8 +125,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float) -> "ModelShape":
+        """The shape of a ModelConfig; its KV heads and head dim are the cache's
+        (cfg.cache_layout: the heads attention reads, DeepSeek's latent rows too)."""
+        planes, kv_heads, head_dim = cfg.cache_layout
         return cls(num_params=cfg.num_params, weight_bits=weight_bits, num_layers=cfg.num_layers,
-                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_heads=cfg.num_heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim, num_heads=cfg.num_heads,
+                   kv_planes=planes,
                    hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
                    intermediate_size=cfg.intermediate_size, expert_params=cfg.expert_params,
@@ -268,7 +277,9 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
              f"  FLOPs per token (no context): {m.flops_per_token() / 1e9:.3f} GFLOP"]
     kv = m.kv_bytes_per_token
     stored = f", {kv_dtype} + scales" if kv_dtype else ""
-    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{stored}): {_fmt_bytes(kv)}"
+    shared = f" of {m.head_dim}, V read from K" if m.kv_planes == 1 else ""  # a latent cache
+    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{shared}{stored}): "
+                 f"{_fmt_bytes(kv)}"
                  if kv else "  KV cache per token: unknown (give --layers, --kv-heads, --head-dim)")
     ridge = hw.flops / hw.bandwidth
     lines.append(f"  ridge point: {ridge:.0f} FLOP/byte; decode does about "

@@ -18,6 +18,21 @@ from servelm.kernels import load_ops
 
 # KV storage dtypes the C++ ops read (fp8 is not one: kv_quant's int8 only).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+# The C++ decode op's limits (kernels/csrc/decode_attention.h: kMaxD, kMaxG): a head dim of
+# at most 256 and at most 32 query heads a KV head. Its prompt op falls back to the
+# reference per group; the decode rows have no fallback, so a spec past them is declined
+# (DeepSeek's latent cache: one KV head of 576 for 16 or 128 query heads).
+MAX_HEAD_DIM, MAX_QUERIES_PER_KV = 256, 32
+
+
+def shape_unsupported(spec: AttentionSpec) -> str | None:
+    """Why the C++ decode op cannot take spec's heads (MAX_HEAD_DIM, MAX_QUERIES_PER_KV),
+    or None."""
+    g = spec.num_heads // spec.num_kv_heads
+    if spec.head_dim > MAX_HEAD_DIM or g > MAX_QUERIES_PER_KV:
+        return (f"servelm's C++ decode attention takes head dims up to {MAX_HEAD_DIM} and up "
+                f"to {MAX_QUERIES_PER_KV} query heads a KV head, not {spec.head_dim} and {g}")
+    return None
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,6 +128,8 @@ class CpuBackend(AttentionBackend):
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
         if lack := spec.kernels_lack():
             return f"servelm's C++ attention kernels do not {lack}"
+        if shape := shape_unsupported(spec):
+            return shape
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

@@ -53,7 +53,9 @@ class SeqInput:
 
 
 class KVCache:
-    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D].
+    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D]
+    (KVH and D: ModelConfig.cache_layout; where it has one plane, V is K's tensor itself:
+    DeepSeek's latent rows).
 
     With spare_block, one block more than num_blocks is allocated, `pad_block`, which the
     block manager never hands out: padding rows of captured CUDA-graph steps write there.
@@ -72,12 +74,13 @@ class KVCache:
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
         # Only the layers with K and V (cfg.kv_layers: not linear attention's), in order.
         num_layers = len(cfg.kv_layers)
-        shape = (num_layers, 2, total, block_size, cfg.num_kv_heads, cfg.head_dim)
+        planes, kv_heads, head_dim = cfg.cache_layout
+        shape = (num_layers, planes, total, block_size, kv_heads, head_dim)
         if torch.device(device).type == "cpu":
             n = total * self.bytes_per_block(cfg, block_size, dtype)
             # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
             buf = _hugepages.empty(n, hugepages).view(torch.uint8)
-            rows = num_layers * 2 * total * block_size * cfg.num_kv_heads * cfg.head_dim
+            rows = num_layers * planes * total * block_size * kv_heads * head_dim
             rows *= torch.empty(0, dtype=dtype).element_size()
             # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
             # nothing to clear, and a page is only committed once a token's KV lands in it.
@@ -92,11 +95,12 @@ class KVCache:
             self.scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=device)
                            if self.quantized else None)
             self._uncommitted = []  # zeroed, so committed already
+        v = planes - 1  # V's plane: K's own with one plane
         if self.quantized:
-            self.layers = [(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1])
+            self.layers = [(self.data[i, 0], self.data[i, v], self.scales[i, 0], self.scales[i, v])
                            for i in range(num_layers)]
         else:
-            self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+            self.layers = [(self.data[i, 0], self.data[i, v]) for i in range(num_layers)]
 
     def _commit_units(self) -> list[tuple[int, int]]:
         """The pool's memory as (address, bytes) units in the order blocks are handed out:
@@ -134,11 +138,12 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block in every layer that has them, with the scales of a
-        quantised pool."""
+        """K and V of one block in every layer that has them (K alone where V is read
+        from it), with the scales of a quantised pool."""
+        planes, kv_heads, head_dim = cfg.cache_layout
         elem = torch.empty(0, dtype=dtype).element_size()
-        row = cfg.head_dim * elem + (4 if kv_quant.is_quantized(dtype) else 0)
-        return 2 * len(cfg.kv_layers) * block_size * cfg.num_kv_heads * row
+        row = head_dim * elem + (4 if kv_quant.is_quantized(dtype) else 0)
+        return planes * len(cfg.kv_layers) * block_size * kv_heads * row
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,
@@ -209,7 +214,8 @@ class ModelRunner:
             kv = iter(kv_cache.layers)
             self.layer_caches = [state_cache.layers[i] if cfg.is_linear_layer(i) else next(kv)
                                  for i in range(cfg.num_layers)]
-        self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+        _, cache_heads, cache_head_dim = cfg.cache_layout
+        self.num_queries_per_kv = cfg.num_heads // cache_heads
         # The path is decided once: fused C++ kernels (norms, rotary + KV write, SiLU) on
         # CPU when they build, else the eager PyTorch reference (CUDA, no compiler,
         # kernels.cpu_kernels off), each op module bound to its choice (select_ops); and
@@ -231,8 +237,8 @@ class ModelRunner:
         self._use_kernels = use_kernels
         model.select_ops(use_kernels)
         self.attention: AttentionBackend = select_attention(kernels, AttentionSpec(
-            torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
+            torch.device(device), dtype, kv_dtype, cfg.num_heads, cache_heads,
+            cache_head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
             sinks=bool(cfg.extra.get("attention_sinks")),
             attention_chunk=cfg.extra.get("attention_chunk_size")))
         logger.info("attention backend: %s", self.attention.name)
