@@ -97,9 +97,11 @@ def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         t = start + n
         rows = tables[b, :-(-t // bs)]
         k = k_cache.index_select(0, rows).view(-1, kvh, d)[:t]
-        v = v_cache.index_select(0, rows).view(-1, kvh, d)[:t]
+        shared = v_cache is k_cache  # V read from K's rows (a latent cache): gathered once
+        v = k if shared else v_cache.index_select(0, rows).view(-1, kvh, d)[:t]
         if g > 1:
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            k = k.repeat_interleave(g, 1)
+            v = k if shared else v.repeat_interleave(g, 1)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
         qb = q[c0:c1].transpose(0, 1).unsqueeze(0)                           # [1, H, n, D]
         o, lse = flash(qb, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)[:2]
