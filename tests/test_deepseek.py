@@ -95,6 +95,72 @@ def test_eager_fp32_matches_transformers(deepseek, eager):
     assert llm.engine.model_config.num_params == built
 
 
+@pytest.fixture(scope="module")
+def kernels(deepseek):
+    """The checkpoint's engine with the C++ ops (the cpu attention backend where they
+    build: the latent rows of 48 are within its kernels' head dims)."""
+    return LLM(model=deepseek[1], **KW)
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_both_forms_keep_the_tokens(deepseek, eager, kernels, form, monkeypatch):
+    """Every prompt chunk absorbed (over the latent rows, as decodes attend: on the C++
+    prompt kernel where the cpu backend runs), or every group expanded through kv_b_proj
+    (on the reference backend its decode groups too): the eager engine's own ("auto",
+    against transformers above) last logits and greedy tokens, on both engines."""
+    from servelm.models.mla import LatentAttention
+
+    expanded = LatentAttention._expanded
+    calls = []
+    monkeypatch.setattr(LatentAttention, "_expanded",
+                        lambda self, *a: calls.append(1) or expanded(self, *a))
+    prompts = [eager.get_tokenizer().encode(p) for p in PROMPTS]
+    want_logits = prompt_logits(eager.engine, prompts)
+    want = [o.outputs[0].token_ids for o in eager.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    assert calls  # "auto" expanded the fresh prompts
+    for llm in (eager, kernels):
+        layers = [layer.self_attn for layer in llm.engine.executor.model.layers]
+        try:
+            for attn in layers:
+                attn.prompt_form = form
+            calls.clear()
+            got = prompt_logits(llm.engine, prompts)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                use_tqdm=False)
+        finally:
+            for attn in layers:
+                attn.prompt_form = "auto"
+        assert bool(calls) == (form == "expanded")
+        torch.testing.assert_close(got, want_logits, rtol=1e-3,
+                                   atol=1e-3 * want_logits.abs().max().item())
+        assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_prompts_expand_where_it_costs_fewer_flops():
+    """DeepSeek-V2-Lite's heads: a fresh prompt of a few blocks and a long chunk over a
+    long context expand; decodes, a few draft tokens or a short chunk over a long context
+    stay absorbed."""
+    from types import SimpleNamespace
+
+    from servelm.models.mla import LatentAttention
+
+    with torch.device("meta"):
+        attn = LatentAttention(2048, 16, None, 512, 128, 64, 128, scale=0.1)
+
+    def group(queries, keys):
+        return SimpleNamespace(pad_index=torch.empty(2, queries),
+                               block_tables=torch.empty(2, keys // 16), block_size=16)
+
+    assert not attn._expands(group(1, 4096))
+    assert not attn._expands(group(4, 2048))
+    assert not attn._expands(group(64, 4096))
+    assert attn._expands(group(256, 4096))
+    assert attn._expands(group(64, 64)) and attn._expands(group(512, 512))
+    attn.prompt_form = "absorbed"
+    assert not attn._expands(group(512, 512))
+
+
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
     """The C++ ops where they build, a 16-token budget (prompts prefilled in pieces), a
     second round from the prefix cache, then a pool so small that sequences are preempted:
@@ -234,6 +300,19 @@ def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
     assert (moe.e_score_correction_bias is not None) == (version == "v3")
     got = decode_stack.describe(model)
     assert isinstance(got, str) and "LatentAttention" in got
+
+
+def test_a_latent_past_the_kernels_runs_on_the_reference(tmp_path, hf_tokenizer):
+    """A latent of 256 (rows of 264: past the C++ decode op's 256) with the C++ ops on:
+    "auto" attends on the reference (it never runs a shape its kernels do not take),
+    token-exact against transformers."""
+    config_cls, model_cls, extra = CHECKPOINTS["v2"]
+    ref = tiny_hf_checkpoint(tmp_path, config_cls, model_cls, dict(extra, kv_lora_rank=256),
+                             hf_tokenizer, seed=5)
+    llm = LLM(model=str(tmp_path), **KW)
+    assert llm.engine.executor.runner.attention.name == "reference"
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert_matches_reference(llm, ref, prompts, GREEDY)
 
 
 def test_tensor_parallel_is_refused_with_the_reason(deepseek):

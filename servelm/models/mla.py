@@ -30,7 +30,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dataclasses import replace
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from servelm.models import kv_quant
@@ -89,6 +92,10 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(h * v_head_dim, hidden, bias=bias)
         self.scale = scale
         self.window = self.softcap = None
+        # How prompt chunks attend: "auto" (the form with fewer FLOPs, _expands), or always
+        # "absorbed" / "expanded" (tests compare the forms; the cpu backends' ragged decode
+        # rows are absorbed whatever it says).
+        self.prompt_form = "auto"
         self._rotary = apply_rotary_pairwise if rope_pairwise else apply_rotary
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +107,8 @@ class LatentAttention(nn.Module):
                 batch: ForwardBatch, kv_cache: tuple[torch.Tensor, ...],
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """Every token's cache row is written; with rows, only those tokens' outputs go
-        through W_UV and o_proj and are returned (Attention.forward's contract). kv_cache:
-        the layer's (k, v[, k_scale, v_scale]), V the same rows as K."""
+        through o_proj and are returned (Attention.forward's contract). kv_cache: the
+        layer's (k, v[, k_scale, v_scale]), V the same rows as K."""
         cache, scale = kv_cache[0], (kv_cache[2] if len(kv_cache) > 2 else None)
         T, h, c = x.shape[0], self.num_heads, self.kv_lora_rank
         q = self._query(x).view(T, h, self.qk_dim)
@@ -109,15 +116,113 @@ class LatentAttention(nn.Module):
         k_rot = self._rotary(k_rot.reshape(T, 1, self.rope_dim), cos, sin)
         row = torch.cat((self.kv_a_layernorm(latent).view(T, 1, c), k_rot), dim=-1)
         kv_quant.write(cache, scale, batch.slot_mapping, row)
-        # Each head's query in latent space: q_nope [h, T, nope] @ W_UK [h, nope, c].
-        q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)
-        q = torch.cat((q_lat, self._rotary(q[..., self.nope:], cos, sin)), dim=-1)
+        q_nope, q_rot = q[..., :self.nope], self._rotary(q[..., self.nope:], cos, sin)
+        meta = batch.attn
+        expand = [self._expands(g) for g in meta.groups]
+        if not any(expand):  # decodes (the hot path): every row absorbed, one backend call
+            out = self._absorbed(q_nope, q_rot, cache, scale, meta)
+            return self.o_proj(self._values(out if rows is None else out[rows]))
+        # Prompt chunks whose expansion costs less run expanded; the rest (decode rows, short
+        # chunks over long contexts) absorbed, through the backend with their groups only.
+        # The parts cover the flat tokens in order: decode rows first, then the groups.
+        parts = []
+        kept = [g for g, e in zip(meta.groups, expand) if not e]
+        nd = meta.decodes.num if meta.decodes is not None else 0
+        spans = [(0, nd)] * bool(nd) + [(g.start, g.end) for g in kept]
+        if spans:
+            out = self._values(self._absorbed(q_nope, q_rot, cache, scale,
+                                              replace(meta, groups=kept), spans))
+            parts += out.split([e - s for s, e in spans])
+        starts = [s for s, _ in spans]
+        for g, e in zip(meta.groups, expand):
+            if e:
+                parts.append(self._expanded(q_nope[g.start:g.end], q_rot[g.start:g.end],
+                                            cache, scale, g))
+                starts.append(g.start)
+        out = torch.cat([parts[i] for i in sorted(range(len(parts)), key=starts.__getitem__)])
+        return self.o_proj(out if rows is None else out[rows])
+
+    def _expands(self, group) -> bool:
+        """Whether a group runs expanded: prompt_form "expanded", or "auto" and a prompt
+        chunk whose expansion costs fewer FLOPs. Per head, Q queries and L keys (the group's
+        padded sizes), c = kv_lora_rank: absorbed, Q * L * 4 (c + rope) + Q * 2 c (nope + v)
+        (the scores and the weighted sum over the latent rows, W_UK and W_UV on the queries);
+        expanded, Q * L * 4 d + L * 2 c (nope + v) (d: the larger of the q/k and v heads,
+        the keys and values of every cached token through kv_b_proj). DeepSeek-V2-Lite
+        (c 512, rope 64, d 192) expands when Q (1536 L + 262144) > 262144 L: a fresh prompt
+        of a few blocks, a chunk of more than ~170 tokens over a long context; decodes and
+        speculative drafts' few tokens stay absorbed."""
+        if self.prompt_form != "auto":
+            return self.prompt_form == "expanded"
+        B, Q = group.pad_index.shape
+        if Q == 1:
+            return False
+        L = group.block_tables.shape[1] * group.block_size
+        uv = 2 * self.kv_lora_rank * (self.nope + self.v_dim)
+        d = max(self.qk_dim, self.v_dim)
+        return Q * L * 4 * d + L * uv < Q * L * 4 * self.head_dim + Q * uv
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tensor,
+                  scale: torch.Tensor | None, meta,
+                  spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The backend's attention over the latent rows for meta's rows (its decode rows and
+        groups, the flat tokens of `spans`; None: all): each head's query
+        [W_UK^T q_nope | q_rope], V read from K; returns the rows' attended latents
+        [rows, heads, kv_lora_rank] in the backend's order."""
+        if spans is None:
+            q = self._latent_query(q_nope, q_rot)
+        else:  # only the backend's rows are computed (and read: it indexes the flat tokens)
+            q = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.head_dim)
+            for s, e in spans:
+                q[s:e] = self._latent_query(q_nope[s:e], q_rot[s:e])
         scales = None if scale is None else (scale, scale)
-        out = batch.attn.backend.forward(self, q, cache, cache, scales, batch.attn)
-        if rows is not None:
-            out = out[rows]
-        n = out.shape[0]
-        # The attended latent of each head [h, n, c] @ W_UV^T [h, c, v] -> [n, h * v].
-        o_lat = out.view(n, h, self.head_dim)[..., :c].transpose(0, 1)
-        o = torch.bmm(o_lat, self.w_uv.transpose(1, 2)).transpose(0, 1).reshape(n, h * self.v_dim)
-        return self.o_proj(o)
+        out = meta.backend.forward(self, q, cache, cache, scales, meta)
+        return out.view(out.shape[0], self.num_heads, self.head_dim)[..., :self.kv_lora_rank]
+
+    def _latent_query(self, q_nope: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
+        """[W_UK^T q_nope | q_rope] of each head: q_nope [h, n, nope] @ W_UK [h, nope, c]."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        return torch.cat((q_lat, q_rot), dim=-1)
+
+    def _values(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Attended latents [n, heads, c] -> each head's value-space output through W_UV:
+        [h, n, c] @ W_UV^T [h, c, v] -> [n, heads * v]."""
+        n = o_lat.shape[0]
+        o = torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2))
+        return o.transpose(0, 1).reshape(n, self.num_heads * self.v_dim)
+
+    def _expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tensor,
+                  scale: torch.Tensor | None, group) -> torch.Tensor:
+        """One group's attention in the expanded form: its sequences' latent rows gathered
+        through the block tables and expanded by kv_b_proj (W_UK, W_UV) into every head's
+        key [nope | the shared rope key] and value, then SDPA with the causal mask of the
+        group's positions (without one for a single fresh prompt); the head sizes padded to
+        the larger with zeros (which change neither q . k nor the output's kept dims, and let
+        PyTorch's CPU flash attention take it). Returns [n, heads * v] in flat order."""
+        B, Q = group.pad_index.shape
+        h, c, D = self.num_heads, self.kv_lora_rank, self.head_dim
+        flat = group.block_tables.view(-1)
+        rows = kv_quant.gather_rows(cache.view(cache.shape[0], -1), flat)
+        if scale is not None:
+            s = scale.view(scale.shape[0], -1).index_select(0, flat)
+            rows = kv_quant.dequantize(rows.view(*s.shape, D), s, q_nope.dtype)
+        rows = rows.view(B, -1, D)                                           # [B, L, D]
+        L = rows.shape[1]
+        lat, k_rope = rows[..., :c], rows[..., c:]
+        k = torch.einsum("blc,hnc->bhln", lat, self.w_uk)
+        v = torch.einsum("blc,hvc->bhlv", lat, self.w_uv)
+        k = torch.cat((k, k_rope.unsqueeze(1).expand(B, h, L, self.rope_dim)), dim=-1)
+        q = torch.cat((q_nope, q_rot), dim=-1)[group.pad_index].transpose(1, 2)  # [B, h, Q, qk]
+        d = max(self.qk_dim, self.v_dim)
+        if self.qk_dim < d:
+            q, k = F.pad(q, (0, d - self.qk_dim)), F.pad(k, (0, d - self.qk_dim))
+        if self.v_dim < d:
+            v = F.pad(v, (0, d - self.v_dim))
+        if B == 1 and group.start_pos and group.start_pos[0] == 0:  # one fresh prompt: keys 0..i for query i
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            keys = torch.arange(L, device=rows.device)
+            mask = (keys <= group.query_pos.unsqueeze(-1)).unsqueeze(1)     # [B, 1, Q, L]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = o[..., :self.v_dim].transpose(1, 2).reshape(B * Q, h * self.v_dim)
+        return o[group.unpad_index]
