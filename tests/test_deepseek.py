@@ -189,6 +189,28 @@ def test_int8_weights_stay_close(deepseek, eager):
     assert attn.w_uk.dtype == attn.w_uv.dtype == torch.float32
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantised_latent_rows_stay_close(deepseek, eager, kv):
+    """kv_cache_dtype int8 (the C++ kernels) and fp8 (the reference): one plane of rows with
+    one fp32 scale a row, stored once; the prompts' last logits (expanded and absorbed)
+    within quantisation's reach of the fp32 pool's."""
+    _, path, _ = deepseek
+    fp8 = {"cpu_kernels": False} if kv == "fp8" else {}  # (the C++ kernels read int8 only)
+    llm = LLM(model=path, kv_cache_dtype=kv, **KW, **fp8)
+    cache = llm.engine.executor.kv_cache
+    assert cache.data.shape[1] == 1 and cache.scales.shape[1:2] == (1,)
+    k, v, ks, vs = cache.layers[0]
+    assert k.data_ptr() == v.data_ptr() and ks.data_ptr() == vs.data_ptr()
+    prompts = [eager.get_tokenizer().encode(p) for p in PROMPTS]
+    want = prompt_logits(eager.engine, prompts)
+    for form in ("expanded", "absorbed"):
+        for layer in llm.engine.executor.model.layers:
+            layer.self_attn.prompt_form = form
+        got = prompt_logits(llm.engine, prompts)
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+        assert cos > (0.999 if kv == "int8" else 0.97), form  # fp8: 3 mantissa bits
+
+
 def _expanded_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
     """What the expanded form cached: K and V of every head, the narrower head padded."""
     mla = cfg.extra["mla"]

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2 / V3), absorbed form, over a latent paged cache.
+"""Multi-head latent attention (DeepSeek-V2 / V3) over a latent paged cache.
 
 A token's keys and values come from one compressed latent: kv_a_proj_with_mqa projects
 the hidden state to a latent of kv_lora_rank (then kv_a_layernorm) and one rope key of
@@ -19,8 +19,14 @@ attention with one KV head whose values are the same rows: the output's first kv
 dims are the attention-weighted latent (the rope dims of the output are dropped), which
 W_UV turns into the head's value-space output before o_proj. Any attention backend runs it
 unchanged (the K and V caches are one tensor); those whose kernels do not take the head dim
-or the query heads per KV head decline it (AttentionBackend.unsupported). Prompt chunks run
-the absorbed form too. W_UK and W_UV are split from kv_b_proj's weight at load
+or the query heads per KV head decline it (AttentionBackend.unsupported).
+
+A prompt chunk scores each of its queries against every key over kv_lora_rank + rope dims
+per head; where that costs more than expanding its context's rows into per-head keys and
+values (LatentAttention._expands: fresh prompts, long chunks), its group runs the expanded
+form instead (vLLM's choice too): the rows gathered through the block tables, through W_UK
+and W_UV, then SDPA per head; decode rows and the other groups go to the backend absorbed,
+in the same step. W_UK and W_UV are split from kv_b_proj's weight at load
 (DeepseekV2.split) and stay dense in the model dtype: the engine's weight quantisation acts
 on linear layers only. The softmax scale is the family's (qk_head_dim ** -0.5, YaRN's
 mscale folded in), unchanged by the absorption.
@@ -28,9 +34,8 @@ mscale folded in), unchanged by the absorption.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +223,8 @@ class LatentAttention(nn.Module):
             q, k = F.pad(q, (0, d - self.qk_dim)), F.pad(k, (0, d - self.qk_dim))
         if self.v_dim < d:
             v = F.pad(v, (0, d - self.v_dim))
-        if B == 1 and group.start_pos and group.start_pos[0] == 0:  # one fresh prompt: keys 0..i for query i
+        if B == 1 and group.start_pos and group.start_pos[0] == 0:
+            # One fresh prompt: query i sees keys 0..i (the padding keys past it, none).
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             keys = torch.arange(L, device=rows.device)

@@ -7,8 +7,9 @@ pre-norm layer with
   adjacent pairs (V2 always, V3 with rope_interleave); q/k heads of qk_nope_head_dim +
   qk_rope_head_dim, value heads of v_head_dim), served from a latent cache (one row of
   kv_lora_rank + qk_rope_head_dim per token and layer: ModelConfig.cache_layout) with
-  kv_b_proj absorbed into the query and the output (its rows split at load into w_uk and
-  w_uv, which stay in the model dtype); the softmax scale qk_head_dim ** -0.5 times YaRN's
+  kv_b_proj absorbed into the query and the output (prompt chunks expanded where that
+  costs fewer FLOPs; its rows split at load into w_uk and w_uv, which stay in the model
+  dtype); the softmax scale qk_head_dim ** -0.5 times YaRN's
   mscale(mscale_all_dim) squared where the rotary is scaled,
 - dense MLPs on the first first_k_dense_replace layers, then MoE layers: n_routed_experts
   of moe_intermediate_size, num_experts_per_tok chosen, their weights times
