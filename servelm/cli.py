@@ -305,7 +305,7 @@ def cmd_roofline(args) -> int:
 
         model = rl.ModelShape.from_config(
             cfg, weight_bits=bits,
-            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.head_dim),
+            kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.cache_layout[2]),
             state_bytes=StateCache.bytes_per_slot(cfg, dtype))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)

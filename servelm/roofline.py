@@ -58,6 +58,9 @@ class ModelShape:
     # layers with a KV cache.
     state_bytes_per_seq: float = 0.0
     state_flops_per_token: float = 0.0
+    # The cache's planes per KV head: 2 (K and V), 1 where V is read from K's rows
+    # (DeepSeek's latent cache: 1 KV head of kv_lora_rank + qk_rope_head_dim).
+    kv_planes: int = 2
 
     def _read_params(self) -> float:
         params = self.num_params
@@ -86,10 +89,12 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> float | None:
-        """K and V of one token in every layer, counting only the KV heads."""
+        """K and V of one token in every layer, counting only the KV heads (K alone where
+        V is read from it)."""
         if None in (self.num_layers, self.num_kv_heads, self.head_dim):
             return None
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bits / 8
+        return (self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim
+                * self.kv_bits / 8)
 
     def flops_per_token(self, context: int = 0) -> float:
         """Matmul FLOPs for one token: 2 per weight it multiplies, plus attention over
@@ -128,16 +133,21 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float,
                     state_bytes: float = 0.0) -> "ModelShape":
-        """state_bytes: one sequence's recurrent state (StateCache.bytes_per_slot)."""
+        """The shape of a ModelConfig; its KV heads and head dim are the cache's
+        (cfg.cache_layout: the heads attention reads, DeepSeek's latent rows too), on the
+        layers that keep K and V. state_bytes: one sequence's recurrent state
+        (StateCache.bytes_per_slot)."""
+        planes, kv_heads, head_dim = cfg.cache_layout
         lin = cfg.extra.get("linear_attn")
         state_flops = 0.0
         if lin and cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
             per = 2 * lin["num_v_heads"] * lin["head_k_dim"] * lin["head_v_dim"]
-            state_flops = 4.0 * per * (cfg.num_layers - len(cfg.kv_layers))
+            state_flops = 4.0 * per * sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
         return cls(num_params=cfg.num_params, weight_bits=weight_bits,
                    num_layers=len(cfg.kv_layers), state_bytes_per_seq=state_bytes,
                    state_flops_per_token=state_flops,
-                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_heads=cfg.num_heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim, num_heads=cfg.num_heads,
+                   kv_planes=planes,
                    hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
                    intermediate_size=cfg.intermediate_size, expert_params=cfg.expert_params,
@@ -287,7 +297,8 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
              f"  FLOPs per token (no context): {m.flops_per_token() / 1e9:.3f} GFLOP"]
     kv = m.kv_bytes_per_token
     stored = f", {kv_dtype} + scales" if kv_dtype else ""
-    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{stored}"
+    shared = f" of {m.head_dim}, V read from K" if m.kv_planes == 1 else ""  # a latent cache
+    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{shared}{stored}"
                  + (f", {m.num_layers} attention layer{'s' * (m.num_layers != 1)}"
                     if m.state_bytes_per_seq else "")
                  + f"): {_fmt_bytes(kv)}"

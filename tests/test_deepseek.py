@@ -1,12 +1,15 @@
 """DeepSeek-V2 and V3 against transformers: tiny random checkpoints made by transformers
 (three layers: a dense first layer, then MoE layers with shared experts). V2: the full-rank
-query projection, value heads narrower than the q/k heads (padded in the cache), group-
-limited softmax routing with a routed scaling; V3: the low-rank query (q_a_proj /
-q_a_layernorm / q_b_proj), value heads wider than the q/k heads, YaRN (mscale_all_dim in
-the softmax scale), sigmoid routing with a correction bias over groups. Served token-exact
-through prefill, chunked prefill, decode, the prefix cache and preemption; int8 weights
-close; both routers against transformers' on random hidden states; tensor parallelism
-refused with its reason."""
+query projection, value heads narrower than the q/k heads, group-limited softmax routing
+with a routed scaling; V3: the low-rank query (q_a_proj / q_a_layernorm / q_b_proj), value
+heads wider than the q/k heads, YaRN (mscale_all_dim in the softmax scale), sigmoid routing
+with a correction bias over groups. Served from the latent cache (one row of kv_lora_rank +
+qk_rope_head_dim a token and layer, 48 here: the C++ decode and prompt kernels take it)
+with kv_b_proj absorbed, token-exact through prefill, chunked prefill, decode, the prefix
+cache and preemption; int8 weights close; the pool's rows, bytes and the roofline's KV
+bytes for the latent (DeepSeek-V2-Lite's shape too), and which attention backends take
+it; both routers against transformers' on random hidden states; tensor parallelism refused
+with its reason."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from servelm.models.config import ModelConfig
 transformers = pytest.importorskip("transformers")
 
 COMMON = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              kv_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8,
               n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
               first_k_dense_replace=1, initializer_range=0.1)
 V2 = dict(COMMON, q_lora_rank=None, v_head_dim=16, n_shared_experts=2,
@@ -54,12 +57,20 @@ def deepseek(request, tmp_path_factory, hf_tokenizer):
     return request.param, str(d), model
 
 
+@pytest.fixture(scope="module")
+def eager(deepseek):
+    """The checkpoint's engine on the eager fp32 path (C++ ops off): the reference of the
+    tests below, built once."""
+    return LLM(model=deepseek[1], cpu_kernels=False, **KW)
+
+
 def test_config_reads_deepseek_keys(deepseek):
     version, path, _ = deepseek
     cfg = ModelConfig.from_hf_dir(path)
     assert cfg.family == f"deepseek_{version}"
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.rotary_dim) == (4, 4, 8)
-    assert cfg.head_dim == (24 if version == "v2" else 32)  # max(q/k head, v head)
+    assert cfg.head_dim == 24  # the q/k heads: nope + rope
+    assert cfg.cache_layout == (1, 1, 40 + 8)  # the latent and the rope key, V read from K
     assert cfg.dense_layers == (0,) and cfg.num_experts == 8
     assert cfg.shared_expert_intermediate_size == (64 if version == "v2" else 32)
     mla = cfg.extra["mla"]
@@ -73,9 +84,9 @@ def test_config_reads_deepseek_keys(deepseek):
         assert cfg.attn_scale == pytest.approx(24 ** -0.5 * m * m)
 
 
-def test_eager_fp32_matches_transformers(deepseek):
-    _, path, ref = deepseek
-    llm = LLM(model=path, cpu_kernels=False, **KW)
+def test_eager_fp32_matches_transformers(deepseek, eager):
+    _, _, ref = deepseek
+    llm = eager
     prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert_matches_reference(llm, ref, prompts, GREEDY)
     # The roofline's weight bytes count latent attention's own shapes.
@@ -84,23 +95,216 @@ def test_eager_fp32_matches_transformers(deepseek):
     assert llm.engine.model_config.num_params == built
 
 
+@pytest.fixture(scope="module")
+def kernels(deepseek):
+    """The checkpoint's engine with the C++ ops (the cpu attention backend where they
+    build: the latent rows of 48 are within its kernels' head dims)."""
+    return LLM(model=deepseek[1], **KW)
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_both_forms_keep_the_tokens(deepseek, eager, kernels, form, monkeypatch):
+    """Every prompt chunk absorbed (over the latent rows, as decodes attend: on the C++
+    prompt kernel where the cpu backend runs), or every group expanded through kv_b_proj
+    (on the reference backend its decode groups too): the eager engine's own ("auto",
+    against transformers above) last logits and greedy tokens, on both engines."""
+    from servelm.models.mla import LatentAttention
+
+    expanded = LatentAttention._expanded
+    calls = []
+    monkeypatch.setattr(LatentAttention, "_expanded",
+                        lambda self, *a: calls.append(1) or expanded(self, *a))
+    prompts = [eager.get_tokenizer().encode(p) for p in PROMPTS]
+    want_logits = prompt_logits(eager.engine, prompts)
+    want = [o.outputs[0].token_ids for o in eager.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    assert calls  # "auto" expanded the fresh prompts
+    for llm in (eager, kernels):
+        layers = [layer.self_attn for layer in llm.engine.executor.model.layers]
+        try:
+            for attn in layers:
+                attn.prompt_form = form
+            calls.clear()
+            got = prompt_logits(llm.engine, prompts)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                use_tqdm=False)
+        finally:
+            for attn in layers:
+                attn.prompt_form = "auto"
+        assert bool(calls) == (form == "expanded")
+        torch.testing.assert_close(got, want_logits, rtol=1e-3,
+                                   atol=1e-3 * want_logits.abs().max().item())
+        assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_prompts_expand_where_it_costs_fewer_flops():
+    """DeepSeek-V2-Lite's heads: a fresh prompt of a few blocks and a long chunk over a
+    long context expand; decodes, a few draft tokens or a short chunk over a long context
+    stay absorbed."""
+    from types import SimpleNamespace
+
+    from servelm.models.mla import LatentAttention
+
+    with torch.device("meta"):
+        attn = LatentAttention(2048, 16, None, 512, 128, 64, 128, scale=0.1)
+
+    def group(queries, keys):
+        return SimpleNamespace(pad_index=torch.empty(2, queries),
+                               block_tables=torch.empty(2, keys // 16), block_size=16)
+
+    assert not attn._expands(group(1, 4096))
+    assert not attn._expands(group(4, 2048))
+    assert not attn._expands(group(64, 4096))
+    assert attn._expands(group(256, 4096))
+    assert attn._expands(group(64, 64)) and attn._expands(group(512, 512))
+    attn.prompt_form = "absorbed"
+    assert not attn._expands(group(512, 512))
+
+
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
     """The C++ ops where they build, a 16-token budget (prompts prefilled in pieces), a
     second round from the prefix cache, then a pool so small that sequences are preempted:
     the eager path's tokens every time."""
     _, path, _ = deepseek
-    assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    from servelm.kernels import load_ops
+
+    if load_ops("ops"):  # the C++ attention read the latent rows (K and V one tensor)
+        assert fast.engine.executor.runner.attention.name == "cpu"
 
 
-def test_int8_weights_stay_close(deepseek):
-    """int8 quantises the latent attention's projections, the dense MLP, the shared experts
-    and the LM head, on the C++ kernels: within 2e-3 (cosine) of the fp32 reference."""
+def test_int8_weights_stay_close(deepseek, eager):
+    """int8 quantises the latent attention's projections (not W_UK and W_UV, the absorbed
+    halves of kv_b_proj: dense in the model dtype), the dense MLP, the shared experts and
+    the LM head, on the C++ kernels: within 2e-3 (cosine) of the fp32 reference."""
     _, path, _ = deepseek
-    ref = LLM(model=path, cpu_kernels=False, **KW)
+    ref = eager
     prompts = [ref.get_tokenizer().encode(p) for p in PROMPTS]
     want = prompt_logits(ref.engine, prompts)
-    got = prompt_logits(LLM(model=path, quantization="int8", **KW).engine, prompts)
+    llm = LLM(model=path, quantization="int8", **KW)
+    got = prompt_logits(llm.engine, prompts)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.998
+    attn = llm.engine.executor.model.layers[0].self_attn
+    assert type(attn.o_proj) is not torch.nn.Linear  # quantised
+    assert attn.w_uk.dtype == attn.w_uv.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantised_latent_rows_stay_close(deepseek, eager, kv):
+    """kv_cache_dtype int8 (the C++ kernels) and fp8 (the reference): one plane of rows with
+    one fp32 scale a row, stored once; the prompts' last logits (expanded and absorbed)
+    within quantisation's reach of the fp32 pool's."""
+    _, path, _ = deepseek
+    fp8 = {"cpu_kernels": False} if kv == "fp8" else {}  # (the C++ kernels read int8 only)
+    llm = LLM(model=path, kv_cache_dtype=kv, **KW, **fp8)
+    cache = llm.engine.executor.kv_cache
+    assert cache.data.shape[1] == 1 and cache.scales.shape[1:2] == (1,)
+    k, v, ks, vs = cache.layers[0]
+    assert k.data_ptr() == v.data_ptr() and ks.data_ptr() == vs.data_ptr()
+    prompts = [eager.get_tokenizer().encode(p) for p in PROMPTS]
+    want = prompt_logits(eager.engine, prompts)
+    for form in ("expanded", "absorbed"):
+        for layer in llm.engine.executor.model.layers:
+            layer.self_attn.prompt_form = form
+        got = prompt_logits(llm.engine, prompts)
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+        assert cos > (0.999 if kv == "int8" else 0.97), form  # fp8: 3 mantissa bits
+
+
+def _expanded_bytes_per_token(cfg: ModelConfig, elem: int) -> int:
+    """What the expanded form cached: K and V of every head, the narrower head padded."""
+    mla = cfg.extra["mla"]
+    d = max(mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], mla["v_head_dim"])
+    return 2 * cfg.num_layers * cfg.num_heads * d * elem
+
+
+def test_kv_pool_holds_the_latent_rows(deepseek, eager):
+    """One plane a layer ([blocks, block_size, 1 KV head, 40 + 8]), V the same tensor as K,
+    the pool's bytes what it stores: 4x (V2) and 5.3x (V3) fewer than the expanded cache's."""
+    from servelm.engine.model_runner import KVCache
+
+    ex = eager.engine.executor
+    cfg, cache = ex.model.config, ex.kv_cache
+    assert cache.data.shape[:2] == (3, 1) and cache.data.shape[-2:] == (1, 48)
+    k, v = cache.layers[0]
+    assert k.data_ptr() == v.data_ptr() and k.shape == v.shape
+    assert k.shape[1:] == (cache.block_size, 1, 48)
+    per_token = 3 * 48 * 4  # layers x (latent + rope key) x fp32
+    assert ex.block_bytes == KVCache.bytes_per_block(cfg, cache.block_size, torch.float32)
+    assert ex.block_bytes == cache.block_size * per_token
+    assert cache.data.numel() * 4 == ex.block_bytes * cache.data.shape[2]
+    assert _expanded_bytes_per_token(cfg, 4) >= 4 * per_token
+    assert eager.engine.shape.kv_bytes_per_token == per_token
+    # int8 rows: one fp32 scale a row, stored once.
+    assert KVCache.bytes_per_block(cfg, 16, torch.int8) == 16 * 3 * (48 + 4)
+
+
+# DeepSeek-V2-Lite's config.json (the keys servelm reads).
+V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400,
+           "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+           "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
+           "moe_intermediate_size": 1408, "n_shared_experts": 2, "first_k_dense_replace": 1,
+           "topk_method": "greedy", "routed_scaling_factor": 1.0,
+           "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+           "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707,
+                            "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32, "beta_slow": 1}}
+
+
+def test_v2_lite_cache_bytes_and_roofline():
+    """DeepSeek-V2-Lite: 27 layers x (512 + 64) bf16 = 31.1 KB a token, not the expanded
+    27 x 2 x 16 heads x 192 = 331.8 KB (10.7x); the roofline counts the same."""
+    from servelm.engine.model_runner import KVCache
+    from servelm.roofline import ModelShape, report, Hardware
+
+    cfg = ModelConfig.from_hf_dict(V2_LITE)
+    assert cfg.cache_layout == (1, 1, 576)
+    latent = KVCache.bytes_per_block(cfg, 16, torch.bfloat16) // 16
+    assert latent == 27 * 576 * 2 == 31104
+    assert _expanded_bytes_per_token(cfg, 2) == 331776
+    shape = ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
+    assert shape.kv_bytes_per_token == latent
+    text = report(shape, Hardware(100e9, 1e12), prompt_lens=(128,), batches=(1,))
+    assert "KV cache per token (1 KV heads of 576, V read from K): 31.10 KB" in text
+
+
+def test_roofline_cli_counts_the_latent(deepseek, capsys):
+    """`servelm roofline --model` on an MLA checkpoint: its latent rows (48 bf16 values a
+    layer, no V)."""
+    from servelm.cli import main
+
+    _, path, _ = deepseek
+    rc = main(["roofline", "--model", path, "--bandwidth", "30", "--flops", "2.3",
+               "--dtype", "bfloat16"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert f"KV cache per token (1 KV heads of 48, V read from K): {3 * 48 * 2} B" in out.out
+
+
+def test_backends_that_take_the_latent_shape():
+    """The reference runs any latent shape; the C++ backends (cpu, cpu_sdpa, cpu_amx) take
+    the tiny checkpoints' rows (48 dims, 4 query heads a KV head) and decline
+    V2-Lite's (576 dims) and V3's (128 query heads a KV head) with the reason, so "auto"
+    chooses the reference there."""
+    from servelm.attention import BACKENDS, AttentionSpec, select
+    from servelm.config import KernelConfig
+    from servelm.kernels import load_ops
+
+    def spec(heads, d):
+        return AttentionSpec(torch.device("cpu"), torch.bfloat16, torch.bfloat16, heads, 1, d, 16)
+
+    for heads, d in ((16, 576), (128, 576), (128, 192)):
+        assert BACKENDS["reference"].unsupported(spec(heads, d)) is None
+        for name in ("cpu", "cpu_sdpa", "cpu_amx"):
+            reason = BACKENDS[name].unsupported(spec(heads, d))
+            assert reason is not None and ("head dims up to 256" in reason
+                                           or "C++ kernels are not built" in reason
+                                           or "flash attention" in reason), (name, reason)
+        assert select(KernelConfig(tuning="off"), spec(heads, d)).name == "reference"
+    if load_ops("ops"):
+        assert BACKENDS["cpu"].unsupported(spec(4, 48)) is None
 
 
 def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
@@ -118,6 +322,19 @@ def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
     assert (moe.e_score_correction_bias is not None) == (version == "v3")
     got = decode_stack.describe(model)
     assert isinstance(got, str) and "LatentAttention" in got
+
+
+def test_a_latent_past_the_kernels_runs_on_the_reference(tmp_path, hf_tokenizer):
+    """A latent of 256 (rows of 264: past the C++ decode op's 256) with the C++ ops on:
+    "auto" attends on the reference (it never runs a shape its kernels do not take),
+    token-exact against transformers."""
+    config_cls, model_cls, extra = CHECKPOINTS["v2"]
+    ref = tiny_hf_checkpoint(tmp_path, config_cls, model_cls, dict(extra, kv_lora_rank=256),
+                             hf_tokenizer, seed=5)
+    llm = LLM(model=str(tmp_path), **KW)
+    assert llm.engine.executor.runner.attention.name == "reference"
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert_matches_reference(llm, ref, prompts, GREEDY)
 
 
 def test_tensor_parallel_is_refused_with_the_reason(deepseek):

@@ -25,7 +25,7 @@ import torch
 
 from servelm.attention.backend import AttentionBackend, AttentionSpec
 from servelm.attention.cpu import (PROMPT_TOKENS, CpuAmxBackend, CpuBackend, CpuSdpaBackend,
-                                  time_prompt)
+                                  shape_unsupported, time_prompt)
 from servelm.attention.metadata import AttentionMetadata, AttnGroup, ForwardBatch, RaggedDecodes
 from servelm.attention.reference import ReferenceBackend
 from servelm.attention.triton import TritonBackend
@@ -67,10 +67,12 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
         return BACKENDS["cpu"]
     if kernels.triton_attention and BACKENDS["triton"].unsupported(spec) is None:
         return BACKENDS["triton"]
-    # A model option the kernels lack (a soft-cap, sinks, attention chunks) keeps it on the
-    # reference: say so once.
+    # A model option the kernels lack (a soft-cap, sinks, attention chunks) or a shape they
+    # do not take (DeepSeek's latent rows on the CPU) keeps it on the reference: say so once.
     fast = "cpu" if spec.device.type == "cpu" else "triton"
-    if spec.kernels_lack() and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention):
+    shape = fast == "cpu" and shape_unsupported(spec)
+    if ((spec.kernels_lack() or shape)
+            and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention)):
         logger.info("attention backend reference, not %s: %s", fast,
                     BACKENDS[fast].unsupported(spec))
     return BACKENDS["reference"]

@@ -18,8 +18,23 @@ from servelm.kernels import load_ops
 
 # KV storage dtypes the C++ ops read (fp8 is not one: kv_quant's int8 only).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
-# The C++ decode attention's limits (kernels/csrc/decode_attention.h: kMaxD, kMaxG).
+# The C++ decode op's limits (kernels/csrc/decode_attention.h: kMaxD, kMaxG): a head dim of
+# at most 256 and at most 32 query heads a KV head. Its prompt op falls back to the
+# reference per group; the decode rows have no fallback, so a spec past them is declined
+# (DeepSeek's latent cache: one KV head of 576 for 16 or 128 query heads).
 MAX_HEAD_DIM, MAX_QUERIES_PER_KV = 256, 32
+
+
+def shape_unsupported(spec: AttentionSpec) -> str | None:
+    """Why the C++ decode op cannot take spec's heads (MAX_HEAD_DIM, MAX_QUERIES_PER_KV)
+    on some layer, or None."""
+    for kvh, d in spec.shapes():  # every layer's (Gemma 4's differ)
+        g = spec.num_heads // kvh
+        if d > MAX_HEAD_DIM or g > MAX_QUERIES_PER_KV:
+            return (f"servelm's C++ decode attention takes head dims up to {MAX_HEAD_DIM} and "
+                    f"up to {MAX_QUERIES_PER_KV} query heads a KV head, not a layer's {d} and "
+                    f"{g}")
+    return None
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -84,9 +99,11 @@ def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         t = start + n
         rows = tables[b, :-(-t // bs)]
         k = k_cache.index_select(0, rows).view(-1, kvh, d)[:t]
-        v = v_cache.index_select(0, rows).view(-1, kvh, d)[:t]
+        shared = v_cache is k_cache  # V read from K's rows (a latent cache): gathered once
+        v = k if shared else v_cache.index_select(0, rows).view(-1, kvh, d)[:t]
         if g > 1:
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            k = k.repeat_interleave(g, 1)
+            v = k if shared else v.repeat_interleave(g, 1)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
         qb = q[c0:c1].transpose(0, 1).unsqueeze(0)                           # [1, H, n, D]
         o, lse = flash(qb, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)[:2]
@@ -115,11 +132,8 @@ class CpuBackend(AttentionBackend):
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
         if lack := spec.kernels_lack():
             return f"servelm's C++ attention kernels do not {lack}"
-        for kvh, d in spec.shapes():
-            if d > MAX_HEAD_DIM or spec.num_heads // kvh > MAX_QUERIES_PER_KV:
-                return (f"servelm's C++ decode attention takes head dims up to {MAX_HEAD_DIM} "
-                        f"and {MAX_QUERIES_PER_KV} query heads a KV head, not a layer's "
-                        f"{d} and {spec.num_heads // kvh}")
+        if shape := shape_unsupported(spec):
+            return shape
         if not load_ops("ops"):
             return "servelm's C++ kernels are not built here (no compiler, or SERVELM_NO_KERNELS)"
         return None

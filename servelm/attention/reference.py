@@ -40,13 +40,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
     # Whole blocks are copied as rows (index_select on a 2-D view is several times faster
     # than advanced indexing of the 4-D cache).
+    # V may be K's own rows (DeepSeek's latent cache: the same tensor): gathered once.
+    shared = v_cache is k_cache
     flat = group.block_tables.view(-1)
     k = kv_quant.gather_rows(k_cache.view(k_cache.shape[0], -1), flat)
-    v = kv_quant.gather_rows(v_cache.view(v_cache.shape[0], -1), flat)
+    v = k if shared else kv_quant.gather_rows(v_cache.view(v_cache.shape[0], -1), flat)
     if scales is not None:
         ks, vs = (s.view(s.shape[0], -1).index_select(0, flat) for s in scales)
         k = kv_quant.dequantize(k.view(*ks.shape, d), ks, q.dtype)
-        v = kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
+        v = k if shared else kv_quant.dequantize(v.view(*vs.shape, d), vs, q.dtype)
     k = k.view(B, -1, kvh, d).transpose(1, 2)                           # [B, KVH, L, D]
     v = v.view(B, -1, kvh, d).transpose(1, 2)
     mask = (group.window_mask(window, g) if chunk is None

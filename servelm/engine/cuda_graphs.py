@@ -91,7 +91,7 @@ class DecodeGraphs:
         self.batch_sizes = graph_batch_sizes(max_batch)
         self.max_batch = max_batch
         cfg = model.config
-        self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+        self.num_queries_per_kv = cfg.num_heads // cfg.cache_layout[1]  # the cache's KV heads
         max_positions = model.rotary.cos.shape[0]
         self.max_blocks = 1 << (-(-max_positions // bs) - 1).bit_length()
         # Inputs of every graph: ids, positions, slots (B each), then tables (B x width).

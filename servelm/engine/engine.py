@@ -287,7 +287,7 @@ class LLMEngine:
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
         self.shape = ModelShape.from_config(
             self.model_config, weight_bits=weight_bits,
-            kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.head_dim),
+            kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.cache_layout[2]),
             state_bytes=StateCache.bytes_per_slot(self.model_config, self.dtype))
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None

@@ -54,7 +54,9 @@ class SeqInput:
 
 
 class KVCache:
-    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D].
+    """Preallocated paged pool: per layer, K and V of shape [num_blocks, block_size, KVH, D]
+    (KVH and D: ModelConfig.cache_layout; where it has one plane, V is K's tensor itself:
+    DeepSeek's latent rows).
 
     With spare_block, one block more than num_blocks is allocated, `pad_block`, which the
     block manager never hands out: padding rows of captured CUDA-graph steps write there.
@@ -80,8 +82,10 @@ class KVCache:
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
         own = _own_kv_layers(cfg)
-        shapes = [(total, block_size, cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in own]
-        numels = [2 * math.prod(sh) for sh in shapes]  # K and V of each layer
+        # Each layer's K and V (one plane where V is read from K's rows: cache_planes).
+        planes = cfg.cache_planes
+        shapes = [(total, block_size, *cfg.cache_shape_of(i)) for i in own]
+        numels = [planes * math.prod(sh) for sh in shapes]
         elem = torch.empty(0, dtype=dtype).element_size()
         rows = sum(numels) * elem
         # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
@@ -98,21 +102,22 @@ class KVCache:
         flat_scales = buf[rows:rows + 4 * nscales].view(torch.float32) if self.quantized else None
         regions, scale_regions, at, sat = [], [], 0, 0
         for sh, n in zip(shapes, numels):
-            regions.append(flat[at:at + n].view(2, *sh))
+            regions.append(flat[at:at + n].view(planes, *sh))
             at += n
             if self.quantized:
-                scale_regions.append(flat_scales[sat:sat + n // sh[-1]].view(2, *sh[:-1]))
+                scale_regions.append(flat_scales[sat:sat + n // sh[-1]].view(planes, *sh[:-1]))
                 sat += n // sh[-1]
-        if cfg.uniform_kv:  # [layers, 2, total, block_size, KVH, D], as always
-            self.data = flat.view(len(own), 2, *shapes[0])
-            self.scales = (flat_scales.view(len(own), 2, *shapes[0][:-1])
+        if len(set(shapes)) == 1:  # [layers, planes, total, block_size, KVH, D], as always
+            self.data = flat.view(len(own), planes, *shapes[0])
+            self.scales = (flat_scales.view(len(own), planes, *shapes[0][:-1])
                            if self.quantized else None)
         else:
             self.data, self.scales = flat, flat_scales
+        v = planes - 1  # V's plane: K's own with one plane
         if self.quantized:
-            mine = {i: (r[0], r[1], s[0], s[1]) for i, r, s in zip(own, regions, scale_regions)}
+            mine = {i: (r[0], r[v], s[0], s[v]) for i, r, s in zip(own, regions, scale_regions)}
         else:
-            mine = {i: (r[0], r[1]) for i, r in zip(own, regions)}
+            mine = {i: (r[0], r[v]) for i, r in zip(own, regions)}
         # (None: a linear-attention layer, whose recurrent state is a StateCache's.)
         self.layers = [None if cfg.is_linear_layer(i) else mine[cfg.kv_source(i)]
                        for i in range(cfg.num_layers)]
@@ -153,12 +158,12 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block in every layer that holds a cache (each its own shape),
-        with the scales of a quantised pool."""
+        """K and V of one block in every layer that holds a cache (each its own shape; K
+        alone where V is read from it), with the scales of a quantised pool."""
         elem = torch.empty(0, dtype=dtype).element_size()
         scale = 4 if kv_quant.is_quantized(dtype) else 0
-        return sum(2 * block_size * cfg.kv_heads_of(i) * (cfg.head_dim_of(i) * elem + scale)
-                   for i in _own_kv_layers(cfg))
+        return sum(cfg.cache_planes * block_size * kvh * (d * elem + scale)
+                   for kvh, d in map(cfg.cache_shape_of, _own_kv_layers(cfg)))
 
 
 def _own_kv_layers(cfg: ModelConfig) -> list[int]:
@@ -234,7 +239,8 @@ class ModelRunner:
                 raise ValueError("a model with linear-attention layers needs a StateCache")
             self.layer_caches = [state_cache.layers[i] if cfg.is_linear_layer(i)
                                  else kv_cache.layers[i] for i in range(cfg.num_layers)]
-        self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+        _, cache_heads, cache_head_dim = cfg.cache_layout
+        self.num_queries_per_kv = cfg.num_heads // cache_heads
         # The path is decided once: fused C++ kernels (norms, rotary + KV write, SiLU) on
         # CPU when they build, else the eager PyTorch reference (CUDA, no compiler,
         # kernels.cpu_kernels off), each op module bound to its choice (select_ops); and
@@ -256,13 +262,13 @@ class ModelRunner:
         self._use_kernels = use_kernels
         model.select_ops(use_kernels)
         self.attention: AttentionBackend = select_attention(kernels, AttentionSpec(
-            torch.device(device), dtype, kv_dtype, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
+            torch.device(device), dtype, kv_dtype, cfg.num_heads, cache_heads,
+            cache_head_dim, kv_cache.block_size, logit_softcap=cfg.attn_logit_softcap,
             sinks=bool(cfg.extra.get("attention_sinks")),
             attention_chunk=cfg.extra.get("attention_chunk_size"),
             layer_shapes=tuple(dict.fromkeys(
-                (cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in range(cfg.num_layers)
-                if (cfg.kv_heads_of(i), cfg.head_dim_of(i)) != (cfg.num_kv_heads, cfg.head_dim)))))
+                cfg.cache_shape_of(i) for i in cfg.kv_layers
+                if cfg.cache_shape_of(i) != (cache_heads, cache_head_dim)))))
         logger.info("attention backend: %s", self.attention.name)
         # The DecodeStack reads the cpu backends' ragged decode rows (and its own C++ ops).
         if use_kernels and self.attention.ragged_decodes and kernels.fused_decode:

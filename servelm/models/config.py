@@ -85,6 +85,13 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
     attn_logit_softcap: float | None = None   # the same on attention scores (Gemma 2)
+    # ---- the paged KV cache's rows, where they are not the attention's own K and V ----
+    # (None: num_kv_heads x head_dim, K and V apart.) DeepSeek's latent cache (models/mla.py):
+    # one row of kv_lora_rank + qk_rope_head_dim per token and layer, attended as a single
+    # KV head whose values are read from the same rows (cache_planes 1: V is not stored).
+    cache_kv_heads: int | None = None
+    cache_head_dim: int | None = None
+    cache_planes: int = 2                 # 2: K and V stored apart; 1: V read from K's rows
     # ---- mixture of experts (0 experts: a dense model) ----
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -168,9 +175,20 @@ class ModelConfig:
             if src != i and (self.head_dim_of(i), self.kv_heads_of(i)) != (
                     self.head_dim_of(src), self.kv_heads_of(src)):
                 raise ValueError(f"layer {i} reads layer {src}'s KV cache of another shape")
+        planes, cache_heads, _ = self.cache_layout
+        if planes not in (1, 2) or self.num_heads % cache_heads:
+            raise ValueError(f"the cache's layout ({planes} planes, {cache_heads} KV heads) "
+                             f"must have 1 or 2 planes and divide the {self.num_heads} heads")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        """What the paged cache holds per token and layer, and what the attention backends
+        see: (planes: 2 for K and V, 1 where V is read from K's rows; KV heads; head dim)."""
+        return (self.cache_planes, self.cache_kv_heads or self.num_kv_heads,
+                self.cache_head_dim or self.head_dim)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of this layer, or None for full attention."""
@@ -199,6 +217,12 @@ class ModelConfig:
 
     def kv_heads_of(self, layer: int) -> int:
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def cache_shape_of(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head dim) of the layer's rows in the paged cache: its attention's,
+        or the cache layout's where that differs (DeepSeek's latent rows)."""
+        return (self.cache_kv_heads or self.kv_heads_of(layer),
+                self.cache_head_dim or self.head_dim_of(layer))
 
     def kv_source(self, layer: int) -> int:
         """The layer whose KV cache this layer attends (itself, unless KV-shared)."""

@@ -2,11 +2,14 @@
 pre-norm layer with
 
 - multi-head latent attention (servelm/models/mla.py: the query through q_proj or the
-  low-rank q_a_proj / q_a_layernorm / q_b_proj, keys and values expanded from one latent
-  of kv_lora_rank and a rope key shared by the heads; the rotary on the rope dims only, by
+  low-rank q_a_proj / q_a_layernorm / q_b_proj, keys and values from one latent of
+  kv_lora_rank and a rope key shared by the heads; the rotary on the rope dims only, by
   adjacent pairs (V2 always, V3 with rope_interleave); q/k heads of qk_nope_head_dim +
-  qk_rope_head_dim, value heads of v_head_dim), served from the expanded per-head K and V
-  in the ordinary cache; the softmax scale qk_head_dim ** -0.5 times YaRN's
+  qk_rope_head_dim, value heads of v_head_dim), served from a latent cache (one row of
+  kv_lora_rank + qk_rope_head_dim per token and layer: ModelConfig.cache_layout) with
+  kv_b_proj absorbed into the query and the output (prompt chunks expanded where that
+  costs fewer FLOPs; its rows split at load into w_uk and w_uv, which stay in the model
+  dtype); the softmax scale qk_head_dim ** -0.5 times YaRN's
   mscale(mscale_all_dim) squared where the rotary is scaled,
 - dense MLPs on the first first_k_dense_replace layers, then MoE layers: n_routed_experts
   of moe_intermediate_size, num_experts_per_tok chosen, their weights times
@@ -76,8 +79,13 @@ class DeepseekV2(Family):
         dense = min(int(cfg.get("first_k_dense_replace") or 0), n)
         moe_inter = int(cfg.get("moe_intermediate_size") or 0)
         pairwise = bool(cfg.get("rope_interleave", True)) if self.v3 else True
-        return {"num_kv_heads": base["num_heads"],  # the expanded cache: a KV head per head
-                "head_dim": max(nope + rope, v), "rotary_dim": rope, "attn_scale": scale,
+        kv_lora = int(cfg["kv_lora_rank"])
+        # The attention's own heads: a key and a value per query head (expanded from the
+        # latent); the cache holds the latent: one row of kv_lora_rank + rope per token, its
+        # values read from the same row (LatentAttention's absorbed form).
+        return {"num_kv_heads": base["num_heads"], "head_dim": nope + rope,
+                "cache_kv_heads": 1, "cache_head_dim": kv_lora + rope, "cache_planes": 1,
+                "rotary_dim": rope, "attn_scale": scale,
                 "mlp_bias": bool(cfg.get("mlp_bias", False)),
                 "num_experts": experts,
                 "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
@@ -86,7 +94,7 @@ class DeepseekV2(Family):
                 "norm_topk_prob": norm_topk,
                 "dense_layers": tuple(range(dense)),
                 "extra": {"mla": {"q_lora_rank": q_lora and int(q_lora),
-                                  "kv_lora_rank": int(cfg["kv_lora_rank"]),
+                                  "kv_lora_rank": kv_lora,
                                   "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
                                   "v_head_dim": v, "rope_pairwise": pairwise},
                           **router, "shared_expert_gate": False,
@@ -97,6 +105,19 @@ class DeepseekV2(Family):
     def internal_name(self, hf_name):
         return super().internal_name(hf_name).replace(".mlp.gate.e_score_correction_bias",
                                                       ".mlp.e_score_correction_bias")
+
+    def split(self, name, tensor, cfg):
+        """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] as the absorbed attention's
+        two per-head matrices: w_uk [heads, nope, kv_lora_rank] (the key rows, which turn a
+        query into latent space) and w_uv [heads, v, kv_lora_rank] (the value rows, which
+        turn the attention's latent output into each head's value)."""
+        if not name.endswith(".self_attn.kv_b_proj.weight"):
+            return [(name, tensor)]
+        mla = cfg.extra["mla"]
+        nope, v = mla["qk_nope_head_dim"], mla["v_head_dim"]
+        w = tensor.reshape(cfg.num_heads, nope + v, tensor.shape[-1])
+        prefix = name.removesuffix("kv_b_proj.weight")
+        return [(prefix + "w_uk", w[:, :nope]), (prefix + "w_uv", w[:, nope:])]
 
 
 class DeepseekV3(DeepseekV2):
