@@ -5,7 +5,7 @@ mlp_only_layers, dense MLPs elsewhere."""
 
 from __future__ import annotations
 
-from servelm.models.families.qwen2 import _qwen_windows
+from servelm.models.families.qwen2 import _qwen_moe, _qwen_windows
 from servelm.models.family import Family
 
 
@@ -20,16 +20,8 @@ class Qwen2Moe(Family):
 
     def hf_config(self, cfg, base):
         n = base["num_layers"]
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        only = set(cfg.get("mlp_only_layers") or ())
         return {"attention_bias": bool(cfg.get("qkv_bias", True)),
-                **_qwen_windows(cfg, n),
-                "num_experts": cfg["num_experts"],
-                "num_experts_per_tok": cfg["num_experts_per_tok"],
-                "moe_intermediate_size": cfg["moe_intermediate_size"],
-                "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0),
-                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-                "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
+                **_qwen_windows(cfg, n), **_qwen_moe(cfg, n, norm_topk_prob=False)}
 
     def gguf_config(self, get, base, tensor_names):
         # llama.cpp's qwen2moe does not renormalise the chosen experts' weights.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servelm.models.families.qwen2 import _qwen_windows
+from servelm.models.families.qwen2 import _qwen_moe, _qwen_windows
 from servelm.models.family import Family
 
 
@@ -25,16 +25,8 @@ class Qwen3Moe(Qwen3):
     gguf_architectures = ("qwen3moe",)
 
     def hf_config(self, cfg, base):
-        n = base["num_layers"]
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        only = set(cfg.get("mlp_only_layers") or ())
-        dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
         return {**super().hf_config(cfg, base),
-                "num_experts": cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"],
-                "num_experts_per_tok": cfg["num_experts_per_tok"],
-                "moe_intermediate_size": cfg["moe_intermediate_size"],
-                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-                "dense_layers": dense}
+                **_qwen_moe(cfg, base["num_layers"], norm_topk_prob=False)}
 
     def gguf_config(self, get, base, tensor_names):
         # llama.cpp always renormalises Qwen3-MoE's top-k weights (transformers' GGUF

@@ -30,6 +30,7 @@ import re
 import numpy as np
 import torch
 
+from servelm.models.families.qwen2 import _qwen_moe
 from servelm.models.hf_keys import FULL, LINEAR
 from servelm.models.family import Family
 
@@ -98,16 +99,7 @@ class Qwen3Next(Family):
         return {**out, **self._mlp(cfg, n)}
 
     def _mlp(self, cfg, n):
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        only = set(cfg.get("mlp_only_layers") or ())
-        if not cfg.get("num_experts"):
-            return {}
-        return {"num_experts": cfg["num_experts"],
-                "num_experts_per_tok": cfg["num_experts_per_tok"],
-                "moe_intermediate_size": cfg["moe_intermediate_size"],
-                "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0),
-                "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-                "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
+        return _qwen_moe(cfg, n, norm_topk_prob=True) if cfg.get("num_experts") else {}
 
     def gguf_config(self, get, base, tensor_names):
         n = base["num_layers"]
@@ -238,8 +230,4 @@ class Qwen3_5Moe(Qwen3_5):
     gguf_architectures = ("qwen35moe",)
 
     def _mlp(self, cfg, n):
-        return {"num_experts": cfg["num_experts"],
-                "num_experts_per_tok": cfg["num_experts_per_tok"],
-                "moe_intermediate_size": cfg["moe_intermediate_size"],
-                "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0),
-                "norm_topk_prob": True}
+        return {**_qwen_moe(cfg, n, norm_topk_prob=True), "norm_topk_prob": True}
