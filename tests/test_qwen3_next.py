@@ -353,3 +353,41 @@ def test_qwen3next_gguf_names_and_values():
     assert (fam.from_gguf("model.layers.0.linear_attn.norm.weight", norm, cfg, 2) == norm).all()
     assert (fam.from_gguf("model.layers.0.input_layernorm.weight", norm, cfg, 2)
             == norm - 1).all()
+
+
+def test_a_steps_decodes_update_consecutive_slots_in_place():
+    """Decodes whose slots run consecutively in row order are updated through a view of
+    the state (dec_range); any other order gathers and writes back; both give the same
+    outputs and states."""
+    from servelm.models.linear_attention import GatedDeltaNet, RecurrentBatch
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(16, num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4,
+                          conv_kernel=3, eps=1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    cpu = torch.device("cpu")
+    assert RecurrentBatch.build([0, 1, 2], [1, 1, 1], [4, 5, 6], [False] * 3,
+                                cpu).dec_range == (4, 7)
+    assert RecurrentBatch.build([0, 1, 2], [1, 1, 1], [5, 4, 6], [False] * 3,
+                                cpu).dec_range is None
+    x = torch.randn(3, 16)
+    outs, states = [], []
+    for slots in ([4, 5, 6], [6, 5, 4]):  # the same sequences, in slot order or reversed
+        conv = torch.zeros(8, layer.conv_dim, 2)
+        ssm = torch.zeros(8, 2, 4, 4)
+        for s_, v in zip((4, 5, 6), range(3)):
+            conv[s_].fill_(0.1 * (v + 1))
+            ssm[s_].fill_(0.2 * (v + 1))
+        order = [4, 5, 6] if slots == [4, 5, 6] else [6, 5, 4]
+        xs = x if slots == [4, 5, 6] else x.flip(0)
+        batch = type("B", (), {"recurrent": RecurrentBatch.build(
+            [0, 1, 2], [1, 1, 1], order, [False] * 3, cpu)})()
+        with torch.no_grad():
+            out = layer(xs, None, None, batch, (conv, ssm))
+        outs.append(out if slots == [4, 5, 6] else out.flip(0))
+        states.append((conv.clone(), ssm.clone()))
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(states[0][0], states[1][0])
+    torch.testing.assert_close(states[0][1], states[1][1])

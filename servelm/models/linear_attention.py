@@ -55,7 +55,9 @@ class RecurrentBatch:
     dec_rows: torch.Tensor | None = None
     dec_slots: torch.Tensor | None = None
     dec_fresh: torch.Tensor | None = None
-    dec_slot: int | None = None     # the slot, when the step has exactly one decode
+    # The decodes' slots as a range (first, end) when they are consecutive in row order (a
+    # lone decode, or sequences admitted together): the layer updates that range in place.
+    dec_range: tuple[int, int] | None = None
     any_fresh: bool = False         # whether a decode starts afresh (a one-token prompt)
 
     @classmethod
@@ -67,7 +69,9 @@ class RecurrentBatch:
         dec = [i for i, n in enumerate(lengths) if n == 1]
         out = cls(starts, lengths, slots, fresh)
         if dec:
-            out.dec_slot = slots[dec[0]] if len(dec) == 1 else None
+            first = slots[dec[0]]
+            if all(slots[i] == first + j for j, i in enumerate(dec)):
+                out.dec_range = (first, first + len(dec))
             out.any_fresh = any(fresh[i] for i in dec)
             out.dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=device)
             out.dec_slots = torch.tensor([slots[i] for i in dec], dtype=torch.long, device=device)
@@ -286,19 +290,23 @@ class GatedDeltaNet(nn.Module):
         """Every one-token sequence of the step in one batched update of its slot."""
         rows, slots, fresh = rec.dec_rows, rec.dec_slots, rec.dec_fresh
         x = mixed[rows]                                              # [B, C]
-        prev = conv_state[slots].to(x.dtype)                         # [B, C, k1]
+        span = slice(*rec.dec_range) if rec.dec_range is not None else None
+        # Consecutive slots: the states updated in place (views); else gathered, then
+        # written back.
+        prev = (conv_state[span] if span is not None else conv_state[slots]).to(x.dtype)
         if rec.any_fresh:
-            prev.masked_fill_(fresh[:, None, None], 0)
+            prev = prev.masked_fill(fresh[:, None, None], 0)
         seq = torch.cat([prev, x[:, :, None]], dim=-1)               # [B, C, K]
         conv = (seq * self.conv_weight.to(seq.dtype)).sum(-1)        # [B, C]
-        conv_state[slots] = seq[:, :, 1:].to(conv_state.dtype)
+        if span is not None:
+            conv_state[span] = seq[:, :, 1:]
+        else:
+            conv_state[slots] = seq[:, :, 1:].to(conv_state.dtype)
         q, k, v = self._split(F.silu(conv))
-        one = rec.dec_slot
-        # One row: its slot's state in place (a view); more: gathered, then written back.
-        S = ssm_state[one:one + 1] if one is not None else ssm_state[slots]
+        S = ssm_state[span] if span is not None else ssm_state[slots]
         if rec.any_fresh:
             S.masked_fill_(fresh[:, None, None, None], 0)
         o = delta_rule_step(S, q, k, v, g[rows], beta[rows])
-        if one is None:
+        if span is None:
             ssm_state[slots] = S
         core[rows] = o
