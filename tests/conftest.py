@@ -127,7 +127,7 @@ def hf_tokenizer(gguf_path):
 # now and then, in full runs; never alone).
 SERIAL = {"test_tensor_parallel.py", "test_lora_tp.py", "test_bench.py", "test_console.py"}
 # The slowest first, so that neither worker is left with a long module at the end while
-# the other idles (--dist loadfile hands out whole modules in this order): the 32 modules
+# the other idles (--dist loadfile hands out whole modules in this order): the modules
 # with the most seconds in a full run (`--durations=0`, summed by module), the rest after.
 SLOW_FIRST = ["test_families.py", "test_server.py", "test_quantization.py", "test_engine.py",
               "test_real_models.py", "test_tools_real.py", "test_anthropic.py",
@@ -136,7 +136,8 @@ SLOW_FIRST = ["test_families.py", "test_server.py", "test_quantization.py", "tes
               "test_spec_draft.py", "test_tuning.py", "test_reasoning.py", "test_ollama.py",
               "test_formats.py", "test_structured_outputs.py", "test_weight_format.py",
               "test_prepack.py", "test_kernels.py", "test_lora.py", "test_server_api.py",
-              "test_decode_benchmarks.py", "test_llama4.py", "test_server_first_hour.py",
+              "test_decode_benchmarks.py", "test_llama4.py", "test_deepseek.py",
+              "test_gemma4.py", "test_qwen3_next.py", "test_server_first_hour.py",
               "test_spec_decode.py", "test_embeddings.py", "test_server_async_engine.py",
               "test_kv_quant.py", "test_server_lora.py"]
 
