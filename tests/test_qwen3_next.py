@@ -391,3 +391,29 @@ def test_a_steps_decodes_update_consecutive_slots_in_place():
     torch.testing.assert_close(outs[0], outs[1])
     torch.testing.assert_close(states[0][0], states[1][0])
     torch.testing.assert_close(states[0][1], states[1][1])
+
+
+def test_the_cpp_decode_step_is_the_pytorch_one():
+    """servelm's C++ delta-rule step on slots in place (fresh ones zeroed first) against
+    delta_rule_step on the gathered states: the same outputs and states."""
+    from servelm.kernels import load_ops
+
+    if not load_ops("delta_rule"):
+        pytest.skip("servelm's C++ kernels are not built here")
+    g_ = torch.Generator().manual_seed(1)
+    N, B, H, Dk, Dv = 6, 3, 4, 16, 8
+    S = torch.randn(N, H, Dk, Dv, generator=g_)
+    slots = torch.tensor([4, 1, 2])
+    fresh = torch.tensor([False, True, False])
+    q = l2_normalize(torch.randn(B, H, Dk, generator=g_)) * Dk ** -0.5
+    k = l2_normalize(torch.randn(B, H, Dk, generator=g_))
+    v = torch.randn(B, H, Dv, generator=g_)
+    decay, beta = -torch.rand(B, H, generator=g_), torch.rand(B, H, generator=g_)
+    want_S = S.clone()
+    gathered = want_S[slots]
+    gathered[fresh] = 0
+    want = delta_rule_step(gathered, q, k, v, decay, beta)
+    want_S[slots] = gathered
+    got = torch.ops.servelm_delta_rule.step(S, slots, q, k, v, decay, beta, fresh)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(S, want_S, rtol=1e-5, atol=1e-6)

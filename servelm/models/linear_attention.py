@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.models.layers import OpModule
+
 if TYPE_CHECKING:
     from servelm.attention.metadata import ForwardBatch
 
@@ -181,11 +183,14 @@ def delta_rule_chunked(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return out.reshape(H, nb * n, Dv)[:, :L].transpose(0, 1)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(OpModule):
     """A linear-attention layer (module docstring). Parameters as the decoder holds them:
     in_proj_qkvz rows q | k | v | z (each block head by head), in_proj_ba rows b | a,
     conv_weight [conv_dim, kernel], A_log and dt_bias [v_heads], norm_weight [v_dim] (the
-    gated RMSNorm's, no offset), out_proj."""
+    gated RMSNorm's, no offset), out_proj. The decode update chosen once (select): the
+    PyTorch delta_rule_step over gathered (or consecutive) slots, or servelm's C++ step
+    (kernels/csrc/delta_rule.cpp) on the slots in place, each state read and written
+    once."""
 
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, eps: float):
@@ -206,6 +211,13 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
         self.norm_weight = nn.Parameter(torch.ones(head_v_dim))
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.select(False)
+
+    def select(self, kernels: bool) -> None:
+        from servelm.kernels import load_ops
+
+        self.uses_kernels = kernels and load_ops("delta_rule")
+        self._step = torch.ops.servelm_delta_rule.step if self.uses_kernels else None
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's (conv, ssm) shapes."""
@@ -303,6 +315,11 @@ class GatedDeltaNet(nn.Module):
         else:
             conv_state[slots] = seq[:, :, 1:].to(conv_state.dtype)
         q, k, v = self._split(F.silu(conv))
+        if self._step is not None:  # the C++ step: every slot in place, read and written once
+            core[rows] = self._step(ssm_state, slots, q.contiguous(), k.contiguous(),
+                                    v.contiguous(), g[rows].contiguous(),
+                                    beta[rows].contiguous(), fresh)
+            return
         S = ssm_state[span] if span is not None else ssm_state[slots]
         if rec.any_fresh:
             S.masked_fill_(fresh[:, None, None, None], 0)
