@@ -2,8 +2,8 @@
 sequence (the block manager hands slots out with a request's first blocks and takes them
 back with its last).
 
-Per linear-attention layer, one tensor of each kind for all slots (the layer's
-GatedDeltaNet.state_shapes):
+Per linear-attention layer, one tensor of each kind for all slots (the depthwise
+convolution's last inputs and the delta rule's matrix):
 
     conv  [slots, conv_dim, kernel - 1]   in the activations' dtype
     ssm   [slots, v_heads, k_dim, v_dim]  fp32: the state sums the whole sequence, so

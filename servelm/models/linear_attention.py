@@ -219,11 +219,6 @@ class GatedDeltaNet(OpModule):
         self.uses_kernels = kernels and load_ops("delta_rule")
         self._step = torch.ops.servelm_delta_rule.step if self.uses_kernels else None
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """One slot's (conv, ssm) shapes."""
-        return ((self.conv_dim, self.kernel - 1),
-                (self.num_v_heads, self.head_k_dim, self.head_v_dim))
-
     def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
