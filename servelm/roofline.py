@@ -138,11 +138,10 @@ class ModelShape:
         layers that keep K and V. state_bytes: one sequence's recurrent state
         (StateCache.bytes_per_slot)."""
         planes, kv_heads, head_dim = cfg.cache_layout
-        lin = cfg.extra.get("linear_attn")
         state_flops = 0.0
-        if lin and cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
-            per = 2 * lin["num_v_heads"] * lin["head_k_dim"] * lin["head_v_dim"]
-            state_flops = 4.0 * per * sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+        if cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
+            hv, dk, dv = cfg.linear_state_shapes[1]
+            state_flops = 4.0 * 2 * hv * dk * dv * len(cfg.linear_layers)
         return cls(num_params=cfg.num_params, weight_bits=weight_bits,
                    num_layers=len(cfg.kv_layers), state_bytes_per_seq=state_bytes,
                    state_flops_per_token=state_flops,

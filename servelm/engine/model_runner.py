@@ -81,7 +81,7 @@ class KVCache:
         total = num_blocks + spare_block
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
-        own = _own_kv_layers(cfg)
+        own = cfg.kv_layers  # not KV-shared layers, not linear attention's
         # Each layer's K and V (one plane where V is read from K's rows: cache_planes).
         planes = cfg.cache_planes
         shapes = [(total, block_size, *cfg.cache_shape_of(i)) for i in own]
@@ -163,13 +163,7 @@ class KVCache:
         elem = torch.empty(0, dtype=dtype).element_size()
         scale = 4 if kv_quant.is_quantized(dtype) else 0
         return sum(cfg.cache_planes * block_size * kvh * (d * elem + scale)
-                   for kvh, d in map(cfg.cache_shape_of, _own_kv_layers(cfg)))
-
-
-def _own_kv_layers(cfg: ModelConfig) -> list[int]:
-    """The layers that hold a KV cache of their own (not KV-shared, not linear
-    attention's recurrent state), in order."""
-    return list(cfg.kv_layers)
+                   for kvh, d in map(cfg.cache_shape_of, cfg.kv_layers))
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,

@@ -14,16 +14,11 @@ token is at position 0 from zeros (RecurrentBatch.fresh)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from servelm.models.config import ModelConfig
-
-
-def _shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    lin = cfg.extra["linear_attn"]
-    kd, vd = lin["num_k_heads"] * lin["head_k_dim"], lin["num_v_heads"] * lin["head_v_dim"]
-    return ((2 * kd + vd, lin["conv_kernel"] - 1),
-            (lin["num_v_heads"], lin["head_k_dim"], lin["head_v_dim"]))
 
 
 class StateCache:
@@ -33,18 +28,18 @@ class StateCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_slots = num_slots
-        conv, ssm = _shapes(cfg)
+        conv, ssm = cfg.linear_state_shapes
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
             i: (torch.zeros(num_slots, *conv, dtype=dtype, device=device),
                 torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device))
-            for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
+            for i in cfg.linear_layers}
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
         """One sequence's state in every linear-attention layer (0 for a model without)."""
         if not cfg.has_recurrent_state:
             return 0
-        conv, ssm = _shapes(cfg)
+        conv, ssm = cfg.linear_state_shapes
         elem = torch.empty(0, dtype=dtype).element_size()
-        per_layer = conv[0] * conv[1] * elem + ssm[0] * ssm[1] * ssm[2] * 4
-        return per_layer * sum(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+        per_layer = math.prod(conv) * elem + math.prod(ssm) * 4
+        return per_layer * len(cfg.linear_layers)

@@ -212,6 +212,21 @@ class ModelConfig:
         """Whether some layer keeps a recurrent state per sequence."""
         return LINEAR in self.layer_types
 
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers (a recurrent state each, no KV cache)."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
+
+    @property
+    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One sequence's state in one linear-attention layer: the convolution's last
+        inputs [conv_dim (q, k and v), kernel - 1] and the delta rule's matrices [v_heads,
+        k_dim, v_dim] (models/linear_attention.py)."""
+        lin = self.extra["linear_attn"]
+        conv = 2 * lin["num_k_heads"] * lin["head_k_dim"] + lin["num_v_heads"] * lin["head_v_dim"]
+        return ((conv, lin["conv_kernel"] - 1),
+                (lin["num_v_heads"], lin["head_k_dim"], lin["head_v_dim"]))
+
     def head_dim_of(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
 
@@ -284,15 +299,11 @@ class ModelConfig:
             attn = (query + h * (c + mla["qk_rope_head_dim"]) + c
                     + c * heads * (mla["qk_nope_head_dim"] + mla["v_head_dim"])
                     + heads * mla["v_head_dim"] * h)
-        lin = self.extra.get("linear_attn")
         linear = 0
-        if lin:  # a gated DeltaNet layer (models/linear_attention.py)
-            kd = lin["num_k_heads"] * lin["head_k_dim"]
-            vd = lin["num_v_heads"] * lin["head_v_dim"]
-            conv = 2 * kd + vd
-            linear = (h * (2 * kd + 2 * vd) + h * 2 * lin["num_v_heads"]
-                      + conv * lin["conv_kernel"] + 2 * lin["num_v_heads"]
-                      + lin["head_v_dim"] + vd * h)
+        if self.has_recurrent_state:  # a gated DeltaNet layer (models/linear_attention.py)
+            (conv, k1), (hv, _, dv) = self.linear_state_shapes
+            vd = hv * dv  # in_proj_qkvz: q, k, v (the conv's channels) and z; in_proj_ba
+            linear = (h * (conv + vd) + h * 2 * hv + conv * (k1 + 1) + 2 * hv + dv + vd * h)
         layers = sum((linear if self.is_linear_layer(i) else attn if mla
                       else self._attn_params(i)) + self._mlp_params(i, active)
                      + norms for i in range(self.num_layers))

@@ -9,14 +9,26 @@ from servelm.models.families.qwen2 import _qwen_moe, _qwen_windows
 from servelm.models.family import Family
 
 
+# llama.cpp's names for a gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE).
+SHARED_EXPERT_GGUF_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                            "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                            "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                            "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+
+
+def shared_expert_gate_row(hf_name: str, arr):
+    """The shared expert's gate as the [1, hidden] weight the model holds: llama.cpp keeps
+    it as a vector. None for any other tensor."""
+    if hf_name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
+        return arr.reshape(1, -1)
+    return None
+
+
 class Qwen2Moe(Family):
     name = "qwen2_moe"
     architectures = ("Qwen2MoeForCausalLM",)
     gguf_architectures = ("qwen2moe",)
-    gguf_layer_names = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-                        "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                        "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+    gguf_layer_names = SHARED_EXPERT_GGUF_NAMES
 
     def hf_config(self, cfg, base):
         n = base["num_layers"]
@@ -29,6 +41,5 @@ class Qwen2Moe(Family):
                 "norm_topk_prob": False}
 
     def from_gguf(self, hf_name, arr, cfg, rows_of):
-        if hf_name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
-            return arr.reshape(1, -1)  # llama.cpp keeps the gate as a vector
-        return super().from_gguf(hf_name, arr, cfg, rows_of)
+        gate = shared_expert_gate_row(hf_name, arr)
+        return gate if gate is not None else super().from_gguf(hf_name, arr, cfg, rows_of)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from servelm.models.families.qwen2 import _qwen_moe
+from servelm.models.families.qwen2_moe import SHARED_EXPERT_GGUF_NAMES, shared_expert_gate_row
 from servelm.models.hf_keys import FULL, LINEAR
 from servelm.models.family import Family
 
@@ -53,11 +54,7 @@ _GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm",
                      "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
                      "ssm_out": "linear_attn.out_proj", "ssm_ba": "linear_attn.in_proj_ba",
                      "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
-                     "attn_gate": "linear_attn.in_proj_z",
-                     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-                     "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                     "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+                     "attn_gate": "linear_attn.in_proj_z", **SHARED_EXPERT_GGUF_NAMES}
 
 
 class Qwen3Next(Family):
@@ -130,10 +127,11 @@ class Qwen3Next(Family):
         return super().gguf_name(gguf_name)
 
     def from_gguf(self, hf_name, arr, cfg, rows_of):
+        gate = shared_expert_gate_row(hf_name, arr)
+        if gate is not None:
+            return gate
         if hf_name.endswith("linear_attn.A_log"):
             arr = np.log(-arr.astype(np.float32))  # llama.cpp stores -exp(A_log)
-        elif hf_name.endswith("shared_expert_gate.weight") and arr.ndim == 1:
-            arr = arr.reshape(1, -1)  # llama.cpp keeps the gate as a vector
         elif not hf_name.endswith("linear_attn.norm.weight"):
             arr = super().from_gguf(hf_name, arr, cfg, rows_of)
         if self.tiled_v_heads and ".linear_attn." in hf_name:
