@@ -386,6 +386,14 @@ def make_parser() -> argparse.ArgumentParser:
 
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.disaggregate is not None:
+            from servelm.router.serve import serve_disaggregated
+
+            if args.data_parallel_size > 1 or args.role != "both":
+                raise ValueError("--disaggregate starts its own prefill and decode replicas: "
+                                 "drop --data-parallel-size and --role")
+            name = args.served_model_name or default_model_name(model_arg(args))
+            return serve_disaggregated(args, args.argv, name)
         if args.data_parallel_size > 1:
             from servelm.router.serve import serve_data_parallel
 
@@ -473,6 +481,33 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--roofline-flops", type=positive(float), default=None,
                        metavar="TFLOP/s", help="matmul peak for /metrics utilisation "
                        "(default: measured at start)")
+    pd = serve.add_argument_group("disaggregated prefill and decode")
+    pd.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                    help="prefill: send a finished prompt's KV blocks to the decode server a "
+                    "request names (kv_transfer_params, which `servelm router --prefill` "
+                    "sets); decode: receive KV blocks into the prefix cache on "
+                    "--kv-transfer-host/--kv-transfer-port; both (default): send, and "
+                    "receive too when --kv-transfer-port is given")
+    pd.add_argument("--kv-transfer-host", default=None, metavar="ADDR",
+                    help="address the KV receiver binds (default: --host); only prefill "
+                    "servers should reach it (it has no key)")
+    pd.add_argument("--kv-transfer-port", type=int, default=None, metavar="PORT",
+                    help="port of the KV receiver (0: any free one, shown by /v1/stats; "
+                    "default with --role decode: 0)")
+    pd.add_argument("--no-kv-transfer-shm", dest="kv_transfer_shm", action="store_false",
+                    help="send KV over gloo even to a receiver on this host (default: "
+                    "through shared memory there)")
+    pd.add_argument("--kv-transfer-timeout", type=positive(float), default=30.0, metavar="S",
+                    help="seconds a KV connection or transfer may take (default 30)")
+    pd.add_argument("--disaggregate", nargs="?", const="1:1", default=None, metavar="P:D",
+                    help="P prefill and D decode replicas (default 1:1), each its own "
+                    "process on its share of the cores, behind a router on --port that "
+                    "sends long prompts to a prefill replica and their KV to a decode "
+                    "replica, which answers")
+    pd.add_argument("--prefill-min-tokens", type=int, default=None, metavar="TOKENS",
+                    help="with --disaggregate: uncached prompt tokens from which a prompt "
+                    "runs on a prefill replica (default: the roofline's ridge in tokens a "
+                    "step, at least 64)")
     dp = serve.add_argument_group("data parallel")
     dp.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="N",
                     help="N replicas of the engine, each its own process with its own KV pool "
@@ -492,8 +527,18 @@ def make_parser() -> argparse.ArgumentParser:
     rt = sub.add_parser("router", help="an OpenAI-compatible front routing each request to "
                         "one of several servelm (or other OpenAI-compatible) servers, by what "
                         "each has cached and its load")
-    rt.add_argument("--backend", nargs="+", action="extend", required=True, metavar="URL",
-                    help="the backends' base URLs, e.g. http://10.0.0.2:8000 (repeatable)")
+    rt.add_argument("--backend", "--decode", dest="backend", nargs="+", action="extend",
+                    default=[], metavar="URL",
+                    help="the backends' base URLs, e.g. http://10.0.0.2:8000 (repeatable); "
+                    "with --prefill, the decode servers (--role decode) that answer")
+    rt.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                    help="prefill servers (--role prefill): a prompt of at least "
+                    "--prefill-min-tokens the chosen backend has not cached runs on one of "
+                    "them first, its KV sent to that backend, which then answers")
+    rt.add_argument("--prefill-min-tokens", type=int, default=None, metavar="TOKENS",
+                    help="uncached prompt tokens from which a prompt is prefilled on a "
+                    f"--prefill server (default: the backend's roofline ridge in tokens a "
+                    f"step, at least 64)")
     rt.add_argument("--host", default="127.0.0.1", help="address to bind")
     rt.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     rt.add_argument("--model", dest="tokenizer_model", default=None, metavar="PATH",

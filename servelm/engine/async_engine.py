@@ -357,13 +357,18 @@ class AsyncLLMEngine:
 
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """fn(engine) on the engine thread between steps; its result or exception here."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """fn(engine) queued for the engine thread, to run between steps (from any thread);
+        its future. EngineDeadError at once when the engine is not running."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._inbox.append(("call", fn, future))
             self._cond.notify()
-        return await asyncio.wrap_future(future)
+        return future
 
     def _publish_loras(self) -> None:
         """Engine thread: the registered adapters as the event loop sees them."""

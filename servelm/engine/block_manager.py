@@ -246,6 +246,33 @@ class BlockManager:
         self._num_registered[request_id] = full
         self._chain[request_id] = (parent, digest)
 
+    def begin_import(self, key: str, token_ids: list[int], salt: str | None = None
+                     ) -> tuple[list[int], int] | None:
+        """Blocks to receive a prefix computed by another engine (disaggregated prefill):
+        token_ids fill whole blocks; those of its leading blocks already cached here are
+        shared, the rest taken from the free queue under `key`, a table of their own.
+        Returns (the new blocks, how many leading blocks were cached), or None when caching
+        is off or the free blocks cannot hold it (the request then computes its prompt).
+        The caller writes the new blocks, then calls end_import."""
+        if not self.enable_caching or not token_ids or len(token_ids) % self.block_size:
+            return None
+        if key in self._tables:
+            raise ValueError(f"{key!r} already holds blocks")
+        # find_cached_prefix leaves one token out: one more makes every full block count.
+        cached = self.find_cached_prefix([*token_ids, 0], salt)
+        if not self.can_allocate(key, len(token_ids), cached):
+            return None
+        return self.allocate(key, len(token_ids), cached), len(cached)
+
+    def end_import(self, key: str, token_ids: list[int], salt: str | None = None,
+                   written: bool = True) -> None:
+        """The imported blocks, written, join the prefix cache (as if a request had
+        computed them, and was freed); written False (the copy failed): they are only
+        freed."""
+        if written:
+            self.cache_full_blocks(key, token_ids, len(token_ids), salt)
+        self.free(key)
+
     # ---- allocation ----------------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:

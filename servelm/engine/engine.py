@@ -544,6 +544,64 @@ class LLMEngine:
         self.stats.num_aborted += 1
         return True
 
+    # ---- a prefix's KV between engines (disaggregated prefill and decode) ---------------
+
+    def kv_transfer_check(self) -> str | None:
+        """Why this engine cannot send or receive KV blocks, or None when it can."""
+        if not self.block_manager.enable_caching:
+            return ("prefix caching is off (KV blocks travel through it: the sender reads "
+                    "a finished prompt's cached blocks, the receiver caches them)")
+        if self.config.tensor_parallel_size > 1:
+            return "tensor parallelism shards the KV pool over ranks"
+        return None
+
+    def kv_layout(self) -> dict:
+        """What a block of this engine's pool holds and how it was computed: another
+        engine's blocks serve here only where this is equal (the model's shape, its weight
+        format and activation dtype, the pool's regions)."""
+        cfg = self.model_config
+        return {"architecture": cfg.architecture, "num_layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                "weights": self.weight_format,
+                "activations": str(self.dtype).removeprefix("torch."),
+                **self.executor.kv_cache.layout()}
+
+    def export_prefix(self, token_ids: list[int], salt: str | None = None
+                      ) -> tuple[int, torch.Tensor]:
+        """(n, bytes): the KV of the first n tokens of token_ids, the longest prefix of whole
+        blocks this engine holds cached under `salt` short of the last token (what a
+        receiver's request for the same prompt can take from its cache), as
+        KVCache.read_blocks' bytes. Called after the prompt ran, before its blocks are
+        evicted (0 tokens if they were)."""
+        blocks = self.block_manager.find_cached_prefix(token_ids, salt)
+        return (len(blocks) * self.block_manager.block_size,
+                self.executor.kv_cache.read_blocks(blocks))
+
+    def import_prefix(self, token_ids: list[int], salt: str | None, data: torch.Tensor) -> int:
+        """Put another engine's export_prefix(token_ids, salt) into this engine's prefix
+        cache (blocks already cached here are kept, not rewritten). Returns the tokens now
+        cached; 0 when the free blocks cannot hold them (a request for the prompt then
+        computes it). ValueError when data is not len(token_ids) tokens of this pool's
+        blocks."""
+        bm, kv = self.block_manager, self.executor.kv_cache
+        if len(token_ids) % bm.block_size:
+            raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {bm.block_size}")
+        if data.numel() != len(token_ids) // bm.block_size * kv.block_bytes:
+            raise ValueError(f"{data.numel()} bytes are not {len(token_ids)} tokens of "
+                             f"this pool's blocks ({kv.block_bytes} bytes a block)")
+        key = "\x00import"  # a table of its own for the length of this call
+        got = bm.begin_import(key, token_ids, salt)
+        if got is None:
+            return 0
+        new, first = got
+        try:
+            kv.write_blocks(new, data, first)
+        except BaseException:
+            bm.end_import(key, token_ids, salt, written=False)
+            raise
+        bm.end_import(key, token_ids, salt)
+        return len(token_ids)
+
     def check_health(self) -> None:
         """Raise if the engine can no longer step (a tensor-parallel worker has died)."""
         self.executor.check_health()

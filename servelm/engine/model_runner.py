@@ -156,6 +156,48 @@ class KVCache:
             self._uncommitted.clear()  # the kernel cannot: pages come at first touch
         return bool(self._uncommitted)
 
+    # ---- blocks as bytes: a prefix's KV sent to another engine (disaggregated serving) ----
+
+    def layout(self) -> dict:
+        """What a block holds, for checking that another engine's blocks fit this pool: the
+        block size, the storage dtype and each region's shape past its block index (every
+        layer's K, V, then their scales, in pool order)."""
+        return {"block_size": self.block_size, "dtype": str(self.dtype).removeprefix("torch."),
+                "regions": [[str(r.dtype).removeprefix("torch."), list(r.shape[1:])]
+                            for r in self._regions]}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block holds over every region (read_blocks' size per block)."""
+        return sum(r[0].numel() * r.element_size() for r in self._regions)
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Every region's rows of `blocks`, in order, as one flat uint8 tensor on the CPU
+        (region after region, each [len(blocks), ...] in block order)."""
+        if not blocks:
+            return torch.empty(0, dtype=torch.uint8)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self._regions[0].device)
+        parts = [_bytes(r).index_select(0, idx).reshape(-1) for r in self._regions]
+        return torch.cat(parts).cpu()
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor, first: int = 0) -> None:
+        """Write read_blocks' bytes of some n blocks into `blocks`, which receive the n
+        blocks' entries from index `first` on (those before it are kept as they are)."""
+        n = first + len(blocks)
+        if data.dtype != torch.uint8 or data.numel() != n * self.block_bytes:
+            raise ValueError(f"{data.numel()} bytes of {data.dtype} do not hold {n} blocks "
+                             f"of {self.block_bytes} bytes")
+        if not blocks:
+            return
+        idx = torch.tensor(blocks, dtype=torch.long, device=self._regions[0].device)
+        at = 0
+        for r in self._regions:
+            dst = _bytes(r)
+            size = n * dst[0].numel()
+            part = data[at:at + size].view(n, *dst.shape[1:])[first:]
+            dst.index_copy_(0, idx, part.to(dst.device))
+            at += size
+
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """K and V of one block in every layer that holds a cache (each its own shape; K
@@ -164,6 +206,11 @@ class KVCache:
         scale = 4 if kv_quant.is_quantized(dtype) else 0
         return sum(cfg.cache_planes * block_size * kvh * (d * elem + scale)
                    for kvh, d in map(cfg.cache_shape_of, cfg.kv_layers))
+
+
+def _bytes(region: torch.Tensor) -> torch.Tensor:
+    """A pool region [blocks, ...] as bytes (its last dim times its element size)."""
+    return region if region.dtype == torch.uint8 else region.view(torch.uint8)
 
 
 def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_kv: int,

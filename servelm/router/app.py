@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import re
 import time
 from contextlib import asynccontextmanager
@@ -42,6 +43,12 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
         "upgrade", "proxy-authorization", "proxy-connection", "trailer"}
 _TOKENISED = (CHAT, COMPLETIONS, MESSAGES)
 _STREAMED = ("text/event-stream", "application/x-ndjson")
+# Disaggregation: the routes whose prompts may be prefilled on a prefill backend (their
+# bodies take kv_transfer_params), and what became of each request's prompt.
+_PREFILLED = (CHAT, COMPLETIONS)
+REMOTE, LOCAL, FAILED = "remote", "local", "failed"
+PREFILL_OUTCOMES = (REMOTE, LOCAL, FAILED)
+PREFILL_FLOOR = 64  # tokens: the least a prompt prefilled elsewhere has uncached
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class RouterConfig:
     public_metrics)."""
 
     backends: tuple[str, ...]
+    prefill_backends: tuple[str, ...] = ()
+    prefill_min_tokens: int | None = None
     policy: str = "cache_aware"
     load_bound: int = 4096
     model: str | None = None
@@ -77,6 +86,7 @@ class RouterConfig:
     poll_interval: float = 0.1
     health_interval: float = 1.0
     connect_timeout: float = 2.0
+    prefill_timeout: float = 300.0
     max_request_bytes: int = 8 << 20
 
     def __post_init__(self):
@@ -87,10 +97,18 @@ class RouterConfig:
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"a backend is an http(s) URL like http://10.0.0.2:8000, "
                                  f"got {url!r}")
-        if len({u.rstrip("/") for u in self.backends}) != len(self.backends):
+        for url in self.prefill_backends:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"a prefill backend is an http(s) URL like "
+                                 f"http://10.0.0.3:8000, got {url!r}")
+        named = [u.rstrip("/") for u in (*self.backends, *self.prefill_backends)]
+        if len(set(named)) != len(named):
             raise ValueError("a backend is named twice")
+        if self.prefill_min_tokens is not None and self.prefill_min_tokens < 1:
+            raise ValueError(f"prefill_min_tokens must be >= 1, got {self.prefill_min_tokens}")
         Policy(self.policy, self.load_bound)  # its ValueError names the policy
-        for name in ("poll_interval", "health_interval", "connect_timeout"):
+        for name in ("poll_interval", "health_interval", "connect_timeout", "prefill_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -109,6 +127,9 @@ class Backend:
     model_id: str | None = None
     model_root: str | None = None
     model_read: bool = False
+    kv_host: str | None = None      # its KV receiver (a decode server's), from /v1/stats
+    kv_port: int | None = None
+    ridge_tokens: float | None = None  # its roofline's ridge, in tokens a step
 
 
 class Router:
@@ -120,6 +141,12 @@ class Router:
         self.policy = Policy(config.policy, config.load_bound)
         self.backends = [Backend(u.rstrip("/"), BackendView(u.rstrip("/"), up=False))
                          for u in config.backends]
+        # Disaggregated serving: prompts prefilled here, their KV sent to the backend above
+        # that answers (servelm.server.disaggregation).
+        self.prefills = [Backend(u.rstrip("/"), BackendView(u.rstrip("/"), up=False))
+                         for u in config.prefill_backends]
+        self.prefill_policy = Policy(config.policy, config.load_bound)
+        self.prefilled = dict.fromkeys(PREFILL_OUTCOMES, 0)
         self.reader = PromptReader(tokenizer) if tokenizer is not None else None
         self.routed = dict.fromkeys(REASONS, 0)
         self.retries = 0
@@ -142,10 +169,15 @@ class Router:
             timeout=httpx.Timeout(connect=c.connect_timeout, read=None, write=60.0,
                                   pool=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
-        await asyncio.gather(*(self._check(b) for b in self.backends))
-        self._tasks = [asyncio.create_task(self._monitor(b)) for b in self.backends]
+        await asyncio.gather(*(self._check(b) for b in self.all_backends))
+        self._tasks = [asyncio.create_task(self._monitor(b)) for b in self.all_backends]
         if self.reader is None and self.config.policy == "cache_aware":
             self._tasks.append(asyncio.create_task(self._load_tokenizer()))
+
+    @property
+    def all_backends(self) -> list[Backend]:
+        """The backends that answer, then the prefill ones."""
+        return self.backends + self.prefills
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -248,9 +280,17 @@ class Router:
         try:
             r = await self._client.get(f"{b.url}/v1/stats", headers=self._headers(),
                                        timeout=self.config.connect_timeout + 1)
-            req = r.json().get("requests", {}) if r.status_code == 200 else {}
+            report = r.json() if r.status_code == 200 else {}
+            req = report.get("requests", {})
         except (httpx.HTTPError, ValueError, AttributeError):
             return  # the health check and the events tell a dead backend
+        receiver = (report.get("kv_transfer") or {}).get("receiver")
+        if isinstance(receiver, dict) and isinstance(receiver.get("port"), int):
+            b.kv_host, b.kv_port = _kv_host(receiver.get("host"), b.url), receiver["port"]
+        else:
+            b.kv_host = b.kv_port = None
+        ridge = (report.get("roofline") or {}).get("ridge_tokens")
+        b.ridge_tokens = ridge if isinstance(ridge, (int, float)) else None
         tokens = [req.get("running_tokens"), req.get("waiting_tokens")]
         if all(isinstance(t, int) for t in tokens):
             b.view.reported_tokens = sum(tokens)
@@ -301,8 +341,9 @@ class Router:
         except ValueError:
             return Prompt()
         reader = self.reader
-        wanted = (path in _TOKENISED and reader is not None and self.config.policy ==
-                  "cache_aware" and any(b.view.cached for b in self.backends))
+        wanted = (path in _TOKENISED and reader is not None and (
+            (self.config.policy == "cache_aware" and any(b.view.cached for b in self.backends))
+            or (self.prefills and path in _PREFILLED)))
         if not wanted:
             mt = parsed.get("max_tokens") if isinstance(parsed, dict) else None
             return Prompt(max_tokens=mt if isinstance(mt, int) else None)
@@ -346,6 +387,8 @@ class Router:
                                     f"{len(self.backends)} is up{detail}",
                                code="no_backend_available", headers={"Retry-After": "1"})
             b = next(x for x in self.backends if x.view is choice.backend)
+            if not tried and self.prefills and path in _PREFILLED:
+                await self._prefill(b, choice, prompt, body, path, headers)
             tried.append(b.view)
             url = f"{b.url}{path}" + (f"?{request.url.query}" if request.url.query else "")
             upstream = self._client.build_request(request.method, url, content=body,
@@ -374,6 +417,74 @@ class Router:
             self.routed[choice.reason] += 1
             b.routed += 1
             return await self._answer(request, b, resp, load, path)
+
+    def prefill_threshold(self, decode: Backend) -> int:
+        """Prompt tokens the decode backend has not cached at which a prompt is prefilled
+        on a prefill backend: --prefill-min-tokens, else the decode backend's roofline
+        ridge (a chunk past it makes the step it shares with the decodes compute-bound),
+        at least PREFILL_FLOOR (below it the transfer's fixed costs outweigh the stall)."""
+        if self.config.prefill_min_tokens is not None:
+            return self.config.prefill_min_tokens
+        return max(PREFILL_FLOOR, math.ceil(decode.ridge_tokens or 0))
+
+    async def _prefill(self, decode: Backend, choice, prompt: Prompt, body: bytes, path: str,
+                       headers: dict[str, str]) -> None:
+        """A long prompt's prefill on a prefill backend, its KV sent to `decode` (which
+        then finds it in its prefix cache). Any failure only means the decode backend
+        computes the prompt itself: the request is never lost to it."""
+        if prompt.token_ids is None or decode.kv_port is None or not prompt.cacheable:
+            self.prefilled[LOCAL] += 1
+            return
+        block = decode.view.block_size or 16
+        uncached = prompt.num_tokens - choice.cached_blocks * block
+        if uncached < self.prefill_threshold(decode):
+            self.prefilled[LOCAL] += 1
+            return
+        key = self.config.backend_api_key or self._client_key_from(headers)
+
+        def digests_for(block_size: int, keyed: bool) -> list[int]:
+            return prompt.digests(block_size, key if keyed else None)
+
+        pick = self.prefill_policy.choose([p.view for p in self.prefills], digests_for)
+        if pick is None:
+            self.prefilled[LOCAL] += 1
+            return
+        p = next(x for x in self.prefills if x.view is pick.backend)
+        try:
+            parsed = json.loads(body)
+            payload = prefill_body(parsed, decode.kv_host, decode.kv_port)
+        except (ValueError, TypeError):
+            self.prefilled[LOCAL] += 1
+            return
+        load = prompt.num_tokens + 1
+        p.view.load_tokens += load
+        p.view.inflight += 1
+        try:
+            r = await self._client.post(f"{p.url}{path}", content=payload, headers=headers,
+                                        timeout=httpx.Timeout(self.config.prefill_timeout,
+                                                              connect=self.config.connect_timeout))
+            sent = r.json().get("kv_transfer_params") if r.status_code == 200 else None
+            why = (f"answered {r.status_code}" if r.status_code != 200 else
+                   "sent no KV" if not isinstance(sent, dict) else sent.get("error"))
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            why = repr(e)
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                self._set_up(p, False, f"connection failed: {e!r}")
+        finally:
+            self._release(p, load)
+        p.routed += 1
+        if why:
+            logger.warning("router: prefill on %s failed (%s): %s computes the prompt",
+                           p.url, why, decode.url)
+            self.prefilled[FAILED] += 1
+        else:
+            self.prefilled[REMOTE] += 1
+
+    def _client_key_from(self, headers: dict[str, str]) -> str | None:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if not token and headers.get("x-api-key"):
+            return headers["x-api-key"].strip()
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
     def _release(self, b: Backend, load: int) -> None:
         b.view.load_tokens -= load
@@ -454,7 +565,7 @@ class Router:
             except httpx.HTTPError:
                 return None
 
-        return await asyncio.gather(*(one(b) for b in self.backends))
+        return await asyncio.gather(*(one(b) for b in self.all_backends))
 
     def router_stats(self) -> dict:
         return {"policy": self.config.policy, "load_bound": self.config.load_bound,
@@ -462,15 +573,19 @@ class Router:
                 "failed_midway": self.failed_midway, "unavailable": self.unavailable,
                 "backends_up": sum(b.view.up for b in self.backends),
                 "backends_total": len(self.backends),
+                "prefill_backends_up": sum(b.view.up for b in self.prefills),
+                "prefilled": dict(self.prefilled),
                 "tokenizer": self.reader is not None}
 
     def _backend_entry(self, b: Backend) -> dict:
         v = b.view
-        return {"url": b.url, "up": v.up, "servelm": v.servelm, "routed": b.routed,
+        return {"url": b.url, "role": "prefill" if b in self.prefills else "decode",
+                "up": v.up, "servelm": v.servelm, "routed": b.routed,
                 "failures": b.failures, "last_error": b.last_error,
                 "inflight_requests": v.inflight, "load_tokens": v.load_tokens,
                 "reported_tokens": v.reported_tokens,
-                "cached_blocks": len(v.cached), "block_size": v.block_size}
+                "cached_blocks": len(v.cached), "block_size": v.block_size,
+                "kv_receiver": None if b.kv_port is None else f"{b.kv_host}:{b.kv_port}"}
 
     async def stats(self) -> dict:
         """GET /v1/stats: a servelm report (the web console reads it) whose counts are the
@@ -478,7 +593,7 @@ class Router:
         report, and the router's counters."""
         answers = await self._gather("/v1/stats")
         reports = []
-        for b, r in zip(self.backends, answers):
+        for b, r in zip(self.all_backends, answers):
             entry = self._backend_entry(b)
             try:
                 entry["stats"] = r.json() if r is not None and r.status_code == 200 else None
@@ -497,7 +612,7 @@ class Router:
     async def metrics(self) -> str:
         """GET /metrics: every backend's families with a backend label, then the router's."""
         answers = await self._gather("/metrics")
-        texts = [(b.url, r.text) for b, r in zip(self.backends, answers)
+        texts = [(b.url, r.text) for b, r in zip(self.all_backends, answers)
                  if r is not None and r.status_code == 200]
         return merge_metrics(texts) + self._router_metrics()
 
@@ -529,7 +644,13 @@ class Router:
             lines += [f"# HELP servelm_router_{name} {help_}",
                       f"# TYPE servelm_router_{name} {kind}"]
             lines += [f'servelm_router_{name}{{backend="{_label(b.url)}"}} {get(b)}'
-                      for b in self.backends]
+                      for b in self.all_backends]
+        lines += ["# HELP servelm_router_prefilled_total Requests by where their prompt ran: "
+                  "remote (a prefill backend, its KV sent), local (the answering backend), "
+                  "failed (a prefill backend failed: the answering backend computed it)",
+                  "# TYPE servelm_router_prefilled_total counter"]
+        lines += [f'servelm_router_prefilled_total{{outcome="{k}"}} {n}'
+                  for k, n in self.prefilled.items()]
         return "\n".join(lines) + "\n"
 
     # ---- the app -----------------------------------------------------------------------
@@ -610,6 +731,30 @@ def _stream_error(path: str, kind: str, message: str) -> bytes:
         return f"event: error\ndata: {json.dumps(err)}\n\n".encode()
     err = APIError(502, message, code="backend_failed", type="server_error").body()
     return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+def prefill_body(body: dict, host: str, port: int) -> bytes:
+    """A chat or completions body as a prefill backend gets it: one greedy-or-not token, not
+    streamed, one sample, and its prompt's KV sent to host:port (kv_transfer_params)."""
+    if not isinstance(body, dict):
+        raise TypeError("a request body is a JSON object")
+    out = {k: v for k, v in body.items()
+           if k not in ("max_completion_tokens", "stream_options", "min_tokens",
+                        "prompt_logprobs", "n", "best_of")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={
+        "do_remote_decode": True, "remote_host": host, "remote_port": port})
+    return json.dumps(out).encode()
+
+
+def _kv_host(advertised: str | None, url: str) -> str:
+    """Where a backend's KV receiver is reached: the address it advertises, unless that is
+    a wildcard or loopback one (then its URL's host, as this router reaches it)."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if not advertised or advertised in ("0.0.0.0", "::", ""):
+        return host
+    if advertised.startswith("127.") or advertised in ("::1", "localhost"):
+        return host if host.startswith("127.") or host in ("::1", "localhost") else advertised
+    return advertised
 
 
 def _label(value: str) -> str:

@@ -24,7 +24,7 @@ _READY = re.compile(r"serving .* on (https?://\S+?)(/\S*)? \(")
 # Flags of the front that no replica takes (each replica: its own loopback port and threads).
 _FRONT_FLAGS = {"--data-parallel-size": 1, "--dp": 1, "--host": 1, "--port": 1,
                 "--ssl-keyfile": 1, "--ssl-certfile": 1, "--root-path": 1,
-                "--router-policy": 1, "--router-load-bound": 1}
+                "--router-policy": 1, "--router-load-bound": 1, "--prefill-min-tokens": 1}
 
 
 def core_groups(cpus: list[int] | None = None) -> list[list[int]]:
@@ -64,11 +64,15 @@ def replica_argv(argv: list[str]) -> list[str]:
     """The front's command line (`[global flags] serve ...`) less the flags that are the
     front's own."""
     out, skip = [], 0
-    for a in argv:
+    for i, a in enumerate(argv):
         if skip:
             skip -= 1
             continue
         name = a.split("=", 1)[0]
+        if name == "--disaggregate":  # its P:D is optional
+            skip = int("=" not in a and i + 1 < len(argv)
+                       and re.fullmatch(r"\d+:\d+", argv[i + 1]) is not None)
+            continue
         if name in _FRONT_FLAGS:
             skip = 0 if "=" in a else _FRONT_FLAGS[name]
             continue
@@ -153,11 +157,13 @@ class Replicas:
 
     def __init__(self, n: int, argv: list[str], threads: int | None = None,
                  cpus: list[list[int]] | None = None, restart_delay: float = 1.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, extra: list[list[str]] | None = None):
+        """extra: each replica's own flags after argv (disaggregation: its --role)."""
         if n < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {n}")
         shares = cpus or split_cores(n)
-        self.replicas = [Replica(i, argv, shares[i],
+        extra = extra or [[]] * n
+        self.replicas = [Replica(i, [*argv, *extra[i]], shares[i],
                                  threads if threads is not None
                                  else len(core_groups(shares[i])), env)
                          for i in range(n)]

@@ -45,7 +45,10 @@ def router_config(args, backends: list[str], poll_api_key: str | None = None) ->
     from servelm.server.options import read_api_keys
 
     keys = read_api_keys(args.api_key, getattr(args, "api_key_file", None))
-    return RouterConfig(backends=tuple(backends), policy=args.router_policy,
+    return RouterConfig(backends=tuple(backends),
+                        prefill_backends=tuple(getattr(args, "prefill", None) or ()),
+                        prefill_min_tokens=getattr(args, "prefill_min_tokens", None),
+                        policy=args.router_policy,
                         load_bound=args.router_load_bound,
                         model=getattr(args, "tokenizer_model", None),
                         api_keys=tuple(keys),
@@ -63,6 +66,7 @@ def run_router(args) -> int:
         lines = [f"servelm: routing on {url} to {len(config.backends)} backends "
                  f"(policy {config.policy}, load bound {config.load_bound} tokens)"]
         lines += [f"  backend   {u}" for u in config.backends]
+        lines += [f"  prefill   {u}" for u in config.prefill_backends]
         return "\n".join([*lines, f"  API       {url}/v1 (OpenAI-compatible; /metrics, "
                                   f"/v1/stats: every backend and the router)"])
 
@@ -103,6 +107,67 @@ def serve_data_parallel(args, argv: list[str], model_name: str) -> int:
             f"policy {config.policy})",
             *[f"  replica {r.index} {r.url} (CPUs {_ranges(r.cpus)})"
               for r in replicas.replicas],
+            f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats: every replica)"])
+
+    try:
+        return _serve(router, args.host, args.port, args.log_level, banner,
+                      header_timeout=args.header_timeout, root_path=args.root_path,
+                      ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                      on_exit=replicas.stop, shutdown_timeout=args.shutdown_timeout)
+    except BaseException:
+        replicas.stop()
+        raise
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """--disaggregate's P:D: prefill and decode replica counts, each at least 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--disaggregate takes P:D (prefill and decode replicas, like "
+                         f"1:1), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--disaggregate needs at least one replica of each, got {text!r}")
+    return p, d
+
+
+def serve_disaggregated(args, argv: list[str], model_name: str) -> int:
+    """`servelm serve --disaggregate P:D`: P prefill replicas (--role prefill) and D decode
+    replicas (--role decode, each receiving KV on a free loopback port), the cores split
+    between them, behind the router on --host/--port, which prefills long prompts on a
+    prefill replica and lets a decode replica answer (servelm.router.app)."""
+    from servelm.router.replicas import Replicas, replica_argv
+    from servelm.server.options import read_api_keys
+    from servelm.server.transport import listen
+
+    p, d = parse_split(args.disaggregate)
+    listen(args.host, args.port).close()  # a taken port fails before the replicas load
+    roles = [["--role", "prefill"]] * p + [["--role", "decode", "--kv-transfer-port", "0"]] * d
+    replicas = Replicas(p + d, replica_argv(argv), threads=args.num_threads, extra=roles)
+    names = ["prefill"] * p + ["decode"] * d
+    for r, role in zip(replicas.replicas, names):
+        print(f"servelm: replica {r.index} ({role}): CPUs {_ranges(r.cpus)}, {r.threads} "
+              f"threads, {r.url}", file=sys.stderr, flush=True)
+    replicas.start()
+    keys = read_api_keys(args.api_key, args.api_key_file)
+    config = RouterConfig(backends=tuple(replicas.urls[p:]),
+                          prefill_backends=tuple(replicas.urls[:p]),
+                          prefill_min_tokens=args.prefill_min_tokens,
+                          policy=args.router_policy, load_bound=args.router_load_bound,
+                          model=None, api_keys=tuple(keys),
+                          poll_api_key=keys[0] if keys else None, forward_host=True,
+                          backends_check_keys=True, public_metrics=args.public_metrics,
+                          max_request_bytes=args.max_request_bytes,
+                          chat_template=args.chat_template,
+                          chat_template_kwargs=args.chat_template_kwargs)
+    router = Router(config)
+
+    def banner(url: str) -> str:
+        return "\n".join([
+            f"servelm: serving {model_name} on {url} (disaggregated: {p} prefill, {d} decode "
+            f"replicas)",
+            *[f"  replica {r.index} {r.url} ({role}, CPUs {_ranges(r.cpus)})"
+              for r, role in zip(replicas.replicas, names)],
             f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats: every replica)"])
 
     try:

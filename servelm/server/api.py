@@ -137,12 +137,15 @@ class Routes:
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | None = None,
-              tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+              disaggregation=None) -> FastAPI:
     """An app serving `engine` as `model_name`; the engine thread runs for the app's lifespan.
 
     With options.api_keys set, every /v1 route needs `Authorization: Bearer <one of them>`.
     tool_call_parser: how answers to requests with tools are read (servelm.server.tools).
     reasoning_parser: how a thought is told from the answer (servelm.server.reasoning).
+    disaggregation: the server's KV sender and receiver (servelm.server.disaggregation;
+    None: requests asking for a KV transfer are refused).
     """
     options = options or ServerOptions()
     metrics = ServerMetrics(engine)
@@ -159,6 +162,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
         try:
             yield
         finally:
+            if disaggregation is not None:
+                disaggregation.stop()
             engine.stop()
 
     app = FastAPI(title="servelm", lifespan=lifespan)
@@ -219,7 +224,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
     @v1.get("/stats")
     async def stats() -> dict:
         """The engine's state, rates and roofline position (servelm's own; the console's)."""
-        return live.report()
+        report = live.report()
+        if disaggregation is not None:
+            report["kv_transfer"] = disaggregation.report()
+        return report
 
     @v1.get("/cache_events")
     async def cache_events(request: Request) -> dict:
@@ -263,11 +271,23 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions | 
             return req, prepared
 
         req, prepared = await asyncio.to_thread(prepare)
+        target = None
+        if req.kv_transfer_params is not None:
+            if disaggregation is None:
+                raise APIError(400, "this server does not move KV blocks",
+                               param="kv_transfer_params", code="invalid_value")
+            target = disaggregation.target(req.kv_transfer_params, req.stream,
+                                           len(prepared.prompts), prepared.lora)
         salt = _cache_salt(request.state.key_salt, req.cache_salt, req.cache_prompt)
         gen = Generation(ctx, prepared, salt)
         if req.stream:
             return EventStreamResponse(endpoint.stream(ctx, req, gen), on_close=gen.close)
-        return await _unless_disconnected(request, endpoint.complete(ctx, req, gen), gen)
+        answer = await _unless_disconnected(request, endpoint.complete(ctx, req, gen), gen)
+        if target is not None and gen.finished and not isinstance(answer, Response):
+            # The prompt ran: its KV to the decode server.
+            answer.kv_transfer_params = await disaggregation.send(
+                prepared.prompts[0][1], salt, target)
+        return answer
 
     @v1.post("/chat/completions", **_openapi_body(ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatCompletionChunk))

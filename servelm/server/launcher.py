@@ -19,7 +19,7 @@ def default_model_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
-def banner(engine, name: str, url: str) -> str:
+def banner(engine, name: str, url: str, disaggregation=None) -> str:
     """What `servelm serve` prints once it listens: where, what, and in which format."""
     shape = f"{engine.model_config.architecture}, {engine.model_config.num_layers} layers"
     lines = [
@@ -28,6 +28,10 @@ def banner(engine, name: str, url: str) -> str:
         f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}",
         f"  KV cache  {engine.kv_capacity_tokens:,} tokens "
         f"(max {engine.max_model_len:,} per request)"]
+    if disaggregation is not None and disaggregation.config.role != "both":
+        r = disaggregation.receiver
+        lines.append(f"  role      {disaggregation.config.role}" + (
+            f"; KV received on {r.host}:{r.port}" if r is not None else ""))
     if engine.lora is not None:  # each adapter a model of its own name, on this one
         lora = engine.config.lora
         lines.append(f"  LoRA      up to {lora.max_loras} resident, rank <= {lora.max_lora_rank}; "
@@ -53,6 +57,15 @@ def server_options(args):
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                          shutdown_timeout=args.shutdown_timeout,
                          public_metrics=args.public_metrics, public_docs=args.public_docs)
+
+
+def kv_transfer_config(args):
+    """KVTransferConfig from `servelm serve`'s --role and --kv-transfer-* flags."""
+    from servelm.distributed.kv_transfer import KVTransferConfig
+
+    return KVTransferConfig(role=args.role, host=args.kv_transfer_host or args.host,
+                            port=args.kv_transfer_port, shm=args.kv_transfer_shm,
+                            timeout=args.kv_transfer_timeout)
 
 
 def _build_engine(args, build_llm):
@@ -86,6 +99,7 @@ def serve(args, build_llm, model: str | None) -> int:
 
     from servelm.engine.async_engine import AsyncLLMEngine
     from servelm.server.api import build_app
+    from servelm.server.disaggregation import Disaggregation
     from servelm.server.transport import (DrainingServer, deadline_protocol, listen,
                                           raise_open_file_limit)
 
@@ -109,8 +123,13 @@ def serve(args, build_llm, model: str | None) -> int:
         engine.stop()
         raise ValueError(f"--lora-modules names an adapter '{name}', the served model's name: "
                          f"give the adapter another name (or --served-model-name)")
+    try:
+        disaggregation = Disaggregation(kv_transfer_config(args), engine)
+    except BaseException:
+        engine.stop()
+        raise
     app = build_app(engine, name, options, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, disaggregation=disaggregation)
     config = uvicorn.Config(app, log_level=args.log_level.lower(),
                             http=deadline_protocol(options.header_timeout),
                             root_path=args.root_path, access_log=args.access_log,
@@ -124,7 +143,8 @@ def serve(args, build_llm, model: str | None) -> int:
     host, port = sock.getsockname()[:2]
     scheme = "https" if args.ssl_keyfile else "http"
     shown = f"[{host}]" if ":" in host else host
-    print(banner(engine.engine, name, f"{scheme}://{shown}:{port}{args.root_path}"),
+    print(banner(engine.engine, name, f"{scheme}://{shown}:{port}{args.root_path}",
+                 disaggregation),
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0

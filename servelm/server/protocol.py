@@ -172,6 +172,10 @@ class SamplingRequest(MetadataFields):
     # vLLM's: the top-N alternatives at every prompt position, in the response's
     # prompt_logprobs (not streamed: a chunk has no place for them, as in vLLM)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: disaggregated serving. {"do_remote_decode": true, "remote_host", "remote_port"}
+    # asks a prefill server to send the prompt's KV to that decode server once it has run
+    # (servelm.server.disaggregation); {"do_remote_prefill": true} is accepted, no effect.
+    kv_transfer_params: dict | None = None
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -491,6 +495,7 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
     metrics: RequestTimings
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's extension
+    kv_transfer_params: dict | None = None  # what a prefill server sent (disaggregation)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -556,6 +561,7 @@ class CompletionResponse(_Response):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     metrics: RequestTimings
+    kv_transfer_params: dict | None = None  # what a prefill server sent (disaggregation)
 
 
 class CompletionChunk(_Response):

@@ -19,6 +19,7 @@ from dataclasses import fields
 from typing import Callable, Iterable
 
 from servelm.engine.engine import EngineStats
+from servelm.roofline import ridge_tokens
 
 WINDOW = 3.0        # seconds: the longest span a rate is taken over
 MIN_SPAN = 0.25     # seconds: a shorter span gives no rate (too few steps to mean much)
@@ -142,6 +143,9 @@ class LiveStats:
                     "bandwidth": hw.bandwidth, "flops": hw.flops,
                     "ridge": hw.flops / hw.bandwidth, "source": hw.source,
                     "int8_ops": hw.int8_ops},
+                # Tokens a step computes per weight read where arithmetic starts to bound
+                # it: a prompt chunk past it stalls the decodes it shares a step with.
+                "ridge_tokens": None if hw is None else ridge_tokens(shape, hw),
                 "weight_bytes_per_step": shape.weight_bytes_per_step,
                 "decode": phase("decode"),
                 "prefill": phase("prefill"),
