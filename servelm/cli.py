@@ -486,8 +486,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="prefill: send a finished prompt's KV blocks to the decode server a "
                     "request names (kv_transfer_params, which `servelm router --prefill` "
                     "sets); decode: receive KV blocks into the prefix cache on "
-                    "--kv-transfer-host/--kv-transfer-port; both (default): send, and "
-                    "receive too when --kv-transfer-port is given")
+                    "--kv-transfer-host/--kv-transfer-port; both (default): neither, "
+                    "unless --kv-transfer-port is given (then it receives). A prefill server "
+                    "connects where a request says: let only the router reach it")
     pd.add_argument("--kv-transfer-host", default=None, metavar="ADDR",
                     help="address the KV receiver binds (default: --host); only prefill "
                     "servers should reach it (it has no key)")

@@ -223,6 +223,7 @@ def test_transfer_config_errors():
         KVTransferConfig(role="prefill", port=0)
     assert KVTransferConfig(role="decode").receives and not KVTransferConfig(role="decode").sends
     assert not KVTransferConfig().receives and KVTransferConfig(port=9).receives
+    assert KVTransferConfig(role="prefill").sends and not KVTransferConfig().sends
 
 
 def test_kv_transfer_params_are_checked_field_by_field():
@@ -230,7 +231,7 @@ def test_kv_transfer_params_are_checked_field_by_field():
     from servelm.server.errors import APIError
 
     d = Disaggregation.__new__(Disaggregation)
-    d.config, d.sender, d.why_not = KVTransferConfig(), object(), None
+    d.config, d.sender, d.why_not = KVTransferConfig(role="prefill"), object(), None
     ok = {"do_remote_decode": True, "remote_host": "10.0.0.2", "remote_port": 9000}
     assert d.target(ok, False, 1, None) == ("10.0.0.2", 9000)
     assert d.target({"do_remote_prefill": True}, True, 3, None) is None
@@ -244,9 +245,10 @@ def test_kv_transfer_params_are_checked_field_by_field():
         with pytest.raises(APIError) as e:
             d.target(params, stream, prompts, lora)
         assert e.value.status == 400 and e.value.param == param
-    d.config, d.sender = KVTransferConfig(role="decode"), None
-    with pytest.raises(APIError, match="its role is decode"):
-        d.target(ok, False, 1, None)
+    for role in ("decode", "both"):  # only a prefill server connects where a client says
+        d.config, d.sender = KVTransferConfig(role=role), None
+        with pytest.raises(APIError, match=f"its role is {role}"):
+            d.target(ok, False, 1, None)
 
 
 # ---- the router's split ----------------------------------------------------------------------

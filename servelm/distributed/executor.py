@@ -26,7 +26,8 @@ import weakref
 
 import torch
 
-from servelm.distributed.parallel_state import TPGroup, torchrun_env, torchrun_store
+from servelm.distributed.parallel_state import (TPGroup, gloo_address, torchrun_env,
+                                               torchrun_store)
 from servelm.distributed.sharding import ShardPlan
 from servelm.distributed.worker import (STEP, STOP, allocate_rank, encode_seqs, load_rank,
                                         lora_manager, run_step, spawn_main, worker_main)
@@ -128,7 +129,7 @@ class TPExecutor(Executor):
                 device = torch.device("cuda", env.local_rank)
             torch.set_num_threads(per_rank_threads(config, env.local_world_size))
             group = TPGroup(torchrun_store(env), env.rank, tp, device,
-                            shm=config.kernels.shm_collectives)
+                            hostname=gloo_address(env), shm=config.kernels.shm_collectives)
             if env.rank != 0:
                 # A worker: serve rank 0's steps, then leave (the engine is rank 0's alone).
                 logger.info("tensor-parallel rank %d of %d: serving as a worker", env.rank, tp)

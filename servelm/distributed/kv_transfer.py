@@ -30,13 +30,14 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from servelm.distributed.parallel_state import route_address
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,11 @@ class KVTransferError(RuntimeError):
 class KVTransferConfig:
     """A server's part in disaggregated serving (its --role and --kv-transfer-* flags).
 
-    role: prefill (sends a finished prompt's KV where a request asks: kv_transfer_params),
-    decode (receives KV on host:port into its prefix cache), both (sends; receives too when
-    a port is given). port 0: any free port (GET /v1/stats tells which). shm: use shared
-    memory with a receiver on this host. timeout: seconds a connection or transfer may take.
+    role: prefill (sends a finished prompt's KV where a request asks: kv_transfer_params;
+    only such a server connects where a client says), decode (receives KV on host:port into
+    its prefix cache), both (neither, unless a port is given: then it receives). port 0: any
+    free port (GET /v1/stats tells which). shm: use shared memory with a receiver on this
+    host. timeout: seconds a connection or transfer may take.
     """
 
     role: str = "both"
@@ -78,7 +80,7 @@ class KVTransferConfig:
 
     @property
     def sends(self) -> bool:
-        return self.role != "decode"
+        return self.role == "prefill"
 
     @property
     def receives(self) -> bool:
@@ -100,17 +102,6 @@ def _group(store, rank: int, address: str, timeout: datetime.timedelta) -> Proce
     opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
     opts._timeout = timeout
     return ProcessGroupGloo(store, rank, 2, opts)
-
-
-def _local_address(host: str, port: int) -> str:
-    """This host's address on the route to host:port (no packet is sent)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 def _unlink(path: str | None) -> None:
@@ -170,7 +161,7 @@ class _SenderPair:
                     f.write(self.token)
             except OSError:
                 probe = None
-        local = _local_address(host, port)
+        local = route_address(host, port)
         try:
             self.store.set(f"hello/{n}", json.dumps({
                 "layout": layout, "receiver_host": host, "probe": probe, "token": self.token}))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,14 +71,39 @@ def torchrun_store(env: TorchrunEnv) -> Store:
     return PrefixStore(f"servelm-tp/{os.environ.get('TORCHELASTIC_RUN_ID', 'env')}", store)
 
 
+def route_address(host: str, port: int) -> str:
+    """This host's address on the route to host:port (no packet is sent); loopback when
+    there is none."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def gloo_address(env: TorchrunEnv) -> str | None:
+    """Where a launched rank's gloo groups listen: None where GLOO_SOCKET_IFNAME names the
+    interfaces; else this host's address on the route to the rendezvous host, which the
+    other hosts reach even where this host's name resolves to loopback (gloo's default)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    return route_address(env.master_addr, env.master_port)
+
+
 def _gloo(store: Store, rank: int, world: int, timeout: datetime.timedelta,
           hostname: str | None) -> ProcessGroupGloo:
     opts = ProcessGroupGloo._Options()
-    # Spawned workers all live on this host: bind to loopback. Under a launcher, gloo's
-    # default (the hostname's address, or GLOO_SOCKET_IFNAME) reaches other hosts.
-    dev = (ProcessGroupGloo.create_device(hostname=hostname) if hostname
-           else ProcessGroupGloo.create_default_device())
-    opts._devices = [dev]
+    # Spawned workers all live on this host: bind to loopback. Under a launcher: the
+    # address gloo_address chose, or GLOO_SOCKET_IFNAME's interfaces.
+    if hostname:
+        devices = [ProcessGroupGloo.create_device(hostname=hostname)]
+    else:
+        names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+        devices = ([ProcessGroupGloo.create_device(interface=n) for n in names]
+                   or [ProcessGroupGloo.create_default_device()])
+    opts._devices = devices
     opts._timeout = timeout
     return ProcessGroupGloo(store, rank, world, opts)
 

@@ -29,7 +29,7 @@ class Disaggregation:
         self.engine = engine
         llm = engine.engine
         why = llm.kv_transfer_check()
-        if why is not None and (config.role != "both" or config.receives):
+        if why is not None and (config.sends or config.receives):
             raise ValueError(f"--role {config.role} cannot move KV blocks: {why}")
         self.why_not = why
         layout = llm.kv_layout() if why is None else None
@@ -76,7 +76,8 @@ class Disaggregation:
         if not params.get("do_remote_decode"):
             return None  # do_remote_prefill: the blocks are in the prefix cache already
         if self.sender is None:
-            why = ("its role is decode" if self.config.role == "decode" else self.why_not)
+            why = (self.why_not if self.config.sends else
+                   f"its role is {self.config.role} (a prefill server sends: --role prefill)")
             raise APIError(400, f"this server cannot send KV blocks: {why}",
                            param=f"{PARAM}.do_remote_decode", code="invalid_value")
         for key in ("remote_host", "remote_port"):
