@@ -380,6 +380,16 @@ def test_replica_cores_and_arguments():
     groups = [[0, 4], [1, 5], [2, 6], [3, 7], [8]]  # physical cores, siblings together
     assert split_cores(2, groups) == [[0, 1, 2, 4, 5, 6], [3, 7, 8]]
     assert split_cores(3, groups[:2]) == [[0, 4], [1, 5], [0, 4]]  # fewer cores: shared
+    # Two NUMA nodes of unequal size: two replicas take one node each, four two each; three
+    # (not a multiple of the nodes) split the cores in node order.
+    numa = [[0], [1], [2], [3], [4], [5]]
+    nodes = [0, 0, 0, 0, 1, 1]
+    assert split_cores(2, numa, nodes) == [[0, 1, 2, 3], [4, 5]]
+    assert split_cores(4, numa, nodes) == [[0, 1], [2, 3], [4], [5]]
+    assert split_cores(3, numa, nodes) == [[0, 1], [2, 3], [4, 5]]
+    assert split_cores(6, numa, nodes) == [[0], [1], [2], [3], [4], [5]]
+    from servelm.router.replicas import core_groups
+    assert core_groups([0, 1, 2, 3], node_of=lambda c: 1 - c // 2)[0][0] == 2  # node 0 first
     argv = ["--log-level", "INFO", "serve", "m.gguf", "--dp", "2", "--port=9000",
             "--host", "0.0.0.0", "--router-policy", "round_robin", "--api-key", "k"]
     assert replica_argv(argv) == ["--log-level", "INFO", "serve", "m.gguf", "--api-key", "k"]

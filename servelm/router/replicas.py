@@ -27,11 +27,27 @@ _FRONT_FLAGS = {"--data-parallel-size": 1, "--dp": 1, "--host": 1, "--port": 1,
                 "--router-policy": 1, "--router-load-bound": 1, "--prefill-min-tokens": 1}
 
 
-def core_groups(cpus: list[int] | None = None) -> list[list[int]]:
+def _node_of(cpu: int) -> int:
+    """The NUMA node of a CPU (0 where the kernel shows none)."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}"
+    try:
+        for name in os.listdir(base):
+            if name.startswith("node") and name[4:].isdigit():
+                return int(name[4:])
+    except OSError:
+        pass
+    return 0
+
+
+def core_groups(cpus: list[int] | None = None, node_of=_node_of) -> list[list[int]]:
     """The CPUs this process may run on, grouped by physical core (hyperthread siblings
-    together), in (package, core) order: neighbouring groups share a socket."""
+    together), in (NUMA node, package, core) order: neighbouring groups share a node."""
+    return [g for _, g in _keyed_groups(cpus, node_of)]
+
+
+def _keyed_groups(cpus, node_of) -> list[tuple[tuple[int, int, int], list[int]]]:
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    groups: dict[tuple[int, int], list[int]] = {}
+    groups: dict[tuple[int, int, int], list[int]] = {}
     for cpu in cpus:
         base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
         try:
@@ -41,14 +57,27 @@ def core_groups(cpus: list[int] | None = None) -> list[list[int]]:
                 core = int(f.read())
         except (OSError, ValueError):
             pkg, core = 0, cpu
-        groups.setdefault((pkg, core), []).append(cpu)
-    return [groups[k] for k in sorted(groups)]
+        groups.setdefault((node_of(cpu), pkg, core), []).append(cpu)
+    return sorted(groups.items())
 
 
-def split_cores(n: int, groups: list[list[int]] | None = None) -> list[list[int]]:
+def split_cores(n: int, groups: list[list[int]] | None = None,
+                nodes: list[int] | None = None) -> list[list[int]]:
     """Each of n replicas' CPUs: the physical cores split into n contiguous runs as even as
-    they go (a machine with fewer cores than replicas: replicas share them)."""
-    groups = core_groups() if groups is None else groups
+    they go (a machine with fewer cores than replicas: replicas share them). nodes: each
+    group's NUMA node (default: read here); where the replicas are a multiple of the nodes,
+    each node's cores are split among its own replicas, so that none spans two nodes (its
+    memory, first touched by its pinned threads, is then its node's)."""
+    if groups is None:
+        keyed = _keyed_groups(None, _node_of)
+        groups, nodes = [g for _, g in keyed], [k[0] for k, _ in keyed]
+    nodes = nodes or [0] * len(groups)
+    distinct = sorted(set(nodes))
+    if len(distinct) > 1 and n % len(distinct) == 0 and n // len(distinct) <= min(
+            nodes.count(d) for d in distinct):
+        return [share for d in distinct
+                for share in split_cores(n // len(distinct),
+                                         [g for g, k in zip(groups, nodes) if k == d])]
     if n <= len(groups):
         per, extra = divmod(len(groups), n)
         out, start = [], 0
