@@ -388,6 +388,38 @@ def test_dashboard_shows_the_load(console, server):
     rec.assert_clean(server.url)
 
 
+def test_dashboard_shows_each_replica_behind_a_router(console, server):
+    """Behind a router (data parallel, disaggregated) /v1/stats carries each backend's own
+    report: the dashboard lists them, a row each, and hides the table for a lone server."""
+    page, rec = console
+    real = stats(server.url)
+    routed = {**real, "router": {"policy": "cache_aware", "prefill_backends_up": 1,
+                                 "prefilled": {"remote": 3, "local": 5, "failed": 0}},
+              "backends": [
+                  {"url": "http://10.0.0.1:8000", "role": "prefill", "up": True, "routed": 3,
+                   "stats": {**real, "kv_transfer": {"sent": {"tokens": 4096}}}},
+                  {"url": "http://10.0.0.2:8000", "role": "decode", "up": False,
+                   "routed": 8, "stats": None}]}
+    page.route("**/v1/stats", lambda route: route.fulfill(
+        status=200, content_type="application/json", body=json.dumps(routed)))
+    try:
+        rows = page.locator("#m-replicas tr")
+        rows.nth(1).wait_for(timeout=10_000)
+        assert page.get_by_test_id("replicas").is_visible()
+        first = rows.nth(0).locator("td").all_text_contents()
+        assert first[:4] == ["http://10.0.0.1:8000", "prefill", "up", "3"]
+        assert first[-1] == "4,096 tokens sent"
+        second = rows.nth(1).locator("td").all_text_contents()
+        assert second[:4] == ["http://10.0.0.2:8000", "decode", "down", "8"]
+        assert "stale" in rows.nth(1).get_attribute("class")
+        assert "prefilled apart 3" in page.locator("#m-router").text_content()
+    finally:
+        page.unroute("**/v1/stats")
+    page.wait_for_function("() => document.getElementById('replicas').hidden",
+                           timeout=10_000)
+    rec.assert_clean(server.url)
+
+
 def test_model_output_cannot_inject_html(console, server):
     """An answer full of markup (served here by a route, as a hostile model could write it)
     is shown as text; the Markdown around it still renders."""

@@ -134,6 +134,10 @@ def test_models_list_the_adapters_under_their_base(server, client, files):
     tags = httpx.get(f"{server.url}/api/tags", headers=AUTH).json()["models"]
     assert [t["name"] for t in tags] == [f"{BASE}:latest", "a1:latest", "a2:latest"]
     assert tags[1]["details"]["parent_model"] == f"{BASE}:latest"
+    ps = httpx.get(f"{server.url}/api/ps", headers=AUTH).json()["models"]
+    assert [m["name"] for m in ps] == [f"{BASE}:latest", "a1:latest", "a2:latest"]
+    assert ps[2]["details"]["parent_model"] == f"{BASE}:latest" and ps[2]["size"] > 0
+    assert ps[2]["expires_at"] == ps[0]["expires_at"] and ps[2]["size_vram"] == 0
     # The start-up banner names them.
     assert f"a1 = {files.a1}" in server.output() and "up to 2 resident" in server.output()
 

@@ -404,7 +404,10 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     @app.get("/api/ps", tags=["ollama"])
     async def ollama_ps(request: Request):
         async def ps():
-            return {"models": [(await served()).running()]}
+            base = await served()
+            adapters = [(r.lora_name, r.lora_path) for r in ctx.engine.loras.values()]
+            return {"models": [base.running(), *await asyncio.to_thread(
+                lambda: [base.running(base.adapter_entry(*a)) for a in adapters])]}
         return await guarded(request, ps)
 
     @app.get("/api/version", tags=["ollama"])

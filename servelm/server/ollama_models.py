@@ -133,10 +133,12 @@ class ServedModel:
                 "digest": hashlib.sha256(key.encode()).hexdigest(),
                 "details": {**self.details, "parent_model": self.name}}
 
-    def running(self) -> dict[str, Any]:
-        """One element of /api/ps' models."""
+    def running(self, entry: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One element of /api/ps' models: the served model's, or an adapter's (its
+        /api/tags entry given): every registered adapter is in memory beside the base."""
+        entry = entry or self.entry()
         gpu = self.llm.device.type == "cuda"
-        return {**self.entry(), "expires_at": NEVER, "size_vram": self.size if gpu else 0,
+        return {**entry, "expires_at": NEVER, "size_vram": entry["size"] if gpu else 0,
                 "context_length": self.llm.max_model_len}
 
     def model_info(self) -> dict[str, Any]:

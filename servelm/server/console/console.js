@@ -283,6 +283,35 @@ function showPhase(name, phase) {
     : `${p.bound}-bound, ${pct(p.utilization)} of ${p.bound === "memory" ? "bandwidth" : "peak"}`);
 }
 
+// Behind a router (servelm serve --data-parallel-size / --disaggregate, servelm router) the
+// report's counts are every replica's summed; this table shows each one.
+function showReplicas(s) {
+  const list = Array.isArray(s.backends) ? s.backends : null;
+  $("replicas").hidden = !list;
+  if (!list) return;
+  const r = s.router || {}, pre = r.prefilled;
+  set("m-router", `policy ${r.policy || "–"}` + (r.prefill_backends_up !== undefined
+    && (pre?.remote || pre?.failed || r.prefill_backends_up)
+    ? ` · prompts prefilled apart ${num(pre?.remote)}, by the answering replica `
+      + `${num(pre?.local)}, failed ${num(pre?.failed)}` : ""));
+  const rows = list.map((b) => {
+    const st = b.stats || {}, kt = st.kv_transfer || {};
+    const moved = kt.sent ? `${num(kt.sent.tokens)} tokens sent`
+      : kt.received ? `${num(kt.received.tokens)} tokens received` : "–";
+    const tr = document.createElement("tr");
+    tr.classList.toggle("stale", !b.up);
+    for (const text of [b.url, b.role || "–", b.up ? "up" : "down", num(b.routed),
+      num(st.requests?.running), num(st.requests?.waiting), pct(st.kv_cache?.usage),
+      pct(st.prefix_cache?.hit_rate), num(st.tokens?.generated_per_s, 1), moved]) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.append(td);
+    }
+    return tr;
+  });
+  $("m-replicas").replaceChildren(...rows);
+}
+
 function update(s) {
   const r = s.requests, kv = s.kv_cache, pc = s.prefix_cache, t = s.tokens, lat = s.latency;
   set("m-running", num(r.running));
@@ -319,6 +348,7 @@ function update(s) {
   drawRoofline($("roofline"), roof);
   showPhase("decode", roof.decode);
   showPhase("prefill", roof.prefill);
+  showReplicas(s);
   set("m-window", s.window_s ? `Rates and points over the last ${s.window_s.toFixed(1)} s; ` +
     "a hollow point (a grey row) is the average since start: no such step ran lately."
     : "Rates appear from the second refresh on.");
