@@ -68,7 +68,7 @@ def complete(url: str, prompt: str, **extra) -> dict:
 
 def test_long_prompts_prefill_on_one_replica_and_decode_on_the_other(front):
     before = stats(front)["router"]["prefilled"]
-    for i, p in enumerate(TEXT_PROMPTS):
+    for i, p in enumerate(TEXT_PROMPTS[:3]):
         prompt = f"Guide {i}. {CONTEXT}{p}"  # each its own: nothing of it cached yet
         via = complete(front.url, prompt)
         # One engine alone, computing the whole prompt (nothing of it cached).
@@ -76,7 +76,7 @@ def test_long_prompts_prefill_on_one_replica_and_decode_on_the_other(front):
         assert via["choices"][0]["text"] == alone["choices"][0]["text"]
         assert via["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     after = stats(front)
-    assert after["router"]["prefilled"]["remote"] - before["remote"] == len(TEXT_PROMPTS)
+    assert after["router"]["prefilled"]["remote"] - before["remote"] == 3
     kv = {b["role"]: b["stats"]["kv_transfer"] for b in after["backends"]}
     assert kv["decode"]["received"]["transfers"] == kv["prefill"]["sent"]["transfers"] > 0
     assert kv["prefill"]["sent"]["failures"] == 0

@@ -215,6 +215,48 @@ def test_moe_reads_each_expert_once_a_step(checkpoints, monkeypatch):
     assert sum(rows) == 2 * (sum(len(p) for p in prompts) + len(prompts))
 
 
+@pytest.mark.skipif(not load_ops("gemv"), reason="needs the gemv kernel (AVX2, FMA)")
+def test_bf16_moe_decode_steps_run_the_fused_experts(checkpoints):
+    """A one-sequence decode step of bf16 experts runs servelm_gemv.moe_experts, a call a
+    layer; its next-token distribution is the per-expert path's within bf16 rounding."""
+    from servelm.models.moe import SparseMoE
+
+    path, _ = checkpoints["qwen3_moe"]
+    llm = LLM(model=path, dtype="bfloat16", kernel_tuning="off", kv_cache_memory=16 << 20,
+              max_model_len=256)
+    mods = [m.mlp for m in llm.engine.executor.model.layers if isinstance(m.mlp, SparseMoE)]
+    rows: list[int] = []
+
+    def counted():
+        for m in mods:
+            m.select(True)
+            assert m._fused is not None and m._fused_rows >= 1
+            m._fused = (lambda real: lambda x, *a: (rows.append(x.shape[0]), real(x, *a))[1])(
+                m._fused)
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+
+    def second_step(prompt):  # the first token is the prompt's (the per-expert path)
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids[:2], dict(out.logprobs[1].top)
+
+    for prompt in PROMPTS[:2]:
+        rows.clear()
+        counted()
+        fused = second_step(prompt)
+        # Three decode steps, a call a MoE layer each (and the prompt's last layer, which
+        # runs only the sampled row).
+        assert set(rows) == {1} and len(rows) >= 3 * len(mods)
+        for m in mods:
+            m.select(False)
+        plain = second_step(prompt)
+        assert fused[0] == plain[0]
+        shared = set(fused[1]) & set(plain[1])
+        assert len(shared) >= 4
+        for t in shared:
+            assert abs(fused[1][t] - plain[1][t]) < 0.05, t
+
+
 @pytest.mark.skipif(not load_ops("ops"), reason="needs the C++ kernels")
 def test_soft_capped_attention_takes_the_reference_backend(checkpoints):
     """The C++ and Triton attention kernels do not soft-cap scores: Gemma 2 attends on the

@@ -94,3 +94,64 @@ def test_applies_to_fp32_and_bf16_layers_and_rejects_bad_operands():
         bop(torch.randn(2, 64).half(), wb)
     with pytest.raises(RuntimeError, match="weight must be contiguous"):
         bop(torch.randn(2, 64), w)  # fp32 weight to the bf16 op
+
+
+# ---- a MoE layer's routed experts in one call (moe_experts) ----------------------------------
+
+
+def _moe(act: str, dtype: torch.dtype, shared: int = 0):
+    from servelm.models.moe import SparseMoE
+
+    torch.manual_seed(7)
+    moe = SparseMoE(64, 48, 8, 3, act=act, shared_intermediate=shared)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+    return moe.to(dtype)
+
+
+@pytest.mark.parametrize("act,code", [("silu", 0), ("gelu_tanh", 1), ("gelu", 2)])
+def test_fused_moe_op_equals_the_experts_one_by_one(act, code):
+    moe = _moe(act, torch.float32)
+    x = torch.randn(5, 64)
+    weights, ids = moe.route(x)
+    got = torch.ops.servelm_gemv.moe_experts(x, ids, weights, moe.experts_gate_up,
+                                             moe.experts_down, code)
+    want = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(3):
+            e = int(ids[t, j])
+            h = F.linear(x[t], moe.experts_gate_up[e])
+            g, u = h.chunk(2)
+            a = (F.silu(g) if act == "silu" else
+                 F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")) * u
+            want[t] += weights[t, j] * F.linear(a, moe.experts_down[e])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        torch.ops.servelm_gemv.moe_experts(x, ids + 8, weights, moe.experts_gate_up,
+                                           moe.experts_down, code)
+
+
+def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
+    from servelm.models.moe import fused_rows
+
+    assert (fused_rows(32, 8), fused_rows(128, 8), fused_rows(8, 2)) == (2, 8, 2)
+    moe = _moe("silu", torch.bfloat16, shared=32)  # 8 experts, top 3: one token
+    moe.select(True)
+    assert moe._fused is not None
+    most = fused_rows(8, 3)
+    for rows in (1, most, most + 1):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        fused = moe(x)
+        moe.select(False)
+        one_by_one = moe(x)
+        moe.select(True)
+        if rows > most:
+            assert torch.equal(fused, one_by_one)  # the same path
+        else:  # fp32 sums rounded once against bf16 matmuls rounded at each step
+            torch.testing.assert_close(fused.float(), one_by_one.float(), rtol=0.05, atol=0.05)
+    # Not for fp32 (the reference) nor gpt-oss's clamped experts.
+    assert _moe("silu", torch.float32)._fused is None
+    fp32 = _moe("silu", torch.float32)
+    fp32.select(True)
+    assert fp32._fused is None

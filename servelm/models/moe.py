@@ -7,6 +7,12 @@ tokens runs one gate_up and one down matmul over all of them: a step reads an ex
 weights once however many tokens chose it (no per-token loop), and an expert no token chose
 is not read at all. The outputs are scattered back, weighted, with one index_add.
 
+With servelm's C++ kernels, a step of at most fused_rows tokens (decode) runs its routed
+experts in one call instead (servelm_gemv.moe_experts: every (token, expert) pair's gate_up,
+activation and down over the expert's own rows, summed weighted, in fp32), where the
+experts are plain gated MLPs of bf16 weights on the CPU: at a few tokens the per-expert
+calls' overhead, not their arithmetic, was the step (k experts a token, two matmuls each).
+
 A shared expert (Qwen2-MoE), where the family has one, runs on every token beside them:
 a GatedMLP (so on the C++ ops where they run) whose output, times
 sigmoid(shared_expert_gate(x)), is added to the routed experts'.
@@ -47,10 +53,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.models.layers import GatedMLP, RMSNorm, gated_act, l2_norm
+from servelm.models.layers import GatedMLP, OpModule, RMSNorm, gated_act, l2_norm
 
 
-class SparseMoE(nn.Module):
+def fused_rows(num_experts: int, top_k: int) -> int:
+    """Steps of at most this many tokens take the fused routed-experts op. It reads an
+    expert's rows once per token that chose it, the per-expert path once a step: past about
+    E / (2k) tokens the tokens share experts enough for the per-expert path to read less."""
+    return max(1, num_experts // (2 * top_k))
+
+
+_ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+class SparseMoE(OpModule):
     """The MLP of a MoE layer: router `gate` [E, hidden] and stacked expert weights
     experts_gate_up [E, 2 * I, hidden] (gate rows, then up) and experts_down [E, hidden, I];
     with shared_intermediate, a shared_expert (GatedMLP) and its shared_expert_gate [1, hidden];
@@ -126,6 +142,26 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.select(False)
+
+    def select(self, kernels: bool) -> None:
+        """kernels: a step of at most fused_rows tokens runs the routed experts in one C++
+        call, where they are plain gated MLPs of bf16 weights on the CPU and the op is
+        built; otherwise (and always without kernels) the per-expert path."""
+        from servelm.layers import gemv
+
+        self.uses_kernels = kernels
+        w = self.experts_gate_up
+        o = self.options
+        self._fused = None
+        if (kernels and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                and o["swiglu_limit"] is None and not o["expert_bias"]
+                and not o["expert_input_weighted"] and o["act"] in _ACT_CODES
+                and o["hidden"] % 8 == 0 and o["intermediate"] % 8 == 0
+                and gemv.available() and hasattr(torch.ops.servelm_gemv, "moe_experts")):
+            self._fused = torch.ops.servelm_gemv.moe_experts.default
+            self._act_code = _ACT_CODES[o["act"]]
+            self._fused_rows = fused_rows(self.num_experts, self.top_k)
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's
@@ -186,10 +222,15 @@ class SparseMoE(nn.Module):
         return (weights * self.routed_scaling).to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
-        """One implementation on every path (PyTorch's matmuls and activation): nothing
-        to select. route: the router's input where it is not x (Gemma 4)."""
+        """The routed experts (the fused op for a few tokens where select bound it, else an
+        expert at a time) and the shared expert. route: the router's input where it is
+        not x (Gemma 4)."""
         T, k = x.shape[0], self.top_k
         weights, ids = self.route(x if route is None else route)
+        if self._fused is not None and T <= self._fused_rows:
+            routed = self._fused(x.contiguous(), ids, weights, self.experts_gate_up,
+                                 self.experts_down, self._act_code)
+            return self._with_shared(routed, x)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -206,6 +247,9 @@ class SparseMoE(nn.Module):
         if not self.expert_input_weighted:
             out.mul_(weights.view(-1)[order].unsqueeze(1))
         routed = torch.zeros_like(x).index_add_(0, tokens, out)
+        return self._with_shared(routed, x)
+
+    def _with_shared(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
             return routed
         shared = self.shared_expert(x)
