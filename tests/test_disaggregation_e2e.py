@@ -7,40 +7,27 @@ one goes straight to the decode replica; a killed prefill replica costs only the
 from __future__ import annotations
 
 import os
-import re
 import signal
-import time
 
 import httpx
 import pytest
 
 from conftest import TEXT_PROMPTS
-from test_router_e2e import AUTH, MODEL, replica_pid, stats, wait_for
-from test_server import KEY, Server
+from test_router_e2e import AUTH, MODEL, Front, replica_pid, stats, wait_for
+from test_server import KEY
 
 CONTEXT = ("A guide for travellers: the old town keeps its medieval walls, the river market "
            "opens at dawn, the museum of maps shows charts of the northern islands, and the "
            "bakers on the square sell rye bread until noon. ") * 2
 
 
-class DisaggregatedFront(Server):
+class DisaggregatedFront(Front):
+    KIND = "disaggregated"
+
     def wait_ready(self, timeout: float = 180) -> "DisaggregatedFront":
-        deadline = time.monotonic() + timeout
-        while self.url is None:
-            m = re.search(r"on (http://[\d.]+:\d+) \(disaggregated", self.output())
-            if m:
-                self.url = m.group(1)
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"front did not start:\n{self.output()}")
-            else:
-                time.sleep(0.1)
-        found = dict(re.findall(r"  replica \d (http://[\d.]+:\d+) \((prefill|decode),",
-                                self.output()))
-        self.prefill = next(u for u, role in found.items() if role == "prefill")
-        self.decode = next(u for u, role in found.items() if role == "decode")
-        while httpx.get(f"{self.url}/health").status_code != 200:
-            assert time.monotonic() < deadline, self.output()
-            time.sleep(0.1)
+        super().wait_ready(timeout)
+        self.prefill = self.replicas[self.roles.index("prefill")]
+        self.decode = self.replicas[self.roles.index("decode")]
         # The router splits once it has the tokenizer and knows the decode replica's
         # receiver (from its stats).
         wait_for(lambda: (lambda s: s["router"]["tokenizer"] and s["router"][

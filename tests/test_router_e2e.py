@@ -24,19 +24,24 @@ SYSTEM = ("You are a careful assistant for a travel agency. You answer questions
 
 
 class Front(Server):
-    """The data-parallel front: its URL is the router's, not a replica's."""
+    """The data-parallel front (or another KIND of replicas' front): its URL is the
+    router's, not a replica's; replicas: each replica's URL, roles: its role ("" none)."""
+
+    KIND = "data parallel"
 
     def wait_ready(self, timeout: float = 180) -> "Front":
         deadline = time.monotonic() + timeout
         while self.url is None:
-            m = re.search(r"on (http://[\d.]+:\d+) \(data parallel", self.output())
+            m = re.search(rf"on (http://[\d.]+:\d+) \({self.KIND}", self.output())
             if m:
                 self.url = m.group(1)
             elif self.proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"front did not start:\n{self.output()}")
             else:
                 time.sleep(0.1)
-        self.replicas = re.findall(r"  replica \d (http://[\d.]+:\d+) \(CPUs", self.output())
+        found = re.findall(r"  replica \d (http://[\d.]+:\d+) \((?:(\w+), )?CPUs", self.output())
+        self.replicas = [url for url, _ in found]
+        self.roles = [role for _, role in found]
         assert len(self.replicas) == 2
         while httpx.get(f"{self.url}/health").status_code != 200:
             assert time.monotonic() < deadline, self.output()

@@ -76,47 +76,9 @@ def run_router(args) -> int:
 def serve_data_parallel(args, argv: list[str], model_name: str) -> int:
     """`servelm serve --data-parallel-size N`: start the replicas (each `servelm serve` on a
     loopback port, its share of the cores), then the router over them on --host/--port."""
-    from servelm.router.replicas import Replicas, replica_argv
-    from servelm.server.options import read_api_keys
-    from servelm.server.transport import listen
-
-    listen(args.host, args.port).close()  # a taken port fails before the replicas load
     n = args.data_parallel_size
-    replicas = Replicas(n, replica_argv(argv), threads=args.num_threads)
-    for r in replicas.replicas:
-        print(f"servelm: replica {r.index}: CPUs {_ranges(r.cpus)}, {r.threads} threads, "
-              f"{r.url}", file=sys.stderr, flush=True)
-    replicas.start()
-    keys = read_api_keys(args.api_key, args.api_key_file)
-    # The replicas take the same keys (their arguments and environment are the front's):
-    # a client's key goes through, each key still its own prefix cache; the router's
-    # checks and polls use the first.
-    config = RouterConfig(backends=tuple(replicas.urls), policy=args.router_policy,
-                          load_bound=args.router_load_bound, model=None,
-                          api_keys=tuple(keys), poll_api_key=keys[0] if keys else None,
-                          forward_host=True, backends_check_keys=True,
-                          public_metrics=args.public_metrics,
-                          max_request_bytes=args.max_request_bytes,
-                          chat_template=args.chat_template,
-                          chat_template_kwargs=args.chat_template_kwargs)
-    router = Router(config)
-
-    def banner(url: str) -> str:
-        return "\n".join([
-            f"servelm: serving {model_name} on {url} (data parallel: {n} replicas, "
-            f"policy {config.policy})",
-            *[f"  replica {r.index} {r.url} (CPUs {_ranges(r.cpus)})"
-              for r in replicas.replicas],
-            f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats: every replica)"])
-
-    try:
-        return _serve(router, args.host, args.port, args.log_level, banner,
-                      header_timeout=args.header_timeout, root_path=args.root_path,
-                      ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                      on_exit=replicas.stop, shutdown_timeout=args.shutdown_timeout)
-    except BaseException:
-        replicas.stop()
-        raise
+    return _serve_replicas(args, argv, model_name, [[]] * n, [""] * n,
+                           f"data parallel: {n} replicas")
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -136,38 +98,49 @@ def serve_disaggregated(args, argv: list[str], model_name: str) -> int:
     replicas (--role decode, each receiving KV on a free loopback port), the cores split
     between them, behind the router on --host/--port, which prefills long prompts on a
     prefill replica and lets a decode replica answer (servelm.router.app)."""
+    p, d = parse_split(args.disaggregate)
+    flags = [["--role", "prefill"]] * p + [["--role", "decode", "--kv-transfer-port", "0"]] * d
+    return _serve_replicas(args, argv, model_name, flags, ["prefill"] * p + ["decode"] * d,
+                           f"disaggregated: {p} prefill, {d} decode replicas")
+
+
+def _serve_replicas(args, argv: list[str], model_name: str, flags: list[list[str]],
+                    roles: list[str], kind: str) -> int:
+    """Start a replica per entry of flags (its own flags after the front's; roles: each
+    one's role, "" for a plain one), then the router over them on --host/--port: the
+    prefill replicas as its prefill backends, the others as its backends."""
     from servelm.router.replicas import Replicas, replica_argv
     from servelm.server.options import read_api_keys
     from servelm.server.transport import listen
 
-    p, d = parse_split(args.disaggregate)
     listen(args.host, args.port).close()  # a taken port fails before the replicas load
-    roles = [["--role", "prefill"]] * p + [["--role", "decode", "--kv-transfer-port", "0"]] * d
-    replicas = Replicas(p + d, replica_argv(argv), threads=args.num_threads, extra=roles)
-    names = ["prefill"] * p + ["decode"] * d
-    for r, role in zip(replicas.replicas, names):
-        print(f"servelm: replica {r.index} ({role}): CPUs {_ranges(r.cpus)}, {r.threads} "
+    replicas = Replicas(len(flags), replica_argv(argv), threads=args.num_threads, extra=flags)
+    shown = [f"{role}, " if role else "" for role in roles]
+    for r, role in zip(replicas.replicas, shown):
+        print(f"servelm: replica {r.index}: {role}CPUs {_ranges(r.cpus)}, {r.threads} "
               f"threads, {r.url}", file=sys.stderr, flush=True)
     replicas.start()
     keys = read_api_keys(args.api_key, args.api_key_file)
-    config = RouterConfig(backends=tuple(replicas.urls[p:]),
-                          prefill_backends=tuple(replicas.urls[:p]),
-                          prefill_min_tokens=args.prefill_min_tokens,
-                          policy=args.router_policy, load_bound=args.router_load_bound,
-                          model=None, api_keys=tuple(keys),
-                          poll_api_key=keys[0] if keys else None, forward_host=True,
-                          backends_check_keys=True, public_metrics=args.public_metrics,
-                          max_request_bytes=args.max_request_bytes,
-                          chat_template=args.chat_template,
-                          chat_template_kwargs=args.chat_template_kwargs)
+    # The replicas take the same keys (their arguments and environment are the front's):
+    # a client's key goes through, each key still its own prefix cache; the router's
+    # checks and polls use the first.
+    urls = replicas.urls
+    config = RouterConfig(
+        backends=tuple(u for u, role in zip(urls, roles) if role != "prefill"),
+        prefill_backends=tuple(u for u, role in zip(urls, roles) if role == "prefill"),
+        prefill_min_tokens=getattr(args, "prefill_min_tokens", None),
+        policy=args.router_policy, load_bound=args.router_load_bound, model=None,
+        api_keys=tuple(keys), poll_api_key=keys[0] if keys else None, forward_host=True,
+        backends_check_keys=True, public_metrics=args.public_metrics,
+        max_request_bytes=args.max_request_bytes, chat_template=args.chat_template,
+        chat_template_kwargs=args.chat_template_kwargs)
     router = Router(config)
 
     def banner(url: str) -> str:
         return "\n".join([
-            f"servelm: serving {model_name} on {url} (disaggregated: {p} prefill, {d} decode "
-            f"replicas)",
-            *[f"  replica {r.index} {r.url} ({role}, CPUs {_ranges(r.cpus)})"
-              for r, role in zip(replicas.replicas, names)],
+            f"servelm: serving {model_name} on {url} ({kind}, policy {config.policy})",
+            *[f"  replica {r.index} {r.url} ({role}CPUs {_ranges(r.cpus)})"
+              for r, role in zip(replicas.replicas, shown)],
             f"  API       {url}/v1 (OpenAI-compatible; /metrics, /v1/stats: every replica)"])
 
     try:
