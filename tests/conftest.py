@@ -131,7 +131,8 @@ SERIAL = {"test_tensor_parallel.py", "test_lora_tp.py", "test_bench.py", "test_c
 # with the most seconds in a full run (`--durations=0`, summed by module), the rest after.
 SLOW_FIRST = ["test_families.py", "test_server.py", "test_quantization.py", "test_engine.py",
               "test_real_models.py", "test_tools_real.py", "test_anthropic.py",
-              "test_router_e2e.py", "test_responses.py", "test_decode_layer.py",
+              "test_router_e2e.py", "test_netns.py", "test_disaggregation_e2e.py",
+              "test_responses.py", "test_decode_layer.py",
               "test_server_fixes.py", "test_triton_attention.py", "test_prefix_caching.py",
               "test_spec_draft.py", "test_tuning.py", "test_reasoning.py", "test_ollama.py",
               "test_formats.py", "test_structured_outputs.py", "test_weight_format.py",
@@ -139,7 +140,7 @@ SLOW_FIRST = ["test_families.py", "test_server.py", "test_quantization.py", "tes
               "test_decode_benchmarks.py", "test_llama4.py", "test_deepseek.py",
               "test_gemma4.py", "test_qwen3_next.py", "test_server_first_hour.py",
               "test_spec_decode.py", "test_embeddings.py", "test_server_async_engine.py",
-              "test_kv_quant.py", "test_server_lora.py"]
+              "test_kv_quant.py", "test_server_lora.py", "test_disaggregation.py"]
 
 
 def pytest_collection_modifyitems(config, items):

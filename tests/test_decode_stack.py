@@ -100,7 +100,8 @@ def test_the_description_carries_each_layer_option():
     assert decode_stack.describe(_model("mistral", "int4")).layers[2].window == WINDOW
 
 
-def test_a_moe_model_runs_op_by_op_and_says_why(caplog):
+def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):
+    monkeypatch.setattr(decode_stack, "_logged", set())  # said once a process: not yet here
     cfg = ModelConfig(**{**BASE, "architecture": "Qwen3MoeForCausalLM", "family": "qwen3_moe",
                          "qk_norm": True, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 32})

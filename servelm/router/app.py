@@ -317,10 +317,7 @@ class Router:
     # ---- routing -----------------------------------------------------------------------
 
     def _client_key(self, request: Request) -> str | None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not token and request.headers.get("x-api-key"):
-            return request.headers["x-api-key"].strip()
-        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+        return _bearer(request.headers)
 
     def check_key(self, request: Request) -> None:
         if not self.config.api_keys:
@@ -440,7 +437,7 @@ class Router:
         if uncached < self.prefill_threshold(decode):
             self.prefilled[LOCAL] += 1
             return
-        key = self.config.backend_api_key or self._client_key_from(headers)
+        key = self.config.backend_api_key or _bearer(headers)
 
         def digests_for(block_size: int, keyed: bool) -> list[int]:
             return prompt.digests(block_size, key if keyed else None)
@@ -479,12 +476,6 @@ class Router:
             self.prefilled[FAILED] += 1
         else:
             self.prefilled[REMOTE] += 1
-
-    def _client_key_from(self, headers: dict[str, str]) -> str | None:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if not token and headers.get("x-api-key"):
-            return headers["x-api-key"].strip()
-        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
     def _release(self, b: Backend, load: int) -> None:
         b.view.load_tokens -= load
@@ -579,7 +570,10 @@ class Router:
 
     def _backend_entry(self, b: Backend) -> dict:
         v = b.view
-        return {"url": b.url, "role": "prefill" if b in self.prefills else "decode",
+        role = None  # a plain router's backends have none
+        if self.prefills:
+            role = "prefill" if any(b is p for p in self.prefills) else "decode"
+        return {"url": b.url, "role": role,
                 "up": v.up, "servelm": v.servelm, "routed": b.routed,
                 "failures": b.failures, "last_error": b.last_error,
                 "inflight_requests": v.inflight, "load_tokens": v.load_tokens,
@@ -731,6 +725,14 @@ def _stream_error(path: str, kind: str, message: str) -> bytes:
         return f"event: error\ndata: {json.dumps(err)}\n\n".encode()
     err = APIError(502, message, code="backend_failed", type="server_error").body()
     return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+def _bearer(headers) -> str | None:
+    """The API key a request's headers carry (Authorization: Bearer, or x-api-key)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if not token and headers.get("x-api-key"):
+        return headers["x-api-key"].strip()
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 def prefill_body(body: dict, host: str, port: int) -> bytes:
