@@ -99,11 +99,11 @@ def test_applies_to_fp32_and_bf16_layers_and_rejects_bad_operands():
 # ---- a MoE layer's routed experts in one call (moe_experts) ----------------------------------
 
 
-def _moe(act: str, dtype: torch.dtype, shared: int = 0):
+def _moe(act: str, dtype: torch.dtype, shared: int = 0, **options):
     from servelm.models.moe import SparseMoE
 
     torch.manual_seed(7)
-    moe = SparseMoE(64, 48, 8, 3, act=act, shared_intermediate=shared)
+    moe = SparseMoE(64, 48, 8, 3, act=act, shared_intermediate=shared, **options)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.2)
@@ -132,6 +132,23 @@ def test_fused_moe_op_equals_the_experts_one_by_one(act, code):
                                            moe.experts_down, code)
 
 
+def test_fused_moe_op_runs_gpt_oss_clamped_biased_experts():
+    moe = _moe("silu", torch.float32, swiglu_limit=0.3, swiglu_alpha=1.702, expert_bias=True,
+               router_bias=True)
+    x = torch.randn(4, 64)
+    weights, ids = moe.route(x)
+    got = torch.ops.servelm_gemv.moe_experts(
+        x, ids, weights, moe.experts_gate_up, moe.experts_down, 3,
+        moe.experts_gate_up_bias, moe.experts_down_bias, 0.3, 1.702)
+    want = torch.zeros_like(x)
+    for t in range(4):
+        for j in range(3):
+            want[t] += weights[t, j] * moe._clamped_expert(x[t:t + 1], int(ids[t, j]))[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The clamp binds: some gates and ups are past the limit.
+    assert (F.linear(x, moe.experts_gate_up[0]).abs() > 0.3).any()
+
+
 def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
     from servelm.models.moe import fused_rows
 
@@ -150,8 +167,18 @@ def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
             assert torch.equal(fused, one_by_one)  # the same path
         else:  # fp32 sums rounded once against bf16 matmuls rounded at each step
             torch.testing.assert_close(fused.float(), one_by_one.float(), rtol=0.05, atol=0.05)
-    # Not for fp32 (the reference) nor gpt-oss's clamped experts.
+    # gpt-oss's clamped, biased experts too (bf16).
+    oss = _moe("silu", torch.bfloat16, swiglu_limit=0.3, swiglu_alpha=1.702, expert_bias=True)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    plain = oss(x)
+    oss.select(True)
+    assert oss._fused is not None
+    torch.testing.assert_close(oss(x).float(), plain.float(), rtol=0.05, atol=0.05)
+    # Not for fp32 (the reference), nor experts weighted on their input (Llama 4).
     assert _moe("silu", torch.float32)._fused is None
+    llama4 = _moe("silu", torch.bfloat16, expert_input_weighted=True)
+    llama4.select(True)
+    assert llama4._fused is None
     fp32 = _moe("silu", torch.float32)
     fp32.select(True)
     assert fp32._fused is None

@@ -10,7 +10,8 @@ is not read at all. The outputs are scattered back, weighted, with one index_add
 With servelm's C++ kernels, a step of at most fused_rows tokens (decode) runs its routed
 experts in one call instead (servelm_gemv.moe_experts: every (token, expert) pair's gate_up,
 activation and down over the expert's own rows, summed weighted, in fp32), where the
-experts are plain gated MLPs of bf16 weights on the CPU: at a few tokens the per-expert
+experts are gated MLPs of bf16 weights on the CPU (gpt-oss's clamped, biased ones too; not
+Llama 4's input-weighted ones): at a few tokens the per-expert
 calls' overhead, not their arithmetic, was the step (k experts a token, two matmuls each).
 
 A shared expert (Qwen2-MoE), where the family has one, runs on every token beside them:
@@ -146,21 +147,28 @@ class SparseMoE(OpModule):
 
     def select(self, kernels: bool) -> None:
         """kernels: a step of at most fused_rows tokens runs the routed experts in one C++
-        call, where they are plain gated MLPs of bf16 weights on the CPU and the op is
-        built; otherwise (and always without kernels) the per-expert path."""
+        call, where they are bf16 gated MLPs on the CPU (gpt-oss's clamped SwiGLU and
+        biases too, not experts weighted on their input) and the op is built; otherwise
+        (and always without kernels) the per-expert path."""
         from servelm.layers import gemv
 
         self.uses_kernels = kernels
         w = self.experts_gate_up
         o = self.options
         self._fused = None
+        clamped = o["swiglu_limit"] is not None
         if (kernels and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-                and o["swiglu_limit"] is None and not o["expert_bias"]
-                and not o["expert_input_weighted"] and o["act"] in _ACT_CODES
+                and not o["expert_input_weighted"] and (clamped or o["act"] in _ACT_CODES)
                 and o["hidden"] % 8 == 0 and o["intermediate"] % 8 == 0
                 and gemv.available() and hasattr(torch.ops.servelm_gemv, "moe_experts")):
-            self._fused = torch.ops.servelm_gemv.moe_experts.default
-            self._act_code = _ACT_CODES[o["act"]]
+            op = torch.ops.servelm_gemv.moe_experts.default
+            # gpt-oss's experts: the clamped SwiGLU (code 3) and fp32 biases, bound here.
+            biases = (None, None) if not o["expert_bias"] else (
+                self.experts_gate_up_bias.detach().float().contiguous(),
+                self.experts_down_bias.detach().float().contiguous())
+            limit, alpha = (o["swiglu_limit"], o["swiglu_alpha"]) if clamped else (0.0, 1.0)
+            code = 3 if clamped else _ACT_CODES[o["act"]]
+            self._fused = functools.partial(_fused_call, op, code, *biases, limit, alpha)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +237,7 @@ class SparseMoE(OpModule):
         weights, ids = self.route(x if route is None else route)
         if self._fused is not None and T <= self._fused_rows:
             routed = self._fused(x.contiguous(), ids, weights, self.experts_gate_up,
-                                 self.experts_down, self._act_code)
+                                 self.experts_down)
             return self._with_shared(routed, x)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert
@@ -265,6 +273,12 @@ class SparseMoE(OpModule):
         dbias = None if self.experts_down_bias is None else self.experts_down_bias[e]
         h = self._act(F.linear(x, self.experts_gate_up[e], gbias))
         return F.linear(h, self.experts_down[e], dbias)
+
+
+def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
+                x, ids, weights, gate_up, down):
+    """servelm_gemv.moe_experts with the layer's activation and biases bound (select)."""
+    return op(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit, alpha)
 
 
 class ExpertsBesideMLP(nn.Module):

@@ -183,13 +183,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 //   out[t] = sum_j weights[t, j] * down[e] (act(gate[e] x[t]) * up[e] x[t]),  e = ids[t, j]
 // gate_up [E, 2I, H] (gate rows, then up), down [E, H, I], both of x's dtype (bfloat16, or
 // float32 for float32 x), contiguous; ids [T, k] int64, weights [T, k] float32; act 0: SiLU,
-// 1: GELU (tanh), 2: GELU (erf). Every (token, expert) pair reads its expert's rows (no reuse
+// 1: GELU (tanh), 2: GELU (erf), 3: gpt-oss's clamped SwiGLU ((clamp(up, -limit, limit) + 1)
+// * g * sigmoid(alpha g), g = min(gate, limit)); gate_up_bias [E, 2I] and down_bias [E, H]
+// (float32) where the experts have biases. Every (token, expert) pair reads its expert's rows (no reuse
 // across tokens: for a few rows that is what the op-by-op path reads too, without its
 // per-expert calls); the three phases (gate_up blocks, the activation, down blocks) each
 // split over the threads; everything in fp32, rounded once to x's dtype.
 template <typename W>
 at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
-                   const at::Tensor& gate_up, const at::Tensor& down, int64_t act) {
+                   const at::Tensor& gate_up, const at::Tensor& down, int64_t act,
+                   const c10::optional<at::Tensor>& gbias_in,
+                   const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d) {
   const at::ScalarType wt = std::is_same<W, float>::value ? at::kFloat : at::kBFloat16;
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == wt,
               "servelm_gemv.moe_experts: x must be [T, H] of the experts' dtype on the CPU");
@@ -203,7 +207,19 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
               "servelm_gemv.moe_experts: shapes do not fit (H and I multiples of 8)");
   TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == T && w_in.sizes() == ids_in.sizes(),
               "servelm_gemv.moe_experts: ids and weights must be [T, k]");
-  TORCH_CHECK(act >= 0 && act <= 2, "servelm_gemv.moe_experts: act must be 0, 1 or 2");
+  TORCH_CHECK(act >= 0 && act <= 3, "servelm_gemv.moe_experts: act must be 0, 1, 2 or 3");
+  at::Tensor gbias, dbias;
+  if (gbias_in && gbias_in->defined()) {
+    TORCH_CHECK(gbias_in->numel() == E * 2 * I, "servelm_gemv.moe_experts: gate_up_bias [E, 2I]");
+    gbias = gbias_in->to(at::kFloat).contiguous();
+  }
+  if (dbias_in && dbias_in->defined()) {
+    TORCH_CHECK(dbias_in->numel() == E * H, "servelm_gemv.moe_experts: down_bias [E, H]");
+    dbias = dbias_in->to(at::kFloat).contiguous();
+  }
+  const float* gbp = gbias.defined() ? gbias.data_ptr<float>() : nullptr;
+  const float* dbp = dbias.defined() ? dbias.data_ptr<float>() : nullptr;
+  const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
   const int64_t k = ids_in.size(1), P = T * k;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
@@ -228,8 +244,8 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p = b / NB1, n0 = (b % NB1) * kRows;
       const int nr = static_cast<int>(std::min<int64_t>(kRows, 2 * I - n0));
-      block<1>(xp + (p / k) * H, gp + idp[p] * 2 * I * H, nullptr, hp + p * 2 * I, 0, n0, nr,
-               H, 2 * I);
+      block<1>(xp + (p / k) * H, gp + idp[p] * 2 * I * H,
+               gbp ? gbp + idp[p] * 2 * I : nullptr, hp + p * 2 * I, 0, n0, nr, H, 2 * I);
     }
   });
   // 2. a[p] = act(gate) * up.
@@ -239,6 +255,12 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
       for (int64_t i = 0; i < I; ++i) {
         const float v = g[i];
         float f;
+        if (act == 3) {
+          const float gate = std::min(v, limit);
+          const float up = std::min(std::max(g[I + i], -limit), limit);
+          ap[p * I + i] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
+          continue;
+        }
         if (act == 0) {
           f = v / (1.f + std::exp(-v));
         } else if (act == 1) {
@@ -256,7 +278,8 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p = b / NB2, n0 = (b % NB2) * kRows;
       const int nr = static_cast<int>(std::min<int64_t>(kRows, H - n0));
-      block<1>(ap + p * I, dp + idp[p] * H * I, nullptr, yp + p * H, 0, n0, nr, I, H);
+      block<1>(ap + p * I, dp + idp[p] * H * I, dbp ? dbp + idp[p] * H : nullptr, yp + p * H, 0,
+               n0, nr, I, H);
     }
   });
   // 4. out[t] = sum_j weights[t, j] y[t k + j], in slot order.
@@ -276,9 +299,14 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                       const at::Tensor& gate_up, const at::Tensor& down, int64_t act) {
-  if (x.scalar_type() == at::kFloat) return moe_run<float>(x, ids, weights, gate_up, down, act);
-  return moe_run<c10::BFloat16>(x, ids, weights, gate_up, down, act);
+                       const at::Tensor& gate_up, const at::Tensor& down, int64_t act,
+                       const c10::optional<at::Tensor>& gate_up_bias,
+                       const c10::optional<at::Tensor>& down_bias, double limit, double alpha) {
+  if (x.scalar_type() == at::kFloat)
+    return moe_run<float>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit,
+                          alpha);
+  return moe_run<c10::BFloat16>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias,
+                                limit, alpha);
 }
 
 }  // namespace
@@ -287,7 +315,8 @@ TORCH_LIBRARY(servelm_gemv, m) {
   m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None, bool by_row=False) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None, bool by_row=False) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, "
-        "int act) -> Tensor");
+        "int act, Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., "
+        "float alpha=1.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_gemv, CPU, m) {
