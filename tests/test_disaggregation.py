@@ -117,17 +117,24 @@ def test_an_imported_prefix_gives_a_cold_runs_tokens(llm, decode_llm):
         decode.import_prefix(ids[:n], None, data[:-1])
 
 
-def test_a_pool_that_cannot_take_the_prefix_imports_nothing(llm):
-    small = LLM(dtype="float32", kv_cache_memory=3 * KVCache.bytes_per_block(
-        llm.engine.model_config, BS, torch.float32), enable_prefix_caching=False)
+def test_a_pool_that_cannot_take_the_prefix_imports_nothing(llm, decode_llm):
     ids = _prompt(llm, "The library on the hill lends old maps and letters to visitors. " * 5)
     llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
     n, data = llm.engine.export_prefix(ids, None)
-    assert n > 3 * BS
-    assert "prefix caching is off" in small.engine.kv_transfer_check()
-    small.engine.block_manager.enable_caching = True  # (only its size is under test here)
-    assert small.engine.import_prefix(ids[:n], None, data) == 0
-    assert small.engine.block_manager.owners() == {}
+    bm = decode_llm.engine.block_manager
+    bm.allocate("hog", (bm.num_free_blocks - 1) * BS)  # every block but one is held
+    try:
+        assert decode_llm.engine.import_prefix(ids[:n], None, data) == 0
+        assert set(bm.owners()) == {"hog"}
+    finally:
+        bm.free("hog")
+    off = BlockManager(4, BS)
+    decode_llm.engine.block_manager, saved = off, bm  # a pool without a prefix cache
+    try:
+        assert "prefix caching is off" in decode_llm.engine.kv_transfer_check()
+    finally:
+        decode_llm.engine.block_manager = saved
+    assert decode_llm.engine.kv_transfer_check() is None
 
 
 # ---- the transport ---------------------------------------------------------------------------
