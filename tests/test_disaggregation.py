@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from servelm import LLM, SamplingParams
 from servelm.distributed.kv_transfer import (KVReceiver, KVSender, KVTransferConfig,
@@ -273,37 +273,23 @@ def test_prefill_body_and_receiver_address():
 
 
 def _backend(name: str, log: list, kv_port: int | None = None, fail: bool = False) -> FastAPI:
-    app = FastAPI()
+    """test_router's fake backend, reporting a KV receiver (a decode server) or answering
+    kv_transfer_params (a prefill server; fail: with an error)."""
+    from test_router import fake_backend
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    app = fake_backend(name, log=log)
+    receiver = None if kv_port is None else {"host": "127.0.0.1", "port": kv_port}
+    app.state.stats = {"requests": {"running_tokens": 0, "waiting_tokens": 0},
+                       "roofline": {"ridge_tokens": 12.5}, "kv_transfer": {"receiver": receiver}}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "m", "root": None}]}
-
-    @app.get("/v1/cache_events")
-    async def events(since: int | None = None):
-        return {"seq": 0, "block_size": BS, "instance": name, "reset": True, "events": [],
-                "blocks": []}
-
-    @app.get("/v1/stats")
-    async def stats():
-        receiver = None if kv_port is None else {"host": "127.0.0.1", "port": kv_port}
-        return {"requests": {"running_tokens": 0, "waiting_tokens": 0},
-                "roofline": {"ridge_tokens": 12.5}, "kv_transfer": {"receiver": receiver}}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        log.append((name, body))
+    def reply(body: dict) -> dict:
         if fail:
             return {"kv_transfer_params": {"error": "the decode server went away"}}
         if "kv_transfer_params" in body:
             return {"kv_transfer_params": {"tokens": len(body["prompt"]) // BS * BS}}
         return {"backend": name}
 
+    app.state.reply = reply
     return app
 
 
@@ -334,7 +320,7 @@ def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
             await router.stop()
 
     log, prefilled, stats = asyncio.run(run(False, None))
-    assert [name for name, _ in log] == ["p", "d", "d"]  # the long prompt first ran on p
+    assert [name for name, *_ in log] == ["p", "d", "d"]  # the long prompt first ran on p
     sent = log[0][1]
     assert sent["max_tokens"] == 1 and sent["kv_transfer_params"] == {
         "do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": 4321}
@@ -345,7 +331,7 @@ def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
     # A prefill that fails still gets its answer (the decode backend computes the prompt);
     # a lower threshold splits the short prompt too.
     log, prefilled, _ = asyncio.run(run(True, 8))
-    assert [name for name, _ in log] == ["p", "d", "p", "d"]
+    assert [name for name, *_ in log] == ["p", "d", "p", "d"]
     assert prefilled == {REMOTE: 0, LOCAL: 0, FAILED: 2}
 
 

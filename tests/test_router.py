@@ -189,6 +189,7 @@ def fake_backend(name: str, servelm: bool = True, log: list | None = None) -> Fa
     app.state.since = []
     app.state.stats = {"requests": {"running": 1, "waiting": 2},
                        "prefix_cache": {"queried_tokens": 10, "hit_tokens": 5}}
+    app.state.reply = None  # body -> a plain answer of another shape
 
     @app.get("/health")
     async def health():
@@ -220,6 +221,8 @@ def fake_backend(name: str, servelm: bool = True, log: list | None = None) -> Fa
         body = await request.json()
         if log is not None:
             log.append((name, body, request.headers.get("authorization")))
+        if app.state.reply is not None and not body.get("stream"):
+            return app.state.reply(body)
         if body.get("stream"):
             async def gen():
                 for i in range(3):
