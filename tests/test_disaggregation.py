@@ -335,6 +335,40 @@ def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
     assert prefilled == {REMOTE: 0, LOCAL: 0, FAILED: 2}
 
 
+def test_a_prefill_backend_that_stops_answering_costs_seconds_not_the_request():
+    from test_router import Hosts, _settle
+
+    async def run():
+        log: list = []
+        apps = {"d": _backend("d", log, kv_port=4321), "p": _backend("p", log)}
+
+        async def hang(body):  # takes the prompt, then answers nothing, health included
+            apps["p"].state.healthy = False
+            await asyncio.sleep(3600)
+
+        apps["p"].state.reply = hang
+        router = Router(RouterConfig(backends=("http://d",), prefill_backends=("http://p",),
+                                     prefill_min_tokens=8, poll_interval=0.01,
+                                     health_interval=0.1),
+                        tokenizer=object(), transport=Hosts(apps))
+        await router.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(router.app()),
+                                   base_url="http://router")
+        try:
+            await _settle(router, lambda: router.backends[0].kv_port == 4321)
+            t0 = time.monotonic()
+            r = await client.post("/v1/completions", json={"prompt": list(range(100, 140)),
+                                                           "max_tokens": 5})
+            assert r.json() == {"backend": "d"} and time.monotonic() - t0 < 5
+            assert router.prefilled[FAILED] == 1 and not router.prefills[0].view.up
+            assert router.prefills[0].view.inflight == 0
+        finally:
+            await client.aclose()
+            await router.stop()
+
+    asyncio.run(run())
+
+
 def test_router_and_serve_flags():
     from servelm.cli import main
     from servelm.router.replicas import replica_argv

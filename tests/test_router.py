@@ -189,10 +189,15 @@ def fake_backend(name: str, servelm: bool = True, log: list | None = None) -> Fa
     app.state.since = []
     app.state.stats = {"requests": {"running": 1, "waiting": 2},
                        "prefix_cache": {"queried_tokens": 10, "hit_tokens": 5}}
-    app.state.reply = None  # body -> a plain answer of another shape
+    app.state.reply = None  # body -> a plain answer of another shape (may be awaitable)
+    app.state.healthy = True
 
     @app.get("/health")
     async def health():
+        if not app.state.healthy:
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -222,7 +227,8 @@ def fake_backend(name: str, servelm: bool = True, log: list | None = None) -> Fa
         if log is not None:
             log.append((name, body, request.headers.get("authorization")))
         if app.state.reply is not None and not body.get("stream"):
-            return app.state.reply(body)
+            answer = app.state.reply(body)
+            return await answer if asyncio.iscoroutine(answer) else answer
         if body.get("stream"):
             async def gen():
                 for i in range(3):

@@ -25,7 +25,7 @@ import math
 import re
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -456,13 +456,26 @@ class Router:
         load = prompt.num_tokens + 1
         p.view.load_tokens += load
         p.view.inflight += 1
+        call = asyncio.ensure_future(self._client.post(
+            f"{p.url}{path}", content=payload, headers=headers,
+            timeout=httpx.Timeout(self.config.prefill_timeout,
+                                  connect=self.config.connect_timeout)))
         try:
-            r = await self._client.post(f"{p.url}{path}", content=payload, headers=headers,
-                                        timeout=httpx.Timeout(self.config.prefill_timeout,
-                                                              connect=self.config.connect_timeout))
+            # A prefill backend that stops answering leaves the rotation at its next failed
+            # health check: its prompt then goes to the decode backend, not waiting on.
+            while not (await asyncio.wait({call}, timeout=self.config.health_interval / 2))[0]:
+                if not p.view.up:
+                    call.cancel()
+                    break
+            r = await call
             sent = r.json().get("kv_transfer_params") if r.status_code == 200 else None
             why = (f"answered {r.status_code}" if r.status_code != 200 else
                    "sent no KV" if not isinstance(sent, dict) else sent.get("error"))
+        except asyncio.CancelledError:
+            if not call.cancelled():  # the client's request itself was cancelled
+                call.cancel()
+                raise
+            why = "it left the rotation while prefilling"
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             why = repr(e)
             if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
