@@ -43,6 +43,11 @@ down() {
     for ns in $(ip netns list | grep -o "^$PREFIX[0-9]*"); do
         ip netns del "$ns"
     done
+    # A namespace a process still holds outlives its name: its veth's outer end is removed
+    # here, so the next `up` starts clean.
+    for link in $(ip -o link show | grep -o "svh[0-9]*@" | tr -d @); do
+        ip link del "$link" 2>/dev/null || true
+    done
     if ip link show "$BRIDGE" >/dev/null 2>&1; then
         ip link del "$BRIDGE"
     fi

@@ -11,6 +11,23 @@ from servelm.attention import get_backend
 from servelm.engine.model_runner import SeqInput
 
 
+@functools.lru_cache(maxsize=1)
+def network_namespaces() -> str | None:
+    """None where this process can make network namespaces (tests/test_netns.py's hosts),
+    else why not."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "no iproute2 (ip) or unshare"
+    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
+        return "this sandbox does not let a process make a network namespace"
+    return None
+
+
 def run_seqs(engine, seqs: list[tuple[list[int], int, str]]) -> torch.Tensor:
     """Run (token_ids, start_pos, owner_id) sequences in one forward; logits in input order.
 

@@ -40,7 +40,8 @@ class DisaggregatedFront(Front):
 @pytest.fixture(scope="module")
 def front():
     s = DisaggregatedFront("--disaggregate", "--api-key", KEY, "--kernel-tuning", "off",
-                           "--roofline-bandwidth", "30", "--roofline-flops", "1")
+                           "--roofline-bandwidth", "30", "--roofline-flops", "1",
+                           "--kv-cache-memory", "64MiB")
     yield s.wait_ready()
     s.stop()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from conftest import TEXT_PROMPTS
+from helpers import network_namespaces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NETNS = os.path.join(ROOT, "scripts", "netns.sh")
@@ -30,17 +30,9 @@ CONTEXT = ("Notes from the harbour office: ferries leave at seven and nine, the 
            "opens on Sundays, and the fish market closes when the last boat is unloaded. ") * 2
 
 
-def _can_make_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "no iproute2 (ip)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def hosts():
-    why = _can_make_namespaces()
+    why = network_namespaces()
     if why:
         pytest.skip(why)
     up = subprocess.run(["sh", NETNS, "up", "2"], capture_output=True, text=True)
@@ -144,25 +136,33 @@ def test_kv_blocks_cross_hosts_over_gloo(servers):
     assert router["prefilled"]["remote"] == 2 and router["prefilled"]["failed"] == 0
 
 
-def test_data_parallel_routing_across_hosts(servers, hosts):
-    # Both servers answer whole requests too: a router over them as two replicas.
-    router = Proc(0, sys.executable, "-m", "servelm.cli", "router", "--port", "0",
-                  "--backend", servers["prefill"], servers["decode"])
-    try:
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"routing on (http://\S+) ", router.output())):
-            assert router.proc.poll() is None and time.monotonic() < deadline, router.output()
-            time.sleep(0.1)
-        url = m.group(1)
-        _wait(f"{url}/health", router, ok=lambda r: r.status_code == 200
-              and r.json()["backends_up"] == 2)
-        prompt = "The three largest cities of Italy are"
-        texts = {_complete(u, prompt)["choices"][0]["text"]
-                 for u in (url, url, servers["prefill"], servers["decode"])}
-        assert len(texts) == 1
-        assert sum(b["routed"] for b in httpx.get(f"{url}/v1/stats").json()["backends"]) == 2
-    finally:
-        router.stop()
+def test_data_parallel_routing_across_hosts(servers):
+    """Both servers answer whole requests too: a router (here, in this process) over them as
+    two replicas on two hosts."""
+    import asyncio
+
+    from servelm.router.app import Router, RouterConfig
+
+    prompt = "The three largest cities of Italy are"
+
+    async def run() -> list[str]:
+        router = Router(RouterConfig(backends=(servers["prefill"], servers["decode"]),
+                                     policy="round_robin"))
+        await router.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(router.app()),
+                                   base_url="http://router", timeout=120)
+        try:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            texts = [(await client.post("/v1/completions", json=body)).json()["choices"][0]
+                     ["text"] for _ in range(2)]
+            assert [b.routed for b in router.backends] == [1, 1]  # one on each host
+            return texts
+        finally:
+            await client.aclose()
+            await router.stop()
+
+    texts = asyncio.run(run())
+    assert len({*texts, _complete(servers["prefill"], prompt)["choices"][0]["text"]}) == 1
 
 
 def test_tensor_parallel_across_hosts(servers):
@@ -173,11 +173,14 @@ def test_tensor_parallel_across_hosts(servers):
               "--kernel-tuning", "off", "--temperature", "0", "--max-tokens", "8",
               "--kv-cache-memory", "32MiB", "--num-threads", "1"]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    # The static rendezvous on host 1 (rank 0 there, as features.md tells `serve` users);
+    # host 1's rank listens on its route to it, host 2's on GLOO_SOCKET_IFNAME's interface.
     procs = [Proc(k, torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
                   "static", "--rdzv-endpoint", f"{A}:29555", "--node-rank", str(k - 1),
-                  "--master-addr", A, "--master-port", "29555", *common,
-                  "--tensor-parallel-size", "2", "--no-shm-collectives",
-                  env={"OMP_NUM_THREADS": "1"})
+                  "--master-addr", A, "--master-port", "29555",
+                  *common, "--tensor-parallel-size", "2", "--no-shm-collectives",
+                  env={"OMP_NUM_THREADS": "1", **({"GLOO_SOCKET_IFNAME": "eth0"} if k == 2
+                                                  else {})})
              for k in (1, 2)]
     try:
         for p in procs:
@@ -185,7 +188,7 @@ def test_tensor_parallel_across_hosts(servers):
         outs = [p.output() for p in procs]
         assert [p.proc.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
         text = one["choices"][0]["text"]
-        assert text.strip() and text.strip() in outs[0]
+        assert text.strip() and text.strip() in outs[0]  # rank 0's, on host 1
     finally:
         for p in procs:
             p.stop()

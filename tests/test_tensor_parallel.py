@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from conftest import TEXT_PROMPTS
-from helpers import prompt_logits, release, run_seqs
+from helpers import network_namespaces, prompt_logits, release, run_seqs
 from servelm import LLM, SamplingParams
 from servelm.config import EngineConfig
 from servelm.distributed.executor import WorkerDiedError
@@ -359,9 +359,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.skipif(network_namespaces() is None,
+                    reason="test_netns runs it across two network-namespace hosts")
 def test_two_hosts_with_torchrun_rendezvous(reference):
     """Two torchrun agents (one process each) meet at a c10d rendezvous on loopback, as two
-    hosts would; whichever gets rank 0 prints the generation, the other serves as worker."""
+    hosts would; whichever gets rank 0 prints the generation, the other serves as worker.
+    (Where network namespaces can be made, test_netns runs the same across two of them.)"""
     prompt = TEXT_PROMPTS[0]
     ref = reference["llm"].generate(prompt, SamplingParams(temperature=0, max_tokens=12),
                                     use_tqdm=False)[0].outputs[0].text
