@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 import torch
 from fastapi import FastAPI
@@ -26,7 +25,7 @@ from servelm.distributed.kv_transfer import (KVReceiver, KVSender, KVTransferCon
                                              KVTransferError, layout_mismatch)
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.model_runner import KVCache
-from servelm.router.app import REMOTE, LOCAL, FAILED, Router, RouterConfig, _kv_host, prefill_body
+from servelm.router.app import FAILED, LOCAL, REMOTE, _kv_host, prefill_body
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -293,19 +292,17 @@ def _backend(name: str, log: list, kv_port: int | None = None, fail: bool = Fals
     return app
 
 
-def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
-    from test_router import Hosts, _settle
+SPLIT = dict(backends=("http://d",), prefill_backends=("http://p",))
 
-    async def run(fail: bool, min_tokens):
+
+def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
+    from test_router import _settle, _with_router
+
+    def run(fail: bool, min_tokens):
         log: list = []
         apps = {"d": _backend("d", log, kv_port=4321), "p": _backend("p", log, fail=fail)}
-        router = Router(RouterConfig(backends=("http://d",), prefill_backends=("http://p",),
-                                     prefill_min_tokens=min_tokens, poll_interval=0.01),
-                        tokenizer=object(), transport=Hosts(apps))
-        await router.start()
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(router.app()),
-                                   base_url="http://router")
-        try:
+
+        async def body(router, client):
             await _settle(router, lambda: router.backends[0].kv_port == 4321)
             assert router.prefill_threshold(router.backends[0]) == (min_tokens or 64)
             long, short = list(range(100, 300)), list(range(100, 120))
@@ -315,11 +312,10 @@ def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
                 assert r.json() == {"backend": "d"}
             stats = (await client.get("/v1/stats")).json()
             return log, router.prefilled, stats
-        finally:
-            await client.aclose()
-            await router.stop()
 
-    log, prefilled, stats = asyncio.run(run(False, None))
+        return asyncio.run(_with_router(apps, body, prefill_min_tokens=min_tokens, **SPLIT))
+
+    log, prefilled, stats = run(False, None)
     assert [name for name, *_ in log] == ["p", "d", "d"]  # the long prompt first ran on p
     sent = log[0][1]
     assert sent["max_tokens"] == 1 and sent["kv_transfer_params"] == {
@@ -330,43 +326,33 @@ def test_router_prefills_long_prompts_elsewhere_and_never_loses_a_request():
     assert [b["role"] for b in stats["backends"]] == ["decode", "prefill"]
     # A prefill that fails still gets its answer (the decode backend computes the prompt);
     # a lower threshold splits the short prompt too.
-    log, prefilled, _ = asyncio.run(run(True, 8))
+    log, prefilled, _ = run(True, 8)
     assert [name for name, *_ in log] == ["p", "d", "p", "d"]
     assert prefilled == {REMOTE: 0, LOCAL: 0, FAILED: 2}
 
 
 def test_a_prefill_backend_that_stops_answering_costs_seconds_not_the_request():
-    from test_router import Hosts, _settle
+    from test_router import _settle, _with_router
 
-    async def run():
-        log: list = []
-        apps = {"d": _backend("d", log, kv_port=4321), "p": _backend("p", log)}
+    log: list = []
+    apps = {"d": _backend("d", log, kv_port=4321), "p": _backend("p", log)}
 
-        async def hang(body):  # takes the prompt, then answers nothing, health included
-            apps["p"].state.healthy = False
-            await asyncio.sleep(3600)
+    async def hang(body):  # takes the prompt, then answers nothing, health included
+        apps["p"].state.healthy = False
+        await asyncio.sleep(3600)
 
-        apps["p"].state.reply = hang
-        router = Router(RouterConfig(backends=("http://d",), prefill_backends=("http://p",),
-                                     prefill_min_tokens=8, poll_interval=0.01,
-                                     health_interval=0.1),
-                        tokenizer=object(), transport=Hosts(apps))
-        await router.start()
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(router.app()),
-                                   base_url="http://router")
-        try:
-            await _settle(router, lambda: router.backends[0].kv_port == 4321)
-            t0 = time.monotonic()
-            r = await client.post("/v1/completions", json={"prompt": list(range(100, 140)),
-                                                           "max_tokens": 5})
-            assert r.json() == {"backend": "d"} and time.monotonic() - t0 < 5
-            assert router.prefilled[FAILED] == 1 and not router.prefills[0].view.up
-            assert router.prefills[0].view.inflight == 0
-        finally:
-            await client.aclose()
-            await router.stop()
+    apps["p"].state.reply = hang
 
-    asyncio.run(run())
+    async def body(router, client):
+        await _settle(router, lambda: router.backends[0].kv_port == 4321)
+        t0 = time.monotonic()
+        r = await client.post("/v1/completions", json={"prompt": list(range(100, 140)),
+                                                       "max_tokens": 5})
+        assert r.json() == {"backend": "d"} and time.monotonic() - t0 < 5
+        assert router.prefilled[FAILED] == 1 and not router.prefills[0].view.up
+        assert router.prefills[0].view.inflight == 0
+
+    asyncio.run(_with_router(apps, body, prefill_min_tokens=8, health_interval=0.1, **SPLIT))
 
 
 def test_router_and_serve_flags():
