@@ -1,5 +1,6 @@
 """LoRA adapters' cost, side by side in one process: an engine serving adapters against the
-same model served alone (an engine without LoRA), the two taking turns round by round.
+same model served alone (an engine without LoRA), the two taking turns step by step (each
+engine's steps timed alone, in alternating order, so a slow spell of the machine falls on both).
 
     python benchmarks/lora_ab.py [--model PATH] [--adapters 8] [--rank 16] [--streams 64]
                                  [--output-len 64] [--rounds 3] [--json OUT]
@@ -56,21 +57,44 @@ def write_adapter(directory: Path, cfg, rank: int, seed: int) -> None:
         "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
 
 
-def throughput(llm: LLM, prompts: list[str], out_len: int, loras) -> float:
+def interleaved(sides, out_len: int) -> list[list[float]]:
+    """sides: (llm, prompts, loras) per engine. Each engine's requests added, then the engines'
+    steps taken in turn (the order flipped each turn) until all are done; each step timed.
+    Returns each side's step seconds, in order."""
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    dt = time.perf_counter() - t
-    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    for llm, prompts, loras in sides:
+        for i, prompt in enumerate(prompts):
+            lora = loras[i] if isinstance(loras, list) else loras
+            llm.engine.add_request(None, prompt, params,
+                                   **({"lora_request": lora} if lora is not None else {}))
+    times: list[list[float]] = [[] for _ in sides]
+    turn = 0
+    while any(llm.engine.has_unfinished_requests() for llm, _, _ in sides):
+        order = list(range(len(sides)))
+        if turn % 2:
+            order.reverse()
+        for i in order:
+            engine = sides[i][0].engine
+            if engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                times[i].append(time.perf_counter() - t)
+        turn += 1
+    return times
 
 
-def tpot(llm: LLM, prompt: str, out_len: int, lora) -> float:
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    best = float("inf")
-    for _ in range(2):
-        m = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].metrics
-        best = min(best, statistics.median(m.inter_token_latencies))
-    return best
+def throughput(base: LLM, lora: LLM, prompts: list[str], out_len: int, loras) -> tuple[float, float]:
+    """Output tokens per second of the base engine and of the LoRA engine (loras: one adapter
+    per prompt), their steps interleaved."""
+    tb, tl = interleaved([(base, prompts, None), (lora, prompts, loras)], out_len)
+    return len(prompts) * out_len / sum(tb), len(prompts) * out_len / sum(tl)
+
+
+def tpot(base: LLM, lora: LLM, prompt: str, out_len: int, adapter) -> tuple[float, float]:
+    """One stream's median decode step (the steps after its prompt's) on each engine, the
+    LoRA engine's with `adapter`, their steps interleaved."""
+    tb, tl = interleaved([(base, [prompt], None), (lora, [prompt], adapter)], out_len)
+    return statistics.median(tb[1:]), statistics.median(tl[1:])
 
 
 def main() -> None:
@@ -100,20 +124,15 @@ def main() -> None:
     spread = [loras[i % len(loras)] for i in range(args.streams)]
     one = prompts[0]
     # Warm-up: every adapter resident, every batch shape seen once.
-    throughput(base, prompts, 8, None)
-    throughput(lora, prompts, 8, spread)
-    tpot(base, one, 8, None)
-    tpot(lora, one, 8, loras[0])
+    throughput(base, lora, prompts, 8, spread)
+    tpot(base, lora, one, 8, loras[0])
 
     rows = []
     for r in range(args.rounds):
-        sides = [("base", base, None, None), ("lora", lora, spread, loras[0])]
-        if r % 2:
-            sides.reverse()
         row = {"round": r}
-        for name, llm, many, single in sides:
-            row[f"{name}_tok_s"] = throughput(llm, prompts, args.output_len, many)
-            row[f"{name}_tpot_ms"] = tpot(llm, one, args.output_len, single) * 1e3
+        row["base_tok_s"], row["lora_tok_s"] = throughput(base, lora, prompts, args.output_len, spread)
+        b, l = tpot(base, lora, one, args.output_len, loras[0])
+        row["base_tpot_ms"], row["lora_tpot_ms"] = b * 1e3, l * 1e3
         row["streams_ratio"] = row["lora_tok_s"] / row["base_tok_s"]
         row["tpot_ratio"] = row["lora_tpot_ms"] / row["base_tpot_ms"]
         rows.append(row)
