@@ -60,7 +60,11 @@ def write_adapter(directory: Path, cfg, rank: int, seed: int) -> None:
 def interleaved(sides, out_len: int) -> list[list[float]]:
     """sides: (llm, prompts, loras) per engine. Each engine's requests added, then the engines'
     steps taken in turn (the order flipped each turn) until all are done; each step timed.
-    Returns each side's step seconds, in order."""
+    Returns each side's step seconds, in order. Every step finds its engine's weights evicted
+    by the other's: a one-stream step reads them from memory even where one engine alone
+    would keep a small model in a large L3 (this Xeon's 300 MiB), so its TPOT is that of a
+    cold cache, on both sides alike. (Turns of 16 steps, the first two not counted, kept the
+    cache warm but spread the ratio 0.6-1.6x from run to run on this VM: the L3 is shared.)"""
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for llm, prompts, loras in sides:
         for i, prompt in enumerate(prompts):
