@@ -307,3 +307,60 @@ def test_an_adapter_loads_while_the_engine_steps(llama_engine, monkeypatch):
     start, end = window
     assert sum(start < t < end for t in times) >= 5, (start, end, times[:3], times[-3:])
     llm.engine.remove_lora("bg")
+
+
+# ---- the CUDA form of the delta (run here on the CPU against the reference) ----------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts, R", [((48, 16, 16), 8), ((35, 35), 5), ((40,), 16)])
+def test_the_dense_form_is_the_reference_without_a_host_sync(dtype, parts, R):
+    """lora_add_dense (CUDA's) gives lora_add_ref's values (rows of slot -1 untouched, slots
+    of lower rank, an odd rank) and reads nothing back to the host: no .item()/.tolist(),
+    no nonzero or unique, which the reference's loop over slots needs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from servelm.layers.lora import lora_add_dense, lora_add_ref
+
+    g = torch.Generator().manual_seed(R + len(parts))
+    S, K, M, J, N = 3, 72, 23, len(parts), sum(parts)
+    a = torch.randn(S, J * R, K, generator=g) * 0.2
+    b = torch.randn(S, R + R % 2, N, generator=g) * 0.2
+    for s, r in enumerate((R, 3, 2)):  # slot s of rank r: its later rows of A and ranks of B zero
+        for j in range(J):
+            a[s, j * R + r:(j + 1) * R] = 0
+        b[s, r:] = 0
+    b = b.view(S, -1, 2, N).transpose(2, 3).contiguous()
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + p)
+    a, b = a.to(dtype), b.to(dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    slots = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)
+    slots[:2] = -1
+    y0 = torch.randn(M, N, generator=g).to(dtype)
+    want, got = y0.clone(), y0.clone()
+    lora_add_ref(want, x, a, b, slots, bounds)
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if any(k in name for k in ("_local_scalar_dense", "nonzero", "unique")):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Syncs() as mode:
+        lora_add_dense(got, x, a, b, slots, bounds)
+    assert mode.seen == []
+    with Syncs() as ref_mode:  # (the check sees the reference's syncs)
+        lora_add_ref(y0.clone(), x, a, b, slots, bounds)
+    assert ref_mode.seen
+    assert torch.equal(got[slots < 0], y0[slots < 0])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # t rounded to bf16 on each side from sums in another order: a bf16 ulp apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert (got != y0).any()

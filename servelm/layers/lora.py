@@ -17,7 +17,8 @@ a part it does not adapt stays zero. The step's slot of each row comes from LoRA
 by the runner before the forward: token rows, or the sampled rows a model's last layer keeps.
 
 `lora_add_ref` is the PyTorch reference; servelm's C++ op (`servelm_ops.lora_add`, the same
-arguments) runs it on the CPU, and the DecodeStack runs it inside a whole decode step.
+arguments) runs it on the CPU, and the DecodeStack runs it inside a whole decode step; on
+CUDA `lora_add_dense` runs it without a host sync.
 """
 
 from __future__ import annotations
@@ -56,6 +57,29 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
             c0, c1 = bounds[j], bounds[j + 1]
             delta[:, c0:c1] = t[:, j * R:(j + 1) * R] @ rank_major(lora_b[s])[:R, c0:c1].float()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def lora_add_dense(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   row_slots: torch.Tensor, bounds: Sequence[int]) -> None:
+    """lora_add_ref's deltas with no host sync and no loop over slots (the CUDA path): every
+    row against every slot's A in one matmul, each row's own slot's t kept (rounded to y's
+    dtype as there) and the rest zeroed, then per part one matmul of t [M, S*R] by every
+    slot's B [S*R, N_j]. A row of slot -1 gets a zero delta, so y's value is unchanged. It
+    spends S times the reference's arithmetic (a decode step's few rows by a few slots: a GPU
+    has it to spare) to keep the step free of the per-slot syncs a data-dependent loop makes.
+    The same values as lora_add_ref up to the fp32 sums' order."""
+    S, JR, K = lora_a.shape
+    J, M = len(bounds) - 1, x.shape[0]
+    R = JR // J
+    t_all = (x.float() @ lora_a.reshape(S * JR, K).float().t()).view(M, S, J, R)
+    mine = row_slots.long().unsqueeze(1) == torch.arange(S, device=x.device)  # [M, S]
+    t = (t_all * mine[:, :, None, None]).to(y.dtype).float()
+    b = lora_b.transpose(2, 3).reshape(S, -1, lora_b.shape[2])[:, :R].float()  # [S, R, N]
+    delta = torch.empty(M, y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(J):
+        c0, c1 = bounds[j], bounds[j + 1]
+        delta[:, c0:c1] = t[:, :, j].reshape(M, S * R) @ b[:, :, c0:c1].reshape(S * R, c1 - c0)
+    y.copy_((y.float() + delta).to(y.dtype))
 
 
 def rank_major(b: torch.Tensor) -> torch.Tensor:
@@ -117,13 +141,16 @@ class LoRALinear(nn.Module):
         self.select(False)
 
     def select(self, kernels: bool) -> None:
-        """The delta on servelm's C++ op (CPU) or the PyTorch reference."""
+        """The delta on servelm's C++ op (CPU), on lora_add_dense (CUDA: no host sync), or the
+        PyTorch reference (the CPU's eager path)."""
         op = None
         if kernels:
             try:
                 op = torch.ops.servelm_ops.lora_add
             except (AttributeError, RuntimeError):  # an older build of the ops
                 op = None
+        if self.lora_a.is_cuda:
+            op = lora_add_dense
         self._add = op or lora_add_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
