@@ -499,22 +499,29 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");  // (as load_tile_config: keep the stores)
   _tile_loadconfig(&cfg);
   alignas(64) float cbuf[4 * 256];
-  for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t j = L.block_part[blk];
-    const bool whole = L.block_col[blk] % 16 == 0 && L.block_width[blk] % 16 == 0;
-    const int64_t c0 = std::max(L.block_col[blk], c_lo), c1 = std::min(L.block_col[blk] + L.block_width[blk], c_hi);
-    if (c0 >= c1) continue;
-    const int w = static_cast<int>(c1 - c0);
-    const int nv = w / 16;
-    const PanelMasks pm(w);  // (whole: vectors past nv masked off, their acc zero)
-    for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
+  // Slot by slot, its panels in column order: one adapter's B pair rows stream at a time, the
+  // panel after next's prefetched (all slots' at once, panel by panel, are more streams than
+  // the prefetchers follow: the tile loads of B waited on memory).
+  for (size_t g = 0; g + 1 < G.begin.size(); ++g) {
+    const int32_t* rows = G.rows.data() + G.begin[g];
+    const int64_t n = G.begin[g + 1] - G.begin[g];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t j = L.block_part[blk];
+      const bool whole = L.block_col[blk] % 16 == 0 && L.block_width[blk] % 16 == 0;
+      const int64_t c0 = std::max(L.block_col[blk], c_lo), c1 = std::min(L.block_col[blk] + L.block_width[blk], c_hi);
+      if (c0 >= c1) continue;
+      const int w = static_cast<int>(c1 - c0);
+      const int nv = w / 16;
+      const PanelMasks pm(w);  // (whole: vectors past nv masked off, their acc zero)
       const BF* b = L.b + (G.slot[g] * P * N + c0) * 2;
-      const int32_t* rows = G.rows.data() + G.begin[g];
-      const int64_t n = G.begin[g + 1] - G.begin[g];
       if (!whole || n < kAmxRows) {
         expand_panel<BF>(b, 2 * N, t + j * P2, JP, rows, n, P, y + c0, ldy, w, d ? d + c0 : nullptr, ldd);
         continue;
       }
+      if (c0 + 3 * kPanel <= std::min(c_hi, N))
+        for (int64_t i = 0; i < P; ++i)
+          for (int o = 0; o < 4 * kPanel; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(b + (i * N + 2 * kPanel) * 2) + o, _MM_HINT_T0);
       for (int64_t q0 = 0; q0 < n; q0 += tr) {
         const int64_t nq = std::min<int64_t>(tr, n - q0);
         _tile_loadd(0, tp.data() + (j * (nrows + 16) + G.begin[g] + q0) * P2, 4 * P);
