@@ -266,9 +266,13 @@ __attribute__((noinline)) void shrink(const Adapter<T>& L, const RowGroups& G, c
     t[m * JP + j * P2 + r] = static_cast<T>(v);
     if (r + 1 == R && P2 != R) t[m * JP + j * P2 + R] = static_cast<T>(0.f);
   };
+  auto row_of_a = [&](int64_t item) { return L.a + (G.slot[G.chunk_group[item / JR]] * JR + item % JR) * K; };
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t c = item / JR, i = item % JR;
-    const T* a = L.a + (G.slot[G.chunk_group[c]] * JR + i) * K;
+    const T* a = row_of_a(item);
+    if (item + 2 < i1)  // the row of A two items on (a slot's rows are in order, slots are not)
+      for (int64_t o = 0; o < K * static_cast<int64_t>(sizeof(T)); o += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row_of_a(item + 2)) + o, 0, 3);
     const int32_t* rows = G.rows.data() + G.chunk_begin[c];
     const int64_t n = G.chunk_end[c] - G.chunk_begin[c];
     float out[kNR];
