@@ -484,3 +484,20 @@ def assert_multimodal_checkpoint_serves_its_text_model(src: str, dst, architectu
     assert mm.engine.model_config.architecture == architecture
     ids = [plain.get_tokenizer().encode(p) for p in prompts]
     assert torch.equal(prompt_logits(mm.engine, ids), prompt_logits(plain.engine, ids))
+
+
+def random_lora_stacks(S, parts, K, R, dtype, ranks, g):
+    """lora_a [S, J*R, K], lora_b [S, ceil(R/2), N, 2] of random adapters, slot s of rank
+    ranks[s] (its later rows of A and ranks of B zero)."""
+    J, N = len(parts), sum(parts)
+    a = torch.randn(S, J * R, K, generator=g) * 0.2
+    b = torch.randn(S, R + R % 2, N, generator=g) * 0.2  # rank-major, paired below
+    for s, r in enumerate(ranks):
+        for j in range(J):
+            a[s, j * R + r:(j + 1) * R] = 0
+        b[s, r:] = 0
+    b = b.view(S, -1, 2, N).transpose(2, 3).contiguous()
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + p)
+    return a.to(dtype), b.to(dtype), bounds

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_hf_checkpoint
+from helpers import random_lora_stacks, tiny_hf_checkpoint
 from servelm import LLM, LoRARequest, SamplingParams
 from servelm.kernels import load_ops
 
@@ -322,18 +322,8 @@ def test_the_dense_form_is_the_reference_without_a_host_sync(dtype, parts, R):
     from servelm.layers.lora import lora_add_dense, lora_add_ref
 
     g = torch.Generator().manual_seed(R + len(parts))
-    S, K, M, J, N = 3, 72, 23, len(parts), sum(parts)
-    a = torch.randn(S, J * R, K, generator=g) * 0.2
-    b = torch.randn(S, R + R % 2, N, generator=g) * 0.2
-    for s, r in enumerate((R, 3, 2)):  # slot s of rank r: its later rows of A and ranks of B zero
-        for j in range(J):
-            a[s, j * R + r:(j + 1) * R] = 0
-        b[s, r:] = 0
-    b = b.view(S, -1, 2, N).transpose(2, 3).contiguous()
-    bounds = [0]
-    for p in parts:
-        bounds.append(bounds[-1] + p)
-    a, b = a.to(dtype), b.to(dtype)
+    S, K, M, N = 3, 72, 23, sum(parts)
+    a, b, bounds = random_lora_stacks(S, parts, K, R, dtype, ranks=(R, 3, 2), g=g)
     x = torch.randn(M, K, generator=g).to(dtype)
     slots = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)
     slots[:2] = -1

@@ -13,30 +13,14 @@ from servelm.kernels import load_ops
 from servelm.layers.lora import LoRALinear, lora_add_ref
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
-from tests.helpers import decode_rows, method_targets, per_op_and_stack, random_bf16_model
+from tests.helpers import (decode_rows, method_targets, per_op_and_stack, random_bf16_model,
+                           random_lora_stacks)
 
 pytestmark = pytest.mark.skipif(not load_ops("ops"), reason="needs servelm's C++ kernels")
 
 
 def _op():
     return torch.ops.servelm_ops.lora_add
-
-
-def _adapters(S, parts, K, R, dtype, ranks, g):
-    """lora_a [S, J*R, K], lora_b [S, ceil(R/2), N, 2] of random adapters, slot s of rank
-    ranks[s] (its later rows of A and ranks of B zero)."""
-    J, N = len(parts), sum(parts)
-    a = torch.randn(S, J * R, K, generator=g) * 0.2
-    b = torch.randn(S, R + R % 2, N, generator=g) * 0.2  # rank-major, paired below
-    for s, r in enumerate(ranks):
-        for j in range(J):
-            a[s, j * R + r:(j + 1) * R] = 0
-        b[s, r:] = 0
-    b = b.view(S, -1, 2, N).transpose(2, 3).contiguous()
-    bounds = [0]
-    for p in parts:
-        bounds.append(bounds[-1] + p)
-    return a.to(dtype), b.to(dtype), bounds
 
 
 def _close(got, want, dtype):
@@ -54,7 +38,7 @@ def _close(got, want, dtype):
 def test_lora_add_is_the_reference(dtype, parts, M, R):
     g = torch.Generator().manual_seed(M * 7 + len(parts))
     K, S = 72, 3  # K and the parts not multiples of 16: the masked tails
-    a, b, bounds = _adapters(S, parts, K, R, dtype, ranks=(R, 3, 5), g=g)
+    a, b, bounds = random_lora_stacks(S, parts, K, R, dtype, ranks=(R, 3, 5), g=g)
     x = torch.randn(M, K, generator=g).to(dtype)
     slots = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)
     if M >= 7:
@@ -78,7 +62,7 @@ def test_a_rows_delta_does_not_depend_on_its_batch():
     """Each value's arithmetic is fixed: a row's delta alone equals its delta among 300 rows
     of several slots, bit for bit."""
     g = torch.Generator().manual_seed(3)
-    a, b, bounds = _adapters(2, (64, 32), 96, 16, torch.bfloat16, ranks=(16, 4), g=g)
+    a, b, bounds = random_lora_stacks(2, (64, 32), 96, 16, torch.bfloat16, ranks=(16, 4), g=g)
     x = torch.randn(300, 96, generator=g).bfloat16()
     slots = torch.randint(-1, 2, (300,), generator=g, dtype=torch.int32)
     y0 = torch.randn(300, 96, generator=g).bfloat16()
