@@ -825,7 +825,7 @@ class DecodeStack : public torch::CustomClassHolder {
       // A linear's LoRA delta: the shrink in a phase of its own before the matmul, split by
       // (rows of a slot, row of A) items, so that each adapter's A is read once a step (split by
       // rows, every thread would read every slot's A; a one-row step's shrink on one thread, at
-      // the end of the row step, measured 0.06x of the step slower: one core streamed A alone);
+      // the end of the row step, was slower: one core streamed A alone);
       // the expand of this thread's share of the output columns right after its tiles in the
       // matmul's phase.
       auto shrink_phase = [&](const lora::Adapter<BF>& L, const BF* x, int64_t ldx) {

@@ -460,8 +460,7 @@ inline void expand_panel(const T* b, int64_t ldb, const T* t, int64_t ldt, const
 // the vector form (the same columns always do, whatever the batch or the column range).
 // A slot's rows fewer than kAmxRows take the vector form (the same bits: both accumulate the
 // rank pairs in order in fp32): a tile's fixed costs (its C stored and read back, the tile
-// configuration) are not repaid by a row or two (a one-row decode step's expands ran 0.06x of
-// the step faster on the vector form, AMX Xeon, rank 16).
+// configuration) are not repaid by a row or two (docs/benchmarks.md, LoRA adapters).
 constexpr int64_t kAmxRows = 4;
 inline bool expands_on_amx(int64_t R, const RowGroups& G) {
   int64_t most = 0;
