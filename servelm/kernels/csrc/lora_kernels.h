@@ -58,6 +58,12 @@ struct RowGroups {
 
   bool empty() const { return slot.empty(); }
   int64_t chunks() const { return static_cast<int64_t>(chunk_group.size()); }
+  // The most rows any one slot has.
+  int64_t most() const {
+    int64_t m = 0;
+    for (size_t g = 0; g + 1 < begin.size(); ++g) m = std::max(m, begin[g + 1] - begin[g]);
+    return m;
+  }
 
   // row_slots [M] (-1: no adapter; else < S): rows [m0, m1) of them (default: all).
   void build(const int32_t* row_slots, int64_t M, int64_t S, const char* who, int64_t m0 = 0, int64_t m1 = -1) {
@@ -463,9 +469,7 @@ inline void expand_panel(const T* b, int64_t ldb, const T* t, int64_t ldt, const
 // configuration) are not repaid by a row or two (docs/benchmarks.md, LoRA adapters).
 constexpr int64_t kAmxRows = 4;
 inline bool expands_on_amx(int64_t R, const RowGroups& G) {
-  int64_t most = 0;
-  for (size_t g = 0; g + 1 < G.begin.size(); ++g) most = std::max(most, G.begin[g + 1] - G.begin[g]);
-  return R <= 32 && most >= kAmxRows && amx_available();
+  return R <= 32 && G.most() >= kAmxRows && amx_available();
 }
 
 // Vector k of a panel: C tile TC, B tile TB (tile numbers are literals in the instructions).
@@ -483,9 +487,7 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
   using BF = c10::BFloat16;
   const int64_t N = L.N, P = L.P(), P2 = 2 * P, JP = L.J * P2, J = L.J;
   const int64_t nrows = static_cast<int64_t>(G.rows.size());
-  int64_t most = 0;
-  for (size_t g = 0; g + 1 < G.begin.size(); ++g) most = std::max(most, G.begin[g + 1] - G.begin[g]);
-  const int tr = static_cast<int>(std::min<int64_t>(16, most));  // A's and C's rows
+  const int tr = static_cast<int>(std::min<int64_t>(16, G.most()));  // A's and C's rows
   // Each part's t rows in the groups' row order, packed once a call: tile A of rows
   // [q0, q0 + tr) of a group is tp + (j * (nrows + 16) + begin + q0) * P2 (rows past a group's
   // end are the next group's or zero: their C rows are not read). Written well before any tile
