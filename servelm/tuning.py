@@ -107,6 +107,16 @@ MONOTONE_PAIRS = ((0, 1), (2, 3))  # (1, 8) rows: sweeps; (64, 512): one layer o
 STACK_METHODS = ("tiles", "q8act", "amx")
 STACK_BUCKETS = 3
 STACK_CALLS = 20
+# Across shapes: at the largest bucket a call is compute-bound, so every large shape's best
+# method runs at about one rate (operations per second). A freshly measured shape whose best
+# rate there is under 1 / RATE_SPREAD of the median over the table's shapes (at least
+# RATE_SHAPES of them doing RATE_MIN_OPS operations a call: smaller ones are call overheads)
+# was timed in a spell the in-shape checks could not see (every method of that shape slowed
+# alike, its rounds steady); it is measured again once, and if still off the table is
+# provisional.
+RATE_SPREAD = 2.0
+RATE_SHAPES = 3
+RATE_MIN_OPS = 1e8
 
 
 @dataclasses.dataclass
@@ -659,6 +669,28 @@ def _non_monotone(times: dict[str, list[float]], timed_at: list[set[str]]
     return out
 
 
+def _slow_shapes(rates: dict[str, float], fresh: set[str]) -> dict[str, float]:
+    """{shape key: its rate over the median} for the fresh shapes whose best rate at the
+    largest bucket (rates: operations per µs, over the shapes doing RATE_MIN_OPS a call) is
+    under 1 / RATE_SPREAD of the median of all; {} with fewer than RATE_SHAPES shapes."""
+    if len(rates) < RATE_SHAPES:
+        return {}
+    med = sorted(rates.values())[(len(rates) - 1) // 2]
+    return {k: r / med for k, r in rates.items()
+            if k in fresh and r * RATE_SPREAD < med}
+
+
+def _best_rate(shape: "ShapeChoice", src: nn.Module) -> float | None:
+    """Operations per µs of the shape's fastest method at the largest bucket (None: too
+    small a call to compare, or nothing timed there)."""
+    ops = 2.0 * lm.BUCKET_ROWS[-1] * src.in_features * src.out_features
+    best = min((t[-1] for t in shape.times_us.values() if t and math.isfinite(t[-1])),
+               default=math.inf)
+    if ops < RATE_MIN_OPS or not math.isfinite(best) or best <= 0:
+        return None
+    return ops / best
+
+
 def _sweep_modules(method: str, srcs: list[nn.Module], act: torch.dtype) -> list[nn.Module]:
     """The method's module for srcs[0], and for each further layer of the sweep a copy of
     it: the sweep only needs its bytes spread over fresh memory (timing a step's stream of
@@ -813,6 +845,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                                           for it in items) > llc else None)
     cache_keys = {k: k + COLD_KEY if evict else k for k in groups}
     shapes: list[ShapeChoice] = []
+    fresh: dict[str, object] = {}  # shape key -> measuring it again (this start's timings)
     measured = False
     todo = ([k for k in groups if kcfg.tuning == "fresh" or cache.get(cache_keys[k]) is None]
             if tune else [])
@@ -841,16 +874,20 @@ def finalize_linears(model: nn.Module, quantization: str | None,
             entry = None if kcfg.tuning == "fresh" else cache.get(cache_keys[key])
             if entry is not None and not set(cands) <= set(entry.get("candidates", [])):
                 entry = None  # a method that runs here now was not measured: measure again
-            if entry is None:
+            def timed_now(items=items, cands=cands, default=default, key=key):
                 stab = Stability()
                 with unpacked_once():  # each method's layout from one unpacking
                     times, failed, invariant = measure([it[3] for it in items], cands, act,
                                                        time_it=len(cands) > 1, default=default,
                                                        evict=evict, stability=stab)
-                shape.unstable = stab.reasons
                 cache.put(cache_keys[key], times, failed, invariant, cands)
+                return stab.reasons
+
+            if entry is None:
+                shape.unstable = timed_now()
                 entry = cache.get(cache_keys[key])
                 measured = True
+                fresh[key] = timed_now
                 bar.update(1)
             else:
                 shape.cached = True
@@ -872,6 +909,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                                   for m, t in shape.times_us.items()}
         shapes.append(shape)
     bar.close()
+    if fresh:
+        _retime_slow_shapes(shapes, groups, fresh, cache, cache_keys)
     report = TuningReport(shapes, source=("forced" if forced else "off" if not tune
                                           else "measured" if measured else "cached"),
                           cache_path=str(cache.path) if cache else None,
@@ -934,6 +973,39 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                       if report.provisional else "cached for the next start")
     logger.info("%s", report.table())
     return report
+
+
+def _retime_slow_shapes(shapes: list[ShapeChoice], groups: dict, fresh: dict, cache,
+                        cache_keys: dict[str, str]) -> None:
+    """The cross-shape check (RATE_SPREAD): fresh shapes far under the table's rate at the
+    largest bucket measured again once (fresh[key]() times and caches them), their times
+    replaced; one still under it is unstable (the table provisional)."""
+    by_key = {s.key: s for s in shapes}
+
+    def rates() -> dict[str, float]:
+        out = {}
+        for s in shapes:
+            r = _best_rate(s, groups[s.key][0][3])
+            if r is not None:
+                out[s.key] = r
+        return out
+
+    slow = _slow_shapes(rates(), set(fresh))
+    for key in slow:
+        s = by_key[key]
+        before = times_from(cache.get(cache_keys[key]))
+        s.unstable = fresh[key]()
+        entry = cache.get(cache_keys[key])
+        after = times_from(entry)
+        # What the loop added to the measured times (a SiLU pass amx fuses) stays added.
+        s.times_us = {m: [n + (a - o if math.isfinite(a) and math.isfinite(o) else 0.0)
+                          for n, a, o in zip(after[m], t, before[m])]
+                      for m, t in s.times_us.items() if m in after and m in before}
+        s.failed = entry.get("failed", [])
+        s.invariant = [m for m in entry.get("invariant", []) if m in s.times_us]
+    for key, ratio in _slow_shapes(rates(), set(slow)).items():
+        by_key[key].unstable = by_key[key].unstable + [
+            f"{lm.BUCKET_ROWS[-1]} rows ran at {ratio:.2f}x the other shapes' rate, twice"]
 
 
 @dataclasses.dataclass

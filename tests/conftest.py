@@ -52,6 +52,7 @@ def _steady_kernel_timings():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tuning, "_unstable_rounds", lambda *a, **k: {})
         mp.setattr(tuning, "_non_monotone", lambda *a, **k: [])
+        mp.setattr(tuning, "_slow_shapes", lambda *a, **k: {})
         yield
 
 

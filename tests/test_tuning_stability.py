@@ -21,7 +21,8 @@ ROWS = lm.BUCKET_ROWS
 # The real checks, as imported (conftest's _steady_kernel_timings replaces them for the
 # rest of the suite while it runs).
 _REAL_CHECKS = {"_unstable_rounds": tuning._unstable_rounds,
-                "_non_monotone": tuning._non_monotone}
+                "_non_monotone": tuning._non_monotone,
+                "_slow_shapes": tuning._slow_shapes}
 
 
 @pytest.fixture(autouse=True)
@@ -259,6 +260,77 @@ def test_a_table_still_unstable_is_served_not_cached_and_reported_provisional(tm
         torch.testing.assert_close(b, d, rtol=1e-4, atol=1e-4)
     assert report.plan is not None and {p.key for p in report.plan.shapes} == {
         s.key for s in report.shapes}
+
+
+def test_only_fresh_shapes_far_under_the_tables_rate_are_slow(monkeypatch):
+    rates = {"a": 10.0, "b": 11.0, "c": 10.0, "d": 4.0, "e": 4.5}  # median 10
+    assert tuning._slow_shapes(rates, {"a", "d", "e"}) == {"d": pytest.approx(0.4),
+                                                           "e": pytest.approx(0.45)}
+    assert tuning._slow_shapes(rates, {"a", "b"}) == {}  # d and e were cached: not judged
+    assert tuning._slow_shapes({"a": 10.0, "d": 1.0}, {"d"}) == {}  # too few to compare
+    monkeypatch.setattr(tuning, "RATE_SPREAD", 3.0)
+    assert tuning._slow_shapes(rates, {"d", "e"}) == {}
+
+
+class _Three(nn.Module):
+    """One layer of each of three shapes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Module()])
+        layer = self.layers[0]
+        layer.qkv_proj = nn.Linear(64, 96, bias=False)
+        layer.o_proj = nn.Linear(96, 64, bias=False)
+        layer.down_proj = nn.Linear(128, 64, bias=False)
+
+
+def _spell_on(monkeypatch, shape: tuple[int, int], slow_measures: set[int]):
+    """Timings in proportion to a call's multiply-adds (the reference method 10% ahead),
+    3x slower for every method and every round of `shape`'s measure() calls numbered in
+    slow_measures (from 1): a spell over one shape's whole measurement, which the checks
+    inside it cannot see. Returns the count of measure() calls per (in, out) shape."""
+    calls: dict[tuple[int, int], int] = {}
+    real = tuning.measure
+
+    def measure(srcs, *a, **k):
+        key = (srcs[0].in_features, srcs[0].out_features)
+        calls[key] = calls.get(key, 0) + 1
+        return real(srcs, *a, **k)
+
+    def seconds(mod, x, out) -> float:
+        k, n = x.shape[-1], out.shape[-1]
+        t = x.shape[0] * k * n * 1e-9 * (1.0 if type(mod) is nn.Linear else 1.1)
+        return t * (3 if (k, n) == shape and calls.get(shape) in slow_measures else 1)
+
+    def timed_call(mod, x):
+        out = mod(x)
+        return out, seconds(mod, x, out)
+
+    monkeypatch.setattr(tuning, "measure", measure)
+    monkeypatch.setattr(tuning, "_timed_call", timed_call)
+    monkeypatch.setattr(tuning, "_time_sweep", lambda mods, x: seconds(mods[0], x, mods[0](x)))
+    monkeypatch.setattr(tuning, "RATE_MIN_OPS", 0)
+    return calls
+
+
+def test_a_shape_timed_in_a_spell_of_its_own_is_measured_again_and_trusted(tmp_path,
+                                                                           monkeypatch):
+    calls = _spell_on(monkeypatch, (96, 64), {1})
+    report = tuning.finalize_linears(_Three(), None, _cfg(tmp_path, tuning="fresh"))
+    assert calls[96, 64] == 2 and calls[64, 96] == 1 and calls[128, 64] == 1
+    assert not report.provisional and len(_cache_files(tmp_path)) == 1
+    o = next(s for s in report.shapes if "o_proj" in s.names[0])
+    assert o.times_us["torch"][-1] == pytest.approx(lm.BUCKET_ROWS[-1] * 96 * 64 * 1e-3)
+
+
+def test_a_shape_still_off_the_tables_rate_makes_it_provisional(tmp_path, monkeypatch):
+    calls = _spell_on(monkeypatch, (96, 64), {1, 2})
+    report = tuning.finalize_linears(_Three(), None, _cfg(tmp_path, tuning="fresh"))
+    assert calls[96, 64] == 2 and report.provisional and not _cache_files(tmp_path)
+    o = next(s for s in report.shapes if "o_proj" in s.names[0])
+    assert any("the other shapes' rate, twice" in r for r in o.unstable), o.unstable
+    assert "PROVISIONAL" in report.table()
 
 
 def test_a_stable_table_is_cached_as_before(tmp_path, monkeypatch):
