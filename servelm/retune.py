@@ -13,6 +13,11 @@ machine) without caching it: TuningReport.provisional. A cached table can be wro
                    times under it (steps now that much faster against the table's times:
                    they were inflated, timed on a busier machine) marks the table suspect.
                    (Slower steps are not judged: a longer context alone makes them slower.)
+                   A reference is learned only while the engine is the process's only one
+                   that tunes: two engines stepping in turn evict each other's weights from
+                   the caches, so their steps run slower than either's alone, and a
+                   reference learned so read a later lone engine's normal steps as 1.5x
+                   "faster" (a benchmark's two formats in one process).
     IdleRetuner    a provisional or suspect table measured again once the engine has been
                    idle IDLE_AFTER_S (no running or waiting requests: LLMEngine.commit_idle),
                    one piece per call (a method built, a bucket timed, ...), so a request
@@ -30,6 +35,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections import deque
 
 from servelm import tuning
@@ -47,6 +53,7 @@ IDLE_AFTER_S = 30.0  # idle this long (no step) before a re-tune's piece runs
 IDLE_POLL_S = 0.01   # while waiting for that: the engine thread's sleep per idle call
 MAX_RETUNES = 3      # attempts a process makes (a machine busy for good stays provisional)
 STEP_KEY = "decode/step_ratio"  # + ":<table fingerprint>": DriftMonitor's references
+_LIVE: "weakref.WeakSet[IdleRetuner]" = weakref.WeakSet()  # this process's engines' re-tuners
 
 
 def table_fingerprint(report: tuning.TuningReport) -> str:
@@ -72,17 +79,20 @@ def predicted_us(report: tuning.TuningReport) -> list[float]:
 class DriftMonitor:
     """Decode step times against the table's prediction (predicted: µs per bucket's row
     count, predicted_us): per bucket the median of a window of steps' ratio to it, against
-    reference[b] (None: the first window's median becomes it, if learn). record(rows,
-    seconds) -> whether this step turned it suspect; `learned`: the buckets whose reference
-    a window set."""
+    reference[b] (None: the first window's median becomes it, if learn, and alone() says
+    the engine steps alone in its process; a window that is not alone is not learned from).
+    record(rows, seconds) -> whether this step turned it suspect; `learned`: the buckets
+    whose reference a window set."""
 
     def __init__(self, predicted: list[float], reference: list[float | None] | None = None,
-                 bound: float = DRIFT, window: int = DRIFT_STEPS, learn: bool = True):
+                 bound: float = DRIFT, window: int = DRIFT_STEPS, learn: bool = True,
+                 alone=lambda: True):
         self.predicted = predicted
         self.reference = list(reference) if reference else [None] * len(lm.BUCKET_ROWS)
         self.bound = bound
         self.window = window
         self.learn = learn
+        self.alone = alone
         self.learned: list[int] = []
         self.ratios = [deque(maxlen=window) for _ in lm.BUCKET_ROWS]
         self.suspect: str | None = None  # why, once it fired
@@ -114,7 +124,7 @@ class DriftMonitor:
         ratios.clear()  # windows do not overlap
         ref = self.reference[b]
         if ref is None or not math.isfinite(ref):
-            if self.learn:
+            if self.learn and self.alone():
                 self.reference[b] = median
                 self.learned.append(b)
             return False
@@ -140,7 +150,9 @@ class IdleRetuner:
             self.step_key)
         reference = tuning_times(entry)["ratio"] if entry else None
         # (A provisional table's times are not trusted: no reference is learned from them.)
-        self.drift = DriftMonitor(predicted, reference, learn=not provisional)
+        self.drift = DriftMonitor(predicted, reference, learn=not provisional,
+                                  alone=lambda: len(_LIVE) == 1)
+        _LIVE.add(self)
         self.pending: str | None = "provisional" if provisional else None  # why, if due
         self.idle_after = idle_after
         self.clock, self.sleep = clock, sleep

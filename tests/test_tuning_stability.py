@@ -7,6 +7,7 @@ faked (tuning._time_sweep, the one round's sample): nothing depends on this mach
 from __future__ import annotations
 
 import math
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,9 @@ _REAL_CHECKS = {"_unstable_rounds": tuning._unstable_rounds,
 def _real_stability_checks(monkeypatch):
     for name, fn in _REAL_CHECKS.items():
         monkeypatch.setattr(tuning, name, fn)
+    # The re-tuners alive in this process: only this test's (the suite's other engines, a
+    # session fixture's among them, would make every window "not alone").
+    monkeypatch.setattr(retune, "_LIVE", weakref.WeakSet())
 
 
 def _base_s(rows: int) -> float:
@@ -409,6 +413,24 @@ def test_drift_learns_its_reference_from_the_first_window():
     assert any(mon.record(1, 30e-6) for _ in range(16))
     frozen = retune.DriftMonitor(PREDICTED, window=16, learn=False)  # a provisional table
     assert not any(frozen.record(1, 10e-6) for _ in range(64)) and frozen.reference[0] is None
+
+
+def test_drift_learns_nothing_while_another_engine_steps_in_the_process(tmp_path):
+    """Two engines taking turns evict each other's weights: a window then is not this
+    table's normal, and is not learned from; once the other engine is gone, the next is."""
+    import gc
+
+    def retuner():
+        return retune.IdleRetuner(_plan(tmp_path), False, PREDICTED)
+
+    first, second = retuner(), retuner()
+    first.drift.window = 16
+    assert not any(first.drift.record(1, 45e-6) for _ in range(16))
+    assert first.drift.reference[0] is None and not first.drift.learned
+    del second
+    gc.collect()
+    assert not any(first.drift.record(1, 45e-6) for _ in range(16))
+    assert first.drift.reference[0] == pytest.approx(0.45)
 
 
 def test_the_prediction_is_interpolated_between_buckets():
