@@ -317,7 +317,8 @@ def cmd_roofline(args) -> int:
         hw = rl.Hardware(args.bandwidth * 1e9 if args.bandwidth else measured.bandwidth,
                          args.flops * 1e12 if args.flops else measured.flops,
                          source="given and measured" if (args.bandwidth or args.flops)
-                         else measured.source, int8_ops=measured.int8_ops)
+                         else measured.source, int8_ops=measured.int8_ops,
+                         q8act_ops=measured.q8act_ops)
     print(rl.report(model, hw, prompt_lens=args.prompt_lens, batches=args.batches,
                     context=args.context, kv_pool_bytes=args.kv_cache_memory,
                     kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype))

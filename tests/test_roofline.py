@@ -76,6 +76,9 @@ def test_measure_hardware_gives_positive_rates():
     hw = rl.measure_hardware("float32", "cpu", seconds=0.05)
     assert hw.bandwidth > 1e8 and hw.flops > 1e9
     assert hw.int8_ops is None or hw.int8_ops > 1e9  # int8 x int8 -> int32 where it runs
+    from servelm.layers import q8act
+
+    assert (hw.q8act_ops is not None and hw.q8act_ops > 1e9) == q8act.available()
 
 
 def test_the_int8_roof_bounds_prompts_on_int8_activations():
@@ -90,9 +93,26 @@ def test_the_int8_roof_bounds_prompts_on_int8_activations():
     p, p8 = rl.predict_prefill(m, hw, 2048), rl.predict_prefill(m, int8, 2048)
     assert p.bound == "compute" and p8.seconds == pytest.approx(p.seconds / 4, rel=0.05)
     text = rl.report(m, hw, prompt_lens=(2048,))
-    assert "int8 matmul: 1.60 TOP/s (4.0x)" in text
+    assert "int8 matmul: 1.60 TOP/s (4.0x)" in text and "q8act:" not in text
     row = next(line for line in text.splitlines() if line.split()[:1] == ["2048"])
     assert row.split() == ["2048", f"{p.seconds * 1e3:.1f}ms", "compute", f"{p8.seconds * 1e3:.1f}ms"]
+
+
+def test_the_int8_column_is_the_q8act_kernels_roof_where_measured():
+    """q8act's blocks of 32 run under the whole-row int8 roof: where its rate is known,
+    that is the roof of the layers on int8 activations, and the column's prediction."""
+    m = rl.ModelShape(num_params=135e6, weight_bits=4.5, num_layers=30, num_kv_heads=3,
+                      head_dim=64, num_heads=9, hidden_size=576, vocab_size=49152,
+                      tied_embeddings=True)
+    hw = rl.Hardware(bandwidth=50e9, flops=0.4e12, int8_ops=0.8e12, q8act_ops=0.5e12)
+    int8 = rl.int8_hardware(hw)
+    assert int8.flops == 0.5e12
+    assert rl.int8_hardware(rl.Hardware(50e9, 0.4e12, q8act_ops=0.5e12)).flops == 0.5e12
+    p8 = rl.predict_prefill(m, int8, 2048)
+    text = rl.report(m, hw, prompt_lens=(2048,))
+    assert "int8 matmul: 0.80 TOP/s (2.0x)" in text and "q8act: 0.50 TOP/s (1.2x)" in text
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["2048"])
+    assert row.split()[-1] == f"{p8.seconds * 1e3:.1f}ms"
     assert "int8" not in rl.report(m, CPU)
 
 

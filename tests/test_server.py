@@ -654,8 +654,11 @@ def test_metrics_report_utilisation_against_the_roofline(server, client):
     assert 0 < m["servelm_decode_bandwidth_utilization"] < 5
     assert 0 < m["servelm_prefill_flops_utilization"] < 5
     assert m["servelm_prefill_step_flops_total"] > 0
-    # The int8 matmul's roof (torch._int_mm, measured with the others at start-up).
+    # The int8 matmul's roof (torch._int_mm, measured with the others at start-up), and
+    # q8act's (int8-activation layers) where it is built.
     assert m["servelm_roofline_int8_ops_per_second"] > 1e9
+    from servelm.layers import q8act
+    assert (m.get("servelm_roofline_q8act_ops_per_second", 0) > 1e9) == q8act.available()
     # The model's side of the roofline (SmolLM2-135M: ~135M weights, 30 layers x 3 KV heads
     # x 64 dims x K and V), for clients that draw the prediction.
     assert 1e8 < m["servelm_roofline_weight_bytes_per_step"] < 6e8

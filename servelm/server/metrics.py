@@ -137,8 +137,12 @@ class _EngineCollector:
                                     value=hw.flops)
             if hw.int8_ops:
                 yield GaugeMetricFamily("servelm_roofline_int8_ops_per_second",
-                                        "The machine's int8 matmul peak: the compute roof of "
-                                        "layers with int8 activations.", value=hw.int8_ops)
+                                        "The machine's int8 matmul peak (whole rows).",
+                                        value=hw.int8_ops)
+            if hw.q8act_ops:
+                yield GaugeMetricFamily("servelm_roofline_q8act_ops_per_second",
+                                        "The q8act kernel's rate: the compute roof of layers "
+                                        "with int8 activations.", value=hw.q8act_ops)
             if s.stats.decode_seconds:
                 yield GaugeMetricFamily(
                     "servelm_decode_bandwidth_utilization",
