@@ -23,7 +23,8 @@ machine) without caching it: TuningReport.provisional. A cached table can be wro
                    one piece per call (a method built, a bucket timed, ...), so a request
                    arriving waits for one piece at most; each shape on a fresh layer of its
                    format and size (tuning.synthetic_source). A result whose timings are
-                   stable is written to the cache, for the next start; the running engine
+                   stable (each shape's, and the shapes' rates against each other as at
+                   start-up) is written to the cache, for the next start; the running engine
                    keeps its table (its DecodeStack bound the layers' weights at build time).
                    At most MAX_RETUNES attempts a process.
 """
@@ -228,6 +229,14 @@ class IdleRetuner:
                 default=ps.default, evict=evict, stability=stab)) + (cands,)
             del src
             unstable += [f"{ps.key}: {r}" for r in stab.reasons]
+        # The start-up's cross-shape check (tuning.RATE_SPREAD), every shape fresh here.
+        rates = {}
+        for ps in plan.shapes:
+            r = tuning._best_rate(results[ps.cache_key][0], ps.in_features, ps.out_features)
+            if r is not None:
+                rates[ps.cache_key] = r
+        unstable += [f"{key}: {lm.BUCKET_ROWS[-1]} rows ran at {ratio:.2f}x the other shapes' "
+                     f"rate" for key, ratio in tuning._slow_shapes(rates, set(rates)).items()]
         extra = {}
         for width in sorted({ps.silu_width for ps in plan.shapes if ps.silu_width}):
             yield

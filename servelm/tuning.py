@@ -680,11 +680,12 @@ def _slow_shapes(rates: dict[str, float], fresh: set[str]) -> dict[str, float]:
             if k in fresh and r * RATE_SPREAD < med}
 
 
-def _best_rate(shape: "ShapeChoice", src: nn.Module) -> float | None:
-    """Operations per µs of the shape's fastest method at the largest bucket (None: too
-    small a call to compare, or nothing timed there)."""
-    ops = 2.0 * lm.BUCKET_ROWS[-1] * src.in_features * src.out_features
-    best = min((t[-1] for t in shape.times_us.values() if t and math.isfinite(t[-1])),
+def _best_rate(times_us: dict[str, list[float]], in_features: int,
+               out_features: int) -> float | None:
+    """Operations per µs of a shape's fastest method (times_us: µs per bucket) at the largest
+    bucket (None: too small a call to compare, or nothing timed there)."""
+    ops = 2.0 * lm.BUCKET_ROWS[-1] * in_features * out_features
+    best = min((t[-1] for t in times_us.values() if t and math.isfinite(t[-1])),
                default=math.inf)
     if ops < RATE_MIN_OPS or not math.isfinite(best) or best <= 0:
         return None
@@ -985,7 +986,8 @@ def _retime_slow_shapes(shapes: list[ShapeChoice], groups: dict, fresh: dict, ca
     def rates() -> dict[str, float]:
         out = {}
         for s in shapes:
-            r = _best_rate(s, groups[s.key][0][3])
+            src = groups[s.key][0][3]
+            r = _best_rate(s.times_us, src.in_features, src.out_features)
             if r is not None:
                 out[s.key] = r
         return out

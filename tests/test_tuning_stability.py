@@ -289,11 +289,13 @@ class _Three(nn.Module):
         layer.down_proj = nn.Linear(128, 64, bias=False)
 
 
-def _spell_on(monkeypatch, shape: tuple[int, int], slow_measures: set[int]):
+def _spell_on(monkeypatch, shape: tuple[int, int], slow_measures: set[int],
+              always: bool = False):
     """Timings in proportion to a call's multiply-adds (the reference method 10% ahead),
     3x slower for every method and every round of `shape`'s measure() calls numbered in
-    slow_measures (from 1): a spell over one shape's whole measurement, which the checks
-    inside it cannot see. Returns the count of measure() calls per (in, out) shape."""
+    slow_measures (from 1), or of every timing of it (always): a spell over one shape's
+    whole measurement, which the checks inside it cannot see. Returns the count of measure()
+    calls per (in, out) shape."""
     calls: dict[tuple[int, int], int] = {}
     real = tuning.measure
 
@@ -305,7 +307,8 @@ def _spell_on(monkeypatch, shape: tuple[int, int], slow_measures: set[int]):
     def seconds(mod, x, out) -> float:
         k, n = x.shape[-1], out.shape[-1]
         t = x.shape[0] * k * n * 1e-9 * (1.0 if type(mod) is nn.Linear else 1.1)
-        return t * (3 if (k, n) == shape and calls.get(shape) in slow_measures else 1)
+        slow = (k, n) == shape and (always or calls.get(shape) in slow_measures)
+        return t * (3 if slow else 1)
 
     def timed_call(mod, x):
         out = mod(x)
@@ -548,6 +551,23 @@ def test_an_idle_retune_unstable_again_is_not_cached_and_gives_up(tmp_path, monk
         _run_idle(r, clock)
         assert r.attempts == attempt and not r.written and not _cache_files(tmp_path)
     assert r.pending is None and not r.idle_piece()
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_an_idle_retune_checks_the_shapes_rates_against_each_other(tmp_path, monkeypatch, slow):
+    _spell_on(monkeypatch, (96, 64) if slow else (0, 0), set(), always=True)
+    shapes = []
+    for k, n in ((64, 96), (96, 64), (128, 64)):
+        key = tuning._shape_key(nn.Linear(k, n), torch.float32)
+        shapes.append(tuning.PlannedShape(key, key, "float32", k, n, True, 1, _methods(), "torch"))
+    plan = tuning.RetunePlan(tmp_path, tuning_cache.machine_key(torch.get_num_threads()),
+                             torch.float32, True, False, shapes)
+    clock = _Clock()
+    r = retune.IdleRetuner(plan, True, PREDICTED, clock=clock, sleep=clock.sleep)
+    clock.now = 100.0
+    _run_idle(r, clock)
+    assert r.attempts == 1 and r.written is not slow
+    assert bool(_cache_files(tmp_path)) is not slow
 
 
 def test_the_config_turns_idle_retuning_off(tmp_path, monkeypatch):
