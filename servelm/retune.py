@@ -230,13 +230,10 @@ class IdleRetuner:
             del src
             unstable += [f"{ps.key}: {r}" for r in stab.reasons]
         # The start-up's cross-shape check (tuning.RATE_SPREAD), every shape fresh here.
-        rates = {}
-        for ps in plan.shapes:
-            r = tuning._best_rate(results[ps.cache_key][0], ps.in_features, ps.out_features)
-            if r is not None:
-                rates[ps.cache_key] = r
-        unstable += [f"{key}: {lm.BUCKET_ROWS[-1]} rows ran at {ratio:.2f}x the other shapes' "
-                     f"rate" for key, ratio in tuning._slow_shapes(rates, set(rates)).items()]
+        rates = tuning._shape_rates((ps.cache_key, results[ps.cache_key][0], ps.in_features,
+                                     ps.out_features) for ps in plan.shapes)
+        unstable += [f"{key}: {tuning._rate_reason(ratio)}"
+                     for key, ratio in tuning._slow_shapes(rates, set(rates)).items()]
         extra = {}
         for width in sorted({ps.silu_width for ps in plan.shapes if ps.silu_width}):
             yield

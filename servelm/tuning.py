@@ -680,16 +680,23 @@ def _slow_shapes(rates: dict[str, float], fresh: set[str]) -> dict[str, float]:
             if k in fresh and r * RATE_SPREAD < med}
 
 
-def _best_rate(times_us: dict[str, list[float]], in_features: int,
-               out_features: int) -> float | None:
-    """Operations per µs of a shape's fastest method (times_us: µs per bucket) at the largest
-    bucket (None: too small a call to compare, or nothing timed there)."""
-    ops = 2.0 * lm.BUCKET_ROWS[-1] * in_features * out_features
-    best = min((t[-1] for t in times_us.values() if t and math.isfinite(t[-1])),
-               default=math.inf)
-    if ops < RATE_MIN_OPS or not math.isfinite(best) or best <= 0:
-        return None
-    return ops / best
+def _shape_rates(entries) -> dict[str, float]:
+    """{key: operations per µs of the shape's fastest method at the largest bucket} over
+    (key, times_us (µs per bucket, by method), in_features, out_features) entries, leaving
+    out a call of under RATE_MIN_OPS operations and a shape with nothing timed there."""
+    out = {}
+    for key, times_us, k, n in entries:
+        ops = 2.0 * lm.BUCKET_ROWS[-1] * k * n
+        best = min((t[-1] for t in times_us.values() if t and math.isfinite(t[-1])),
+                   default=math.inf)
+        if ops >= RATE_MIN_OPS and math.isfinite(best) and best > 0:
+            out[key] = ops / best
+    return out
+
+
+def _rate_reason(ratio: float) -> str:
+    """What a shape _slow_shapes found makes unstable."""
+    return f"{lm.BUCKET_ROWS[-1]} rows ran at {ratio:.2f}x the other shapes' rate"
 
 
 def _sweep_modules(method: str, srcs: list[nn.Module], act: torch.dtype) -> list[nn.Module]:
@@ -984,13 +991,8 @@ def _retime_slow_shapes(shapes: list[ShapeChoice], groups: dict, fresh: dict, ca
     by_key = {s.key: s for s in shapes}
 
     def rates() -> dict[str, float]:
-        out = {}
-        for s in shapes:
-            src = groups[s.key][0][3]
-            r = _best_rate(s.times_us, src.in_features, src.out_features)
-            if r is not None:
-                out[s.key] = r
-        return out
+        return _shape_rates((s.key, s.times_us, groups[s.key][0][3].in_features,
+                             groups[s.key][0][3].out_features) for s in shapes)
 
     slow = _slow_shapes(rates(), set(fresh))
     for key in slow:
@@ -1006,8 +1008,7 @@ def _retime_slow_shapes(shapes: list[ShapeChoice], groups: dict, fresh: dict, ca
         s.failed = entry.get("failed", [])
         s.invariant = [m for m in entry.get("invariant", []) if m in s.times_us]
     for key, ratio in _slow_shapes(rates(), set(slow)).items():
-        by_key[key].unstable = by_key[key].unstable + [
-            f"{lm.BUCKET_ROWS[-1]} rows ran at {ratio:.2f}x the other shapes' rate, twice"]
+        by_key[key].unstable = by_key[key].unstable + [_rate_reason(ratio) + ", twice"]
 
 
 @dataclasses.dataclass
