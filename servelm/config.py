@@ -24,8 +24,9 @@ QUANTIZATIONS = (None, "none", "int8", "int4")
 # How a linear layer's matmul runs (servelm.layers.linear_methods); "auto": chosen per layer
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows",
-                  "panels", "q8act", "bfp", "amx", "torch")
+                  "panels", "q8act", "bfp", "amx", "w8a8", "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
+INT8_ACTIVATIONS = ("auto", "on", "off")
 # How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
 # (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -417,10 +418,12 @@ class KernelConfig:
         help="linear methods per layer shape and row bucket: measured once per machine and "
              "cached (cached), measured now (fresh), or the built-in defaults (off)")
     # "auto": each linear layer runs, per row bucket, the method measured fastest here (that
-    # passed its known-answer check); else that one method wherever it applies.
+    # passed its known-answer check); else that one method wherever it applies, or of a
+    # comma-separated list, the first that applies.
     linear_method: str = option(
-        "auto", choices=LINEAR_METHODS,
-        help="one matmul method for every linear layer where it applies (default auto: the "
+        "auto", metavar="METHOD[,METHOD...]",
+        help="one matmul method for every linear layer where it applies, or of a list the "
+             "first that applies (" + ", ".join(LINEAR_METHODS[1:]) + "; default auto: the "
              "measured table)")
     # Batch invariance: each layer runs one method for every row count, one whose rows were
     # checked bit-identical whatever the row count, so a request's results never depend on
@@ -444,6 +447,17 @@ class KernelConfig:
              "amx and onednn methods keep a layer's weight in the activation dtype too, for "
              "faster prompts); 0: none (default: a quarter of the memory available at "
              "start-up)")
+    # Int8 activations for the compute-bound calls (prompts, batches): the qkv, o and
+    # gate_up layers calibrated at start-up on a built-in text (servelm.engine.calibration),
+    # then the w8a8 method (servelm.layers.w8a8) is one more the tuner measures. auto: for
+    # models whose weights are quantised (int4 / int8), whose prompts already run 8-bit
+    # activations (q8act); on: bf16-weight models too (it changes their outputs by about
+    # int8's rounding); off: never.
+    int8_activations: str = option(
+        "auto", choices=INT8_ACTIVATIONS,
+        help="int8 activations (SmoothQuant-smoothed, whole rows) for prompts and batches on "
+             "CPUs with an int8 dot product: auto (models with int4 / int8 weights), on (bf16 "
+             "weights too: their outputs change by about int8's rounding) or off")
     # Structured outputs: the next-token masks of the step's constrained rows computed on a
     # background thread while the forward runs (structured_outputs.MaskPrefetch).
     overlap_grammar_masks: bool = option(
@@ -499,9 +513,14 @@ class KernelConfig:
         if self.attention_backend == "triton" and self.triton_attention is False:
             raise ValueError("attention_backend 'triton' runs the Triton kernels, which "
                              "triton_attention=False turns off")
-        if self.linear_method not in LINEAR_METHODS:
-            raise ValueError(f"linear_method must be one of {', '.join(LINEAR_METHODS)}, "
-                             f"got {self.linear_method!r}")
+        if self.linear_method != "auto" and not (
+                isinstance(self.linear_method, str)
+                and all(m in LINEAR_METHODS[1:] for m in self.linear_method.split(","))):
+            raise ValueError(f"linear_method must be auto, or one or more (comma-separated) of "
+                             f"{', '.join(LINEAR_METHODS[1:])}, got {self.linear_method!r}")
+        if self.int8_activations not in INT8_ACTIVATIONS:
+            raise ValueError(f"int8_activations must be one of {', '.join(INT8_ACTIVATIONS)}, "
+                             f"got {self.int8_activations!r}")
         if self.tuning not in KERNEL_TUNING:
             raise ValueError(f"kernel tuning must be one of {', '.join(KERNEL_TUNING)}, "
                              f"got {self.tuning!r}")

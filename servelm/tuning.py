@@ -38,6 +38,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -255,7 +256,8 @@ def known_answer(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tensor
                  rows: torch.Tensor | None = None) -> bool:
     """Whether module(x) is x @ ref_weight.T (+ bias) within the rounding of the dtype it
     computes in (its compute_dtype, else the activations'; fp32: 1e-3 of the output's
-    magnitude; bf16/fp16: 3e-2) and finite. want: that reference, when already computed
+    magnitude; bf16/fp16: 3e-2; a module's own check_tolerance where it has one) and
+    finite. want: that reference, when already computed
     (every method of a shape is checked against the same one). rows: compare only these
     rows of the output (want then holds just them)."""
     return _checked_call(module, ref_weight, bias, x, want, rows)[0]
@@ -275,8 +277,19 @@ def _checked_call(module: nn.Module, ref_weight: torch.Tensor, bias: torch.Tenso
         want = reference_output(ref_weight, bias, x if rows is None else x[rows])
     if y.shape != want.shape or not torch.isfinite(y).all():
         return False, seconds
-    tol = 1e-3 if getattr(module, "compute_dtype", x.dtype) == torch.float32 else 3e-2
+    tol = getattr(module, "check_tolerance", None) or (
+        1e-3 if getattr(module, "compute_dtype", x.dtype) == torch.float32 else 3e-2)
     return (y - want).abs().max().item() <= tol * max(want.abs().max().item(), 1e-6), seconds
+
+
+def check_input(src: nn.Module, rows: int, g: torch.Generator, act: torch.dtype) -> torch.Tensor:
+    """Random activations [rows, in_features] a method of src is timed and checked on:
+    normal, each channel scaled by its calibrated range where the layer has one (the w8a8
+    method smooths by it: on inputs of equal channels, the channels it shrinks would hold
+    the row's range and those it widens lose their bits, an error no real input shows)."""
+    x = torch.randn(rows, src.in_features, generator=g)
+    profile = lm.w8a8.calibrated(src)
+    return (x if profile is None else x * profile.float()).to(act)
 
 
 def _check_rows(n: int) -> torch.Tensor | None:
@@ -445,8 +458,8 @@ def measure_pieces(srcs: list[nn.Module], methods: list[str], act: torch.dtype, 
     inv_part = lm.head(src0, inv_keep) if inv_keep < src0.out_features else None
     ref_w, bias = lm.reference_weight(src0), src0.bias
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(rows, src0.in_features, generator=g).to(act) for rows in lm.BUCKET_ROWS]
-    x_inv = torch.randn(INVARIANCE_CALL, src0.in_features, generator=g).to(act)
+    xs = [check_input(src0, rows, g, act) for rows in lm.BUCKET_ROWS]
+    x_inv = check_input(src0, INVARIANCE_CALL, g, act)
     n = len(lm.BUCKET_ROWS)
     times: dict[str, list[float]] = {}
     failed = []
@@ -601,7 +614,7 @@ def measure_pieces(srcs: list[nn.Module], methods: list[str], act: torch.dtype, 
                  and any(times[m][i] <= INVARIANT_WITHIN * best[i] for i in range(n))]
     while remaining:
         yield
-        pick = choose(times, default or remaining[0], True, invariant=remaining)[0]
+        pick = choose(lm.eligible(times), default or remaining[0], True, invariant=remaining)[0]
         if pick not in remaining:
             break
         if row_invariant(inv_module(pick), x_inv):
@@ -811,18 +824,24 @@ def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Modul
 
 
 def _shape_key(src: nn.Module, act: torch.dtype) -> str:
+    """The tuner's key of a layer's shape: its format, activations, size, bias and whether
+    it is calibrated (':smooth': the w8a8 method may run it)."""
     act_name = str(act).removeprefix("torch.")
     return (f"{lm.weight_format(src)}/{act_name}:{src.in_features}x{src.out_features}"
-            + (":bias" if src.bias is not None else ""))
+            + (":bias" if src.bias is not None else "")
+            + (":smooth" if lm.w8a8.calibrated(src) is not None else ""))
 
 
 @torch.no_grad()
 def finalize_linears(model: nn.Module, quantization: str | None,
-                     kernels: KernelConfig | None = None) -> TuningReport:
+                     kernels: KernelConfig | None = None,
+                     calibrate: Callable[[nn.Module], object] | None = None) -> TuningReport:
     """The linear layers as the engine runs them, once the weights are loaded (and sharded):
     quantised when asked (weight-only), then on the CPU each layer swapped for the method
     chosen per row bucket (by kernels.linear_method, else measured or read from the cache),
-    the kernels' weights packed into huge pages in the order a step reads them."""
+    the kernels' weights packed into huge pages in the order a step reads them. calibrate:
+    called with the model between the two (servelm.engine.calibration: the layers it
+    calibrates may then run the w8a8 method)."""
     from servelm.hugepages import pack_weights
     from servelm.quantization.formats import kernels_available
     from servelm.quantization.surgery import quantize_model
@@ -839,6 +858,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     if device.type != "cpu":  # CUDA keeps its layers' own kernels (cuBLAS, tinygemm)
         return TuningReport([])
     t0 = time.perf_counter()
+    if calibrate is not None and fast:
+        calibrate(model)
     groups: dict[str, list[tuple[str, nn.Module, str, nn.Module]]] = {}
     for item in _linear_layers(model):
         groups.setdefault(_shape_key(item[3], act), []).append(item)
@@ -873,7 +894,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
         shape = ShapeChoice(key, [it[0] for it in items], [default] * len(lm.BUCKET_ROWS),
                             {}, [])
         if forced:
-            m = kcfg.linear_method if kcfg.linear_method in applicable else default
+            m = next((m for m in kcfg.linear_method.split(",") if m in applicable), default)
             shape.methods = [m] * len(lm.BUCKET_ROWS)
         elif tune:
             # Dequantise + matmul every call (a quantised layer's reference) is never
@@ -899,7 +920,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                 bar.update(1)
             else:
                 shape.cached = True
-            shape.times_us = {m: t for m, t in times_from(entry).items() if m in applicable}
+            shape.times_us = lm.eligible({m: t for m, t in times_from(entry).items()
+                                          if m in applicable})
             shape.failed = entry.get("failed", [])
             shape.invariant = [m for m in entry.get("invariant", []) if m in applicable]
             shape.candidates = [m for m in entry.get("candidates", []) if m in applicable]
@@ -1002,9 +1024,10 @@ def _retime_slow_shapes(shapes: list[ShapeChoice], groups: dict, fresh: dict, ca
         entry = cache.get(cache_keys[key])
         after = times_from(entry)
         # What the loop added to the measured times (a SiLU pass amx fuses) stays added.
-        s.times_us = {m: [n + (a - o if math.isfinite(a) and math.isfinite(o) else 0.0)
-                          for n, a, o in zip(after[m], t, before[m])]
-                      for m, t in s.times_us.items() if m in after and m in before}
+        s.times_us = lm.eligible({
+            m: [n + (a - o if math.isfinite(a) and math.isfinite(o) else 0.0)
+                for n, a, o in zip(after[m], t, before[m])]
+            for m, t in s.times_us.items() if m in after and m in before})
         s.failed = entry.get("failed", [])
         s.invariant = [m for m in entry.get("invariant", []) if m in s.times_us]
     for key, ratio in _slow_shapes(rates(), set(slow)).items():
@@ -1083,9 +1106,15 @@ def synthetic_source(shape: PlannedShape, fast: bool) -> nn.Module:
 
         kernels = fast and kernels_available()
         if fmt == "int8":
-            return quantize_linear(lin, "int8", use_kernel=kernels)
-        return quantize_linear(lin, "int4", int(fmt.removeprefix("int4g")), use_kernel=kernels)
-    return lin.to(dtype)
+            out = quantize_linear(lin, "int8", use_kernel=kernels)
+        else:
+            out = quantize_linear(lin, "int4", int(fmt.removeprefix("int4g")),
+                                  use_kernel=kernels)
+    else:
+        out = lin.to(dtype)
+    if shape.key.endswith(":smooth"):  # a calibrated shape: any calibration times the same
+        setattr(out, lm.w8a8.AMAX, torch.ones(shape.in_features))
+    return out
 
 
 OP_CALL_KEY = "decode/op_call"  # the cache entry of _op_call_us's measurement
@@ -1267,15 +1296,17 @@ def _decide(shapes: list[ShapeChoice], batch_invariant: bool | None,
     n = len(lm.BUCKET_ROWS)
     free, inv = [], []
     for sc in shapes:
-        timed = {m: t for m, t in sc.times_us.items() if all(map(math.isfinite, t))}
+        # (inf: a bucket a method failed at, or may not be chosen for: lm.eligible)
+        timed = {m: t for m, t in sc.times_us.items() if any(map(math.isfinite, t))}
         if not timed:  # one candidate (checked, not timed), or none passed
             one = next((m for m in sc.candidates if m not in sc.failed), sc.methods[0])
             free.append([one] * n)
             inv.append(free[-1] if one in sc.invariant else None)
             continue
         free.append(_one_dequantised_copy(sc, choose(timed, sc.methods[0])))
+        whole = {m for m, t in timed.items() if all(map(math.isfinite, t))}
         inv.append(choose(timed, sc.methods[0], True, invariant=sc.invariant)
-                   if set(sc.invariant) & set(timed) else None)
+                   if set(sc.invariant) & whole else None)
     if stack:
         _stack_choice(shapes, free, stack)
     possible_inv = all(i is not None for i in inv)
@@ -1316,7 +1347,7 @@ def _whole_layer_ok(mod: nn.Module, src: nn.Module, act: torch.dtype) -> bool:
     one-row and few-row paths, with a tail in every row block; measure checked 1 and 8)."""
     impls = mod.impls if isinstance(mod, lm.BucketedLinear) else [mod]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(71, src.in_features, generator=g).to(act)
+    x = check_input(src, 71, g, act)
     ref_w, rows = lm.reference_weight(src), _check_rows(71)
     want = reference_output(ref_w, src.bias, x[rows])
     return all(known_answer(m, ref_w, src.bias, x, want, rows) for m in impls)
@@ -1358,6 +1389,8 @@ def linear_summary(model: nn.Module) -> str:
             return "bfp"
         if isinstance(m, lm.amx.AmxLinear):
             return "amx"
+        if isinstance(m, lm.w8a8.W8A8Linear):
+            return "w8a8"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")
@@ -1369,7 +1402,7 @@ def linear_summary(model: nn.Module) -> str:
     kinds = (nn.Linear, QuantLinear, PackedLinear, lm.Int4PackLinear, lm.qdot.QDotLinear,
              lm.gemv.GemvLinear, lm.panels.PanelLinear, lm.panels.Int4PanelLinear,
              lm.panels.Int8PanelLinear, lm.q8act.Int4Q8Linear, lm.bfp.BfpLinear,
-             lm.amx.AmxLinear, lm._Dequantised, lm.BucketedLinear)
+             lm.amx.AmxLinear, lm.w8a8.W8A8Linear, lm._Dequantised, lm.BucketedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
     lines = [f"{len(layers)} linear layers"]
     for i, rows in enumerate(lm.BUCKET_ROWS):

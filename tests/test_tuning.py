@@ -655,8 +655,13 @@ def test_tuning_off_and_forced_methods_measure_nothing(tmp_path, monkeypatch):
 
 
 def test_kernel_config_rejects_bad_values_by_name():
-    with pytest.raises(ValueError, match="linear_method must be one of auto"):
+    with pytest.raises(ValueError, match="linear_method must be auto, or one or more"):
         KernelConfig(linear_method="cublas")
+    with pytest.raises(ValueError, match="'w8a8,cublas'"):
+        KernelConfig(linear_method="w8a8,cublas")
+    with pytest.raises(ValueError, match="int8_activations must be one of auto, on, off"):
+        KernelConfig(int8_activations="yes")
+    assert KernelConfig(linear_method="w8a8,q8act").linear_method == "w8a8,q8act"
     with pytest.raises(ValueError, match="kernel tuning must be one of off, cached, fresh"):
         KernelConfig(tuning="always")
     with pytest.raises(ValueError, match="fused_decode must be True or False"):

@@ -12,6 +12,7 @@ import torch
 from servelm.config import EngineConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.calibration import calibration_ids
 from servelm.engine.executor import Executor, UniProcExecutor
 from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
@@ -93,10 +94,12 @@ def _disk_bytes(path: str) -> int:
 
 
 def build_executor(config: EngineConfig, ckpt, model_config, dtype: torch.dtype,
-                   device: torch.device, max_len: int, load_draft=None) -> Executor:
+                   device: torch.device, max_len: int, load_draft=None,
+                   calibration: list[int] | None = None) -> Executor:
     """The executor for a resolved config: the tensor-parallel one (servelm.distributed,
     imported only then) with tensor_parallel_size > 1, else the whole model in this
     process. load_draft: the draft model's loader (speculative decoding; one process only).
+    calibration: the int8-activation layers' calibration tokens (one process only).
 
     Under torchrun, on a rank other than 0, the tensor-parallel executor serves as a worker
     and exits the process (the same command line serves on rank 0 and works elsewhere)."""
@@ -104,7 +107,8 @@ def build_executor(config: EngineConfig, ckpt, model_config, dtype: torch.dtype,
         from servelm.distributed.executor import TPExecutor
 
         return TPExecutor(config, ckpt, model_config, dtype, device, max_len)
-    return UniProcExecutor(config, ckpt, model_config, dtype, device, max_len, load_draft)
+    return UniProcExecutor(config, ckpt, model_config, dtype, device, max_len, load_draft,
+                           calibration)
 
 
 @dataclass
@@ -237,9 +241,12 @@ class LLMEngine:
         max_len = self.model_config.max_position_embeddings
         if config.scheduler.max_model_len is not None:
             max_len = min(max_len, config.scheduler.max_model_len)
+        calibration = (calibration_ids(self.tokenizer)
+                       if config.kernels.int8_activations != "off" else None)
         self.executor = build_executor(config, ckpt, self.model_config, self.dtype,
                                        self.device, max_len,
-                                       load_draft=lambda: self._load_draft(max_len))
+                                       load_draft=lambda: self._load_draft(max_len),
+                                       calibration=calibration)
         num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
         # A sequence longer than the whole pool could never run.
         self.max_model_len = min(max_len, num_blocks * block_size)

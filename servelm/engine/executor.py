@@ -26,6 +26,9 @@ from typing import Callable, Protocol
 import torch
 
 from servelm.config import EngineConfig, KernelConfig, LoRAConfig
+from servelm.engine.calibration import cache_file as calibration_file
+from servelm.engine.calibration import calibrate as calibrate_activations
+from servelm.engine.calibration import wanted
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.state_cache import StateCache
 from servelm.models import kv_quant
@@ -33,6 +36,7 @@ from servelm.models.config import ModelConfig
 from servelm.lora.wrap import apply_lora
 from servelm.models.loader import load_model
 from servelm.tuning import TuningReport, finalize_linears
+from servelm.tuning_cache import cache_dir
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
@@ -78,15 +82,29 @@ class ModelWorker:
 
     def __init__(self, ckpt, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, max_len: int, quantization: str | None,
-                 kernels: KernelConfig, shard=None, lora: LoRAConfig | None = None):
+                 kernels: KernelConfig, shard=None, lora: LoRAConfig | None = None,
+                 calibration: list[int] | None = None):
+        """calibration: token ids the int8-activation layers are calibrated on where
+        KernelConfig.int8_activations asks for them (servelm.engine.calibration); None: none."""
         self.device = device
         self.kernels = kernels
         self.model = load_model(ckpt, model_config, dtype, device, max_positions=max_len,
                                 shard=shard)
         lora = lora if lora is not None and lora.enabled else None
-        # Weight-only quantisation (activations keep dtype) and, on CPU, each linear layer's
-        # method per row bucket, measured here (or read back): module swaps.
-        self.tuning: TuningReport = finalize_linears(self.model, quantization, kernels)
+
+        def calibrate(model: torch.nn.Module) -> None:
+            if calibration and shard is None and wanted(model, kernels.int8_activations,
+                                                        device, kernels):
+                cache = (None if kernels.tuning == "off" else
+                         calibration_file(cache_dir(kernels.tuning_cache_dir), ckpt.path,
+                                          dtype, quantization, calibration))
+                calibrate_activations(model, calibration, kernels, cache)
+
+        # Weight-only quantisation (activations keep dtype), the int8-activation layers'
+        # calibration and, on CPU, each linear layer's method per row bucket, measured here
+        # (or read back): module swaps.
+        self.tuning: TuningReport = finalize_linears(self.model, quantization, kernels,
+                                                     calibrate=calibrate)
         # LoRA: the adaptable layers wrapped, with max_loras empty slots each.
         self.lora_layers = (apply_lora(self.model, lora.max_loras, lora.max_lora_rank)
                             if lora is not None else None)
@@ -194,12 +212,15 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig, ckpt, model_config: ModelConfig,
                  dtype: torch.dtype, device: torch.device, max_len: int,
-                 load_draft: Callable[[], DraftPool | None] | None = None):
+                 load_draft: Callable[[], DraftPool | None] | None = None,
+                 calibration: list[int] | None = None):
         """config: the resolved EngineConfig (quantization decided). load_draft: loads the
-        draft model (speculative decoding), called once the target's weights are in."""
+        draft model (speculative decoding), called once the target's weights are in.
+        calibration: the int8-activation layers' calibration tokens (ModelWorker)."""
         cache = config.cache
         self.worker = ModelWorker(ckpt, model_config, dtype, device, max_len,
-                                  config.quantization, config.kernels, lora=config.lora)
+                                  config.quantization, config.kernels, lora=config.lora,
+                                  calibration=calibration)
         # A draft model before the KV pools: its weights come out of the memory the pools
         # are sized from, and its pool shares their budget.
         self.draft = load_draft() if load_draft is not None else None

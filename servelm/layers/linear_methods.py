@@ -18,6 +18,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
 | q8act    | int4 (groups a multiple of 32), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
 | bfp      | bf16 (bf16 activations only), int8 | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32, within bf16's output rounding of the bf16 product; int8 weights are their own mantissas (a byte each, widened as read) against 15-bit activation blocks |
+| w8a8     | calibrated layers (any format), bf16 activations, CPUs with an int8 dot product | oneDNN's int8 GEMM over whole-row int8 activations and per-channel int8 weights, SmoothQuant's smoothing between them (w8a8.cpp); an int8 copy of the weights |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 Each method is a `LinearMethod` (its name, whether it applies, how it builds, its flags for
@@ -34,6 +35,7 @@ method the layer is that module alone. servelm.tuning decides which, once, at st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.layers import amx, bfp, gemv, panels, q8act, qdot
+from servelm.layers import amx, bfp, gemv, panels, q8act, qdot, w8a8
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization.formats import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
                                           TiledLinear, kernels_available)
@@ -125,6 +127,12 @@ class WeightFormat:
         16, the tiles' height)."""
         if n % 16 or not 0 < n <= src.out_features:
             raise ValueError(f"head: n must be a multiple of 16 in 1..{src.out_features}, got {n}")
+        out = self._head(src, n)
+        if w8a8.calibrated(src) is not None:  # the same inputs: the same calibration
+            setattr(out, w8a8.AMAX, w8a8.calibrated(src))
+        return out
+
+    def _head(self, src: nn.Module, n: int) -> nn.Module:
         bias = None if src.bias is None else src.bias[:n].clone()
         if self.kind == "int4":
             t = n // 16
@@ -164,7 +172,10 @@ class LinearMethod:
     in the activations' dtype, 4x an int4 layer's bytes in bf16: the tuner gives a quantised
     layer at most one such method (tuning._one_dequantised_copy).
     untuned_quantised: the untuned default (default_method) may pick it for a quantised
-    layer (not onednn: its dequantised copy would undo the quantisation's memory saving)."""
+    layer (not onednn: its dequantised copy would undo the quantisation's memory saving).
+    first_bucket: the first row bucket the tuner may choose it for (w8a8: prompts only; a
+    batch's step runs on the DecodeStack, which has no such layer, and the per-op path's
+    calls cost more than the method saves there)."""
 
     name: str
     runs: Callable[[nn.Module, torch.dtype], bool]
@@ -173,6 +184,7 @@ class LinearMethod:
     dequantised: bool = False
     untuned_quantised: bool = True
     anywhere: bool = False
+    first_bucket: int = 0
 
     def applies(self, src: nn.Module, act: torch.dtype, kernels: bool) -> bool:
         """Whether it can run this source with activations of dtype `act` (kernels: the
@@ -265,6 +277,8 @@ LINEAR_METHODS: tuple[LinearMethod, ...] = (
     LinearMethod("q8act", q8act.applies, lambda src, act: q8act.Int4Q8Linear(src)),
     LinearMethod("bfp", bfp.applies, lambda src, act: bfp.BfpLinear(src)),
     LinearMethod("amx", amx.applies, lambda src, act: amx.AmxLinear(src), dequantised=True),
+    LinearMethod("w8a8", w8a8.applies, lambda src, act: w8a8.W8A8Linear(src), dequantised=True,
+                 untuned_quantised=False, first_bucket=len(BUCKET_ROWS) - 1),
     LinearMethod("torch", lambda src, act: True, _torch_make, anywhere=True),
 )
 METHODS_BY_NAME: dict[str, LinearMethod] = {m.name: m for m in LINEAR_METHODS}
@@ -297,6 +311,13 @@ def applies(method: str, src: nn.Module, act: torch.dtype, kernels: bool) -> boo
     """Whether `method` can run this source with activations of dtype `act`
     (kernels: the optimised CPU paths may run; False leaves only "torch", the reference)."""
     return by_name(method).applies(src, act, kernels)
+
+
+def eligible(times_us: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Measured µs per call by method and bucket, inf where the tuner may not choose the
+    method (the buckets before its first_bucket)."""
+    return {m: [math.inf if b < by_name(m).first_bucket else x for b, x in enumerate(t)]
+            for m, t in times_us.items()}
 
 
 def tunable(method: str, act: torch.dtype) -> bool:

@@ -1,0 +1,167 @@
+"""Activation calibration: one forward pass of a text through the model, recording each
+calibrated layer's largest |input| per channel, which the w8a8 linear method smooths by
+(servelm.layers.w8a8, SmoothQuant).
+
+Decided once at start-up by KernelConfig.int8_activations: "auto" calibrates a model whose
+calibrated layers hold quantised (int4 / int8) weights, "on" any model, "off" none. Only on
+the CPU with servelm's kernels, a model of attention layers alone (no recurrent states), in
+one process (a tensor-parallel rank's shard would need its peers' forward). The pass runs
+after weight quantisation and before the tuner measures the methods: the layers are still
+their sources, on a KV pool of its own that is freed after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from servelm.config import KernelConfig
+from servelm.layers import w8a8
+
+logger = logging.getLogger(__name__)
+
+# The layers calibrated (by attribute name): attention's fused qkv and output projections
+# and the MLP's fused gate_up. down_proj is left out: its inputs (after the gate) keep
+# outliers a whole row of int8 cannot hold (docs/kernels.md, "w8a8").
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj")
+TEXT = Path(__file__).with_name("calibration.txt")
+TOKENS = 512  # the calibration text's first tokens
+BLOCK = 16
+
+
+def calibration_ids(tokenizer, tokens: int = TOKENS) -> list[int]:
+    """The calibration text's first `tokens` token ids under the model's tokenizer."""
+    return list(tokenizer.encode(TEXT.read_text(encoding="utf-8")))[:tokens]
+
+
+def _targets(model: nn.Module) -> list[nn.Module]:
+    from servelm.quantization.formats import QuantLinear, TiledLinear
+
+    return [child for parent in model.modules() for name, child in parent.named_children()
+            if name in TARGETS and (type(child) is nn.Linear
+                                    or (isinstance(child, QuantLinear)
+                                        and not isinstance(child, TiledLinear)))]
+
+
+def wanted(model: nn.Module, setting: str, device: torch.device, kernels: KernelConfig) -> bool:
+    """Whether this model is calibrated (int8_activations `setting`: auto, on, off)."""
+    if setting == "off" or device.type != "cpu" or not kernels.cpu_kernels:
+        return False
+    forced = kernels.linear_method.split(",")
+    if "w8a8" not in forced if forced != ["auto"] else kernels.tuning == "off":
+        return False  # the method can never run: a list without it, or nothing measured
+    if model.config.has_recurrent_state or not w8a8.int8_dot() or not w8a8.available():
+        return False
+    p = next(model.parameters(), None)
+    if p is None or p.dtype != torch.bfloat16:  # the method runs bf16 activations only
+        return False
+    targets = _targets(model)
+    if not targets:
+        return False
+    from servelm.layers.linear_methods import WeightFormat
+
+    return setting == "on" or all(WeightFormat.of(t).quantised for t in targets)
+
+
+VERSION = 1  # of what a cached calibration holds and how it was measured
+
+
+def cache_file(directory: Path, checkpoint: str, dtype: torch.dtype, quantization: str | None,
+               token_ids: list[int]) -> Path:
+    """Where a model's calibration is kept: named by the checkpoint (its path, and each
+    file's size and modification time), the weights' format and dtype, and the tokens."""
+    p = Path(checkpoint)
+    files = sorted(p.iterdir()) if p.is_dir() else [p]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    key = json.dumps([VERSION, str(p.resolve()), stats, str(dtype), quantization, TARGETS,
+                      hashlib.sha256(str(token_ids).encode()).hexdigest()])
+    return directory / f"calibration-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def _load(model: nn.Module, path: Path) -> int:
+    """The calibration cached at path set on the model's target layers (0: none fits)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception:  # none yet, or unreadable: measure
+        return 0
+    layers = {n: m for n, m in model.named_modules() if any(m is t for t in _targets(model))}
+    if set(saved) != set(layers) or any(saved[n].shape != (m.in_features,)
+                                        for n, m in layers.items()):
+        return 0
+    for n, m in layers.items():
+        setattr(m, w8a8.AMAX, saved[n].float().contiguous())
+    return len(layers)
+
+
+def _save(model: nn.Module, path: Path) -> None:
+    saved = {n: getattr(m, w8a8.AMAX) for n, m in model.named_modules()
+             if w8a8.calibrated(m) is not None}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(saved, tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: measured again next start
+        logger.warning("could not cache the int8-activation calibration in %s: %s", path, e)
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, token_ids: list[int], kernels: KernelConfig,
+              cache: Path | None = None) -> int:
+    """Sets each target layer's w8a8.AMAX (max |x| per input channel over token_ids, run
+    through the model once), read back from `cache` where it holds them, else measured and
+    written there; returns how many layers were calibrated."""
+    if not token_ids:
+        return 0
+    if cache is not None and (done := _load(model, cache)):
+        return done
+    done = _measure(model, token_ids, kernels)
+    if cache is not None and done:
+        _save(model, cache)
+    return done
+
+
+def _measure(model: nn.Module, token_ids: list[int], kernels: KernelConfig) -> int:
+    from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
+
+    t0 = time.perf_counter()
+    targets = _targets(model)
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(mod: nn.Module, args) -> None:
+        x = args[0].detach()
+        m = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+        prev = seen.get(id(mod))
+        seen[id(mod)] = m if prev is None else torch.maximum(prev, m)
+
+    hooks = [t.register_forward_pre_hook(record) for t in targets]
+    p = next(model.parameters())
+    blocks = -(-len(token_ids) // BLOCK)
+    try:
+        kv = KVCache(model.config, blocks, BLOCK, p.dtype, p.device, hugepages=False)
+        runner = ModelRunner(model, kv, p.device,
+                             kernels=dataclasses.replace(kernels, fused_decode=False))
+        # Every position's final hidden state (a pooling pass: no LM head), so the last
+        # layer's o_proj and MLP see every row, not the sampled one's alone.
+        runner.execute_pooling([SeqInput(list(token_ids), 0, list(range(blocks)),
+                                         all_logits=True, pooling=True)])
+    finally:
+        for h in hooks:
+            h.remove()
+    done = 0
+    for t in targets:
+        amax = seen.get(id(t))
+        if amax is not None and amax.shape[0] == t.in_features and torch.isfinite(amax).all():
+            setattr(t, w8a8.AMAX, amax.contiguous())
+            done += 1
+    logger.info("int8 activations: %d layers calibrated on %d tokens in %.2f s", done,
+                len(token_ids), time.perf_counter() - t0)
+    return done

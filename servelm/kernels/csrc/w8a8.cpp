@@ -1,0 +1,138 @@
+// Int8 weights times int8 activations for prompts and batches: SmoothQuant's W8A8 with
+// activation blocks of B inputs, on AVX-512 VNNI. Namespace torch.ops.servelm_w8a8:
+//
+//   linear(x, inv_scale, weight, weight_scale, block, out_features, bias?) -> y
+// x: [..., K] float32 or bfloat16. Each row is first divided, input channel by input channel,
+//   by the layer's smoothing factors (inv_scale fp32 [K] holds 1 / s: SmoothQuant's migration
+//   of the activations' outlier channels into the weights), then quantised per block of
+//   `block` inputs (a multiple of 16 dividing K) to int8: a = x * inv_scale,
+//   d = max|a| / 127, q = round-to-nearest-even(a * (127 / max|a|)), all in fp32 (a block of
+//   zeros gives d = 0, q = 0).
+// weight: uint8 [ceil(N / 16), K / 4, 16, 4]: panels of 16 outputs; byte (k4, o, t) holds
+//   w[o][4 k4 + t] + 128, w the smoothed weights (w * s) quantised per output channel to int8
+//   (weight_scale fp32 [N]: w * s ~ w_int8 * weight_scale; servelm/layers/w8a8.py packs them).
+//   The columns past N are zeros.
+// y = weight_scale * sum over blocks of d * (the block's int32 sum of w_int8 q) + bias: the
+//   block sums exact in int32 (VNNI's vpdpbusd, unsigned weight bytes times signed
+//   activations, less 128 sum(q)), chained over the blocks in fp32 in order, so a row's result
+//   is the same bits whatever the row count and whatever rows share its call; y in x's dtype,
+//   rounded once.
+//
+//   quantize(x, inv_scale, block) -> (q int8 [M, K], d fp32 [M, K / block]): the rows'
+//   quantisation alone, what the tests check the rounding against.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "w8a8_kernel.h"
+
+#ifdef SERVELM_W8A8
+
+namespace {
+
+void check_inputs(const at::Tensor& x, const at::Tensor& inv, int64_t block, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() >= 1,
+              name, ": x must be float32 or bfloat16 on the CPU, got ", x.scalar_type());
+  TORCH_CHECK(inv.device().is_cpu() && inv.scalar_type() == at::kFloat && inv.is_contiguous() &&
+                  inv.dim() == 1 && inv.size(0) == x.size(-1),
+              name, ": inv_scale must be contiguous float32 [in_features] on the CPU");
+  TORCH_CHECK(block > 0 && block % 16 == 0 && x.size(-1) % block == 0, name, ": block ", block,
+              " must be a multiple of 16 dividing in_features ", x.size(-1));
+}
+
+template <typename T>
+void quantize_rows(const T* x, const float* inv, int64_t M, int64_t K, int64_t B, int8_t* q, float* d,
+                   int32_t* cs) {
+  const int64_t NB = K / B;
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) w8a8::quantize_row(x + r * K, inv, K, B, q + r * K, d + r * NB, cs + r * NB);
+  });
+}
+
+template <typename T>
+void gemm(const T* x, const float* inv, const uint8_t* w, const float* ws, const float* bias, T* out,
+          int64_t M, int64_t N, int64_t K, int64_t B) {
+  const int64_t NB = K / B, NP = (N + w8a8::kNR - 1) / w8a8::kNR;
+  // The quantised rows in a buffer kept by the calling thread: a fresh allocation of a
+  // prompt's rows each call is fresh pages each call, faulted in.
+  thread_local std::vector<int32_t> buf;
+  const int64_t words = (M * K + 3) / 4 + 2 * M * NB;
+  if (static_cast<int64_t>(buf.size()) < words) buf.resize(words);
+  float* d = reinterpret_cast<float*>(buf.data());
+  int32_t* cs = buf.data() + M * NB;
+  int8_t* q = reinterpret_cast<int8_t*>(buf.data() + 2 * M * NB);
+  quantize_rows(x, inv, M, K, B, q, d, cs);
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+  });
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& inv, const at::Tensor& weight,
+                  const at::Tensor& wscale, int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
+  const char* name = "servelm_w8a8.linear";
+  check_inputs(x_in, inv, block, name);
+  const int64_t K = x_in.size(-1), NP = (N + w8a8::kNR - 1) / w8a8::kNR;
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 4 &&
+                  weight.is_contiguous() && weight.size(0) == NP && weight.size(1) * 4 == K &&
+                  weight.size(2) == w8a8::kNR && weight.size(3) == 4,
+              name, ": weight must be contiguous uint8 [ceil(out_features / 16), in_features / 4, 16, 4]");
+  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() && wscale.numel() == N,
+              name, ": weight_scale must be contiguous float32 [out_features]");
+  at::Tensor bf;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0) {
+    if (x.scalar_type() == at::kFloat)
+      gemm(x.data_ptr<float>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(), wscale.data_ptr<float>(), b,
+           y.data_ptr<float>(), M, N, K, block);
+    else
+      gemm(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(),
+           wscale.data_ptr<float>(), b, y.data_ptr<c10::BFloat16>(), M, N, K, block);
+  }
+  return y.reshape(shape);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in, const at::Tensor& inv, int64_t block) {
+  check_inputs(x_in, inv, block, "servelm_w8a8.quantize");
+  const int64_t K = x_in.size(-1);
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), NB = K / block;
+  at::Tensor q = at::empty({M, K}, at::kChar), d = at::empty({M, NB}, at::kFloat);
+  std::vector<int32_t> cs(M * NB);
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), inv.data_ptr<float>(), M, K, block, q.data_ptr<int8_t>(),
+                  d.data_ptr<float>(), cs.data());
+  else
+    quantize_rows(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), M, K, block, q.data_ptr<int8_t>(),
+                  d.data_ptr<float>(), cs.data());
+  return {q, d};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(servelm_w8a8, m) {
+  m.def("linear(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
+        "int out_features, Tensor? bias=None) -> Tensor");
+  m.def("quantize(Tensor x, Tensor inv_scale, int block) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(servelm_w8a8, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("quantize", &quantize);
+}
+
+#endif  // SERVELM_W8A8

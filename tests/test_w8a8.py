@@ -1,0 +1,228 @@
+"""The w8a8 linear method (kernels/csrc/w8a8.cpp, servelm/layers/w8a8.py): activations
+smoothed (SmoothQuant) and quantised to int8 per block of up to 128 inputs, times per-channel
+int8 weights on AVX-512 VNNI; the calibration pass that gives layers their smoothing
+(servelm/engine/calibration.py); and how the tuner takes the method. The model-level
+accuracy bar is tests/test_quantization.py's."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from servelm import quantization as Q
+from servelm import tuning
+from servelm.config import KernelConfig
+from servelm.engine import calibration
+from servelm.layers import linear_methods as lm
+from servelm.layers import w8a8
+
+runs = pytest.mark.skipif(not (w8a8.available() and w8a8.int8_dot()),
+                          reason="the w8a8 kernel needs AVX-512 VNNI")
+
+
+def _calibrated(n, k, bias=False, fmt="int4", seed=0, outliers=True):
+    """A layer with a calibration: channel maxima with a few outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) / k ** 0.5)
+        if bias:
+            lin.bias.normal_(generator=g)
+    src = (Q.Int4Linear.from_linear(lin, 32) if fmt == "int4" else
+           Q.Int8Linear.from_linear(lin) if fmt == "int8" else lin.to(torch.bfloat16))
+    amax = torch.rand(k, generator=g) + 0.5
+    if outliers:
+        amax[torch.randperm(k, generator=g)[:3]] *= 40
+    setattr(src, w8a8.AMAX, amax)
+    return src, amax
+
+
+def _inputs(rows, amax, dtype=torch.bfloat16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, amax.shape[0], generator=g) * amax / 3).to(dtype)
+
+
+def test_pack_puts_each_byte_where_the_kernel_reads_it():
+    q = torch.randint(-127, 128, (20, 32), dtype=torch.int8)
+    p = w8a8.pack(q)
+    assert p.shape == (2, 8, 16, 4) and p.dtype == torch.uint8
+    # panel 1, inputs 4 * 5 + 2, output 3 of the panel: row 19
+    assert int(p[1, 5, 3, 2]) == int(q[19, 22]) + 128
+    assert int(p[0, 7, 15, 3]) == int(q[15, 31]) + 128
+    assert (p[1, :, 4:] == 128).all()  # the rows past N: zeros
+
+
+def test_block_size_is_the_largest_dividing_in_features():
+    assert [w8a8.block_size(k) for k in (576, 896, 1536, 640, 48, 40)] == [96, 128, 128, 128, 16, 0]
+
+
+@runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantisation_is_the_reference_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(9, 192) * torch.logspace(-3, 3, 9)[:, None]).to(dtype)
+    x[2, 64:128] = 0  # a block of zeros: d = 0, q = 0
+    x[3, 5] = 1e3     # one large value dominates its block
+    inv = torch.rand(192) + 0.5
+    q, d = torch.ops.servelm_w8a8.quantize(x, inv, 64)
+    want_q, want_d = w8a8.reference(x, inv, 64)
+    assert torch.equal(q, want_q) and torch.equal(d, want_d)
+    assert not q[2, 64:128].any() and d[2, 1] == 0
+    assert q.abs().max() == 127
+
+
+def _want(x, mod):
+    """The kernel's arithmetic in fp64: the blocks' exact integer sums, scaled."""
+    q, d = w8a8.reference(x, mod.inv_scale, mod.block)
+    n, k = mod.out_features, mod.in_features
+    wq = (mod.weight.permute(0, 2, 1, 3).reshape(-1, k)[:n].to(torch.int64) - 128)
+    qb = q.to(torch.int64).reshape(q.shape[0], -1, mod.block)
+    wb = wq.reshape(n, -1, mod.block)
+    sums = torch.einsum("mbk,nbk->mnb", qb.double(), wb.double())
+    y = (sums * d.double()[:, None, :]).sum(-1) * mod.weight_scale.double()
+    return y if mod.bias is None else y + mod.bias.double()
+
+
+@runs
+@pytest.mark.parametrize("n,k,bias,fmt", [(40, 48, True, "int8"), (64, 576, False, "int4"),
+                                          (20, 256, True, "bfloat16")])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])
+def test_kernel_is_its_integer_arithmetic(n, k, bias, fmt, rows):
+    src, amax = _calibrated(n, k, bias, fmt)
+    mod = w8a8.W8A8Linear(src)
+    x = _inputs(rows, amax, torch.float32)
+    y = mod(x)
+    want = _want(x, mod)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    yb = mod(x.bfloat16())
+    assert yb.dtype == torch.bfloat16
+    wantb = _want(x.bfloat16(), mod)
+    assert ((yb.double() - wantb).abs() <= 2 ** -7 * wantb.abs() + 1e-6).all()
+
+
+@runs
+def test_rows_are_the_same_bits_whatever_the_row_count():
+    src, amax = _calibrated(72, 384, True)
+    mod = w8a8.W8A8Linear(src)
+    x = _inputs(37, amax)
+    full = mod(x)
+    for lo, hi in [(0, 1), (3, 11), (8, 16), (20, 37)]:
+        assert torch.equal(mod(x[lo:hi].clone()), full[lo:hi])
+    assert tuning.row_invariant(mod, x)
+
+
+@runs
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bfloat16"])
+def test_smoothing_holds_outlier_channels(fmt):
+    """Against the fp32 product: within a few percent on inputs with outlier channels, and
+    closer than the same int8 blocks without the smoothing."""
+    src, amax = _calibrated(128, 384, fmt=fmt)
+    x = _inputs(32, amax)
+    want = x.float() @ lm.reference_weight(src).T
+    err = lambda y: ((y.float() - want).norm() / want.norm()).item()  # noqa: E731
+    smoothed = err(w8a8.W8A8Linear(src)(x))
+    plain = w8a8.W8A8Linear(src, alpha=0.0)  # s = 1 / wmax: no activation migration
+    assert smoothed < 0.02, smoothed
+    assert smoothed < err(plain(x)) / 2, (smoothed, err(plain(x)))
+
+
+def test_applies_only_where_it_can_run(monkeypatch):
+    src, _ = _calibrated(32, 64)
+    bare = Q.Int4Linear.from_linear(nn.Linear(64, 32), 32)
+    assert not w8a8.applies(bare, torch.bfloat16)  # no calibration
+    assert not w8a8.applies(src, torch.float32)    # fp32 runs keep fp32-accurate methods
+    monkeypatch.setattr(w8a8, "int8_dot", lambda: False)  # a CPU without VNNI
+    assert not w8a8.applies(src, torch.bfloat16)
+    assert "w8a8" not in lm.WeightFormat.of(src).methods(src, torch.bfloat16, True)
+    assert lm.default_method(src, torch.bfloat16, True) != "w8a8"
+
+
+@runs
+def test_a_head_keeps_the_calibration():
+    src, amax = _calibrated(64, 96)
+    head = lm.head(src, 32)
+    assert torch.equal(w8a8.calibrated(head), amax) and w8a8.applies(head, torch.bfloat16)
+    assert tuning._shape_key(src, torch.bfloat16).endswith(":smooth")
+
+
+def test_the_tuner_takes_it_for_prompts_only():
+    inf = math.inf
+    times = lm.eligible({"w8a8": [5.0, 5.0, 5.0, 5.0], "q8act": [10.0, 10.0, 10.0, 10.0],
+                         "tiles": [1.0, inf, 20.0, 30.0]})
+    assert times["w8a8"] == [inf, inf, inf, 5.0] and times["tiles"] == [1.0, inf, 20.0, 30.0]
+    assert tuning.choose(times, "q8act") == ["tiles", "q8act", "q8act", "w8a8"]
+    sc = tuning.ShapeChoice("k:smooth", ["a", "b"], ["q8act"] * 4, times, [])
+    sc.invariant = ["q8act"]
+    report = tuning.TuningReport([sc])
+    tuning._decide([sc], False, report)
+    assert sc.methods == ["tiles", "q8act", "q8act", "w8a8"]
+
+
+def test_known_answer_inputs_follow_the_calibration():
+    src, amax = _calibrated(32, 64)
+    x = tuning.check_input(src, 4000, torch.Generator().manual_seed(0), torch.float32)
+    ratio = x.abs().amax(0) / amax
+    assert ratio.min() > 2 and ratio.max() < 6  # each channel at its own scale
+    bare = Q.Int4Linear.from_linear(nn.Linear(64, 32), 32)
+    assert tuning.check_input(bare, 4, torch.Generator(), torch.bfloat16).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- calibration
+
+@pytest.fixture(scope="module")
+def model():
+    """The embedded model's layers (int4 weights, bf16), loaded alone, not calibrated."""
+    from servelm.models.loader import load_model, open_checkpoint
+
+    ck = open_checkpoint(None)
+    m = load_model(ck, ck.config(), torch.bfloat16, torch.device("cpu"), 2048)
+    Q.quantize_model(m, "int4")
+    return m, ck
+
+
+def test_wanted_by_the_setting(model):
+    m, _ = model
+    cpu = torch.device("cpu")
+    expect = w8a8.int8_dot() and w8a8.available()
+    assert calibration.wanted(m, "auto", cpu, KernelConfig()) is expect
+    assert not calibration.wanted(m, "off", cpu, KernelConfig())
+    assert not calibration.wanted(m, "auto", cpu, KernelConfig(tuning="off"))  # never chosen
+    assert not calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="q8act,tiles"))
+    assert calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="w8a8,q8act")) is expect
+    assert not calibration.wanted(m, "on", cpu, KernelConfig(cpu_kernels=False))
+
+
+@runs
+def test_calibration_covers_every_target_row_and_is_cached(model, tmp_path, monkeypatch):
+    m, ck = model
+    ids = calibration.calibration_ids(ck.tokenizer(), 96)
+    assert len(ids) == 96
+    cache = calibration.cache_file(tmp_path, ck.path, torch.bfloat16, "int4", ids)
+    seen = {}
+
+    def record(mod, args):
+        seen[id(mod)] = args[0].shape[0]
+    targets = calibration._targets(m)
+    assert len(targets) == 3 * len(m.layers)
+    hooks = [t.register_forward_pre_hook(record) for t in targets]
+    try:
+        assert calibration.calibrate(m, ids, KernelConfig(), cache) == len(targets)
+    finally:
+        for h in hooks:
+            h.remove()
+    # every target saw every position: the last layer's o_proj and MLP too
+    assert set(seen.values()) == {96}
+    amax = {id(t): w8a8.calibrated(t).clone() for t in targets}
+    assert all(a.shape == (t.in_features,) and (a >= 0).all() and a.max() > 0
+               for t, a in zip(targets, amax.values()))
+    assert cache.exists()
+    for t in targets:
+        delattr(t, w8a8.AMAX)
+    monkeypatch.setattr(calibration, "_measure", lambda *a: pytest.fail("not read back"))
+    assert calibration.calibrate(m, ids, KernelConfig(), cache) == len(targets)
+    assert all(torch.equal(w8a8.calibrated(t), amax[id(t)]) for t in targets)
+    # another text is another calibration
+    other = calibration.cache_file(tmp_path, ck.path, torch.bfloat16, "int4", ids[:50])
+    assert other != cache
