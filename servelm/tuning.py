@@ -105,7 +105,7 @@ MONOTONE_PAIRS = ((0, 1), (2, 3))  # (1, 8) rows: sweeps; (64, 512): one layer o
 # steps ~1.15x faster than the per-op path with equal matmul times.) That is counted as
 # STACK_CALLS one-row operator calls per decoder layer, the call's time measured at
 # start-up (_op_call_us); the calibration is in docs/kernels.md ("Choose the kernels").
-STACK_METHODS = ("tiles", "q8act", "amx")
+STACK_METHODS = ("tiles", "q8act", "amx", "w8a8")
 STACK_BUCKETS = 3
 STACK_CALLS = 20
 # Across shapes: at the largest bucket a call is compute-bound, so every large shape's best
@@ -1193,7 +1193,9 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
     errs towards the per-op path): at one row each shape's fastest stack method (the default
     within MARGIN; for a quantised shape, not a dequantised method other than the one its
     other buckets hold: _one_dequantised_copy), at 8 and 64 the one-row method (one stack,
-    one set of weights, for all three). free is changed in place. (The prompt-sized bucket
+    one set of weights, for all three), or a method that cannot run one row (w8a8) where
+    the shape holds it for prompts anyway and it is faster there (a stack of its own, no
+    further copy of the weights). free is changed in place. (The prompt-sized bucket
     keeps the fastest method.)"""
     idx = [i for i, sc in enumerate(shapes) if sc.key in stack.keys]
     if not idx:
@@ -1214,9 +1216,16 @@ def _stack_choice(shapes: list[ShapeChoice], free: list[list[str]],
                     return
                 alt[i] = choose(t, sc.methods[0])[0]
             else:
-                alt[i] = free[i][0]
-                if not math.isfinite(sc.times_us.get(alt[i], none)[b]):
+                # The one-row method, or one that cannot run one row (w8a8) where the shape
+                # holds it for prompts anyway and it is faster here: no further weight copy.
+                later = {m for m in (free[i][b], free[i][-1])
+                         if lm.by_name(m).first_bucket > 0}
+                t = {m: sc.times_us[m] for m in {free[i][0]} | later
+                     if m in STACK_METHODS and m in sc.times_us
+                     and math.isfinite(sc.times_us[m][b])}
+                if free[i][0] not in t:
                     return  # (a stack method timed at one row but failed at 8)
+                alt[i] = choose(t, free[i][0])[b]
         t_free = sum(len(shapes[i].names) * shapes[i].times_us.get(free[i][b], none)[b]
                      for i in idx)
         t_stack = sum(len(shapes[i].names) * shapes[i].times_us[alt[i]][b] for i in idx)

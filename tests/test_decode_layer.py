@@ -13,7 +13,7 @@ import torch
 from servelm import LLM, SamplingParams
 from servelm import quantization as Q
 from servelm.kernels import load_ops
-from servelm.layers import amx, q8act
+from servelm.layers import amx, q8act, w8a8
 from servelm.layers.stack import StackFormat
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
@@ -140,18 +140,43 @@ def test_decode_stack_binds_only_quantised_kernel_layers():
     assert not model.float().bind_decode_layers(caches)  # fp32 activations: per-op path
 
 
-def _bucketed(model, methods: list[str]) -> None:
+def _bucketed(model, methods: list[str], down: list[str] | None = None) -> None:
     """Every layer's linear layers from int4 sources, run by row bucket on `methods` (one a
-    bucket), as servelm.tuning leaves them."""
+    bucket; down_proj on `down` where given), as servelm.tuning leaves them. A w8a8 layer's
+    source gets a calibration (channel maxima with outliers) first."""
     from servelm.layers import linear_methods as lm
 
     Q.quantize_model(model.layers, "int4")
+    g = torch.Generator().manual_seed(3)
     for layer in model.layers:
         for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
             src = getattr(owner, name)
-            built = {m: lm.build(m, src, torch.bfloat16) for m in dict.fromkeys(methods)}
-            setattr(owner, name, lm.BucketedLinear([built[m] for m in methods], methods))
+            ms = down if down is not None and name == "down_proj" else methods
+            if "w8a8" in ms:
+                amax = torch.rand(src.in_features, generator=g) + 0.5
+                amax[:2] *= 30
+                setattr(src, w8a8.AMAX, amax)
+            built = {m: lm.build(m, src, torch.bfloat16) for m in dict.fromkeys(ms)}
+            setattr(owner, name, lm.BucketedLinear([built[m] for m in ms], ms))
+
+
+def test_w8a8_batches_get_a_stack_of_their_own():
+    """The tuner's int4 choice on a Zen 4: q8act for one and a few rows, w8a8 (int8 weights
+    and activations) from 23 on the calibrated layers, down_proj on q8act throughout: a stack
+    for each run, each bit for bit the per-op path on its rows."""
+    if not (q8act.available() and w8a8.available() and w8a8.int8_dot()):
+        pytest.skip("the w8a8 kernel needs AVX-512 VNNI")
+    for cfg in (_config(num_layers=2),
+                _config(hidden_size=320, num_heads=5, num_kv_heads=1, head_dim=64,
+                        intermediate_size=128, attention_bias=True, num_layers=2)):
+        model = _model(cfg, {})
+        _bucketed(model, ["q8act", "q8act", "w8a8", "w8a8"], down=["q8act"] * 4)
+        for lens in ([5, 30, 9], [3] * 30, list(range(1, 800, 4))):
+            batch, data, caches = _setup(cfg, lens)
+            (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+            assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+        assert model.decode_stack_ranges() == [(1, 22), (23, 4096)]
 
 
 def test_a_stack_for_each_run_of_buckets_on_kernel_modules():
@@ -211,7 +236,7 @@ def test_decode_stack_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="only gate_up_proj may be gated amx"):
         stack(groups=[32, StackFormat.AMX_GATED, 32, 32] * 2)
     q8 = StackFormat.Q8ACT
-    with pytest.raises(RuntimeError, match="none of int4's .* or q8act's"):  # q8act, no group
+    with pytest.raises(RuntimeError, match="none of int4's .* q8act's .* or w8a8's"):  # q8act, no group
         stack(groups=[32, q8, 32, 32] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: q8act qweight must be"):  # tiles
         stack(groups=[32, q8 + 32, 32, 32] * 2)

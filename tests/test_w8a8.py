@@ -147,17 +147,35 @@ def test_a_head_keeps_the_calibration():
     assert tuning._shape_key(src, torch.bfloat16).endswith(":smooth")
 
 
-def test_the_tuner_takes_it_for_prompts_only():
+def test_the_tuner_takes_it_for_batches_and_prompts_only():
     inf = math.inf
     times = lm.eligible({"w8a8": [5.0, 5.0, 5.0, 5.0], "q8act": [10.0, 10.0, 10.0, 10.0],
                          "tiles": [1.0, inf, 20.0, 30.0]})
-    assert times["w8a8"] == [inf, inf, inf, 5.0] and times["tiles"] == [1.0, inf, 20.0, 30.0]
-    assert tuning.choose(times, "q8act") == ["tiles", "q8act", "q8act", "w8a8"]
+    assert times["w8a8"] == [inf, inf, 5.0, 5.0] and times["tiles"] == [1.0, inf, 20.0, 30.0]
+    assert tuning.choose(times, "q8act") == ["tiles", "q8act", "w8a8", "w8a8"]
     sc = tuning.ShapeChoice("k:smooth", ["a", "b"], ["q8act"] * 4, times, [])
     sc.invariant = ["q8act"]
     report = tuning.TuningReport([sc])
     tuning._decide([sc], False, report)
-    assert sc.methods == ["tiles", "q8act", "q8act", "w8a8"]
+    assert sc.methods == ["tiles", "q8act", "w8a8", "w8a8"]
+    # batch-invariant: one method for every bucket, never one the tuner may not choose at one row
+    sc.invariant = ["w8a8", "q8act"]
+    tuning._decide([sc], True, report)
+    assert sc.methods == ["q8act"] * 4
+
+
+def test_the_decode_stack_keeps_w8a8_where_the_shape_holds_it_for_prompts():
+    """At 64 rows the DecodeStack may run w8a8 (a stack of its own) where the shape holds it
+    for prompts anyway; at one and 8 rows it keeps the one-row method."""
+    inf = math.inf
+    times = lm.eligible({"w8a8": [50.0, 50.0, 100.0, 500.0],
+                         "q8act": [10.0, 20.0, 160.0, 900.0]})
+    sc = tuning.ShapeChoice("k:smooth", ["a"], ["q8act"] * 4, times, [])
+    stack = tuning.StackCost({"k:smooth"}, 1, 1.0)
+    free = [["q8act", "q8act", "w8a8", "w8a8"]]
+    tuning._stack_choice([sc], free, stack)
+    assert free == [["q8act", "q8act", "w8a8", "w8a8"]] and times["w8a8"][0] == inf
+    assert tuning._on_stack([sc], free, stack) == [True, True, True, True]
 
 
 def test_known_answer_inputs_follow_the_calibration():

@@ -173,9 +173,9 @@ class LinearMethod:
     layer at most one such method (tuning._one_dequantised_copy).
     untuned_quantised: the untuned default (default_method) may pick it for a quantised
     layer (not onednn: its dequantised copy would undo the quantisation's memory saving).
-    first_bucket: the first row bucket the tuner may choose it for (w8a8: prompts only; a
-    batch's step runs on the DecodeStack, which has no such layer, and the per-op path's
-    calls cost more than the method saves there)."""
+    first_bucket: the first row bucket the tuner may choose it for (w8a8: from a batch's
+    rows on; one or a few rows are memory-bound, where its int8 copy of the weights is
+    twice an int4 layer's bytes)."""
 
     name: str
     runs: Callable[[nn.Module, torch.dtype], bool]
@@ -278,7 +278,7 @@ LINEAR_METHODS: tuple[LinearMethod, ...] = (
     LinearMethod("bfp", bfp.applies, lambda src, act: bfp.BfpLinear(src)),
     LinearMethod("amx", amx.applies, lambda src, act: amx.AmxLinear(src), dequantised=True),
     LinearMethod("w8a8", w8a8.applies, lambda src, act: w8a8.W8A8Linear(src), dequantised=True,
-                 untuned_quantised=False, first_bucket=len(BUCKET_ROWS) - 1),
+                 untuned_quantised=False, first_bucket=2),
     LinearMethod("torch", lambda src, act: True, _torch_make, anywhere=True),
 )
 METHODS_BY_NAME: dict[str, LinearMethod] = {m.name: m for m in LINEAR_METHODS}

@@ -13,6 +13,7 @@ from torch import nn
 from servelm.layers.amx import AmxLinear
 from servelm.layers.lora import LoRALinear
 from servelm.layers.q8act import Int4Q8Linear
+from servelm.layers.w8a8 import W8A8Linear
 from servelm.quantization.formats import Int4Linear, Int8Linear, TiledLinear
 
 
@@ -26,6 +27,7 @@ class StackFormat(enum.IntEnum):
     AMX = -2  # bf16 in AMX tile order
     AMX_GATED = -3  # a SwiGLU gate_up in AMX tile order, SiLU in its epilogue (gate_silu)
     Q8ACT = 1 << 20
+    W8A8 = 2 << 20
 
     @staticmethod
     def int4_code(group_size: int) -> int:
@@ -34,6 +36,10 @@ class StackFormat(enum.IntEnum):
     @staticmethod
     def q8act_code(group_size: int) -> int:
         return StackFormat.Q8ACT + group_size
+
+    @staticmethod
+    def w8a8_code(block: int) -> int:
+        return StackFormat.W8A8 + block
 
 
 def base_linear(module: nn.Module) -> nn.Module:
@@ -54,6 +60,9 @@ def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor]
                 StackFormat.q8act_code(module.group_size))
     if isinstance(module, AmxLinear):
         return [module.packed], StackFormat.AMX_GATED if module.gated else StackFormat.AMX
+    if isinstance(module, W8A8Linear):
+        return ([module.weight, module.weight_scale, module.inv_scale],
+                StackFormat.w8a8_code(module.block))
     if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:
         return [module.qweight], StackFormat.BF16
     if isinstance(module, Int4Linear) and module.use_kernel:

@@ -37,6 +37,7 @@
 #include "tiled_kernels.h"     // the int4 / int8 / bf16 tiled matmuls, as servelm_quant runs them
 #include "decode_attention.h"
 #include "q8act_kernel.h"      // q8act layers
+#include "w8a8_kernel.h"       // w8a8 layers (AVX-512 VNNI)
 #include "amx_linear_kernel.h"  // amx layers (where AMX-BF16 is built)
 #include "row_kernels.h"
 #include "lora_kernels.h"      // LoRA deltas, as servelm_ops.lora_add runs them
@@ -57,10 +58,12 @@ enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kM
 enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kModelScalars };
 // The gated MLP's activation.
 enum Activation : int64_t { kSilu, kGeluTanh };
-// The weight format codes (servelm.quantization.StackFormat): > 0 int4 with that group
-// size, kInt8, kBf16 (tiles), kAmx, kAmxGated, kQ8Act + the group size.
+// The weight format codes (servelm.layers.stack.StackFormat): > 0 int4 with that group
+// size, kInt8, kBf16 (tiles), kAmx, kAmxGated, kQ8Act + the group size, kW8A8 + the
+// activation block.
 namespace format {
-constexpr int64_t kInt8 = 0, kBf16 = -1, kAmx = -2, kAmxGated = -3, kQ8Act = int64_t{1} << 20;
+constexpr int64_t kInt8 = 0, kBf16 = -1, kAmx = -2, kAmxGated = -3, kQ8Act = int64_t{1} << 20,
+                  kW8A8 = int64_t{2} << 20;
 }
 
 // ---------------------------------------------------------------- decoder layers, decode rows
@@ -93,8 +96,13 @@ struct QLinear {
   // An int4 layer in q8act's panels (activations quantised per call to int8,
   // q8act_kernel.h): this plus its group size.
   static constexpr int64_t kQ8Act = format::kQ8Act;
-  int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16
+  // A calibrated layer in w8a8's int8 panels (activations smoothed and quantised per block
+  // of inputs to int8, w8a8_kernel.h): this plus the block.
+  static constexpr int64_t kW8A8 = format::kW8A8;
+  int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16; w8a8: the activation block
   bool q8 = false;  // int4 in q8act's panels (G its group size)
+  bool w8 = false;  // w8a8's panels (G the activation block; sc: the weight scales)
+  const float* inv = nullptr;  // w8a8: 1 / the smoothing factors
   bool amx = false;  // bf16 in AMX tile order (amx_linear_kernel.h; G is kBf16)
   bool gated = false;  // amx, a gated gate_up: out gets silu(gate) * up
   const uint8_t* qw = nullptr;
@@ -106,13 +114,13 @@ struct QLinear {
   // 16 outputs a tile (int4 / int8 / bf16), a panel (q8act: 8K bytes, as an int4 tile) or
   // half a column pair (amx: 32K bytes, as a bf16 tile; pairs are whole in share()).
   int64_t tiles() const { return (N + 15) / 16; }
-  int64_t tile_bytes() const { return G > 0 ? 8 * K : G == 0 ? 16 * K : 32 * K; }
+  int64_t tile_bytes() const { return w8 ? 16 * K : G > 0 ? 8 * K : G == 0 ? 16 * K : 32 * K; }
   int64_t group() const { return G > 0 ? G : K; }
   // From these many rows on, int4_linear / int8_linear decode each tile once and
   // bf16_linear runs its GEMM micro-kernel (a different kernel, rounded differently): so does
   // the stack. q8act and amx run one kernel for every row count.
   bool decode_once(int64_t M) const {
-    return !q8 && !amx && M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
+    return !q8 && !amx && !w8 && M >= (G > 0 ? kDecodeOnceRows4 : G == 0 ? kDecodeOnceRows8 : kGemmRows16);
   }
   // Thread tid's tiles, whole pairs (the decode-once GEMM decodes two at a time).
   void share(int tid, int nt, int64_t& t0, int64_t& t1) const {
@@ -126,6 +134,7 @@ struct QLinear {
   // the decode-once sizes on or for bf16 tiles.
   int64_t scratch(int64_t M) const {
     if (q8) return 2 * M * (K / q8act::kB) + (M * K + 3) / 4;
+    if (w8) return 2 * M * (K / G) + (M * K + 3) / 4;
 #ifdef SERVELM_AMX
     if (amx) return (amx_linear::packed_elems(M, K) + 1) / 2;
 #endif
@@ -146,6 +155,15 @@ struct QLinear {
     }
 #endif
     (void)drows;
+#ifdef SERVELM_W8A8
+    if (w8) {
+      const int64_t NB = K / G;
+      w8a8::panels(reinterpret_cast<const int8_t*>(xs + 2 * M * NB), xs,
+                   reinterpret_cast<const int32_t*>(xs + M * NB), qw, static_cast<const float*>(sc), bias,
+                   out, M, N, K, G, t0, t1);
+      return;
+    }
+#endif
     if (q8) {
       const int64_t NB = K / q8act::kB;
       q8act::panels(reinterpret_cast<const int8_t*>(xs + 2 * M * NB), xs, xs + M * NB, qw, s4, mn, G,
@@ -172,6 +190,16 @@ struct QLinear {
         const int64_t from = std::max(m0, amx_linear::packed_from(M, K)), end = m1 == M ? padded : m1;
         if (from < end) amx_linear::pack_rows(x, reinterpret_cast<c10::BFloat16*>(xs), M, K, from, end);
       }
+      return;
+    }
+#endif
+#ifdef SERVELM_W8A8
+    if (w8) {
+      const int64_t NB = K / G;
+      int8_t* q = reinterpret_cast<int8_t*>(xs + 2 * M * NB);
+      int32_t* cs = reinterpret_cast<int32_t*>(xs + M * NB);
+      for (int64_t m = m0; m < m1; ++m)
+        w8a8::quantize_row(x + m * K, inv, K, G, q + m * K, xs + m * NB, cs + m * NB);
       return;
     }
 #endif
@@ -222,6 +250,25 @@ void check_q8act(const at::Tensor& qweight, const at::Tensor& scales, const at::
                 "q8act scales/mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
 }
 
+// w8a8's panels: uint8 [ceil(N / 16), K / 4, 16, 4], the weight scales and 1 / the
+// smoothing factors float32 [N] and [K] (as servelm_w8a8.linear takes them).
+void check_w8a8(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& inv, int64_t N,
+                int64_t B, int64_t K) {
+#ifndef SERVELM_W8A8
+  TORCH_CHECK(false, "w8a8 weights, but this build has no AVX-512 VNNI");
+#endif
+  const int64_t NP = (N + 15) / 16;
+  TORCH_CHECK(B > 0 && B % 16 == 0 && K % B == 0, "w8a8 block must be a multiple of 16 dividing K=", K,
+              ", got ", B);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == NP * 16 * K,
+              "w8a8 weight must be contiguous uint8 [ceil(N/16), K/4, 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "w8a8 weight scales must be contiguous float32 [N]");
+  TORCH_CHECK(inv.scalar_type() == at::kFloat && inv.is_contiguous() && inv.numel() == K,
+              "w8a8 inverse smoothing factors must be contiguous float32 [K]");
+}
+
 // amx's packed weight: int32 [N * K / 2] (servelm_amx_linear.pack), N and K multiples of 32.
 void check_amx(const at::Tensor& packed, int64_t N, int64_t K) {
   TORCH_CHECK(amx_available(), "amx weights, but AMX-BF16 is not available here");
@@ -234,19 +281,23 @@ void check_amx(const at::Tensor& packed, int64_t N, int64_t K) {
 QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int64_t N, int64_t K,
                      const char* name) {
   QLinear L;
-  L.q8 = G > QLinear::kQ8Act;
+  L.w8 = G > QLinear::kW8A8;
+  L.q8 = !L.w8 && G > QLinear::kQ8Act;
   L.amx = G == QLinear::kAmx || G == QLinear::kAmxGated;
   L.gated = G == QLinear::kAmxGated;
-  L.G = L.q8 ? G - QLinear::kQ8Act : L.amx ? QLinear::kBf16 : G;
+  L.G = L.w8 ? G - QLinear::kW8A8 : L.q8 ? G - QLinear::kQ8Act : L.amx ? QLinear::kBf16 : G;
   L.N = N;
   L.K = K;
-  TORCH_CHECK(G >= QLinear::kAmxGated && G != QLinear::kQ8Act, "DecodeStack ", name, ": group size ", G,
-              " is none of int4's (> 0), int8's (0), bf16's (-1), amx's (-2), gated amx's (-3) or q8act's (",
-              QLinear::kQ8Act, " + group size)");
+  TORCH_CHECK(G >= QLinear::kAmxGated && G != QLinear::kQ8Act && G != QLinear::kW8A8 &&
+                  (L.w8 || G < QLinear::kW8A8),
+              "DecodeStack ", name, ": group size ", G,
+              " is none of int4's (> 0), int8's (0), bf16's (-1), amx's (-2), gated amx's (-3), q8act's (",
+              QLinear::kQ8Act, " + group size) or w8a8's (", QLinear::kW8A8, " + block)");
   const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
   TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
   try {
     if (L.amx) check_amx(w[j], N, K);
+    else if (L.w8) check_w8a8(w[j], w[j + 1], w[j + 2], N, L.G, K);
     else if (L.q8) check_q8act(w[j], w[j + 1], w[j + 2], N, L.G, K);
     else if (G > 0) check_int4(w[j], w[j + 1], w[j + 2], N, G, K);
     else if (G == 0) check_int8(w[j], w[j + 1], N, K);
@@ -254,7 +305,11 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "DecodeStack ", name, ": ", e.what_without_backtrace());
   }
-  if (G > 0) {
+  if (L.w8) {
+    L.qw = w[j].data_ptr<uint8_t>();
+    L.sc = w[j + 1].data_ptr<float>();
+    L.inv = w[j + 2].data_ptr<float>();
+  } else if (G > 0) {
     L.qw = w[j].data_ptr<uint8_t>();
     L.sc = w[j + 1].data_ptr<c10::Half>();
     L.mn = w[j + 2].data_ptr<c10::Half>();
@@ -519,11 +574,12 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(g[2] != QLinear::kAmxGated || act_ == kSilu, "DecodeStack: gated amx is SiLU's");
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
       s.o = parse_linear(keep_, j, g[1], hidden, heads_ * D, "o_proj");
-      // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 16K
-      // bytes, bf16 16K elements.
+      // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 (and
+      // w8a8's panels) 16K bytes, bf16 16K elements.
       TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
       const bool amx_gu = g[2] == QLinear::kAmx || g[2] == QLinear::kAmxGated;
-      const int64_t gu_tiles = keep_[j].numel() / ((g[2] > 0 || amx_gu ? 8 : 16) * hidden);
+      const bool w8_gu = g[2] > QLinear::kW8A8;
+      const int64_t gu_tiles = keep_[j].numel() / ((!w8_gu && (g[2] > 0 || amx_gu) ? 8 : 16) * hidden);
       s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
       s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
       // run() sizes its per-step buffers from layer 0.
