@@ -84,7 +84,8 @@ VARIANTS = {**{m: {"linear_method": m}  # every linear layer on this method (lin
             "untuned": {"kernel_tuning": "off"},      # the built-in defaults, nothing measured
             "unfused": {"fused_decode": False},       # no int4/int8/bf16 DecodeStack
             "smallpages": {"hugepages": False},       # weights and KV cache in 4 KB pages
-            "eager": {"cpu_kernels": False}}          # the PyTorch reference throughout
+            "eager": {"cpu_kernels": False},          # the PyTorch reference throughout
+            "noint8act": {"int8_activations": "off"}}  # no w8a8 (int4: q8act's blocks)
 PROMPT_LEN = 512
 GEN = 128
 BATCH = 64

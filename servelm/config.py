@@ -26,7 +26,7 @@ QUANTIZATIONS = (None, "none", "int8", "int4")
 LINEAR_METHODS = ("auto", "tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows",
                   "panels", "q8act", "bfp", "amx", "w8a8", "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
-INT8_ACTIVATIONS = ("auto", "on", "off")
+INT8_ACTIVATIONS = ("auto", "off")
 # How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
 # (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -438,26 +438,26 @@ class KernelConfig:
              "measured)",
         no_help="the fastest method per row bucket, invariant or not")
     # Bytes the dequantised weight copies of a quantised model may take (the amx and onednn
-    # methods hold a layer's weight again in the activation dtype, for faster prompts);
+    # methods hold a layer's weight again in the activation dtype, for faster prompts; w8a8
+    # an int8 copy, of a bf16 model's layers too);
     # past it the largest layers do without. None: a quarter of the memory available when
     # the tuner decides; 0: none.
     dequantized_copy_bytes: int | None = option(
         None, keyword="dequantized_copy_memory", parse=size, metavar="BYTES",
         help="how much memory a quantised model's dequantised weight copies may take (the "
              "amx and onednn methods keep a layer's weight in the activation dtype too, for "
-             "faster prompts); 0: none (default: a quarter of the memory available at "
-             "start-up)")
+             "faster prompts; w8a8 an int8 copy, a bf16 model's too); 0: none (default: a "
+             "quarter of the memory available at start-up)")
     # Int8 activations for the compute-bound calls (prompts, batches): the qkv, o and
     # gate_up layers calibrated at start-up on a built-in text (servelm.engine.calibration),
-    # then the w8a8 method (servelm.layers.w8a8) is one more the tuner measures. auto: for
-    # models whose weights are quantised (int4 / int8), whose prompts already run 8-bit
-    # activations (q8act); on: bf16-weight models too (it changes their outputs by about
-    # int8's rounding); off: never.
+    # then the w8a8 method (servelm.layers.w8a8) is one more the tuner measures (bf16
+    # activations, AVX-512 VNNI); off: never, and the outputs keep the bf16 (or q8act's)
+    # activations at every row count.
     int8_activations: str = option(
         "auto", choices=INT8_ACTIVATIONS,
-        help="int8 activations (SmoothQuant-smoothed, whole rows) for prompts and batches on "
-             "CPUs with an int8 dot product: auto (models with int4 / int8 weights), on (bf16 "
-             "weights too: their outputs change by about int8's rounding) or off")
+        help="int8 activations (SmoothQuant-smoothed, blocks of up to 128 inputs) for the "
+             "qkv, o and gate_up layers of prompts and batches, where the CPU has AVX-512 "
+             "VNNI and the tuner measures them faster (auto), or never (off)")
     # Structured outputs: the next-token masks of the step's constrained rows computed on a
     # background thread while the forward runs (structured_outputs.MaskPrefetch).
     overlap_grammar_masks: bool = option(

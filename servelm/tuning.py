@@ -1251,24 +1251,30 @@ def _limit_dequantised_copies(shapes: list[ShapeChoice],
                               act: torch.dtype, budget: int) -> list[str]:
     """Keeps the dequantised copies a quantised model's layers may hold (lm.DEQUANTISED:
     amx and onednn hold the weight again in the activation dtype, 3-4x an int4 layer's
-    bytes, for faster prompts) within `budget` bytes, at most one per layer
-    (_one_dequantised_copy): while the shapes that could choose one would hold more, the
-    largest shape loses those methods. Returns the shapes' keys that lost them."""
+    bytes, for faster prompts; w8a8 an int8 copy, counted at the activation dtype's size
+    too), and the int8 copies w8a8 adds to an unquantised model's layers, within `budget`
+    bytes, at most one per layer (_one_dequantised_copy): while the shapes that could
+    choose one would hold more, the largest shape loses those methods. Returns the shapes'
+    keys that lost them."""
     size = torch.empty(0, dtype=act).element_size()
-    cost = {sc.key: size * sum(it[3].in_features * it[3].out_features for it in groups[sc.key])
-            for sc in shapes
-            if sc.quantised and any(m in lm.DEQUANTISED for m in sc.times_us)}
+
+    def copies(sc: ShapeChoice) -> set[str]:
+        return set(lm.DEQUANTISED) if sc.quantised else {"w8a8"}
+    cost = {sc.key: (size if sc.quantised else 1)
+            * sum(it[3].in_features * it[3].out_features for it in groups[sc.key])
+            for sc in shapes if copies(sc) & set(sc.times_us)}
     dropped = []
     for key in sorted(cost, key=cost.get, reverse=True):
         if sum(cost[k] for k in cost if k not in dropped) <= budget:
             break
         sc = next(sc for sc in shapes if sc.key == key)
-        sc.times_us = {m: t for m, t in sc.times_us.items() if m not in lm.DEQUANTISED}
-        sc.invariant = [m for m in sc.invariant if m not in lm.DEQUANTISED]
-        sc.candidates = [m for m in sc.candidates if m not in lm.DEQUANTISED]
+        drop = copies(sc)
+        sc.times_us = {m: t for m, t in sc.times_us.items() if m not in drop}
+        sc.invariant = [m for m in sc.invariant if m not in drop]
+        sc.candidates = [m for m in sc.candidates if m not in drop]
         dropped.append(key)
     if dropped:
-        progress.info("no dequantised weight copies for %d of %d quantised layer shapes: all "
+        progress.info("no dequantised or int8 weight copies for %d of %d layer shapes: all "
                       "would take %.2f GB, over the budget of %.2f GB", len(dropped),
                       len(cost), sum(cost.values()) / 1e9, budget / 1e9)
     return dropped

@@ -85,7 +85,7 @@ def test_compare_rejects_an_unknown_format_variant(capsys):
     assert code != 0
     assert "unknown format variant 'bogus' in 'int4/bogus'" in err
     assert ("tiles, onednn, qdot, int4pack, int8pack, gemv, gemv_rows, panels, q8act, bfp, amx, "
-            "w8a8, torch, untuned, unfused, smallpages, eager") in err
+            "w8a8, torch, untuned, unfused, smallpages, eager, noint8act") in err
 
 
 def test_compare_rejects_an_unknown_transformers_dtype(capsys):

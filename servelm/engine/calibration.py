@@ -2,10 +2,10 @@
 calibrated layer's largest |input| per channel, which the w8a8 linear method smooths by
 (servelm.layers.w8a8, SmoothQuant).
 
-Decided once at start-up by KernelConfig.int8_activations: "auto" calibrates a model whose
-calibrated layers hold quantised (int4 / int8) weights, "on" any model, "off" none. Only on
-the CPU with servelm's kernels, a model of attention layers alone (no recurrent states), in
-one process (a tensor-parallel rank's shard would need its peers' forward). The pass runs
+Decided once at start-up by KernelConfig.int8_activations ("auto": wherever the w8a8 method
+can run; "off": never): only on the CPU with servelm's kernels and bf16 activations, a model
+of attention layers alone (no recurrent states), in one process (a tensor-parallel rank's
+shard would need its peers' forward). The pass runs
 after weight quantisation and before the tuner measures the methods: the layers are still
 their sources, on a KV pool of its own that is freed after.
 """
@@ -52,7 +52,7 @@ def _targets(model: nn.Module) -> list[nn.Module]:
 
 
 def wanted(model: nn.Module, setting: str, device: torch.device, kernels: KernelConfig) -> bool:
-    """Whether this model is calibrated (int8_activations `setting`: auto, on, off)."""
+    """Whether this model is calibrated (int8_activations `setting`: auto or off)."""
     if setting == "off" or device.type != "cpu" or not kernels.cpu_kernels:
         return False
     forced = kernels.linear_method.split(",")
@@ -63,12 +63,7 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
     p = next(model.parameters(), None)
     if p is None or p.dtype != torch.bfloat16:  # the method runs bf16 activations only
         return False
-    targets = _targets(model)
-    if not targets:
-        return False
-    from servelm.layers.linear_methods import WeightFormat
-
-    return setting == "on" or all(WeightFormat.of(t).quantised for t in targets)
+    return bool(_targets(model))
 
 
 VERSION = 1  # of what a cached calibration holds and how it was measured
