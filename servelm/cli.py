@@ -318,7 +318,7 @@ def cmd_roofline(args) -> int:
                          args.flops * 1e12 if args.flops else measured.flops,
                          source="given and measured" if (args.bandwidth or args.flops)
                          else measured.source, int8_ops=measured.int8_ops,
-                         q8act_ops=measured.q8act_ops)
+                         q8act_ops=measured.q8act_ops, w8a8_ops=measured.w8a8_ops)
     print(rl.report(model, hw, prompt_lens=args.prompt_lens, batches=args.batches,
                     context=args.context, kv_pool_bytes=args.kv_cache_memory,
                     kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype))

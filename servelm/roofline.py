@@ -24,8 +24,11 @@ class Hardware:
     int8_ops: float | None = None
     # The same of servelm's q8act kernel (int4 weights x activations quantised per block of
     # 32, fp32 scaling a block): the roof the engine's int8-activation layers reach, under
-    # int8_ops (a Zen 4: 0.5 against 0.81 TOP/s); None where not measured or not built.
+    # int8_ops; None where not measured or not built.
     q8act_ops: float | None = None
+    # The same of servelm's w8a8 kernel (int8 weights x smoothed int8 activations per block
+    # of up to 128): the roof of the qkv, o and gate_up layers where it runs (AVX-512 VNNI).
+    w8a8_ops: float | None = None
 
 
 def prompt_flops(num_tokens: int, flops_per_token: float, sampled_row_flops: float,
@@ -189,13 +192,31 @@ def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Pre
                       flops / hw.flops)
 
 
-def int8_hardware(hw: Hardware) -> Hardware | None:
-    """The machine with the compute roof of layers on int8 activations: q8act's measured rate
-    (what they run on), else the int8 matmul's; None where neither is known."""
+def w8a8_share(m: ModelShape) -> float:
+    """The share of a decoder layer's matmul FLOPs in qkv, o and gate_up (the layers w8a8
+    runs; down_proj is the rest), from the model's sizes; 0 where they are not known."""
+    if not (m.hidden_size and m.intermediate_size and m.num_heads and m.head_dim):
+        return 0.0
+    kv = m.num_kv_heads or m.num_heads
+    attn = m.hidden_size * (2 * m.num_heads + 2 * kv) * m.head_dim
+    gate_up = 2 * m.hidden_size * m.intermediate_size
+    return (attn + gate_up) / (attn + gate_up + m.hidden_size * m.intermediate_size)
+
+
+def int8_hardware(hw: Hardware, m: ModelShape | None = None) -> Hardware | None:
+    """The machine with the compute roof of layers on int8 activations: where w8a8's rate is
+    measured and the model's sizes known, its rate on qkv, o and gate_up blended (by their
+    FLOPs) with the rest's (q8act's for quantised weights, else the dtype's); else q8act's
+    measured rate, else the int8 matmul's; None where none is known."""
     rate = hw.q8act_ops or hw.int8_ops
+    share = w8a8_share(m) if m is not None and hw.w8a8_ops else 0.0
+    if share:
+        rest = (hw.q8act_ops or hw.flops) if m.weight_bits <= 8 else hw.flops
+        rate = 1 / (share / hw.w8a8_ops + (1 - share) / rest)
     if not rate:
         return None
-    return Hardware(hw.bandwidth, rate, f"{hw.source}, int8", hw.int8_ops, hw.q8act_ops)
+    return Hardware(hw.bandwidth, rate, f"{hw.source}, int8", hw.int8_ops, hw.q8act_ops,
+                    hw.w8a8_ops)
 
 
 def ridge_tokens(m: ModelShape, hw: Hardware) -> float:
@@ -261,7 +282,8 @@ def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
     flops = best(lambda: a @ b, 2.0 * n ** 3)
     return Hardware(bandwidth, flops, source=f"measured on {device} ({dtype})",
                     int8_ops=_int8_ops(dev, lambda fn, work: best(fn, work, seconds / 4)),
-                    q8act_ops=_q8act_ops(dev, lambda fn, work: best(fn, work, seconds / 4)))
+                    q8act_ops=_q8act_ops(dev, lambda fn, work: best(fn, work, seconds / 4)),
+                    w8a8_ops=_w8a8_ops(dev, lambda fn, work: best(fn, work, seconds / 4)))
 
 
 def _int8_ops(dev, best) -> float | None:
@@ -294,6 +316,25 @@ def _q8act_ops(dev, best) -> float | None:
     n, rows = 1024, 512
     layer = q8act.Int4Q8Linear(quantize_linear(torch.nn.Linear(n, n, bias=False), "int4"))
     x = (torch.rand(rows, n) - 0.5).to(torch.bfloat16)  # (its work does not depend on the values)
+    return best(lambda: layer(x), 2.0 * rows * n * n)
+
+
+def _w8a8_ops(dev, best) -> float | None:
+    """The w8a8 kernel's rate (servelm.layers.w8a8) on a 1024-square layer at 512 rows of bf16
+    activations; None off the CPU or where it does not run (no AVX-512 VNNI)."""
+    import torch
+
+    if dev.type != "cpu":
+        return None
+    from servelm.layers import w8a8
+
+    if not (w8a8.available() and w8a8.int8_dot()):
+        return None
+    n, rows = 1024, 512
+    src = torch.nn.Linear(n, n, bias=False)
+    setattr(src, w8a8.AMAX, torch.ones(n))  # (its work does not depend on the values)
+    layer = w8a8.W8A8Linear(src)
+    x = (torch.rand(rows, n) - 0.5).to(torch.bfloat16)
     return best(lambda: layer(x), 2.0 * rows * n * n)
 
 
@@ -333,15 +374,22 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     ridge = hw.flops / hw.bandwidth
     lines.append(f"  ridge point: {ridge:.0f} FLOP/byte; decode does about "
                  f"{2 * 8 / m.weight_bits:.0f} FLOP per weight byte per sequence")
-    int8 = int8_hardware(hw)
+    int8 = int8_hardware(hw, m)
     if hw.int8_ops:
         lines.append(f"  int8 matmul: {hw.int8_ops / 1e12:.2f} TOP/s ({hw.int8_ops / hw.flops:.1f}x): "
                      f"the machine's int8 roof (whole rows), ridge "
                      f"{hw.int8_ops / hw.bandwidth:.0f} OP/byte")
     if hw.q8act_ops:
         lines.append(f"  q8act: {hw.q8act_ops / 1e12:.2f} TOP/s ({hw.q8act_ops / hw.flops:.1f}x): "
-                     f"the roof of layers with int8 activations (blocks of 32, scaled in fp32), "
-                     f"the int8 column's")
+                     f"the roof of layers with int8 activations (blocks of 32, scaled in fp32)"
+                     + ("" if int8 is None or hw.w8a8_ops else ", the int8 column's"))
+    if hw.w8a8_ops:
+        share = w8a8_share(m)
+        lines.append(f"  w8a8: {hw.w8a8_ops / 1e12:.2f} TOP/s ({hw.w8a8_ops / hw.flops:.1f}x): "
+                     f"the roof of qkv, o and gate_up on int8 activations (blocks of up to "
+                     f"128, smoothed)"
+                     + (f"; {share:.0%} of a layer's FLOPs, the int8 column at "
+                        f"{int8.flops / 1e12:.2f} TOP/s" if share and int8 else ""))
     lines.append("")
     lines.append("prefill (time to first token, one prompt)")
     lines.append(f"  {'prompt':>8}{'predicted':>12}{'bound':>10}"

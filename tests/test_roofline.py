@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,10 @@ def test_measure_hardware_gives_positive_rates():
     from servelm.layers import q8act
 
     assert (hw.q8act_ops is not None and hw.q8act_ops > 1e9) == q8act.available()
+    from servelm.layers import w8a8
+
+    assert (hw.w8a8_ops is not None and hw.w8a8_ops > 1e9) == (w8a8.available()
+                                                               and w8a8.int8_dot())
 
 
 def test_the_int8_roof_bounds_prompts_on_int8_activations():
@@ -114,6 +119,31 @@ def test_the_int8_column_is_the_q8act_kernels_roof_where_measured():
     row = next(line for line in text.splitlines() if line.split()[:1] == ["2048"])
     assert row.split()[-1] == f"{p8.seconds * 1e3:.1f}ms"
     assert "int8" not in rl.report(m, CPU)
+
+
+def test_the_int8_column_blends_w8a8_on_its_layers_with_the_rest():
+    """w8a8 runs qkv, o and gate_up (their share of a layer's FLOPs from the model's sizes),
+    down_proj stays on q8act (quantised weights) or bf16 (bf16 weights): the int8 column's
+    rate is the FLOP-weighted harmonic blend of the two."""
+    m = rl.ModelShape(num_params=135e6, weight_bits=4.5, num_layers=30, num_kv_heads=3,
+                      head_dim=64, num_heads=9, hidden_size=576, vocab_size=49152,
+                      tied_embeddings=True, intermediate_size=1536)
+    share = rl.w8a8_share(m)
+    want = (576 * 960 + 576 * 576 + 2 * 576 * 1536) / (576 * 960 + 576 * 576 + 3 * 576 * 1536)
+    assert share == pytest.approx(want)
+    hw = rl.Hardware(bandwidth=50e9, flops=0.4e12, int8_ops=0.8e12, q8act_ops=0.5e12,
+                     w8a8_ops=0.75e12)
+    rate = rl.int8_hardware(hw, m).flops
+    assert rate == pytest.approx(1 / (share / 0.75e12 + (1 - share) / 0.5e12))
+    bf16 = dataclasses.replace(m, weight_bits=16)
+    assert rl.int8_hardware(hw, bf16).flops == pytest.approx(
+        1 / (share / 0.75e12 + (1 - share) / 0.4e12))
+    assert rl.int8_hardware(hw).flops == 0.5e12  # no sizes: q8act's
+    assert rl.w8a8_share(dataclasses.replace(m, intermediate_size=None)) == 0.0
+    text = rl.report(m, hw, prompt_lens=(2048,))
+    assert "w8a8: 0.75 TOP/s (1.9x)" in text and f"the int8 column at {rate / 1e12:.2f}" in text
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["2048"])
+    assert row.split()[-1] == f"{rl.predict_prefill(m, rl.int8_hardware(hw, m), 2048).seconds * 1e3:.1f}ms"
 
 
 def test_the_probe_sizes_its_matmul_to_the_budget(monkeypatch):

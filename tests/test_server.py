@@ -657,8 +657,10 @@ def test_metrics_report_utilisation_against_the_roofline(server, client):
     # The int8 matmul's roof (torch._int_mm, measured with the others at start-up), and
     # q8act's (int8-activation layers) where it is built.
     assert m["servelm_roofline_int8_ops_per_second"] > 1e9
-    from servelm.layers import q8act
+    from servelm.layers import q8act, w8a8
     assert (m.get("servelm_roofline_q8act_ops_per_second", 0) > 1e9) == q8act.available()
+    assert ((m.get("servelm_roofline_w8a8_ops_per_second", 0) > 1e9)
+            == (w8a8.available() and w8a8.int8_dot()))
     # The model's side of the roofline (SmolLM2-135M: ~135M weights, 30 layers x 3 KV heads
     # x 64 dims x K and V), for clients that draw the prediction.
     assert 1e8 < m["servelm_roofline_weight_bytes_per_step"] < 6e8

@@ -75,7 +75,7 @@ def _build_engine(args, build_llm):
 
     engine = build_llm(args).engine
     bw, fl = args.roofline_bandwidth, args.roofline_flops
-    source, int8, q8act = "given", None, None
+    source, int8, q8act, w8a8 = "given", None, None, None
     if bw is None or fl is None:
         # The engine may have measured already (speculation's ridge): not twice.
         dtype = str(engine.dtype).removeprefix("torch.")
@@ -83,8 +83,8 @@ def _build_engine(args, build_llm):
         source = hw.source if bw is None and fl is None else f"{hw.source}, partly given"
         bw = bw if bw is not None else hw.bandwidth / 1e9
         fl = fl if fl is not None else hw.flops / 1e12
-        int8, q8act = hw.int8_ops, hw.q8act_ops
-    engine.hardware = Hardware(bw * 1e9, fl * 1e12, source, int8, q8act)
+        int8, q8act, w8a8 = hw.int8_ops, hw.q8act_ops, hw.w8a8_ops
+    engine.hardware = Hardware(bw * 1e9, fl * 1e12, source, int8, q8act, w8a8)
     if engine.speculator is not None:  # speculation's ridge from these figures too
         from servelm.roofline import ridge_tokens
 

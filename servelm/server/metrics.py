@@ -143,6 +143,10 @@ class _EngineCollector:
                 yield GaugeMetricFamily("servelm_roofline_q8act_ops_per_second",
                                         "The q8act kernel's rate: the compute roof of layers "
                                         "with int8 activations.", value=hw.q8act_ops)
+            if hw.w8a8_ops:
+                yield GaugeMetricFamily("servelm_roofline_w8a8_ops_per_second",
+                                        "The w8a8 kernel's rate: the compute roof of qkv, o "
+                                        "and gate_up with int8 activations.", value=hw.w8a8_ops)
             if s.stats.decode_seconds:
                 yield GaugeMetricFamily(
                     "servelm_decode_bandwidth_utilization",

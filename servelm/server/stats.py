@@ -142,7 +142,8 @@ class LiveStats:
                 "machine": None if hw is None else {
                     "bandwidth": hw.bandwidth, "flops": hw.flops,
                     "ridge": hw.flops / hw.bandwidth, "source": hw.source,
-                    "int8_ops": hw.int8_ops, "q8act_ops": hw.q8act_ops},
+                    "int8_ops": hw.int8_ops, "q8act_ops": hw.q8act_ops,
+                    "w8a8_ops": hw.w8a8_ops},
                 # Tokens a step computes per weight read where arithmetic starts to bound
                 # it: a prompt chunk past it stalls the decodes it shares a step with.
                 "ridge_tokens": None if hw is None else ridge_tokens(shape, hw),
