@@ -175,7 +175,7 @@ def test_stats_need_the_key_and_report_the_engine_and_the_machine(server):
     hw = s["roofline"]["machine"]
     assert hw == {"bandwidth": BANDWIDTH, "flops": FLOPS, "ridge": pytest.approx(4.0),
                   "source": "given", "int8_ops": None,
-                  "q8act_ops": None}  # given roofs: the int8 ones not measured
+                  "q8act_ops": None, "w8a8_ops": None}  # given roofs: the int8 ones not measured
     assert 1e8 < s["roofline"]["weight_bytes_per_step"] < 6e8
     assert set(s["tokens"]) >= {"prompt", "generated", "prompt_per_s", "generated_per_s"}
     assert set(s["latency"]) == {"requests", "ttft_s", "tpot_s"}
