@@ -11,8 +11,8 @@ import torch
 
 from servelm.config import EngineConfig
 from servelm.engine.block_manager import BlockManager
-from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.calibration import calibration_ids
+from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, UniProcExecutor
 from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
