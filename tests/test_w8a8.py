@@ -244,3 +244,18 @@ def test_calibration_covers_every_target_row_and_is_cached(model, tmp_path, monk
     # another text is another calibration
     other = calibration.cache_file(tmp_path, ck.path, torch.bfloat16, "int4", ids[:50])
     assert other != cache
+
+
+@runs
+def test_a_short_context_calibrates_on_what_fits():
+    """An engine with max_model_len under the calibration text's 512 tokens (its rotary
+    tables that long) calibrates on as many tokens as fit, and serves."""
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(max_model_len=96, kv_cache_memory=16 << 20, enable_prefix_caching=False)
+    model = llm.engine.executor.model
+    assert any(isinstance(m, w8a8.W8A8Linear) for m in model.modules())
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -63,7 +63,7 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
     p = next(model.parameters(), None)
     if p is None or p.dtype != torch.bfloat16:  # the method runs bf16 activations only
         return False
-    return bool(_targets(model))
+    return any(w8a8.block_size(t.in_features) for t in _targets(model))
 
 
 VERSION = 1  # of what a cached calibration holds and how it was measured
@@ -111,9 +111,11 @@ def _save(model: nn.Module, path: Path) -> None:
 @torch.no_grad()
 def calibrate(model: nn.Module, token_ids: list[int], kernels: KernelConfig,
               cache: Path | None = None) -> int:
-    """Sets each target layer's w8a8.AMAX (max |x| per input channel over token_ids, run
-    through the model once), read back from `cache` where it holds them, else measured and
-    written there; returns how many layers were calibrated."""
+    """Sets each target layer's w8a8.AMAX (max |x| per input channel over token_ids, at most
+    the model's positions of them, run through the model once), read back from `cache` where
+    it holds them, else measured and written there; returns how many layers were
+    calibrated."""
+    token_ids = list(token_ids)[:getattr(model, "max_positions", len(token_ids))]
     if not token_ids:
         return 0
     if cache is not None and (done := _load(model, cache)):
