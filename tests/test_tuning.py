@@ -1091,3 +1091,19 @@ def test_dequantised_copies_stay_within_their_memory_budget():
             assert "amx" not in sc.invariant or sc.key not in dropped
     with pytest.raises(ValueError, match="dequantized_copy_bytes"):
         KernelConfig(dequantized_copy_bytes=-1)
+
+
+def test_w8a8_int8_copies_of_bf16_layers_count_against_the_copy_budget():
+    """A bf16 shape holds no dequantised copy, but w8a8 adds an int8 one (a byte a weight):
+    it counts, and past the budget the shape loses w8a8 (its own tiles stay)."""
+    inf = math.inf
+    sc = _shape({"tiles": [10, 30, 300, 3000], "w8a8": [inf, inf, 200, 2000]}, ["tiles"],
+                n=24, default="tiles")
+    sc.key = "bfloat16/bfloat16:4864x896:smooth"
+    groups = {sc.key: [("l", None, "l", torch.nn.Linear(4864, 896, device="meta"))] * 24}
+    int8_bytes = 24 * 4864 * 896
+    assert tuning._limit_dequantised_copies([sc], groups, torch.bfloat16, int8_bytes) == []
+    assert "w8a8" in sc.times_us
+    assert tuning._limit_dequantised_copies([sc], groups, torch.bfloat16,
+                                            int8_bytes - 1) == [sc.key]
+    assert set(sc.times_us) == {"tiles"} and "w8a8" not in sc.candidates
