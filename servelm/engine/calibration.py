@@ -55,9 +55,12 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
     """Whether this model is calibrated (int8_activations `setting`: auto or off)."""
     if setting == "off" or device.type != "cpu" or not kernels.cpu_kernels:
         return False
-    forced = kernels.linear_method.split(",")
-    if "w8a8" not in forced if forced != ["auto"] else kernels.tuning == "off":
-        return False  # the method can never run: a list without it, or nothing measured
+    # The method can never run: nothing measured (tuning off), or a forced list without it.
+    if kernels.linear_method == "auto":
+        if kernels.tuning == "off":
+            return False
+    elif "w8a8" not in kernels.linear_method.split(","):
+        return False
     if model.config.has_recurrent_state or not w8a8.int8_dot() or not w8a8.available():
         return False
     p = next(model.parameters(), None)

@@ -36,7 +36,6 @@ from servelm.kernels import load_ops
 
 ALPHA = 0.65          # SmoothQuant's migration strength
 AMAX = "act_amax"     # a source's calibration: fp32 [in_features], max |x| per input channel
-ALPHA_ATTR = "act_alpha"  # and the migration strength chosen for it, where one was
 _FLAGS = ("avx512_vnni",)  # the kernel's vpdpbusd (AMX-INT8 CPUs have it too)
 BLOCKS = (128, 96, 64, 32, 16)  # activation block sizes: the largest dividing K is used
 
@@ -149,7 +148,7 @@ class W8A8Linear(nn.Module):
             raise ValueError("w8a8 needs the layer's calibration (its activations' maxima)")
         self.in_features, self.out_features = src.in_features, src.out_features
         w = _reference(src)
-        alpha = alpha if alpha is not None else getattr(src, ALPHA_ATTR, ALPHA)
+        alpha = ALPHA if alpha is None else alpha
         s = smoothing(amax, w, alpha)
         q, scale = quantize_channels(w * s)
         self.block = block_size(self.in_features)
