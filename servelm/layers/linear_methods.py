@@ -46,7 +46,7 @@ from torch import nn
 from servelm.layers import amx, bfp, gemv, panels, q8act, qdot, w8a8
 from servelm.prepack import PackedLinear, prepack_supported
 from servelm.quantization.formats import (TILE_OPS, Int4Linear, Int8Linear, QuantLinear,
-                                          TiledLinear, kernels_available)
+                                          TiledLinear, fp32_weight, kernels_available)
 from servelm.quantization.numerics import tinygemm_operands, unpack_int4
 
 # Representative row counts of the buckets; a call of r rows runs bucket i's method for the
@@ -117,9 +117,7 @@ class WeightFormat:
 
     def reference(self, src: nn.Module) -> torch.Tensor:
         """The source's weights [N, K] in fp32: what every method must compute with."""
-        if self.quantised:
-            return src.dequantize(torch.float32)
-        return src.weight.detach().float()
+        return fp32_weight(src)
 
     @torch.no_grad()
     def head(self, src: nn.Module, n: int) -> nn.Module:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from servelm.kernels import load_ops
+from servelm.quantization.formats import fp32_weight
 
 ALPHA = 0.65          # SmoothQuant's migration strength
 AMAX = "act_amax"     # a source's calibration: fp32 [in_features], max |x| per input channel
@@ -68,27 +69,11 @@ def block_size(k: int) -> int:
 
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
-    """A calibrated layer on the CPU with bf16 activations and in_features a multiple of 16,
-    where the CPU has AVX-512 VNNI and the kernel builds."""
+    """A calibrated layer with bf16 activations and in_features a multiple of 16, where the
+    CPU has AVX-512 VNNI and the kernel builds (the registry asks only for CPU layers:
+    LinearMethod.applies)."""
     return (act == torch.bfloat16 and calibrated(src) is not None
-            and block_size(src.in_features) > 0 and _weight(src).device.type == "cpu"
-            and int8_dot() and available())
-
-
-def _weight(src: nn.Module) -> torch.Tensor:
-    """The tensor holding a source's weight: its codes (int4 / int8) or its own."""
-    from servelm.quantization.formats import QuantLinear
-
-    return src.qweight if isinstance(src, QuantLinear) else src.weight
-
-
-def _reference(src: nn.Module) -> torch.Tensor:
-    """The source's weights [N, K] in fp32 (linear_methods.reference_weight's answer)."""
-    from servelm.quantization.formats import QuantLinear
-
-    if isinstance(src, QuantLinear):
-        return src.dequantize(torch.float32)
-    return src.weight.detach().float()
+            and block_size(src.in_features) > 0 and int8_dot() and available())
 
 
 def smoothing(amax: torch.Tensor, w: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
@@ -147,7 +132,7 @@ class W8A8Linear(nn.Module):
         if amax is None:
             raise ValueError("w8a8 needs the layer's calibration (its activations' maxima)")
         self.in_features, self.out_features = src.in_features, src.out_features
-        w = _reference(src)
+        w = fp32_weight(src)
         alpha = ALPHA if alpha is None else alpha
         s = smoothing(amax, w, alpha)
         q, scale = quantize_channels(w * s)

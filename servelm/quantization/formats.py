@@ -365,6 +365,14 @@ class TiledLinear(QuantLinear):
         return super().extra_repr() + f", {self.method} tiles"
 
 
+def fp32_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weights [N, K] in fp32: a weight-format layer's dequantised, a plain
+    layer's own (what every linear method of it must compute with)."""
+    if isinstance(layer, QuantLinear):
+        return layer.dequantize(torch.float32)
+    return layer.weight.detach().float()
+
+
 def _cuda_int4pack_works(device: torch.device) -> bool:
     """tinygemm runs here and computes with the weights `tinygemm_operands` describe."""
     def probe():
