@@ -25,6 +25,7 @@ from torch import nn
 
 from servelm.config import KernelConfig
 from servelm.layers import w8a8
+from servelm.tuning import _linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +43,10 @@ def calibration_ids(tokenizer, tokens: int = TOKENS) -> list[int]:
     return list(tokenizer.encode(TEXT.read_text(encoding="utf-8")))[:tokens]
 
 
-def _targets(model: nn.Module) -> list[nn.Module]:
-    from servelm.quantization.formats import QuantLinear, TiledLinear
-
-    return [child for parent in model.modules() for name, child in parent.named_children()
-            if name in TARGETS and (type(child) is nn.Linear
-                                    or (isinstance(child, QuantLinear)
-                                        and not isinstance(child, TiledLinear)))]
+def _targets(model: nn.Module) -> dict[str, nn.Module]:
+    """{qualified name: layer} of the linear layers calibrated (the tuner's sources named in
+    TARGETS)."""
+    return {qname: src for qname, _, name, src in _linear_layers(model) if name in TARGETS}
 
 
 def wanted(model: nn.Module, setting: str, device: torch.device, kernels: KernelConfig) -> bool:
@@ -66,7 +64,7 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
     p = next(model.parameters(), None)
     if p is None or p.dtype != torch.bfloat16:  # the method runs bf16 activations only
         return False
-    return any(w8a8.block_size(t.in_features) for t in _targets(model))
+    return any(w8a8.block_size(t.in_features) for t in _targets(model).values())
 
 
 VERSION = 1  # of what a cached calibration holds and how it was measured
@@ -85,22 +83,23 @@ def cache_file(directory: Path, checkpoint: str, dtype: torch.dtype, quantizatio
 
 
 def _load(model: nn.Module, path: Path) -> int:
-    """The calibration cached at path set on the model's target layers (0: none fits)."""
+    """The calibration cached at path set on the model's target layers (the ones its pass
+    reached); 0 where there is none or it does not fit them."""
     try:
         saved = torch.load(path, weights_only=True)
     except Exception:  # none yet, or unreadable: measure
         return 0
-    layers = {n: m for n, m in model.named_modules() if any(m is t for t in _targets(model))}
-    if set(saved) != set(layers) or any(saved[n].shape != (m.in_features,)
-                                        for n, m in layers.items()):
+    layers = _targets(model)
+    if not saved or not set(saved) <= set(layers) or any(
+            saved[n].shape != (layers[n].in_features,) for n in saved):
         return 0
-    for n, m in layers.items():
-        setattr(m, w8a8.AMAX, saved[n].float().contiguous())
-    return len(layers)
+    for n, amax in saved.items():
+        setattr(layers[n], w8a8.AMAX, amax.float().contiguous())
+    return len(saved)
 
 
 def _save(model: nn.Module, path: Path) -> None:
-    saved = {n: getattr(m, w8a8.AMAX) for n, m in model.named_modules()
+    saved = {n: w8a8.calibrated(m) for n, m in _targets(model).items()
              if w8a8.calibrated(m) is not None}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +132,7 @@ def _measure(model: nn.Module, token_ids: list[int], kernels: KernelConfig) -> i
     from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 
     t0 = time.perf_counter()
-    targets = _targets(model)
+    targets = list(_targets(model).values())
     seen: dict[int, torch.Tensor] = {}
 
     def record(mod: nn.Module, args) -> None:
