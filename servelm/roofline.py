@@ -280,10 +280,12 @@ def measure_hardware(dtype: str = "bfloat16", device: str = "cpu",
             break
         n *= 2
     flops = best(lambda: a @ b, 2.0 * n ** 3)
+
+    def quarter(fn, work):  # the int8 probes: a quarter of the budget each
+        return best(fn, work, seconds / 4)
     return Hardware(bandwidth, flops, source=f"measured on {device} ({dtype})",
-                    int8_ops=_int8_ops(dev, lambda fn, work: best(fn, work, seconds / 4)),
-                    q8act_ops=_q8act_ops(dev, lambda fn, work: best(fn, work, seconds / 4)),
-                    w8a8_ops=_w8a8_ops(dev, lambda fn, work: best(fn, work, seconds / 4)))
+                    int8_ops=_int8_ops(dev, quarter), q8act_ops=_method_ops(dev, quarter, "q8act"),
+                    w8a8_ops=_method_ops(dev, quarter, "w8a8"))
 
 
 def _int8_ops(dev, best) -> float | None:
@@ -300,40 +302,24 @@ def _int8_ops(dev, best) -> float | None:
         return None
 
 
-def _q8act_ops(dev, best) -> float | None:
-    """The q8act kernel's rate (servelm.layers.q8act) on a 1024-square int4 layer at 512 rows
-    of bf16 activations, a compute-bound prompt chunk; None off the CPU or where it is not
-    built."""
+def _method_ops(dev, best, method: str) -> float | None:
+    """A linear method's rate (servelm.layers.linear_methods: q8act, w8a8) on a 1024-square
+    int4 layer (with a unit calibration, which w8a8 needs; its work does not depend on the
+    values) at 512 rows of bf16 activations, a compute-bound prompt chunk; None off the CPU
+    or where the method does not run."""
     import torch
 
     if dev.type != "cpu":
         return None
-    from servelm.layers import q8act
+    from servelm.layers import linear_methods as lm
     from servelm.quantization.surgery import quantize_linear
 
-    if not q8act.available():
-        return None
     n, rows = 1024, 512
-    layer = q8act.Int4Q8Linear(quantize_linear(torch.nn.Linear(n, n, bias=False), "int4"))
-    x = (torch.rand(rows, n) - 0.5).to(torch.bfloat16)  # (its work does not depend on the values)
-    return best(lambda: layer(x), 2.0 * rows * n * n)
-
-
-def _w8a8_ops(dev, best) -> float | None:
-    """The w8a8 kernel's rate (servelm.layers.w8a8) on a 1024-square layer at 512 rows of bf16
-    activations; None off the CPU or where it does not run (no AVX-512 VNNI)."""
-    import torch
-
-    if dev.type != "cpu":
+    src = quantize_linear(torch.nn.Linear(n, n, bias=False), "int4")
+    setattr(src, lm.w8a8.AMAX, torch.ones(n))
+    if not lm.applies(method, src, torch.bfloat16, True):
         return None
-    from servelm.layers import w8a8
-
-    if not (w8a8.available() and w8a8.int8_dot()):
-        return None
-    n, rows = 1024, 512
-    src = torch.nn.Linear(n, n, bias=False)
-    setattr(src, w8a8.AMAX, torch.ones(n))  # (its work does not depend on the values)
-    layer = w8a8.W8A8Linear(src)
+    layer = lm.build(method, src, torch.bfloat16)
     x = (torch.rand(rows, n) - 0.5).to(torch.bfloat16)
     return best(lambda: layer(x), 2.0 * rows * n * n)
 
