@@ -22,6 +22,15 @@
 4. Engine time to first token for a --prompt-len-token prompt (512 by default; in --dtype,
    bf16 by default; median and best of 7, the modes interleaved): each cpu backend that runs
    here, and the eager path (as cpu_kernels=False).
+5. `--options`: the model options the C++ attention runs beside the reference (a sliding
+   window, gpt-oss's sinks, Gemma 2's soft-cap, Llama 4's chunks), one layer in each
+   family's shape: a --prompt-len-token prompt (2048 by default) and --streams decodes of
+   that context, the C++ ops against the reference. With `--model PATH` (a checkpoint
+   directory or GGUF): that model's TTFT and decode tok/s at 1 and --streams streams with
+   the cpu backend and with the reference attention, alternating in one run.
+
+    .venv/bin/python benchmarks/attention.py --options --streams 16
+    .venv/bin/python benchmarks/attention.py --options --model model.gguf --prompt-len 2048
 """
 
 from __future__ import annotations
@@ -182,6 +191,108 @@ def engine_decode(llm, batch: int, prompt_len: int, max_tokens: int = 64) -> flo
     return tokens / (time.perf_counter() - t0)
 
 
+# (name, q heads, KV heads, head dim, options): one layer of each family the options serve.
+OPTION_LAYERS = [
+    ("gpt-oss sliding: window 128 + sinks", 64, 8, 64, dict(window=128, sinks=True)),
+    ("gpt-oss full: sinks", 64, 8, 64, dict(sinks=True)),
+    ("Gemma 2 global: soft-cap 50", 8, 4, 256, dict(softcap=50.0)),
+    ("Gemma 2 local: window 4096 + soft-cap", 8, 4, 256, dict(window=4096, softcap=50.0)),
+    ("Gemma 3 local: window 512", 4, 1, 256, dict(window=512)),
+    ("Llama 4 local: chunk 8192", 40, 8, 128, dict(chunk=8192)),
+]
+
+
+def options_case(h: int, kvh: int, d: int, opts: dict, prompt_len: int, streams: int,
+                 dtype: torch.dtype, bs: int = 16) -> dict[str, float]:
+    """One layer with `opts`: a prompt_len-token prompt, and `streams` decodes each after
+    prompt_len cached tokens, on the C++ ops and on the reference (seconds, best of runs)."""
+    from servelm.attention.cpu import paged_prefill_attention
+
+    g = torch.Generator().manual_seed(0)
+    per_seq = -(-(prompt_len + 1) // bs)
+    nb = streams * per_seq + 16
+    k_cache, v_cache = (torch.randn(nb, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
+    perm = torch.randperm(nb, generator=g)[:streams * per_seq].view(streams, per_seq)
+    sinks = torch.randn(h, generator=g) if opts.get("sinks") else None
+    window, softcap, chunk = opts.get("window"), opts.get("softcap"), opts.get("chunk")
+    scale = d ** -0.5
+    res = {}
+    q = torch.randn(prompt_len, h, d, generator=g).to(dtype)
+    grp = build_group([SeqInput([0] * prompt_len, 0, perm[0].tolist())], 0, bs, h // kvh,
+                      torch.device("cpu"))
+    res["prompt cpu"] = best(lambda: paged_prefill_attention(
+        q, k_cache, v_cache, grp, scale, window, None, softcap, sinks, chunk), reps=10)
+    res["prompt reference"] = best(lambda: paged_attention(
+        q, k_cache, v_cache, grp, scale, window, None, softcap, sinks, chunk), reps=5)
+    qd = torch.randn(streams, h, d, generator=g).to(dtype)
+    tables = perm.to(torch.int32).contiguous()
+    lens = torch.full((streams,), prompt_len + 1, dtype=torch.int32)
+    op = torch.ops.servelm_ops.paged_decode_attention
+    res["decode cpu"] = best(lambda: op(qd, k_cache, v_cache, tables, lens, scale, window or 0,
+                                        None, None, chunk or 0, softcap or 0.0, sinks))
+    dgrp = build_group([SeqInput([0], prompt_len, perm[b].tolist()) for b in range(streams)], 0,
+                       bs, h // kvh, torch.device("cpu"))
+    res["decode reference"] = best(lambda: paged_attention(
+        qd, k_cache, v_cache, dgrp, scale, window, None, softcap, sinks, chunk), reps=10)
+    return res
+
+
+def options_table(args) -> None:
+    dtype = getattr(torch, args.dtype)
+    print(f"\n# model options, one layer, {args.dtype}: a {args.prompt_len}-token prompt and "
+          f"{args.streams} decodes after {args.prompt_len} tokens, ms (best of runs)")
+    print(f"{'layer':40} {'prompt cpu':>10} {'reference':>10} {'ratio':>6}   "
+          f"{'decode cpu':>10} {'reference':>10} {'ratio':>6}")
+    for name, h, kvh, d, opts in OPTION_LAYERS:
+        r = options_case(h, kvh, d, opts, args.prompt_len, args.streams, dtype)
+        print(f"{name:40} {r['prompt cpu'] * 1e3:10.2f} {r['prompt reference'] * 1e3:10.2f} "
+              f"{r['prompt reference'] / r['prompt cpu']:5.1f}x   {r['decode cpu'] * 1e3:10.3f} "
+              f"{r['decode reference'] * 1e3:10.3f} {r['decode reference'] / r['decode cpu']:5.1f}x",
+              flush=True)
+
+
+def options_engine(args, reps: int = 5) -> None:
+    """--model's TTFT (median of reps) and decode tok/s at 1 and --streams streams, the cpu
+    backend and the reference attention taking turns on one engine."""
+    import statistics
+
+    from servelm import LLM, SamplingParams
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
+              max_model_len=max(4096, args.prompt_len + 128))
+    runner = llm.engine.executor.runner
+    if runner.attention.name not in CPU_PROMPT_PATHS:
+        print(f"\n{args.model}: the engine runs the {runner.attention.name} attention, not a "
+              f"cpu backend: nothing to compare")
+        return
+    modes = {"cpu": runner.attention, "reference": get_backend("reference")}
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    ttft: dict[str, list[float]] = {m: [] for m in modes}
+    decode: dict[tuple[str, int], list[float]] = {}
+    try:
+        for i in range(reps + 1):
+            prompt = [1 + (7 * i + j) % 30000 for j in range(args.prompt_len)]
+            for m, backend in (modes.items() if i % 2 else reversed(modes.items())):
+                runner.attention = backend
+                t0 = time.perf_counter()
+                llm.generate([prompt], sp, use_tqdm=False)
+                if i:
+                    ttft[m].append(time.perf_counter() - t0)
+        for i in range(2):
+            for m, backend in (modes.items() if i % 2 else reversed(modes.items())):
+                runner.attention = backend
+                for b in (1, args.streams):
+                    decode.setdefault((m, b), []).append(
+                        engine_decode(llm, b, args.prompt_len, max_tokens=16))
+    finally:
+        runner.attention = modes["cpu"]
+    print(f"\n# {args.model}, {args.dtype}: TTFT of a {args.prompt_len}-token prompt (median of "
+          f"{reps}), decode tok/s after it (best of 2), attention backends alternating")
+    print(f"{'attention':10} {'TTFT ms':>8} {'x1 tok/s':>9} {f'x{args.streams} tok/s':>10}")
+    for m in modes:
+        print(f"{m:10} {statistics.median(ttft[m]) * 1e3:8.1f} {max(decode[(m, 1)]):9.1f} "
+              f"{max(decode[(m, args.streams)]):10.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=64)
@@ -191,18 +302,31 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="only the prompt attention table and the engine TTFT")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                    help="the engine TTFT's dtype (--prefill)")
-    ap.add_argument("--prompt-len", type=int, default=512,
-                    help="--prefill: the engine TTFT's prompt length")
+                    help="the engine TTFT's dtype (--prefill, --options)")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="--prefill: the engine TTFT's prompt length (512); --options: the "
+                         "prompt and decode context (2048)")
+    ap.add_argument("--options", action="store_true",
+                    help="only the model options (windows, sinks, soft-caps, chunks): C++ "
+                         "ops against the reference")
+    ap.add_argument("--model", default=None,
+                    help="--options: also this model's TTFT and decode, cpu vs reference")
     ap.add_argument("--engine-context", type=int, nargs="*", default=[32],
                     help="prompt lengths for the engine decode runs (e.g. 32 1000)")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     print(f"threads={torch.get_num_threads()}  kernels={'yes' if load_ops('ops') else 'NO'}")
 
+    if args.options:
+        args.prompt_len = args.prompt_len or 2048
+        if load_ops("ops"):
+            options_table(args)
+        if args.model:
+            options_engine(args)
+        return
     if args.prefill:
         prefill_table()
-        engine_ttft(prompt_len=args.prompt_len, dtype=args.dtype)
+        engine_ttft(prompt_len=args.prompt_len or 512, dtype=args.dtype)
         return
     if not args.skip_attention:
         attention_table(args)

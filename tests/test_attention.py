@@ -399,23 +399,64 @@ def test_the_amx_prompt_kernel_matches_the_reference_on_long_rows(seqs, growth, 
     ({"sinks": True}, "attention sinks"),                         # gpt-oss
     ({"attention_chunk": 8}, "chunked local attention"),          # Llama 4
 ])
-def test_kernel_backends_decline_reference_only_options_and_auto_takes_the_reference(option,
-                                                                                      reason):
-    """A model option only the reference runs (AttentionSpec.kernels_lack): every kernel
-    backend declines it with the reason, an explicit one is refused, auto takes the
-    reference."""
+def test_the_cpu_kernels_run_every_model_option_and_triton_declines_them(option, reason):
+    """A soft-cap, sinks and attention chunks (AttentionSpec.kernels_lack): the cpu
+    backends' kernels run them, so auto takes the cpu backend where the kernels build;
+    Triton's do not, and decline with the reason."""
     from servelm.attention import BACKENDS
 
     spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, 4, 2, 16, 16,
                          **option)
-    for name in ("cpu", "cpu_sdpa", "cpu_amx", "triton"):
-        assert isinstance(BACKENDS[name].unsupported(spec), str), name
     assert BACKENDS["reference"].unsupported(spec) is None
+    assert spec.kernels_lack(BACKENDS["cpu"].options) is None
+    assert reason in spec.kernels_lack()
     if load_ops("ops"):
-        assert reason in BACKENDS["cpu"].unsupported(spec)
-        with pytest.raises(ValueError, match=reason):
-            select(KernelConfig(attention_backend="cpu"), spec)
-    assert select(KernelConfig(tuning="off"), spec).name == "reference"
+        assert BACKENDS["cpu"].unsupported(spec) is None
+        assert select(KernelConfig(attention_backend="cpu"), spec).name == "cpu"
+        assert select(KernelConfig(tuning="off"), spec).name == "cpu"
     cuda = AttentionSpec(torch.device("cuda"), torch.float32, torch.float32, 4, 2, 16, 16,
                          **option)
     assert reason in BACKENDS["triton"].unsupported(cuda)
+
+
+# Long prompts (300 keys: several of the op's 128-key chunks, some wholly before a window or
+# a chunk's start), chunks continuing a context, and decodes past a window.
+_LONG_SEQS = [(0, 1), (299, 1), (150, 1), (0, 300), (100, 200), (40, 37), (0, 17)]
+
+
+@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("name", ["cpu", "cpu_sdpa", "cpu_amx"])
+@pytest.mark.parametrize("seqs_spec", [_SEQS, _LONG_SEQS], ids=["mixed", "long"])
+@pytest.mark.parametrize("options", [
+    dict(window=40), dict(chunk=64), dict(softcap=5.0), dict(sinks=True),
+    dict(window=8, chunk=8, softcap=5.0, sinks=True)], ids=str)
+def test_the_cpu_paths_attend_with_windows_chunks_softcaps_and_sinks_as_the_reference(
+        name, seqs_spec, options, monkeypatch):
+    """Each model option on the cpu backends (decodes on the C++ decode op, prompts on each
+    path, which hands what it does not run to the C++ prompt op) against the reference, in
+    fp32, with sinks large enough to take a real share of each softmax."""
+    backend = get_backend(name)
+    if backend.unsupported(AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, 32, BS)):
+        pytest.skip(backend.unsupported(AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2,
+                                                      32, BS)))
+    monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", 0)
+    sinks = options.pop("sinks", False)
+    layer = Attention(64, 6, 2, 32, **options)
+    if sinks:
+        layer.sinks = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(3)) * 2)
+    seqs, k, v, scales, q_by_slot = _batch_inputs(seqs_spec, 6, 2, 32, torch.float32)
+    want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
+    got = _attend(backend, layer, seqs, k, v, scales, q_by_slot, 3)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
+def test_the_cpu_ops_attend_with_every_option_over_an_int8_cache():
+    """Windows, chunks, a soft-cap and sinks together over an int8 cache (its scales applied
+    per token): the cpu backend against the reference on the same quantised cache."""
+    layer = Attention(64, 6, 2, 32, window=40, chunk=64, softcap=5.0)
+    layer.sinks = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(4)))
+    seqs, k, v, scales, q_by_slot = _batch_inputs(_LONG_SEQS, 6, 2, 32, torch.int8)
+    want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
+    got = _attend(get_backend("cpu"), layer, seqs, k, v, scales, q_by_slot, 3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -258,20 +258,18 @@ def test_bf16_moe_decode_steps_run_the_fused_experts(checkpoints):
 
 
 @pytest.mark.skipif(not load_ops("ops"), reason="needs the C++ kernels")
-def test_soft_capped_attention_takes_the_reference_backend(checkpoints):
-    """The C++ and Triton attention kernels do not soft-cap scores: Gemma 2 attends on the
-    reference backend, chosen at start-up (an explicit kernel backend is refused), and its
-    layers decline the DecodeStack with the reason."""
+def test_soft_capped_attention_runs_on_the_cpu_kernels(checkpoints):
+    """The C++ attention ops soft-cap scores: Gemma 2 attends on the cpu backend (its tokens
+    against the eager path's in test_kernel_path_matches_eager_...), and its layers decline
+    the whole-step DecodeStack with the reason."""
     from servelm.models import decode_stack
 
     path, _ = checkpoints["gemma2"]
     kw = dict(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20,
               max_model_len=256)
     runner = LLM(**kw).engine.executor.runner
-    assert runner.use_kernels and runner.attention.name == "reference"
+    assert runner.use_kernels and runner.attention.name == "cpu"
     assert decode_stack.describe_layer(runner.model.layers[0]) == "its attention scores are soft-capped"
-    with pytest.raises(ValueError, match="do not soft-cap attention scores"):
-        LLM(attention_backend="cpu", **kw)
 
 
 # What the whole-step DecodeStack says of each family's layers (None: it takes them all);

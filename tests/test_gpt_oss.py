@@ -1,8 +1,8 @@
 """gpt-oss against transformers: a tiny random checkpoint made by transformers (attention
 sinks, q/k/v/o biases, sliding and full layers alternating, YaRN, routed experts with biases
 and the clamped SwiGLU), served token-exact through prefill, chunked prefill, decode, the
-prefix cache and preemption; the sink on the reference attention against a hand-written
-softmax, the kernel backends declining it; MXFP4 dequantised bit for bit as transformers
+prefix cache and preemption on the C++ attention kernels (which run the sinks); the sink on
+the reference attention against a hand-written softmax; MXFP4 dequantised bit for bit as transformers
 and gguf-py do, from an HF checkpoint's blocks and from llama.cpp's GGUF."""
 
 from __future__ import annotations
@@ -91,23 +91,22 @@ def test_eager_fp32_matches_transformers(gpt_oss):
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(gpt_oss):
-    """The C++ ops where they build (norms, rotary + KV write; the reference attention, which
-    runs the sinks), a 16-token budget (every prompt prefilled in chunks, later ones past
-    the window), a second round from the prefix cache, then a pool that preempts."""
+    """The C++ ops where they build (norms, rotary + KV write, and the attention with its
+    sinks and window), a 16-token budget (every prompt prefilled in chunks, later ones past
+    the window), a second round from the prefix cache, then a pool that preempts: the
+    eager path's tokens (the reference attention) each time."""
     path, _ = gpt_oss
-    assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY,
-                                                   **{**KW, "attention_backend": "reference"})
+    fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    if load_ops("ops"):
+        assert fast.engine.executor.runner.attention.name == "cpu"
 
 
 def test_auto_attention_backend_runs_the_sinks(gpt_oss):
-    """The engine's spec says the model has sinks: "auto" takes the reference backend, and
-    an explicit kernel backend is refused with the reason."""
+    """The engine's spec says the model has sinks: "auto" takes the cpu backend, whose
+    kernels run them (the reference without the kernels)."""
     path, _ = gpt_oss
     runner = LLM(model=path, **KW).engine.executor.runner
-    assert runner.attention.name == "reference"
-    if load_ops("ops"):
-        with pytest.raises(ValueError, match="attention sinks"):
-            LLM(model=path, attention_backend="cpu", **KW)
+    assert runner.attention.name == ("cpu" if load_ops("ops") else "reference")
 
 
 def test_quantised_weights_stay_close(gpt_oss):

@@ -428,6 +428,18 @@ def test_paged_prefill_attention_op_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="head dim 40 unsupported"):
         q2, kc2, vc2, t2, cu2, s2 = _prefill_op_setup([(0, 5)], kvh=1, g=1, d=40, bs=16, dtype=torch.float32)
         op(q2, kc2, vc2, t2, cu2, s2, 0.125)
+    # The model options: one sink per query head, no negative window, chunk or soft-cap.
+    with pytest.raises(RuntimeError, match=r"sinks must hold one float per query head \(9\)"):
+        op(q, kc, vc, tables, cu, start, 0.125, sinks=torch.zeros(3))
+    for bad_opt, msg in ((dict(window=-1), "window must be >= 0"), (dict(chunk=-2), "chunk must"),
+                         (dict(softcap=-1.0), "softcap must")):
+        with pytest.raises(RuntimeError, match=msg):
+            op(q, kc, vc, tables, cu, start, 0.125, **bad_opt)
+    qd, kcd, vcd, td, cl = _paged_setup([5, 9], kvh=3, g=3, d=64, bs=16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="sinks must hold one float per query head"):
+        ops().paged_decode_attention(qd, kcd, vcd, td, cl, 0.125, sinks=torch.zeros(2, 9))
+    with pytest.raises(RuntimeError, match="chunk must"):
+        ops().paged_decode_attention(qd, kcd, vcd, td, cl, 0.125, chunk=-1)
 
 
 def test_prefill_attention_other_head_dim_falls_back_to_sdpa():

@@ -95,19 +95,14 @@ def test_eager_fp32_matches_transformers(llama4):
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(llama4):
-    """The C++ ops where they build (the reference attention, which runs the chunks), a
-    16-token budget (prompts prefilled in pieces that straddle attention chunks), a second
-    round from the prefix cache (16 cached tokens: mid-chunk), then a pool that preempts."""
+    """The C++ ops where they build (the attention too, which runs the chunks), a 16-token
+    budget (prompts prefilled in pieces that straddle attention chunks), a second round from
+    the prefix cache (16 cached tokens: mid-chunk), then a pool that preempts: the eager
+    path's tokens (the reference attention) each time."""
     path, _ = llama4
     fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
-    assert fast.engine.executor.runner.attention.name == "reference"
-
-
-def test_auto_attention_backend_runs_the_chunks(llama4):
-    path, _ = llama4
-    if load_ops("ops"):
-        with pytest.raises(ValueError, match="chunked local attention"):
-            LLM(model=path, attention_backend="cpu", **KW)
+    assert fast.engine.executor.runner.attention.name == ("cpu" if load_ops("ops")
+                                                          else "reference")
 
 
 def test_int8_weights_stay_close(llama4):

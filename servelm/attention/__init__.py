@@ -71,7 +71,7 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
     # do not take (DeepSeek's latent rows on the CPU) keeps it on the reference: say so once.
     fast = "cpu" if spec.device.type == "cpu" else "triton"
     shape = fast == "cpu" and shape_unsupported(spec)
-    if ((spec.kernels_lack() or shape)
+    if ((spec.kernels_lack(BACKENDS[fast].options) or shape)
             and (kernels.cpu_kernels if fast == "cpu" else kernels.triton_attention)):
         logger.info("attention backend reference, not %s: %s", fast,
                     BACKENDS[fast].unsupported(spec))

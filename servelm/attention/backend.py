@@ -22,15 +22,14 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    # Attention scores soft-capped (cap * tanh(scores / cap), Gemma 2): the reference
-    # backend's explicit matmuls run it, the kernels do not.
+    # Attention scores soft-capped (cap * tanh(scores / cap), Gemma 2).
     logit_softcap: float | None = None
     # A learned logit per query head joins each query's softmax denominator (attention
-    # sinks, gpt-oss: Attention.sinks): the reference backend runs it, the kernels do not.
+    # sinks, gpt-oss: Attention.sinks).
     sinks: bool = False
     # Chunked local attention on some layers (Llama 4's attention_chunk_size: a query sees
-    # only the keys of its own chunk, floor(pos / chunk) equal; Attention.chunk): the
-    # reference backend runs it, the kernels do not (it is no sliding window).
+    # only the keys of its own chunk, floor(pos / chunk) equal; Attention.chunk; it is no
+    # sliding window).
     attention_chunk: int | None = None
     # (KV heads, head dim) of the layers whose shape is not (num_kv_heads, head_dim): Gemma
     # 4's global layers. A backend that cannot run one of them declines the model.
@@ -40,14 +39,15 @@ class AttentionSpec:
         """Every layer's (KV heads, head dim), each once, the model's own first."""
         return tuple(dict.fromkeys(((self.num_kv_heads, self.head_dim), *self.layer_shapes)))
 
-    def kernels_lack(self) -> str | None:
-        """What this spec asks that only the reference backend runs (the kernel backends'
-        reason to decline, after "<its kernels> do not"), or None."""
-        if self.logit_softcap:
+    def kernels_lack(self, runs: frozenset[str] = frozenset()) -> str | None:
+        """What this spec asks of the options a backend's kernels do not run (`runs`:
+        AttentionBackend.options), as its reason to decline after "<its kernels> do not",
+        or None."""
+        if self.logit_softcap and "softcap" not in runs:
             return "soft-cap attention scores"
-        if self.sinks:
+        if self.sinks and "sinks" not in runs:
             return "add attention sinks to the softmax"
-        if self.attention_chunk:
+        if self.attention_chunk and "chunk" not in runs:
             return ("run chunked local attention (keys from the query's own chunk only, which "
                     "is no sliding window)")
         return None
@@ -58,6 +58,9 @@ class AttentionBackend:
     the registry (servelm.attention.BACKENDS)."""
 
     name: str = ""
+    # The model options (AttentionSpec: "softcap", "sinks", "chunk") its kernels run; the
+    # reference runs them all.
+    options: frozenset[str] = frozenset()
     # Attention reads each row's own keys in place: a batch padded to a longer block table
     # costs nothing (DecodeGraphs may pad any decode batch to one width).
     reads_in_place: bool = False

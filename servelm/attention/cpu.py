@@ -1,8 +1,9 @@
 """The cpu backend: servelm's C++ kernels (servelm/kernels/csrc/ops.cpp) attend in place
-over the block tables. Decode rows come first, one ragged batch (`paged_decode_attention`,
-any window, int8 caches with their scales); prompt chunks run a flash-style op
-(`paged_prefill_attention`) group by group, falling back to the reference where the op
-does not go (head dims, a window some query's keys overrun)."""
+over the block tables. Decode rows come first, one ragged batch (`paged_decode_attention`);
+prompt chunks run a flash-style op (`paged_prefill_attention`) group by group, falling back
+to the reference for head dims the op does not take. Both ops run any sliding window,
+Llama 4's attention chunks, Gemma 2's soft-capped scores, gpt-oss's attention sinks, and
+int8 caches with their scales."""
 
 from __future__ import annotations
 
@@ -39,22 +40,32 @@ def shape_unsupported(spec: AttentionSpec) -> str | None:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             group: AttnGroup, scale: float, window: int | None = None,
-                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                            ) -> torch.Tensor:
+                            scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
     """`paged_attention` for prompt chunks on CPU with the C++ kernels: one flash-style op
     (`servelm_ops.paged_prefill_attention`) reads K/V in place through the block tables,
-    keeps the softmax online in fp32 and skips the masked upper triangle; no padding, gather
-    or score matrix. Head dims it does not take (not a multiple of 16, or above 256), and a
-    sliding window some query's keys overrun, use SDPA. An int8 cache is read with its
-    scales (dequantised as each chunk of keys is packed).
+    keeps the softmax online in fp32 and skips the masked keys (the upper triangle, and
+    those before a window or chunk); no padding, gather or score matrix. Head dims it does
+    not take (not a multiple of 16, or above 256) use the reference. An int8 cache is read
+    with its scales (dequantised as each chunk of keys is packed).
     """
     d = q.shape[-1]
-    if d % 16 or d > 256 or not group.fits_window(window):
-        return paged_attention(q, k_cache, v_cache, group, scale, window, scales)
+    if d % 16 or d > 256:
+        return paged_attention(q, k_cache, v_cache, group, scale, window, scales, softcap,
+                               sinks, chunk)
     tables, cu_q, start_pos = group.prefill_metadata
     ks, vs = scales or (None, None)
-    return torch.ops.servelm_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu_q,
-                                                         start_pos, scale, ks, vs)
+    return torch.ops.servelm_ops.paged_prefill_attention(
+        q, k_cache, v_cache, tables, cu_q, start_pos, scale, ks, vs, window or 0, chunk or 0,
+        softcap or 0.0, sinks)
+
+
+def _options_only_the_op_runs(group: AttnGroup, window: int | None, softcap, sinks,
+                              chunk) -> bool:
+    """Whether a prompt group asks what only servelm's op runs (a soft-cap, sinks, chunks,
+    or a window some query's keys overrun): the other prompt paths hand it to the op."""
+    return bool(softcap or sinks is not None or chunk or not group.fits_window(window))
 
 
 # Groups whose longest sequence attends fewer keys than this stay on the C++ op, which takes
@@ -69,23 +80,26 @@ def _flash_for_cpu():
 
 def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            group: AttnGroup, scale: float, window: int | None = None,
-                           scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           chunk: int | None = None) -> torch.Tensor:
     """`paged_prefill_attention` on PyTorch's CPU flash attention (oneDNN's brgemm: AMX
     where the CPU has it), a sequence at a time: its blocks gathered (the chunk's keys and
     every earlier one), GQA heads repeated, the chunk's own keys attended causally and,
     after a cached prefix or an earlier chunk, the earlier keys attended whole, the two
     merged by their log-sum-exp. A group of short sequences (SDPA_MIN_KEYS), an int8
-    cache, or a window some query's keys overrun, takes the C++ op (which falls back to the
-    reference where it must)."""
+    cache, or an option only the op runs (_options_only_the_op_runs) takes the C++ op
+    (which falls back to the reference where it must)."""
     plan = group.__dict__.get("_sdpa_plan")
     if plan is None:  # host copies, once a step (every layer shares the group)
         cu = group.prefill_metadata[1].tolist()
         keys = max(s + cu[b + 1] - cu[b] for b, s in enumerate(group.start_pos))
         plan = group.__dict__["_sdpa_plan"] = (cu, group.block_tables, keys)
     cu, tables, keys = plan
-    if scales is not None or not group.fits_window(window) or keys < SDPA_MIN_KEYS:
-        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales)
+    if (scales is not None or keys < SDPA_MIN_KEYS
+            or _options_only_the_op_runs(group, window, softcap, sinks, chunk)):
+        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales,
+                                       softcap, sinks, chunk)
     flash = _flash_for_cpu()
     bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     h = q.shape[1]
@@ -122,6 +136,7 @@ class CpuBackend(AttentionBackend):
     prompt chunks in padded groups as the reference forms them."""
 
     name = "cpu"
+    options = frozenset({"softcap", "sinks", "chunk"})
     ragged_decodes = True
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
@@ -130,7 +145,7 @@ class CpuBackend(AttentionBackend):
         if spec.kv_dtype not in KV_DTYPES:
             return (f"servelm's C++ kernels cannot read a {spec.kv_dtype} KV cache "
                     f"(kv_cache_dtype 'fp8'; 'int8' they read)")
-        if lack := spec.kernels_lack():
+        if lack := spec.kernels_lack(self.options):
             return f"servelm's C++ attention kernels do not {lack}"
         if shape := shape_unsupported(spec):
             return shape
@@ -161,34 +176,40 @@ class CpuBackend(AttentionBackend):
 
     def forward(self, layer, q, k_cache, v_cache, scales, meta):
         nd, outs = meta.decodes.num, []
+        softcap, sinks, chunk = (getattr(layer, a, None) for a in ("softcap", "sinks", "chunk"))
         if nd:
             # Decode rows read K/V in place through their block tables (ragged lengths).
             ks, vs = scales or (None, None)
             o = torch.ops.servelm_ops.paged_decode_attention(
                 q if nd == q.shape[0] else q[:nd], k_cache, v_cache, meta.decodes.block_tables,
-                meta.decodes.context_lens, layer.scale, layer.window or 0, ks, vs)
+                meta.decodes.context_lens, layer.scale, layer.window or 0, ks, vs, chunk or 0,
+                softcap or 0.0, sinks)
             outs.append(o.view(nd, -1))
         # Prompt chunks: flash-style attention over the block tables.
         return per_group(q, meta.groups, lambda qg, g: self.prompt_attention(
-            qg, k_cache, v_cache, g, layer.scale, layer.window, scales), outs)
+            qg, k_cache, v_cache, g, layer.scale, layer.window, scales, softcap, sinks, chunk),
+            outs)
 
     prompt_attention = staticmethod(paged_prefill_attention)
 
 
 def amx_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           group: AttnGroup, scale: float, window: int | None = None,
-                          scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                          ) -> torch.Tensor:
+                          scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          softcap: float | None = None, sinks: torch.Tensor | None = None,
+                          chunk: int | None = None) -> torch.Tensor:
     """`paged_prefill_attention` with both matmuls on AMX tiles
     (`servelm_amx_attention.paged_prefill_attention`, kernels/csrc/amx_attention.cpp): the
     group's keys packed once into tile layouts, then 16 queries of a KV head at a time, an
     whole-row fp32 softmax per row between the two matmuls. bf16 only, head dims 64 and 128; any
-    other dtype or head dim, an int8 cache, or a window some query's keys overrun, takes the
-    C++ op (which falls back to the reference where it must)."""
+    other dtype or head dim, an int8 cache, or an option only the op runs
+    (_options_only_the_op_runs) takes the C++ op (which falls back to the reference where
+    it must)."""
     d = q.shape[-1]
     if (scales is not None or q.dtype != torch.bfloat16 or d not in (64, 128)
-            or not group.fits_window(window)):
-        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales)
+            or _options_only_the_op_runs(group, window, softcap, sinks, chunk)):
+        return paged_prefill_attention(q, k_cache, v_cache, group, scale, window, scales,
+                                       softcap, sinks, chunk)
     tables, cu_q, start_pos = group.prefill_metadata
     return torch.ops.servelm_amx_attention.paged_prefill_attention(q, k_cache, v_cache, tables,
                                                                   cu_q, start_pos, scale)

@@ -19,7 +19,7 @@ class TritonBackend(AttentionBackend):
 
         if spec.device.type != "cuda":
             return f"the Triton kernels run on CUDA, not {spec.device.type}"
-        if lack := spec.kernels_lack():
+        if lack := spec.kernels_lack(self.options):
             return f"the Triton attention kernels do not {lack}"
         if not ta.available():
             return "Triton is not installed"

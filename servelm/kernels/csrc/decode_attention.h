@@ -82,6 +82,37 @@ inline __m256 exp2_256(__m256 t) {
 #endif
 constexpr float kNegBig = -1e30f;  // not -inf: -ffast-math assumes finite values
 
+// What a layer's attention asks beyond causal softmax(q.k * scale).v, shared by the decode
+// and prompt kernels:
+//   window > 0: a query at position p sees keys (p - window, p] (sliding window);
+//   chunk > 0: it sees keys of its own chunk only, k / chunk == p / chunk (Llama 4);
+//   softcap > 0: the scaled scores become softcap * tanh(s / softcap) (Gemma 2);
+//   sinks (one fp32 logit per query head, or null): a logit that joins every query's softmax
+//   denominator without a value, exp(s_i) / (sum_j exp(s_j) + exp(sink)) (gpt-oss).
+struct AttnOptions {
+  int window = 0;
+  int chunk = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+  // The first key a query at position p sees.
+  int first_key(int p) const {
+    int lo = 0;
+    if (window > 0) lo = std::max(lo, p - window + 1);
+    if (chunk > 0) lo = std::max(lo, p / chunk * chunk);
+    return lo;
+  }
+};
+
+// s[0..n) = cap * tanh(s / cap), in place (defined below, after the exp2 helpers).
+inline void softcap_scores(float* s, int n, float cap);
+
+// A softmax sum l over scores whose running max is m, plus a sink's exp(sink - m) (its
+// exponent clamped, so that a sink far above every score gives a finite sum, and weights
+// near 0, not NaN).
+inline float with_sink(float l, float m, float sink) {
+  return l + std::exp(std::min(sink - m, 80.f));
+}
+
 // One tile of an online softmax: scores s[0..n) become exp(s - new max) in place, the running
 // max m and sum l are updated; returns the factor the accumulator must be rescaled by.
 inline float online_softmax_tile(float* s, int n, float& m, float& l) {
@@ -150,7 +181,7 @@ struct PagedKV {
 template <typename T, int DT>
 void attend_tile(const float* qf, int G, int d_rt, const T* kc, const T* vc, const int64_t* roff,
                  int n, float* acc, float* m, float* l, const float* ksc = nullptr,
-                 const float* vsc = nullptr) {
+                 const float* vsc = nullptr, float cap = 0.f) {
   const int D = DT ? DT : d_rt;
   alignas(64) float kf[kMaxD];
   alignas(64) float s[kMaxG][kTile];
@@ -171,6 +202,7 @@ void attend_tile(const float* qf, int G, int d_rt, const T* kc, const T* vc, con
     }
   }
   for (int g = 0; g < G; ++g) {
+    if (cap > 0.f) softcap_scores(s[g], n, cap);
     const float alpha = online_softmax_tile(s[g], n, m[g], l[g]);
     if (alpha != 1.f) {
       float* ag = acc + g * D;
@@ -309,7 +341,7 @@ inline void pv_heads(const T* const* vrow, int n, const float (*p)[kTile], const
 template <typename T, int D>
 void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float scale, int G,
                         const T* kc, const T* vc, const int64_t* roff, int n, float* acc, float* m,
-                        float* l) {
+                        float* l, float cap = 0.f) {
   static_assert(kTile == 32, "the softmax below handles a tile as two 16-lane vectors");
   constexpr int NV = D / 16;
   constexpr int kChunkG = NV >= 16 ? 1 : std::min(4, 16 / NV);  // heads per register block
@@ -373,6 +405,7 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
         _mm512_store_ps(&s[g][j0], hsum16(part));
       }
     }
+    if (cap > 0.f) softcap_scores(s[g], n, cap);
     // Online softmax over the tile's n scores (two 16-lane vectors; lanes >= n are masked).
     const __mmask16 k0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 k1 = n <= 16 ? 0 : n >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16)) - 1);
@@ -399,6 +432,49 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
   }
 }
 #endif
+
+// cap * tanh(x / cap) in every lane: tanh(y) = 1 - 2 / (1 + e^(2y)), e^(2y) = 2^(2y log2 e)
+// with the exponent clamped to +-60, where tanh is +-1 in fp32.
+#ifdef __AVX512F__
+inline __m512 softcap512(__m512 x, float cap) {
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(2.f * kLog2e / cap)),
+                                               _mm512_set1_ps(-60.f)), _mm512_set1_ps(60.f));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(one, exp2_512<5>(t))));
+  return _mm512_mul_ps(_mm512_set1_ps(cap), th);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 softcap256(__m256 x, float cap) {
+  const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(2.f * kLog2e / cap)),
+                                               _mm256_set1_ps(-60.f)), _mm256_set1_ps(60.f));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(one, exp2_256(t))));
+  return _mm256_mul_ps(_mm256_set1_ps(cap), th);
+}
+#endif
+
+inline void softcap_scores(float* s, int n, float cap) {
+#ifdef __AVX512F__
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(s + j, live, softcap512(_mm512_maskz_loadu_ps(live, s + j), cap));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  alignas(32) float tail[8] = {};
+  for (int j = 0; j < n; j += 8) {
+    const int k = std::min(8, n - j);
+    if (k == 8) {
+      _mm256_storeu_ps(s + j, softcap256(_mm256_loadu_ps(s + j), cap));
+    } else {  // the same lanes' arithmetic for a short tail
+      std::memcpy(tail, s + j, sizeof(float) * k);
+      _mm256_store_ps(tail, softcap256(_mm256_load_ps(tail), cap));
+      std::memcpy(s + j, tail, sizeof(float) * k);
+    }
+  }
+#else
+  for (int j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+#endif
+}
 
 // Element d of a head in the AVX2 bf16 path's even/odd order (bf16_pair, below): each
 // 16-element chunk's 8 even elements, then its 8 odd ones. Plain index arithmetic, declared
@@ -473,7 +549,7 @@ inline void softmax_tile_avx2(float* s, int n, float& m, float& l, float* acc, i
 template <typename C, int D>
 void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const int64_t* roff, int n,
                       float* acc, float* m, float* l, const float* ksc = nullptr,
-                      const float* vsc = nullptr) {
+                      const float* vsc = nullptr, float cap = 0.f) {
   static_assert(D % 32 == 0 && kTile == 32, "32-dim slices, a tile of four 8-lane vectors");
   constexpr int NV = D / 8;
   alignas(32) float kf[kTile][D];
@@ -507,6 +583,7 @@ void attend_tile_avx2(const float* qf, int G, const C* kc, const C* vc, const in
       }
       _mm256_store_ps(&s[g][j0], x);
     }
+    if (cap > 0.f) softcap_scores(s[g], n, cap);
     softmax_tile_avx2(s[g], n, m[g], l[g], acc + g * D, D);
   }
   for (int c = 0; c < D; c += 32) {
@@ -580,7 +657,7 @@ inline void pv_heads_bf16(const c10::BFloat16* vc, const int64_t* roff, int n,
 template <int D>
 void attend_tile_avx2_bf16(const float* qeo, int G, const c10::BFloat16* kc,
                            const c10::BFloat16* vc, const int64_t* roff, int n, float* acc,
-                           float* m, float* l) {
+                           float* m, float* l, float cap = 0.f) {
   static_assert(D % 32 == 0 && kTile == 32, "32-dim slices, a tile of four 8-lane vectors");
   alignas(32) float s[kMaxG][kTile];
   for (int g = 0; g < G; g += 4) {
@@ -594,7 +671,10 @@ void attend_tile_avx2_bf16(const float* qeo, int G, const c10::BFloat16* kc,
       }
     }
   }
-  for (int g = 0; g < G; ++g) softmax_tile_avx2(s[g], n, m[g], l[g], acc + g * D, D);
+  for (int g = 0; g < G; ++g) {
+    if (cap > 0.f) softcap_scores(s[g], n, cap);
+    softmax_tile_avx2(s[g], n, m[g], l[g], acc + g * D, D);
+  }
   for (int c = 0; c < D; c += 32) {
     int g = 0;
     for (; g + 3 <= G; g += 3) pv_heads_bf16<3>(vc, roff, n, s + g, c, D, acc + g * D);
@@ -632,12 +712,12 @@ class DecodeAttention {
   }
 
  public:
-  // window > 0: each query sees only its last `window` keys (sliding-window attention;
-  // the splits still cover [0, len), and those wholly before the window are empty).
+  // opt: a window or chunk (each query sees only its keys from opt.first_key(len - 1); the
+  // splits still cover [0, len), and those wholly before it are empty), a soft-cap, sinks.
   DecodeAttention(const T* q, int64_t qs0, int64_t qs1, int B, int H, int D, const PagedKV<C>& kv,
-                  const int32_t* lens, float scale, int nthreads, T* out, int window = 0)
+                  const int32_t* lens, float scale, int nthreads, T* out, AttnOptions opt = {})
       : q_(q), qs0_(qs0), qs1_(qs1), B_(B), H_(H), D_(D), kv_(kv), lens_(lens), sc_(scale), out_(out),
-        window_(window) {
+        opt_(opt) {
     int max_len = 0;
     for (int b = 0; b < B; ++b) {
       max_len = std::max(max_len, static_cast<int>(lens[b]));
@@ -669,7 +749,7 @@ class DecodeAttention {
     b = it / nsplit_;
     t0 = (it % nsplit_) * split_;
     t1 = std::min<int>(lens_[b], t0 + split_);
-    if (window_ > 0) t0 = std::max(t0, lens_[b] - window_);
+    if (lens_[b] > 0) t0 = std::max(t0, opt_.first_key(lens_[b] - 1));
   }
 
   // read_lines for sequence b's K/V rows of tokens [t0, t1) (all heads, contiguous within a
@@ -707,7 +787,7 @@ class DecodeAttention {
   void run_item(int64_t it) {
     const int H = H_, D = D_, KVH = kv_.kv_heads, G = H / KVH;
     const PagedKV<C>& kv = kv_;
-    const float sc = sc_;
+    const float sc = sc_, cap = opt_.softcap;
     int b, t0, t1;
     item_range(it, b, t0, t1);
     if (t0 >= t1 && nsplit_ > 1) {  // beyond this sequence's end or window: an empty partial
@@ -754,40 +834,41 @@ class DecodeAttention {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
           if constexpr (DT != 0 && DT % 32 == 0) {
             attend_tile_avx2<C, DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D, m + hg,
-                                    l + hg, ksc, vsc);
+                                    l + hg, ksc, vsc, cap);
             continue;
           }
 #endif
           attend_tile<C, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
-                             l + hg, ksc, vsc);
+                             l + hg, ksc, vsc, cap);
           continue;
         }
 #ifdef __AVX512F__
         if constexpr (DT != 0 && DT % 16 == 0 && std::is_same<C, T>::value) {
           attend_tile_avx512<T, DT>(qf + hg * D, qb + hg * qs1_, qs1_, sc, G, kh, vh, roff,
-                                    end - base, acc + hg * D, m + hg, l + hg);
+                                    end - base, acc + hg * D, m + hg, l + hg, cap);
           continue;
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         if constexpr (kEvenOdd) {
           attend_tile_avx2_bf16<DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D,
-                                    m + hg, l + hg);
+                                    m + hg, l + hg, cap);
           continue;
         } else if constexpr (DT != 0 && DT % 32 == 0 && std::is_same<C, T>::value) {
           attend_tile_avx2<T, DT>(qf + hg * D, G, kh, vh, roff, end - base, acc + hg * D, m + hg,
-                                  l + hg);
+                                  l + hg, nullptr, nullptr, cap);
           continue;
         }
 #endif
         if constexpr (std::is_same<C, T>::value)
           attend_tile<T, DT>(qf + hg * D, G, D, kh, vh, roff, end - base, acc + hg * D, m + hg,
-                             l + hg);
+                             l + hg, nullptr, nullptr, cap);
       }
     }
     if (nsplit_ == 1) {
       for (int hg = 0; hg < H; ++hg) {
         T* o = out_ + (static_cast<int64_t>(b) * H + hg) * D;
-        const float inv = l[hg] > 0.f ? 1.f / l[hg] : 0.f;
+        const float lt = opt_.sinks ? with_sink(l[hg], m[hg], opt_.sinks[hg]) : l[hg];
+        const float inv = lt > 0.f ? 1.f / lt : 0.f;
         for (int d = 0; d < D; ++d) o[d] = from_f<T>(acc[hg * D + slot(d)] * inv);
       }
     } else {
@@ -819,6 +900,7 @@ class DecodeAttention {
           L += p[D + 1] * w;
           for (int d = 0; d < D; ++d) o[d] += p[d] * w;
         }
+        if (opt_.sinks) L = with_sink(L, mx, opt_.sinks[hg]);
         const float inv = L > 0.f ? 1.f / L : 0.f;
         T* dst = out_ + (static_cast<int64_t>(b) * H + hg) * D;
         for (int d = 0; d < D; ++d) dst[d] = from_f<T>(o[slot(d)] * inv);  // partials: acc's order
@@ -834,7 +916,7 @@ class DecodeAttention {
   const int32_t* lens_;
   float sc_;
   T* out_;
-  int window_ = 0;
+  AttnOptions opt_;
   int64_t work_ = 0, items_ = 0;
   int split_ = 1, nsplit_ = 1;
   std::vector<float> part_;

@@ -851,7 +851,7 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<std::unique_ptr<Attention>> atts;
     for (const int64_t w : windows_)
       atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
-                                                 nthreads, attn, static_cast<int>(w)));
+                                                 nthreads, attn, AttnOptions{static_cast<int>(w)}));
     const BF* final_mlp_norm = layers_.back().norm(kMlpOutNorm);
     // The step's LoRA rows grouped by slot, and the shrink's output t [M, J*R] (fp32), shared
     // by each adapted linear in turn.

@@ -1,10 +1,11 @@
 // servelm CPU kernels for the decode hot loop (namespace torch.ops.servelm_ops).
 //
 //   paged_decode_attention(q [B,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
-//                          context_lens int32 [B], scale, window=0, k_scale=None, v_scale=None)
-//                          -> [B,H,D]
+//                          context_lens int32 [B], scale, window=0, k_scale=None, v_scale=None,
+//                          chunk=0, softcap=0, sinks=None) -> [B,H,D]
 //       One query per sequence over its first context_lens[b] cached tokens (with a window
-//       > 0, only the last `window` of them: sliding-window attention), read in place
+//       > 0, only the last `window` of them: sliding-window attention; window, chunk,
+//       softcap and sinks [H] as AttnOptions in decode_attention.h says), read in place
 //       through the block table (no gather). The G = H / KVH query heads of one KV head are
 //       processed together, so each K/V row is loaded once; online softmax in fp32. Work is
 //       (sequence, KV head, context split), scheduled dynamically over OpenMP threads; long
@@ -23,10 +24,12 @@
 //       runs too). x, y, A, B all bf16 or all fp32; y may be a view with a row stride.
 //   paged_prefill_attention(q [T,H,D], k_cache, v_cache [NB,BS,KVH,D], block_tables int32 [B,MB],
 //                           cu_seqlens_q int32 [B+1], start_pos int32 [B], scale,
-//                           k_scale=None, v_scale=None) -> [T, H*D]
+//                           k_scale=None, v_scale=None, window=0, chunk=0, softcap=0,
+//                           sinks=None) -> [T, H*D]
 //       Prompt (prefill) attention, flash-style: sequence b's queries are the tokens
 //       cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q, at positions start_pos[b], start_pos[b]+1, ...;
-//       each attends causally to keys 0..its position, read in place through the block table
+//       each attends causally to keys 0..its position (from its window's or chunk's first key:
+//       AttnOptions), read in place through the block table
 //       (the chunk's own K/V are already in the cache). Online softmax in fp32, the masked upper
 //       triangle skipped; bf16 through AVX512-BF16 dot products. Head dim: a multiple of 16, <= 256.
 //
@@ -95,10 +98,30 @@ PagedKV<C> paged_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
   return PagedKV<C>(k_cache, v_cache, block_tables);
 }
 
+// The attention ops' AttnOptions from their arguments, checked: sinks (any float dtype, one
+// per query head) converted into sink_f, which must outlive the options.
+AttnOptions attn_options(int64_t window, int64_t chunk, double softcap, const OptTensor& sinks,
+                         int H, at::Tensor& sink_f, const char* name) {
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, name, ": window must be >= 0 (0: no window)");
+  TORCH_CHECK(chunk >= 0 && chunk <= INT32_MAX, name, ": chunk must be >= 0 (0: no chunks)");
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), name, ": softcap must be >= 0 (0: none)");
+  AttnOptions opt;
+  opt.window = static_cast<int>(window);
+  opt.chunk = static_cast<int>(chunk);
+  opt.softcap = static_cast<float>(softcap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == H && at::isFloatingType(sinks->scalar_type()), name,
+                ": sinks must hold one float per query head (", H, "), got ", sinks->sizes());
+    sink_f = sinks->to(at::kFloat).contiguous();
+    opt.sinks = sink_f.data_ptr<float>();
+  }
+  return opt;
+}
+
 template <typename T, int DT, typename C = T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale, int64_t window,
+                           const at::Tensor& context_lens, double scale, const AttnOptions& opt,
                            at::Tensor& out, const OptTensor& k_scale, const OptTensor& v_scale) {
   const PagedKV<C> kv = paged_kv<C>(k_cache, v_cache, block_tables, k_scale, v_scale);
   const int B = q.size(0);
@@ -106,8 +129,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   check_context_lens(lens, B, kv.MB, kv.bs, "paged_decode_attention");
   const int nthreads = std::max(1, at::get_num_threads());
   DecodeAttention<T, DT, C> att(q.data_ptr<T>(), q.stride(0), q.stride(1), B, q.size(1), q.size(2), kv,
-                             lens, static_cast<float>(scale), nthreads, out.data_ptr<T>(),
-                             static_cast<int>(window));
+                             lens, static_cast<float>(scale), nthreads, out.data_ptr<T>(), opt);
   const int64_t items = att.items();
   // Tiny problems (one short sequence) run on the calling thread: a parallel region would
   // cost more than the work, and much more when other processes hold the cores.
@@ -123,8 +145,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale, int64_t window,
-                                  const OptTensor& k_scale, const OptTensor& v_scale) {
-  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
+                                  const OptTensor& k_scale, const OptTensor& v_scale, int64_t chunk,
+                                  double softcap, const OptTensor& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B,H,D], last dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -139,14 +161,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && H / KVH <= kMaxG && D <= kMaxD,
               "paged_decode_attention: unsupported head layout");
+  at::Tensor sink_f;
+  const AttnOptions opt = attn_options(window, chunk, softcap, sinks, H, sink_f, "paged_decode_attention");
   auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
   SERVELM_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto c) {
       using C = decltype(c);
-      if (D == 64) decode_attention_impl<scalar_t, 64, C>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, k_scale, v_scale);
-      else if (D == 128) decode_attention_impl<scalar_t, 128, C>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, k_scale, v_scale);
-      else decode_attention_impl<scalar_t, 0, C>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, k_scale, v_scale);
+      if (D == 64) decode_attention_impl<scalar_t, 64, C>(q, k_cache, v_cache, block_tables, context_lens, scale, opt, out, k_scale, v_scale);
+      else if (D == 128) decode_attention_impl<scalar_t, 128, C>(q, k_cache, v_cache, block_tables, context_lens, scale, opt, out, k_scale, v_scale);
+      else decode_attention_impl<scalar_t, 0, C>(q, k_cache, v_cache, block_tables, context_lens, scale, opt, out, k_scale, v_scale);
     };
     if (quant) run(int8_t{});
     else run(scalar_t{});
@@ -312,7 +336,8 @@ struct PrefillTile {  // one query head x 16 queries
   float* o;           // [D][16] unnormalised output, transposed
   float m[16], l[16];
   int32_t pos[16];    // absolute query positions (padding lanes repeat the last one)
-  int pos_min, pos_max;
+  int32_t lo[16];     // the first key each query sees (AttnOptions::first_key)
+  int pos_min, pos_max, lo_min, lo_max;
   void* q;            // packed query: [D/2][16] bf16 pairs (dp) or [D][16] fp32
 };
 
@@ -327,12 +352,14 @@ inline __m512 prefill_softmax(float* s, uint32_t* pairs, int nk, int key0, Prefi
   constexpr int kDeg = kPairs ? 4 : 5;
   const __m512 alpha = exp2_512<kDeg>(_mm512_sub_ps(mold, mnew));
   __m512 sum = _mm512_setzero_ps();
-  const __m512i qp = _mm512_loadu_si512(t.pos);
-  const int unmasked = std::max(0, std::min(nk, t.pos_min - key0 + 1));  // keys every lane sees
+  const __m512i qp = _mm512_loadu_si512(t.pos), lo = _mm512_loadu_si512(t.lo);
+  // Keys [ulo, uhi) of the tile every lane sees.
+  const int ulo = std::max(0, t.lo_max - key0), uhi = std::max(0, std::min(nk, t.pos_min - key0 + 1));
   auto prob = [&](int j) {
     const __m512 p = exp2_512<kDeg>(_mm512_sub_ps(_mm512_load_ps(s + j * 16), mnew));
-    if (j < unmasked) return p;
-    return _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(key0 + j), qp), p);
+    if (j >= ulo && j < uhi) return p;
+    const __m512i key = _mm512_set1_epi32(key0 + j);
+    return _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(key, qp) & _mm512_cmpge_epi32_mask(key, lo), p);
   };
   if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
@@ -360,8 +387,8 @@ inline __m512 prefill_softmax(float* s, uint32_t* pairs, int nk, int key0, Prefi
 
 // Scores of 16 keys (rows of kc, D each) for one tile, scaled, masked; into s[16][16].
 template <bool kDp, int DT>
-inline __m512 prefill_scores16(const void* qpk, const void* kc, int d_rt, float scale, int key0,
-                               const PrefillTile& t, float* s) {
+inline __m512 prefill_scores16(const void* qpk, const void* kc, int d_rt, float scale, float cap,
+                               int key0, const PrefillTile& t, float* s) {
   const int D = DT ? DT : d_rt;
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
@@ -389,12 +416,14 @@ inline __m512 prefill_scores16(const void* qpk, const void* kc, int d_rt, float 
   }
   const __m512 sv = _mm512_set1_ps(scale);
   __m512 mx = _mm512_set1_ps(kNegBig);
-  const bool masked = key0 + 15 > t.pos_min;
-  const __m512i qp = _mm512_loadu_si512(t.pos);
+  const bool masked = key0 + 15 > t.pos_min || key0 < t.lo_max;
+  const __m512i qp = _mm512_loadu_si512(t.pos), lo = _mm512_loadu_si512(t.lo);
   for (int j = 0; j < 16; ++j) {
     __m512 x = _mm512_mul_ps(a[j], sv);
+    if (cap > 0.f) x = softcap512(x, cap);
     if (masked) {
-      const __mmask16 drop = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(key0 + j), qp);
+      const __m512i key = _mm512_set1_epi32(key0 + j);
+      const __mmask16 drop = _mm512_cmpgt_epi32_mask(key, qp) | _mm512_cmplt_epi32_mask(key, lo);
       x = _mm512_mask_mov_ps(x, drop, _mm512_set1_ps(kNegBig));
     }
     mx = _mm512_max_ps(mx, x);
@@ -446,15 +475,17 @@ inline void prefill_pv(float* o, __m512 alpha, bool rescale, const void* pk, con
 
 #ifndef __AVX512F__
 // Portable version (no AVX-512): the same layouts, fp32 only.
-inline void prefill_scores16_ref(const float* qp, const float* k, int D, float scale, int key0,
-                                 const PrefillTile& t, float* s, float* mx) {
+inline void prefill_scores16_ref(const float* qp, const float* k, int D, float scale, float cap,
+                                 int key0, const PrefillTile& t, float* s, float* mx) {
   for (int i = 0; i < 16; ++i) mx[i] = kNegBig;
   for (int j = 0; j < 16; ++j) {
     float a[16] = {0};
     for (int d = 0; d < D; ++d)
       for (int i = 0; i < 16; ++i) a[i] += qp[d * 16 + i] * k[j * D + d];
     for (int i = 0; i < 16; ++i) {
-      const float x = key0 + j > t.pos[i] ? kNegBig : a[i] * scale;
+      float x = a[i] * scale;
+      if (cap > 0.f) x = cap * std::tanh(x / cap);
+      if (key0 + j > t.pos[i] || key0 + j < t.lo[i]) x = kNegBig;
       s[j * 16 + i] = x;
       mx[i] = std::max(mx[i], x);
     }
@@ -491,12 +522,14 @@ inline void transpose8(__m256* r) {
 
 // Scores of 16 keys (rows of k, D each) for one tile, scaled, masked; into s[16][16];
 // folds their maxima into mx[2]. Keys go 4 at a time: 8 accumulators cover the FMA latency.
-inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float scale, int key0,
-                                  const PrefillTile& t, float* s, __m256* mx) {
+inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float scale, float cap,
+                                  int key0, const PrefillTile& t, float* s, __m256* mx) {
   const __m256 sv = _mm256_set1_ps(scale), neg = _mm256_set1_ps(kNegBig);
-  const bool masked = key0 + 15 > t.pos_min;
+  const bool masked = key0 + 15 > t.pos_min || key0 < t.lo_max;
   const __m256i pos0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.pos));
   const __m256i pos1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.pos + 8));
+  const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.lo));
+  const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.lo + 8));
   for (int j0 = 0; j0 < 16; j0 += 4) {
     __m256 a[4][2];
     for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
@@ -513,10 +546,13 @@ inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float 
     }
     for (int j = 0; j < 4; ++j) {
       __m256 x0 = _mm256_mul_ps(a[j][0], sv), x1 = _mm256_mul_ps(a[j][1], sv);
+      if (cap > 0.f) x0 = softcap256(x0, cap), x1 = softcap256(x1, cap);
       if (masked) {
         const __m256i key = _mm256_set1_epi32(key0 + j0 + j);
-        x0 = _mm256_blendv_ps(x0, neg, _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos0)));
-        x1 = _mm256_blendv_ps(x1, neg, _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos1)));
+        x0 = _mm256_blendv_ps(x0, neg, _mm256_castsi256_ps(_mm256_or_si256(
+            _mm256_cmpgt_epi32(key, pos0), _mm256_cmpgt_epi32(lo0, key))));
+        x1 = _mm256_blendv_ps(x1, neg, _mm256_castsi256_ps(_mm256_or_si256(
+            _mm256_cmpgt_epi32(key, pos1), _mm256_cmpgt_epi32(lo1, key))));
       }
       mx[0] = _mm256_max_ps(mx[0], x0);
       mx[1] = _mm256_max_ps(mx[1], x1);
@@ -536,14 +572,19 @@ inline void prefill_softmax_avx2(float* s, int nk, int key0, PrefillTile& t, con
   al[0] = exp2_256(_mm256_sub_ps(mold0, m0));
   al[1] = exp2_256(_mm256_sub_ps(mold1, m1));
   __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
-  const int unmasked = std::max(0, std::min(nk, t.pos_min - key0 + 1));  // keys every lane sees
+  const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.lo));
+  const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.lo + 8));
+  // Keys [ulo, uhi) of the tile every lane sees.
+  const int ulo = std::max(0, t.lo_max - key0), uhi = std::max(0, std::min(nk, t.pos_min - key0 + 1));
   for (int j = 0; j < nk; ++j) {
     __m256 p0 = exp2_256(_mm256_sub_ps(_mm256_load_ps(s + j * 16), m0));
     __m256 p1 = exp2_256(_mm256_sub_ps(_mm256_load_ps(s + j * 16 + 8), m1));
-    if (j >= unmasked) {
+    if (j < ulo || j >= uhi) {
       const __m256i key = _mm256_set1_epi32(key0 + j);
-      p0 = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos0)), p0);
-      p1 = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, pos1)), p1);
+      p0 = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_or_si256(
+          _mm256_cmpgt_epi32(key, pos0), _mm256_cmpgt_epi32(lo0, key))), p0);
+      p1 = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_or_si256(
+          _mm256_cmpgt_epi32(key, pos1), _mm256_cmpgt_epi32(lo1, key))), p1);
     }
     _mm256_store_ps(s + j * 16, p0);
     _mm256_store_ps(s + j * 16 + 8, p1);
@@ -591,8 +632,9 @@ inline void prefill_pv_avx2(float* o, const __m256* al, bool rescale, const floa
 template <typename T, bool kDp, int DT, typename C = T>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& cu_q,
-                            const at::Tensor& start_pos, double scale, at::Tensor& out,
-                            const OptTensor& k_scale = {}, const OptTensor& v_scale = {}) {
+                            const at::Tensor& start_pos, double scale, const AttnOptions& opt,
+                            at::Tensor& out, const OptTensor& k_scale = {},
+                            const OptTensor& v_scale = {}) {
   static_assert(!kDp || std::is_same<C, T>::value, "bf16 pairs are packed from bf16 caches");
   const PagedKV<C> kv = paged_kv<C>(k_cache, v_cache, block_tables, k_scale, v_scale);
   const int H = q.size(1), D = DT ? DT : q.size(2);
@@ -605,6 +647,13 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int32_t* sp = start_pos.data_ptr<int32_t>();
   T* optr = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  // Scores, maxima and the soft-cap in log2 units (scale * log2 e: the softmax is exp2).
+  constexpr float kUnit = kLog2e;
+#else
+  constexpr float kUnit = 1.f;
+#endif
+  const float cap = opt.softcap * kUnit;
   // Packed element: a bf16 pair (dp) or one fp32 value per dword.
   const int DQ = kDp ? D / 2 : D;  // dwords per packed q / K row
 
@@ -626,7 +675,9 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     const int n = cu[b + 1] - cu[b];
     for (int q0 = 0; q0 < n; q0 += iq) {
       const int q1 = std::min(n, q0 + iq);
-      const int64_t cost = static_cast<int64_t>(q1 - q0) * (sp[b] + q1 - (q1 - q0) / 2);
+      // Queries times the keys the middle one sees (a window or chunk: from its first key).
+      const int mid = sp[b] + (q0 + q1) / 2;
+      const int64_t cost = static_cast<int64_t>(q1 - q0) * (mid + 1 - opt.first_key(mid));
       for (int h = 0; h < KVH; ++h) items.push_back({b, h, q0, q1, cost});
       work += cost * KVH * G;
     }
@@ -637,7 +688,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   auto run_item = [&](const Item& it) {
     const int b = it.b, h = it.h, start = sp[b];
     const int nq = it.q1 - it.q0, ntile = (nq + 15) / 16, nt = G * ntile;
-    const int kend = start + it.q1;  // keys [0, kend)
+    const int kend = start + it.q1;  // keys [kbeg, kend)
+    const int kbeg = opt.first_key(start + it.q0);
     const int32_t* table = kv.table(b);
     // One allocation: tiles' o and q, K chunk, V chunk, scores, bf16 pairs of p.
     const size_t o_sz = static_cast<size_t>(D) * 16, q_sz = static_cast<size_t>(DQ) * 16;
@@ -668,10 +720,13 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int r0 = it.q0 + tt * 16, rn = std::min(16, it.q1 - r0);
         t.pos_min = start + r0;
         t.pos_max = start + r0 + rn - 1;
+        t.lo_min = opt.first_key(t.pos_min);  // first_key grows with the position
+        t.lo_max = opt.first_key(t.pos_max);
         for (int i = 0; i < 16; ++i) {
           t.m[i] = kNegBig;
           t.l[i] = 0.f;
           t.pos[i] = start + r0 + std::min(i, rn - 1);
+          t.lo[i] = opt.first_key(t.pos[i]);
         }
         const T* qrow0 = qptr + static_cast<int64_t>(cu[b] + r0) * qs0 + static_cast<int64_t>(hq) * qs1;
 #ifdef __AVX512F__
@@ -710,7 +765,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
     const int64_t head_off = static_cast<int64_t>(h) * D;
     auto row = [&](const C* cache, int key) { return cache + kv.offset(table, key) + head_off; };
-    for (int c0 = 0; c0 < kend; c0 += kChunkK) {
+    for (int c0 = kbeg; c0 < kend; c0 += kChunkK) {
       const int n = std::min(kChunkK, kend - c0);
       const int npad = (n + 15) / 16 * 16;
       // Pack the chunk of this KV head (zero rows past n: their p is 0, 0 * V must be 0).
@@ -758,27 +813,32 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       for (int ti = 0; ti < nt; ++ti) {
         PrefillTile& t = tiles[ti];
         const int nk = std::min(n, t.pos_max + 1 - c0);  // keys of this chunk any lane sees
-        if (nk <= 0) continue;
-        const int nk16 = (nk + 15) / 16 * 16;
+        // Keys before every lane's first (a window or chunk), in whole 16s, are skipped.
+        const int js = std::max(0, t.lo_min - c0) / 16 * 16;
+        if (nk <= js) continue;
+        const int nk16 = (nk - js + 15) / 16 * 16, key0 = c0 + js;
+        const float* kb = kbuf + static_cast<size_t>(js) * DQ;
+        const float* vb = vbuf + static_cast<size_t>(kDp ? js / 2 : js) * D;
 #ifdef __AVX512F__
         __m512 mx = _mm512_set1_ps(kNegBig);
         for (int j = 0; j < nk16; j += 16)
-          mx = _mm512_max_ps(mx, prefill_scores16<kDp, DT>(t.q, kbuf + j * DQ, D, sc * kLog2e, c0 + j, t,
-                                                           sbuf + j * 16));
-        const __m512 alpha = prefill_softmax<kDp>(sbuf, reinterpret_cast<uint32_t*>(xbuf), nk16, c0, t, mx);
-        prefill_pv<kDp, DT>(t.o, alpha, c0 > 0, kDp ? xbuf : sbuf, vbuf, nk16, D);
+          mx = _mm512_max_ps(mx, prefill_scores16<kDp, DT>(t.q, kb + j * DQ, D, sc * kLog2e, cap, key0 + j,
+                                                           t, sbuf + j * 16));
+        const __m512 alpha = prefill_softmax<kDp>(sbuf, reinterpret_cast<uint32_t*>(xbuf), nk16, key0, t, mx);
+        prefill_pv<kDp, DT>(t.o, alpha, key0 > kbeg, kDp ? xbuf : sbuf, vb, nk16, D);
 #elif defined(__AVX2__) && defined(__FMA__)
         __m256 mx[2] = {_mm256_set1_ps(kNegBig), _mm256_set1_ps(kNegBig)}, alpha[2];
         for (int j = 0; j < nk16; j += 16)
-          prefill_scores16_avx2(static_cast<const float*>(t.q), kbuf + j * D, D, sc * kLog2e, c0 + j, t,
-                                sbuf + j * 16, mx);
-        prefill_softmax_avx2(sbuf, nk16, c0, t, mx, alpha);
-        prefill_pv_avx2(t.o, alpha, c0 > 0, sbuf, vbuf, nk16, D);
+          prefill_scores16_avx2(static_cast<const float*>(t.q), kb + j * D, D, sc * kLog2e, cap, key0 + j,
+                                t, sbuf + j * 16, mx);
+        prefill_softmax_avx2(sbuf, nk16, key0, t, mx, alpha);
+        prefill_pv_avx2(t.o, alpha, key0 > kbeg, sbuf, vb, nk16, D);
 #else
         float mx[16], mnew[16], alpha[16];
         for (int j = 0; j < nk16; j += 16) {
           float m2[16];
-          prefill_scores16_ref(static_cast<const float*>(t.q), kbuf + j * D, D, sc, c0 + j, t, sbuf + j * 16, m2);
+          prefill_scores16_ref(static_cast<const float*>(t.q), kb + j * D, D, sc, cap, key0 + j, t,
+                               sbuf + j * 16, m2);
           for (int i = 0; i < 16; ++i) mx[i] = j ? std::max(mx[i], m2[i]) : m2[i];
         }
         for (int i = 0; i < 16; ++i) {
@@ -787,7 +847,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           float sum = 0.f;
           for (int j = 0; j < nk16; ++j) {
             float& s = sbuf[j * 16 + i];
-            s = c0 + j > t.pos[i] ? 0.f : std::exp(s - mnew[i]);
+            s = key0 + j > t.pos[i] || key0 + j < t.lo[i] ? 0.f : std::exp(s - mnew[i]);
             sum += s;
           }
           t.l[i] = t.l[i] * alpha[i] + sum;
@@ -797,14 +857,22 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           float* od = t.o + d * 16;
           for (int i = 0; i < 16; ++i) od[i] *= alpha[i];
           for (int j = 0; j < nk16; ++j) {
-            const float v = vbuf[j * D + d];
+            const float v = vb[j * D + d];
             for (int i = 0; i < 16; ++i) od[i] += sbuf[j * 16 + i] * v;
           }
         }
 #endif
       }
     }
-    // Normalise and write [token, H * D].
+    // Normalise (the sink, if any, joins each sum) and write [token, H * D].
+    auto inv_sum = [&](const PrefillTile& t, int i, int hq) {
+      float l = t.l[i];
+      if (opt.sinks) {  // m in kUnit units: the sink's exp(sink - m) is 2^(sink log2 e - m) there
+        l += kUnit == 1.f ? std::exp(std::min(opt.sinks[hq] - t.m[i], 80.f))
+                          : std::exp2(std::min(opt.sinks[hq] * kUnit - t.m[i], 115.f));
+      }
+      return l > 0.f ? 1.f / l : 0.f;
+    };
     for (int g = 0; g < G; ++g) {
       const int hq = h * G + g;
       for (int tt = 0; tt < ntile; ++tt) {
@@ -813,7 +881,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         T* dst0 = optr + static_cast<int64_t>(cu[b] + r0) * H * D + static_cast<int64_t>(hq) * D;
 #ifdef __AVX512F__
         alignas(64) float inv[16];
-        for (int i = 0; i < 16; ++i) inv[i] = t.l[i] > 0.f ? 1.f / t.l[i] : 0.f;
+        for (int i = 0; i < 16; ++i) inv[i] = inv_sum(t, i, hq);
         for (int c = 0; c < D; c += 16) {
           __m512i r[16];
           for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(t.o + (c + i) * 16);
@@ -825,7 +893,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 #elif defined(__AVX2__) && defined(__FMA__)
         // Transposed back in 8 x 8 blocks, each product as the scalar loop below rounds it.
         alignas(32) float inv[16], rowbuf[8];
-        for (int i = 0; i < 16; ++i) inv[i] = t.l[i] > 0.f ? 1.f / t.l[i] : 0.f;
+        for (int i = 0; i < 16; ++i) inv[i] = inv_sum(t, i, hq);
         for (int i0 = 0; i0 < rn; i0 += 8) {
           const __m256 iv = _mm256_load_ps(inv + i0);
           for (int c = 0; c < D; c += 8) {
@@ -846,7 +914,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 #else
         for (int i = 0; i < rn; ++i) {
           T* dst = dst0 + static_cast<int64_t>(i) * H * D;
-          const float inv = t.l[i] > 0.f ? 1.f / t.l[i] : 0.f;
+          const float inv = inv_sum(t, i, hq);
           for (int d = 0; d < D; ++d) dst[d] = from_f<T>(t.o[d * 16 + i] * inv);
         }
 #endif
@@ -866,36 +934,39 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
-                                   double scale, const OptTensor& k_scale, const OptTensor& v_scale) {
+                                   double scale, const OptTensor& k_scale, const OptTensor& v_scale,
+                                   int64_t window, int64_t chunk, double softcap, const OptTensor& sinks) {
   check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, "paged_prefill_attention");
   const bool quant = check_kv_dtype(q, k_cache, v_cache, k_scale, v_scale, "paged_prefill_attention");
   const int H = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 16 == 0 && D <= kMaxD,
               "paged_prefill_attention: head dim ", D, " unsupported (a multiple of 16, at most ", kMaxD, ")");
+  at::Tensor sink_f;
+  const AttnOptions opt = attn_options(window, chunk, softcap, sinks, H, sink_f, "paged_prefill_attention");
   auto out = at::empty({q.size(0), static_cast<int64_t>(H) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
   if (quant) {
     SERVELM_DISPATCH(q.scalar_type(), "paged_prefill_attention", [&] {
       using I8 = int8_t;
-      if (D == 64) prefill_attention_impl<scalar_t, false, 64, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out, k_scale, v_scale);
-      else if (D == 128) prefill_attention_impl<scalar_t, false, 128, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out, k_scale, v_scale);
-      else prefill_attention_impl<scalar_t, false, 0, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out, k_scale, v_scale);
+      if (D == 64) prefill_attention_impl<scalar_t, false, 64, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out, k_scale, v_scale);
+      else if (D == 128) prefill_attention_impl<scalar_t, false, 128, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out, k_scale, v_scale);
+      else prefill_attention_impl<scalar_t, false, 0, I8>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out, k_scale, v_scale);
     });
     return out;
   }
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16) {
     using BF = c10::BFloat16;
-    if (D == 64) prefill_attention_impl<BF, true, 64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
-    else if (D == 128) prefill_attention_impl<BF, true, 128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
-    else prefill_attention_impl<BF, true, 0>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    if (D == 64) prefill_attention_impl<BF, true, 64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out);
+    else if (D == 128) prefill_attention_impl<BF, true, 128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out);
+    else prefill_attention_impl<BF, true, 0>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out);
     return out;
   }
 #endif
   SERVELM_DISPATCH(q.scalar_type(), "paged_prefill_attention", [&] {
-    if (D == 64) prefill_attention_impl<scalar_t, false, 64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
-    else if (D == 128) prefill_attention_impl<scalar_t, false, 128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
-    else prefill_attention_impl<scalar_t, false, 0>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, out);
+    if (D == 64) prefill_attention_impl<scalar_t, false, 64>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out);
+    else if (D == 128) prefill_attention_impl<scalar_t, false, 128>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out);
+    else prefill_attention_impl<scalar_t, false, 0>(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, opt, out);
   });
   return out;
 }
@@ -1054,7 +1125,7 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const
 TORCH_LIBRARY(servelm_ops, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor");
+        "Tensor? v_scale=None, int chunk=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_kv_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
@@ -1063,7 +1134,8 @@ TORCH_LIBRARY(servelm_ops, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor cu_seqlens_q, Tensor start_pos, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor");
+        "Tensor? v_scale=None, int window=0, int chunk=0, float softcap=0., "
+        "Tensor? sinks=None) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
         "int[] bounds) -> ()");
