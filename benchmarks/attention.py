@@ -23,8 +23,8 @@
    bf16 by default; median and best of 7, the modes interleaved): each cpu backend that runs
    here, and the eager path (as cpu_kernels=False).
 5. `--options`: the model options the C++ attention runs beside the reference (a sliding
-   window, gpt-oss's sinks, Gemma 2's soft-cap, Llama 4's chunks), one layer in each
-   family's shape: a --prompt-len-token prompt (2048 by default) and --streams decodes of
+   window, gpt-oss's sinks, Gemma 2's soft-cap, Llama 4's chunks) and its widest heads
+   (Gemma 4's 512 dims, DeepSeek's 576-dim latent rows), one layer in each family's shape: a --prompt-len-token prompt (2048 by default) and --streams decodes of
    that context, the C++ ops against the reference. With `--model PATH` (a checkpoint
    directory or GGUF): that model's TTFT and decode tok/s at 1 and --streams streams with
    the cpu backend and with the reference attention, alternating in one run.
@@ -191,7 +191,8 @@ def engine_decode(llm, batch: int, prompt_len: int, max_tokens: int = 64) -> flo
     return tokens / (time.perf_counter() - t0)
 
 
-# (name, q heads, KV heads, head dim, options): one layer of each family the options serve.
+# (name, q heads, KV heads, head dim, options): one layer of each family the options serve,
+# and the widest heads the C++ ops take.
 OPTION_LAYERS = [
     ("gpt-oss sliding: window 128 + sinks", 64, 8, 64, dict(window=128, sinks=True)),
     ("gpt-oss full: sinks", 64, 8, 64, dict(sinks=True)),
@@ -199,6 +200,8 @@ OPTION_LAYERS = [
     ("Gemma 2 local: window 4096 + soft-cap", 8, 4, 256, dict(window=4096, softcap=50.0)),
     ("Gemma 3 local: window 512", 4, 1, 256, dict(window=512)),
     ("Llama 4 local: chunk 8192", 40, 8, 128, dict(chunk=8192)),
+    ("Gemma 4 global: 512-dim heads", 8, 2, 512, {}),
+    ("DeepSeek-V2-Lite latent: 16 x 576 dims", 16, 1, 576, {}),
 ]
 
 

@@ -451,6 +451,24 @@ def test_the_cpu_paths_attend_with_windows_chunks_softcaps_and_sinks_as_the_refe
 
 
 @pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("h, kvh, d", [(4, 2, 512), (16, 1, 576), (128, 1, 64)],
+                         ids=["gemma4-global", "deepseek-v2-lite-latent", "128-per-kv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_ops_take_the_widest_heads_and_head_groups(h, kvh, d, dtype):
+    """The C++ ops' limits (MAX_HEAD_DIM, MAX_QUERIES_PER_KV): Gemma 4's 512-dim global
+    heads, DeepSeek's 576-dim latent rows for 16 query heads, 128 query heads a KV head
+    (DeepSeek-V3's); decodes and prompt chunks against the fp32 reference."""
+    layer = Attention(64, h, kvh, d)
+    seqs, k, v, _, q_by_slot = _batch_inputs(_SEQS, h, kvh, d, torch.float32, seed=2)
+    k, v, q_by_slot = (t.to(dtype) for t in (k, v, q_by_slot))
+    want = _attend(get_backend("reference"), layer, seqs, k.float(), v.float(), None,
+                   q_by_slot.float(), h // kvh)
+    got = _attend(get_backend("cpu"), layer, seqs, k, v, None, q_by_slot, h // kvh)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
 def test_the_cpu_ops_attend_with_every_option_over_an_int8_cache():
     """Windows, chunks, a soft-cap and sinks together over an int8 cache (its scales applied
     per token): the cpu backend against the reference on the same quantised cache."""

@@ -22,6 +22,7 @@ from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matc
                      prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
+from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -285,9 +286,10 @@ def test_roofline_cli_counts_the_latent(deepseek, capsys):
 
 def test_backends_that_take_the_latent_shape():
     """The reference runs any latent shape; the C++ backends (cpu, cpu_sdpa, cpu_amx) take
-    the tiny checkpoints' rows (48 dims, 4 query heads a KV head) and decline
-    V2-Lite's (576 dims) and V3's (128 query heads a KV head) with the reason, so "auto"
-    chooses the reference there."""
+    the tiny checkpoints' rows (48 dims, 4 query heads a KV head), V2-Lite's (576 dims, 16
+    query heads) and V3's (128 query heads a KV head), and decline a row past 576 dims or
+    more than 128 query heads a KV head with the reason, so "auto" chooses the reference
+    there."""
     from servelm.attention import BACKENDS, AttentionSpec, select
     from servelm.config import KernelConfig
     from servelm.kernels import load_ops
@@ -295,16 +297,18 @@ def test_backends_that_take_the_latent_shape():
     def spec(heads, d):
         return AttentionSpec(torch.device("cpu"), torch.bfloat16, torch.bfloat16, heads, 1, d, 16)
 
-    for heads, d in ((16, 576), (128, 576), (128, 192)):
+    for heads, d in ((16, 640), (256, 576)):
         assert BACKENDS["reference"].unsupported(spec(heads, d)) is None
         for name in ("cpu", "cpu_sdpa", "cpu_amx"):
             reason = BACKENDS[name].unsupported(spec(heads, d))
-            assert reason is not None and ("head dims up to 256" in reason
+            assert reason is not None and ("head dims up to 576" in reason
                                            or "C++ kernels are not built" in reason
                                            or "flash attention" in reason), (name, reason)
         assert select(KernelConfig(tuning="off"), spec(heads, d)).name == "reference"
     if load_ops("ops"):
-        assert BACKENDS["cpu"].unsupported(spec(4, 48)) is None
+        for heads, d in ((4, 48), (16, 576), (128, 576)):
+            assert BACKENDS["cpu"].unsupported(spec(heads, d)) is None
+            assert select(KernelConfig(tuning="off"), spec(heads, d)).name == "cpu"
 
 
 def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
@@ -324,15 +328,16 @@ def test_layers_are_latent_attention_and_decode_op_by_op(deepseek):
     assert isinstance(got, str) and "LatentAttention" in got
 
 
-def test_a_latent_past_the_kernels_runs_on_the_reference(tmp_path, hf_tokenizer):
-    """A latent of 256 (rows of 264: past the C++ decode op's 256) with the C++ ops on:
-    "auto" attends on the reference (it never runs a shape its kernels do not take),
-    token-exact against transformers."""
+def test_a_wide_latent_runs_on_the_cpu_kernels(tmp_path, hf_tokenizer):
+    """A latent of 256 (rows of 264 dims, no multiple of 16) with the C++ ops on: its decodes
+    on the C++ decode op's any-width path, its prompts handed to the reference per group
+    (the prompt op takes multiples of 16), token-exact against transformers."""
     config_cls, model_cls, extra = CHECKPOINTS["v2"]
     ref = tiny_hf_checkpoint(tmp_path, config_cls, model_cls, dict(extra, kv_lora_rank=256),
                              hf_tokenizer, seed=5)
     llm = LLM(model=str(tmp_path), **KW)
-    assert llm.engine.executor.runner.attention.name == "reference"
+    assert llm.engine.executor.runner.attention.name == ("cpu" if load_ops("ops")
+                                                         else "reference")
     prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert_matches_reference(llm, ref, prompts, GREEDY)
 

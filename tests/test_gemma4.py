@@ -245,18 +245,24 @@ def test_kv_cache_of_a_uniform_model_is_unchanged():
 
 
 def test_kernel_backends_decline_a_layer_shape_they_cannot_run():
-    """A global layer of 512-dim heads (the real Gemma 4's) is past the C++ decode
-    attention's 256: the cpu backends decline the model, auto takes the reference."""
-    spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, num_heads=8,
-                         num_kv_heads=4, head_dim=256, block_size=16,
-                         layer_shapes=((2, 512),))
-    assert spec.shapes() == ((4, 256), (2, 512))
+    """The real Gemma 4's global layers of 512-dim heads run on the C++ attention; a layer
+    past its 576 dims makes the cpu backends decline the model, and auto takes the
+    reference."""
     from servelm.attention import BACKENDS
 
+    real = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, num_heads=8,
+                         num_kv_heads=4, head_dim=256, block_size=16,
+                         layer_shapes=((2, 512),))
+    assert real.shapes() == ((4, 256), (2, 512))
+    if load_ops("ops"):
+        assert BACKENDS["cpu"].unsupported(real) is None
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, num_heads=8,
+                         num_kv_heads=4, head_dim=256, block_size=16,
+                         layer_shapes=((2, 640),))
     for name in ("cpu", "cpu_sdpa", "cpu_amx"):
-        assert "not a layer's 512" in BACKENDS[name].unsupported(spec)
+        assert "not a layer's 640" in BACKENDS[name].unsupported(spec)
     assert select(KernelConfig(), spec).name == "reference"
-    with pytest.raises(ValueError, match="head dims up to 256"):
+    with pytest.raises(ValueError, match="head dims up to 576"):
         select(KernelConfig(attention_backend="cpu"), spec)
     fits = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, 8, 4, 16, 16,
                          layer_shapes=((1, 32),))

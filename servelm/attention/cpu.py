@@ -20,10 +20,10 @@ from servelm.kernels import load_ops
 # KV storage dtypes the C++ ops read (fp8 is not one: kv_quant's int8 only).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 # The C++ decode op's limits (kernels/csrc/decode_attention.h: kMaxD, kMaxG): a head dim of
-# at most 256 and at most 32 query heads a KV head. Its prompt op falls back to the
-# reference per group; the decode rows have no fallback, so a spec past them is declined
-# (DeepSeek's latent cache: one KV head of 576 for 16 or 128 query heads).
-MAX_HEAD_DIM, MAX_QUERIES_PER_KV = 256, 32
+# at most 576 and at most 128 query heads a KV head (DeepSeek-V3's latent cache: one KV head
+# of 576 for 128 query heads; Gemma 4's 512-dim global heads). Its prompt op falls back to
+# the reference per group; the decode rows have no fallback, so a spec past them is declined.
+MAX_HEAD_DIM, MAX_QUERIES_PER_KV = 576, 128
 
 
 def shape_unsupported(spec: AttentionSpec) -> str | None:
@@ -47,11 +47,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (`servelm_ops.paged_prefill_attention`) reads K/V in place through the block tables,
     keeps the softmax online in fp32 and skips the masked keys (the upper triangle, and
     those before a window or chunk); no padding, gather or score matrix. Head dims it does
-    not take (not a multiple of 16, or above 256) use the reference. An int8 cache is read
+    not take (not a multiple of 16, or above MAX_HEAD_DIM) use the reference. An int8 cache is read
     with its scales (dequantised as each chunk of keys is packed).
     """
     d = q.shape[-1]
-    if d % 16 or d > 256:
+    if d % 16 or d > MAX_HEAD_DIM:
         return paged_attention(q, k_cache, v_cache, group, scale, window, scales, softcap,
                                sinks, chunk)
     tables, cu_q, start_pos = group.prefill_metadata

@@ -53,8 +53,10 @@ template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
 template <typename T> inline float round_to(float x) { return to_f<T>(from_f<T>(x)); }
 template <> inline float round_to<float>(float x) { return x; }
 
-constexpr int kMaxG = 32;     // query heads per KV head
-constexpr int kMaxD = 256;    // head dim
+// Query heads per KV head, and head dim: DeepSeek-V3's latent rows (one KV head of 512 + 64
+// dims for 128 query heads) are the largest, Gemma 4's 512-dim global heads next.
+constexpr int kMaxG = 128;
+constexpr int kMaxD = 576;
 constexpr int kTile = 32;     // keys scored at a time
 // K + V bytes an item reads ahead of scoring them (see DecodeAttention::touch_rows): a few
 // hundred KB, well inside a core's L2.
@@ -307,31 +309,33 @@ inline __m512 hsum16(const __m512* p) {
                        _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// P.V for NG heads of one KV head over n keys of a tile: acc (NG x D, fp32) = alpha * acc +
+// P.V for NG heads of one KV head over n keys of a tile, dims [c0, c0 + D) of rows S wide:
+// acc (NG rows of stride S from the slice's first dim, fp32) = alpha * acc +
 // sum_j p[g][j] * V[j]. Each V row is converted to fp32 once, in registers, and used by every
 // head; the accumulators stay in registers over the tile (the same multiply-adds, in the same
 // order, as accumulating in memory).
-template <typename T, int D, int NG>
-inline void pv_heads(const T* const* vrow, int n, const float (*p)[kTile], const float* alpha, float* acc) {
+template <typename T, int D, int NG, int S = D>
+inline void pv_heads(const T* const* vrow, int c0, int n, const float (*p)[kTile], const float* alpha,
+                     float* acc) {
   constexpr int NV = D / 16;
   __m512 a[NG][NV];
   for (int g = 0; g < NG; ++g) {
     const __m512 al = _mm512_set1_ps(alpha[g]);
     for (int v = 0; v < NV; ++v) {
-      a[g][v] = _mm512_load_ps(acc + g * D + v * 16);
+      a[g][v] = _mm512_load_ps(acc + g * S + v * 16);
       if (alpha[g] != 1.f) a[g][v] = _mm512_mul_ps(al, a[g][v]);
     }
   }
   for (int j = 0; j < n; ++j) {
     __m512 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = load16<T>(vrow[j] + v * 16);
+    for (int v = 0; v < NV; ++v) x[v] = load16<T>(vrow[j] + c0 + v * 16);
     for (int g = 0; g < NG; ++g) {
       const __m512 pj = _mm512_set1_ps(p[g][j]);
       for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(pj, x[v], a[g][v]);
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * D + v * 16, a[g][v]);
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + g * S + v * 16, a[g][v]);
 }
 
 // AVX-512 version of attend_tile for D a multiple of 16 (known at compile time), a tile of
@@ -344,7 +348,10 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
                         float* l, float cap = 0.f) {
   static_assert(kTile == 32, "the softmax below handles a tile as two 16-lane vectors");
   constexpr int NV = D / 16;
-  constexpr int kChunkG = NV >= 16 ? 1 : std::min(4, 16 / NV);  // heads per register block
+  // P.V runs in slices of DB dims (wide heads: a slice's accumulators fit the registers).
+  constexpr int DB = D <= 256 ? D : D % 128 == 0 ? 128 : 64;
+  static_assert(D % DB == 0, "P.V slices divide the head");
+  constexpr int kChunkG = DB / 16 >= 16 ? 1 : std::min(4, 16 / (DB / 16));  // heads per register block
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same<T, c10::BFloat16>::value && D % 32 == 0;
 #else
@@ -421,13 +428,15 @@ void attend_tile_avx512(const float* qf, const T* qraw, int64_t q_stride, float 
     l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     m[g] = mt;
   }
-  for (int g0 = 0; g0 < G; g0 += kChunkG) {
-    float* a = acc + g0 * D;
-    switch (std::min(kChunkG, G - g0)) {
-      case 1: pv_heads<T, D, 1>(vrow, n, s + g0, alpha + g0, a); break;
-      case 2: pv_heads<T, D, std::min(2, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
-      case 3: pv_heads<T, D, std::min(3, kChunkG)>(vrow, n, s + g0, alpha + g0, a); break;
-      default: pv_heads<T, D, kChunkG>(vrow, n, s + g0, alpha + g0, a); break;
+  for (int c0 = 0; c0 < D; c0 += DB) {
+    for (int g0 = 0; g0 < G; g0 += kChunkG) {
+      float* a = acc + g0 * D + c0;
+      switch (std::min(kChunkG, G - g0)) {
+        case 1: pv_heads<T, DB, 1, D>(vrow, c0, n, s + g0, alpha + g0, a); break;
+        case 2: pv_heads<T, DB, std::min(2, kChunkG), D>(vrow, c0, n, s + g0, alpha + g0, a); break;
+        case 3: pv_heads<T, DB, std::min(3, kChunkG), D>(vrow, c0, n, s + g0, alpha + g0, a); break;
+        default: pv_heads<T, DB, kChunkG, D>(vrow, c0, n, s + g0, alpha + g0, a); break;
+      }
     }
   }
 }

@@ -168,9 +168,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   SERVELM_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto c) {
       using C = decltype(c);
-      if (D == 64) decode_attention_impl<scalar_t, 64, C>(q, k_cache, v_cache, block_tables, context_lens, scale, opt, out, k_scale, v_scale);
-      else if (D == 128) decode_attention_impl<scalar_t, 128, C>(q, k_cache, v_cache, block_tables, context_lens, scale, opt, out, k_scale, v_scale);
-      else decode_attention_impl<scalar_t, 0, C>(q, k_cache, v_cache, block_tables, context_lens, scale, opt, out, k_scale, v_scale);
+      // Head dims of the families served (Gemma 2/3: 256; Gemma 4's global heads: 512;
+      // DeepSeek's latent rows: 576) compiled for their width; others run the any-width path.
+      auto impl = [&](auto dt) {
+        decode_attention_impl<scalar_t, decltype(dt)::value, C>(q, k_cache, v_cache, block_tables,
+                                                                context_lens, scale, opt, out, k_scale, v_scale);
+      };
+      if (D == 64) impl(std::integral_constant<int, 64>{});
+      else if (D == 128) impl(std::integral_constant<int, 128>{});
+      else if (D == 256) impl(std::integral_constant<int, 256>{});
+      else if (D == 512) impl(std::integral_constant<int, 512>{});
+      else if (D == 576) impl(std::integral_constant<int, 576>{});
+      else impl(std::integral_constant<int, 0>{});
     };
     if (quant) run(int8_t{});
     else run(scalar_t{});
