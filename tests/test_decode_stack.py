@@ -1,7 +1,7 @@
 """The DecodeStack on every family whose layers it can describe (servelm.models.decode_stack):
 Qwen3 (q/k norms), Mistral (a window on every layer), Phi-3 (partial rotary), Gemma 3 (q/k
 norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax scale, an
-embedding scale), Qwen2 (qkv bias) and Llama, each against the per-op kernel path on tiny
+embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias) and Llama, each against the per-op kernel path on tiny
 random models, int4 and bf16 weights, contexts short of and past the window. A family it
 cannot describe (routed experts) runs op by op and says why.
 
@@ -48,6 +48,12 @@ FAMILIES = {
                    embed_scale=math.sqrt(64), attn_scale=24 ** -0.5, sliding_window=WINDOW,
                    layer_types=(SLIDING, FULL, SLIDING), rope_local_theta=10000.0,
                    rope_theta=1e6, final_logit_softcap=30.0),
+    # Soft-capped scores (a cap low enough that random weights' scores bend).
+    "gemma2": dict(architecture="Gemma2ForCausalLM", family="gemma2", sandwich_norms=True,
+                   hidden_act="gelu_tanh", head_dim=32, embed_scale=math.sqrt(64),
+                   attn_scale=24 ** -0.5, sliding_window=WINDOW,
+                   layer_types=(SLIDING, FULL, SLIDING), attn_logit_softcap=0.5,
+                   final_logit_softcap=30.0),
 }
 
 
@@ -98,6 +104,8 @@ def test_the_description_carries_each_layer_option():
     assert decode_stack.describe(_model("phi3", "int4")).rotary_dim == 8
     assert decode_stack.describe(_model("qwen2", "int4")).layers[0].qkv_bias
     assert decode_stack.describe(_model("mistral", "int4")).layers[2].window == WINDOW
+    assert decode_stack.describe(_model("gemma2", "int4")).attn_softcap == 0.5
+    assert decode_stack.describe(_model("gemma3", "int4")).attn_softcap == 0.0
 
 
 def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):

@@ -260,8 +260,8 @@ def test_bf16_moe_decode_steps_run_the_fused_experts(checkpoints):
 @pytest.mark.skipif(not load_ops("ops"), reason="needs the C++ kernels")
 def test_soft_capped_attention_runs_on_the_cpu_kernels(checkpoints):
     """The C++ attention ops soft-cap scores: Gemma 2 attends on the cpu backend (its tokens
-    against the eager path's in test_kernel_path_matches_eager_...), and its layers decline
-    the whole-step DecodeStack with the reason."""
+    against the eager path's in test_kernel_path_matches_eager_...), and the whole-step
+    DecodeStack takes its layers with the model's cap."""
     from servelm.models import decode_stack
 
     path, _ = checkpoints["gemma2"]
@@ -269,12 +269,12 @@ def test_soft_capped_attention_runs_on_the_cpu_kernels(checkpoints):
               max_model_len=256)
     runner = LLM(**kw).engine.executor.runner
     assert runner.use_kernels and runner.attention.name == "cpu"
-    assert decode_stack.describe_layer(runner.model.layers[0]) == "its attention scores are soft-capped"
+    assert decode_stack.describe(runner.model).attn_softcap == 1.5
 
 
 # What the whole-step DecodeStack says of each family's layers (None: it takes them all);
 # the families it declines decode op by op on the C++ kernels.
-STACK_DECLINES = {"gemma2": "its attention scores are soft-capped",
+STACK_DECLINES = {"gemma2": None,
                   "smollm3": "it has no rotary (a NoPE layer)",
                   "granite": "its attention and MLP outputs are scaled (residual_scale)",
                   "olmo2": "its q/k norms span the whole projection, not each head",

@@ -65,6 +65,7 @@ class ModelScalar(enum.IntEnum):
     EPS = 0
     SCALE = 1  # the softmax scale
     EMBED_SCALE = 2
+    ATTN_SOFTCAP = 3  # scores soft-capped, cap * tanh(s / cap) (Gemma 2); 0: none
 
 
 class Activation(enum.IntEnum):
@@ -97,6 +98,7 @@ class StackDescription:
     scale: float
     embed_scale: float
     layers: tuple[LayerDescription, ...]
+    attn_softcap: float = 0.0
 
     def layer_options(self) -> list[int]:
         out = []
@@ -120,6 +122,7 @@ class StackDescription:
         s[ModelScalar.EPS] = self.eps
         s[ModelScalar.SCALE] = self.scale
         s[ModelScalar.EMBED_SCALE] = self.embed_scale
+        s[ModelScalar.ATTN_SOFTCAP] = self.attn_softcap
         return s
 
 
@@ -158,8 +161,6 @@ def describe_layer(layer) -> LayerDescription | str:
         return "it has one sandwich norm without the other"
     if getattr(layer, "parallel", False):
         return "its attention and MLP run in parallel on one norm"
-    if attn.softcap:
-        return "its attention scores are soft-capped"
     if getattr(attn, "sinks", None) is not None:
         return "its attention has sinks (a logit per head in the softmax)"
     if attn.q_scale_beta:
@@ -210,9 +211,9 @@ def describe(model) -> StackDescription | str:
     attn = model.layers[0].self_attn
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
-        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale):
-            return f"layer {i}: its heads or softmax scale differ from layer 0's"
+        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
+            return f"layer {i}: its heads, softmax scale or soft-cap differ from layer 0's"
         if layer.mlp.act != model.layers[0].mlp.act:
             return f"layer {i}: its activation differs from layer 0's"
     rotary_dim = cfg.rotary_dim or attn.head_dim
@@ -224,7 +225,7 @@ def describe(model) -> StackDescription | str:
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
         eps=model.layers[0].input_layernorm.eps, scale=attn.scale,
-        embed_scale=cfg.embed_scale, layers=tuple(layers))
+        embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0)
 
 
 def layer_args(layer, rows: int = 1) -> tuple | str:

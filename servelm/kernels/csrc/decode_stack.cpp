@@ -3,7 +3,7 @@
 // servelm.models.decode_stack.StackDescription): RMSNorm before attention and MLP, optional
 // q/k norms (per head, before the rotary), qkv bias, sandwich norms after attention and the
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
-// a sliding window per layer, any softmax scale, a SiLU or tanh-GELU gated MLP, an
+// a sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), a SiLU or tanh-GELU gated MLP, an
 // embedding scale, and LoRA adapters on any of a layer's four linears (bind_lora; the deltas
 // of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
 // adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
@@ -55,7 +55,7 @@ enum LayerOption : int64_t { kWindow, kRotaryTable, kLayerOptions };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kModelOptions };
 // ... and these floats.
-enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kModelScalars };
+enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kModelScalars };
 // The gated MLP's activation.
 enum Activation : int64_t { kSilu, kGeluTanh };
 // The weight format codes (servelm.layers.stack.StackFormat): > 0 int4 with that group
@@ -525,6 +525,8 @@ class DecodeStack : public torch::CustomClassHolder {
     eps_ = model_scalars[kEps];
     scale_ = model_scalars[kScale];
     embed_scale_ = model_scalars[kEmbedScale];
+    softcap_ = model_scalars[kAttnSoftcap];
+    TORCH_CHECK(softcap_ >= 0.0 && std::isfinite(softcap_), "DecodeStack: the soft-cap must be >= 0 (0: none)");
     TORCH_CHECK(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0,
                 "DecodeStack: num_heads must be a multiple of num_kv_heads");
     TORCH_CHECK(act_ == kSilu || act_ == kGeluTanh, "DecodeStack: activation ", act_,
@@ -851,7 +853,8 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<std::unique_ptr<Attention>> atts;
     for (const int64_t w : windows_)
       atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
-                                                 nthreads, attn, AttnOptions{static_cast<int>(w)}));
+                                                 nthreads, attn,
+                                                 AttnOptions{static_cast<int>(w), 0, static_cast<float>(softcap_)}));
     const BF* final_mlp_norm = layers_.back().norm(kMlpOutNorm);
     // The step's LoRA rows grouped by slot, and the shrink's output t [M, J*R] (fp32), shared
     // by each adapted linear in turn.
@@ -999,7 +1002,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
   std::vector<int64_t> windows_;  // the distinct windows, in the layers' attention order
-  double eps_, scale_, embed_scale_;
+  double eps_, scale_, embed_scale_, softcap_ = 0.0;
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
