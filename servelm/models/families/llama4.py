@@ -2,7 +2,7 @@
 
 - chunked local attention on the rotary layers (attention_chunk_size: a query attends only
   the keys of its own chunk, floor(position / chunk) equal; Attention.chunk, which the
-  reference attention backend runs and the kernel backends decline),
+  C++ and reference attention backends run and Triton's declines),
 - no rotary on every no_rope_layer_interval-th layer (no_rope_layers: 1 rotary, 0 none),
   those layers attending to everything with their queries scaled by the attention
   temperature (attn_temperature_tuning: log1p(floor((position + 1) / floor_scale)) *
