@@ -397,3 +397,123 @@ def test_router_chooses_as_transformers(version):
     if version == "v3":  # the bias changed some choices (else the test would not see it)
         unbiased = torch.sigmoid(x @ ref.weight.T).topk(2, -1)[1].sort(-1)[0]
         assert not torch.equal(unbiased, want_ids)
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's deepseek2)
+
+_GGUF_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a",
+               "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+               "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+               "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_experts.up_proj": "ffn_up_shexp",
+               "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def _write_deepseek_gguf(path, model, tokenizer_meta: dict, split_kv_b: bool) -> None:
+    """The checkpoint as llama.cpp's converter writes deepseek2: split_kv_b, the newer
+    layout (the latent as one KV head of kv_lora_rank + rope, kv_b_proj as attn_k_b
+    [heads, kv_lora, nope] and attn_v_b [heads, v, kv_lora]); else the older one
+    (attn_kv_b whole, per-head key and value lengths)."""
+    import gguf
+
+    from helpers import add_gguf_metadata
+
+    cfg, arch = model.config, "deepseek2"
+    w = gguf.GGUFWriter(str(path), arch)
+    heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    kv_lora, v = cfg.kv_lora_rank, cfg.v_head_dim
+    meta = {"context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+            "block_count": cfg.num_hidden_layers, "feed_forward_length": cfg.intermediate_size,
+            "attention.head_count": heads, "attention.kv_lora_rank": kv_lora,
+            "rope.dimension_count": rope,
+            "leading_dense_block_count": cfg.first_k_dense_replace,
+            "expert_count": cfg.n_routed_experts, "expert_used_count": cfg.num_experts_per_tok,
+            "expert_feed_forward_length": cfg.moe_intermediate_size,
+            "expert_shared_count": cfg.n_shared_experts,
+            "expert_gating_func": 2 if cfg.model_type == "deepseek_v3" else 1,
+            "expert_group_count": cfg.n_group, "expert_group_used_count": cfg.topk_group}
+    if split_kv_b:
+        meta.update({"attention.head_count_kv": 1, "attention.key_length": kv_lora + rope,
+                     "attention.value_length": kv_lora, "attention.key_length_mla": nope + rope,
+                     "attention.value_length_mla": v})
+    else:
+        meta.update({"attention.head_count_kv": heads, "attention.key_length": nope + rope,
+                     "attention.value_length": v})
+    if cfg.q_lora_rank:
+        meta["attention.q_lora_rank"] = cfg.q_lora_rank
+    for key, value in meta.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
+    if getattr(cfg, "norm_topk_prob", False) and cfg.model_type == "deepseek_v3":
+        w.add_bool(f"{arch}.expert_weights_norm", True)
+    rp = cfg.rope_parameters
+    if rp.get("rope_type") == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rp["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     rp["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * rp["mscale_all_dim"])
+    add_gguf_metadata(w, tokenizer_meta)
+    for name, t in model.state_dict().items():
+        t = t.float()
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", t.numpy())
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight",
+                          "model.norm.weight": "output_norm.weight"}[name], t.numpy())
+            continue
+        i, part = name.split(".")[2], ".".join(name.split(".")[3:])
+        if part == "mlp.experts.gate_up_proj":  # [E, 2I, H]: the gates, then the ups
+            gate, up = t.chunk(2, dim=1)
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", up.contiguous().numpy())
+        elif part == "mlp.experts.down_proj":
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t.contiguous().numpy())
+        elif part == "mlp.gate.e_score_correction_bias":
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", t.numpy())
+        elif part == "self_attn.kv_b_proj.weight" and split_kv_b:
+            kv_b = t.view(heads, nope + v, kv_lora)
+            w.add_tensor(f"blk.{i}.attn_k_b.weight",
+                         kv_b[:, :nope].transpose(1, 2).contiguous().numpy())
+            w.add_tensor(f"blk.{i}.attn_v_b.weight", kv_b[:, nope:].contiguous().numpy())
+        elif part == "self_attn.kv_b_proj.weight":
+            w.add_tensor(f"blk.{i}.attn_kv_b.weight", t.numpy())
+        else:
+            base, kind = part.rsplit(".", 1)
+            w.add_tensor(f"blk.{i}.{_GGUF_PARTS[base]}.{kind}", t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_gguf_loads_as_its_hf_checkpoint(deepseek, eager, gguf_path, tmp_path, split_kv_b):
+    """llama.cpp's deepseek2 GGUF in both converters' layouts (kv_b_proj split into the
+    absorbed form's matrices, or whole): the family (V3 by its sigmoid gating), the router,
+    the latent cache and the logits equal the HF checkpoint's."""
+    from servelm.models.gguf_file import GGUFReader
+
+    version, path, ref = deepseek
+    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    _write_deepseek_gguf(tmp_path / "model.gguf", ref, meta, split_kv_b)
+    gg = LLM(model=str(tmp_path / "model.gguf"), cpu_kernels=False, **KW)
+    want, got = eager.engine.model_config, gg.engine.model_config
+    assert got.family == want.family == f"deepseek_{version}"
+    for field in ("head_dim", "num_kv_heads", "rotary_dim", "cache_layout", "attn_scale",
+                  "dense_layers", "num_experts", "shared_expert_intermediate_size",
+                  "norm_topk_prob"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field)), field
+    assert got.extra["mla"] == want.extra["mla"]
+    for key in ("router_scoring", "n_group", "topk_group", "score_bias", "routed_scaling"):
+        assert got.extra.get(key) == want.extra.get(key), key
+    prompts = [eager.get_tokenizer().encode(p) for p in PROMPTS]
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts),
+                               prompt_logits(eager.engine, prompts), rtol=1e-5, atol=1e-5)
