@@ -443,12 +443,14 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
              "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
              "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
-             "cohere": "command-r", "gemma2": "gemma2"}
+             "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
                       "glm4": {"post_self_attn_layernorm": "post_attention_norm",
                                "post_mlp_layernorm": "post_ffw_norm"},
+                      "exaone4": {"post_attention_layernorm": "post_attention_norm",
+                                  "post_feedforward_layernorm": "post_ffw_norm"},
                       "gemma2": {"post_attention_layernorm": "post_attention_norm",
                                  "pre_feedforward_layernorm": "ffn_norm",
                                  "post_feedforward_layernorm": "post_ffw_norm"}}
@@ -489,6 +491,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     if getattr(cfg, "sliding_window", None):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if family == "exaone4":  # llama.cpp's converter: a bool a layer, true where it slides
+        w.add_array(f"{arch}.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in cfg.layer_types])
     if family in ("granite", "granitemoe"):
         for key, value in {"embedding_scale": cfg.embedding_multiplier,
                            "residual_scale": cfg.residual_multiplier,
@@ -574,7 +579,7 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
                                     "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
                                     "granitemoe", "stablelm", "stablelm_parallel", "phi",
-                                    "cohere"])
+                                    "cohere", "exaone4"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     from servelm.models.gguf_file import GGUFReader

@@ -1,6 +1,8 @@
 """EXAONE 4: OLMo 2's post-norms (after attention and the MLP, none before) with q/k
 RMSNorms per head, and where the config sets a window, sliding layers (three in four by
-default) and global layers that attend without rotary (NoPE)."""
+default) and global layers that attend without rotary (NoPE). GGUF: llama.cpp's `exaone4`,
+its layer kinds in attention.sliding_window_pattern (a bool a layer, true where it slides,
+or a period), llama3 rope scaling as its rope_freqs tensor."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from servelm.models.hf_keys import FULL, SLIDING, hf_layer_types
 class Exaone4(Family):
     name = "exaone4"
     architectures = ("Exaone4ForCausalLM",)
-    gguf_architectures = ()  # llama.cpp's exaone4 spelling is not read here yet
+    gguf_architectures = ("exaone4",)
+    gguf_layer_names = {"post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
     renames = {"post_attention_layernorm": "attn_out_norm",
                "post_feedforward_layernorm": "mlp_out_norm"}
 
@@ -20,11 +24,18 @@ class Exaone4(Family):
         window = cfg.get("sliding_window")
         types = cfg.get("layer_types")
         if window and not types:
-            pattern = cfg.get("sliding_window_pattern") or 4
-            if isinstance(pattern, str):  # e.g. "LLLG", repeating from layer 0
-                types = [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
-            else:
-                types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+            types = _pattern(cfg.get("sliding_window_pattern") or 4, n)
+        return self._options(cfg, n, window, types)
+
+    def gguf_config(self, get, base, tensor_names):
+        n = base["num_layers"]
+        window = get("attention.sliding_window")
+        types = _pattern(get("attention.sliding_window_pattern", 4), n) if window else ()
+        return self._options({"max_position_embeddings": base["max_position_embeddings"],
+                              "sliding_window": window}, n, window and int(window), types)
+
+    @staticmethod
+    def _options(cfg, n, window, types):
         types = tuple(types or ())
         stated = hf_layer_types({**cfg, "layer_types": list(types)}, n) if types else ()
         out = {"qk_norm": True, "sandwich_norms": True, "pre_norms": False,
@@ -32,3 +43,15 @@ class Exaone4(Family):
         if window:  # the global layers of a hybrid model attend without rotary
             out["no_rope_layers"] = tuple(i for i, t in enumerate(types) if t != SLIDING)
         return out
+
+
+def _pattern(pattern, n: int) -> list[str]:
+    """Each layer's kind from a sliding-window pattern: a period (every pattern-th layer
+    global), a string ("LLLG", repeating from layer 0) or a bool a layer (true: sliding)."""
+    if isinstance(pattern, str):
+        return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        return [SLIDING if p else FULL for p in pattern]
+    return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]
