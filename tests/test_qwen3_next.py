@@ -417,3 +417,46 @@ def test_the_cpp_decode_step_is_the_pytorch_one():
     got = torch.ops.servelm_delta_rule.step(S, slots, q, k, v, decay, beta, fresh)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(S, want_S, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype):
+    """A decode-only step through GatedDeltaNet on servelm's fused C++ decode (the
+    convolution step, the gates, the delta rule and the gated norm in one call) against
+    the same layer op by op (the C++ delta-rule step between PyTorch ops): the outputs, the
+    convolution states and the recurrent states, with scattered slots, a fresh one and two
+    value heads a key head."""
+    from types import SimpleNamespace
+
+    from servelm.kernels import load_ops
+    from servelm.models.linear_attention import GatedDeltaNet, RecurrentBatch
+
+    if not load_ops("delta_rule"):
+        pytest.skip("servelm's C++ kernels are not built here")
+    g_ = torch.Generator().manual_seed(2)
+    layer = GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                          conv_kernel=4, eps=1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g_) * 0.3)
+    layer = layer.to(dtype)
+    N, C = 6, layer.conv_dim
+    conv0 = torch.randn(N, C, 3, generator=g_).to(dtype)
+    ssm0 = torch.randn(N, 4, 8, 8, generator=g_) * 0.1
+    x = torch.randn(3, 32, generator=g_).to(dtype)
+    rec = RecurrentBatch.build([0, 1, 2], [1, 1, 1], [4, 1, 2], [False, True, False], x.device)
+    assert rec.decodes_only
+    batch = SimpleNamespace(recurrent=rec)
+    outs = {}
+    for fused in (True, False):
+        layer.select(True)
+        if not fused:
+            layer._decode = None  # the op-by-op path, C++ step included
+        state = (conv0.clone(), ssm0.clone())
+        with torch.no_grad():
+            outs[fused] = (layer(x, None, None, batch, state), *state)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[True][0], outs[False][0], **tol)
+    assert torch.equal(outs[True][1], outs[False][1])  # the convolution inputs shifted alike
+    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(outs[True][2], ssm0)

@@ -61,6 +61,9 @@ class RecurrentBatch:
     # lone decode, or sequences admitted together): the layer updates that range in place.
     dec_range: tuple[int, int] | None = None
     any_fresh: bool = False         # whether a decode starts afresh (a one-token prompt)
+    # Every sequence is a decode, its row its index (flat row i is sequence i): the step
+    # the fused C++ decode takes whole.
+    decodes_only: bool = False
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], slots: list[int],
@@ -78,6 +81,8 @@ class RecurrentBatch:
             out.dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=device)
             out.dec_slots = torch.tensor([slots[i] for i in dec], dtype=torch.long, device=device)
             out.dec_fresh = torch.tensor([fresh[i] for i in dec], dtype=torch.bool, device=device)
+            out.decodes_only = len(dec) == len(lengths) and all(
+                starts[i] == i for i in range(len(lengths)))
         return out
 
     @property
@@ -190,7 +195,10 @@ class GatedDeltaNet(OpModule):
     gated RMSNorm's, no offset), out_proj. The decode update chosen once (select): the
     PyTorch delta_rule_step over gathered (or consecutive) slots, or servelm's C++ step
     (kernels/csrc/delta_rule.cpp) on the slots in place, each state read and written
-    once."""
+    once; with the C++ kernels a decode-only step (fp32 or bf16) runs everything between
+    the two projections in one C++ call (servelm_delta_rule.decode: the convolution step,
+    the gates, the delta rule and the gated norm), where the op-by-op path spends about 40
+    small PyTorch ops a layer."""
 
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, eps: float):
@@ -218,6 +226,7 @@ class GatedDeltaNet(OpModule):
 
         self.uses_kernels = kernels and load_ops("delta_rule")
         self._step = torch.ops.servelm_delta_rule.step if self.uses_kernels else None
+        self._decode = torch.ops.servelm_delta_rule.decode if self.uses_kernels else None
 
     def forward(self, x: torch.Tensor, cos, sin, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
@@ -232,6 +241,14 @@ class GatedDeltaNet(OpModule):
         T = x.shape[0]
         proj = self.in_proj_qkvz(x)
         mixed, z = proj.split([self.conv_dim, self.value_dim], dim=-1)
+        if (self._decode is not None and rec.decodes_only
+                and x.dtype in (torch.float32, torch.bfloat16)
+                and x.dtype == conv_state.dtype == self.conv_weight.dtype
+                == self.norm_weight.dtype):
+            out = self._decode(ssm_state, conv_state, rec.dec_slots, rec.dec_fresh, mixed,
+                               self.in_proj_ba(x), z, self.conv_weight, self.A_log,
+                               self.dt_bias, self.norm_weight, self.num_k_heads, self.eps)
+            return self.out_proj(out if rows is None else out[rows])
         b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())

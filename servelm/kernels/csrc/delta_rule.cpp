@@ -7,6 +7,19 @@
 //        [B, H, Dk] (normalised, q scaled), v float32 [B, H, Dv], g, beta float32 [B, H],
 //        fresh bool [B]) -> o float32 [B, H, Dv]
 //
+//   decode(S, conv_state [N, C, K-1] (updated in place), slots, fresh, mixed [B, C],
+//          ba [B, 2 Hv], z [B, Hv Dv], conv_weight [C, K], A_log, dt_bias [Hv],
+//          norm_weight [Dv], num_k_heads, eps) -> out [B, Hv Dv]
+//       A decode-only step of GatedDeltaNet (linear_attention.py's forward between its two
+//       projections) in one call: each row's causal convolution step over its slot's last
+//       K-1 inputs, SiLU, q / k L2-normalised per key head (q scaled), the gate
+//       g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), the delta-rule step
+//       above, then the gated RMSNorm of each value head times silu(z). mixed, ba, z,
+//       conv_state, conv_weight, norm_weight and the output share the activations' dtype
+//       (fp32 or bf16; rows may be strided), and values are rounded to it where the PyTorch
+//       path rounds them (the convolution's products and sum, the SiLU, the core's output,
+//       the normed head, its weighting).
+//
 // For each row b and head h, with St = S[slots[b], h] (zeroed first where fresh[b]) and
 // d = exp(g): a pass over St's rows accumulates St^T k and St^T q; then
 // delta = beta (v - d St^T k), o = d St^T q + (q . k) delta, and a second pass writes
@@ -25,6 +38,36 @@ namespace {
 void check(const at::Tensor& t, const char* name, int dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dim,
               name, ": a contiguous float32 tensor of ", dim, " dims");
+}
+
+// One head's step (see the header): St updated in place, o [Dv] written. kv, qs, delta:
+// scratch of Dv floats.
+inline void head_step(float* st, const float* qi, const float* ki, const float* vi, float g,
+                      float bt, bool fresh, int64_t Dk, int64_t Dv, float* oi, float* kv,
+                      float* qs, float* delta) {
+  if (fresh) std::fill(st, st + Dk * Dv, 0.0f);
+  std::fill(kv, kv + Dv, 0.0f);
+  std::fill(qs, qs + Dv, 0.0f);
+  float qk = 0.0f;
+  for (int64_t r = 0; r < Dk; ++r) {
+    const float a = ki[r], c = qi[r];
+    const float* row = st + r * Dv;
+    qk += a * c;
+    for (int64_t j = 0; j < Dv; ++j) {
+      kv[j] += row[j] * a;
+      qs[j] += row[j] * c;
+    }
+  }
+  const float d = std::exp(g);
+  for (int64_t j = 0; j < Dv; ++j) {
+    delta[j] = bt * (vi[j] - d * kv[j]);
+    oi[j] = d * qs[j] + qk * delta[j];
+  }
+  for (int64_t r = 0; r < Dk; ++r) {
+    const float a = ki[r];
+    float* row = st + r * Dv;
+    for (int64_t j = 0; j < Dv; ++j) row[j] = d * row[j] + a * delta[j];
+  }
 }
 
 at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
@@ -63,37 +106,150 @@ at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
     std::vector<float> kv(Dv), qs(Dv), delta(Dv);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / H, h = i % H;
-      float* st = s + (sl[b] * H + h) * Dk * Dv;
-      const float* qi = qp + i * Dk;
-      const float* ki = kp + i * Dk;
-      const float* vi = vp + i * Dv;
-      float* oi = op + i * Dv;
-      if (fr[b]) std::fill(st, st + Dk * Dv, 0.0f);
-      std::fill(kv.begin(), kv.end(), 0.0f);
-      std::fill(qs.begin(), qs.end(), 0.0f);
-      float qk = 0.0f;
-      for (int64_t r = 0; r < Dk; ++r) {
-        const float a = ki[r], c = qi[r];
-        const float* row = st + r * Dv;
-        qk += a * c;
-        for (int64_t j = 0; j < Dv; ++j) {
-          kv[j] += row[j] * a;
-          qs[j] += row[j] * c;
-        }
-      }
-      const float d = std::exp(gp[i]), bt = bp[i];
-      for (int64_t j = 0; j < Dv; ++j) {
-        delta[j] = bt * (vi[j] - d * kv[j]);
-        oi[j] = d * qs[j] + qk * delta[j];
-      }
-      for (int64_t r = 0; r < Dk; ++r) {
-        const float a = ki[r];
-        float* row = st + r * Dv;
-        for (int64_t j = 0; j < Dv; ++j) row[j] = d * row[j] + a * delta[j];
-      }
+      head_step(s + (sl[b] * H + h) * Dk * Dv, qp + i * Dk, kp + i * Dk, vp + i * Dv, gp[i],
+                bp[i], fr[b], Dk, Dv, op + i * Dv, kv.data(), qs.data(), delta.data());
     }
   });
   return o;
+}
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+// x rounded to T (identity for float), as a PyTorch op producing a T tensor rounds it.
+template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+template <typename T>
+void decode_impl(at::Tensor& S, at::Tensor& conv_state, const int64_t* sl, const bool* fr,
+                 const at::Tensor& mixed, const at::Tensor& ba, const at::Tensor& z,
+                 const at::Tensor& conv_weight, const float* A_log, const float* dt_bias,
+                 const at::Tensor& norm_weight, int64_t Hk, double eps_d, at::Tensor& out) {
+  const int64_t B = mixed.size(0), C = mixed.size(1), K1 = conv_state.size(2), K = K1 + 1;
+  const int64_t H = S.size(1), Dk = S.size(2), Dv = S.size(3), r = H / Hk;
+  const int64_t key_dim = Hk * Dk;
+  const float eps = static_cast<float>(eps_d);
+  const T* xm = mixed.data_ptr<T>();
+  const T* xba = ba.data_ptr<T>();
+  const T* xz = z.data_ptr<T>();
+  const T* w = conv_weight.data_ptr<T>();
+  const T* nw = norm_weight.data_ptr<T>();
+  T* cs = conv_state.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  float* s = S.data_ptr<float>();
+  // Per row: q, k [Hk, Dk] (normalised, q scaled), v [H Dv], g and beta [H], fp32.
+  std::vector<float> act(B * C), gb(B * 2 * H);
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const T* x = xm + b * mixed.stride(0);
+      T* st = cs + sl[b] * C * K1;
+      float* a = act.data() + b * C;
+      for (int64_t c = 0; c < C; ++c) {
+        T* prev = st + c * K1;
+        const T* wc = w + c * K;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < K1; ++j)
+          acc += fr[b] ? 0.0f : rnd<T>(to_f(prev[j]) * to_f(wc[j]));
+        acc += rnd<T>(to_f(x[c]) * to_f(wc[K1]));
+        for (int64_t j = 0; j + 1 < K1; ++j) prev[j] = fr[b] ? T(0) : prev[j + 1];
+        if (K1 > 0) prev[K1 - 1] = x[c];
+        a[c] = rnd<T>(silu(rnd<T>(acc)));
+      }
+      // q and k of each key head, L2-normalised (l2_normalize), q scaled by Dk^-1/2.
+      const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
+      for (int64_t part = 0; part < 2; ++part)
+        for (int64_t h = 0; h < Hk; ++h) {
+          float* v = a + part * key_dim + h * Dk;
+          float ss = 0.0f;
+          for (int64_t d = 0; d < Dk; ++d) ss += v[d] * v[d];
+          const float inv = 1.0f / std::sqrt(ss + 1e-6f) * (part == 0 ? qscale : 1.0f);
+          for (int64_t d = 0; d < Dk; ++d) v[d] *= inv;
+        }
+      const T* bb = xba + b * ba.stride(0);
+      float* g = gb.data() + b * 2 * H;
+      for (int64_t h = 0; h < H; ++h) {
+        g[h] = -std::exp(A_log[h]) * softplus(to_f(bb[H + h]) + dt_bias[h]);
+        g[H + h] = 1.0f / (1.0f + std::exp(-to_f(bb[h])));
+      }
+    }
+  });
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kv(Dv), qs(Dv), delta(Dv), core(Dv);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / H, h = i % H, hk = h / r;
+      const float* a = act.data() + b * C;
+      const float* g = gb.data() + b * 2 * H;
+      head_step(s + (sl[b] * H + h) * Dk * Dv, a + hk * Dk, a + key_dim + hk * Dk,
+                a + 2 * key_dim + h * Dv, g[h], g[H + h], fr[b], Dk, Dv, core.data(),
+                kv.data(), qs.data(), delta.data());
+      // The gated RMSNorm (_gated_norm): the core in T, normed in fp32, rounded, weighted
+      // in T, times silu(z) in fp32, rounded.
+      float ms = 0.0f;
+      for (int64_t j = 0; j < Dv; ++j) {
+        core[j] = rnd<T>(core[j]);
+        ms += core[j] * core[j];
+      }
+      const float inv = 1.0f / std::sqrt(ms / static_cast<float>(Dv) + eps);
+      const T* zr = xz + b * z.stride(0) + h * Dv;
+      T* orow = o + b * out.stride(0) + h * Dv;
+      for (int64_t j = 0; j < Dv; ++j) {
+        const float hn = rnd<T>(to_f(nw[j]) * rnd<T>(core[j] * inv));
+        orow[j] = static_cast<T>(hn * silu(to_f(zr[j])));
+      }
+    }
+  });
+}
+
+at::Tensor decode(at::Tensor S, at::Tensor conv_state, const at::Tensor& slots,
+                  const at::Tensor& fresh, const at::Tensor& mixed, const at::Tensor& ba,
+                  const at::Tensor& z, const at::Tensor& conv_weight, const at::Tensor& A_log,
+                  const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t num_k_heads,
+                  double eps) {
+  check(S, "S", 4);
+  const int64_t N = S.size(0), H = S.size(1), Dk = S.size(2), Dv = S.size(3);
+  const auto dt = mixed.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "decode: fp32 or bf16 activations");
+  for (const at::Tensor* t : {&ba, &z, &conv_weight, &norm_weight,
+                              static_cast<const at::Tensor*>(&conv_state)})
+    TORCH_CHECK(t->scalar_type() == dt, "decode: mixed, ba, z, conv_state, conv_weight and "
+                "norm_weight share one dtype");
+  TORCH_CHECK(num_k_heads >= 1 && H % num_k_heads == 0, "decode: the value heads (", H,
+              ") must be a multiple of the key heads (", num_k_heads, ")");
+  const int64_t B = slots.numel(), C = mixed.size(1);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "slots: a contiguous int64 vector");
+  TORCH_CHECK(fresh.scalar_type() == at::kBool && fresh.is_contiguous() && fresh.numel() == B,
+              "fresh: a bool per slot");
+  TORCH_CHECK(mixed.dim() == 2 && mixed.size(0) == B && mixed.stride(1) == 1 &&
+                  C == 2 * num_k_heads * Dk + H * Dv,
+              "decode: mixed must be [B, 2 Hk Dk + H Dv] with contiguous rows");
+  TORCH_CHECK(ba.dim() == 2 && ba.size(0) == B && ba.size(1) == 2 * H && ba.stride(1) == 1,
+              "decode: ba must be [B, 2 H] with contiguous rows");
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == B && z.size(1) == H * Dv && z.stride(1) == 1,
+              "decode: z must be [B, H Dv] with contiguous rows");
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() && conv_state.size(0) == N &&
+                  conv_state.size(1) == C,
+              "decode: conv_state must be contiguous [N, C, K - 1]");
+  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == C &&
+                  conv_weight.size(1) == conv_state.size(2) + 1,
+              "decode: conv_weight must be contiguous [C, K]");
+  TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.numel() == Dv,
+              "decode: norm_weight must hold Dv values");
+  TORCH_CHECK(A_log.numel() == H && dt_bias.numel() == H, "decode: A_log and dt_bias: H values");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < N, "slot ", sl[b], " out of range [0, ", N, ")");
+  const at::Tensor a32 = A_log.to(at::kFloat).contiguous(), d32 = dt_bias.to(at::kFloat).contiguous();
+  auto out = at::empty({B, H * Dv}, mixed.options());
+  if (B == 0) return out;
+  if (dt == at::kFloat)
+    decode_impl<float>(S, conv_state, sl, fresh.data_ptr<bool>(), mixed, ba, z, conv_weight,
+                       a32.data_ptr<float>(), d32.data_ptr<float>(), norm_weight, num_k_heads,
+                       eps, out);
+  else
+    decode_impl<c10::BFloat16>(S, conv_state, sl, fresh.data_ptr<bool>(), mixed, ba, z,
+                               conv_weight, a32.data_ptr<float>(), d32.data_ptr<float>(),
+                               norm_weight, num_k_heads, eps, out);
+  return out;
 }
 
 }  // namespace
@@ -101,6 +257,12 @@ at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
 TORCH_LIBRARY(servelm_delta_rule, m) {
   m.def("step(Tensor(a!) S, Tensor slots, Tensor q, Tensor k, Tensor v, Tensor g, "
         "Tensor beta, Tensor fresh) -> Tensor");
+  m.def("decode(Tensor(a!) S, Tensor(b!) conv_state, Tensor slots, Tensor fresh, Tensor mixed, "
+        "Tensor ba, Tensor z, Tensor conv_weight, Tensor A_log, Tensor dt_bias, "
+        "Tensor norm_weight, int num_k_heads, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(servelm_delta_rule, CPU, m) { m.impl("step", &step); }
+TORCH_LIBRARY_IMPL(servelm_delta_rule, CPU, m) {
+  m.impl("step", &step);
+  m.impl("decode", &decode);
+}
