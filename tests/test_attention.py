@@ -399,10 +399,11 @@ def test_the_amx_prompt_kernel_matches_the_reference_on_long_rows(seqs, growth, 
     ({"sinks": True}, "attention sinks"),                         # gpt-oss
     ({"attention_chunk": 8}, "chunked local attention"),          # Llama 4
 ])
-def test_the_cpu_kernels_run_every_model_option_and_triton_declines_them(option, reason):
+def test_the_kernels_run_every_model_option(option, reason):
     """A soft-cap, sinks and attention chunks (AttentionSpec.kernels_lack): the cpu
-    backends' kernels run them, so auto takes the cpu backend where the kernels build;
-    Triton's do not, and decline with the reason."""
+    backends' kernels and Triton's run them, so auto takes the cpu backend where the
+    kernels build; a backend whose kernels lack an option (options) declines it with the
+    reason."""
     from servelm.attention import BACKENDS
 
     spec = AttentionSpec(torch.device("cpu"), torch.float32, torch.float32, 4, 2, 16, 16,
@@ -414,9 +415,10 @@ def test_the_cpu_kernels_run_every_model_option_and_triton_declines_them(option,
         assert BACKENDS["cpu"].unsupported(spec) is None
         assert select(KernelConfig(attention_backend="cpu"), spec).name == "cpu"
         assert select(KernelConfig(tuning="off"), spec).name == "cpu"
+    assert spec.kernels_lack(BACKENDS["triton"].options) is None
     cuda = AttentionSpec(torch.device("cuda"), torch.float32, torch.float32, 4, 2, 16, 16,
                          **option)
-    assert reason in BACKENDS["triton"].unsupported(cuda)
+    assert reason not in (BACKENDS["triton"].unsupported(cuda) or "")
 
 
 # Long prompts (300 keys: several of the op's 128-key chunks, some wholly before a window or
@@ -424,21 +426,38 @@ def test_the_cpu_kernels_run_every_model_option_and_triton_declines_them(option,
 _LONG_SEQS = [(0, 1), (299, 1), (150, 1), (0, 300), (100, 200), (40, 37), (0, 17)]
 
 
-@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
-@pytest.mark.parametrize("name", ["cpu", "cpu_sdpa", "cpu_amx"])
+def _option_backends():
+    cpu = [pytest.param(n, marks=pytest.mark.skipif(not load_ops("ops"),
+                                                    reason="C++ kernels unavailable"))
+           for n in ("cpu", "cpu_sdpa", "cpu_amx")]
+    return cpu + [pytest.param("triton", marks=pytest.mark.skipif(
+        not ta.available(), reason="Triton not installed"))]
+
+
+def _device_for(name: str, backend) -> torch.device:
+    """Where a backend's test runs: Triton compiled on a GPU, else in its interpreter on
+    CPU tensors (conftest.py); the cpu backends on the CPU, skipped where they cannot run."""
+    if name == "triton":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = backend.unsupported(AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, 32, BS))
+    if reason is not None:
+        pytest.skip(reason)
+    return CPU
+
+
+@pytest.mark.parametrize("name", _option_backends())
 @pytest.mark.parametrize("seqs_spec", [_SEQS, _LONG_SEQS], ids=["mixed", "long"])
 @pytest.mark.parametrize("options", [
     dict(window=40), dict(chunk=64), dict(softcap=5.0), dict(sinks=True),
     dict(window=8, chunk=8, softcap=5.0, sinks=True)], ids=str)
-def test_the_cpu_paths_attend_with_windows_chunks_softcaps_and_sinks_as_the_reference(
+def test_the_kernel_paths_attend_with_windows_chunks_softcaps_and_sinks_as_the_reference(
         name, seqs_spec, options, monkeypatch):
-    """Each model option on the cpu backends (decodes on the C++ decode op, prompts on each
-    path, which hands what it does not run to the C++ prompt op) against the reference, in
-    fp32, with sinks large enough to take a real share of each softmax."""
+    """Each model option on the kernel backends (the cpu ones: decodes on the C++ decode op,
+    prompts on each path, which hands what it does not run to the C++ prompt op; Triton's
+    decode and prompt kernels) against the reference, in fp32, with sinks large enough to
+    take a real share of each softmax."""
     backend = get_backend(name)
-    if backend.unsupported(AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2, 32, BS)):
-        pytest.skip(backend.unsupported(AttentionSpec(CPU, torch.bfloat16, torch.bfloat16, 6, 2,
-                                                      32, BS)))
+    device = _device_for(name, backend)
     monkeypatch.setattr(attention.cpu, "SDPA_MIN_KEYS", 0)
     sinks = options.pop("sinks", False)
     layer = Attention(64, 6, 2, 32, **options)
@@ -446,7 +465,7 @@ def test_the_cpu_paths_attend_with_windows_chunks_softcaps_and_sinks_as_the_refe
         layer.sinks = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(3)) * 2)
     seqs, k, v, scales, q_by_slot = _batch_inputs(seqs_spec, 6, 2, 32, torch.float32)
     want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
-    got = _attend(backend, layer, seqs, k, v, scales, q_by_slot, 3)
+    got = _attend(backend, layer.to(device), seqs, k, v, scales, q_by_slot, 3, device)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -468,13 +487,17 @@ def test_the_cpu_ops_take_the_widest_heads_and_head_groups(h, kvh, d, dtype):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(not load_ops("ops"), reason="C++ kernels unavailable")
-def test_the_cpu_ops_attend_with_every_option_over_an_int8_cache():
+@pytest.mark.parametrize("name", [p for p in _option_backends()
+                                  if p.values[0] not in ("cpu_sdpa", "cpu_amx")])
+def test_the_kernels_attend_with_every_option_over_an_int8_cache(name):
     """Windows, chunks, a soft-cap and sinks together over an int8 cache (its scales applied
-    per token): the cpu backend against the reference on the same quantised cache."""
+    per token): the cpu backend and Triton's against the reference on the same quantised
+    cache."""
+    backend = get_backend(name)
+    device = _device_for(name, backend)
     layer = Attention(64, 6, 2, 32, window=40, chunk=64, softcap=5.0)
     layer.sinks = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(4)))
     seqs, k, v, scales, q_by_slot = _batch_inputs(_LONG_SEQS, 6, 2, 32, torch.int8)
     want = _attend(get_backend("reference"), layer, seqs, k, v, scales, q_by_slot, 3)
-    got = _attend(get_backend("cpu"), layer, seqs, k, v, scales, q_by_slot, 3)
+    got = _attend(backend, layer.to(device), seqs, k, v, scales, q_by_slot, 3, device)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

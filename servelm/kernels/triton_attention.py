@@ -174,23 +174,44 @@ def num_splits(batch: int, kv_heads: int, max_keys: int, device: torch.device,
 
 if triton is not None:
 
+    @triton.jit
+    def _first_key(pos, WINDOW, CHUNK):
+        """The first key a query at `pos` sees: its window's (WINDOW > 0), its attention
+        chunk's (CHUNK > 0), else 0."""
+        lo = pos * 0
+        if WINDOW > 0:
+            lo = tl.maximum(lo, pos - WINDOW + 1)
+        if CHUNK > 0:
+            lo = tl.maximum(lo, (pos // CHUNK) * CHUNK)
+        return lo
+
+    @triton.jit
+    def _softcap(x, CAP):
+        """CAP * tanh(x / CAP) (scores and CAP in the same units): tanh(y) = 1 - 2 / (1 +
+        e^(2y)), the exponent clamped where tanh is +-1 in fp32."""
+        t = tl.minimum(tl.maximum(x * (2.8853900817779268 / CAP), -60.0), 60.0)
+        return CAP * (1.0 - 2.0 / (1.0 + tl.math.exp2(t)))
+
     # Lengths and table widths vary step to step: one compiled kernel for all of them.
-    @triton.jit(do_not_specialize=["split_len", "st_b"])
-    def _decode_stage1(Q, K, V, KS, VS, Tables, Lens, Out, Lse, Final,
-                       split_len, scale_log2,
+    @triton.jit(do_not_specialize=["split_len", "st_b", "window", "chunk"])
+    def _decode_stage1(Q, K, V, KS, VS, Tables, Lens, Out, Lse, Final, Sinks,
+                       split_len, scale_log2, window, chunk, cap_log2,
                        sq_b, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h,
                        ss_blk, ss_tok, ss_h, st_b,
                        so_b, so_h, so_s, sl_b, sl_h, sf_b, sf_h,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                        DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
-                       PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                       PRECISION: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+                       SINKS: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
         n = tl.load(Lens + b).to(tl.int32)
-        start = s * split_len
-        end = tl.minimum(start + split_len, n)
+        # The split's keys, from the row's first (a window or chunk: the splits before it
+        # are empty).
+        start = tl.maximum(s * split_len, _first_key(n - 1, window, chunk))
+        end = tl.minimum(s * split_len + split_len, n)
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -220,6 +241,8 @@ if triton is not None:
             if DOT_FP32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if SOFTCAP:
+                scores = _softcap(scores, cap_log2)
             scores = tl.where(n_mask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
@@ -236,7 +259,11 @@ if triton is not None:
             m = m_new
 
         nonempty = l_sum > 0
-        out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+        total = l_sum
+        if SINKS and DIRECT:  # the sink joins the sum (split: in stage 2, over the splits)
+            sink = tl.load(Sinks + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+            total += tl.math.exp2(tl.minimum(sink - m, 126.0))
+        out = acc / tl.where(nonempty, total, 1.0)[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
         if DIRECT:
             tl.store(Final + b * sf_b + heads[:, None] * sf_h + offs_d[None, :],
@@ -249,30 +276,36 @@ if triton is not None:
             tl.store(Lse + b * sl_b + heads * sl_h + s, lse, mask=g_mask)
 
     @triton.jit(do_not_specialize=["splits"])
-    def _decode_stage2(Out, Lse, Final, splits, so_b, so_h, so_s, sl_b, sl_h, sf_b, sf_h,
-                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _decode_stage2(Out, Lse, Final, Sinks, splits, so_b, so_h, so_s, sl_b, sl_h, sf_b,
+                       sf_h, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                       SINKS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < splits
         lse = tl.load(Lse + b * sl_b + h * sl_h + offs_s, mask=s_mask, other=float("-inf"))
-        w = tl.math.exp2(lse - tl.max(lse, 0))   # split 0 is never empty: max is finite
-        w = w / tl.sum(w, 0)
+        top = tl.max(lse, 0)  # the split holding the row's last key is never empty: finite
+        w = tl.math.exp2(lse - top)
+        total = tl.sum(w, 0)
+        if SINKS:  # the sink joins the sum of every split's
+            total += tl.math.exp2(tl.minimum(tl.load(Sinks + h) * 1.4426950408889634 - top, 126.0))
+        w = w / total
         o = tl.load(Out + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
                     mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
         res = tl.sum(o * w[:, None], 0)
         tl.store(Final + b * sf_b + h * sf_h + offs_d, res.to(Final.dtype.element_ty),
                  mask=offs_d < D)
 
-    @triton.jit(do_not_specialize=["st_b"])
-    def _prefill(Q, K, V, KS, VS, Tables, CuQ, StartPos, Out, scale_log2,
+    @triton.jit(do_not_specialize=["st_b", "window", "chunk"])
+    def _prefill(Q, K, V, KS, VS, Tables, CuQ, StartPos, Out, Sinks, scale_log2, window,
+                 chunk, cap_log2,
                  sq_t, sq_h, sk_blk, sk_tok, sk_h, sv_blk, sv_tok, sv_h, ss_blk, ss_tok, ss_h,
                  st_b, so_t, so_h,
                  G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                 QUANT: tl.constexpr):
+                 QUANT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
         tile = tl.program_id(0)
         b = tl.program_id(1)
         kvh = tl.program_id(2)
@@ -294,12 +327,14 @@ if triton is not None:
             if DOT_FP32:
                 q = q.to(tl.float32)
             qpos = p0 + tok                                 # each row's position
-            end = p0 + tl.minimum(t_first + TOKENS, nq)     # keys [0, end): causal bound
+            lo = _first_key(qpos, window, chunk)            # each row's first key
+            end = p0 + tl.minimum(t_first + TOKENS, nq)     # keys [begin, end): causal bound
+            begin = _first_key(p0 + t_first, window, chunk)  # the tile's first row's first key
 
             m = tl.full([BLOCK_R], float("-inf"), tl.float32)
             l_sum = tl.zeros([BLOCK_R], tl.float32)
             acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-            for k0 in range(0, end, BLOCK_N):
+            for k0 in range(begin, end, BLOCK_N):
                 offs_n = k0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < end
                 blk = tl.load(Tables + b * st_b + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -314,10 +349,16 @@ if triton is not None:
                 if DOT_FP32:
                     k = k.to(tl.float32)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-                scores = tl.where(offs_n[None, :] <= qpos[:, None], scores, float("-inf"))
+                if SOFTCAP:
+                    scores = _softcap(scores, cap_log2)
+                seen = (offs_n[None, :] <= qpos[:, None]) & (offs_n[None, :] >= lo[:, None])
+                scores = tl.where(seen, scores, float("-inf"))
                 m_new = tl.maximum(m, tl.max(scores, 1))
-                p = tl.math.exp2(scores - m_new[:, None])
-                alpha = tl.math.exp2(m - m_new)
+                # A row that has seen no key yet (its first key lies ahead) keeps m -inf:
+                # its exponentials are taken against 0 so they come out 0, not NaN.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(scores - m_ref[:, None])
+                alpha = tl.math.exp2(m - m_ref)
                 l_sum = l_sum * alpha + tl.sum(p, 1)
                 v = tl.load(V + (blk * sv_blk + slot * sv_tok + kvh * sv_h)[:, None]
                             + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -328,9 +369,13 @@ if triton is not None:
                     v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
-            # Every real row sees key 0 at least (qpos >= 0): l_sum > 0; padding rows are
-            # not stored.
-            out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            # Every real row sees its own key at least: l_sum > 0; padding rows are not
+            # stored. The sink, if any, joins each row's sum.
+            total = l_sum
+            if SINKS:
+                sink = tl.load(Sinks + heads, mask=r_mask, other=0.0) * 1.4426950408889634
+                total += tl.math.exp2(tl.minimum(sink - m, 126.0))
+            out = acc / tl.where(l_sum > 0, total, 1.0)[:, None]
             tl.store(Out + rows[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -360,17 +405,26 @@ def _scale_args(k_cache: torch.Tensor, scales) -> tuple:
     return ks, vs, ks.stride(0), ks.stride(1), ks.stride(2)
 
 
+def _option_args(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None) -> tuple:
+    """(sinks in fp32, or a stand-in the kernels never read; the soft-cap in log2 units)."""
+    sinks32 = q if sinks is None else sinks.float().contiguous()
+    return sinks32, (softcap or 0.0) * 1.4426950408889634
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, splits: int | None = None,
-                           scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           window: int | None = None, chunk: int | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None
                            ) -> torch.Tensor:
     """q [B, H, D] (one query per row); k_cache, v_cache [num_blocks, page, KVH, D];
     block_tables [B, W] (int32 or int64; entries past a row's length are never read);
     context_lens [B] (>= 1: row b attends to its first context_lens[b] keys).
     Returns [B, H * D] in q's dtype. Same math as layers.paged_decode_attention_ref.
     `splits` overrides the number of context slices (tests). A quantised cache (int8 or
-    fp8 rows) comes with its (k, v) scales [num_blocks, page, KVH]."""
+    fp8 rows) comes with its (k, v) scales [num_blocks, page, KVH]. window, chunk, softcap
+    and sinks [H]: the model options, as the reference attention reads them."""
     B, H, D = q.shape
     page, kvh, G, block_tables = _check(q, k_cache, v_cache, block_tables)
     final = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -386,9 +440,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(max(D, 16))
     ks, vs, *s_strides = _scale_args(k_cache, scales)
+    sinks32, cap = _option_args(q, softcap, sinks)
     _decode_stage1[(B, kvh, splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, lse, final,
-        split_len, scale * 1.4426950408889634,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, out, lse, final, sinks32,
+        split_len, scale * 1.4426950408889634, window or 0, chunk or 0, cap,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *s_strides,
         block_tables.stride(0),
@@ -396,12 +451,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=block_d, PAGE=page,
         BLOCK_N=BLOCK_N, DIRECT=direct, DOT_FP32=interp,
         PRECISION="ieee" if q.dtype == torch.float32 else None, QUANT=scales is not None,
-        num_warps=4, num_stages=2)
+        SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=4, num_stages=2)
     if not direct:
         _decode_stage2[(B, H)](
-            out, lse, final, splits, H * splits * D, splits * D, D, H * splits, splits,
+            out, lse, final, sinks32, splits, H * splits * D, splits * D, D, H * splits, splits,
             final.stride(0), final.stride(1),
-            D=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+            D=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+            SINKS=sinks is not None, num_warps=4)
     return final.view(B, H * D)
 
 
@@ -411,7 +467,9 @@ PREFILL_ROWS = 64  # (token, head) rows a prompt program takes
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_q: torch.Tensor,
                             start_pos: torch.Tensor, max_q: int, scale: float,
-                            scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                            scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            window: int | None = None, chunk: int | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None
                             ) -> torch.Tensor:
     """Causal attention of prompt chunks over their block tables, in place (the cache
     already holds the chunks' own K/V). q [T, H, D]: sequence b's queries are the flat
@@ -421,7 +479,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Grid (query tiles, sequences, KV heads): a program takes PREFILL_ROWS rows of
     (token, query head) that share one KV head, so each K/V tile is read once for the
     group's heads, and walks the keys up to its last token's position with an online
-    softmax, masking each row's future. `scales`: as paged_decode_attention's."""
+    softmax, masking each row's future (and keys before its window or chunk, which the
+    program's walk starts at). `scales` and the model options: as
+    paged_decode_attention's."""
     T, H, D = q.shape
     page, kvh, G, block_tables = _check(q, k_cache, v_cache, block_tables)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
@@ -431,9 +491,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_r = max(PREFILL_ROWS, triton.next_power_of_2(G))
     tokens = block_r // G
     ks, vs, *s_strides = _scale_args(k_cache, scales)
+    sinks32, cap = _option_args(q, softcap, sinks)
     _prefill[(-(-max_q // tokens), B, kvh)](
-        q, k_cache, v_cache, ks, vs, block_tables, cu_q, start_pos, out,
-        scale * 1.4426950408889634,
+        q, k_cache, v_cache, ks, vs, block_tables, cu_q, start_pos, out, sinks32,
+        scale * 1.4426950408889634, window or 0, chunk or 0, cap,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *s_strides,
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -441,5 +502,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_D=triton.next_power_of_2(max(D, 16)), PAGE=page, BLOCK_N=BLOCK_N,
         DOT_FP32=q.device.type == "cpu",
         PRECISION="ieee" if q.dtype == torch.float32 else None, QUANT=scales is not None,
-        num_warps=4, num_stages=2)
+        SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=4, num_stages=2)
     return out.view(T, H * D)

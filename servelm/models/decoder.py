@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
                 output_gate=bool(extra.get("attn_output_gate")))
         if cfg.extra.get("attention_sinks"):
             # A learned logit per query head in each query's softmax denominator (gpt-oss):
-            # the C++ and reference backends run it, Triton's declines (AttentionSpec.sinks).
+            # every attention backend runs it (AttentionSpec.sinks).
             self.self_attn.sinks = nn.Parameter(torch.empty(cfg.num_heads))
         self.parallel = cfg.parallel_block  # the MLP reads the input norm's output too
         self.post_attention_layernorm = (

@@ -316,12 +316,11 @@ class Attention(OpModule):
     scores = softcap * tanh(scores / softcap), Gemma 2; q/k norms over the whole projection
     rather than each head, qk_norm_whole, OLMo 2; an o_proj bias, out_bias, Starcoder2;
     queries scaled by their position after the rotary, q_scale_beta / q_scale_period,
-    Ministral 3, or Llama 4's attention temperature, q_scale_offset 1; the C++ and reference
-    backends run the soft-cap, Triton's does not), no rotary
+    Ministral 3, or Llama 4's attention temperature, q_scale_offset 1; every attention
+    backend runs the soft-cap), no rotary
     at all (rope False: SmolLM3's NoPE layers; the KV write then takes k as projected),
     chunked local attention (chunk: a query attends only the keys of its own chunk of
-    `chunk` positions, Llama 4's rope layers; the C++ and reference backends run it,
-    Triton's declines it) and a weightless RMS ("L2") norm of each head's q and k after the
+    `chunk` positions, Llama 4's rope layers; every attention backend runs it) and a weightless RMS ("L2") norm of each head's q and k after the
     rotary (qk_l2_norm, Llama 4; the projection's norms, rotary and KV write then run in
     PyTorch, since the C++ op writes k rotated but not normalised); Gemma 4's a weightless
     RMS norm of each head's v (v_norm), the value taken from the key projection as

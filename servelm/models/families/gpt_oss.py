@@ -1,6 +1,6 @@
 """gpt-oss (OpenAI's open-weight MoE): attention with q/k/v and o_proj biases and a learned
-sink logit per head in each query's softmax denominator (attention sinks, which the C++ and
-reference attention backends run, not Triton's), sliding-window and full layers alternating (even layers
+sink logit per head in each query's softmax denominator (attention sinks, which every
+attention backend runs), sliding-window and full layers alternating (even layers
 slide), YaRN rotary (not truncated), and on every layer routed experts: a router with a
 bias, experts with biases and gpt-oss's clamped SwiGLU. The HF checkpoint holds each
 layer's experts in one tensor a projection, [E, hidden, 2 * I] with gate and up columns

@@ -1,8 +1,8 @@
 """Llama 4 (text): Llama's layer with
 
 - chunked local attention on the rotary layers (attention_chunk_size: a query attends only
-  the keys of its own chunk, floor(position / chunk) equal; Attention.chunk, which the
-  C++ and reference attention backends run and Triton's declines),
+  the keys of its own chunk, floor(position / chunk) equal; Attention.chunk, which every
+  attention backend runs),
 - no rotary on every no_rope_layer_interval-th layer (no_rope_layers: 1 rotary, 0 none),
   those layers attending to everything with their queries scaled by the attention
   temperature (attn_temperature_tuning: log1p(floor((position + 1) / floor_scale)) *
