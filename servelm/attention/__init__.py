@@ -68,7 +68,7 @@ def select(kernels, spec: AttentionSpec) -> AttentionBackend:
     if kernels.triton_attention and BACKENDS["triton"].unsupported(spec) is None:
         return BACKENDS["triton"]
     # A model option a backend's kernels lack (AttentionBackend.options) or a shape they
-    # do not take (DeepSeek's latent rows on the CPU) keeps it on the reference: say so once.
+    # do not take (a head past 576 dims on the CPU) keeps it on the reference: say so once.
     fast = "cpu" if spec.device.type == "cpu" else "triton"
     shape = fast == "cpu" and shape_unsupported(spec)
     if ((spec.kernels_lack(BACKENDS[fast].options) or shape)
