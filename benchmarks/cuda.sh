@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks and figures, in one run on a machine with a GPU: the tests that need CUDA
-# (captured decode graphs against the eager path, the Triton attention kernels, int4
+# (captured decode graphs against the eager path, the Triton attention kernels and their
+# model options (windows, chunks, soft-caps, sinks), int4
 # dequantisation and int8 matmul, the int4/int8 CUDA layers, the sampler, the whole engine
 # against transformers, int4 and int8 served),
 # then benchmarks/synthetic.py on random weights of real shapes (the embedded model's file
@@ -31,6 +32,10 @@ timeout 150 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_cuda_gra
     "tests/test_quantization.py::test_quantized_layers_take_inputs_without_rows" \
     "tests/test_sampler.py::test_cuda_matches_cpu_paths" tests/test_triton_quant.py \
     tests/test_engine_cuda.py 2>&1 | tee "$out/tests.log"
+# Triton's attention against the reference with windows, chunks, soft-caps and sinks (the
+# cpu backends' cases skip: no C++ kernels here).
+timeout 120 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_attention.py \
+    -k "windows or int8_cache or every_backend" 2>&1 | tee -a "$out/tests.log"
 # The quantised KV cache (int8, fp8) in Triton and under captured graphs.
 timeout 90 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_kv_quant.py -k "triton or graph" \
     2>&1 | tee -a "$out/tests.log"
