@@ -443,9 +443,11 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
              "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
              "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
-             "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4"}
+             "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4", "olmo3": "olmo2"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
+                                "post_feedforward_layernorm": "post_ffw_norm"},
+                      "olmo3": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
                       "glm4": {"post_self_attn_layernorm": "post_attention_norm",
                                "post_mlp_layernorm": "post_ffw_norm"},
@@ -488,12 +490,20 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         w.add_float32(f"{arch}.attention.layer_norm_epsilon", layer_norm_eps)
     else:
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    w.add_float32(f"{arch}.rope.freq_base", (cfg.rope_parameters.get("full_attention")
+                                             or cfg.rope_parameters)["rope_theta"])
     if getattr(cfg, "sliding_window", None):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-    if family == "exaone4":  # llama.cpp's converter: a bool a layer, true where it slides
+    if family in ("exaone4", "olmo3"):  # llama.cpp's converter: a bool a layer, true: sliding
         w.add_array(f"{arch}.attention.sliding_window_pattern",
                     [t == "sliding_attention" for t in cfg.layer_types])
+    full_rope = (cfg.rope_parameters or {}).get("full_attention") or {}
+    if family == "olmo3" and full_rope.get("rope_type") == "yarn":  # as llama.cpp's olmo2
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", full_rope["factor"])
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", full_rope["attention_factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     full_rope["original_max_position_embeddings"])
     if family in ("granite", "granitemoe"):
         for key, value in {"embedding_scale": cfg.embedding_multiplier,
                            "residual_scale": cfg.residual_multiplier,
@@ -618,6 +628,35 @@ def test_gguf_gemma2_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_pat
     gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
     assert gg.engine.model_config.family == "gemma2"
     assert gg.engine.model_config.layer_types == hf.engine.model_config.layer_types
+    prompts = [_ids(hf, p) for p in PROMPTS]
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_olmo3_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path):
+    """OLMo 3 as llama.cpp writes it (`olmo2` with a window): its layer kinds from
+    sliding_window_pattern, one rotary base, YaRN with its attention factor on the full
+    layers only (the sliding ones unscaled, as real OLMo 3 checkpoints have it)."""
+    from servelm.models.gguf_file import GGUFReader
+
+    config_cls, model_cls, extra = FAMILIES["olmo3"]
+    rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                               "original_max_position_embeddings": 128,
+                               "attention_factor": 1.2},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}
+    ref = tiny_hf_checkpoint(tmp_path / "hf", config_cls, model_cls,
+                             {**extra, "rope_parameters": rope}, hf_tokenizer, seed=4)
+    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    _write_gguf(tmp_path / "model.gguf", "olmo3", ref, meta)
+    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
+              kv_cache_memory=16 << 20, max_model_len=256)
+    hf = LLM(model=str(tmp_path / "hf"), **kw)
+    gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
+    got, want = gg.engine.model_config, hf.engine.model_config
+    assert got.family == want.family == "olmo3"
+    assert (got.layer_types, got.sliding_window) == (want.layer_types, want.sliding_window)
+    assert got.rope_scaling["attention_factor"] == pytest.approx(1.2)
     prompts = [_ids(hf, p) for p in PROMPTS]
     torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
                                rtol=1e-5, atol=1e-5)

@@ -1,6 +1,9 @@
 """OLMo 2 and 3: Llama's attention and MLP with norms after each (on their outputs, before they
 join the residual stream) and none before, and q/k RMSNorms over the whole q and k
-projections (not per head)."""
+projections (not per head). GGUF: llama.cpp writes both as `olmo2`; an OLMo 3 file is told
+by its window, its layer kinds in attention.sliding_window_pattern (a bool a layer, true
+where it slides), one rotary base, YaRN (its attention factor as rope.scaling.attn_factor)
+on the full layers only."""
 
 from __future__ import annotations
 
@@ -31,7 +34,28 @@ class Olmo2(Family):
                 "sliding_window": cfg.get("sliding_window")}
 
     def gguf_config(self, get, base, tensor_names):
-        return self._common()
+        window = get("attention.sliding_window")
+        if not window:
+            return self._common()
+        n = base["num_layers"]
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != n:
+                raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n} "
+                                 f"layers")
+            types = tuple(SLIDING if p else FULL for p in pattern)
+        else:  # OLMo 3's default: every fourth layer full
+            types = tuple(FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n))
+        scaling = base["rope_scaling"]
+        if scaling and scaling["rope_type"] == "yarn":
+            scaling = {**scaling, "beta_fast": 32.0, "beta_slow": 1.0}
+            if get("rope.scaling.attn_factor") is not None:
+                scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+        out = {**self._common(), "architecture": Olmo3.architectures[0], "family": Olmo3.name,
+               "layer_types": types, "sliding_window": int(window), "rope_scaling": scaling}
+        if scaling:  # the sliding layers' rotary: the same base, unscaled
+            out["rope_local_theta"] = base["rope_theta"]
+        return out
 
 
 class Olmo3(Olmo2):
@@ -40,7 +64,7 @@ class Olmo3(Olmo2):
 
     name = "olmo3"
     architectures = ("Olmo3ForCausalLM",)
-    gguf_architectures = ()  # llama.cpp's own spelling of OLMo 3 is not read here yet
+    gguf_architectures = ()  # olmo2 files come through Olmo2.gguf_config, which tells them apart
 
     def hf_config(self, cfg, base):
         out = {**super().hf_config(cfg, base)}
