@@ -194,6 +194,29 @@ def test_the_probe_passes_right_kernels_and_refuses_wrong_or_failing_ones(dtype,
         ta._works.clear()
 
 
+def test_the_probe_compiles_the_variants_a_model_needs(monkeypatch, caplog):
+    """A model with a soft-cap, sinks or chunks: the probe also runs those kernel variants
+    (each a compile of its own) and refuses them where they give non-finite outputs."""
+    ta._works.clear()
+    options = frozenset({"softcap", "sinks", "chunk"})
+    try:
+        assert ta.works(DEV, torch.float32, 8, 2, 32, 16, options=options)
+        assert (str(DEV), torch.float32, 8, 2, 32, 16, "chunk", "sinks", "softcap") in ta._works
+        real = ta.paged_decode_attention
+
+        def nan_when_capped(*a, softcap=None, **k):
+            out = real(*a, softcap=softcap, **k)
+            return out * float("nan") if softcap else out
+
+        monkeypatch.setattr(ta, "paged_decode_attention", nan_when_capped)
+        ta._works.clear()
+        assert ta.works(DEV, torch.float32, 8, 2, 32, 16)  # without the option: not run
+        assert not ta.works(DEV, torch.float32, 8, 2, 32, 16, options=options)
+        assert "non-finite outputs" in caplog.text
+    finally:
+        ta._works.clear()
+
+
 def test_triton_can_be_turned_off(monkeypatch):
     """KernelConfig.triton_attention off: the runner keeps gather + SDPA even where the
     Triton kernels pass their probe."""

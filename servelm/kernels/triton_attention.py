@@ -63,21 +63,26 @@ _works: dict[tuple, bool] = {}
 
 
 def works(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-          head_dim: int, block_size: int, kv_dtype: torch.dtype | None = None) -> bool:
+          head_dim: int, block_size: int, kv_dtype: torch.dtype | None = None,
+          options: frozenset[str] = frozenset()) -> bool:
     """available(), and both kernels compile for this shape on this device and agree with
     the PyTorch references on a small case (asked once per shape): a Triton that cannot
     compile them here (an old GPU, a version mismatch) or computes them wrong is logged
     and the caller keeps the gather + SDPA path, instead of failing the first step.
-    kv_dtype: the cache's storage dtype when it is quantised (int8, float8_e4m3fn)."""
+    kv_dtype: the cache's storage dtype when it is quantised (int8, float8_e4m3fn).
+    options: the model options the kernels will run ("softcap", "sinks", "chunk": each
+    compiles a variant of its own), compiled here too and checked to give finite outputs
+    (their values are checked against the reference in the tests)."""
     if not available():
         return False
     kv_dtype = kv_dtype or dtype
     key = (str(device), dtype, num_heads, num_kv_heads, head_dim, block_size)
     key += (kv_dtype,) if kv_dtype != dtype else ()
+    key += tuple(sorted(options))
     if key not in _works:
         try:
             _probe(torch.device(device), dtype, num_heads, num_kv_heads, head_dim, block_size,
-                   kv_dtype)
+                   kv_dtype, options)
             _works[key] = True
         except Exception as e:  # noqa: BLE001 - compile errors come as many types
             logger.warning("Triton attention is not used on %s (%s): %s", device, dtype, e)
@@ -103,7 +108,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.
     return out
 
 
-def _probe(device, dtype, H, KVH, D, page, kv_dtype):
+def _probe(device, dtype, H, KVH, D, page, kv_dtype, options=frozenset()):
     from servelm.models import kv_quant
 
     g = torch.Generator().manual_seed(0)
@@ -143,6 +148,18 @@ def _probe(device, dtype, H, KVH, D, page, kv_dtype):
                                           torch.tensor([p + 1]), scale).view(-1)
         if not torch.allclose(got[i].float().cpu(), want, rtol=tol, atol=tol):
             raise RuntimeError("the prompt kernel disagrees with the reference")
+    if options:  # the variants the model needs compile and give finite outputs
+        opts = dict(window=8, chunk=64 if "chunk" in options else None,
+                    softcap=30.0 if "softcap" in options else None,
+                    sinks=torch.zeros(H, device=device) if "sinks" in options else None)
+        outs = [paged_decode_attention(q.to(device), kd, vd, td, lens.to(device), scale,
+                                       splits=splits, **extra, **opts) for splits in (1, 2)]
+        outs.append(paged_prefill_attention(
+            qp.to(device), kd, vd, td, torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
+            torch.tensor([0, n1 - 2], dtype=torch.int32, device=device), 3, scale, **extra,
+            **opts))
+        if not all(bool(torch.isfinite(o).all()) for o in outs):
+            raise RuntimeError(f"the kernels with {sorted(options)} give non-finite outputs")
 
 
 @functools.cache
