@@ -12,7 +12,8 @@ runs its decode steps). A description covers
 
 with RMSNorms (Gemma's (1 + w) is folded into the weights at load), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
-sliding window per layer, any softmax scale, SiLU or tanh-GELU, and an embedding scale.
+sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), SiLU or
+tanh-GELU, and an embedding scale.
 What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
 layer that does not run on the C++ int4 / int8 / bf16 kernels, a bias other than qkv's)
 keeps the model op by op. An adapted linear (servelm.layers.lora.LoRALinear) runs its base
