@@ -281,6 +281,15 @@ def hf_tokenizer_from_gguf(path: str, cls: str = "TokenizersBackend"):
     return getattr(transformers, cls).from_pretrained(d, gguf_file=f)
 
 
+def gguf_tokenizer_metadata(path: str) -> dict:
+    """A GGUF file's tokenizer keys (its chat template left out), as servelm's reader gives
+    them: what a test's own GGUF (add_gguf_metadata) takes to carry the same tokenizer."""
+    from servelm.models.gguf_file import GGUFReader
+
+    return {k: v for k, v in GGUFReader(path).metadata.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+
+
 def add_gguf_metadata(writer, meta: dict) -> None:
     """Write GGUF key/values (as servelm's reader returns them) with a gguf.GGUFWriter."""
     for key, value in meta.items():

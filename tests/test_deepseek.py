@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
-                     prompt_logits, tiny_hf_checkpoint)
+                     gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
@@ -498,11 +498,8 @@ def test_gguf_loads_as_its_hf_checkpoint(deepseek, eager, gguf_path, tmp_path, s
     """llama.cpp's deepseek2 GGUF in both converters' layouts (kv_b_proj split into the
     absorbed form's matrices, or whole): the family (V3 by its sigmoid gating), the router,
     the latent cache and the logits equal the HF checkpoint's."""
-    from servelm.models.gguf_file import GGUFReader
-
     version, path, ref = deepseek
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    meta = gguf_tokenizer_metadata(gguf_path)
     _write_deepseek_gguf(tmp_path / "model.gguf", ref, meta, split_kv_b)
     gg = LLM(model=str(tmp_path / "model.gguf"), cpu_kernels=False, **KW)
     want, got = eager.engine.model_config, gg.engine.model_config

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import (add_gguf_metadata, assert_reference_greedy, assert_tensor_parallel_matches,
-                     prompt_logits, tiny_hf_checkpoint)
+                     gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -585,6 +585,22 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     w.close()
 
 
+def _hf_and_gguf(hf_path: str, family: str, ref, gguf_path: str, tmp_path):
+    """The fp32 eager engines of an HF checkpoint and of the GGUF _write_gguf makes of its
+    transformers model `ref` (the tokenizer's keys from gguf_path)."""
+    _write_gguf(tmp_path / "model.gguf", family, ref, gguf_tokenizer_metadata(gguf_path))
+    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
+              kv_cache_memory=16 << 20, max_model_len=256)
+    return LLM(model=hf_path, **kw), LLM(model=str(tmp_path / "model.gguf"), **kw)
+
+
+def _assert_same_prompt_logits(hf, gg) -> None:
+    prompts = [_ids(hf, p) for p in PROMPTS]
+    assert [_ids(gg, p) for p in PROMPTS] == prompts
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
                                     "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
@@ -592,53 +608,30 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                                     "cohere", "exaone4"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
-    from servelm.models.gguf_file import GGUFReader
-
     path, ref = checkpoints[family]
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
-    _write_gguf(tmp_path / "model.gguf", family, ref, meta)
-    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
-              kv_cache_memory=16 << 20, max_model_len=256)
-    hf = LLM(model=path, **kw)
-    gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
+    hf, gg = _hf_and_gguf(path, family, ref, gguf_path, tmp_path)
     # llama.cpp writes Mistral as `llama` (the same layer, its window in the metadata).
     assert gg.engine.model_config.family == {"mistral": "llama"}.get(family, hf.engine.model_config.family)
-    prompts = [_ids(hf, p) for p in PROMPTS]
-    assert [_ids(gg, p) for p in PROMPTS] == prompts
-    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
-                               rtol=1e-5, atol=1e-5)
+    _assert_same_prompt_logits(hf, gg)
 
 
 def test_gguf_gemma2_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path):
     """Gemma 2 in llama.cpp's spelling: its norms stored as 1 + w, the sandwich norms' names,
     both soft-caps in the metadata, alternating sliding layers from the window. llama.cpp
     stores no query_pre_attn_scalar (it takes head_dim), so this checkpoint's is head_dim."""
-    from servelm.models.gguf_file import GGUFReader
-
     config_cls, model_cls, extra = FAMILIES["gemma2"]
     ref = tiny_hf_checkpoint(tmp_path / "hf", config_cls, model_cls,
                              {**extra, "query_pre_attn_scalar": 32}, hf_tokenizer, seed=3)
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
-    _write_gguf(tmp_path / "model.gguf", "gemma2", ref, meta)
-    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
-              kv_cache_memory=16 << 20, max_model_len=256)
-    hf = LLM(model=str(tmp_path / "hf"), **kw)
-    gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
+    hf, gg = _hf_and_gguf(str(tmp_path / "hf"), "gemma2", ref, gguf_path, tmp_path)
     assert gg.engine.model_config.family == "gemma2"
     assert gg.engine.model_config.layer_types == hf.engine.model_config.layer_types
-    prompts = [_ids(hf, p) for p in PROMPTS]
-    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
-                               rtol=1e-5, atol=1e-5)
+    _assert_same_prompt_logits(hf, gg)
 
 
 def test_gguf_olmo3_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path):
     """OLMo 3 as llama.cpp writes it (`olmo2` with a window): its layer kinds from
     sliding_window_pattern, one rotary base, YaRN with its attention factor on the full
     layers only (the sliding ones unscaled, as real OLMo 3 checkpoints have it)."""
-    from servelm.models.gguf_file import GGUFReader
-
     config_cls, model_cls, extra = FAMILIES["olmo3"]
     rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
                                "original_max_position_embeddings": 128,
@@ -646,32 +639,21 @@ def test_gguf_olmo3_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path
             "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}
     ref = tiny_hf_checkpoint(tmp_path / "hf", config_cls, model_cls,
                              {**extra, "rope_parameters": rope}, hf_tokenizer, seed=4)
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
-    _write_gguf(tmp_path / "model.gguf", "olmo3", ref, meta)
-    kw = dict(dtype="float32", cpu_kernels=False, kernel_tuning="off",
-              kv_cache_memory=16 << 20, max_model_len=256)
-    hf = LLM(model=str(tmp_path / "hf"), **kw)
-    gg = LLM(model=str(tmp_path / "model.gguf"), **kw)
+    hf, gg = _hf_and_gguf(str(tmp_path / "hf"), "olmo3", ref, gguf_path, tmp_path)
     got, want = gg.engine.model_config, hf.engine.model_config
     assert got.family == want.family == "olmo3"
     assert (got.layer_types, got.sliding_window) == (want.layer_types, want.sliding_window)
     assert got.rope_scaling["attention_factor"] == pytest.approx(1.2)
-    prompts = [_ids(hf, p) for p in PROMPTS]
-    torch.testing.assert_close(prompt_logits(gg.engine, prompts), prompt_logits(hf.engine, prompts),
-                               rtol=1e-5, atol=1e-5)
+    _assert_same_prompt_logits(hf, gg)
 
 
 def test_gguf_moe_tensor_parallel_2_matches_tp1(checkpoints, gguf_path, tmp_path):
     """Mixtral from GGUF (llama.cpp's `llama` with experts: q/k un-permuted per rank's
     heads), its stacked experts sliced on load: gate/up [E, I, H] by rows of every expert
     (Q8_0 blocks cut before dequantising), down [E, H, I] by columns (fp32 values)."""
-    from servelm.models.gguf_file import GGUFReader
-
     _, ref = checkpoints["mixtral"]
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
-    _write_gguf(tmp_path / "model.gguf", "mixtral", ref, meta, q8_experts=True)
+    _write_gguf(tmp_path / "model.gguf", "mixtral", ref, gguf_tokenizer_metadata(gguf_path),
+                q8_experts=True)
     assert_tensor_parallel_matches(dict(model=str(tmp_path / "model.gguf"), dtype="float32",
                                         kernel_tuning="off", kv_cache_memory=16 << 20,
                                         max_model_len=256, num_threads=2), PROMPTS)

@@ -16,7 +16,7 @@ import torch
 
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
                      assert_matches_reference, assert_reference_greedy,
-                     prompt_logits, tiny_hf_checkpoint)
+                     gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import FULL, SLIDING, ModelConfig
@@ -253,8 +253,6 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     own 7.0 here: llama.cpp stores none (its gpt-oss graph has 7.0 built in)."""
     from safetensors.torch import load_file, save_file
 
-    from servelm.models.gguf_file import GGUFReader
-
     src, _ = gpt_oss
     ref = transformers.GptOssForCausalLM.from_pretrained(src, dtype=torch.float32,
                                                          swiglu_limit=7.0).eval()
@@ -322,8 +320,7 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     w.add_string(f"{arch}.rope.scaling.type", "yarn")
     w.add_float32(f"{arch}.rope.scaling.factor", cfg.rope_parameters["factor"])
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    meta = gguf_tokenizer_metadata(gguf_path)
     add_gguf_metadata(w, meta)
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

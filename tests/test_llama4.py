@@ -19,7 +19,8 @@ import torch
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
                      assert_matches_reference, assert_reference_greedy,
                      assert_multimodal_checkpoint_serves_its_text_model,
-                     assert_tensor_parallel_matches, prompt_logits, tiny_hf_checkpoint)
+                     assert_tensor_parallel_matches, gguf_tokenizer_metadata, prompt_logits,
+                     tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
@@ -203,8 +204,6 @@ def test_gguf_loads_as_transformers(llama4, gguf_path, tmp_path):
     [E, H, I], the shared expert as *_shexp, rope_freqs for llama3 scaling): its greedy
     tokens are transformers' with llama.cpp's built-in chunk (8192) and temperature
     (floor 8192, scale 0.1), which it stores no metadata for."""
-    from servelm.models.gguf_file import GGUFReader
-
     src, _ = llama4
     ref = transformers.Llama4ForCausalLM.from_pretrained(
         src, dtype=torch.float32, attention_chunk_size=8192, floor_scale=8192,
@@ -227,8 +226,7 @@ def test_gguf_loads_as_transformers(llama4, gguf_path, tmp_path):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
-    meta = {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-            if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    meta = gguf_tokenizer_metadata(gguf_path)
     add_gguf_metadata(w, meta)
     w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

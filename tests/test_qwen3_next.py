@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import (add_gguf_metadata, assert_matches_reference,
-                     assert_multimodal_checkpoint_serves_its_text_model, prompt_logits,
-                     tiny_hf_checkpoint)
+                     assert_multimodal_checkpoint_serves_its_text_model,
+                     gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.models.config import ModelConfig
@@ -235,8 +235,6 @@ def _qwen35_gguf(ref, path, gguf_path):
     writes it (checked against that converter's output, bit for bit, on this model):
     every norm but the DeltaNet's stored as 1 + w, ssm_a = -exp(A_log), the conv kernel
     squeezed, value heads tiled across key heads in every tensor that runs over them."""
-    from servelm.models.gguf_file import GGUFReader
-
     cfg, arch = ref.config, "qwen35"
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
@@ -257,8 +255,7 @@ def _qwen35_gguf(ref, path, gguf_path):
                 [t == "linear_attention" for t in cfg.layer_types])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
-    add_gguf_metadata(w, {k: v for k, v in GGUFReader(gguf_path).metadata.items()
-                          if k.startswith("tokenizer.") and k != "tokenizer.chat_template"})
+    add_gguf_metadata(w, gguf_tokenizer_metadata(gguf_path))
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
