@@ -12,6 +12,19 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LINEAR = "linear_attention"
 
 
+def window_pattern(pattern, n: int) -> tuple[str, ...]:
+    """Each of n layers' kind from a sliding-window pattern, as configs and GGUF files state
+    it: a period (every pattern-th layer global), a string ("LLLG", repeating from layer 0)
+    or a bool a layer (true: sliding)."""
+    if isinstance(pattern, str):
+        return tuple(SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n))
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        return tuple(SLIDING if p else FULL for p in pattern)
+    return tuple(FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n))
+
+
 def rope_theta(cfg: dict[str, Any], layer_type: str = FULL) -> float:
     """HF keeps the base in rope_theta (transformers 4) or rope_parameters (5), which may be
     split per layer type (Gemma 3: full_attention / sliding_attention)."""

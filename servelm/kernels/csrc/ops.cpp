@@ -877,8 +877,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     auto inv_sum = [&](const PrefillTile& t, int i, int hq) {
       float l = t.l[i];
       if (opt.sinks) {  // m in kUnit units: the sink's exp(sink - m) is 2^(sink log2 e - m) there
-        l += kUnit == 1.f ? std::exp(std::min(opt.sinks[hq] - t.m[i], 80.f))
-                          : std::exp2(std::min(opt.sinks[hq] * kUnit - t.m[i], 115.f));
+        l = kUnit == 1.f ? with_sink(l, t.m[i], opt.sinks[hq])
+                         : l + std::exp2(std::min(opt.sinks[hq] * kUnit - t.m[i], 115.f));
       }
       return l > 0.f ? 1.f / l : 0.f;
     };

@@ -145,14 +145,13 @@ class DeepseekV2(Family):
                        "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
                        "mscale": m, "mscale_all_dim": m}
         moe = [i for i in range(base["num_layers"]) if i not in base.get("dense_layers", ())]
-        v3 = (int(get("expert_gating_func", 0)) == 2
-              or bool(moe) and f"blk.{moe[0]}.exp_probs_b.bias" in tensor_names)
+        score_bias = bool(moe) and f"blk.{moe[0]}.exp_probs_b.bias" in tensor_names
+        v3 = int(get("expert_gating_func", 0)) == 2 or score_bias
         groups = int(get("expert_group_count", 1) or 1)
         used_groups = int(get("expert_group_used_count", 1) or 1)
         if v3:
             router = {"router_scoring": "sigmoid_grouped", "n_group": groups,
-                      "topk_group": used_groups,
-                      "score_bias": bool(moe) and f"blk.{moe[0]}.exp_probs_b.bias" in tensor_names}
+                      "topk_group": used_groups, "score_bias": score_bias}
         elif groups > 1:
             router = {"router_scoring": "softmax_grouped", "n_group": groups,
                       "topk_group": used_groups}

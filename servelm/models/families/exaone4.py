@@ -7,7 +7,7 @@ or a period), llama3 rope scaling as its rope_freqs tensor."""
 from __future__ import annotations
 
 from servelm.models.family import Family
-from servelm.models.hf_keys import FULL, SLIDING, hf_layer_types
+from servelm.models.hf_keys import SLIDING, hf_layer_types, window_pattern
 
 
 class Exaone4(Family):
@@ -24,13 +24,13 @@ class Exaone4(Family):
         window = cfg.get("sliding_window")
         types = cfg.get("layer_types")
         if window and not types:
-            types = _pattern(cfg.get("sliding_window_pattern") or 4, n)
+            types = window_pattern(cfg.get("sliding_window_pattern") or 4, n)
         return self._options(cfg, n, window, types)
 
     def gguf_config(self, get, base, tensor_names):
         n = base["num_layers"]
         window = get("attention.sliding_window")
-        types = _pattern(get("attention.sliding_window_pattern", 4), n) if window else ()
+        types = window_pattern(get("attention.sliding_window_pattern", 4), n) if window else ()
         return self._options({"max_position_embeddings": base["max_position_embeddings"],
                               "sliding_window": window}, n, window and int(window), types)
 
@@ -44,14 +44,3 @@ class Exaone4(Family):
             out["no_rope_layers"] = tuple(i for i, t in enumerate(types) if t != SLIDING)
         return out
 
-
-def _pattern(pattern, n: int) -> list[str]:
-    """Each layer's kind from a sliding-window pattern: a period (every pattern-th layer
-    global), a string ("LLLG", repeating from layer 0) or a bool a layer (true: sliding)."""
-    if isinstance(pattern, str):
-        return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
-    if isinstance(pattern, (list, tuple)):
-        if len(pattern) != n:
-            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n} layers")
-        return [SLIDING if p else FULL for p in pattern]
-    return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]

@@ -3,7 +3,7 @@ norms, sandwich norms, GELU-tanh, embeddings scaled by sqrt(hidden), (1 + w) RMS
 
 from __future__ import annotations
 
-from servelm.models.hf_keys import FULL, SLIDING, hf_layer_types, rope_theta
+from servelm.models.hf_keys import SLIDING, hf_layer_types, rope_theta, window_pattern
 from servelm.models.family import Family
 
 
@@ -31,7 +31,7 @@ class Gemma3(Family):
         types = hf_layer_types(cfg, n)
         if cfg.get("sliding_window") and not cfg.get("layer_types"):
             pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-            types = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n))
+            types = window_pattern(pattern, n)
         local = rope_theta(cfg, SLIDING) if "rope_parameters" in cfg else None
         return {**self._common(base, cfg.get("query_pre_attn_scalar") or base["head_dim"]),
                 "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
@@ -44,6 +44,6 @@ class Gemma3(Family):
         # Gemma 3's own (every 6th layer global, local base 10000), as transformers reads it.
         n = base["num_layers"]
         window = get("attention.sliding_window")
-        types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)) if window else ()
+        types = window_pattern(6, n) if window else ()
         return {**self._common(base, base["head_dim"]), "layer_types": types,
                 "sliding_window": int(window) if window else None, "rope_local_theta": 10000.0}

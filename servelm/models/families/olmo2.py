@@ -8,7 +8,7 @@ on the full layers only."""
 from __future__ import annotations
 
 from servelm.models.family import Family
-from servelm.models.hf_keys import FULL, SLIDING, hf_layer_types, rope_theta
+from servelm.models.hf_keys import SLIDING, hf_layer_types, rope_theta, window_pattern
 
 
 class Olmo2(Family):
@@ -37,15 +37,8 @@ class Olmo2(Family):
         window = get("attention.sliding_window")
         if not window:
             return self._common()
-        n = base["num_layers"]
-        pattern = get("attention.sliding_window_pattern")
-        if isinstance(pattern, (list, tuple)):
-            if len(pattern) != n:
-                raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {n} "
-                                 f"layers")
-            types = tuple(SLIDING if p else FULL for p in pattern)
-        else:  # OLMo 3's default: every fourth layer full
-            types = tuple(FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n))
+        # A bool a layer; without it, OLMo 3's default: every fourth layer full.
+        types = window_pattern(get("attention.sliding_window_pattern", 4), base["num_layers"])
         scaling = base["rope_scaling"]
         if scaling and scaling["rope_type"] == "yarn":
             scaling = {**scaling, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -70,7 +63,7 @@ class Olmo3(Olmo2):
         out = {**super().hf_config(cfg, base)}
         n = base["num_layers"]
         if cfg.get("sliding_window") and not cfg.get("layer_types"):
-            out["layer_types"] = tuple(FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n))
+            out["layer_types"] = window_pattern(4, n)
         local = rope_theta(cfg, SLIDING)
         if local != base["rope_theta"] or base.get("rope_scaling"):
             out["rope_local_theta"] = local
