@@ -8,17 +8,19 @@ qk_rope_head_dim a token and layer, 48 here: the C++ decode and prompt kernels t
 with kv_b_proj absorbed, token-exact through prefill, chunked prefill, decode, the prefix
 cache and preemption; int8 weights close; the pool's rows, bytes and the roofline's KV
 bytes for the latent (DeepSeek-V2-Lite's shape too), and which attention backends take
-it; both routers against transformers' on random hidden states; tensor parallelism refused
-with its reason."""
+it; both routers against transformers' on random hidden states; tensor parallelism (TP=2)
+against one device, from HF and from llama.cpp's split kv_b."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
+                     assert_tensor_parallel_matches,
                      gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
@@ -342,13 +344,49 @@ def test_a_wide_latent_runs_on_the_cpu_kernels(tmp_path, hf_tokenizer):
     assert_matches_reference(llm, ref, prompts, GREEDY)
 
 
-def test_tensor_parallel_is_refused_with_the_reason(deepseek):
-    from servelm.models.registry import family_for_architecture
+TP = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256,
+          num_threads=2)
 
-    _, path, _ = deepseek
-    family = family_for_architecture(ModelConfig.from_hf_dir(path).architecture)
-    with pytest.raises(ValueError, match="latent attention"):
-        family.require_tensor_parallel()
+
+def test_tensor_parallel_2_matches_tp1(deepseek):
+    """Two ranks of two heads each: V2's full-rank query rows, V3's q_b_proj rows, kv_b_proj's
+    key and value rows and o_proj's columns by head (value heads narrower than the q/k
+    heads in V2, wider in V3); the latent replicated; the dense first layer, the routed and
+    the shared experts by their slices, the router whole: TP=1's logits and tokens."""
+    assert_tensor_parallel_matches(dict(model=deepseek[1], **TP), PROMPTS, GREEDY)
+
+
+def test_tensor_parallel_2_from_llama_cpp_split_kv_b(deepseek, gguf_path, tmp_path):
+    """The newer converter's attn_k_b [heads, kv_lora, nope] and attn_v_b [heads, v,
+    kv_lora] split by their heads dim, the experts from their stacked tensors."""
+    _write_deepseek_gguf(tmp_path / "model.gguf", deepseek[2],
+                         gguf_tokenizer_metadata(gguf_path), split_kv_b=True)
+    assert_tensor_parallel_matches(dict(model=str(tmp_path / "model.gguf"), **TP), PROMPTS)
+
+
+def test_tensor_parallel_plan_slices_by_latent_heads(deepseek):
+    from servelm.distributed.sharding import ShardPlan
+
+    cfg = ModelConfig.from_hf_dir(deepseek[1])
+    mla = cfg.extra["mla"]
+    qk, v = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], mla["v_head_dim"]
+    plan = ShardPlan.of(cfg, 1, 2)
+    assert plan.q_heads == (2, 4) and plan.local_config(cfg).cache_shape_of(0) == (1, 48)
+    layer = "model.layers.1.self_attn."
+    assert plan.slice_of(layer + "q_proj.weight") == [(0, 2 * qk, 4 * qk)]
+    assert plan.slice_of(layer + "q_b_proj.weight") == [(0, 2 * qk, 4 * qk)]
+    assert plan.slice_of(layer + "kv_b_proj.weight") == [
+        (0, 2 * (mla["qk_nope_head_dim"] + v), 4 * (mla["qk_nope_head_dim"] + v))]
+    assert plan.slice_of(layer + "k_b_proj.weight") == [(0, 2, 4)]
+    assert plan.slice_of(layer + "o_proj.weight") == [(1, 2 * v, 4 * v)]
+    for replicated in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "q_a_proj.weight",
+                       "q_a_layernorm.weight"):
+        assert plan.slice_of(layer + replicated) is None
+    shared = cfg.shared_expert_intermediate_size
+    assert plan.slice_of("model.layers.1.mlp.shared_experts.down_proj.weight") == [
+        (1, shared // 2, shared)]
+    with pytest.raises(ValueError, match="latent attention with biases"):
+        ShardPlan.of(dataclasses.replace(cfg, attention_bias=True), 0, 2)
 
 
 # ---- the routers against transformers' --------------------------------------------------------

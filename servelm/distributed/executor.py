@@ -201,15 +201,15 @@ class TPExecutor(Executor):
         """Rank 0 decides the number of blocks for every rank (broadcast to them):
         kv_cache_memory is per rank, and the rank with the most KV heads must fit it."""
         cache = config.cache
-        most_kv = max(ShardPlan.of(model_config, r, self.group.world).num_kv_heads
-                      for r in range(self.group.world))
         dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)  # the pool's storage
-        per_head = KVCache.bytes_per_block(model_config, cache.block_size, dtype) \
-            // model_config.num_kv_heads
+        # Each rank's block: its own KV heads (a latent cache's one row, whole on every rank).
+        block = [KVCache.bytes_per_block(ShardPlan.of(model_config, r, self.group.world)
+                                         .local_config(model_config), cache.block_size, dtype)
+                 for r in range(self.group.world)]
         num_blocks = pool_blocks(cache.kv_cache_memory or default_kv_bytes(device),
-                                 per_head * most_kv, " on a rank")
+                                 max(block), " on a rank")
         self.group.broadcast_object(num_blocks)
-        self.block_bytes = per_head * self.plan.num_kv_heads
+        self.block_bytes = block[self.plan.rank]
         return num_blocks
 
     # ---- steps ---------------------------------------------------------------------------

@@ -6,6 +6,10 @@ weight is read) for their 1/N versions with the same call interface:
 - attention: this rank's query heads and the KV heads they read (column-parallel rows of
   the fused [q | k | v] projection), `o_proj` row-parallel: the module's output is a
   partial sum, all-reduced once;
+- latent attention (DeepSeek): this rank's query heads (their rows of the query projection
+  and of kv_b_proj, whole or as llama.cpp's k_b / v_b); the latent's projection, its norm
+  and so its cache rows replicated (one row a token serves every head); `o_proj`
+  row-parallel by value heads;
 - gated MLP: this rank's slice of the intermediate size (column-parallel rows of each of
   gate and up), `down_proj` row-parallel: one all-reduce;
 - mixture of experts: every expert sharded as that MLP is (its slice of the expert's
@@ -39,6 +43,7 @@ from torch import nn
 
 from servelm.models.config import ModelConfig
 from servelm.models.layers import Attention, GatedMLP
+from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
 
 
@@ -69,12 +74,18 @@ class ShardPlan:
     moe_intermediate: tuple[int, int] = (0, 0)  # each expert's slice (MoE models)
     total_moe_intermediate: int = 0
     shared_intermediate: tuple[int, int] = (0, 0)  # the shared expert's slice (Qwen2-MoE)
+    v_head_dim: int = 0           # a value head's width (o_proj's input per head)
+    kv_b_head: int = 0            # latent attention: kv_b_proj's rows a head (nope + v)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         H, KVH = cfg.num_heads, cfg.num_kv_heads
+        mla = cfg.extra.get("mla")
+        if mla and cfg.attention_bias and world > 1:
+            raise ValueError(f"tensor_parallel_size {world} cannot split latent attention "
+                             f"with biases (o_proj's bias would be added on every rank)")
         if world > H:
             raise ValueError(f"tensor_parallel_size {world} is more than the model's {H} "
                              f"attention heads")
@@ -117,7 +128,9 @@ class ShardPlan:
                    vocab_per_rank=per, vocab_size=cfg.vocab_size, total_heads=H,
                    total_kv_heads=KVH, total_intermediate=cfg.intermediate_size,
                    moe_intermediate=moe, shared_intermediate=shared,
-                   total_moe_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0)
+                   total_moe_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0,
+                   v_head_dim=mla["v_head_dim"] if mla else cfg.head_dim,
+                   kv_b_head=mla["qk_nope_head_dim"] + mla["v_head_dim"] if mla else 0)
 
     @property
     def num_heads(self) -> int:
@@ -157,9 +170,15 @@ class ShardPlan:
         # (name pattern, dim, which range, unit)
         (r"\.self_attn\.q_proj\.(weight|bias)$", 0, "q_heads", "head"),
         (r"\.self_attn\.(k|v)_proj\.(weight|bias)$", 0, "kv_heads", "head"),
-        (r"\.self_attn\.o_proj\.weight$", 1, "q_heads", "head"),
-        (r"\.mlp\.shared_expert\.(gate|up)_proj\.weight$", 0, "shared_intermediate", "one"),
-        (r"\.mlp\.shared_expert\.down_proj\.weight$", 1, "shared_intermediate", "one"),
+        (r"\.self_attn\.o_proj\.weight$", 1, "q_heads", "v_head"),
+        # Latent attention (DeepSeek): the low-rank query's expansion by head; kv_b_proj's
+        # per-head key and value rows (whole, or llama.cpp's k_b / v_b [heads, ...]). The
+        # latent's own projection (kv_a_proj_with_mqa) is replicated: every rank caches it.
+        (r"\.self_attn\.q_b_proj\.weight$", 0, "q_heads", "head"),
+        (r"\.self_attn\.kv_b_proj\.weight$", 0, "q_heads", "kv_b_head"),
+        (r"\.self_attn\.(k|v)_b_proj\.weight$", 0, "q_heads", "one"),
+        (r"\.mlp\.shared_experts?\.(gate|up)_proj\.weight$", 0, "shared_intermediate", "one"),
+        (r"\.mlp\.shared_experts?\.down_proj\.weight$", 1, "shared_intermediate", "one"),
         (r"\.mlp\.(gate|up)_proj\.weight$", 0, "intermediate", "one"),
         (r"\.mlp\.down_proj\.weight$", 1, "intermediate", "one"),
         (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
@@ -204,20 +223,23 @@ class ShardPlan:
           ("moe_intermediate", "one", "total_moe_intermediate"))),
     )
 
+    _UNITS = {"head": lambda p: p.head_dim, "v_head": lambda p: p.v_head_dim,
+              "kv_b_head": lambda p: p.kv_b_head, "one": lambda p: 1}
+
     def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
         """The (dim, start, end) pieces of a checkpoint tensor this rank keeps, to be joined
         along dim in order (one piece, or one per part of a fused tensor); None: replicated."""
         for pattern, dim, attr, unit in self._RULES:
             if re.search(pattern, hf_name):
                 a, b = getattr(self, attr)
-                scale = self.head_dim if unit == "head" else 1
+                scale = self._UNITS[unit](self)
                 return [(dim, a * scale, b * scale)]
         for pattern, dim, parts in self._FUSED:
             if re.search(pattern, hf_name):
                 pieces, offset = [], 0
                 for attr, unit, total in parts:
                     a, b = getattr(self, attr)
-                    scale = self.head_dim if unit == "head" else 1
+                    scale = self._UNITS[unit](self)
                     pieces.append((dim, offset + a * scale, offset + b * scale))
                     offset += getattr(self, total) * scale
                 return pieces
@@ -238,6 +260,12 @@ class _RowParallel:
 
 class ParallelAttention(_RowParallel, Attention):
     """Attention over this rank's heads; o_proj's partial sums are all-reduced."""
+
+
+class ParallelLatentAttention(_RowParallel, LatentAttention):
+    """Latent attention over this rank's query heads (their rows of q_proj / q_b_proj and of
+    kv_b_proj); the latent and its rope key are computed and cached whole on every rank (one
+    row a token, shared by the heads); o_proj's partial sums are all-reduced."""
 
 
 class ParallelGatedMLP(_RowParallel, GatedMLP):
@@ -274,9 +302,13 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     with device:
         for layer in model.layers:
             # The same blocks with the same options, on this rank's heads and slice.
-            layer.self_attn = ParallelAttention(
-                group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
-                          "num_kv_heads": plan.num_kv_heads})
+            if isinstance(layer.self_attn, LatentAttention):  # one latent, every rank's
+                layer.self_attn = ParallelLatentAttention(
+                    group, **{**layer.self_attn.options, "num_heads": plan.num_heads})
+            else:
+                layer.self_attn = ParallelAttention(
+                    group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
+                              "num_kv_heads": plan.num_kv_heads})
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp = ParallelSparseMoE(
                     group, **{**layer.mlp.options, "intermediate": plan.moe_intermediate_size,

@@ -89,15 +89,7 @@ class DeepseekV2(Family):
     gguf_architectures = ("deepseek2",)  # both versions: gguf_config tells V3 apart
     gguf_layer_names = _GGUF_LAYER_NAMES
     renames = {"shared_experts": "shared_expert", "q_proj": "query_proj"}
-    # Latent attention's projections and the shared experts are not sharded by servelm's
-    # tensor parallelism yet.
-    tensor_parallel = False
     v3 = False
-
-    def require_tensor_parallel(self) -> None:
-        raise ValueError(f"tensor parallelism does not support the {self.name} family yet: "
-                         f"its multi-head latent attention (kv_a_proj_with_mqa, kv_b_proj) "
-                         f"has no sharded form (run it with tensor_parallel_size 1)")
 
     def _router(self, cfg) -> tuple[dict, bool]:
         """The MoE's router options (ModelConfig.extra) and norm_topk_prob."""
