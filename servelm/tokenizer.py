@@ -152,16 +152,17 @@ class Tokenizer:
     def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes from its metadata (key -> Python value).
 
-        Byte-level BPE ('gpt2') and SentencePiece ('llama': Llama 2, Mistral, Gemma)
-        vocabularies; ValueError otherwise.
+        Byte-level BPE ('gpt2') and SentencePiece ('llama': Llama 2, Mistral, Gemma 1-3;
+        'gemma4': Gemma 4's, the same kind of vocabulary with its merges) vocabularies;
+        ValueError otherwise.
         """
         meta = _GGUFMeta(metadata)
         kind = meta.get("tokenizer.ggml.model")
-        if kind == "llama":
+        if kind in ("llama", "gemma4"):
             return cls._from_gguf_sentencepiece(meta)
         if kind != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: byte-level "
-                             f"BPE 'gpt2', SentencePiece 'llama')")
+                             f"BPE 'gpt2', SentencePiece 'llama' and 'gemma4')")
         tokens = meta.require("tokenizer.ggml.tokens")
         merges = meta.require("tokenizer.ggml.merges")
         token_types = meta.get("tokenizer.ggml.token_type") or []

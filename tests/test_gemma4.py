@@ -268,3 +268,160 @@ def test_kernel_backends_decline_a_layer_shape_they_cannot_run():
                          layer_shapes=((1, 32),))
     if load_ops("ops"):
         assert BACKENDS["cpu"].unsupported(fits) is None
+
+
+# ---- GGUF: llama.cpp's gemma4, written here from the same checkpoints -----------------------
+
+# HF names (after model.layers.N.) -> llama.cpp's blk.N.<name> (gguf-py's tensor map and the
+# converter's renames: the router's scale and the per-expert scales as `.scale` tensors).
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight", "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight"}
+_GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight",
+                 "model.norm.weight": "output_norm.weight",
+                 "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                 "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                 "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+
+
+def _write_gemma4_gguf(path, model, tokenizer_meta: dict, extra_ple_rows: int = 0) -> None:
+    """The file llama.cpp's converter writes for a Gemma 4 text model (its keys and
+    names; norms as they are; rope_freqs for the global layers' proportional rotary;
+    per-layer arrays for the KV heads and the MLP widths where layers differ), with
+    `extra_ple_rows` more rows in the per-layer embedding table than the vocabulary (the
+    converter cuts only token_embd's)."""
+    import gguf
+
+    from helpers import add_gguf_metadata
+
+    # The config's values as a dict (transformers 5.25 holds the global layers' head size and
+    # KV heads in per_layer_config, and refuses the per-layer attributes globally).
+    cfg, arch = model.config.to_dict(), "gemma4"
+    n = cfg["num_hidden_layers"]
+    over = next((v for k, v in (cfg.get("per_layer_config") or {}).items()
+                 if cfg["layer_types"][int(k)] == FULL), {})
+    global_head_dim = over.get("head_dim", cfg.get("global_head_dim") or cfg["head_dim"])
+    global_kv = over.get("num_key_value_heads", cfg.get("num_global_key_value_heads"))
+    w = gguf.GGUFWriter(str(path), arch)
+    shared = cfg.get("num_kv_shared_layers") or 0
+    for key, value in {"context_length": cfg["max_position_embeddings"],
+                       "embedding_length": cfg["hidden_size"], "block_count": n,
+                       "attention.head_count": cfg["num_attention_heads"],
+                       "attention.key_length": global_head_dim,
+                       "attention.value_length": global_head_dim,
+                       "attention.key_length_swa": cfg["head_dim"],
+                       "attention.value_length_swa": cfg["head_dim"],
+                       "attention.sliding_window": cfg["sliding_window"],
+                       "attention.shared_kv_layers": shared,
+                       "embedding_length_per_layer_input": cfg.get("hidden_size_per_layer_input") or 0,
+                       "rope.dimension_count": global_head_dim,
+                       "rope.dimension_count_swa": cfg["head_dim"]}.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    if cfg["use_double_wide_mlp"]:
+        w.add_array(f"{arch}.feed_forward_length",
+                    [cfg["intermediate_size"] * (2 if i >= n - shared else 1) for i in range(n)])
+    else:
+        w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
+    if global_kv is not None and global_kv != cfg["num_key_value_heads"]:
+        w.add_array(f"{arch}.attention.head_count_kv",
+                    [cfg["num_key_value_heads"] if t == SLIDING else global_kv
+                     for t in cfg["layer_types"]])
+    else:
+        w.add_uint32(f"{arch}.attention.head_count_kv", cfg["num_key_value_heads"])
+    w.add_array(f"{arch}.attention.sliding_window_pattern",
+                [t == SLIDING for t in cfg["layer_types"]])
+    rope = cfg["rope_parameters"]
+    w.add_float32(f"{arch}.rope.freq_base", rope[FULL]["rope_theta"])
+    w.add_float32(f"{arch}.rope.freq_base_swa", rope[SLIDING]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if cfg["final_logit_softcapping"]:
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
+    if cfg["enable_moe_block"]:
+        w.add_uint32(f"{arch}.expert_count", cfg["num_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", cfg["top_k_experts"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    add_gguf_metadata(w, tokenizer_meta)
+    turn = int(global_head_dim * rope[FULL]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", torch.tensor(
+        [1.0] * turn + [1e30] * (global_head_dim // 2 - turn)).numpy())
+    for name, t in model.state_dict().items():
+        t = t.float()
+        if name == "lm_head.weight":  # tied: not written
+            continue
+        if name in _GGUF_GLOBALS:
+            if name == "model.embed_tokens_per_layer.weight" and extra_ple_rows:
+                t = torch.cat((t, torch.randn(extra_ple_rows, t.shape[1])))
+            w.add_tensor(_GGUF_GLOBALS[name], t.contiguous().numpy())
+            continue
+        i, part = name.split(".")[2], ".".join(name.split(".")[3:])
+        w.add_tensor(f"blk.{i}.{_GGUF_NAMES[part]}", t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gguf_loads_as_its_hf_checkpoint(checkpoints, name, gguf_path, tmp_path):
+    """llama.cpp's gemma4 file: the layer kinds from the bool pattern, the two head sizes,
+    the global layers' KV heads from the per-layer array and K=V from their missing attn_v,
+    the KV-shared layers and their double-wide MLPs from the width array, the proportional
+    rotary from rope_freqs, the per-layer inputs (their table's rows past the vocabulary
+    dropped), the experts' fused gate_up and the router's and experts' scales: the config
+    and the logits equal the HF checkpoint's, and greedy tokens too."""
+    from helpers import gguf_tokenizer_metadata
+
+    path, model = checkpoints[name]
+    _write_gemma4_gguf(tmp_path / "model.gguf", model, gguf_tokenizer_metadata(gguf_path),
+                       extra_ple_rows=5)
+    hf = LLM(model=path, cpu_kernels=False, **KW)
+    gg = LLM(model=str(tmp_path / "model.gguf"), cpu_kernels=False, **KW)
+    want, got = hf.engine.model_config, gg.engine.model_config
+    assert got.family == "gemma4"
+    for field in ("layer_types", "sliding_window", "head_dim", "layer_head_dims",
+                  "num_kv_heads", "layer_kv_heads", "kv_source_layers", "rope_theta",
+                  "rope_local_theta", "rope_scaling", "final_logit_softcap", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "rotary_dim",
+                  "tie_word_embeddings", "embed_scale", "attn_scale"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.extra == want.extra
+    prompts = [_ids(hf, p) for p in PROMPTS]
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts),
+                               prompt_logits(hf.engine, prompts), rtol=1e-5, atol=1e-5)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in gg.generate(PROMPTS, greedy, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in hf.generate(PROMPTS, greedy, use_tqdm=False)])
+
+
+def test_gguf_rope_freqs_must_be_the_proportional_rotary():
+    from servelm.models.registry import family_for_architecture
+
+    family = family_for_architecture("Gemma4ForCausalLM")
+    cfg = ModelConfig(architecture="Gemma4ForCausalLM", family="gemma4", vocab_size=10,
+                      hidden_size=8, intermediate_size=8, num_layers=2, num_heads=1,
+                      num_kv_heads=1, head_dim=8, layer_types=(SLIDING, FULL),
+                      max_position_embeddings=64, sliding_window=4, layer_head_dims=(8, 16))
+    got = family.gguf_rope_freqs(cfg, (1.0, 1.0, 1e30, 1e30, 1e30, 1e30, 1e30, 1e30))
+    assert got.rope_scaling["rope_type"] == "proportional"
+    assert got.rope_scaling["partial_rotary_factor"] == 0.25
+    for bad in ((1.0,) * 4, (1.0, 2.0) + (1e30,) * 6, (1e30, 1.0) + (1e30,) * 6):
+        with pytest.raises(ValueError, match="proportional rotary"):
+            family.gguf_rope_freqs(cfg, bad)

@@ -347,3 +347,19 @@ def test_load_tokenizer_errors(tmp_path):
     empty_dir.mkdir()
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(str(empty_dir))
+
+
+def test_gemma4_gguf_vocabulary_reads_as_gemmas():
+    """llama.cpp's `gemma4` tokenizer model is Gemma's SentencePiece-style BPE (pieces with
+    U+2581, byte fallback, merges in the file): Gemma 3's vocabulary labelled so reads
+    to the same ids."""
+    from helpers import real_model
+    from servelm.models.gguf_file import GGUFReader
+
+    meta = GGUFReader(real_model("gemma3-270m")).metadata
+    as4 = {**meta, "general.architecture": "gemma4", "tokenizer.ggml.model": "gemma4"}
+    gemma3, gemma4 = Tokenizer.from_gguf(meta), Tokenizer.from_gguf(as4)
+    for text in ["hello world", " two  spaces\n\tand a tab", "héllo wörld 😀", "x = f(1) + 2", ""]:
+        assert gemma4.encode(text) == gemma3.encode(text), text
+    ids = gemma3.encode("the same text back", add_special_tokens=False)
+    assert gemma4.decode(ids) == gemma3.decode(ids) == "the same text back"

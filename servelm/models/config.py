@@ -403,10 +403,11 @@ class ModelConfig:
             family=family.name,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", 0)),
+            # (a list: one a layer, Gemma 4's; the family reads it whole)
+            intermediate_size=int(_first(get("feed_forward_length", 0))),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            num_kv_heads=int(_first(get("attention.head_count_kv", num_heads))),
             head_dim=int(get("attention.key_length", hidden // num_heads)),
             max_position_embeddings=int(get("context_length", 2048)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -435,6 +436,11 @@ class ModelConfig:
             if kind not in POOLING_TYPES:
                 base["pooling_unsupported"] = f"the GGUF's pooling_type is {kind}"
         return cls(**base)
+
+
+def _first(value):
+    """A GGUF key that may hold one value or one a layer: the first."""
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 def sentence_transformers_pooling(path: str) -> dict[str, Any]:

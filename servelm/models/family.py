@@ -10,6 +10,8 @@ blocks, so a family adds no code to any of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from typing import Any, Callable
 
@@ -86,6 +88,12 @@ class Family:
         """ModelConfig fields beyond the common ones, from GGUF metadata (get(key, default)
         reads '<arch>.<key>')."""
         return {}
+
+    def gguf_rope_freqs(self, cfg, factors: tuple[float, ...]):
+        """The config with a GGUF's rope_freqs tensor read in: Llama 3.1+'s rope scaling, one
+        divisor per frequency."""
+        return dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors",
+                                                      "factors": factors})
 
     # ---- names and values -----------------------------------------------------------------
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -43,11 +42,14 @@ class GGUFFile:
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: {e}") from e
         if ROPE_FREQS in self.tensor_names:
-            # Llama 3.1+ files carry their rope scaling as one divisor per frequency.
+            # Llama 3.1+ files carry their rope scaling as one divisor per frequency
+            # (Gemma 4's, its global layers' partial rotary).
             t = next(t for t in self.reader.tensors if t.name == ROPE_FREQS)
             factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
-            cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors",
-                                                         "factors": factors})
+            try:
+                cfg = family_for_architecture(cfg.architecture).gguf_rope_freqs(cfg, factors)
+            except ValueError as e:
+                raise ModelLoadError(f"{self.path}: {e}") from e
         return cfg
 
     def native_quantization(self) -> tuple[str | None, str]:

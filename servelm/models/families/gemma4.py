@@ -20,14 +20,27 @@ times sqrt(hidden), sliding and global layers with their own rotary) with
 
 The multimodal Gemma4ForConditionalGeneration keeps the text config in text_config and the
 text model's tensors under model.language_model. (the vision and audio towers and their
-embedders are not read). No GGUF yet; tensor parallelism is refused."""
+embedders are not read). Tensor parallelism is refused.
+
+GGUF: llama.cpp's `gemma4`. The file states the layer kinds (attention.sliding_window_pattern,
+true: sliding), the sliding and global head sizes (key_length_swa, key_length), the KV heads
+(head_count_kv, an array a layer where the global layers differ), the KV-shared layers
+(shared_kv_layers), the MLP widths (feed_forward_length, an array where the shared layers'
+are double) and the per-layer input width; the K=V global layers are those without attn_v;
+the global layers' "proportional" rotary is its rope_freqs tensor (1 for a frequency that
+turns, 1e30 for one that does not); the router's scale and the per-expert scales are the
+ffn_gate_inp and ffn_down_exps `.scale` tensors. Norms are stored as they are (no 1 + w). The
+per-layer embedding table keeps the checkpoint's rows past the vocabulary (the converter cuts
+only token_embd's): they are dropped on load."""
 
 from __future__ import annotations
 
 import re
 
+import dataclasses
+
 from servelm.models.family import Family
-from servelm.models.hf_keys import FULL, SLIDING, rope_scaling
+from servelm.models.hf_keys import FULL, SLIDING, rope_scaling, window_pattern
 
 # transformers' Gemma4TextConfig defaults, for keys a config.json leaves out.
 DEFAULTS = dict(head_dim=256, num_key_value_heads=4, rms_norm_eps=1e-6, sliding_window=512,
@@ -50,6 +63,15 @@ _MOE_NAMES = {"router.proj.weight": "moe.experts.gate.weight",
               "experts.down_proj": "moe.experts.experts_down"}
 _MOE_RE = re.compile(r"(layers\.\d+\.)(" + "|".join(map(re.escape, _MOE_NAMES)) + ")")
 _PLE = ("embed_tokens_per_layer.", "per_layer_model_projection.", "per_layer_projection_norm.")
+# llama.cpp's gemma4 tensors -> HF names: a layer's (blk.N.<part>.<kind>) and the model's.
+_GGUF_LAYER = {("ffn_gate_inp", "scale"): "router.scale",
+               ("ffn_down_exps", "scale"): "router.per_expert_scale",
+               ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
+               ("ffn_down_exps", "weight"): "experts.down_proj",
+               ("layer_output_scale", "weight"): "layer_scalar"}
+_GGUF_GLOBAL = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+                "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+                "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
 
 
 def _get(cfg: dict, key: str):
@@ -112,6 +134,16 @@ class Gemma4(Family):
                "per_layer_projection": "per_layer_input.proj",
                "post_per_layer_input_norm": "per_layer_input.norm"}
     tensor_parallel = False  # per-layer KV shapes and shared caches have no sharded form yet
+    gguf_architectures = ("gemma4",)
+    gguf_layer_names = {"post_attention_norm": "post_attention_layernorm",
+                        "ffn_norm": "pre_feedforward_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm",
+                        "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+                        "post_ffw_norm_1": "post_feedforward_layernorm_1",
+                        "post_ffw_norm_2": "post_feedforward_layernorm_2",
+                        "ffn_gate_inp": "router.proj",
+                        "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+                        "post_norm": "post_per_layer_input_norm"}
 
     # ---- the multimodal checkpoint's text model (read by the loader) -------------------------
 
@@ -199,6 +231,87 @@ class Gemma4(Family):
                 "layer_head_dims": dims if len(set(dims)) > 1 or dims[0] != head_dim else (),
                 "layer_kv_heads": heads if len(set(heads)) > 1 or heads[0] != kv_heads else (),
                 "kv_source_layers": sources, **moe, "extra": extra}
+
+    def gguf_config(self, get, base, tensor_names):
+        """The file's keys as the HF config that hf_config reads (the global layers' rotary
+        comes from the rope_freqs tensor afterwards: gguf_rope_freqs)."""
+        n = base["num_layers"]
+        pattern = get("attention.sliding_window_pattern")
+        types = list(window_pattern(pattern, n) if pattern is not None else
+                     (FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)))
+        types[-1] = FULL  # as hf_config (transformers forces the last layer global)
+        types = tuple(types)
+        shared = int(get("attention.shared_kv_layers", 0) or 0)
+        sources = _kv_sources(types, shared) or tuple(range(n))
+        own_full = [i for i, t in enumerate(types) if t == FULL and sources[i] == i]
+        # K=V global layers: the file has no v projection there (KV-shared layers have none).
+        k_eq_v = bool(own_full) and all(f"blk.{i}.attn_v.weight" not in tensor_names
+                                        for i in own_full)
+        kv = get("attention.head_count_kv", base["num_heads"])
+        kv = list(kv) if isinstance(kv, (list, tuple)) else [int(kv)] * n
+        sliding_kv = next((kv[i] for i, t in enumerate(types) if t == SLIDING), kv[0])
+        full_kv = next((kv[i] for i, t in enumerate(types) if t == FULL), sliding_kv)
+        ff = get("feed_forward_length")
+        ff = list(ff) if isinstance(ff, (list, tuple)) else [int(ff)] * n
+        double = [ff[0] * (2 if sources[i] != i else 1) for i in range(n)]
+        if ff != [ff[0]] * n and ff != double:
+            raise ValueError(f"gemma4.feed_forward_length {ff}: the widths are neither one "
+                             f"nor the KV-shared layers' double")
+        ple = int(get("embedding_length_per_layer_input", 0) or 0)
+        cfg = {"layer_types": list(types), "sliding_window": get("attention.sliding_window"),
+               "head_dim": int(get("attention.key_length_swa", base["head_dim"])),
+               "global_head_dim": int(get("attention.key_length", base["head_dim"])),
+               "num_key_value_heads": int(sliding_kv), "attention_k_eq_v": k_eq_v,
+               "num_kv_shared_layers": shared, "use_double_wide_mlp": ff != [ff[0]] * n,
+               "intermediate_size": int(ff[0]), "hidden_size_per_layer_input": ple,
+               "vocab_size_per_layer_input": base["vocab_size"],
+               "rms_norm_eps": base["rms_norm_eps"],
+               "max_position_embeddings": base["max_position_embeddings"],
+               "tie_word_embeddings": base["tie_word_embeddings"],
+               "attention_bias": base["attention_bias"],
+               "final_logit_softcapping": get("final_logit_softcapping"),
+               "rope_parameters": {
+                   FULL: {"rope_type": "default", "rope_theta": base["rope_theta"]},
+                   SLIDING: {"rope_type": "default",
+                             "rope_theta": float(get("rope.freq_base_swa", 10000.0))}}}
+        if k_eq_v:
+            cfg["num_global_key_value_heads"] = int(full_kv)
+        if base.get("num_experts"):
+            cfg.update(enable_moe_block=True, num_experts=base["num_experts"],
+                       top_k_experts=base["num_experts_per_tok"],
+                       moe_intermediate_size=base["moe_intermediate_size"])
+        out = self.hf_config(cfg, base)
+        out.update(rotary_dim=None, dense_layers=())
+        return out
+
+    def gguf_rope_freqs(self, cfg, factors):
+        """rope_freqs: the global layers' proportional rotary, a factor a frequency of the
+        global head (1: it turns; 1e30: it does not)."""
+        full = next(i for i, t in enumerate(cfg.layer_types) if t == FULL)
+        half = cfg.head_dim_of(full) // 2
+        turn = sum(1 for f in factors if f == 1.0)
+        if len(factors) != half or any(f != 1.0 and f < 1e20 for f in factors) \
+                or list(factors) != [1.0] * turn + [factors[-1]] * (half - turn):
+            raise ValueError(f"gemma4 rope_freqs ({len(factors)} factors) is not the global "
+                             f"layers' proportional rotary over {half} frequencies")
+        params = {"rope_type": "proportional", "partial_rotary_factor": turn / half,
+                  "rope_theta": cfg.rope_theta}
+        return dataclasses.replace(cfg, rope_scaling=rope_scaling(
+            {"rope_parameters": {FULL: params},
+             "max_position_embeddings": cfg.max_position_embeddings}))
+
+    def gguf_name(self, gguf_name):
+        if gguf_name in _GGUF_GLOBAL:
+            return _GGUF_GLOBAL[gguf_name]
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|scale)", gguf_name)
+        if m and (m.group(2), m.group(3)) in _GGUF_LAYER:
+            return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2), m.group(3)]}"
+        return super().gguf_name(gguf_name)
+
+    def from_gguf(self, hf_name, arr, cfg, rows_of):
+        if hf_name == "model.embed_tokens_per_layer.weight":  # its rows past the vocabulary
+            return arr[:cfg.vocab_size]
+        return super().from_gguf(hf_name, arr, cfg, rows_of)
 
     # ---- names -------------------------------------------------------------------------------
 
