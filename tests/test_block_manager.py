@@ -913,9 +913,132 @@ def test_state_slots_go_with_the_first_blocks_and_come_back_with_the_last():
     assert bm.state_slot("c") == freed
 
 
-def test_state_slots_refuse_prefix_caching():
+def test_state_slots_refuse_prefix_caching_without_snapshots():
     with pytest.raises(ValueError, match="prefix caching cannot restore a recurrent state"):
         BlockManager(8, 4, enable_caching=True, num_state_slots=2)
+    assert BlockManager(8, 4, num_state_slots=2, num_state_snapshots=2).num_state_snapshots == 0
+
+
+def test_a_prefix_is_found_up_to_its_last_snapshot_and_restored_from_it():
+    bm = BlockManager(16, 4, enable_caching=True, num_state_slots=2, num_state_snapshots=2)
+    tokens = list(range(13))
+    bm.allocate("a", 13)
+    bm.cache_full_blocks("a", tokens, 12)
+    table = bm.block_table("a")
+    assert bm.find_cached_prefix(tokens + [99]) == []  # cached blocks, no state there
+    assert not bm.snapshot("a", 8)   # not the end of its last registered block
+    assert bm.snapshot("a", 12)
+    assert bm.take_saves() == [(bm.state_slot("a"), 0)] and bm.take_saves() == []
+    assert bm.snapshot("a", 12) and bm.take_saves() == []  # has one already
+    assert bm.find_cached_prefix(tokens + [99]) == table[:3]
+    assert bm.find_cached_prefix(tokens[:11] + [99, 99]) == []  # parts in block 3
+    bm.free("a")
+    hits = bm.find_cached_prefix(tokens + [7])
+    bm.allocate("b", 14, hits)
+    assert bm.take_restores() == [(0, bm.state_slot("b"))] and bm.take_restores() == []
+    assert bm.block_table("b")[:3] == table[:3] and bm.num_snapshots == 1
+    # A KV import cannot carry a recurrent state: refused.
+    assert bm.begin_import("x", list(range(8))) is None
+
+
+def test_snapshots_are_kept_least_recently_used_first_and_go_with_their_blocks():
+    bm = BlockManager(8, 2, enable_caching=True, num_state_slots=3, num_state_snapshots=2)
+    prompts = {r: [i] * 4 for i, r in enumerate("abc")}
+
+    def prefill(r):
+        bm.allocate(r, 4)
+        bm.cache_full_blocks(r, prompts[r], 4)
+        assert bm.snapshot(r, 4)
+
+    prefill("a")
+    prefill("b")
+    bm.free("a")  # a's prefix used again: b's is the least recently used when c's comes
+    bm.allocate("a2", 5, bm.find_cached_prefix(prompts["a"] + [0]))
+    assert bm.take_restores()[0][0] == 0
+    prefill("c")
+    assert bm.num_snapshots == 2 and [sid for _, sid in bm.take_saves()] == [0, 1, 1]
+    assert bm.find_cached_prefix(prompts["b"] + [5]) == []  # evicted for c's
+    assert len(bm.find_cached_prefix(prompts["c"] + [5])) == 2
+    assert len(bm.find_cached_prefix(prompts["a"] + [5])) == 2
+    # Evicting a block frees its snapshot with it.
+    for r in ("a2", "b", "c"):
+        bm.free(r)
+    bm.allocate("big", 16)  # every block: the cached ones evicted
+    assert bm.num_snapshots == 0 and bm.find_cached_prefix(prompts["c"] + [5]) == []
+
+
+SNAP_IDS = ["r0", "r1", "r2"]
+snap_op = st.one_of(
+    st.tuples(st.just("admit"), st.sampled_from(SNAP_IDS), st.integers(0, 3),
+              st.integers(1, 6), st.booleans()),
+    st.tuples(st.just("grow"), st.sampled_from(SNAP_IDS), st.just(0), st.integers(1, 3),
+              st.booleans()),
+    st.tuples(st.just("free"), st.sampled_from(SNAP_IDS), st.just(0), st.just(0),
+              st.just(False)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_snaps=st.integers(1, 3), ops=st.lists(snap_op, max_size=40))
+def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, ops):
+    """Requests over a few prompts that share blocks admit on the cache, grow, register,
+    snapshot (a step's end: mostly a block's) and free, with a fake state store: a restore
+    copies the snapshot saved at the very prefix admitted on; every snapshot is free or
+    held by one cached block."""
+    bm = BlockManager(12, 2, enable_caching=True, num_state_slots=3,
+                      num_state_snapshots=num_snaps)
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    slot_state: dict[int, tuple] = {}   # slot -> the prefix its state sums
+    snap_state: dict[int, tuple] = {}   # snapshot -> the prefix it was saved at
+
+    def run_copies():
+        for sid, slot in bm.take_restores():
+            slot_state[slot] = snap_state[sid]
+        for slot, sid in bm.take_saves():
+            snap_state[sid] = slot_state[slot]
+
+    for kind, rid, which, n, snap in ops:
+        if kind == "admit" and rid not in tokens:
+            toks = [which % 2] * 4 + [which] * 8  # prompts 0 / 2 and 1 / 3 share 2 blocks
+            hits = bm.find_cached_prefix(toks)
+            end = min(len(toks), len(hits) * 2 + 2 * n - (n == 6))  # mostly block ends
+            if not bm.can_allocate(rid, end, hits):
+                continue
+            bm.allocate(rid, end, hits)
+            run_copies()
+            slot = bm.state_slot(rid)
+            if hits:
+                assert slot_state[slot] == tuple(toks[:len(hits) * 2]), "restored the wrong state"
+                event(f"restored with {min(bm.num_snapshots, 2)}+ snapshots held")
+            slot_state[slot] = tuple(toks[:end])
+            tokens[rid], computed[rid] = toks, end
+        elif kind == "grow" and rid in tokens:
+            end = min(len(tokens[rid]), computed[rid] + 2 * n)
+            if not bm.can_allocate(rid, end):
+                continue
+            bm.allocate(rid, end)
+            computed[rid] = end
+            slot_state[bm.state_slot(rid)] = tuple(tokens[rid][:end])
+        elif kind == "free":
+            bm.free(rid)
+            tokens.pop(rid, None)
+            computed.pop(rid, None)
+            continue
+        else:
+            continue
+        bm.cache_full_blocks(rid, tokens[rid], computed[rid])
+        if snap:
+            bm.snapshot(rid, computed[rid])
+            run_copies()
+        held = dict(bm._snap)
+        assert len(set(held.values())) == len(held) == bm.num_snapshots <= num_snaps
+        assert bm.num_snapshots + len(bm._free_snaps) == num_snaps
+        assert all(b in bm._block_key for b in held)
+        check_refs(bm)
+    for rid in SNAP_IDS:
+        bm.free(rid)
+    assert bm.num_free_slots == 3 and bm.owners() == {}
 
 
 @settings(max_examples=200, deadline=None)

@@ -3,8 +3,9 @@ transformers (four layers: three gated-DeltaNet linear-attention layers over a r
 state, then one full-attention layer with its output gate and a partial rotary; Qwen3-Next
 with MoE layers beside a dense one), served token-exact through prefill, chunked prefill
 mixed with decodes, preemption and recurrent-state slots that run out; the chunked delta
-rule against the token-by-token recurrence; what hybrid models refuse (prefix caching,
-speculative decoding, tensor parallelism); int8 weights; Qwen3.5's multimodal checkpoint."""
+rule against the token-by-token recurrence; the prefix cache restoring the recurrent state
+from snapshots; what hybrid models refuse (speculative decoding, tensor parallelism); int8
+weights; Qwen3.5's multimodal checkpoint."""
 
 from __future__ import annotations
 
@@ -67,26 +68,94 @@ def test_config_reads_the_hybrid_layout(qwen3_next):
 
 
 def test_layers_caches_and_the_decode_path(qwen3_next, caplog):
-    """The linear layers hold no KV blocks but a state slot each sequence; prefix caching
-    is turned off (logged); the whole-step DecodeStack declines them."""
+    """The linear layers hold no KV blocks but a state slot each sequence, and as many
+    snapshots of such states for the prefix cache (rows after the slots); where the budget
+    leaves no room for a snapshot, prefix caching is turned off (logged); the whole-step
+    DecodeStack declines them."""
+    from servelm.engine.executor import state_snapshots
     from servelm.models import decode_stack
 
     path, _ = qwen3_next
-    with caplog.at_level(logging.INFO, logger="servelm.engine.engine"):
-        llm = LLM(model=path, max_num_seqs=8, **KW)
-    assert "prefix caching off" in caplog.text
+    llm = LLM(model=path, max_num_seqs=8, **KW)
     engine = llm.engine
-    assert not engine.block_manager.enable_caching
+    assert engine.block_manager.enable_caching
     assert engine.executor.num_state_slots == engine.block_manager.num_state_slots == 8
+    assert engine.executor.num_state_snapshots == engine.block_manager.num_state_snapshots == 8
     runner = engine.executor.runner
     # K and V of the one full-attention layer only.
     assert runner.kv_cache.data.shape[0] == 1 and runner.kv_cache.layers[:3] == [None] * 3
     assert [type(c) for c in runner.layer_caches] == [tuple] * 4
     conv, ssm = runner.layer_caches[0]
-    assert conv.shape == (8, 2 * 16 + 32, 3) and ssm.shape == (8, 4, 8, 8)
+    assert conv.shape == (16, 2 * 16 + 32, 3) and ssm.shape == (16, 4, 8, 8)
     assert ssm.dtype == torch.float32
     got = decode_stack.describe(engine.executor.model)
     assert isinstance(got, str) and "linear attention" in got
+    # Snapshots take at most a quarter of the budget.
+    state = engine.executor.worker.state_bytes()
+    assert state_snapshots(8, state, 4 * 3 * state) == 3
+    assert state_snapshots(8, state, 4 * state - 1) == 0
+    budget = 2 * state + engine.executor.block_bytes  # a slot, a block or two, no snapshot
+    assert state_snapshots(1, state, budget) == 0
+    with caplog.at_level(logging.INFO, logger="servelm.engine.engine"):
+        tight = LLM(model=path, **{**KW, "kv_cache_memory": budget})
+    assert "prefix caching off" in caplog.text
+    assert not tight.engine.block_manager.enable_caching
+    assert tight.engine.executor.num_state_snapshots == 0
+
+
+def test_prefix_cache_restores_the_state_from_snapshots(qwen3_5):
+    """Prefix caching beside a recurrent state: a prompt's chunk is cut at its last block
+    boundary and the state there kept (a snapshot); a later prompt that extends it (a chat's
+    next turn) is admitted on the cached blocks with the state restored into its slot, and
+    computes only the rest; its tokens are those of an engine without the cache. A prompt
+    that parts from the first inside a block reuses the blocks before it only where a
+    snapshot is (none there: all computed)."""
+    path, _ = qwen3_5
+    plain = LLM(model=path, enable_prefix_caching=False, **KW)
+    cached = LLM(model=path, max_num_seqs=4, **KW)
+    bm = cached.engine.block_manager
+    assert bm.enable_caching and bm.num_state_snapshots == 4
+    bs = bm.block_size
+    text = " ".join(PROMPTS)
+    turn1 = _ids(cached, text)[:3 * bs + 5]
+    out1 = cached.generate([turn1], GREEDY, use_tqdm=False)[0]
+    assert bm.num_snapshots == 1 and out1.metrics.num_cached_tokens == 0
+    # The next turn: the first prompt, its answer and more.
+    turn2 = turn1 + list(out1.outputs[0].token_ids) + _ids(cached, PROMPTS[2])
+    apart = turn1[:2 * bs + 3] + _ids(cached, PROMPTS[1])  # parts inside block 3
+    outs = cached.generate([turn2, apart], GREEDY, use_tqdm=False)
+    want = plain.generate([turn1, turn2, apart], GREEDY, use_tqdm=False)
+    assert out1.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want[1:]]
+    assert outs[0].metrics.num_cached_tokens == 3 * bs  # up to the first prompt's snapshot
+    assert outs[1].metrics.num_cached_tokens == 0       # blocks 1-2 cached, no state there
+    assert bm.num_snapshots == 3
+
+
+def test_chunks_prefix_cache_and_preemption_with_snapshots_keep_the_tokens(qwen3_next):
+    """With the prefix cache on: prompts in 16-token chunks (cut at their snapshot point),
+    a second round admitted on the cached blocks and restored states, and a pool that
+    preempts (a readmitted sequence restored from its snapshot, or recomputed): the eager
+    path's tokens each time, and no snapshot or slot lost."""
+    path, _ = qwen3_next
+    eager = LLM(model=path, cpu_kernels=False, enable_prefix_caching=False, **KW)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    fast = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **KW)
+    for round_ in range(2):
+        outs = fast.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, round_
+    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
+    ex = fast.engine.executor  # three slots, a snapshot or two, five or six blocks
+    budget = 6 * ex.worker.state_bytes() + 5 * ex.block_bytes
+    tight = LLM(model=path, **{**KW, "kv_cache_memory": budget}, max_num_seqs=3,
+                admission_lookahead=0)
+    bm = tight.engine.block_manager
+    assert tight.engine.executor.num_blocks <= 6 and bm.num_state_snapshots >= 1
+    for round_ in range(2):
+        outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, round_
+    assert tight.engine.scheduler.num_preemptions > 0 and bm.num_snapshots
+    assert bm.num_free_slots == bm.num_state_slots and bm.owners() == {}
 
 
 def test_qwen3_next_matches_transformers(qwen3_next):
@@ -127,10 +196,10 @@ def test_chunks_mixed_steps_slots_and_preemption_keep_the_tokens(qwen3_next):
     assert two.engine.block_manager.num_state_slots == 2
     assert [o.outputs[0].token_ids
             for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
-    ex = chunked.engine.executor  # three slots and five blocks
+    ex = chunked.engine.executor  # three slots and five blocks (prefix caching off)
     budget = 3 * ex.worker.state_bytes() + 5 * ex.block_bytes
     tight = LLM(model=path, **{**KW, "kv_cache_memory": budget}, max_num_seqs=3,
-                admission_lookahead=0)
+                admission_lookahead=0, enable_prefix_caching=False)
     assert tight.engine.executor.num_blocks == 5
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0

@@ -31,9 +31,11 @@ class Sim:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = 4096, enable_caching: bool = False,
-                 admission_lookahead: int = 0, num_state_slots: int = 0):
+                 admission_lookahead: int = 0, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0):
         self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_caching,
-                               num_state_slots=num_state_slots)
+                               num_state_slots=num_state_slots,
+                               num_state_snapshots=num_state_snapshots)
         if max_num_seqs is None:  # the config requires a budget of a token per sequence
             max_num_seqs = min(256, max_num_batched_tokens)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -974,3 +976,30 @@ def test_random_loads_with_few_state_slots_finish_and_leak_no_slot(data):
         assert steps < 500
     assert all(r.num_output_tokens == r.max_tokens for r in reqs)
     assert sim.bm.num_free_slots == slots and sim.bm.owners() == {}
+
+
+def test_a_recurrent_prompt_stops_at_its_snapshot_point_and_a_longer_one_starts_there():
+    """With state snapshots: a 37-token prompt's first step ends at 32 (its last block
+    boundary), where its state is saved; the rest (5 tokens) runs and samples next. A later
+    prompt extending it is admitted on its 2 cached blocks with the state restored, and
+    stops at its own point; decode steps save nothing."""
+    sim = Sim(32, 16, enable_caching=True, num_state_slots=2, num_state_snapshots=2)
+    a = sim.add("a", 37, 20)
+    out = sim.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [32] and not out.scheduled[0].samples
+    sim.finish_step(out)
+    assert sim.bm.take_saves() == [(sim.bm.state_slot("a"), 0)]
+    out = sim.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [5] and out.scheduled[0].samples
+    sim.finish_step(out)
+    for _ in range(12):  # decodes, through the boundary at 48
+        sim.finish_step(sim.schedule())
+    assert sim.bm.take_saves() == [] and a.num_computed_tokens == 49
+    b = sim.add("b", 0, 4, prompt=a.prompt_token_ids + [1] * 30)
+    out = sim.schedule()
+    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 49, 1), ("b", 32, 32)]
+    assert sim.bm.take_restores() == [(0, sim.bm.state_slot("b"))]
+    assert b.num_cached_tokens == 32
+    sim.finish_step(out)
+    assert sim.bm.take_saves() == [(sim.bm.state_slot("b"), 1)]

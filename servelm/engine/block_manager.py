@@ -116,21 +116,39 @@ class BlockManager:
     With num_state_slots (a model with linear-attention layers: a recurrent state per
     sequence, servelm.engine.state_cache), each request holding a table also holds one
     state slot, taken with its first blocks and given back with them; a request finds
-    no room while every slot is held. Such a state sums the whole sequence, so it
-    cannot be rebuilt from shared blocks: prefix caching is refused beside it.
+    no room while every slot is held. Such a state sums the whole sequence, so cached
+    blocks alone cannot rebuild it: prefix caching beside it needs state snapshots
+    (num_state_snapshots), each a copy of a sequence's state at the end of one cached
+    block, kept least recently used first. A prefix is found only up to its last block
+    that has a snapshot; admitting a request on it queues a restore (the snapshot copied
+    into the request's slot before the step runs: take_restores), and `snapshot` queues
+    a save (the slot copied into a snapshot after the step: take_saves). A snapshot goes
+    with its block when the block is evicted.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 event_capacity: int = 1 << 16, num_state_slots: int = 0):
+                 event_capacity: int = 1 << 16, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
-        if num_state_slots and enable_caching:
-            raise ValueError("prefix caching cannot restore a recurrent state: a model with "
-                             "linear-attention layers runs without it")
+        if num_state_slots and enable_caching and num_state_snapshots < 1:
+            raise ValueError("prefix caching cannot restore a recurrent state without state "
+                             "snapshots: a model with linear-attention layers needs "
+                             "num_state_snapshots >= 1 for it")
         self.num_state_slots = num_state_slots
         self._free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end
         self._slot: dict[str, int] = {}
+        # State snapshots (with caching beside a recurrent state): cached block -> the
+        # snapshot of the state after it, and back, least recently used first.
+        self.num_state_snapshots = num_state_snapshots if num_state_slots and enable_caching \
+            else 0
+        self._free_snaps = list(range(self.num_state_snapshots - 1, -1, -1))
+        self._snap: dict[int, int] = {}
+        self._snap_block: OrderedDict[int, int] = OrderedDict()
+        self._restores: list[tuple[int, int]] = []  # (snapshot, slot): before the next step
+        self._saves: list[tuple[int, int]] = []     # (slot, snapshot): after the step
+        self._last_cached: dict[str, int] = {}  # the cached block of a request's last registered one
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -201,6 +219,9 @@ class BlockManager:
                 break
             hits.append(block)
             parent = self._block_key[block][1]
+        if self.num_state_slots:  # a recurrent state restarts only where a snapshot is
+            while hits and hits[-1] not in self._snap:
+                hits.pop()
         return hits
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -226,6 +247,7 @@ class BlockManager:
             entry = self._block_key.get(block)
             if entry is not None:  # shared from the cache already
                 _, parent, digest = entry
+                self._last_cached[request_id] = block
                 continue
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             key = (parent, tokens)
@@ -233,7 +255,9 @@ class BlockManager:
             if owner is not None:
                 # Another request computed the same prefix first; keep this copy private.
                 _, parent, digest = self._block_key[owner]
+                self._last_cached[request_id] = owner
                 continue
+            self._last_cached[request_id] = block
             key_id = self._next_key_id
             self._next_key_id += 1
             digest = block_digest(digest, salt, tokens)
@@ -246,15 +270,63 @@ class BlockManager:
         self._num_registered[request_id] = full
         self._chain[request_id] = (parent, digest)
 
+    # ---- recurrent-state snapshots -------------------------------------------------------
+
+    def snapshot(self, request_id: str, num_tokens: int) -> bool:
+        """Keep the request's state as it is after its step, which ended at num_tokens, the
+        end of its last registered (cached) block: a save queued (its slot into a snapshot,
+        the least recently used one evicted if none is free). False where that block is not
+        the request's last registered one, or snapshots are off; True where it has one
+        already."""
+        if not self.num_state_snapshots or request_id not in self._slot:
+            return False
+        if num_tokens < 1 or self._num_registered.get(request_id, 0) * self.block_size != num_tokens:
+            return False
+        block = self._last_cached.get(request_id)
+        if block is None or block not in self._block_key:
+            return False
+        sid = self._snap.get(block)
+        if sid is not None:
+            self._snap_block.move_to_end(sid)
+            return True
+        if self._free_snaps:
+            sid = self._free_snaps.pop()
+        else:
+            sid, old = self._snap_block.popitem(last=False)
+            del self._snap[old]
+        self._snap[block] = sid
+        self._snap_block[sid] = block
+        self._saves.append((self._slot[request_id], sid))
+        return True
+
+    def take_restores(self) -> list[tuple[int, int]]:
+        """(snapshot, state slot) copies the next step needs first (admissions on a cached
+        prefix), in order; cleared."""
+        out, self._restores = self._restores, []
+        return out
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        """(state slot, snapshot) copies to make after the step (snapshot's), in order;
+        cleared."""
+        out, self._saves = self._saves, []
+        return out
+
+    @property
+    def num_snapshots(self) -> int:
+        """Snapshots held (each of one cached block)."""
+        return len(self._snap)
+
     def begin_import(self, key: str, token_ids: list[int], salt: str | None = None
                      ) -> tuple[list[int], int] | None:
         """Blocks to receive a prefix computed by another engine (disaggregated prefill):
         token_ids fill whole blocks; those of its leading blocks already cached here are
         shared, the rest taken from the free queue under `key`, a table of their own.
         Returns (the new blocks, how many leading blocks were cached), or None when caching
-        is off or the free blocks cannot hold it (the request then computes its prompt).
+        is off, the model keeps a recurrent state, or the free blocks cannot hold it (the
+        request then computes its prompt).
         The caller writes the new blocks, then calls end_import."""
-        if not self.enable_caching or not token_ids or len(token_ids) % self.block_size:
+        if (not self.enable_caching or not token_ids or len(token_ids) % self.block_size
+                or self.num_state_slots):  # (KV blocks alone carry no recurrent state)
             return None
         if key in self._tables:
             raise ValueError(f"{key!r} already holds blocks")
@@ -316,6 +388,11 @@ class BlockManager:
             table.extend(cached)
             self._num_registered[request_id] = len(cached)
             self._chain[request_id] = self._block_key[cached[-1]][1:]
+            self._last_cached[request_id] = cached[-1]
+            if self.num_state_slots:  # the state after the prefix, into the request's slot
+                sid = self._snap[cached[-1]]
+                self._snap_block.move_to_end(sid)
+                self._restores.append((sid, self._slot[request_id]))
         new = []
         for _ in range(self.num_blocks_for(num_tokens) - len(table)):
             block, _ = self._free.popitem(last=False)  # least recently freed first
@@ -333,6 +410,7 @@ class BlockManager:
             self._free_slots.append(slot)
         self._num_registered.pop(request_id, None)
         self._chain.pop(request_id, None)
+        self._last_cached.pop(request_id, None)
         # Last blocks first: a prefix's tail is the least likely to be shared, so it is
         # the first to be evicted.
         for block in reversed(table):
@@ -370,6 +448,10 @@ class BlockManager:
         if entry is not None:
             del self._cached[entry[0]]
             self.events.removed(entry[2])
+            sid = self._snap.pop(block, None)
+            if sid is not None:  # the state after a prefix that is gone
+                del self._snap_block[sid]
+                self._free_snaps.append(sid)
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]

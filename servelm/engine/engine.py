@@ -197,17 +197,13 @@ class _Group:
 
 def _recurrent_config(config: EngineConfig) -> EngineConfig:
     """The engine options a model with linear-attention layers runs with: its recurrent
-    state sums the whole sequence, so it can neither be rebuilt from cached blocks (prefix
-    caching: turned off, logged) nor roll back rejected draft tokens (speculative decoding:
-    refused)."""
+    state sums the whole sequence, so it cannot roll back rejected draft tokens
+    (speculative decoding: refused), and prefix caching restores it from snapshots kept at
+    the end of prompts (BlockManager: state snapshots), not from cached blocks alone."""
     if config.speculative is not None:
         raise ValueError("speculative decoding is not supported for a model with "
                          "linear-attention layers: their recurrent state cannot roll back "
                          "rejected draft tokens")
-    if config.cache.enable_prefix_caching:
-        logger.info("prefix caching off: the model's linear-attention layers keep a "
-                    "recurrent state per sequence, which cached KV blocks cannot restore")
-        config = replace(config, cache=replace(config.cache, enable_prefix_caching=False))
     return config
 
 
@@ -277,9 +273,18 @@ class LLMEngine:
         speculation, sampler, grammars, the requests' bookkeeping."""
         config = self.config
         cache_cfg = config.cache
+        ex = self.executor
+        if cache_cfg.enable_prefix_caching and ex.num_state_slots and not ex.num_state_snapshots:
+            logger.info("prefix caching off: the model's linear-attention layers keep a "
+                        "recurrent state per sequence, and kv_cache_memory leaves no room "
+                        "for a snapshot of one")
+            self.config = config = replace(config, cache=replace(cache_cfg,
+                                                                 enable_prefix_caching=False))
+            cache_cfg = config.cache
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
                                           enable_caching=cache_cfg.enable_prefix_caching,
-                                          num_state_slots=self.executor.num_state_slots)
+                                          num_state_slots=ex.num_state_slots,
+                                          num_state_snapshots=ex.num_state_snapshots)
         # LoRA adapters: the registered ones and the model's resident slots.
         self.lora = self.executor.lora_manager(config, self.model_config)
         if self.lora is not None:
@@ -648,6 +653,9 @@ class LLMEngine:
                 self.speculator.release(r)
         if sched.is_empty:
             return []
+        restores = self.block_manager.take_restores()
+        if restores:  # admissions on a cached prefix: their recurrent state from its snapshot
+            self.executor.copy_states(restores, [])
         now = time.perf_counter()
         seqs = []
         lora_slots = (self.lora.slots_for(s.request.lora_name for s in sched.scheduled
@@ -697,6 +705,9 @@ class LLMEngine:
             result = self.sampler(logits, sampled_reqs, masks) if sampled_reqs else None
             emitted = [([result.token_ids[j]], [result.logprobs[j]]) for j in range(len(rows))]
         self.scheduler.update_after_step(sched)
+        saves = self.block_manager.take_saves()
+        if saves:  # prompts that reached their snapshot point: their recurrent state kept
+            self.executor.copy_states([], saves)
         # The sampler has read the logits back, so the step's device work is done.
         seconds = time.perf_counter() - t0
         self.stats.record_step(sched, seconds, self.shape)

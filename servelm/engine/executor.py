@@ -60,6 +60,13 @@ def pool_blocks(kv_bytes: int, block_bytes: int, where: str = "") -> int:
     return num_blocks
 
 
+def state_snapshots(num_slots: int, slot_bytes: int, kv_bytes: int) -> int:
+    """How many recurrent states to keep for the prefix cache (state snapshots, beside a
+    model's linear-attention layers): as many as there are slots, within a quarter of the
+    pools' budget (0: not even one fits)."""
+    return min(num_slots, (kv_bytes // 4) // slot_bytes)
+
+
 def state_slots(max_num_seqs: int, slot_bytes: int, kv_bytes: int) -> int:
     """How many sequences' recurrent states (linear-attention layers) to hold: one for
     every sequence that may run at once, within half of the pools' budget (the KV blocks
@@ -121,14 +128,15 @@ class ModelWorker:
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  cuda_graphs: bool = False, max_graph_batch: int = 256,
-                 state_slots: int = 0) -> None:
+                 state_slots: int = 0, state_snapshots: int = 0) -> None:
         """The KV pool (with a spare block for captured CUDA-graph steps), the recurrent
-        states' slots (a model with linear-attention layers) and the runner."""
+        states' slots and snapshots (a model with linear-attention layers) and the runner."""
         self.kv_cache = KVCache(self.model.config, num_blocks, block_size, kv_dtype,
                                 self.device, spare_block=cuda_graphs,
                                 hugepages=self.kernels.hugepages)
         states = (StateCache(self.model.config, state_slots, self.model.norm.weight.dtype,
-                             self.device) if state_slots else None)
+                             self.device, num_snapshots=state_snapshots)
+                  if state_slots else None)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device,
                                   cuda_graphs=cuda_graphs, max_graph_batch=max_graph_batch,
                                   kernels=self.kernels, state_cache=states)
@@ -143,9 +151,10 @@ class Executor(abc.ABC):
     worker: ModelWorker
     num_blocks: int
     block_bytes: int
-    # Recurrent-state slots (linear-attention layers; 0: the model has none): the block
-    # manager hands them out.
+    # Recurrent-state slots (linear-attention layers; 0: the model has none) and, with
+    # prefix caching, snapshots of such states: the block manager hands them out.
     num_state_slots: int = 0
+    num_state_snapshots: int = 0
     # A draft model whose pool was sized with the target's (speculative decoding): the
     # engine's speculator drafts with it.
     draft = None
@@ -168,6 +177,16 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release what outlives the executor object (worker processes); idempotent."""
+
+    def copy_states(self, restores: list[tuple[int, int]], saves: list[tuple[int, int]]
+                    ) -> None:
+        """The block manager's state-snapshot copies: restores (snapshot, slot) and saves
+        (slot, snapshot), in this process's StateCache."""
+        states = self.runner.state_cache
+        if restores:
+            states.restore(restores)
+        if saves:
+            states.save(saves)
 
     def lora_manager(self, config: EngineConfig, model_config: ModelConfig):
         """The LoRA adapters' manager over this process's wrapped layers (None without LoRA)."""
@@ -231,8 +250,13 @@ class UniProcExecutor(Executor):
         budget = cache.kv_cache_memory or default_kv_bytes(device)
         slot_bytes = self.worker.state_bytes()
         if slot_bytes:  # linear-attention layers: their states first, the blocks in the rest
+            total = budget
             self.num_state_slots = state_slots(config.scheduler.max_num_seqs, slot_bytes, budget)
             budget -= self.num_state_slots * slot_bytes
+            if cache.enable_prefix_caching:  # the prefix cache's copies of such states
+                self.num_state_snapshots = state_snapshots(self.num_state_slots, slot_bytes,
+                                                           total)
+                budget -= self.num_state_snapshots * slot_bytes
         # With a draft model, both pools hold the same number of blocks (tokens).
         self.num_blocks = pool_blocks(budget, block_bytes)
         self.block_bytes = block_bytes
@@ -240,7 +264,8 @@ class UniProcExecutor(Executor):
         max_graph_batch = min(256, config.scheduler.max_num_seqs)
         self.worker.allocate(self.num_blocks, cache.block_size, kv_dtype,
                              cuda_graphs=graphs, max_graph_batch=max_graph_batch,
-                             state_slots=self.num_state_slots)
+                             state_slots=self.num_state_slots,
+                             state_snapshots=self.num_state_snapshots)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, cache.block_size, kv_dtype,
                                 cache.enable_prefix_caching, cuda_graphs=graphs,

@@ -89,6 +89,7 @@ class Scheduler:
             # Drafts (a decoding request only) take budget and KV slots like any token;
             # they are trimmed to the budget and dropped before anything is preempted.
             n = min(pending + (len(req.spec_token_ids) if pending == 1 else 0), budget)
+            n = self._to_snapshot(req, req.num_computed_tokens, n)
             if n > pending and not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
                 n = pending
             num_draft = max(0, n - pending)
@@ -128,7 +129,7 @@ class Scheduler:
                       if bm.enable_caching and not req.needs_prompt_logits
                       and req.pooling_params is None else [])
             num_cached = len(cached) * bm.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            n = self._to_snapshot(req, num_cached, min(req.num_tokens - num_cached, budget))
             take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)
             if take > bm.num_free_blocks:
                 break
@@ -152,6 +153,24 @@ class Scheduler:
             budget -= n
             reserve += own
         return out
+
+    def _snapshot_point(self, req: Request) -> int:
+        """Where a recurrent state is kept for the prefix cache (state snapshots): the end of
+        the last full block of the tokens the request has to compute (its prompt; a
+        readmitted one's outputs so far too); 0: none (snapshots off, a request whose
+        blocks are not cached, a prompt shorter than a block)."""
+        bm = self.block_manager
+        if (not bm.num_state_snapshots or req.needs_prompt_logits
+                or req.pooling_params is not None):
+            return 0
+        return req.num_tokens // bm.block_size * bm.block_size
+
+    def _to_snapshot(self, req: Request, start: int, n: int) -> int:
+        """A prompt chunk of n tokens from `start`, cut to end at the request's snapshot
+        point where it would run past it (the rest runs in the next step): the state is
+        only known at a step's end."""
+        point = self._snapshot_point(req)
+        return point - start if start < point < start + n else n
 
     def _lookahead_blocks(self, reqs: list[Request], held_tokens: int | None = None) -> int:
         """Blocks these requests will still take to finish their prompt and grow by
@@ -207,6 +226,11 @@ class Scheduler:
                     tokens += req.spec_token_ids[:req.num_computed_tokens - len(tokens)]
                 bm.cache_full_blocks(req.request_id, tokens, req.num_computed_tokens,
                                      req.cache_salt)
+                # A prompt chunk that ended at the snapshot point: its state kept (decode
+                # steps are not: one every block would crowd the prompts' out).
+                if (bm.num_state_snapshots and not (s.num_new_tokens == 1 and s.samples)
+                        and req.num_computed_tokens == self._snapshot_point(req)):
+                    bm.snapshot(req.request_id, req.num_computed_tokens)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and free its blocks at once."""

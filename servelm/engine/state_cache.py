@@ -1,6 +1,6 @@
 """StateCache: the recurrent state of a model's linear-attention layers, a slot per running
 sequence (the block manager hands slots out with a request's first blocks and takes them
-back with its last).
+back with its last), and the prefix cache's snapshots of such states.
 
 Per linear-attention layer, one tensor of each kind for all slots (the depthwise
 convolution's last inputs and the delta rule's matrix):
@@ -22,17 +22,39 @@ from servelm.models.config import ModelConfig
 
 
 class StateCache:
-    """Every linear-attention layer's state for num_slots sequences; `layers`: layer index
-    -> (conv, ssm)."""
+    """Every linear-attention layer's state for num_slots sequences, and num_snapshots
+    copies of such states kept for the prefix cache (rows num_slots.. of the same tensors:
+    the block manager's snapshots, restored into a slot and saved from one by copy);
+    `layers`: layer index -> (conv, ssm)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, num_snapshots: int = 0):
         self.num_slots = num_slots
+        self.num_snapshots = num_snapshots
+        rows = num_slots + num_snapshots
         conv, ssm = cfg.linear_state_shapes
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            i: (torch.zeros(num_slots, *conv, dtype=dtype, device=device),
-                torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device))
+            i: (torch.zeros(rows, *conv, dtype=dtype, device=device),
+                torch.zeros(rows, *ssm, dtype=torch.float32, device=device))
             for i in cfg.linear_layers}
+
+    def restore(self, copies: list[tuple[int, int]]) -> None:
+        """(snapshot, slot) pairs: each slot's state set to the snapshot's."""
+        self._copy([(self.num_slots + sid, slot) for sid, slot in copies])
+
+    def save(self, copies: list[tuple[int, int]]) -> None:
+        """(slot, snapshot) pairs: each snapshot set to the slot's state."""
+        self._copy([(slot, self.num_slots + sid) for slot, sid in copies])
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        for src, dst in pairs:
+            if not (0 <= src < self.num_slots + self.num_snapshots
+                    and 0 <= dst < self.num_slots + self.num_snapshots):
+                raise IndexError(f"state row {src} -> {dst} is outside the "
+                                 f"{self.num_slots} slots and {self.num_snapshots} snapshots")
+            for conv, ssm in self.layers.values():
+                conv[dst].copy_(conv[src])
+                ssm[dst].copy_(ssm[src])
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
