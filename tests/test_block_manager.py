@@ -923,13 +923,16 @@ def test_a_prefix_is_found_up_to_its_last_snapshot_and_restored_from_it():
     bm = BlockManager(16, 4, enable_caching=True, num_state_slots=2, num_state_snapshots=2)
     tokens = list(range(13))
     bm.allocate("a", 13)
-    bm.cache_full_blocks("a", tokens, 12)
-    table = bm.block_table("a")
+    assert bm.reserve_snapshot("a", 10) is None   # not a block boundary
+    assert bm.reserve_snapshot("a", 12) == 0      # the step fills snapshot 0 at 12 tokens
+    assert bm.reserve_snapshot("a", 12) is None   # one pending already
+    assert bm.num_snapshots == 0
+    bm.cache_full_blocks("a", tokens, 8)          # the step has not reached it
     assert bm.find_cached_prefix(tokens + [99]) == []  # cached blocks, no state there
-    assert not bm.snapshot("a", 8)   # not the end of its last registered block
-    assert bm.snapshot("a", 12)
-    assert bm.take_saves() == [(bm.state_slot("a"), 0)] and bm.take_saves() == []
-    assert bm.snapshot("a", 12) and bm.take_saves() == []  # has one already
+    bm.cache_full_blocks("a", tokens, 12)         # now it joins block 2
+    table = bm.block_table("a")
+    assert bm.num_snapshots == 1
+    assert bm.reserve_snapshot("a", 12) is None   # that block has one
     assert bm.find_cached_prefix(tokens + [99]) == table[:3]
     assert bm.find_cached_prefix(tokens[:11] + [99, 99]) == []  # parts in block 3
     bm.free("a")
@@ -937,6 +940,12 @@ def test_a_prefix_is_found_up_to_its_last_snapshot_and_restored_from_it():
     bm.allocate("b", 14, hits)
     assert bm.take_restores() == [(0, bm.state_slot("b"))] and bm.take_restores() == []
     assert bm.block_table("b")[:3] == table[:3] and bm.num_snapshots == 1
+    # A request freed with its snapshot still pending gives it back.
+    assert bm.reserve_snapshot("b", 16) == 1
+    bm.free("b")
+    assert bm.reserve_snapshot("c", 4) is None    # c holds no slot
+    bm.allocate("c", 4)
+    assert bm.reserve_snapshot("c", 4) == 1
     # A KV import cannot carry a recurrent state: refused.
     assert bm.begin_import("x", list(range(8))) is None
 
@@ -947,16 +956,15 @@ def test_snapshots_are_kept_least_recently_used_first_and_go_with_their_blocks()
 
     def prefill(r):
         bm.allocate(r, 4)
+        sid = bm.reserve_snapshot(r, 4)
         bm.cache_full_blocks(r, prompts[r], 4)
-        assert bm.snapshot(r, 4)
+        return sid
 
-    prefill("a")
-    prefill("b")
+    assert prefill("a") == 0 and prefill("b") == 1
     bm.free("a")  # a's prefix used again: b's is the least recently used when c's comes
     bm.allocate("a2", 5, bm.find_cached_prefix(prompts["a"] + [0]))
     assert bm.take_restores()[0][0] == 0
-    prefill("c")
-    assert bm.num_snapshots == 2 and [sid for _, sid in bm.take_saves()] == [0, 1, 1]
+    assert prefill("c") == 1 and bm.num_snapshots == 2
     assert bm.find_cached_prefix(prompts["b"] + [5]) == []  # evicted for c's
     assert len(bm.find_cached_prefix(prompts["c"] + [5])) == 2
     assert len(bm.find_cached_prefix(prompts["a"] + [5])) == 2
@@ -981,10 +989,10 @@ snap_op = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(num_snaps=st.integers(1, 3), ops=st.lists(snap_op, max_size=40))
 def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, ops):
-    """Requests over a few prompts that share blocks admit on the cache, grow, register,
-    snapshot (a step's end: mostly a block's) and free, with a fake state store: a restore
-    copies the snapshot saved at the very prefix admitted on; every snapshot is free or
-    held by one cached block."""
+    """Requests over a few prompts that share blocks admit on the cache, grow (a step that
+    may keep its state at the last block boundary it reaches), register and free, with a
+    fake state store: a restore copies the snapshot filled at the very prefix admitted on;
+    every snapshot is free, pending for one request, or held by one cached block."""
     bm = BlockManager(12, 2, enable_caching=True, num_state_slots=3,
                       num_state_snapshots=num_snaps)
     tokens: dict[str, list[int]] = {}
@@ -992,34 +1000,42 @@ def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, o
     slot_state: dict[int, tuple] = {}   # slot -> the prefix its state sums
     snap_state: dict[int, tuple] = {}   # snapshot -> the prefix it was saved at
 
+    def step(rid, slot, toks, start, end, snap):
+        """The forward from start to end: with `snap`, the state kept at the last block
+        boundary it reaches (the scheduler's choice), where the block manager reserves one."""
+        point = end // 2 * 2
+        sid = bm.reserve_snapshot(rid, point) if snap and start < point else None
+        if sid is not None:
+            snap_state[sid] = tuple(toks[:point])
+        slot_state[slot] = tuple(toks[:end])
+
     def run_copies():
         for sid, slot in bm.take_restores():
             slot_state[slot] = snap_state[sid]
-        for slot, sid in bm.take_saves():
-            snap_state[sid] = slot_state[slot]
 
     for kind, rid, which, n, snap in ops:
         if kind == "admit" and rid not in tokens:
             toks = [which % 2] * 4 + [which] * 8  # prompts 0 / 2 and 1 / 3 share 2 blocks
             hits = bm.find_cached_prefix(toks)
-            end = min(len(toks), len(hits) * 2 + 2 * n - (n == 6))  # mostly block ends
+            end = min(len(toks), len(hits) * 2 + n)
             if not bm.can_allocate(rid, end, hits):
                 continue
             bm.allocate(rid, end, hits)
             run_copies()
             slot = bm.state_slot(rid)
+            start = len(hits) * 2
             if hits:
-                assert slot_state[slot] == tuple(toks[:len(hits) * 2]), "restored the wrong state"
+                assert slot_state[slot] == tuple(toks[:start]), "restored the wrong state"
                 event(f"restored with {min(bm.num_snapshots, 2)}+ snapshots held")
-            slot_state[slot] = tuple(toks[:end])
+            step(rid, slot, toks, start, end, snap)
             tokens[rid], computed[rid] = toks, end
         elif kind == "grow" and rid in tokens:
-            end = min(len(tokens[rid]), computed[rid] + 2 * n)
+            end = min(len(tokens[rid]), computed[rid] + n)
             if not bm.can_allocate(rid, end):
                 continue
             bm.allocate(rid, end)
+            step(rid, bm.state_slot(rid), tokens[rid], computed[rid], end, snap)
             computed[rid] = end
-            slot_state[bm.state_slot(rid)] = tuple(tokens[rid][:end])
         elif kind == "free":
             bm.free(rid)
             tokens.pop(rid, None)
@@ -1028,12 +1044,9 @@ def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, o
         else:
             continue
         bm.cache_full_blocks(rid, tokens[rid], computed[rid])
-        if snap:
-            bm.snapshot(rid, computed[rid])
-            run_copies()
         held = dict(bm._snap)
         assert len(set(held.values())) == len(held) == bm.num_snapshots <= num_snaps
-        assert bm.num_snapshots + len(bm._free_snaps) == num_snaps
+        assert bm.num_snapshots + len(bm._free_snaps) + len(bm._pending) == num_snaps
         assert all(b in bm._block_key for b in held)
         check_refs(bm)
     for rid in SNAP_IDS:

@@ -978,28 +978,28 @@ def test_random_loads_with_few_state_slots_finish_and_leak_no_slot(data):
     assert sim.bm.num_free_slots == slots and sim.bm.owners() == {}
 
 
-def test_a_recurrent_prompt_stops_at_its_snapshot_point_and_a_longer_one_starts_there():
-    """With state snapshots: a 37-token prompt's first step ends at 32 (its last block
-    boundary), where its state is saved; the rest (5 tokens) runs and samples next. A later
-    prompt extending it is admitted on its 2 cached blocks with the state restored, and
-    stops at its own point; decode steps save nothing."""
+def test_a_recurrent_prompt_keeps_its_state_at_its_last_block_and_a_longer_one_starts_there():
+    """With state snapshots: a 37-token prompt's step keeps its state 32 tokens in (its last
+    block boundary), in the snapshot the block manager reserved, which joins block 1 when
+    the step registers it. A later prompt extending it is admitted on its 2 cached blocks
+    with the state restored, and keeps its own at 64; decode steps keep none."""
     sim = Sim(32, 16, enable_caching=True, num_state_slots=2, num_state_snapshots=2)
     a = sim.add("a", 37, 20)
     out = sim.schedule()
-    assert [s.num_new_tokens for s in out.scheduled] == [32] and not out.scheduled[0].samples
+    assert [(s.num_new_tokens, s.snapshot) for s in out.scheduled] == [(37, (32, 0))]
+    assert out.scheduled[0].samples
     sim.finish_step(out)
-    assert sim.bm.take_saves() == [(sim.bm.state_slot("a"), 0)]
-    out = sim.schedule()
-    assert [s.num_new_tokens for s in out.scheduled] == [5] and out.scheduled[0].samples
-    sim.finish_step(out)
+    assert sim.bm.num_snapshots == 1
     for _ in range(12):  # decodes, through the boundary at 48
-        sim.finish_step(sim.schedule())
-    assert sim.bm.take_saves() == [] and a.num_computed_tokens == 49
+        out = sim.schedule()
+        assert [s.snapshot for s in out.scheduled] == [None]
+        sim.finish_step(out)
+    assert a.num_computed_tokens == 49 and sim.bm.num_snapshots == 1
     b = sim.add("b", 0, 4, prompt=a.prompt_token_ids + [1] * 30)
     out = sim.schedule()
-    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
-        ("a", 49, 1), ("b", 32, 32)]
+    assert [(s.request.request_id, s.start, s.num_new_tokens, s.snapshot)
+            for s in out.scheduled] == [("a", 49, 1, None), ("b", 32, 35, (32, 1))]
     assert sim.bm.take_restores() == [(0, sim.bm.state_slot("b"))]
     assert b.num_cached_tokens == 32
     sim.finish_step(out)
-    assert sim.bm.take_saves() == [(sim.bm.state_slot("b"), 1)]
+    assert sim.bm.num_snapshots == 2

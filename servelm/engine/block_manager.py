@@ -121,9 +121,10 @@ class BlockManager:
     (num_state_snapshots), each a copy of a sequence's state at the end of one cached
     block, kept least recently used first. A prefix is found only up to its last block
     that has a snapshot; admitting a request on it queues a restore (the snapshot copied
-    into the request's slot before the step runs: take_restores), and `snapshot` queues
-    a save (the slot copied into a snapshot after the step: take_saves). A snapshot goes
-    with its block when the block is evicted.
+    into the request's slot before the step runs: take_restores). reserve_snapshot names
+    the snapshot a step fills (its forward copies the state there on the way, at a block
+    boundary inside or at the end of a prompt chunk); it joins that block when the block
+    is registered (cache_full_blocks), and goes with the block when the block is evicted.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
@@ -147,8 +148,10 @@ class BlockManager:
         self._snap: dict[int, int] = {}
         self._snap_block: OrderedDict[int, int] = OrderedDict()
         self._restores: list[tuple[int, int]] = []  # (snapshot, slot): before the next step
-        self._saves: list[tuple[int, int]] = []     # (slot, snapshot): after the step
-        self._last_cached: dict[str, int] = {}  # the cached block of a request's last registered one
+        # Per request: the snapshot a step fills at a token count (not a block's yet), and
+        # the cached block of each of its registered blocks (its own, or the one it matched).
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._cached_at: dict[str, list[int]] = {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -242,12 +245,14 @@ class BlockManager:
         bs = self.block_size
         parent, digest = self._chain.get(request_id, (_root(salt), 0))
         stored = []
+        cached_at = self._cached_at.setdefault(request_id, [])
+        del cached_at[done:]
         for i in range(done, full):
             block = table[i]
             entry = self._block_key.get(block)
             if entry is not None:  # shared from the cache already
                 _, parent, digest = entry
-                self._last_cached[request_id] = block
+                cached_at.append(block)
                 continue
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             key = (parent, tokens)
@@ -255,9 +260,9 @@ class BlockManager:
             if owner is not None:
                 # Another request computed the same prefix first; keep this copy private.
                 _, parent, digest = self._block_key[owner]
-                self._last_cached[request_id] = owner
+                cached_at.append(owner)
                 continue
-            self._last_cached[request_id] = block
+            cached_at.append(block)
             key_id = self._next_key_id
             self._next_key_id += 1
             digest = block_digest(digest, salt, tokens)
@@ -269,46 +274,45 @@ class BlockManager:
             self.events.stored(*stored)
         self._num_registered[request_id] = full
         self._chain[request_id] = (parent, digest)
+        pending = self._pending.get(request_id)
+        if pending is not None and pending[0] <= full * bs:  # its step has filled it
+            del self._pending[request_id]
+            num_tokens, sid = pending
+            block = cached_at[num_tokens // bs - 1]
+            if block in self._snap:  # (another request's got there first)
+                self._free_snaps.append(sid)
+            else:
+                self._snap[block] = sid
+                self._snap_block[sid] = block
 
     # ---- recurrent-state snapshots -------------------------------------------------------
 
-    def snapshot(self, request_id: str, num_tokens: int) -> bool:
-        """Keep the request's state as it is after its step, which ended at num_tokens, the
-        end of its last registered (cached) block: a save queued (its slot into a snapshot,
-        the least recently used one evicted if none is free). False where that block is not
-        the request's last registered one, or snapshots are off; True where it has one
-        already."""
-        if not self.num_state_snapshots or request_id not in self._slot:
-            return False
-        if num_tokens < 1 or self._num_registered.get(request_id, 0) * self.block_size != num_tokens:
-            return False
-        block = self._last_cached.get(request_id)
-        if block is None or block not in self._block_key:
-            return False
-        sid = self._snap.get(block)
-        if sid is not None:
-            self._snap_block.move_to_end(sid)
-            return True
+    def reserve_snapshot(self, request_id: str, num_tokens: int) -> int | None:
+        """The snapshot the request's next step fills with its state after num_tokens tokens
+        (a block boundary the step reaches; the block ending there becomes the snapshot's
+        when it is registered), the least recently used one taken if none is free. None:
+        snapshots off, not a block boundary, one pending already, or that block has one."""
+        bs = self.block_size
+        if (not self.num_state_snapshots or request_id not in self._slot
+                or request_id in self._pending or num_tokens < bs or num_tokens % bs):
+            return None
+        cached_at = self._cached_at.get(request_id, [])
+        if len(cached_at) >= num_tokens // bs and cached_at[num_tokens // bs - 1] in self._snap:
+            return None
         if self._free_snaps:
             sid = self._free_snaps.pop()
-        else:
+        elif self._snap_block:
             sid, old = self._snap_block.popitem(last=False)
             del self._snap[old]
-        self._snap[block] = sid
-        self._snap_block[sid] = block
-        self._saves.append((self._slot[request_id], sid))
-        return True
+        else:
+            return None  # every snapshot is pending for another request
+        self._pending[request_id] = (num_tokens, sid)
+        return sid
 
     def take_restores(self) -> list[tuple[int, int]]:
         """(snapshot, state slot) copies the next step needs first (admissions on a cached
         prefix), in order; cleared."""
         out, self._restores = self._restores, []
-        return out
-
-    def take_saves(self) -> list[tuple[int, int]]:
-        """(state slot, snapshot) copies to make after the step (snapshot's), in order;
-        cleared."""
-        out, self._saves = self._saves, []
         return out
 
     @property
@@ -388,7 +392,7 @@ class BlockManager:
             table.extend(cached)
             self._num_registered[request_id] = len(cached)
             self._chain[request_id] = self._block_key[cached[-1]][1:]
-            self._last_cached[request_id] = cached[-1]
+            self._cached_at[request_id] = list(cached)
             if self.num_state_slots:  # the state after the prefix, into the request's slot
                 sid = self._snap[cached[-1]]
                 self._snap_block.move_to_end(sid)
@@ -410,7 +414,10 @@ class BlockManager:
             self._free_slots.append(slot)
         self._num_registered.pop(request_id, None)
         self._chain.pop(request_id, None)
-        self._last_cached.pop(request_id, None)
+        self._cached_at.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:  # a snapshot its step did not fill into a block
+            self._free_snaps.append(pending[1])
         # Last blocks first: a prefix's tail is the least likely to be shared, so it is
         # the first to be evicted.
         for block in reversed(table):

@@ -655,7 +655,7 @@ class LLMEngine:
             return []
         restores = self.block_manager.take_restores()
         if restores:  # admissions on a cached prefix: their recurrent state from its snapshot
-            self.executor.copy_states(restores, [])
+            self.executor.restore_states(restores)
         now = time.perf_counter()
         seqs = []
         lora_slots = (self.lora.slots_for(s.request.lora_name for s in sched.scheduled
@@ -677,7 +677,10 @@ class LLMEngine:
                                  all_logits=req.needs_prompt_logits,
                                  num_logits=s.num_draft + 1,
                                  lora_slot=lora_slots.get(req.lora_name, -1),
-                                 state_slot=state))
+                                 state_slot=state,
+                                 state_snapshot=None if s.snapshot is None else (
+                                     s.snapshot[0], self.executor.num_state_slots
+                                     + s.snapshot[1])))
         masks = None
         if self.config.kernels.overlap_grammar_masks and not any(
                 s.num_draft for s in sched.scheduled):
@@ -705,9 +708,6 @@ class LLMEngine:
             result = self.sampler(logits, sampled_reqs, masks) if sampled_reqs else None
             emitted = [([result.token_ids[j]], [result.logprobs[j]]) for j in range(len(rows))]
         self.scheduler.update_after_step(sched)
-        saves = self.block_manager.take_saves()
-        if saves:  # prompts that reached their snapshot point: their recurrent state kept
-            self.executor.copy_states([], saves)
         # The sampler has read the logits back, so the step's device work is done.
         seconds = time.perf_counter() - t0
         self.stats.record_step(sched, seconds, self.shape)

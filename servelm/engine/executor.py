@@ -178,15 +178,11 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Release what outlives the executor object (worker processes); idempotent."""
 
-    def copy_states(self, restores: list[tuple[int, int]], saves: list[tuple[int, int]]
-                    ) -> None:
-        """The block manager's state-snapshot copies: restores (snapshot, slot) and saves
-        (slot, snapshot), in this process's StateCache."""
-        states = self.runner.state_cache
-        if restores:
-            states.restore(restores)
-        if saves:
-            states.save(saves)
+    def restore_states(self, restores: list[tuple[int, int]]) -> None:
+        """The block manager's restores (snapshot, slot) in this process's StateCache: each
+        slot's recurrent state set to the snapshot's. (Snapshots are filled by the steps'
+        forwards: SeqInput.state_snapshot.)"""
+        self.runner.state_cache.restore(restores)
 
     def lora_manager(self, config: EngineConfig, model_config: ModelConfig):
         """The LoRA adapters' manager over this process's wrapped layers (None without LoRA)."""

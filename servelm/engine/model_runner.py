@@ -51,6 +51,9 @@ class SeqInput:
     lora_slot: int = -1
     # Its recurrent-state slot (linear-attention layers: servelm.engine.state_cache), -1 none.
     state_slot: int = -1
+    # (tokens into this step, state row): where the linear-attention layers copy the slot's
+    # state into a prefix-cache snapshot (a StateCache row past the slots) on the way.
+    state_snapshot: tuple[int, int] | None = None
 
 
 class KVCache:
@@ -229,7 +232,8 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         lengths = [len(seqs[i].token_ids) for i in flat.order]
         starts = [0, *accumulate(lengths)][:-1]
         recurrent = RecurrentBatch.build(starts, lengths, [seqs[i].state_slot for i in flat.order],
-                                         [seqs[i].start_pos == 0 for i in flat.order], device)
+                                         [seqs[i].start_pos == 0 for i in flat.order], device,
+                                         [seqs[i].state_snapshot for i in flat.order])
     lora = None
     if any(s.lora_slot >= 0 for s in seqs):
         tokens = [seqs[i].lora_slot for i in flat.order for _ in seqs[i].token_ids]

@@ -16,6 +16,9 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens to compute this step, from request.num_computed_tokens
     # Of those, draft tokens to verify (request.spec_token_ids, after its last token).
     num_draft: int = 0
+    # (tokens into the step, snapshot): where the step's forward copies the request's
+    # recurrent state into a snapshot for the prefix cache (BlockManager.reserve_snapshot).
+    snapshot: tuple[int, int] | None = None
     start: int = field(init=False)     # request.num_computed_tokens when scheduled
     samples: bool = field(init=False)  # the step reaches the request's last token: sample
     num_rejected: int = field(init=False, default=0)  # drafts the verification rejected
@@ -89,7 +92,6 @@ class Scheduler:
             # Drafts (a decoding request only) take budget and KV slots like any token;
             # they are trimmed to the budget and dropped before anything is preempted.
             n = min(pending + (len(req.spec_token_ids) if pending == 1 else 0), budget)
-            n = self._to_snapshot(req, req.num_computed_tokens, n)
             if n > pending and not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
                 n = pending
             num_draft = max(0, n - pending)
@@ -104,7 +106,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it is left to run
             bm.allocate(req.request_id, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(req, n, num_draft))
+            out.scheduled.append(self._with_snapshot(ScheduledSeq(req, n, num_draft)))
             budget -= n
             i += 1
         # Only admit new work when no running request had to give up its blocks, and
@@ -129,7 +131,7 @@ class Scheduler:
                       if bm.enable_caching and not req.needs_prompt_logits
                       and req.pooling_params is None else [])
             num_cached = len(cached) * bm.block_size
-            n = self._to_snapshot(req, num_cached, min(req.num_tokens - num_cached, budget))
+            n = min(req.num_tokens - num_cached, budget)
             take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)
             if take > bm.num_free_blocks:
                 break
@@ -149,28 +151,28 @@ class Scheduler:
             req.wait_for = None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledSeq(req, n))
+            out.scheduled.append(self._with_snapshot(ScheduledSeq(req, n)))
             budget -= n
             reserve += own
         return out
 
-    def _snapshot_point(self, req: Request) -> int:
-        """Where a recurrent state is kept for the prefix cache (state snapshots): the end of
-        the last full block of the tokens the request has to compute (its prompt; a
-        readmitted one's outputs so far too); 0: none (snapshots off, a request whose
-        blocks are not cached, a prompt shorter than a block)."""
+    def _with_snapshot(self, s: ScheduledSeq) -> ScheduledSeq:
+        """A prompt chunk that reaches the end of the last full block of the tokens its
+        request has to compute (its prompt; a readmitted one's outputs so far too) keeps
+        the recurrent state there for the prefix cache (state snapshots: the chunk's forward
+        copies it on the way). Decode steps keep none: one every block would crowd the
+        prompts' out."""
         bm = self.block_manager
+        req = s.request
         if (not bm.num_state_snapshots or req.needs_prompt_logits
-                or req.pooling_params is not None):
-            return 0
-        return req.num_tokens // bm.block_size * bm.block_size
-
-    def _to_snapshot(self, req: Request, start: int, n: int) -> int:
-        """A prompt chunk of n tokens from `start`, cut to end at the request's snapshot
-        point where it would run past it (the rest runs in the next step): the state is
-        only known at a step's end."""
-        point = self._snapshot_point(req)
-        return point - start if start < point < start + n else n
+                or req.pooling_params is not None or (s.samples and s.num_new_tokens == 1)):
+            return s
+        point = req.num_tokens // bm.block_size * bm.block_size
+        if s.start < point <= s.start + s.num_new_tokens:
+            sid = bm.reserve_snapshot(req.request_id, point)
+            if sid is not None:
+                s.snapshot = (point - s.start, sid)
+        return s
 
     def _lookahead_blocks(self, reqs: list[Request], held_tokens: int | None = None) -> int:
         """Blocks these requests will still take to finish their prompt and grow by
@@ -226,11 +228,6 @@ class Scheduler:
                     tokens += req.spec_token_ids[:req.num_computed_tokens - len(tokens)]
                 bm.cache_full_blocks(req.request_id, tokens, req.num_computed_tokens,
                                      req.cache_salt)
-                # A prompt chunk that ended at the snapshot point: its state kept (decode
-                # steps are not: one every block would crowd the prompts' out).
-                if (bm.num_state_snapshots and not (s.num_new_tokens == 1 and s.samples)
-                        and req.num_computed_tokens == self._snapshot_point(req)):
-                    bm.snapshot(req.request_id, req.num_computed_tokens)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and free its blocks at once."""

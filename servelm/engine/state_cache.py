@@ -24,8 +24,8 @@ from servelm.models.config import ModelConfig
 class StateCache:
     """Every linear-attention layer's state for num_slots sequences, and num_snapshots
     copies of such states kept for the prefix cache (rows num_slots.. of the same tensors:
-    the block manager's snapshots, restored into a slot and saved from one by copy);
-    `layers`: layer index -> (conv, ssm)."""
+    the block manager's snapshots, restored into a slot by copy, filled by the layers
+    themselves during a step: SeqInput.state_snapshot); `layers`: layer index -> (conv, ssm)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
                  device: torch.device, num_snapshots: int = 0):
@@ -41,10 +41,6 @@ class StateCache:
     def restore(self, copies: list[tuple[int, int]]) -> None:
         """(snapshot, slot) pairs: each slot's state set to the snapshot's."""
         self._copy([(self.num_slots + sid, slot) for sid, slot in copies])
-
-    def save(self, copies: list[tuple[int, int]]) -> None:
-        """(slot, snapshot) pairs: each snapshot set to the slot's state."""
-        self._copy([(slot, self.num_slots + sid) for slot, sid in copies])
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         for src, dst in pairs:

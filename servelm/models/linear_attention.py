@@ -27,7 +27,7 @@ Which flat tokens belong to which sequence, and each sequence's slot, come with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,18 +61,27 @@ class RecurrentBatch:
     # lone decode, or sequences admitted together): the layer updates that range in place.
     dec_range: tuple[int, int] | None = None
     any_fresh: bool = False         # whether a decode starts afresh (a one-token prompt)
+    # Per sequence: (tokens in, state row) where its state is copied into a prefix-cache
+    # snapshot on the way (SeqInput.state_snapshot), or None; all None: [].
+    snapshots: list = field(default_factory=list)
     # Every sequence is a decode, its row its index (flat row i is sequence i): the step
     # the fused C++ decode takes whole.
     decodes_only: bool = False
 
     @classmethod
     def build(cls, starts: list[int], lengths: list[int], slots: list[int],
-              fresh: list[bool], device: torch.device) -> "RecurrentBatch":
+              fresh: list[bool], device: torch.device,
+              snapshots: list | None = None) -> "RecurrentBatch":
         if min(slots) < 0:
             raise ValueError("every sequence of a step through linear-attention layers needs "
                              "its state slot (SeqInput.state_slot)")
         dec = [i for i, n in enumerate(lengths) if n == 1]
         out = cls(starts, lengths, slots, fresh)
+        if snapshots and any(s is not None for s in snapshots):
+            for snap, n in zip(snapshots, lengths):
+                if snap is not None and not 0 < snap[0] <= n:
+                    raise ValueError(f"a state snapshot {snap[0]} tokens into a chunk of {n}")
+            out.snapshots = list(snapshots)
         if dec:
             first = slots[dec[0]]
             if all(slots[i] == first + j for j, i in enumerate(dec)):
@@ -241,7 +250,7 @@ class GatedDeltaNet(OpModule):
         T = x.shape[0]
         proj = self.in_proj_qkvz(x)
         mixed, z = proj.split([self.conv_dim, self.value_dim], dim=-1)
-        if (self._decode is not None and rec.decodes_only
+        if (self._decode is not None and rec.decodes_only and not rec.snapshots
                 and x.dtype in (torch.float32, torch.bfloat16)
                 and x.dtype == conv_state.dtype == self.conv_weight.dtype
                 == self.norm_weight.dtype):
@@ -258,12 +267,27 @@ class GatedDeltaNet(OpModule):
             self._decodes(mixed, g, beta, conv_state, ssm_state, rec, core)
         for i in rec.prompts:
             lo, n = rec.starts[i], rec.lengths[i]
-            self._prompt(mixed[lo:lo + n], g[lo:lo + n], beta[lo:lo + n], conv_state,
-                         ssm_state, rec.slots[i], rec.fresh[i], core[lo:lo + n])
+            snap = rec.snapshots[i] if rec.snapshots else None
+            m = n if snap is None else snap[0]  # a snapshot inside: the chunk in two parts
+            self._prompt(mixed[lo:lo + m], g[lo:lo + m], beta[lo:lo + m], conv_state,
+                         ssm_state, rec.slots[i], rec.fresh[i], core[lo:lo + m])
+            if m < n:
+                self._snapshot(conv_state, ssm_state, rec.slots[i], snap[1])
+                self._prompt(mixed[lo + m:lo + n], g[lo + m:lo + n], beta[lo + m:lo + n],
+                             conv_state, ssm_state, rec.slots[i], False, core[lo + m:lo + n])
+        for i, snap in enumerate(rec.snapshots):  # the others': at the chunk's end
+            if snap is not None and snap[0] == rec.lengths[i]:
+                self._snapshot(conv_state, ssm_state, rec.slots[i], snap[1])
         if rows is not None:
             core, z = core[rows], z[rows]
         out = self._gated_norm(core, z)
         return self.out_proj(out.reshape(out.shape[0], self.value_dim))
+
+    @staticmethod
+    def _snapshot(conv_state, ssm_state, slot: int, row: int) -> None:
+        """The slot's state as it is now, copied into row `row` (a prefix-cache snapshot)."""
+        conv_state[row].copy_(conv_state[slot])
+        ssm_state[row].copy_(ssm_state[slot])
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each value head's output (fp32, then weighted in the activations'
