@@ -110,13 +110,14 @@ def _moe(act: str, dtype: torch.dtype, shared: int = 0, **options):
     return moe.to(dtype)
 
 
+@pytest.mark.parametrize("by_row", [False, True], ids=["interleaved", "by-row"])
 @pytest.mark.parametrize("act,code", [("silu", 0), ("gelu_tanh", 1), ("gelu", 2)])
-def test_fused_moe_op_equals_the_experts_one_by_one(act, code):
+def test_fused_moe_op_equals_the_experts_one_by_one(act, code, by_row):
     moe = _moe(act, torch.float32)
     x = torch.randn(5, 64)
     weights, ids = moe.route(x)
     got = torch.ops.servelm_gemv.moe_experts(x, ids, weights, moe.experts_gate_up,
-                                             moe.experts_down, code)
+                                             moe.experts_down, code, by_row=by_row)
     want = torch.zeros_like(x)
     for t in range(5):
         for j in range(3):
@@ -132,14 +133,15 @@ def test_fused_moe_op_equals_the_experts_one_by_one(act, code):
                                            moe.experts_down, code)
 
 
-def test_fused_moe_op_runs_gpt_oss_clamped_biased_experts():
+@pytest.mark.parametrize("by_row", [False, True], ids=["interleaved", "by-row"])
+def test_fused_moe_op_runs_gpt_oss_clamped_biased_experts(by_row):
     moe = _moe("silu", torch.float32, swiglu_limit=0.3, swiglu_alpha=1.702, expert_bias=True,
                router_bias=True)
     x = torch.randn(4, 64)
     weights, ids = moe.route(x)
     got = torch.ops.servelm_gemv.moe_experts(
         x, ids, weights, moe.experts_gate_up, moe.experts_down, 3,
-        moe.experts_gate_up_bias, moe.experts_down_bias, 0.3, 1.702)
+        moe.experts_gate_up_bias, moe.experts_down_bias, 0.3, 1.702, by_row)
     want = torch.zeros_like(x)
     for t in range(4):
         for j in range(3):
@@ -182,3 +184,30 @@ def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
     fp32 = _moe("silu", torch.float32)
     fp32.select(True)
     assert fp32._fused is None
+
+
+def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
+    """choose_order times the two weight orders over a model's MoE layers, keeps the faster
+    on the model and binds it into each layer's op; a second call reuses it; a model without
+    a fused MoE layer has none to choose."""
+    from torch import nn
+
+    from servelm.models.moe import choose_order
+
+    model = nn.ModuleList([_moe("silu", torch.bfloat16) for _ in range(3)])
+    for m in model:
+        m.select(True)
+    assert choose_order(model) in (False, True)
+    chosen = model.moe_by_row
+    for m in model:
+        assert m._fused.keywords["by_row"] is chosen
+        x = torch.randn(1, 64, dtype=torch.bfloat16)
+        weights, ids = m.route(x)
+        want = torch.ops.servelm_gemv.moe_experts(x, ids, weights, m.experts_gate_up,
+                                                  m.experts_down, 0, by_row=chosen)
+        assert torch.equal(m._fused(x, ids, weights, m.experts_gate_up, m.experts_down), want)
+    model.moe_by_row = not chosen  # kept: not measured again
+    for m in model:
+        m.select(True)
+    assert choose_order(model) is (not chosen)
+    assert choose_order(nn.ModuleList([_moe("silu", torch.float32)])) is None

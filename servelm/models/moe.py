@@ -276,9 +276,45 @@ class SparseMoE(OpModule):
 
 
 def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
-                x, ids, weights, gate_up, down):
-    """servelm_gemv.moe_experts with the layer's activation and biases bound (select)."""
-    return op(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit, alpha)
+                x, ids, weights, gate_up, down, by_row: bool = False):
+    """servelm_gemv.moe_experts with the layer's activation and biases bound (select), and
+    the weight order measured fastest here (choose_order)."""
+    return op(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit, alpha,
+              by_row)
+
+
+def choose_order(model: nn.Module, rounds: int = 2) -> bool | None:
+    """Whether the fused routed-experts op reads each block of weight rows one row after
+    another (by_row) or interleaved, whichever runs one token faster here: measured once a
+    model, over its own MoE layers in turn (each call on the next layer's experts, so that
+    its rows come from memory as in a decode step), the two orders alternating; the choice
+    is bound into every layer's op and kept on the model (model.moe_by_row). None: no layer
+    takes the fused op."""
+    import statistics
+    import time
+
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m._fused is not None]
+    if not layers:
+        return None
+    by_row = getattr(model, "moe_by_row", None)
+    if by_row is None:
+        first = layers[0]
+        x = torch.randn(1, first.options["hidden"], dtype=first.experts_gate_up.dtype)
+        ids = (torch.arange(first.top_k) * 3 % first.num_experts).view(1, -1)
+        w = torch.full((1, first.top_k), 1.0 / first.top_k)
+        calls = [layers[i % len(layers)] for i in range(max(8, min(16, len(layers))))]
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(rounds):
+            for order in ((False, True) if r % 2 == 0 else (True, False)):
+                t = time.perf_counter()
+                for m in calls:
+                    m._fused(x, ids, w, m.experts_gate_up, m.experts_down, by_row=order)
+                times[order].append(time.perf_counter() - t)
+        by_row = statistics.median(times[True]) < statistics.median(times[False])
+        model.moe_by_row = by_row
+    for m in layers:
+        m._fused = functools.partial(m._fused, by_row=by_row)
+    return by_row
 
 
 class ExpertsBesideMLP(nn.Module):

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -185,15 +186,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 // float32 for float32 x), contiguous; ids [T, k] int64, weights [T, k] float32; act 0: SiLU,
 // 1: GELU (tanh), 2: GELU (erf), 3: gpt-oss's clamped SwiGLU ((clamp(up, -limit, limit) + 1)
 // * g * sigmoid(alpha g), g = min(gate, limit)); gate_up_bias [E, 2I] and down_bias [E, H]
-// (float32) where the experts have biases. Every (token, expert) pair reads its expert's rows (no reuse
+// (float32) where the experts have biases; by_row: each block's weight rows one after
+// another (bf16_linear's by_row). Every (token, expert) pair reads its expert's rows (no reuse
 // across tokens: for a few rows that is what the op-by-op path reads too, without its
-// per-expert calls); the three phases (gate_up blocks, the activation, down blocks) each
-// split over the threads; everything in fp32, rounded once to x's dtype.
+// per-expert calls); the three phases (gate_up blocks, the activation, down rows and the
+// weighted sum) split over the threads of one parallel region; everything in fp32, rounded
+// once to x's dtype.
 template <typename W>
 at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
                    const at::Tensor& gate_up, const at::Tensor& down, int64_t act,
                    const c10::optional<at::Tensor>& gbias_in,
-                   const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d) {
+                   const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
+                   bool by_row) {
   const at::ScalarType wt = std::is_same<W, float>::value ? at::kFloat : at::kBFloat16;
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == wt,
               "servelm_gemv.moe_experts: x must be [T, H] of the experts' dtype on the CPU");
@@ -233,80 +237,80 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
   at::Tensor a = at::empty({P, I}, x.options());
   at::Tensor y = at::empty({P, H}, x.options());
   const float* xp = x.data_ptr<float>();
+  const float* wp = wts.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   float* ap = a.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const W* gp = reinterpret_cast<const W*>(gate_up.data_ptr());
   const W* dp = reinterpret_cast<const W*>(down.data_ptr());
-  // 1. h[p] = gate_up[e] x[t], a block of 4 weight rows a task.
-  const int64_t NB1 = (2 * I + kRows - 1) / kRows;
-  at::parallel_for(0, P * NB1, std::max<int64_t>(1, 8192 / H), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t p = b / NB1, n0 = (b % NB1) * kRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, 2 * I - n0));
-      block<1>(xp + (p / k) * H, gp + idp[p] * 2 * I * H,
-               gbp ? gbp + idp[p] * 2 * I : nullptr, hp + p * 2 * I, 0, n0, nr, H, 2 * I);
-    }
-  });
-  // 2. a[p] = act(gate) * up.
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* g = hp + p * 2 * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float v = g[i];
-        float f;
+  auto gemv = [&](const float* xr, const W* w, const float* bias, float* o, int64_t n0, int nr,
+                  int64_t K, int64_t N) {
+    if (by_row) block_rows<1>(xr, w, bias, o, 0, n0, nr, K, N);
+    else block<1>(xr, w, bias, o, 0, n0, nr, K, N);
+  };
+  auto store = [&](auto* o) {
+    // One parallel region, two barriers (a few tokens' step is short: three regions' fork
+    // and join cost as much as the expert rows' stream). Each thread:
+    //   1. its share of the (pair, block of 4 gate_up rows) items, pair-major: h[p] = gate_up[e] x[t];
+    //   2. its share of the activations a[p] = act(gate) * up;
+    //   3. its share of the output rows: y[p][rows] = down[e][rows] a[p] for every pair in
+    //      turn (one expert's rows stream at a time), then out[t][rows] = sum_j weights[t, j]
+    //      y[t k + j][rows], in slot order.
+    const int nt = std::max(1, at::get_num_threads());
+    const int64_t NB1 = (2 * I + kRows - 1) / kRows, NB2 = (H + kRows - 1) / kRows;
+#pragma omp parallel num_threads(nt)
+    {
+      const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+      for (int64_t b = P * NB1 * tid / n, b1 = P * NB1 * (tid + 1) / n; b < b1; ++b) {
+        const int64_t p = b / NB1, n0 = (b % NB1) * kRows;
+        gemv(xp + (p / k) * H, gp + idp[p] * 2 * I * H, gbp ? gbp + idp[p] * 2 * I : nullptr,
+             hp + p * 2 * I, n0, static_cast<int>(std::min<int64_t>(kRows, 2 * I - n0)), H, 2 * I);
+      }
+#pragma omp barrier
+      for (int64_t q = P * I * tid / n, q1 = P * I * (tid + 1) / n; q < q1; ++q) {
+        const int64_t p = q / I, i = q % I;
+        const float v = hp[p * 2 * I + i], u = hp[p * 2 * I + I + i];
         if (act == 3) {
           const float gate = std::min(v, limit);
-          const float up = std::min(std::max(g[I + i], -limit), limit);
-          ap[p * I + i] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
-          continue;
-        }
-        if (act == 0) {
-          f = v / (1.f + std::exp(-v));
+          const float up = std::min(std::max(u, -limit), limit);
+          ap[q] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
+        } else if (act == 0) {
+          ap[q] = v / (1.f + std::exp(-v)) * u;
         } else if (act == 1) {
-          f = 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+          ap[q] = 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u;
         } else {
-          f = 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
+          ap[q] = 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f)) * u;
         }
-        ap[p * I + i] = f * g[I + i];
       }
+#pragma omp barrier
+      const int64_t c0 = NB2 * tid / n * kRows, c1 = std::min(H, NB2 * (tid + 1) / n * kRows);
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t n0 = c0; n0 < c1; n0 += kRows)
+          gemv(ap + p * I, dp + idp[p] * H * I, dbp ? dbp + idp[p] * H : nullptr, yp + p * H, n0,
+               static_cast<int>(std::min<int64_t>(kRows, H - n0)), I, H);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = c0; c < c1; ++c) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < k; ++j) acc += wp[t * k + j] * yp[(t * k + j) * H + c];
+          o[t * H + c] = static_cast<std::remove_pointer_t<decltype(o)>>(acc);
+        }
     }
-  });
-  // 3. y[p] = down[e] a[p].
-  const int64_t NB2 = (H + kRows - 1) / kRows;
-  at::parallel_for(0, P * NB2, std::max<int64_t>(1, 8192 / I), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t p = b / NB2, n0 = (b % NB2) * kRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, H - n0));
-      block<1>(ap + p * I, dp + idp[p] * H * I, dbp ? dbp + idp[p] * H : nullptr, yp + p * H, 0,
-               n0, nr, I, H);
-    }
-  });
-  // 4. out[t] = sum_j weights[t, j] y[t k + j], in slot order.
-  const float* wp = wts.data_ptr<float>();
-  at::Tensor acc = at::zeros({T, H}, x.options());
-  float* cp = acc.data_ptr<float>();
-  at::parallel_for(0, T * H, 1024, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, c = i % H;
-      float s = 0.f;
-      for (int64_t j = 0; j < k; ++j) s += wp[t * k + j] * yp[(t * k + j) * H + c];
-      cp[i] = s;
-    }
-  });
-  out.copy_(acc);
+  };
+  if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
+  else store(out.data_ptr<c10::BFloat16>());
   return out;
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down, int64_t act,
                        const c10::optional<at::Tensor>& gate_up_bias,
-                       const c10::optional<at::Tensor>& down_bias, double limit, double alpha) {
+                       const c10::optional<at::Tensor>& down_bias, double limit, double alpha,
+                       bool by_row) {
   if (x.scalar_type() == at::kFloat)
     return moe_run<float>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit,
-                          alpha);
+                          alpha, by_row);
   return moe_run<c10::BFloat16>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias,
-                                limit, alpha);
+                                limit, alpha, by_row);
 }
 
 }  // namespace
@@ -316,7 +320,7 @@ TORCH_LIBRARY(servelm_gemv, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None, bool by_row=False) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, "
         "int act, Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., "
-        "float alpha=1.) -> Tensor");
+        "float alpha=1., bool by_row=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_gemv, CPU, m) {
