@@ -498,6 +498,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         w.add_array(f"{arch}.attention.sliding_window_pattern",
                     [t == "sliding_attention" for t in cfg.layer_types])
     full_rope = (cfg.rope_parameters or {}).get("full_attention") or {}
+    local_rope = (cfg.rope_parameters or {}).get("sliding_attention") or {}
+    if family == "olmo3" and local_rope.get("rope_theta"):  # as llama.cpp's converter
+        w.add_float32(f"{arch}.rope.freq_base_swa", local_rope["rope_theta"])
     if family == "olmo3" and full_rope.get("rope_type") == "yarn":  # as llama.cpp's olmo2
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", full_rope["factor"])
@@ -628,15 +631,17 @@ def test_gguf_gemma2_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_pat
     _assert_same_prompt_logits(hf, gg)
 
 
-def test_gguf_olmo3_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path):
+@pytest.mark.parametrize("local_theta", [5e5, 1e4])
+def test_gguf_olmo3_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path, local_theta):
     """OLMo 3 as llama.cpp writes it (`olmo2` with a window): its layer kinds from
-    sliding_window_pattern, one rotary base, YaRN with its attention factor on the full
-    layers only (the sliding ones unscaled, as real OLMo 3 checkpoints have it)."""
+    sliding_window_pattern, the sliding layers' rotary base from rope.freq_base_swa (the
+    full layers' where they share it), YaRN with its attention factor on the full layers
+    only (the sliding ones unscaled, as real OLMo 3 checkpoints have it)."""
     config_cls, model_cls, extra = FAMILIES["olmo3"]
     rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
                                "original_max_position_embeddings": 128,
                                "attention_factor": 1.2},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
     ref = tiny_hf_checkpoint(tmp_path / "hf", config_cls, model_cls,
                              {**extra, "rope_parameters": rope}, hf_tokenizer, seed=4)
     hf, gg = _hf_and_gguf(str(tmp_path / "hf"), "olmo3", ref, gguf_path, tmp_path)
@@ -644,6 +649,7 @@ def test_gguf_olmo3_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path
     assert got.family == want.family == "olmo3"
     assert (got.layer_types, got.sliding_window) == (want.layer_types, want.sliding_window)
     assert got.rope_scaling["attention_factor"] == pytest.approx(1.2)
+    assert got.rope_local_theta == want.rope_local_theta == local_theta
     _assert_same_prompt_logits(hf, gg)
 
 
