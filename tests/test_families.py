@@ -443,7 +443,8 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
              "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
              "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
-             "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4", "olmo3": "olmo2"}
+             "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4", "olmo3": "olmo2",
+             "ministral3": "mistral3"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
@@ -456,7 +457,8 @@ _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm
                       "gemma2": {"post_attention_layernorm": "post_attention_norm",
                                  "pre_feedforward_layernorm": "ffn_norm",
                                  "post_feedforward_layernorm": "post_ffw_norm"}}
-_GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe")  # q/k rows permuted by llama.cpp's converter
+# q/k rows permuted by llama.cpp's converter
+_GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
 
 
 def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool = False) -> None:
@@ -507,6 +509,16 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         w.add_float32(f"{arch}.rope.scaling.attn_factor", full_rope["attention_factor"])
         w.add_uint32(f"{arch}.rope.scaling.original_context_length",
                      full_rope["original_max_position_embeddings"])
+    if family == "ministral3":  # llama.cpp's mistral3: YaRN and the query scale's beta
+        rope = cfg.rope_parameters
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     rope["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", rope["mscale_all_dim"])
+        w.add_float32(f"{arch}.attention.temperature_scale", rope["llama_4_scaling_beta"])
     if family in ("granite", "granitemoe"):
         for key, value in {"embedding_scale": cfg.embedding_multiplier,
                            "residual_scale": cfg.residual_multiplier,
@@ -608,7 +620,7 @@ def _assert_same_prompt_logits(hf, gg) -> None:
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
                                     "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
                                     "granitemoe", "stablelm", "stablelm_parallel", "phi",
-                                    "cohere", "exaone4"])
+                                    "cohere", "exaone4", "ministral3"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,
                                                         tmp_path):
     path, ref = checkpoints[family]
