@@ -163,11 +163,13 @@ def assert_matches_reference(llm, ref, prompts: list[list[int]], greedy) -> None
 
 
 def assert_chunks_cache_and_preemption_keep_tokens(path: str, prompts: list[str], greedy,
+                                                   tight_memory=None, tight_rounds: int = 1,
                                                    **kw):
     """A model's greedy tokens (engine options kw) through a 16-token budget (every prompt
     prefilled in chunks), a second round from the prefix cache (16 tokens or more cached),
-    then a 5-block pool that preempts: the eager path's (C++ ops off) each time. Returns
-    the chunked engine (an LLM), for further checks."""
+    then a pool that preempts: the eager path's (C++ ops off) each time. The tight pool
+    holds 5 blocks, or tight_memory(the chunked engine's executor) bytes, for tight_rounds
+    rounds. Returns the chunked and the tight engines (LLMs), for further checks."""
     from servelm import LLM
 
     eager = LLM(model=path, **{**kw, "cpu_kernels": False})
@@ -177,13 +179,14 @@ def assert_chunks_cache_and_preemption_keep_tokens(path: str, prompts: list[str]
         outs = fast.generate(prompts, greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, round_
     assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
-    tight = LLM(model=path, **{**kw, "kv_cache_memory": 5 * fast.engine.executor.block_bytes},
-                admission_lookahead=0)
-    outs = tight.generate(prompts, greedy, use_tqdm=False)
+    ex = fast.engine.executor
+    memory = tight_memory(ex) if tight_memory is not None else 5 * ex.block_bytes
+    tight = LLM(model=path, **{**kw, "kv_cache_memory": memory}, admission_lookahead=0)
+    for round_ in range(tight_rounds):
+        outs = tight.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, round_
     assert tight.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == want
-    return fast
-
+    return fast, tight
 
 
 def assert_tensor_parallel_matches(kw: dict, prompts: list[str], greedy=None) -> None:

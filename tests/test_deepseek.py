@@ -169,7 +169,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(deepseek):
     second round from the prefix cache, then a pool so small that sequences are preempted:
     the eager path's tokens every time."""
     _, path, _ = deepseek
-    fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    fast, _ = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
     from servelm.kernels import load_ops
 
     if load_ops("ops"):  # the C++ attention read the latent rows (K and V one tensor)

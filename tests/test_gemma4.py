@@ -158,7 +158,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(checkpoints
     prefix cache, then a pool of 5 blocks (each the sum of the layers' own) that preempts:
     the eager path's tokens each time. Decode steps run op by op (the DecodeStack declines)."""
     path, _ = checkpoints[name]
-    fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    fast, _ = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
     ex = fast.engine.executor
     assert not ex.model.fused_decode
     if load_ops("ops"):

@@ -96,7 +96,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(gpt_oss):
     the window), a second round from the prefix cache, then a pool that preempts: the
     eager path's tokens (the reference attention) each time."""
     path, _ = gpt_oss
-    fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    fast, _ = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
     if load_ops("ops"):
         assert fast.engine.executor.runner.attention.name == "cpu"
 

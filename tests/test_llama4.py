@@ -101,7 +101,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(llama4):
     the prefix cache (16 cached tokens: mid-chunk), then a pool that preempts: the eager
     path's tokens (the reference attention) each time."""
     path, _ = llama4
-    fast = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
+    fast, _ = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
     assert fast.engine.executor.runner.attention.name == ("cpu" if load_ops("ops")
                                                           else "reference")
 

@@ -14,7 +14,8 @@ import logging
 import pytest
 import torch
 
-from helpers import (add_gguf_metadata, assert_matches_reference,
+from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
+                     assert_matches_reference,
                      assert_multimodal_checkpoint_serves_its_text_model,
                      gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
@@ -133,29 +134,18 @@ def test_prefix_cache_restores_the_state_from_snapshots(qwen3_5):
 
 
 def test_chunks_prefix_cache_and_preemption_with_snapshots_keep_the_tokens(qwen3_next):
-    """With the prefix cache on: prompts in 16-token chunks (cut at their snapshot point),
-    a second round admitted on the cached blocks and restored states, and a pool that
-    preempts (a readmitted sequence restored from its snapshot, or recomputed): the eager
-    path's tokens each time, and no snapshot or slot lost."""
+    """With the prefix cache on: prompts in 16-token chunks (each keeping its state at its
+    last block boundary), a second round admitted on the cached blocks and restored states,
+    and a pool that preempts (a readmitted sequence restored from its snapshot, or
+    recomputed): the eager path's tokens each time, and no snapshot or slot lost."""
     path, _ = qwen3_next
-    eager = LLM(model=path, cpu_kernels=False, enable_prefix_caching=False, **KW)
-    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    fast = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, **KW)
-    for round_ in range(2):
-        outs = fast.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, round_
-    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
-    ex = fast.engine.executor  # three slots, a snapshot or two, four or five blocks
-    budget = 6 * ex.worker.state_bytes() + 4 * ex.block_bytes
-    tight = LLM(model=path, **{**KW, "kv_cache_memory": budget}, max_num_seqs=3,
-                admission_lookahead=0)
+    # The tight pool: a few slots, a snapshot or two, four or five blocks.
+    _, tight = assert_chunks_cache_and_preemption_keep_tokens(
+        path, PROMPTS, GREEDY, tight_memory=lambda ex: 6 * ex.worker.state_bytes()
+        + 4 * ex.block_bytes, tight_rounds=2, **KW)
     bm = tight.engine.block_manager
     assert tight.engine.executor.num_blocks <= 5 and bm.num_state_snapshots >= 1
-    for round_ in range(2):
-        outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want, round_
-    assert tight.engine.scheduler.num_preemptions > 0 and bm.num_snapshots
-    assert bm.num_free_slots == bm.num_state_slots and bm.owners() == {}
+    assert bm.num_snapshots and bm.num_free_slots == bm.num_state_slots and bm.owners() == {}
 
 
 def test_qwen3_next_matches_transformers(qwen3_next):
