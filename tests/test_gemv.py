@@ -188,8 +188,8 @@ def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
 
 def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
     """choose_order times the two weight orders over a model's MoE layers, keeps the faster
-    on the model and binds it into each layer's op; a second call reuses it; a model without
-    a fused MoE layer has none to choose."""
+    on the model and binds it into each layer's op, and the most tokens the op takes; a
+    second call reuses both; a model without a fused MoE layer has none to choose."""
     from torch import nn
 
     from servelm.models.moe import choose_order
@@ -206,8 +206,14 @@ def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
         want = torch.ops.servelm_gemv.moe_experts(x, ids, weights, m.experts_gate_up,
                                                   m.experts_down, 0, by_row=chosen)
         assert torch.equal(m._fused(x, ids, weights, m.experts_gate_up, m.experts_down), want)
-    model.moe_by_row = not chosen  # kept: not measured again
+    # The fused op's token limit: the byte rule's or more, measured, on every layer.
+    from servelm.models.moe import fused_rows
+
+    rows = model.moe_fused_rows
+    assert fused_rows(8, 3) <= rows <= 64 and all(m._fused_rows == rows for m in model)
+    model.moe_by_row, model.moe_fused_rows = not chosen, 5  # kept: not measured again
     for m in model:
         m.select(True)
     assert choose_order(model) is (not chosen)
+    assert all(m._fused_rows == 5 for m in model)
     assert choose_order(nn.ModuleList([_moe("silu", torch.float32)])) is None

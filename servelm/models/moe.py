@@ -58,9 +58,10 @@ from servelm.models.layers import GatedMLP, OpModule, RMSNorm, gated_act, l2_nor
 
 
 def fused_rows(num_experts: int, top_k: int) -> int:
-    """Steps of at most this many tokens take the fused routed-experts op. It reads an
-    expert's rows once per token that chose it, the per-expert path once a step: past about
-    E / (2k) tokens the tokens share experts enough for the per-expert path to read less."""
+    """Steps of at most this many tokens take the fused routed-experts op (before
+    choose_order measures further). It reads an expert's rows once per token that chose it,
+    the per-expert path once a step: past about E / (2k) tokens the tokens share experts
+    enough for the per-expert path to read less."""
     return max(1, num_experts // (2 * top_k))
 
 
@@ -284,36 +285,79 @@ def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: floa
 
 
 def choose_order(model: nn.Module, rounds: int = 2) -> bool | None:
-    """Whether the fused routed-experts op reads each block of weight rows one row after
-    another (by_row) or interleaved, whichever runs one token faster here: measured once a
-    model, over its own MoE layers in turn (each call on the next layer's experts, so that
-    its rows come from memory as in a decode step), the two orders alternating; the choice
-    is bound into every layer's op and kept on the model (model.moe_by_row). None: no layer
-    takes the fused op."""
+    """The fused routed-experts op's choices, measured once a model over its own MoE layers
+    in turn (each call on the next layer's experts, so that its rows come from memory as in
+    a step), the two sides alternating, and kept on the model (re-bound on a later select):
+
+    - model.moe_by_row: whether it reads each block of weight rows one row after another
+      (by_row) or interleaved, whichever runs one token faster here;
+    - model.moe_fused_rows: the most tokens a step gives it: from fused_rows' rule (where
+      the tokens' expert rows are as many bytes as the experts the per-expert path reads),
+      doubled while the op runs twice that many tokens in at most 0.8x the per-expert
+      path's time (which pays a pair of matmuls and their dispatch an expert), at most 64,
+      and no further once a side's measurement takes over half a second.
+
+    Returns the row order; None: no layer takes the fused op."""
     import statistics
     import time
 
     layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m._fused is not None]
     if not layers:
         return None
+    first = layers[0]
+    calls = [layers[i % len(layers)] for i in range(max(8, min(16, len(layers))))]
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        for m in calls:
+            fn(m)
+        return time.perf_counter() - t
+
+    def ratio(a, b) -> tuple[float, float]:
+        """a's time over b's (medians of `rounds`, alternating), and the slowest measurement."""
+        ta, tb = [], []
+        for r in range(rounds):
+            for side in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
+                side[1].append(timed(side[0]))
+        return statistics.median(ta) / statistics.median(tb), max(ta + tb)
+
     by_row = getattr(model, "moe_by_row", None)
     if by_row is None:
-        first = layers[0]
         x = torch.randn(1, first.options["hidden"], dtype=first.experts_gate_up.dtype)
         ids = (torch.arange(first.top_k) * 3 % first.num_experts).view(1, -1)
         w = torch.full((1, first.top_k), 1.0 / first.top_k)
-        calls = [layers[i % len(layers)] for i in range(max(8, min(16, len(layers))))]
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for r in range(rounds):
-            for order in ((False, True) if r % 2 == 0 else (True, False)):
-                t = time.perf_counter()
-                for m in calls:
-                    m._fused(x, ids, w, m.experts_gate_up, m.experts_down, by_row=order)
-                times[order].append(time.perf_counter() - t)
-        by_row = statistics.median(times[True]) < statistics.median(times[False])
+        by_row = ratio(
+            lambda m: m._fused(x, ids, w, m.experts_gate_up, m.experts_down, by_row=True),
+            lambda m: m._fused(x, ids, w, m.experts_gate_up, m.experts_down, by_row=False)
+        )[0] < 1
         model.moe_by_row = by_row
     for m in layers:
         m._fused = functools.partial(m._fused, by_row=by_row)
+    rows = getattr(model, "moe_fused_rows", None)
+    if rows is None:
+        rows = first._fused_rows
+        gen = torch.Generator().manual_seed(0)
+        while rows < 64:
+            x = torch.randn(2 * rows, first.options["hidden"], generator=gen).to(
+                first.experts_gate_up.dtype)
+
+            def run(limit: int):
+                def call(m):
+                    m._fused_rows = limit
+                    m(x)
+                return call
+
+            # A margin: the layer alone flatters the op against the per-expert path (the
+            # whole step's other work, docs/benchmarks.md).
+            r, slowest = ratio(run(2 * rows), run(0))
+            if r > 0.8:
+                break
+            rows *= 2
+            if slowest > 0.5:
+                break
+        model.moe_fused_rows = rows
+    for m in layers:
+        m._fused_rows = rows
     return by_row
 
 
