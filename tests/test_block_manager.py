@@ -975,12 +975,41 @@ def test_snapshots_are_kept_least_recently_used_first_and_go_with_their_blocks()
     assert bm.num_snapshots == 0 and bm.find_cached_prefix(prompts["c"] + [5]) == []
 
 
+def test_a_generating_request_keeps_one_trailing_snapshot_at_its_latest_boundary():
+    bm = BlockManager(16, 4, enable_caching=True, num_state_slots=3, num_state_snapshots=2)
+    toks = list(range(40))
+    bm.allocate("a", 8)
+    assert bm.reserve_snapshot("a", 8) == 0       # the prompt's
+    bm.cache_full_blocks("a", toks, 8)
+    bm.allocate("a", 12)                          # decodes: a boundary at 12
+    assert bm.reserve_snapshot("a", 12, trailing=True) == 1
+    bm.cache_full_blocks("a", toks, 12)
+    assert len(bm.find_cached_prefix(toks[:12] + [99])) == 3
+    bm.allocate("a", 16)                          # the next boundary: the same one moves on
+    assert bm.reserve_snapshot("a", 16, trailing=True) == 1
+    bm.cache_full_blocks("a", toks, 16)
+    assert len(bm.find_cached_prefix(toks[:12] + [99])) == 2  # block 2's went with it
+    assert len(bm.find_cached_prefix(toks[:16] + [99])) == 4
+    assert bm.num_snapshots == 2
+    # None free: a trailing one takes none (it never evicts a prompt's or another's).
+    bm.allocate("b", 4)
+    assert bm.reserve_snapshot("b", 4, trailing=True) is None
+    assert len(bm.find_cached_prefix(toks[:8] + [99])) == 2
+    # Finished, a's last one stays in the cache; a prompt's reservation may evict the least
+    # recently used (a's prompt's), then a's last one.
+    bm.free("a")
+    assert len(bm.find_cached_prefix(toks[:16] + [99])) == 4
+    bm.allocate("c", 4)
+    assert bm.reserve_snapshot("c", 4) == 0
+    assert len(bm.find_cached_prefix(toks[:16] + [99])) == 4
+
+
 SNAP_IDS = ["r0", "r1", "r2"]
 snap_op = st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(SNAP_IDS), st.integers(0, 3),
               st.integers(1, 6), st.booleans()),
-    st.tuples(st.just("grow"), st.sampled_from(SNAP_IDS), st.just(0), st.integers(1, 3),
-              st.booleans()),
+    st.tuples(st.just("grow"), st.sampled_from(SNAP_IDS), st.integers(0, 1),
+              st.integers(1, 3), st.booleans()),
     st.tuples(st.just("free"), st.sampled_from(SNAP_IDS), st.just(0), st.just(0),
               st.just(False)),
 )
@@ -990,9 +1019,10 @@ snap_op = st.one_of(
 @given(num_snaps=st.integers(1, 3), ops=st.lists(snap_op, max_size=40))
 def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, ops):
     """Requests over a few prompts that share blocks admit on the cache, grow (a step that
-    may keep its state at the last block boundary it reaches), register and free, with a
-    fake state store: a restore copies the snapshot filled at the very prefix admitted on;
-    every snapshot is free, pending for one request, or held by one cached block."""
+    may keep its state at the last block boundary it reaches, in a new snapshot or the
+    request's trailing one), register and free, with a fake state store: a restore copies
+    the snapshot filled at the very prefix admitted on; every snapshot is free, pending for
+    one request, or held by one cached block."""
     bm = BlockManager(12, 2, enable_caching=True, num_state_slots=3,
                       num_state_snapshots=num_snaps)
     tokens: dict[str, list[int]] = {}
@@ -1000,11 +1030,16 @@ def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, o
     slot_state: dict[int, tuple] = {}   # slot -> the prefix its state sums
     snap_state: dict[int, tuple] = {}   # snapshot -> the prefix it was saved at
 
-    def step(rid, slot, toks, start, end, snap):
+    def step(rid, slot, toks, start, end, snap, trailing=False):
         """The forward from start to end: with `snap`, the state kept at the last block
-        boundary it reaches (the scheduler's choice), where the block manager reserves one."""
+        boundary it reaches (the scheduler's choice; trailing: a decode step's), where the
+        block manager reserves one."""
         point = end // 2 * 2
-        sid = bm.reserve_snapshot(rid, point) if snap and start < point else None
+        moves = trailing and rid in bm._trailing
+        sid = (bm.reserve_snapshot(rid, point, trailing=trailing) if snap and start < point
+               else None)
+        if moves and sid is not None:
+            event("a trailing snapshot moved on")
         if sid is not None:
             snap_state[sid] = tuple(toks[:point])
         slot_state[slot] = tuple(toks[:end])
@@ -1034,7 +1069,7 @@ def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, o
             if not bm.can_allocate(rid, end):
                 continue
             bm.allocate(rid, end)
-            step(rid, bm.state_slot(rid), tokens[rid], computed[rid], end, snap)
+            step(rid, bm.state_slot(rid), tokens[rid], computed[rid], end, snap, bool(which))
             computed[rid] = end
         elif kind == "free":
             bm.free(rid)
@@ -1048,6 +1083,9 @@ def test_random_snapshots_leak_none_and_restore_only_what_was_saved(num_snaps, o
         assert len(set(held.values())) == len(held) == bm.num_snapshots <= num_snaps
         assert bm.num_snapshots + len(bm._free_snaps) + len(bm._pending) == num_snaps
         assert all(b in bm._block_key for b in held)
+        # A trailing snapshot: one a request at most, held by a block, its owner running.
+        assert {v: k for k, v in bm._trailing.items()} == bm._trailing_of
+        assert all(sid in bm._snap_block and r in tokens for r, sid in bm._trailing.items())
         check_refs(bm)
     for rid in SNAP_IDS:
         bm.free(rid)

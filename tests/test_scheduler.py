@@ -981,8 +981,9 @@ def test_random_loads_with_few_state_slots_finish_and_leak_no_slot(data):
 def test_a_recurrent_prompt_keeps_its_state_at_its_last_block_and_a_longer_one_starts_there():
     """With state snapshots: a 37-token prompt's step keeps its state 32 tokens in (its last
     block boundary), in the snapshot the block manager reserved, which joins block 1 when
-    the step registers it. A later prompt extending it is admitted on its 2 cached blocks
-    with the state restored, and keeps its own at 64; decode steps keep none."""
+    the step registers it; its decodes keep a trailing one at each later boundary. A later
+    prompt extending it is admitted on its 2 cached blocks with the state restored, and
+    keeps its own at 64."""
     sim = Sim(32, 16, enable_caching=True, num_state_slots=2, num_state_snapshots=2)
     a = sim.add("a", 37, 20)
     out = sim.schedule()
@@ -990,16 +991,20 @@ def test_a_recurrent_prompt_keeps_its_state_at_its_last_block_and_a_longer_one_s
     assert out.scheduled[0].samples
     sim.finish_step(out)
     assert sim.bm.num_snapshots == 1
-    for _ in range(12):  # decodes, through the boundary at 48
+    kept = []
+    for _ in range(12):  # decodes, through the boundary at 48: a's trailing snapshot there
         out = sim.schedule()
-        assert [s.snapshot for s in out.scheduled] == [None]
+        kept.append(out.scheduled[0].snapshot)
         sim.finish_step(out)
-    assert a.num_computed_tokens == 49 and sim.bm.num_snapshots == 1
+    assert kept == [None] * 10 + [(1, 1), None]
+    assert a.num_computed_tokens == 49 and sim.bm.num_snapshots == 2
     b = sim.add("b", 0, 4, prompt=a.prompt_token_ids + [1] * 30)
     out = sim.schedule()
     assert [(s.request.request_id, s.start, s.num_new_tokens, s.snapshot)
             for s in out.scheduled] == [("a", 49, 1, None), ("b", 32, 35, (32, 1))]
     assert sim.bm.take_restores() == [(0, sim.bm.state_slot("b"))]
+    # b's prompt snapshot took the least recently used one: a's trailing one (b's restore
+    # had just used a's prompt's).
     assert b.num_cached_tokens == 32
     sim.finish_step(out)
-    assert sim.bm.num_snapshots == 2
+    assert sim.bm.num_snapshots == 2 and not sim.bm._trailing

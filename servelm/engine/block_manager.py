@@ -123,8 +123,10 @@ class BlockManager:
     that has a snapshot; admitting a request on it queues a restore (the snapshot copied
     into the request's slot before the step runs: take_restores). reserve_snapshot names
     the snapshot a step fills (its forward copies the state there on the way, at a block
-    boundary inside or at the end of a prompt chunk); it joins that block when the block
-    is registered (cache_full_blocks), and goes with the block when the block is evicted.
+    boundary inside or at the end of a prompt chunk, or a decode step's: each generating
+    request keeps one at its latest boundary, from the free ones); it joins that block
+    when the block is registered (cache_full_blocks), and goes with the block when the
+    block is evicted.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
@@ -150,8 +152,11 @@ class BlockManager:
         self._restores: list[tuple[int, int]] = []  # (snapshot, slot): before the next step
         # Per request: the snapshot a step fills at a token count (not a block's yet), and
         # the cached block of each of its registered blocks (its own, or the one it matched).
-        self._pending: dict[str, tuple[int, int]] = {}
+        self._pending: dict[str, tuple[int, int, bool]] = {}
         self._cached_at: dict[str, list[int]] = {}
+        # A generating request's trailing snapshot (at its latest decode boundary), and back.
+        self._trailing: dict[str, int] = {}
+        self._trailing_of: dict[int, str] = {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -277,21 +282,29 @@ class BlockManager:
         pending = self._pending.get(request_id)
         if pending is not None and pending[0] <= full * bs:  # its step has filled it
             del self._pending[request_id]
-            num_tokens, sid = pending
+            num_tokens, sid, trailing = pending
             block = cached_at[num_tokens // bs - 1]
             if block in self._snap:  # (another request's got there first)
                 self._free_snaps.append(sid)
             else:
                 self._snap[block] = sid
                 self._snap_block[sid] = block
+                if trailing:
+                    self._trailing[request_id] = sid
+                    self._trailing_of[sid] = request_id
 
     # ---- recurrent-state snapshots -------------------------------------------------------
 
-    def reserve_snapshot(self, request_id: str, num_tokens: int) -> int | None:
+    def reserve_snapshot(self, request_id: str, num_tokens: int,
+                         trailing: bool = False) -> int | None:
         """The snapshot the request's next step fills with its state after num_tokens tokens
         (a block boundary the step reaches; the block ending there becomes the snapshot's
-        when it is registered), the least recently used one taken if none is free. None:
-        snapshots off, not a block boundary, one pending already, or that block has one."""
+        when it is registered), the least recently used one taken if none is free.
+        trailing (a decode step's boundary): the request's own trailing snapshot, moved from
+        its previous boundary's block, or a free one, never another's: each generating
+        request keeps at most one, at its latest boundary, so a conversation's next turn
+        finds its answer too. None: snapshots off, not a block boundary, one pending
+        already, that block has one, or (trailing) none is free."""
         bs = self.block_size
         if (not self.num_state_snapshots or request_id not in self._slot
                 or request_id in self._pending or num_tokens < bs or num_tokens % bs):
@@ -299,14 +312,19 @@ class BlockManager:
         cached_at = self._cached_at.get(request_id, [])
         if len(cached_at) >= num_tokens // bs and cached_at[num_tokens // bs - 1] in self._snap:
             return None
-        if self._free_snaps:
+        sid = self._trailing.pop(request_id, None) if trailing else None
+        if sid is not None:  # moved on from the previous boundary's block
+            del self._trailing_of[sid]
+            del self._snap[self._snap_block.pop(sid)]
+        elif self._free_snaps:
             sid = self._free_snaps.pop()
-        elif self._snap_block:
+        elif self._snap_block and not trailing:
             sid, old = self._snap_block.popitem(last=False)
             del self._snap[old]
+            self._trailing.pop(self._trailing_of.pop(sid, None), None)
         else:
-            return None  # every snapshot is pending for another request
-        self._pending[request_id] = (num_tokens, sid)
+            return None
+        self._pending[request_id] = (num_tokens, sid, trailing)
         return sid
 
     def take_restores(self) -> list[tuple[int, int]]:
@@ -418,6 +436,9 @@ class BlockManager:
         pending = self._pending.pop(request_id, None)
         if pending is not None:  # a snapshot its step did not fill into a block
             self._free_snaps.append(pending[1])
+        sid = self._trailing.pop(request_id, None)  # its last one stays, the cache's now
+        if sid is not None:
+            del self._trailing_of[sid]
         # Last blocks first: a prefix's tail is the least likely to be shared, so it is
         # the first to be evicted.
         for block in reversed(table):
@@ -459,6 +480,7 @@ class BlockManager:
             if sid is not None:  # the state after a prefix that is gone
                 del self._snap_block[sid]
                 self._free_snaps.append(sid)
+                self._trailing.pop(self._trailing_of.pop(sid, None), None)
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]

@@ -160,16 +160,18 @@ class Scheduler:
         """A prompt chunk that reaches the end of the last full block of the tokens its
         request has to compute (its prompt; a readmitted one's outputs so far too) keeps
         the recurrent state there for the prefix cache (state snapshots: the chunk's forward
-        copies it on the way). Decode steps keep none: one every block would crowd the
-        prompts' out."""
+        copies it on the way). A decode step that ends on a block boundary keeps it in the
+        request's trailing snapshot (one a request, moved along; only from the free ones,
+        so that it never evicts a prompt's)."""
         bm = self.block_manager
         req = s.request
         if (not bm.num_state_snapshots or req.needs_prompt_logits
-                or req.pooling_params is not None or (s.samples and s.num_new_tokens == 1)):
+                or req.pooling_params is not None):
             return s
         point = req.num_tokens // bm.block_size * bm.block_size
         if s.start < point <= s.start + s.num_new_tokens:
-            sid = bm.reserve_snapshot(req.request_id, point)
+            decode = s.samples and s.num_new_tokens == 1
+            sid = bm.reserve_snapshot(req.request_id, point, trailing=decode)
             if sid is not None:
                 s.snapshot = (point - s.start, sid)
         return s
