@@ -428,6 +428,9 @@ class ModelConfig:
         rot = get("rope.dimension_count")
         if rot and int(rot) != base["head_dim"]:
             base["rotary_dim"] = int(rot)
+        local = get("rope.freq_base_swa")  # the sliding layers' own base, where written
+        if local is not None:
+            base["rope_local_theta"] = float(local)
         base.update(family.gguf_config(get, base, tensor_names))
         pooling = get("pooling_type")
         if pooling is not None and int(pooling) != 0:  # 0: none stated

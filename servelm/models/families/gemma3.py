@@ -42,10 +42,10 @@ class Gemma3(Family):
     def gguf_config(self, get, base, tensor_names):
         # The file carries the window, not the pattern: Gemma 3's own (every 6th layer global,
         # as llama.cpp and transformers read it); the sliding layers' base where the converter
-        # wrote it (rope.freq_base_swa), else Gemma 3's 10000.
+        # wrote it (base: rope.freq_base_swa), else Gemma 3's 10000.
         n = base["num_layers"]
         window = get("attention.sliding_window")
         types = window_pattern(6, n) if window else ()
         return {**self._common(base, base["head_dim"]), "layer_types": types,
                 "sliding_window": int(window) if window else None,
-                "rope_local_theta": float(get("rope.freq_base_swa", 10000.0))}
+                "rope_local_theta": base.get("rope_local_theta", 10000.0)}

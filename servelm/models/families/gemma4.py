@@ -273,7 +273,7 @@ class Gemma4(Family):
                "rope_parameters": {
                    FULL: {"rope_type": "default", "rope_theta": base["rope_theta"]},
                    SLIDING: {"rope_type": "default",
-                             "rope_theta": float(get("rope.freq_base_swa", 10000.0))}}}
+                             "rope_theta": base.get("rope_local_theta", 10000.0)}}}
         if k_eq_v:
             cfg["num_global_key_value_heads"] = int(full_kv)
         if base.get("num_experts"):

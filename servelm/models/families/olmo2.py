@@ -46,11 +46,8 @@ class Olmo2(Family):
                 scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
         out = {**self._common(), "architecture": Olmo3.architectures[0], "family": Olmo3.name,
                "layer_types": types, "sliding_window": int(window), "rope_scaling": scaling}
-        local = get("rope.freq_base_swa")  # the sliding layers' base (llama.cpp's converter)
-        if local is not None:
-            out["rope_local_theta"] = float(local)
-        elif scaling:  # the sliding layers' rotary: the same base, unscaled
-            out["rope_local_theta"] = base["rope_theta"]
+        if scaling and "rope_local_theta" not in base:  # (the file's freq_base_swa, else)
+            out["rope_local_theta"] = base["rope_theta"]  # the same base, unscaled
         return out
 
 
