@@ -39,18 +39,26 @@ class AttentionSpec:
         """Every layer's (KV heads, head dim), each once, the model's own first."""
         return tuple(dict.fromkeys(((self.num_kv_heads, self.head_dim), *self.layer_shapes)))
 
+    def asks(self) -> frozenset[str]:
+        """The model options this spec asks of a backend's kernels ("softcap", "sinks",
+        "chunk": AttentionBackend.options)."""
+        return frozenset(name for name, on in (("softcap", self.logit_softcap),
+                                               ("sinks", self.sinks),
+                                               ("chunk", self.attention_chunk)) if on)
+
     def kernels_lack(self, runs: frozenset[str] = frozenset()) -> str | None:
         """What this spec asks of the options a backend's kernels do not run (`runs`:
         AttentionBackend.options), as its reason to decline after "<its kernels> do not",
         or None."""
-        if self.logit_softcap and "softcap" not in runs:
-            return "soft-cap attention scores"
-        if self.sinks and "sinks" not in runs:
-            return "add attention sinks to the softmax"
-        if self.attention_chunk and "chunk" not in runs:
-            return ("run chunked local attention (keys from the query's own chunk only, which "
-                    "is no sliding window)")
-        return None
+        missing = self.asks() - runs
+        return next((why for name, why in _LACKING.items() if name in missing), None)
+
+
+# What a backend's kernels "do not" do when they lack an option, in the order checked.
+_LACKING = {"softcap": "soft-cap attention scores",
+            "sinks": "add attention sinks to the softmax",
+            "chunk": ("run chunked local attention (keys from the query's own chunk only, "
+                      "which is no sliding window)")}
 
 
 class AttentionBackend:

@@ -25,12 +25,9 @@ class TritonBackend(AttentionBackend):
         if not ta.available():
             return "Triton is not installed"
         # Both kernels must compile for each layer's shape here and agree with the references.
-        options = frozenset(name for name, on in (("softcap", spec.logit_softcap),
-                                                  ("sinks", spec.sinks),
-                                                  ("chunk", spec.attention_chunk)) if on)
         for kvh, d in spec.shapes():
             if not ta.works(spec.device, spec.dtype, spec.num_heads, kvh, d, spec.block_size,
-                            spec.kv_dtype, options):
+                            spec.kv_dtype, spec.asks()):
                 return (f"its kernels failed their probe on {kvh} KV heads of {d} dims "
                         f"(see the log)")
         return None
