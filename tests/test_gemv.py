@@ -187,17 +187,17 @@ def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
 
 
 def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
-    """choose_order times the two weight orders over a model's MoE layers, keeps the faster
-    on the model and binds it into each layer's op, and the most tokens the op takes; a
-    second call reuses both; a model without a fused MoE layer has none to choose."""
+    """tune_fused_experts times the two weight orders over a model's MoE layers, keeps the
+    faster on the model and binds it into each layer's op, and the most tokens the op takes;
+    a second call reuses both; a model without a fused MoE layer has none to choose."""
     from torch import nn
 
-    from servelm.models.moe import choose_order
+    from servelm.models.moe import tune_fused_experts
 
     model = nn.ModuleList([_moe("silu", torch.bfloat16) for _ in range(3)])
     for m in model:
         m.select(True)
-    assert choose_order(model) in (False, True)
+    assert tune_fused_experts(model) in (False, True)
     chosen = model.moe_by_row
     for m in model:
         assert m._fused.keywords["by_row"] is chosen
@@ -214,6 +214,6 @@ def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
     model.moe_by_row, model.moe_fused_rows = not chosen, 5  # kept: not measured again
     for m in model:
         m.select(True)
-    assert choose_order(model) is (not chosen)
+    assert tune_fused_experts(model) is (not chosen)
     assert all(m._fused_rows == 5 for m in model)
-    assert choose_order(nn.ModuleList([_moe("silu", torch.float32)])) is None
+    assert tune_fused_experts(nn.ModuleList([_moe("silu", torch.float32)])) is None

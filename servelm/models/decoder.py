@@ -37,7 +37,7 @@ from servelm.models.layers import (MLP, Attention, GatedMLP, NoNorm, RotaryEmbed
                                    make_norm, rotate_half_rows, select_ops)
 from servelm.models.linear_attention import GatedDeltaNet
 from servelm.models.mla import LatentAttention
-from servelm.models.moe import ExpertsBesideMLP, SparseMoE, choose_order
+from servelm.models.moe import ExpertsBesideMLP, SparseMoE, tune_fused_experts
 from servelm.models.ple import PerLayerEmbedding, PerLayerInput
 
 if TYPE_CHECKING:
@@ -229,8 +229,8 @@ class CausalLM(nn.Module):
         (they are the same arithmetic), so the references turn them off and the C++ ops
         back on."""
         select_ops(self, kernels)
-        if kernels:  # the fused routed experts' weight order, measured once (MoE models)
-            choose_order(self)
+        if kernels:  # the fused routed experts' weight order and token limit (MoE models)
+            tune_fused_experts(self)
         self.fused_decode = kernels and bool(self._decode_stacks)
 
     def init_rotary(self, device: torch.device | None = None) -> None:

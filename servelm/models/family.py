@@ -11,7 +11,6 @@ blocks, so a family adds no code to any of them.
 from __future__ import annotations
 
 import dataclasses
-
 import re
 from typing import Any, Callable
 

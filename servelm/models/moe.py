@@ -59,9 +59,9 @@ from servelm.models.layers import GatedMLP, OpModule, RMSNorm, gated_act, l2_nor
 
 def fused_rows(num_experts: int, top_k: int) -> int:
     """Steps of at most this many tokens take the fused routed-experts op (before
-    choose_order measures further). It reads an expert's rows once per token that chose it,
-    the per-expert path once a step: past about E / (2k) tokens the tokens share experts
-    enough for the per-expert path to read less."""
+    tune_fused_experts measures further). It reads an expert's rows once per token that
+    chose it, the per-expert path once a step: past about E / (2k) tokens the tokens share
+    experts enough for the per-expert path to read less."""
     return max(1, num_experts // (2 * top_k))
 
 
@@ -279,12 +279,12 @@ class SparseMoE(OpModule):
 def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
                 x, ids, weights, gate_up, down, by_row: bool = False):
     """servelm_gemv.moe_experts with the layer's activation and biases bound (select), and
-    the weight order measured fastest here (choose_order)."""
+    the weight order measured fastest here (tune_fused_experts)."""
     return op(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit, alpha,
               by_row)
 
 
-def choose_order(model: nn.Module, rounds: int = 2) -> bool | None:
+def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
     """The fused routed-experts op's choices, measured once a model over its own MoE layers
     in turn (each call on the next layer's experts, so that its rows come from memory as in
     a step), the two sides alternating, and kept on the model (re-bound on a later select):
