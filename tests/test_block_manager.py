@@ -202,6 +202,44 @@ def test_owners_is_a_copy():
     assert len(bm.block_table("a")) == 1
 
 
+def test_a_windowed_model_gives_back_the_blocks_out_of_reach_and_keeps_their_places():
+    bm = BlockManager(4, 4, reach=6)
+    bm.allocate("a", 15)                    # positions 0..14: blocks 0-3
+    table = list(bm.block_table("a"))
+    # The next token (position 14) reads keys 9..14: blocks 0 and 1 are out of reach.
+    assert bm.release_behind("a", 14) == 2
+    assert bm.block_table("a") == table and bm.owners() == {"a": table[2:]}
+    assert bm.num_held("a") == 2 and bm.num_free_blocks == 2
+    assert bm.release_behind("a", 14) == 0   # once only
+    bm.allocate("b", 8)                      # into the blocks "a" gave back
+    assert sorted(bm.block_table("b")) == sorted(table[:2])
+    bm.free("a")
+    assert bm.owners() == {"b": bm.block_table("b")} and bm.num_free_blocks == 2
+    with pytest.raises(ValueError, match="reach"):
+        BlockManager(4, 4, reach=-1)
+
+
+def test_without_a_reach_every_block_stays():
+    bm = BlockManager(4, 4)
+    bm.allocate("a", 16)
+    assert bm.release_behind("a", 16) == 0 and bm.num_held("a") == 4
+
+
+def test_a_windowed_prefix_hit_holds_only_the_blocks_in_reach():
+    bm = BlockManager(6, 2, enable_caching=True, reach=3)
+    tokens = list(range(9))
+    admit(bm, "a", tokens)
+    assert bm.release_behind("a", 9) == 3   # keys 6..8 stay: blocks 3 and 4
+    bm.free("a")
+    hits = bm.find_cached_prefix(tokens)
+    assert len(hits) == 4                    # every block stays cached until evicted
+    # The next token (position 8) reads keys 6..8: only hits 2 and 3 are held.
+    assert bm.num_blocks_to_take("b", 9, hits) == 3
+    bm.allocate("b", 9, hits)
+    assert bm.owners()["b"] == bm.block_table("b")[2:]
+    assert [bm.ref_count(b) for b in hits] == [0, 0, 1, 1]
+
+
 # ---- property tests -------------------------------------------------------------------------
 
 REQUEST_IDS = ["r0", "r1", "r2", "r3", "r4"]
@@ -733,9 +771,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.seen: list[tuple[int, ...]] = []
 
     @initialize(num_blocks=st.one_of(st.integers(1, 6), st.integers(6, 24)),
-                block_size=st.sampled_from([1, 2, 3, 4]))
-    def make_pool(self, num_blocks, block_size):
-        self.bm = BlockManager(num_blocks, block_size, enable_caching=True)
+                block_size=st.sampled_from([1, 2, 3, 4]),
+                reach=st.sampled_from([0, 0, 1, 2, 3, 5, 8]))
+    def make_pool(self, num_blocks, block_size, reach):
+        # reach > 0: a windowed model, whose blocks out of reach go back as it computes
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=True, reach=reach)
 
     def check_hits(self, tokens: list[int], hits: list[int]) -> None:
         bs = self.bm.block_size
@@ -752,9 +792,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         bs = self.bm.block_size
         table = self.bm.block_table(rid)
         tokens = self.tokens[rid]
+        held = set(self.bm.owners()[rid])
         for pos in range(self.computed[rid], end):
             b = table[pos // bs]
             assert self.bm.ref_count(b) == 1, f"writing into shared block {b}"
+            assert b in held, f"writing into block {b}, given back"
             self.kv[(b, pos % bs)] = tuple(tokens[:pos + 1])
         self.computed[rid] = end
 
@@ -779,7 +821,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         end = start + 1 + int(frac * (len(tokens) - start - 1))
         refs = [bm.ref_count(b) for b in hits]
         free = bm.num_free_blocks
-        taken = sum(r == 0 for r in refs)
+        # Hits wholly out of reach of the first token to compute are not held.
+        skip = max(0, start - bm.reach) // bm.block_size if bm.reach else 0
+        taken = sum(r == 0 for r in refs[skip:])
         new = bm.num_blocks_for(end) - len(hits)
         fits = new + taken <= free
         assert bm.can_allocate(rid, end, hits) == fits
@@ -792,7 +836,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         got = bm.allocate(rid, end, hits)
         table = bm.block_table(rid)
         assert table == hits + got and len(got) == new
-        assert [bm.ref_count(b) for b in hits] == [r + 1 for r in refs]
+        # (A hit not held may be evicted and handed out again at once: the table keeps
+        # its place, masked, all the same.)
+        assert [bm.ref_count(b) for b in hits[skip:]] == [r + 1 for r in refs[skip:]]
+        assert bm.owners()[rid] == table[skip:]
         assert bm.num_free_blocks == free - new - taken
         self.tokens[rid] = tokens
         self.seen.append(tuple(tokens))
@@ -800,6 +847,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.compute(rid, end)
         if register:
             bm.cache_full_blocks(rid, tokens[:end], end)
+        self.release(rid)
+
+    def release(self, rid: str) -> None:
+        """What the scheduler does after a step: blocks out of reach go back."""
+        bm = self.bm
+        before = bm.owners()[rid]
+        free = bm.num_free_blocks
+        freed = bm.release_behind(rid, self.computed[rid])
+        after = bm.owners()[rid]
+        assert before[len(before) - len(after):] == after, "only leading blocks go back"
+        gone = before[:len(before) - len(after)]
+        assert freed == sum(bm.ref_count(b) == 0 for b in gone)
+        assert bm.num_free_blocks == free + freed
+        bs = bm.block_size
+        # What goes is wholly out of reach; with caching, only registered blocks go.
+        first_kept = bm.block_table(rid).index(after[0]) if after else None
+        if not bm.reach:
+            assert not gone
+        elif gone:
+            assert first_kept * bs <= self.computed[rid] - bm.reach
+        assert after, "a request keeps the block of its next token"
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), more=tail_tokens, n=st.integers(1, 9), register=st.booleans())
@@ -823,6 +891,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if register:
             # The scheduler passes exactly the computed tokens; more is allowed.
             bm.cache_full_blocks(rid, tokens[:end + data.draw(st.integers(0, 2))], end)
+        self.release(rid)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -835,7 +904,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.tokens) + ["nobody"]))
-        held = self.bm.block_table(rid)
+        held = self.bm.owners().get(rid, [])
         freed = sum(self.bm.ref_count(b) == 1 for b in held)
         free = self.bm.num_free_blocks
         self.bm.free(rid)
@@ -865,7 +934,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             table = self.bm.block_table(rid)
             end = self.computed[rid]
             assert len(table) == self.bm.num_blocks_for(end)
-            for pos in range(end):
+            # Every position a next query reads (all of them, without a reach).
+            for pos in range(max(0, end - self.bm.reach) if self.bm.reach else 0, end):
                 assert self.kv.get((table[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), \
                     f"{rid}'s KV at position {pos} was overwritten"
 

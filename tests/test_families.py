@@ -166,6 +166,48 @@ def test_kernel_path_matches_eager_through_chunks_and_the_prefix_cache(checkpoin
     assert all(o.metrics.num_cached_tokens >= 16 for o in outs), [(len(o.prompt_token_ids), o.metrics.num_cached_tokens) for o in outs]
 
 
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_a_windowed_model_runs_prompts_longer_than_its_pool(checkpoints, cpu_kernels):
+    """Every layer of Mistral slides: the blocks behind a sequence's window go back to the
+    pool as it grows (and other sequences overwrite them), so prompts longer than the whole
+    pool run, several at once, each with transformers' greedy tokens."""
+    path, ref = checkpoints["mistral"]
+    probe = LLM(model=path, dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20)
+    block_bytes = probe.engine.executor.block_bytes
+    llm = LLM(model=path, dtype="float32", kernel_tuning="off", cpu_kernels=cpu_kernels,
+              block_size=4, kv_cache_memory=16 * block_bytes // 4, max_num_batched_tokens=8, max_num_seqs=3,
+              max_model_len=256)
+    engine = llm.engine
+    assert engine.block_manager.reach == WINDOW and engine.kv_capacity_tokens == 64
+    assert engine.max_model_len == 256
+    prompts = [_ids(llm, p * 4) for p in PROMPTS]
+    assert min(map(len, prompts)) > engine.kv_capacity_tokens
+    together = 0
+    step = engine.step
+
+    def watched():
+        nonlocal together
+        out = step()
+        together = max(together, engine.scheduler.num_running)
+        return out
+    engine.step = watched
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert together == len(prompts)
+    for ids, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        assert_reference_greedy(ref, ids, out.outputs[0].token_ids,
+                                banned=(ref.config.eos_token_id,))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_attention_reach_is_the_widest_window_when_every_layer_slides(checkpoints):
+    def reach(family):
+        return ModelConfig.from_hf_dir(checkpoints[family][0]).attention_reach
+    assert reach("mistral") == reach("starcoder2") == WINDOW
+    assert reach("gemma3") is None and reach("exaone4") is None  # a global layer reads all
+    assert reach("qwen3") is None
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "phi3", "qwen2_moe", "starcoder2",
                                     "olmo2"])
 def test_quantised_weights_stay_close(checkpoints, family):

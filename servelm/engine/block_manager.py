@@ -127,14 +127,25 @@ class BlockManager:
     request keeps one at its latest boundary, from the free ones); it joins that block
     when the block is registered (cache_full_blocks), and goes with the block when the
     block is evicted.
+
+    With a reach (every attention layer of the model a sliding window or an attention
+    chunk: no query reads keys more than `reach` positions before it), a request's blocks
+    wholly out of reach of its next token are given back as it goes (release_behind),
+    and a prefix-cache hit holds only the hit blocks in reach: a sequence holds about
+    reach + one step's tokens, however long it grows. A given-back block keeps its place
+    in the table (block_table: attention masks those positions; the pool's blocks always
+    hold finite values) but the request no longer holds it: owners() and the ref counts
+    leave it out, and another request may take and overwrite it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  event_capacity: int = 1 << 16, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0):
+                 num_state_snapshots: int = 0, reach: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
+        if reach < 0:
+            raise ValueError(f"reach must be >= 0 (0: every key stays in reach), got {reach}")
         if num_state_slots and enable_caching and num_state_snapshots < 1:
             raise ValueError("prefix caching cannot restore a recurrent state without state "
                              "snapshots: a model with linear-attention layers needs "
@@ -163,6 +174,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self.reach = reach
+        self._released: dict[str, int] = {}  # per request: its leading blocks given back
         # Prefix cache: key -> block, block -> (key, key id, digest); per request, how many
         # of its leading blocks are registered and the key id and digest of the last of them
         # (its chain so far). Digests (block_digest) name blocks outside this process:
@@ -246,6 +259,8 @@ class BlockManager:
             return
         table = self._tables.get(request_id, [])
         done = self._num_registered.get(request_id, 0)
+        if done < self._released.get(request_id, 0):
+            return  # a block given back unregistered: nothing after it can chain on
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
         parent, digest = self._chain.get(request_id, (_root(salt), 0))
@@ -377,8 +392,9 @@ class BlockManager:
                            cached: list[int] = ()) -> int:
         """Free blocks that growing the table to num_tokens tokens, starting from `cached`
         blocks (for a request that holds none yet), would take out of the free queue."""
-        # Cached blocks sitting in the free queue stop being free once taken.
-        taken = sum(1 for b in cached if self._ref[b] == 0)
+        # Cached blocks sitting in the free queue stop being free once taken (those out
+        # of reach are not taken).
+        taken = sum(1 for b in cached[self._out_of_reach(len(cached)):] if self._ref[b] == 0)
         need = max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id))
                    - len(cached))
         return need + taken
@@ -405,9 +421,12 @@ class BlockManager:
             self._slot[request_id] = self._free_slots.pop()
         if cached:
             assert not table, "cached prefix blocks go into an empty table"
-            for b in cached:
+            skip = self._out_of_reach(len(cached))
+            for b in cached[skip:]:
                 self._take(b)
             table.extend(cached)
+            if skip:
+                self._released[request_id] = skip
             self._num_registered[request_id] = len(cached)
             self._chain[request_id] = self._block_key[cached[-1]][1:]
             self._cached_at[request_id] = list(cached)
@@ -424,9 +443,44 @@ class BlockManager:
         table.extend(new)
         return new
 
+    def _out_of_reach(self, num_blocks: int) -> int:
+        """How many leading blocks are out of reach of a next token right after
+        num_blocks whole blocks (0 without a reach)."""
+        if not self.reach:
+            return 0
+        return max(0, num_blocks * self.block_size - self.reach) // self.block_size
+
+    def release_behind(self, request_id: str, num_computed: int) -> int:
+        """Give back the request's blocks wholly out of reach of its next token (position
+        num_computed): no future query of it reads them. Registered ones stay cached until
+        evicted; one given back before it was registered ends the request's registering
+        (a later block's key chains through it). Returns how many blocks went back."""
+        table = self._tables.get(request_id)
+        if not self.reach or not table:
+            return 0
+        start = self._released.get(request_id, 0)
+        end = min(max(0, num_computed - self.reach) // self.block_size, len(table) - 1)
+        if end <= start:
+            return 0
+        freed = 0
+        for block in table[start:end]:
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                freed += 1
+                self._free[block] = None
+                if block not in self._block_key:
+                    self._free.move_to_end(block, last=False)
+        self._released[request_id] = end
+        return freed
+
+    def num_held(self, request_id: str) -> int:
+        """Blocks the request holds (its table less the blocks it gave back)."""
+        return len(self._tables.get(request_id, ())) - self._released.get(request_id, 0)
+
     def free(self, request_id: str) -> None:
         """Drop the request's hold on its blocks (no-op if it holds none)."""
         table = self._tables.pop(request_id, [])
+        del table[:self._released.pop(request_id, 0)]  # given back already
         slot = self._slot.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
@@ -486,5 +540,6 @@ class BlockManager:
         return self._ref[block]
 
     def owners(self) -> dict[str, list[int]]:
-        """A copy of every request's table, for checks and metrics."""
-        return {k: list(v) for k, v in self._tables.items()}
+        """A copy of the blocks every request holds (its table less those it gave back),
+        for checks and metrics."""
+        return {k: v[self._released.get(k, 0):] for k, v in self._tables.items()}

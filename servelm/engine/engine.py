@@ -244,8 +244,13 @@ class LLMEngine:
                                        load_draft=lambda: self._load_draft(max_len),
                                        calibration=calibration)
         num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
-        # A sequence longer than the whole pool could never run.
+        # A sequence longer than the whole pool could never run; unless every attention
+        # layer is windowed, and the pool holds a window and a step's tokens.
         self.max_model_len = min(max_len, num_blocks * block_size)
+        reach = self.model_config.attention_reach
+        if reach and num_blocks * block_size >= (reach + config.scheduler.max_num_batched_tokens
+                                                 + 2 * block_size):
+            self.max_model_len = max_len
         self.kv_capacity_tokens = num_blocks * block_size
         self._build_scheduling(num_blocks)
         progress.info("ready in %.1f s; KV cache: %d tokens (%d blocks of %d, %.1f MiB), "
@@ -284,7 +289,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size,
                                           enable_caching=cache_cfg.enable_prefix_caching,
                                           num_state_slots=ex.num_state_slots,
-                                          num_state_snapshots=ex.num_state_snapshots)
+                                          num_state_snapshots=ex.num_state_snapshots,
+                                          reach=self.model_config.attention_reach or 0)
         # LoRA adapters: the registered ones and the model's resident slots.
         self.lora = self.executor.lora_manager(config, self.model_config)
         if self.lora is not None:

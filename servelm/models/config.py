@@ -196,6 +196,24 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    @property
+    def attention_reach(self) -> int | None:
+        """How far back any query reads keys: the widest sliding window or attention chunk
+        over the attention layers (a chunk of c positions starts less than c before its
+        query), or None when some attention layer reads its whole sequence. KV blocks
+        wholly this far behind a sequence's next token are never read again."""
+        chunk = self.extra.get("attention_chunk_size")
+        chunked = self.extra.get("chunked_layers", ())
+        reach = 0
+        for i in range(self.num_layers):
+            if self.is_linear_layer(i):
+                continue
+            spans = [s for s in (self.window(i), chunk if i in chunked else None) if s]
+            if not spans:
+                return None
+            reach = max(reach, min(spans))
+        return reach or None
+
     def is_linear_layer(self, layer: int) -> bool:
         """Whether the layer is linear attention (a recurrent state, no KV cache)."""
         return bool(self.layer_types) and self.layer_types[layer] == LINEAR
