@@ -306,7 +306,8 @@ def cmd_roofline(args) -> int:
         model = rl.ModelShape.from_config(
             cfg, weight_bits=bits,
             kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.cache_layout[2]),
-            state_bytes=StateCache.bytes_per_slot(cfg, dtype))
+            state_bytes=StateCache.bytes_per_slot(cfg, dtype),
+            expert_bits=None if args.bits else rl.quantized_expert_bits(native))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:

@@ -59,6 +59,7 @@ class ModelShape:
     expert_params: int = 0
     num_experts: int = 0
     experts_per_tok: int = 0
+    expert_bits: float | None = None  # a routed expert's bits per weight (None: weight_bits)
     # Linear-attention layers (Qwen3-Next, Qwen3.5): one sequence's recurrent state in all
     # of them (read and written by every step of that sequence, whatever its length), and
     # the FLOPs of one token's update and readout of it. num_layers then counts only the
@@ -86,8 +87,10 @@ class ModelShape:
         """Bytes read by a step of `tokens` tokens: every weight once (a MoE model only the
         experts its tokens chose). An untied input embedding is only indexed (one row per
         token), so it is not read whole."""
-        unread = self.expert_params * (1.0 - self.expert_fraction(tokens))
-        return (self._read_params() - unread) * self.weight_bits / 8
+        experts = self.expert_params * self.expert_fraction(tokens) if self.num_experts else 0.0
+        others = self._read_params() - self.expert_params if self.num_experts else self._read_params()
+        bits = self.weight_bits if self.expert_bits is None else self.expert_bits
+        return others * self.weight_bits / 8 + experts * bits / 8
 
     @property
     def weight_bytes_per_step(self) -> float:
@@ -139,11 +142,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float,
-                    state_bytes: float = 0.0) -> "ModelShape":
+                    state_bytes: float = 0.0, expert_bits: float | None = None) -> "ModelShape":
         """The shape of a ModelConfig; its KV heads and head dim are the cache's
         (cfg.cache_layout: the heads attention reads, DeepSeek's latent rows too), on the
         layers that keep K and V. state_bytes: one sequence's recurrent state
-        (StateCache.bytes_per_slot)."""
+        (StateCache.bytes_per_slot); expert_bits: the routed experts' bits per weight where
+        they differ from the other layers'."""
         planes, kv_heads, head_dim = cfg.cache_layout
         state_flops = 0.0
         if cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
@@ -157,7 +161,8 @@ class ModelShape:
                    hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
                    intermediate_size=cfg.intermediate_size, expert_params=cfg.expert_params,
-                   num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok)
+                   num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok,
+                   expert_bits=expert_bits)
 
 
 @dataclass(frozen=True)
@@ -410,3 +415,9 @@ def quantized_bits_per_weight(method: str | None, group_size: int | None = None,
     check_method(method)
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     return 8.0 if method == "int8" else 4.0 + 32.0 / group_size
+
+
+def quantized_expert_bits(method: str | None) -> float | None:
+    """Bits per routed-expert weight under a weight format (None: the other layers'): a
+    quantised model's experts are int8 in either format (SparseMoE.quantize_experts)."""
+    return None if method is None else quantized_bits_per_weight("int8")

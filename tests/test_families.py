@@ -221,7 +221,13 @@ def test_quantised_weights_stay_close(checkpoints, family):
     want = prompt_logits(ref.engine, prompts)
 
     def cos(quantization, cpu_kernels, against=want):
+        from servelm.models.moe import SparseMoE
+
         llm = LLM(quantization=quantization, cpu_kernels=cpu_kernels, **kw)
+        experts = [m for m in llm.engine.executor.model.modules() if isinstance(m, SparseMoE)]
+        assert all(m.experts_gate_up.dtype == m.experts_down.dtype == torch.int8
+                   for m in experts)  # routed experts: int8 in either format
+        assert bool(experts) == ("moe" in family)
         got = prompt_logits(llm.engine, prompts)
         return torch.nn.functional.cosine_similarity(got, against, dim=-1).min().item(), got
 

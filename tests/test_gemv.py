@@ -151,6 +151,58 @@ def test_fused_moe_op_runs_gpt_oss_clamped_biased_experts(by_row):
     assert (F.linear(x, moe.experts_gate_up[0]).abs() > 0.3).any()
 
 
+@pytest.mark.parametrize("by_row", [False, True], ids=["interleaved", "by-row"])
+@pytest.mark.parametrize("clamped", [False, True], ids=["silu", "gpt-oss"])
+def test_int8_experts_compute_what_their_dequantised_weights_give(by_row, clamped):
+    """quantize_experts: int8 rows, a scale each. The fused op (fp32 activations) and the
+    per-expert path (PyTorch's int8 matmul for a few rows, the widened weight past
+    INT8PACK_ROWS) give the outputs of the same layer holding the dequantised weights;
+    with bf16 activations the fused op stays within bf16 rounding of the per-expert path."""
+    import copy
+
+    from servelm.models.moe import INT8PACK_ROWS
+
+    opts = dict(swiglu_limit=0.3, swiglu_alpha=1.702, expert_bias=True,
+                router_bias=True) if clamped else {}
+    moe = _moe("silu", torch.float32, **opts)
+    q = copy.deepcopy(moe)
+    q.quantize_experts()
+    assert q.experts_gate_up.dtype == q.experts_down.dtype == torch.int8
+    assert q.experts_gate_up_scale.shape == (8, 96) and q.experts_down_scale.shape == (8, 64)
+    ref = copy.deepcopy(moe)  # the dequantised experts, in fp32
+    with torch.no_grad():
+        ref.experts_gate_up.copy_(q.experts_gate_up.float() * q.experts_gate_up_scale[..., None])
+        ref.experts_down.copy_(q.experts_down.float() * q.experts_down_scale[..., None])
+    assert (ref.experts_gate_up - moe.experts_gate_up).abs().max() < 0.01  # int8's rounding
+    x = torch.randn(5, 64)
+    weights, ids = q.route(x)
+    code = 3 if clamped else 0
+    biases = (q.experts_gate_up_bias, q.experts_down_bias) if clamped else (None, None)
+    limit = (0.3, 1.702) if clamped else (0.0, 1.0)
+    got = torch.ops.servelm_gemv.moe_experts(
+        x, ids, weights, q.experts_gate_up, q.experts_down, code, *biases, *limit, by_row,
+        q.experts_gate_up_scale, q.experts_down_scale)
+    torch.testing.assert_close(got, ref(x), rtol=1e-5, atol=1e-5)
+    q.select(False)
+    for rows in (3, 4 * INT8PACK_ROWS):
+        x = torch.randn(rows, 64)
+        most = torch.bincount(q.route(x)[1].flatten()).max().item()
+        assert (most < INT8PACK_ROWS) == (rows == 3)  # both ways an expert's rows run
+        torch.testing.assert_close(q(x), ref(x), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="scale"):  # int8 rows without their scales
+        torch.ops.servelm_gemv.moe_experts(x[:1], ids[:1], weights[:1], q.experts_gate_up,
+                                           q.experts_down, code)
+    qb = copy.deepcopy(moe).to(torch.bfloat16)
+    qb.quantize_experts()
+    qb.select(True)
+    assert qb._fused is not None and qb.act_dtype == torch.bfloat16
+    xb = torch.randn(2, 64, dtype=torch.bfloat16)
+    qb._fused_rows = 2
+    fused = qb(xb)
+    qb.select(False)
+    torch.testing.assert_close(fused.float(), qb(xb).float(), rtol=0.05, atol=0.05)
+
+
 def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():
     from servelm.models.moe import fused_rows
 

@@ -299,14 +299,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    max_loras=config.lora.max_loras if self.lora else None)
         weight_bits = torch.empty(0, dtype=self.dtype).element_size() * 8
+        expert_bits = None
         if config.quantization:
-            from servelm.roofline import quantized_bits_per_weight
+            from servelm.roofline import quantized_bits_per_weight, quantized_expert_bits
 
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
+            expert_bits = quantized_expert_bits(config.quantization)
         self.shape = ModelShape.from_config(
             self.model_config, weight_bits=weight_bits,
             kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.cache_layout[2]),
-            state_bytes=StateCache.bytes_per_slot(self.model_config, self.dtype))
+            state_bytes=StateCache.bytes_per_slot(self.model_config, self.dtype),
+            expert_bits=expert_bits)
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None
         if config.speculative is not None:

@@ -66,6 +66,7 @@ def fused_rows(num_experts: int, top_k: int) -> int:
 
 
 _ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+INT8PACK_ROWS = 16  # int8 experts: fewer of an expert's rows than this take _weight_int8pack_mm
 
 
 class SparseMoE(OpModule):
@@ -130,6 +131,9 @@ class SparseMoE(OpModule):
         self.eps, self.root_scale = eps, hidden ** -0.5
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # int8 experts (quantize_experts): each row's fp32 scale [E, 2I] and [E, H].
+        self.register_buffer("experts_gate_up_scale", None)
+        self.register_buffer("experts_down_scale", None)
         self.experts_gate_up_bias = self.experts_down_bias = None
         if expert_bias:
             self.experts_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
@@ -146,19 +150,54 @@ class SparseMoE(OpModule):
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.select(False)
 
+    @torch.no_grad()
+    def quantize_experts(self) -> None:
+        """The routed experts' weights in int8, symmetric per output row (fp32 scales, as
+        Int8Linear's), an expert at a time: a step reads half a bf16 expert's bytes. Both
+        paths take them (the fused op widens the int8 rows as it reads them; the per-expert
+        path runs PyTorch's int8-weight matmul on the CPU)."""
+        from servelm.quantization.numerics import quantize_int8
+
+        for name in ("experts_gate_up", "experts_down"):
+            w = getattr(self, name)
+            if w.dtype == torch.int8:
+                continue
+            self._act_dtype = w.dtype
+            q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], scale[e] = quantize_int8(w[e])
+            delattr(self, name)
+            self.register_buffer(name, q)
+            setattr(self, name + "_scale", scale)
+        self.select(self.uses_kernels)
+
+    @property
+    def quantized(self) -> bool:
+        return self.experts_gate_up_scale is not None
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The activations' dtype (the experts' own, or theirs before int8)."""
+        return self._act_dtype if self.quantized else self.experts_gate_up.dtype
+
     def select(self, kernels: bool) -> None:
         """kernels: a step of at most fused_rows tokens runs the routed experts in one C++
-        call, where they are bf16 gated MLPs on the CPU (gpt-oss's clamped SwiGLU and
-        biases too, not experts weighted on their input) and the op is built; otherwise
-        (and always without kernels) the per-expert path."""
+        call, where they are bf16 (or int8, beside bf16 or fp32 activations) gated MLPs on
+        the CPU (gpt-oss's clamped SwiGLU and biases too, not experts weighted on their
+        input) and the op is built; otherwise (and always without kernels) the per-expert
+        path."""
         from servelm.layers import gemv
 
         self.uses_kernels = kernels
         w = self.experts_gate_up
+        act = self.act_dtype
         o = self.options
         self._fused = None
         clamped = o["swiglu_limit"] is not None
-        if (kernels and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+        if (kernels and w.device.type == "cpu"
+                and (w.dtype == torch.bfloat16 if not self.quantized
+                     else act in (torch.bfloat16, torch.float32))
                 and not o["expert_input_weighted"] and (clamped or o["act"] in _ACT_CODES)
                 and o["hidden"] % 8 == 0 and o["intermediate"] % 8 == 0
                 and gemv.available() and hasattr(torch.ops.servelm_gemv, "moe_experts")):
@@ -169,7 +208,8 @@ class SparseMoE(OpModule):
                 self.experts_down_bias.detach().float().contiguous())
             limit, alpha = (o["swiglu_limit"], o["swiglu_alpha"]) if clamped else (0.0, 1.0)
             code = 3 if clamped else _ACT_CODES[o["act"]]
-            self._fused = functools.partial(_fused_call, op, code, *biases, limit, alpha)
+            self._fused = functools.partial(_fused_call, op, code, *biases, limit, alpha,
+                                            self.experts_gate_up_scale, self.experts_down_scale)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,21 +307,42 @@ class SparseMoE(OpModule):
         return routed + shared
 
     def _plain_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.quantized:
+            h = gated_act(self._linear(x, e, self.experts_gate_up, self.experts_gate_up_scale),
+                          self.act)
+            return self._linear(h, e, self.experts_down, self.experts_down_scale)
         return expert_mlp(x, self.experts_gate_up[e], self.experts_down[e], self.act)
 
     def _clamped_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         gbias = None if self.experts_gate_up_bias is None else self.experts_gate_up_bias[e]
         dbias = None if self.experts_down_bias is None else self.experts_down_bias[e]
-        h = self._act(F.linear(x, self.experts_gate_up[e], gbias))
-        return F.linear(h, self.experts_down[e], dbias)
+        h = self._act(self._linear(x, e, self.experts_gate_up, self.experts_gate_up_scale,
+                                   gbias))
+        return self._linear(h, e, self.experts_down, self.experts_down_scale, dbias)
+
+    @staticmethod
+    def _linear(x: torch.Tensor, e: int, w: torch.Tensor, scale: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert e's projection of x: F.linear, or for int8 experts, below INT8PACK_ROWS
+        rows on the CPU, PyTorch's int8-weight matmul (the rows scaled in x's dtype, as
+        Int8Linear's int8pack path), else the int8 rows widened to x's dtype for the
+        matmul (which runs many rows far faster: docs/benchmarks.md)."""
+        if scale is None:
+            return F.linear(x, w[e], bias)
+        if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+                and x.shape[0] < INT8PACK_ROWS):
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w[e], scale[e].to(x.dtype))
+        else:
+            y = F.linear(x, w[e].to(x.dtype)) * scale[e].to(x.dtype)
+        return y if bias is None else y + bias
 
 
 def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
-                x, ids, weights, gate_up, down, by_row: bool = False):
-    """servelm_gemv.moe_experts with the layer's activation and biases bound (select), and
-    the weight order measured fastest here (tune_fused_experts)."""
+                gate_up_scale, down_scale, x, ids, weights, gate_up, down, by_row: bool = False):
+    """servelm_gemv.moe_experts with the layer's activation, biases and (int8 experts)
+    scales bound (select), and the weight order measured fastest here (tune_fused_experts)."""
     return op(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit, alpha,
-              by_row)
+              by_row, gate_up_scale, down_scale)
 
 
 def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
@@ -323,7 +384,7 @@ def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
 
     by_row = getattr(model, "moe_by_row", None)
     if by_row is None:
-        x = torch.randn(1, first.options["hidden"], dtype=first.experts_gate_up.dtype)
+        x = torch.randn(1, first.options["hidden"], dtype=first.act_dtype)
         ids = (torch.arange(first.top_k) * 3 % first.num_experts).view(1, -1)
         w = torch.full((1, first.top_k), 1.0 / first.top_k)
         by_row = ratio(
@@ -339,7 +400,7 @@ def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
         gen = torch.Generator().manual_seed(0)
         while rows < 64:
             x = torch.randn(2 * rows, first.options["hidden"], generator=gen).to(
-                first.experts_gate_up.dtype)
+                first.act_dtype)
 
             def run(limit: int):
                 def call(m):

@@ -30,7 +30,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
     """Swap the model's target `nn.Linear` layers for quantised ones, in place.
 
     A tied LM head gets its own quantised copy; the embedding keeps its weight. A layer
-    int4 cannot take (in_features not a multiple of group_size) is kept in int8.
+    int4 cannot take (in_features not a multiple of group_size) is kept in int8, and so are
+    mixture-of-experts layers' routed experts (SparseMoE.quantize_experts).
     use_kernels False: the layers never run the C++ kernels (None: wherever they load).
     """
     check_method(method)
@@ -45,4 +46,9 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
             m = "int8"
         q = quantize_linear(child, m, group_size, symmetric, use_kernels)
         setattr(parent, name, q.to(child.weight.device))
+    from servelm.models.moe import SparseMoE
+
+    for m in model.modules():  # routed experts: int8 in either format
+        if isinstance(m, SparseMoE):
+            m.quantize_experts()
     return model

@@ -51,9 +51,10 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 // out[m0 .. m0 + MT) x [n0, n0 + nr) for one block of up to 4 weight rows.
+// scale (int8 weights): each row's products times its scale, before the bias.
 template <int MT, typename W, typename O>
 void block(const float* x, const W* w, const float* bias, O* out, int64_t m0, int64_t n0,
-           int nr, int64_t K, int64_t N) {
+           int nr, int64_t K, int64_t N, const float* scale = nullptr) {
   const W* w0 = w + n0 * K;
   // Rows past N (the last block) read row 0 again and are not stored.
   const W* w1 = nr > 1 ? w0 + K : w0;
@@ -77,14 +78,15 @@ void block(const float* x, const W* w, const float* bias, O* out, int64_t m0, in
     alignas(16) float s[4];
     _mm_store_ps(s, hsum4(a0[m], a1[m], a2[m], a3[m]));
     for (int r = 0; r < nr; ++r)
-      out[(m0 + m) * N + n0 + r] = static_cast<O>(s[r] + (bias ? bias[n0 + r] : 0.f));
+      out[(m0 + m) * N + n0 + r] = static_cast<O>((scale ? s[r] * scale[n0 + r] : s[r]) +
+                                                  (bias ? bias[n0 + r] : 0.f));
   }
 }
 
 // The same outputs as block(), a weight row at a time.
 template <int MT, typename W, typename O>
 void block_rows(const float* x, const W* w, const float* bias, O* out, int64_t m0, int64_t n0,
-                int nr, int64_t K, int64_t N) {
+                int nr, int64_t K, int64_t N, const float* scale = nullptr) {
   for (int r = 0; r < nr; ++r) {
     const W* wr = w + (n0 + r) * K;
     __m256 a[MT][4];
@@ -110,7 +112,9 @@ void block_rows(const float* x, const W* w, const float* bias, O* out, int64_t m
     for (int m = 0; m < MT; ++m) {
       const __m256 s = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]),
                                      _mm256_add_ps(a[m][2], a[m][3]));
-      out[(m0 + m) * N + n0 + r] = static_cast<O>(hsum8(s) + (bias ? bias[n0 + r] : 0.f));
+      const float d = hsum8(s);
+      out[(m0 + m) * N + n0 + r] = static_cast<O>((scale ? d * scale[n0 + r] : d) +
+                                                  (bias ? bias[n0 + r] : 0.f));
     }
   }
 }
@@ -183,7 +187,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 // A mixture-of-experts layer's routed experts for a few tokens (decode), in one call:
 //   out[t] = sum_j weights[t, j] * down[e] (act(gate[e] x[t]) * up[e] x[t]),  e = ids[t, j]
 // gate_up [E, 2I, H] (gate rows, then up), down [E, H, I], both of x's dtype (bfloat16, or
-// float32 for float32 x), contiguous; ids [T, k] int64, weights [T, k] float32; act 0: SiLU,
+// float32 for float32 x), or both int8 with gate_up_scale [E, 2I] and down_scale [E, H]
+// (float32: each row's symmetric scale; x bfloat16 or float32), contiguous; ids [T, k]
+// int64, weights [T, k] float32; act 0: SiLU,
 // 1: GELU (tanh), 2: GELU (erf), 3: gpt-oss's clamped SwiGLU ((clamp(up, -limit, limit) + 1)
 // * g * sigmoid(alpha g), g = min(gate, limit)); gate_up_bias [E, 2I] and down_bias [E, H]
 // (float32) where the experts have biases; by_row: each block's weight rows one after
@@ -197,10 +203,15 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
                    const at::Tensor& gate_up, const at::Tensor& down, int64_t act,
                    const c10::optional<at::Tensor>& gbias_in,
                    const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
-                   bool by_row) {
-  const at::ScalarType wt = std::is_same<W, float>::value ? at::kFloat : at::kBFloat16;
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == wt,
-              "servelm_gemv.moe_experts: x must be [T, H] of the experts' dtype on the CPU");
+                   bool by_row, const c10::optional<at::Tensor>& gscale_in,
+                   const c10::optional<at::Tensor>& dscale_in) {
+  constexpr bool q8 = std::is_same<W, int8_t>::value;
+  const at::ScalarType wt = q8 ? at::kChar : std::is_same<W, float>::value ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
+              (q8 ? (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16)
+                  : x_in.scalar_type() == wt),
+              "servelm_gemv.moe_experts: x must be [T, H] on the CPU, of the experts' dtype "
+              "(bfloat16 or float32 for int8 experts)");
   TORCH_CHECK(gate_up.scalar_type() == wt && down.scalar_type() == wt && gate_up.dim() == 3 &&
               down.dim() == 3 && gate_up.is_contiguous() && down.is_contiguous(),
               "servelm_gemv.moe_experts: gate_up [E, 2I, H] and down [E, H, I], contiguous");
@@ -221,6 +232,17 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
     TORCH_CHECK(dbias_in->numel() == E * H, "servelm_gemv.moe_experts: down_bias [E, H]");
     dbias = dbias_in->to(at::kFloat).contiguous();
   }
+  at::Tensor gscale, dscale;
+  TORCH_CHECK(q8 == (gscale_in && gscale_in->defined()) && q8 == (dscale_in && dscale_in->defined()),
+              "servelm_gemv.moe_experts: int8 experts take gate_up_scale and down_scale, others none");
+  if (q8) {
+    TORCH_CHECK(gscale_in->numel() == E * 2 * I && dscale_in->numel() == E * H,
+                "servelm_gemv.moe_experts: gate_up_scale [E, 2I] and down_scale [E, H]");
+    gscale = gscale_in->to(at::kFloat).contiguous();
+    dscale = dscale_in->to(at::kFloat).contiguous();
+  }
+  const float* gsp = q8 ? gscale.data_ptr<float>() : nullptr;
+  const float* dsp = q8 ? dscale.data_ptr<float>() : nullptr;
   const float* gbp = gbias.defined() ? gbias.data_ptr<float>() : nullptr;
   const float* dbp = dbias.defined() ? dbias.data_ptr<float>() : nullptr;
   const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
@@ -244,9 +266,9 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
   const W* gp = reinterpret_cast<const W*>(gate_up.data_ptr());
   const W* dp = reinterpret_cast<const W*>(down.data_ptr());
   auto gemv = [&](const float* xr, const W* w, const float* bias, float* o, int64_t n0, int nr,
-                  int64_t K, int64_t N) {
-    if (by_row) block_rows<1>(xr, w, bias, o, 0, n0, nr, K, N);
-    else block<1>(xr, w, bias, o, 0, n0, nr, K, N);
+                  int64_t K, int64_t N, const float* scale) {
+    if (by_row) block_rows<1>(xr, w, bias, o, 0, n0, nr, K, N, scale);
+    else block<1>(xr, w, bias, o, 0, n0, nr, K, N, scale);
   };
   auto store = [&](auto* o) {
     // One parallel region, two barriers (a few tokens' step is short: three regions' fork
@@ -264,7 +286,8 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
       for (int64_t b = P * NB1 * tid / n, b1 = P * NB1 * (tid + 1) / n; b < b1; ++b) {
         const int64_t p = b / NB1, n0 = (b % NB1) * kRows;
         gemv(xp + (p / k) * H, gp + idp[p] * 2 * I * H, gbp ? gbp + idp[p] * 2 * I : nullptr,
-             hp + p * 2 * I, n0, static_cast<int>(std::min<int64_t>(kRows, 2 * I - n0)), H, 2 * I);
+             hp + p * 2 * I, n0, static_cast<int>(std::min<int64_t>(kRows, 2 * I - n0)), H, 2 * I,
+             gsp ? gsp + idp[p] * 2 * I : nullptr);
       }
 #pragma omp barrier
       for (int64_t q = P * I * tid / n, q1 = P * I * (tid + 1) / n; q < q1; ++q) {
@@ -287,7 +310,8 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
       for (int64_t p = 0; p < P; ++p)
         for (int64_t n0 = c0; n0 < c1; n0 += kRows)
           gemv(ap + p * I, dp + idp[p] * H * I, dbp ? dbp + idp[p] * H : nullptr, yp + p * H, n0,
-               static_cast<int>(std::min<int64_t>(kRows, H - n0)), I, H);
+               static_cast<int>(std::min<int64_t>(kRows, H - n0)), I, H,
+               dsp ? dsp + idp[p] * H : nullptr);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t c = c0; c < c1; ++c) {
           float acc = 0.f;
@@ -305,12 +329,16 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                        const at::Tensor& gate_up, const at::Tensor& down, int64_t act,
                        const c10::optional<at::Tensor>& gate_up_bias,
                        const c10::optional<at::Tensor>& down_bias, double limit, double alpha,
-                       bool by_row) {
+                       bool by_row, const c10::optional<at::Tensor>& gate_up_scale,
+                       const c10::optional<at::Tensor>& down_scale) {
+  if (gate_up.scalar_type() == at::kChar)
+    return moe_run<int8_t>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit,
+                           alpha, by_row, gate_up_scale, down_scale);
   if (x.scalar_type() == at::kFloat)
     return moe_run<float>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias, limit,
-                          alpha, by_row);
+                          alpha, by_row, gate_up_scale, down_scale);
   return moe_run<c10::BFloat16>(x, ids, weights, gate_up, down, act, gate_up_bias, down_bias,
-                                limit, alpha, by_row);
+                                limit, alpha, by_row, gate_up_scale, down_scale);
 }
 
 }  // namespace
@@ -320,7 +348,8 @@ TORCH_LIBRARY(servelm_gemv, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None, bool by_row=False) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, "
         "int act, Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., "
-        "float alpha=1., bool by_row=False) -> Tensor");
+        "float alpha=1., bool by_row=False, Tensor? gate_up_scale=None, "
+        "Tensor? down_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_gemv, CPU, m) {
