@@ -418,6 +418,6 @@ def quantized_bits_per_weight(method: str | None, group_size: int | None = None,
 
 
 def quantized_expert_bits(method: str | None) -> float | None:
-    """Bits per routed-expert weight under a weight format (None: the other layers'): a
-    quantised model's experts are int8 in either format (SparseMoE.quantize_experts)."""
-    return None if method is None else quantized_bits_per_weight("int8")
+    """Bits per routed-expert weight under a weight format (None: the other layers'): int8
+    per row, or int4 in groups of 32 (SparseMoE.quantize_experts)."""
+    return None if method is None else quantized_bits_per_weight(method, 32)

@@ -8,6 +8,7 @@ from torch import nn
 
 from servelm.layers import gemv
 from servelm.layers import linear_methods as lm
+from servelm.models.moe import clamped_swiglu
 
 pytestmark = pytest.mark.skipif(not gemv.available(),
                                 reason="gemv kernel not built here (AVX2, FMA)")
@@ -99,11 +100,11 @@ def test_applies_to_fp32_and_bf16_layers_and_rejects_bad_operands():
 # ---- a MoE layer's routed experts in one call (moe_experts) ----------------------------------
 
 
-def _moe(act: str, dtype: torch.dtype, shared: int = 0, **options):
+def _moe(act: str, dtype: torch.dtype, shared: int = 0, intermediate: int = 48, **options):
     from servelm.models.moe import SparseMoE
 
     torch.manual_seed(7)
-    moe = SparseMoE(64, 48, 8, 3, act=act, shared_intermediate=shared, **options)
+    moe = SparseMoE(64, intermediate, 8, 3, act=act, shared_intermediate=shared, **options)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.2)
@@ -201,6 +202,78 @@ def test_int8_experts_compute_what_their_dequantised_weights_give(by_row, clampe
     fused = qb(xb)
     qb.select(False)
     torch.testing.assert_close(fused.float(), qb(xb).float(), rtol=0.05, atol=0.05)
+
+
+def test_q4_panels_unpack_to_what_was_packed():
+    from servelm.layers.q8act import pack_q4, unpack_q4
+
+    q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    assert torch.equal(unpack_q4(pack_q4(q)), q)
+
+
+@pytest.mark.skipif(not lm.q8act.available(), reason="needs the q8act kernel (AVX2, F16C)")
+@pytest.mark.parametrize("clamped", [False, True], ids=["silu", "gpt-oss"])
+def test_int4_experts_run_the_dequantised_weights_on_int8_activations(clamped):
+    """quantize_experts("int4"): groups of 32 in the q8act panels. The fused op is, to fp32
+    rounding, the dequantised experts applied to activations quantised per block of 32 as
+    the kernel quantises them (each token's row, then each pair's activation row); the
+    per-expert path's int4_linear runs the same rounding; without the kernels the experts
+    are dequantised."""
+    import copy
+
+    from servelm.layers.q8act import dequantize_q4, quantize_reference
+
+    opts = dict(swiglu_limit=0.3, swiglu_alpha=1.702, expert_bias=True,
+                router_bias=True) if clamped else {}
+    moe = _moe("silu", torch.bfloat16, intermediate=64, **opts)
+    q = copy.deepcopy(moe)
+    q.quantize_experts("int4")
+    assert q.expert_format == "int4" and q.experts_gate_up.dtype == torch.uint8
+    assert q.experts_gate_up.shape == (8, 128 // 16, 64 // 32, 2, 4, 32)
+    odd = copy.deepcopy(_moe("silu", torch.bfloat16))  # intermediate 48: int8
+    odd.quantize_experts("int4")
+    assert odd.expert_format == "int8"
+    wg = torch.stack([dequantize_q4(q.experts_gate_up[e], q.experts_gate_up_scale[e],
+                                    q.experts_gate_up_min[e]) for e in range(8)])
+    wd = torch.stack([dequantize_q4(q.experts_down[e], q.experts_down_scale[e],
+                                    q.experts_down_min[e]) for e in range(8)])
+    assert (wg - moe.experts_gate_up.float()).abs().max() < 0.2  # int4's rounding
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    weights, ids = q.route(x)
+
+    def dq(t):
+        qt, d = quantize_reference(t)
+        return (qt.float().reshape(*t.shape[:-1], -1, 32) * d[..., None]).reshape(t.shape)
+
+    gb = q.experts_gate_up_bias.float() if clamped else torch.zeros(8, 128)
+    db = q.experts_down_bias.float() if clamped else torch.zeros(8, 64)
+    want = torch.zeros(3, 64)
+    for t in range(3):
+        for j in range(3):
+            e = int(ids[t, j])
+            h = dq(x[t].float()) @ wg[e].T + gb[e]
+            a = (clamped_swiglu(h, 0.3, 1.702) if clamped
+                 else F.silu(h[:64]) * h[64:])
+            want[t] += weights[t, j].float() * (dq(a) @ wd[e].T + db[e])
+    q.select(True)
+    assert q._fused is not None
+    q._fused_rows = 3
+    got = q(x)
+    torch.testing.assert_close(got.float(), want, rtol=0.01, atol=0.01)  # bf16 output
+    fp32 = torch.ops.servelm_q8act.moe_experts(
+        x.float(), ids, weights.float(), q.experts_gate_up, q.experts_gate_up_scale,
+        q.experts_gate_up_min, q.experts_down, q.experts_down_scale, q.experts_down_min,
+        3 if clamped else 0, *((q.experts_gate_up_bias, q.experts_down_bias) if clamped
+                               else (None, None)), *((0.3, 1.702) if clamped else (0.0, 1.0)))
+    torch.testing.assert_close(fp32, want, rtol=1e-4, atol=1e-4)
+    q._fused_rows = 0  # the per-expert path: int4_linear, a row's activations rounded as bf16
+    torch.testing.assert_close(q(x).float(), want, rtol=0.05, atol=0.05)
+    q.select(False)  # no kernels: the experts dequantised
+    ref = copy.deepcopy(moe).float()
+    with torch.no_grad():
+        ref.experts_gate_up.copy_(wg)
+        ref.experts_down.copy_(wd)
+    torch.testing.assert_close(q(x).float(), ref(x.float()), rtol=0.05, atol=0.05)
 
 
 def test_bf16_moe_takes_the_fused_op_for_a_few_tokens_only():

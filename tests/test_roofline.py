@@ -227,10 +227,11 @@ def test_moe_reads_its_chosen_experts_and_multiplies_only_active_weights():
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64),
         weight_bits=16, kv_bits=16)
     assert dense.weight_bytes(1) == dense.weight_bytes(64) == dense.weight_bytes_per_step
-    # int4 weights with int8 experts (a quantised model's experts are int8 in either format).
+    # int4 weights in groups of 64 with int4 experts in groups of 32.
     q = rl.ModelShape.from_config(cfg, weight_bits=4.5, kv_bits=16,
                                   expert_bits=rl.quantized_expert_bits("int4"))
     experts = cfg.expert_params * 8 / 128
     assert q.weight_bytes(1) == pytest.approx(
-        (cfg.num_active_params - embed - experts) * 4.5 / 8 + experts)
+        (cfg.num_active_params - embed - experts) * 4.5 / 8 + experts * 5 / 8)
+    assert rl.quantized_expert_bits("int8") == 8
     assert rl.quantized_expert_bits(None) is None

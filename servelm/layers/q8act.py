@@ -48,6 +48,25 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
     return (q[..., 0] | (q[..., 1] << 4)).reshape(n16 // NR, k // BLOCK, 2, 4, 32).contiguous()
 
 
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_q4's inverse: [T, K / 32, 2, 4, 32] -> q uint8 [16T, K] in 0..15."""
+    T, B = packed.shape[:2]
+    b = packed.reshape(T, B, 2, 4, 8, 4)                     # [T, block, half, chunk, o, t]
+    q = torch.stack((b & 15, b >> 4), dim=-1)                 # ... nibble
+    return q.permute(0, 2, 4, 1, 3, 6, 5).reshape(T * NR, B * BLOCK)
+
+
+def dequantize_q4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                  dtype=torch.float32) -> torch.Tensor:
+    """The weight [16T, K] of packed (pack_q4's layout) with Int4Linear's group scales and
+    mins (float16 [T, K / G, 16]: w = s q + m)."""
+    q = unpack_q4(packed).float()
+    T, G = scales.shape[:2]
+    tile = lambda t: t.float().transpose(1, 2).reshape(T * NR, G, 1)  # noqa: E731
+    w = q.reshape(T * NR, G, -1) * tile(scales) + tile(mins)
+    return w.reshape(q.shape).to(dtype)
+
+
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel does to x [..., K] (fp32 arithmetic): (q int8 [..., K], d fp32
     [..., K / 32]); the kernel computes x' @ w.T for x' = q * d (each block's d)."""

@@ -134,6 +134,9 @@ class SparseMoE(OpModule):
         # int8 experts (quantize_experts): each row's fp32 scale [E, 2I] and [E, H].
         self.register_buffer("experts_gate_up_scale", None)
         self.register_buffer("experts_down_scale", None)
+        self.register_buffer("experts_gate_up_min", None)  # int4 experts' group mins
+        self.register_buffer("experts_down_min", None)
+        self.expert_format = None  # quantize_experts': "int8" or "int4"
         self.experts_gate_up_bias = self.experts_down_bias = None
         if expert_bias:
             self.experts_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
@@ -151,25 +154,50 @@ class SparseMoE(OpModule):
         self.select(False)
 
     @torch.no_grad()
-    def quantize_experts(self) -> None:
-        """The routed experts' weights in int8, symmetric per output row (fp32 scales, as
-        Int8Linear's), an expert at a time: a step reads half a bf16 expert's bytes. Both
-        paths take them (the fused op widens the int8 rows as it reads them; the per-expert
-        path runs PyTorch's int8-weight matmul on the CPU)."""
-        from servelm.quantization.numerics import quantize_int8
+    def quantize_experts(self, method: str = "int8") -> None:
+        """The routed experts' weights quantised, an expert at a time:
 
+        - "int8": symmetric per output row (fp32 scales [E, N], as Int8Linear's): the fused
+          op widens the rows as it reads them; the per-expert path runs PyTorch's
+          int8-weight matmul on the CPU;
+        - "int4": groups of 32 inputs (w = s q + m, float16 scales and mins, as
+          Int4Linear's) in the q8act kernel's panels (uint8 [E, N / 16, K / 32, 2, 4, 32];
+          scales and mins [E, N / 16, K / 32, 16]), for bf16 activations run by
+          servelm_q8act (the fused op and int4_linear: activations quantised to int8 per
+          block of 32); other activations, and without the kernels, dequantised an expert
+          at a time. A hidden or intermediate size that is not a multiple of 32 keeps int8.
+        """
+        from servelm.quantization.numerics import quantize_int4, quantize_int8
+
+        if self.quantized:
+            return
+        o = self.options
+        if method == "int4" and (o["hidden"] % 32 or o["intermediate"] % 32):
+            method = "int8"
+        self.expert_format = method
         for name in ("experts_gate_up", "experts_down"):
             w = getattr(self, name)
-            if w.dtype == torch.int8:
-                continue
             self._act_dtype = w.dtype
-            q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
-            for e in range(w.shape[0]):
-                q[e], scale[e] = quantize_int8(w[e])
+            E, N, K = w.shape
+            if method == "int8":
+                q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+                scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+                for e in range(E):
+                    q[e], scale[e] = quantize_int8(w[e])
+                mins = None
+            else:
+                from servelm.layers.q8act import BLOCK, NR
+
+                T = -(-N // NR)
+                q = torch.empty(E, T, K // BLOCK, 2, 4, 32, dtype=torch.uint8, device=w.device)
+                scale = torch.empty(E, T, K // BLOCK, NR, dtype=torch.float16, device=w.device)
+                mins = torch.empty_like(scale)
+                for e in range(E):
+                    q[e], scale[e], mins[e] = _q8act_panels(*quantize_int4(w[e], BLOCK))
             delattr(self, name)
             self.register_buffer(name, q)
             setattr(self, name + "_scale", scale)
+            setattr(self, name + "_min", mins)
         self.select(self.uses_kernels)
 
     @property
@@ -187,7 +215,7 @@ class SparseMoE(OpModule):
         the CPU (gpt-oss's clamped SwiGLU and biases too, not experts weighted on their
         input) and the op is built; otherwise (and always without kernels) the per-expert
         path."""
-        from servelm.layers import gemv
+        from servelm.layers import gemv, q8act
 
         self.uses_kernels = kernels
         w = self.experts_gate_up
@@ -195,21 +223,33 @@ class SparseMoE(OpModule):
         o = self.options
         self._fused = None
         clamped = o["swiglu_limit"] is not None
-        if (kernels and w.device.type == "cpu"
-                and (w.dtype == torch.bfloat16 if not self.quantized
-                     else act in (torch.bfloat16, torch.float32))
+        self._q4 = (self.expert_format == "int4" and kernels and w.device.type == "cpu"
+                    and act == torch.bfloat16 and q8act.available())
+        if self.expert_format == "int4":
+            ok = self._q4 and hasattr(torch.ops.servelm_q8act, "moe_experts")
+        elif self.quantized:
+            ok = act in (torch.bfloat16, torch.float32)
+        else:
+            ok = w.dtype == torch.bfloat16
+        if (ok and kernels and w.device.type == "cpu"
                 and not o["expert_input_weighted"] and (clamped or o["act"] in _ACT_CODES)
                 and o["hidden"] % 8 == 0 and o["intermediate"] % 8 == 0
                 and gemv.available() and hasattr(torch.ops.servelm_gemv, "moe_experts")):
-            op = torch.ops.servelm_gemv.moe_experts.default
             # gpt-oss's experts: the clamped SwiGLU (code 3) and fp32 biases, bound here.
             biases = (None, None) if not o["expert_bias"] else (
                 self.experts_gate_up_bias.detach().float().contiguous(),
                 self.experts_down_bias.detach().float().contiguous())
             limit, alpha = (o["swiglu_limit"], o["swiglu_alpha"]) if clamped else (0.0, 1.0)
             code = 3 if clamped else _ACT_CODES[o["act"]]
-            self._fused = functools.partial(_fused_call, op, code, *biases, limit, alpha,
-                                            self.experts_gate_up_scale, self.experts_down_scale)
+            if self.expert_format == "int4":
+                self._fused = functools.partial(
+                    _fused_q4_call, torch.ops.servelm_q8act.moe_experts.default, code,
+                    *biases, limit, alpha, self.experts_gate_up_scale,
+                    self.experts_gate_up_min, self.experts_down_scale, self.experts_down_min)
+            else:
+                self._fused = functools.partial(
+                    _fused_call, torch.ops.servelm_gemv.moe_experts.default, code, *biases,
+                    limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,33 +348,61 @@ class SparseMoE(OpModule):
 
     def _plain_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         if self.quantized:
-            h = gated_act(self._linear(x, e, self.experts_gate_up, self.experts_gate_up_scale),
-                          self.act)
-            return self._linear(h, e, self.experts_down, self.experts_down_scale)
+            return self._linear(gated_act(self._linear(x, e, "experts_gate_up"), self.act),
+                                e, "experts_down")
         return expert_mlp(x, self.experts_gate_up[e], self.experts_down[e], self.act)
 
     def _clamped_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         gbias = None if self.experts_gate_up_bias is None else self.experts_gate_up_bias[e]
         dbias = None if self.experts_down_bias is None else self.experts_down_bias[e]
-        h = self._act(self._linear(x, e, self.experts_gate_up, self.experts_gate_up_scale,
-                                   gbias))
-        return self._linear(h, e, self.experts_down, self.experts_down_scale, dbias)
+        h = self._act(self._linear(x, e, "experts_gate_up", gbias))
+        return self._linear(h, e, "experts_down", dbias)
 
-    @staticmethod
-    def _linear(x: torch.Tensor, e: int, w: torch.Tensor, scale: torch.Tensor | None,
+    def _linear(self, x: torch.Tensor, e: int, name: str,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Expert e's projection of x: F.linear, or for int8 experts, below INT8PACK_ROWS
-        rows on the CPU, PyTorch's int8-weight matmul (the rows scaled in x's dtype, as
-        Int8Linear's int8pack path), else the int8 rows widened to x's dtype for the
-        matmul (which runs many rows far faster: docs/benchmarks.md)."""
+        """Expert e's projection `name` of x: F.linear; for int4 experts servelm_q8act's
+        int4_linear (bf16 on the kernels), else the expert dequantised; for int8 experts,
+        below INT8PACK_ROWS rows on the CPU, PyTorch's int8-weight matmul (the rows scaled
+        in x's dtype, as Int8Linear's int8pack path), else the int8 rows widened to x's
+        dtype for the matmul (which runs many rows far faster: docs/benchmarks.md)."""
+        w, scale = getattr(self, name), getattr(self, name + "_scale")
         if scale is None:
             return F.linear(x, w[e], bias)
+        if self.expert_format == "int4":
+            n = self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
+            mins = getattr(self, name + "_min")
+            if self._q4:
+                return torch.ops.servelm_q8act.int4_linear(
+                    x.contiguous(), w[e], scale[e], mins[e], 32, n,
+                    None if bias is None else bias.float())
+            from servelm.layers.q8act import dequantize_q4
+
+            return F.linear(x, dequantize_q4(w[e], scale[e], mins[e], x.dtype)[:n], bias)
         if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
                 and x.shape[0] < INT8PACK_ROWS):
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w[e], scale[e].to(x.dtype))
         else:
             y = F.linear(x, w[e].to(x.dtype)) * scale[e].to(x.dtype)
         return y if bias is None else y + bias
+
+
+def _q8act_panels(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """An Int4Linear-layout weight (quantize_int4's) in the q8act kernel's panels."""
+    from servelm.layers.q8act import pack_q4
+    from servelm.quantization.numerics import int4_codec, unpack_int4
+
+    if int4_codec(packed) and packed.is_contiguous():
+        return torch.ops.servelm_int4_codec.to_q8act(packed), scales, mins
+    return pack_q4(unpack_int4(packed)), scales, mins
+
+
+def _fused_q4_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
+                   gate_up_s, gate_up_m, down_s, down_m, x, ids, weights, gate_up, down,
+                   by_row: bool = False):
+    """servelm_q8act.moe_experts (int4 experts) with the layer's activation, biases, scales
+    and mins bound (select); by_row is the int8 / bf16 op's, not this one's."""
+    return op(x, ids, weights, gate_up, gate_up_s, gate_up_m, down, down_s, down_m, act,
+              gate_up_bias, down_bias, limit, alpha)
 
 
 def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,

@@ -30,8 +30,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
     """Swap the model's target `nn.Linear` layers for quantised ones, in place.
 
     A tied LM head gets its own quantised copy; the embedding keeps its weight. A layer
-    int4 cannot take (in_features not a multiple of group_size) is kept in int8, and so are
-    mixture-of-experts layers' routed experts (SparseMoE.quantize_experts).
+    int4 cannot take (in_features not a multiple of group_size) is kept in int8;
+    mixture-of-experts layers' routed experts are quantised too (SparseMoE.quantize_experts).
     use_kernels False: the layers never run the C++ kernels (None: wherever they load).
     """
     check_method(method)
@@ -48,7 +48,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
         setattr(parent, name, q.to(child.weight.device))
     from servelm.models.moe import SparseMoE
 
-    for m in model.modules():  # routed experts: int8 in either format
+    for m in model.modules():  # routed experts: the format asked for, in their own layouts
         if isinstance(m, SparseMoE):
-            m.quantize_experts()
+            m.quantize_experts(method)
     return model

@@ -39,6 +39,7 @@
 #pragma GCC optimize("no-fast-math")
 
 #include "avx2_vec.h"  // load8f: under the pragma
+#include "moe_act.h"   // moe_act: under the pragma too
 
 namespace {
 
@@ -292,18 +293,7 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
 #pragma omp barrier
       for (int64_t q = P * I * tid / n, q1 = P * I * (tid + 1) / n; q < q1; ++q) {
         const int64_t p = q / I, i = q % I;
-        const float v = hp[p * 2 * I + i], u = hp[p * 2 * I + I + i];
-        if (act == 3) {
-          const float gate = std::min(v, limit);
-          const float up = std::min(std::max(u, -limit), limit);
-          ap[q] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
-        } else if (act == 0) {
-          ap[q] = v / (1.f + std::exp(-v)) * u;
-        } else if (act == 1) {
-          ap[q] = 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u;
-        } else {
-          ap[q] = 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f)) * u;
-        }
+        ap[q] = moe_act(act, hp[p * 2 * I + i], hp[p * 2 * I + I + i], limit, alpha);
       }
 #pragma omp barrier
       const int64_t c0 = NB2 * tid / n * kRows, c1 = std::min(H, NB2 * (tid + 1) / n * kRows);

@@ -22,6 +22,9 @@
 //   dtype, rounded once.
 // wide: the AVX-512 VNNI micro-kernel where this build has it (has_wide()), 8 rows a call;
 //   False runs the AVX2 one (4 rows a call): the same bits, which the tests compare.
+//
+//   moe_experts(x, ids, weights, gate_up_q, gate_up_s, gate_up_m, down_q, down_s, down_m, act, ...)
+// a MoE layer's routed int4 experts for a few tokens in one call (see the function's head).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,8 +33,12 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -41,6 +48,7 @@
 
 #include "linear_frame.h"  // run_linear_into, check_x
 #include "q8act_kernel.h"  // quantize_row, panels
+#include "moe_act.h"       // moe_act
 
 namespace {
 
@@ -124,6 +132,127 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) 
 
 bool has_wide() { return q8act::kVnni; }
 
+// A mixture-of-experts layer's routed experts for a few tokens (decode) in one call, with int4
+// experts in the layout above (each expert's gate_up [2I, H] and down [H, I] as int4_linear's
+// qweight, scales and mins, stacked over E):
+//   out[t] = sum_j weights[t, j] * down[e] (act(gate[e] x[t]) * up[e] x[t]),  e = ids[t, j]
+// gate_up_q uint8 [E, 2I / 16, H / 32, 2, 4, 32], gate_up_s / _m float16 [E, 2I / 16, H / G, 16];
+// down_q [E, H / 16, I / 32, 2, 4, 32], down_s / _m [E, H / 16, I / G, 16]; H and I multiples of
+// 32, G their common group size. x [T, H] float32 or bfloat16; ids [T, k] int64, weights [T, k]
+// float32; act and the biases, limit and alpha as servelm_gemv.moe_experts'. Each token's row
+// is quantised once (as int4_linear does), each pair's activation row once after its gate_up,
+// the three phases (gate_up panels, activation and its quantisation, down panels and the
+// weighted sum) split over the threads of one parallel region; out in x's dtype.
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
+                       const at::Tensor& gq, const at::Tensor& gs, const at::Tensor& gm,
+                       const at::Tensor& dq, const at::Tensor& dsc, const at::Tensor& dm, int64_t act,
+                       const c10::optional<at::Tensor>& gbias_in,
+                       const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
+                       bool wide) {
+  const char* name = "servelm_q8act.moe_experts";
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
+                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              name, ": x must be float32 or bfloat16 [T, H] on the CPU");
+  const int64_t T = x_in.size(0), H = x_in.size(1);
+  for (const at::Tensor* t : {&gq, &dq})
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 6 && t->size(3) == 2 && t->size(4) == 4 &&
+                    t->size(5) == 32 && t->is_contiguous(),
+                name, ": gate_up_q and down_q must be contiguous uint8 [E, N / 16, K / 32, 2, 4, 32]");
+  const int64_t E = gq.size(0), NP1 = gq.size(1), I = dq.size(2) * kB, NP2 = dq.size(1);
+  TORCH_CHECK(gq.size(2) * kB == H && dq.size(0) == E && NP1 * kNR == 2 * I && NP2 == (H + kNR - 1) / kNR,
+              name, ": shapes do not fit (gate_up [E, 2I, H], down [E, H, I], I a multiple of 32)");
+  for (const at::Tensor* t : {&gs, &gm, &dsc, &dm})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 4 && t->is_contiguous() && t->size(0) == E &&
+                    t->size(3) == kNR,
+                name, ": scales and mins must be contiguous float16 [E, N / 16, K / G, 16]");
+  TORCH_CHECK(gs.sizes() == gm.sizes() && dsc.sizes() == dm.sizes() && gs.size(1) == NP1 &&
+                  dsc.size(1) == NP2 && H % gs.size(2) == 0 && I % dsc.size(2) == 0 &&
+                  H / gs.size(2) == I / dsc.size(2) && (H / gs.size(2)) % kB == 0,
+              name, ": scales and mins must be one group size, a multiple of 32, for both");
+  const int64_t group = H / gs.size(2);
+  TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == T && w_in.sizes() == ids_in.sizes(),
+              name, ": ids and weights must be [T, k]");
+  TORCH_CHECK(act >= 0 && act <= 3, name, ": act must be 0, 1, 2 or 3");
+  at::Tensor gbias, dbias;
+  if (gbias_in && gbias_in->defined()) {
+    TORCH_CHECK(gbias_in->numel() == E * 2 * I, name, ": gate_up_bias [E, 2I]");
+    gbias = gbias_in->to(at::kFloat).contiguous();
+  }
+  if (dbias_in && dbias_in->defined()) {
+    TORCH_CHECK(dbias_in->numel() == E * H, name, ": down_bias [E, H]");
+    dbias = dbias_in->to(at::kFloat).contiguous();
+  }
+  const float* gbp = gbias.defined() ? gbias.data_ptr<float>() : nullptr;
+  const float* dbp = dbias.defined() ? dbias.data_ptr<float>() : nullptr;
+  const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
+  const int64_t k = ids_in.size(1), P = T * k, NBH = H / kB, NBI = I / kB;
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const at::Tensor wts = w_in.to(at::kFloat).contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, name, ": expert id out of range");
+  at::Tensor out = at::empty({T, H}, x_in.options());
+  if (P == 0) return out.zero_();
+  std::vector<int8_t> qx(T * H), qa(P * I);
+  std::vector<float> dx(T * NBH), dsx(T * NBH), da(P * NBI), dsa(P * NBI), h(P * 2 * I), a(P * I), y(P * H);
+  for (int64_t t = 0; t < T; ++t) {
+    if (x.scalar_type() == at::kFloat)
+      q8act::quantize_row(x.data_ptr<float>() + t * H, H, qx.data() + t * H, dx.data() + t * NBH, dsx.data() + t * NBH);
+    else
+      q8act::quantize_row(x.data_ptr<c10::BFloat16>() + t * H, H, qx.data() + t * H, dx.data() + t * NBH,
+                          dsx.data() + t * NBH);
+  }
+  const uint8_t* gqp = gq.data_ptr<uint8_t>();
+  const uint8_t* dqp = dq.data_ptr<uint8_t>();
+  const c10::Half* gsp = gs.data_ptr<c10::Half>();
+  const c10::Half* gmp = gm.data_ptr<c10::Half>();
+  const c10::Half* dsp = dsc.data_ptr<c10::Half>();
+  const c10::Half* dmp = dm.data_ptr<c10::Half>();
+  const int64_t g1 = gq[0].numel(), s1 = gs[0].numel(), g2 = dq[0].numel(), s2 = dsc[0].numel();
+  const float* wp = wts.data_ptr<float>();
+  auto store = [&](auto* o) {
+    const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+    {
+      const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+      for (int64_t b = P * NP1 * tid / n, b1 = P * NP1 * (tid + 1) / n; b < b1; ++b) {
+        const int64_t p = b / NP1, pan = b % NP1, e = idp[p], t = p / k;
+        q8act::panels(qx.data() + t * H, dx.data() + t * NBH, dsx.data() + t * NBH, gqp + e * g1,
+                      gsp + e * s1, gmp + e * s1, group, gbp ? gbp + e * 2 * I : nullptr,
+                      h.data() + p * 2 * I, 1, 2 * I, H, pan, pan + 1, wide);
+      }
+#pragma omp barrier
+      for (int64_t p = P * tid / n, p1 = P * (tid + 1) / n; p < p1; ++p) {
+        const float* hp = h.data() + p * 2 * I;
+        float* ap = a.data() + p * I;
+        for (int64_t i = 0; i < I; ++i) ap[i] = moe_act(act, hp[i], hp[I + i], limit, alpha);
+        q8act::quantize_row(ap, I, qa.data() + p * I, da.data() + p * NBI, dsa.data() + p * NBI);
+      }
+#pragma omp barrier
+      const int64_t pan0 = NP2 * tid / n, pan1 = NP2 * (tid + 1) / n;
+      if (pan0 < pan1) {
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t e = idp[p];
+          q8act::panels(qa.data() + p * I, da.data() + p * NBI, dsa.data() + p * NBI, dqp + e * g2,
+                        dsp + e * s2, dmp + e * s2, group, dbp ? dbp + e * H : nullptr, y.data() + p * H,
+                        1, H, I, pan0, pan1, wide);
+        }
+        const int64_t c0 = pan0 * kNR, c1 = std::min(H, pan1 * kNR);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = c0; c < c1; ++c) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < k; ++j) acc += wp[t * k + j] * y[(t * k + j) * H + c];
+            o[t * H + c] = static_cast<std::remove_pointer_t<decltype(o)>>(acc);
+          }
+      }
+    }
+  };
+  if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
+  else store(out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(servelm_q8act, m) {
@@ -131,11 +260,16 @@ TORCH_LIBRARY(servelm_q8act, m) {
         "int out_features, Tensor? bias=None, bool wide=True) -> Tensor");
   m.def("has_wide() -> bool", &has_wide);
   m.def("quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_q, Tensor gate_up_s, "
+        "Tensor gate_up_m, Tensor down_q, Tensor down_s, Tensor down_m, int act, "
+        "Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., float alpha=1., "
+        "bool wide=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_q8act, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("quantize", &quantize);
+  m.impl("moe_experts", &moe_experts);
 }
 
 #endif  // AVX2 + FMA + F16C
