@@ -16,7 +16,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, UniProcExecutor
 from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
-from servelm.engine.state_cache import StateCache
+from servelm.engine.state_cache import StateCache, snapshot_row
 from servelm.engine.sampler import Sampler, checks_grammar_after, token_logprobs
 from servelm.structured_outputs import GrammarCompiler, MaskPrefetch
 from servelm.engine.scheduler import Scheduler
@@ -688,8 +688,8 @@ class LLMEngine:
                                  lora_slot=lora_slots.get(req.lora_name, -1),
                                  state_slot=state,
                                  state_snapshot=None if s.snapshot is None else (
-                                     s.snapshot[0], self.executor.num_state_slots
-                                     + s.snapshot[1])))
+                                     s.snapshot[0], snapshot_row(self.executor.num_state_slots,
+                                                                 s.snapshot[1]))))
         masks = None
         if self.config.kernels.overlap_grammar_masks and not any(
                 s.num_draft for s in sched.scheduled):

@@ -21,6 +21,11 @@ import torch
 from servelm.models.config import ModelConfig
 
 
+def snapshot_row(num_slots: int, snapshot: int) -> int:
+    """The state tensors' row of a block manager's snapshot id (after the slots' rows)."""
+    return num_slots + snapshot
+
+
 class StateCache:
     """Every linear-attention layer's state for num_slots sequences, and num_snapshots
     copies of such states kept for the prefix cache (rows num_slots.. of the same tensors:
@@ -40,7 +45,7 @@ class StateCache:
 
     def restore(self, copies: list[tuple[int, int]]) -> None:
         """(snapshot, slot) pairs: each slot's state set to the snapshot's."""
-        self._copy([(self.num_slots + sid, slot) for sid, slot in copies])
+        self._copy([(snapshot_row(self.num_slots, sid), slot) for sid, slot in copies])
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         for src, dst in pairs:
