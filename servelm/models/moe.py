@@ -131,10 +131,11 @@ class SparseMoE(OpModule):
         self.eps, self.root_scale = eps, hidden ** -0.5
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        # int8 experts (quantize_experts): each row's fp32 scale [E, 2I] and [E, H].
+        # Quantised experts (quantize_experts): int8's fp32 scale a row, or int4's float16
+        # scales and mins a group.
         self.register_buffer("experts_gate_up_scale", None)
         self.register_buffer("experts_down_scale", None)
-        self.register_buffer("experts_gate_up_min", None)  # int4 experts' group mins
+        self.register_buffer("experts_gate_up_min", None)
         self.register_buffer("experts_down_min", None)
         self.expert_format = None  # quantize_experts': "int8" or "int4"
         self.experts_gate_up_bias = self.experts_down_bias = None
@@ -206,15 +207,15 @@ class SparseMoE(OpModule):
 
     @property
     def act_dtype(self) -> torch.dtype:
-        """The activations' dtype (the experts' own, or theirs before int8)."""
+        """The activations' dtype (the experts' own, or theirs before quantisation)."""
         return self._act_dtype if self.quantized else self.experts_gate_up.dtype
 
     def select(self, kernels: bool) -> None:
         """kernels: a step of at most fused_rows tokens runs the routed experts in one C++
-        call, where they are bf16 (or int8, beside bf16 or fp32 activations) gated MLPs on
-        the CPU (gpt-oss's clamped SwiGLU and biases too, not experts weighted on their
-        input) and the op is built; otherwise (and always without kernels) the per-expert
-        path."""
+        call, where they are gated MLPs on the CPU (gpt-oss's clamped SwiGLU and biases
+        too, not experts weighted on their input) of bf16 weights, of int8 beside bf16 or
+        fp32 activations, or of int4 beside bf16 activations, and the op is built;
+        otherwise (and always without kernels) the per-expert path."""
         from servelm.layers import gemv, q8act
 
         self.uses_kernels = kernels
