@@ -302,12 +302,7 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
           gemv(ap + p * I, dp + idp[p] * H * I, dbp ? dbp + idp[p] * H : nullptr, yp + p * H, n0,
                static_cast<int>(std::min<int64_t>(kRows, H - n0)), I, H,
                dsp ? dsp + idp[p] * H : nullptr);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t c = c0; c < c1; ++c) {
-          float acc = 0.f;
-          for (int64_t j = 0; j < k; ++j) acc += wp[t * k + j] * yp[(t * k + j) * H + c];
-          o[t * H + c] = static_cast<std::remove_pointer_t<decltype(o)>>(acc);
-        }
+      moe_weighted_sum(wp, yp, o, T, k, H, c0, c1);
     }
   };
   if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());

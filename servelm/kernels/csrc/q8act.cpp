@@ -238,13 +238,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
                         dsp + e * s2, dmp + e * s2, group, dbp ? dbp + e * H : nullptr, y.data() + p * H,
                         1, H, I, pan0, pan1, wide);
         }
-        const int64_t c0 = pan0 * kNR, c1 = std::min(H, pan1 * kNR);
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t c = c0; c < c1; ++c) {
-            float acc = 0.f;
-            for (int64_t j = 0; j < k; ++j) acc += wp[t * k + j] * y[(t * k + j) * H + c];
-            o[t * H + c] = static_cast<std::remove_pointer_t<decltype(o)>>(acc);
-          }
+        moe_weighted_sum(wp, y.data(), o, T, k, H, pan0 * kNR, std::min(H, pan1 * kNR));
       }
     }
   };
