@@ -452,6 +452,32 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
                                         num_threads=2), PROMPTS, GREEDY)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tensor_parallel_2_runs_bf16_quantised_experts(checkpoints, quantization):
+    """bf16 with quantised experts under TP=2: each rank measures its own experts for the
+    fused op at start-up (no all-reduce there) and quantises its slice (down's rows are half
+    as long: 24 inputs, which PyTorch's int8pack matmul cannot take); the logits stay close
+    to one device's."""
+    from servelm.models.moe import SparseMoE
+
+    path, _ = checkpoints["qwen3_moe"]
+    kw = dict(model=path, dtype="bfloat16", kernel_tuning="off", kv_cache_memory=16 << 20,
+              max_model_len=256, num_threads=2, quantization=quantization)
+    one = LLM(**kw)
+    assert any(isinstance(m, SparseMoE) and m._fused is not None
+               for m in one.engine.executor.model.modules())  # the rank tunes the fused op
+    ids = [_ids(one, p) for p in PROMPTS]
+    want = prompt_logits(one.engine, ids).float()
+    threads = torch.get_num_threads()
+    two = LLM(tensor_parallel_size=2, **kw)
+    try:
+        got = prompt_logits(two.engine, ids).float()
+    finally:
+        two.engine.shutdown()
+        torch.set_num_threads(threads)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
 @pytest.mark.parametrize("family", ["mixtral", "olmo2", "starcoder2", "phi", "gpt_neox"])
 def test_tensor_parallel_refuses_a_family_it_cannot_split(checkpoints, family, monkeypatch):
     # A family that cannot split says so before any rank starts: OLMo 2 (its q/k norms

@@ -258,6 +258,13 @@ def test_each_layer_chooses_its_path_once():
     int4, int8 = Q.quantize_linear(lin, "int4"), Q.quantize_linear(lin, "int8")
     assert int4.path == kernel and int8.path == kernel
     assert Q.Int8Linear(*Q.quantize_int8(lin.weight), lin.bias, tiled=False).path == "int8pack"
+    # PyTorch's int8pack matmul is wrong unless in_features is a multiple of 16: not taken.
+    odd = _linear(64, 24, bias=False)
+    row_major = Q.Int8Linear(*Q.quantize_int8(odd.weight), tiled=False)
+    assert row_major.path == "dequantise"
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    torch.testing.assert_close(row_major(x).float(), x.float() @ row_major.dequantize().T,
+                               rtol=0.02, atol=0.02)
     assert Q.TiledLinear.from_linear(lin).path == kernel
     int4.use_kernel = False
     assert int4.path == "dequantise"

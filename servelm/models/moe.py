@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.models.layers import GatedMLP, OpModule, RMSNorm, gated_act, l2_norm
+from servelm.quantization.formats import INT8PACK_K
 
 
 def fused_rows(num_experts: int, top_k: int) -> int:
@@ -364,8 +365,9 @@ class SparseMoE(OpModule):
         """Expert e's projection `name` of x: F.linear; for int4 experts servelm_q8act's
         int4_linear (bf16 on the kernels), else the expert dequantised; for int8 experts,
         below INT8PACK_ROWS rows on the CPU, PyTorch's int8-weight matmul (the rows scaled
-        in x's dtype, as Int8Linear's int8pack path), else the int8 rows widened to x's
-        dtype for the matmul (which runs many rows far faster: docs/benchmarks.md)."""
+        in x's dtype, as Int8Linear's int8pack path; inputs a multiple of INT8PACK_K), else
+        the int8 rows widened to x's dtype for the matmul (which runs many rows far faster:
+        docs/benchmarks.md)."""
         w, scale = getattr(self, name), getattr(self, name + "_scale")
         if scale is None:
             return F.linear(x, w[e], bias)
@@ -380,7 +382,7 @@ class SparseMoE(OpModule):
 
             return F.linear(x, dequantize_q4(w[e], scale[e], mins[e], x.dtype)[:n], bias)
         if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
-                and x.shape[0] < INT8PACK_ROWS):
+                and x.shape[0] < INT8PACK_ROWS and x.shape[-1] % INT8PACK_K == 0):
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w[e], scale[e].to(x.dtype))
         else:
             y = F.linear(x, w[e].to(x.dtype)) * scale[e].to(x.dtype)
@@ -414,6 +416,7 @@ def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: floa
               by_row, gate_up_scale, down_scale)
 
 
+@torch.no_grad()
 def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
     """The fused routed-experts op's choices, measured once a model over its own MoE layers
     in turn (each call on the next layer's experts, so that its rows come from memory as in
@@ -474,7 +477,9 @@ def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
             def run(limit: int):
                 def call(m):
                     m._fused_rows = limit
-                    m(x)
+                    # This rank's experts alone: a tensor-parallel layer's forward would
+                    # all-reduce, and each rank's measurements (hence its calls) may differ.
+                    SparseMoE.forward(m, x)
                 return call
 
             # A margin: the layer alone flatters the op against the per-expert path (the

@@ -52,6 +52,9 @@ CUDA_INT4_MAX_ROWS = 32
 # triton_quant.int8_linear (the weight converted in registers); past them the weight is
 # converted for one dense matmul.
 CUDA_INT8_MAX_ROWS = 64
+# PyTorch's CPU _weight_int8pack_mm gives garbage (or crashes) unless in_features is a
+# multiple of this; other int8 layers on the CPU dequantise.
+INT8PACK_K = 16
 
 
 _cuda_ops: dict[str, bool] = {}
@@ -207,7 +210,7 @@ class Int8Linear(QuantLinear):
         if device.type == "cuda":
             self._triton = _cuda_triton_int8_works(device)
             return "cuda", Int8Linear._run_cuda
-        if device.type == "cpu":
+        if device.type == "cpu" and self.in_features % INT8PACK_K == 0:
             return "int8pack", Int8Linear._run_int8pack
         return "dequantise", QuantLinear._run_dequantised
 
