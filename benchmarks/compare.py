@@ -4,7 +4,7 @@ model or --model GGUF: the three figures of issue 5. With --vllm, --openvino (or
 both and llama-bench) also the peer engines that ../shared/peers sets up, each left out with
 a one-line reason when it is not installed.
 
-    python benchmarks/compare.py [--formats bfloat16,float32,int8,int4,int4@float32] [--skip-transformers]
+    python benchmarks/compare.py [--formats bfloat16,float32,int8,int4,int4@float32,native] [--skip-transformers]
                                  [--transformers-dtypes float32,bfloat16] [--model FILE.gguf]
                                  [--llama-bench [PATH]] [--no-batch]
                                  [--vllm [SERVE_SH]] [--server-prompts 128] [--long-prompt 4000]
@@ -141,11 +141,18 @@ class Servelm(System):
 
         base, _, variant = fmt.partition("/")
         base, _, act = base.partition("@")  # int4@float32: fp32 activations (default bf16)
-        dtype, quant = (base, None) if base in ("float32", "bfloat16") else (act or "bfloat16", base)
-        kw = {"quantization": quant} if quant else {}
+        if base == "native":  # the file's own format (a quantised GGUF as it is), dtype auto
+            kw = {}
+        else:
+            dtype, quant = ((base, None) if base in ("float32", "bfloat16")
+                            else (act or "bfloat16", base))
+            kw = {"dtype": dtype, **({"quantization": quant} if quant else {})}
         kw.update(VARIANTS[variant] if variant else {})
-        self.llm = LLM(model=MODEL, dtype=dtype, enable_prefix_caching=False, **kw)
+        self.llm = LLM(model=MODEL, enable_prefix_caching=False, **kw)
         self.name = f"servelm {fmt}"
+        if base == "native":
+            engine = self.llm.engine
+            self.name += f" ({engine.config.quantization or str(engine.dtype)[6:]})"
         self.one = SamplingParams(temperature=0, max_tokens=1)
         self.gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
         self.llm.generate([_prompt_ids(PROMPT_LEN, 99)], self.one, use_tqdm=False)  # warm-up
@@ -549,7 +556,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="bfloat16,float32,int8,int4",
-                    help="servelm weight formats to run (dtype or quantisation; FMT/unpacked, "
+                    help="servelm weight formats to run (dtype or quantisation, or native: "
+                         "the file's own, e.g. a Q4_K_M GGUF as int4; FMT/unpacked, "
                          "FMT/unfused, FMT/smallpages, FMT/onednn: with that optimisation off)")
     ap.add_argument("--repeats", type=positive(int), default=5,
                     help="TTFT runs per round (their median is the round's figure)")

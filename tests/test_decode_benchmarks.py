@@ -275,3 +275,12 @@ def test_compare_takes_ratios_against_transformers_else_the_first_servelm_format
 def test_startup_ab_rejects_bad_arguments(args, message, capsys):
     code, err = script_usage_error("startup_ab.py", *args, capsys=capsys)
     assert code == 2 and message in err
+
+
+def test_compare_native_format_runs_the_file_as_it_is(compare):
+    """--formats native: the model in its own format (no dtype or quantisation forced, so a
+    quantised GGUF is not dequantised), named with what it resolved to."""
+    native = compare.Servelm("native")
+    engine = native.llm.engine
+    assert engine.config.dtype == "auto"
+    assert native.name == f"servelm native ({engine.config.quantization or str(engine.dtype)[6:]})"
