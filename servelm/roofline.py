@@ -8,7 +8,9 @@ by matmul throughput. The model: time = max(bytes / bandwidth, FLOPs / peak).
 
 from __future__ import annotations
 
+import functools
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -69,6 +71,9 @@ class ModelShape:
     # The cache's planes per KV head: 2 (K and V), 1 where V is read from K's rows
     # (DeepSeek's latent cache: 1 KV head of kv_lora_rank + qk_rope_head_dim).
     kv_planes: int = 2
+    # Per layer with a KV cache, the keys its queries read at most: a sliding window or an
+    # attention chunk, 0 for all of them; () every layer full.
+    kv_windows: tuple[int, ...] = ()
 
     def _read_params(self) -> float:
         params = self.num_params
@@ -106,6 +111,45 @@ class ModelShape:
         return (self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim
                 * self.kv_bits / 8)
 
+    @functools.cached_property
+    def _window_counts(self) -> tuple[tuple[int, int], ...]:
+        """kv_windows as (window, layers) pairs (0: full), a few at most."""
+        return tuple(sorted(Counter(self.kv_windows).items()))
+
+    def attended(self, context: int) -> float:
+        """Keys a query `context` tokens in reads, summed over the layers with a KV cache
+        (a windowed layer's at most its window)."""
+        if not self.kv_windows:
+            return float((self.num_layers or 0) * context)
+        return float(sum(n * (min(context, w) if w else context)
+                         for w, n in self._window_counts))
+
+    @property
+    def kv_bytes_per_key(self) -> float:
+        """K and V of one token in one layer (0 when unknown)."""
+        kv = self.kv_bytes_per_token
+        return kv / self.num_layers if kv and self.num_layers else 0.0
+
+    @property
+    def attention_flops_per_key(self) -> float:
+        """A query's attention FLOPs per key it reads in one layer (QK^T and PV: 4 x heads
+        x head dim; 0 when unknown)."""
+        if None in (self.num_heads, self.head_dim):
+            return 0.0
+        return 4.0 * self.num_heads * self.head_dim
+
+    def kv_read_bytes(self, context: int) -> float:
+        """K and V a decode step of one sequence `context` tokens long reads."""
+        return self.kv_bytes_per_key * self.attended(context)
+
+    def kv_held_tokens(self, context: int) -> int:
+        """Tokens of KV a sequence `context` tokens long holds in the pool: all of them,
+        or, with every KV layer windowed, about the widest window (the block manager gives
+        the blocks behind it back)."""
+        if self.kv_windows and all(self.kv_windows):
+            return min(context, max(self.kv_windows))
+        return context
+
     def flops_per_token(self, context: int = 0) -> float:
         """Matmul FLOPs for one token: 2 per weight it multiplies, plus attention over
         `context` earlier tokens (QK^T and PV: 4 * layers * context * heads * head_dim) and
@@ -113,8 +157,8 @@ class ModelShape:
         # The input embedding is a lookup; a MoE token multiplies only its experts' weights.
         params = self._read_params() - self.expert_params * (1.0 - self.expert_fraction(1))
         attn = 0.0
-        if None not in (self.num_layers, self.num_heads, self.head_dim):
-            attn = 4.0 * self.num_layers * context * self.num_heads * self.head_dim
+        if self.num_layers is not None:
+            attn = self.attention_flops_per_key * self.attended(context)
         return 2.0 * params + attn + self.state_flops_per_token
 
     @property
@@ -149,6 +193,10 @@ class ModelShape:
         (StateCache.bytes_per_slot); expert_bits: the routed experts' bits per weight where
         they differ from the other layers'."""
         planes, kv_heads, head_dim = cfg.cache_layout
+        chunk = cfg.extra.get("attention_chunk_size")
+        chunked = cfg.extra.get("chunked_layers", ())
+        windows = tuple(min(w for w in (cfg.window(i), chunk if i in chunked else None) if w)
+                        if cfg.window(i) or i in chunked else 0 for i in cfg.kv_layers)
         state_flops = 0.0
         if cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
             hv, dk, dv = cfg.linear_state_shapes[1]
@@ -162,7 +210,7 @@ class ModelShape:
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
                    intermediate_size=cfg.intermediate_size, expert_params=cfg.expert_params,
                    num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok,
-                   expert_bits=expert_bits)
+                   expert_bits=expert_bits, kv_windows=windows if any(windows) else ())
 
 
 @dataclass(frozen=True)
@@ -190,7 +238,7 @@ def predict_prefill(m: ModelShape, hw: Hardware, prompt_len: int) -> Prediction:
 def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Prediction:
     """One decode step for `batch` sequences each attending to `context` tokens (and
     reading and writing its recurrent state, where the model has one)."""
-    mem = (m.weight_bytes(batch) + batch * context * (m.kv_bytes_per_token or 0)
+    mem = (m.weight_bytes(batch) + batch * m.kv_read_bytes(context)
            + 2 * batch * m.state_bytes_per_seq)
     flops = batch * m.flops_per_token(context=context)
     return Prediction(max(mem / hw.bandwidth, flops / hw.flops), mem / hw.bandwidth,
@@ -237,7 +285,7 @@ def max_batch(m: ModelShape, kv_pool_bytes: float, context: int) -> int | None:
     per_token = m.kv_bytes_per_token
     if not per_token or context <= 0:
         return None
-    return int(kv_pool_bytes // (per_token * context))
+    return int(kv_pool_bytes // (per_token * m.kv_held_tokens(context)))
 
 
 # ---- measuring the machine ---------------------------------------------------------------
@@ -358,6 +406,8 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
                  + (f", {m.num_layers} attention layer{'s' * (m.num_layers != 1)}"
                     if m.state_bytes_per_seq else "")
                  + f"): {_fmt_bytes(kv)}"
+                 + (f"; {sum(map(bool, m.kv_windows))} of {len(m.kv_windows)} layers read at "
+                    f"most their last {max(m.kv_windows)} tokens" if m.kv_windows else "")
                  if kv else "  KV cache per token: unknown (give --layers, --kv-heads, --head-dim)")
     if m.state_bytes_per_seq:
         lines.append(f"  recurrent state per sequence (linear-attention layers, read and "

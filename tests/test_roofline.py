@@ -235,3 +235,36 @@ def test_moe_reads_its_chosen_experts_and_multiplies_only_active_weights():
         (cfg.num_active_params - embed - experts) * 4.5 / 8 + experts * 5 / 8)
     assert rl.quantized_expert_bits("int8") == 8
     assert rl.quantized_expert_bits(None) is None
+
+
+def test_windowed_layers_read_at_most_their_window():
+    """Sliding layers read at most their window of KV (and spend attention FLOPs on it
+    alone); a model whose every layer slides holds only about its window in the pool."""
+    from servelm.models.config import ModelConfig
+
+    base = dict(architecture="Gemma3ForCausalLM", vocab_size=1000, hidden_size=256,
+                intermediate_size=512, num_layers=6, num_heads=4, num_kv_heads=1,
+                head_dim=64, max_position_embeddings=8192, sliding_window=512)
+    hybrid = rl.ModelShape.from_config(ModelConfig(
+        **base, layer_types=("sliding_attention",) * 5 + ("full_attention",)),
+        weight_bits=16, kv_bits=16)
+    full = rl.ModelShape.from_config(ModelConfig(**{**base, "sliding_window": None}),
+                                     weight_bits=16, kv_bits=16)
+    assert hybrid.kv_windows == (512,) * 5 + (0,) and full.kv_windows == ()
+    assert hybrid.kv_bytes_per_token == full.kv_bytes_per_token == 6 * 2 * 64 * 2
+    per_key = 2 * 64 * 2
+    assert hybrid.kv_read_bytes(4096) == per_key * (5 * 512 + 4096)
+    assert full.kv_read_bytes(4096) == per_key * 6 * 4096
+    assert hybrid.kv_read_bytes(100) == full.kv_read_bytes(100)  # inside every window
+    assert (hybrid.flops_per_token(4096) - hybrid.flops_per_token(0)
+            == 4 * 4 * 64 * (5 * 512 + 4096))
+    hw = rl.Hardware(50e9, 1e12)
+    assert rl.predict_decode(hybrid, hw, 8, 4096).seconds < rl.predict_decode(full, hw, 8, 4096).seconds
+    # Every layer sliding (Mistral-style): a sequence holds about its window.
+    mistral = rl.ModelShape.from_config(ModelConfig(
+        **{**base, "architecture": "MistralForCausalLM"},
+        layer_types=("sliding_attention",) * 6), weight_bits=16, kv_bits=16)
+    pool = 100 * 4096 * mistral.kv_bytes_per_token
+    assert rl.max_batch(full, pool, 4096) == 100
+    assert rl.max_batch(hybrid, pool, 4096) == 100  # its global layer holds every block
+    assert rl.max_batch(mistral, pool, 4096) == 800

@@ -976,12 +976,14 @@ class EngineStats:
 
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
-        num_tokens = context = prefill_tokens = 0
-        flops = 0.0
+        num_tokens = prefill_tokens = 0
+        flops = keys = attended = 0.0
         for s in sched.scheduled:
             n = s.num_new_tokens
             num_tokens += n
-            context += s.start + n  # each sequence's context is read once
+            k = shape.attended(s.start + n)  # the keys its last query reads, over the layers
+            keys += k  # each sequence's context is read once
+            attended += n * k
             samples = s.samples and s.request.pooling_params is None
             if samples:
                 self.num_generated_tokens += 1  # accepted drafts: record_spec
@@ -992,7 +994,7 @@ class EngineStats:
                 flops += shape.prefill_flops(n, context=s.start + n // 2,
                                              sampled_rows=1 if samples else 0)
         # Every weight once (a MoE model: the experts this many tokens are expected to reach).
-        read = shape.weight_bytes(num_tokens) + context * (shape.kv_bytes_per_token or 0)
+        read = shape.weight_bytes(num_tokens) + keys * shape.kv_bytes_per_key
         self.num_prefill_tokens += prefill_tokens
         if prefill_tokens:
             self.prefill_seconds += seconds
@@ -1002,9 +1004,9 @@ class EngineStats:
             self.num_decode_steps += 1
             self.decode_seconds += seconds
             self.decode_bytes += read
-            # One token a sequence; attention FLOPs grow linearly with the context attended.
-            f0 = shape.flops_per_token(0)
-            self.decode_flops += num_tokens * f0 + context * (shape.flops_per_token(1) - f0)
+            # One token a sequence (a verification: its drafts too), each reading its keys.
+            self.decode_flops += (num_tokens * shape.flops_per_token(0)
+                                  + attended * shape.attention_flops_per_key)
 
     @property
     def decode_bandwidth(self) -> float | None:
