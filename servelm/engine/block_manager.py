@@ -462,14 +462,7 @@ class BlockManager:
         end = min(max(0, num_computed - self.reach) // self.block_size, len(table) - 1)
         if end <= start:
             return 0
-        freed = 0
-        for block in table[start:end]:
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                freed += 1
-                self._free[block] = None
-                if block not in self._block_key:
-                    self._free.move_to_end(block, last=False)
+        freed = sum(self._drop(block) for block in table[start:end])
         self._released[request_id] = end
         return freed
 
@@ -496,11 +489,7 @@ class BlockManager:
         # Last blocks first: a prefix's tail is the least likely to be shared, so it is
         # the first to be evicted.
         for block in reversed(table):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._free[block] = None  # a cached block keeps its content until evicted
-                if block not in self._block_key:
-                    self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse first
+            self._drop(block)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Shrink the request's table to the blocks num_tokens tokens need: the blocks
@@ -513,12 +502,19 @@ class BlockManager:
         # computed tokens, which a caller rolling back rejected drafts never goes behind.
         assert keep >= self._num_registered.get(request_id, 0), "truncating computed blocks"
         while len(table) > keep:
-            block = table.pop()
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._free[block] = None
-                if block not in self._block_key:
-                    self._free.move_to_end(block, last=False)
+            self._drop(table.pop())
+
+    def _drop(self, block: int) -> bool:
+        """One table's hold on the block let go; True when that was the last, the block
+        then free: a cached block keeps its content until evicted (most recently freed
+        last), any other is reused first (nothing worth keeping)."""
+        self._ref[block] -= 1
+        if self._ref[block]:
+            return False
+        self._free[block] = None
+        if block not in self._block_key:
+            self._free.move_to_end(block, last=False)
+        return True
 
     def _take(self, block: int) -> None:
         if self._ref[block] == 0:
