@@ -92,10 +92,10 @@ class ModelShape:
         """Bytes read by a step of `tokens` tokens: every weight once (a MoE model only the
         experts its tokens chose). An untied input embedding is only indexed (one row per
         token), so it is not read whole."""
-        experts = self.expert_params * self.expert_fraction(tokens) if self.num_experts else 0.0
-        others = self._read_params() - self.expert_params if self.num_experts else self._read_params()
+        experts = self.expert_params * self.expert_fraction(tokens)  # (0 for a dense model)
         bits = self.weight_bits if self.expert_bits is None else self.expert_bits
-        return others * self.weight_bits / 8 + experts * bits / 8
+        return ((self._read_params() - self.expert_params) * self.weight_bits / 8
+                + experts * bits / 8)
 
     @property
     def weight_bytes_per_step(self) -> float:
@@ -193,10 +193,7 @@ class ModelShape:
         (StateCache.bytes_per_slot); expert_bits: the routed experts' bits per weight where
         they differ from the other layers'."""
         planes, kv_heads, head_dim = cfg.cache_layout
-        chunk = cfg.extra.get("attention_chunk_size")
-        chunked = cfg.extra.get("chunked_layers", ())
-        windows = tuple(min(w for w in (cfg.window(i), chunk if i in chunked else None) if w)
-                        if cfg.window(i) or i in chunked else 0 for i in cfg.kv_layers)
+        windows = tuple(cfg.layer_reach(i) or 0 for i in cfg.kv_layers)
         state_flops = 0.0
         if cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
             hv, dk, dv = cfg.linear_state_shapes[1]

@@ -196,22 +196,28 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def layer_reach(self, layer: int) -> int | None:
+        """How far back this attention layer's queries read keys: its sliding window or its
+        attention chunk (a chunk of c positions starts less than c before its query), the
+        smaller where it has both; None: its whole sequence."""
+        chunk = (self.extra.get("attention_chunk_size")
+                 if layer in self.extra.get("chunked_layers", ()) else None)
+        spans = [s for s in (self.window(layer), chunk) if s]
+        return min(spans) if spans else None
+
     @property
     def attention_reach(self) -> int | None:
-        """How far back any query reads keys: the widest sliding window or attention chunk
-        over the attention layers (a chunk of c positions starts less than c before its
-        query), or None when some attention layer reads its whole sequence. KV blocks
+        """How far back any query reads keys: the widest layer_reach over the attention
+        layers, or None when some attention layer reads its whole sequence. KV blocks
         wholly this far behind a sequence's next token are never read again."""
-        chunk = self.extra.get("attention_chunk_size")
-        chunked = self.extra.get("chunked_layers", ())
         reach = 0
         for i in range(self.num_layers):
             if self.is_linear_layer(i):
                 continue
-            spans = [s for s in (self.window(i), chunk if i in chunked else None) if s]
-            if not spans:
+            r = self.layer_reach(i)
+            if r is None:
                 return None
-            reach = max(reach, min(spans))
+            reach = max(reach, r)
         return reach or None
 
     def is_linear_layer(self, layer: int) -> bool:
