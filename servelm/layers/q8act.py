@@ -48,6 +48,16 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
     return (q[..., 0] | (q[..., 1] << 4)).reshape(n16 // NR, k // BLOCK, 2, 4, 32).contiguous()
 
 
+def panels_of(qweight: torch.Tensor) -> torch.Tensor:
+    """An Int4Linear-layout weight's nibbles (quantize_int4's tiles) in pack_q4's panels:
+    the same bytes reordered in C++ where the int4 codec is built, else in PyTorch."""
+    from servelm.quantization.numerics import int4_codec, unpack_int4
+
+    if int4_codec(qweight) and qweight.is_contiguous():
+        return torch.ops.servelm_int4_codec.to_q8act(qweight)
+    return pack_q4(unpack_int4(qweight))
+
+
 def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
     """pack_q4's inverse: [T, K / 32, 2, 4, 32] -> q uint8 [16T, K] in 0..15."""
     T, B = packed.shape[:2]
@@ -86,18 +96,12 @@ class Int4Q8Linear(nn.Module):
     compute_dtype = torch.bfloat16  # the known-answer check's tolerance: not fp32-accurate
 
     def __init__(self, src):
-        from servelm.quantization.numerics import int4_codec, unpack_int4
-
         super().__init__()
         if not available():
             raise RuntimeError("the q8act kernel is not built for this CPU (AVX2, FMA, F16C)")
         self.in_features, self.out_features = src.in_features, src.out_features
         self.group_size = src.group_size
-        if int4_codec(src.qweight) and src.qweight.is_contiguous():  # the same bytes, in C++
-            q = torch.ops.servelm_int4_codec.to_q8act(src.qweight)
-        else:
-            q = pack_q4(unpack_int4(src.qweight))
-        self.register_buffer("qweight", q)
+        self.register_buffer("qweight", panels_of(src.qweight))
         self.register_buffer("scales", src.scales)
         self.register_buffer("mins", src.mins)
         b = src.bias

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.layers.q8act import BLOCK, NR, dequantize_q4, panels_of
 from servelm.models.layers import GatedMLP, OpModule, RMSNorm, gated_act, l2_norm
 from servelm.quantization.formats import INT8PACK_K
 
@@ -174,7 +175,7 @@ class SparseMoE(OpModule):
         if self.quantized:
             return
         o = self.options
-        if method == "int4" and (o["hidden"] % 32 or o["intermediate"] % 32):
+        if method == "int4" and (o["hidden"] % BLOCK or o["intermediate"] % BLOCK):
             method = "int8"
         self.expert_format = method
         for name in ("experts_gate_up", "experts_down"):
@@ -188,14 +189,13 @@ class SparseMoE(OpModule):
                     q[e], scale[e] = quantize_int8(w[e])
                 mins = None
             else:
-                from servelm.layers.q8act import BLOCK, NR
-
                 T = -(-N // NR)
                 q = torch.empty(E, T, K // BLOCK, 2, 4, 32, dtype=torch.uint8, device=w.device)
                 scale = torch.empty(E, T, K // BLOCK, NR, dtype=torch.float16, device=w.device)
                 mins = torch.empty_like(scale)
                 for e in range(E):
-                    q[e], scale[e], mins[e] = _q8act_panels(*quantize_int4(w[e], BLOCK))
+                    packed, scale[e], mins[e] = quantize_int4(w[e], BLOCK)
+                    q[e] = panels_of(packed)
             delattr(self, name)
             self.register_buffer(name, q)
             setattr(self, name + "_scale", scale)
@@ -374,11 +374,10 @@ class SparseMoE(OpModule):
         if self.expert_format == "int4":
             n = self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
             mins = getattr(self, name + "_min")
-            if self._q4:
+            if self._q4:  # (groups of BLOCK: quantize_experts')
                 return torch.ops.servelm_q8act.int4_linear(
-                    x.contiguous(), w[e], scale[e], mins[e], 32, n,
+                    x.contiguous(), w[e], scale[e], mins[e], BLOCK, n,
                     None if bias is None else bias.float())
-            from servelm.layers.q8act import dequantize_q4
 
             return F.linear(x, dequantize_q4(w[e], scale[e], mins[e], x.dtype)[:n], bias)
         if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
@@ -387,16 +386,6 @@ class SparseMoE(OpModule):
         else:
             y = F.linear(x, w[e].to(x.dtype)) * scale[e].to(x.dtype)
         return y if bias is None else y + bias
-
-
-def _q8act_panels(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
-    """An Int4Linear-layout weight (quantize_int4's) in the q8act kernel's panels."""
-    from servelm.layers.q8act import pack_q4
-    from servelm.quantization.numerics import int4_codec, unpack_int4
-
-    if int4_codec(packed) and packed.is_contiguous():
-        return torch.ops.servelm_int4_codec.to_q8act(packed), scales, mins
-    return pack_q4(unpack_int4(packed)), scales, mins
 
 
 def _fused_q4_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
