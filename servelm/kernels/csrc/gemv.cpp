@@ -39,7 +39,7 @@
 #pragma GCC optimize("no-fast-math")
 
 #include "avx2_vec.h"  // load8f: under the pragma
-#include "moe_act.h"   // moe_act: under the pragma too
+#include "moe_act.h"   // moe_act, moe_weighted_sum, moe_routing: under the pragma too
 
 namespace {
 
@@ -221,18 +221,8 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
   TORCH_CHECK(gate_up.size(2) == H && down.size(0) == E && down.size(1) == H &&
               down.size(2) == I && gate_up.size(1) == 2 * I && H % 8 == 0 && I % 8 == 0,
               "servelm_gemv.moe_experts: shapes do not fit (H and I multiples of 8)");
-  TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == T && w_in.sizes() == ids_in.sizes(),
-              "servelm_gemv.moe_experts: ids and weights must be [T, k]");
-  TORCH_CHECK(act >= 0 && act <= 3, "servelm_gemv.moe_experts: act must be 0, 1, 2 or 3");
-  at::Tensor gbias, dbias;
-  if (gbias_in && gbias_in->defined()) {
-    TORCH_CHECK(gbias_in->numel() == E * 2 * I, "servelm_gemv.moe_experts: gate_up_bias [E, 2I]");
-    gbias = gbias_in->to(at::kFloat).contiguous();
-  }
-  if (dbias_in && dbias_in->defined()) {
-    TORCH_CHECK(dbias_in->numel() == E * H, "servelm_gemv.moe_experts: down_bias [E, H]");
-    dbias = dbias_in->to(at::kFloat).contiguous();
-  }
+  const MoeRouting route = moe_routing("servelm_gemv.moe_experts", ids_in, w_in, T, E, I, H, act,
+                                       gbias_in, dbias_in);
   at::Tensor gscale, dscale;
   TORCH_CHECK(q8 == (gscale_in && gscale_in->defined()) && q8 == (dscale_in && dscale_in->defined()),
               "servelm_gemv.moe_experts: int8 experts take gate_up_scale and down_scale, others none");
@@ -244,23 +234,19 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
   }
   const float* gsp = q8 ? gscale.data_ptr<float>() : nullptr;
   const float* dsp = q8 ? dscale.data_ptr<float>() : nullptr;
-  const float* gbp = gbias.defined() ? gbias.data_ptr<float>() : nullptr;
-  const float* dbp = dbias.defined() ? dbias.data_ptr<float>() : nullptr;
+  const float* gbp = route.gbias();
+  const float* dbp = route.dbias();
   const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
   const int64_t k = ids_in.size(1), P = T * k;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  const at::Tensor wts = w_in.to(at::kFloat).contiguous();
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t p = 0; p < P; ++p)
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "servelm_gemv.moe_experts: expert id out of range");
+  const int64_t* idp = route.id();
   at::Tensor out = at::empty({T, H}, x_in.options());
   if (P == 0) return out.zero_();
   at::Tensor h = at::empty({P, 2 * I}, x.options());
   at::Tensor a = at::empty({P, I}, x.options());
   at::Tensor y = at::empty({P, H}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = wts.data_ptr<float>();
+  const float* wp = route.weight();
   float* hp = h.data_ptr<float>();
   float* ap = a.data_ptr<float>();
   float* yp = y.data_ptr<float>();

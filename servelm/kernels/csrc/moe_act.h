@@ -1,14 +1,51 @@
-// A routed expert's activation of one gate / up pair and the weighted sum of a token's
-// experts, shared by the fused MoE ops (gemv.cpp's moe_experts over bf16 / int8 experts,
+// A routed expert's activation of one gate / up pair, the weighted sum of a token's experts
+// and the routing operands' checks, shared by the fused MoE ops (gemv.cpp's moe_experts over bf16 / int8 experts,
 // q8act.cpp's over int4 ones), so both give the same bits for them. act 0: SiLU, 1: GELU (tanh), 2: GELU (erf), 3: gpt-oss's clamped
 // SwiGLU ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)).
 #pragma once
+
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace {
+
+// The routing operands both fused ops take, checked (the errors named after the op) and
+// converted once: ids [T, k] int64, each an expert of E; weights [T, k] float32; act 0-3;
+// the experts' biases gate_up_bias [E, 2I] and down_bias [E, H], float32, where given.
+struct MoeRouting {
+  at::Tensor ids, weights, gate_up_bias, down_bias;
+  const int64_t* id() const { return ids.data_ptr<int64_t>(); }
+  const float* weight() const { return weights.data_ptr<float>(); }
+  const float* gbias() const { return gate_up_bias.defined() ? gate_up_bias.data_ptr<float>() : nullptr; }
+  const float* dbias() const { return down_bias.defined() ? down_bias.data_ptr<float>() : nullptr; }
+};
+
+inline MoeRouting moe_routing(const char* name, const at::Tensor& ids_in, const at::Tensor& w_in,
+                              int64_t T, int64_t E, int64_t I, int64_t H, int64_t act,
+                              const c10::optional<at::Tensor>& gbias_in,
+                              const c10::optional<at::Tensor>& dbias_in) {
+  TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == T && w_in.sizes() == ids_in.sizes(),
+              name, ": ids and weights must be [T, k]");
+  TORCH_CHECK(act >= 0 && act <= 3, name, ": act must be 0, 1, 2 or 3");
+  MoeRouting r;
+  if (gbias_in && gbias_in->defined()) {
+    TORCH_CHECK(gbias_in->numel() == E * 2 * I, name, ": gate_up_bias [E, 2I]");
+    r.gate_up_bias = gbias_in->to(at::kFloat).contiguous();
+  }
+  if (dbias_in && dbias_in->defined()) {
+    TORCH_CHECK(dbias_in->numel() == E * H, name, ": down_bias [E, H]");
+    r.down_bias = dbias_in->to(at::kFloat).contiguous();
+  }
+  r.ids = ids_in.to(at::kLong).contiguous();
+  r.weights = w_in.to(at::kFloat).contiguous();
+  const int64_t* idp = r.id();
+  for (int64_t p = 0, P = r.ids.numel(); p < P; ++p)
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, name, ": expert id out of range");
+  return r;
+}
 
 inline float moe_act(int64_t act, float v, float u, float limit, float alpha) {
   if (act == 3) {

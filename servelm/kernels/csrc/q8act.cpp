@@ -36,9 +36,7 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -48,7 +46,7 @@
 
 #include "linear_frame.h"  // run_linear_into, check_x
 #include "q8act_kernel.h"  // quantize_row, panels
-#include "moe_act.h"       // moe_act
+#include "moe_act.h"       // moe_act, moe_weighted_sum, moe_routing
 
 namespace {
 
@@ -170,28 +168,13 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
                   H / gs.size(2) == I / dsc.size(2) && (H / gs.size(2)) % kB == 0,
               name, ": scales and mins must be one group size, a multiple of 32, for both");
   const int64_t group = H / gs.size(2);
-  TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == T && w_in.sizes() == ids_in.sizes(),
-              name, ": ids and weights must be [T, k]");
-  TORCH_CHECK(act >= 0 && act <= 3, name, ": act must be 0, 1, 2 or 3");
-  at::Tensor gbias, dbias;
-  if (gbias_in && gbias_in->defined()) {
-    TORCH_CHECK(gbias_in->numel() == E * 2 * I, name, ": gate_up_bias [E, 2I]");
-    gbias = gbias_in->to(at::kFloat).contiguous();
-  }
-  if (dbias_in && dbias_in->defined()) {
-    TORCH_CHECK(dbias_in->numel() == E * H, name, ": down_bias [E, H]");
-    dbias = dbias_in->to(at::kFloat).contiguous();
-  }
-  const float* gbp = gbias.defined() ? gbias.data_ptr<float>() : nullptr;
-  const float* dbp = dbias.defined() ? dbias.data_ptr<float>() : nullptr;
+  const MoeRouting route = moe_routing(name, ids_in, w_in, T, E, I, H, act, gbias_in, dbias_in);
+  const float* gbp = route.gbias();
+  const float* dbp = route.dbias();
   const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
   const int64_t k = ids_in.size(1), P = T * k, NBH = H / kB, NBI = I / kB;
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  const at::Tensor wts = w_in.to(at::kFloat).contiguous();
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t p = 0; p < P; ++p)
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, name, ": expert id out of range");
+  const int64_t* idp = route.id();
   at::Tensor out = at::empty({T, H}, x_in.options());
   if (P == 0) return out.zero_();
   std::vector<int8_t> qx(T * H), qa(P * I);
@@ -210,7 +193,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
   const c10::Half* dsp = dsc.data_ptr<c10::Half>();
   const c10::Half* dmp = dm.data_ptr<c10::Half>();
   const int64_t g1 = gq[0].numel(), s1 = gs[0].numel(), g2 = dq[0].numel(), s2 = dsc[0].numel();
-  const float* wp = wts.data_ptr<float>();
+  const float* wp = route.weight();
   auto store = [&](auto* o) {
     const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
