@@ -152,7 +152,8 @@ class Servelm(System):
         self.name = f"servelm {fmt}"
         if base == "native":
             engine = self.llm.engine
-            self.name += f" ({engine.config.quantization or str(engine.dtype)[6:]})"
+            resolved = engine.config.quantization or str(engine.dtype).removeprefix("torch.")
+            self.name += f" ({resolved})"
         self.one = SamplingParams(temperature=0, max_tokens=1)
         self.gen = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
         self.llm.generate([_prompt_ids(PROMPT_LEN, 99)], self.one, use_tqdm=False)  # warm-up

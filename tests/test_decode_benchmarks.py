@@ -283,4 +283,5 @@ def test_compare_native_format_runs_the_file_as_it_is(compare):
     native = compare.Servelm("native")
     engine = native.llm.engine
     assert engine.config.dtype == "auto"
-    assert native.name == f"servelm native ({engine.config.quantization or str(engine.dtype)[6:]})"
+    resolved = engine.config.quantization or str(engine.dtype).removeprefix("torch.")
+    assert native.name == f"servelm native ({resolved})"

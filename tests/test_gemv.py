@@ -222,6 +222,7 @@ def test_int4_experts_run_the_dequantised_weights_on_int8_activations(clamped):
     import copy
 
     from servelm.layers.q8act import dequantize_q4, quantize_reference
+    from servelm.models.moe import tune_fused_experts
 
     opts = dict(swiglu_limit=0.3, swiglu_alpha=1.702, expert_bias=True,
                 router_bias=True) if clamped else {}
@@ -257,6 +258,8 @@ def test_int4_experts_run_the_dequantised_weights_on_int8_activations(clamped):
             want[t] += weights[t, j].float() * (dq(a) @ wd[e].T + db[e])
     q.select(True)
     assert q._fused is not None
+    model = torch.nn.ModuleList([q])  # its panels have no row order for the tuner to choose
+    assert tune_fused_experts(model) is False and model.moe_by_row is False
     q._fused_rows = 3
     got = q(x)
     torch.testing.assert_close(got.float(), want, rtol=0.01, atol=0.01)  # bf16 output

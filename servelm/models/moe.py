@@ -412,7 +412,8 @@ def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
     a step), the two sides alternating, and kept on the model (re-bound on a later select):
 
     - model.moe_by_row: whether it reads each block of weight rows one row after another
-      (by_row) or interleaved, whichever runs one token faster here;
+      (by_row) or interleaved, whichever runs one token faster here (not measured for int4
+      experts, whose op reads panels);
     - model.moe_fused_rows: the most tokens a step gives it: from fused_rows' rule (where
       the tokens' expert rows are as many bytes as the experts the per-expert path reads),
       doubled while the op runs twice that many tokens in at most 0.8x the per-expert
@@ -444,6 +445,8 @@ def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
         return statistics.median(ta) / statistics.median(tb), max(ta + tb)
 
     by_row = getattr(model, "moe_by_row", None)
+    if by_row is None and first.expert_format == "int4":
+        by_row = model.moe_by_row = False  # the int4 op's panels have no row order to choose
     if by_row is None:
         x = torch.randn(1, first.options["hidden"], dtype=first.act_dtype)
         ids = (torch.arange(first.top_k) * 3 % first.num_experts).view(1, -1)
