@@ -261,8 +261,11 @@ def test_a_short_context_calibrates_on_what_fits():
     from servelm import LLM, SamplingParams
 
     llm = LLM(max_model_len=96, kv_cache_memory=16 << 20, enable_prefix_caching=False)
-    model = llm.engine.executor.model
-    assert any(isinstance(m, w8a8.W8A8Linear) for m in model.modules())
+    # The calibrated layers reached the tuner, which timed the w8a8 method on them (which
+    # method it then picks is a measurement, not this test's business).
+    smooth = [s for s in llm.engine.executor.tuning.shapes if s.key.endswith(":smooth")]
+    assert smooth
+    assert all(min(s.times_us["w8a8"]) < float("inf") for s in smooth)
     out = llm.generate(["The capital of France is"],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
