@@ -294,6 +294,7 @@ def cmd_roofline(args) -> int:
     else:
         from servelm.models.hub import resolve_model
         from servelm.models.loader import open_checkpoint
+        from servelm.quantization import mxfp4
         from servelm.roofline import quantized_bits_per_weight
 
         ckpt = open_checkpoint(resolve_model(args.model))
@@ -307,7 +308,8 @@ def cmd_roofline(args) -> int:
             cfg, weight_bits=bits,
             kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.cache_layout[2]),
             state_bytes=StateCache.bytes_per_slot(cfg, dtype),
-            expert_bits=None if args.bits else rl.quantized_expert_bits(native))
+            expert_bits=None if args.bits else (
+                mxfp4.BITS if ckpt.mxfp4_experts() else rl.quantized_expert_bits(native)))
     if args.bandwidth is not None and args.flops is not None:
         hw = rl.Hardware(args.bandwidth * 1e9, args.flops * 1e12)
     else:

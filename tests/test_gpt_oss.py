@@ -297,6 +297,8 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
         assert torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
 
     hf = LLM(model=str(hf_dir), cpu_kernels=False, **KW)
+    assert _experts(hf) == "mxfp4"  # kept as MXFP4, dequantised an expert at a time here
+    assert hf.engine.shape.expert_bits == 4.25
     prompts = [_ids(hf, p) for p in PROMPTS]
     outs = hf.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for ids, out in zip(prompts, outs):
@@ -361,5 +363,30 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     assert gcfg.family == "gpt_oss" and gcfg.layer_types == (SLIDING, FULL, SLIDING)
     assert gcfg.extra == hf.engine.model_config.extra
     assert [_ids(gg, p) for p in PROMPTS] == prompts
-    torch.testing.assert_close(prompt_logits(gg.engine, prompts),
-                               prompt_logits(hf.engine, prompts), rtol=1e-5, atol=1e-5)
+    want = prompt_logits(hf.engine, prompts)
+    assert _experts(gg) == "mxfp4"
+    torch.testing.assert_close(prompt_logits(gg.engine, prompts), want, rtol=1e-5, atol=1e-5)
+    # Dequantised on load when asked: the same values.
+    for src in (hf_dir, path):
+        dense = LLM(model=str(src), cpu_kernels=False, quantization="none", **KW)
+        assert _experts(dense) is None
+        torch.testing.assert_close(prompt_logits(dense.engine, prompts), want, rtol=1e-5,
+                                   atol=1e-5)
+    if not load_ops("q8act"):
+        return
+    # bf16 on the kernels: the experts' MXFP4 times int8 activations (the fused op for a
+    # decode step, mxfp4_linear an expert at a time for the prompts), near the fp32 logits.
+    fast = LLM(model=str(path), **{**KW, "dtype": "bfloat16"})
+    moe = fast.engine.executor.model.layers[0].mlp
+    assert moe.expert_format == "mxfp4" and moe._fused is not None
+    got = prompt_logits(fast.engine, prompts)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+    outs = fast.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+
+
+def _experts(llm) -> str | None:
+    """The routed experts' format in every layer (one answer)."""
+    formats = {layer.mlp.expert_format for layer in llm.engine.executor.model.layers}
+    assert len(formats) == 1
+    return formats.pop()

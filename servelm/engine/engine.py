@@ -18,6 +18,7 @@ from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.state_cache import StateCache, snapshot_row
 from servelm.engine.sampler import Sampler, checks_grammar_after, token_logprobs
+from servelm.quantization import mxfp4
 from servelm.structured_outputs import GrammarCompiler, MaskPrefetch
 from servelm.engine.scheduler import Scheduler
 from servelm.models import kv_quant
@@ -222,6 +223,13 @@ class LLMEngine:
         # The weight format, decided once: the checkpoint's own unless one was asked for;
         # every later reader (the TP ranks, the draft) sees the resolved value.
         quantization, self.weight_format = resolve_quantization(config, ckpt)
+        # MXFP4 routed experts (gpt-oss) run as they are (servelm.quantization.mxfp4) unless
+        # dequantised or int8 weights were asked for; a tensor-parallel rank dequantises.
+        ckpt.keep_mxfp4 = (config.quantization not in ("none", "int8")
+                           and config.tensor_parallel_size == 1 and ckpt.mxfp4_experts())
+        self.mxfp4_experts = ckpt.keep_mxfp4
+        if ckpt.keep_mxfp4:
+            self.weight_format += ", routed experts MXFP4"
         self.config = config = replace(config, model=ckpt.path, quantization=quantization)
         self.dtype = resolve_dtype(config.dtype, self.device, config.quantization,
                                    config.kernels.cpu_kernels)
@@ -305,6 +313,8 @@ class LLMEngine:
 
             weight_bits = quantized_bits_per_weight(config.quantization)  # scales included
             expert_bits = quantized_expert_bits(config.quantization)
+        if self.mxfp4_experts:
+            expert_bits = mxfp4.BITS
         self.shape = ModelShape.from_config(
             self.model_config, weight_bits=weight_bits,
             kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.cache_layout[2]),

@@ -39,6 +39,7 @@ from servelm.models.linear_attention import GatedDeltaNet
 from servelm.models.mla import LatentAttention
 from servelm.models.moe import ExpertsBesideMLP, SparseMoE, tune_fused_experts
 from servelm.models.ple import PerLayerEmbedding, PerLayerInput
+from servelm.quantization.mxfp4 import MXFP4Weight
 
 if TYPE_CHECKING:
     from servelm.attention.metadata import ForwardBatch
@@ -373,6 +374,9 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         stacks = {**self._STACKED, **self.family.stacked}
         for name, tensor in self._named(weights):
+            if isinstance(tensor, MXFP4Weight):  # routed experts kept as MXFP4 (to_mxfp4)
+                self._copy_mxfp4(name, tensor)
+                continue
             if self.config.rope_interleaved and re.search(r"\.self_attn\.[qk]_proj\.", name):
                 cfg = self.config
                 tensor = rotate_half_rows(tensor, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
@@ -409,6 +413,9 @@ class CausalLM(nn.Module):
                 self._copy(params, target, [got[p] for p in parts])
                 loaded.add(target)
         missing = set(params) - loaded
+        missing |= {f"{n}.experts" for n, m in self.named_modules()
+                    if isinstance(m, SparseMoE) and m.expert_format == "mxfp4"
+                    and not m.mxfp4_complete}
         if missing or pending:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:5]}")
 
@@ -421,6 +428,9 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
+            if isinstance(tensor, MXFP4Weight):
+                yield name, self.family.transform_mxfp4(name, tensor)
+                continue
             yield from self.family.split(name, self.family.transform(name, tensor), self.config)
 
     _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -461,6 +471,23 @@ class CausalLM(nn.Module):
         got.update((e, part) for e in experts)
         if len(got) == num * (1 if part == "down_proj" else 2):
             loaded.add(name)
+
+    def _copy_mxfp4(self, name: str, w: MXFP4Weight) -> None:
+        """MXFP4 experts (all of a layer's, one projection or gate / up) into their
+        SparseMoE, which to_mxfp4 readied for them."""
+        fused, each = self._FUSED_EXPERTS.fullmatch(name), self._EXPERT.fullmatch(name)
+        if fused:
+            prefix, which, part = fused.group(1), fused.group(2).removesuffix("_proj"), "all"
+        elif each and each.group(2) is None and each.group(4) == "weight":
+            prefix, part = each.group(1), each.group(3).removesuffix("_proj")
+            which, part = ("down", "all") if part == "down" else ("gate_up", part)
+        else:
+            raise ValueError(f"MXFP4 weight {name!r}: servelm keeps only a layer's stacked "
+                             f"routed experts in MXFP4")
+        moe = self.get_submodule(prefix)
+        if not isinstance(moe, SparseMoE) or moe.expert_format != "mxfp4":
+            raise ValueError(f"MXFP4 weight {name!r} has no MXFP4 experts to fill")
+        moe.load_mxfp4(which, part, w)
 
     @staticmethod
     def _copy(params: dict[str, nn.Parameter], name: str,

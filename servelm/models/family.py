@@ -131,6 +131,12 @@ class Family:
             return tensor.float() + self.norm_offset
         return tensor
 
+    def transform_mxfp4(self, name: str, w):
+        """A checkpoint's MXFP4 routed experts (servelm.quantization.mxfp4.MXFP4Weight,
+        [E, out, in], decoder name) with their rows in the decoder's order (gate rows, then
+        up): as they are, unless the family's checkpoint orders them otherwise."""
+        return w
+
     def split(self, name: str, tensor: torch.Tensor, cfg) -> list[tuple[str, torch.Tensor]]:
         """A checkpoint tensor (decoder name, transformed) as the decoder parameters it
         fills (cfg: the model's ModelConfig): itself, unless one tensor holds two of the

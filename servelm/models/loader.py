@@ -18,6 +18,7 @@ from servelm.models.paths import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # 
                                   ModelLoadError, default_model_path, read_gguf,
                                   resolve_model_path)
 from servelm.models.registry import family_for_architecture
+from servelm.quantization.mxfp4 import MXFP4Weight
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -28,13 +29,22 @@ GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K", "Q6_K"}
 
 
 class GGUFFile:
-    """A GGUF file's metadata as plain Python values, and its tensors dequantised on demand."""
+    """A GGUF file's metadata as plain Python values, and its tensors dequantised on demand
+    (MXFP4 routed experts, where keep_mxfp4 is set, as they are: MXFP4Weight)."""
 
     def __init__(self, path: str):
         self.reader = read_gguf(path)
         self.path = path
         self.metadata = self.reader.metadata
         self.tensor_names = {t.name for t in self.reader.tensors}
+        # Whether weights() yields MXFP4 experts as MXFP4Weight (the engine's choice, where
+        # mxfp4_experts(); load_model readies the model's experts for them).
+        self.keep_mxfp4 = False
+
+    def mxfp4_experts(self) -> bool:
+        """Whether the routed experts are all MXFP4 (llama.cpp's gpt-oss files)."""
+        kinds = {_gguf_type_name(t.qtype) for t in self.reader.tensors if _EXPERTS_GGUF(t.name)}
+        return kinds == {"MXFP4"}
 
     def config(self) -> ModelConfig:
         try:
@@ -100,6 +110,10 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r} for "
                                      f"the {family.name} family")
             qtype = gguf.GGMLQuantizationType(t.qtype)
+            if (self.keep_mxfp4 and slice_of is None and qtype.name == "MXFP4"
+                    and _EXPERTS_GGUF(t.name)):
+                yield name, MXFP4Weight.from_ggml(t.data)
+                continue
             pieces = (slice_of and slice_of(name)) or [None]
             arrs = [self._dequantized(t, qtype, piece) for piece in pieces]
             arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=pieces[0][0])
@@ -130,6 +144,11 @@ class GGUFFile:
         if not arr.flags.writeable:  # a view of the memory-mapped file
             arr = arr.copy()
         return arr
+
+
+def _EXPERTS_GGUF(name: str) -> bool:
+    """A GGUF tensor of a layer's stacked routed experts (llama.cpp's ffn_*_exps weights)."""
+    return name.startswith("blk.") and name.endswith("_exps.weight")
 
 
 def _gguf_type_name(qtype: int) -> str:
@@ -191,8 +210,15 @@ class HFCheckpoint:
     def __init__(self, path: str):
         self.path = path
         self._quant: tuple[hf_quant.HFQuant | None] | None = None
-        # MXFP4 experts (gpt-oss: quant_method mxfp4), dequantised as they are read.
+        # MXFP4 experts (gpt-oss: quant_method mxfp4): yielded as MXFP4Weight where
+        # keep_mxfp4 is set (the engine's choice), else dequantised as they are read.
         self._mxfp4 = False
+        self.keep_mxfp4 = False
+
+    def mxfp4_experts(self) -> bool:
+        """Whether the checkpoint's experts are MXFP4 (quantization_config mxfp4)."""
+        self.quantization()
+        return self._mxfp4
 
     def quantization(self) -> hf_quant.HFQuant | None:
         """config.json's quantization_config, read once; ModelLoadError for a method servelm
@@ -213,8 +239,8 @@ class HFCheckpoint:
         dtype) and a line for the log: AWQ / GPTQ / compressed-tensors up to 4 bits -> int4,
         8 bits -> int8; unquantised -> None."""
         quant = self.quantization()
-        if self._mxfp4:  # servelm keeps experts in the activation dtype (not int4 yet)
-            return None, "Hugging Face safetensors, MXFP4 experts (dequantised on load)"
+        if self._mxfp4:  # the experts' own format, whatever the other layers'
+            return None, "Hugging Face safetensors, MXFP4 experts"
         if quant is None:
             return None, "Hugging Face safetensors: unquantised weights"
         return quant.native()
@@ -275,10 +301,11 @@ class HFCheckpoint:
             base = key[:-len("_blocks")] if mx else key
             if mx and base + "_blocks" in file_of and base + "_scales" in file_of:
                 if key.endswith("_blocks"):  # the pair at its blocks; its scales skipped
-                    yield base, self._mxfp4_dense(
-                        handle(f).get_tensor(key),
-                        handle(file_of[base + "_scales"]).get_tensor(base + "_scales"),
-                        base, slice_of)
+                    blocks = handle(f).get_tensor(key)
+                    scales = handle(file_of[base + "_scales"]).get_tensor(base + "_scales")
+                    yield base, (MXFP4Weight.from_hf(blocks, scales)
+                                 if self.keep_mxfp4 and slice_of is None
+                                 else self._mxfp4_dense(blocks, scales, base, slice_of))
                 continue
             prefix = layer_of.get(key)
             if prefix is not None:  # a packed layer: all its parts at its first one
@@ -401,6 +428,12 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
     except ValueError as e:
         raise ModelLoadError(f"{ckpt.path}: {e}") from e
     model = build_model(cfg, dtype, device, max_positions, shard)
+    if ckpt.keep_mxfp4 and shard is None:  # the weights yield MXFP4 experts as they are
+        from servelm.models.moe import SparseMoE
+
+        for m in model.modules():
+            if isinstance(m, SparseMoE):
+                m.to_mxfp4()
     try:
         model.load_weights(ckpt.weights(cfg) if shard is None
                            else ckpt.weights(cfg, shard.slice_of))

@@ -57,6 +57,7 @@ from torch import nn
 from servelm.layers.q8act import BLOCK, NR, dequantize_q4, panels_of
 from servelm.models.layers import GatedMLP, OpModule, RMSNorm, gated_act, l2_norm
 from servelm.quantization.formats import INT8PACK_K
+from servelm.quantization.mxfp4 import dequantize_panels
 
 
 def fused_rows(num_experts: int, top_k: int) -> int:
@@ -139,7 +140,7 @@ class SparseMoE(OpModule):
         self.register_buffer("experts_down_scale", None)
         self.register_buffer("experts_gate_up_min", None)
         self.register_buffer("experts_down_min", None)
-        self.expert_format = None  # quantize_experts': "int8" or "int4"
+        self.expert_format = None  # quantize_experts': "int8" or "int4"; to_mxfp4's "mxfp4"
         self.experts_gate_up_bias = self.experts_down_bias = None
         if expert_bias:
             self.experts_gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
@@ -155,6 +156,66 @@ class SparseMoE(OpModule):
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.select(False)
+
+    def to_mxfp4(self) -> None:
+        """The routed experts kept as a checkpoint's MXFP4 (servelm.quantization.mxfp4),
+        before the weights are loaded (load_mxfp4): their codes in the q8act panels, uint8
+        [E, N / 16, K / 32, 2, 4, 32], and one E8M0 exponent a block, uint8 [E, N / 16,
+        K / 32, 16] (experts_*_scale), for gate_up [E, 2I, hidden] and down [E, hidden, I].
+        Run by servelm_q8act's MXFP4 ops for bf16 activations, else dequantised an expert
+        at a time. Needs hidden and intermediate sizes that are multiples of 32."""
+        o = self.options
+        if o["hidden"] % BLOCK or o["intermediate"] % BLOCK:
+            raise ValueError(f"MXFP4 experts need hidden ({o['hidden']}) and intermediate "
+                             f"({o['intermediate']}) sizes that are multiples of {BLOCK}")
+        self.expert_format = "mxfp4"
+        self._mx_pending: dict[str, dict[str, object]] = {}
+        self._mx_loaded: set[str] = set()
+        for name in ("experts_gate_up", "experts_down"):
+            w = getattr(self, name)
+            self._act_dtype = w.dtype
+            E, N, K = w.shape
+            T = -(-N // NR)
+            delattr(self, name)
+            self.register_buffer(name, torch.zeros(E, T, K // BLOCK, 2, 4, 32, dtype=torch.uint8,
+                                                   device=w.device))
+            setattr(self, name + "_scale", torch.zeros(E, T, K // BLOCK, NR, dtype=torch.uint8,
+                                                       device=w.device))
+        self.select(self.uses_kernels)
+
+    @torch.no_grad()
+    def load_mxfp4(self, which: str, part: str, w) -> None:
+        """A checkpoint's MXFP4 experts (an MXFP4Weight [E, rows, K]) into to_mxfp4's panels:
+        which "gate_up" or "down"; part "all", or "gate" / "up" (their halves of gate_up,
+        packed once both are in)."""
+        from servelm.quantization.mxfp4 import MXFP4Weight, to_panels
+
+        name = f"experts_{which}"
+        dst, exps = getattr(self, name), getattr(self, name + "_scale")
+        E, N, K = dst.shape[0], (2 * self.intermediate if which == "gate_up"
+                                 else self.options["hidden"]), dst.shape[2] * BLOCK
+        halves = self._mx_pending.setdefault(name, {})
+        halves[part] = w
+        if part != "all":
+            if not {"gate", "up"} <= halves.keys():
+                return
+            g, u = halves["gate"], halves["up"]
+            w = MXFP4Weight(torch.cat((g.blocks, u.blocks), 1), torch.cat((g.exps, u.exps), 1),
+                            g.source)
+        del self._mx_pending[name]
+        if tuple(w.shape) != (E, N, K):
+            raise ValueError(f"MXFP4 experts {name} have shape {tuple(w.shape)}, expected "
+                             f"{(E, N, K)}")
+        for e in range(E):
+            q, x = to_panels(MXFP4Weight(w.blocks[e], w.exps[e], w.source))
+            dst[e].copy_(q)
+            exps[e].copy_(x)
+        self._mx_loaded.add(name)
+
+    @property
+    def mxfp4_complete(self) -> bool:
+        """Every MXFP4 expert tensor loaded (to_mxfp4's layers)."""
+        return self._mx_loaded == {"experts_gate_up", "experts_down"}
 
     @torch.no_grad()
     def quantize_experts(self, method: str = "int8") -> None:
@@ -225,10 +286,12 @@ class SparseMoE(OpModule):
         o = self.options
         self._fused = None
         clamped = o["swiglu_limit"] is not None
-        self._q4 = (self.expert_format == "int4" and kernels and w.device.type == "cpu"
-                    and act == torch.bfloat16 and q8act.available())
+        self._q4 = (self.expert_format in ("int4", "mxfp4") and kernels
+                    and w.device.type == "cpu" and act == torch.bfloat16 and q8act.available())
         if self.expert_format == "int4":
             ok = self._q4 and hasattr(torch.ops.servelm_q8act, "moe_experts")
+        elif self.expert_format == "mxfp4":
+            ok = self._q4 and hasattr(torch.ops.servelm_q8act, "moe_experts_mxfp4")
         elif self.quantized:
             ok = act in (torch.bfloat16, torch.float32)
         else:
@@ -243,7 +306,11 @@ class SparseMoE(OpModule):
                 self.experts_down_bias.detach().float().contiguous())
             limit, alpha = (o["swiglu_limit"], o["swiglu_alpha"]) if clamped else (0.0, 1.0)
             code = 3 if clamped else _ACT_CODES[o["act"]]
-            if self.expert_format == "int4":
+            if self.expert_format == "mxfp4":
+                self._fused = functools.partial(
+                    _fused_mx4_call, torch.ops.servelm_q8act.moe_experts_mxfp4.default, code,
+                    *biases, limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
+            elif self.expert_format == "int4":
                 self._fused = functools.partial(
                     _fused_q4_call, torch.ops.servelm_q8act.moe_experts.default, code,
                     *biases, limit, alpha, self.experts_gate_up_scale,
@@ -371,6 +438,12 @@ class SparseMoE(OpModule):
         w, scale = getattr(self, name), getattr(self, name + "_scale")
         if scale is None:
             return F.linear(x, w[e], bias)
+        if self.expert_format == "mxfp4":
+            n = self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
+            if self._q4:
+                return torch.ops.servelm_q8act.mxfp4_linear(
+                    x.contiguous(), w[e], scale[e], n, None if bias is None else bias.float())
+            return F.linear(x, dequantize_panels(w[e], scale[e], n, x.dtype), bias)
         if self.expert_format == "int4":
             n = self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
             mins = getattr(self, name + "_min")
@@ -395,6 +468,14 @@ def _fused_q4_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: f
     and mins bound (select); by_row is the int8 / bf16 op's, not this one's."""
     return op(x, ids, weights, gate_up, gate_up_s, gate_up_m, down, down_s, down_m, act,
               gate_up_bias, down_bias, limit, alpha)
+
+
+def _fused_mx4_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
+                    gate_up_e, down_e, x, ids, weights, gate_up, down, by_row: bool = False):
+    """servelm_q8act.moe_experts_mxfp4 (MXFP4 experts) with the layer's activation, biases
+    and exponents bound (select); by_row is the int8 / bf16 op's, not this one's."""
+    return op(x, ids, weights, gate_up, gate_up_e, down, down_e, act, gate_up_bias, down_bias,
+              limit, alpha)
 
 
 def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
@@ -445,7 +526,7 @@ def tune_fused_experts(model: nn.Module, rounds: int = 2) -> bool | None:
         return statistics.median(ta) / statistics.median(tb), max(ta + tb)
 
     by_row = getattr(model, "moe_by_row", None)
-    if by_row is None and first.expert_format == "int4":
+    if by_row is None and first.expert_format in ("int4", "mxfp4"):
         by_row = model.moe_by_row = False  # the int4 op's panels have no row order to choose
     if by_row is None:
         x = torch.randn(1, first.options["hidden"], dtype=first.act_dtype)

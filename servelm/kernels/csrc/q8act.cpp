@@ -25,6 +25,10 @@
 //
 //   moe_experts(x, ids, weights, gate_up_q, gate_up_s, gate_up_m, down_q, down_s, down_m, act, ...)
 // a MoE layer's routed int4 experts for a few tokens in one call (see the function's head).
+//
+//   mxfp4_linear(x, qweight, exps, out_features, bias?) -> y;  moe_experts_mxfp4(...)
+// the same with MXFP4 weights (gpt-oss's experts): E2M1 codes in the panels' nibbles, an E8M0
+// exponent byte a block of 32 (q8act_kernel.h's MX4Fmt); exact products, as for int4.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,8 +57,8 @@ namespace {
 using q8act::kB;
 using q8act::kNR;
 
-template <typename X, typename O>
-void gemm_q4(const X* x, const uint8_t* w, const c10::Half* scales, const c10::Half* mins,
+template <typename Fmt, typename X, typename O>
+void gemm_q4(const X* x, const uint8_t* w, const typename Fmt::S* scales, const typename Fmt::S* mins,
              int64_t group_size, const float* bias, O* out, int64_t M, int64_t N, int64_t K,
              bool wide) {
   const int64_t NP = (N + kNR - 1) / kNR, NB = K / kB;
@@ -67,7 +71,7 @@ void gemm_q4(const X* x, const uint8_t* w, const c10::Half* scales, const c10::H
     for (int64_t r = r0; r < r1; ++r) q8act::quantize_row(x + r * K, K, q + r * K, d + r * NB, ds + r * NB);
   });
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    q8act::panels(q, d, ds, w, scales, mins, group_size, bias, out, M, N, K, p0, p1, wide);
+    q8act::panels<O, Fmt>(q, d, ds, w, scales, mins, group_size, bias, out, M, N, K, p0, p1, wide);
   });
 }
 
@@ -97,10 +101,45 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
     const c10::Half* s = scales.data_ptr<c10::Half>();
     const c10::Half* mn = mins.data_ptr<c10::Half>();
     if (x.scalar_type() == at::kFloat)
-      gemm_q4(x.data_ptr<float>(), w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K, wide);
+      gemm_q4<q8act::Q4Fmt>(x.data_ptr<float>(), w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K, wide);
     else
-      gemm_q4(x.data_ptr<c10::BFloat16>(), w, s, mn, group_size, b,
-              out.data_ptr<c10::BFloat16>(), M, N, K, wide);
+      gemm_q4<q8act::Q4Fmt>(x.data_ptr<c10::BFloat16>(), w, s, mn, group_size, b,
+                            out.data_ptr<c10::BFloat16>(), M, N, K, wide);
+  });
+}
+
+// Checks an MXFP4 weight in the panels: qweight uint8 [ceil(N / 16), K / 32, 2, 4, 32] (the
+// codes where int4_linear has its q), exps uint8 [ceil(N / 16), K / 32, 16]; returns K.
+int64_t check_mx4(const at::Tensor& qweight, const at::Tensor& exps, int64_t N, const char* name) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 5 &&
+                  qweight.size(2) == 2 && qweight.size(3) == 4 && qweight.size(4) == 32 &&
+                  qweight.is_contiguous(),
+              name, ": qweight must be contiguous uint8 [ceil(N / 16), K / 32, 2, 4, 32] on the CPU");
+  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == qweight.size(0), name, ": out_features ", N,
+              " does not match ", qweight.size(0), " panels of 16");
+  TORCH_CHECK(exps.device().is_cpu() && exps.scalar_type() == at::kByte && exps.is_contiguous() &&
+                  exps.dim() == 3 && exps.size(0) == qweight.size(0) && exps.size(1) == qweight.size(1) &&
+                  exps.size(2) == kNR,
+              name, ": exps must be contiguous uint8 [ceil(N / 16), K / 32, 16]");
+  return qweight.size(1) * kB;
+}
+
+// An MXFP4 layer (E2M1 codes in the panels, an E8M0 exponent a block of 32: q8act_kernel.h's
+// MX4Fmt) times x quantised per block to int8, as int4_linear: y in x's dtype.
+at::Tensor mxfp4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& exps,
+                        int64_t N, const c10::optional<at::Tensor>& bias, bool wide) {
+  const char* name = "servelm_q8act.mxfp4_linear";
+  const int64_t K = check_mx4(qweight, exps, N, name);
+  check_x(x_in, name);
+  return run_linear_into(x_in, K, N, bias, name, true,
+                         [&](const at::Tensor& x, const float* b, at::Tensor& out, int64_t M) {
+    const uint8_t* w = qweight.data_ptr<uint8_t>();
+    const uint8_t* e = exps.data_ptr<uint8_t>();
+    if (x.scalar_type() == at::kFloat)
+      gemm_q4<q8act::MX4Fmt>(x.data_ptr<float>(), w, e, nullptr, kB, b, out.data_ptr<float>(), M, N, K, wide);
+    else
+      gemm_q4<q8act::MX4Fmt>(x.data_ptr<c10::BFloat16>(), w, e, nullptr, kB, b,
+                             out.data_ptr<c10::BFloat16>(), M, N, K, wide);
   });
 }
 
@@ -130,44 +169,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) 
 
 bool has_wide() { return q8act::kVnni; }
 
-// A mixture-of-experts layer's routed experts for a few tokens (decode) in one call, with int4
-// experts in the layout above (each expert's gate_up [2I, H] and down [H, I] as int4_linear's
-// qweight, scales and mins, stacked over E):
-//   out[t] = sum_j weights[t, j] * down[e] (act(gate[e] x[t]) * up[e] x[t]),  e = ids[t, j]
-// gate_up_q uint8 [E, 2I / 16, H / 32, 2, 4, 32], gate_up_s / _m float16 [E, 2I / 16, H / G, 16];
-// down_q [E, H / 16, I / 32, 2, 4, 32], down_s / _m [E, H / 16, I / G, 16]; H and I multiples of
-// 32, G their common group size. x [T, H] float32 or bfloat16; ids [T, k] int64, weights [T, k]
-// float32; act and the biases, limit and alpha as servelm_gemv.moe_experts'. Each token's row
-// is quantised once (as int4_linear does), each pair's activation row once after its gate_up,
-// the three phases (gate_up panels, activation and its quantisation, down panels and the
-// weighted sum) split over the threads of one parallel region; out in x's dtype.
-at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
-                       const at::Tensor& gq, const at::Tensor& gs, const at::Tensor& gm,
-                       const at::Tensor& dq, const at::Tensor& dsc, const at::Tensor& dm, int64_t act,
-                       const c10::optional<at::Tensor>& gbias_in,
-                       const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
-                       bool wide) {
-  const char* name = "servelm_q8act.moe_experts";
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
-                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
-              name, ": x must be float32 or bfloat16 [T, H] on the CPU");
-  const int64_t T = x_in.size(0), H = x_in.size(1);
-  for (const at::Tensor* t : {&gq, &dq})
-    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 6 && t->size(3) == 2 && t->size(4) == 4 &&
-                    t->size(5) == 32 && t->is_contiguous(),
-                name, ": gate_up_q and down_q must be contiguous uint8 [E, N / 16, K / 32, 2, 4, 32]");
-  const int64_t E = gq.size(0), NP1 = gq.size(1), I = dq.size(2) * kB, NP2 = dq.size(1);
-  TORCH_CHECK(gq.size(2) * kB == H && dq.size(0) == E && NP1 * kNR == 2 * I && NP2 == (H + kNR - 1) / kNR,
-              name, ": shapes do not fit (gate_up [E, 2I, H], down [E, H, I], I a multiple of 32)");
-  for (const at::Tensor* t : {&gs, &gm, &dsc, &dm})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 4 && t->is_contiguous() && t->size(0) == E &&
-                    t->size(3) == kNR,
-                name, ": scales and mins must be contiguous float16 [E, N / 16, K / G, 16]");
-  TORCH_CHECK(gs.sizes() == gm.sizes() && dsc.sizes() == dm.sizes() && gs.size(1) == NP1 &&
-                  dsc.size(1) == NP2 && H % gs.size(2) == 0 && I % dsc.size(2) == 0 &&
-                  H / gs.size(2) == I / dsc.size(2) && (H / gs.size(2)) % kB == 0,
-              name, ": scales and mins must be one group size, a multiple of 32, for both");
-  const int64_t group = H / gs.size(2);
+// The fused routed experts' three phases over the panels of either format (Fmt): each token's
+// row quantised once, each pair's gate_up panels, its activation quantised once, the down
+// panels and the weighted sum, split over the threads of one parallel region; out in x's dtype.
+// gs / gm and ds / dm: the gate_up and down scales and mins (mins null for MX4), s1 / s2 an
+// expert's count of them, group the group size.
+template <typename Fmt>
+at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor& ids_in,
+                      const at::Tensor& w_in, const at::Tensor& gq, const typename Fmt::S* gsp,
+                      const typename Fmt::S* gmp, int64_t s1, const at::Tensor& dq,
+                      const typename Fmt::S* dsp, const typename Fmt::S* dmp, int64_t s2,
+                      int64_t group, int64_t act, const c10::optional<at::Tensor>& gbias_in,
+                      const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
+                      bool wide) {
+  const int64_t T = x_in.size(0), H = x_in.size(1), E = gq.size(0), NP1 = gq.size(1), I = dq.size(2) * kB,
+                NP2 = dq.size(1);
   const MoeRouting route = moe_routing(name, ids_in, w_in, T, E, I, H, act, gbias_in, dbias_in);
   const float* gbp = route.gbias();
   const float* dbp = route.dbias();
@@ -188,12 +204,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
   }
   const uint8_t* gqp = gq.data_ptr<uint8_t>();
   const uint8_t* dqp = dq.data_ptr<uint8_t>();
-  const c10::Half* gsp = gs.data_ptr<c10::Half>();
-  const c10::Half* gmp = gm.data_ptr<c10::Half>();
-  const c10::Half* dsp = dsc.data_ptr<c10::Half>();
-  const c10::Half* dmp = dm.data_ptr<c10::Half>();
-  const int64_t g1 = gq[0].numel(), s1 = gs[0].numel(), g2 = dq[0].numel(), s2 = dsc[0].numel();
+  const int64_t g1 = gq[0].numel(), g2 = dq[0].numel();
   const float* wp = route.weight();
+  auto at_e = [](const typename Fmt::S* p, int64_t off) { return p ? p + off : nullptr; };
   auto store = [&](auto* o) {
     const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
@@ -201,9 +214,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
       const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
       for (int64_t b = P * NP1 * tid / n, b1 = P * NP1 * (tid + 1) / n; b < b1; ++b) {
         const int64_t p = b / NP1, pan = b % NP1, e = idp[p], t = p / k;
-        q8act::panels(qx.data() + t * H, dx.data() + t * NBH, dsx.data() + t * NBH, gqp + e * g1,
-                      gsp + e * s1, gmp + e * s1, group, gbp ? gbp + e * 2 * I : nullptr,
-                      h.data() + p * 2 * I, 1, 2 * I, H, pan, pan + 1, wide);
+        q8act::panels<float, Fmt>(qx.data() + t * H, dx.data() + t * NBH, dsx.data() + t * NBH, gqp + e * g1,
+                                  gsp + e * s1, at_e(gmp, e * s1), group, gbp ? gbp + e * 2 * I : nullptr,
+                                  h.data() + p * 2 * I, 1, 2 * I, H, pan, pan + 1, wide);
       }
 #pragma omp barrier
       for (int64_t p = P * tid / n, p1 = P * (tid + 1) / n; p < p1; ++p) {
@@ -217,9 +230,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
       if (pan0 < pan1) {
         for (int64_t p = 0; p < P; ++p) {
           const int64_t e = idp[p];
-          q8act::panels(qa.data() + p * I, da.data() + p * NBI, dsa.data() + p * NBI, dqp + e * g2,
-                        dsp + e * s2, dmp + e * s2, group, dbp ? dbp + e * H : nullptr, y.data() + p * H,
-                        1, H, I, pan0, pan1, wide);
+          q8act::panels<float, Fmt>(qa.data() + p * I, da.data() + p * NBI, dsa.data() + p * NBI, dqp + e * g2,
+                                    dsp + e * s2, at_e(dmp, e * s2), group, dbp ? dbp + e * H : nullptr,
+                                    y.data() + p * H, 1, H, I, pan0, pan1, wide);
         }
         moe_weighted_sum(wp, y.data(), o, T, k, H, pan0 * kNR, std::min(H, pan1 * kNR));
       }
@@ -228,6 +241,73 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const a
   if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
   else store(out.data_ptr<c10::BFloat16>());
   return out;
+}
+
+// Checks x [T, H] and the stacked panels of both projections (gate_up [E, 2I / 16, H / 32, 2,
+// 4, 32], down [E, H / 16, I / 32, 2, 4, 32], I a multiple of 32).
+void check_moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor& gq, const at::Tensor& dq) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
+                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              name, ": x must be float32 or bfloat16 [T, H] on the CPU");
+  for (const at::Tensor* t : {&gq, &dq})
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 6 && t->size(3) == 2 && t->size(4) == 4 &&
+                    t->size(5) == 32 && t->is_contiguous(),
+                name, ": gate_up_q and down_q must be contiguous uint8 [E, N / 16, K / 32, 2, 4, 32]");
+  const int64_t H = x_in.size(1), E = gq.size(0), NP1 = gq.size(1), I = dq.size(2) * kB, NP2 = dq.size(1);
+  TORCH_CHECK(gq.size(2) * kB == H && dq.size(0) == E && NP1 * kNR == 2 * I && NP2 == (H + kNR - 1) / kNR,
+              name, ": shapes do not fit (gate_up [E, 2I, H], down [E, H, I], I a multiple of 32)");
+}
+
+// A mixture-of-experts layer's routed experts for a few tokens (decode) in one call, with int4
+// experts in the layout above (each expert's gate_up [2I, H] and down [H, I] as int4_linear's
+// qweight, scales and mins, stacked over E):
+//   out[t] = sum_j weights[t, j] * down[e] (act(gate[e] x[t]) * up[e] x[t]),  e = ids[t, j]
+// gate_up_q uint8 [E, 2I / 16, H / 32, 2, 4, 32], gate_up_s / _m float16 [E, 2I / 16, H / G, 16];
+// down_q [E, H / 16, I / 32, 2, 4, 32], down_s / _m [E, H / 16, I / G, 16]; H and I multiples of
+// 32, G their common group size. x [T, H] float32 or bfloat16; ids [T, k] int64, weights [T, k]
+// float32; act and the biases, limit and alpha as servelm_gemv.moe_experts'. Each token's row
+// is quantised once (as int4_linear does), each pair's activation row once after its gate_up
+// (moe_panels).
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
+                       const at::Tensor& gq, const at::Tensor& gs, const at::Tensor& gm,
+                       const at::Tensor& dq, const at::Tensor& dsc, const at::Tensor& dm, int64_t act,
+                       const c10::optional<at::Tensor>& gbias_in,
+                       const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
+                       bool wide) {
+  const char* name = "servelm_q8act.moe_experts";
+  check_moe_panels(name, x_in, gq, dq);
+  const int64_t H = x_in.size(1), E = gq.size(0), NP1 = gq.size(1), I = dq.size(2) * kB, NP2 = dq.size(1);
+  for (const at::Tensor* t : {&gs, &gm, &dsc, &dm})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 4 && t->is_contiguous() && t->size(0) == E &&
+                    t->size(3) == kNR,
+                name, ": scales and mins must be contiguous float16 [E, N / 16, K / G, 16]");
+  TORCH_CHECK(gs.sizes() == gm.sizes() && dsc.sizes() == dm.sizes() && gs.size(1) == NP1 &&
+                  dsc.size(1) == NP2 && H % gs.size(2) == 0 && I % dsc.size(2) == 0 &&
+                  H / gs.size(2) == I / dsc.size(2) && (H / gs.size(2)) % kB == 0,
+              name, ": scales and mins must be one group size, a multiple of 32, for both");
+  return moe_panels<q8act::Q4Fmt>(name, x_in, ids_in, w_in, gq, gs.data_ptr<c10::Half>(),
+                                  gm.data_ptr<c10::Half>(), gs[0].numel(), dq, dsc.data_ptr<c10::Half>(),
+                                  dm.data_ptr<c10::Half>(), dsc[0].numel(), H / gs.size(2), act, gbias_in,
+                                  dbias_in, limit_d, alpha_d, wide);
+}
+
+// The same with MXFP4 experts: their codes in the same panels, and E8M0 exponents gate_up_e
+// uint8 [E, 2I / 16, H / 32, 16] and down_e [E, H / 16, I / 32, 16] (mxfp4_linear's).
+at::Tensor moe_experts_mxfp4(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
+                             const at::Tensor& gq, const at::Tensor& ge, const at::Tensor& dq,
+                             const at::Tensor& de, int64_t act, const c10::optional<at::Tensor>& gbias_in,
+                             const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
+                             bool wide) {
+  const char* name = "servelm_q8act.moe_experts_mxfp4";
+  check_moe_panels(name, x_in, gq, dq);
+  for (const auto& [q, e] : {std::pair<const at::Tensor*, const at::Tensor*>{&gq, &ge}, {&dq, &de}})
+    TORCH_CHECK(e->scalar_type() == at::kByte && e->dim() == 4 && e->is_contiguous() &&
+                    e->size(0) == q->size(0) && e->size(1) == q->size(1) && e->size(2) == q->size(2) &&
+                    e->size(3) == kNR,
+                name, ": gate_up_e and down_e must be contiguous uint8 [E, N / 16, K / 32, 16]");
+  return moe_panels<q8act::MX4Fmt>(name, x_in, ids_in, w_in, gq, ge.data_ptr<uint8_t>(), nullptr,
+                                   ge[0].numel(), dq, de.data_ptr<uint8_t>(), nullptr, de[0].numel(), kB,
+                                   act, gbias_in, dbias_in, limit_d, alpha_d, wide);
 }
 
 }  // namespace
@@ -241,12 +321,19 @@ TORCH_LIBRARY(servelm_q8act, m) {
         "Tensor gate_up_m, Tensor down_q, Tensor down_s, Tensor down_m, int act, "
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., float alpha=1., "
         "bool wide=True) -> Tensor");
+  m.def("mxfp4_linear(Tensor x, Tensor qweight, Tensor exps, int out_features, Tensor? bias=None, "
+        "bool wide=True) -> Tensor");
+  m.def("moe_experts_mxfp4(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_q, Tensor gate_up_e, "
+        "Tensor down_q, Tensor down_e, int act, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+        "float limit=0., float alpha=1., bool wide=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm_q8act, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("quantize", &quantize);
   m.impl("moe_experts", &moe_experts);
+  m.impl("mxfp4_linear", &mxfp4_linear);
+  m.impl("moe_experts_mxfp4", &moe_experts_mxfp4);
 }
 
 #endif  // AVX2 + FMA + F16C

@@ -5,8 +5,8 @@ slide), YaRN rotary (not truncated), and on every layer routed experts: a router
 bias, experts with biases and gpt-oss's clamped SwiGLU. The HF checkpoint holds each
 layer's experts in one tensor a projection, [E, hidden, 2 * I] with gate and up columns
 interleaved and [E, I, hidden] (transposed from servelm's), as dense values or as MXFP4
-blocks and scales (dequantised on load by the loader); llama.cpp's `gpt-oss` has separate
-gate / up / down tensors (MXFP4) with biases, the sinks as attn_sinks."""
+blocks and scales (kept as MXFP4 by default: SparseMoE.to_mxfp4); llama.cpp's `gpt-oss` has
+separate gate / up / down tensors (MXFP4) with biases, the sinks as attn_sinks."""
 
 from __future__ import annotations
 
@@ -110,6 +110,14 @@ class GptOss(Family):
         # The experts' biases, one tensor a projection: SparseMoE's parameters.
         return (name.replace(".experts.gate_up_proj_bias", ".experts_gate_up_bias")
                 .replace(".experts.down_proj_bias", ".experts_down_bias"))
+
+    def transform_mxfp4(self, name, w):
+        # HF's gate_up blocks have the dense form's interleaved rows (gate 0, up 0, ...);
+        # llama.cpp's are gate rows, then up.
+        if w.source == "hf" and name.endswith(".experts.gate_up_proj"):
+            n = w.shape[1]
+            return w.rows(torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2))))
+        return w
 
     def transform(self, name, tensor):
         # HF's experts -> SparseMoE's [E, 2I, hidden] (gate rows, then up) and [E, hidden, I].
