@@ -159,7 +159,8 @@ def _mx_values(codes: torch.Tensor, exponents: torch.Tensor, doubled: tuple) -> 
     """E2M1 codes [..., 32] (uint8) scaled by E8M0 bytes [..., 1] -> float32."""
     e = exponents.to(torch.int32)
     bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
-    return bits.view(torch.float32) * torch.tensor(doubled, dtype=torch.float32)[codes.long()]
+    table = torch.tensor(doubled, dtype=torch.float32, device=codes.device)
+    return bits.view(torch.float32) * table[codes.long()]
 
 
 _MX_CHUNK = 1 << 16  # MXFP4 blocks a pass: its int64 indices stay small (a layer's experts

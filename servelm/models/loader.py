@@ -240,7 +240,7 @@ class HFCheckpoint:
         8 bits -> int8; unquantised -> None."""
         quant = self.quantization()
         if self._mxfp4:  # the experts' own format, whatever the other layers'
-            return None, "Hugging Face safetensors, MXFP4 experts"
+            return None, "Hugging Face safetensors (MXFP4 experts): unquantised weights"
         if quant is None:
             return None, "Hugging Face safetensors: unquantised weights"
         return quant.native()

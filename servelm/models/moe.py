@@ -276,7 +276,7 @@ class SparseMoE(OpModule):
         """kernels: a step of at most fused_rows tokens runs the routed experts in one C++
         call, where they are gated MLPs on the CPU (gpt-oss's clamped SwiGLU and biases
         too, not experts weighted on their input) of bf16 weights, of int8 beside bf16 or
-        fp32 activations, or of int4 beside bf16 activations, and the op is built;
+        fp32 activations, or of int4 or MXFP4 beside bf16 activations, and the op is built;
         otherwise (and always without kernels) the per-expert path."""
         from servelm.layers import gemv, q8act
 
@@ -429,8 +429,9 @@ class SparseMoE(OpModule):
 
     def _linear(self, x: torch.Tensor, e: int, name: str,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Expert e's projection `name` of x: F.linear; for int4 experts servelm_q8act's
-        int4_linear (bf16 on the kernels), else the expert dequantised; for int8 experts,
+        """Expert e's projection `name` of x: F.linear; for int4 (MXFP4) experts
+        servelm_q8act's int4_linear (mxfp4_linear) with bf16 activations on the kernels, else
+        the expert dequantised; for int8 experts,
         below INT8PACK_ROWS rows on the CPU, PyTorch's int8-weight matmul (the rows scaled
         in x's dtype, as Int8Linear's int8pack path; inputs a multiple of INT8PACK_K), else
         the int8 rows widened to x's dtype for the matmul (which runs many rows far faster:
