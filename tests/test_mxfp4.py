@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from servelm.layers import q8act
 from servelm.models.moe import SparseMoE, clamped_swiglu, tune_fused_experts
-from servelm.quantization.mxfp4 import MXFP4Weight, dequantize_panels, to_panels
+from servelm.quantization.mxfp4 import (MXFP4Weight, dequantize_panels, to_panels,
+                                        to_panels_reference)
 
 gguf = pytest.importorskip("gguf")
 kernels = pytest.mark.skipif(not q8act.available(), reason="needs the q8act kernel (AVX2, F16C)")
@@ -49,12 +50,22 @@ def test_codes_from_ggml_and_hf_hold_gguf_pys_values():
     assert torch.equal(mx.rows(rows).dense(), values[:, rows])
 
 
-def test_panels_hold_the_codes_and_exponents():
+def test_panels_hold_the_codes_and_exponents(monkeypatch):
+    from servelm.quantization import numerics
+
+    real = numerics.int4_codec
     w = torch.randn(40, 64) * 0.1  # 40 rows: the last panel padded
     mx, values, _ = _ggml(w)
     packed, exps = to_panels(mx)
     assert packed.shape == (3, 2, 2, 4, 32) and exps.shape == (3, 2, 16)
     assert torch.equal(dequantize_panels(packed, exps, 40), values)
+    ref = to_panels_reference(mx)  # the C++ repack (where built) is PyTorch's, bit for bit
+    assert torch.equal(ref[0], packed) and torch.equal(ref[1], exps)
+    for codec in (True, False):  # written into given tensors (a layer's expert), both ways
+        monkeypatch.setattr(numerics, "int4_codec", lambda t, on=codec: on and real(t))
+        out = (torch.full_like(packed, 7), torch.full_like(exps, 7))
+        assert to_panels(mx, out=out) is not None
+        assert torch.equal(out[0], packed) and torch.equal(out[1], exps)
     assert torch.equal(dequantize_panels(packed, exps, 40, torch.bfloat16).float(), values)
 
 

@@ -177,9 +177,10 @@ class SparseMoE(OpModule):
             E, N, K = w.shape
             T = -(-N // NR)
             delattr(self, name)
-            self.register_buffer(name, torch.zeros(E, T, K // BLOCK, 2, 4, 32, dtype=torch.uint8,
+            # Filled whole by load_mxfp4 (padding rows too), which every expert must reach.
+            self.register_buffer(name, torch.empty(E, T, K // BLOCK, 2, 4, 32, dtype=torch.uint8,
                                                    device=w.device))
-            setattr(self, name + "_scale", torch.zeros(E, T, K // BLOCK, NR, dtype=torch.uint8,
+            setattr(self, name + "_scale", torch.empty(E, T, K // BLOCK, NR, dtype=torch.uint8,
                                                        device=w.device))
         self.select(self.uses_kernels)
 
@@ -207,9 +208,7 @@ class SparseMoE(OpModule):
             raise ValueError(f"MXFP4 experts {name} have shape {tuple(w.shape)}, expected "
                              f"{(E, N, K)}")
         for e in range(E):
-            q, x = to_panels(MXFP4Weight(w.blocks[e], w.exps[e], w.source))
-            dst[e].copy_(q)
-            exps[e].copy_(x)
+            to_panels(MXFP4Weight(w.blocks[e], w.exps[e], w.source), out=(dst[e], exps[e]))
         self._mx_loaded.add(name)
 
     @property

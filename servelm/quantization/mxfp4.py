@@ -29,7 +29,8 @@ BITS = 4 + 8 / BLOCK  # a code a weight, an exponent byte a block
 class MXFP4Weight:
     """An MXFP4 tensor of logical shape [..., N, K] (rows N, K inputs) as a checkpoint holds
     it: blocks uint8 [..., N, K / 32, 16] in ggml's order (byte i of a block holds value i in
-    its low nibble and value 16 + i in its high one) and exps uint8 [..., N, K / 32].
+    its low nibble and value 16 + i in its high one) and exps uint8 [..., N, K / 32], each
+    possibly a strided view (a block's 16 bytes contiguous).
     source: "gguf" or "hf", whose row order a family may still have to undo."""
 
     blocks: torch.Tensor
@@ -43,9 +44,10 @@ class MXFP4Weight:
     @classmethod
     def from_ggml(cls, data: np.ndarray) -> "MXFP4Weight":
         """ggml's block_mxfp4 rows, uint8 [..., K / 32 * 17] (per block the exponent byte,
-        then 16 bytes of codes)."""
+        then 16 bytes of codes): views of them (a GGUF file's memory-mapped bytes, read where
+        they lie), not copies."""
         b = torch.from_numpy(np.ascontiguousarray(data)).view(*data.shape[:-1], -1, 17)
-        return cls(b[..., 1:].contiguous(), b[..., 0].contiguous(), "gguf")
+        return cls(b[..., 1:], b[..., 0], "gguf")
 
     @classmethod
     def from_hf(cls, blocks: torch.Tensor, scales: torch.Tensor) -> "MXFP4Weight":
@@ -71,10 +73,27 @@ class MXFP4Weight:
         return _mx_values(codes, self.exps.unsqueeze(-1), _GGML_E2M1_DOUBLED).flatten(-2).to(dtype)
 
 
-def to_panels(w: MXFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+def to_panels(w: MXFP4Weight, out: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """One matrix [N, K] -> (codes in pack_q4's panels, uint8 [ceil(N / 16), K / 32, 2, 4,
     32]; exponents uint8 [ceil(N / 16), K / 32, 16]), rows padded with zero codes and
-    exponents (zeros)."""
+    exponents (zeros); in C++ where the int4 codec is built, else in PyTorch. out: the two
+    tensors to write them into."""
+    from servelm.quantization.numerics import int4_codec
+
+    if int4_codec(w.blocks) and hasattr(torch.ops.servelm_int4_codec, "mxfp4_to_panels"):
+        return tuple(torch.ops.servelm_int4_codec.mxfp4_to_panels(
+            w.blocks, w.exps, *(out if out is not None else (None, None))))
+    packed, exps = to_panels_reference(w)
+    if out is None:
+        return packed, exps
+    out[0].copy_(packed)
+    out[1].copy_(exps)
+    return out
+
+
+def to_panels_reference(w: MXFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_panels in PyTorch operators alone (any device)."""
     codes, exps = w.codes(), w.exps
     n = codes.shape[0]
     pad = -n % NR

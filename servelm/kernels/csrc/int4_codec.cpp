@@ -17,6 +17,8 @@
 //       (servelm/layers/q8act.py's pack_q4 of the unpacked codes: per panel of 16 outputs,
 //       block of 32 inputs, half h, chunk c, byte 4o + i holds output 8h + o's code at input
 //       8c + i in its low nibble and at 8c + 4 + i in its high one)
+//   mxfp4_to_panels(blocks, exps, out?, out_exps?) -> (panels, exps): an MXFP4 matrix's codes in
+//       the same panels
 //
 // Layout (quantization.py): tile t, block b (inputs 8b .. 8b + 7) is 32 little-endian uint16
 // lanes at bytes t * 8K + 64 b + 2 L; lane L = 2r + e holds in nibble j the code of row
@@ -123,6 +125,62 @@ at::Tensor to_q8act(const at::Tensor& packed) {
       }
   });
   return out;
+}
+
+// An MXFP4 matrix in the same panels: blocks uint8 [N, K / 32, 16] in ggml's order (byte j of
+// a block holds code j in its low nibble and code 16 + j in its high one) and exps uint8
+// [N, K / 32], either strided (a GGUF file's 17-byte blocks read in place: the bytes of a
+// block contiguous) -> (the codes as to_q8act lays out int4's, uint8 [T, K / 32, 2, 4, 32];
+// the exponents a block and output, uint8 [T, K / 32, 16]), rows past N zero
+// (servelm/quantization/mxfp4.py's to_panels).
+std::tuple<at::Tensor, at::Tensor> mxfp4_to_panels(const at::Tensor& blocks, const at::Tensor& exps,
+                                                   const c10::optional<at::Tensor>& out_in,
+                                                   const c10::optional<at::Tensor>& eo_in) {
+  const char* name = "servelm_int4_codec.mxfp4_to_panels";
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 3 &&
+                  blocks.size(2) == 16 && blocks.stride(2) == 1,
+              name, ": blocks must be uint8 [N, K / 32, 16] on the CPU, each block's bytes contiguous");
+  const int64_t N = blocks.size(0), G = blocks.size(1), T = (N + 15) / 16;
+  TORCH_CHECK(exps.device().is_cpu() && exps.scalar_type() == at::kByte && exps.dim() == 2 &&
+                  exps.size(0) == N && exps.size(1) == G,
+              name, ": exps must be uint8 [N, K / 32] on the CPU");
+  // Written in place where given (a MoE layer's expert: no temporary, no second copy).
+  at::Tensor out = out_in && out_in->defined() ? *out_in : at::empty({T, G, 2, 4, 32}, blocks.options());
+  at::Tensor eo = eo_in && eo_in->defined() ? *eo_in : at::empty({T, G, 16}, blocks.options());
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.device().is_cpu() &&
+                  out.sizes() == at::IntArrayRef({T, G, 2, 4, 32}) && eo.scalar_type() == at::kByte &&
+                  eo.is_contiguous() && eo.device().is_cpu() && eo.sizes() == at::IntArrayRef({T, G, 16}),
+              name, ": out and out_exps must be contiguous uint8 [T, K / 32, 2, 4, 32] and [T, K / 32, 16]");
+  const uint8_t* b = blocks.data_ptr<uint8_t>();
+  const uint8_t* e = exps.data_ptr<uint8_t>();
+  const int64_t bn = blocks.stride(0), bg = blocks.stride(1), en = exps.stride(0), eg = exps.stride(1);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  uint8_t* eop = eo.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    uint8_t codes[32];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* dst = o + (t * G + g) * 256;
+        for (int r = 0; r < 16; ++r) {
+          const int64_t n = 16 * t + r;
+          uint8_t* row = dst + (r / 8) * 128 + 4 * (r % 8);  // half, then output within it
+          if (n >= N) {  // padding: zero codes and exponents
+            for (int c = 0; c < 4; ++c) std::memset(row + c * 32, 0, 4);
+            eop[(t * G + g) * 16 + r] = 0;
+            continue;
+          }
+          const uint8_t* src = b + n * bn + g * bg;
+          for (int j = 0; j < 16; ++j) {
+            codes[j] = src[j] & 15;
+            codes[16 + j] = src[j] >> 4;
+          }
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) row[c * 32 + i] = codes[8 * c + i] | (codes[8 * c + 4 + i] << 4);
+          eop[(t * G + g) * 16 + r] = e[n * en + g * eg];
+        }
+      }
+  });
+  return {out, eo};
 }
 
 // Keeps x as it is here: the product below is rounded on its own before the sum.
@@ -320,6 +378,8 @@ TORCH_LIBRARY(servelm_int4_codec, m) {
   m.def("dequantize(Tensor packed, Tensor scales, Tensor mins, int group_size, ScalarType dtype) -> Tensor");
   m.def("quantize(Tensor w, int group_size, bool symmetric) -> (Tensor, Tensor, Tensor)");
   m.def("to_q8act(Tensor packed) -> Tensor");
+  m.def("mxfp4_to_panels(Tensor blocks, Tensor exps, Tensor(a!)? out=None, Tensor(b!)? out_exps=None) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(servelm_int4_codec, CPU, m) {
@@ -327,4 +387,5 @@ TORCH_LIBRARY_IMPL(servelm_int4_codec, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("quantize", &quantize);
   m.impl("to_q8act", &to_q8act);
+  m.impl("mxfp4_to_panels", &mxfp4_to_panels);
 }
