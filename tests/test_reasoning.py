@@ -29,6 +29,9 @@ from test_server import MODEL, Server
 
 QWEN3 = parser_for_template("qwen3", None)
 R1 = parser_for_template("deepseek_r1", None)
+GPTOSS = parser_for_template("openai_gptoss", None)
+A, F, E, S = ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>", "<|end|>",
+              "<|start|>assistant")
 
 # (parser, answer, (reasoning, content))
 CASES = [
@@ -48,6 +51,19 @@ CASES = [
     (R1, "a  \n b\n</think>", ("a  \n b", "")),
     (R1, "x <think> y</think>z", ("x <think> y", "z")),
     (R1, "", (None, "")),
+    # gpt-oss's harmony messages (read with their special tokens)
+    (GPTOSS, f"{A}User asks 2 + 2.{E}{S}{F}4<|return|>", ("User asks 2 + 2.", "4")),
+    (GPTOSS, f"{F}Hello <b>x</b>!<|return|>", (None, "Hello <b>x</b>!")),
+    (GPTOSS, f"{A}Cut short at max_tokens <|", ("Cut short at max_tokens <|", "")),
+    (GPTOSS, f"  \n{A}a{E}{S}<|channel|>commentary<|message|>Checking.{E}{S}{F}b",
+     ("a", "Checking.b")),
+    (GPTOSS, '<|channel|>final <|constrain|>json<|message|>{"a": 1}<|return|>',
+     (None, '{"a": 1}')),
+    (GPTOSS, f"{A}no end{S}{F}yes", ("no end", "yes")),  # the next header opens the next one
+    (GPTOSS, "Plain text <|end|> from a model off its format", (None, "Plain text <|end|> "
+                                                                      "from a model off its format")),
+    (GPTOSS, f"{A}", (None, "")),
+    (GPTOSS, "", (None, "")),
 ]
 
 
@@ -107,7 +123,14 @@ def tok():
     return load_tokenizer(resolve_model_path(None))
 
 
+# gpt-oss's template's generation prompt and the channel it names (the harmony format).
+HARMONY_TEMPLATE = ("{% for m in messages %}{{ '<|start|>' + m.role + '<|message|>' + m.content "
+                    "+ '<|end|>' }}{% endfor %}{% if add_generation_prompt %}"
+                    "{{ '<|start|>assistant' }}{% endif %}{# <|channel|>final #}")
+
+
 def test_auto_picks_from_the_template(tok):
+    assert parser_for_template("auto", HARMONY_TEMPLATE).name == "openai_gptoss"
     assert parser_for_template("auto", QWEN3_TEMPLATE).name == "qwen3"
     assert parser_for_template("auto", R1_OLD_TEMPLATE).name == "deepseek_r1"
     assert parser_for_template("auto", tok.chat_template) is None  # SmolLM2's ChatML
@@ -202,6 +225,24 @@ def test_structured_outputs_apply_after_the_thought(grammars, tok):
     assert _accepts(grammars, tok, choice, "yes or no?</think>no")
     with pytest.raises(ValueError, match="grammar"):
         R1.answer_grammar(StructuredOutputsParams(grammar='start: "a"'))
+    with pytest.raises(ValueError, match="harmony"):
+        GPTOSS.answer_grammar(StructuredOutputsParams(choice=["yes", "no"]))
+
+
+def test_harmony_answers_keep_their_special_tokens(tok):
+    """The harmony parser reads the message tags, special tokens that answers otherwise
+    lose: a chat request under it keeps them in the text; the others skip them."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(max_model_len=2048))
+    ctx = SimpleNamespace(engine=engine, reasoning_parser=GPTOSS, tool_parser=None)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                chat_template=HARMONY_TEMPLATE)
+    prepared = chat.prepare(ctx, req)
+    assert prepared.params.skip_special_tokens is False
+    assert prepared.reasoning_parser.split(f"{A}x{E}{S}{F}y") == ("x", "y")
+    plain = chat.prepare(SimpleNamespace(**{**vars(ctx), "reasoning_parser": QWEN3}), req)
+    assert plain.params.skip_special_tokens is True
 
 
 # ---- a real server: the embedded model made to think ------------------------------------------

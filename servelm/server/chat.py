@@ -83,8 +83,12 @@ def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
             structured = _behind_thought(ctx, reasoning, structured, "tool_choice")
     elif structured is not None and reasoning is not None:
         structured = _behind_thought(ctx, reasoning, structured, _structured_param(req))
+    # Special tokens stay in the text where a parser reads them (a tool call's opening
+    # control token, harmony's message tags).
+    skip = ((parser.skip_special_tokens if parser else True)
+            and (reasoning.skip_special_tokens if reasoning else True))
     params = sampling_params(req, max_tokens, logprobs, fields, structured,
-                             skip_special_tokens=parser.skip_special_tokens if parser else True)
+                             skip_special_tokens=skip)
     return Prepared([(text, ids)], params, fields, parser, parallel, reasoning)
 
 

@@ -1,4 +1,5 @@
-"""Reasoning models: the thought (`<think>...</think>`) split from the answer (no torch).
+"""Reasoning models: the thought (`<think>...</think>`, or gpt-oss's analysis channel) split
+from the answer (no torch).
 
 vLLM's parser names. qwen3: a thought is what the answer opens with `<think>` (Qwen3's
 thinking mode); absent the tags, all of it is the answer. deepseek_r1: the answer starts
@@ -26,7 +27,15 @@ from dataclasses import dataclass, replace
 from servelm.structured_outputs import StructuredOutputsParams, bounded_schema
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "openai_gptoss")
+
+# gpt-oss's harmony format (vLLM's openai_gptoss): the answer is messages, each a header
+# `<|channel|>NAME[ to=...][<|constrain|>...]<|message|>` then its text up to `<|end|>`
+# (`<|return|>` or `<|call|>` at the last), the next one after `<|start|>assistant`. The
+# analysis channel's text is the thought; every other channel's (final, commentary) the answer.
+H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_H_TAGS = (H_START, H_CHANNEL, H_MESSAGE, *H_ENDS)
 
 # Where a stream is: before any thought, inside the thought, in the answer after it.
 _BEFORE, _THINKING, _AFTER = "before", "thinking", "after"
@@ -111,6 +120,80 @@ class ReasoningStream:
         return "", held
 
 
+class HarmonyStream:
+    """ReasoningStream's API over gpt-oss's harmony messages (the answer read with its
+    special tokens as text): an analysis message's text to the reasoning, any other
+    channel's to the content, the headers and tags to neither. An answer that does not open
+    with a harmony tag (a model ignoring its format) is all content."""
+
+    def __init__(self):
+        self._state = "before"  # before | header | body | plain
+        self._held = ""          # the text not yet given out (a tag's possible start)
+        self._header = ""        # the current message's header so far
+        self._analysis = False   # the current message's channel is analysis
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        reasoning, content = self._feed(delta)
+        if final:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _feed(self, delta: str) -> tuple[str, str]:
+        text, self._held = self._held + delta, ""
+        reasoning, content = [], []
+        while text:
+            if self._state == "plain":
+                content.append(text)
+                break
+            if self._state == "before":
+                stripped = text.lstrip()
+                if stripped.startswith((H_START, H_CHANNEL)):
+                    self._state, text = "header", stripped
+                    continue
+                if any(t.startswith(stripped) for t in (H_START, H_CHANNEL)):
+                    self._held = text  # could still open a header
+                    break
+                self._state = "plain"
+                continue
+            if self._state == "header":
+                i = text.find(H_MESSAGE)
+                if i < 0:
+                    keep = _partial(text, H_MESSAGE)
+                    self._header += text[:len(text) - keep]
+                    self._held = text[len(text) - keep:]
+                    break
+                header, self._header = self._header + text[:i], ""
+                channel = header.rpartition(H_CHANNEL)[2].split("<|")[0].split()
+                self._analysis = bool(channel) and channel[0] == "analysis"
+                self._state, text = "body", text[i + len(H_MESSAGE):]
+                continue
+            # body: up to the message's end (or a next header the model opened without one)
+            ends = [(j, tag) for tag in (*H_ENDS, H_START, H_CHANNEL)
+                    if (j := text.find(tag)) >= 0]
+            if ends:
+                j, tag = min(ends)
+                (reasoning if self._analysis else content).append(text[:j])
+                text = text[j + len(tag):] if tag in H_ENDS else text[j:]
+                self._state = "header"
+                continue
+            keep = max(_partial(text, tag) for tag in _H_TAGS)
+            (reasoning if self._analysis else content).append(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the answer: a held tag's start is text after all (in the body or a
+        plain answer); an unfinished header is dropped."""
+        held, self._held = self._held, ""
+        if self._state == "body":
+            return (held, "") if self._analysis else ("", held)
+        if self._state in ("plain", "before"):
+            return "", held
+        return "", ""
+
+
 @dataclass(frozen=True)
 class ReasoningParser:
     """A reasoning format (`name`, vLLM's) and where an answer starts: `state` is set for one
@@ -119,9 +202,17 @@ class ReasoningParser:
     name: str
     state: str
 
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether answers are read without the special tokens (harmony's tags are some)."""
+        return self.name != "openai_gptoss"
+
     def for_prompt(self, prompt: str) -> "ReasoningParser":
         """This parser for answers to `prompt`: inside a thought when the prompt ends in an
-        open one, in the answer when it closed one, else the format's own start."""
+        open one, in the answer when it closed one, else the format's own start (harmony:
+        always its own)."""
+        if self.name == "openai_gptoss":
+            return self
         opened, closed = prompt.rfind(START), prompt.rfind(END)
         if opened > closed:
             return replace(self, state=_THINKING)
@@ -134,8 +225,8 @@ class ReasoningParser:
         """Whether the answer begins inside a thought (else one may still be opened)."""
         return self.state == _THINKING
 
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.state)
+    def stream(self) -> ReasoningStream | HarmonyStream:
+        return HarmonyStream() if self.name == "openai_gptoss" else ReasoningStream(self.state)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer -> (the thought, or None if there was none or it was empty; the
@@ -147,6 +238,10 @@ class ReasoningParser:
         """`spec` applied to the answer after the thought: a Lark grammar whose thought is any
         text up to `</think>` (the thought itself optional when the answer may open one).
         ValueError for a spec given as a grammar of its own (it cannot be nested here)."""
+        if self.name == "openai_gptoss":
+            raise ValueError("structured outputs are not supported with gpt-oss's harmony "
+                             "format (its answer follows an analysis message); use "
+                             "--reasoning-parser none to constrain the whole output")
         if spec.kind == "grammar":
             raise ValueError("a grammar cannot be applied behind the thought of a reasoning "
                              "model; use a JSON schema, regex or choice, or send "
@@ -169,16 +264,18 @@ class ReasoningParser:
 
 
 def parser_for_template(name: str, chat_template: str | None) -> ReasoningParser | None:
-    """The parser --reasoning-parser names, or (auto) qwen3 where the chat template writes
-    `<think>` (Qwen3, R1 distills: for_prompt sees the thought the prompt opens),
-    deepseek_r1 where it only strips `</think>` from past turns (the first R1 distills,
-    whose answers open with a thought without the tag); none elsewhere."""
+    """The parser --reasoning-parser names, or (auto) openai_gptoss where the chat template
+    writes harmony's `<|channel|>` (gpt-oss), qwen3 where it writes `<think>` (Qwen3, R1
+    distills: for_prompt sees the thought the prompt opens), deepseek_r1 where it only
+    strips `</think>` from past turns (the first R1 distills, whose answers open with a
+    thought without the tag); none elsewhere."""
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, "
                          f"got {name!r}")
     if name == "auto":
         t = chat_template or ""
-        name = "qwen3" if START in t else "deepseek_r1" if END in t else "none"
+        name = ("openai_gptoss" if H_CHANNEL in t else "qwen3" if START in t
+                else "deepseek_r1" if END in t else "none")
     if name == "none":
         return None
     return ReasoningParser(name, _THINKING if name == "deepseek_r1" else _BEFORE)
