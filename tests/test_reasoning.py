@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from servelm.models.loader import resolve_model_path
-from servelm.server import chat
+from servelm.server import chat, tools
 from servelm.server.protocol import ChatCompletionRequest
 from servelm.server.reasoning import ReasoningParser, parser_for_template
 from servelm.server.serving import Prepared
@@ -197,6 +197,46 @@ def test_tool_calls_come_from_the_answer_only():
             args += "".join(p.arguments or "" for p in pieces)
         assert (reasoning, names, json.loads(args)) == (thought, ["get_weather"],
                                                         {"city": "Paris"}), i
+
+
+def test_harmony_tool_calls_come_from_the_function_messages():
+    """gpt-oss: a commentary message to functions.NAME is a call (the openai tool parser
+    reading what the harmony reasoning parser passes on), the analysis before it the thought;
+    two calls in one answer; whole and at every two-way cut of the stream."""
+    from servelm.server.tools import OpenAIParser
+
+    parser = OpenAIParser()
+    assert tools.parser_for_template("auto", HARMONY_TEMPLATE).name == "openai"
+    text = (f"{A}Need the weather; to=functions.x is not a call here.{E}"
+            f"{S}<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city": "Paris"}<|call|>'
+            f"{S} to=functions.get_weather<|channel|>commentary json<|message|>"
+            '{"city": "Rome"}<|call|>')
+    thought = "Need the weather; to=functions.x is not a call here."
+    want = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    prepared = Prepared([], None, {}, parser, True, GPTOSS)
+    message, finish = chat._message(prepared, text, "stop")
+    assert finish == "tool_calls" and message.content is None
+    assert message.reasoning_content == thought
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in message.tool_calls] == want
+    for i in range(len(text) + 1):
+        stream, calls = chat._Thought(GPTOSS.stream()), ToolCallStream(parser)
+        reasoning, args, names = "", {}, []
+        for k, delta in enumerate((text[:i], text[i:])):
+            r, _ = stream.feed(delta, final=k == 1)
+            reasoning += r
+            content, pieces = calls.feed(stream.answer, final=k == 1)
+            assert not content, i
+            names += [p.name for p in pieces if p.name]
+            for p in pieces:
+                args[p.index] = args.get(p.index, "") + (p.arguments or "")
+        assert reasoning == thought, i
+        assert [(n, json.loads(args[k])) for k, n in enumerate(names)] == want, i
+    # no call: the final message is the content; a call cut short is content at the end
+    assert chat._message(prepared, f"{A}hm{E}{S}{F}Sunny.", "stop")[0].content == "Sunny."
+    cut = chat._message(prepared, f"{S}<|channel|>commentary to=functions.f<|message|>{{", "length")
+    assert not cut[0].tool_calls and cut[0].content == "to=functions.f<|message|>{"
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ boundary (a tag split across deltas is held back, never leaked into either field
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 
 from servelm.structured_outputs import StructuredOutputsParams, bounded_schema
@@ -32,10 +33,13 @@ REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "openai_gptoss")
 # gpt-oss's harmony format (vLLM's openai_gptoss): the answer is messages, each a header
 # `<|channel|>NAME[ to=...][<|constrain|>...]<|message|>` then its text up to `<|end|>`
 # (`<|return|>` or `<|call|>` at the last), the next one after `<|start|>assistant`. The
-# analysis channel's text is the thought; every other channel's (final, commentary) the answer.
+# analysis channel's text is the thought; every other channel's (final, commentary) the answer;
+# a message to a function (`to=functions.NAME` in its header) passes into the answer as
+# `to=functions.NAME<|message|>ARGS<|call|>`, for the openai tool parser.
 H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_TAGS = (H_START, H_CHANNEL, H_MESSAGE, *H_ENDS)
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 # Where a stream is: before any thought, inside the thought, in the answer after it.
 _BEFORE, _THINKING, _AFTER = "before", "thinking", "after"
@@ -131,6 +135,7 @@ class HarmonyStream:
         self._held = ""          # the text not yet given out (a tag's possible start)
         self._header = ""        # the current message's header so far
         self._analysis = False   # the current message's channel is analysis
+        self._call = False       # the current message is addressed to a function
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         reasoning, content = self._feed(delta)
@@ -165,7 +170,11 @@ class HarmonyStream:
                     break
                 header, self._header = self._header + text[:i], ""
                 channel = header.rpartition(H_CHANNEL)[2].split("<|")[0].split()
-                self._analysis = bool(channel) and channel[0] == "analysis"
+                recipient = _RECIPIENT.search(header)
+                self._call = bool(recipient) and recipient.group(1).startswith("functions.")
+                self._analysis = not self._call and bool(channel) and channel[0] == "analysis"
+                if self._call:  # the call passes into the answer for the tool parser
+                    content.append(f"to={recipient.group(1)}{H_MESSAGE}")
                 self._state, text = "body", text[i + len(H_MESSAGE):]
                 continue
             # body: up to the message's end (or a next header the model opened without one)
@@ -174,6 +183,8 @@ class HarmonyStream:
             if ends:
                 j, tag = min(ends)
                 (reasoning if self._analysis else content).append(text[:j])
+                if self._call:
+                    content.append(H_ENDS[2])
                 text = text[j + len(tag):] if tag in H_ENDS else text[j:]
                 self._state = "header"
                 continue

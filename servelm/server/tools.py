@@ -493,7 +493,44 @@ def _is_json(s: str) -> bool:
         return False
 
 
-PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class OpenAIParser(ToolParser):
+    """gpt-oss's calls (vLLM's openai parser): harmony messages to a function, read from
+    `to=functions.NAME<|message|>ARGS<|call|>` (what the harmony reasoning parser passes
+    into the answer; a raw harmony answer's header may hold more between the name and
+    `<|message|>`)."""
+
+    name = "openai"
+    skip_special_tokens = False  # harmony's tags are special tokens
+    OPEN, MESSAGE, ENDS = "to=functions.", "<|message|>", ("<|call|>", "<|end|>", "<|return|>")
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return Parsed(text if final else text[:_held_back(text, (self.OPEN,))])
+        calls, i = [], start
+        while True:
+            i += len(self.OPEN)
+            m = text.find(self.MESSAGE, i)
+            if m < 0:
+                break  # the header goes on: no name yet
+            name = text[i:m].replace("<|", " ").split()
+            j = skip_ws(text, m + len(self.MESSAGE))
+            ends = [(k, tag) for tag in self.ENDS if (k := text.find(tag, j)) >= 0]
+            call = PartialCall(name=name[0] if name else "")
+            calls.append(call)
+            if not ends:  # the arguments so far, less what may begin the end tag
+                call.arguments = text[j:][:_held_back(text[j:], self.ENDS)]
+                break
+            k, tag = min(ends)
+            call.arguments, call.complete = text[j:k].rstrip(WS), True
+            nxt = text.find(self.OPEN, k + len(tag))
+            if nxt < 0:
+                break
+            i = nxt
+        return _checked(text, final, start, calls)
+
+
+PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, OpenAIParser)}
 TOOL_CALL_PARSERS = ("auto", *PARSERS)
 
 
@@ -506,6 +543,8 @@ def parser_for_template(name: str, chat_template: str | None) -> ToolParser:
                              f"got {name!r}")
         return PARSERS[name]()
     t = chat_template or ""
+    if "<|channel|>" in t:  # gpt-oss's harmony format
+        return OpenAIParser()
     if "[TOOL_CALLS]" in t:
         return MistralParser()
     if "<|python_tag|>" in t or "ipython" in t:
