@@ -385,6 +385,12 @@ def _gguf_special_tokens(meta: "_GGUFMeta", tokens: list[str], add_bos_default: 
         i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
         if i is not None
     )
+    # gpt-oss's harmony vocabulary (o200k_harmony): an answer ends at <|return|> or, for a
+    # tool call, <|call|>; its files name only the first (llama.cpp finds both by their text,
+    # as the HF checkpoint's generation_config lists both).
+    harmony = [i for i, t in enumerate(tokens) if t in ("<|return|>", "<|call|>")]
+    if len(harmony) == 2:
+        extra_eos += tuple(harmony)
     return dict(
         bos_token=token_at("tokenizer.ggml.bos_token_id"),
         eos_token=token_at("tokenizer.ggml.eos_token_id"),

@@ -206,6 +206,18 @@ def test_from_gguf_add_bos_and_eot(gguf_path):
     assert tok.eos_token_ids == frozenset({0, 2})
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'"):
         Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "t5"})
+    # gpt-oss's harmony vocabulary: <|call|> ends an answer too (a tool call), not only the
+    # file's eos <|return|>; one of the two alone adds nothing
+    n = len(meta["tokenizer.ggml.tokens"])
+
+    def added(*texts):
+        return Tokenizer.from_gguf({
+            **meta, "tokenizer.ggml.tokens": [*meta["tokenizer.ggml.tokens"], *texts],
+            "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], *[3] * len(texts)],
+            "tokenizer.ggml.eos_token_id": n})
+
+    assert added("<|return|>", "<|call|>").eos_token_ids == frozenset({n, n + 1})
+    assert added("<|return|>", "<|end|>").eos_token_ids == frozenset({n})
 
 
 def test_sentencepiece_gguf_matches_transformers(tmp_path):
