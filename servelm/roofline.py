@@ -391,7 +391,10 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     lines = [f"machine: {hw.bandwidth / 1e9:.1f} GB/s memory read, "
              f"{hw.flops / 1e12:.2f} TFLOP/s matmul ({hw.source})",
              f"model: {m.num_params / 1e9:.3f} B parameters at {m.weight_bits:g} bits"
-             + (f" ({m.num_experts} experts, {m.experts_per_tok} a token: "
+             + (f" ({m.num_experts} experts"
+                + (f" at {m.expert_bits:g} bits" if m.expert_bits not in (None, m.weight_bits)
+                   else "")
+                + f", {m.experts_per_tok} a token: "
                 f"{(m.num_params - m.expert_params * (1 - m.expert_fraction(1))) / 1e9:.3f} B active)"
                 if m.num_experts else ""),
              f"  weight bytes read per decode step: {_fmt_bytes(m.weight_bytes_per_step)}",

@@ -245,7 +245,8 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=2).reshape(gate.shape[0], -1, *gate.shape[2:])
 
 
-def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, tmp_path):
+def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, tmp_path,
+                                                            capsys):
     """The tiny model's experts quantised to MXFP4 once (gpt-oss's HF blocks and scales,
     config quantization_config mxfp4; and llama.cpp's `gpt-oss` GGUF: MXFP4 gate / up /
     down experts with their biases, the sinks, post_attention_norm, YaRN in the metadata):
@@ -366,6 +367,11 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     want = prompt_logits(hf.engine, prompts)
     assert _experts(gg) == "mxfp4"
     torch.testing.assert_close(prompt_logits(gg.engine, prompts), want, rtol=1e-5, atol=1e-5)
+    from servelm.cli import main  # the roofline counts the file's experts at MXFP4's bits
+
+    capsys.readouterr()
+    assert main(["roofline", "--model", str(path), "--bandwidth", "30", "--flops", "1"]) == 0
+    assert f"({E} experts at 4.25 bits, 2 a token" in capsys.readouterr().out
     # Dequantised on load when asked: the same values.
     for src in (hf_dir, path):
         dense = LLM(model=str(src), cpu_kernels=False, quantization="none", **KW)
