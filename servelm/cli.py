@@ -167,12 +167,43 @@ def stream(llm, prompt_ids: list[int], params: SamplingParams) -> Iterator[Reque
         engine.abort_request(rid)  # no-op once finished; frees blocks on Ctrl-C
 
 
-def _stream_to(out_file, llm, prompt_ids, params) -> RequestOutput:
-    last = None
+def _reasoning(tok, prompt: str, params: SamplingParams, name: str):
+    """A chat prompt's reasoning parser (--reasoning-parser, auto from the template; None:
+    none) and the params that read the answer as it needs (harmony keeps its tags)."""
+    from servelm.server.reasoning import parser_for_template
+
+    parser = parser_for_template(name, tok.chat_template)
+    if parser is None:
+        return None, params
+    parser = parser.for_prompt(prompt)
+    return parser, dataclasses.replace(params, skip_special_tokens=parser.skip_special_tokens)
+
+
+def _stream_to(out_file, llm, prompt_ids, params, reasoning=None) -> tuple[RequestOutput, str]:
+    """Stream the answer to out_file; a reasoning model's thought (reasoning: its parser) to
+    stderr instead, after "[thinking] ". Returns the last output and the answer's text."""
+    last, answer, thinking = None, [], False
+    split = reasoning.stream() if reasoning is not None else None
     for last in stream(llm, prompt_ids, params):
-        out_file.write(last.outputs[0].delta_text)
+        delta = last.outputs[0].delta_text
+        thought, content = (split.feed(delta, final=last.finished) if split is not None
+                            else ("", delta))
+        if thought:
+            if not thinking:
+                sys.stderr.write("[thinking] ")
+                thinking = True
+            sys.stderr.write(thought)
+            sys.stderr.flush()
+        if content:
+            if thinking:
+                sys.stderr.write("\n")
+                thinking = False
+            out_file.write(content)
+            answer.append(content)
         out_file.flush()
-    return last
+    if thinking:
+        sys.stderr.write("\n")
+    return last, "".join(answer)
 
 
 def _print_stats(out: RequestOutput) -> None:
@@ -190,16 +221,25 @@ def cmd_generate(args) -> int:
     params = sampling_params(args)  # bad values fail before the model loads
     llm = build_llm(args)
     tok = llm.get_tokenizer()
+    reasoning = None
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        text = tok.apply_chat_template(messages)
+        reasoning, params = _reasoning(tok, text, params, args.reasoning_parser)
+        ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(args.prompt)
-    out = _stream_to(sys.stdout, llm, ids, params)
+    out, _ = _stream_to(sys.stdout, llm, ids, params, reasoning)
     print()
     _print_stats(out)
     return 0
+
+
+def _reasoning_arg(parser) -> None:
+    parser.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                        help="how a reasoning model's thought is told from its answer (printed "
+                        "to stderr after [thinking]; auto: from the chat template)")
 
 
 def cmd_chat(args) -> int:
@@ -228,23 +268,25 @@ def cmd_chat(args) -> int:
             print("[history cleared]", file=sys.stderr)
             continue
         history.append({"role": "user", "content": text})
-        ids = tok.encode(tok.apply_chat_template(history), add_special_tokens=False)
+        prompt = tok.apply_chat_template(history)
+        reasoning, turn_params = _reasoning(tok, prompt, params, args.reasoning_parser)
+        ids = tok.encode(prompt, add_special_tokens=False)
         if len(ids) >= llm.engine.max_model_len:
             print(f"[conversation is {len(ids)} tokens, over the context of "
                   f"{llm.engine.max_model_len}: /reset to start again]", file=sys.stderr)
             history.pop()
             continue
         room = llm.engine.max_model_len - len(ids)
-        turn = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        turn = dataclasses.replace(turn_params, max_tokens=min(params.max_tokens, room))
         try:
-            out = _stream_to(sys.stdout, llm, ids, turn)
+            out, answer = _stream_to(sys.stdout, llm, ids, turn, reasoning)
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             history.pop()
             continue
         print()
         _print_stats(out)
-        history.append({"role": "assistant", "content": out.outputs[0].text})
+        history.append({"role": "assistant", "content": answer})  # the thought left out
 
 
 # Argument types, also used by the benchmark scripts (benchmarks/*.py).
@@ -375,12 +417,14 @@ def make_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
+    _reasoning_arg(gen)
     add_engine_args(gen)
     add_sampling_args(gen, max_tokens=256)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     chat.add_argument("--system", default=None, help="system message")
+    _reasoning_arg(chat)
     add_engine_args(chat, positional_model=True)
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 
@@ -85,6 +87,43 @@ def test_cli_chat_keeps_history(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("prompt tokens") == 2
     assert "[history cleared]" in err
+
+
+def test_cli_chat_prints_a_thought_to_stderr(monkeypatch, capsys):
+    """A reasoning model's thought (here: a ChatML template whose generation prompt opens
+    <think>, so the whole short answer is thought) goes to stderr after [thinking], the
+    answer alone to stdout, and the next turn's history holds only the answer; with
+    --reasoning-parser none the same text is the answer."""
+    import io
+
+    from servelm.cli import main
+
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
+                "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+    args = ["--temperature", "0", "--max-tokens", "6", "--dtype", "float32",
+            "--chat-template", template, "--kernel-tuning", "off"]
+    assert main(["generate", "Say hi", "--chat", "--reasoning-parser", "none", *args]) == 0
+    plain = capsys.readouterr().out.strip()
+    assert plain
+    assert main(["generate", "Say hi", "--chat", *args]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == ""
+    assert f"[thinking] {plain}" in out.err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say hi\nSay hi\n/exit\n"))
+    assert main(["chat", *args]) == 0
+    err = capsys.readouterr().err
+    assert err.count("[thinking] ") == 2
+    # the second prompt holds the first turn's answer (empty), not its thought
+    from servelm.models.loader import resolve_model_path
+    from servelm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path(None))
+    turns = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": ""},
+             {"role": "user", "content": "Say hi"}]
+    want = len(tok.encode(tok.apply_chat_template(turns, chat_template=template),
+                          add_special_tokens=False))
+    assert [int(t) for t in re.findall(r"\[(\d+) prompt tokens", err)][1] == want
 
 
 def test_cli_bad_model_is_one_line_error(tmp_path, capsys):
