@@ -53,7 +53,25 @@ def _partial(text: str, tag: str) -> int:
     return 0
 
 
-class ReasoningStream:
+class _SplitStream:
+    """An answer read delta by delta: feed(delta) -> (reasoning, content) new this delta,
+    with final=True also what was held back at the end (finish())."""
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        reasoning, content = self._feed(delta)
+        if final:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _feed(self, delta: str) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+class ReasoningStream(_SplitStream):
     """One answer read delta by delta: feed(delta) -> (reasoning, content) new this delta,
     with final=True also what was held back at the end (finish()). Joined, they equal
     ReasoningParser.split."""
@@ -62,13 +80,6 @@ class ReasoningStream:
         self._state = state
         self._fresh = True  # nothing of the current part sent yet (its opening space dropped)
         self._held = ""
-
-    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
-        reasoning, content = self._feed(delta)
-        if final:
-            more_reasoning, more_content = self.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
 
     def _feed(self, delta: str) -> tuple[str, str]:
         text, self._held = self._held + delta, ""
@@ -124,7 +135,7 @@ class ReasoningStream:
         return "", held
 
 
-class HarmonyStream:
+class HarmonyStream(_SplitStream):
     """ReasoningStream's API over gpt-oss's harmony messages (the answer read with its
     special tokens as text): an analysis message's text to the reasoning, any other
     channel's to the content, the headers and tags to neither. An answer that does not open
@@ -136,13 +147,6 @@ class HarmonyStream:
         self._header = ""        # the current message's header so far
         self._analysis = False   # the current message's channel is analysis
         self._call = False       # the current message is addressed to a function
-
-    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
-        reasoning, content = self._feed(delta)
-        if final:
-            more_reasoning, more_content = self.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
 
     def _feed(self, delta: str) -> tuple[str, str]:
         text, self._held = self._held + delta, ""
