@@ -302,7 +302,8 @@ _GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight",
                  "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
 
 
-def _write_gemma4_gguf(path, model, tokenizer_meta: dict, extra_ple_rows: int = 0) -> None:
+def _write_gemma4_gguf(path, model, tokenizer_meta: dict, extra_ple_rows: int = 0,
+                       mxfp4: bool = False) -> None:
     """The file llama.cpp's converter writes for a Gemma 4 text model (its keys and
     names; norms as they are; rope_freqs for the global layers' proportional rotary;
     per-layer arrays for the KV heads and the MLP widths where layers differ), with
@@ -372,6 +373,11 @@ def _write_gemma4_gguf(path, model, tokenizer_meta: dict, extra_ple_rows: int = 
             w.add_tensor(_GGUF_GLOBALS[name], t.contiguous().numpy())
             continue
         i, part = name.split(".")[2], ".".join(name.split(".")[3:])
+        if mxfp4 and _GGUF_NAMES[part].endswith("_exps.weight"):  # llama-quantize MXFP4_MOE's
+            mx = gguf.GGMLQuantizationType.MXFP4
+            w.add_tensor(f"blk.{i}.{_GGUF_NAMES[part]}",
+                         gguf.quants.quantize(t.contiguous().numpy(), mx), raw_dtype=mx)
+            continue
         w.add_tensor(f"blk.{i}.{_GGUF_NAMES[part]}", t.contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -409,6 +415,24 @@ def test_gguf_loads_as_its_hf_checkpoint(checkpoints, name, gguf_path, tmp_path)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert ([o.outputs[0].token_ids for o in gg.generate(PROMPTS, greedy, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in hf.generate(PROMPTS, greedy, use_tqdm=False)])
+
+
+def test_mxfp4_experts_gguf_runs_them_as_mxfp4(checkpoints, gguf_path, tmp_path):
+    """The experts beside the dense MLP in MXFP4 (llama-quantize's MXFP4_MOE): kept as MXFP4
+    under their own names, the logits those of the same file dequantised on load."""
+    from helpers import gguf_tokenizer_metadata
+
+    path = tmp_path / "mxfp4.gguf"
+    _write_gemma4_gguf(path, checkpoints["gemma4"][1], gguf_tokenizer_metadata(gguf_path),
+                       mxfp4=True)
+    kept = LLM(model=str(path), cpu_kernels=False, **KW)
+    dense = LLM(model=str(path), cpu_kernels=False, quantization="none", **KW)
+    formats = {m.experts.expert_format for m in kept.engine.executor.model.modules()
+               if hasattr(m, "experts") and hasattr(m.experts, "expert_format")}
+    assert formats == {"mxfp4"}
+    prompts = [_ids(kept, p) for p in PROMPTS]
+    torch.testing.assert_close(prompt_logits(kept.engine, prompts),
+                               prompt_logits(dense.engine, prompts), rtol=1e-5, atol=1e-5)
 
 
 def test_gguf_rope_freqs_must_be_the_proportional_rotary():

@@ -481,6 +481,9 @@ class CausalLM(nn.Module):
         elif each and each.group(2) is None and each.group(4) == "weight":
             prefix, part = each.group(1), each.group(3).removesuffix("_proj")
             which, part = ("down", "all") if part == "down" else ("gate_up", part)
+        elif name.endswith((".experts_gate_up", ".experts_down")):  # the layer's own (Gemma 4)
+            prefix, _, attr = name.rpartition(".")
+            which, part = attr.removeprefix("experts_"), "all"
         else:
             raise ValueError(f"MXFP4 weight {name!r}: servelm keeps only a layer's stacked "
                              f"routed experts in MXFP4")
