@@ -3,7 +3,7 @@ microscaling format, blocks of 32 E2M1 values (a 4-bit code: sign, two exponent 
 mantissa bit) sharing one E8M0 exponent byte e, w = E2M1(code) 2^(e - 127).
 
 A checkpoint's MXFP4 tensor is read as an MXFP4Weight (its codes and exponents, never the
-dense values: gpt-oss-20b's experts are 12 GB as MXFP4 and 39 GB in bf16), and a MoE layer
+dense values: gpt-oss-20b's experts are about 10 GB as MXFP4 and 38 GB in bf16), and a MoE layer
 keeps its routed experts in the q8act kernel's panels (servelm.layers.q8act.pack_q4: the codes
 where an int4 weight has its nibbles) with one exponent byte a block, which servelm_q8act's
 mxfp4_linear and moe_experts_mxfp4 multiply with activations quantised per block to int8:
