@@ -374,6 +374,25 @@ class Tokenizer:
             raise ValueError(f"chat template error: {e}") from e
 
 
+# The tokens that end an answer wherever a GGUF vocabulary has them, whatever ids its
+# metadata names (llama.cpp's end-of-generation set, found by the same texts): many files
+# name only their eos (Gemma's <eos>, gpt-oss's <|return|>) while chats end at end-of-turn
+# tokens (an HF checkpoint lists them in generation_config.json instead).
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>",
+                     "<|end_of_text|>", "<end_of_turn>", "<turn|>", "<|tool_response>",
+                     "<|return|>", "<|call|>", "<EOT>", "<end_of_utterance>",
+                     "<｜end▁of▁sentence｜>")
+
+
+def _end_of_generation(tokens: list[str]) -> tuple[int, ...]:
+    """The ids of END_OF_GENERATION's texts in a vocabulary. gpt-oss's harmony format (both
+    <|return|> and <|call|>) ends each message of an answer with <|end|>: not an end there."""
+    ids = {t: i for i, t in enumerate(tokens) if t in END_OF_GENERATION}
+    if "<|return|>" in ids and "<|call|>" in ids:
+        ids.pop("<|end|>", None)
+    return tuple(sorted(ids.values()))
+
+
 def _gguf_special_tokens(meta: "_GGUFMeta", tokens: list[str], add_bos_default: bool) -> dict:
     """Tokenizer keyword arguments from a GGUF's special-token ids and flags."""
 
@@ -385,12 +404,7 @@ def _gguf_special_tokens(meta: "_GGUFMeta", tokens: list[str], add_bos_default: 
         i for i in (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
         if i is not None
     )
-    # gpt-oss's harmony vocabulary (o200k_harmony): an answer ends at <|return|> or, for a
-    # tool call, <|call|>; its files name only the first (llama.cpp finds both by their text,
-    # as the HF checkpoint's generation_config lists both).
-    harmony = [i for i, t in enumerate(tokens) if t in ("<|return|>", "<|call|>")]
-    if len(harmony) == 2:
-        extra_eos += tuple(harmony)
+    extra_eos += _end_of_generation(tokens)
     return dict(
         bos_token=token_at("tokenizer.ggml.bos_token_id"),
         eos_token=token_at("tokenizer.ggml.eos_token_id"),

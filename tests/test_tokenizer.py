@@ -88,7 +88,8 @@ def test_pre_tokenizer_matches_transformers(tok):
 
 def test_special_ids_and_vocab(tok, ref):
     assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id) == (1, 2)
-    assert tok.eos_token_ids == frozenset({2})
+    # <|im_end|>, and <|endoftext|> as well: an end of generation in any GGUF vocabulary
+    assert tok.eos_token_ids == frozenset({0, 2})
     assert tok.vocab_size == len(ref) == 49152
     special = {i for i, t in ref.backend_tokenizer.get_added_tokens_decoder().items() if t.special}
     assert tok.special_token_ids == frozenset(special)
@@ -206,8 +207,9 @@ def test_from_gguf_add_bos_and_eot(gguf_path):
     assert tok.eos_token_ids == frozenset({0, 2})
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'"):
         Tokenizer.from_gguf({**meta, "tokenizer.ggml.model": "t5"})
-    # gpt-oss's harmony vocabulary: <|call|> ends an answer too (a tool call), not only the
-    # file's eos <|return|>; one of the two alone adds nothing
+    # end-of-generation tokens found by their text, as llama.cpp finds them: gpt-oss's
+    # harmony vocabulary ends at <|call|> too (a tool call), not only at the file's eos
+    # <|return|>, and not at <|end|> (a message's end there); elsewhere <|end|> ends
     n = len(meta["tokenizer.ggml.tokens"])
 
     def added(*texts):
@@ -216,8 +218,10 @@ def test_from_gguf_add_bos_and_eot(gguf_path):
             "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], *[3] * len(texts)],
             "tokenizer.ggml.eos_token_id": n})
 
-    assert added("<|return|>", "<|call|>").eos_token_ids == frozenset({n, n + 1})
-    assert added("<|return|>", "<|end|>").eos_token_ids == frozenset({n})
+    base = {0, 2}  # the embedded vocabulary's own ends (<|endoftext|>, <|im_end|>)
+    assert added("<|return|>", "<|call|>", "<|end|>").eos_token_ids == base | {n, n + 1}
+    assert added("<|return|>", "<|end|>").eos_token_ids == base | {n, n + 1}
+    assert added("<end_of_turn>").eos_token_ids == base | {n}
 
 
 def test_sentencepiece_gguf_matches_transformers(tmp_path):
