@@ -207,13 +207,6 @@ inline void micro(const int8_t* q, const float* d, const float* ds, int64_t K, c
 constexpr bool kVnni = true;
 constexpr int kMRW = 8;  // rows per wide micro-kernel call: 8 int32 + 8 fp32 accumulators
 
-// The same sums on AVX-512 VNNI: one vpdpbusd multiplies 64 unsigned weight bytes by signed
-// activation bytes and adds each lane's four products into an int32 lane, so a block's 32
-// products per output are summed exactly in int32 (|sum| <= 32 x 15 x 127), the integer the
-// AVX2 kernel's int16 pairs add up to, and the block's fp32 steps (s d, two fused
-// multiply-adds) are the AVX2 kernel's lane for lane: the same bits. A 512-bit vector holds a
-// panel's 16 outputs (its two 8-output halves side by side), so a block is 8 multiply-adds a
-// row, against the AVX2 kernel's 16 byte multiply-adds, 16 int16 adds and a widening.
 // The wide kernels' half of each format policy: the unsigned operand of 64 nibbles, and a
 // block's 16 scales and mins.
 template <typename Fmt> struct Wide;
@@ -239,6 +232,14 @@ template <> struct Wide<MX4Fmt> {
   }
 };
 
+// The same sums on AVX-512 VNNI: one vpdpbusd multiplies 64 unsigned weight bytes by signed
+// activation bytes and adds each lane's four products into an int32 lane, so a block's 32
+// products per output are summed exactly in int32 (|sum| <= 32 x 15 x 127), the integer the
+// AVX2 kernel's int16 pairs add up to, and the block's fp32 steps (s d, two fused
+// multiply-adds) are the AVX2 kernel's lane for lane: the same bits (int4's; MXFP4's differ,
+// its AVX2 sums being of |v| and signed activations). A 512-bit vector holds a
+// panel's 16 outputs (its two 8-output halves side by side), so a block is 8 multiply-adds a
+// row, against the AVX2 kernel's 16 byte multiply-adds, 16 int16 adds and a widening.
 template <int R, typename O, typename Fmt = Q4Fmt>
 inline void micro_wide(const int8_t* q, const float* d, const float* ds, int64_t K, const uint8_t* w,
                        const typename Fmt::S* s, const typename Fmt::S* mn, int64_t blocks_per_group, O* c,
