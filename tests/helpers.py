@@ -190,7 +190,9 @@ def assert_chunks_cache_and_preemption_keep_tokens(path: str, prompts: list[str]
 
 
 def assert_tensor_parallel_matches(kw: dict, prompts: list[str], greedy=None) -> None:
-    """An engine of options kw (num_threads 2) under tensor_parallel_size=2 against one
+    """An engine of options kw (num_threads 1: each rank gets one thread either way, and
+    beside the suite's other worker a second one for the single-device engine only
+    contends) under tensor_parallel_size=2 against one
     device: the prompts' last logits within 1e-4, and with `greedy` (SamplingParams) the same
     tokens. The ranks are shut down and the test process's threads restored after."""
     from servelm import LLM

@@ -345,7 +345,7 @@ def test_a_wide_latent_runs_on_the_cpu_kernels(tmp_path, hf_tokenizer):
 
 
 TP = dict(dtype="float32", kernel_tuning="off", kv_cache_memory=16 << 20, max_model_len=256,
-          num_threads=2)
+          num_threads=1)
 
 
 def test_tensor_parallel_2_matches_tp1(deepseek):

@@ -449,7 +449,7 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     path, _ = checkpoints[family]
     assert_tensor_parallel_matches(dict(model=path, dtype="float32", kernel_tuning="off",
                                         kv_cache_memory=16 << 20, max_model_len=256,
-                                        num_threads=2), PROMPTS, GREEDY)
+                                        num_threads=1), PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -462,7 +462,7 @@ def test_tensor_parallel_2_runs_bf16_quantised_experts(checkpoints, quantization
 
     path, _ = checkpoints["qwen3_moe"]
     kw = dict(model=path, dtype="bfloat16", kernel_tuning="off", kv_cache_memory=16 << 20,
-              max_model_len=256, num_threads=2, quantization=quantization)
+              max_model_len=256, num_threads=1, quantization=quantization)
     one = LLM(**kw)
     assert any(isinstance(m, SparseMoE) and m._fused is not None
                for m in one.engine.executor.model.modules())  # the rank tunes the fused op
@@ -749,7 +749,7 @@ def test_gguf_moe_tensor_parallel_2_matches_tp1(checkpoints, gguf_path, tmp_path
                 q8_experts=True)
     assert_tensor_parallel_matches(dict(model=str(tmp_path / "model.gguf"), dtype="float32",
                                         kernel_tuning="off", kv_cache_memory=16 << 20,
-                                        max_model_len=256, num_threads=2), PROMPTS)
+                                        max_model_len=256, num_threads=1), PROMPTS)
 
 
 def test_stacked_weights_are_copied_part_by_part_and_a_wrong_part_is_named():
