@@ -43,7 +43,7 @@ class GGUFFile:
 
     def mxfp4_experts(self) -> bool:
         """Whether the routed experts are all MXFP4 (llama.cpp's gpt-oss files)."""
-        kinds = {_gguf_type_name(t.qtype) for t in self.reader.tensors if _EXPERTS_GGUF(t.name)}
+        kinds = {_gguf_type_name(t.qtype) for t in self.reader.tensors if _stacked_experts(t.name)}
         return kinds == {"MXFP4"}
 
     def config(self) -> ModelConfig:
@@ -111,7 +111,7 @@ class GGUFFile:
                                      f"the {family.name} family")
             qtype = gguf.GGMLQuantizationType(t.qtype)
             if (self.keep_mxfp4 and slice_of is None and qtype.name == "MXFP4"
-                    and _EXPERTS_GGUF(t.name)):
+                    and _stacked_experts(t.name)):
                 yield name, MXFP4Weight.from_ggml(t.data)
                 continue
             pieces = (slice_of and slice_of(name)) or [None]
@@ -146,7 +146,7 @@ class GGUFFile:
         return arr
 
 
-def _EXPERTS_GGUF(name: str) -> bool:
+def _stacked_experts(name: str) -> bool:
     """A GGUF tensor of a layer's stacked routed experts (llama.cpp's ffn_*_exps weights)."""
     return name.startswith("blk.") and name.endswith("_exps.weight")
 

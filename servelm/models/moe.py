@@ -193,8 +193,7 @@ class SparseMoE(OpModule):
 
         name = f"experts_{which}"
         dst, exps = getattr(self, name), getattr(self, name + "_scale")
-        E, N, K = dst.shape[0], (2 * self.intermediate if which == "gate_up"
-                                 else self.options["hidden"]), dst.shape[2] * BLOCK
+        E, N, K = dst.shape[0], self._out_features(name), dst.shape[2] * BLOCK
         halves = self._mx_pending.setdefault(name, {})
         halves[part] = w
         if part != "all":
@@ -307,13 +306,14 @@ class SparseMoE(OpModule):
             code = 3 if clamped else _ACT_CODES[o["act"]]
             if self.expert_format == "mxfp4":
                 self._fused = functools.partial(
-                    _fused_mx4_call, torch.ops.servelm_q8act.moe_experts_mxfp4.default, code,
-                    *biases, limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
+                    _fused_panels_call, torch.ops.servelm_q8act.moe_experts_mxfp4.default, code,
+                    *biases, limit, alpha, (self.experts_gate_up_scale,),
+                    (self.experts_down_scale,))
             elif self.expert_format == "int4":
                 self._fused = functools.partial(
-                    _fused_q4_call, torch.ops.servelm_q8act.moe_experts.default, code,
-                    *biases, limit, alpha, self.experts_gate_up_scale,
-                    self.experts_gate_up_min, self.experts_down_scale, self.experts_down_min)
+                    _fused_panels_call, torch.ops.servelm_q8act.moe_experts.default, code,
+                    *biases, limit, alpha, (self.experts_gate_up_scale, self.experts_gate_up_min),
+                    (self.experts_down_scale, self.experts_down_min))
             else:
                 self._fused = functools.partial(
                     _fused_call, torch.ops.servelm_gemv.moe_experts.default, code, *biases,
@@ -438,20 +438,18 @@ class SparseMoE(OpModule):
         w, scale = getattr(self, name), getattr(self, name + "_scale")
         if scale is None:
             return F.linear(x, w[e], bias)
+        n = self._out_features(name)
         if self.expert_format == "mxfp4":
-            n = self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
             if self._q4:
                 return torch.ops.servelm_q8act.mxfp4_linear(
                     x.contiguous(), w[e], scale[e], n, None if bias is None else bias.float())
             return F.linear(x, dequantize_panels(w[e], scale[e], n, x.dtype), bias)
         if self.expert_format == "int4":
-            n = self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
             mins = getattr(self, name + "_min")
             if self._q4:  # (groups of BLOCK: quantize_experts')
                 return torch.ops.servelm_q8act.int4_linear(
                     x.contiguous(), w[e], scale[e], mins[e], BLOCK, n,
                     None if bias is None else bias.float())
-
             return F.linear(x, dequantize_q4(w[e], scale[e], mins[e], x.dtype)[:n], bias)
         if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
                 and x.shape[0] < INT8PACK_ROWS and x.shape[-1] % INT8PACK_K == 0):
@@ -460,22 +458,20 @@ class SparseMoE(OpModule):
             y = F.linear(x, w[e].to(x.dtype)) * scale[e].to(x.dtype)
         return y if bias is None else y + bias
 
+    def _out_features(self, name: str) -> int:
+        """The rows of each expert's projection `name` (its panels may hold padding past)."""
+        return self.options["hidden"] if name == "experts_down" else 2 * self.intermediate
 
-def _fused_q4_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
-                   gate_up_s, gate_up_m, down_s, down_m, x, ids, weights, gate_up, down,
-                   by_row: bool = False):
-    """servelm_q8act.moe_experts (int4 experts) with the layer's activation, biases, scales
-    and mins bound (select); by_row is the int8 / bf16 op's, not this one's."""
-    return op(x, ids, weights, gate_up, gate_up_s, gate_up_m, down, down_s, down_m, act,
+
+def _fused_panels_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
+                       gate_up_scales: tuple, down_scales: tuple, x, ids, weights, gate_up, down,
+                       by_row: bool = False):
+    """servelm_q8act's fused op over panels (moe_experts: int4 experts, each projection's
+    scales and mins; moe_experts_mxfp4: MXFP4 ones, each projection's exponents) with the
+    layer's activation, biases and scales bound (select); by_row is the int8 / bf16 op's,
+    not theirs."""
+    return op(x, ids, weights, gate_up, *gate_up_scales, down, *down_scales, act,
               gate_up_bias, down_bias, limit, alpha)
-
-
-def _fused_mx4_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,
-                    gate_up_e, down_e, x, ids, weights, gate_up, down, by_row: bool = False):
-    """servelm_q8act.moe_experts_mxfp4 (MXFP4 experts) with the layer's activation, biases
-    and exponents bound (select); by_row is the int8 / bf16 op's, not this one's."""
-    return op(x, ids, weights, gate_up, gate_up_e, down, down_e, act, gate_up_bias, down_bias,
-              limit, alpha)
 
 
 def _fused_call(op, act: int, gate_up_bias, down_bias, limit: float, alpha: float,

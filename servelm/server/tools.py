@@ -27,6 +27,8 @@ import string
 import uuid
 from dataclasses import dataclass, field
 
+from servelm.server.reasoning import H_ENDS, H_MESSAGE
+
 WS = " \t\r\n"
 
 
@@ -501,7 +503,7 @@ class OpenAIParser(ToolParser):
 
     name = "openai"
     skip_special_tokens = False  # harmony's tags are special tokens
-    OPEN, MESSAGE, ENDS = "to=functions.", "<|message|>", ("<|call|>", "<|end|>", "<|return|>")
+    OPEN, MESSAGE, ENDS = "to=functions.", H_MESSAGE, H_ENDS
 
     def parse(self, text: str, final: bool) -> Parsed:
         start = text.find(self.OPEN)

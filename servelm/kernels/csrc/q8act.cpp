@@ -75,17 +75,36 @@ void gemm_q4(const X* x, const uint8_t* w, const typename Fmt::S* scales, const 
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t group_size, int64_t N,
-                       const c10::optional<at::Tensor>& bias, bool wide) {
-  const char* name = "servelm_q8act.int4_linear";
+// gemm_q4 over x [M, K] and out [M, N] of x's dtype (float32 or bfloat16).
+template <typename Fmt>
+void gemm_panels(const at::Tensor& x, const uint8_t* w, const typename Fmt::S* scales,
+                 const typename Fmt::S* mins, int64_t group_size, const float* bias, at::Tensor& out,
+                 int64_t M, int64_t N, int64_t K, bool wide) {
+  if (x.scalar_type() == at::kFloat)
+    gemm_q4<Fmt>(x.data_ptr<float>(), w, scales, mins, group_size, bias, out.data_ptr<float>(), M, N, K,
+                 wide);
+  else
+    gemm_q4<Fmt>(x.data_ptr<c10::BFloat16>(), w, scales, mins, group_size, bias,
+                 out.data_ptr<c10::BFloat16>(), M, N, K, wide);
+}
+
+// Checks a weight in the panels, qweight uint8 [ceil(N / 16), K / 32, 2, 4, 32], against
+// out_features N; returns K.
+int64_t check_panels(const at::Tensor& qweight, int64_t N, const char* name) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 5 &&
                   qweight.size(2) == 2 && qweight.size(3) == 4 && qweight.size(4) == 32 &&
                   qweight.is_contiguous(),
               name, ": qweight must be contiguous uint8 [ceil(N / 16), K / 32, 2, 4, 32] on the CPU");
-  const int64_t NP = qweight.size(0), K = qweight.size(1) * kB;
-  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == NP, name, ": out_features ", N, " does not match ",
-              NP, " panels of 16");
+  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == qweight.size(0), name, ": out_features ", N,
+              " does not match ", qweight.size(0), " panels of 16");
+  return qweight.size(1) * kB;
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t group_size, int64_t N,
+                       const c10::optional<at::Tensor>& bias, bool wide) {
+  const char* name = "servelm_q8act.int4_linear";
+  const int64_t K = check_panels(qweight, N, name), NP = qweight.size(0);
   TORCH_CHECK(group_size > 0 && group_size % kB == 0 && K % group_size == 0, name, ": group_size ",
               group_size, " must be a multiple of 32 dividing in_features ", K);
   for (const at::Tensor* t : {&scales, &mins})
@@ -97,49 +116,27 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
   // would be a pass over memory as large as the call's weights, then another to round it).
   return run_linear_into(x_in, K, N, bias, name, true,
                          [&](const at::Tensor& x, const float* b, at::Tensor& out, int64_t M) {
-    const uint8_t* w = qweight.data_ptr<uint8_t>();
-    const c10::Half* s = scales.data_ptr<c10::Half>();
-    const c10::Half* mn = mins.data_ptr<c10::Half>();
-    if (x.scalar_type() == at::kFloat)
-      gemm_q4<q8act::Q4Fmt>(x.data_ptr<float>(), w, s, mn, group_size, b, out.data_ptr<float>(), M, N, K, wide);
-    else
-      gemm_q4<q8act::Q4Fmt>(x.data_ptr<c10::BFloat16>(), w, s, mn, group_size, b,
-                            out.data_ptr<c10::BFloat16>(), M, N, K, wide);
+    gemm_panels<q8act::Q4Fmt>(x, qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
+                              mins.data_ptr<c10::Half>(), group_size, b, out, M, N, K, wide);
   });
 }
 
-// Checks an MXFP4 weight in the panels: qweight uint8 [ceil(N / 16), K / 32, 2, 4, 32] (the
-// codes where int4_linear has its q), exps uint8 [ceil(N / 16), K / 32, 16]; returns K.
-int64_t check_mx4(const at::Tensor& qweight, const at::Tensor& exps, int64_t N, const char* name) {
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 5 &&
-                  qweight.size(2) == 2 && qweight.size(3) == 4 && qweight.size(4) == 32 &&
-                  qweight.is_contiguous(),
-              name, ": qweight must be contiguous uint8 [ceil(N / 16), K / 32, 2, 4, 32] on the CPU");
-  TORCH_CHECK(N > 0 && (N + kNR - 1) / kNR == qweight.size(0), name, ": out_features ", N,
-              " does not match ", qweight.size(0), " panels of 16");
+// An MXFP4 layer (E2M1 codes in the panels, where int4_linear has its q; an E8M0 exponent a
+// block of 32, exps uint8 [ceil(N / 16), K / 32, 16]: q8act_kernel.h's MX4Fmt) times x
+// quantised per block to int8, as int4_linear: y in x's dtype.
+at::Tensor mxfp4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& exps,
+                        int64_t N, const c10::optional<at::Tensor>& bias, bool wide) {
+  const char* name = "servelm_q8act.mxfp4_linear";
+  const int64_t K = check_panels(qweight, N, name);
   TORCH_CHECK(exps.device().is_cpu() && exps.scalar_type() == at::kByte && exps.is_contiguous() &&
                   exps.dim() == 3 && exps.size(0) == qweight.size(0) && exps.size(1) == qweight.size(1) &&
                   exps.size(2) == kNR,
               name, ": exps must be contiguous uint8 [ceil(N / 16), K / 32, 16]");
-  return qweight.size(1) * kB;
-}
-
-// An MXFP4 layer (E2M1 codes in the panels, an E8M0 exponent a block of 32: q8act_kernel.h's
-// MX4Fmt) times x quantised per block to int8, as int4_linear: y in x's dtype.
-at::Tensor mxfp4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& exps,
-                        int64_t N, const c10::optional<at::Tensor>& bias, bool wide) {
-  const char* name = "servelm_q8act.mxfp4_linear";
-  const int64_t K = check_mx4(qweight, exps, N, name);
   check_x(x_in, name);
   return run_linear_into(x_in, K, N, bias, name, true,
                          [&](const at::Tensor& x, const float* b, at::Tensor& out, int64_t M) {
-    const uint8_t* w = qweight.data_ptr<uint8_t>();
-    const uint8_t* e = exps.data_ptr<uint8_t>();
-    if (x.scalar_type() == at::kFloat)
-      gemm_q4<q8act::MX4Fmt>(x.data_ptr<float>(), w, e, nullptr, kB, b, out.data_ptr<float>(), M, N, K, wide);
-    else
-      gemm_q4<q8act::MX4Fmt>(x.data_ptr<c10::BFloat16>(), w, e, nullptr, kB, b,
-                             out.data_ptr<c10::BFloat16>(), M, N, K, wide);
+    gemm_panels<q8act::MX4Fmt>(x, qweight.data_ptr<uint8_t>(), exps.data_ptr<uint8_t>(), nullptr, kB, b,
+                               out, M, N, K, wide);
   });
 }
 
