@@ -4,10 +4,10 @@ This machine's speed drifts by 10-30% from minute to minute, so two separate ben
 cannot resolve a few percent; here each pair of runs is back to back and the ratio of each
 pair is reported (median, min, max), with each side's median tok/s.
 
-    python benchmarks/decode_ab.py [--what stack|hugepages] [--quantization int4|int8|none]
+    python benchmarks/decode_ab.py [--what stack|hugepages|hybrid] [--quantization int4|int8|none]
                                    [--linear-method tiles|q8act|amx] [--model PATH]
                                    [--streams 1,4,8,16] [--pairs 4] [--tokens 64]
-                                   [--kernel-tuning off|cached|fresh]
+                                   [--prompt-len 16] [--kernel-tuning off|cached|fresh]
 
 - stack: the DecodeStack (all decoder layers of a decode-only step in one C++ call)
   against the per-op kernel path, toggled on one engine (`model.fused_decode`), every layer
@@ -15,6 +15,10 @@ pair is reported (median, min, max), with each side's median tok/s.
   (int4; --linear-method q8act) or amx (bf16 on AMX-BF16 CPUs; --quantization none).
 - hugepages: weights and KV cache in 2 MB huge pages against plain pages: two engines, the
   second loaded with hugepages=False.
+- hybrid: a hybrid model's KV pool in block groups (its sliding layers' pages out of the
+  window given back) against one block table for every layer: two engines, the second
+  loaded with hybrid_kv_cache=False (--model a hybrid model, e.g. Gemma 3; --prompt-len
+  past its window to decode where the groups differ).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from servelm.cli import int_list, positive
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--what", choices=("stack", "hugepages"), default="stack")
+    ap.add_argument("--what", choices=("stack", "hugepages", "hybrid"), default="stack")
     ap.add_argument("--quantization", choices=("int4", "int8", "none"), default="int4",
                     help="none: the bf16 weights")
     ap.add_argument("--linear-method", choices=("tiles", "q8act", "amx"), default="tiles",
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int_list, default=[1, 4, 8, 16])
     ap.add_argument("--pairs", type=positive(int), default=4)
     ap.add_argument("--tokens", type=positive(int), default=64)
+    ap.add_argument("--prompt-len", type=positive(int), default=16)
     ap.add_argument("--kernel-tuning", choices=("off", "cached", "fresh"), default="cached",
                     help="hugepages: how both engines choose their linear methods (off: the "
                          "untuned defaults, no measuring at start-up)")
@@ -62,6 +67,12 @@ def main() -> None:
         from servelm.tuning import linear_summary
 
         print(linear_summary(llm.engine.executor.model))
+    elif args.what == "hybrid":
+        groups, one = LLM(**kw), LLM(hybrid_kv_cache=False, **kw)
+        if groups.engine.executor.kv_groups is None:
+            raise SystemExit("not a hybrid model (sliding-window and full-attention layers "
+                             "of one cache shape): no block groups to compare")
+        engines = {"block groups": groups, "one table": one}
     else:
         huge, plain = LLM(**kw), LLM(hugepages=False, **kw)
         engines = {"huge pages": huge, "plain pages": plain}
@@ -72,8 +83,8 @@ def main() -> None:
         llm = engines[name]
         if args.what == "stack":
             llm.engine.executor.model.fused_decode = name == "stack"
-        outs = llm.generate([list(range(1000 + i, 1016 + i)) for i in range(n)], gen,
-                            use_tqdm=False)
+        outs = llm.generate([list(range(1000 + i, 1000 + i + args.prompt_len))
+                             for i in range(n)], gen, use_tqdm=False)
         return n / statistics.median(o.metrics.tpot for o in outs)
 
     print(f"{args.quantization}, {on} against {off}, {args.pairs} pairs per row "

@@ -292,6 +292,16 @@ class CacheConfig:
         no_flags=("--no-prefix-caching", "--no-enable-prefix-caching"),
         help="share KV blocks of identical prompt prefixes (the default)",
         no_help="do not share KV blocks of identical prompt prefixes")
+    # A hybrid model (windowed and full attention layers: Gemma 2/3, gpt-oss, Llama 4...):
+    # its layers' pages in groups of equal size, the windowed groups' pages out of reach
+    # given back (ModelConfig.kv_groups); off: one block table, every layer's keys kept.
+    hybrid_kv_cache: bool = option(
+        True, flags=("--hybrid-kv-cache",),
+        no_flags=("--no-hybrid-kv-cache", "--disable-hybrid-kv-cache-manager"),
+        help="a model with sliding-window and full-attention layers keeps only the window's "
+             "keys of its sliding layers (the default)",
+        no_help="keep every layer's keys for the whole sequence on hybrid windowed models "
+                "(one block table for all layers)")
     # The server commits the pool's memory while it is idle (KVCache.commit_next), so no
     # prompt's step pays the first touch of its blocks; off: pages come as tokens land.
     commit_while_idle: bool = option(

@@ -1188,3 +1188,235 @@ def test_random_tables_hold_one_slot_each_and_leak_none(num_slots, ops):
     for rid in REQUEST_IDS:
         bm.free(rid)
     assert bm.num_free_slots == num_slots and bm.owners() == {}
+
+
+# ---- block groups (a hybrid model: full-attention and windowed layers) -------------------
+
+def test_block_groups_fill_from_one_pool_and_the_windowed_ones_give_back():
+    bm = BlockManager(12, 2, groups=(3,))
+    new = bm.allocate("a", 8)  # 4 blocks in each group
+    assert len(new) == 4 and len(bm.group_tables("a")[0]) == 4
+    assert bm.num_free_blocks == 4 and bm.num_held("a") == 8
+    # Position 7 reads no key before 7 - 3 in the windowed group: its blocks 0 and 1 go
+    # back, and keep their places in its table.
+    assert bm.release_behind("a", 7) == 2
+    assert bm.num_held("a") == 6 and len(bm.group_tables("a")[0]) == 4
+    assert bm.owners()["a"] == bm.block_table("a") + bm.group_tables("a")[0][2:]
+    # Growing to 10 tokens takes a block in each group.
+    assert bm.num_new_blocks("a", 10) == 2
+    # Far ahead, the windowed group holds its reach and a step's tokens at most.
+    assert bm.num_to_grow("a", 40, step_tokens=1) == (20 - 4) + (3 - 2)
+    bm.free("a")
+    assert bm.num_free_blocks == 12
+    with pytest.raises(ValueError, match="groups"):
+        BlockManager(4, 2, reach=2, groups=(3,))
+
+
+def test_a_hybrid_prefix_hit_needs_only_the_windowed_pages_in_reach():
+    bm = BlockManager(16, 2, enable_caching=True, groups=(2,))
+    tokens = list(range(9))
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", tokens, 8)
+    bm.release_behind("a", 8)  # the windowed group's blocks 0..2 go back, still cached
+    bm.free("a")
+    hit = bm.find_cached_prefix(tokens)
+    assert len(hit) == 4 and len(hit.groups[0]) == 4
+    # The free queue: 8 uncached pages, then the windowed pages 0..3, then the full
+    # group's blocks. Evict the windowed group's pages 0 and 1: the hit does not need them
+    # (out of reach of its end).
+    bm.allocate("x", 10)  # 5 pages in each group
+    assert len(bm.find_cached_prefix(tokens)) == 4
+    bm.free("x")
+    # Evict its pages 2 and 3 too, in reach of every hit's end: no hit is left.
+    bm.allocate("y", 12)
+    assert bm.find_cached_prefix(tokens) == []
+    bm.free("y")
+    assert bm.num_free_blocks == 16
+
+
+class GroupedCacheMachine(RuleBasedStateMachine):
+    """PrefixCacheMachine's requests against a pool of block groups: every group's table
+    written by the fake forward pass, only the pages in each group's reach read."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm: BlockManager | None = None
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.hits = 0
+
+    @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 3]),
+                groups=st.sampled_from([(1,), (3,), (0,), (2, 2), (0, 3), (5, 0, 2)]))
+    def make_pool(self, num_blocks, block_size, groups):
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=True, groups=groups)
+
+    def reaches(self) -> tuple[int, ...]:
+        return (0, *self.bm.groups)
+
+    def tables(self, rid: str) -> list[list[int]]:
+        return [self.bm.block_table(rid), *self.bm.group_tables(rid)]
+
+    def in_reach(self, reach: int, end: int) -> range:
+        """The positions a next query at `end` reads in a group of this reach."""
+        return range(max(0, end - reach) if reach else 0, end)
+
+    def check_hits(self, tokens: list[int], hits) -> None:
+        bs = self.bm.block_size
+        assert len(hits) * bs <= max(0, len(tokens) - 1), "no token left to compute"
+        pages = [list(hits), *getattr(hits, "groups", [[] for _ in self.bm.groups])]
+        end = len(hits) * bs
+        for reach, table in zip(self.reaches(), pages):
+            assert len(table) == len(hits)
+            # (A page out of reach may be anything: masked.)
+            start = self.in_reach(reach, end).start // bs * bs
+            for pos in range(start, end):
+                assert self.kv.get((table[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), \
+                    f"cached page {table[pos // bs]} does not hold the prefix to {pos}"
+
+    def compute(self, rid: str, end: int) -> None:
+        bs = self.bm.block_size
+        held = set(self.bm.owners()[rid])
+        for table in self.tables(rid):
+            for pos in range(self.computed[rid], end):
+                b = table[pos // bs]
+                assert self.bm.ref_count(b) == 1, f"writing into shared page {b}"
+                assert b in held, f"writing into page {b}, given back"
+                self.kv[(b, pos % bs)] = tuple(self.tokens[rid][:pos + 1])
+        self.computed[rid] = end
+
+    @precondition(lambda self: len(self.tokens) < len(CACHE_IDS))
+    @rule(data=st.data(), prefix=st.sampled_from(range(len(PREFIXES))),
+          tail=tail_tokens, frac=st.floats(0, 1), register=st.booleans())
+    def admit(self, data, prefix, tail, frac, register):
+        bm = self.bm
+        rid = data.draw(st.sampled_from([r for r in CACHE_IDS if r not in self.tokens]))
+        tokens = PREFIXES[prefix] + tail
+        if not tokens:
+            return
+        hits = bm.find_cached_prefix(tokens)
+        self.check_hits(tokens, hits)
+        self.hits += bool(hits)
+        bs = bm.block_size
+        start = len(hits) * bs
+        end = start + 1 + int(frac * (len(tokens) - start - 1))
+        pages = [list(hits), *getattr(hits, "groups", [[] for _ in bm.groups])]
+        held = {p for reach, t in zip(self.reaches(), pages)
+                for p in t[self.in_reach(reach, start).start // bs:]}
+        taken = sum(bm.ref_count(p) == 0 for p in held)
+        new = (bm.num_blocks_for(end) - len(hits)) * len(pages)
+        free = bm.num_free_blocks
+        fits = new + taken <= free
+        assert bm.can_allocate(rid, end, hits) == fits
+        if not fits:
+            with pytest.raises(RuntimeError):
+                bm.allocate(rid, end, hits)
+            assert bm.owners().get(rid, []) == [] and bm.num_free_blocks == free
+            return
+        bm.allocate(rid, end, hits)
+        for t, hit in zip(self.tables(rid), pages):
+            assert t[:len(hit)] == hit and len(t) == bm.num_blocks_for(end)
+        assert bm.num_free_blocks == free - new - taken
+        self.tokens[rid] = tokens
+        self.computed[rid] = start
+        self.compute(rid, end)
+        if register:
+            bm.cache_full_blocks(rid, tokens[:end], end)
+        self.release(rid)
+
+    def release(self, rid: str) -> None:
+        bm = self.bm
+        free = bm.num_free_blocks
+        before = [t[:] for t in self.tables(rid)]
+        held = set(bm.owners()[rid])
+        freed = bm.release_behind(rid, self.computed[rid])
+        now = set(bm.owners()[rid])
+        assert now <= held and bm.num_free_blocks == free + freed
+        assert freed == sum(bm.ref_count(p) == 0 for p in held - now)
+        bs = bm.block_size
+        for reach, table in zip(self.reaches(), before):
+            gone = [i for i, p in enumerate(table) if p in held - now]
+            if not reach:
+                assert not gone
+            for i in gone:  # wholly out of reach of the next token
+                assert (i + 1) * bs <= self.computed[rid] - reach + 1 or \
+                    (i + 1) * bs <= self.computed[rid] - reach
+            assert table[-1] in now, "a request keeps the page of its next token"
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), more=tail_tokens, n=st.integers(1, 9), register=st.booleans())
+    def grow(self, data, more, n, register):
+        bm = self.bm
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[rid]
+        tokens += more
+        end = min(len(tokens), self.computed[rid] + n)
+        free = bm.num_free_blocks
+        need = bm.num_new_blocks(rid, end)
+        assert need == sum(max(0, bm.num_blocks_for(end) - len(t)) for t in self.tables(rid))
+        assert bm.can_allocate(rid, end) == (need <= free)
+        if need > free:
+            with pytest.raises(RuntimeError):
+                bm.allocate(rid, end)
+            return
+        bm.allocate(rid, end)
+        assert bm.num_free_blocks == free - need
+        self.compute(rid, end)
+        if register:
+            bm.cache_full_blocks(rid, tokens[:end], end)
+        self.release(rid)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens) + ["nobody"]))
+        held = self.bm.owners().get(rid, [])
+        freed = sum(self.bm.ref_count(b) == 1 for b in held)
+        free = self.bm.num_free_blocks
+        self.bm.free(rid)
+        assert self.bm.num_free_blocks == free + freed
+        self.tokens.pop(rid, None)
+        self.computed.pop(rid, None)
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=tail_tokens)
+    def lookup(self, prefix, tail):
+        tokens = PREFIXES[prefix] + tail
+        hits = self.bm.find_cached_prefix(tokens)
+        self.check_hits(tokens, hits)
+        self.hits += bool(hits)
+
+    @invariant()
+    def refs_match_tables(self):
+        if self.bm is not None:
+            check_refs(self.bm)
+            assert set(self.bm.owners()) == set(self.tokens)
+
+    @invariant()
+    def own_kv_intact(self):
+        if self.bm is None:
+            return
+        bs = self.bm.block_size
+        for rid, tokens in self.tokens.items():
+            end = self.computed[rid]
+            for reach, table in zip(self.reaches(), self.tables(rid)):
+                assert len(table) == self.bm.num_blocks_for(end)
+                for pos in self.in_reach(reach, end):
+                    assert self.kv.get((table[pos // bs], pos % bs)) == \
+                        tuple(tokens[:pos + 1]), f"{rid}'s KV at {pos} was overwritten"
+
+    def teardown(self):
+        if self.bm is None:
+            return
+        event(f"hybrid prefix cache hits: {min(self.hits, 3)}{'+' if self.hits >= 3 else ''}")
+        for rid in CACHE_IDS:
+            self.bm.free(rid)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.owners() == {}
+        for p in PREFIXES:
+            for t in ([], [0], [1, 2], [2, 2, 2, 2, 0]):
+                self.check_hits(p + t, self.bm.find_cached_prefix(p + t))
+
+
+GroupedCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30,
+                                                 deadline=None)
+TestGroupedCacheMachine = GroupedCacheMachine.TestCase

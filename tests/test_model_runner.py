@@ -53,9 +53,10 @@ def test_forward_batch_carries_no_path_choice():
 
     names = [f.name for f in dataclasses.fields(metadata.ForwardBatch)]
     # (lora_slots: data, each row's adapter slot; recurrent: each sequence's tokens and
-    # state slot for linear attention; neither a choice of path.)
+    # state slot for linear attention; kv_views: a hybrid's block groups' slots and tables;
+    # none a choice of path.)
     assert names == ["input_ids", "positions", "slot_mapping", "logits_indices", "attn",
-                     "lora_slots", "recurrent"]
+                     "lora_slots", "recurrent", "kv_views"]
     assert build_forward_batch.__annotations__["return"].startswith("tuple[ForwardBatch")
 
 

@@ -5,7 +5,7 @@ the ForwardBatch that carries them and the step's tokens to the model."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,6 +128,33 @@ class ForwardBatch:
     # Linear-attention layers: each sequence's flat tokens and state slot
     # (servelm.models.linear_attention.RecurrentBatch), None for a model without them.
     recurrent: Any = None
+    # A hybrid model's further block groups (SeqInput.group_tables): per group, this batch
+    # with that group's slots and block tables (group_views); its layers read their own.
+    kv_views: list[ForwardBatch] | None = None
+
+    def for_group(self, group: int) -> ForwardBatch:
+        """The batch a layer of block group `group` reads (0: this one)."""
+        if not group:
+            return self
+        if not self.kv_views:
+            raise ValueError("the pool keeps this model's layers in block groups: each "
+                             "sequence needs its group tables (SeqInput.group_tables)")
+        return self.kv_views[group - 1]
+
+    def stack_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step's KV slots and int32 block tables as the DecodeStack takes
+        them: [M] and [M, W], or with block groups [G * M] and [G, M, W]."""
+        tables = self.attn.decodes.block_tables
+        if not self.kv_views:
+            return self.slot_mapping, tables
+        views = [v.attn.decodes.block_tables for v in self.kv_views]
+        width = max(t.shape[1] for t in (tables, *views))
+        stacked = torch.zeros(1 + len(views), tables.shape[0], width, dtype=torch.int32,
+                              device=tables.device)
+        for g, t in enumerate((tables, *views)):
+            stacked[g, :, :t.shape[1]] = t
+        return (torch.cat([self.slot_mapping, *(v.slot_mapping for v in self.kv_views)]),
+                stacked)
 
 
 class FlatTokens:
@@ -239,3 +266,59 @@ def decode_lists(dec: list, block_size: int, width: int | None = None, pad_block
         slots.append(s.block_table[s.start_pos // block_size] * block_size
                      + s.start_pos % block_size)
     return input_ids, positions, slots, tables, lens, max_blocks
+
+
+def group_views(batch: ForwardBatch, order: list[int], seqs: list, block_size: int
+                ) -> list[ForwardBatch]:
+    """For each further block group of a hybrid model (SeqInput.group_tables), `batch`
+    with that group's KV slots and block tables: the same flat tokens (`order`: the
+    sequences' indices in flat order) and attention groups, only the pages differ."""
+    meta, bs = batch.attn, block_size
+    device = batch.slot_mapping.device
+    views = []
+    for g in range(len(seqs[0].group_tables)):
+        tables = [s.group_tables[g] for s in seqs]
+        slots = []
+        for i in order:
+            s, t = seqs[i], tables[i]
+            slots += [t[p // bs] * bs + p % bs
+                      for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        at, dec = 0, None
+        if meta.decodes is not None:
+            nd, width = meta.decodes.num, meta.decodes.block_tables.shape[1]
+            rows: list[int] = []
+            for i in order[:nd]:
+                nb = (seqs[i].start_pos + bs) // bs
+                rows += tables[i][:nb] + [0] * (width - nb)
+            dec = replace(meta.decodes, block_tables=torch.tensor(
+                rows, dtype=torch.int32, device=device).view(nd, width))
+            at = nd
+        groups = []
+        for grp in meta.groups:
+            B, width = grp.block_tables.shape
+            rows = []
+            for i in order[at:at + B]:
+                nb = -(-(seqs[i].start_pos + len(seqs[i].token_ids)) // bs)
+                rows.append(tables[i][:nb] + [0] * (width - nb))
+            at += B
+            groups.append(replace(grp, block_tables=torch.tensor(rows, dtype=torch.long,
+                                                                 device=device)))
+        views.append(replace(batch, slot_mapping=torch.tensor(slots, dtype=torch.long,
+                                                              device=device),
+                             attn=AttentionMetadata(meta.backend, groups, dec)))
+    return views
+
+
+def decode_group_lists(dec: list, block_size: int, width: int) -> tuple[list[int], list[int]]:
+    """decode_lists' KV slots and block tables (`width` blocks a row) in each further block
+    group of a hybrid model (SeqInput.group_tables), group after group."""
+    slots: list[int] = []
+    tables: list[int] = []
+    for g in range(len(dec[0].group_tables) if dec else 0):
+        for s in dec:
+            t = s.group_tables[g]
+            nb = (s.start_pos + block_size) // block_size
+            tables += t[:nb]
+            tables += [0] * (width - nb)
+            slots.append(t[s.start_pos // block_size] * block_size + s.start_pos % block_size)
+    return slots, tables

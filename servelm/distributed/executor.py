@@ -31,7 +31,7 @@ from servelm.distributed.parallel_state import (TPGroup, gloo_address, torchrun_
 from servelm.distributed.sharding import ShardPlan
 from servelm.distributed.worker import (STEP, STOP, allocate_rank, encode_seqs, load_rank,
                                         lora_manager, run_step, spawn_main, worker_main)
-from servelm.engine.executor import Executor, default_kv_bytes, pool_blocks
+from servelm.engine.executor import Executor, default_kv_bytes, kv_groups_of, pool_blocks
 from servelm.engine.model_runner import KVCache, SeqInput
 from servelm.models import kv_quant
 from servelm.models.registry import family_for_architecture
@@ -203,8 +203,10 @@ class TPExecutor(Executor):
         cache = config.cache
         dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)  # the pool's storage
         # Each rank's block: its own KV heads (a latent cache's one row, whole on every rank).
+        self.kv_groups = kv_groups_of(config, model_config)
         block = [KVCache.bytes_per_block(ShardPlan.of(model_config, r, self.group.world)
-                                         .local_config(model_config), cache.block_size, dtype)
+                                         .local_config(model_config), cache.block_size, dtype,
+                                         self.kv_groups)
                  for r in range(self.group.world)]
         num_blocks = pool_blocks(cache.kv_cache_memory or default_kv_bytes(device),
                                  max(block), " on a rank")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from servelm.distributed.parallel_state import TPGroup
 from servelm.distributed.sharding import Shard, ShardPlan
-from servelm.engine.executor import ModelWorker
+from servelm.engine.executor import ModelWorker, kv_groups_of
 from servelm.engine.model_runner import ModelRunner, SeqInput
 from servelm.models import kv_quant
 
@@ -63,16 +63,17 @@ def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype, num_blocks: i
     """The rank's own pool (its KV heads only: the worker's model.config is the rank's
     local config) and its runner; no CUDA graphs (a step's collectives run outside them)."""
     worker.allocate(num_blocks, config.cache.block_size,
-                    kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype))
+                    kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype),
+                    kv_groups=kv_groups_of(config, worker.model.config))
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
     return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits, s.num_logits,
-             s.pooling, s.lora_slot) for s in seqs]
+             s.pooling, s.lora_slot, s.group_tables) for s in seqs]
 
 
 def decode_seqs(items: list[tuple]) -> list[SeqInput]:
-    return [SeqInput(*item) for item in items]
+    return [SeqInput(*item[:-1], group_tables=item[-1]) for item in items]
 
 
 def run_step(group: TPGroup, runner: ModelRunner, plan: ShardPlan,

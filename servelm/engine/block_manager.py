@@ -105,6 +105,16 @@ class CacheEventLog:
             return last, events, None
 
 
+class PrefixHit(list):
+    """find_cached_prefix's answer for a pool with block groups: the first group's hit blocks
+    (the list itself) and, per further group, its pages at the same positions (`groups`;
+    a position out of that group's reach whose page is gone: any page id, masked)."""
+
+    def __init__(self, blocks: list[int], groups: list[list[int]]):
+        super().__init__(blocks)
+        self.groups = groups
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks and takes them back; optionally shares full blocks.
 
@@ -136,16 +146,31 @@ class BlockManager:
     in the table (block_table: attention masks those positions; the pool's blocks always
     hold finite values) but the request no longer holds it: owners() and the ref counts
     leave it out, and another request may take and overwrite it.
+
+    With block groups (`groups`: a hybrid model, some attention layers windowed and some
+    not, its cache layers split into groups of equal size, ModelConfig.kv_groups), a block
+    id names a page of one group's layers, and each request holds a table per group, all
+    filled from the one free queue: the first group's (a group of full-attention layers)
+    is block_table, and `groups` gives the reach of each further one (0: full attention),
+    whose tables (group_tables) give back their pages out of reach as the request grows.
+    The prefix cache keys the first group's blocks as above; a further group's page at
+    the same position joins the cache under that block, and goes when either is evicted.
+    A hit needs every group's pages in reach of its end.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  event_capacity: int = 1 << 16, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0, reach: int = 0):
+                 num_state_snapshots: int = 0, reach: int = 0, groups: tuple[int, ...] = ()):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
         if reach < 0:
             raise ValueError(f"reach must be >= 0 (0: every key stays in reach), got {reach}")
+        if groups and (reach or num_state_slots):
+            raise ValueError("block groups (a hybrid windowed model) take no reach of the "
+                             "first group and no recurrent-state slots")
+        if any(r < 0 for r in groups):
+            raise ValueError(f"a group's reach must be >= 0, got {groups}")
         if num_state_slots and enable_caching and num_state_snapshots < 1:
             raise ValueError("prefix caching cannot restore a recurrent state without state "
                              "snapshots: a model with linear-attention layers needs "
@@ -176,6 +201,14 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self.reach = reach
         self._released: dict[str, int] = {}  # per request: its leading blocks given back
+        # Block groups past the first: their reaches; per request its table in each and the
+        # leading pages given back; the cached pages (group -> first group's block -> page)
+        # and back (page -> (group, block)).
+        self.groups = tuple(groups)
+        self._gtables: dict[str, list[list[int]]] = {}
+        self._greleased: dict[str, list[int]] = {}
+        self._shadow: list[dict[int, int]] = [{} for _ in self.groups]
+        self._shadow_of: dict[int, tuple[int, int]] = {}
         # Prefix cache: key -> block, block -> (key, key id, digest); per request, how many
         # of its leading blocks are registered and the key id and digest of the last of them
         # (its chain so far). Digests (block_digest) name blocks outside this process:
@@ -220,6 +253,15 @@ class BlockManager:
         """The request's blocks in position order (the live list: read it, don't keep it)."""
         return self._tables.get(request_id, [])
 
+    def group_tables(self, request_id: str) -> list[list[int]]:
+        """The request's tables in the further block groups (live lists; [] without groups)."""
+        return self._gtables.get(request_id, [])
+
+    @property
+    def releases(self) -> bool:
+        """Whether requests give back pages out of reach as they grow (release_behind)."""
+        return bool(self.reach or any(self.groups))
+
     # ---- prefix cache --------------------------------------------------------------------
 
     def find_cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
@@ -243,7 +285,36 @@ class BlockManager:
         if self.num_state_slots:  # a recurrent state restarts only where a snapshot is
             while hits and hits[-1] not in self._snap:
                 hits.pop()
+        if self.groups:
+            return self._group_hit(hits)
         return hits
+
+    def _group_hit(self, hits: list[int]) -> PrefixHit:
+        """The longest prefix of `hits` that every further group holds the pages in reach
+        of (a full group: all of them), with those groups' pages."""
+        n = len(hits)
+        # Per group, the last position before each length whose page is not cached.
+        last_miss = []
+        for shadow in self._shadow:
+            miss, row = -1, [-1]
+            for i, b in enumerate(hits):
+                if b not in shadow:
+                    miss = i
+                row.append(miss)
+            last_miss.append(row)
+        while n:
+            if all(last_miss[g][n] < self._reach_start(r, n)
+                   for g, r in enumerate(self.groups)):
+                break
+            n -= 1
+        return PrefixHit(hits[:n], [[shadow.get(b, 0) for b in hits[:n]]
+                                    for shadow in self._shadow])
+
+    def _reach_start(self, reach: int, num_blocks: int) -> int:
+        """The first of num_blocks whole blocks in reach of the next token (0: all)."""
+        if not reach:
+            return 0
+        return max(0, num_blocks * self.block_size - reach) // self.block_size
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -278,9 +349,12 @@ class BlockManager:
             key = (parent, tokens)
             owner = self._cached.get(key)
             if owner is not None:
-                # Another request computed the same prefix first; keep this copy private.
+                # Another request computed the same prefix first; keep this copy private
+                # (its further groups' pages join the owner where it has none).
                 _, parent, digest = self._block_key[owner]
                 cached_at.append(owner)
+                if self.groups:
+                    self._cache_pages(request_id, i, owner)
                 continue
             cached_at.append(block)
             key_id = self._next_key_id
@@ -290,6 +364,8 @@ class BlockManager:
             self._block_key[block] = (key, key_id, digest)
             stored.append(digest)
             parent = key_id
+            if self.groups:
+                self._cache_pages(request_id, i, block)
         if stored:
             self.events.stored(*stored)
         self._num_registered[request_id] = full
@@ -307,6 +383,17 @@ class BlockManager:
                 if trailing:
                     self._trailing[request_id] = sid
                     self._trailing_of[sid] = request_id
+
+    def _cache_pages(self, request_id: str, index: int, block: int) -> None:
+        """The request's further groups' pages at position block `index` join the cache
+        under the first group's `block` (those it still holds, where the block has none)."""
+        for g, (table, released) in enumerate(zip(self._gtables[request_id],
+                                                  self._greleased[request_id])):
+            page = table[index]
+            if index >= released and block not in self._shadow[g] \
+                    and page not in self._shadow_of:
+                self._shadow[g][block] = page
+                self._shadow_of[page] = (g, block)
 
     # ---- recurrent-state snapshots -------------------------------------------------------
 
@@ -363,7 +450,8 @@ class BlockManager:
         request then computes its prompt).
         The caller writes the new blocks, then calls end_import."""
         if (not self.enable_caching or not token_ids or len(token_ids) % self.block_size
-                or self.num_state_slots):  # (KV blocks alone carry no recurrent state)
+                or self.num_state_slots  # (KV blocks alone carry no recurrent state)
+                or self.groups):  # (nor the pages of a hybrid's block groups)
             return None
         if key in self._tables:
             raise ValueError(f"{key!r} already holds blocks")
@@ -385,18 +473,28 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks the request still needs so that its table holds num_tokens tokens."""
-        return max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id)))
+        """Blocks the request still needs so that its tables hold num_tokens tokens (with
+        block groups: summed over the groups)."""
+        nb = self.num_blocks_for(num_tokens)
+        need = max(0, nb - len(self.block_table(request_id)))
+        return need + sum(max(0, nb - len(t)) for t in self.group_tables(request_id))
 
     def num_blocks_to_take(self, request_id: str, num_tokens: int,
                            cached: list[int] = ()) -> int:
-        """Free blocks that growing the table to num_tokens tokens, starting from `cached`
+        """Free blocks that growing the tables to num_tokens tokens, starting from `cached`
         blocks (for a request that holds none yet), would take out of the free queue."""
         # Cached blocks sitting in the free queue stop being free once taken (those out
         # of reach are not taken).
         taken = sum(1 for b in cached[self._out_of_reach(len(cached)):] if self._ref[b] == 0)
         need = max(0, self.num_blocks_for(num_tokens) - len(self.block_table(request_id))
                    - len(cached))
+        if self.groups:
+            tables = self.group_tables(request_id) or [[] for _ in self.groups]
+            pages = cached.groups if cached else [[] for _ in self.groups]
+            for reach, table, hit in zip(self.groups, tables, pages):
+                taken += sum(1 for p in hit[self._reach_start(reach, len(hit)):]
+                             if self._ref[p] == 0)
+                need += max(0, self.num_blocks_for(num_tokens) - len(table) - len(hit))
         return need + taken
 
     def can_allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> bool:
@@ -408,18 +506,23 @@ class BlockManager:
         return self.num_blocks_to_take(request_id, num_tokens, cached) <= len(self._free)
 
     def allocate(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> list[int]:
-        """Grow the request's table to hold num_tokens tokens; returns the new block ids.
+        """Grow the request's tables to hold num_tokens tokens; returns the first group's
+        new block ids.
 
         `cached` (from find_cached_prefix, for a request with no table yet) become the
-        start of its table, shared with whoever else holds them.
+        start of its tables, shared with whoever else holds them.
         """
         if not self.can_allocate(request_id, num_tokens, cached):
             raise RuntimeError(f"out of KV blocks for {request_id!r}: "
                                f"{len(self._free)} free")
         table = self._tables.setdefault(request_id, [])
+        tables = [table]
+        if self.groups:
+            tables += self._gtables.setdefault(request_id, [[] for _ in self.groups])
+            self._greleased.setdefault(request_id, [0] * len(self.groups))
         if self.num_state_slots and request_id not in self._slot:
             self._slot[request_id] = self._free_slots.pop()
-        if cached:
+        if cached:  # every group's cached pages taken before any free one is (evicted)
             assert not table, "cached prefix blocks go into an empty table"
             skip = self._out_of_reach(len(cached))
             for b in cached[skip:]:
@@ -427,6 +530,12 @@ class BlockManager:
             table.extend(cached)
             if skip:
                 self._released[request_id] = skip
+            for g, (reach, pages) in enumerate(zip(self.groups, getattr(cached, "groups", ()))):
+                skip = self._reach_start(reach, len(pages))
+                for p in pages[skip:]:
+                    self._take(p)
+                tables[g + 1].extend(pages)
+                self._greleased[request_id][g] = skip
             self._num_registered[request_id] = len(cached)
             self._chain[request_id] = self._block_key[cached[-1]][1:]
             self._cached_at[request_id] = list(cached)
@@ -434,41 +543,74 @@ class BlockManager:
                 sid = self._snap[cached[-1]]
                 self._snap_block.move_to_end(sid)
                 self._restores.append((sid, self._slot[request_id]))
-        new = []
-        for _ in range(self.num_blocks_for(num_tokens) - len(table)):
-            block, _ = self._free.popitem(last=False)  # least recently freed first
-            self._evict(block)
-            self._ref[block] = 1
-            new.append(block)
-        table.extend(new)
-        return new
+        first = None
+        for t in tables:
+            new = []
+            for _ in range(self.num_blocks_for(num_tokens) - len(t)):
+                block, _ = self._free.popitem(last=False)  # least recently freed first
+                self._evict(block)
+                self._ref[block] = 1
+                new.append(block)
+            t.extend(new)
+            first = new if first is None else first
+        return first
 
     def _out_of_reach(self, num_blocks: int) -> int:
         """How many leading blocks are out of reach of a next token right after
         num_blocks whole blocks (0 without a reach)."""
-        if not self.reach:
-            return 0
-        return max(0, num_blocks * self.block_size - self.reach) // self.block_size
+        return self._reach_start(self.reach, num_blocks)
 
     def release_behind(self, request_id: str, num_computed: int) -> int:
         """Give back the request's blocks wholly out of reach of its next token (position
-        num_computed): no future query of it reads them. Registered ones stay cached until
-        evicted; one given back before it was registered ends the request's registering
-        (a later block's key chains through it). Returns how many blocks went back."""
+        num_computed), in every group with a reach: no future query of it reads them.
+        Registered ones stay cached until evicted; one given back before it was registered
+        ends the request's registering (a later block's key chains through it; a further
+        group's page just stays out of the cache). Returns how many blocks went back."""
+        freed = 0
         table = self._tables.get(request_id)
-        if not self.reach or not table:
-            return 0
-        start = self._released.get(request_id, 0)
-        end = min(max(0, num_computed - self.reach) // self.block_size, len(table) - 1)
-        if end <= start:
-            return 0
-        freed = sum(self._drop(block) for block in table[start:end])
-        self._released[request_id] = end
+        if self.reach and table:
+            start = self._released.get(request_id, 0)
+            end = min(max(0, num_computed - self.reach) // self.block_size, len(table) - 1)
+            if end > start:
+                freed += sum(self._drop(block) for block in table[start:end])
+                self._released[request_id] = end
+        released = self._greleased.get(request_id)
+        for g, (reach, t) in enumerate(zip(self.groups, self.group_tables(request_id))):
+            start = released[g]
+            end = min(max(0, num_computed - reach) // self.block_size, len(t) - 1)
+            if reach and end > start:
+                freed += sum(self._drop(page) for page in t[start:end])
+                released[g] = end
         return freed
 
     def num_held(self, request_id: str) -> int:
-        """Blocks the request holds (its table less the blocks it gave back)."""
-        return len(self._tables.get(request_id, ())) - self._released.get(request_id, 0)
+        """Blocks the request holds (its tables less the blocks it gave back)."""
+        held = len(self._tables.get(request_id, ())) - self._released.get(request_id, 0)
+        released = self._greleased.get(request_id, ())
+        return held + sum(len(t) - r for t, r in zip(self.group_tables(request_id), released))
+
+    def num_to_grow(self, request_id: str, num_tokens: int, held_tokens: int | None = None,
+                    step_tokens: int = 0) -> int:
+        """Blocks the request would still take to hold num_tokens tokens, beyond those it
+        holds (or would hold with held_tokens tokens computed); a group with a reach holds
+        at most its reach and a step's tokens (step_tokens) however far it grows."""
+        end = self.num_blocks_for(num_tokens)
+        total = 0
+        tables = [self.block_table(request_id), *self.group_tables(request_id)]
+        released = [self._released.get(request_id, 0), *self._greleased.get(request_id, ())]
+        reaches = (self.reach, *self.groups)
+        if len(tables) < len(reaches):  # a request holding nothing yet
+            tables += [[]] * (len(reaches) - len(tables))
+            released += [0] * (len(reaches) - len(released))
+        for reach, table, gone in zip(reaches, tables, released):
+            held = len(table) if held_tokens is None else self.num_blocks_for(held_tokens)
+            need = max(0, end - held)
+            if reach:
+                cap = self.num_blocks_for(reach + step_tokens) + 1
+                now = len(table) - gone if held_tokens is None else min(held, cap)
+                need = min(need, max(0, cap - now))
+            total += need
+        return total
 
     def free(self, request_id: str) -> None:
         """Drop the request's hold on its blocks (no-op if it holds none)."""
@@ -488,11 +630,15 @@ class BlockManager:
             del self._trailing_of[sid]
         # Last blocks first: a prefix's tail is the least likely to be shared, so it is
         # the first to be evicted.
+        for t, gone in zip(self._gtables.pop(request_id, ()),
+                           self._greleased.pop(request_id, ())):
+            for page in reversed(t[gone:]):
+                self._drop(page)
         for block in reversed(table):
             self._drop(block)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Shrink the request's table to the blocks num_tokens tokens need: the blocks
+        """Shrink the request's tables to the blocks num_tokens tokens need: the blocks
         wholly past them (speculated tokens that were rejected) go back to the pool."""
         table = self._tables.get(request_id)
         if table is None:
@@ -501,8 +647,12 @@ class BlockManager:
         # Never drop a block the prefix cache registered for this table: those hold
         # computed tokens, which a caller rolling back rejected drafts never goes behind.
         assert keep >= self._num_registered.get(request_id, 0), "truncating computed blocks"
-        while len(table) > keep:
-            self._drop(table.pop())
+        for t, gone in zip([table, *self.group_tables(request_id)],
+                           [self._released.get(request_id, 0),
+                            *self._greleased.get(request_id, ())]):
+            assert keep > gone or len(t) <= keep, "truncating blocks given back"
+            while len(t) > keep:
+                self._drop(t.pop())
 
     def _drop(self, block: int) -> bool:
         """One table's hold on the block let go; True when that was the last, the block
@@ -512,7 +662,7 @@ class BlockManager:
         if self._ref[block]:
             return False
         self._free[block] = None
-        if block not in self._block_key:
+        if block not in self._block_key and block not in self._shadow_of:
             self._free.move_to_end(block, last=False)
         return True
 
@@ -531,11 +681,23 @@ class BlockManager:
                 del self._snap_block[sid]
                 self._free_snaps.append(sid)
                 self._trailing.pop(self._trailing_of.pop(sid, None), None)
+            for shadow in self._shadow:  # its further groups' pages: no key reaches them
+                page = shadow.pop(block, None)
+                if page is not None:
+                    del self._shadow_of[page]
+        elif block in self._shadow_of:  # a further group's cached page
+            g, owner = self._shadow_of.pop(block)
+            del self._shadow[g][owner]
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
     def owners(self) -> dict[str, list[int]]:
-        """A copy of the blocks every request holds (its table less those it gave back),
-        for checks and metrics."""
-        return {k: v[self._released.get(k, 0):] for k, v in self._tables.items()}
+        """A copy of the blocks every request holds (its tables less those it gave back;
+        with block groups, each further group's after the first's), for checks and
+        metrics."""
+        out = {k: v[self._released.get(k, 0):] for k, v in self._tables.items()}
+        for k, tables in self._gtables.items():
+            for t, gone in zip(tables, self._greleased[k]):
+                out[k] = out[k] + t[gone:]
+        return out

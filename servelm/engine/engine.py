@@ -208,6 +208,18 @@ def _recurrent_config(config: EngineConfig) -> EngineConfig:
     return config
 
 
+def hybrid_capacity(reaches: tuple[int, ...], pages: int, block_size: int, max_len: int,
+                    step_tokens: int) -> tuple[int, int]:
+    """(tokens the pool holds for sequences short of every window, the longest sequence it
+    holds) for a pool of `pages` in block groups of these reaches: a block of tokens takes
+    a page in every group, except that a windowed group holds at most its reach and a
+    step's tokens (BlockManager.num_to_grow)."""
+    full = sum(1 for r in reaches if not r)
+    capped = sum(-(-(r + step_tokens) // block_size) + 1 for r in reaches if r)
+    longest = max(pages // len(reaches), (pages - capped) // full) * block_size
+    return pages // len(reaches) * block_size, min(max_len, longest)
+
+
 class LLMEngine:
     """Continuous batching engine: requests join and leave the running batch at every step."""
 
@@ -260,11 +272,19 @@ class LLMEngine:
                                                  + 2 * block_size):
             self.max_model_len = max_len
         self.kv_capacity_tokens = num_blocks * block_size
+        groups = self.executor.kv_groups
+        if groups is not None:  # a hybrid model's pages: one in each group per block of tokens
+            self.kv_capacity_tokens, self.max_model_len = hybrid_capacity(
+                groups.reaches, num_blocks, block_size, max_len,
+                config.scheduler.max_num_batched_tokens)
         self._build_scheduling(num_blocks)
-        progress.info("ready in %.1f s; KV cache: %d tokens (%d blocks of %d, %.1f MiB), "
+        progress.info("ready in %.1f s; KV cache: %d tokens (%d %s of %d, %.1f MiB), "
                       "max_model_len %d", time.perf_counter() - t_load,
-                      self.kv_capacity_tokens, num_blocks, block_size,
-                      num_blocks * self.executor.block_bytes / 2**20, self.max_model_len)
+                      self.kv_capacity_tokens, num_blocks,
+                      "blocks" if groups is None else
+                      f"pages in {len(groups.layers)} block groups of {groups.size} layers",
+                      block_size, num_blocks * self.executor.block_bytes / 2**20,
+                      self.max_model_len)
 
     def _open_tokenizer(self, ckpt):
         """The checkpoint's tokenizer, or --tokenizer's (which must fit the model's
@@ -298,7 +318,10 @@ class LLMEngine:
                                           enable_caching=cache_cfg.enable_prefix_caching,
                                           num_state_slots=ex.num_state_slots,
                                           num_state_snapshots=ex.num_state_snapshots,
-                                          reach=self.model_config.attention_reach or 0)
+                                          reach=(self.model_config.attention_reach or 0)
+                                          if ex.kv_groups is None else 0,
+                                          groups=() if ex.kv_groups is None
+                                          else ex.kv_groups.reaches[1:])
         # LoRA adapters: the registered ones and the model's resident slots.
         self.lora = self.executor.lora_manager(config, self.model_config)
         if self.lora is not None:
@@ -605,6 +628,8 @@ class LLMEngine:
         KVCache.read_blocks' bytes. Called after the prompt ran, before its blocks are
         evicted (0 tokens if they were)."""
         blocks = self.block_manager.find_cached_prefix(token_ids, salt)
+        if self.block_manager.groups:  # (a hybrid's pages: none sent, the receiver computes)
+            blocks = []
         return (len(blocks) * self.block_manager.block_size,
                 self.executor.kv_cache.read_blocks(blocks))
 
@@ -689,8 +714,9 @@ class LLMEngine:
                 ids += req.spec_token_ids
             table = self.block_manager.block_table(req.request_id)
             state = self.block_manager.state_slot(req.request_id)
+            group_tables = self.block_manager.group_tables(req.request_id)
             if req.pooling_params is not None:
-                seqs.append(self._pooling_input(ids, s, table, state))
+                seqs.append(self._pooling_input(ids, s, table, state, group_tables))
                 continue
             seqs.append(SeqInput(ids, s.start, table, s.samples,
                                  all_logits=req.needs_prompt_logits,
@@ -699,7 +725,8 @@ class LLMEngine:
                                  state_slot=state,
                                  state_snapshot=None if s.snapshot is None else (
                                      s.snapshot[0], snapshot_row(self.executor.num_state_slots,
-                                                                 s.snapshot[1]))))
+                                                                 s.snapshot[1])),
+                                 group_tables=group_tables))
         masks = None
         if self.config.kernels.overlap_grammar_masks and not any(
                 s.num_draft for s in sched.scheduled):
@@ -755,13 +782,14 @@ class LLMEngine:
             outputs += self._pool(sched, *pooled)
         return outputs
 
-    def _pooling_input(self, ids: list[int], s, table: list[int], state: int) -> SeqInput:
+    def _pooling_input(self, ids: list[int], s, table: list[int], state: int,
+                       group_tables: list[list[int]]) -> SeqInput:
         """A pooling request's chunk: the rows its pooling reads come back as hidden states
         (every position for mean, the first chunk's for CLS, the last position at the end)."""
         kind = self.pooling_config.pooling_type
         every = kind == "mean" or (kind == "cls" and s.start == 0)
         return SeqInput(ids, s.start, table, s.samples, all_logits=every, pooling=True,
-                        state_slot=state)
+                        state_slot=state, group_tables=group_tables)
 
     def _pool(self, sched, hidden: torch.Tensor, rows: list[int]) -> list[PoolingRequestOutput]:
         """Fold this step's hidden-state rows into each pooling request's pooling; finish

@@ -32,7 +32,7 @@ from servelm.engine.calibration import wanted
 from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 from servelm.engine.state_cache import StateCache
 from servelm.models import kv_quant
-from servelm.models.config import ModelConfig
+from servelm.models.config import KVGroups, ModelConfig
 from servelm.lora.wrap import apply_lora
 from servelm.models.loader import load_model
 from servelm.tuning import TuningReport, finalize_linears
@@ -118,9 +118,10 @@ class ModelWorker:
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
 
-    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        """One KV block of this model's pool (its own KV heads)."""
-        return KVCache.bytes_per_block(self.model.config, block_size, kv_dtype)
+    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype,
+                        groups: KVGroups | None = None) -> int:
+        """One KV block of this model's pool (its own KV heads; with block groups, a page)."""
+        return KVCache.bytes_per_block(self.model.config, block_size, kv_dtype, groups)
 
     def state_bytes(self) -> int:
         """One sequence's recurrent state in every linear-attention layer (0: none)."""
@@ -128,18 +129,26 @@ class ModelWorker:
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  cuda_graphs: bool = False, max_graph_batch: int = 256,
-                 state_slots: int = 0, state_snapshots: int = 0) -> None:
-        """The KV pool (with a spare block for captured CUDA-graph steps), the recurrent
-        states' slots and snapshots (a model with linear-attention layers) and the runner."""
+                 state_slots: int = 0, state_snapshots: int = 0,
+                 kv_groups: KVGroups | None = None) -> None:
+        """The KV pool (with a spare block for captured CUDA-graph steps; a hybrid model's
+        pages in block groups), the recurrent states' slots and snapshots (a model with
+        linear-attention layers) and the runner."""
         self.kv_cache = KVCache(self.model.config, num_blocks, block_size, kv_dtype,
                                 self.device, spare_block=cuda_graphs,
-                                hugepages=self.kernels.hugepages)
+                                hugepages=self.kernels.hugepages, groups=kv_groups)
         states = (StateCache(self.model.config, state_slots, self.model.norm.weight.dtype,
                              self.device, num_snapshots=state_snapshots)
                   if state_slots else None)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device,
                                   cuda_graphs=cuda_graphs, max_graph_batch=max_graph_batch,
                                   kernels=self.kernels, state_cache=states)
+
+
+def kv_groups_of(config: EngineConfig, model_config: ModelConfig) -> KVGroups | None:
+    """The block groups of the model's pool: a hybrid model's (ModelConfig.kv_groups:
+    windowed and full-attention layers) unless CacheConfig.hybrid_kv_cache is off."""
+    return model_config.kv_groups if config.cache.hybrid_kv_cache else None
 
 
 class Executor(abc.ABC):
@@ -158,6 +167,9 @@ class Executor(abc.ABC):
     # A draft model whose pool was sized with the target's (speculative decoding): the
     # engine's speculator drafts with it.
     draft = None
+    # A hybrid model's block groups (kv_groups_of): num_blocks counts pages then, and the
+    # block manager keeps a table per group.
+    kv_groups: KVGroups | None = None
 
     @abc.abstractmethod
     def execute(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
@@ -240,7 +252,8 @@ class UniProcExecutor(Executor):
         # are sized from, and its pool shares their budget.
         self.draft = load_draft() if load_draft is not None else None
         kv_dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)
-        block_bytes = self.worker.bytes_per_block(cache.block_size, kv_dtype)
+        self.kv_groups = kv_groups_of(config, model_config)
+        block_bytes = self.worker.bytes_per_block(cache.block_size, kv_dtype, self.kv_groups)
         if self.draft is not None:
             block_bytes += self.draft.bytes_per_block(cache.block_size, kv_dtype)
         budget = cache.kv_cache_memory or default_kv_bytes(device)
@@ -261,7 +274,8 @@ class UniProcExecutor(Executor):
         self.worker.allocate(self.num_blocks, cache.block_size, kv_dtype,
                              cuda_graphs=graphs, max_graph_batch=max_graph_batch,
                              state_slots=self.num_state_slots,
-                             state_snapshots=self.num_state_snapshots)
+                             state_snapshots=self.num_state_snapshots,
+                             kv_groups=self.kv_groups)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, cache.block_size, kv_dtype,
                                 cache.enable_prefix_caching, cuda_graphs=graphs,

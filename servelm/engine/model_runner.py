@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -15,11 +15,12 @@ from servelm import hugepages as _hugepages
 from servelm.attention import AttentionBackend, AttentionSpec, get_backend
 from servelm.attention import select as select_attention
 from servelm.attention.cpu import KV_DTYPES as CPU_KV_DTYPES
-from servelm.attention.metadata import ForwardBatch, decode_lists
+from servelm.attention.metadata import (ForwardBatch, decode_group_lists, decode_lists,
+                                        group_views)
 from servelm.config import KernelConfig
 from servelm.kernels import load_ops
 from servelm.models import kv_quant
-from servelm.models.config import ModelConfig
+from servelm.models.config import KVGroups, ModelConfig
 from servelm.models.linear_attention import RecurrentBatch
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ class SeqInput:
     # (tokens into this step, state row): where the linear-attention layers copy the slot's
     # state into a prefix-cache snapshot (a StateCache row past the slots) on the way.
     state_snapshot: tuple[int, int] | None = None
+    # A hybrid model's further block groups (BlockManager.group_tables): each group's table,
+    # its layers' pages at the same positions as block_table's.
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 class KVCache:
@@ -72,12 +76,19 @@ class KVCache:
     of `layers` is its source layer's (kv_source). The pool is still one allocation, each
     layer's K, V (then their scales) a region of it in layer order; `data` and `scales`
     are then flat views of the rows and the scales, and bytes_per_block the sum over the
-    layers that hold a cache. Uniform models keep the shapes above."""
+    layers that hold a cache. Uniform models keep the shapes above.
+
+    With `groups` (a hybrid model's KVGroups: windowed and full-attention layers), the
+    pool holds groups.size slabs of num_blocks pages, not a region per layer: the j-th
+    layer of every group reads and writes slab j, at the pages of its group's block table
+    (the block manager hands each group's pages out of one free queue), so a block id
+    names a page of one group's layers."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, spare_block: bool = False,
-                 hugepages: bool = True):
+                 hugepages: bool = True, groups: KVGroups | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.groups = groups
         self.pad_block = num_blocks if spare_block else None
         self.quantized = kv_quant.is_quantized(dtype)
         self.dtype = dtype
@@ -85,6 +96,8 @@ class KVCache:
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
         own = cfg.kv_layers  # not KV-shared layers, not linear attention's
+        if groups is not None:  # the slabs, each of a layer's shape (every layer's the same)
+            own = tuple(range(groups.size))
         # Each layer's K and V (one plane where V is read from K's rows: cache_planes).
         planes = cfg.cache_planes
         shapes = [(total, block_size, *cfg.cache_shape_of(i)) for i in own]
@@ -94,7 +107,7 @@ class KVCache:
         # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
         nscales = sum(n // sh[-1] for n, sh in zip(numels, shapes)) if self.quantized else 0
         if torch.device(device).type == "cpu":
-            n = total * self.bytes_per_block(cfg, block_size, dtype)
+            n = total * self.bytes_per_block(cfg, block_size, dtype, groups)
             buf = _hugepages.empty(n, hugepages).view(torch.uint8)
             # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
             # nothing to clear, and a page is only committed once a token's KV lands in it.
@@ -122,8 +135,11 @@ class KVCache:
         else:
             mine = {i: (r[0], r[v]) for i, r in zip(own, regions)}
         # (None: a linear-attention layer, whose recurrent state is a StateCache's.)
-        self.layers = [None if cfg.is_linear_layer(i) else mine[cfg.kv_source(i)]
-                       for i in range(cfg.num_layers)]
+        if groups is not None:
+            self.layers = [mine[groups.place(i)[1]] for i in range(cfg.num_layers)]
+        else:
+            self.layers = [None if cfg.is_linear_layer(i) else mine[cfg.kv_source(i)]
+                           for i in range(cfg.num_layers)]
         self._regions = [t for r in regions for t in r] + [t for r in scale_regions for t in r]
         self._uncommitted = self._commit_units() if torch.device(device).type == "cpu" else []
 
@@ -202,13 +218,16 @@ class KVCache:
             at += size
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                        groups: KVGroups | None = None) -> int:
         """K and V of one block in every layer that holds a cache (each its own shape; K
-        alone where V is read from it), with the scales of a quantised pool."""
+        alone where V is read from it), with the scales of a quantised pool; with block
+        groups, one page: groups.size layers'."""
         elem = torch.empty(0, dtype=dtype).element_size()
         scale = 4 if kv_quant.is_quantized(dtype) else 0
+        layers = range(groups.size) if groups is not None else cfg.kv_layers
         return sum(cfg.cache_planes * block_size * kvh * (d * elem + scale)
-                   for kvh, d in map(cfg.cache_shape_of, cfg.kv_layers))
+                   for kvh, d in map(cfg.cache_shape_of, layers))
 
 
 def _bytes(region: torch.Tensor) -> torch.Tensor:
@@ -240,8 +259,11 @@ def build_forward_batch(seqs: list[SeqInput], block_size: int, num_queries_per_k
         rows = [seqs[i].lora_slot for i in flat.sampled]
         lora = (torch.tensor(tokens, dtype=torch.int32, device=device),
                 torch.tensor(rows, dtype=torch.int32, device=device))
-    return (ForwardBatch(**flat.tensors(device), attn=meta, lora_slots=lora,
-                         recurrent=recurrent), flat.sampled)
+    batch = ForwardBatch(**flat.tensors(device), attn=meta, lora_slots=lora,
+                         recurrent=recurrent)
+    if seqs and seqs[0].group_tables:  # a hybrid model's block groups: their own pages
+        batch.kv_views = group_views(batch, flat.order, seqs, block_size)
+    return batch, flat.sampled
 
 
 def pin_module_attributes(model: torch.nn.Module) -> None:
@@ -279,6 +301,8 @@ class ModelRunner:
         # What each layer reads and writes, in layer order: its K/V (kv_cache.layers, the
         # same list where no layer keeps a recurrent state) or its recurrent state.
         self.layer_caches = kv_cache.layers
+        # A hybrid model's block groups: each layer reads its group's pages.
+        model.set_kv_groups(kv_cache.groups)
         if cfg.has_recurrent_state:
             if state_cache is None:
                 raise ValueError("a model with linear-attention layers needs a StateCache")
@@ -374,6 +398,11 @@ class ModelRunner:
             # one-stream step's small ops and tensors cost 3-5x their time alone there, run
             # on caches the weight stream has just gone through).
             ids, pos, slots, tables, lens, _ = decode_lists(seqs, self.kv_cache.block_size)
+            if seqs[0].group_tables:  # a hybrid model's block groups: theirs after
+                more_slots, more_tables = decode_group_lists(
+                    seqs, self.kv_cache.block_size, len(tables) // len(seqs))
+                slots += more_slots
+                tables += more_tables
             lora = None
             if adapted:  # decode rows are the sequences in order, one token each
                 t = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)

@@ -186,20 +186,13 @@ class Scheduler:
         if not h:
             return 0
         bm = self.block_manager
-        # A windowed model's sequence holds no more than its reach and a step's tokens.
-        cap = (bm.num_blocks_for(bm.reach + self.config.max_num_batched_tokens) + 1
-               if bm.reach else None)
         total = 0
         for r in reqs:
             # The last output token is sampled, never fed back: it takes no KV slot.
             end = min(r.num_tokens + h, r.num_prompt_tokens + r.max_tokens - 1)
-            held = (len(bm.block_table(r.request_id)) if held_tokens is None
-                    else bm.num_blocks_for(held_tokens))
-            need = max(0, bm.num_blocks_for(end) - held)
-            if cap is not None:
-                now = bm.num_held(r.request_id) if held_tokens is None else min(held, cap)
-                need = min(need, max(0, cap - now))
-            total += need
+            # (A windowed group holds no more than its reach and a step's tokens.)
+            total += bm.num_to_grow(r.request_id, end, held_tokens,
+                                    self.config.max_num_batched_tokens)
         return total
 
     def _preempt(self, req: Request) -> None:
@@ -223,8 +216,8 @@ class Scheduler:
         computed, the blocks wholly past the next token's position go back to the pool, and
         only accepted tokens can ever fill a block the prefix cache registers.
 
-        A model whose every attention layer is windowed (BlockManager.reach) gives back
-        the blocks out of the window of the request's next token."""
+        A model with windowed attention layers (BlockManager.reach, or block groups with a
+        reach) gives back their blocks out of the window of the request's next token."""
         bm = self.block_manager
         bs = bm.block_size
         for s in out.scheduled:
@@ -240,7 +233,7 @@ class Scheduler:
                     tokens += req.spec_token_ids[:req.num_computed_tokens - len(tokens)]
                 bm.cache_full_blocks(req.request_id, tokens, req.num_computed_tokens,
                                      req.cache_salt)
-            if bm.reach:  # every layer windowed: the blocks out of its reach go back
+            if bm.releases:  # windowed layers: the blocks out of their reach go back
                 bm.release_behind(req.request_id, req.num_computed_tokens)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:

@@ -27,6 +27,32 @@ _ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "me
                "pooling_mode_weightedmean_tokens": "weightedmean"}
 
 
+# Block groups past this cost more bookkeeping a step than the pages they free save.
+MAX_KV_GROUPS = 16
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """A hybrid model's cache layers in groups (ModelConfig.kv_groups): the pool holds
+    `size` slabs of pages, the j-th layer of every group in slab j, and each group's
+    layers read and write the pages of that group's block table."""
+
+    layers: tuple[tuple[int, ...], ...]  # each group's layers; group 0's are full attention
+    reaches: tuple[int, ...]             # each group's reach (0: full attention)
+
+    @property
+    def size(self) -> int:
+        """Layers a page holds (the largest group's count)."""
+        return max(len(g) for g in self.layers)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, slab) of a layer."""
+        for g, members in enumerate(self.layers):
+            if layer in members:
+                return g, members.index(layer)
+        raise KeyError(f"layer {layer} is in no group")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, whatever file format they came from."""
@@ -219,6 +245,31 @@ class ModelConfig:
                 return None
             reach = max(reach, r)
         return reach or None
+
+    @property
+    def kv_groups(self) -> KVGroups | None:
+        """A hybrid model's cache layers in groups of equal size for the block manager's
+        block groups: its full-attention layers, then its windowed ones (sliding window or
+        attention chunk), each kind cut into groups of the smaller kind's size; group 0
+        holds full-attention layers. None where it does not apply: every layer full, every
+        layer windowed (one reach serves all: BlockManager.reach), layers of different
+        cache shapes, KV-shared or linear-attention layers."""
+        if self.has_recurrent_state or any(self.kv_source(i) != i
+                                           for i in range(self.num_layers)):
+            return None
+        if len({self.cache_shape_of(i) for i in range(self.num_layers)}) != 1:
+            return None
+        full = [i for i in range(self.num_layers) if self.layer_reach(i) is None]
+        windowed = [i for i in range(self.num_layers) if self.layer_reach(i) is not None]
+        if not full or not windowed:
+            return None
+        size = min(len(full), len(windowed))
+        reach = max(self.layer_reach(i) for i in windowed)
+        groups = [tuple(full[k:k + size]) for k in range(0, len(full), size)]
+        groups += [tuple(windowed[k:k + size]) for k in range(0, len(windowed), size)]
+        if len(groups) > MAX_KV_GROUPS:
+            return None
+        return KVGroups(tuple(groups), tuple(0 if g[0] in full else reach for g in groups))
 
     def is_linear_layer(self, layer: int) -> bool:
         """Whether the layer is linear attention (a recurrent state, no KV cache)."""

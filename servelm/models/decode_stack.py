@@ -53,6 +53,7 @@ class LayerOption(enum.IntEnum):
 
     WINDOW = 0  # > 0: the layer attends its last WINDOW keys
     ROTARY_TABLE = 1  # 0: the model's rotary table, 1: the sliding layers' (rotary_local)
+    KV_GROUP = 2  # its block group (a hybrid model's KV pages): which table and slot it uses
 
 
 class ModelOption(enum.IntEnum):
@@ -84,6 +85,7 @@ class LayerDescription:
     qkv_bias: bool
     window: int  # 0: full attention
     local_rotary: bool
+    kv_group: int = 0  # its block group (DecoderLayer.kv_group)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class StackDescription:
             opts = [0] * len(LayerOption)
             opts[LayerOption.WINDOW] = layer.window
             opts[LayerOption.ROTARY_TABLE] = int(layer.local_rotary)
+            opts[LayerOption.KV_GROUP] = layer.kv_group
             out += opts
         return out
 
@@ -197,7 +200,8 @@ def describe_layer(layer) -> LayerDescription | str:
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=base_linear(attn.qkv_proj).bias is not None,
-                            window=attn.window or 0, local_rotary=bool(layer.local_rotary))
+                            window=attn.window or 0, local_rotary=bool(layer.local_rotary),
+                            kv_group=layer.kv_group)
 
 
 def describe(model) -> StackDescription | str:

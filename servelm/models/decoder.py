@@ -118,6 +118,9 @@ class DecoderLayer(nn.Module):
         self.residual_scale = cfg.residual_scale  # each branch's output times this (Granite)
         # Which rotary table the layer takes: sliding layers their own base, where it differs.
         self.local_rotary = cfg.window(index) is not None and cfg.rope_local_theta is not None
+        # Its block group where the pool keeps a hybrid model's layers in groups
+        # (ModelConfig.kv_groups, set by the runner: set_kv_groups): whose pages it reads.
+        self.kv_group = 0
         # Gemma 4: the per-layer input added at the end (ple.py), then the whole residual
         # stream times layer_scalar; such a layer adds its own MLP output and returns no delta.
         size = extra.get("per_layer_input_size")
@@ -254,6 +257,13 @@ class CausalLM(nn.Module):
         else the per-layer kernel path runs its decode steps)."""
         return not isinstance(decode_stack.describe(self), str)
 
+    def set_kv_groups(self, groups) -> None:
+        """Each layer's block group (a KVGroups: the pool keeps a hybrid model's layers in
+        groups, each reading its group's pages; None: one group). Before the DecodeStacks
+        are bound."""
+        for i, layer in enumerate(self.layers):
+            layer.kv_group = groups.place(i)[0] if groups is not None else 0
+
     def bind_decode_layers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Once the weights are final (quantised, on the CPU with the C++ kernels): bind every
         decoder layer and its KV cache (with the embedding, rotary tables and final norm) into
@@ -315,10 +325,11 @@ class CausalLM(nn.Module):
             fused = self.stack_runs_lora or self.lora_step.tokens is None
             if fused:
                 decode_stack.set_lora_rows(self, self._stack_for(n))
+        if fused:  # a hybrid model's block groups: each group's slots and tables
+            slots, block_tables = batch.stack_inputs()
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
-            return self._stack_for(n).run_tokens(batch.input_ids, batch.positions,
-                                                 batch.slot_mapping,
-                                                 dec.block_tables, dec.context_lens)
+            return self._stack_for(n).run_tokens(batch.input_ids, batch.positions, slots,
+                                                 block_tables, dec.context_lens)
         # The residual stream x, updated in place by each norm's add.
         x = self.embed(batch.input_ids)
         # Gemma 4's per-layer inputs [T, layers, P], from the embedding before any layer.
@@ -328,15 +339,15 @@ class CausalLM(nn.Module):
             tables.append(self.rotary_local.cos_sin(batch.positions, x.dtype))
         if fused:
             delta = self._stack_for(n).run_rotary(x, [t for cs in tables for t in cs],
-                                                  batch.slot_mapping, dec.block_tables,
-                                                  dec.context_lens)
+                                                  slots, block_tables, dec.context_lens)
             if rows is not None:
                 delta, x = delta[rows], x[rows]
         else:
             delta = None
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 cos, sin = tables[layer.local_rotary]
-                delta, x = layer(delta, x, cos, sin, batch, kv, rows=rows if i == last else None,
+                delta, x = layer(delta, x, cos, sin, batch.for_group(layer.kv_group), kv,
+                                 rows=rows if i == last else None,
                                  per_layer_input=None if ple is None else ple[:, i])
         return self.norm(x) if delta is None else self.norm.add_forward(delta, x)
 

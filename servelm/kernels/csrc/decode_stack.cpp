@@ -51,7 +51,7 @@ enum NormSlot : int64_t {
   kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm, kNormSlots
 };
 // Per layer, these integers.
-enum LayerOption : int64_t { kWindow, kRotaryTable, kLayerOptions };
+enum LayerOption : int64_t { kWindow, kRotaryTable, kKvGroup, kLayerOptions };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kModelOptions };
 // ... and these floats.
@@ -491,6 +491,7 @@ struct StackLayer {
   std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
   int64_t window = 0;           // > 0: attends its last `window` keys
   int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers'
+  int64_t kv_group = 0;         // its block group: which of a step's block tables and slots it uses
   int attention = 0;            // its DecodeAttention in run_impl (one per distinct window)
   const c10::BFloat16* norm(NormSlot k) const {
     return norms[k].defined() ? norms[k].data_ptr<c10::BFloat16>() : nullptr;
@@ -566,6 +567,9 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t* opt = layer_options.data() + kLayerOptions * l;
       s.window = opt[kWindow];
       s.table = opt[kRotaryTable];
+      s.kv_group = opt[kKvGroup];
+      TORCH_CHECK(s.kv_group >= 0, "DecodeStack: a layer's block group must be >= 0");
+      kv_groups_ = std::max(kv_groups_, s.kv_group + 1);
       TORCH_CHECK(s.window >= 0 && s.window <= INT32_MAX, "DecodeStack: window must be >= 0 (0: none)");
       TORCH_CHECK(s.table == 0 || s.table == 1, "DecodeStack: rotary table must be 0 or 1");
       uses_local_ |= s.table == 1;
@@ -719,25 +723,29 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // run_tokens with its inputs as lists (ids, positions, slots: M each; tables: M rows of
-  // equal width, flattened; context lengths: M), turned into tensors here rather than by
-  // one PyTorch call each.
+  // run_tokens with its inputs as lists (ids, positions, context lengths: M each; slots: M
+  // per block group, group after group; tables: M rows of equal width per group, flattened),
+  // turned into tensors here rather than by one PyTorch call each.
   at::Tensor run_lists(std::vector<int64_t> input_ids, std::vector<int64_t> positions,
                        std::vector<int64_t> slots, std::vector<int64_t> tables,
                        std::vector<int64_t> context_lens) {
     const int64_t M = static_cast<int64_t>(input_ids.size());
-    TORCH_CHECK(M >= 1 && positions.size() == input_ids.size() && slots.size() == input_ids.size() &&
-                    context_lens.size() == input_ids.size() && tables.size() % M == 0,
-                "DecodeStack.run_lists: input_ids, positions, slots and context_lens need one "
-                "entry per row, and tables M equal rows");
+    TORCH_CHECK(M >= 1 && positions.size() == input_ids.size() && slots.size() % M == 0 &&
+                    context_lens.size() == input_ids.size(),
+                "DecodeStack.run_lists: input_ids, positions and context_lens need one entry per "
+                "row, slots one per row and block group");
+    const int64_t G = static_cast<int64_t>(slots.size()) / M;
+    TORCH_CHECK(G >= 1 && tables.size() % (G * M) == 0,
+                "DecodeStack.run_lists: tables need M equal rows per block group");
     const auto i64 = at::TensorOptions().dtype(at::kLong);
     const auto i32 = at::TensorOptions().dtype(at::kInt);
-    at::Tensor ids_t = at::empty({M}, i64), pos_t = at::empty({M}, i64), slot_t = at::empty({M}, i64);
+    at::Tensor ids_t = at::empty({M}, i64), pos_t = at::empty({M}, i64), slot_t = at::empty({G * M}, i64);
     std::memcpy(ids_t.data_ptr<int64_t>(), input_ids.data(), sizeof(int64_t) * M);
     std::memcpy(pos_t.data_ptr<int64_t>(), positions.data(), sizeof(int64_t) * M);
-    std::memcpy(slot_t.data_ptr<int64_t>(), slots.data(), sizeof(int64_t) * M);
-    const int64_t MB = static_cast<int64_t>(tables.size()) / M;
-    at::Tensor tab_t = at::empty({M, MB}, i32), len_t = at::empty({M}, i32);
+    std::memcpy(slot_t.data_ptr<int64_t>(), slots.data(), sizeof(int64_t) * G * M);
+    const int64_t MB = static_cast<int64_t>(tables.size()) / (G * M);
+    at::Tensor tab_t = G == 1 ? at::empty({M, MB}, i32) : at::empty({G, M, MB}, i32);
+    at::Tensor len_t = at::empty({M}, i32);
     int32_t* tp = tab_t.data_ptr<int32_t>();
     int32_t* lp = len_t.data_ptr<int32_t>();
     for (size_t i = 0; i < tables.size(); ++i) {
@@ -772,13 +780,18 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: residual must be contiguous bfloat16 [M, ", hidden, "] on the CPU");
     const int64_t M = residual.size(0);
     TORCH_CHECK(M >= 1 && M <= kMaxRows, "DecodeStack takes 1 to ", kMaxRows, " rows, got ", M);
-    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && context_lens.numel() == M &&
-                    slot_mapping.numel() == M,
-                "DecodeStack: block_tables, context_lens and slot_mapping need one row per token");
+    // A hybrid model's block groups: a table and a slot per row and group ([G, M, W], [G * M]).
+    const int64_t G = block_tables.dim() == 3 ? block_tables.size(0) : 1;
+    TORCH_CHECK((block_tables.dim() == 2 || block_tables.dim() == 3) &&
+                    block_tables.size(block_tables.dim() - 2) == M && context_lens.numel() == M &&
+                    slot_mapping.numel() == G * M,
+                "DecodeStack: block_tables, context_lens and slot_mapping need one row per token "
+                "(tables and slots: per block group)");
+    TORCH_CHECK(G >= kv_groups_, "DecodeStack: the layers read ", kv_groups_, " block groups, got ", G);
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                     context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
                 "DecodeStack: block_tables and context_lens must be contiguous int32");
-    check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(1),
+    check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(-1),
                        layers_[0].k_cache.size(1), "DecodeStack");
     TORCH_CHECK(tables.size() == (uses_local_ ? 4u : 2u), "DecodeStack: ", uses_local_ ? 4 : 2,
                 " rotary tensors (cos, sin", uses_local_ ? ", then the sliding layers' cos, sin)" : ")",
@@ -789,7 +802,7 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", rot_, "]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
                 "DecodeStack: slot_mapping must be contiguous int64");
-    check_slots(slot_mapping.data_ptr<int64_t>(), M,
+    check_slots(slot_mapping.data_ptr<int64_t>(), G * M,
                 layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1), "DecodeStack");
     const int64_t D = layers_[0].k_cache.size(3);
     if (D == 64) return run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens);
@@ -849,7 +862,11 @@ class DecodeStack : public torch::CustomClassHolder {
         xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down));
     // One attention per distinct window, its plan for every layer of that window (the plan
     // depends only on the lengths and the window); each layer sets its caches.
-    const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, block_tables);
+    // Each block group's tables (one group: block_tables itself).
+    std::vector<at::Tensor> group_tables;
+    for (int64_t g = 0; g < (block_tables.dim() == 3 ? block_tables.size(0) : 1); ++g)
+      group_tables.push_back(block_tables.dim() == 3 ? block_tables[g] : block_tables);
+    const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, group_tables[0]);
     std::vector<std::unique_ptr<Attention>> atts;
     for (const int64_t w : windows_)
       atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
@@ -937,11 +954,12 @@ class DecodeStack : public torch::CustomClassHolder {
               for (int64_t h = heads_; h < heads_ + kv_heads_; ++h)
                 rms_row<BF>(row + h * D, kn, row + h * D, D, eps);
             }
-            BF* kd = kc + slots[m] * kv_heads_ * D;
-            BF* vd = vc + slots[m] * kv_heads_ * D;
+            const int64_t slot = slots[s.kv_group * M + m];
+            BF* kd = kc + slot * kv_heads_ * D;
+            BF* vd = vc + slot * kv_heads_ * D;
             rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, R);
           }
-        }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, block_tables)); });
+        }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, group_tables[s.kv_group])); });
         t.guarded([&] {
           for (int64_t it = share.i0; it < share.i1; ++it) att.run_item(it);
         });
@@ -1002,6 +1020,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
   std::vector<int64_t> windows_;  // the distinct windows, in the layers' attention order
+  int64_t kv_groups_ = 1;         // the block groups the layers read (a step gives each a table)
   double eps_, scale_, embed_scale_, softcap_ = 0.0;
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
