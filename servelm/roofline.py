@@ -74,6 +74,9 @@ class ModelShape:
     # Per layer with a KV cache, the keys its queries read at most: a sliding window or an
     # attention chunk, 0 for all of them; () every layer full.
     kv_windows: tuple[int, ...] = ()
+    # A hybrid model's pool in block groups (ModelConfig.kv_groups): its windowed layers
+    # hold only about their window, beside the full layers' every key.
+    kv_window_groups: bool = False
 
     def _read_params(self) -> float:
         params = self.num_params
@@ -143,11 +146,17 @@ class ModelShape:
         return self.kv_bytes_per_key * self.attended(context)
 
     def kv_held_tokens(self, context: int) -> int:
-        """Tokens of KV a sequence `context` tokens long holds in the pool: all of them,
-        or, with every KV layer windowed, about the widest window (the block manager gives
-        the blocks behind it back)."""
+        """Tokens of KV (of every layer) a sequence `context` tokens long holds in the pool:
+        all of them, or, with every KV layer windowed, about the widest window (the block
+        manager gives the blocks behind it back); in block groups, the full layers' every
+        token and the windowed layers' widest window, averaged over the layers."""
         if self.kv_windows and all(self.kv_windows):
             return min(context, max(self.kv_windows))
+        if self.kv_windows and self.kv_window_groups:
+            windowed = sum(1 for w in self.kv_windows if w)
+            full = len(self.kv_windows) - windowed
+            held = full * context + windowed * min(context, max(self.kv_windows))
+            return -(-held // len(self.kv_windows))
         return context
 
     def flops_per_token(self, context: int = 0) -> float:
@@ -186,12 +195,14 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, weight_bits: float, kv_bits: float,
-                    state_bytes: float = 0.0, expert_bits: float | None = None) -> "ModelShape":
+                    state_bytes: float = 0.0, expert_bits: float | None = None,
+                    window_groups: bool | None = None) -> "ModelShape":
         """The shape of a ModelConfig; its KV heads and head dim are the cache's
         (cfg.cache_layout: the heads attention reads, DeepSeek's latent rows too), on the
         layers that keep K and V. state_bytes: one sequence's recurrent state
         (StateCache.bytes_per_slot); expert_bits: the routed experts' bits per weight where
-        they differ from the other layers'."""
+        they differ from the other layers'; window_groups: whether the pool keeps a hybrid
+        model's layers in block groups (None: wherever ModelConfig.kv_groups applies)."""
         planes, kv_heads, head_dim = cfg.cache_layout
         windows = tuple(cfg.layer_reach(i) or 0 for i in cfg.kv_layers)
         state_flops = 0.0
@@ -207,7 +218,9 @@ class ModelShape:
                    tied_embeddings=cfg.tie_word_embeddings, kv_bits=kv_bits,
                    intermediate_size=cfg.intermediate_size, expert_params=cfg.expert_params,
                    num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok,
-                   expert_bits=expert_bits, kv_windows=windows if any(windows) else ())
+                   expert_bits=expert_bits, kv_windows=windows if any(windows) else (),
+                   kv_window_groups=(cfg.kv_groups is not None if window_groups is None
+                                     else window_groups))
 
 
 @dataclass(frozen=True)

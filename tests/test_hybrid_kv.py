@@ -149,6 +149,23 @@ def test_the_kernel_paths_read_each_group_bit_for_bit(gemma3):
     assert_stack_decodes_as_per_op(llm, prompts, sp)
 
 
+def test_an_int8_pool_in_groups_reads_as_one_table(gemma3):
+    """A quantised pool's scales follow the pages into their slabs: the int8 pool in groups
+    gives the one-table int8 logits exactly (the reference attention and, where built, the
+    C++ kernels)."""
+    path, _ = gemma3
+    kw = dict(model=path, **BASE, kv_cache_memory=8 << 20, kv_cache_dtype="int8",
+              max_num_batched_tokens=16)
+    for kernels in ([False, True] if load_ops("ops") else [False]):
+        one = LLM(**kw, cpu_kernels=kernels, hybrid_kv_cache=False)
+        llm = LLM(**kw, cpu_kernels=kernels)
+        assert llm.engine.executor.kv_cache.scales is not None
+        prompts = _ids(llm)
+        assert torch.equal(prompt_logits(llm.engine, prompts),
+                           prompt_logits(one.engine, prompts))
+        assert _tokens(llm, prompts) == _tokens(one, prompts)
+
+
 def test_a_prefix_in_groups_is_not_exported(gemma3):
     """Disaggregated prefill sends blocks of every layer: a pool in groups sends none (the
     receiving engine computes the prompt)."""

@@ -239,7 +239,8 @@ def test_moe_reads_its_chosen_experts_and_multiplies_only_active_weights():
 
 def test_windowed_layers_read_at_most_their_window():
     """Sliding layers read at most their window of KV (and spend attention FLOPs on it
-    alone); a model whose every layer slides holds only about its window in the pool."""
+    alone); a model whose every layer slides holds only about its window in the pool, and a
+    hybrid one in block groups its window in the sliding layers."""
     from servelm.models.config import ModelConfig
 
     base = dict(architecture="Gemma3ForCausalLM", vocab_size=1000, hidden_size=256,
@@ -266,5 +267,12 @@ def test_windowed_layers_read_at_most_their_window():
         layer_types=("sliding_attention",) * 6), weight_bits=16, kv_bits=16)
     pool = 100 * 4096 * mistral.kv_bytes_per_token
     assert rl.max_batch(full, pool, 4096) == 100
-    assert rl.max_batch(hybrid, pool, 4096) == 100  # its global layer holds every block
+    # In block groups (the default), its global layer holds every key, its five sliding
+    # ones their window; in one table, every layer every key.
+    assert hybrid.kv_window_groups and hybrid.kv_held_tokens(4096) == -(-(4096 + 5 * 512) // 6)
+    assert rl.max_batch(hybrid, pool, 4096) == 100 * 4096 * 6 // (4096 + 5 * 512)
+    one_table = rl.ModelShape.from_config(ModelConfig(
+        **base, layer_types=("sliding_attention",) * 5 + ("full_attention",)),
+        weight_bits=16, kv_bits=16, window_groups=False)
+    assert rl.max_batch(one_table, pool, 4096) == 100
     assert rl.max_batch(mistral, pool, 4096) == 800

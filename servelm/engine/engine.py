@@ -342,7 +342,7 @@ class LLMEngine:
             self.model_config, weight_bits=weight_bits,
             kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.cache_layout[2]),
             state_bytes=StateCache.bytes_per_slot(self.model_config, self.dtype),
-            expert_bits=expert_bits)
+            expert_bits=expert_bits, window_groups=self.executor.kv_groups is not None)
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None
         if config.speculative is not None:
