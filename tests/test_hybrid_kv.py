@@ -176,3 +176,28 @@ def test_a_prefix_in_groups_is_not_exported(gemma3):
     assert llm.engine.block_manager.find_cached_prefix(ids)
     n, data = llm.engine.export_prefix(ids)
     assert n == 0 and data.numel() == 0
+
+
+def test_a_draft_beside_a_pool_in_groups_takes_a_block_per_block_of_tokens(gemma3):
+    """Speculative decoding with a hybrid target: the draft's pool holds a block for each
+    block of tokens the target's pages hold (one page of each group), not one per page,
+    and the drafted greedy tokens are the target's own."""
+    path, _ = gemma3
+    kw = dict(model=path, **BASE, kv_cache_memory=8 << 20)
+    plain = LLM(**kw)
+    llm = LLM(**kw, speculative_config={"method": "draft_model", "model": path,
+                                        "num_speculative_tokens": 3})
+    ex = llm.engine.executor
+    groups = len(ex.kv_groups.layers)
+    assert ex.draft.block_manager.num_blocks == ex.num_blocks // groups
+    # Its bytes: the target's pages and the draft's blocks fill the same budget.
+    page = ex.worker.bytes_per_block(4, ex.kv_cache.dtype, ex.kv_groups)
+    draft = ex.draft.bytes_per_block(4, ex.kv_cache.dtype)
+    assert ex.num_blocks * page + ex.draft.block_manager.num_blocks * draft <= 8 << 20
+    assert (ex.num_blocks + groups) * page + (ex.num_blocks // groups + 1) * draft > 8 << 20
+    # Speculate every step, whatever this machine measured (a self-draft costs as much as
+    # the target, so the roofline alone would not).
+    llm.engine.speculator.ridge_tokens, llm.engine.speculator.draft_cost = 1e9, 0.0
+    prompts = _ids(llm)
+    assert _tokens(llm, prompts) == _tokens(plain, prompts)
+    assert llm.engine.stats.num_spec_accepted_tokens > 0

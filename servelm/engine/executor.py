@@ -254,8 +254,11 @@ class UniProcExecutor(Executor):
         kv_dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)
         self.kv_groups = kv_groups_of(config, model_config)
         block_bytes = self.worker.bytes_per_block(cache.block_size, kv_dtype, self.kv_groups)
-        if self.draft is not None:
-            block_bytes += self.draft.bytes_per_block(cache.block_size, kv_dtype)
+        # A pool in block groups holds a block of tokens in one page of each group: the
+        # draft's pool (one block a block of tokens) takes a block per that many pages.
+        pages = len(self.kv_groups.layers) if self.kv_groups is not None else 1
+        draft_bytes = (self.draft.bytes_per_block(cache.block_size, kv_dtype)
+                       if self.draft is not None else 0)
         budget = cache.kv_cache_memory or default_kv_bytes(device)
         slot_bytes = self.worker.state_bytes()
         if slot_bytes:  # linear-attention layers: their states first, the blocks in the rest
@@ -267,8 +270,8 @@ class UniProcExecutor(Executor):
                                                            total)
                 budget -= self.num_state_snapshots * slot_bytes
         # With a draft model, both pools hold the same number of blocks (tokens).
-        self.num_blocks = pool_blocks(budget, block_bytes)
-        self.block_bytes = block_bytes
+        self.num_blocks = pool_blocks(budget, pages * block_bytes + draft_bytes) * pages
+        self.block_bytes = block_bytes + draft_bytes // pages
         graphs = device.type == "cuda" and not config.enforce_eager
         max_graph_batch = min(256, config.scheduler.max_num_seqs)
         self.worker.allocate(self.num_blocks, cache.block_size, kv_dtype,
@@ -277,7 +280,7 @@ class UniProcExecutor(Executor):
                              state_snapshots=self.num_state_snapshots,
                              kv_groups=self.kv_groups)
         if self.draft is not None:
-            self.draft.allocate(self.num_blocks, cache.block_size, kv_dtype,
+            self.draft.allocate(self.num_blocks // pages, cache.block_size, kv_dtype,
                                 cache.enable_prefix_caching, cuda_graphs=graphs,
                                 max_graph_batch=max_graph_batch)
 
