@@ -134,6 +134,37 @@ def test_prefix_cache_restores_the_state_from_snapshots(qwen3_5):
     assert bm.num_snapshots >= 3
 
 
+@pytest.mark.parametrize("budget", [4096, 20])
+def test_prompts_sharing_a_system_prompt_restart_where_they_part(qwen3_5, budget):
+    """Three prompts share a system prompt and part after it (inside block 3). The second
+    finds the first's blocks cached but no state there, so it computes them, in a step that
+    ends where the two part (with a 20-token budget: the third prompt chunk, cut short),
+    and keeps its state there; the third restarts from it. Tokens: an engine without the
+    cache's."""
+    path, _ = qwen3_5
+    plain = LLM(model=path, enable_prefix_caching=False, **KW)
+    llm = LLM(model=path, max_num_seqs=4, max_num_batched_tokens=budget, **KW)
+    bm = llm.engine.block_manager
+    bs = bm.block_size
+    system = _ids(llm, " ".join(PROMPTS))[:3 * bs + 5]
+    prompts = [system + _ids(llm, p) for p in PROMPTS]
+    steps = []
+    step = llm.engine.step
+
+    def watched():
+        sched = llm.engine.scheduler
+        out = step()
+        steps.append([(r.request_id, r.num_computed_tokens) for r in sched.running])
+        return out
+    llm.engine.step = watched
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    want = plain.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 0, 3 * bs]
+    # The second prompt's steps stopped at 48 tokens on the way.
+    assert any((rid, 3 * bs) in s for s in steps for rid in {r for r, _ in s})
+
+
 def test_chunks_prefix_cache_and_preemption_with_snapshots_keep_the_tokens(qwen3_next):
     """With the prefix cache on: prompts in 16-token chunks (each keeping its state at its
     last block boundary), a second round admitted on the cached blocks and restored states,

@@ -273,6 +273,17 @@ class BlockManager:
         """
         if not self.enable_caching:
             return []
+        hits = self._cached_blocks(token_ids, salt)
+        if self.num_state_slots:  # a recurrent state restarts only where a snapshot is
+            while hits and hits[-1] not in self._snap:
+                hits.pop()
+        if self.groups:
+            return self._group_hit(hits)
+        return hits
+
+    def _cached_blocks(self, token_ids: list[int], salt: str | None) -> list[int]:
+        """The cached blocks of token_ids' longest cached prefix (whole blocks, one token
+        left out), whether or not a recurrent state can restart there."""
         hits: list[int] = []
         parent = _root(salt)
         bs = self.block_size
@@ -282,12 +293,16 @@ class BlockManager:
                 break
             hits.append(block)
             parent = self._block_key[block][1]
-        if self.num_state_slots:  # a recurrent state restarts only where a snapshot is
-            while hits and hits[-1] not in self._snap:
-                hits.pop()
-        if self.groups:
-            return self._group_hit(hits)
         return hits
+
+    def snapshot_point(self, token_ids: list[int], salt: str | None = None) -> int:
+        """With state snapshots: the tokens of token_ids' longest cached prefix when no
+        snapshot lies at its end (another prompt shared them and went on: a boundary
+        where a snapshot would let the next such prompt restart), else 0."""
+        if not self.num_state_snapshots:
+            return 0
+        hits = self._cached_blocks(token_ids, salt)
+        return len(hits) * self.block_size if hits and hits[-1] not in self._snap else 0
 
     def _group_hit(self, hits: list[int]) -> PrefixHit:
         """The longest prefix of `hits` that every further group holds the pages in reach

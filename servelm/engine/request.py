@@ -71,6 +71,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        # A recurrent-state model's block boundary where this request's tokens part from
+        # a cached prefix that has no state snapshot there (0: none): its steps end there
+        # once and keep the state, so the next request sharing that prefix starts from it.
+        self.state_point = 0
         # A sibling sample (n > 1) waits for this one to compute the shared prompt.
         self.wait_for: Request | None = None
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it

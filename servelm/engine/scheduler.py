@@ -92,6 +92,7 @@ class Scheduler:
             # Drafts (a decoding request only) take budget and KV slots like any token;
             # they are trimmed to the budget and dropped before anything is preempted.
             n = min(pending + (len(req.spec_token_ids) if pending == 1 else 0), budget)
+            n = split_at(req.state_point, req.num_computed_tokens, n)
             if n > pending and not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
                 n = pending
             num_draft = max(0, n - pending)
@@ -127,11 +128,14 @@ class Scheduler:
                 break  # a sibling sample: admitted once the first has cached the prompt
             if bm.num_state_slots and not bm.num_free_slots:
                 break  # every recurrent-state slot is held (linear-attention layers)
-            cached = (bm.find_cached_prefix(req.token_slice(0, req.num_tokens), req.cache_salt)
-                      if bm.enable_caching and not req.needs_prompt_logits
-                      and req.pooling_params is None else [])
+            lookup = (bm.enable_caching and not req.needs_prompt_logits
+                      and req.pooling_params is None)
+            tokens = req.token_slice(0, req.num_tokens) if lookup else []
+            cached = bm.find_cached_prefix(tokens, req.cache_salt) if lookup else []
             num_cached = len(cached) * bm.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            # (A recurrent state's restart point, where its tokens part from a cached prompt.)
+            state_point = bm.snapshot_point(tokens, req.cache_salt) if lookup else 0
+            n = split_at(state_point, num_cached, min(req.num_tokens - num_cached, budget))
             take = bm.num_blocks_to_take(req.request_id, num_cached + n, cached)
             if take > bm.num_free_blocks:
                 break
@@ -146,6 +150,7 @@ class Scheduler:
             bm.allocate(req.request_id, num_cached + n, cached)
             bm.record_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
+            req.state_point = state_point
             if req.num_output_tokens == 0:
                 req.num_cached_tokens = num_cached
             req.wait_for = None
@@ -169,6 +174,8 @@ class Scheduler:
                 or req.pooling_params is not None):
             return s
         point = req.num_tokens // bm.block_size * bm.block_size
+        if s.start < req.state_point == s.start + s.num_new_tokens:
+            point = req.state_point  # where another prompt went on from this one's tokens
         if s.start < point <= s.start + s.num_new_tokens:
             decode = s.samples and s.num_new_tokens == 1
             sid = bm.reserve_snapshot(req.request_id, point, trailing=decode)
@@ -245,6 +252,13 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.block_manager.free(req.request_id)
+
+
+def split_at(point: int, start: int, n: int) -> int:
+    """A step of n tokens from `start`, shortened to end at `point` (a request's state
+    point: where its prompt parts from a cached one with no recurrent-state snapshot there)
+    when it would pass it; that step then keeps the state there (_with_snapshot)."""
+    return point - start if start < point < start + n else n
 
 
 def _prompt_done(req: Request) -> bool:
