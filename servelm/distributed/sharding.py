@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.models.config import ModelConfig
-from servelm.models.layers import Attention, GatedMLP
+from servelm.models.layers import MLP, Attention, GatedMLP
 from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
 
@@ -171,6 +171,10 @@ class ShardPlan:
         (r"\.self_attn\.q_proj\.(weight|bias)$", 0, "q_heads", "head"),
         (r"\.self_attn\.(k|v)_proj\.(weight|bias)$", 0, "kv_heads", "head"),
         (r"\.self_attn\.o_proj\.weight$", 1, "q_heads", "v_head"),
+        # Phi's and GPT-NeoX's o_proj (dense); GPT-NeoX's query_key_value, each head's q, k
+        # and v together (reordered after slicing: ModelConfig.qkv_per_head).
+        (r"\.(self_attn|attention)\.dense\.weight$", 1, "q_heads", "v_head"),
+        (r"\.attention\.query_key_value\.(weight|bias)$", 0, "q_heads", "qkv_head"),
         # Latent attention (DeepSeek): the low-rank query's expansion by head; kv_b_proj's
         # per-head key and value rows (whole, or llama.cpp's k_b / v_b [heads, ...]). The
         # latent's own projection (kv_a_proj_with_mqa) is replicated: every rank caches it.
@@ -181,8 +185,11 @@ class ShardPlan:
         (r"\.mlp\.shared_experts?\.down_proj\.weight$", 1, "shared_intermediate", "one"),
         (r"\.mlp\.(gate|up)_proj\.weight$", 0, "intermediate", "one"),
         (r"\.mlp\.down_proj\.weight$", 1, "intermediate", "one"),
-        (r"(^|\.)embed_tokens\.weight$", 0, "vocab", "one"),
-        (r"(^|\.)lm_head\.(weight|bias)$", 0, "vocab", "one"),
+        # Non-gated MLPs (layers.MLP), in each family's spelling: up, then down.
+        (r"\.mlp\.(c_fc|fc1|dense_h_to_4h)\.(weight|bias)$", 0, "intermediate", "one"),
+        (r"\.mlp\.(c_proj|fc2|dense_4h_to_h)\.weight$", 1, "intermediate", "one"),
+        (r"(^|\.)(embed_tokens|embed_in)\.weight$", 0, "vocab", "one"),
+        (r"(^|\.)(lm_head|embed_out)\.(weight|bias)$", 0, "vocab", "one"),
         # Experts, one tensor each (HF; Mixtral spells gate, down, up w1, w2, w3) ...
         (r"\.(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$", 0,
          "moe_intermediate", "one"),
@@ -224,6 +231,7 @@ class ShardPlan:
     )
 
     _UNITS = {"head": lambda p: p.head_dim, "v_head": lambda p: p.v_head_dim,
+              "qkv_head": lambda p: 3 * p.head_dim,
               "kv_b_head": lambda p: p.kv_b_head, "one": lambda p: 1}
 
     def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
@@ -272,6 +280,10 @@ class ParallelGatedMLP(_RowParallel, GatedMLP):
     """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
 
 
+class ParallelMLP(_RowParallel, MLP):
+    """A non-gated MLP over this rank's slice of c_fc; c_proj's partial sums are all-reduced."""
+
+
 class ParallelSparseMoE(_RowParallel, SparseMoE):
     """The experts over this rank's slice of each one's intermediate size (the router whole,
     so every rank picks the same experts); the partial sums are all-reduced."""
@@ -309,7 +321,10 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
                 layer.self_attn = ParallelAttention(
                     group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
                               "num_kv_heads": plan.num_kv_heads})
-            if isinstance(layer.mlp, SparseMoE):
+            if isinstance(layer.mlp, MLP):
+                layer.mlp = ParallelMLP(
+                    group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
+            elif isinstance(layer.mlp, SparseMoE):
                 layer.mlp = ParallelSparseMoE(
                     group, **{**layer.mlp.options, "intermediate": plan.moe_intermediate_size,
                               "shared_intermediate": plan.shared_intermediate_size})
@@ -336,3 +351,17 @@ class Shard:
 
     def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
         return self.plan.slice_of(hf_name)
+
+    def finish(self, model: nn.Module) -> None:
+        """After loading: a row-parallel layer's bias (o_proj's, the MLP's down projection's)
+        is added once, by rank 0; the other ranks' copies are zeroed, so that the
+        all-reduce of the partial sums adds it once."""
+        if self.plan.rank == 0:
+            return
+        with torch.no_grad():
+            for layer in model.layers:
+                for linear in (getattr(layer.self_attn, "o_proj", None),
+                               getattr(layer.mlp, "c_proj", None),
+                               getattr(layer.mlp, "down_proj", None)):
+                    if getattr(linear, "bias", None) is not None:
+                        linear.bias.zero_()

@@ -441,4 +441,6 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
         raise  # already names the file
     except ValueError as e:
         raise ModelLoadError(f"{ckpt.path}: {e}") from e
+    if shard is not None:  # (row-parallel biases: rank 0's alone)
+        shard.finish(model)
     return model.eval()

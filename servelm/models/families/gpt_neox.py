@@ -2,8 +2,7 @@
 exact-GELU MLP in parallel (each on its own norm; use_parallel_residual false: one after
 the other), biases on every linear layer, a partial rotary (a quarter of each head by
 default), and a fused query_key_value tensor holding each head's q, k and v together
-(reordered at load, ModelConfig.qkv_per_head). Not tensor parallel: a row-parallel
-layer's bias would be added on every rank."""
+(reordered at load, ModelConfig.qkv_per_head)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ class GptNeoX(Family):
     name = "gpt_neox"
     architectures = ("GPTNeoXForCausalLM",)
     gguf_architectures = ()  # llama.cpp's gptneox spelling is not read here yet
-    tensor_parallel = False
 
     def hf_config(self, cfg, base):
         act = cfg.get("hidden_act", "gelu")

@@ -1,7 +1,6 @@
 """Phi-1 / 1.5 / 2 (PhiForCausalLM): attention and MLP in parallel on one LayerNorm (with
 a bias), biases on every linear layer and on the LM head, a non-gated tanh-GELU MLP (fc1,
-fc2), a partial rotary (half of each head by default). Not tensor parallel: a row-parallel
-layer's bias would be added on every rank."""
+fc2), a partial rotary (half of each head by default)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ class Phi(Family):
     renames = {"dense": "o_proj"}
     gguf_layer_names = {"ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2",
                         "attn_output": "self_attn.dense"}
-    tensor_parallel = False
 
     def _common(self):
         return {"norm_type": "layer", "parallel_block": True, "mlp_gated": False,

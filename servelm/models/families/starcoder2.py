@@ -1,6 +1,6 @@
 """Starcoder2: LayerNorms with biases, biases on every attention and MLP linear layer, a
 non-gated tanh-GELU MLP (c_fc, c_proj), a sliding window on every layer where the config
-sets one. Not tensor parallel: a row-parallel layer's bias would be added on every rank."""
+sets one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ class Starcoder2(Family):
     architectures = ("Starcoder2ForCausalLM",)
     gguf_architectures = ("starcoder2",)
     gguf_layer_names = {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
-    tensor_parallel = False
 
     def _common(self, bias):
         return {"norm_type": "layer", "mlp_gated": False, "hidden_act": "gelu_tanh",
