@@ -16,6 +16,7 @@ import torch
 
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
                      assert_matches_reference, assert_reference_greedy,
+                     assert_tensor_parallel_matches,
                      gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
@@ -130,9 +131,13 @@ def test_quantised_weights_stay_close(gpt_oss):
     assert cos("int4") > 0.9
 
 
-def test_tensor_parallel_is_refused_before_any_rank_starts(gpt_oss):
-    with pytest.raises(ValueError, match="tensor parallelism does not support the gpt_oss"):
-        LLM(model=gpt_oss[0], tensor_parallel_size=2, **KW)
+def test_tensor_parallel_2_matches_tp1(gpt_oss):
+    """Two ranks, each with half the heads (their sinks too) and half of each expert's
+    intermediate size: HF's interleaved gate / up columns split as pairs, its [E, I, H]
+    down by rows, the gate / up biases by the same pairs; o_proj's and the experts' down
+    biases added by rank 0 alone."""
+    assert_tensor_parallel_matches(dict(model=gpt_oss[0], num_threads=1, **KW), PROMPTS,
+                                   GREEDY)
 
 
 # ---- the sink on the reference attention ---------------------------------------------------
@@ -372,6 +377,10 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     capsys.readouterr()
     assert main(["roofline", "--model", str(path), "--bandwidth", "30", "--flops", "1"]) == 0
     assert f"({E} experts at 4.25 bits, 2 a token" in capsys.readouterr().out
+    # Two ranks (each dequantises its slice of the experts): the HF blocks' interleaved
+    # rows, and llama.cpp's gate / up / down tensors and biases, split as one device's.
+    for src in (hf_dir, path):
+        assert_tensor_parallel_matches(dict(model=str(src), num_threads=1, **KW), PROMPTS)
     # Dequantised on load when asked: the same values.
     for src in (hf_dir, path):
         dense = LLM(model=str(src), cpu_kernels=False, quantization="none", **KW)

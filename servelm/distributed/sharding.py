@@ -171,6 +171,7 @@ class ShardPlan:
         (r"\.self_attn\.q_proj\.(weight|bias)$", 0, "q_heads", "head"),
         (r"\.self_attn\.(k|v)_proj\.(weight|bias)$", 0, "kv_heads", "head"),
         (r"\.self_attn\.o_proj\.weight$", 1, "q_heads", "v_head"),
+        (r"\.self_attn\.sinks$", 0, "q_heads", "one"),  # gpt-oss: a sink logit a head
         # Phi's and GPT-NeoX's o_proj (dense); GPT-NeoX's query_key_value, each head's q, k
         # and v together (reordered after slicing: ModelConfig.qkv_per_head).
         (r"\.(self_attn|attention)\.dense\.weight$", 1, "q_heads", "v_head"),
@@ -200,6 +201,7 @@ class ShardPlan:
          "moe_intermediate", "one"),
         (r"\.(mlp|block_sparse_moe)\.experts\.down_proj(\.weight)?$", 2, "moe_intermediate",
          "one"),
+        (r"\.mlp\.experts\.(gate_proj|up_proj)\.bias$", 1, "moe_intermediate", "one"),
         (r"\.block_sparse_moe\.output_linear\.weight$", 2, "moe_intermediate", "one"),  # Granite
         # Llama 4's feed_forward: its shared expert, a dense layer's MLP, the experts' down
         # [E, I, H] (gate_up below).
@@ -222,6 +224,9 @@ class ShardPlan:
         (r"\.(mlp|block_sparse_moe)\.experts\.gate_up_proj$", 1,
          (("moe_intermediate", "one", "total_moe_intermediate"),
           ("moe_intermediate", "one", "total_moe_intermediate"))),
+        (r"\.mlp\.experts\.gate_up_proj_bias$", 1,  # llama.cpp's fused gpt-oss [E, 2 I]
+         (("moe_intermediate", "one", "total_moe_intermediate"),
+          ("moe_intermediate", "one", "total_moe_intermediate"))),
         (r"\.block_sparse_moe\.input_linear\.weight$", 1,  # Granite MoE's [E, 2 I, H]
          (("moe_intermediate", "one", "total_moe_intermediate"),
           ("moe_intermediate", "one", "total_moe_intermediate"))),
@@ -231,13 +236,14 @@ class ShardPlan:
     )
 
     _UNITS = {"head": lambda p: p.head_dim, "v_head": lambda p: p.v_head_dim,
-              "qkv_head": lambda p: 3 * p.head_dim,
+              "qkv_head": lambda p: 3 * p.head_dim, "pair": lambda p: 2,
               "kv_b_head": lambda p: p.kv_b_head, "one": lambda p: 1}
 
-    def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
+    def slice_of(self, hf_name: str, rules: tuple = ()) -> list[tuple[int, int, int]] | None:
         """The (dim, start, end) pieces of a checkpoint tensor this rank keeps, to be joined
-        along dim in order (one piece, or one per part of a fused tensor); None: replicated."""
-        for pattern, dim, attr, unit in self._RULES:
+        along dim in order (one piece, or one per part of a fused tensor); None: replicated.
+        rules: a family's own (Family.hf_shard_rules), before the shared ones."""
+        for pattern, dim, attr, unit in (*rules, *self._RULES):
             if re.search(pattern, hf_name):
                 a, b = getattr(self, attr)
                 scale = self._UNITS[unit](self)
@@ -314,6 +320,7 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     with device:
         for layer in model.layers:
             # The same blocks with the same options, on this rank's heads and slice.
+            sinks = getattr(layer.self_attn, "sinks", None) is not None
             if isinstance(layer.self_attn, LatentAttention):  # one latent, every rank's
                 layer.self_attn = ParallelLatentAttention(
                     group, **{**layer.self_attn.options, "num_heads": plan.num_heads})
@@ -321,6 +328,8 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
                 layer.self_attn = ParallelAttention(
                     group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
                               "num_kv_heads": plan.num_kv_heads})
+            if sinks:  # gpt-oss: this rank's heads' sink logits
+                layer.self_attn.sinks = nn.Parameter(torch.empty(plan.num_heads))
             if isinstance(layer.mlp, MLP):
                 layer.mlp = ParallelMLP(
                     group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
@@ -352,6 +361,11 @@ class Shard:
     def slice_of(self, hf_name: str) -> list[tuple[int, int, int]] | None:
         return self.plan.slice_of(hf_name)
 
+    def slicer(self, rules: tuple):
+        """slice_of with a family's own rules first (an HF checkpoint's tensors laid out
+        the family's way: Family.hf_shard_rules)."""
+        return lambda hf_name: self.plan.slice_of(hf_name, rules)
+
     def finish(self, model: nn.Module) -> None:
         """After loading: a row-parallel layer's bias (o_proj's, the MLP's down projection's)
         is added once, by rank 0; the other ranks' copies are zeroed, so that the
@@ -365,3 +379,5 @@ class Shard:
                                getattr(layer.mlp, "down_proj", None)):
                     if getattr(linear, "bias", None) is not None:
                         linear.bias.zero_()
+                if getattr(layer.mlp, "experts_down_bias", None) is not None:  # gpt-oss
+                    layer.mlp.experts_down_bias.zero_()

@@ -62,6 +62,10 @@ class Family:
     # gate_up_proj (CausalLM._STACKED): fused name -> the parts in row order.
     stacked: dict[str, tuple[str, ...]] = {}
 
+    # Tensor parallelism: (name pattern, dim, range, unit) rules for an HF checkpoint's tensors
+    # that this family lays out its own way, consulted before ShardPlan's shared ones.
+    hf_shard_rules: tuple = ()
+
     def require_tensor_parallel(self) -> None:
         """ValueError unless shard_model can split this family."""
         if not self.tensor_parallel:

@@ -46,9 +46,14 @@ class GptOss(Family):
     gguf_architectures = ("gpt-oss",)
     renames = {"router": "gate"}  # mlp.router.{weight,bias}: SparseMoE's gate
     gguf_layer_names = {"post_attention_norm": "post_attention_layernorm"}
-    # Row-parallel o_proj and expert down biases, and the sinks (a head each), are not
-    # sharded by servelm's tensor parallelism yet.
-    tensor_parallel = False
+    # Tensor parallelism: HF's experts [E, hidden, 2 I] (gate and up interleaved: a rank's
+    # slice of the intermediate size is a run of column pairs) and [E, I, hidden]; llama.cpp's
+    # follow the shared rules.
+    hf_shard_rules = (
+        (r"\.mlp\.experts\.gate_up_proj$", 2, "moe_intermediate", "pair"),
+        (r"\.mlp\.experts\.gate_up_proj_bias$", 1, "moe_intermediate", "pair"),
+        (r"\.mlp\.experts\.down_proj$", 1, "moe_intermediate", "one"),
+    )
 
     @staticmethod
     def _extra(limit: float, alpha: float) -> dict:
