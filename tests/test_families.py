@@ -433,7 +433,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 # is not one: its tensors are a subset of Qwen2-MoE's (whose dense layer and non-zero q/k/v
 # biases split by the same rules), and its own biases are transformers' zeros.
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen2_moe", "glm4", "granitemoe",
-                                    "stablelm_parallel", "starcoder2", "phi", "gpt_neox"])
+                                    "stablelm_parallel", "starcoder2", "phi", "gpt_neox",
+                                    "olmo2", "olmo3"])
 def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     """The shared blocks shard with their options (q/k norms, sandwich norms, windows, two
     rotary tables; Qwen2-MoE's q/k/v biases by head; Phi-3's fused qkv and gate_up tensors read
@@ -447,7 +448,8 @@ def test_tensor_parallel_2_matches_tp1(checkpoints, family):
     position-scaled queries; Starcoder2's, Phi's and GPT-NeoX's non-gated MLPs (c_fc / fc1 /
     dense_h_to_4h by rows, the down projection by columns) and row-parallel biases (o_proj's
     and the down projection's, added by rank 0 alone), GPT-NeoX's per-head query_key_value
-    and vocabulary-split embed_in / embed_out, Phi's LM-head bias;
+    and vocabulary-split embed_in / embed_out, Phi's LM-head bias; OLMo 2's and 3's q / k
+    norms over the whole projection (each rank's heads over the all-reduced mean square);
     Mixtral's below, from GGUF)."""
     path, _ = checkpoints[family]
     assert_tensor_parallel_matches(dict(model=path, dtype="float32", kernel_tuning="off",

@@ -89,6 +89,9 @@ class ShardPlan:
         if world > H:
             raise ValueError(f"tensor_parallel_size {world} is more than the model's {H} "
                              f"attention heads")
+        if cfg.qk_norm_whole and world > KVH:
+            raise ValueError(f"tensor_parallel_size {world} is more than the model's {KVH} "
+                             f"KV heads: its k norm spans every KV head, once each")
         g = H // KVH
         if world <= KVH:
             k0, k1 = split_range(KVH, world, rank)
@@ -282,6 +285,21 @@ class ParallelLatentAttention(_RowParallel, LatentAttention):
     row a token, shared by the heads); o_proj's partial sums are all-reduced."""
 
 
+class WholeNorm(nn.Module):
+    """An RMSNorm over a whole projection (OLMo 2's q and k norms) of which this rank holds
+    some heads: its sum of squares all-reduced, the mean over the whole width."""
+
+    def __init__(self, local: int, total: int, eps: float, group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local))
+        self.total, self.eps, self.tp_group = total, eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        ss = self.tp_group.all_reduce(xf.pow(2).sum(-1, keepdim=True).contiguous())
+        return (xf * torch.rsqrt(ss / self.total + self.eps) * self.weight.float()).to(x.dtype)
+
+
 class ParallelGatedMLP(_RowParallel, GatedMLP):
     """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
 
@@ -330,6 +348,12 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
                               "num_kv_heads": plan.num_kv_heads})
             if sinks:  # gpt-oss: this rank's heads' sink logits
                 layer.self_attn.sinks = nn.Parameter(torch.empty(plan.num_heads))
+            a = layer.self_attn
+            if getattr(a, "qk_norm_whole", False) and a.q_norm is not None:  # OLMo 2
+                a.q_norm = WholeNorm(a.q_size, plan.total_heads * a.head_dim, a.q_norm.eps,
+                                     group)
+                a.k_norm = WholeNorm(a.kv_size, plan.total_kv_heads * a.head_dim,
+                                     a.k_norm.eps, group)
             if isinstance(layer.mlp, MLP):
                 layer.mlp = ParallelMLP(
                     group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})

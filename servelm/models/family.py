@@ -62,8 +62,10 @@ class Family:
     # gate_up_proj (CausalLM._STACKED): fused name -> the parts in row order.
     stacked: dict[str, tuple[str, ...]] = {}
 
-    # Tensor parallelism: (name pattern, dim, range, unit) rules for an HF checkpoint's tensors
-    # that this family lays out its own way, consulted before ShardPlan's shared ones.
+    # Tensor parallelism: (name pattern, dim, range, unit) rules for tensors this family lays
+    # out its own way (every checkpoint's; an HF checkpoint's only), consulted before
+    # ShardPlan's shared ones.
+    shard_rules: tuple = ()
     hf_shard_rules: tuple = ()
 
     def require_tensor_parallel(self) -> None:

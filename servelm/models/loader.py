@@ -435,8 +435,10 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
             if isinstance(m, SparseMoE):
                 m.to_mxfp4()
     try:
+        family = model.family
         model.load_weights(ckpt.weights(cfg) if shard is None else ckpt.weights(
-            cfg, shard.slicer(() if isinstance(ckpt, GGUFFile) else model.family.hf_shard_rules)))
+            cfg, shard.slicer(family.shard_rules + (() if isinstance(ckpt, GGUFFile)
+                                                    else family.hf_shard_rules))))
     except ModelLoadError:
         raise  # already names the file
     except ValueError as e:

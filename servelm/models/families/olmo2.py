@@ -21,8 +21,10 @@ class Olmo2(Family):
                "post_feedforward_layernorm": "mlp_out_norm"}
     gguf_layer_names = {"post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
-    # Each rank would hold some heads of q and k, and the norm needs all of them.
-    tensor_parallel = False
+    # Tensor parallelism: the q / k norms' weights by heads (each rank normalises its heads
+    # over the whole projection's mean square: sharding.WholeNorm).
+    shard_rules = ((r"\.self_attn\.q_norm\.weight$", 0, "q_heads", "head"),
+                   (r"\.self_attn\.k_norm\.weight$", 0, "kv_heads", "head"))
 
     def _common(self):
         return {"qk_norm": True, "qk_norm_whole": True, "sandwich_norms": True,
