@@ -17,6 +17,7 @@ import torch
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
                      assert_matches_reference,
                      assert_multimodal_checkpoint_serves_its_text_model,
+                     assert_tensor_parallel_matches,
                      gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
@@ -234,8 +235,44 @@ def test_what_a_hybrid_model_refuses(qwen3_next):
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
         LLM(model=path, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
             **KW)
-    with pytest.raises(ValueError, match="tensor parallelism does not support"):
-        LLM(model=path, tensor_parallel_size=2, **KW)
+
+
+
+@pytest.mark.parametrize("which", ["qwen3_next", "qwen3_5"])
+def test_tensor_parallel_2_matches_tp1(qwen3_next, qwen3_5, which):
+    """Two ranks, each with half of every DeltaNet's key heads and their value heads (their
+    rows of Qwen3-Next's grouped in_proj_qkvz / in_proj_ba or Qwen3.5's parts, convolution
+    channels, gates, states; out_proj's columns), half the attention heads (q_proj's query
+    and gate rows together), half of each expert and MLP: one device's logits and tokens.
+    Then a chat's next turn on the prefix cache: the state restored from its snapshot on
+    every rank."""
+    path = (qwen3_next if which == "qwen3_next" else qwen3_5)[0]
+    kw = dict(model=path, num_threads=1, **KW)
+    assert_tensor_parallel_matches(kw, PROMPTS, GREEDY)
+    one, two = LLM(**kw), LLM(tensor_parallel_size=2, **kw)
+    try:
+        assert two.engine.executor.num_state_slots == one.engine.executor.num_state_slots
+        deltanet = two.engine.executor.model.layers[0].linear_attn  # rank 0's
+        assert (deltanet.num_k_heads, deltanet.num_v_heads) == (1, 2)  # of 2 and 4
+        turn1 = _ids(one, " ".join(PROMPTS))[:40]
+        out = [llm.generate([turn1], GREEDY, use_tqdm=False)[0] for llm in (one, two)]
+        assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+        turn2 = turn1 + list(out[0].outputs[0].token_ids) + _ids(one, PROMPTS[1])
+        again = [llm.generate([turn2], GREEDY, use_tqdm=False)[0] for llm in (one, two)]
+        assert again[1].metrics.num_cached_tokens > 0
+        assert again[0].outputs[0].token_ids == again[1].outputs[0].token_ids
+    finally:
+        two.engine.shutdown()
+
+
+def test_tensor_parallel_refuses_the_hybrid_gguf_files():
+    """llama.cpp's qwen35 files tile the value heads: not split (the HF checkpoint is)."""
+    from servelm.models.registry import family_for_architecture
+
+    for arch in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
+        with pytest.raises(ValueError, match="does not read the .* GGUF files"):
+            family_for_architecture(arch).require_tensor_parallel(gguf=True)
+        family_for_architecture(arch).require_tensor_parallel()
 
 
 def test_int8_weights_stay_close(qwen3_next):

@@ -31,9 +31,12 @@ from servelm.distributed.parallel_state import (TPGroup, gloo_address, torchrun_
 from servelm.distributed.sharding import ShardPlan
 from servelm.distributed.worker import (STEP, STOP, allocate_rank, encode_seqs, load_rank,
                                         lora_manager, run_step, spawn_main, worker_main)
-from servelm.engine.executor import Executor, default_kv_bytes, kv_groups_of, pool_blocks
+from servelm.engine.executor import (Executor, default_kv_bytes, kv_groups_of, pool_blocks,
+                                     state_slots, state_snapshots)
+from servelm.engine.state_cache import StateCache
 from servelm.engine.model_runner import KVCache, SeqInput
 from servelm.models import kv_quant
+from servelm.models.loader import GGUFFile
 from servelm.models.registry import family_for_architecture
 
 logger = logging.getLogger(__name__)
@@ -114,7 +117,8 @@ class TPExecutor(Executor):
         tp = config.tensor_parallel_size
         # A model that cannot be split fails here, before any process starts (shard_model
         # checks it again per rank).
-        family_for_architecture(model_config.architecture).require_tensor_parallel()
+        family_for_architecture(model_config.architecture).require_tensor_parallel(
+            gguf=isinstance(ckpt, GGUFFile))
         for rank in range(tp):
             ShardPlan.of(model_config, rank, tp)
         self.ranks = _Ranks()
@@ -144,8 +148,9 @@ class TPExecutor(Executor):
         try:
             self.worker, self.plan = load_rank(group, config, ckpt, model_config, dtype,
                                                device, max_len)
-            self.num_blocks = self._size_pools(config, model_config, dtype, device)
-            allocate_rank(self.worker, config, dtype, self.num_blocks)
+            sizes = self._size_pools(config, model_config, dtype, device)
+            self.num_blocks, self.num_state_slots, self.num_state_snapshots = sizes
+            allocate_rank(self.worker, config, dtype, sizes)
             group.control_all_reduce_max(0)  # every rank has loaded and allocated
         except Exception as e:
             self.ranks.close()
@@ -155,8 +160,10 @@ class TPExecutor(Executor):
             raise
         self.ranks.usable = True
         # LoRA: the adapters rank 0's manager wrote into slots since the last step, which the
-        # other ranks write (their shards) before running it.
+        # other ranks write (their shards) before running it; likewise the recurrent states
+        # restored from snapshots since the last step.
         self.lora_writes: list[tuple[int, str, str]] = []
+        self.restores: list[tuple[int, int]] = []
         logger.info("tensor parallelism: %d ranks; rank 0 holds query heads %s, KV heads %s",
                     tp, self.plan.q_heads, self.plan.kv_heads)
 
@@ -197,22 +204,32 @@ class TPExecutor(Executor):
             self.ranks.close()
             raise
 
-    def _size_pools(self, config, model_config, dtype, device) -> int:
-        """Rank 0 decides the number of blocks for every rank (broadcast to them):
-        kv_cache_memory is per rank, and the rank with the most KV heads must fit it."""
+    def _size_pools(self, config, model_config, dtype, device) -> tuple[int, int, int]:
+        """Rank 0 decides the number of blocks, recurrent-state slots and state snapshots
+        for every rank (broadcast to them): kv_cache_memory is per rank, and the rank with
+        the most KV heads (and linear-attention heads) must fit it."""
         cache = config.cache
-        dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)  # the pool's storage
+        kv_dtype = kv_quant.storage_dtype(cache.kv_cache_dtype, dtype)  # the pool's storage
         # Each rank's block: its own KV heads (a latent cache's one row, whole on every rank).
         self.kv_groups = kv_groups_of(config, model_config)
-        block = [KVCache.bytes_per_block(ShardPlan.of(model_config, r, self.group.world)
-                                         .local_config(model_config), cache.block_size, dtype,
-                                         self.kv_groups)
+        local = [ShardPlan.of(model_config, r, self.group.world).local_config(model_config)
                  for r in range(self.group.world)]
-        num_blocks = pool_blocks(cache.kv_cache_memory or default_kv_bytes(device),
-                                 max(block), " on a rank")
-        self.group.broadcast_object(num_blocks)
+        block = [KVCache.bytes_per_block(c, cache.block_size, kv_dtype, self.kv_groups)
+                 for c in local]
+        budget = cache.kv_cache_memory or default_kv_bytes(device)
+        slot_bytes = max(StateCache.bytes_per_slot(c, dtype) for c in local)
+        slots = snapshots = 0
+        if slot_bytes:  # linear-attention layers: their states first, the blocks in the rest
+            total = budget
+            slots = state_slots(config.scheduler.max_num_seqs, slot_bytes, budget)
+            budget -= slots * slot_bytes
+            if cache.enable_prefix_caching:
+                snapshots = state_snapshots(slots, slot_bytes, total)
+                budget -= snapshots * slot_bytes
+        sizes = (pool_blocks(budget, max(block), " on a rank"), slots, snapshots)
+        self.group.broadcast_object(sizes)
         self.block_bytes = block[self.plan.rank]
-        return num_blocks
+        return sizes
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -245,7 +262,8 @@ class TPExecutor(Executor):
         self.ranks.busy = True
         try:
             writes, self.lora_writes = self.lora_writes, []
-            self.group.broadcast_object((STEP, encode_seqs(seqs), writes))
+            restores, self.restores = self.restores, []
+            self.group.broadcast_object((STEP, encode_seqs(seqs), writes, restores))
             return run_step(self.group, self.worker.runner, self.plan, seqs)
         except Exception as e:
             # Let a dying worker finish dying, so the message can say what happened.
@@ -262,6 +280,11 @@ class TPExecutor(Executor):
             self._fail(msg, e)
         finally:
             self.ranks.busy = False
+
+    def restore_states(self, restores: list[tuple[int, int]]) -> None:
+        """Rank 0's states now; every other rank's before the next step runs."""
+        super().restore_states(restores)
+        self.restores += restores
 
     def lora_manager(self, config, model_config):
         """Rank 0's LoRA manager (its shards), reporting each write to the other ranks."""

@@ -43,6 +43,7 @@ from torch import nn
 
 from servelm.models.config import ModelConfig
 from servelm.models.layers import MLP, Attention, GatedMLP
+from servelm.models.linear_attention import GatedDeltaNet
 from servelm.models.mla import LatentAttention
 from servelm.models.moe import SparseMoE
 
@@ -76,6 +77,14 @@ class ShardPlan:
     shared_intermediate: tuple[int, int] = (0, 0)  # the shared expert's slice (Qwen2-MoE)
     v_head_dim: int = 0           # a value head's width (o_proj's input per head)
     kv_b_head: int = 0            # latent attention: kv_b_proj's rows a head (nope + v)
+    # Linear attention (Qwen3-Next, Qwen3.5): this rank's key heads and their value heads
+    # (r = value heads a key head), the totals, and each head's widths.
+    lin_k_heads: tuple[int, int] = (0, 0)
+    lin_v_heads: tuple[int, int] = (0, 0)
+    total_lin_k_heads: int = 0
+    total_lin_v_heads: int = 0
+    lin_dk: int = 0
+    lin_dv: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
@@ -121,6 +130,18 @@ class ShardPlan:
                                  f"expert's intermediate size "
                                  f"{cfg.shared_expert_intermediate_size}")
             shared = split_range(cfg.shared_expert_intermediate_size, world, rank)
+        lin = cfg.extra.get("linear_attn")
+        lin_fields = {}
+        if lin:
+            hk, hv = lin["num_k_heads"], lin["num_v_heads"]
+            if world > hk:
+                raise ValueError(f"tensor_parallel_size {world} is more than the linear-"
+                                 f"attention layers' {hk} key heads")
+            a, b = split_range(hk, world, rank)
+            r = hv // hk
+            lin_fields = dict(lin_k_heads=(a, b), lin_v_heads=(a * r, b * r),
+                              total_lin_k_heads=hk, total_lin_v_heads=hv,
+                              lin_dk=lin["head_k_dim"], lin_dv=lin["head_v_dim"])
         per = -(-cfg.vocab_size // world)
         if (world - 1) * per >= cfg.vocab_size:
             raise ValueError(f"vocabulary of {cfg.vocab_size} cannot be split {world} ways")
@@ -133,7 +154,8 @@ class ShardPlan:
                    moe_intermediate=moe, shared_intermediate=shared,
                    total_moe_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0,
                    v_head_dim=mla["v_head_dim"] if mla else cfg.head_dim,
-                   kv_b_head=mla["qk_nope_head_dim"] + mla["v_head_dim"] if mla else 0)
+                   kv_b_head=mla["qk_nope_head_dim"] + mla["v_head_dim"] if mla else 0,
+                   **lin_fields)
 
     @property
     def num_heads(self) -> int:
@@ -165,6 +187,11 @@ class ShardPlan:
         moe = {"moe_intermediate_size": self.moe_intermediate_size,
                "shared_expert_intermediate_size": self.shared_intermediate_size
                } if cfg.num_experts else {}
+        lin = cfg.extra.get("linear_attn")
+        if lin:  # this rank's key and value heads of every linear-attention layer
+            moe["extra"] = {**cfg.extra, "linear_attn": {
+                **lin, "num_k_heads": self.lin_k_heads[1] - self.lin_k_heads[0],
+                "num_v_heads": self.lin_v_heads[1] - self.lin_v_heads[0]}}
         return dataclasses.replace(cfg, num_heads=self.num_heads,
                                    num_kv_heads=self.num_kv_heads,
                                    intermediate_size=self.intermediate_size, **moe)
@@ -179,6 +206,15 @@ class ShardPlan:
         # and v together (reordered after slicing: ModelConfig.qkv_per_head).
         (r"\.(self_attn|attention)\.dense\.weight$", 1, "q_heads", "v_head"),
         (r"\.attention\.query_key_value\.(weight|bias)$", 0, "q_heads", "qkv_head"),
+        # Linear attention (gated DeltaNet) by key heads and their value heads: Qwen3-Next's
+        # in_proj_qkvz / in_proj_ba grouped per key head; Qwen3.5's parts apart (in_proj_qkv
+        # and the convolution below, as q | k | v); out_proj's columns by value heads.
+        (r"\.linear_attn\.in_proj_qkvz\.weight$", 0, "lin_k_heads", "qkvz_group"),
+        (r"\.linear_attn\.in_proj_ba\.weight$", 0, "lin_k_heads", "ba_group"),
+        (r"\.linear_attn\.in_proj_z\.weight$", 0, "lin_v_heads", "lin_dv"),
+        (r"\.linear_attn\.in_proj_[ab]\.weight$", 0, "lin_v_heads", "one"),
+        (r"\.linear_attn\.(A_log|dt_bias)$", 0, "lin_v_heads", "one"),
+        (r"\.linear_attn\.out_proj\.weight$", 1, "lin_v_heads", "lin_dv"),
         # Latent attention (DeepSeek): the low-rank query's expansion by head; kv_b_proj's
         # per-head key and value rows (whole, or llama.cpp's k_b / v_b [heads, ...]). The
         # latent's own projection (kv_a_proj_with_mqa) is replicated: every rank caches it.
@@ -218,6 +254,10 @@ class ShardPlan:
     # Checkpoint tensors that hold several of the above stacked along one dim (Phi-3's;
     # transformers 5's experts [E, 2 I, H]): each part's slice, at its offset in the tensor.
     _FUSED = (
+        (r"\.linear_attn\.(in_proj_qkv|conv1d)\.weight$", 0,
+         (("lin_k_heads", "lin_dk", "total_lin_k_heads"),
+          ("lin_k_heads", "lin_dk", "total_lin_k_heads"),
+          ("lin_v_heads", "lin_dv", "total_lin_v_heads"))),
         (r"\.self_attn\.qkv_proj\.(weight|bias)$", 0,
          (("q_heads", "head", "total_heads"), ("kv_heads", "head", "total_kv_heads"),
           ("kv_heads", "head", "total_kv_heads"))),
@@ -240,7 +280,15 @@ class ShardPlan:
 
     _UNITS = {"head": lambda p: p.head_dim, "v_head": lambda p: p.v_head_dim,
               "qkv_head": lambda p: 3 * p.head_dim, "pair": lambda p: 2,
+              "qgate_head": lambda p: 2 * p.head_dim,
+              "lin_dk": lambda p: p.lin_dk, "lin_dv": lambda p: p.lin_dv,
+              "qkvz_group": lambda p: 2 * p.lin_dk + 2 * p._lin_ratio * p.lin_dv,
+              "ba_group": lambda p: 2 * p._lin_ratio,
               "kv_b_head": lambda p: p.kv_b_head, "one": lambda p: 1}
+
+    @property
+    def _lin_ratio(self) -> int:
+        return self.total_lin_v_heads // self.total_lin_k_heads
 
     def slice_of(self, hf_name: str, rules: tuple = ()) -> list[tuple[int, int, int]] | None:
         """The (dim, start, end) pieces of a checkpoint tensor this rank keeps, to be joined
@@ -300,6 +348,12 @@ class WholeNorm(nn.Module):
         return (xf * torch.rsqrt(ss / self.total + self.eps) * self.weight.float()).to(x.dtype)
 
 
+class ParallelGatedDeltaNet(_RowParallel, GatedDeltaNet):
+    """A linear-attention layer over this rank's key heads and their value heads (their
+    rows of every projection, convolution channels, gates and states); out_proj's partial
+    sums are all-reduced."""
+
+
 class ParallelGatedMLP(_RowParallel, GatedMLP):
     """The MLP over this rank's intermediate slice; down_proj's partial sums are all-reduced."""
 
@@ -329,6 +383,31 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp_group.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
+def _shard_attention(attn: nn.Module, plan: ShardPlan, group) -> nn.Module:
+    """An attention block over this rank's heads (its sinks, and OLMo 2's whole-projection
+    q / k norms, too)."""
+    if isinstance(attn, LatentAttention):  # one latent, every rank's
+        return ParallelLatentAttention(group, **{**attn.options, "num_heads": plan.num_heads})
+    out = ParallelAttention(group, **{**attn.options, "num_heads": plan.num_heads,
+                                      "num_kv_heads": plan.num_kv_heads})
+    if getattr(attn, "sinks", None) is not None:  # gpt-oss: this rank's heads' sink logits
+        out.sinks = nn.Parameter(torch.empty(plan.num_heads))
+    if out.qk_norm_whole and out.q_norm is not None:  # OLMo 2
+        out.q_norm = WholeNorm(out.q_size, plan.total_heads * out.head_dim, out.q_norm.eps,
+                               group)
+        out.k_norm = WholeNorm(out.kv_size, plan.total_kv_heads * out.head_dim,
+                               out.k_norm.eps, group)
+    return out
+
+
+def _shard_deltanet(d: GatedDeltaNet, cfg: ModelConfig, plan: ShardPlan, group) -> nn.Module:
+    """A gated DeltaNet over this rank's key heads and their value heads."""
+    return ParallelGatedDeltaNet(
+        group, hidden=cfg.hidden_size, num_k_heads=plan.lin_k_heads[1] - plan.lin_k_heads[0],
+        num_v_heads=plan.lin_v_heads[1] - plan.lin_v_heads[0], head_k_dim=d.head_k_dim,
+        head_v_dim=d.head_v_dim, conv_kernel=d.kernel, eps=d.eps)
+
+
 def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     """Swap `model`'s modules for this rank's 1/N versions, in place (call it on the meta
     device, before loading). model.config becomes the rank's local config."""
@@ -338,22 +417,10 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     with device:
         for layer in model.layers:
             # The same blocks with the same options, on this rank's heads and slice.
-            sinks = getattr(layer.self_attn, "sinks", None) is not None
-            if isinstance(layer.self_attn, LatentAttention):  # one latent, every rank's
-                layer.self_attn = ParallelLatentAttention(
-                    group, **{**layer.self_attn.options, "num_heads": plan.num_heads})
+            if layer.linear:
+                layer.linear_attn = _shard_deltanet(layer.linear_attn, cfg, plan, group)
             else:
-                layer.self_attn = ParallelAttention(
-                    group, **{**layer.self_attn.options, "num_heads": plan.num_heads,
-                              "num_kv_heads": plan.num_kv_heads})
-            if sinks:  # gpt-oss: this rank's heads' sink logits
-                layer.self_attn.sinks = nn.Parameter(torch.empty(plan.num_heads))
-            a = layer.self_attn
-            if getattr(a, "qk_norm_whole", False) and a.q_norm is not None:  # OLMo 2
-                a.q_norm = WholeNorm(a.q_size, plan.total_heads * a.head_dim, a.q_norm.eps,
-                                     group)
-                a.k_norm = WholeNorm(a.kv_size, plan.total_kv_heads * a.head_dim,
-                                     a.k_norm.eps, group)
+                layer.self_attn = _shard_attention(layer.self_attn, plan, group)
             if isinstance(layer.mlp, MLP):
                 layer.mlp = ParallelMLP(
                     group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
@@ -398,7 +465,7 @@ class Shard:
             return
         with torch.no_grad():
             for layer in model.layers:
-                for linear in (getattr(layer.self_attn, "o_proj", None),
+                for linear in (getattr(getattr(layer, "self_attn", None), "o_proj", None),
                                getattr(layer.mlp, "c_proj", None),
                                getattr(layer.mlp, "down_proj", None)):
                     if getattr(linear, "bias", None) is not None:

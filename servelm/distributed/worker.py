@@ -59,21 +59,28 @@ def lora_manager(worker: ModelWorker, config, cfg, plan: ShardPlan):
     return LoRAManager.of_worker(worker, config, cfg, plan)
 
 
-def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype, num_blocks: int) -> None:
+def allocate_rank(worker: ModelWorker, config, dtype: torch.dtype,
+                  sizes: tuple[int, int, int]) -> None:
     """The rank's own pool (its KV heads only: the worker's model.config is the rank's
-    local config) and its runner; no CUDA graphs (a step's collectives run outside them)."""
+    local config; sizes: rank 0's (blocks, recurrent-state slots, state snapshots), its
+    linear-attention layers' states of its own heads) and its runner; no CUDA graphs (a
+    step's collectives run outside them)."""
+    num_blocks, slots, snapshots = sizes
     worker.allocate(num_blocks, config.cache.block_size,
                     kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype),
-                    kv_groups=kv_groups_of(config, worker.model.config))
+                    kv_groups=kv_groups_of(config, worker.model.config),
+                    state_slots=slots, state_snapshots=snapshots)
 
 
 def encode_seqs(seqs: list[SeqInput]) -> list[tuple]:
     return [(s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits, s.num_logits,
-             s.pooling, s.lora_slot, s.group_tables) for s in seqs]
+             s.pooling, s.lora_slot, s.state_slot, s.state_snapshot, s.group_tables)
+            for s in seqs]
 
 
 def decode_seqs(items: list[tuple]) -> list[SeqInput]:
-    return [SeqInput(*item[:-1], group_tables=item[-1]) for item in items]
+    return [SeqInput(*item[:8], state_slot=item[8], state_snapshot=item[9],
+                     group_tables=item[10]) for item in items]
 
 
 def run_step(group: TPGroup, runner: ModelRunner, plan: ShardPlan,
@@ -102,6 +109,8 @@ def serve_steps(group: TPGroup, runner: ModelRunner, plan: ShardPlan, lora=None)
             return
         for slot, name, path in msg[2]:
             lora.write(slot, name, path)
+        if msg[3]:  # admissions on a cached prefix: their states from its snapshots
+            runner.state_cache.restore(msg[3])
         with torch.inference_mode():
             run_step(group, runner, plan, decode_seqs(msg[1]))
 
@@ -111,7 +120,7 @@ def worker_main(group: TPGroup, config, ckpt, cfg, dtype: torch.dtype, device: t
     """Everything a rank other than 0 does, from loading to the stop message."""
     try:
         worker, plan = load_rank(group, config, ckpt, cfg, dtype, device, max_len)
-        allocate_rank(worker, config, dtype, group.broadcast_object())  # rank 0's count
+        allocate_rank(worker, config, dtype, group.broadcast_object())  # rank 0's sizes
         group.control_all_reduce_max(0)  # ready
         serve_steps(group, worker.runner, plan, lora_manager(worker, config, cfg, plan))
     except BaseException:

@@ -67,12 +67,18 @@ class Family:
     # ShardPlan's shared ones.
     shard_rules: tuple = ()
     hf_shard_rules: tuple = ()
+    # Whether tensor parallelism reads this family's GGUF files (else its HF checkpoints only).
+    gguf_tensor_parallel: bool = True
 
-    def require_tensor_parallel(self) -> None:
-        """ValueError unless shard_model can split this family."""
+    def require_tensor_parallel(self, gguf: bool = False) -> None:
+        """ValueError unless shard_model can split this family (from a GGUF file: gguf)."""
         if not self.tensor_parallel:
             raise ValueError(f"tensor parallelism does not support the {self.name} "
                              f"family yet (run it with tensor_parallel_size 1)")
+        if gguf and not self.gguf_tensor_parallel:
+            raise ValueError(f"tensor parallelism does not read the {self.name} family's "
+                             f"GGUF files yet: serve its HF checkpoint, or run it with "
+                             f"tensor_parallel_size 1")
 
     def hf_config(self, cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         """ModelConfig fields beyond the common ones, from config.json."""

@@ -67,8 +67,11 @@ class Qwen3Next(Family):
     stacked = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
                "in_proj_ba": ("in_proj_b", "in_proj_a")}
     tiled_v_heads = False  # llama.cpp's qwen35 reorders value heads (see the docstring)
-    # Parallelism would have to split a DeltaNet layer's heads and its state: not yet.
-    tensor_parallel = False
+    # Tensor parallelism: attention's q_proj holds each head's query and gate together, so
+    # its rows split two head widths a head; the DeltaNet's by the shared rules (key heads
+    # and their value heads). llama.cpp's files are not split: qwen35's tile the value heads.
+    shard_rules = ((r"\.self_attn\.q_proj\.weight$", 0, "q_heads", "qgate_head"),)
+    gguf_tensor_parallel = False
 
     @staticmethod
     def hf_ignored(key: str) -> bool:
