@@ -178,14 +178,19 @@ def test_a_prefix_in_groups_is_not_exported(gemma3):
     assert n == 0 and data.numel() == 0
 
 
-def test_a_draft_beside_a_pool_in_groups_takes_a_block_per_block_of_tokens(gemma3):
+def test_a_draft_beside_a_pool_in_groups_takes_a_block_per_block_of_tokens(
+        gemma3, tmp_path, hf_tokenizer):
     """Speculative decoding with a hybrid target: the draft's pool holds a block for each
     block of tokens the target's pages hold (one page of each group), not one per page,
-    and the drafted greedy tokens are the target's own."""
+    and the greedy tokens are the target's own, through rejected drafts (a draft of other
+    weights: each group's pages past the accepted tokens go back)."""
     path, _ = gemma3
+    tiny_hf_checkpoint(tmp_path, "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=LAYER_TYPES[:3]), hf_tokenizer, seed=8)
     kw = dict(model=path, **BASE, kv_cache_memory=8 << 20)
     plain = LLM(**kw)
-    llm = LLM(**kw, speculative_config={"method": "draft_model", "model": path,
+    llm = LLM(**kw, speculative_config={"method": "draft_model", "model": str(tmp_path),
                                         "num_speculative_tokens": 3})
     ex = llm.engine.executor
     groups = len(ex.kv_groups.layers)
@@ -200,4 +205,7 @@ def test_a_draft_beside_a_pool_in_groups_takes_a_block_per_block_of_tokens(gemma
     llm.engine.speculator.ridge_tokens, llm.engine.speculator.draft_cost = 1e9, 0.0
     prompts = _ids(llm)
     assert _tokens(llm, prompts) == _tokens(plain, prompts)
-    assert llm.engine.stats.num_spec_accepted_tokens > 0
+    stats = llm.engine.stats
+    assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens  # drafts rejected
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
