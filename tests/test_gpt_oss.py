@@ -27,7 +27,9 @@ gguf = pytest.importorskip("gguf")
 
 WINDOW = 8  # shorter than every prompt: the sliding layers drop keys
 LIMIT = 0.2  # the SwiGLU clamp, low enough that random weights' activations reach it
+# intermediate_size 128: two tensor-parallel ranks take 64 each, whole MXFP4 blocks.
 CONFIG = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+              intermediate_size=128,
               swiglu_limit=LIMIT, rope_parameters={
                   "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                   "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -65,7 +67,7 @@ def test_config_reads_gpt_oss_keys(gpt_oss):
     assert cfg.family == "gpt_oss" and cfg.layer_types == (SLIDING, FULL, SLIDING)
     assert cfg.window(0) == WINDOW and cfg.window(1) is None
     assert cfg.attention_bias and cfg.attention_out_bias and not cfg.tie_word_embeddings
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 96)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 128)
     assert cfg.norm_topk_prob and not cfg.dense_layers
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
     assert cfg.extra == {"attention_sinks": True, "router_bias": True, "expert_bias": True,
@@ -377,10 +379,17 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     capsys.readouterr()
     assert main(["roofline", "--model", str(path), "--bandwidth", "30", "--flops", "1"]) == 0
     assert f"({E} experts at 4.25 bits, 2 a token" in capsys.readouterr().out
-    # Two ranks (each dequantises its slice of the experts): the HF blocks' interleaved
-    # rows, and llama.cpp's gate / up / down tensors and biases, split as one device's.
+    # Two ranks, each keeping its slice of the experts as MXFP4 (the HF blocks' interleaved
+    # rows as pairs, the down projection's inputs in whole blocks; llama.cpp's gate / up /
+    # down tensors likewise), with their biases: one device's logits.
     for src in (hf_dir, path):
-        assert_tensor_parallel_matches(dict(model=str(src), num_threads=1, **KW), PROMPTS)
+        kw = dict(model=str(src), num_threads=1, **KW)
+        assert_tensor_parallel_matches(kw, PROMPTS)
+        two = LLM(tensor_parallel_size=2, **kw)
+        try:
+            assert two.engine.mxfp4_experts and _experts(two) == "mxfp4"
+        finally:
+            two.engine.shutdown()
     # Dequantised on load when asked: the same values.
     for src in (hf_dir, path):
         dense = LLM(model=str(src), cpu_kernels=False, quantization="none", **KW)

@@ -142,7 +142,8 @@ class TPExecutor(Executor):
         else:
             threads = per_rank_threads(config, tp)
             torch.set_num_threads(threads)
-            group = self._spawn_workers(config, dtype, device, max_len, threads)
+            group = self._spawn_workers(config, dtype, device, max_len, threads,
+                                        ckpt.keep_mxfp4)
         self.ranks.group = self.group = group
         self.device = device
         try:
@@ -169,7 +170,8 @@ class TPExecutor(Executor):
 
     # ---- start-up ------------------------------------------------------------------------
 
-    def _spawn_workers(self, config, dtype, device, max_len, threads) -> TPGroup:
+    def _spawn_workers(self, config, dtype, device, max_len, threads,
+                       keep_mxfp4: bool) -> TPGroup:
         import torch.multiprocessing as mp
         from torch.distributed import TCPStore
 
@@ -181,7 +183,7 @@ class TPExecutor(Executor):
         for rank in range(1, tp):
             p = ctx.Process(target=spawn_main, name=f"servelm-tp-worker-{rank}", daemon=True,
                             args=(rank, tp, store.port, config, dtype, str(device), max_len,
-                                  threads, os.getpid(), level))
+                                  threads, os.getpid(), level, keep_mxfp4))
             p.start()
             self.ranks.procs.append(p)
             logger.info("tensor-parallel worker %d: pid %d", rank, p.pid)

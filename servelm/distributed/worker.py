@@ -144,9 +144,11 @@ def _watch_parent(parent: int) -> None:
 
 
 def spawn_main(rank: int, world: int, port: int, config, dtype: torch.dtype, device: str,
-               max_len: int, threads: int, parent: int, log_level: int) -> None:
+               max_len: int, threads: int, parent: int, log_level: int,
+               keep_mxfp4: bool = False) -> None:
     """Entry point of a worker process started by the executor (forked from the forkserver
-    that preloaded this module, or spawned)."""
+    that preloaded this module, or spawned); keep_mxfp4: rank 0's choice for MXFP4
+    experts (LLMEngine), so that every rank reads them alike."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=log_level, format=f"%(levelname)s tp-rank{rank} %(name)s: "
                                                 f"%(message)s")
@@ -169,6 +171,7 @@ def spawn_main(rank: int, world: int, port: int, config, dtype: torch.dtype, dev
         raise
     try:
         ckpt = open_checkpoint(config.model)
+        ckpt.keep_mxfp4 = keep_mxfp4
         cfg = ckpt.config()
     except BaseException:
         group.report_error(f"rank {rank}: {traceback.format_exc()}")

@@ -208,6 +208,19 @@ def _recurrent_config(config: EngineConfig) -> EngineConfig:
     return config
 
 
+def mxfp4_splits(ckpt, world: int) -> bool:
+    """Whether `world` tensor-parallel ranks each take whole blocks of 32 of the routed
+    experts' intermediate size (the down projection's inputs), so MXFP4 experts can stay
+    MXFP4 on every rank."""
+    if world == 1:
+        return True
+    from servelm.distributed.sharding import split_range
+
+    size = ckpt.config().moe_intermediate_size
+    return all(a % 32 == 0 and b % 32 == 0
+               for a, b in (split_range(size, world, r) for r in range(world)))
+
+
 def hybrid_capacity(reaches: tuple[int, ...], pages: int, block_size: int, max_len: int,
                     step_tokens: int) -> tuple[int, int]:
     """(tokens the pool holds for sequences short of every window, the longest sequence it
@@ -236,9 +249,10 @@ class LLMEngine:
         # every later reader (the TP ranks, the draft) sees the resolved value.
         quantization, self.weight_format = resolve_quantization(config, ckpt)
         # MXFP4 routed experts (gpt-oss) run as they are (servelm.quantization.mxfp4) unless
-        # dequantised or int8 weights were asked for; a tensor-parallel rank dequantises.
-        ckpt.keep_mxfp4 = (config.quantization not in ("none", "int8")
-                           and config.tensor_parallel_size == 1 and ckpt.mxfp4_experts())
+        # dequantised or int8 weights were asked for, or tensor-parallel ranks would split
+        # their inputs inside a block (then each rank dequantises its slice).
+        ckpt.keep_mxfp4 = (config.quantization not in ("none", "int8") and ckpt.mxfp4_experts()
+                           and mxfp4_splits(ckpt, config.tensor_parallel_size))
         self.mxfp4_experts = ckpt.keep_mxfp4
         if ckpt.keep_mxfp4:
             self.weight_format += ", routed experts MXFP4"

@@ -110,9 +110,10 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: unsupported tensor {t.name!r} for "
                                      f"the {family.name} family")
             qtype = gguf.GGMLQuantizationType(t.qtype)
-            if (self.keep_mxfp4 and slice_of is None and qtype.name == "MXFP4"
-                    and _stacked_experts(t.name)):
-                yield name, MXFP4Weight.from_ggml(t.data)
+            if self.keep_mxfp4 and qtype.name == "MXFP4" and _stacked_experts(t.name):
+                w = MXFP4Weight.from_ggml(t.data)  # (a rank's slice: views of its blocks)
+                pieces = slice_of and slice_of(name)
+                yield name, w.pieces(pieces) if pieces else w
                 continue
             pieces = (slice_of and slice_of(name)) or [None]
             arrs = [self._dequantized(t, qtype, piece) for piece in pieces]
@@ -303,8 +304,8 @@ class HFCheckpoint:
                 if key.endswith("_blocks"):  # the pair at its blocks; its scales skipped
                     blocks = handle(f).get_tensor(key)
                     scales = handle(file_of[base + "_scales"]).get_tensor(base + "_scales")
-                    yield base, (MXFP4Weight.from_hf(blocks, scales)
-                                 if self.keep_mxfp4 and slice_of is None
+                    yield base, (self._mxfp4_kept(blocks, scales, base, slice_of)
+                                 if self.keep_mxfp4
                                  else self._mxfp4_dense(blocks, scales, base, slice_of))
                 continue
             prefix = layer_of.get(key)
@@ -323,6 +324,19 @@ class HFCheckpoint:
                 parts = [sl[(slice(None),) * dim + (slice(start, end),)]
                          for dim, start, end in pieces]
                 yield key, parts[0] if len(parts) == 1 else torch.cat(parts, pieces[0][0])
+
+    @staticmethod
+    def _mxfp4_kept(blocks: torch.Tensor, scales: torch.Tensor, name: str,
+                    slice_of: SliceOf | None) -> MXFP4Weight:
+        """An MXFP4 tensor as it is, or a tensor-parallel rank's slice of it: the slicing
+        rules speak of the dense form [..., in, out]; the blocks are [..., out, in]."""
+        w = MXFP4Weight.from_hf(blocks, scales)
+        pieces = slice_of and slice_of(name)
+        if not pieces:
+            return w
+        nd = len(w.shape)
+        swap = {nd - 2: nd - 1, nd - 1: nd - 2}
+        return w.pieces([(swap.get(dim % nd, dim), a, b) for dim, a, b in pieces])
 
     @staticmethod
     def _mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor, name: str,
@@ -428,7 +442,7 @@ def load_model(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, device: t
     except ValueError as e:
         raise ModelLoadError(f"{ckpt.path}: {e}") from e
     model = build_model(cfg, dtype, device, max_positions, shard)
-    if ckpt.keep_mxfp4 and shard is None:  # the weights yield MXFP4 experts as they are
+    if ckpt.keep_mxfp4:  # the weights yield MXFP4 experts as they are
         from servelm.models.moe import SparseMoE
 
         for m in model.modules():

@@ -58,6 +58,32 @@ class MXFP4Weight:
         return cls((codes[..., :16] | (codes[..., 16:] << 4)).contiguous(),
                    scales.view(torch.uint8).contiguous(), "hf")
 
+    def narrow(self, dim: int, start: int, end: int) -> "MXFP4Weight":
+        """Elements [start, end) of logical dim `dim`: rows or experts, or inputs in whole
+        blocks of 32 (a tensor-parallel rank's slice)."""
+        nd = len(self.shape)
+        dim %= nd
+        if dim == nd - 1:
+            if start % BLOCK or end % BLOCK:
+                raise ValueError(f"an MXFP4 tensor splits its inputs in whole blocks of "
+                                 f"{BLOCK}, not at {start}:{end}")
+            g = slice(start // BLOCK, end // BLOCK)
+            return MXFP4Weight(self.blocks[..., g, :], self.exps[..., g], self.source)
+        return MXFP4Weight(self.blocks.narrow(dim, start, end - start),
+                           self.exps.narrow(dim, start, end - start), self.source)
+
+    def pieces(self, pieces: list[tuple[int, int, int]]) -> "MXFP4Weight":
+        """The (dim, start, end) pieces (ShardPlan.slice_of's, in the logical layout) joined
+        along their dim."""
+        parts = [self.narrow(*p) for p in pieces]
+        if len(parts) == 1:
+            return parts[0]
+        dim = pieces[0][0]
+        if dim % len(self.shape) == len(self.shape) - 1:
+            raise ValueError("an MXFP4 tensor's input pieces are not joined")
+        return MXFP4Weight(torch.cat([p.blocks for p in parts], dim),
+                           torch.cat([p.exps for p in parts], dim), self.source)
+
     def rows(self, index: torch.Tensor | slice) -> "MXFP4Weight":
         """Rows `index` (of dim -2 of the logical shape)."""
         return MXFP4Weight(self.blocks[..., index, :, :], self.exps[..., index, :], self.source)
