@@ -23,10 +23,13 @@ import argparse
 import importlib.util
 import pathlib
 import random
-import time
+import sys
 
 from servelm import LLM, SamplingParams
 from servelm.cli import positive
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from kv_dtype_ab import run_interleaved  # noqa: E402  (the engines' steps interleaved)
 
 
 def default_model() -> str:
@@ -78,25 +81,12 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 20000) for _ in range(args.input_len)]
                for _ in range(args.requests)]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    engines = []
-    for name, hybrid in (("one table", False), ("block groups", True)):
-        llm = LLM(**common, kv_cache_memory=pool, hybrid_kv_cache=hybrid)
-        e = llm.engine
-        for i, p in enumerate(prompts):
-            e.add_request(f"r{i}", None, sp, prompt_token_ids=p)
-        engines.append([name, llm, 0.0, 0, e.block_manager.num_blocks])
-    active = list(engines)
-    while active:
-        for item in list(active):
-            e = item[1].engine
-            t0 = time.perf_counter()
-            e.step()
-            item[2] += time.perf_counter() - t0
-            item[3] = max(item[3], e.scheduler.num_running)
-            if not e.has_unfinished_requests():
-                active.remove(item)
+    engines = run_interleaved(
+        [(name, LLM(**common, kv_cache_memory=pool, hybrid_kv_cache=hybrid))
+         for name, hybrid in (("one table", False), ("block groups", True))], prompts, sp)
     base = None
-    for name, llm, seconds, max_running, nblocks in engines:
+    for name, llm, seconds, max_running in engines:
+        nblocks = llm.engine.block_manager.num_blocks
         tps = args.requests * args.output_len / seconds
         base = base or (max_running, tps)
         print(f"{name:<13} blocks {nblocks:>6}  max running {max_running:>3}  "

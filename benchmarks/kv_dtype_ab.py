@@ -63,31 +63,40 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 20000) for _ in range(args.input_len)]
                for _ in range(args.requests)]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    engines = []
-    for name, kw in cases:
-        llm = LLM(dtype=args.dtype, num_threads=args.num_threads, kernel_tuning="cached",
-                  enable_prefix_caching=False, **kw)
-        e = llm.engine
-        for i, p in enumerate(prompts):
-            e.add_request(f"r{i}", None, sp, prompt_token_ids=p)
-        engines.append([name, llm, 0.0, 0, e.executor.kv_cache.num_blocks])
-    active = list(engines)
-    while active:
-        for item in list(active):
-            e = item[1].engine
-            t0 = time.perf_counter()
-            e.step()
-            item[2] += time.perf_counter() - t0
-            item[3] = max(item[3], e.scheduler.num_running)
-            if not e.has_unfinished_requests():
-                active.remove(item)
+    engines = run_interleaved(
+        [(name, LLM(dtype=args.dtype, num_threads=args.num_threads, kernel_tuning="cached",
+                    enable_prefix_caching=False, **kw)) for name, kw in cases], prompts, sp)
     base = None
-    for name, _, seconds, max_running, nblocks in engines:
+    for name, llm, seconds, max_running in engines:
+        nblocks = llm.engine.executor.kv_cache.num_blocks
         tps = args.requests * args.output_len / seconds
         base = base or (max_running, tps)
         print(f"{name:<26} blocks {nblocks:>5}  max running {max_running:>3}  "
               f"{tps:8.1f} output tok/s  ({seconds:.1f} s of steps)  ratio: running "
               f"{max_running / base[0]:.2f}x, throughput {tps / base[1]:.2f}x", flush=True)
+
+
+def run_interleaved(engines: list[tuple[str, LLM]], prompts: list[list[int]],
+                    sp: SamplingParams) -> list[tuple[str, LLM, float, int]]:
+    """Every prompt submitted to each engine at once, then the engines' steps interleaved
+    one by one until all are done: (name, LLM, seconds of its own steps, most sequences
+    running at once) per engine."""
+    rows = []
+    for name, llm in engines:
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(f"r{i}", None, sp, prompt_token_ids=p)
+        rows.append([name, llm, 0.0, 0])
+    active = list(rows)
+    while active:
+        for row in list(active):
+            e = row[1].engine
+            t0 = time.perf_counter()
+            e.step()
+            row[2] += time.perf_counter() - t0
+            row[3] = max(row[3], e.scheduler.num_running)
+            if not e.has_unfinished_requests():
+                active.remove(row)
+    return [tuple(r) for r in rows]
 
 
 if __name__ == "__main__":
