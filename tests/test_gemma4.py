@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
-                     assert_multimodal_checkpoint_serves_its_text_model, prompt_logits,
-                     tiny_hf_checkpoint)
+                     assert_multimodal_checkpoint_serves_its_text_model,
+                     assert_tensor_parallel_matches, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.attention import AttentionSpec, select
@@ -191,11 +191,45 @@ def test_decode_stack_declines_with_the_reason(checkpoints):
                        "gemma4_dense": "layer 0: its values are RMS-normalised (v_norm)"}
 
 
-def test_tensor_parallel_and_lora_are_refused(gemma4):
-    with pytest.raises(ValueError, match="tensor parallelism does not support the gemma4"):
-        LLM(model=gemma4[0], tensor_parallel_size=2, **KW)
+def test_lora_is_refused(gemma4):
     with pytest.raises(ValueError, match="LoRA adapters cannot adapt a model whose layers"):
         LLM(model=gemma4[0], enable_lora=True, cpu_kernels=False, **KW)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tensor_parallel_2_matches_tp1(checkpoints, name):
+    """Two ranks, each layer split by its own shape: the sliding layers' 2 KV heads one a
+    rank, the global layers' single K=V head (32 dims) on both ranks with half its query
+    heads each, the KV-shared layers' double-wide MLPs by their own width, each expert
+    beside the MLP by half its intermediate size; the per-layer inputs replicated."""
+    assert_tensor_parallel_matches(dict(model=checkpoints[name][0], num_threads=1, **KW),
+                                   PROMPTS, GREEDY)
+
+
+def test_tensor_parallel_plans_each_layer_by_its_shape(gemma4):
+    """The rank's plan a layer, and its local config: the KV pool's shapes and the MLP
+    widths of this rank's part."""
+    from servelm.distributed.sharding import ShardPlan
+
+    cfg = ModelConfig.from_hf_dir(gemma4[0])
+    for rank in (0, 1):
+        plan = ShardPlan.of(cfg, rank, 2)
+        local = plan.local_config(cfg)
+        assert local.num_heads == 2 and local.kv_heads_of(0) == 1
+        assert [local.kv_heads_of(i) for i in range(6)] == [1, 1, 1, 1, 1, 1]
+        assert [local.head_dim_of(i) for i in range(6)] == [16, 16, 32, 16, 16, 32]
+        assert [local.intermediate_of(i) for i in range(6)] == [48, 48, 48, 48, 96, 96]
+        assert plan.for_layer(0).kv_heads == (rank, rank + 1)  # sliding: 2 KV heads
+        assert plan.for_layer(2).kv_heads == (0, 1)            # global: 1, shared
+        assert plan.for_layer(2).q_heads == (2 * rank, 2 * rank + 2)
+        assert plan.slice_of("model.layers.2.self_attn.k_proj.weight") == [(0, 0, 32)]
+        assert plan.slice_of("model.layers.0.self_attn.k_proj.weight") == [
+            (0, 16 * rank, 16 * rank + 16)]
+        assert plan.slice_of("model.layers.5.mlp.down_proj.weight") == [
+            (1, 96 * rank, 96 * rank + 96)]
+        assert plan.slice_of("model.layers.1.experts.gate_up_proj") == [
+            (1, 16 * rank, 16 * rank + 16), (1, 32 + 16 * rank, 32 + 16 * rank + 16)]
+        assert plan.slice_of("model.embed_tokens_per_layer.weight") is None
 
 
 # ---- the KV pool's per-layer shapes and the backends that cannot run them --------------------
@@ -415,6 +449,16 @@ def test_gguf_loads_as_its_hf_checkpoint(checkpoints, name, gguf_path, tmp_path)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert ([o.outputs[0].token_ids for o in gg.generate(PROMPTS, greedy, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in hf.generate(PROMPTS, greedy, use_tqdm=False)])
+
+
+def test_gguf_tensor_parallel_2_matches_tp1(gemma4, gguf_path, tmp_path):
+    """The same split read from llama.cpp's file: the per-layer KV heads and widths from its
+    arrays, the fused experts' gate_up by halves, the per-layer table replicated."""
+    from helpers import gguf_tokenizer_metadata
+
+    path = tmp_path / "model.gguf"
+    _write_gemma4_gguf(path, gemma4[1], gguf_tokenizer_metadata(gguf_path), extra_ple_rows=5)
+    assert_tensor_parallel_matches(dict(model=str(path), num_threads=1, **KW), PROMPTS, GREEDY)
 
 
 def test_mxfp4_experts_gguf_runs_them_as_mxfp4(checkpoints, gguf_path, tmp_path):

@@ -29,6 +29,10 @@ Heads need not divide evenly. With at least as many KV heads as ranks, each rank
 contiguous run of KV heads with all of their query heads (SmolLM2's 3 KV heads over 2
 ranks: 1 and 2). With more ranks than KV heads, each rank takes one KV head (replicated
 on the ranks that share it) and a share of that head's query heads.
+
+A model whose layers differ in head size, KV heads or MLP width (Gemma 4's global layers,
+its double-wide MLPs) has a plan a layer (`ShardPlan.for_layer`), each splitting that
+layer's own heads and width; every layer must give a rank the same number of query heads.
 """
 
 from __future__ import annotations
@@ -85,6 +89,28 @@ class ShardPlan:
     total_lin_v_heads: int = 0
     lin_dk: int = 0
     lin_dv: int = 0
+    # A plan a layer where the layers differ in heads or width (else empty: this plan's).
+    layer_plans: tuple["ShardPlan", ...] = ()
+
+    @staticmethod
+    def _heads(H: int, KVH: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(query heads, KV heads) of this rank, of H query heads over KVH KV heads."""
+        g = H // KVH
+        if world <= KVH:
+            k0, k1 = split_range(KVH, world, rank)
+            return (k0 * g, k1 * g), (k0, k1)
+        # More ranks than KV heads: share each KV head among consecutive ranks.
+        k0 = rank * KVH // world
+        sharers = [r for r in range(world) if r * KVH // world == k0]
+        if len(sharers) > g:
+            raise ValueError(f"tensor_parallel_size {world} cannot be spread over "
+                             f"{KVH} KV heads of {g} query heads each")
+        a, b = split_range(g, len(sharers), sharers.index(rank))
+        return (k0 * g + a, k0 * g + b), (k0, k0 + 1)
+
+    def for_layer(self, layer: int) -> "ShardPlan":
+        """The plan of one layer's attention and MLP (this one where the layers are alike)."""
+        return self.layer_plans[layer] if self.layer_plans else self
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardPlan":
@@ -101,19 +127,7 @@ class ShardPlan:
         if cfg.qk_norm_whole and world > KVH:
             raise ValueError(f"tensor_parallel_size {world} is more than the model's {KVH} "
                              f"KV heads: its k norm spans every KV head, once each")
-        g = H // KVH
-        if world <= KVH:
-            k0, k1 = split_range(KVH, world, rank)
-            q_heads = (k0 * g, k1 * g)
-        else:  # more ranks than KV heads: share each KV head among consecutive ranks
-            k0 = rank * KVH // world
-            k1 = k0 + 1
-            sharers = [r for r in range(world) if r * KVH // world == k0]
-            if len(sharers) > g:
-                raise ValueError(f"tensor_parallel_size {world} cannot be spread over "
-                                 f"{KVH} KV heads of {g} query heads each")
-            a, b = split_range(g, len(sharers), sharers.index(rank))
-            q_heads = (k0 * g + a, k0 * g + b)
+        q_heads, (k0, k1) = cls._heads(H, KVH, world, rank)
         if world > cfg.intermediate_size:
             raise ValueError(f"tensor_parallel_size {world} is more than the intermediate "
                              f"size {cfg.intermediate_size}")
@@ -145,7 +159,7 @@ class ShardPlan:
         per = -(-cfg.vocab_size // world)
         if (world - 1) * per >= cfg.vocab_size:
             raise ValueError(f"vocabulary of {cfg.vocab_size} cannot be split {world} ways")
-        return cls(rank=rank, world=world, head_dim=cfg.head_dim, q_heads=q_heads,
+        plan = cls(rank=rank, world=world, head_dim=cfg.head_dim, q_heads=q_heads,
                    kv_heads=(k0, k1),
                    intermediate=split_range(cfg.intermediate_size, world, rank),
                    vocab=(rank * per, min(cfg.vocab_size, (rank + 1) * per)),
@@ -156,6 +170,27 @@ class ShardPlan:
                    v_head_dim=mla["v_head_dim"] if mla else cfg.head_dim,
                    kv_b_head=mla["qk_nope_head_dim"] + mla["v_head_dim"] if mla else 0,
                    **lin_fields)
+        if cfg.layer_head_dims or cfg.layer_kv_heads or cfg.extra.get("intermediate_sizes"):
+            plan = dataclasses.replace(plan, layer_plans=tuple(
+                plan._layer(cfg, i) for i in range(cfg.num_layers)))
+        return plan
+
+    def _layer(self, cfg: ModelConfig, i: int) -> "ShardPlan":
+        """Layer i's plan: its own head size, KV heads and MLP width split as the model's."""
+        kvh, inter, d = cfg.kv_heads_of(i), cfg.intermediate_of(i), cfg.head_dim_of(i)
+        q_heads, kv_heads = self._heads(self.total_heads, kvh, self.world, self.rank)
+        if q_heads[1] - q_heads[0] != self.num_heads:
+            raise ValueError(f"tensor_parallel_size {self.world} gives rank {self.rank} "
+                             f"{q_heads[1] - q_heads[0]} query heads on layer {i} ({kvh} KV "
+                             f"heads) and {self.num_heads} on the others: the layers' KV "
+                             f"heads must split alike")
+        if self.world > inter:
+            raise ValueError(f"tensor_parallel_size {self.world} is more than layer {i}'s "
+                             f"intermediate size {inter}")
+        return dataclasses.replace(self, head_dim=d, v_head_dim=d, q_heads=q_heads,
+                                   kv_heads=kv_heads, total_kv_heads=kvh,
+                                   intermediate=split_range(inter, self.world, self.rank),
+                                   total_intermediate=inter)
 
     @property
     def num_heads(self) -> int:
@@ -192,6 +227,12 @@ class ShardPlan:
             moe["extra"] = {**cfg.extra, "linear_attn": {
                 **lin, "num_k_heads": self.lin_k_heads[1] - self.lin_k_heads[0],
                 "num_v_heads": self.lin_v_heads[1] - self.lin_v_heads[0]}}
+        if self.layer_plans:  # each layer's own KV heads and MLP width
+            if cfg.layer_kv_heads:
+                moe["layer_kv_heads"] = tuple(p.num_kv_heads for p in self.layer_plans)
+            if cfg.extra.get("intermediate_sizes"):
+                moe["extra"] = {**moe.get("extra", cfg.extra), "intermediate_sizes": tuple(
+                    p.intermediate_size for p in self.layer_plans)}
         return dataclasses.replace(cfg, num_heads=self.num_heads,
                                    num_kv_heads=self.num_kv_heads,
                                    intermediate_size=self.intermediate_size, **moe)
@@ -235,11 +276,12 @@ class ShardPlan:
          "moe_intermediate", "one"),
         (r"\.(mlp|block_sparse_moe)\.experts\.\d+\.(down_proj|w2)\.weight$", 1,
          "moe_intermediate", "one"),
-        # ... or all of them in one: GGUF's [E, I, H] / [E, H, I], transformers 5's down.
+        # ... or all of them in one: GGUF's [E, I, H] / [E, H, I], transformers 5's down
+        # (Gemma 4's experts sit beside the MLP: layers.N.experts).
         (r"\.(mlp|block_sparse_moe)\.experts\.(gate_proj|up_proj)\.weight$", 1,
          "moe_intermediate", "one"),
-        (r"\.(mlp|block_sparse_moe)\.experts\.down_proj(\.weight)?$", 2, "moe_intermediate",
-         "one"),
+        (r"\.(mlp|block_sparse_moe|layers\.\d+)\.experts\.down_proj(\.weight)?$", 2,
+         "moe_intermediate", "one"),
         (r"\.mlp\.experts\.(gate_proj|up_proj)\.bias$", 1, "moe_intermediate", "one"),
         (r"\.block_sparse_moe\.output_linear\.weight$", 2, "moe_intermediate", "one"),  # Granite
         # Llama 4's feed_forward: its shared expert, a dense layer's MLP, the experts' down
@@ -264,7 +306,7 @@ class ShardPlan:
         (r"\.mlp\.gate_up_proj\.weight$", 0,
          (("intermediate", "one", "total_intermediate"),
           ("intermediate", "one", "total_intermediate"))),
-        (r"\.(mlp|block_sparse_moe)\.experts\.gate_up_proj$", 1,
+        (r"\.(mlp|block_sparse_moe|layers\.\d+)\.experts\.gate_up_proj$", 1,
          (("moe_intermediate", "one", "total_moe_intermediate"),
           ("moe_intermediate", "one", "total_moe_intermediate"))),
         (r"\.mlp\.experts\.gate_up_proj_bias$", 1,  # llama.cpp's fused gpt-oss [E, 2 I]
@@ -293,7 +335,10 @@ class ShardPlan:
     def slice_of(self, hf_name: str, rules: tuple = ()) -> list[tuple[int, int, int]] | None:
         """The (dim, start, end) pieces of a checkpoint tensor this rank keeps, to be joined
         along dim in order (one piece, or one per part of a fused tensor); None: replicated.
-        rules: a family's own (Family.hf_shard_rules), before the shared ones."""
+        rules: a family's own (Family.hf_shard_rules), before the shared ones. A layer's
+        tensor is sliced by its layer's plan."""
+        if self.layer_plans and (m := _LAYER.search(hf_name)):
+            return self.layer_plans[int(m.group(1))].slice_of(hf_name, rules)
         for pattern, dim, attr, unit in (*rules, *self._RULES):
             if re.search(pattern, hf_name):
                 a, b = getattr(self, attr)
@@ -309,6 +354,9 @@ class ShardPlan:
                     offset += getattr(self, total) * scale
                 return pieces
         return None
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class _RowParallel:
@@ -408,6 +456,12 @@ def _shard_deltanet(d: GatedDeltaNet, cfg: ModelConfig, plan: ShardPlan, group) 
         head_v_dim=d.head_v_dim, conv_kernel=d.kernel, eps=d.eps)
 
 
+def _shard_experts(moe: SparseMoE, plan: ShardPlan, group) -> nn.Module:
+    """Routed experts over this rank's slice of each one's intermediate size."""
+    return ParallelSparseMoE(group, **{**moe.options, "intermediate": plan.moe_intermediate_size,
+                                       "shared_intermediate": plan.shared_intermediate_size})
+
+
 def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     """Swap `model`'s modules for this rank's 1/N versions, in place (call it on the meta
     device, before loading). model.config becomes the rank's local config."""
@@ -415,22 +469,23 @@ def shard_model(model: nn.Module, plan: ShardPlan, group) -> nn.Module:
     model.family.require_tensor_parallel()
     device = next(model.parameters()).device
     with device:
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             # The same blocks with the same options, on this rank's heads and slice.
+            lp = plan.for_layer(i)
             if layer.linear:
                 layer.linear_attn = _shard_deltanet(layer.linear_attn, cfg, plan, group)
             else:
-                layer.self_attn = _shard_attention(layer.self_attn, plan, group)
+                layer.self_attn = _shard_attention(layer.self_attn, lp, group)
             if isinstance(layer.mlp, MLP):
                 layer.mlp = ParallelMLP(
-                    group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
+                    group, **{**layer.mlp.options, "intermediate": lp.intermediate_size})
             elif isinstance(layer.mlp, SparseMoE):
-                layer.mlp = ParallelSparseMoE(
-                    group, **{**layer.mlp.options, "intermediate": plan.moe_intermediate_size,
-                              "shared_intermediate": plan.shared_intermediate_size})
+                layer.mlp = _shard_experts(layer.mlp, plan, group)
             else:
                 layer.mlp = ParallelGatedMLP(
-                    group, **{**layer.mlp.options, "intermediate": plan.intermediate_size})
+                    group, **{**layer.mlp.options, "intermediate": lp.intermediate_size})
+            if getattr(layer, "moe", None) is not None:  # Gemma 4's experts beside the MLP
+                layer.moe.experts = _shard_experts(layer.moe.experts, plan, group)
         model.embed_tokens = VocabParallelEmbedding(*plan.vocab, cfg.hidden_size, group)
         model.lm_head = nn.Linear(cfg.hidden_size, plan.local_vocab, bias=cfg.lm_head_bias)
     if cfg.tie_word_embeddings:

@@ -20,7 +20,12 @@ times sqrt(hidden), sliding and global layers with their own rotary) with
 
 The multimodal Gemma4ForConditionalGeneration keeps the text config in text_config and the
 text model's tensors under model.language_model. (the vision and audio towers and their
-embedders are not read). Tensor parallelism is refused.
+embedders are not read).
+
+Tensor parallelism splits each layer by its own heads and width (sharding.ShardPlan's plan
+a layer): a global layer's KV heads (shared by the ranks where there are fewer than they),
+a double-wide MLP's intermediate; the experts beside the MLP like any routed experts, the
+router, the per-layer inputs and their table replicated.
 
 GGUF: llama.cpp's `gemma4`. The file states the layer kinds (attention.sliding_window_pattern,
 true: sliding), the sliding and global head sizes (key_length_swa, key_length), the KV heads
@@ -133,7 +138,6 @@ class Gemma4(Family):
                "per_layer_input_gate": "per_layer_input.gate",
                "per_layer_projection": "per_layer_input.proj",
                "post_per_layer_input_norm": "per_layer_input.norm"}
-    tensor_parallel = False  # per-layer KV shapes and shared caches have no sharded form yet
     gguf_architectures = ("gemma4",)
     gguf_layer_names = {"post_attention_norm": "post_attention_layernorm",
                         "ffn_norm": "pre_feedforward_layernorm",
