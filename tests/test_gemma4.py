@@ -191,11 +191,6 @@ def test_decode_stack_declines_with_the_reason(checkpoints):
                        "gemma4_dense": "layer 0: its values are RMS-normalised (v_norm)"}
 
 
-def test_lora_is_refused(gemma4):
-    with pytest.raises(ValueError, match="LoRA adapters cannot adapt a model whose layers"):
-        LLM(model=gemma4[0], enable_lora=True, cpu_kernels=False, **KW)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tensor_parallel_2_matches_tp1(checkpoints, name):
     """Two ranks, each layer split by its own shape: the sliding layers' 2 KV heads one a

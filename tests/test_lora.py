@@ -1,5 +1,6 @@
 """LoRA adapters served by the engine: greedy tokens equal transformers + PEFT (fp32) for
-Llama, Qwen2 (q/k/v bias), Qwen3 and Phi-3 (fused projections); a mixed batch gives each
+Llama, Qwen2 (q/k/v bias), Qwen3, Phi-3 (fused projections), GLM-4 and Gemma 4 (layers of
+differing shapes); a mixed batch gives each
 sequence its tokens alone; residency past max_loras; prefix-cache separation; bad input."""
 
 from __future__ import annotations
@@ -27,6 +28,22 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0),
              ["q_proj", "k_proj", "v_proj", "gate_up_proj"]),
 }
+if hasattr(transformers, "Gemma4TextConfig"):
+    # Layers of three shapes: sliding ones, global ones with their own head size and one K=V
+    # head (no v_proj), KV-shared ones (q_proj alone) with double-wide MLPs; routed experts
+    # beside each dense MLP, which is adapted.
+    _S, _F = "sliding_attention", "full_attention"
+    FAMILIES["gemma4"] = (
+        "Gemma4TextConfig", "Gemma4ForCausalLM",
+        dict(num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8,
+             layer_types=[_S, _S, _F, _S, _S, _F], num_global_key_value_heads=1,
+             attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+             hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+             top_k_experts=2, moe_intermediate_size=32, initializer_range=0.05,
+             rope_parameters={_S: {"rope_type": "default", "rope_theta": 10000.0},
+                              _F: {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                   "rope_theta": 1e4}}),
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            "1, 2, 3, 5, 8, 13, 21, 34, 55,"]
@@ -169,6 +186,35 @@ def test_bad_adapters_are_refused_by_name(llama_engine, family_setups, tmp_path)
     with pytest.raises(KeyError):
         engine.remove_lora("tmp")
     assert llm.generate(["x"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.skipif("gemma4" not in FAMILIES, reason="this transformers has no Gemma 4")
+@pytest.mark.parametrize("module, match", [
+    ("layers.2.self_attn.v_proj", "layer 2 has no v_proj .*its keys are its values"),
+    ("layers.4.self_attn.k_proj", "layer 4 has no k_proj .*reads layer 3's keys and values")])
+def test_an_adapter_for_a_projection_the_layer_lacks_is_refused(family_setups, tmp_path,
+                                                                 module, match):
+    """Gemma 4's K=V global layers have no v_proj and its KV-shared layers no k_proj or
+    v_proj: an adapter holding one (another base's) is refused naming the layer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from servelm.lora.loader import LoRAError, load_adapter
+    from servelm.models.config import ModelConfig
+
+    path, _, adapters = family_setups["gemma4"]
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters[0][0], bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    prefix = f"base_model.model.model.{module}"
+    tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, 64)
+    tensors[f"{prefix}.lora_B.weight"] = torch.randn(16, 8)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    cfg = ModelConfig.from_hf_dir(path)
+    assert load_adapter(adapters[0][0], cfg).rank == 8
+    with pytest.raises(LoRAError, match=match):
+        load_adapter(str(bad), cfg)
 
 
 def test_lora_needs_enabling():

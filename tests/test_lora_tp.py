@@ -8,7 +8,7 @@ import torch
 
 from helpers import tiny_hf_checkpoint
 from servelm import LLM, LoRARequest, SamplingParams
-from test_lora import make_adapter
+from test_lora import FAMILIES, make_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -25,11 +25,13 @@ def _restore_threads():
     torch.set_num_threads(n)
 
 
-def test_tp2_with_adapters_equals_tp1(tmp_path_factory, hf_tokenizer):
+@pytest.mark.parametrize("family", ["llama"] + (["gemma4"] if "gemma4" in FAMILIES else []))
+def test_tp2_with_adapters_equals_tp1(tmp_path_factory, hf_tokenizer, family):
+    """Llama, and Gemma 4, whose layers each split by their own shape (the global layers'
+    one K=V head on both ranks, the KV-shared layers' q alone, the double-wide MLPs)."""
     d = tmp_path_factory.mktemp("tp-base")
-    base = tiny_hf_checkpoint(d, "LlamaConfig", "LlamaForCausalLM", dict(head_dim=16),
-                              hf_tokenizer, seed=3)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config_cls, model_cls, extra, targets = FAMILIES[family]
+    base = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=3)
     loras = []
     for j in range(2):
         ad = tmp_path_factory.mktemp(f"tp-lora-{j}")

@@ -149,12 +149,25 @@ def load_adapter(path: str, model_config, name: str | None = None,
 
 # ---- placement (both formats) ----------------------------------------------------------------
 
-def _layer_shapes(cfg) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Decoder module under layers.{i} -> (its parts' output widths, its input width)."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"self_attn.qkv_proj": ((q, kv, kv), h), "self_attn.o_proj": ((h,), q),
+def _layer_shapes(cfg, layer: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Decoder module under layers.{layer} -> (its parts' output widths, its input width):
+    the layer's own head size, KV heads and MLP width (Gemma 4's differ by layer), and its
+    qkv_proj's parts (q and k where the values are the keys, q alone where the layer reads
+    another's keys and values)."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_of(layer), cfg.head_dim_of(layer)
+    q, kv = cfg.num_heads * d, cfg.kv_heads_of(layer) * d
+    parts = len(qkv_parts(cfg, layer))
+    return {"self_attn.qkv_proj": ((q, kv, kv)[:parts], h), "self_attn.o_proj": ((h,), q),
             "mlp.gate_up_proj": ((inter, inter), h), "mlp.down_proj": ((h,), inter)}
+
+
+def qkv_parts(cfg, layer: int) -> tuple[str, ...]:
+    """The projections a layer's qkv_proj holds (models.layers.Attention.qkv_parts)."""
+    if cfg.kv_source(layer) != layer:
+        return ("q_proj",)
+    if layer in cfg.extra.get("k_eq_v_layers", ()):
+        return ("q_proj", "k_proj")
+    return ("q_proj", "k_proj", "v_proj")
 
 
 def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
@@ -163,7 +176,6 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
     decoder module's parts."""
     if not weights:
         raise LoRAError(f"{path}: the adapter holds no LoRA weights")
-    shapes = _layer_shapes(cfg)
     modules: dict[str, list[Part]] = {}
     rank = 0
     for w in weights:
@@ -178,10 +190,22 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
             raise LoRAError(f"{path}: {w.source}: layer {layer} is beyond the base model's "
                             f"{cfg.num_layers} layers")
         module, part = target
-        if module.startswith("mlp.") and cfg.is_moe_layer(layer):
+        if (module.startswith("mlp.") and cfg.is_moe_layer(layer)
+                and not cfg.extra.get("moe_beside_mlp")):  # (Gemma 4's MLP is beside them)
             raise LoRAError(f"{path}: {w.source}: layer {layer}'s MLP is routed experts, "
                             f"which servelm does not adapt")
-        widths, k = shapes[module]
+        widths, k = _layer_shapes(cfg, layer)[module]
+        if part is not None and part >= len(widths):
+            held = qkv_parts(cfg, layer)
+            raise LoRAError(f"{path}: {w.source}: layer {layer} has no "
+                            f"{TARGET_PARTS['qkv_proj'][part]} (its attention projects "
+                            f"{', '.join(held)} only: "
+                            + ("its keys are its values)" if len(held) == 2 else
+                               f"it reads layer {cfg.kv_source(layer)}'s keys and values)"))
+        if part is None and module == "self_attn.qkv_proj" and len(widths) < 3:
+            raise LoRAError(f"{path}: {w.source}: layer {layer}'s attention has no fused "
+                            f"q/k/v projection to adapt whole (it projects "
+                            f"{', '.join(qkv_parts(cfg, layer))} only)")
         n = sum(widths) if part is None else widths[part]
         a, b = w.a, w.b
         r = a.shape[0] if a.dim() == 2 else -1
@@ -214,7 +238,8 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
                 # (layers.rotate_half_rows): B's rows move with them.
                 from servelm.models.layers import rotate_half_rows
 
-                rows = rotate_half_rows(rows, cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
+                d = cfg.head_dim_of(layer)
+                rows = rotate_half_rows(rows, d, cfg.rotary_dim or d)
             parts[j] = (a, rows.contiguous())
     return modules, rank
 

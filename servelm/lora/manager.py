@@ -183,6 +183,7 @@ def shard_parts(path: str, parts: list, plan) -> list:
     rows of each part's B (its heads, its slice of the intermediate size) and all of A;
     row-parallel o_proj and down_proj keep the rank's columns of A and all of B, their
     partial deltas summed by the layer's all-reduce with its output."""
+    plan = plan.for_layer(int(path.split(".")[1]))  # path: layers.{i}.<section>.<name>
     D = plan.head_dim
     q = slice(plan.q_heads[0] * D, plan.q_heads[1] * D)
     kv = slice(plan.kv_heads[0] * D, plan.kv_heads[1] * D)

@@ -18,8 +18,10 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
     for i, layer in enumerate(model.layers):
         attn = getattr(layer, "self_attn", None)  # (none: a linear-attention layer)
         if isinstance(attn, Attention):
+            # Its parts: q, k and v, or fewer (Gemma 4: K=V layers, KV-shared layers).
+            kv = (attn.kv_size,) * (len(attn.qkv_parts) - 1)
             out.append((f"layers.{i}.self_attn.qkv_proj", attn, "qkv_proj",
-                        (attn.q_size, attn.kv_size, attn.kv_size), attn.options["hidden"]))
+                        (attn.q_size, *kv), attn.options["hidden"]))
             out.append((f"layers.{i}.self_attn.o_proj", attn, "o_proj",
                         (attn.options["hidden"],), attn.q_size))
         mlp = getattr(layer, "mlp", None)
@@ -37,12 +39,6 @@ def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoR
     the DecodeStack adds the delta before the SiLU) in a LoRALinear with
     max_loras empty slots of rank max_rank; `model.lora_step` is their shared LoRAStep.
     Returns the wrapped layers by module path (the adapter loader's names)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and (not cfg.uniform_kv or "intermediate_sizes" in cfg.extra or any(
-            len(getattr(layer.self_attn, "qkv_parts", "qkv")) != 3 for layer in model.layers)):
-        # The adapters' shapes are the model's one layer shape (lora.loader._layer_shapes).
-        raise ValueError("LoRA adapters cannot adapt a model whose layers differ in attention "
-                         "or MLP shape (Gemma 4's global and KV-shared layers) yet")
     step = LoRAStep()
     dtype = model.norm.weight.dtype
     device = model.norm.weight.device
