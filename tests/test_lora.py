@@ -1,6 +1,7 @@
 """LoRA adapters served by the engine: greedy tokens equal transformers + PEFT (fp32) for
-Llama, Qwen2 (q/k/v bias), Qwen3, Phi-3 (fused projections), GLM-4 and Gemma 4 (layers of
-differing shapes); a mixed batch gives each
+Llama, Qwen2 (q/k/v bias), Qwen3, Phi-3 (fused projections), GLM-4, Qwen3.5 and
+Qwen3-Next (gated queries, gated DeltaNet layers) and Gemma 4 (layers of differing shapes);
+a mixed batch gives each
 sequence its tokens alone; residency past max_loras; prefix-cache separation; bad input."""
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0),
              ["q_proj", "k_proj", "v_proj", "gate_up_proj"]),
 }
+_HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4, initializer_range=0.1)
+if hasattr(transformers, "Qwen3_5TextConfig"):
+    # Gated attention (q_proj holds each head's query and output gate) between gated
+    # DeltaNet layers (their projections apart: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+    FAMILIES["qwen3_5"] = (
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _HYBRID,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"])
+if hasattr(transformers, "Qwen3NextConfig"):
+    # The DeltaNet's projections fused per key head (in_proj_qkvz, in_proj_ba); MoE MLPs.
+    FAMILIES["qwen3_next"] = (
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        dict(_HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32),
+        ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"])
 if hasattr(transformers, "Gemma4TextConfig"):
     # Layers of three shapes: sliding ones, global ones with their own head size and one K=V
     # head (no v_proj), KV-shared ones (q_proj alone) with double-wide MLPs; routed experts

@@ -33,7 +33,8 @@ Part = tuple[torch.Tensor, torch.Tensor] | None
 
 # The decoder block each adaptable layer lives in.
 _SECTION = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
-            "down_proj": "mlp"}
+            "down_proj": "mlp", "in_proj_qkvz": "linear_attn", "in_proj_ba": "linear_attn",
+            "out_proj": "linear_attn"}
 # A checkpoint layer (its name under layers.{i}, decoder spelling) -> (the decoder's module
 # under layers.{i}, the part it fills; None: the whole fused layer, every part).
 _TARGETS: dict[str, tuple[str, int | None]] = {}
@@ -142,7 +143,7 @@ def load_adapter(path: str, model_config, name: str | None = None,
     if getattr(model_config, "qkv_per_head", False):
         raise LoRAError(f"{path}: servelm does not adapt a base whose q/k/v rows are "
                         f"interleaved head by head (GPT-NeoX)")
-    modules, rank = _place(path, weights, model_config, max_rank)
+    modules, rank = _place(path, weights, model_config, max_rank, family, gguf=fmt == "gguf")
     return LoRAAdapter(name=name, path=path, rank=rank, alpha=alpha, modules=modules,
                        format=fmt)
 
@@ -155,10 +156,17 @@ def _layer_shapes(cfg, layer: int) -> dict[str, tuple[tuple[int, ...], int]]:
     qkv_proj's parts (q and k where the values are the keys, q alone where the layer reads
     another's keys and values)."""
     h, inter, d = cfg.hidden_size, cfg.intermediate_of(layer), cfg.head_dim_of(layer)
+    mlp = {"mlp.gate_up_proj": ((inter, inter), h), "mlp.down_proj": ((h,), inter)}
+    if cfg.is_linear_layer(layer):  # a gated DeltaNet: q | k | v and z, b and a, out_proj
+        lin = cfg.extra["linear_attn"]
+        key, value = lin["num_k_heads"] * lin["head_k_dim"], lin["num_v_heads"] * lin["head_v_dim"]
+        return {"linear_attn.in_proj_qkvz": ((2 * key + value, value), h),
+                "linear_attn.in_proj_ba": ((lin["num_v_heads"],) * 2, h),
+                "linear_attn.out_proj": ((h,), value), **mlp}
     q, kv = cfg.num_heads * d, cfg.kv_heads_of(layer) * d
     parts = len(qkv_parts(cfg, layer))
     return {"self_attn.qkv_proj": ((q, kv, kv)[:parts], h), "self_attn.o_proj": ((h,), q),
-            "mlp.gate_up_proj": ((inter, inter), h), "mlp.down_proj": ((h,), inter)}
+            **mlp}
 
 
 def qkv_parts(cfg, layer: int) -> tuple[str, ...]:
@@ -170,8 +178,8 @@ def qkv_parts(cfg, layer: int) -> tuple[str, ...]:
     return ("q_proj", "k_proj", "v_proj")
 
 
-def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
-           ) -> tuple[dict[str, list[Part]], int]:
+def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None, family=None,
+           gguf: bool = False) -> tuple[dict[str, list[Part]], int]:
     """Check each weight against the base's shapes and put it (scale folded into B) in its
     decoder module's parts."""
     if not weights:
@@ -183,13 +191,23 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
         target = m and _TARGETS.get(m.group(2))
         if not target:
             raise LoRAError(f"{path}: {w.source}: servelm does not adapt this layer "
-                            f"(adapted: q/k/v/o projections and the dense MLP's "
-                            f"gate/up/down)")
+                            f"(adapted: q/k/v/o projections, the dense MLP's gate/up/down "
+                            f"and a gated DeltaNet's in_proj_qkv/z/b/a and out_proj)")
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise LoRAError(f"{path}: {w.source}: layer {layer} is beyond the base model's "
                             f"{cfg.num_layers} layers")
         module, part = target
+        if (not module.startswith("mlp.")
+                and module.startswith("linear_attn.") != cfg.is_linear_layer(layer)):
+            raise LoRAError(f"{path}: {w.source}: layer {layer} is "
+                            + ("linear attention (a gated DeltaNet)" if cfg.is_linear_layer(layer)
+                               else "not linear attention")
+                            + " (an adapter for another base model?)")
+        if module.startswith("linear_attn.") and gguf:
+            raise LoRAError(f"{path}: {w.source}: GGUF LoRA adapters on linear-attention "
+                            f"layers are not supported (llama.cpp orders their value heads "
+                            f"its own way): use the PEFT adapter")
         if (module.startswith("mlp.") and cfg.is_moe_layer(layer)
                 and not cfg.extra.get("moe_beside_mlp")):  # (Gemma 4's MLP is beside them)
             raise LoRAError(f"{path}: {w.source}: layer {layer}'s MLP is routed experts, "
@@ -207,6 +225,16 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
                             f"q/k/v projection to adapt whole (it projects "
                             f"{', '.join(qkv_parts(cfg, layer))} only)")
         n = sum(widths) if part is None else widths[part]
+        # A gated attention's q_proj (Qwen3-Next, Qwen3.5) holds each head's query and its
+        # output gate ([heads, 2, head_dim] rows), which the base splits into qkv_proj's q
+        # and attn_gate at load: B's rows are split the same way, A serves both.
+        gated = (module == "self_attn.qkv_proj" and cfg.extra.get("attn_output_gate")
+                 and not cfg.is_linear_layer(layer))
+        if gated and part is None:
+            raise LoRAError(f"{path}: {w.source}: layer {layer}'s queries carry an output "
+                            f"gate: adapt q_proj, k_proj and v_proj apart")
+        if gated and part == 0:
+            n *= 2
         a, b = w.a, w.b
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, k) or tuple(b.shape) != (n, r):
@@ -224,6 +252,16 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None
         parts = modules.setdefault(key, [None] * len(widths))
         a = a.float().contiguous()
         b = b.float() * w.scale
+        if part is None and module.startswith("linear_attn.in_proj") and family is not None:
+            # Qwen3-Next's fused pair, per key head: B's rows reordered as the base's are.
+            name = f"layers.{layer}.{module}.weight"
+            b = family.split(name, b, cfg)[0][1]
+        if gated and part == 0:
+            d = cfg.head_dim_of(layer)
+            heads = b.reshape(-1, 2, d, r)
+            b = heads[:, 0].reshape(-1, r)
+            modules[f"layers.{layer}.self_attn.attn_gate"] = [
+                (a, heads[:, 1].reshape(-1, r).contiguous())]
         bounds = [0]
         for width in widths:
             bounds.append(bounds[-1] + width)

@@ -13,6 +13,8 @@ import logging
 from collections import OrderedDict
 from typing import Iterable
 
+import torch
+
 from servelm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -182,15 +184,27 @@ def shard_parts(path: str, parts: list, plan) -> list:
     servelm.distributed.sharding): column-parallel qkv_proj and gate_up_proj keep the rank's
     rows of each part's B (its heads, its slice of the intermediate size) and all of A;
     row-parallel o_proj and down_proj keep the rank's columns of A and all of B, their
-    partial deltas summed by the layer's all-reduce with its output."""
+    partial deltas summed by the layer's all-reduce with its output. A gated DeltaNet's
+    in_proj_qkvz and in_proj_ba keep the rows of the rank's key heads and their value
+    heads (q, k, v; z; b; a), its out_proj the columns of those value heads."""
     plan = plan.for_layer(int(path.split(".")[1]))  # path: layers.{i}.<section>.<name>
     D = plan.head_dim
     q = slice(plan.q_heads[0] * D, plan.q_heads[1] * D)
     kv = slice(plan.kv_heads[0] * D, plan.kv_heads[1] * D)
     inter = slice(*plan.intermediate)
     kind = path.rsplit(".", 1)[1]
-    rows = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}.get(kind)
+    rows = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter),
+            "attn_gate": (q,)}.get(kind)
     cols = {"o_proj": q, "down_proj": inter}.get(kind)
+    if kind in ("in_proj_qkvz", "in_proj_ba", "out_proj"):  # a gated DeltaNet's key heads
+        dk, dv, key = plan.lin_dk, plan.lin_dv, plan.total_lin_k_heads * plan.lin_dk
+        kh = torch.arange(plan.lin_k_heads[0] * dk, plan.lin_k_heads[1] * dk)
+        vh = slice(plan.lin_v_heads[0] * dv, plan.lin_v_heads[1] * dv)
+        vi = torch.arange(vh.start, vh.stop)
+        heads = slice(*plan.lin_v_heads)
+        rows = {"in_proj_qkvz": (torch.cat([kh, key + kh, 2 * key + vi]), vh),
+                "in_proj_ba": (heads, heads)}.get(kind)
+        cols = vh if kind == "out_proj" else None
     out = []
     for j, ab in enumerate(parts):
         if ab is None:

@@ -10,9 +10,10 @@ from servelm.layers.lora import LoRALinear, LoRAStep
 
 def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[int, ...], int]]:
     """(module path, parent, attribute, parts' widths, in_features) of every linear layer an
-    adapter may adapt: each decoder layer's attention projections and its dense gated MLP
-    (a routed-experts MLP keeps its experts unadapted)."""
+    adapter may adapt: each decoder layer's attention projections (a gated DeltaNet's
+    too) and its dense gated MLP (a routed-experts MLP keeps its experts unadapted)."""
     from servelm.models.layers import Attention, GatedMLP
+    from servelm.models.linear_attention import GatedDeltaNet
 
     out = []
     for i, layer in enumerate(model.layers):
@@ -22,8 +23,20 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
             kv = (attn.kv_size,) * (len(attn.qkv_parts) - 1)
             out.append((f"layers.{i}.self_attn.qkv_proj", attn, "qkv_proj",
                         (attn.q_size, *kv), attn.options["hidden"]))
+            if attn.attn_gate is not None:  # its rows of the checkpoint's q_proj (loader)
+                out.append((f"layers.{i}.self_attn.attn_gate", attn, "attn_gate",
+                            (attn.q_size,), attn.options["hidden"]))
             out.append((f"layers.{i}.self_attn.o_proj", attn, "o_proj",
                         (attn.options["hidden"],), attn.q_size))
+        lin = getattr(layer, "linear_attn", None)
+        if isinstance(lin, GatedDeltaNet):
+            h = lin.in_proj_qkvz.in_features
+            out.append((f"layers.{i}.linear_attn.in_proj_qkvz", lin, "in_proj_qkvz",
+                        (lin.conv_dim, lin.value_dim), h))
+            out.append((f"layers.{i}.linear_attn.in_proj_ba", lin, "in_proj_ba",
+                        (lin.num_v_heads, lin.num_v_heads), h))
+            out.append((f"layers.{i}.linear_attn.out_proj", lin, "out_proj", (h,),
+                        lin.value_dim))
         mlp = getattr(layer, "mlp", None)
         if isinstance(mlp, GatedMLP):
             out.append((f"layers.{i}.mlp.gate_up_proj", mlp, "gate_up_proj",
