@@ -1,5 +1,6 @@
 """LoRA adapters served by the engine: greedy tokens equal transformers + PEFT (fp32) for
-Llama, Qwen2 (q/k/v bias), Qwen3, Phi-3 (fused projections), GLM-4, Qwen3.5 and
+Llama, Qwen2 (q/k/v bias), Qwen3, Phi-3 (fused projections), GLM-4, Starcoder2 and Phi-2
+(non-gated MLPs), Qwen3.5 and
 Qwen3-Next (gated queries, gated DeltaNet layers) and Gemma 4 (layers of differing shapes);
 a mixed batch gives each
 sequence its tokens alone; residency past max_loras; prefix-cache separation; bad input."""
@@ -28,6 +29,12 @@ FAMILIES = {
     # Pairwise rotary: the base's q/k rows are reordered at load, and B's with them.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0),
              ["q_proj", "k_proj", "v_proj", "gate_up_proj"]),
+    # Non-gated MLPs (c_fc / c_proj; Phi's fc1 / fc2 and its o_proj spelled dense), biases.
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                   dict(sliding_window=8, norm_epsilon=1e-5),
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4),
+            ["q_proj", "v_proj", "dense", "fc1", "fc2"]),
 }
 _HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,

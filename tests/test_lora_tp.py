@@ -25,10 +25,10 @@ def _restore_threads():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("family", ["llama"] + [f for f in ("gemma4", "qwen3_5", "qwen3_next")
-                                                 if f in FAMILIES])
+@pytest.mark.parametrize("family", ["llama", "starcoder2"] + [
+    f for f in ("gemma4", "qwen3_5", "qwen3_next") if f in FAMILIES])
 def test_tp2_with_adapters_equals_tp1(tmp_path_factory, hf_tokenizer, family):
-    """Llama; Gemma 4, whose layers each split by their own shape (the global layers' one
+    """Llama; Starcoder2 (c_fc by rows, c_proj by columns); Gemma 4, whose layers each split by their own shape (the global layers' one
     K=V head on both ranks, the KV-shared layers' q alone, the double-wide MLPs); Qwen3.5
     and Qwen3-Next, whose q_proj adapter splits into the queries' and the output gate's
     rows and whose DeltaNet adapters split by key heads and their value heads."""

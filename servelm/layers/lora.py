@@ -36,6 +36,9 @@ TARGET_PARTS: dict[str, tuple[str, ...]] = {
     "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
+    # A non-gated MLP's (Starcoder2's names; Phi's fc1 / fc2).
+    "c_fc": ("c_fc",),
+    "c_proj": ("c_proj",),
     # A gated DeltaNet's (Qwen3.5's names; Qwen3-Next fuses each pair per key head).
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
     "in_proj_ba": ("in_proj_b", "in_proj_a"),

@@ -33,7 +33,8 @@ Part = tuple[torch.Tensor, torch.Tensor] | None
 
 # The decoder block each adaptable layer lives in.
 _SECTION = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
-            "down_proj": "mlp", "in_proj_qkvz": "linear_attn", "in_proj_ba": "linear_attn",
+            "down_proj": "mlp", "c_fc": "mlp", "c_proj": "mlp",
+            "in_proj_qkvz": "linear_attn", "in_proj_ba": "linear_attn",
             "out_proj": "linear_attn"}
 # A checkpoint layer (its name under layers.{i}, decoder spelling) -> (the decoder's module
 # under layers.{i}, the part it fills; None: the whole fused layer, every part).
@@ -156,7 +157,8 @@ def _layer_shapes(cfg, layer: int) -> dict[str, tuple[tuple[int, ...], int]]:
     qkv_proj's parts (q and k where the values are the keys, q alone where the layer reads
     another's keys and values)."""
     h, inter, d = cfg.hidden_size, cfg.intermediate_of(layer), cfg.head_dim_of(layer)
-    mlp = {"mlp.gate_up_proj": ((inter, inter), h), "mlp.down_proj": ((h,), inter)}
+    mlp = ({"mlp.gate_up_proj": ((inter, inter), h), "mlp.down_proj": ((h,), inter)}
+           if cfg.mlp_gated else {"mlp.c_fc": ((inter,), h), "mlp.c_proj": ((h,), inter)})
     if cfg.is_linear_layer(layer):  # a gated DeltaNet: q | k | v and z, b and a, out_proj
         lin = cfg.extra["linear_attn"]
         key, value = lin["num_k_heads"] * lin["head_k_dim"], lin["num_v_heads"] * lin["head_v_dim"]
@@ -192,7 +194,8 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None, family=
         if not target:
             raise LoRAError(f"{path}: {w.source}: servelm does not adapt this layer "
                             f"(adapted: q/k/v/o projections, the dense MLP's gate/up/down "
-                            f"and a gated DeltaNet's in_proj_qkv/z/b/a and out_proj)")
+                            f"or up/down (c_fc/c_proj, fc1/fc2) and a gated DeltaNet's "
+                            f"in_proj_qkv/z/b/a and out_proj)")
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise LoRAError(f"{path}: {w.source}: layer {layer} is beyond the base model's "
@@ -212,7 +215,13 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None, family=
                 and not cfg.extra.get("moe_beside_mlp")):  # (Gemma 4's MLP is beside them)
             raise LoRAError(f"{path}: {w.source}: layer {layer}'s MLP is routed experts, "
                             f"which servelm does not adapt")
-        widths, k = _layer_shapes(cfg, layer)[module]
+        shapes = _layer_shapes(cfg, layer)
+        if module not in shapes:  # a gated MLP's target on a non-gated one, or the reverse
+            raise LoRAError(f"{path}: {w.source}: layer {layer}'s MLP has no "
+                            f"{module.split('.')[1]} (it has "
+                            f"{' and '.join(n.split('.')[1] for n in shapes if n.startswith('mlp.'))}"
+                            f"; an adapter for another base model?)")
+        widths, k = shapes[module]
         if part is not None and part >= len(widths):
             held = qkv_parts(cfg, layer)
             raise LoRAError(f"{path}: {w.source}: layer {layer} has no "

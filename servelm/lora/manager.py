@@ -194,8 +194,8 @@ def shard_parts(path: str, parts: list, plan) -> list:
     inter = slice(*plan.intermediate)
     kind = path.rsplit(".", 1)[1]
     rows = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter),
-            "attn_gate": (q,)}.get(kind)
-    cols = {"o_proj": q, "down_proj": inter}.get(kind)
+            "attn_gate": (q,), "c_fc": (inter,)}.get(kind)
+    cols = {"o_proj": q, "down_proj": inter, "c_proj": inter}.get(kind)
     if kind in ("in_proj_qkvz", "in_proj_ba", "out_proj"):  # a gated DeltaNet's key heads
         dk, dv, key = plan.lin_dk, plan.lin_dv, plan.total_lin_k_heads * plan.lin_dk
         kh = torch.arange(plan.lin_k_heads[0] * dk, plan.lin_k_heads[1] * dk)

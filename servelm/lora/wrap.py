@@ -12,7 +12,7 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
     """(module path, parent, attribute, parts' widths, in_features) of every linear layer an
     adapter may adapt: each decoder layer's attention projections (a gated DeltaNet's
     too) and its dense gated MLP (a routed-experts MLP keeps its experts unadapted)."""
-    from servelm.models.layers import Attention, GatedMLP
+    from servelm.models.layers import MLP, Attention, GatedMLP
     from servelm.models.linear_attention import GatedDeltaNet
 
     out = []
@@ -38,6 +38,10 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
             out.append((f"layers.{i}.linear_attn.out_proj", lin, "out_proj", (h,),
                         lin.value_dim))
         mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, MLP):  # not gated: up (c_fc) and down (c_proj)
+            h = mlp.options["hidden"]
+            out.append((f"layers.{i}.mlp.c_fc", mlp, "c_fc", (mlp.intermediate,), h))
+            out.append((f"layers.{i}.mlp.c_proj", mlp, "c_proj", (h,), mlp.intermediate))
         if isinstance(mlp, GatedMLP):
             out.append((f"layers.{i}.mlp.gate_up_proj", mlp, "gate_up_proj",
                         (mlp.intermediate, mlp.intermediate), mlp.options["hidden"]))
