@@ -468,6 +468,25 @@ def test_refused_moe_targets(tmp_path):
                                for m in ("qkv_proj", "o_proj")}
 
 
+def test_refused_for_the_layer_kind(tmp_path):
+    """A target the layer's kind lacks is named with what the layer has: a non-gated MLP's
+    up projection on a gated MLP, a DeltaNet's projection on an attention layer, latent
+    attention's projections."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(0)
+    up = {"base_model.model.model.layers.0.mlp.c_fc.lora_A.weight": torch.zeros(4, H),
+          "base_model.model.model.layers.0.mlp.c_fc.lora_B.weight": torch.zeros(I, 4)}
+    msg = bad_peft(tmp_path / "1", extra=up)
+    assert "layer 0's MLP has no c_fc (it has gate_up_proj and down_proj" in msg
+    lin = {"base_model.model.model.layers.1.linear_attn.out_proj.lora_A.weight": torch.zeros(4, H),
+           "base_model.model.model.layers.1.linear_attn.out_proj.lora_B.weight": torch.zeros(H, 4)}
+    assert "layer 1 is not linear attention" in bad_peft(tmp_path / "2", extra=lin)
+    mla = dataclasses.replace(LLAMA, extra={**LLAMA.extra, "mla": {"kv_lora_rank": 8}})
+    msg = bad_peft(tmp_path / "3", weights={(0, "q_proj"): lora_pair(4, H, Q, gen)}, cfg=mla)
+    assert "layer 0's attention is latent attention (DeepSeek)" in msg
+
+
 def test_refused_gguf(tmp_path):
     good = gguf_tensors(split_weights(("q_proj",), layers=(0,)), True)
 

@@ -201,6 +201,10 @@ def _place(path: str, weights: list[_Weight], cfg, max_rank: int | None, family=
             raise LoRAError(f"{path}: {w.source}: layer {layer} is beyond the base model's "
                             f"{cfg.num_layers} layers")
         module, part = target
+        if module.startswith("self_attn.") and cfg.extra.get("mla"):
+            raise LoRAError(f"{path}: {w.source}: layer {layer}'s attention is latent "
+                            f"attention (DeepSeek), whose projections servelm does not "
+                            f"adapt (its dense MLPs it does)")
         if (not module.startswith("mlp.")
                 and module.startswith("linear_attn.") != cfg.is_linear_layer(layer)):
             raise LoRAError(f"{path}: {w.source}: layer {layer} is "
