@@ -1,7 +1,8 @@
 """The DecodeStack on every family whose layers it can describe (servelm.models.decode_stack):
 Qwen3 (q/k norms), Mistral (a window on every layer), Phi-3 (partial rotary), Gemma 3 (q/k
 norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax scale, an
-embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias) and Llama, each against the per-op kernel path on tiny
+embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a layer without
+rotary), Granite (scaled residual branches) and Llama, each against the per-op kernel path on tiny
 random models, int4 and bf16 weights, contexts short of and past the window. A family it
 cannot describe (routed experts) runs op by op and says why.
 
@@ -54,6 +55,12 @@ FAMILIES = {
                    attn_scale=24 ** -0.5, sliding_window=WINDOW,
                    layer_types=(SLIDING, FULL, SLIDING), attn_logit_softcap=0.5,
                    final_logit_softcap=30.0),
+    # A layer without rotary (SmolLM3's every fourth: NoPE).
+    "smollm3": dict(architecture="SmolLM3ForCausalLM", no_rope_layers=(1,)),
+    # Each branch's output scaled before the residual add, with an embedding and an
+    # attention multiplier (Granite).
+    "granite": dict(architecture="GraniteForCausalLM", family="granite", residual_scale=0.22,
+                    embed_scale=12.0, attn_scale=0.4),
 }
 
 
@@ -170,6 +177,10 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=8)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
+        logits_scaling=8.0)),
 }
 
 

@@ -323,9 +323,7 @@ def test_soft_capped_attention_runs_on_the_cpu_kernels(checkpoints):
 
 # What the whole-step DecodeStack says of each family's layers (None: it takes them all);
 # the families it declines decode op by op on the C++ kernels.
-STACK_DECLINES = {"gemma2": None,
-                  "smollm3": "it has no rotary (a NoPE layer)",
-                  "granite": "its attention and MLP outputs are scaled (residual_scale)",
+STACK_DECLINES = {"gemma2": None, "smollm3": None, "granite": None,
                   "olmo2": "its q/k norms span the whole projection, not each head",
                   "olmo3": "its q/k norms span the whole projection, not each head",
                   "qwen2_moe": "its MLP is SparseMoE (routed experts run op by op)",

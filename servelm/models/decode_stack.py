@@ -12,8 +12,9 @@ runs its decode steps). A description covers
 
 with RMSNorms (Gemma's (1 + w) is folded into the weights at load), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
-sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), SiLU or
-tanh-GELU, and an embedding scale.
+sliding window per layer, layers without rotary (NoPE: SmolLM3), any softmax scale,
+soft-capped scores (Gemma 2), SiLU or tanh-GELU, an embedding scale, and each branch's
+output scaled before the residual add (Granite's residual multiplier).
 What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
 layer that does not run on the C++ int4 / int8 / bf16 kernels, a bias other than qkv's)
 keeps the model op by op. An adapted linear (servelm.layers.lora.LoRALinear) runs its base
@@ -52,7 +53,8 @@ class LayerOption(enum.IntEnum):
     """Per layer, these integers."""
 
     WINDOW = 0  # > 0: the layer attends its last WINDOW keys
-    ROTARY_TABLE = 1  # 0: the model's rotary table, 1: the sliding layers' (rotary_local)
+    ROTARY_TABLE = 1  # 0: the model's rotary table, 1: the sliding layers' (rotary_local),
+    #                   2: none (a NoPE layer: no dims turn)
     KV_GROUP = 2  # its block group (a hybrid model's KV pages): which table and slot it uses
 
 
@@ -68,6 +70,7 @@ class ModelScalar(enum.IntEnum):
     SCALE = 1  # the softmax scale
     EMBED_SCALE = 2
     ATTN_SOFTCAP = 3  # scores soft-capped, cap * tanh(s / cap) (Gemma 2); 0: none
+    RESIDUAL_SCALE = 4  # each branch's output times this before the residual add (Granite)
 
 
 class Activation(enum.IntEnum):
@@ -86,6 +89,7 @@ class LayerDescription:
     window: int  # 0: full attention
     local_rotary: bool
     kv_group: int = 0  # its block group (DecoderLayer.kv_group)
+    rope: bool = True  # False: a NoPE layer (SmolLM3's every fourth)
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,14 @@ class StackDescription:
     embed_scale: float
     layers: tuple[LayerDescription, ...]
     attn_softcap: float = 0.0
+    residual_scale: float = 1.0
 
     def layer_options(self) -> list[int]:
         out = []
         for layer in self.layers:
             opts = [0] * len(LayerOption)
             opts[LayerOption.WINDOW] = layer.window
-            opts[LayerOption.ROTARY_TABLE] = int(layer.local_rotary)
+            opts[LayerOption.ROTARY_TABLE] = int(layer.local_rotary) if layer.rope else 2
             opts[LayerOption.KV_GROUP] = layer.kv_group
             out += opts
         return out
@@ -127,6 +132,7 @@ class StackDescription:
         s[ModelScalar.SCALE] = self.scale
         s[ModelScalar.EMBED_SCALE] = self.embed_scale
         s[ModelScalar.ATTN_SOFTCAP] = self.attn_softcap
+        s[ModelScalar.RESIDUAL_SCALE] = self.residual_scale
         return s
 
 
@@ -187,21 +193,17 @@ def describe_layer(layer) -> LayerDescription | str:
         return "it scales its residual stream (layer_scalar)"
     if attn.attn_gate is not None:
         return "its attention output is gated (sigmoid(x W) before o_proj)"
-    if not attn.rope:
-        return "it has no rotary (a NoPE layer)"
     if attn.qk_norm_whole:
         return "its q/k norms span the whole projection, not each head"
     if not isinstance(layer.input_layernorm, RMSNorm):
         return (f"its norms are {type(layer.input_layernorm).__name__}s, not RMSNorms"
                 if hasattr(layer.input_layernorm, "weight")
                 else "it has no norms before attention and the MLP")
-    if layer.residual_scale != 1.0:
-        return "its attention and MLP outputs are scaled (residual_scale)"
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=base_linear(attn.qkv_proj).bias is not None,
                             window=attn.window or 0, local_rotary=bool(layer.local_rotary),
-                            kv_group=layer.kv_group)
+                            kv_group=layer.kv_group, rope=bool(attn.rope))
 
 
 def describe(model) -> StackDescription | str:
@@ -221,6 +223,8 @@ def describe(model) -> StackDescription | str:
             return f"layer {i}: its heads, softmax scale or soft-cap differ from layer 0's"
         if layer.mlp.act != model.layers[0].mlp.act:
             return f"layer {i}: its activation differs from layer 0's"
+        if layer.residual_scale != model.layers[0].residual_scale:
+            return f"layer {i}: its residual scale differs from layer 0's"
     rotary_dim = cfg.rotary_dim or attn.head_dim
     if model.rotary.cos.shape[-1] != rotary_dim:
         return "its rotary table is not rotary_dim wide"
@@ -230,7 +234,8 @@ def describe(model) -> StackDescription | str:
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
         eps=model.layers[0].input_layernorm.eps, scale=attn.scale,
-        embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0)
+        embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
+        residual_scale=model.layers[0].residual_scale)
 
 
 def layer_args(layer, rows: int = 1) -> tuple | str:

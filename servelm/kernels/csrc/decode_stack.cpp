@@ -55,7 +55,7 @@ enum LayerOption : int64_t { kWindow, kRotaryTable, kKvGroup, kLayerOptions };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kModelOptions };
 // ... and these floats.
-enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kModelScalars };
+enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kModelScalars };
 // The gated MLP's activation.
 enum Activation : int64_t { kSilu, kGeluTanh };
 // The weight format codes (servelm.layers.stack.StackFormat): > 0 int4 with that group
@@ -490,7 +490,7 @@ struct StackLayer {
   lora::Adapter<c10::BFloat16> lora[kLinears];  // bind_lora's; unbound where none
   std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
   int64_t window = 0;           // > 0: attends its last `window` keys
-  int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers'
+  int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers', 2 none (NoPE)
   int64_t kv_group = 0;         // its block group: which of a step's block tables and slots it uses
   int attention = 0;            // its DecodeAttention in run_impl (one per distinct window)
   const c10::BFloat16* norm(NormSlot k) const {
@@ -527,6 +527,9 @@ class DecodeStack : public torch::CustomClassHolder {
     scale_ = model_scalars[kScale];
     embed_scale_ = model_scalars[kEmbedScale];
     softcap_ = model_scalars[kAttnSoftcap];
+    residual_scale_ = model_scalars[kResidualScale];
+    TORCH_CHECK(std::isfinite(residual_scale_) && residual_scale_ != 0.0,
+                "DecodeStack: the residual scale must be finite and non-zero (1: none)");
     TORCH_CHECK(softcap_ >= 0.0 && std::isfinite(softcap_), "DecodeStack: the soft-cap must be >= 0 (0: none)");
     TORCH_CHECK(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0,
                 "DecodeStack: num_heads must be a multiple of num_kv_heads");
@@ -571,7 +574,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(s.kv_group >= 0, "DecodeStack: a layer's block group must be >= 0");
       kv_groups_ = std::max(kv_groups_, s.kv_group + 1);
       TORCH_CHECK(s.window >= 0 && s.window <= INT32_MAX, "DecodeStack: window must be >= 0 (0: none)");
-      TORCH_CHECK(s.table == 0 || s.table == 1, "DecodeStack: rotary table must be 0 or 1");
+      TORCH_CHECK(s.table >= 0 && s.table <= 2, "DecodeStack: rotary table must be 0, 1 or 2 (none)");
       uses_local_ |= s.table == 1;
       s.attention = windows.emplace(s.window, static_cast<int>(windows.size())).first->second;
       const int64_t* g = formats.data() + 4 * l;
@@ -873,6 +876,12 @@ class DecodeStack : public torch::CustomClassHolder {
                                                  nthreads, attn,
                                                  AttnOptions{static_cast<int>(w), 0, static_cast<float>(softcap_)}));
     const BF* final_mlp_norm = layers_.back().norm(kMlpOutNorm);
+    // A branch's output times the residual scale (Granite), rounded as the reference's
+    // bf16 tensor times a float is.
+    const float rscale = static_cast<float>(residual_scale_);
+    auto scale_row = [&](BF* x) {
+      for (int64_t i = 0; i < hidden; ++i) x[i] = BF(static_cast<float>(x[i]) * rscale);
+    };
     // The step's LoRA rows grouped by slot, and the shrink's output t [M, J*R] (fp32), shared
     // by each adapted linear in turn.
     lora::RowGroups lora_groups;
@@ -932,6 +941,7 @@ class DecodeStack : public torch::CustomClassHolder {
           const BF* w = s.norm(kInputNorm);
           for (int64_t m = m0; m < m1; ++m) {
             if (prev_out_norm) rms_row<BF>(delta + m * hidden, prev_out_norm, delta + m * hidden, hidden, eps);
+            if (l && rscale != 1.f) scale_row(delta + m * hidden);
             if (l) add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
             else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
           }
@@ -945,8 +955,10 @@ class DecodeStack : public torch::CustomClassHolder {
           BF* vc = s.v_cache.data_ptr<BF>();
           const BF* qn = s.norm(kQNorm);
           const BF* kn = s.norm(kKNorm);
-          const BF* cp = cos_p[s.table];
-          const BF* sp = sin_p[s.table];
+          // A NoPE layer (table 2): no dims turn (rotary_token with R = 0 copies K and V).
+          const BF* cp = cos_p[s.table == 2 ? 0 : s.table];
+          const BF* sp = sin_p[s.table == 2 ? 0 : s.table];
+          const int64_t Rl = s.table == 2 ? 0 : R;
           for (int64_t m = m0; m < m1; ++m) {
             BF* row = qkv_out + m * qkv_n;
             if (qn) {
@@ -957,7 +969,7 @@ class DecodeStack : public torch::CustomClassHolder {
             const int64_t slot = slots[s.kv_group * M + m];
             BF* kd = kc + slot * kv_heads_ * D;
             BF* vd = vc + slot * kv_heads_ * D;
-            rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, R);
+            rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, Rl);
           }
         }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, group_tables[s.kv_group])); });
         t.guarded([&] {
@@ -976,6 +988,7 @@ class DecodeStack : public torch::CustomClassHolder {
           const BF* on = s.norm(kAttnOutNorm);
           for (int64_t m = m0; m < m1; ++m) {
             if (on) rms_row<BF>(o_out + m * hidden, on, o_out + m * hidden, hidden, eps);
+            if (rscale != 1.f) scale_row(o_out + m * hidden);
             add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
           }
           s.gu.sums(h2, M, m0, m1, xs3.data());
@@ -1008,10 +1021,13 @@ class DecodeStack : public torch::CustomClassHolder {
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
                  expand(s.lora[kDown], s.down, delta, hidden));
       }
-      if (final_mlp_norm)  // the last layer's MLP output norm (the others' run in the next layer)
+      // The last layer's MLP output norm and residual scale (the others' run in the next layer).
+      if (final_mlp_norm || rscale != 1.f)
         t.rows(M, [&](int64_t m0, int64_t m1) {
-          for (int64_t m = m0; m < m1; ++m)
-            rms_row<BF>(delta + m * hidden, final_mlp_norm, delta + m * hidden, hidden, eps);
+          for (int64_t m = m0; m < m1; ++m) {
+            if (final_mlp_norm) rms_row<BF>(delta + m * hidden, final_mlp_norm, delta + m * hidden, hidden, eps);
+            if (rscale != 1.f) scale_row(delta + m * hidden);
+          }
         }, layers_[0].qkv);
     });
     return out;
@@ -1022,6 +1038,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<int64_t> windows_;  // the distinct windows, in the layers' attention order
   int64_t kv_groups_ = 1;         // the block groups the layers read (a step gives each a table)
   double eps_, scale_, embed_scale_, softcap_ = 0.0;
+  double residual_scale_ = 1.0;  // each branch's output times this before the residual add (Granite)
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
