@@ -2,7 +2,8 @@
 Qwen3 (q/k norms), Mistral (a window on every layer), Phi-3 (partial rotary), Gemma 3 (q/k
 norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax scale, an
 embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a layer without
-rotary), Granite (scaled residual branches) and Llama, each against the per-op kernel path on tiny
+rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries) and Llama,
+each against the per-op kernel path on tiny
 random models, int4 and bf16 weights, contexts short of and past the window. A family it
 cannot describe (routed experts) runs op by op and says why.
 
@@ -61,6 +62,10 @@ FAMILIES = {
     # attention multiplier (Granite).
     "granite": dict(architecture="GraniteForCausalLM", family="granite", residual_scale=0.22,
                     embed_scale=12.0, attn_scale=0.4),
+    # Queries scaled by their position after the rotary, stepping every 16 positions
+    # (Ministral 3).
+    "ministral3": dict(architecture="Ministral3ForCausalLM", family="ministral3",
+                       query_scale_beta=0.5, query_scale_period=16),
 }
 
 
@@ -181,6 +186,11 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
         logits_scaling=8.0)),
+    # YaRN over an original context of 8: the queries' scale steps every 8 positions.
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
 }
 
 

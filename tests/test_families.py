@@ -334,7 +334,7 @@ STACK_DECLINES = {"gemma2": None, "smollm3": None, "granite": None,
                   "stablelm_parallel": "its attention and MLP run in parallel on one norm",
                   "phi": "its MLP is MLP, not the plain GatedMLP",
                   "cohere": "its attention and MLP run in parallel on one norm",
-                  "ministral3": "its queries are scaled by their position",
+                  "ministral3": None,
                   "gpt_neox": "its MLP is MLP, not the plain GatedMLP",
                   "glm4": None, "ernie4_5": None}
 

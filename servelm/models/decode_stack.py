@@ -12,7 +12,8 @@ runs its decode steps). A description covers
 
 with RMSNorms (Gemma's (1 + w) is folded into the weights at load), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
-sliding window per layer, layers without rotary (NoPE: SmolLM3), any softmax scale,
+sliding window per layer, layers without rotary (NoPE: SmolLM3), queries scaled by their
+position after the rotary (Ministral 3; run_tokens, which has the positions), any softmax scale,
 soft-capped scores (Gemma 2), SiLU or tanh-GELU, an embedding scale, and each branch's
 output scaled before the residual add (Granite's residual multiplier).
 What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
@@ -63,6 +64,7 @@ class ModelOption(enum.IntEnum):
     NUM_KV_HEADS = 1
     ROTARY_DIM = 2  # the first ROTARY_DIM dims of each head turn (head_dim: all)
     ACTIVATION = 3  # an Activation
+    Q_SCALE_PERIOD = 4  # the query scale's period (Q_SCALE_BETA)
 
 
 class ModelScalar(enum.IntEnum):
@@ -71,6 +73,7 @@ class ModelScalar(enum.IntEnum):
     EMBED_SCALE = 2
     ATTN_SOFTCAP = 3  # scores soft-capped, cap * tanh(s / cap) (Gemma 2); 0: none
     RESIDUAL_SCALE = 4  # each branch's output times this before the residual add (Granite)
+    Q_SCALE_BETA = 5  # queries times 1 + beta ln(1 + floor(position / period)) (Ministral 3); 0: none
 
 
 class Activation(enum.IntEnum):
@@ -107,6 +110,8 @@ class StackDescription:
     layers: tuple[LayerDescription, ...]
     attn_softcap: float = 0.0
     residual_scale: float = 1.0
+    q_scale_beta: float = 0.0  # (run_tokens alone: the step's positions)
+    q_scale_period: int = 0
 
     def layer_options(self) -> list[int]:
         out = []
@@ -124,6 +129,7 @@ class StackDescription:
         opts[ModelOption.NUM_KV_HEADS] = self.num_kv_heads
         opts[ModelOption.ROTARY_DIM] = self.rotary_dim
         opts[ModelOption.ACTIVATION] = int(self.activation)
+        opts[ModelOption.Q_SCALE_PERIOD] = self.q_scale_period
         return opts
 
     def model_scalars(self) -> list[float]:
@@ -133,6 +139,7 @@ class StackDescription:
         s[ModelScalar.EMBED_SCALE] = self.embed_scale
         s[ModelScalar.ATTN_SOFTCAP] = self.attn_softcap
         s[ModelScalar.RESIDUAL_SCALE] = self.residual_scale
+        s[ModelScalar.Q_SCALE_BETA] = self.q_scale_beta
         return s
 
 
@@ -173,8 +180,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return "its attention and MLP run in parallel on one norm"
     if getattr(attn, "sinks", None) is not None:
         return "its attention has sinks (a logit per head in the softmax)"
-    if attn.q_scale_beta:
-        return "its queries are scaled by their position"
+    if attn.q_scale_beta and attn.q_scale_offset:
+        return "its queries are scaled by their position (attention temperature)"
     if attn.chunk:
         return "its attention is chunked (keys from the query's own chunk only)"
     if attn.qk_l2_norm:
@@ -225,6 +232,8 @@ def describe(model) -> StackDescription | str:
             return f"layer {i}: its activation differs from layer 0's"
         if layer.residual_scale != model.layers[0].residual_scale:
             return f"layer {i}: its residual scale differs from layer 0's"
+        if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
+            return f"layer {i}: its query scale differs from layer 0's"
     rotary_dim = cfg.rotary_dim or attn.head_dim
     if model.rotary.cos.shape[-1] != rotary_dim:
         return "its rotary table is not rotary_dim wide"
@@ -235,7 +244,8 @@ def describe(model) -> StackDescription | str:
         rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
         eps=model.layers[0].input_layernorm.eps, scale=attn.scale,
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
-        residual_scale=model.layers[0].residual_scale)
+        residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
+        q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
 
 
 def layer_args(layer, rows: int = 1) -> tuple | str:
@@ -344,6 +354,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     from servelm.layers.stack import base_linear
 
     model.fused_decode, model._decode_stacks, model._decode_kv = False, [], None
+    model.stack_needs_positions = False
     model.stack_runs_lora = False
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
@@ -387,5 +398,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         return _not_used("; ".join(dict.fromkeys(reasons)) or "no row bucket it can run")
     model._decode_kv = kv_caches
     model.fused_decode = True
+    # Scaled queries need the step's positions, which only run_tokens takes.
+    model.stack_needs_positions = desc.q_scale_beta != 0
     model.stack_runs_lora = adapted > 0
     return True

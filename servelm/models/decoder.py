@@ -223,6 +223,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused_decode = False  # set by bind_decode_layers
+        self.stack_needs_positions = False  # (decode_stack.bind: a stack scales queries)
         self._decode_stacks: list = []  # (first row count, last, DecodeStack)
         self._decode_kv = None
 
@@ -325,6 +326,8 @@ class CausalLM(nn.Module):
             fused = self.stack_runs_lora or self.lora_step.tokens is None
             if fused:
                 decode_stack.set_lora_rows(self, self._stack_for(n))
+        if fused and rows is not None and self.stack_needs_positions:
+            fused = False  # (run_rotary has no positions for the query scale)
         if fused:  # a hybrid model's block groups: each group's slots and tables
             slots, block_tables = batch.stack_inputs()
         if fused and rows is None:  # the whole step, embedding to final norm, in one call

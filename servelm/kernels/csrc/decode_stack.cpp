@@ -53,9 +53,10 @@ enum NormSlot : int64_t {
 // Per layer, these integers.
 enum LayerOption : int64_t { kWindow, kRotaryTable, kKvGroup, kLayerOptions };
 // For the model, these integers ...
-enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kModelOptions };
+enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kModelOptions };
 // ... and these floats.
-enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kModelScalars };
+enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kQScaleBeta,
+                              kModelScalars };
 // The gated MLP's activation.
 enum Activation : int64_t { kSilu, kGeluTanh };
 // The weight format codes (servelm.layers.stack.StackFormat): > 0 int4 with that group
@@ -523,6 +524,10 @@ class DecodeStack : public torch::CustomClassHolder {
     heads_ = model_options[kNumHeads];
     kv_heads_ = model_options[kNumKvHeads];
     act_ = model_options[kActivation];
+    q_scale_period_ = model_options[kQScalePeriod];
+    q_scale_beta_ = model_scalars[kQScaleBeta];
+    TORCH_CHECK(q_scale_beta_ == 0.0 || q_scale_period_ > 0,
+                "DecodeStack: a query scale needs a positive period");
     eps_ = model_scalars[kEps];
     scale_ = model_scalars[kScale];
     embed_scale_ = model_scalars[kEmbedScale];
@@ -713,7 +718,17 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     std::vector<at::Tensor> t{rot[0], rot[1]};
     if (tables == 2) t.insert(t.end(), {rot[2], rot[3]});
-    const at::Tensor delta = run_rotary(residual, t, slot_mapping, block_tables, context_lens);
+    // Each row's query scale as the reference computes it: in fp32 from the position, then
+    // rounded to bf16.
+    std::vector<float> qscale;
+    if (q_scale_beta_ != 0.0) {
+      const float beta = static_cast<float>(q_scale_beta_), period = static_cast<float>(q_scale_period_);
+      for (int64_t m = 0; m < M; ++m)
+        qscale.push_back(static_cast<float>(
+            BF(1.f + beta * std::log(1.f + std::floor(static_cast<float>(pos[m]) / period)))));
+    }
+    const at::Tensor delta = run_rotary_impl(residual, t, slot_mapping, block_tables, context_lens,
+                                             qscale.empty() ? nullptr : qscale.data());
     at::Tensor out = at::empty({M, hidden}, embed_.options());
     const BF* dp = delta.data_ptr<BF>();
     const BF* w = final_norm_.data_ptr<BF>();
@@ -777,6 +792,16 @@ class DecodeStack : public torch::CustomClassHolder {
   // take it) [cos, sin] of the sliding layers' table.
   at::Tensor run_rotary(at::Tensor residual, std::vector<at::Tensor> tables, at::Tensor slot_mapping,
                         at::Tensor block_tables, at::Tensor context_lens) {
+    TORCH_CHECK(q_scale_beta_ == 0.0, "DecodeStack: queries scaled by their position need the "
+                "positions: run_tokens");
+    return run_rotary_impl(residual, tables, slot_mapping, block_tables, context_lens, nullptr);
+  }
+
+ private:
+  // run_rotary with each row's query scale (qscale [M], bf16 values; null: none).
+  at::Tensor run_rotary_impl(at::Tensor residual, const std::vector<at::Tensor>& tables,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, const float* qscale) {
     const int64_t hidden = layers_[0].norms[kInputNorm].numel();
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
                     residual.device().is_cpu() && residual.size(1) == hidden,
@@ -808,12 +833,11 @@ class DecodeStack : public torch::CustomClassHolder {
     check_slots(slot_mapping.data_ptr<int64_t>(), G * M,
                 layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1), "DecodeStack");
     const int64_t D = layers_[0].k_cache.size(3);
-    if (D == 64) return run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens);
-    if (D == 128) return run_impl<128>(residual, tables, slot_mapping, block_tables, context_lens);
-    return run_impl<0>(residual, tables, slot_mapping, block_tables, context_lens);
+    if (D == 64) return run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
+    if (D == 128) return run_impl<128>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
+    return run_impl<0>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
   }
 
- private:
   void check_table(const at::Tensor& cos, const at::Tensor& sin, const char* fn) const {
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == rot_ && cos.sizes() == sin.sizes() &&
                     cos.is_contiguous() && sin.is_contiguous() &&
@@ -828,7 +852,7 @@ class DecodeStack : public torch::CustomClassHolder {
   template <int DT>
   at::Tensor run_impl(at::Tensor& residual, const std::vector<at::Tensor>& tables,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens) {
+                      const at::Tensor& context_lens, const float* qscale) {
     using BF = c10::BFloat16;
     using Attention = DecodeAttention<BF, DT>;
     const int64_t M = residual.size(0), hidden = residual.size(1);
@@ -970,6 +994,8 @@ class DecodeStack : public torch::CustomClassHolder {
             BF* kd = kc + slot * kv_heads_ * D;
             BF* vd = vc + slot * kv_heads_ * D;
             rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, Rl);
+            if (qscale)  // after the KV write, as the reference scales q alone
+              for (int64_t i = 0; i < heads_ * D; ++i) row[i] = BF(static_cast<float>(row[i]) * qscale[m]);
           }
         }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, group_tables[s.kv_group])); });
         t.guarded([&] {
@@ -1039,6 +1065,10 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t kv_groups_ = 1;         // the block groups the layers read (a step gives each a table)
   double eps_, scale_, embed_scale_, softcap_ = 0.0;
   double residual_scale_ = 1.0;  // each branch's output times this before the residual add (Granite)
+  // Queries times 1 + beta ln(1 + floor(position / period)) after the rotary (Ministral 3);
+  // beta 0: none. Only run_tokens knows the positions.
+  double q_scale_beta_ = 0.0;
+  int64_t q_scale_period_ = 0;
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
