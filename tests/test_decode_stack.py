@@ -2,7 +2,9 @@
 Qwen3 (q/k norms), Mistral (a window on every layer), Phi-3 (partial rotary), Gemma 3 (q/k
 norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax scale, an
 embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a layer without
-rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries) and Llama,
+rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries), OLMo 3
+and EXAONE 4 (norms after attention and the MLP alone; OLMo's q / k norms over the whole
+projection) and Llama,
 each against the per-op kernel path on tiny
 random models, int4 and bf16 weights, contexts short of and past the window. A family it
 cannot describe (routed experts) runs op by op and says why.
@@ -66,6 +68,15 @@ FAMILIES = {
     # (Ministral 3).
     "ministral3": dict(architecture="Ministral3ForCausalLM", family="ministral3",
                        query_scale_beta=0.5, query_scale_period=16),
+    # Norms after attention and the MLP alone, q / k norms over the whole projection, a
+    # window on the sliding layers (OLMo 3; OLMo 2 without the window).
+    "olmo3": dict(architecture="Olmo3ForCausalLM", family="olmo2", qk_norm=True,
+                  qk_norm_whole=True, sandwich_norms=True, pre_norms=False,
+                  sliding_window=WINDOW, layer_types=(SLIDING, SLIDING, FULL)),
+    # The same norms' places with per-head q / k norms, its global layer without rotary.
+    "exaone4": dict(architecture="Exaone4ForCausalLM", family="exaone4", qk_norm=True,
+                    sandwich_norms=True, pre_norms=False, sliding_window=WINDOW,
+                    layer_types=(SLIDING, SLIDING, FULL), no_rope_layers=(2,)),
 }
 
 
@@ -186,6 +197,9 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
         logits_scaling=8.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     # YaRN over an original context of 8: the queries' scale steps every 8 positions.
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,

@@ -10,7 +10,9 @@ runs its decode steps). A description covers
     x = x + [attn_out_norm](o_proj(attention(rotary([q/k norm](qkv_proj(norm(x)))))))
     x = x + [mlp_out_norm](down_proj(act(gate) * up))
 
-with RMSNorms (Gemma's (1 + w) is folded into the weights at load), an optional qkv bias,
+with RMSNorms (Gemma's (1 + w) is folded into the weights at load; the pre-norms may be
+absent where the outputs' norms are there, OLMo 2's and EXAONE 4's layout; q / k norms a
+head's or over the whole projection, OLMo 2's), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
 sliding window per layer, layers without rotary (NoPE: SmolLM3), queries scaled by their
 position after the rotary (Ministral 3; run_tokens, which has the positions), any softmax scale,
@@ -65,6 +67,8 @@ class ModelOption(enum.IntEnum):
     ROTARY_DIM = 2  # the first ROTARY_DIM dims of each head turn (head_dim: all)
     ACTIVATION = 3  # an Activation
     Q_SCALE_PERIOD = 4  # the query scale's period (Q_SCALE_BETA)
+    PRE_NORMS = 5  # 1: norms before attention and the MLP; 0: after them alone (OLMo 2)
+    QK_NORM_WHOLE = 6  # 1: the q / k norms span the whole projection, not a head (OLMo 2)
 
 
 class ModelScalar(enum.IntEnum):
@@ -112,6 +116,8 @@ class StackDescription:
     residual_scale: float = 1.0
     q_scale_beta: float = 0.0  # (run_tokens alone: the step's positions)
     q_scale_period: int = 0
+    pre_norms: bool = True
+    qk_norm_whole: bool = False
 
     def layer_options(self) -> list[int]:
         out = []
@@ -130,6 +136,8 @@ class StackDescription:
         opts[ModelOption.ROTARY_DIM] = self.rotary_dim
         opts[ModelOption.ACTIVATION] = int(self.activation)
         opts[ModelOption.Q_SCALE_PERIOD] = self.q_scale_period
+        opts[ModelOption.PRE_NORMS] = int(self.pre_norms)
+        opts[ModelOption.QK_NORM_WHOLE] = int(self.qk_norm_whole)
         return opts
 
     def model_scalars(self) -> list[float]:
@@ -161,7 +169,7 @@ def available() -> bool:
 def describe_layer(layer) -> LayerDescription | str:
     """The layer as the stack takes it, or why it cannot (a short reason)."""
     from servelm.layers.stack import base_linear
-    from servelm.models.layers import Attention, GatedMLP, RMSNorm
+    from servelm.models.layers import Attention, GatedMLP, NoNorm, RMSNorm
 
     if getattr(layer, "linear", False):
         return "it is linear attention (a gated DeltaNet over a recurrent state)"
@@ -200,12 +208,12 @@ def describe_layer(layer) -> LayerDescription | str:
         return "it scales its residual stream (layer_scalar)"
     if attn.attn_gate is not None:
         return "its attention output is gated (sigmoid(x W) before o_proj)"
-    if attn.qk_norm_whole:
-        return "its q/k norms span the whole projection, not each head"
-    if not isinstance(layer.input_layernorm, RMSNorm):
-        return (f"its norms are {type(layer.input_layernorm).__name__}s, not RMSNorms"
-                if hasattr(layer.input_layernorm, "weight")
-                else "it has no norms before attention and the MLP")
+    pre = layer.input_layernorm
+    if not isinstance(pre, (RMSNorm, NoNorm)):
+        return f"its norms are {type(pre).__name__}s, not RMSNorms"
+    if isinstance(pre, NoNorm) and (not isinstance(layer.post_attention_layernorm, NoNorm)
+                                    or layer.attn_out_norm is None):
+        return "it has no norm before attention, but one before its MLP or none after them"
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=base_linear(attn.qkv_proj).bias is not None,
@@ -234,7 +242,11 @@ def describe(model) -> StackDescription | str:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
             return f"layer {i}: its query scale differs from layer 0's"
+        if (type(layer.input_layernorm), a.qk_norm_whole) != (
+                type(model.layers[0].input_layernorm), attn.qk_norm_whole):
+            return f"layer {i}: its norms' places differ from layer 0's"
     rotary_dim = cfg.rotary_dim or attn.head_dim
+    pre_norms = hasattr(model.layers[0].input_layernorm, "weight")
     if model.rotary.cos.shape[-1] != rotary_dim:
         return "its rotary table is not rotary_dim wide"
     if any(d.local_rotary for d in layers) and model.rotary_local is None:
@@ -242,7 +254,8 @@ def describe(model) -> StackDescription | str:
     return StackDescription(
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
-        eps=model.layers[0].input_layernorm.eps, scale=attn.scale,
+        eps=(model.layers[0].attn_out_norm if not pre_norms else model.layers[0].input_layernorm).eps,
+        scale=attn.scale, pre_norms=pre_norms, qk_norm_whole=bool(attn.qk_norm_whole),
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
         residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
         q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
@@ -269,8 +282,9 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
             return f"its {name} has a bias"
     none = torch.empty(0)
     norms = [none] * len(NormSlot)
-    norms[NormSlot.INPUT] = layer.input_layernorm.weight
-    norms[NormSlot.POST_ATTENTION] = layer.post_attention_layernorm.weight
+    if hasattr(layer.input_layernorm, "weight"):  # (none: norms after attention and the MLP)
+        norms[NormSlot.INPUT] = layer.input_layernorm.weight
+        norms[NormSlot.POST_ATTENTION] = layer.post_attention_layernorm.weight
     if attn.q_norm is not None:
         norms[NormSlot.Q], norms[NormSlot.K] = attn.q_norm.weight, attn.k_norm.weight
     if layer.attn_out_norm is not None:

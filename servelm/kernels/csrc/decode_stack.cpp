@@ -53,7 +53,8 @@ enum NormSlot : int64_t {
 // Per layer, these integers.
 enum LayerOption : int64_t { kWindow, kRotaryTable, kKvGroup, kLayerOptions };
 // For the model, these integers ...
-enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kModelOptions };
+enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
+                              kQkNormWhole, kModelOptions };
 // ... and these floats.
 enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kQScaleBeta,
                               kModelScalars };
@@ -525,6 +526,8 @@ class DecodeStack : public torch::CustomClassHolder {
     kv_heads_ = model_options[kNumKvHeads];
     act_ = model_options[kActivation];
     q_scale_period_ = model_options[kQScalePeriod];
+    pre_norms_ = model_options[kPreNorms] != 0;
+    qk_norm_whole_ = model_options[kQkNormWhole] != 0;
     q_scale_beta_ = model_scalars[kQScaleBeta];
     TORCH_CHECK(q_scale_beta_ == 0.0 || q_scale_period_ > 0,
                 "DecodeStack: a query scale needs a positive period");
@@ -549,7 +552,11 @@ class DecodeStack : public torch::CustomClassHolder {
                 norms.size(), " norms, ", formats.size(), " formats, ", qkv_biases.size(), " biases, ",
                 k_caches.size(), "/", v_caches.size(), " caches, ", layer_options.size(), " options for ",
                 L, " layers");
-    const int64_t hidden = norms[kInputNorm].numel();
+    // The model's width: its input norm's, or (norms after attention and the MLP alone, OLMo 2)
+    // its attention output norm's.
+    TORCH_CHECK(!norms.empty(), "DecodeStack: no layers");
+    hidden_ = norms[pre_norms_ ? kInputNorm : kAttnOutNorm].numel();
+    const int64_t hidden = hidden_;
     layers_.reserve(L);
     size_t j = 0;
     std::map<int64_t, int> windows;
@@ -563,9 +570,14 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t D = s.k_cache.size(3), qkv_n = (heads_ + 2 * kv_heads_) * D;
       for (int k = 0; k < kNormSlots; ++k) {
         const at::Tensor& t = norms[kNormSlots * l + k];
-        const bool required = k == kInputNorm || k == kPostAttentionNorm;
+        const bool pre = k == kInputNorm || k == kPostAttentionNorm;
+        const bool required = pre_norms_ ? pre : k == kAttnOutNorm || k == kMlpOutNorm;
+        TORCH_CHECK(pre_norms_ || !pre || !t.numel(), "DecodeStack: a model without pre-norms has "
+                    "no input or post-attention norm weights");
         if (!required && !t.numel()) continue;
-        const int64_t n = k == kQNorm || k == kKNorm ? D : hidden;
+        // q / k norms: a head's (D), or over the whole projection (OLMo 2).
+        const int64_t n = k == kQNorm ? (qk_norm_whole_ ? heads_ * D : D)
+                          : k == kKNorm ? (qk_norm_whole_ ? kv_heads_ * D : D) : hidden;
         TORCH_CHECK(t.dim() == 1 && t.numel() == n && t.is_contiguous() && t.scalar_type() == at::kBFloat16,
                     "DecodeStack: norm weights must be contiguous bfloat16 [", n, "]");
         s.norms[k] = t;
@@ -626,7 +638,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // (P positions, R the rotary dims, already rounded to bfloat16) and the final norm weight
   // [hidden].
   void bind_io(at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm) {
-    const int64_t hidden = layers_[0].norms[kInputNorm].numel();
+    const int64_t hidden = hidden_;
     TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.is_contiguous() &&
                     embed.scalar_type() == at::kBFloat16,
                 "DecodeStack.bind_io: embed must be contiguous bfloat16 [V, ", hidden, "]");
@@ -802,7 +814,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor run_rotary_impl(at::Tensor residual, const std::vector<at::Tensor>& tables,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, const float* qscale) {
-    const int64_t hidden = layers_[0].norms[kInputNorm].numel();
+    const int64_t hidden = hidden_;
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
                     residual.device().is_cpu() && residual.size(1) == hidden,
                 "DecodeStack: residual must be contiguous bfloat16 [M, ", hidden, "] on the CPU");
@@ -906,6 +918,10 @@ class DecodeStack : public torch::CustomClassHolder {
     auto scale_row = [&](BF* x) {
       for (int64_t i = 0; i < hidden; ++i) x[i] = BF(static_cast<float>(x[i]) * rscale);
     };
+    // residual += x, rounded once (the reference's in-place bf16 add).
+    auto add_row = [&](const BF* x, BF* r) {
+      for (int64_t i = 0; i < hidden; ++i) r[i] = BF(static_cast<float>(r[i]) + static_cast<float>(x[i]));
+    };
     // The step's LoRA rows grouped by slot, and the shrink's output t [M, J*R] (fp32), shared
     // by each adapted linear in turn.
     lora::RowGroups lora_groups;
@@ -966,8 +982,14 @@ class DecodeStack : public torch::CustomClassHolder {
           for (int64_t m = m0; m < m1; ++m) {
             if (prev_out_norm) rms_row<BF>(delta + m * hidden, prev_out_norm, delta + m * hidden, hidden, eps);
             if (l && rscale != 1.f) scale_row(delta + m * hidden);
-            if (l) add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
-            else rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
+            if (!pre_norms_) {  // attention reads the residual stream itself
+              if (l) add_row(delta + m * hidden, res + m * hidden);
+              std::memcpy(h1 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
+            } else if (l) {
+              add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
+            } else {
+              rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
+            }
           }
           s.qkv.sums(h1, M, m0, m1, xs1.data());
         }, s.qkv);
@@ -985,7 +1007,10 @@ class DecodeStack : public torch::CustomClassHolder {
           const int64_t Rl = s.table == 2 ? 0 : R;
           for (int64_t m = m0; m < m1; ++m) {
             BF* row = qkv_out + m * qkv_n;
-            if (qn) {
+            if (qn && qk_norm_whole_) {  // over all of q, then all of k
+              rms_row<BF>(row, qn, row, heads_ * D, eps);
+              rms_row<BF>(row + heads_ * D, kn, row + heads_ * D, kv_heads_ * D, eps);
+            } else if (qn) {
               for (int64_t h = 0; h < heads_; ++h) rms_row<BF>(row + h * D, qn, row + h * D, D, eps);
               for (int64_t h = heads_; h < heads_ + kv_heads_; ++h)
                 rms_row<BF>(row + h * D, kn, row + h * D, D, eps);
@@ -1015,7 +1040,12 @@ class DecodeStack : public torch::CustomClassHolder {
           for (int64_t m = m0; m < m1; ++m) {
             if (on) rms_row<BF>(o_out + m * hidden, on, o_out + m * hidden, hidden, eps);
             if (rscale != 1.f) scale_row(o_out + m * hidden);
-            add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
+            if (pre_norms_) {
+              add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
+            } else {  // the MLP reads the residual stream itself
+              add_row(o_out + m * hidden, res + m * hidden);
+              std::memcpy(h2 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
+            }
           }
           s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
@@ -1069,6 +1099,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // beta 0: none. Only run_tokens knows the positions.
   double q_scale_beta_ = 0.0;
   int64_t q_scale_period_ = 0;
+  bool pre_norms_ = true;       // false: norms after attention and the MLP alone (OLMo 2, EXAONE 4)
+  bool qk_norm_whole_ = false;  // q / k norms over the whole projection, not a head (OLMo 2)
+  int64_t hidden_ = 0;
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
