@@ -221,7 +221,7 @@ def test_decode_stack_rejects_bad_arguments():
             desc.layer_options(), desc.model_options(), desc.model_scalars())
 
     weights = [t for p in parts for t in p[0]]
-    with pytest.raises(RuntimeError, match="per layer 6 norms, 4 formats"):
+    with pytest.raises(RuntimeError, match="per layer 8 norms, 4 formats"):
         stack(groups=[32] * 7)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
         stack(weights=weights[:-1])

@@ -4,7 +4,8 @@ norms, sandwich norms, tanh-GELU, windows with their own rotary table, a softmax
 embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a layer without
 rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries), OLMo 3
 and EXAONE 4 (norms after attention and the MLP alone; OLMo's q / k norms over the whole
-projection) and Llama,
+projection), StableLM and Cohere (LayerNorms; Cohere's attention and MLP in parallel) and
+Llama,
 each against the per-op kernel path on tiny
 random models, int4 and bf16 weights, contexts short of and past the window. A family it
 cannot describe (routed experts) runs op by op and says why.
@@ -73,6 +74,15 @@ FAMILIES = {
     "olmo3": dict(architecture="Olmo3ForCausalLM", family="olmo2", qk_norm=True,
                   qk_norm_whole=True, sandwich_norms=True, pre_norms=False,
                   sliding_window=WINDOW, layer_types=(SLIDING, SLIDING, FULL)),
+    # LayerNorms with biases, a qkv bias, a partial rotary (StableLM 2).
+    "stablelm": dict(architecture="StableLmForCausalLM", family="stablelm", norm_type="layer",
+                     attention_bias=True, rotary_dim=4),
+    # LayerNorms without biases, attention and the MLP in parallel on one norm (Cohere).
+    "cohere": dict(architecture="CohereForCausalLM", family="cohere", norm_type="layer_no_bias",
+                   parallel_block=True),
+    # In parallel, the MLP on a norm of its own.
+    "parallel_two_norms": dict(architecture="StableLmForCausalLM", family="stablelm",
+                               norm_type="layer", parallel_block=True, parallel_mlp_norm=True),
     # The same norms' places with per-head q / k norms, its global layer without rotary.
     "exaone4": dict(architecture="Exaone4ForCausalLM", family="exaone4", qk_norm=True,
                     sandwich_norms=True, pre_norms=False, sliding_window=WINDOW,
@@ -198,6 +208,8 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
         embedding_multiplier=12.0, attention_multiplier=0.4, residual_multiplier=0.22,
         logits_scaling=8.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.25)),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
         sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     # YaRN over an original context of 8: the queries' scale steps every 8 positions.

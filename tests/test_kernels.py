@@ -11,8 +11,9 @@ from servelm.attention.metadata import build_group
 from servelm.attention.reference import paged_attention
 from servelm.engine.model_runner import SeqInput, build_forward_batch
 from servelm.kernels import load_ops
-from servelm.models.layers import (fused_add_rms_norm_ref, paged_decode_attention_ref,
-                                   rms_norm_ref, rotary_kv_write_ref, silu_and_mul_ref)
+from servelm.models.layers import (fused_add_layer_norm_ref, fused_add_rms_norm_ref,
+                                   layer_norm_ref, paged_decode_attention_ref, rms_norm_ref,
+                                   rotary_kv_write_ref, silu_and_mul_ref)
 from tests.helpers import runner_path
 
 pytestmark = pytest.mark.skipif(not load_ops("ops"), reason="servelm C++ kernels unavailable")
@@ -150,6 +151,28 @@ def test_norms_and_silu_match_reference(dtype, rows):
     torch.testing.assert_close(y1, y2, **tol)
     gu = torch.randn(rows, 2 * 1536, generator=gen).to(dtype)
     torch.testing.assert_close(ops().silu_and_mul(gu), silu_and_mul_ref(gu), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norms_match_reference(dtype, bias):
+    """LayerNorm on the C++ ops (the arithmetic the DecodeStack runs: the mean and variance
+    in fp32 over the row), against PyTorch's, with a bias (StableLM) and without (Cohere);
+    rows of a non-zero mean, where a one-pass variance would lose digits."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 576, generator=gen) * 3 + 20).to(dtype)
+    res = torch.randn(5, 576, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    b = (0.1 * torch.randn(576, generator=gen)).to(dtype) if bias else None
+    tol = TOL[dtype]
+    torch.testing.assert_close(ops().layer_norm(x, w, b, 1e-5), layer_norm_ref(x, w, b, 1e-5), **tol)
+    r1, r2 = res.clone(), res.clone()
+    y1 = ops().fused_add_layer_norm(x, r1, w, b, 1e-5)
+    y2 = fused_add_layer_norm_ref(x, r2, w, b, 1e-5)
+    assert torch.equal(r1, r2)  # the residual add rounds exactly as the eager add
+    torch.testing.assert_close(y1, y2, **tol)
+    with pytest.raises(RuntimeError, match="layer_norm: bias must be contiguous"):
+        ops().layer_norm(x, w, w[:10], 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

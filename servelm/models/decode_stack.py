@@ -10,7 +10,9 @@ runs its decode steps). A description covers
     x = x + [attn_out_norm](o_proj(attention(rotary([q/k norm](qkv_proj(norm(x)))))))
     x = x + [mlp_out_norm](down_proj(act(gate) * up))
 
-with RMSNorms (Gemma's (1 + w) is folded into the weights at load; the pre-norms may be
+with RMSNorms or LayerNorms (with or without biases; StableLM, Cohere) and, as Cohere's,
+attention and the MLP in parallel on one normed input (Gemma's (1 + w) is folded into the
+weights at load; the pre-norms may be
 absent where the outputs' norms are there, OLMo 2's and EXAONE 4's layout; q / k norms a
 head's or over the whole projection, OLMo 2's), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
@@ -50,6 +52,8 @@ class NormSlot(enum.IntEnum):
     K = 3
     ATTN_OUT = 4
     MLP_OUT = 5
+    INPUT_BIAS = 6  # a LayerNorm's bias
+    POST_ATTENTION_BIAS = 7
 
 
 class LayerOption(enum.IntEnum):
@@ -69,6 +73,8 @@ class ModelOption(enum.IntEnum):
     Q_SCALE_PERIOD = 4  # the query scale's period (Q_SCALE_BETA)
     PRE_NORMS = 5  # 1: norms before attention and the MLP; 0: after them alone (OLMo 2)
     QK_NORM_WHOLE = 6  # 1: the q / k norms span the whole projection, not a head (OLMo 2)
+    LAYER_NORM = 7  # 1: the pre-norms and the final norm are LayerNorms (StableLM, Cohere)
+    PARALLEL = 8  # 1: attention and the MLP read one normed input, their outputs summed
 
 
 class ModelScalar(enum.IntEnum):
@@ -118,6 +124,8 @@ class StackDescription:
     q_scale_period: int = 0
     pre_norms: bool = True
     qk_norm_whole: bool = False
+    layer_norm: bool = False
+    parallel: bool = False
 
     def layer_options(self) -> list[int]:
         out = []
@@ -138,6 +146,8 @@ class StackDescription:
         opts[ModelOption.Q_SCALE_PERIOD] = self.q_scale_period
         opts[ModelOption.PRE_NORMS] = int(self.pre_norms)
         opts[ModelOption.QK_NORM_WHOLE] = int(self.qk_norm_whole)
+        opts[ModelOption.LAYER_NORM] = int(self.layer_norm)
+        opts[ModelOption.PARALLEL] = int(self.parallel)
         return opts
 
     def model_scalars(self) -> list[float]:
@@ -169,7 +179,7 @@ def available() -> bool:
 def describe_layer(layer) -> LayerDescription | str:
     """The layer as the stack takes it, or why it cannot (a short reason)."""
     from servelm.layers.stack import base_linear
-    from servelm.models.layers import Attention, GatedMLP, NoNorm, RMSNorm
+    from servelm.models.layers import Attention, GatedMLP, LayerNorm, NoNorm, RMSNorm
 
     if getattr(layer, "linear", False):
         return "it is linear attention (a gated DeltaNet over a recurrent state)"
@@ -184,8 +194,9 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
         return "it has one sandwich norm without the other"
-    if getattr(layer, "parallel", False):
-        return "its attention and MLP run in parallel on one norm"
+    if getattr(layer, "parallel", False) and (layer.attn_out_norm is not None
+                                              or layer.residual_scale != 1.0):
+        return "its attention and MLP run in parallel, with output norms or scales"
     if getattr(attn, "sinks", None) is not None:
         return "its attention has sinks (a logit per head in the softmax)"
     if attn.q_scale_beta and attn.q_scale_offset:
@@ -209,8 +220,11 @@ def describe_layer(layer) -> LayerDescription | str:
     if attn.attn_gate is not None:
         return "its attention output is gated (sigmoid(x W) before o_proj)"
     pre = layer.input_layernorm
-    if not isinstance(pre, (RMSNorm, NoNorm)):
-        return f"its norms are {type(pre).__name__}s, not RMSNorms"
+    if not isinstance(pre, (RMSNorm, NoNorm, LayerNorm)):
+        return f"its norms are {type(pre).__name__}s, not RMSNorms or LayerNorms"
+    if isinstance(pre, LayerNorm) and (layer.attn_out_norm is not None
+                                       or isinstance(attn.q_norm, LayerNorm)):
+        return "its LayerNorms come with output or q/k norms"
     if isinstance(pre, NoNorm) and (not isinstance(layer.post_attention_layernorm, NoNorm)
                                     or layer.attn_out_norm is None):
         return "it has no norm before attention, but one before its MLP or none after them"
@@ -223,6 +237,8 @@ def describe_layer(layer) -> LayerDescription | str:
 
 def describe(model) -> StackDescription | str:
     """The model as the stack takes it, or why it cannot (the first layer's reason)."""
+    from servelm.models.layers import LayerNorm
+
     cfg = model.config
     layers = []
     for i, layer in enumerate(model.layers):
@@ -242,11 +258,16 @@ def describe(model) -> StackDescription | str:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
             return f"layer {i}: its query scale differs from layer 0's"
-        if (type(layer.input_layernorm), a.qk_norm_whole) != (
-                type(model.layers[0].input_layernorm), attn.qk_norm_whole):
-            return f"layer {i}: its norms' places differ from layer 0's"
+        if (type(layer.input_layernorm), a.qk_norm_whole, getattr(layer, "parallel", False),
+                type(layer.post_attention_layernorm)) != (
+                type(model.layers[0].input_layernorm), attn.qk_norm_whole,
+                getattr(model.layers[0], "parallel", False),
+                type(model.layers[0].post_attention_layernorm)):
+            return f"layer {i}: its norms' kinds or places differ from layer 0's"
     rotary_dim = cfg.rotary_dim or attn.head_dim
     pre_norms = hasattr(model.layers[0].input_layernorm, "weight")
+    if pre_norms and type(model.norm) is not type(model.layers[0].input_layernorm):
+        return "its final norm is of another kind than its layers'"
     if model.rotary.cos.shape[-1] != rotary_dim:
         return "its rotary table is not rotary_dim wide"
     if any(d.local_rotary for d in layers) and model.rotary_local is None:
@@ -256,6 +277,8 @@ def describe(model) -> StackDescription | str:
         rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
         eps=(model.layers[0].attn_out_norm if not pre_norms else model.layers[0].input_layernorm).eps,
         scale=attn.scale, pre_norms=pre_norms, qk_norm_whole=bool(attn.qk_norm_whole),
+        layer_norm=isinstance(model.layers[0].input_layernorm, LayerNorm),
+        parallel=bool(getattr(model.layers[0], "parallel", False)),
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
         residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
         q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
@@ -282,9 +305,14 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
             return f"its {name} has a bias"
     none = torch.empty(0)
     norms = [none] * len(NormSlot)
-    if hasattr(layer.input_layernorm, "weight"):  # (none: norms after attention and the MLP)
-        norms[NormSlot.INPUT] = layer.input_layernorm.weight
-        norms[NormSlot.POST_ATTENTION] = layer.post_attention_layernorm.weight
+    for slot, bias_slot, norm in ((NormSlot.INPUT, NormSlot.INPUT_BIAS, layer.input_layernorm),
+                                  (NormSlot.POST_ATTENTION, NormSlot.POST_ATTENTION_BIAS,
+                                   layer.post_attention_layernorm)):
+        # (None: a parallel block's one norm; no weight: norms after the sublayers alone.)
+        if getattr(norm, "weight", None) is not None:
+            norms[slot] = norm.weight
+        if getattr(norm, "bias", None) is not None:  # a LayerNorm's
+            norms[bias_slot] = norm.bias
     if attn.q_norm is not None:
         norms[NormSlot.Q], norms[NormSlot.K] = attn.q_norm.weight, attn.k_norm.weight
     if layer.attn_out_norm is not None:
@@ -402,6 +430,8 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         adapted = bind_lora(stack, model)
         # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
         stack.bind_io(model.embed_tokens.weight, cos, sin, model.norm.weight)
+        if getattr(model.norm, "bias", None) is not None:  # a LayerNorm's
+            stack.bind_final_norm_bias(model.norm.bias)
         if local is not None:
             stack.bind_local_rotary(*local)
         lo, hi = bucket_row_range(group[0])[0], bucket_row_range(group[-1])[1]

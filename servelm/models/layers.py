@@ -40,6 +40,17 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return rms_norm_ref(residual, weight, eps)
 
 
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def fused_add_layer_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns layer_norm(residual)."""
+    return layer_norm_ref(residual.add_(x), weight, bias, eps)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -148,22 +159,34 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return _ops().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm, with a bias (Starcoder2) or without (Cohere): PyTorch's op on every path
-    (servelm's C++ ops have none), with RMSNorm's interface."""
+class LayerNorm(OpModule):
+    """LayerNorm, with a bias (Starcoder2) or without (Cohere), with RMSNorm's interface:
+    PyTorch's op as the reference, servelm's C++ op (the arithmetic the DecodeStack runs) on
+    the kernels."""
 
     def __init__(self, dim: int, eps: float, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.eps = eps
+        self.select(False)
+
+    def select(self, kernels: bool) -> None:
+        self.uses_kernels = kernels
+        self._norm = _ops().layer_norm if kernels else layer_norm_ref
+        self._add_norm = _ops().fused_add_layer_norm if kernels else fused_add_layer_norm_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        if not self.uses_kernels:
+            return self._norm(x, self.weight, self.bias, self.eps)
+        shape = x.shape  # the op takes rows: [T, N] (a per-head norm's [T, heads, D] too)
+        return self._norm(x.reshape(-1, shape[-1]), self.weight, self.bias, self.eps).view(shape)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += x (in place), then normalise it."""
-        return self.forward(residual.add_(x))
+        """residual += x (in place), then normalise it: one pass with the kernels."""
+        if not self.uses_kernels:
+            return self._add_norm(x, residual, self.weight, self.bias, self.eps)
+        return self._add_norm(x.contiguous(), residual, self.weight, self.bias, self.eps)
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:

@@ -48,13 +48,15 @@ namespace {
 // of servelm/models/decode_stack.py).
 // Per layer, its norm weights in this order (an empty tensor: the layer has none).
 enum NormSlot : int64_t {
-  kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm, kNormSlots
+  kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm,
+  kInputNormBias, kPostAttentionNormBias,  // LayerNorms' biases (empty: none)
+  kNormSlots
 };
 // Per layer, these integers.
 enum LayerOption : int64_t { kWindow, kRotaryTable, kKvGroup, kLayerOptions };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
-                              kQkNormWhole, kModelOptions };
+                              kQkNormWhole, kLayerNorm, kParallel, kModelOptions };
 // ... and these floats.
 enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kQScaleBeta,
                               kModelScalars };
@@ -528,6 +530,9 @@ class DecodeStack : public torch::CustomClassHolder {
     q_scale_period_ = model_options[kQScalePeriod];
     pre_norms_ = model_options[kPreNorms] != 0;
     qk_norm_whole_ = model_options[kQkNormWhole] != 0;
+    layer_norm_ = model_options[kLayerNorm] != 0;
+    parallel_ = model_options[kParallel] != 0;
+    TORCH_CHECK(!parallel_ || pre_norms_, "DecodeStack: a parallel block takes pre-norms");
     q_scale_beta_ = model_scalars[kQScaleBeta];
     TORCH_CHECK(q_scale_beta_ == 0.0 || q_scale_period_ > 0,
                 "DecodeStack: a query scale needs a positive period");
@@ -571,7 +576,9 @@ class DecodeStack : public torch::CustomClassHolder {
       for (int k = 0; k < kNormSlots; ++k) {
         const at::Tensor& t = norms[kNormSlots * l + k];
         const bool pre = k == kInputNorm || k == kPostAttentionNorm;
-        const bool required = pre_norms_ ? pre : k == kAttnOutNorm || k == kMlpOutNorm;
+        // (A parallel block's MLP may read attention's normed input: no norm of its own.)
+        const bool required = pre_norms_ ? k == kInputNorm || (k == kPostAttentionNorm && !parallel_)
+                                         : k == kAttnOutNorm || k == kMlpOutNorm;
         TORCH_CHECK(pre_norms_ || !pre || !t.numel(), "DecodeStack: a model without pre-norms has "
                     "no input or post-attention norm weights");
         if (!required && !t.numel()) continue;
@@ -647,6 +654,14 @@ class DecodeStack : public torch::CustomClassHolder {
                     final_norm.is_contiguous() && final_norm.scalar_type() == at::kBFloat16,
                 "DecodeStack.bind_io: final_norm must be contiguous bfloat16 [", hidden, "]");
     embed_ = embed, cos_[0] = cos, sin_[0] = sin, final_norm_ = final_norm;
+  }
+  // Once, for run_tokens of a model whose final norm is a LayerNorm with a bias.
+  void bind_final_norm_bias(at::Tensor bias) {
+    TORCH_CHECK(layer_norm_, "DecodeStack.bind_final_norm_bias: the norms are RMSNorms");
+    TORCH_CHECK(bias.dim() == 1 && bias.numel() == hidden_ && bias.is_contiguous() &&
+                    bias.scalar_type() == at::kBFloat16,
+                "DecodeStack.bind_final_norm_bias: bias must be contiguous bfloat16 [", hidden_, "]");
+    final_norm_bias_ = bias;
   }
   // Once per adapted linear (servelm.layers.lora.LoRALinear) of layer `layer`, `linear` a
   // Linear: its adapters' stacks lora_a [S, J*R, K], lora_b [S, ceil(R/2), N, 2] (bf16, held by
@@ -744,11 +759,14 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor out = at::empty({M, hidden}, embed_.options());
     const BF* dp = delta.data_ptr<BF>();
     const BF* w = final_norm_.data_ptr<BF>();
+    const BF* fb = final_norm_bias_.defined() ? final_norm_bias_.data_ptr<BF>() : nullptr;
     BF* op = out.data_ptr<BF>();
     const float eps = static_cast<float>(eps_);
     at::parallel_for(0, M, std::max<int64_t>(1, 32768 / hidden), [&](int64_t a, int64_t b) {
-      for (int64_t m = a; m < b; ++m)
-        add_rms_row<BF>(dp + m * hidden, res + m * hidden, w, op + m * hidden, hidden, eps);
+      for (int64_t m = a; m < b; ++m) {
+        if (layer_norm_) add_ln_row<BF>(dp + m * hidden, res + m * hidden, w, fb, op + m * hidden, hidden, eps);
+        else add_rms_row<BF>(dp + m * hidden, res + m * hidden, w, op + m * hidden, hidden, eps);
+      }
     });
     return out;
   }
@@ -985,6 +1003,10 @@ class DecodeStack : public torch::CustomClassHolder {
             if (!pre_norms_) {  // attention reads the residual stream itself
               if (l) add_row(delta + m * hidden, res + m * hidden);
               std::memcpy(h1 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
+            } else if (layer_norm_) {
+              const BF* b = s.norm(kInputNormBias);
+              if (l) add_ln_row<BF>(delta + m * hidden, res + m * hidden, w, b, h1 + m * hidden, hidden, eps);
+              else ln_row<BF>(res + m * hidden, w, b, h1 + m * hidden, hidden, eps);
             } else if (l) {
               add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
             } else {
@@ -1040,7 +1062,15 @@ class DecodeStack : public torch::CustomClassHolder {
           for (int64_t m = m0; m < m1; ++m) {
             if (on) rms_row<BF>(o_out + m * hidden, on, o_out + m * hidden, hidden, eps);
             if (rscale != 1.f) scale_row(o_out + m * hidden);
-            if (pre_norms_) {
+            if (parallel_) {  // the MLP reads attention's input, or its own norm of the stream
+              if (!w) std::memcpy(h2 + m * hidden, h1 + m * hidden, sizeof(BF) * hidden);
+              else if (layer_norm_)
+                ln_row<BF>(res + m * hidden, w, s.norm(kPostAttentionNormBias), h2 + m * hidden, hidden, eps);
+              else rms_row<BF>(res + m * hidden, w, h2 + m * hidden, hidden, eps);
+            } else if (layer_norm_) {
+              add_ln_row<BF>(o_out + m * hidden, res + m * hidden, w, s.norm(kPostAttentionNormBias),
+                             h2 + m * hidden, hidden, eps);
+            } else if (pre_norms_) {
               add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
             } else {  // the MLP reads the residual stream itself
               add_row(o_out + m * hidden, res + m * hidden);
@@ -1076,6 +1106,10 @@ class DecodeStack : public torch::CustomClassHolder {
         shrink_phase(s.lora[kDown], act, inter);
         t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
                  expand(s.lora[kDown], s.down, delta, hidden));
+        if (parallel_)  // the block's output: attention's plus the MLP's, rounded once
+          t.rows(M, [&](int64_t m0, int64_t m1) {
+            for (int64_t m = m0; m < m1; ++m) add_row(o_out + m * hidden, delta + m * hidden);
+          }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
       }
       // The last layer's MLP output norm and residual scale (the others' run in the next layer).
       if (final_mlp_norm || rscale != 1.f)
@@ -1101,6 +1135,9 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t q_scale_period_ = 0;
   bool pre_norms_ = true;       // false: norms after attention and the MLP alone (OLMo 2, EXAONE 4)
   bool qk_norm_whole_ = false;  // q / k norms over the whole projection, not a head (OLMo 2)
+  bool layer_norm_ = false;     // the pre-norms and the final norm are LayerNorms (StableLM, Cohere)
+  bool parallel_ = false;       // attention and the MLP read one normed input, outputs summed (Cohere)
+  at::Tensor final_norm_bias_;  // bind_final_norm_bias's (a LayerNorm's; undefined: none)
   int64_t hidden_ = 0;
   int64_t heads_, kv_heads_, act_, rot_;
   bool uses_local_ = false;
@@ -1124,6 +1161,7 @@ TORCH_LIBRARY(servelm_stack, m) {
       .def("run_rotary", &DecodeStack::run_rotary)
       .def("bind_io", &DecodeStack::bind_io)
       .def("bind_local_rotary", &DecodeStack::bind_local_rotary)
+      .def("bind_final_norm_bias", &DecodeStack::bind_final_norm_bias)
       .def("bind_lora", &DecodeStack::bind_lora)
       .def("set_lora_rows", &DecodeStack::set_lora_rows)
       .def("run_tokens", &DecodeStack::run_tokens)

@@ -11,6 +11,7 @@
 //       (sequence, KV head, context split), scheduled dynamically over OpenMP threads; long
 //       contexts are split when there are fewer (sequence, KV head) pairs than threads want.
 //   rms_norm(x [T,N], weight [N], eps) -> [T,N]
+//   layer_norm(x [T,N], weight [N], bias [N]?, eps) -> [T,N]; fused_add_layer_norm as below
 //   fused_add_rms_norm(x [T,N], residual [T,N] (mutated: residual += x), weight, eps) -> [T,N]
 //   rotary_kv_write(qkv [T,(H+2KVH)*D] (q part rotated in place), cos, sin [T,D],
 //                   k_cache, v_cache (mutated), slot_mapping int64 [T], H, KVH) -> ()
@@ -227,6 +228,54 @@ at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const a
     at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
       for (int64_t t = a; t < b; ++t)
         add_rms_row<scalar_t>(xp + t * xs, rp + t * N, wp, yp + t * N, N, (float)eps);
+    });
+  });
+  return y;
+}
+
+// ---- LayerNorm --------------------------------------------------------------------------------
+
+void check_ln_bias(const at::Tensor& x, const OptTensor& bias, const char* name) {
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->numel() == x.size(1) && bias->is_contiguous() &&
+                        bias->scalar_type() == x.scalar_type()),
+              name, ": bias must be contiguous [N] of x's dtype");
+}
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, double eps) {
+  check_rows(x, weight, "layer_norm");
+  check_ln_bias(x, bias, "layer_norm");
+  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
+  SERVELM_DISPATCH(x.scalar_type(), "layer_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) ln_row<scalar_t>(xp + t * xs, wp, bp, yp + t * N, N, (float)eps);
+    });
+  });
+  return y;
+}
+
+at::Tensor fused_add_layer_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                                const OptTensor& bias, double eps) {
+  check_rows(x, weight, "fused_add_layer_norm");
+  check_ln_bias(x, bias, "fused_add_layer_norm");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "fused_add_layer_norm: residual must be contiguous, shaped and typed like x");
+  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
+  SERVELM_DISPATCH(x.scalar_type(), "fused_add_layer_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t)
+        add_ln_row<scalar_t>(xp + t * xs, rp + t * N, wp, bp, yp + t * N, N, (float)eps);
     });
   });
   return y;
@@ -1137,6 +1186,8 @@ TORCH_LIBRARY(servelm_ops, m) {
         "Tensor? v_scale=None, int chunk=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor? bias, float eps) -> Tensor");
+  m.def("fused_add_layer_norm(Tensor x, Tensor(a!) residual, Tensor weight, Tensor? bias, float eps) -> Tensor");
   m.def("rotary_kv_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
         "Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> ()");
@@ -1154,6 +1205,8 @@ TORCH_LIBRARY_IMPL(servelm_ops, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("layer_norm", &layer_norm);
+  m.impl("fused_add_layer_norm", &fused_add_layer_norm);
   m.impl("rotary_kv_write", &rotary_kv_write);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("paged_prefill_attention", &paged_prefill_attention);

@@ -41,6 +41,33 @@ void add_rms_row(const T* x, T* residual, const T* w, T* y, int64_t N, float eps
   add_rms_row_scalar<T>(x, residual, w, y, N, eps);
 }
 
+// LayerNorm of one row: y = (x - mean) / sqrt(var + eps) * w (+ b; b null: none), the mean
+// and the variance over the row in fp32 (two passes), rounded once to T.
+template <typename T>
+void ln_row(const T* x, const T* w, const T* b, T* y, int64_t N, float eps) {
+  float s = 0.f;
+  for (int64_t i = 0; i < N; ++i) s += to_f<T>(x[i]);
+  const float mean = s / static_cast<float>(N);
+  float ss = 0.f;
+  for (int64_t i = 0; i < N; ++i) {
+    const float d = to_f<T>(x[i]) - mean;
+    ss += d * d;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+  for (int64_t i = 0; i < N; ++i) {
+    float v = (to_f<T>(x[i]) - mean) * r * to_f<T>(w[i]);
+    if (b) v += to_f<T>(b[i]);
+    y[i] = from_f<T>(v);
+  }
+}
+
+// residual += x (rounded to T), then y = LayerNorm(residual).
+template <typename T>
+void add_ln_row(const T* x, T* residual, const T* w, const T* b, T* y, int64_t N, float eps) {
+  for (int64_t i = 0; i < N; ++i) residual[i] = from_f<T>(to_f<T>(residual[i]) + to_f<T>(x[i]));
+  ln_row<T>(residual, w, b, y, N, eps);
+}
+
 // ---- rotary + KV cache write
 
 // A vectorised rotate-half for a dtype and head size, when there is one (returns false).
