@@ -320,14 +320,14 @@ class CausalLM(nn.Module):
         rows = batch.logits_indices if sampled_only and batch.logits_indices.shape[0] < n else None
         # The DecodeStack takes a step of decodes only, as the cpu backend's ragged rows.
         dec = batch.attn.decodes
-        fused = dec is not None and dec.num == n and self.decode_stack_takes(kv_caches, n)
+        # (A stack that scales queries needs the positions, which only run_tokens takes.)
+        fused = (dec is not None and dec.num == n and self.decode_stack_takes(kv_caches, n)
+                 and not (rows is not None and self.stack_needs_positions))
         if fused and "lora_step" in self.__dict__:  # adapters: the step's row slots
             # (a stack bound before the layers were wrapped has none: op by op then)
             fused = self.stack_runs_lora or self.lora_step.tokens is None
             if fused:
                 decode_stack.set_lora_rows(self, self._stack_for(n))
-        if fused and rows is not None and self.stack_needs_positions:
-            fused = False  # (run_rotary has no positions for the query scale)
         if fused:  # a hybrid model's block groups: each group's slots and tables
             slots, block_tables = batch.stack_inputs()
         if fused and rows is None:  # the whole step, embedding to final norm, in one call

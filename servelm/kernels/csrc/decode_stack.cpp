@@ -936,10 +936,6 @@ class DecodeStack : public torch::CustomClassHolder {
     auto scale_row = [&](BF* x) {
       for (int64_t i = 0; i < hidden; ++i) x[i] = BF(static_cast<float>(x[i]) * rscale);
     };
-    // residual += x, rounded once (the reference's in-place bf16 add).
-    auto add_row = [&](const BF* x, BF* r) {
-      for (int64_t i = 0; i < hidden; ++i) r[i] = BF(static_cast<float>(r[i]) + static_cast<float>(x[i]));
-    };
     // The step's LoRA rows grouped by slot, and the shrink's output t [M, J*R] (fp32), shared
     // by each adapted linear in turn.
     lora::RowGroups lora_groups;
@@ -1001,7 +997,7 @@ class DecodeStack : public torch::CustomClassHolder {
             if (prev_out_norm) rms_row<BF>(delta + m * hidden, prev_out_norm, delta + m * hidden, hidden, eps);
             if (l && rscale != 1.f) scale_row(delta + m * hidden);
             if (!pre_norms_) {  // attention reads the residual stream itself
-              if (l) add_row(delta + m * hidden, res + m * hidden);
+              if (l) add_row<BF>(delta + m * hidden, res + m * hidden, hidden);
               std::memcpy(h1 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
             } else if (layer_norm_) {
               const BF* b = s.norm(kInputNormBias);
@@ -1073,7 +1069,7 @@ class DecodeStack : public torch::CustomClassHolder {
             } else if (pre_norms_) {
               add_rms_row<BF>(o_out + m * hidden, res + m * hidden, w, h2 + m * hidden, hidden, eps);
             } else {  // the MLP reads the residual stream itself
-              add_row(o_out + m * hidden, res + m * hidden);
+              add_row<BF>(o_out + m * hidden, res + m * hidden, hidden);
               std::memcpy(h2 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
             }
           }
@@ -1108,7 +1104,7 @@ class DecodeStack : public torch::CustomClassHolder {
                  expand(s.lora[kDown], s.down, delta, hidden));
         if (parallel_)  // the block's output: attention's plus the MLP's, rounded once
           t.rows(M, [&](int64_t m0, int64_t m1) {
-            for (int64_t m = m0; m < m1; ++m) add_row(o_out + m * hidden, delta + m * hidden);
+            for (int64_t m = m0; m < m1; ++m) add_row<BF>(o_out + m * hidden, delta + m * hidden, hidden);
           }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
       }
       // The last layer's MLP output norm and residual scale (the others' run in the next layer).

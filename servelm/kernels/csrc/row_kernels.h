@@ -26,10 +26,16 @@ void rms_row_scalar(const T* x, const T* w, T* y, int64_t N, float eps) {
   rms_scale_row<T>(x, w, y, N, ss, eps);
 }
 
+// residual += x, each sum rounded once to T (the reference's in-place add).
+template <typename T>
+inline void add_row(const T* x, T* residual, int64_t N) {
+  for (int64_t i = 0; i < N; ++i) residual[i] = from_f<T>(to_f<T>(residual[i]) + to_f<T>(x[i]));
+}
+
 // residual += x (rounded to T), then y = RMSNorm(residual) * w.
 template <typename T>
 void add_rms_row_scalar(const T* x, T* residual, const T* w, T* y, int64_t N, float eps) {
-  for (int64_t i = 0; i < N; ++i) residual[i] = from_f<T>(to_f<T>(residual[i]) + to_f<T>(x[i]));
+  add_row<T>(x, residual, N);
   rms_row_scalar<T>(residual, w, y, N, eps);
 }
 
@@ -95,7 +101,7 @@ inline void ln_row<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* w
 // residual += x (rounded to T), then y = LayerNorm(residual).
 template <typename T>
 void add_ln_row(const T* x, T* residual, const T* w, const T* b, T* y, int64_t N, float eps) {
-  for (int64_t i = 0; i < N; ++i) residual[i] = from_f<T>(to_f<T>(residual[i]) + to_f<T>(x[i]));
+  add_row<T>(x, residual, N);
   ln_row<T>(residual, w, b, y, N, eps);
 }
 
