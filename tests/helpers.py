@@ -364,6 +364,9 @@ def generate_with_and_without_the_stack(llm, prompts: list[list[int]], sp):
         def set_lora_rows(self, *a):
             return self.stack.set_lora_rows(*a)
 
+        def set_state_rows(self, *a):
+            return self.stack.set_state_rows(*a)
+
     requests = [{"prompt_token_ids": p} for p in prompts]
     try:
         model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]

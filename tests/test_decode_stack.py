@@ -217,6 +217,12 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # Gated-DeltaNet layers over recurrent states, then a full-attention layer with its
+    # output gate, q / k norms and a partial rotary.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        initializer_range=0.1)),
 }
 
 
@@ -246,3 +252,38 @@ def test_engine_runs_each_familys_decode_steps_on_the_stack(family, family_llms)
     prompts = [list(range(10, 40)), [5, 6, 7], list(range(100, 140))]  # past the window
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     assert_stack_decodes_as_per_op(llm, prompts, sp)
+
+
+def test_qwen3_5_answers_keep_their_state_snapshots_on_the_stack(tmp_path, hf_tokenizer):
+    """A Qwen3.5 answer's decode steps keep its recurrent state at each block boundary they
+    reach (a prefix-cache snapshot) on the stack as op by op: a next turn that extends the
+    answer is admitted past that boundary, its state restored from the snapshot, and both
+    turns' tokens and logprobs are the per-op path's. A stack with linear-attention layers
+    refuses a run whose rows' state slots were not given."""
+    pytest.importorskip("transformers")
+    from servelm import LLM, SamplingParams
+
+    config_cls, model_cls, extra = ENGINE_FAMILIES["qwen3_5"]
+    tiny_hf_checkpoint(tmp_path, config_cls, model_cls, extra, hf_tokenizer, seed=11)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    results = []
+    for fused in (True, False):
+        llm = LLM(model=str(tmp_path), dtype="bfloat16", quantization="int4",
+                  linear_method="tiles", kv_cache_memory=16 << 20, max_model_len=256,
+                  max_num_seqs=4)
+        model = llm.engine.executor.model
+        assert model.fused_decode and llm.engine.block_manager.enable_caching
+        model.fused_decode = fused
+        bs = llm.engine.block_manager.block_size
+        turn1 = list(range(10, 10 + 3 * bs + 5))
+        out1 = llm.generate([turn1], sp, use_tqdm=False)[0].outputs[0]
+        turn2 = turn1 + list(out1.token_ids) + [5, 6, 7]
+        out2 = llm.generate([turn2], sp, use_tqdm=False)[0]
+        # Admitted past the prompt's snapshot (3 blocks), on the answer's (4 blocks).
+        assert out2.metrics.num_cached_tokens == 4 * bs
+        results.append((out1.token_ids, out1.logprobs, out2.outputs[0].token_ids,
+                        out2.outputs[0].logprobs))
+    assert results[0] == results[1]
+    stack = model._decode_stacks[0][2]
+    with pytest.raises(RuntimeError, match="set_state_rows"):
+        stack.run_lists([5], [3], [7], [1], [4])

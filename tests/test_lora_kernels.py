@@ -205,12 +205,15 @@ def test_the_op_on_the_per_op_path_is_the_reference():
 # ---- the engine: adapted decode steps on the stack ------------------------------------------
 
 @STACK
-@pytest.mark.parametrize("method", ["default", "amx"])
-def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer, method):
+@pytest.mark.parametrize("family,method", [("llama", "default"), ("llama", "amx"),
+                                           ("qwen3_5", "default")])
+def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer, family, method):
     """A bf16 engine with two PEFT adapters: a mixed batch (base, each adapter, one twice)
     decodes on the DecodeStack, and its tokens and logprobs are the per-op path's. On amx
     the gate_up is gated (SiLU in its epilogue): the stack adds its deltas there, before the
-    SiLU, and the per-op path adds them to gate and up, then runs silu_and_mul."""
+    SiLU, and the per-op path adds them to gate and up, then runs silu_and_mul. Qwen3.5's
+    adapters also reach its gated attention's output gate and its DeltaNet layers'
+    projections (in_proj_qkvz, in_proj_ba, out_proj on the stack)."""
     pytest.importorskip("peft")
     from servelm.layers import amx
 
@@ -218,11 +221,15 @@ def test_the_engine_decodes_adapted_batches_on_the_stack(tmp_path, hf_tokenizer,
         pytest.skip("no AMX tiles here")
     from servelm import LLM, LoRARequest, SamplingParams
     from tests.helpers import tiny_hf_checkpoint
-    from tests.test_lora import make_adapter
+    from tests.test_lora import FAMILIES, make_adapter
 
-    base = tiny_hf_checkpoint(tmp_path / "base", "LlamaConfig", "LlamaForCausalLM",
-                              dict(head_dim=16), hf_tokenizer, seed=0)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if family not in FAMILIES:
+        pytest.skip(f"this transformers has no {family}")
+    config_cls, model_cls, extra, targets = FAMILIES[family]
+    if family == "llama":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base = tiny_hf_checkpoint(tmp_path / "base", config_cls, model_cls, extra, hf_tokenizer,
+                              seed=0)
     loras = []
     for j in range(2):
         make_adapter(base, tmp_path / f"a{j}", targets, seed=10 + j, rank=8 - 4 * j)

@@ -403,12 +403,16 @@ class ModelRunner:
                     seqs, self.kv_cache.block_size, len(tables) // len(seqs))
                 slots += more_slots
                 tables += more_tables
+            states = None
+            if self.state_cache is not None:  # linear attention: each row's state slot
+                states = ([s.state_slot for s in seqs], [s.start_pos == 0 for s in seqs],
+                          [s.state_snapshot[1] if s.state_snapshot else -1 for s in seqs])
             lora = None
             if adapted:  # decode rows are the sequences in order, one token each
                 t = torch.tensor([s.lora_slot for s in seqs], dtype=torch.int32)
                 lora = (t, t)
             with self._lora(lora):
-                hidden = self.model.decode_step(ids, pos, slots, tables, lens)
+                hidden = self.model.decode_step(ids, pos, slots, tables, lens, states)
             return self.model.compute_logits(hidden), list(range(len(seqs)))
         batch, sampled = build_forward_batch(seqs, self.kv_cache.block_size,
                                              self.num_queries_per_kv, self.device,

@@ -26,6 +26,7 @@ class StackFormat(enum.IntEnum):
     BF16 = -1  # bf16 in the kernels' 16-row tiles
     AMX = -2  # bf16 in AMX tile order
     AMX_GATED = -3  # a SwiGLU gate_up in AMX tile order, SiLU in its epilogue (gate_silu)
+    NONE = -4  # no such linear (a layer's absent extra linear: an attention without output gate)
     Q8ACT = 1 << 20
     W8A8 = 2 << 20
 

@@ -63,6 +63,19 @@ class LayerOption(enum.IntEnum):
     ROTARY_TABLE = 1  # 0: the model's rotary table, 1: the sliding layers' (rotary_local),
     #                   2: none (a NoPE layer: no dims turn)
     KV_GROUP = 2  # its block group (a hybrid model's KV pages): which table and slot it uses
+    KIND = 3  # a LayerKind
+    # A linear-attention layer's shape: key heads, value heads, their sizes, its convolution's
+    # kernel (0 for an attention layer).
+    LINEAR_KEY_HEADS = 4
+    LINEAR_VALUE_HEADS = 5
+    LINEAR_KEY_DIM = 6
+    LINEAR_VALUE_DIM = 7
+    CONV_KERNEL = 8
+
+
+class LayerKind(enum.IntEnum):
+    ATTENTION = 0
+    LINEAR_ATTENTION = 1  # a gated DeltaNet over each sequence's recurrent state (Qwen3.5)
 
 
 class ModelOption(enum.IntEnum):
@@ -103,6 +116,10 @@ class LayerDescription:
     local_rotary: bool
     kv_group: int = 0  # its block group (DecoderLayer.kv_group)
     rope: bool = True  # False: a NoPE layer (SmolLM3's every fourth)
+    output_gate: bool = False  # attention's output times sigmoid(attn_gate(x)) (Qwen3.5)
+    # A linear-attention layer's (key heads, value heads, key dim, value dim, conv kernel);
+    # None: an attention layer.
+    linear: tuple[int, int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,11 @@ class StackDescription:
             opts[LayerOption.WINDOW] = layer.window
             opts[LayerOption.ROTARY_TABLE] = int(layer.local_rotary) if layer.rope else 2
             opts[LayerOption.KV_GROUP] = layer.kv_group
+            if layer.linear is not None:
+                opts[LayerOption.KIND] = LayerKind.LINEAR_ATTENTION
+                (opts[LayerOption.LINEAR_KEY_HEADS], opts[LayerOption.LINEAR_VALUE_HEADS],
+                 opts[LayerOption.LINEAR_KEY_DIM], opts[LayerOption.LINEAR_VALUE_DIM],
+                 opts[LayerOption.CONV_KERNEL]) = layer.linear
             out += opts
         return out
 
@@ -180,12 +202,14 @@ def describe_layer(layer) -> LayerDescription | str:
     """The layer as the stack takes it, or why it cannot (a short reason)."""
     from servelm.layers.stack import base_linear
     from servelm.models.layers import Attention, GatedMLP, LayerNorm, NoNorm, RMSNorm
+    from servelm.models.linear_attention import GatedDeltaNet
 
-    if getattr(layer, "linear", False):
-        return "it is linear attention (a gated DeltaNet over a recurrent state)"
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention:  # e.g. tensor parallel's, which all-reduce its output
+    linear = getattr(layer, "linear", False)
+    attn, mlp = (None if linear else layer.self_attn), layer.mlp
+    if not linear and type(attn) is not Attention:  # e.g. tensor parallel's (all-reduces)
         return f"its attention is {type(attn).__name__}, not the plain Attention"
+    if linear and type(layer.linear_attn) is not GatedDeltaNet:
+        return f"its linear attention is {type(layer.linear_attn).__name__}, not the plain GatedDeltaNet"
     if type(mlp) is not GatedMLP:
         return (f"its MLP is {type(mlp).__name__} (routed experts run op by op)"
                 if hasattr(mlp, "experts_gate_up") or "MoE" in type(mlp).__name__
@@ -195,44 +219,55 @@ def describe_layer(layer) -> LayerDescription | str:
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
         return "it has one sandwich norm without the other"
     if getattr(layer, "parallel", False) and (layer.attn_out_norm is not None
-                                              or layer.residual_scale != 1.0):
+                                              or layer.residual_scale != 1.0 or linear):
         return "its attention and MLP run in parallel, with output norms or scales"
-    if getattr(attn, "sinks", None) is not None:
-        return "its attention has sinks (a logit per head in the softmax)"
-    if attn.q_scale_beta and attn.q_scale_offset:
-        return "its queries are scaled by their position (attention temperature)"
-    if attn.chunk:
-        return "its attention is chunked (keys from the query's own chunk only)"
-    if attn.qk_l2_norm:
-        return "its q and k are L2-normalised after the rotary"
+    if not linear:
+        if getattr(attn, "sinks", None) is not None:
+            return "its attention has sinks (a logit per head in the softmax)"
+        if attn.q_scale_beta and attn.q_scale_offset:
+            return "its queries are scaled by their position (attention temperature)"
+        if attn.chunk:
+            return "its attention is chunked (keys from the query's own chunk only)"
+        if attn.qk_l2_norm:
+            return "its q and k are L2-normalised after the rotary"
     if getattr(layer, "moe", None) is not None:
         return "it has routed experts beside its MLP (routed experts run op by op)"
-    if attn.kv_shared:
-        return "it attends an earlier layer's KV cache (KV sharing)"
-    if attn.k_eq_v:
-        return "its values are its keys' projection (k_eq_v)"
-    if attn.v_norm:
-        return "its values are RMS-normalised (v_norm)"
+    if not linear:
+        if attn.kv_shared:
+            return "it attends an earlier layer's KV cache (KV sharing)"
+        if attn.k_eq_v:
+            return "its values are its keys' projection (k_eq_v)"
+        if attn.v_norm:
+            return "its values are RMS-normalised (v_norm)"
     if getattr(layer, "per_layer_input", None) is not None:
         return "it adds a per-layer input (per-layer embeddings)"
     if getattr(layer, "layer_scalar", None) is not None:
         return "it scales its residual stream (layer_scalar)"
-    if attn.attn_gate is not None:
-        return "its attention output is gated (sigmoid(x W) before o_proj)"
     pre = layer.input_layernorm
     if not isinstance(pre, (RMSNorm, NoNorm, LayerNorm)):
         return f"its norms are {type(pre).__name__}s, not RMSNorms or LayerNorms"
     if isinstance(pre, LayerNorm) and (layer.attn_out_norm is not None
-                                       or isinstance(attn.q_norm, LayerNorm)):
+                                       or isinstance(getattr(attn, "q_norm", None), LayerNorm)):
         return "its LayerNorms come with output or q/k norms"
     if isinstance(pre, NoNorm) and (not isinstance(layer.post_attention_layernorm, NoNorm)
                                     or layer.attn_out_norm is None):
         return "it has no norm before attention, but one before its MLP or none after them"
+    if linear:
+        la = layer.linear_attn
+        if not isinstance(pre, RMSNorm) or layer.attn_out_norm is not None:
+            return "its linear attention comes with norms other than RMSNorms before it"
+        if la.eps != pre.eps:
+            return "its linear attention's gated norm has another eps than the layer's norms"
+        return LayerDescription(qk_norm=False, sandwich_norms=False, qkv_bias=False, window=0,
+                                local_rotary=False, kv_group=layer.kv_group,
+                                linear=(la.num_k_heads, la.num_v_heads, la.head_k_dim,
+                                        la.head_v_dim, la.kernel))
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=base_linear(attn.qkv_proj).bias is not None,
                             window=attn.window or 0, local_rotary=bool(layer.local_rotary),
-                            kv_group=layer.kv_group, rope=bool(attn.rope))
+                            kv_group=layer.kv_group, rope=bool(attn.rope),
+                            output_gate=attn.attn_gate is not None)
 
 
 def describe(model) -> StackDescription | str:
@@ -246,18 +281,21 @@ def describe(model) -> StackDescription | str:
         if isinstance(d, str):
             return f"layer {i}: {d}"
         layers.append(d)
-    attn = model.layers[0].self_attn
+    first = next((i for i, d in enumerate(layers) if d.linear is None), None)
+    if first is None:
+        return "it has no attention layer"
+    attn = model.layers[first].self_attn
     for i, layer in enumerate(model.layers):
-        a = layer.self_attn
+        a = attn if layer.linear else layer.self_attn
         if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
-            return f"layer {i}: its heads, softmax scale or soft-cap differ from layer 0's"
+            return f"layer {i}: its heads, softmax scale or soft-cap differ from layer {first}'s"
         if layer.mlp.act != model.layers[0].mlp.act:
             return f"layer {i}: its activation differs from layer 0's"
         if layer.residual_scale != model.layers[0].residual_scale:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
-            return f"layer {i}: its query scale differs from layer 0's"
+            return f"layer {i}: its query scale differs from layer {first}'s"
         if (type(layer.input_layernorm), a.qk_norm_whole, getattr(layer, "parallel", False),
                 type(layer.post_attention_layernorm)) != (
                 type(model.layers[0].input_layernorm), attn.qk_norm_whole,
@@ -288,21 +326,23 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     """The layer's tensors for a DecodeStack of steps of `rows` rows: (weights, format
     codes, norms in NormSlot order, qkv bias), or why not (a linear layer not on the C++
     kernels for calls of that many rows, a bias other than qkv's)."""
-    from servelm.layers.stack import base_linear, kernel_weights
+    from servelm.layers.stack import StackFormat, base_linear, kernel_weights
 
     d = describe_layer(layer)
     if isinstance(d, str):
         return d
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    linears = layer.linears()  # qkv (or in_proj_qkvz), o (out_proj), gate_up, down[, extra]
+    names = (("in_proj_qkvz", "out_proj", "gate_up_proj", "down_proj", "in_proj_ba")
+             if layer.linear else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attn_gate"))
     parts = [kernel_weights(m, rows) for m in linears]
     for name, p in zip(names, parts):
         if p is None:
             return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
-    for name, m in zip(names[1:], linears[1:]):
-        if getattr(base_linear(m), "bias", None) is not None:
+    for name, m in zip(names, linears):
+        if name != "qkv_proj" and getattr(base_linear(m), "bias", None) is not None:
             return f"its {name} has a bias"
+    if len(parts) < len(names):  # no extra linear
+        parts.append(([], int(StackFormat.NONE)))
     none = torch.empty(0)
     norms = [none] * len(NormSlot)
     for slot, bias_slot, norm in ((NormSlot.INPUT, NormSlot.INPUT_BIAS, layer.input_layernorm),
@@ -313,23 +353,36 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
             norms[slot] = norm.weight
         if getattr(norm, "bias", None) is not None:  # a LayerNorm's
             norms[bias_slot] = norm.bias
-    if attn.q_norm is not None:
+    attn = None if layer.linear else layer.self_attn
+    if attn is not None and attn.q_norm is not None:
         norms[NormSlot.Q], norms[NormSlot.K] = attn.q_norm.weight, attn.k_norm.weight
     if layer.attn_out_norm is not None:
         norms[NormSlot.ATTN_OUT] = layer.attn_out_norm.weight
         norms[NormSlot.MLP_OUT] = layer.mlp_out_norm.weight
-    bias = base_linear(attn.qkv_proj).bias
+    bias = None if attn is None else base_linear(attn.qkv_proj).bias
     return ([t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms,
             none if bias is None else bias)
 
 
-def build(description: StackDescription, parts: list[tuple], kv_caches: list[tuple]):
-    """A DecodeStack of these layers (layer_args of each) over their KV caches."""
-    return torch.classes.servelm_stack.DecodeStack(
+def build(description: StackDescription, parts: list[tuple], kv_caches: list[tuple],
+          model=None):
+    """A DecodeStack of these layers (layer_args of each) over their KV caches (a
+    linear-attention layer's: its recurrent states, bound with the model's layer's
+    parameters: bind_linear_attention)."""
+    none = torch.empty(0, dtype=torch.bfloat16)
+    linear = [d.linear is not None for d in description.layers]
+    stack = torch.classes.servelm_stack.DecodeStack(
         [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
         [t for p in parts for t in p[2]], [p[3] for p in parts],
-        [k for k, _ in kv_caches], [v for _, v in kv_caches],
+        [none if lin else k for lin, (k, _) in zip(linear, kv_caches)],
+        [none if lin else v for lin, (_, v) in zip(linear, kv_caches)],
         description.layer_options(), description.model_options(), description.model_scalars())
+    for i, lin in enumerate(linear):
+        if lin:
+            la = model.layers[i].linear_attn
+            stack.bind_linear_attention(i, *kv_caches[i], la.conv_weight, la.A_log, la.dt_bias,
+                                        la.norm_weight)
+    return stack
 
 
 def bind_lora(stack, model) -> int:
@@ -345,6 +398,15 @@ def bind_lora(stack, model) -> int:
                 stack.bind_lora(i, j, m.lora_a, m.lora_b, list(m.bounds))
                 n += 1
     return n
+
+
+def set_state_rows(stack, slots: list[int], fresh: list[bool],
+                   snapshots: list[int] | None = None) -> None:
+    """Before a stack run of a model with linear-attention layers: each row's state slot,
+    whether its token starts afresh (position 0), and the row its state is copied into after
+    the step (a prefix-cache snapshot; None or -1: none)."""
+    stack.set_state_rows(slots, [int(f) for f in fresh],
+                         snapshots if snapshots is not None else [-1] * len(slots))
 
 
 def set_lora_rows(model, stack) -> None:
@@ -376,7 +438,17 @@ def unsupported_reason(model, kv_caches: list[tuple] | None = None) -> str | Non
     if model.embed_tokens.weight.dtype != torch.bfloat16:
         return f"the model runs in {model.embed_tokens.weight.dtype}, not bfloat16"
     d = describe(model)
-    return d if isinstance(d, str) else None
+    if isinstance(d, str):
+        return d
+    for i, layer in enumerate(model.layers):
+        if getattr(layer, "linear", False):
+            la, bf16 = layer.linear_attn, torch.bfloat16
+            if la.conv_weight.dtype != bf16 or la.norm_weight.dtype != bf16:
+                return f"layer {i}: its linear attention's weights are not bfloat16"
+            if kv_caches is not None and (kv_caches[i][0].dtype, kv_caches[i][1].dtype) != (
+                    bf16, torch.float32):
+                return f"layer {i}: its recurrent state is not bfloat16 / float32"
+    return None
 
 
 def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -426,7 +498,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if bad is not None:
             reasons.append(f"layer {bad[0]}: {bad[1]}")
             continue
-        stack = build(desc, parts, kv_caches)
+        stack = build(desc, parts, kv_caches, model)
         adapted = bind_lora(stack, model)
         # Embedding, rotary rows and the final norm too: run_tokens is the whole step.
         stack.bind_io(model.embed_tokens.weight, cos, sin, model.norm.weight)

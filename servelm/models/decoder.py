@@ -173,9 +173,16 @@ class DecoderLayer(nn.Module):
         return None, residual
 
     def linears(self) -> tuple[nn.Module, ...]:
-        """qkv, o, gate_up, down: the order the DecodeStack takes them."""
-        attn, mlp = self.self_attn, self.mlp
-        return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        """qkv, o, gate_up, down and the attention's output gate where it has one; a
+        linear-attention layer's in_proj_qkvz, out_proj, gate_up, down, in_proj_ba: the order
+        the DecodeStack takes them."""
+        mlp = self.mlp
+        if self.linear:
+            la = self.linear_attn
+            return (la.in_proj_qkvz, la.out_proj, mlp.gate_up_proj, mlp.down_proj, la.in_proj_ba)
+        attn = self.self_attn
+        gate = () if attn.attn_gate is None else (attn.attn_gate,)
+        return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *gate)
 
     @property
     def window(self) -> int | None:
@@ -295,11 +302,15 @@ class CausalLM(nn.Module):
                 and self._stack_for(rows) is not None)
 
     def decode_step(self, input_ids: list[int], positions: list[int], slots: list[int],
-                    tables: list[int], context_lens: list[int]) -> torch.Tensor:
+                    tables: list[int], context_lens: list[int],
+                    states: tuple[list, list, list] | None = None) -> torch.Tensor:
         """A decode-only step that decode_stack_takes, from plain lists (as
         servelm.attention.metadata.decode_lists builds them): the final hidden states [M, hidden], the same
-        bits as forward() on the equivalent batch."""
+        bits as forward() on the equivalent batch. states: a model with linear-attention
+        layers' (each row's state slot, fresh flag, snapshot row or -1)."""
         stack = self._stack_for(len(input_ids))
+        if states is not None:
+            decode_stack.set_state_rows(stack, *states)
         if "lora_step" in self.__dict__:  # adapters: the step's row slots (servelm.lora.wrap)
             decode_stack.set_lora_rows(self, stack)
         return stack.run_lists(input_ids, positions, slots, tables, context_lens)
@@ -323,6 +334,13 @@ class CausalLM(nn.Module):
         # (A stack that scales queries needs the positions, which only run_tokens takes.)
         fused = (dec is not None and dec.num == n and self.decode_stack_takes(kv_caches, n)
                  and not (rows is not None and self.stack_needs_positions))
+        rec = batch.recurrent  # linear attention: the stack takes decodes in row order only
+        if fused and rec is not None:
+            fused = rec.decodes_only
+            if fused:
+                decode_stack.set_state_rows(
+                    self._stack_for(n), rec.slots, rec.fresh,
+                    [s[1] if s else -1 for s in rec.snapshots] if rec.snapshots else None)
         if fused and "lora_step" in self.__dict__:  # adapters: the step's row slots
             # (a stack bound before the layers were wrapped has none: op by op then)
             fused = self.stack_runs_lora or self.lora_step.tokens is None

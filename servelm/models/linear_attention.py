@@ -250,13 +250,16 @@ class GatedDeltaNet(OpModule):
         T = x.shape[0]
         proj = self.in_proj_qkvz(x)
         mixed, z = proj.split([self.conv_dim, self.value_dim], dim=-1)
-        if (self._decode is not None and rec.decodes_only and not rec.snapshots
+        if (self._decode is not None and rec.decodes_only
                 and x.dtype in (torch.float32, torch.bfloat16)
                 and x.dtype == conv_state.dtype == self.conv_weight.dtype
                 == self.norm_weight.dtype):
             out = self._decode(ssm_state, conv_state, rec.dec_slots, rec.dec_fresh, mixed,
                                self.in_proj_ba(x), z, self.conv_weight, self.A_log,
                                self.dt_bias, self.norm_weight, self.num_k_heads, self.eps)
+            for i, snap in enumerate(rec.snapshots):  # a decode's: after its token
+                if snap is not None:
+                    self._snapshot(conv_state, ssm_state, rec.slots[i], snap[1])
             return self.out_proj(out if rows is None else out[rows])
         b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)
         beta = b.sigmoid()

@@ -41,6 +41,7 @@
 #include "amx_linear_kernel.h"  // amx layers (where AMX-BF16 is built)
 #include "row_kernels.h"
 #include "lora_kernels.h"      // LoRA deltas, as servelm_ops.lora_add runs them
+#include "delta_rule_kernel.h"  // linear-attention layers, as servelm_delta_rule.decode runs them
 
 namespace {
 
@@ -53,7 +54,18 @@ enum NormSlot : int64_t {
   kNormSlots
 };
 // Per layer, these integers.
-enum LayerOption : int64_t { kWindow, kRotaryTable, kKvGroup, kLayerOptions };
+enum LayerOption : int64_t {
+  kWindow, kRotaryTable, kKvGroup,
+  kKind,  // a LayerKind
+  // A linear-attention layer's shape (gated DeltaNet): key heads, value heads, their sizes, and
+  // its convolution's kernel (0 for an attention layer).
+  kLinearKeyHeads, kLinearValueHeads, kLinearKeyDim, kLinearValueDim, kConvKernel,
+  kLayerOptions
+};
+// What mixes a layer's tokens: attention over its KV cache, or a gated DeltaNet over each
+// sequence's recurrent state (Qwen3.5: in_proj_qkvz in the qkv linear's place, in_proj_ba the
+// extra linear, out_proj o's; its state and parameters bound by bind_linear_attention).
+enum LayerKind : int64_t { kAttentionLayer, kLinearAttentionLayer };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
                               kQkNormWhole, kLayerNorm, kParallel, kModelOptions };
@@ -68,6 +80,7 @@ enum Activation : int64_t { kSilu, kGeluTanh };
 namespace format {
 constexpr int64_t kInt8 = 0, kBf16 = -1, kAmx = -2, kAmxGated = -3, kQ8Act = int64_t{1} << 20,
                   kW8A8 = int64_t{2} << 20;
+constexpr int64_t kNone = -4;  // no such linear (the extra linear of a layer without one)
 }
 
 // ---------------------------------------------------------------- decoder layers, decode rows
@@ -115,6 +128,7 @@ struct QLinear {
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
 
+  bool present() const { return N > 0; }
   // 16 outputs a tile (int4 / int8 / bf16), a panel (q8act: 8K bytes, as an int4 tile) or
   // half a column pair (amx: 32K bytes, as a bf16 tile; pairs are whole in share()).
   int64_t tiles() const { return (N + 15) / 16; }
@@ -137,6 +151,7 @@ struct QLinear {
   // sum(q) per block of 32, then the int8 q); amx's packed A tiles (from 33 rows); none from
   // the decode-once sizes on or for bf16 tiles.
   int64_t scratch(int64_t M) const {
+    if (!present()) return 0;
     if (q8) return 2 * M * (K / q8act::kB) + (M * K + 3) / 4;
     if (w8) return 2 * M * (K / G) + (M * K + 3) / 4;
 #ifdef SERVELM_AMX
@@ -285,6 +300,7 @@ void check_amx(const at::Tensor& packed, int64_t N, int64_t K) {
 QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int64_t N, int64_t K,
                      const char* name) {
   QLinear L;
+  if (G == format::kNone) return L;  // absent: N = 0, no tensors
   L.w8 = G > QLinear::kW8A8;
   L.q8 = !L.w8 && G > QLinear::kQ8Act;
   L.amx = G == QLinear::kAmx || G == QLinear::kAmxGated;
@@ -482,21 +498,39 @@ void gelu_tanh_rows(const c10::BFloat16* gu, c10::BFloat16* act, int64_t m0, int
   at::mul_out(out, at::gelu(gate, "tanh"), up);
 }
 
+// x [M, n] times sigmoid(gate) for rows [m0, m1) (an attention output gate, Qwen3.5's): the
+// PyTorch operators the per-op path runs (out * torch.sigmoid(gate)), on this thread's rows.
+void sigmoid_gate_rows(c10::BFloat16* x, const c10::BFloat16* gate, int64_t m0, int64_t m1, int64_t n) {
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16);
+  at::Tensor xt = at::from_blob(x + m0 * n, {m1 - m0, n}, opts);
+  const at::Tensor g = at::from_blob(const_cast<c10::BFloat16*>(gate) + m0 * n, {m1 - m0, n}, opts);
+  at::mul_out(xt, xt, at::sigmoid(g));
+}
+
 // ---------------------------------------------------------------- the stack
 
-// A layer's linears in the order the constructor and bind_lora take them.
-enum Linear : int64_t { kQkv, kO, kGateUp, kDown, kLinears };
+// A layer's linears in the order the constructor and bind_lora take them; the extra one is
+// an attention layer's output gate (attn_gate, or none) or a linear-attention layer's in_proj_ba.
+enum Linear : int64_t { kQkv, kO, kGateUp, kDown, kExtra, kLinears };
 
 struct StackLayer {
   at::Tensor norms[kNormSlots];  // bf16 weights; undefined where the layer has none
   at::Tensor k_cache, v_cache;
-  QLinear qkv, o, gu, down;
+  QLinear qkv, o, gu, down, extra;
   lora::Adapter<c10::BFloat16> lora[kLinears];  // bind_lora's; unbound where none
   std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
   int64_t window = 0;           // > 0: attends its last `window` keys
   int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers', 2 none (NoPE)
   int64_t kv_group = 0;         // its block group: which of a step's block tables and slots it uses
   int attention = 0;            // its DecodeAttention in run_impl (one per distinct window)
+  int64_t kind = kAttentionLayer;
+  // A linear-attention layer's: its shape (layer options), state tensors (conv_state [N, C,
+  // K - 1] bf16, ssm_state [N, H, Dk, Dv] fp32, a row per state slot) and parameters, bound by
+  // bind_linear_attention.
+  int64_t Hk = 0, H = 0, Dk = 0, Dv = 0, K1 = 0;
+  int64_t conv_dim() const { return 2 * Hk * Dk + H * Dv; }
+  at::Tensor conv_state, ssm_state, conv_weight, norm_weight;
+  std::vector<float> A_log, dt_bias;
   const c10::BFloat16* norm(NormSlot k) const {
     return norms[k].defined() ? norms[k].data_ptr<c10::BFloat16>() : nullptr;
   }
@@ -549,14 +583,14 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(act_ == kSilu || act_ == kGeluTanh, "DecodeStack: activation ", act_,
                 " is neither SiLU (0) nor tanh-GELU (1)");
     const size_t L = k_caches.size();
-    TORCH_CHECK(L >= 1 && norms.size() == kNormSlots * L && formats.size() == 4 * L &&
+    TORCH_CHECK(L >= 1 && norms.size() == kNormSlots * L && formats.size() == kLinears * L &&
                     qkv_biases.size() == L && v_caches.size() == L &&
                     layer_options.size() == kLayerOptions * L,
-                "DecodeStack: per layer ", static_cast<int64_t>(kNormSlots), " norms, 4 formats, a qkv "
-                "bias, K/V caches and ", static_cast<int64_t>(kLayerOptions), " layer options, got ",
-                norms.size(), " norms, ", formats.size(), " formats, ", qkv_biases.size(), " biases, ",
-                k_caches.size(), "/", v_caches.size(), " caches, ", layer_options.size(), " options for ",
-                L, " layers");
+                "DecodeStack: per layer ", static_cast<int64_t>(kNormSlots), " norms, ",
+                static_cast<int64_t>(kLinears), " formats, a qkv bias, K/V caches and ",
+                static_cast<int64_t>(kLayerOptions), " layer options, got ", norms.size(), " norms, ",
+                formats.size(), " formats, ", qkv_biases.size(), " biases, ", k_caches.size(), "/",
+                v_caches.size(), " caches, ", layer_options.size(), " options for ", L, " layers");
     // The model's width: its input norm's, or (norms after attention and the MLP alone, OLMo 2)
     // its attention output norm's.
     TORCH_CHECK(!norms.empty(), "DecodeStack: no layers");
@@ -565,14 +599,35 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.reserve(L);
     size_t j = 0;
     std::map<int64_t, int> windows;
+    attn0_ = -1;
     for (size_t l = 0; l < L; ++l) {
       StackLayer s;
+      const int64_t* opt = layer_options.data() + kLayerOptions * l;
+      s.kind = opt[kKind];
+      TORCH_CHECK(s.kind == kAttentionLayer || s.kind == kLinearAttentionLayer,
+                  "DecodeStack: layer kind ", s.kind, " is neither attention (0) nor linear attention (1)");
+      const bool linear = s.kind == kLinearAttentionLayer;
       s.k_cache = k_caches[l];
       s.v_cache = v_caches[l];
-      TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
-                      s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == kv_heads_,
-                  "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
-      const int64_t D = s.k_cache.size(3), qkv_n = (heads_ + 2 * kv_heads_) * D;
+      int64_t D = 0, qkv_n = 0, o_k = 0;
+      if (linear) {
+        s.Hk = opt[kLinearKeyHeads], s.H = opt[kLinearValueHeads], s.Dk = opt[kLinearKeyDim];
+        s.Dv = opt[kLinearValueDim], s.K1 = opt[kConvKernel] - 1;
+        TORCH_CHECK(s.Hk >= 1 && s.H >= 1 && s.H % s.Hk == 0 && s.Dk >= 1 && s.Dv >= 1 && s.K1 >= 0,
+                    "DecodeStack: a linear-attention layer needs key and value heads (value heads a "
+                    "multiple of key heads), their sizes and a convolution kernel >= 1");
+        TORCH_CHECK(!s.k_cache.numel() && !s.v_cache.numel(),
+                    "DecodeStack: a linear-attention layer has no K/V cache (empty tensors)");
+        qkv_n = s.conv_dim() + s.H * s.Dv;  // in_proj_qkvz: the mixed projection, then z
+        o_k = s.H * s.Dv;
+        has_linear_ = true;
+      } else {
+        TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
+                        s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == kv_heads_,
+                    "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
+        D = s.k_cache.size(3), qkv_n = (heads_ + 2 * kv_heads_) * D, o_k = heads_ * D;
+        if (attn0_ < 0) attn0_ = static_cast<int64_t>(l);
+      }
       for (int k = 0; k < kNormSlots; ++k) {
         const at::Tensor& t = norms[kNormSlots * l + k];
         const bool pre = k == kInputNorm || k == kPostAttentionNorm;
@@ -582,6 +637,8 @@ class DecodeStack : public torch::CustomClassHolder {
         TORCH_CHECK(pre_norms_ || !pre || !t.numel(), "DecodeStack: a model without pre-norms has "
                     "no input or post-attention norm weights");
         if (!required && !t.numel()) continue;
+        TORCH_CHECK(!linear || (k != kQNorm && k != kKNorm), "DecodeStack: a linear-attention layer "
+                    "has no q / k norms");
         // q / k norms: a head's (D), or over the whole projection (OLMo 2).
         const int64_t n = k == kQNorm ? (qk_norm_whole_ ? heads_ * D : D)
                           : k == kKNorm ? (qk_norm_whole_ ? kv_heads_ * D : D) : hidden;
@@ -591,22 +648,25 @@ class DecodeStack : public torch::CustomClassHolder {
       }
       TORCH_CHECK(!s.norms[kQNorm].defined() == !s.norms[kKNorm].defined(),
                   "DecodeStack: q and k norms come together");
-      const int64_t* opt = layer_options.data() + kLayerOptions * l;
-      s.window = opt[kWindow];
+      s.window = linear ? 0 : opt[kWindow];
       s.table = opt[kRotaryTable];
       s.kv_group = opt[kKvGroup];
       TORCH_CHECK(s.kv_group >= 0, "DecodeStack: a layer's block group must be >= 0");
-      kv_groups_ = std::max(kv_groups_, s.kv_group + 1);
+      if (!linear) kv_groups_ = std::max(kv_groups_, s.kv_group + 1);
       TORCH_CHECK(s.window >= 0 && s.window <= INT32_MAX, "DecodeStack: window must be >= 0 (0: none)");
       TORCH_CHECK(s.table >= 0 && s.table <= 2, "DecodeStack: rotary table must be 0, 1 or 2 (none)");
-      uses_local_ |= s.table == 1;
-      s.attention = windows.emplace(s.window, static_cast<int>(windows.size())).first->second;
-      const int64_t* g = formats.data() + 4 * l;
-      TORCH_CHECK(g[0] != QLinear::kAmxGated && g[1] != QLinear::kAmxGated && g[3] != QLinear::kAmxGated,
+      uses_local_ |= !linear && s.table == 1;
+      if (!linear) s.attention = windows.emplace(s.window, static_cast<int>(windows.size())).first->second;
+      const int64_t* g = formats.data() + kLinears * l;
+      TORCH_CHECK(g[0] != QLinear::kAmxGated && g[1] != QLinear::kAmxGated && g[3] != QLinear::kAmxGated &&
+                      g[4] != QLinear::kAmxGated,
                   "DecodeStack: only gate_up_proj may be gated amx (-3)");
+      TORCH_CHECK(g[0] != format::kNone && g[1] != format::kNone && g[2] != format::kNone &&
+                      g[3] != format::kNone && (!linear || g[4] != format::kNone),
+                  "DecodeStack: only an attention layer's extra linear (its output gate) may be absent");
       TORCH_CHECK(g[2] != QLinear::kAmxGated || act_ == kSilu, "DecodeStack: gated amx is SiLU's");
-      s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, "qkv_proj");
-      s.o = parse_linear(keep_, j, g[1], hidden, heads_ * D, "o_proj");
+      s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, linear ? "in_proj_qkvz" : "qkv_proj");
+      s.o = parse_linear(keep_, j, g[1], hidden, o_k, linear ? "out_proj" : "o_proj");
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 (and
       // w8a8's panels) 16K bytes, bf16 16K elements.
       TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
@@ -615,11 +675,17 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t gu_tiles = keep_[j].numel() / ((!w8_gu && (g[2] > 0 || amx_gu) ? 8 : 16) * hidden);
       s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
       s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
-      // run() sizes its per-step buffers from layer 0.
-      TORCH_CHECK(l == 0 || (s.gu.N == layers_[0].gu.N && D == layers_[0].k_cache.size(3)),
-                  "DecodeStack: every layer must have the same MLP width and head dim");
+      // The output gate: sigmoid(x W) [heads * D] times attention's output; in_proj_ba: b | a
+      // of each value head.
+      s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
+                             linear ? "in_proj_ba" : "attn_gate");
+      // run() sizes its per-step buffers from the first layer's MLP and attention layer's heads.
+      TORCH_CHECK(l == 0 || s.gu.N == layers_[0].gu.N, "DecodeStack: every layer must have the same MLP width");
+      TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
+                  "DecodeStack: every attention layer must have the same head dim");
       const at::Tensor& b = qkv_biases[l];
       if (b.numel()) {
+        TORCH_CHECK(!linear, "DecodeStack: a linear-attention layer has no qkv bias");
         TORCH_CHECK(b.numel() == qkv_n, "DecodeStack: qkv bias must have ", qkv_n, " elements");
         const at::Tensor bf = b.to(at::kFloat).contiguous();
         s.qkv_bias.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + qkv_n);
@@ -628,12 +694,60 @@ class DecodeStack : public torch::CustomClassHolder {
       layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
+    TORCH_CHECK(attn0_ >= 0, "DecodeStack: at least one layer must be an attention layer");
     for (const auto& [w, i] : windows) windows_.push_back(w);
     for (const auto& [w, i] : windows) windows_[i] = w;
-    const int64_t D = layers_[0].k_cache.size(3);
+    const int64_t D = layers_[attn0_].k_cache.size(3);
     rot_ = model_options[kRotaryDim];
     TORCH_CHECK(rot_ > 0 && rot_ <= D && rot_ % 2 == 0 && rot_ <= kMaxD,
                 "DecodeStack: rotary_dim must be even and in (0, head_dim], got ", rot_);
+  }
+
+  // Once per linear-attention layer: its recurrent states (conv_state bf16 [N, C, K - 1],
+  // ssm_state float32 [N, H, Dk, Dv]: a row per state slot, held by reference and updated in
+  // place by each run) and its parameters (conv_weight bf16 [C, K], A_log and dt_bias [H],
+  // the gated norm's weight bf16 [Dv]).
+  void bind_linear_attention(int64_t layer, at::Tensor conv_state, at::Tensor ssm_state,
+                             at::Tensor conv_weight, at::Tensor A_log, at::Tensor dt_bias,
+                             at::Tensor norm_weight) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].kind == kLinearAttentionLayer,
+                "DecodeStack.bind_linear_attention: layer ", layer, " is not a linear-attention layer");
+    StackLayer& s = layers_[layer];
+    const int64_t C = s.conv_dim();
+    TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() && conv_state.scalar_type() == at::kBFloat16 &&
+                    conv_state.size(1) == C && conv_state.size(2) == s.K1,
+                "DecodeStack.bind_linear_attention: conv_state must be contiguous bfloat16 [N, ", C, ", ",
+                s.K1, "]");
+    TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.is_contiguous() && ssm_state.scalar_type() == at::kFloat &&
+                    ssm_state.size(0) == conv_state.size(0) && ssm_state.size(1) == s.H &&
+                    ssm_state.size(2) == s.Dk && ssm_state.size(3) == s.Dv,
+                "DecodeStack.bind_linear_attention: ssm_state must be contiguous float32 [N, ", s.H, ", ", s.Dk,
+                ", ", s.Dv, "], N as conv_state's");
+    TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.is_contiguous() &&
+                    conv_weight.scalar_type() == at::kBFloat16 && conv_weight.size(0) == C &&
+                    conv_weight.size(1) == s.K1 + 1,
+                "DecodeStack.bind_linear_attention: conv_weight must be contiguous bfloat16 [", C, ", ",
+                s.K1 + 1, "]");
+    TORCH_CHECK(norm_weight.is_contiguous() && norm_weight.scalar_type() == at::kBFloat16 &&
+                    norm_weight.numel() == s.Dv,
+                "DecodeStack.bind_linear_attention: norm_weight must be contiguous bfloat16 [", s.Dv, "]");
+    TORCH_CHECK(A_log.numel() == s.H && dt_bias.numel() == s.H,
+                "DecodeStack.bind_linear_attention: A_log and dt_bias need ", s.H, " values");
+    s.conv_state = conv_state, s.ssm_state = ssm_state, s.conv_weight = conv_weight;
+    s.norm_weight = norm_weight;
+    const at::Tensor a = A_log.to(at::kFloat).contiguous(), d = dt_bias.to(at::kFloat).contiguous();
+    s.A_log.assign(a.data_ptr<float>(), a.data_ptr<float>() + s.H);
+    s.dt_bias.assign(d.data_ptr<float>(), d.data_ptr<float>() + s.H);
+  }
+
+  // Before each run of a stack with linear-attention layers (read by that run only): each
+  // row's state slot, whether it starts afresh (its token at position 0: the state zeroed
+  // first), and the row its state is copied into after the step (a prefix-cache snapshot;
+  // -1: none).
+  void set_state_rows(std::vector<int64_t> slots, std::vector<int64_t> fresh, std::vector<int64_t> snapshots) {
+    TORCH_CHECK(fresh.size() == slots.size() && snapshots.size() == slots.size(),
+                "DecodeStack.set_state_rows: a slot, a fresh flag and a snapshot row per row");
+    state_slots_ = std::move(slots), state_fresh_ = std::move(fresh), state_snapshots_ = std::move(snapshots);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -674,7 +788,9 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack.bind_lora: layer ", layer, " linear ", linear, " is not one of ", num_layers(),
                 " layers' ", static_cast<int64_t>(kLinears), " linears");
     StackLayer& s = layers_[layer];
-    const QLinear& q = linear == kQkv ? s.qkv : linear == kO ? s.o : linear == kGateUp ? s.gu : s.down;
+    const QLinear& q = linear == kQkv ? s.qkv : linear == kO ? s.o : linear == kGateUp ? s.gu
+                       : linear == kDown ? s.down : s.extra;
+    TORCH_CHECK(q.present(), "DecodeStack.bind_lora: layer ", layer, " has no linear ", linear);
     auto L = lora::make_adapter<c10::BFloat16>(lora_a, lora_b, bounds, q.N, q.K, "DecodeStack.bind_lora");
     TORCH_CHECK(lora_slots_ == 0 || L.S == lora_slots_, "DecodeStack.bind_lora: every adapted linear needs the "
                 "same number of slots, got ", L.S, " and ", lora_slots_);
@@ -850,7 +966,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
                 "DecodeStack: block_tables and context_lens must be contiguous int32");
     check_context_lens(context_lens.data_ptr<int32_t>(), M, block_tables.size(-1),
-                       layers_[0].k_cache.size(1), "DecodeStack");
+                       layers_[attn0_].k_cache.size(1), "DecodeStack");
     TORCH_CHECK(tables.size() == (uses_local_ ? 4u : 2u), "DecodeStack: ", uses_local_ ? 4 : 2,
                 " rotary tensors (cos, sin", uses_local_ ? ", then the sliding layers' cos, sin)" : ")",
                 ", got ", tables.size());
@@ -861,11 +977,14 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
                 "DecodeStack: slot_mapping must be contiguous int64");
     check_slots(slot_mapping.data_ptr<int64_t>(), G * M,
-                layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1), "DecodeStack");
-    const int64_t D = layers_[0].k_cache.size(3);
-    if (D == 64) return run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
-    if (D == 128) return run_impl<128>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
-    return run_impl<0>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
+                layers_[attn0_].k_cache.size(0) * layers_[attn0_].k_cache.size(1), "DecodeStack");
+    const int64_t D = layers_[attn0_].k_cache.size(3);
+    at::Tensor out =
+        D == 64 ? run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens, qscale)
+        : D == 128 ? run_impl<128>(residual, tables, slot_mapping, block_tables, context_lens, qscale)
+                   : run_impl<0>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
+    state_slots_.clear();  // one run's (set_state_rows before each)
+    return out;
   }
 
   void check_table(const at::Tensor& cos, const at::Tensor& sin, const char* fn) const {
@@ -886,8 +1005,14 @@ class DecodeStack : public torch::CustomClassHolder {
     using BF = c10::BFloat16;
     using Attention = DecodeAttention<BF, DT>;
     const int64_t M = residual.size(0), hidden = residual.size(1);
-    const int64_t D = layers_[0].k_cache.size(3), R = rot_;
-    const int64_t qkv_n = layers_[0].qkv.N, inter = layers_[0].gu.N / 2;
+    const int64_t D = layers_[attn0_].k_cache.size(3), R = rot_;
+    // The attention layers' qkv width; the widest qkv (or in_proj_qkvz), o input, extra output.
+    const int64_t qkv_n = layers_[attn0_].qkv.N, inter = layers_[0].gu.N / 2;
+    int64_t qkv_max = 0, o_max = 0, extra_max = 0;
+    for (const StackLayer& s : layers_) {
+      qkv_max = std::max(qkv_max, s.qkv.N), o_max = std::max(o_max, s.o.K);
+      extra_max = std::max(extra_max, s.extra.N);
+    }
     const auto opts = residual.options();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -898,11 +1023,13 @@ class DecodeStack : public torch::CustomClassHolder {
     // The step's activations, one buffer each for all layers (each is consumed before the
     // next layer writes it); `out` is returned.
     at::Tensor out = at::empty({M, hidden}, opts);
-    const at::Tensor bufs = at::empty({M, 2 * hidden + qkv_n + heads_ * D + 2 * hidden + 3 * inter}, opts);
+    const at::Tensor bufs =
+        at::empty({M, 2 * hidden + qkv_max + o_max + extra_max + 2 * hidden + 3 * inter}, opts);
     BF* h1 = bufs.data_ptr<BF>();
     BF* qkv_out = h1 + M * hidden;
-    BF* attn = qkv_out + M * qkv_n;
-    BF* o_out = attn + M * heads_ * D;
+    BF* attn = qkv_out + M * qkv_max;  // attention's output (or the DeltaNet's): o's input
+    BF* extra_out = attn + M * o_max;  // the output gate's pre-activation, or b | a
+    BF* o_out = extra_out + M * extra_max;
     BF* h2 = o_out + M * hidden;
     BF* gu_out = h2 + M * hidden;
     BF* act = gu_out + M * 2 * inter;
@@ -916,14 +1043,42 @@ class DecodeStack : public torch::CustomClassHolder {
       return n;
     };
     std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),
-        xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down));
+        xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down)),
+        xs5(sums_size(&StackLayer::extra));
+    // Linear-attention layers: each row's state slot (set_state_rows, checked here), and the
+    // per-row fp32 buffers between the convolution and the heads (conv_row's a and gb).
+    int64_t conv_max = 0, lin_heads_max = 0, dv_max = 0;
+    for (const StackLayer& s : layers_)
+      if (s.kind == kLinearAttentionLayer) {
+        TORCH_CHECK(s.ssm_state.defined(), "DecodeStack: call bind_linear_attention for every "
+                    "linear-attention layer first");
+        conv_max = std::max(conv_max, s.conv_dim()), lin_heads_max = std::max(lin_heads_max, s.H);
+        dv_max = std::max(dv_max, s.Dv);
+      }
+    if (has_linear_) {
+      TORCH_CHECK(static_cast<int64_t>(state_slots_.size()) == M, "DecodeStack: set_state_rows gave ",
+                  state_slots_.size(), " state slots for a step of ", M, " rows");
+      for (const StackLayer& s : layers_)
+        if (s.kind == kLinearAttentionLayer) {
+          const int64_t N = s.ssm_state.size(0);
+          for (int64_t m = 0; m < M; ++m)
+            TORCH_CHECK(state_slots_[m] >= 0 && state_slots_[m] < N && state_snapshots_[m] < N &&
+                            state_snapshots_[m] != state_slots_[m],
+                        "DecodeStack: row ", m, "'s state slot ", state_slots_[m], " or snapshot row ",
+                        state_snapshots_[m], " is outside the ", N, " state rows");
+        }
+    }
+    std::vector<float> lin_a(M * conv_max), lin_gb(M * 2 * lin_heads_max);
+    const int64_t* st_slot = state_slots_.data();
+    const int64_t* st_fresh = state_fresh_.data();
+    const int64_t* st_snap = state_snapshots_.data();
     // One attention per distinct window, its plan for every layer of that window (the plan
     // depends only on the lengths and the window); each layer sets its caches.
     // Each block group's tables (one group: block_tables itself).
     std::vector<at::Tensor> group_tables;
     for (int64_t g = 0; g < (block_tables.dim() == 3 ? block_tables.size(0) : 1); ++g)
       group_tables.push_back(block_tables.dim() == 3 ? block_tables[g] : block_tables);
-    const PagedKV<BF> kv0(layers_[0].k_cache, layers_[0].v_cache, group_tables[0]);
+    const PagedKV<BF> kv0(layers_[attn0_].k_cache, layers_[attn0_].v_cache, group_tables[0]);
     std::vector<std::unique_ptr<Attention>> atts;
     for (const int64_t w : windows_)
       atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
@@ -983,12 +1138,13 @@ class DecodeStack : public torch::CustomClassHolder {
           if (t0 < t1) lora::expand<BF>(*L, lora_groups, lora_t.data(), y, ldy, 0, L->blocks(), 16 * t0, 16 * t1);
         };
       };
+      std::vector<float> head_scratch(4 * dv_max);  // delta_rule::head_out's
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const StackLayer& s = layers_[l];
-        Attention& att = *atts[s.attention];
-        const AttnShare& share = shares[s.attention];
+        Attention& att = *atts[s.kind == kAttentionLayer ? s.attention : 0];
+        const AttnShare& share = shares[s.kind == kAttentionLayer ? s.attention : 0];
         // (The previous layer's MLP output norm,) residual add, norm, qkv_proj.
         const BF* prev_out_norm = l ? layers_[l - 1].norm(kMlpOutNorm) : nullptr;
         t.rows(M, [&](int64_t m0, int64_t m1) {
@@ -1010,9 +1166,50 @@ class DecodeStack : public torch::CustomClassHolder {
             }
           }
           s.qkv.sums(h1, M, m0, m1, xs1.data());
+          if (s.extra.present()) s.extra.sums(h1, M, m0, m1, xs5.data());
         }, s.qkv);
         shrink_phase(s.lora[kQkv], h1, hidden);
-        t.matmul(s.qkv, h1, xs1, qkv_out, M, nullptr, expand(s.lora[kQkv], s.qkv, qkv_out, qkv_n));
+        t.matmul(s.qkv, h1, xs1, qkv_out, M, s.extra.present() ? &s.extra : nullptr,
+                 expand(s.lora[kQkv], s.qkv, qkv_out, s.qkv.N));
+        // The output gate's pre-activation, or the DeltaNet's b | a.
+        if (s.extra.present()) {
+          shrink_phase(s.lora[kExtra], h1, hidden);
+          t.matmul(s.extra, h1, xs5, extra_out, M, nullptr, expand(s.lora[kExtra], s.extra, extra_out, s.extra.N));
+        }
+        if (s.kind == kLinearAttentionLayer) {
+          // The gated DeltaNet between its projections, as servelm_delta_rule.decode: each
+          // row's convolution step and gates (rows split), then each (row, value head)'s
+          // delta-rule step and gated norm (items split), then the snapshots.
+          BF* cs = s.conv_state.data_ptr<BF>();
+          float* S = s.ssm_state.data_ptr<float>();
+          const int64_t C = s.conv_dim(), H = s.H, N = s.qkv.N, state = H * s.Dk * s.Dv;
+          t.rows(M, [&](int64_t m0, int64_t m1) {
+            for (int64_t m = m0; m < m1; ++m)
+              delta_rule::conv_row<BF>(qkv_out + m * N, cs + st_slot[m] * C * s.K1, st_fresh[m] != 0,
+                                       s.conv_weight.data_ptr<BF>(), C, s.K1, s.Hk, s.Dk, extra_out + m * 2 * H,
+                                       s.A_log.data(), s.dt_bias.data(), H, lin_a.data() + m * C,
+                                       lin_gb.data() + m * 2 * H);
+          }, s.o);
+          t.guarded([&] {
+            const int64_t items = M * H;
+            for (int64_t i = items * t.tid / t.n; i < items * (t.tid + 1) / t.n; ++i) {
+              const int64_t m = i / H, h = i % H;
+              delta_rule::head_out<BF>(S + st_slot[m] * state + h * s.Dk * s.Dv, lin_a.data() + m * C,
+                                       lin_gb.data() + m * 2 * H, h, H, s.Hk, s.Dk, s.Dv, st_fresh[m] != 0,
+                                       qkv_out + m * N + C + h * s.Dv, s.norm_weight.data_ptr<BF>(), eps,
+                                       attn + m * s.o.K + h * s.Dv, head_scratch.data());
+            }
+          });
+          t.barrier();
+          t.rows(M, [&](int64_t m0, int64_t m1) {
+            for (int64_t m = m0; m < m1; ++m)
+              if (st_snap[m] >= 0) {  // the state after this token, kept for the prefix cache
+                std::memcpy(cs + st_snap[m] * C * s.K1, cs + st_slot[m] * C * s.K1, sizeof(BF) * C * s.K1);
+                std::memcpy(S + st_snap[m] * state, S + st_slot[m] * state, sizeof(float) * state);
+              }
+            s.o.sums(attn, M, m0, m1, xs2.data());
+          }, s.o);
+        } else {
         // q/k norms, rotary + KV write, then attention: each thread its items.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           BF* kc = s.k_cache.data_ptr<BF>();
@@ -1048,9 +1245,11 @@ class DecodeStack : public torch::CustomClassHolder {
         // o_proj .. down_proj.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           att.finish(static_cast<int>(m0), static_cast<int>(m1));
+          if (s.extra.present()) sigmoid_gate_rows(attn, extra_out, m0, m1, heads_ * D);
           s.o.sums(attn, M, m0, m1, xs2.data());
         }, s.o);
-        shrink_phase(s.lora[kO], attn, heads_ * D);
+        }
+        shrink_phase(s.lora[kO], attn, s.o.K);
         t.matmul(s.o, attn, xs2, o_out, M, &s.gu, expand(s.lora[kO], s.o, o_out, hidden));
         t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.norm(kPostAttentionNorm);
@@ -1142,6 +1341,9 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t lora_slots_ = 0, lora_jp_ = 0;  // S; the largest J * paired_ranks(R) bound (the shrink's
                                           // t [M, J, P2])
   at::Tensor lora_rows_;  // set_lora_rows'; undefined: no row has an adapter
+  int64_t attn0_ = 0;     // the first attention layer (its caches: the block size, the head dim)
+  bool has_linear_ = false;  // some layer is linear attention (a run needs set_state_rows first)
+  std::vector<int64_t> state_slots_, state_fresh_, state_snapshots_;  // set_state_rows'; one run's
   std::vector<float> lora_d_;  // a gated gate_up's deltas for its epilogue (grown, kept)
   static constexpr int64_t kMaxRows = 4096;
 };
@@ -1160,6 +1362,8 @@ TORCH_LIBRARY(servelm_stack, m) {
       .def("bind_final_norm_bias", &DecodeStack::bind_final_norm_bias)
       .def("bind_lora", &DecodeStack::bind_lora)
       .def("set_lora_rows", &DecodeStack::set_lora_rows)
+      .def("bind_linear_attention", &DecodeStack::bind_linear_attention)
+      .def("set_state_rows", &DecodeStack::set_state_rows)
       .def("run_tokens", &DecodeStack::run_tokens)
       .def("run_lists", &DecodeStack::run_lists)
       .def("num_layers", &DecodeStack::num_layers)

@@ -33,41 +33,13 @@
 #include <cmath>
 #include <vector>
 
+#include "delta_rule_kernel.h"  // the row and head steps (shared with the DecodeStack)
+
 namespace {
 
 void check(const at::Tensor& t, const char* name, int dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dim,
               name, ": a contiguous float32 tensor of ", dim, " dims");
-}
-
-// One head's step (see the header): St updated in place, o [Dv] written. kv, qs, delta:
-// scratch of Dv floats.
-inline void head_step(float* st, const float* qi, const float* ki, const float* vi, float g,
-                      float bt, bool fresh, int64_t Dk, int64_t Dv, float* oi, float* kv,
-                      float* qs, float* delta) {
-  if (fresh) std::fill(st, st + Dk * Dv, 0.0f);
-  std::fill(kv, kv + Dv, 0.0f);
-  std::fill(qs, qs + Dv, 0.0f);
-  float qk = 0.0f;
-  for (int64_t r = 0; r < Dk; ++r) {
-    const float a = ki[r], c = qi[r];
-    const float* row = st + r * Dv;
-    qk += a * c;
-    for (int64_t j = 0; j < Dv; ++j) {
-      kv[j] += row[j] * a;
-      qs[j] += row[j] * c;
-    }
-  }
-  const float d = std::exp(g);
-  for (int64_t j = 0; j < Dv; ++j) {
-    delta[j] = bt * (vi[j] - d * kv[j]);
-    oi[j] = d * qs[j] + qk * delta[j];
-  }
-  for (int64_t r = 0; r < Dk; ++r) {
-    const float a = ki[r];
-    float* row = st + r * Dv;
-    for (int64_t j = 0; j < Dv; ++j) row[j] = d * row[j] + a * delta[j];
-  }
 }
 
 at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
@@ -106,27 +78,20 @@ at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
     std::vector<float> kv(Dv), qs(Dv), delta(Dv);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / H, h = i % H;
-      head_step(s + (sl[b] * H + h) * Dk * Dv, qp + i * Dk, kp + i * Dk, vp + i * Dv, gp[i],
+      delta_rule::head_step(s + (sl[b] * H + h) * Dk * Dv, qp + i * Dk, kp + i * Dk, vp + i * Dv, gp[i],
                 bp[i], fr[b], Dk, Dv, op + i * Dv, kv.data(), qs.data(), delta.data());
     }
   });
   return o;
 }
 
-template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
-// x rounded to T (identity for float), as a PyTorch op producing a T tensor rounds it.
-template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
-
 template <typename T>
 void decode_impl(at::Tensor& S, at::Tensor& conv_state, const int64_t* sl, const bool* fr,
                  const at::Tensor& mixed, const at::Tensor& ba, const at::Tensor& z,
                  const at::Tensor& conv_weight, const float* A_log, const float* dt_bias,
                  const at::Tensor& norm_weight, int64_t Hk, double eps_d, at::Tensor& out) {
-  const int64_t B = mixed.size(0), C = mixed.size(1), K1 = conv_state.size(2), K = K1 + 1;
-  const int64_t H = S.size(1), Dk = S.size(2), Dv = S.size(3), r = H / Hk;
-  const int64_t key_dim = Hk * Dk;
+  const int64_t B = mixed.size(0), C = mixed.size(1), K1 = conv_state.size(2);
+  const int64_t H = S.size(1), Dk = S.size(2), Dv = S.size(3);
   const float eps = static_cast<float>(eps_d);
   const T* xm = mixed.data_ptr<T>();
   const T* xba = ba.data_ptr<T>();
@@ -139,62 +104,19 @@ void decode_impl(at::Tensor& S, at::Tensor& conv_state, const int64_t* sl, const
   // Per row: q, k [Hk, Dk] (normalised, q scaled), v [H Dv], g and beta [H], fp32.
   std::vector<float> act(B * C), gb(B * 2 * H);
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const T* x = xm + b * mixed.stride(0);
-      T* st = cs + sl[b] * C * K1;
-      float* a = act.data() + b * C;
-      for (int64_t c = 0; c < C; ++c) {
-        T* prev = st + c * K1;
-        const T* wc = w + c * K;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K1; ++j)
-          acc += fr[b] ? 0.0f : rnd<T>(to_f(prev[j]) * to_f(wc[j]));
-        acc += rnd<T>(to_f(x[c]) * to_f(wc[K1]));
-        for (int64_t j = 0; j + 1 < K1; ++j) prev[j] = fr[b] ? T(0) : prev[j + 1];
-        if (K1 > 0) prev[K1 - 1] = x[c];
-        a[c] = rnd<T>(silu(rnd<T>(acc)));
-      }
-      // q and k of each key head, L2-normalised (l2_normalize), q scaled by Dk^-1/2.
-      const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
-      for (int64_t part = 0; part < 2; ++part)
-        for (int64_t h = 0; h < Hk; ++h) {
-          float* v = a + part * key_dim + h * Dk;
-          float ss = 0.0f;
-          for (int64_t d = 0; d < Dk; ++d) ss += v[d] * v[d];
-          const float inv = 1.0f / std::sqrt(ss + 1e-6f) * (part == 0 ? qscale : 1.0f);
-          for (int64_t d = 0; d < Dk; ++d) v[d] *= inv;
-        }
-      const T* bb = xba + b * ba.stride(0);
-      float* g = gb.data() + b * 2 * H;
-      for (int64_t h = 0; h < H; ++h) {
-        g[h] = -std::exp(A_log[h]) * softplus(to_f(bb[H + h]) + dt_bias[h]);
-        g[H + h] = 1.0f / (1.0f + std::exp(-to_f(bb[h])));
-      }
-    }
+    for (int64_t b = lo; b < hi; ++b)
+      delta_rule::conv_row<T>(xm + b * mixed.stride(0), cs + sl[b] * C * K1, fr[b], w, C, K1, Hk,
+                              Dk, xba + b * ba.stride(0), A_log, dt_bias, H, act.data() + b * C,
+                              gb.data() + b * 2 * H);
   });
   at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> kv(Dv), qs(Dv), delta(Dv), core(Dv);
+    std::vector<float> scratch(4 * Dv);
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t b = i / H, h = i % H, hk = h / r;
-      const float* a = act.data() + b * C;
-      const float* g = gb.data() + b * 2 * H;
-      head_step(s + (sl[b] * H + h) * Dk * Dv, a + hk * Dk, a + key_dim + hk * Dk,
-                a + 2 * key_dim + h * Dv, g[h], g[H + h], fr[b], Dk, Dv, core.data(),
-                kv.data(), qs.data(), delta.data());
-      // The gated RMSNorm (_gated_norm): the core in T, normed in fp32, rounded, weighted
-      // in T, times silu(z) in fp32, rounded.
-      float ms = 0.0f;
-      for (int64_t j = 0; j < Dv; ++j) {
-        core[j] = rnd<T>(core[j]);
-        ms += core[j] * core[j];
-      }
-      const float inv = 1.0f / std::sqrt(ms / static_cast<float>(Dv) + eps);
-      const T* zr = xz + b * z.stride(0) + h * Dv;
-      T* orow = o + b * out.stride(0) + h * Dv;
-      for (int64_t j = 0; j < Dv; ++j) {
-        const float hn = rnd<T>(to_f(nw[j]) * rnd<T>(core[j] * inv));
-        orow[j] = static_cast<T>(hn * silu(to_f(zr[j])));
-      }
+      const int64_t b = i / H, h = i % H;
+      delta_rule::head_out<T>(s + (sl[b] * H + h) * Dk * Dv, act.data() + b * C,
+                              gb.data() + b * 2 * H, h, H, Hk, Dk, Dv, fr[b],
+                              xz + b * z.stride(0) + h * Dv, nw, eps,
+                              o + b * out.stride(0) + h * Dv, scratch.data());
     }
   });
 }
