@@ -544,13 +544,15 @@ def test_the_cpp_decode_step_is_the_pytorch_one():
     torch.testing.assert_close(S, want_S, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dk,dv", [(8, 8), (8, 6), (16, 72)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype):
+def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype, dk, dv):
     """A decode-only step through GatedDeltaNet on servelm's fused C++ decode (the
     convolution step, the gates, the delta rule and the gated norm in one call) against
     the same layer op by op (the C++ delta-rule step between PyTorch ops): the outputs, the
     convolution states and the recurrent states, with scattered slots, a fresh one and two
-    value heads a key head."""
+    value heads a key head; channels and value dims short of and past the vector kernels'
+    16 and 64 lanes."""
     from types import SimpleNamespace
 
     from servelm.kernels import load_ops
@@ -559,7 +561,7 @@ def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype):
     if not load_ops("delta_rule"):
         pytest.skip("servelm's C++ kernels are not built here")
     g_ = torch.Generator().manual_seed(2)
-    layer = GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+    layer = GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=dk, head_v_dim=dv,
                           conv_kernel=4, eps=1e-6)
     with torch.no_grad():
         for p in layer.parameters():
@@ -567,7 +569,7 @@ def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype):
     layer = layer.to(dtype)
     N, C = 6, layer.conv_dim
     conv0 = torch.randn(N, C, 3, generator=g_).to(dtype)
-    ssm0 = torch.randn(N, 4, 8, 8, generator=g_) * 0.1
+    ssm0 = torch.randn(N, 4, dk, dv, generator=g_) * 0.1
     x = torch.randn(3, 32, generator=g_).to(dtype)
     rec = RecurrentBatch.build([0, 1, 2], [1, 1, 1], [4, 1, 2], [False, True, False], x.device)
     assert rec.decodes_only
