@@ -83,6 +83,20 @@ FAMILIES = {
     # In parallel, the MLP on a norm of its own.
     "parallel_two_norms": dict(architecture="StableLmForCausalLM", family="stablelm",
                                norm_type="layer", parallel_block=True, parallel_mlp_norm=True),
+    # Non-gated MLPs with biases on every linear: after attention (Starcoder2, a window on
+    # every layer), in parallel on one norm (Phi-2, a partial rotary) or on two (GPT-NeoX,
+    # erf's GELU).
+    "starcoder2": dict(architecture="Starcoder2ForCausalLM", family="starcoder2",
+                       norm_type="layer", mlp_gated=False, hidden_act="gelu_tanh",
+                       attention_bias=True, attention_out_bias=True, mlp_bias=True,
+                       sliding_window=WINDOW, layer_types=(SLIDING,) * 3),
+    "phi": dict(architecture="PhiForCausalLM", family="phi", norm_type="layer",
+                parallel_block=True, mlp_gated=False, mlp_bias=True, hidden_act="gelu_tanh",
+                attention_bias=True, attention_out_bias=True, rotary_dim=8),
+    "gpt_neox": dict(architecture="GPTNeoXForCausalLM", family="gpt_neox", norm_type="layer",
+                     parallel_block=True, parallel_mlp_norm=True, mlp_gated=False,
+                     mlp_bias=True, hidden_act="gelu", attention_bias=True,
+                     attention_out_bias=True, rotary_dim=4),
     # The same norms' places with per-head q / k norms, its global layer without rotary.
     "exaone4": dict(architecture="Exaone4ForCausalLM", family="exaone4", qk_norm=True,
                     sandwich_norms=True, pre_norms=False, sliding_window=WINDOW,
@@ -118,13 +132,16 @@ LENS = [[1], [WINDOW - 1, WINDOW, WINDOW + 1, 100, 17, 300], list(range(1, 200, 
 def test_each_family_on_the_stack_is_the_per_op_path(family, fmt):
     model = _model(family, fmt)
     assert model.decode_stack_supported()
+    # LayerNorm families: more rows of data (their norms' bits once parted one row in ~50).
+    seeds = (1, 2, 3, 4) if FAMILIES[family].get("norm_type", "rms") != "rms" else (1,)
     for lens in LENS:
-        batch, data, caches = _setup(model.config, lens)
-        before = data.clone()
-        (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
-        assert torch.equal(h0, h1)
-        assert torch.equal(kv0, kv1)  # each layer's new K/V written alike
-        assert not torch.equal(kv0, before)
+        for seed in seeds:
+            batch, data, caches = _setup(model.config, lens, seed)
+            before = data.clone()
+            (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+            assert torch.equal(h0, h1)
+            assert torch.equal(kv0, kv1)  # each layer's new K/V written alike
+            assert not torch.equal(kv0, before)
 
 
 def test_the_description_carries_each_layer_option():
@@ -186,7 +203,7 @@ def test_run_rotary_takes_both_tables_and_the_stack_checks_its_description():
     parts = [decode_stack.layer_args(layer) for layer in model.layers]
     with pytest.raises(RuntimeError, match="rotary_dim must be even"):
         decode_stack.build(dataclasses.replace(desc, rotary_dim=7), parts, caches)
-    with pytest.raises(RuntimeError, match="neither SiLU"):
+    with pytest.raises(RuntimeError, match="none of SiLU"):
         decode_stack.build(dataclasses.replace(desc, activation=5), parts, caches)
     no_k = [(w, f, [n if i != decode_stack.NormSlot.K else torch.empty(0)
                     for i, n in enumerate(norms)], b) for w, f, norms, b in parts]
@@ -217,6 +234,11 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # Non-gated MLPs (erf's GELU on GPT-NeoX), Phi and GPT-NeoX in parallel blocks.
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        sliding_window=8, norm_epsilon=1e-5)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=4)),
     # Gated-DeltaNet layers over recurrent states, then a full-attention layer with its
     # output gate, q / k norms and a partial rotary.
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(

@@ -8,7 +8,7 @@ cannot (a short reason, logged once when the model is bound; the per-op kernel p
 runs its decode steps). A description covers
 
     x = x + [attn_out_norm](o_proj(attention(rotary([q/k norm](qkv_proj(norm(x)))))))
-    x = x + [mlp_out_norm](down_proj(act(gate) * up))
+    x = x + [mlp_out_norm](down_proj(act(gate) * up))      (or a plain MLP's down(act(up)))
 
 with RMSNorms or LayerNorms (with or without biases; StableLM, Cohere) and, as Cohere's,
 attention and the MLP in parallel on one normed input (Gemma's (1 + w) is folded into the
@@ -18,11 +18,13 @@ head's or over the whole projection, OLMo 2's), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
 sliding window per layer, layers without rotary (NoPE: SmolLM3), queries scaled by their
 position after the rotary (Ministral 3; run_tokens, which has the positions), any softmax scale,
-soft-capped scores (Gemma 2), SiLU or tanh-GELU, an embedding scale, and each branch's
-output scaled before the residual add (Granite's residual multiplier).
+soft-capped scores (Gemma 2), SiLU, tanh-GELU or GELU, gated or plain MLPs (Starcoder2, Phi,
+GPT-NeoX), a bias on any linear, an embedding scale, and each branch's
+output scaled before the residual add (Granite's residual multiplier); attention's output
+gated by sigmoid(attn_gate(x)), and gated DeltaNet layers over each sequence's recurrent
+state in attention's place (Qwen3.5: set_state_rows before each run).
 What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
-layer that does not run on the C++ int4 / int8 / bf16 kernels, a bias other than qkv's)
-keeps the model op by op. An adapted linear (servelm.layers.lora.LoRALinear) runs its base
+layer that does not run on the C++ int4 / int8 / bf16 kernels) keeps the model op by op. An adapted linear (servelm.layers.lora.LoRALinear) runs its base
 on those kernels and its adapters' deltas after it (bind_lora), for the rows of the step
 whose slot the model's LoRAStep gives (set_lora_rows, before each run).
 `servelm.models.decoder.CausalLM`'s stack methods delegate here.
@@ -88,6 +90,7 @@ class ModelOption(enum.IntEnum):
     QK_NORM_WHOLE = 6  # 1: the q / k norms span the whole projection, not a head (OLMo 2)
     LAYER_NORM = 7  # 1: the pre-norms and the final norm are LayerNorms (StableLM, Cohere)
     PARALLEL = 8  # 1: attention and the MLP read one normed input, their outputs summed
+    PLAIN_MLP = 9  # 1: the MLP is not gated, down(act(up(x))) (Starcoder2, Phi, GPT-NeoX)
 
 
 class ModelScalar(enum.IntEnum):
@@ -102,9 +105,11 @@ class ModelScalar(enum.IntEnum):
 class Activation(enum.IntEnum):
     SILU = 0
     GELU_TANH = 1
+    GELU = 2  # erf's
 
 
-_ACTIVATIONS = {"silu": Activation.SILU, "gelu_tanh": Activation.GELU_TANH}
+_ACTIVATIONS = {"silu": Activation.SILU, "gelu_tanh": Activation.GELU_TANH,
+                "gelu": Activation.GELU}
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,7 @@ class StackDescription:
     qk_norm_whole: bool = False
     layer_norm: bool = False
     parallel: bool = False
+    plain_mlp: bool = False
 
     def layer_options(self) -> list[int]:
         out = []
@@ -170,6 +176,7 @@ class StackDescription:
         opts[ModelOption.QK_NORM_WHOLE] = int(self.qk_norm_whole)
         opts[ModelOption.LAYER_NORM] = int(self.layer_norm)
         opts[ModelOption.PARALLEL] = int(self.parallel)
+        opts[ModelOption.PLAIN_MLP] = int(self.plain_mlp)
         return opts
 
     def model_scalars(self) -> list[float]:
@@ -201,7 +208,7 @@ def available() -> bool:
 def describe_layer(layer) -> LayerDescription | str:
     """The layer as the stack takes it, or why it cannot (a short reason)."""
     from servelm.layers.stack import base_linear
-    from servelm.models.layers import Attention, GatedMLP, LayerNorm, NoNorm, RMSNorm
+    from servelm.models.layers import MLP, Attention, GatedMLP, LayerNorm, NoNorm, RMSNorm
     from servelm.models.linear_attention import GatedDeltaNet
 
     linear = getattr(layer, "linear", False)
@@ -210,10 +217,10 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its attention is {type(attn).__name__}, not the plain Attention"
     if linear and type(layer.linear_attn) is not GatedDeltaNet:
         return f"its linear attention is {type(layer.linear_attn).__name__}, not the plain GatedDeltaNet"
-    if type(mlp) is not GatedMLP:
+    if type(mlp) not in (GatedMLP, MLP):
         return (f"its MLP is {type(mlp).__name__} (routed experts run op by op)"
                 if hasattr(mlp, "experts_gate_up") or "MoE" in type(mlp).__name__
-                else f"its MLP is {type(mlp).__name__}, not the plain GatedMLP")
+                else f"its MLP is {type(mlp).__name__}, not a GatedMLP or MLP")
     if mlp.act not in _ACTIVATIONS:
         return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
@@ -290,8 +297,8 @@ def describe(model) -> StackDescription | str:
         if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
             return f"layer {i}: its heads, softmax scale or soft-cap differ from layer {first}'s"
-        if layer.mlp.act != model.layers[0].mlp.act:
-            return f"layer {i}: its activation differs from layer 0's"
+        if (layer.mlp.act, type(layer.mlp)) != (model.layers[0].mlp.act, type(model.layers[0].mlp)):
+            return f"layer {i}: its MLP's kind or activation differs from layer 0's"
         if layer.residual_scale != model.layers[0].residual_scale:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
@@ -317,6 +324,7 @@ def describe(model) -> StackDescription | str:
         scale=attn.scale, pre_norms=pre_norms, qk_norm_whole=bool(attn.qk_norm_whole),
         layer_norm=isinstance(model.layers[0].input_layernorm, LayerNorm),
         parallel=bool(getattr(model.layers[0], "parallel", False)),
+        plain_mlp=not hasattr(model.layers[0].mlp, "gate_up_proj"),
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
         residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
         q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
@@ -324,26 +332,26 @@ def describe(model) -> StackDescription | str:
 
 def layer_args(layer, rows: int = 1) -> tuple | str:
     """The layer's tensors for a DecodeStack of steps of `rows` rows: (weights, format
-    codes, norms in NormSlot order, qkv bias), or why not (a linear layer not on the C++
-    kernels for calls of that many rows, a bias other than qkv's)."""
+    codes, norms in NormSlot order, each linear's bias or an empty tensor), or why not (a
+    linear layer not on the C++ kernels for calls of that many rows)."""
     from servelm.layers.stack import StackFormat, base_linear, kernel_weights
 
     d = describe_layer(layer)
     if isinstance(d, str):
         return d
-    linears = layer.linears()  # qkv (or in_proj_qkvz), o (out_proj), gate_up, down[, extra]
-    names = (("in_proj_qkvz", "out_proj", "gate_up_proj", "down_proj", "in_proj_ba")
-             if layer.linear else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attn_gate"))
+    linears = layer.linears()  # qkv (or in_proj_qkvz), o (out_proj), gate_up (up), down[, extra]
+    mlp = ("gate_up_proj", "down_proj") if hasattr(layer.mlp, "gate_up_proj") else ("c_fc", "c_proj")
+    names = (("in_proj_qkvz", "out_proj", *mlp, "in_proj_ba")
+             if layer.linear else ("qkv_proj", "o_proj", *mlp, "attn_gate"))
     parts = [kernel_weights(m, rows) for m in linears]
     for name, p in zip(names, parts):
         if p is None:
             return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
-    for name, m in zip(names, linears):
-        if name != "qkv_proj" and getattr(base_linear(m), "bias", None) is not None:
-            return f"its {name} has a bias"
+    none = torch.empty(0)
+    biases = [getattr(base_linear(m), "bias", None) for m in linears]
+    biases = [none if b is None else b for b in biases] + [none] * (len(names) - len(linears))
     if len(parts) < len(names):  # no extra linear
         parts.append(([], int(StackFormat.NONE)))
-    none = torch.empty(0)
     norms = [none] * len(NormSlot)
     for slot, bias_slot, norm in ((NormSlot.INPUT, NormSlot.INPUT_BIAS, layer.input_layernorm),
                                   (NormSlot.POST_ATTENTION, NormSlot.POST_ATTENTION_BIAS,
@@ -359,9 +367,7 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     if layer.attn_out_norm is not None:
         norms[NormSlot.ATTN_OUT] = layer.attn_out_norm.weight
         norms[NormSlot.MLP_OUT] = layer.mlp_out_norm.weight
-    bias = None if attn is None else base_linear(attn.qkv_proj).bias
-    return ([t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms,
-            none if bias is None else bias)
+    return [t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms, biases
 
 
 def build(description: StackDescription, parts: list[tuple], kv_caches: list[tuple],
@@ -373,7 +379,7 @@ def build(description: StackDescription, parts: list[tuple], kv_caches: list[tup
     linear = [d.linear is not None for d in description.layers]
     stack = torch.classes.servelm_stack.DecodeStack(
         [t for p in parts for t in p[0]], [g for p in parts for g in p[1]],
-        [t for p in parts for t in p[2]], [p[3] for p in parts],
+        [t for p in parts for t in p[2]], [b for p in parts for b in p[3]],
         [none if lin else k for lin, (k, _) in zip(linear, kv_caches)],
         [none if lin else v for lin, (_, v) in zip(linear, kv_caches)],
         description.layer_options(), description.model_options(), description.model_scalars())

@@ -177,12 +177,14 @@ class DecoderLayer(nn.Module):
         linear-attention layer's in_proj_qkvz, out_proj, gate_up, down, in_proj_ba: the order
         the DecodeStack takes them."""
         mlp = self.mlp
+        up, down = ((mlp.gate_up_proj, mlp.down_proj) if hasattr(mlp, "gate_up_proj")
+                    else (mlp.c_fc, mlp.c_proj))  # a non-gated MLP's
         if self.linear:
             la = self.linear_attn
-            return (la.in_proj_qkvz, la.out_proj, mlp.gate_up_proj, mlp.down_proj, la.in_proj_ba)
+            return (la.in_proj_qkvz, la.out_proj, up, down, la.in_proj_ba)
         attn = self.self_attn
         gate = () if attn.attn_gate is None else (attn.attn_gate,)
-        return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *gate)
+        return (attn.qkv_proj, attn.o_proj, up, down, *gate)
 
     @property
     def window(self) -> int | None:

@@ -3,8 +3,9 @@
 // servelm.models.decode_stack.StackDescription): RMSNorm before attention and MLP, optional
 // q/k norms (per head, before the rotary), qkv bias, sandwich norms after attention and the
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
-// a sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), a SiLU or tanh-GELU gated MLP, an
-// embedding scale, and LoRA adapters on any of a layer's four linears (bind_lora; the deltas
+// a sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), a SiLU, tanh-GELU or
+// GELU MLP, gated or plain, a bias on any linear, attention's output gate, gated DeltaNet layers
+// (Qwen3.5), an embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
 // of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
 // adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
 // its row steps row_kernels.h's (the servelm_ops operators'), its attention
@@ -68,12 +69,14 @@ enum LayerOption : int64_t {
 enum LayerKind : int64_t { kAttentionLayer, kLinearAttentionLayer };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
-                              kQkNormWhole, kLayerNorm, kParallel, kModelOptions };
+                              kQkNormWhole, kLayerNorm, kParallel,
+                              kPlainMlp,  // 1: the MLP is not gated: down(act(up(x))) (Starcoder2, Phi)
+                              kModelOptions };
 // ... and these floats.
 enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kQScaleBeta,
                               kModelScalars };
-// The gated MLP's activation.
-enum Activation : int64_t { kSilu, kGeluTanh };
+// The MLP's activation.
+enum Activation : int64_t { kSilu, kGeluTanh, kGelu /* erf */ };
 // The weight format codes (servelm.layers.stack.StackFormat): > 0 int4 with that group
 // size, kInt8, kBf16 (tiles), kAmx, kAmxGated, kQ8Act + the group size, kW8A8 + the
 // activation block.
@@ -485,17 +488,20 @@ void team_region(const Body& body) {
 
 // ---------------------------------------------------------------- the layers' row steps
 
-// gelu_tanh(gate) * up for rows [m0, m1) of gu [M, 2 I] (gate, then up) into act [M, I]: the
-// PyTorch operators the per-op path runs (F.gelu(gate, approximate="tanh") * up), called on
-// this thread's rows (inside the parallel region ATen runs them on the calling thread; each
-// row's result does not depend on the rows beside it), so the bits are theirs.
-void gelu_tanh_rows(const c10::BFloat16* gu, c10::BFloat16* act, int64_t m0, int64_t m1, int64_t I) {
+// act(gate) * up for rows [m0, m1) of gu [M, 2 I] (gate, then up) into out [M, I], or (plain:
+// gu [M, I]) act(gu): the PyTorch operators the per-op path runs (F.gelu(gate, approximate=..)
+// * up; F.silu / F.gelu), called on this thread's rows (inside the parallel region ATen runs
+// them on the calling thread; each row's result does not depend on the rows beside it), so the
+// bits are theirs.
+void act_rows(const c10::BFloat16* gu, c10::BFloat16* act, int64_t m0, int64_t m1, int64_t I,
+              int64_t kind, bool plain) {
   const auto opts = at::TensorOptions().dtype(at::kBFloat16);
-  auto* g = const_cast<c10::BFloat16*>(gu) + m0 * 2 * I;
-  const at::Tensor gate = at::from_blob(g, {m1 - m0, I}, {2 * I, 1}, opts);
-  const at::Tensor up = at::from_blob(g + I, {m1 - m0, I}, {2 * I, 1}, opts);
+  auto* g = const_cast<c10::BFloat16*>(gu) + m0 * (plain ? 1 : 2) * I;
+  const at::Tensor gate = at::from_blob(g, {m1 - m0, I}, {(plain ? 1 : 2) * I, 1}, opts);
   at::Tensor out = at::from_blob(act + m0 * I, {m1 - m0, I}, opts);
-  at::mul_out(out, at::gelu(gate, "tanh"), up);
+  const at::Tensor a = kind == kSilu ? at::silu(gate) : at::gelu(gate, kind == kGeluTanh ? "tanh" : "none");
+  if (plain) out.copy_(a);
+  else at::mul_out(out, a, at::from_blob(g + I, {m1 - m0, I}, {2 * I, 1}, opts));
 }
 
 // x [M, n] times sigmoid(gate) for rows [m0, m1) (an attention output gate, Qwen3.5's): the
@@ -518,7 +524,7 @@ struct StackLayer {
   at::Tensor k_cache, v_cache;
   QLinear qkv, o, gu, down, extra;
   lora::Adapter<c10::BFloat16> lora[kLinears];  // bind_lora's; unbound where none
-  std::vector<float> qkv_bias;  // fp32 copy; qkv.bias points into it
+  std::vector<float> bias[kLinears];  // fp32 copies; each linear's bias points into its own
   int64_t window = 0;           // > 0: attends its last `window` keys
   int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers', 2 none (NoPE)
   int64_t kv_group = 0;         // its block group: which of a step's block tables and slots it uses
@@ -545,11 +551,11 @@ class DecodeStack : public torch::CustomClassHolder {
   // or q8act's panels), int8 [qweight, scales], bf16 [weight] or amx [packed]; formats: per
   // layer and linear, its code (format::, servelm.quantization.StackFormat; kAmxGated
   // gate_up only); norms: per layer kNormSlots weights (NormSlot order; empty: none);
-  // qkv_biases: per layer, an empty tensor for none; k_caches / v_caches: per layer
+  // biases: per layer, per linear, an empty tensor for none; k_caches / v_caches: per layer
   // [NB, BS, KVH, D]; layer_options: per layer kLayerOptions integers; model_options
   // (kModelOptions) and model_scalars (kModelScalars): the model's.
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> formats,
-              std::vector<at::Tensor> norms, std::vector<at::Tensor> qkv_biases,
+              std::vector<at::Tensor> norms, std::vector<at::Tensor> biases,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
               std::vector<int64_t> layer_options, std::vector<int64_t> model_options,
               std::vector<double> model_scalars)
@@ -566,6 +572,7 @@ class DecodeStack : public torch::CustomClassHolder {
     qk_norm_whole_ = model_options[kQkNormWhole] != 0;
     layer_norm_ = model_options[kLayerNorm] != 0;
     parallel_ = model_options[kParallel] != 0;
+    plain_mlp_ = model_options[kPlainMlp] != 0;
     TORCH_CHECK(!parallel_ || pre_norms_, "DecodeStack: a parallel block takes pre-norms");
     q_scale_beta_ = model_scalars[kQScaleBeta];
     TORCH_CHECK(q_scale_beta_ == 0.0 || q_scale_period_ > 0,
@@ -580,16 +587,16 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(softcap_ >= 0.0 && std::isfinite(softcap_), "DecodeStack: the soft-cap must be >= 0 (0: none)");
     TORCH_CHECK(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0,
                 "DecodeStack: num_heads must be a multiple of num_kv_heads");
-    TORCH_CHECK(act_ == kSilu || act_ == kGeluTanh, "DecodeStack: activation ", act_,
-                " is neither SiLU (0) nor tanh-GELU (1)");
+    TORCH_CHECK(act_ == kSilu || act_ == kGeluTanh || act_ == kGelu, "DecodeStack: activation ", act_,
+                " is none of SiLU (0), tanh-GELU (1) and GELU (2)");
     const size_t L = k_caches.size();
     TORCH_CHECK(L >= 1 && norms.size() == kNormSlots * L && formats.size() == kLinears * L &&
-                    qkv_biases.size() == L && v_caches.size() == L &&
+                    biases.size() == kLinears * L && v_caches.size() == L &&
                     layer_options.size() == kLayerOptions * L,
                 "DecodeStack: per layer ", static_cast<int64_t>(kNormSlots), " norms, ",
-                static_cast<int64_t>(kLinears), " formats, a qkv bias, K/V caches and ",
+                static_cast<int64_t>(kLinears), " formats and biases, K/V caches and ",
                 static_cast<int64_t>(kLayerOptions), " layer options, got ", norms.size(), " norms, ",
-                formats.size(), " formats, ", qkv_biases.size(), " biases, ", k_caches.size(), "/",
+                formats.size(), " formats, ", biases.size(), " biases, ", k_caches.size(), "/",
                 v_caches.size(), " caches, ", layer_options.size(), " options for ", L, " layers");
     // The model's width: its input norm's, or (norms after attention and the MLP alone, OLMo 2)
     // its attention output norm's.
@@ -664,7 +671,8 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(g[0] != format::kNone && g[1] != format::kNone && g[2] != format::kNone &&
                       g[3] != format::kNone && (!linear || g[4] != format::kNone),
                   "DecodeStack: only an attention layer's extra linear (its output gate) may be absent");
-      TORCH_CHECK(g[2] != QLinear::kAmxGated || act_ == kSilu, "DecodeStack: gated amx is SiLU's");
+      TORCH_CHECK(g[2] != QLinear::kAmxGated || (act_ == kSilu && !plain_mlp_),
+                  "DecodeStack: gated amx is a SiLU-gated MLP's");
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, linear ? "in_proj_qkvz" : "qkv_proj");
       s.o = parse_linear(keep_, j, g[1], hidden, o_k, linear ? "out_proj" : "o_proj");
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 (and
@@ -673,8 +681,8 @@ class DecodeStack : public torch::CustomClassHolder {
       const bool amx_gu = g[2] == QLinear::kAmx || g[2] == QLinear::kAmxGated;
       const bool w8_gu = g[2] > QLinear::kW8A8;
       const int64_t gu_tiles = keep_[j].numel() / ((!w8_gu && (g[2] > 0 || amx_gu) ? 8 : 16) * hidden);
-      s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, "gate_up_proj");
-      s.down = parse_linear(keep_, j, g[3], hidden, s.gu.N / 2, "down_proj");
+      s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, plain_mlp_ ? "up_proj" : "gate_up_proj");
+      s.down = parse_linear(keep_, j, g[3], hidden, plain_mlp_ ? s.gu.N : s.gu.N / 2, "down_proj");
       // The output gate: sigmoid(x W) [heads * D] times attention's output; in_proj_ba: b | a
       // of each value head.
       s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
@@ -683,15 +691,20 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(l == 0 || s.gu.N == layers_[0].gu.N, "DecodeStack: every layer must have the same MLP width");
       TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
                   "DecodeStack: every attention layer must have the same head dim");
-      const at::Tensor& b = qkv_biases[l];
-      if (b.numel()) {
-        TORCH_CHECK(!linear, "DecodeStack: a linear-attention layer has no qkv bias");
-        TORCH_CHECK(b.numel() == qkv_n, "DecodeStack: qkv bias must have ", qkv_n, " elements");
+      QLinear* lins[kLinears] = {&s.qkv, &s.o, &s.gu, &s.down, &s.extra};
+      for (int k = 0; k < kLinears; ++k) {
+        const at::Tensor& b = biases[kLinears * l + k];
+        if (!b.numel()) continue;
+        TORCH_CHECK(lins[k]->present() && b.numel() == lins[k]->N, "DecodeStack: layer ", l, " linear ", k,
+                    "'s bias must have its ", lins[k]->N, " outputs");
+        TORCH_CHECK(!lins[k]->gated, "DecodeStack: a gated amx gate_up takes no bias");
         const at::Tensor bf = b.to(at::kFloat).contiguous();
-        s.qkv_bias.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + qkv_n);
+        s.bias[k].assign(bf.data_ptr<float>(), bf.data_ptr<float>() + lins[k]->N);
       }
       layers_.push_back(std::move(s));
-      layers_.back().qkv.bias = layers_.back().qkv_bias.empty() ? nullptr : layers_.back().qkv_bias.data();
+      StackLayer& sl = layers_.back();
+      QLinear* kept[kLinears] = {&sl.qkv, &sl.o, &sl.gu, &sl.down, &sl.extra};
+      for (int k = 0; k < kLinears; ++k) kept[k]->bias = sl.bias[k].empty() ? nullptr : sl.bias[k].data();
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
     TORCH_CHECK(attn0_ >= 0, "DecodeStack: at least one layer must be an attention layer");
@@ -1007,7 +1020,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t M = residual.size(0), hidden = residual.size(1);
     const int64_t D = layers_[attn0_].k_cache.size(3), R = rot_;
     // The attention layers' qkv width; the widest qkv (or in_proj_qkvz), o input, extra output.
-    const int64_t qkv_n = layers_[attn0_].qkv.N, inter = layers_[0].gu.N / 2;
+    const int64_t qkv_n = layers_[attn0_].qkv.N, inter = plain_mlp_ ? layers_[0].gu.N : layers_[0].gu.N / 2;
     int64_t qkv_max = 0, o_max = 0, extra_max = 0;
     for (const StackLayer& s : layers_) {
       qkv_max = std::max(qkv_max, s.qkv.N), o_max = std::max(o_max, s.o.K);
@@ -1279,7 +1292,7 @@ class DecodeStack : public torch::CustomClassHolder {
         shrink_phase(s.lora[kGateUp], h2, hidden);
         const bool gu_delta = lora_on && s.gu.gated && s.lora[kGateUp].bound();
         t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down,
-                 expand(s.lora[kGateUp], s.gu, gu_out, 2 * inter), [&] {
+                 expand(s.lora[kGateUp], s.gu, gu_out, s.gu.N), [&] {
                    if (!gu_delta) return;
                    int64_t t0, t1;  // tiles in the packed order: pair q = (gate block q, up block q)
                    s.gu.share(t.tid, t.n, t0, t1);
@@ -1291,7 +1304,7 @@ class DecodeStack : public torch::CustomClassHolder {
         if (!s.gu.gated || s.down.scratch(M))
           t.rows(M, [&](int64_t m0, int64_t m1) {
             if (!s.gu.gated) {
-              if (act_ == kGeluTanh) gelu_tanh_rows(gu_out, act, m0, m1, inter);
+              if (act_ != kSilu || plain_mlp_) act_rows(gu_out, act, m0, m1, inter, act_, plain_mlp_);
               else
                 for (int64_t m = m0; m < m1; ++m)
                   silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
@@ -1332,6 +1345,7 @@ class DecodeStack : public torch::CustomClassHolder {
   bool qk_norm_whole_ = false;  // q / k norms over the whole projection, not a head (OLMo 2)
   bool layer_norm_ = false;     // the pre-norms and the final norm are LayerNorms (StableLM, Cohere)
   bool parallel_ = false;       // attention and the MLP read one normed input, outputs summed (Cohere)
+  bool plain_mlp_ = false;      // down(act(up(x))), not gated (Starcoder2, Phi, GPT-NeoX)
   at::Tensor final_norm_bias_;  // bind_final_norm_bias's (a LayerNorm's; undefined: none)
   int64_t hidden_ = 0;
   int64_t heads_, kv_heads_, act_, rot_;

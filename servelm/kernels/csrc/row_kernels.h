@@ -73,26 +73,39 @@ void ln_row(const T* x, const T* w, const T* b, T* y, int64_t N, float eps) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// a * b, a + b and a - b, each rounded once. -ffast-math lets the compiler reassociate plain
+// vector arithmetic (g * (r * y) into (g * r) * y) and contract a product and a sum into a
+// fused multiply-add, and it did so differently in ops.cpp and the DecodeStack; an explicit
+// rounding mode makes each operation opaque to it, so both paths give the same bits.
+inline __m512 mul_rn(__m512 a, __m512 b) {
+  return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline __m512 add_rn(__m512 a, __m512 b) {
+  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline __m512 sub_rn(__m512 a, __m512 b) {
+  return _mm512_sub_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 // bf16 rows 16 lanes at a time (N a multiple of 16, else the scalar loops): the sums in 16
 // lanes, then reduced; the output (x - mean) * r * w + b with separate multiplies and adds
-// (no fused multiply-add, whatever the includer's flags), rounded once.
+// (mul_rn, add_rn: no fused multiply-add, whatever the includer's flags), rounded once.
 template <>
 inline void ln_row<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* b,
                                   c10::BFloat16* y, int64_t N, float eps) {
   if (N % 16) return ln_row_scalar(x, w, b, y, N, eps);
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < N; i += 16) acc = _mm512_add_ps(acc, load16<c10::BFloat16>(x + i));
+  for (int64_t i = 0; i < N; i += 16) acc = add_rn(acc, load16<c10::BFloat16>(x + i));
   const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / static_cast<float>(N));
   acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < N; i += 16) {
-    const __m512 d = _mm512_sub_ps(load16<c10::BFloat16>(x + i), mean);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(d, d));
+    const __m512 d = sub_rn(load16<c10::BFloat16>(x + i), mean);
+    acc = add_rn(acc, mul_rn(d, d));
   }
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(N) + eps));
   for (int64_t i = 0; i < N; i += 16) {
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(load16<c10::BFloat16>(x + i), mean), r),
-                             load16<c10::BFloat16>(w + i));
-    if (b) v = _mm512_add_ps(v, load16<c10::BFloat16>(b + i));
+    __m512 v = mul_rn(mul_rn(sub_rn(load16<c10::BFloat16>(x + i), mean), r), load16<c10::BFloat16>(w + i));
+    if (b) v = add_rn(v, load16<c10::BFloat16>(b + i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
@@ -256,12 +269,6 @@ inline void check_slots(const int64_t* slots, int64_t T, int64_t nslots, const c
 // ---- SiLU and mul
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// a * b, rounded once. -ffast-math lets the compiler reassociate plain vector products
-// (g * (r * y) into (g * r) * y), and it did so differently in ops.cpp and the DecodeStack; an
-// explicit rounding mode makes the product opaque to it, so both paths give the same bits.
-inline __m512 mul_rn(__m512 a, __m512 b) {
-  return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
 
 // silu(g) = g / (1 + e^-g) in 16 lanes, e^-g = 2^(-g log2e) by exp2_512<5> (relative error
 // ~1e-7 for |g| < 10, about an fp32 ulp). The scalar loop's expf, vectorised by the
