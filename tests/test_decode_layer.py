@@ -217,33 +217,36 @@ def test_decode_stack_rejects_bad_arguments():
             [t for p in parts for t in p[0]] if weights is None else weights,
             [g for p in parts for g in p[1]] if groups is None else groups,
             [t for p in parts for t in p[2]] if norms is None else norms,
-            [p[3] for p in parts], [k for k, _ in caches], [v for _, v in caches],
+            [b for p in parts for b in p[3]], [k for k, _ in caches], [v for _, v in caches],
             desc.layer_options(), desc.model_options(), desc.model_scalars())
 
     weights = [t for p in parts for t in p[0]]
-    with pytest.raises(RuntimeError, match="per layer 8 norms, 4 formats"):
+    none = StackFormat.NONE  # (no output gate: each layer's fifth linear)
+    with pytest.raises(RuntimeError, match="per layer 8 norms, 5 formats"):
         stack(groups=[32] * 7)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
         stack(weights=weights[:-1])
     with pytest.raises(RuntimeError, match="left over"):
         stack(weights=weights + [weights[0]])
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: int8 qweight"):  # int4 as int8
-        stack(groups=[32, 0, 32, 32] * 2)
+        stack(groups=[32, 0, 32, 32, none] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: bf16 weight must be"):  # as bf16
-        stack(groups=[32, -1, 32, 32] * 2)
-    with pytest.raises(RuntimeError, match="group size -4 is none of int4's"):
-        stack(groups=[32, -4, 32, 32] * 2)
+        stack(groups=[32, -1, 32, 32, none] * 2)
+    with pytest.raises(RuntimeError, match="group size -5 is none of int4's"):
+        stack(groups=[32, -5, 32, 32, none] * 2)
+    with pytest.raises(RuntimeError, match="only an attention layer's extra linear"):
+        stack(groups=[32, none, 32, 32, none] * 2)
     with pytest.raises(RuntimeError, match="only gate_up_proj may be gated amx"):
-        stack(groups=[32, StackFormat.AMX_GATED, 32, 32] * 2)
+        stack(groups=[32, StackFormat.AMX_GATED, 32, 32, none] * 2)
     q8 = StackFormat.Q8ACT
     with pytest.raises(RuntimeError, match="none of int4's .* q8act's .* or w8a8's"):  # q8act, no group
-        stack(groups=[32, q8, 32, 32] * 2)
+        stack(groups=[32, q8, 32, 32, none] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: q8act qweight must be"):  # tiles
-        stack(groups=[32, q8 + 32, 32, 32] * 2)
+        stack(groups=[32, q8 + 32, 32, 32, none] * 2)
     with pytest.raises(RuntimeError, match="q8act group size must be a multiple of 32"):
-        stack(groups=[32, q8 + 16, 32, 32] * 2)
+        stack(groups=[32, q8 + 16, 32, 32, none] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: amx"):  # int4 tiles as amx
-        stack(groups=[32, StackFormat.AMX, 32, 32] * 2)
+        stack(groups=[32, StackFormat.AMX, 32, 32, none] * 2)
     with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
         stack(norms=[t.float() for p in parts for t in p[2]])
     # The step's buffers are sized from layer 0: a layer with another MLP width is refused.
