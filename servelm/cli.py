@@ -344,12 +344,14 @@ def cmd_roofline(args) -> int:
         native, _ = ckpt.native_quantization()  # a quantised file runs quantised
         bits = args.bits or (quantized_bits_per_weight(native) if native
                              else rl.BYTES[dname] * 8)
+        from servelm.engine.executor import ssm_state_dtype
         from servelm.engine.state_cache import StateCache
 
         model = rl.ModelShape.from_config(
             cfg, weight_bits=bits,
             kv_bits=_kv_bits(args.kv_cache_dtype, rl.BYTES[dname] * 8, cfg.cache_layout[2]),
-            state_bytes=StateCache.bytes_per_slot(cfg, dtype),
+            state_bytes=StateCache.bytes_per_slot(cfg, dtype,
+                                                  ssm_state_dtype(args.mamba_ssm_cache_dtype)),
             expert_bits=None if args.bits else (
                 mxfp4.BITS if ckpt.mxfp4_experts() else rl.quantized_expert_bits(native)))
     if args.bandwidth is not None and args.flops is not None:
@@ -641,6 +643,9 @@ def make_parser() -> argparse.ArgumentParser:
     roof.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                       help="how the pool stores K and V (int8 / fp8: 1 byte an element plus "
                            "an fp32 scale per token and KV head)")
+    roof.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                      choices=["auto", "float32", "bfloat16"],
+                      help="linear-attention layers' recurrent state: float32 (auto) or bfloat16")
     roof.add_argument("--num-threads", type=int, default=None)
     roof.set_defaults(func=cmd_roofline)
 

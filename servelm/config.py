@@ -286,6 +286,11 @@ class CacheConfig:
         help="how the KV pool stores K and V: the model dtype (auto), or int8 / fp8 (e4m3) "
              "with a scale per token and KV head (~2x the tokens of bf16 in the same "
              "--kv-cache-memory)")
+    mamba_ssm_cache_dtype: str = option(  # one of SSM_CACHE_DTYPES (vLLM's flag)
+        "auto", choices=("auto", "float32", "bfloat16"),
+        help="how linear-attention layers (Qwen3.5, Qwen3-Next) keep their recurrent state: "
+             "float32 (auto), or bfloat16 (half the bytes a sequence and a step; each new "
+             "value rounded)")
     block_size: int = option(16, help="tokens per KV block")
     enable_prefix_caching: bool = option(  # share full blocks of identical prefixes
         True, flags=("--enable-prefix-caching",),

@@ -309,3 +309,33 @@ def test_qwen3_5_answers_keep_their_state_snapshots_on_the_stack(tmp_path, hf_to
     stack = model._decode_stacks[0][2]
     with pytest.raises(RuntimeError, match="set_state_rows"):
         stack.run_lists([5], [3], [7], [1], [4])
+
+
+def test_qwen3_5_recurrent_states_in_bfloat16(tmp_path, hf_tokenizer):
+    """mamba_ssm_cache_dtype="bfloat16" (vLLM's flag): the linear-attention layers' states in
+    bf16, half a sequence's state bytes; decode steps on the stack are the per-op path's
+    exactly; a prompt run in 16-token chunks (its state kept between them) gives prompt
+    logprobs near float32 states' (bf16 rounding between chunks), not equal to them."""
+    pytest.importorskip("transformers")
+    from servelm import LLM, SamplingParams
+
+    config_cls, model_cls, extra = ENGINE_FAMILIES["qwen3_5"]
+    tiny_hf_checkpoint(tmp_path, config_cls, model_cls, extra, hf_tokenizer, seed=12)
+    kw = dict(model=str(tmp_path), dtype="bfloat16", quantization="int4", linear_method="tiles",
+              kv_cache_memory=16 << 20, max_model_len=256, enable_prefix_caching=False,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    half, full = LLM(**kw, mamba_ssm_cache_dtype="bfloat16"), LLM(**kw)
+    states = [llm.engine.executor.runner.layer_caches[0][1] for llm in (half, full)]
+    assert [s.dtype for s in states] == [torch.bfloat16, torch.float32]
+    worker = [llm.engine.executor.worker for llm in (half, full)]
+    conv = math.prod(half.engine.model_config.linear_state_shapes[0]) * 2 * 3  # 3 DeltaNet layers
+    assert 2 * (worker[0].state_bytes() - conv) == worker[1].state_bytes() - conv
+    assert_stack_decodes_as_per_op(half, [list(range(10, 40)), [5, 6, 7]], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = list(range(200, 264))
+    got = [[next(iter(p.values())).logprob for p in llm.generate(
+        [{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].prompt_logprobs[1:]]
+        for llm in (half, full)]
+    diffs = [abs(a - b) for a, b in zip(*got)]
+    assert max(diffs) < 0.05 and max(diffs[16:]) > 0  # the first chunk's are the same

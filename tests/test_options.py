@@ -34,6 +34,7 @@ FLAGS = {
     "--device": "device", "--n-gpu-layers": "n_gpu_layers", "-ngl": "n_gpu_layers",
     "--gpu-layers": "n_gpu_layers", "--trust-remote-code": "trust_remote_code",
     "--kv-cache-memory": "kv_cache_memory", "--kv-cache-dtype": "kv_cache_dtype",
+    "--mamba-ssm-cache-dtype": "mamba_ssm_cache_dtype",
     "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens", "--max-model-len": "max_model_len",
     "--ctx-size": "max_model_len", "-c": "max_model_len", "--num-threads": "num_threads",
@@ -70,7 +71,7 @@ KEYWORDS = {
     "cpu_kernels": True,
     "fused_decode": True, "hugepages": True, "triton_attention": True,
     "attention_backend": "auto", "tuning_cache_dir": None, "shm_collectives": True,
-    "kv_cache_dtype": "auto", "commit_kv_while_idle": True, "speculative_config": None,
+    "kv_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "commit_kv_while_idle": True, "speculative_config": None,
     "dequantized_copy_memory": None, "overlap_grammar_masks": True, "retune_when_idle": True,
     "enable_lora": False, "max_loras": 4, "max_lora_rank": 16, "lora_modules": (),
 }

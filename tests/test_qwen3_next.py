@@ -544,15 +544,17 @@ def test_the_cpp_decode_step_is_the_pytorch_one():
     torch.testing.assert_close(S, want_S, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dk,dv", [(8, 8), (8, 6), (16, 72)])
+@pytest.mark.parametrize("dk,dv,state_dtype", [(8, 8, torch.float32), (8, 6, torch.float32),
+                                               (16, 72, torch.float32), (8, 6, torch.bfloat16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype, dk, dv):
+def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype, dk, dv, state_dtype):
     """A decode-only step through GatedDeltaNet on servelm's fused C++ decode (the
     convolution step, the gates, the delta rule and the gated norm in one call) against
     the same layer op by op (the C++ delta-rule step between PyTorch ops): the outputs, the
     convolution states and the recurrent states, with scattered slots, a fresh one and two
     value heads a key head; channels and value dims short of and past the vector kernels'
-    16 and 64 lanes."""
+    16 and 64 lanes. bf16 recurrent states (mamba_ssm_cache_dtype): the fused decode, the C++
+    step and the PyTorch step (kernels off) alike, within bf16's rounding."""
     from types import SimpleNamespace
 
     from servelm.kernels import load_ops
@@ -569,21 +571,25 @@ def test_the_fused_cpp_decode_is_the_op_by_op_layer(dtype, dk, dv):
     layer = layer.to(dtype)
     N, C = 6, layer.conv_dim
     conv0 = torch.randn(N, C, 3, generator=g_).to(dtype)
-    ssm0 = torch.randn(N, 4, dk, dv, generator=g_) * 0.1
+    ssm0 = (torch.randn(N, 4, dk, dv, generator=g_) * 0.1).to(state_dtype)
     x = torch.randn(3, 32, generator=g_).to(dtype)
     rec = RecurrentBatch.build([0, 1, 2], [1, 1, 1], [4, 1, 2], [False, True, False], x.device)
     assert rec.decodes_only
     batch = SimpleNamespace(recurrent=rec)
     outs = {}
-    for fused in (True, False):
-        layer.select(True)
-        if not fused:
+    for path in ("fused", "step", "pytorch"):
+        layer.select(path != "pytorch")
+        if path == "step":
             layer._decode = None  # the op-by-op path, C++ step included
         state = (conv0.clone(), ssm0.clone())
         with torch.no_grad():
-            outs[fused] = (layer(x, None, None, batch, state), *state)
+            outs[path] = (layer(x, None, None, batch, state), *state)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(outs[True][0], outs[False][0], **tol)
-    assert torch.equal(outs[True][1], outs[False][1])  # the convolution inputs shifted alike
-    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=1e-4, atol=1e-5)
-    assert not torch.equal(outs[True][2], ssm0)
+    state_tol = (dict(rtol=1e-4, atol=1e-5) if state_dtype == torch.float32
+                 else dict(rtol=2e-2, atol=2e-3))
+    for other in ("step", "pytorch"):
+        torch.testing.assert_close(outs["fused"][0], outs[other][0], **tol)
+        assert torch.equal(outs["fused"][1], outs[other][1])  # the convolution inputs alike
+        assert outs[other][2].dtype == state_dtype
+        torch.testing.assert_close(outs["fused"][2].float(), outs[other][2].float(), **state_tol)
+    assert not torch.equal(outs["fused"][2], ssm0)

@@ -13,7 +13,7 @@ from servelm.config import EngineConfig
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.calibration import calibration_ids
 from servelm.engine.detokenizer import IncrementalDetokenizer
-from servelm.engine.executor import Executor, UniProcExecutor
+from servelm.engine.executor import Executor, UniProcExecutor, ssm_state_dtype
 from servelm.engine.model_runner import SeqInput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.state_cache import StateCache, snapshot_row
@@ -355,7 +355,8 @@ class LLMEngine:
         self.shape = ModelShape.from_config(
             self.model_config, weight_bits=weight_bits,
             kv_bits=kv_quant.bits_per_element(self.kv_dtype, self.model_config.cache_layout[2]),
-            state_bytes=StateCache.bytes_per_slot(self.model_config, self.dtype),
+            state_bytes=StateCache.bytes_per_slot(
+                self.model_config, self.dtype, ssm_state_dtype(config.cache.mamba_ssm_cache_dtype)),
             expert_bits=expert_bits, window_groups=self.executor.kv_groups is not None)
         self.hardware: Hardware | None = None  # set by whoever measured the machine
         self.speculator = None

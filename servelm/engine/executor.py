@@ -90,11 +90,13 @@ class ModelWorker:
     def __init__(self, ckpt, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, max_len: int, quantization: str | None,
                  kernels: KernelConfig, shard=None, lora: LoRAConfig | None = None,
-                 calibration: list[int] | None = None):
+                 calibration: list[int] | None = None, ssm_dtype: torch.dtype = torch.float32):
         """calibration: token ids the int8-activation layers are calibrated on where
-        KernelConfig.int8_activations asks for them (servelm.engine.calibration); None: none."""
+        KernelConfig.int8_activations asks for them (servelm.engine.calibration); None: none.
+        ssm_dtype: the linear-attention layers' recurrent states' (ssm_state_dtype)."""
         self.device = device
         self.kernels = kernels
+        self.ssm_dtype = ssm_dtype
         self.model = load_model(ckpt, model_config, dtype, device, max_positions=max_len,
                                 shard=shard)
         lora = lora if lora is not None and lora.enabled else None
@@ -125,7 +127,8 @@ class ModelWorker:
 
     def state_bytes(self) -> int:
         """One sequence's recurrent state in every linear-attention layer (0: none)."""
-        return StateCache.bytes_per_slot(self.model.config, self.model.norm.weight.dtype)
+        return StateCache.bytes_per_slot(self.model.config, self.model.norm.weight.dtype,
+                                         self.ssm_dtype)
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  cuda_graphs: bool = False, max_graph_batch: int = 256,
@@ -138,11 +141,17 @@ class ModelWorker:
                                 self.device, spare_block=cuda_graphs,
                                 hugepages=self.kernels.hugepages, groups=kv_groups)
         states = (StateCache(self.model.config, state_slots, self.model.norm.weight.dtype,
-                             self.device, num_snapshots=state_snapshots)
+                             self.device, num_snapshots=state_snapshots,
+                             ssm_dtype=self.ssm_dtype)
                   if state_slots else None)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device,
                                   cuda_graphs=cuda_graphs, max_graph_batch=max_graph_batch,
                                   kernels=self.kernels, state_cache=states)
+
+
+def ssm_state_dtype(name: str) -> torch.dtype:
+    """CacheConfig.mamba_ssm_cache_dtype as the recurrent states' dtype (auto: float32)."""
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
 
 
 def kv_groups_of(config: EngineConfig, model_config: ModelConfig) -> KVGroups | None:
@@ -247,7 +256,8 @@ class UniProcExecutor(Executor):
         cache = config.cache
         self.worker = ModelWorker(ckpt, model_config, dtype, device, max_len,
                                   config.quantization, config.kernels, lora=config.lora,
-                                  calibration=calibration)
+                                  calibration=calibration,
+                                  ssm_dtype=ssm_state_dtype(cache.mamba_ssm_cache_dtype))
         # A draft model before the KV pools: its weights come out of the memory the pools
         # are sized from, and its pool shares their budget.
         self.draft = load_draft() if load_draft is not None else None

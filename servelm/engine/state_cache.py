@@ -33,14 +33,15 @@ class StateCache:
     themselves during a step: SeqInput.state_snapshot); `layers`: layer index -> (conv, ssm)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device, num_snapshots: int = 0):
+                 device: torch.device, num_snapshots: int = 0,
+                 ssm_dtype: torch.dtype = torch.float32):
         self.num_slots = num_slots
         self.num_snapshots = num_snapshots
         rows = num_slots + num_snapshots
         conv, ssm = cfg.linear_state_shapes
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
             i: (torch.zeros(rows, *conv, dtype=dtype, device=device),
-                torch.zeros(rows, *ssm, dtype=torch.float32, device=device))
+                torch.zeros(rows, *ssm, dtype=ssm_dtype, device=device))
             for i in cfg.linear_layers}
 
     def restore(self, copies: list[tuple[int, int]]) -> None:
@@ -58,11 +59,13 @@ class StateCache:
                 ssm[dst].copy_(ssm[src])
 
     @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype,
+                       ssm_dtype: torch.dtype = torch.float32) -> int:
         """One sequence's state in every linear-attention layer (0 for a model without)."""
         if not cfg.has_recurrent_state:
             return 0
         conv, ssm = cfg.linear_state_shapes
         elem = torch.empty(0, dtype=dtype).element_size()
-        per_layer = math.prod(conv) * elem + math.prod(ssm) * 4
+        per_layer = (math.prod(conv) * elem
+                     + math.prod(ssm) * torch.empty(0, dtype=ssm_dtype).element_size())
         return per_layer * len(cfg.linear_layers)

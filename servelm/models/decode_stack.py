@@ -451,9 +451,9 @@ def unsupported_reason(model, kv_caches: list[tuple] | None = None) -> str | Non
             la, bf16 = layer.linear_attn, torch.bfloat16
             if la.conv_weight.dtype != bf16 or la.norm_weight.dtype != bf16:
                 return f"layer {i}: its linear attention's weights are not bfloat16"
-            if kv_caches is not None and (kv_caches[i][0].dtype, kv_caches[i][1].dtype) != (
-                    bf16, torch.float32):
-                return f"layer {i}: its recurrent state is not bfloat16 / float32"
+            if kv_caches is not None and (kv_caches[i][0].dtype != bf16 or kv_caches[i][1].dtype
+                                          not in (torch.float32, bf16)):
+                return f"layer {i}: its recurrent state is not bfloat16 / float32 or bfloat16"
     return None
 
 

@@ -6,7 +6,7 @@ A layer keeps, for each running sequence, two tensors in its state slot
 
     conv  [conv_dim, kernel - 1]     the last kernel - 1 inputs of the causal depthwise
                                      convolution (activation dtype)
-    ssm   [v_heads, k_dim, v_dim]    the recurrent state S (fp32)
+    ssm   [v_heads, k_dim, v_dim]    the recurrent state S (fp32, or bf16: mamba_ssm_cache_dtype)
 
 One token t, per value head (q and k are L2-normalised, q also scaled by k_dim ** -0.5;
 k-heads serve v_heads / k_heads value heads each):
@@ -332,9 +332,12 @@ class GatedDeltaNet(OpModule):
         conv_state[slot].copy_(seq[-k1:].t())
         q, k, v = self._split(F.silu(conv))
         S = ssm_state[slot]
+        Sf = S if S.dtype == torch.float32 else S.float()  # a bf16 state: fp32 for the chunk
         if fresh:
-            S.zero_()
-        core_out.copy_(delta_rule_chunked(S, q, k, v, g, beta))
+            Sf.zero_()
+        core_out.copy_(delta_rule_chunked(Sf, q, k, v, g, beta))
+        if Sf is not S:
+            S.copy_(Sf)
 
     def _decodes(self, mixed, g, beta, conv_state, ssm_state, rec: RecurrentBatch,
                  core) -> None:
@@ -360,9 +363,12 @@ class GatedDeltaNet(OpModule):
                                     beta[rows].contiguous(), fresh)
             return
         S = ssm_state[span] if span is not None else ssm_state[slots]
+        Sf = S if S.dtype == torch.float32 else S.float()  # a bf16 state: fp32 for the step
         if rec.any_fresh:
-            S.masked_fill_(fresh[:, None, None, None], 0)
-        o = delta_rule_step(S, q, k, v, g[rows], beta[rows])
+            Sf.masked_fill_(fresh[:, None, None, None], 0)
+        o = delta_rule_step(Sf, q, k, v, g[rows], beta[rows])
         if span is None:
-            ssm_state[slots] = S
+            ssm_state[slots] = Sf.to(ssm_state.dtype)
+        elif Sf is not S:
+            S.copy_(Sf)
         core[rows] = o

@@ -531,7 +531,7 @@ struct StackLayer {
   int attention = 0;            // its DecodeAttention in run_impl (one per distinct window)
   int64_t kind = kAttentionLayer;
   // A linear-attention layer's: its shape (layer options), state tensors (conv_state [N, C,
-  // K - 1] bf16, ssm_state [N, H, Dk, Dv] fp32, a row per state slot) and parameters, bound by
+  // K - 1] bf16, ssm_state [N, H, Dk, Dv] fp32 or bf16, a row per state slot) and parameters, bound by
   // bind_linear_attention.
   int64_t Hk = 0, H = 0, Dk = 0, Dv = 0, K1 = 0;
   int64_t conv_dim() const { return 2 * Hk * Dk + H * Dv; }
@@ -717,7 +717,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // Once per linear-attention layer: its recurrent states (conv_state bf16 [N, C, K - 1],
-  // ssm_state float32 [N, H, Dk, Dv]: a row per state slot, held by reference and updated in
+  // ssm_state float32 or bf16 [N, H, Dk, Dv]: a row per state slot, held by reference and updated in
   // place by each run) and its parameters (conv_weight bf16 [C, K], A_log and dt_bias [H],
   // the gated norm's weight bf16 [Dv]).
   void bind_linear_attention(int64_t layer, at::Tensor conv_state, at::Tensor ssm_state,
@@ -731,10 +731,11 @@ class DecodeStack : public torch::CustomClassHolder {
                     conv_state.size(1) == C && conv_state.size(2) == s.K1,
                 "DecodeStack.bind_linear_attention: conv_state must be contiguous bfloat16 [N, ", C, ", ",
                 s.K1, "]");
-    TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.is_contiguous() && ssm_state.scalar_type() == at::kFloat &&
+    TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.is_contiguous() &&
+                    (ssm_state.scalar_type() == at::kFloat || ssm_state.scalar_type() == at::kBFloat16) &&
                     ssm_state.size(0) == conv_state.size(0) && ssm_state.size(1) == s.H &&
                     ssm_state.size(2) == s.Dk && ssm_state.size(3) == s.Dv,
-                "DecodeStack.bind_linear_attention: ssm_state must be contiguous float32 [N, ", s.H, ", ", s.Dk,
+                "DecodeStack.bind_linear_attention: ssm_state must be contiguous float32 or bfloat16 [N, ", s.H, ", ", s.Dk,
                 ", ", s.Dv, "], N as conv_state's");
     TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.is_contiguous() &&
                     conv_weight.scalar_type() == at::kBFloat16 && conv_weight.size(0) == C &&
@@ -1194,8 +1195,10 @@ class DecodeStack : public torch::CustomClassHolder {
           // row's convolution step and gates (rows split), then each (row, value head)'s
           // delta-rule step and gated norm (items split), then the snapshots.
           BF* cs = s.conv_state.data_ptr<BF>();
-          float* S = s.ssm_state.data_ptr<float>();
+          const bool bf16_state = s.ssm_state.scalar_type() == at::kBFloat16;
+          char* S = static_cast<char*>(s.ssm_state.data_ptr());
           const int64_t C = s.conv_dim(), H = s.H, N = s.qkv.N, state = H * s.Dk * s.Dv;
+          const int64_t es = bf16_state ? 2 : 4;  // the state's element size
           t.rows(M, [&](int64_t m0, int64_t m1) {
             for (int64_t m = m0; m < m1; ++m)
               delta_rule::conv_row<BF>(qkv_out + m * N, cs + st_slot[m] * C * s.K1, st_fresh[m] != 0,
@@ -1207,10 +1210,15 @@ class DecodeStack : public torch::CustomClassHolder {
             const int64_t items = M * H;
             for (int64_t i = items * t.tid / t.n; i < items * (t.tid + 1) / t.n; ++i) {
               const int64_t m = i / H, h = i % H;
-              delta_rule::head_out<BF>(S + st_slot[m] * state + h * s.Dk * s.Dv, lin_a.data() + m * C,
-                                       lin_gb.data() + m * 2 * H, h, H, s.Hk, s.Dk, s.Dv, st_fresh[m] != 0,
-                                       qkv_out + m * N + C + h * s.Dv, s.norm_weight.data_ptr<BF>(), eps,
-                                       attn + m * s.o.K + h * s.Dv, head_scratch.data());
+              char* st = S + (st_slot[m] * state + h * s.Dk * s.Dv) * es;
+              auto out = [&](auto* sp) {
+                delta_rule::head_out<BF>(sp, lin_a.data() + m * C, lin_gb.data() + m * 2 * H, h, H, s.Hk, s.Dk,
+                                         s.Dv, st_fresh[m] != 0, qkv_out + m * N + C + h * s.Dv,
+                                         s.norm_weight.data_ptr<BF>(), eps, attn + m * s.o.K + h * s.Dv,
+                                         head_scratch.data());
+              };
+              if (bf16_state) out(reinterpret_cast<BF*>(st));
+              else out(reinterpret_cast<float*>(st));
             }
           });
           t.barrier();
@@ -1218,7 +1226,7 @@ class DecodeStack : public torch::CustomClassHolder {
             for (int64_t m = m0; m < m1; ++m)
               if (st_snap[m] >= 0) {  // the state after this token, kept for the prefix cache
                 std::memcpy(cs + st_snap[m] * C * s.K1, cs + st_slot[m] * C * s.K1, sizeof(BF) * C * s.K1);
-                std::memcpy(S + st_snap[m] * state, S + st_slot[m] * state, sizeof(float) * state);
+                std::memcpy(S + st_snap[m] * state * es, S + st_slot[m] * state * es, es * state);
               }
             s.o.sums(attn, M, m0, m1, xs2.data());
           }, s.o);

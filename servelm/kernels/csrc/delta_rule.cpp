@@ -42,10 +42,21 @@ void check(const at::Tensor& t, const char* name, int dim) {
               name, ": a contiguous float32 tensor of ", dim, " dims");
 }
 
+// The recurrent states: float32, or bf16 (read widened, each new value rounded once).
+void check_state(const at::Tensor& S) {
+  TORCH_CHECK((S.scalar_type() == at::kFloat || S.scalar_type() == at::kBFloat16) && S.is_contiguous() &&
+                  S.dim() == 4,
+              "S: a contiguous float32 or bfloat16 tensor of 4 dims");
+}
+
+template <typename ST>
+void step_impl(ST* s, const int64_t* sl, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& fresh, at::Tensor& o);
+
 at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                 const at::Tensor& beta, const at::Tensor& fresh) {
-  check(S, "S", 4);
+  check_state(S);
   check(q, "q", 3);
   check(k, "k", 3);
   check(v, "v", 3);
@@ -66,7 +77,15 @@ at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
     TORCH_CHECK(sl[b] >= 0 && sl[b] < N, "slot ", sl[b], " out of range [0, ", N, ")");
   }
   auto o = at::empty({B, H, Dv}, q.options());
-  float* s = S.data_ptr<float>();
+  if (S.scalar_type() == at::kBFloat16) step_impl(S.data_ptr<c10::BFloat16>(), sl, q, k, v, g, beta, fresh, o);
+  else step_impl(S.data_ptr<float>(), sl, q, k, v, g, beta, fresh, o);
+  return o;
+}
+
+template <typename ST>
+void step_impl(ST* s, const int64_t* sl, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& g, const at::Tensor& beta, const at::Tensor& fresh, at::Tensor& o) {
+  const int64_t B = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -78,14 +97,14 @@ at::Tensor step(at::Tensor S, const at::Tensor& slots, const at::Tensor& q,
     std::vector<float> kv(Dv), qs(Dv), delta(Dv);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / H, h = i % H;
-      delta_rule::head_step(s + (sl[b] * H + h) * Dk * Dv, qp + i * Dk, kp + i * Dk, vp + i * Dv, gp[i],
-                bp[i], fr[b], Dk, Dv, op + i * Dv, kv.data(), qs.data(), delta.data());
+      delta_rule::head_step<ST>(s + (sl[b] * H + h) * Dk * Dv, qp + i * Dk, kp + i * Dk, vp + i * Dv,
+                                gp[i], bp[i], fr[b], Dk, Dv, op + i * Dv, kv.data(), qs.data(),
+                                delta.data());
     }
   });
-  return o;
 }
 
-template <typename T>
+template <typename T, typename ST>
 void decode_impl(at::Tensor& S, at::Tensor& conv_state, const int64_t* sl, const bool* fr,
                  const at::Tensor& mixed, const at::Tensor& ba, const at::Tensor& z,
                  const at::Tensor& conv_weight, const float* A_log, const float* dt_bias,
@@ -100,7 +119,7 @@ void decode_impl(at::Tensor& S, at::Tensor& conv_state, const int64_t* sl, const
   const T* nw = norm_weight.data_ptr<T>();
   T* cs = conv_state.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  float* s = S.data_ptr<float>();
+  ST* s = S.data_ptr<ST>();
   // Per row: q, k [Hk, Dk] (normalised, q scaled), v [H Dv], g and beta [H], fp32.
   std::vector<float> act(B * C), gb(B * 2 * H);
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
@@ -113,7 +132,7 @@ void decode_impl(at::Tensor& S, at::Tensor& conv_state, const int64_t* sl, const
     std::vector<float> scratch(4 * Dv);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / H, h = i % H;
-      delta_rule::head_out<T>(s + (sl[b] * H + h) * Dk * Dv, act.data() + b * C,
+      delta_rule::head_out<T, ST>(s + (sl[b] * H + h) * Dk * Dv, act.data() + b * C,
                               gb.data() + b * 2 * H, h, H, Hk, Dk, Dv, fr[b],
                               xz + b * z.stride(0) + h * Dv, nw, eps,
                               o + b * out.stride(0) + h * Dv, scratch.data());
@@ -126,7 +145,7 @@ at::Tensor decode(at::Tensor S, at::Tensor conv_state, const at::Tensor& slots,
                   const at::Tensor& z, const at::Tensor& conv_weight, const at::Tensor& A_log,
                   const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t num_k_heads,
                   double eps) {
-  check(S, "S", 4);
+  check_state(S);
   const int64_t N = S.size(0), H = S.size(1), Dk = S.size(2), Dv = S.size(3);
   const auto dt = mixed.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "decode: fp32 or bf16 activations");
@@ -163,14 +182,21 @@ at::Tensor decode(at::Tensor S, at::Tensor conv_state, const at::Tensor& slots,
   const at::Tensor a32 = A_log.to(at::kFloat).contiguous(), d32 = dt_bias.to(at::kFloat).contiguous();
   auto out = at::empty({B, H * Dv}, mixed.options());
   if (B == 0) return out;
-  if (dt == at::kFloat)
-    decode_impl<float>(S, conv_state, sl, fresh.data_ptr<bool>(), mixed, ba, z, conv_weight,
-                       a32.data_ptr<float>(), d32.data_ptr<float>(), norm_weight, num_k_heads,
-                       eps, out);
-  else
-    decode_impl<c10::BFloat16>(S, conv_state, sl, fresh.data_ptr<bool>(), mixed, ba, z,
-                               conv_weight, a32.data_ptr<float>(), d32.data_ptr<float>(),
-                               norm_weight, num_k_heads, eps, out);
+  const bool bf16_state = S.scalar_type() == at::kBFloat16;
+  auto run = [&](auto act, auto state) {
+    using T = decltype(act);
+    using ST = decltype(state);
+    decode_impl<T, ST>(S, conv_state, sl, fresh.data_ptr<bool>(), mixed, ba, z, conv_weight,
+                       a32.data_ptr<float>(), d32.data_ptr<float>(), norm_weight, num_k_heads, eps,
+                       out);
+  };
+  if (dt == at::kFloat) {
+    if (bf16_state) run(float{}, c10::BFloat16{});
+    else run(float{}, float{});
+  } else {
+    if (bf16_state) run(c10::BFloat16{}, c10::BFloat16{});
+    else run(c10::BFloat16{}, float{});
+  }
   return out;
 }
 

@@ -20,12 +20,22 @@ template <typename T> inline float rnd(float x) { return static_cast<float>(stat
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
-// One head's step (see the header): St updated in place, o [Dv] written. kv, qs, delta:
-// scratch of Dv floats.
-__attribute__((noinline)) inline void head_step(float* st, const float* qi, const float* ki, const float* vi, float g,
-                      float bt, bool fresh, int64_t Dk, int64_t Dv, float* oi, float* kv,
-                      float* qs, float* delta) {
-  if (fresh) std::fill(st, st + Dk * Dv, 0.0f);
+#if defined(__AVX512F__)
+// 16 (masked) state values as fp32: a float32 state's, or a bf16 state's widened.
+inline __m512 load_state(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_state(const c10::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
+// One head's step (see the header): St [Dk, Dv] (float32, or bf16: read widened, the new state
+// computed in fp32 and rounded once) updated in place, o [Dv] written. kv, qs, delta: scratch
+// of Dv floats.
+template <typename ST>
+__attribute__((noinline)) void head_step(ST* st, const float* qi, const float* ki, const float* vi, float g,
+                                         float bt, bool fresh, int64_t Dk, int64_t Dv, float* oi, float* kv,
+                                         float* qs, float* delta) {
+  if (fresh) std::fill(st, st + Dk * Dv, ST(0.0f));
   std::fill(kv, kv + Dv, 0.0f);
   std::fill(qs, qs + Dv, 0.0f);
   float qk = 0.0f;
@@ -43,9 +53,9 @@ __attribute__((noinline)) inline void head_step(float* st, const float* qi, cons
     for (int v = 0; v < 4; ++v) akv[v] = aqs[v] = _mm512_setzero_ps();
     for (int64_t r = 0; r < Dk; ++r) {
       const __m512 a = _mm512_set1_ps(ki[r]), c = _mm512_set1_ps(qi[r]);
-      const float* row = st + r * Dv + j0;
+      const ST* row = st + r * Dv + j0;
       for (int v = 0; v < 4; ++v) {
-        const __m512 x = _mm512_maskz_loadu_ps(m[v], row + 16 * v);
+        const __m512 x = load_state(row + 16 * v, m[v]);
         akv[v] = _mm512_fmadd_ps(x, a, akv[v]);
         aqs[v] = _mm512_fmadd_ps(x, c, aqs[v]);
       }
@@ -58,10 +68,10 @@ __attribute__((noinline)) inline void head_step(float* st, const float* qi, cons
 #else
   for (int64_t r = 0; r < Dk; ++r) {
     const float a = ki[r], c = qi[r];
-    const float* row = st + r * Dv;
+    const ST* row = st + r * Dv;
     for (int64_t j = 0; j < Dv; ++j) {
-      kv[j] += row[j] * a;
-      qs[j] += row[j] * c;
+      kv[j] += static_cast<float>(row[j]) * a;
+      qs[j] += static_cast<float>(row[j]) * c;
     }
   }
 #endif
@@ -70,10 +80,27 @@ __attribute__((noinline)) inline void head_step(float* st, const float* qi, cons
     delta[j] = bt * (vi[j] - d * kv[j]);
     oi[j] = d * qs[j] + qk * delta[j];
   }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same<ST, c10::BFloat16>::value) {  // 16 at a time, widened, rounded once
+    const __m512 dv = _mm512_set1_ps(d);
+    for (int64_t r = 0; r < Dk; ++r) {
+      const __m512 a = _mm512_set1_ps(ki[r]);
+      ST* row = st + r * Dv;
+      for (int64_t j = 0; j < Dv; j += 16) {
+        const int64_t n = std::min<int64_t>(16, Dv - j);
+        const __mmask16 m = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+        const __m512 y = _mm512_fmadd_ps(dv, load_state(row + j, m),
+                                         _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, delta + j)));
+        _mm256_mask_storeu_epi16(row + j, m, (__m256i)_mm512_cvtneps_pbh(y));
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < Dk; ++r) {
     const float a = ki[r];
-    float* row = st + r * Dv;
-    for (int64_t j = 0; j < Dv; ++j) row[j] = d * row[j] + a * delta[j];
+    ST* row = st + r * Dv;
+    for (int64_t j = 0; j < Dv; ++j) row[j] = static_cast<ST>(d * static_cast<float>(row[j]) + a * delta[j]);
   }
 }
 
@@ -173,12 +200,13 @@ __attribute__((noinline)) void conv_row(const T* x, T* st, bool fresh, const T* 
   }
 }
 
-// One row's value head h: the delta-rule step of its state st [Dk, Dv] (the slot's; zeroed
+// One row's value head h: the delta-rule step of its state st [Dk, Dv] (the slot's, float32 or
+// bf16; zeroed
 // first where fresh) from the row's a and gb (conv_row's), then the gated RMSNorm (the core in
 // T, normed in fp32, rounded, weighted by nw [Dv] in T, times silu(z) in fp32, rounded) into
 // orow [Dv]; zr: the row's z for this head [Dv]. scratch: 4 Dv floats.
-template <typename T>
-__attribute__((noinline)) void head_out(float* st, const float* a, const float* gb, int64_t h,
+template <typename T, typename ST>
+__attribute__((noinline)) void head_out(ST* st, const float* a, const float* gb, int64_t h,
                                         int64_t H, int64_t Hk, int64_t Dk, int64_t Dv, bool fresh,
                                         const T* zr, const T* nw, float eps, T* orow,
                                         float* scratch) {
