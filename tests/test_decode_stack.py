@@ -132,10 +132,10 @@ LENS = [[1], [WINDOW - 1, WINDOW, WINDOW + 1, 100, 17, 300], list(range(1, 200, 
 def test_each_family_on_the_stack_is_the_per_op_path(family, fmt):
     model = _model(family, fmt)
     assert model.decode_stack_supported()
-    # LayerNorm families: more rows of data (their norms' bits once parted one row in ~50).
-    seeds = (1, 2, 3, 4) if FAMILIES[family].get("norm_type", "rms") != "rms" else (1,)
+    # LayerNorm families: more data at 50 rows (their norms' bits once parted one row in ~50).
+    layer_norm = FAMILIES[family].get("norm_type", "rms") != "rms"
     for lens in LENS:
-        for seed in seeds:
+        for seed in (1, 2, 3, 4) if layer_norm and len(lens) > 40 else (1,):
             batch, data, caches = _setup(model.config, lens, seed)
             before = data.clone()
             (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
