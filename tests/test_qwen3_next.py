@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
-                     assert_matches_reference,
+                     assert_matches_reference, assert_stack_decodes_as_per_op,
                      assert_multimodal_checkpoint_serves_its_text_model,
                      assert_tensor_parallel_matches,
                      gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
@@ -430,7 +430,8 @@ def _qwen35_gguf(ref, path, gguf_path):
 
 def test_qwen35_gguf_loads_as_its_hf_checkpoint(qwen3_5, gguf_path, tmp_path):
     """llama.cpp's `qwen35` file of the tiny Qwen3.5 (two value heads a key head, so the
-    tiled value-head order is undone at load): the same logits and greedy tokens."""
+    tiled value-head order is undone at load): the same logits and greedy tokens; in bf16 on
+    the C++ kernels (int4 weights), its decode steps on the DecodeStack, as op by op."""
     src, ref = qwen3_5
     _qwen35_gguf(ref, tmp_path / "model.gguf", gguf_path)
     kw = {**KW, "cpu_kernels": False}
@@ -444,6 +445,14 @@ def test_qwen35_gguf_loads_as_its_hf_checkpoint(qwen3_5, gguf_path, tmp_path):
                                atol=1e-5 * want.abs().max().item())
     assert ([o.outputs[0].token_ids for o in gg.generate(PROMPTS, GREEDY, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in hf.generate(PROMPTS, GREEDY, use_tqdm=False)])
+    from servelm.models import decode_stack
+
+    if decode_stack.available():
+        fast = LLM(model=str(tmp_path / "model.gguf"), dtype="bfloat16", quantization="int4",
+                   linear_method="tiles", kv_cache_memory=16 << 20, max_model_len=256,
+                   enable_prefix_caching=False)
+        assert_stack_decodes_as_per_op(fast, ids[:2], SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
 
 
 def test_qwen3next_gguf_names_and_values():
