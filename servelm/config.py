@@ -286,7 +286,7 @@ class CacheConfig:
         help="how the KV pool stores K and V: the model dtype (auto), or int8 / fp8 (e4m3) "
              "with a scale per token and KV head (~2x the tokens of bf16 in the same "
              "--kv-cache-memory)")
-    mamba_ssm_cache_dtype: str = option(  # one of SSM_CACHE_DTYPES (vLLM's flag)
+    mamba_ssm_cache_dtype: str = option(  # vLLM's flag (executor.ssm_state_dtype reads it)
         "auto", choices=("auto", "float32", "bfloat16"),
         help="how linear-attention layers (Qwen3.5, Qwen3-Next) keep their recurrent state: "
              "float32 (auto), or bfloat16 (half the bytes a sequence and a step; each new "

@@ -24,9 +24,10 @@ output scaled before the residual add (Granite's residual multiplier); attention
 gated by sigmoid(attn_gate(x)), and gated DeltaNet layers over each sequence's recurrent
 state in attention's place (Qwen3.5: set_state_rows before each run).
 What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
-layer that does not run on the C++ int4 / int8 / bf16 kernels) keeps the model op by op. An adapted linear (servelm.layers.lora.LoRALinear) runs its base
-on those kernels and its adapters' deltas after it (bind_lora), for the rows of the step
-whose slot the model's LoRAStep gives (set_lora_rows, before each run).
+layer that does not run on the C++ int4 / int8 / bf16 kernels) keeps the model op by op.
+An adapted linear (servelm.layers.lora.LoRALinear) runs its base on those kernels and its
+adapters' deltas after it (bind_lora), for the rows of the step whose slot the model's
+LoRAStep gives (set_lora_rows, before each run).
 `servelm.models.decoder.CausalLM`'s stack methods delegate here.
 """
 
@@ -225,8 +226,10 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
         return "it has one sandwich norm without the other"
+    if getattr(layer, "parallel", False) and linear:
+        return "its linear attention and MLP run in parallel"
     if getattr(layer, "parallel", False) and (layer.attn_out_norm is not None
-                                              or layer.residual_scale != 1.0 or linear):
+                                              or layer.residual_scale != 1.0):
         return "its attention and MLP run in parallel, with output norms or scales"
     if not linear:
         if getattr(attn, "sinks", None) is not None:
