@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Iterator
 
-from servelm.config import KV_CACHE_DTYPES, EngineOption, engine_options, size
+from servelm.config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, EngineOption, engine_options, size
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server.reasoning import REASONING_PARSERS
@@ -643,8 +643,7 @@ def make_parser() -> argparse.ArgumentParser:
     roof.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                       help="how the pool stores K and V (int8 / fp8: 1 byte an element plus "
                            "an fp32 scale per token and KV head)")
-    roof.add_argument("--mamba-ssm-cache-dtype", default="auto",
-                      choices=["auto", "float32", "bfloat16"],
+    roof.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=list(SSM_CACHE_DTYPES),
                       help="linear-attention layers' recurrent state: float32 (auto) or bfloat16")
     roof.add_argument("--num-threads", type=int, default=None)
     roof.set_defaults(func=cmd_roofline)

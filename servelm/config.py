@@ -30,6 +30,9 @@ INT8_ACTIVATIONS = ("auto", "off")
 # How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"
 # (e4m3) with one fp32 scale per token and KV head (servelm.models.kv_quant).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# How linear-attention layers keep their recurrent state (vLLM's --mamba-ssm-cache-dtype):
+# "auto" is float32 here.
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # How attention runs over the paged KV cache (servelm.attention): "auto" picks the C++
 # kernels on the CPU, Triton on CUDA, else the gather + SDPA reference.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cpu_sdpa", "cpu_amx", "triton")
@@ -286,8 +289,8 @@ class CacheConfig:
         help="how the KV pool stores K and V: the model dtype (auto), or int8 / fp8 (e4m3) "
              "with a scale per token and KV head (~2x the tokens of bf16 in the same "
              "--kv-cache-memory)")
-    mamba_ssm_cache_dtype: str = option(  # vLLM's flag (executor.ssm_state_dtype reads it)
-        "auto", choices=("auto", "float32", "bfloat16"),
+    mamba_ssm_cache_dtype: str = option(  # one of SSM_CACHE_DTYPES (executor.ssm_state_dtype)
+        "auto", choices=SSM_CACHE_DTYPES,
         help="how linear-attention layers (Qwen3.5, Qwen3-Next) keep their recurrent state: "
              "float32 (auto), or bfloat16 (half the bytes a sequence and a step; each new "
              "value rounded)")
@@ -319,6 +322,9 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype must be one of "
+                             f"{', '.join(SSM_CACHE_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -73,6 +73,10 @@ def test_pool_holds_about_twice_the_tokens_of_bf16_in_the_same_bytes():
 def test_unknown_kv_cache_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="int4")
+    # (The recurrent states' dtype, beside it: a keyword the CLI's choices do not check.)
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32, "
+                                         "bfloat16, got 'float16'"):
+        CacheConfig(mamba_ssm_cache_dtype="float16")
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
