@@ -24,6 +24,7 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <exception>
@@ -537,6 +538,8 @@ struct StackLayer {
   int64_t conv_dim() const { return 2 * Hk * Dk + H * Dv; }
   at::Tensor conv_state, ssm_state, conv_weight, norm_weight;
   std::vector<float> A_log, dt_bias;
+  // Its linears in Linear order (the extra one absent: N = 0).
+  std::array<QLinear*, kLinears> linears() { return {&qkv, &o, &gu, &down, &extra}; }
   const c10::BFloat16* norm(NormSlot k) const {
     return norms[k].defined() ? norms[k].data_ptr<c10::BFloat16>() : nullptr;
   }
@@ -691,7 +694,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(l == 0 || s.gu.N == layers_[0].gu.N, "DecodeStack: every layer must have the same MLP width");
       TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
                   "DecodeStack: every attention layer must have the same head dim");
-      QLinear* lins[kLinears] = {&s.qkv, &s.o, &s.gu, &s.down, &s.extra};
+      const auto lins = s.linears();
       for (int k = 0; k < kLinears; ++k) {
         const at::Tensor& b = biases[kLinears * l + k];
         if (!b.numel()) continue;
@@ -702,9 +705,9 @@ class DecodeStack : public torch::CustomClassHolder {
         s.bias[k].assign(bf.data_ptr<float>(), bf.data_ptr<float>() + lins[k]->N);
       }
       layers_.push_back(std::move(s));
-      StackLayer& sl = layers_.back();
-      QLinear* kept[kLinears] = {&sl.qkv, &sl.o, &sl.gu, &sl.down, &sl.extra};
-      for (int k = 0; k < kLinears; ++k) kept[k]->bias = sl.bias[k].empty() ? nullptr : sl.bias[k].data();
+      StackLayer& kept = layers_.back();  // (the biases' copies moved with it)
+      for (int k = 0; k < kLinears; ++k)
+        kept.linears()[k]->bias = kept.bias[k].empty() ? nullptr : kept.bias[k].data();
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
     TORCH_CHECK(attn0_ >= 0, "DecodeStack: at least one layer must be an attention layer");
@@ -802,8 +805,7 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack.bind_lora: layer ", layer, " linear ", linear, " is not one of ", num_layers(),
                 " layers' ", static_cast<int64_t>(kLinears), " linears");
     StackLayer& s = layers_[layer];
-    const QLinear& q = linear == kQkv ? s.qkv : linear == kO ? s.o : linear == kGateUp ? s.gu
-                       : linear == kDown ? s.down : s.extra;
+    const QLinear& q = *s.linears()[linear];
     TORCH_CHECK(q.present(), "DecodeStack.bind_lora: layer ", layer, " has no linear ", linear);
     auto L = lora::make_adapter<c10::BFloat16>(lora_a, lora_b, bounds, q.N, q.K, "DecodeStack.bind_lora");
     TORCH_CHECK(lora_slots_ == 0 || L.S == lora_slots_, "DecodeStack.bind_lora: every adapted linear needs the "

@@ -227,11 +227,9 @@ __attribute__((noinline)) void head_out(ST* st, const float* a, const float* gb,
     for (; j < Dv; j += 16) {
       const int64_t n = std::min<int64_t>(16, Dv - j);
       const __mmask16 m = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-      auto load = [m](const c10::BFloat16* p) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-      };
-      const __m512 hn = round_bf16(mul_rn(load(nw + j), round_bf16(mul_rn(_mm512_maskz_loadu_ps(m, core + j), iv))));
-      _mm256_mask_storeu_epi16(orow + j, m, (__m256i)_mm512_cvtneps_pbh(mul_rn(hn, silu16(load(zr + j)))));
+      const __m512 hn = round_bf16(mul_rn(load_state(nw + j, m),
+                                          round_bf16(mul_rn(_mm512_maskz_loadu_ps(m, core + j), iv))));
+      _mm256_mask_storeu_epi16(orow + j, m, (__m256i)_mm512_cvtneps_pbh(mul_rn(hn, silu16(load_state(zr + j, m)))));
     }
   }
 #endif

@@ -197,40 +197,49 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name)
               name, ": weight must be contiguous [N] of x's dtype");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, weight, "rms_norm");
+// y [T, N] from x's rows, split over threads ~32K elements a task: rows(yp, t0, t1) fills rows
+// [t0, t1) of y (yp: y's data as x's scalar type); a row's result does not depend on the thread.
+template <typename Rows>
+at::Tensor norm_rows(const at::Tensor& x, const char* name, const Rows& rows) {
   auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
-  SERVELM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
+  const int64_t T_ = x.size(0), N = x.size(1);
+  SERVELM_DISPATCH(x.scalar_type(), name, [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) rms_row<scalar_t>(xp + t * xs, wp, yp + t * N, N, (float)eps);
-    });
+    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)),
+                     [&](int64_t t0, int64_t t1) { rows(yp, t0, t1); });
   });
   return y;
+}
+
+void check_residual(const at::Tensor& x, const at::Tensor& residual, const char* name) {
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              name, ": residual must be contiguous, shaped and typed like x");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  const int64_t N = x.size(1), xs = x.stride(0);
+  return norm_rows(x, "rms_norm", [&](auto* yp, int64_t t0, int64_t t1) {
+    using T = std::remove_pointer_t<decltype(yp)>;
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    for (int64_t t = t0; t < t1; ++t) rms_row<T>(xp + t * xs, wp, yp + t * N, N, (float)eps);
+  });
 }
 
 at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                               double eps) {
   check_rows(x, weight, "fused_add_rms_norm");
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
-                  residual.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm: residual must be contiguous, shaped and typed like x");
-  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
-  SERVELM_DISPATCH(x.scalar_type(), "fused_add_rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t)
-        add_rms_row<scalar_t>(xp + t * xs, rp + t * N, wp, yp + t * N, N, (float)eps);
-    });
+  check_residual(x, residual, "fused_add_rms_norm");
+  const int64_t N = x.size(1), xs = x.stride(0);
+  return norm_rows(x, "fused_add_rms_norm", [&](auto* yp, int64_t t0, int64_t t1) {
+    using T = std::remove_pointer_t<decltype(yp)>;
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    for (int64_t t = t0; t < t1; ++t) add_rms_row<T>(xp + t * xs, rp + t * N, wp, yp + t * N, N, (float)eps);
   });
-  return y;
 }
 
 // ---- LayerNorm --------------------------------------------------------------------------------
@@ -244,41 +253,30 @@ void check_ln_bias(const at::Tensor& x, const OptTensor& bias, const char* name)
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, double eps) {
   check_rows(x, weight, "layer_norm");
   check_ln_bias(x, bias, "layer_norm");
-  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
-  SERVELM_DISPATCH(x.scalar_type(), "layer_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) ln_row<scalar_t>(xp + t * xs, wp, bp, yp + t * N, N, (float)eps);
-    });
+  const int64_t N = x.size(1), xs = x.stride(0);
+  return norm_rows(x, "layer_norm", [&](auto* yp, int64_t t0, int64_t t1) {
+    using T = std::remove_pointer_t<decltype(yp)>;
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+    for (int64_t t = t0; t < t1; ++t) ln_row<T>(xp + t * xs, wp, bp, yp + t * N, N, (float)eps);
   });
-  return y;
 }
 
 at::Tensor fused_add_layer_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                 const OptTensor& bias, double eps) {
   check_rows(x, weight, "fused_add_layer_norm");
   check_ln_bias(x, bias, "fused_add_layer_norm");
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
-                  residual.scalar_type() == x.scalar_type(),
-              "fused_add_layer_norm: residual must be contiguous, shaped and typed like x");
-  auto y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t T_ = x.size(0), N = x.size(1), xs = x.stride(0);
-  SERVELM_DISPATCH(x.scalar_type(), "fused_add_layer_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t)
-        add_ln_row<scalar_t>(xp + t * xs, rp + t * N, wp, bp, yp + t * N, N, (float)eps);
-    });
+  check_residual(x, residual, "fused_add_layer_norm");
+  const int64_t N = x.size(1), xs = x.stride(0);
+  return norm_rows(x, "fused_add_layer_norm", [&](auto* yp, int64_t t0, int64_t t1) {
+    using T = std::remove_pointer_t<decltype(yp)>;
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+    T* rp = residual.data_ptr<T>();
+    for (int64_t t = t0; t < t1; ++t) add_ln_row<T>(xp + t * xs, rp + t * N, wp, bp, yp + t * N, N, (float)eps);
   });
-  return y;
 }
 
 // ---- rotary + KV cache write ------------------------------------------------------------------
