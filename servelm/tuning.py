@@ -1172,7 +1172,7 @@ def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set
     if not (kcfg.fused_decode and kcfg.cpu_kernels and act == torch.bfloat16
             and isinstance(model, CausalLM) and decode_stack.unsupported_reason(model) is None):
         return None
-    return {id(m) for layer in model.layers for m in layer.linears()}
+    return {id(m) for layer in model.layers for m in layer.linears() if m is not None}
 
 
 @torch.inference_mode()

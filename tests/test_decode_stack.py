@@ -5,10 +5,10 @@ embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a lay
 rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries), OLMo 3
 and EXAONE 4 (norms after attention and the MLP alone; OLMo's q / k norms over the whole
 projection), StableLM and Cohere (LayerNorms; Cohere's attention and MLP in parallel) and
-Llama,
-each against the per-op kernel path on tiny
-random models, int4 and bf16 weights, contexts short of and past the window. A family it
-cannot describe (routed experts) runs op by op and says why.
+Llama, and routed experts (Qwen3-MoE; gpt-oss with its attention sinks), each against the
+per-op kernel path on tiny random models, int4 and bf16 weights (int4 and MXFP4 experts),
+contexts short of and past the window. A family it cannot describe (bf16 or shared experts)
+runs op by op and says why.
 
 Bit for bit: the per-op path's q/k norms run the same row kernel as the stack's (a head a
 row).
@@ -158,12 +158,78 @@ def test_the_description_carries_each_layer_option():
     assert decode_stack.describe(_model("gemma3", "int4")).attn_softcap == 0.0
 
 
+MOE_FAMILIES = {
+    # Softmax routing renormalised over the chosen experts, q / k norms.
+    "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", family="qwen3_moe", qk_norm=True,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    # A router with a bias, experts with biases and the clamped SwiGLU, attention sinks, q/k/v/o
+    # biases, sliding and full layers.
+    "gpt_oss": dict(architecture="GptOssForCausalLM", family="gpt_oss", num_experts=8,
+                    num_experts_per_tok=3, moe_intermediate_size=64, attention_bias=True,
+                    attention_out_bias=True, sliding_window=WINDOW,
+                    layer_types=(SLIDING, FULL, SLIDING),
+                    extra={"attention_sinks": True, "router_bias": True, "expert_bias": True,
+                           "swiglu_limit": 0.3, "swiglu_alpha": 1.702}),
+}
+
+
+def _moe_model(family: str, fmt: str) -> CausalLM:
+    """A tiny random MoE model: int4 weights, its experts int4 or MXFP4 (random codes and
+    exponents, as a checkpoint's); the fused experts' op (hence the stack) for steps of up
+    to 64 rows."""
+    from servelm.quantization.mxfp4 import MXFP4Weight
+
+    model = random_bf16_model(ModelConfig(**{**BASE, **MOE_FAMILIES[family]}))
+    g = torch.Generator().manual_seed(3)
+    for layer in model.layers if fmt == "mxfp4" else ():
+        mlp = layer.mlp
+        mlp.to_mxfp4()
+        for which in ("gate_up", "down"):
+            w = getattr(mlp, f"experts_{which}")
+            shape = (w.shape[0], mlp._out_features(f"experts_{which}"), w.shape[2])
+            mlp.load_mxfp4(which, "all", MXFP4Weight(
+                torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, generator=g),
+                torch.randint(118, 126, shape, dtype=torch.uint8, generator=g), "gguf"))
+    Q.quantize_model(model.layers, "int4")
+    model.moe_fused_rows = 64
+    model.select_ops(True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
+    """A MoE layer's router (servelm_q8act.moe_route's) and routed experts (the fused op's
+    phases) on the stack, with gpt-oss's sinks, biases and clamped SwiGLU: the per-op path's
+    bits, for steps up to the fused op's rows (larger ones run op by op)."""
+    model = _moe_model(family, fmt)
+    assert model.layers[0].mlp.expert_format == fmt
+    d = decode_stack.describe(model)
+    assert all(x.routed_experts and x.sinks == (family == "gpt_oss") for x in d.layers)
+    for lens in LENS:
+        batch, data, caches = _setup(model.config, lens)
+        (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+        assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+    assert max(hi for _, hi in model.decode_stack_ranges()) == 64
+    model.moe_fused_rows = 4
+    model.select_ops(True)
+    assert model.bind_decode_layers(caches)
+    assert max(hi for _, hi in model.decode_stack_ranges()) == 4
+
+
 def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):
+    """Routed experts the stack does not run (bf16 ones; a shared expert beside them) keep the
+    model op by op, and it says why."""
     monkeypatch.setattr(decode_stack, "_logged", set())  # said once a process: not yet here
     cfg = ModelConfig(**{**BASE, "architecture": "Qwen3MoeForCausalLM", "family": "qwen3_moe",
                          "qk_norm": True, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 32})
     torch.manual_seed(0)
+    shared = random_bf16_model(dataclasses.replace(cfg, shared_expert_intermediate_size=32))
+    Q.quantize_model(shared.layers, "int4")
+    shared.select_ops(True)
+    assert decode_stack.describe(shared).endswith(
+        "it has a shared expert beside the routed ones (routed experts run op by op)")
     model = CausalLM(cfg, max_positions=cfg.max_position_embeddings).to(torch.bfloat16)
     reason = decode_stack.describe(model)
     assert isinstance(reason, str) and "layer 0" in reason and "experts" in reason

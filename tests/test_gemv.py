@@ -345,3 +345,39 @@ def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
     assert tune_fused_experts(model) is (not chosen)
     assert all(m._fused_rows == 5 for m in model)
     assert tune_fused_experts(nn.ModuleList([_moe("silu", torch.float32)])) is None
+
+
+@pytest.mark.skipif(not lm.q8act.available(), reason="needs the q8act kernel (AVX2, F16C)")
+@pytest.mark.parametrize("options", [dict(), dict(router_bias=True), dict(norm_topk_prob=False),
+                                     dict(routed_scaling=2.5)],
+                         ids=["renormalised", "bias", "softmax", "scaled"])
+def test_moe_route_op_chooses_and_weighs_as_the_router(options):
+    """servelm_q8act.moe_route (the decode steps' router, the DecodeStack's too): per token the
+    router's top-k experts, weights renormalised or not, times the routed scaling, rounded
+    to bf16; against SparseMoE's softmax router (bf16 logits from its own matmul: at most an
+    ulp apart, ties in any order). A token routed by the layer on a few rows takes it."""
+    moe = _moe("silu", torch.bfloat16, **options)
+    if options.get("router_bias"):
+        with torch.no_grad():
+            moe.gate.bias.normal_(0, 1.0)  # enough to change which experts win
+    x = torch.randn(40, 64).bfloat16()
+    want_w, want_ids = moe.route(x)
+    w, ids = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, moe.gate.bias, 3,
+                                               moe.norm_topk_prob, moe.routed_scaling)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (40, 3)
+    assert torch.equal(w, w.bfloat16().float())  # bf16 values
+    for t in range(40):  # the same experts, each with its weight (to an ulp)
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
+        assert got.keys() == ref.keys()
+        for e in got:
+            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+    if "norm_topk_prob" not in options and "routed_scaling" not in options:
+        torch.testing.assert_close(w.sum(-1), torch.ones(40), rtol=0.02, atol=0.02)
+    moe.select(True)  # a few rows: the fused op routes with it
+    assert moe._route_op is not None
+    with pytest.raises(RuntimeError, match="top_k"):
+        torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 9, True, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.servelm_q8act.moe_route(x[:, :56], moe.gate.weight[:, :56].contiguous(),
+                                          None, 3, True, 1.0)

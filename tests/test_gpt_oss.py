@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import (add_gguf_metadata, assert_chunks_cache_and_preemption_keep_tokens,
+                     assert_stack_decodes_as_per_op,
                      assert_matches_reference, assert_reference_greedy,
                      assert_tensor_parallel_matches,
                      gguf_tokenizer_metadata, prompt_logits, tiny_hf_checkpoint)
@@ -74,15 +75,23 @@ def test_config_reads_gpt_oss_keys(gpt_oss):
                          "swiglu_limit": LIMIT, "swiglu_alpha": 1.702}
 
 
-def test_decode_steps_run_op_by_op(gpt_oss):
-    """The whole-step DecodeStack declines the routed experts (before it reaches the sinks):
-    gpt-oss decodes op by op."""
+def test_decode_steps_run_on_the_stack(gpt_oss):
+    """With int4 weights on the kernels the whole-step DecodeStack takes gpt-oss's layers (the
+    sinks, the biased router, the clamped, biased int4 experts): one stream's decode tokens and
+    logprobs are the per-op path's; unquantised experts it declines, saying so."""
     from servelm.models import decode_stack
     from servelm.models.decoder import CausalLM
 
     model = CausalLM(ModelConfig.from_hf_dir(gpt_oss[0]), max_positions=64)
     got = decode_stack.describe(model)
-    assert isinstance(got, str) and got.endswith("its MLP is SparseMoE (routed experts run op by op)")
+    assert isinstance(got, str) and got.endswith("(routed experts run op by op)")
+    if not (load_ops("q8act") and decode_stack.available()):
+        return
+    llm = LLM(model=gpt_oss[0], **{**KW, "dtype": "bfloat16"}, quantization="int4",
+              enable_prefix_caching=False)
+    assert llm.engine.executor.model.fused_decode
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    assert_stack_decodes_as_per_op(llm, [_ids(llm, PROMPTS[0])], sp)
 
 
 def test_eager_fp32_matches_transformers(gpt_oss):
@@ -407,6 +416,12 @@ def test_mxfp4_checkpoint_and_its_gguf_load_as_transformers(gpt_oss, gguf_path, 
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
     outs = fast.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    from servelm.models import decode_stack
+
+    if decode_stack.available():  # one stream's decode steps on the stack, its MXFP4 experts
+        assert fast.engine.executor.model.fused_decode
+        assert_stack_decodes_as_per_op(fast, prompts[:1], SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logprobs=2))
 
 
 def _experts(llm) -> str | None:

@@ -18,13 +18,16 @@ head's or over the whole projection, OLMo 2's), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
 sliding window per layer, layers without rotary (NoPE: SmolLM3), queries scaled by their
 position after the rotary (Ministral 3; run_tokens, which has the positions), any softmax scale,
-soft-capped scores (Gemma 2), SiLU, tanh-GELU or GELU, gated or plain MLPs (Starcoder2, Phi,
+soft-capped scores (Gemma 2), attention sinks (gpt-oss), SiLU, tanh-GELU or GELU, gated or plain MLPs (Starcoder2, Phi,
 GPT-NeoX), a bias on any linear, an embedding scale, and each branch's
 output scaled before the residual add (Granite's residual multiplier); attention's output
 gated by sigmoid(attn_gate(x)), and gated DeltaNet layers over each sequence's recurrent
-state in attention's place (Qwen3.5: set_state_rows before each run).
-What it does not cover (routed experts, tensor-parallel layers that all-reduce, a linear
-layer that does not run on the C++ int4 / int8 / bf16 kernels) keeps the model op by op.
+state in attention's place (Qwen3.5: set_state_rows before each run); and routed experts in
+a layer's MLP place (SparseMoE with int4 or MXFP4 experts and the softmax router, no shared
+expert: bind_moe; steps of at most the fused op's rows, larger ones read each expert once, op
+by op). What it does not cover (other routers or expert formats, shared experts,
+tensor-parallel layers that all-reduce, a linear layer that does not run on the C++ int4 /
+int8 / bf16 kernels) keeps the model op by op.
 An adapted linear (servelm.layers.lora.LoRALinear) runs its base on those kernels and its
 adapters' deltas after it (bind_lora), for the rows of the step whose slot the model's
 LoRAStep gives (set_lora_rows, before each run).
@@ -74,11 +77,18 @@ class LayerOption(enum.IntEnum):
     LINEAR_KEY_DIM = 6
     LINEAR_VALUE_DIM = 7
     CONV_KERNEL = 8
+    MLP_KIND = 9  # an MlpKind
+    SINKS = 10  # 1: its attention has sinks, a logit per query head in the softmax (bind_sinks)
 
 
 class LayerKind(enum.IntEnum):
     ATTENTION = 0
     LINEAR_ATTENTION = 1  # a gated DeltaNet over each sequence's recurrent state (Qwen3.5)
+
+
+class MlpKind(enum.IntEnum):
+    DENSE = 0
+    ROUTED_EXPERTS = 1  # a router and int4 / MXFP4 experts (bind_moe), no MLP linears
 
 
 class ModelOption(enum.IntEnum):
@@ -126,6 +136,8 @@ class LayerDescription:
     # A linear-attention layer's (key heads, value heads, key dim, value dim, conv kernel);
     # None: an attention layer.
     linear: tuple[int, int, int, int, int] | None = None
+    routed_experts: bool = False  # its MLP is routed experts (SparseMoE: bind_moe)
+    sinks: bool = False  # its attention has sinks (gpt-oss: bind_sinks)
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,9 @@ class StackDescription:
                 (opts[LayerOption.LINEAR_KEY_HEADS], opts[LayerOption.LINEAR_VALUE_HEADS],
                  opts[LayerOption.LINEAR_KEY_DIM], opts[LayerOption.LINEAR_VALUE_DIM],
                  opts[LayerOption.CONV_KERNEL]) = layer.linear
+            opts[LayerOption.MLP_KIND] = (MlpKind.ROUTED_EXPERTS if layer.routed_experts
+                                          else MlpKind.DENSE)
+            opts[LayerOption.SINKS] = int(layer.sinks)
             out += opts
         return out
 
@@ -211,6 +226,7 @@ def describe_layer(layer) -> LayerDescription | str:
     from servelm.layers.stack import base_linear
     from servelm.models.layers import MLP, Attention, GatedMLP, LayerNorm, NoNorm, RMSNorm
     from servelm.models.linear_attention import GatedDeltaNet
+    from servelm.models.moe import SparseMoE
 
     linear = getattr(layer, "linear", False)
     attn, mlp = (None if linear else layer.self_attn), layer.mlp
@@ -218,11 +234,18 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its attention is {type(attn).__name__}, not the plain Attention"
     if linear and type(layer.linear_attn) is not GatedDeltaNet:
         return f"its linear attention is {type(layer.linear_attn).__name__}, not the plain GatedDeltaNet"
-    if type(mlp) not in (GatedMLP, MLP):
+    routed = type(mlp) is SparseMoE
+    if routed:
+        why = mlp.decode_stack_args()
+        if isinstance(why, str):
+            return f"{why} (routed experts run op by op)"
+        if getattr(layer, "parallel", False):
+            return "its routed experts run in parallel with attention"
+    elif type(mlp) not in (GatedMLP, MLP):
         return (f"its MLP is {type(mlp).__name__} (routed experts run op by op)"
                 if hasattr(mlp, "experts_gate_up") or "MoE" in type(mlp).__name__
                 else f"its MLP is {type(mlp).__name__}, not a GatedMLP or MLP")
-    if mlp.act not in _ACTIVATIONS:
+    if not routed and mlp.act not in _ACTIVATIONS:
         return f"its MLP activation {mlp.act!r} is none of {sorted(_ACTIVATIONS)}"
     if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
         return "it has one sandwich norm without the other"
@@ -232,8 +255,6 @@ def describe_layer(layer) -> LayerDescription | str:
                                               or layer.residual_scale != 1.0):
         return "its attention and MLP run in parallel, with output norms or scales"
     if not linear:
-        if getattr(attn, "sinks", None) is not None:
-            return "its attention has sinks (a logit per head in the softmax)"
         if attn.q_scale_beta and attn.q_scale_offset:
             return "its queries are scaled by their position (attention temperature)"
         if attn.chunk:
@@ -271,18 +292,19 @@ def describe_layer(layer) -> LayerDescription | str:
         return LayerDescription(qk_norm=False, sandwich_norms=False, qkv_bias=False, window=0,
                                 local_rotary=False, kv_group=layer.kv_group,
                                 linear=(la.num_k_heads, la.num_v_heads, la.head_k_dim,
-                                        la.head_v_dim, la.kernel))
+                                        la.head_v_dim, la.kernel), routed_experts=routed)
     return LayerDescription(qk_norm=attn.q_norm is not None,
                             sandwich_norms=layer.attn_out_norm is not None,
                             qkv_bias=base_linear(attn.qkv_proj).bias is not None,
                             window=attn.window or 0, local_rotary=bool(layer.local_rotary),
                             kv_group=layer.kv_group, rope=bool(attn.rope),
-                            output_gate=attn.attn_gate is not None)
+                            output_gate=attn.attn_gate is not None, routed_experts=routed,
+                            sinks=getattr(attn, "sinks", None) is not None)
 
 
 def describe(model) -> StackDescription | str:
     """The model as the stack takes it, or why it cannot (the first layer's reason)."""
-    from servelm.models.layers import LayerNorm
+    from servelm.models.layers import MLP, LayerNorm
 
     cfg = model.config
     layers = []
@@ -295,13 +317,15 @@ def describe(model) -> StackDescription | str:
     if first is None:
         return "it has no attention layer"
     attn = model.layers[first].self_attn
+    dense = next((layer.mlp for layer, d in zip(model.layers, layers) if not d.routed_experts), None)
     for i, layer in enumerate(model.layers):
         a = attn if layer.linear else layer.self_attn
         if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
             return f"layer {i}: its heads, softmax scale or soft-cap differ from layer {first}'s"
-        if (layer.mlp.act, type(layer.mlp)) != (model.layers[0].mlp.act, type(model.layers[0].mlp)):
-            return f"layer {i}: its MLP's kind or activation differs from layer 0's"
+        if not layers[i].routed_experts and dense is not None and (
+                (layer.mlp.act, type(layer.mlp)) != (dense.act, type(dense))):
+            return f"layer {i}: its MLP's kind or activation differs from the first dense one's"
         if layer.residual_scale != model.layers[0].residual_scale:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
@@ -322,12 +346,13 @@ def describe(model) -> StackDescription | str:
         return "a layer takes the sliding layers' rotary table, which the model lacks"
     return StackDescription(
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-        rotary_dim=rotary_dim, activation=_ACTIVATIONS[model.layers[0].mlp.act],
+        rotary_dim=rotary_dim,
+        activation=_ACTIVATIONS[dense.act] if dense is not None else Activation.SILU,
         eps=(model.layers[0].attn_out_norm if not pre_norms else model.layers[0].input_layernorm).eps,
         scale=attn.scale, pre_norms=pre_norms, qk_norm_whole=bool(attn.qk_norm_whole),
         layer_norm=isinstance(model.layers[0].input_layernorm, LayerNorm),
         parallel=bool(getattr(model.layers[0], "parallel", False)),
-        plain_mlp=not hasattr(model.layers[0].mlp, "gate_up_proj"),
+        plain_mlp=type(dense) is MLP,
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
         residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
         q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
@@ -342,16 +367,17 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     d = describe_layer(layer)
     if isinstance(d, str):
         return d
-    linears = layer.linears()  # qkv (or in_proj_qkvz), o (out_proj), gate_up (up), down[, extra]
+    # qkv (or in_proj_qkvz), o (out_proj), gate_up (up), down (None, None: routed experts)[, extra]
+    linears = layer.linears()
     mlp = ("gate_up_proj", "down_proj") if hasattr(layer.mlp, "gate_up_proj") else ("c_fc", "c_proj")
     names = (("in_proj_qkvz", "out_proj", *mlp, "in_proj_ba")
              if layer.linear else ("qkv_proj", "o_proj", *mlp, "attn_gate"))
-    parts = [kernel_weights(m, rows) for m in linears]
+    parts = [([], int(StackFormat.NONE)) if m is None else kernel_weights(m, rows) for m in linears]
     for name, p in zip(names, parts):
         if p is None:
             return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
     none = torch.empty(0)
-    biases = [getattr(base_linear(m), "bias", None) for m in linears]
+    biases = [None if m is None else getattr(base_linear(m), "bias", None) for m in linears]
     biases = [none if b is None else b for b in biases] + [none] * (len(names) - len(linears))
     if len(parts) < len(names):  # no extra linear
         parts.append(([], int(StackFormat.NONE)))
@@ -377,7 +403,8 @@ def build(description: StackDescription, parts: list[tuple], kv_caches: list[tup
           model=None):
     """A DecodeStack of these layers (layer_args of each) over their KV caches (a
     linear-attention layer's: its recurrent states, bound with the model's layer's
-    parameters: bind_linear_attention)."""
+    parameters: bind_linear_attention; a MoE layer's router and experts: bind_moe; sinks:
+    bind_sinks)."""
     none = torch.empty(0, dtype=torch.bfloat16)
     linear = [d.linear is not None for d in description.layers]
     stack = torch.classes.servelm_stack.DecodeStack(
@@ -391,6 +418,11 @@ def build(description: StackDescription, parts: list[tuple], kv_caches: list[tup
             la = model.layers[i].linear_attn
             stack.bind_linear_attention(i, *kv_caches[i], la.conv_weight, la.A_log, la.dt_bias,
                                         la.norm_weight)
+    for i, d in enumerate(description.layers):
+        if d.routed_experts:
+            stack.bind_moe(i, *model.layers[i].mlp.decode_stack_args())
+        if d.sinks:
+            stack.bind_sinks(i, model.layers[i].self_attn.sinks.detach())
     return stack
 
 
@@ -403,7 +435,7 @@ def bind_lora(stack, model) -> int:
     n = 0
     for i, layer in enumerate(model.layers):
         for j, m in enumerate(layer.linears()):
-            if isinstance(m, LoRALinear):
+            if isinstance(m, LoRALinear):  # (None: a MoE layer's absent MLP linears)
                 stack.bind_lora(i, j, m.lora_a, m.lora_b, list(m.bounds))
                 n += 1
     return n
@@ -483,7 +515,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     if reason is not None:
         return _not_used(reason)
     desc = describe(model)
-    linears = [base_linear(m) for layer in model.layers for m in layer.linears()]
+    linears = [base_linear(m) for layer in model.layers for m in layer.linears() if m is not None]
     # Per bucket, the module every linear layer runs a call of that many rows on.
     used = [[id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
             for rows in BUCKET_ROWS]
@@ -500,6 +532,10 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     if any(d.local_rotary for d in desc.layers):
         r = model.rotary_local
         local = r.cos.to(bf16).contiguous(), r.sin.to(bf16).contiguous()
+    # Routed experts run on the stack for the steps the fused op takes (SparseMoE._fused_rows,
+    # measured by tune_fused_experts); larger steps read each expert once, op by op.
+    moe_rows = min((layer.mlp._fused_rows for layer, d in zip(model.layers, desc.layers)
+                    if d.routed_experts), default=1 << 30)
     reasons, adapted = [], 0
     for group in groups:
         parts = [layer_args(layer, BUCKET_ROWS[group[0]]) for layer in model.layers]
@@ -516,7 +552,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if local is not None:
             stack.bind_local_rotary(*local)
         lo, hi = bucket_row_range(group[0])[0], bucket_row_range(group[-1])[1]
-        hi = min(hi, stack.max_rows())
+        hi = min(hi, stack.max_rows(), moe_rows)
         if lo <= hi:
             model._decode_stacks.append((lo, hi, stack))
     if not model._decode_stacks:

@@ -175,10 +175,12 @@ class DecoderLayer(nn.Module):
     def linears(self) -> tuple[nn.Module, ...]:
         """qkv, o, gate_up, down and the attention's output gate where it has one; a
         linear-attention layer's in_proj_qkvz, out_proj, gate_up, down, in_proj_ba: the order
-        the DecodeStack takes them."""
+        the DecodeStack takes them. A layer whose MLP is routed experts has None for gate_up
+        and down."""
         mlp = self.mlp
         up, down = ((mlp.gate_up_proj, mlp.down_proj) if hasattr(mlp, "gate_up_proj")
-                    else (mlp.c_fc, mlp.c_proj))  # a non-gated MLP's
+                    else (mlp.c_fc, mlp.c_proj) if hasattr(mlp, "c_fc")  # a non-gated MLP's
+                    else (None, None))  # routed experts: no MLP linears
         if self.linear:
             la = self.linear_attn
             return (la.in_proj_qkvz, la.out_proj, up, down, la.in_proj_ba)

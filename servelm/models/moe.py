@@ -319,6 +319,59 @@ class SparseMoE(OpModule):
                     _fused_call, torch.ops.servelm_gemv.moe_experts.default, code, *biases,
                     limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
+        # Its router for those steps: one C++ call (moe_route, the DecodeStack's routing too)
+        # where it is the plain softmax one over bf16 weights.
+        self._route_op = None
+        g = self._router_weight()
+        if (self._fused is not None and o["router_scoring"] == "softmax"
+                and not o["router_input_norm"] and not o["per_expert_scale"]
+                and g is not None and g.dtype == act == torch.bfloat16 and o["hidden"] % 16 == 0
+                and q8act.available() and hasattr(torch.ops.servelm_q8act, "moe_route")):
+            bias = None if self.gate.bias is None else self.gate.bias.detach().float().contiguous()
+            self._route_op = functools.partial(
+                torch.ops.servelm_q8act.moe_route.default, weight=g.contiguous(),
+                bias=bias, top_k=self.top_k, norm=self.norm_topk_prob,
+                scale=float(self.routed_scaling))
+
+    def _router_weight(self) -> torch.Tensor | None:
+        """The router's weight [E, hidden] as it holds it: an nn.Linear's, or the same values
+        out of a bf16 TiledLinear's tiles (the kernels' bf16 layers); None for others."""
+        from servelm.quantization.formats import TiledLinear
+
+        if isinstance(self.gate, nn.Linear):
+            return self.gate.weight.detach()
+        if isinstance(self.gate, TiledLinear) and self.gate.dtype == torch.bfloat16:
+            return self.gate.dequantize(torch.bfloat16)
+        return None
+
+    def decode_stack_args(self) -> tuple | str:
+        """What DecodeStack.bind_moe takes of this layer (its router, top k, renormalisation
+        and scale; its experts' format code (0 int4, 1 MXFP4), panels, scales, mins,
+        activation code, biases, limit and alpha), or why the stack cannot run it (a short
+        reason): it runs what the fused op and moe_route run, int4 or MXFP4 experts without
+        a shared expert."""
+        o = self.options
+        if self._fused is None or self.expert_format not in ("int4", "mxfp4"):
+            return ("its routed experts are not int4 or MXFP4 ones on the fused C++ op "
+                    f"({self.expert_format or self.act_dtype})")
+        if self._route_op is None:
+            return "its router is not the plain softmax one over bfloat16 weights"
+        if self.shared_expert is not None:
+            return "it has a shared expert beside the routed ones"
+        clamped = o["swiglu_limit"] is not None
+        mx = self.expert_format == "mxfp4"
+        r = self._route_op.keywords
+        gbias = dbias = None
+        if o["expert_bias"]:
+            gbias = self.experts_gate_up_bias.detach().float().contiguous()
+            dbias = self.experts_down_bias.detach().float().contiguous()
+        return (r["weight"], r["bias"], self.top_k, self.norm_topk_prob, float(self.routed_scaling),
+                int(mx), self.experts_gate_up, self.experts_gate_up_scale,
+                None if mx else self.experts_gate_up_min, self.experts_down,
+                self.experts_down_scale, None if mx else self.experts_down_min,
+                3 if clamped else _ACT_CODES[o["act"]], gbias, dbias,
+                float(o["swiglu_limit"]) if clamped else 0.0,
+                float(o["swiglu_alpha"]) if clamped else 1.0)
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's
@@ -383,11 +436,13 @@ class SparseMoE(OpModule):
         expert at a time) and the shared expert. route: the router's input where it is
         not x (Gemma 4)."""
         T, k = x.shape[0], self.top_k
-        weights, ids = self.route(x if route is None else route)
         if self._fused is not None and T <= self._fused_rows:
-            routed = self._fused(x.contiguous(), ids, weights, self.experts_gate_up,
-                                 self.experts_down)
+            x = x.contiguous()
+            weights, ids = (self._route_op(x) if self._route_op is not None
+                            else self.route(x if route is None else route))
+            routed = self._fused(x, ids, weights, self.experts_gate_up, self.experts_down)
             return self._with_shared(routed, x)
+        weights, ids = self.route(x if route is None else route)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

@@ -751,6 +751,8 @@ class DecodeAttention {
   // Another layer's caches (same shape and block tables): the plan stays, as it depends
   // only on the lengths.
   void set_caches(const PagedKV<C>& kv) { kv_ = kv; }
+  // A layer's sinks (AttnOptions::sinks), for a DecodeStack whose layers share this plan.
+  void set_sinks(const float* sinks) { opt_.sinks = sinks; }
   int64_t items() const { return items_; }
   int64_t work() const { return work_; }  // cached tokens x KV heads, over all sequences
   // The sequence b and its tokens [t0, t1) that item `it` attends to (t0 >= t1: none).

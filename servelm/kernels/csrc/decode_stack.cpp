@@ -5,7 +5,8 @@
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
 // a sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), a SiLU, tanh-GELU or
 // GELU MLP, gated or plain, a bias on any linear, attention's output gate, gated DeltaNet layers
-// (Qwen3.5), an embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
+// (Qwen3.5), attention sinks and routed experts (gpt-oss, Qwen3-MoE: int4 or MXFP4 experts
+// in q8act's panels, moe_kernel.h, as servelm_q8act's fused ops run them), an embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
 // of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
 // adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
 // its row steps row_kernels.h's (the servelm_ops operators'), its attention
@@ -44,6 +45,7 @@
 #include "row_kernels.h"
 #include "lora_kernels.h"      // LoRA deltas, as servelm_ops.lora_add runs them
 #include "delta_rule_kernel.h"  // linear-attention layers, as servelm_delta_rule.decode runs them
+#include "moe_kernel.h"        // routed experts, as servelm_q8act.moe_route / moe_experts run them
 
 namespace {
 
@@ -62,12 +64,17 @@ enum LayerOption : int64_t {
   // A linear-attention layer's shape (gated DeltaNet): key heads, value heads, their sizes, and
   // its convolution's kernel (0 for an attention layer).
   kLinearKeyHeads, kLinearValueHeads, kLinearKeyDim, kLinearValueDim, kConvKernel,
+  kMlpKind,  // an MlpKind
+  kSinks,    // 1: its attention has sinks, a logit per query head in the softmax (bind_sinks)
   kLayerOptions
 };
 // What mixes a layer's tokens: attention over its KV cache, or a gated DeltaNet over each
 // sequence's recurrent state (Qwen3.5: in_proj_qkvz in the qkv linear's place, in_proj_ba the
 // extra linear, out_proj o's; its state and parameters bound by bind_linear_attention).
 enum LayerKind : int64_t { kAttentionLayer, kLinearAttentionLayer };
+// What a layer's MLP is: the dense one (gate_up and down linears), or routed experts (no MLP
+// linears: a router and experts in q8act's panels, bound by bind_moe).
+enum MlpKind : int64_t { kDenseMlp, kRoutedExperts };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
                               kQkNormWhole, kLayerNorm, kParallel,
@@ -538,6 +545,27 @@ struct StackLayer {
   int64_t conv_dim() const { return 2 * Hk * Dk + H * Dv; }
   at::Tensor conv_state, ssm_state, conv_weight, norm_weight;
   std::vector<float> A_log, dt_bias;
+  // A MoE layer's router and routed experts (bind_moe's), in one of the panels' formats.
+  struct Experts {
+    bool bound = false, mx = false;  // mx: MXFP4 experts (else int4)
+    moe::Panels<q8act::Q4Fmt> q4;
+    moe::Panels<q8act::MX4Fmt> mx4;
+    const c10::BFloat16* router = nullptr;  // [E, hidden]
+    std::vector<float> router_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
+    int64_t E = 0, k = 0;
+    bool norm = true;
+    float scale = 1.f;
+    int64_t I() const { return mx ? mx4.I : q4.I; }
+    template <typename F>
+    void with(F&& f) const {
+      if (mx) f(mx4);
+      else f(q4);
+    }
+  };
+  int64_t mlp_kind = kDenseMlp;
+  Experts moe;
+  bool has_sinks = false;
+  std::vector<float> sinks;  // bind_sinks' (fp32, a query head each)
   // Its linears in Linear order (the extra one absent: N = 0).
   std::array<QLinear*, kLinears> linears() { return {&qkv, &o, &gu, &down, &extra}; }
   const c10::BFloat16* norm(NormSlot k) const {
@@ -617,6 +645,14 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(s.kind == kAttentionLayer || s.kind == kLinearAttentionLayer,
                   "DecodeStack: layer kind ", s.kind, " is neither attention (0) nor linear attention (1)");
       const bool linear = s.kind == kLinearAttentionLayer;
+      s.mlp_kind = opt[kMlpKind];
+      s.has_sinks = opt[kSinks] != 0;
+      TORCH_CHECK(!s.has_sinks || !linear, "DecodeStack: a linear-attention layer has no sinks");
+      TORCH_CHECK(s.mlp_kind == kDenseMlp || s.mlp_kind == kRoutedExperts, "DecodeStack: MLP kind ",
+                  s.mlp_kind, " is neither dense (0) nor routed experts (1)");
+      const bool routed = s.mlp_kind == kRoutedExperts;
+      TORCH_CHECK(!routed || !parallel_, "DecodeStack: routed experts in a parallel block");
+      has_moe_ |= routed;
       s.k_cache = k_caches[l];
       s.v_cache = v_caches[l];
       int64_t D = 0, qkv_n = 0, o_k = 0;
@@ -671,27 +707,32 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(g[0] != QLinear::kAmxGated && g[1] != QLinear::kAmxGated && g[3] != QLinear::kAmxGated &&
                       g[4] != QLinear::kAmxGated,
                   "DecodeStack: only gate_up_proj may be gated amx (-3)");
-      TORCH_CHECK(g[0] != format::kNone && g[1] != format::kNone && g[2] != format::kNone &&
-                      g[3] != format::kNone && (!linear || g[4] != format::kNone),
+      TORCH_CHECK(g[0] != format::kNone && g[1] != format::kNone && (!linear || g[4] != format::kNone),
                   "DecodeStack: only an attention layer's extra linear (its output gate) may be absent");
+      TORCH_CHECK((g[2] == format::kNone) == routed && (g[3] == format::kNone) == routed,
+                  "DecodeStack: a layer has gate_up and down linears unless its MLP is routed experts");
       TORCH_CHECK(g[2] != QLinear::kAmxGated || (act_ == kSilu && !plain_mlp_),
                   "DecodeStack: gated amx is a SiLU-gated MLP's");
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, linear ? "in_proj_qkvz" : "qkv_proj");
       s.o = parse_linear(keep_, j, g[1], hidden, o_k, linear ? "out_proj" : "o_proj");
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 (and
       // w8a8's panels) 16K bytes, bf16 16K elements.
-      TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
-      const bool amx_gu = g[2] == QLinear::kAmx || g[2] == QLinear::kAmxGated;
-      const bool w8_gu = g[2] > QLinear::kW8A8;
-      const int64_t gu_tiles = keep_[j].numel() / ((!w8_gu && (g[2] > 0 || amx_gu) ? 8 : 16) * hidden);
-      s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, plain_mlp_ ? "up_proj" : "gate_up_proj");
-      s.down = parse_linear(keep_, j, g[3], hidden, plain_mlp_ ? s.gu.N : s.gu.N / 2, "down_proj");
+      if (!routed) {
+        TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
+        const bool amx_gu = g[2] == QLinear::kAmx || g[2] == QLinear::kAmxGated;
+        const bool w8_gu = g[2] > QLinear::kW8A8;
+        const int64_t gu_tiles = keep_[j].numel() / ((!w8_gu && (g[2] > 0 || amx_gu) ? 8 : 16) * hidden);
+        s.gu = parse_linear(keep_, j, g[2], 16 * gu_tiles, hidden, plain_mlp_ ? "up_proj" : "gate_up_proj");
+        s.down = parse_linear(keep_, j, g[3], hidden, plain_mlp_ ? s.gu.N : s.gu.N / 2, "down_proj");
+      }
       // The output gate: sigmoid(x W) [heads * D] times attention's output; in_proj_ba: b | a
       // of each value head.
       s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
                              linear ? "in_proj_ba" : "attn_gate");
       // run() sizes its per-step buffers from the first layer's MLP and attention layer's heads.
-      TORCH_CHECK(l == 0 || s.gu.N == layers_[0].gu.N, "DecodeStack: every layer must have the same MLP width");
+      for (const StackLayer& d : layers_)
+        TORCH_CHECK(routed || d.mlp_kind == kRoutedExperts || s.gu.N == d.gu.N,
+                    "DecodeStack: every dense MLP must have the same width");
       TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
                   "DecodeStack: every attention layer must have the same head dim");
       const auto lins = s.linears();
@@ -755,6 +796,97 @@ class DecodeStack : public torch::CustomClassHolder {
     const at::Tensor a = A_log.to(at::kFloat).contiguous(), d = dt_bias.to(at::kFloat).contiguous();
     s.A_log.assign(a.data_ptr<float>(), a.data_ptr<float>() + s.H);
     s.dt_bias.assign(d.data_ptr<float>(), d.data_ptr<float>() + s.H);
+  }
+
+  // Once per MoE layer (MLP kind kRoutedExperts): its router (bf16 [E, hidden], hidden a multiple
+  // of 16; bias [E] or None), top_k, whether the chosen weights are renormalised (norm) and
+  // their scale, as servelm_q8act.moe_route takes them; and its routed experts as
+  // servelm_q8act.moe_experts (format 0: int4, scales and mins) or moe_experts_mxfp4 (format
+  // 1: MXFP4, exponents as scales, no mins) take them, with act, the experts' biases, limit and
+  // alpha. Held by reference.
+  void bind_moe(int64_t layer, at::Tensor router, c10::optional<at::Tensor> router_bias, int64_t top_k,
+                bool norm, double scale, int64_t format, at::Tensor gate_up_q, at::Tensor gate_up_s,
+                c10::optional<at::Tensor> gate_up_m, at::Tensor down_q, at::Tensor down_s,
+                c10::optional<at::Tensor> down_m, int64_t act, c10::optional<at::Tensor> gate_up_bias,
+                c10::optional<at::Tensor> down_bias, double limit, double alpha) {
+    const char* fn = "DecodeStack.bind_moe";
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].mlp_kind == kRoutedExperts, fn,
+                ": layer ", layer, " has no routed experts");
+    TORCH_CHECK(format == 0 || format == 1, fn, ": format must be 0 (int4) or 1 (MXFP4)");
+    TORCH_CHECK(act >= 0 && act <= 3, fn, ": act must be 0, 1, 2 or 3");
+    const int64_t H = hidden_, E = router.size(0);
+    TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kBFloat16 && router.is_contiguous() &&
+                    router.size(1) == H && H % 16 == 0,
+                fn, ": the router must be contiguous bfloat16 [E, ", H, "], hidden a multiple of 16");
+    TORCH_CHECK(top_k >= 1 && top_k <= E, fn, ": top_k must be in [1, ", E, "]");
+    for (const at::Tensor* t : {&gate_up_q, &down_q})
+      TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 6 && t->size(0) == E && t->size(3) == 2 &&
+                      t->size(4) == 4 && t->size(5) == 32 && t->is_contiguous(),
+                  fn, ": expert panels must be contiguous uint8 [E, N / 16, K / 32, 2, 4, 32]");
+    const int64_t I = down_q.size(2) * q8act::kB;
+    TORCH_CHECK(gate_up_q.size(2) * q8act::kB == H && gate_up_q.size(1) * q8act::kNR == 2 * I &&
+                    down_q.size(1) == (H + q8act::kNR - 1) / q8act::kNR,
+                fn, ": expert shapes do not fit (gate_up [E, 2I, hidden], down [E, hidden, I])");
+    const bool mx = format == 1;
+    const at::ScalarType st = mx ? at::kByte : at::kHalf;
+    for (const auto& [q, sc, mn] : {std::tuple<const at::Tensor*, const at::Tensor*, const c10::optional<at::Tensor>*>{
+                                        &gate_up_q, &gate_up_s, &gate_up_m},
+                                    {&down_q, &down_s, &down_m}}) {
+      TORCH_CHECK(sc->scalar_type() == st && sc->dim() == 4 && sc->is_contiguous() && sc->size(0) == E &&
+                      sc->size(1) == q->size(1) && sc->size(3) == q8act::kNR &&
+                      (mx ? sc->size(2) == q->size(2) : q->size(2) % sc->size(2) == 0),
+                  fn, ": expert scales must be contiguous ", mx ? "uint8" : "float16", " [E, N / 16, K / G, 16]");
+      TORCH_CHECK(mx != (mn->has_value() && (*mn)->defined()), fn, ": int4 experts take mins, MXFP4 ones none");
+      if (!mx)
+        TORCH_CHECK((*mn)->sizes() == sc->sizes() && (*mn)->scalar_type() == at::kHalf && (*mn)->is_contiguous(),
+                    fn, ": expert mins must be as their scales");
+    }
+    const int64_t group = mx ? q8act::kB : H / gate_up_s.size(2);
+    TORCH_CHECK(mx || (group % q8act::kB == 0 && I / down_s.size(2) == group), fn,
+                ": int4 experts need one group size, a multiple of 32, for both projections");
+    StackLayer::Experts& x = layers_[layer].moe;
+    auto floats = [&](const c10::optional<at::Tensor>& t, int64_t n, const char* what) {
+      std::vector<float> v;
+      if (!t || !t->defined()) return v;
+      TORCH_CHECK(t->numel() == n, fn, ": ", what, " must have ", n, " values");
+      const at::Tensor f = t->to(at::kFloat).contiguous();
+      v.assign(f.data_ptr<float>(), f.data_ptr<float>() + n);
+      return v;
+    };
+    x.router_bias = floats(router_bias, E, "the router's bias");
+    x.gate_up_bias = floats(gate_up_bias, E * 2 * I, "gate_up_bias");
+    x.down_bias = floats(down_bias, E * H, "down_bias");
+    auto fill = [&](auto& P, const auto* gs, const auto* gm, const auto* ds, const auto* dm) {
+      P.gq = gate_up_q.data_ptr<uint8_t>(), P.dq = down_q.data_ptr<uint8_t>();
+      P.gs = gs, P.gm = gm, P.ds = ds, P.dm = dm;
+      P.s1 = gate_up_s[0].numel(), P.s2 = down_s[0].numel(), P.group = group;
+      P.gbias = x.gate_up_bias.empty() ? nullptr : x.gate_up_bias.data();
+      P.dbias = x.down_bias.empty() ? nullptr : x.down_bias.data();
+      P.act = act, P.limit = static_cast<float>(limit), P.alpha = static_cast<float>(alpha);
+      P.H = H, P.I = I;
+    };
+    if (mx) {
+      fill(x.mx4, gate_up_s.data_ptr<uint8_t>(), static_cast<const uint8_t*>(nullptr), down_s.data_ptr<uint8_t>(),
+           static_cast<const uint8_t*>(nullptr));
+    } else {
+      fill(x.q4, gate_up_s.data_ptr<c10::Half>(), gate_up_m->data_ptr<c10::Half>(), down_s.data_ptr<c10::Half>(),
+           down_m->data_ptr<c10::Half>());
+    }
+    x.mx = mx, x.router = router.data_ptr<c10::BFloat16>(), x.E = E, x.k = top_k, x.norm = norm;
+    x.scale = static_cast<float>(scale), x.bound = true;
+    moe_keep_.insert(moe_keep_.end(), {router, gate_up_q, gate_up_s, down_q, down_s});
+    if (!mx) moe_keep_.insert(moe_keep_.end(), {*gate_up_m, *down_m});
+  }
+
+  // Once per layer whose attention has sinks (layer option kSinks): one logit per query head,
+  // joining each query's softmax denominator (gpt-oss), as paged_decode_attention takes them.
+  void bind_sinks(int64_t layer, at::Tensor sinks) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].has_sinks, "DecodeStack.bind_sinks: layer ",
+                layer, " has no sinks");
+    TORCH_CHECK(sinks.numel() == heads_ && at::isFloatingType(sinks.scalar_type()),
+                "DecodeStack.bind_sinks: one float per query head (", heads_, "), got ", sinks.sizes());
+    const at::Tensor f = sinks.to(at::kFloat).contiguous();
+    layers_[layer].sinks.assign(f.data_ptr<float>(), f.data_ptr<float>() + heads_);
   }
 
   // Before each run of a stack with linear-attention layers (read by that run only): each
@@ -1023,12 +1155,24 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t M = residual.size(0), hidden = residual.size(1);
     const int64_t D = layers_[attn0_].k_cache.size(3), R = rot_;
     // The attention layers' qkv width; the widest qkv (or in_proj_qkvz), o input, extra output.
-    const int64_t qkv_n = layers_[attn0_].qkv.N, inter = plain_mlp_ ? layers_[0].gu.N : layers_[0].gu.N / 2;
-    int64_t qkv_max = 0, o_max = 0, extra_max = 0;
+    // (inter: the dense MLPs' width; moe_*: the routed experts' most experts, chosen, width.)
+    const int64_t qkv_n = layers_[attn0_].qkv.N;
+    int64_t qkv_max = 0, o_max = 0, extra_max = 0, inter = 0, moe_e = 0, moe_k = 0, moe_i = 0;
     for (const StackLayer& s : layers_) {
       qkv_max = std::max(qkv_max, s.qkv.N), o_max = std::max(o_max, s.o.K);
       extra_max = std::max(extra_max, s.extra.N);
+      inter = std::max(inter, plain_mlp_ ? s.gu.N : s.gu.N / 2);
+      TORCH_CHECK(!s.has_sinks || !s.sinks.empty(), "DecodeStack: call bind_sinks for every layer with sinks first");
+      if (s.mlp_kind == kRoutedExperts) {
+        TORCH_CHECK(s.moe.bound, "DecodeStack: call bind_moe for every layer with routed experts first");
+        moe_e = std::max(moe_e, s.moe.E), moe_k = std::max(moe_k, s.moe.k), moe_i = std::max(moe_i, s.moe.I());
+      }
     }
+    // Each row's chosen experts and their weights (a MoE layer's router fills them).
+    std::vector<int64_t> moe_ids(M * moe_k);
+    std::vector<float> moe_weights(M * moe_k);
+    if (has_moe_) moe_scratch_.size(M, M * moe_k, hidden, moe_i);
+    moe::Scratch& moe_s = moe_scratch_;
     const auto opts = residual.options();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -1155,6 +1299,7 @@ class DecodeStack : public torch::CustomClassHolder {
         };
       };
       std::vector<float> head_scratch(4 * dv_max);  // delta_rule::head_out's
+      std::vector<float> logits(moe_e);             // moe::route_row's
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1260,7 +1405,10 @@ class DecodeStack : public torch::CustomClassHolder {
             if (qscale)  // after the KV write, as the reference scales q alone
               for (int64_t i = 0; i < heads_ * D; ++i) row[i] = BF(static_cast<float>(row[i]) * qscale[m]);
           }
-        }, s.o, [&] { att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, group_tables[s.kv_group])); });
+        }, s.o, [&] {
+          att.set_caches(PagedKV<BF>(s.k_cache, s.v_cache, group_tables[s.kv_group]));
+          att.set_sinks(s.has_sinks ? s.sinks.data() : nullptr);
+        });
         t.guarded([&] {
           for (int64_t it = share.i0; it < share.i1; ++it) att.run_item(it);
         });
@@ -1295,8 +1443,42 @@ class DecodeStack : public torch::CustomClassHolder {
               std::memcpy(h2 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
             }
           }
-          s.gu.sums(h2, M, m0, m1, xs3.data());
+          if (s.mlp_kind == kRoutedExperts) {  // each row's experts, and its row quantised for them
+            const StackLayer::Experts& x = s.moe;
+            for (int64_t m = m0; m < m1; ++m) {
+              moe::route_row(h2 + m * hidden, x.router, x.router_bias.empty() ? nullptr : x.router_bias.data(),
+                             x.E, hidden, x.k, x.norm, x.scale, logits.data(), moe_ids.data() + m * x.k,
+                             moe_weights.data() + m * x.k);
+              x.with([&](const auto& P) { P.quantize(h2 + m * hidden, m, moe_s); });
+            }
+          } else {
+            s.gu.sums(h2, M, m0, m1, xs3.data());
+          }
         }, s.gu);
+        if (s.mlp_kind == kRoutedExperts) {
+          // The routed experts, as servelm_q8act's fused op runs them: each (row, expert) pair's
+          // gate_up panels, the activations, then the down panels and the weighted sums into
+          // delta, each phase split over the threads.
+          const StackLayer::Experts& x = s.moe;
+          const int64_t P = M * x.k;
+          x.with([&](const auto& L) {
+            t.guarded([&] {
+              const int64_t items = P * L.np1();
+              L.gate_up(moe_ids.data(), x.k, items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
+            });
+            t.barrier();
+            t.guarded([&] { L.activate(P * t.tid / t.n, P * (t.tid + 1) / t.n, moe_s); });
+            t.barrier();
+            t.guarded([&] {
+              const int64_t np = L.np2();
+              L.down(moe_ids.data(), moe_weights.data(), M, x.k, np * t.tid / t.n, np * (t.tid + 1) / t.n,
+                     delta, moe_s);
+              if (l + 1 < layers_.size()) layers_[l + 1].qkv.prefetch(t.tid, t.n, Team::kWarm);
+            });
+            t.barrier();
+          });
+          continue;  // (no parallel block: the constructor refuses routed experts in one)
+        }
         // A gated gate_up writes silu(gate) * up itself, an adapter's delta added before the
         // SiLU: this thread's pairs' gate and up columns' deltas computed ahead of its tiles.
         shrink_phase(s.lora[kGateUp], h2, hidden);
@@ -1369,6 +1551,9 @@ class DecodeStack : public torch::CustomClassHolder {
   bool has_linear_ = false;  // some layer is linear attention (a run needs set_state_rows first)
   std::vector<int64_t> state_slots_, state_fresh_, state_snapshots_;  // set_state_rows'; one run's
   std::vector<float> lora_d_;  // a gated gate_up's deltas for its epilogue (grown, kept)
+  bool has_moe_ = false;       // some layer's MLP is routed experts (bind_moe for each)
+  std::vector<at::Tensor> moe_keep_;  // bind_moe's tensors, which the layers point into
+  moe::Scratch moe_scratch_;   // the routed experts' per-step buffers (grown, kept)
   static constexpr int64_t kMaxRows = 4096;
 };
 
@@ -1388,6 +1573,8 @@ TORCH_LIBRARY(servelm_stack, m) {
       .def("set_lora_rows", &DecodeStack::set_lora_rows)
       .def("bind_linear_attention", &DecodeStack::bind_linear_attention)
       .def("set_state_rows", &DecodeStack::set_state_rows)
+      .def("bind_moe", &DecodeStack::bind_moe)
+      .def("bind_sinks", &DecodeStack::bind_sinks)
       .def("run_tokens", &DecodeStack::run_tokens)
       .def("run_lists", &DecodeStack::run_lists)
       .def("num_layers", &DecodeStack::num_layers)

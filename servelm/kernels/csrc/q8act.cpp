@@ -26,6 +26,9 @@
 //   moe_experts(x, ids, weights, gate_up_q, gate_up_s, gate_up_m, down_q, down_s, down_m, act, ...)
 // a MoE layer's routed int4 experts for a few tokens in one call (see the function's head).
 //
+//   moe_route(x, weight, bias?, top_k, norm, scale) -> (weights, ids)
+// a MoE layer's softmax router for a few tokens (see the function's head).
+//
 //   mxfp4_linear(x, qweight, exps, out_features, bias?) -> y;  moe_experts_mxfp4(...)
 // the same with MXFP4 weights (gpt-oss's experts): E2M1 codes in the panels' nibbles, an E8M0
 // exponent byte a block of 32 (q8act_kernel.h's MX4Fmt); exact products, as for int4.
@@ -41,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -50,7 +54,7 @@
 
 #include "linear_frame.h"  // run_linear_into, check_x
 #include "q8act_kernel.h"  // quantize_row, panels
-#include "moe_act.h"       // moe_act, moe_weighted_sum, moe_routing
+#include "moe_kernel.h"    // moe::route_row, moe::Panels (and moe_act.h: moe_routing)
 
 namespace {
 
@@ -166,11 +170,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) 
 
 bool has_wide() { return q8act::kVnni; }
 
-// The fused routed experts' three phases over the panels of either format (Fmt): each token's
-// row quantised once, each pair's gate_up panels, its activation quantised once, the down
-// panels and the weighted sum, split over the threads of one parallel region; out in x's dtype.
-// gs / gm and ds / dm: the gate_up and down scales and mins (mins null for MX4), s1 / s2 an
-// expert's count of them, group the group size.
+// The fused routed experts' three phases over the panels of either format (Fmt: moe_kernel.h's
+// moe::Panels, which the DecodeStack's MoE layers run too): each token's row quantised once,
+// each pair's gate_up panels, its activation quantised once, the down panels and the weighted
+// sum, split over the threads of one parallel region; out in x's dtype. gs / gm and ds / dm:
+// the gate_up and down scales and mins (mins null for MX4), s1 / s2 an expert's count of them,
+// group the group size.
 template <typename Fmt>
 at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor& ids_in,
                       const at::Tensor& w_in, const at::Tensor& gq, const typename Fmt::S* gsp,
@@ -179,65 +184,72 @@ at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor
                       int64_t group, int64_t act, const c10::optional<at::Tensor>& gbias_in,
                       const c10::optional<at::Tensor>& dbias_in, double limit_d, double alpha_d,
                       bool wide) {
-  const int64_t T = x_in.size(0), H = x_in.size(1), E = gq.size(0), NP1 = gq.size(1), I = dq.size(2) * kB,
-                NP2 = dq.size(1);
+  const int64_t T = x_in.size(0), H = x_in.size(1), E = gq.size(0), I = dq.size(2) * kB;
   const MoeRouting route = moe_routing(name, ids_in, w_in, T, E, I, H, act, gbias_in, dbias_in);
-  const float* gbp = route.gbias();
-  const float* dbp = route.dbias();
-  const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
-  const int64_t k = ids_in.size(1), P = T * k, NBH = H / kB, NBI = I / kB;
+  moe::Panels<Fmt> L;
+  L.gq = gq.data_ptr<uint8_t>(), L.dq = dq.data_ptr<uint8_t>();
+  L.gs = gsp, L.gm = gmp, L.ds = dsp, L.dm = dmp, L.s1 = s1, L.s2 = s2, L.group = group;
+  L.gbias = route.gbias(), L.dbias = route.dbias(), L.act = act;
+  L.limit = static_cast<float>(limit_d), L.alpha = static_cast<float>(alpha_d), L.wide = wide;
+  L.H = H, L.I = I;
+  const int64_t k = ids_in.size(1), P = T * k, NP1 = L.np1(), NP2 = L.np2();
   const at::Tensor x = x_in.contiguous();
   const int64_t* idp = route.id();
+  const float* wp = route.weight();
   at::Tensor out = at::empty({T, H}, x_in.options());
   if (P == 0) return out.zero_();
-  std::vector<int8_t> qx(T * H), qa(P * I);
-  std::vector<float> dx(T * NBH), dsx(T * NBH), da(P * NBI), dsa(P * NBI), h(P * 2 * I), a(P * I), y(P * H);
+  moe::Scratch s;
+  s.size(T, P, H, I);
   for (int64_t t = 0; t < T; ++t) {
-    if (x.scalar_type() == at::kFloat)
-      q8act::quantize_row(x.data_ptr<float>() + t * H, H, qx.data() + t * H, dx.data() + t * NBH, dsx.data() + t * NBH);
-    else
-      q8act::quantize_row(x.data_ptr<c10::BFloat16>() + t * H, H, qx.data() + t * H, dx.data() + t * NBH,
-                          dsx.data() + t * NBH);
+    if (x.scalar_type() == at::kFloat) L.quantize(x.data_ptr<float>() + t * H, t, s);
+    else L.quantize(x.data_ptr<c10::BFloat16>() + t * H, t, s);
   }
-  const uint8_t* gqp = gq.data_ptr<uint8_t>();
-  const uint8_t* dqp = dq.data_ptr<uint8_t>();
-  const int64_t g1 = gq[0].numel(), g2 = dq[0].numel();
-  const float* wp = route.weight();
-  auto at_e = [](const typename Fmt::S* p, int64_t off) { return p ? p + off : nullptr; };
   auto store = [&](auto* o) {
     const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
     {
       const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
-      for (int64_t b = P * NP1 * tid / n, b1 = P * NP1 * (tid + 1) / n; b < b1; ++b) {
-        const int64_t p = b / NP1, pan = b % NP1, e = idp[p], t = p / k;
-        q8act::panels<float, Fmt>(qx.data() + t * H, dx.data() + t * NBH, dsx.data() + t * NBH, gqp + e * g1,
-                                  gsp + e * s1, at_e(gmp, e * s1), group, gbp ? gbp + e * 2 * I : nullptr,
-                                  h.data() + p * 2 * I, 1, 2 * I, H, pan, pan + 1, wide);
-      }
+      L.gate_up(idp, k, P * NP1 * tid / n, P * NP1 * (tid + 1) / n, s);
 #pragma omp barrier
-      for (int64_t p = P * tid / n, p1 = P * (tid + 1) / n; p < p1; ++p) {
-        const float* hp = h.data() + p * 2 * I;
-        float* ap = a.data() + p * I;
-        for (int64_t i = 0; i < I; ++i) ap[i] = moe_act(act, hp[i], hp[I + i], limit, alpha);
-        q8act::quantize_row(ap, I, qa.data() + p * I, da.data() + p * NBI, dsa.data() + p * NBI);
-      }
+      L.activate(P * tid / n, P * (tid + 1) / n, s);
 #pragma omp barrier
-      const int64_t pan0 = NP2 * tid / n, pan1 = NP2 * (tid + 1) / n;
-      if (pan0 < pan1) {
-        for (int64_t p = 0; p < P; ++p) {
-          const int64_t e = idp[p];
-          q8act::panels<float, Fmt>(qa.data() + p * I, da.data() + p * NBI, dsa.data() + p * NBI, dqp + e * g2,
-                                    dsp + e * s2, at_e(dmp, e * s2), group, dbp ? dbp + e * H : nullptr,
-                                    y.data() + p * H, 1, H, I, pan0, pan1, wide);
-        }
-        moe_weighted_sum(wp, y.data(), o, T, k, H, pan0 * kNR, std::min(H, pan1 * kNR));
-      }
+      L.down(idp, wp, T, k, NP2 * tid / n, NP2 * (tid + 1) / n, o, s);
     }
   };
   if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
   else store(out.data_ptr<c10::BFloat16>());
   return out;
+}
+
+// A MoE layer's softmax router for a few tokens (moe::route_row, which the DecodeStack's MoE
+// layers run too): x bfloat16 [T, H], weight bfloat16 [E, H] (H a multiple of 16), bias
+// [E] or None; the top_k experts of each token, their weights renormalised where norm, times
+// scale -> (weights float32 [T, top_k] holding bfloat16 values, ids int64 [T, top_k]).
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::Tensor& weight,
+                                             const c10::optional<at::Tensor>& bias_in, int64_t top_k,
+                                             bool norm, double scale) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "servelm_q8act.moe_route: x must be bfloat16 [T, H] on the CPU");
+  const int64_t T = x_in.size(0), H = x_in.size(1);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(1) == H && H % 16 == 0,
+              "servelm_q8act.moe_route: weight must be contiguous bfloat16 [E, H], H a multiple of 16");
+  const int64_t E = weight.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "servelm_q8act.moe_route: top_k must be in [1, ", E, "]");
+  at::Tensor bias;
+  if (bias_in && bias_in->defined()) {
+    TORCH_CHECK(bias_in->numel() == E, "servelm_q8act.moe_route: bias must have E = ", E, " values");
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor weights = at::empty({T, top_k}, at::kFloat), ids = at::empty({T, top_k}, at::kLong);
+  std::vector<float> logits(E);
+  for (int64_t t = 0; t < T; ++t)
+    moe::route_row(x.data_ptr<c10::BFloat16>() + t * H, weight.data_ptr<c10::BFloat16>(),
+                   bias.defined() ? bias.data_ptr<float>() : nullptr, E, H, top_k, norm,
+                   static_cast<float>(scale), logits.data(), ids.data_ptr<int64_t>() + t * top_k,
+                   weights.data_ptr<float>() + t * top_k);
+  return {weights, ids};
 }
 
 // Checks x [T, H] and the stacked panels of both projections (gate_up [E, 2I / 16, H / 32, 2,
@@ -318,6 +330,8 @@ TORCH_LIBRARY(servelm_q8act, m) {
         "Tensor gate_up_m, Tensor down_q, Tensor down_s, Tensor down_m, int act, "
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., float alpha=1., "
         "bool wide=True) -> Tensor");
+  m.def("moe_route(Tensor x, Tensor weight, Tensor? bias, int top_k, bool norm, float scale) "
+        "-> (Tensor, Tensor)");
   m.def("mxfp4_linear(Tensor x, Tensor qweight, Tensor exps, int out_features, Tensor? bias=None, "
         "bool wide=True) -> Tensor");
   m.def("moe_experts_mxfp4(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_q, Tensor gate_up_e, "
@@ -330,6 +344,7 @@ TORCH_LIBRARY_IMPL(servelm_q8act, CPU, m) {
   m.impl("quantize", &quantize);
   m.impl("moe_experts", &moe_experts);
   m.impl("mxfp4_linear", &mxfp4_linear);
+  m.impl("moe_route", &moe_route);
   m.impl("moe_experts_mxfp4", &moe_experts_mxfp4);
 }
 

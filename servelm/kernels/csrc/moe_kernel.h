@@ -1,0 +1,195 @@
+// A mixture-of-experts layer's decode-time parts for a few tokens: the router (logits, softmax,
+// top k) and the routed experts over q8act's panels (int4 or MXFP4), in three phases whose
+// work items any thread may take. Shared by servelm_q8act's fused ops (q8act.cpp: moe_route,
+// moe_experts, moe_experts_mxfp4) and the DecodeStack's MoE layers (decode_stack.cpp), so a
+// layer gives the same bits on either. Strict float semantics (no-fast-math) for everything
+// here, whatever the including file's, as q8act_kernel.h's. Inline, in an anonymous namespace,
+// names inside `moe`.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "q8act_kernel.h"
+
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+#include "moe_act.h"  // moe_act, moe_weighted_sum (under the pragma where this file comes first)
+
+namespace {
+namespace moe {
+
+// x [H] times 8 bf16 weights at w, widened exactly.
+inline __m256 bf16x8(const c10::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline float hsum8(__m256 v) {
+  alignas(32) float s[8];
+  _mm256_store_ps(s, v);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// One row's routing, as SparseMoE's softmax router computes it: the logits of the router
+// w bf16 [E, H] (H a multiple of 16) for x bf16 [H], each a dot product in fp32 (two 8-lane
+// accumulators over alternate blocks of 8, in order) plus bias (fp32 [E], or null), rounded
+// to bf16 as a bf16 linear's output is; their softmax in fp32; the k largest probabilities
+// (ties: the lower expert first), renormalised to sum 1 where norm, times scale, rounded to
+// bf16 (the weights the experts' sum takes): ids [k], weights [k] (fp32 holding bf16 values).
+// logits: scratch [E].
+__attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c10::BFloat16* w,
+                                                const float* bias, int64_t E, int64_t H, int64_t k,
+                                                bool norm, float scale, float* logits, int64_t* ids,
+                                                float* weights) {
+  int64_t e = 0;
+  for (; e + 4 <= E; e += 4) {  // four experts at a time: eight independent sums
+    __m256 a[4][2];
+    for (auto& r : a) r[0] = r[1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < H; c += 16) {
+      const __m256 x0 = bf16x8(x + c), x1 = bf16x8(x + c + 8);
+      for (int j = 0; j < 4; ++j) {
+        const c10::BFloat16* wr = w + (e + j) * H + c;
+        a[j][0] = _mm256_fmadd_ps(x0, bf16x8(wr), a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(x1, bf16x8(wr + 8), a[j][1]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) logits[e + j] = hsum8(_mm256_add_ps(a[j][0], a[j][1]));
+  }
+  for (; e < E; ++e) {  // the same operations, one expert
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < H; c += 16) {
+      a0 = _mm256_fmadd_ps(bf16x8(x + c), bf16x8(w + e * H + c), a0);
+      a1 = _mm256_fmadd_ps(bf16x8(x + c + 8), bf16x8(w + e * H + c + 8), a1);
+    }
+    logits[e] = hsum8(_mm256_add_ps(a0, a1));
+  }
+  float mx = -INFINITY;
+  for (e = 0; e < E; ++e) {
+    logits[e] = static_cast<float>(c10::BFloat16(bias ? logits[e] + bias[e] : logits[e]));
+    mx = std::max(mx, logits[e]);
+  }
+  float sum = 0.f;
+  for (e = 0; e < E; ++e) sum += logits[e] = std::exp(logits[e] - mx);
+  for (e = 0; e < E; ++e) logits[e] /= sum;
+  for (int64_t j = 0; j < k; ++j) {  // selection: k is a handful
+    int64_t best = -1;
+    for (e = 0; e < E; ++e)
+      if (logits[e] >= 0.f && (best < 0 || logits[e] > logits[best])) best = e;
+    ids[j] = best;
+    weights[j] = logits[best];
+    logits[best] = -1.f;  // taken
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < k; ++j) total += weights[j];
+  for (int64_t j = 0; j < k; ++j) {
+    float v = norm ? weights[j] / total : weights[j];
+    if (scale != 1.f) v *= scale;
+    weights[j] = static_cast<float>(c10::BFloat16(v));
+  }
+}
+
+// The per-step buffers of the routed experts for T tokens of k experts each (P = T k pairs):
+// each token's row quantised (qx, dx, dsx), each pair's gate_up output h, activation a and its
+// quantised row (qa, da, dsa), and each pair's down output y. Grown, never shrunk.
+struct Scratch {
+  std::vector<int8_t> qx, qa;
+  std::vector<float> dx, dsx, da, dsa, h, a, y;
+  void size(int64_t T, int64_t P, int64_t H, int64_t I) {
+    const int64_t NBH = H / q8act::kB, NBI = I / q8act::kB;
+    auto grow = [](auto& v, int64_t n) {
+      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(qx, T * H), grow(qa, P * I), grow(dx, T * NBH), grow(dsx, T * NBH), grow(da, P * NBI);
+    grow(dsa, P * NBI), grow(h, P * 2 * I), grow(a, P * I), grow(y, P * H);
+  }
+};
+
+// A layer's routed experts in q8act's panels (Fmt: Q4Fmt int4 with scales and mins, MX4Fmt
+// MXFP4 with exponents): gate_up [E, 2I / 16, H / 32, 2, 4, 32] (gate rows, then up), down
+// [E, H / 16, I / 32, 2, 4, 32], each expert's scales (and mins) s1 / s2 apart; the experts'
+// fp32 biases gate_up [E, 2I] and down [E, H] or null; act and limit / alpha as moe_act's.
+// The phases for T tokens whose pair p = t k + j runs expert ids[p], weighted weights[p]:
+//   quantize(t): token t's row;
+//   gate_up(b0, b1): items [b0, b1) of P * NP1, pair-major: h[p] = gate_up[e] x[t];
+//   activate(p0, p1): a[p] = act(gate, up), quantised;
+//   down(pan0, pan1, out): panels [pan0, pan1) of down for every pair, then out[t][those
+//   columns] = sum_j weights[t k + j] y[t k + j], in slot order, rounded once to O.
+// Each phase reads only what the one before it wrote in full (a barrier between them).
+template <typename Fmt>
+struct Panels {
+  using S = typename Fmt::S;
+  const uint8_t* gq = nullptr;
+  const uint8_t* dq = nullptr;
+  const S* gs = nullptr;
+  const S* gm = nullptr;
+  const S* ds = nullptr;
+  const S* dm = nullptr;
+  int64_t s1 = 0, s2 = 0, group = 0;
+  const float* gbias = nullptr;
+  const float* dbias = nullptr;
+  int64_t act = 0;
+  float limit = 0.f, alpha = 1.f;
+  bool wide = q8act::kVnni;
+  int64_t H = 0, I = 0;
+
+  int64_t np1() const { return 2 * I / q8act::kNR; }
+  int64_t np2() const { return (H + q8act::kNR - 1) / q8act::kNR; }
+  int64_t g1() const { return np1() * (H / q8act::kB) * (q8act::kNR * q8act::kB / 2); }
+  int64_t g2() const { return np2() * (I / q8act::kB) * (q8act::kNR * q8act::kB / 2); }
+  const S* at(const S* p, int64_t off) const { return p ? p + off : nullptr; }
+
+  template <typename X>
+  void quantize(const X* x, int64_t t, Scratch& s) const {
+    const int64_t NBH = H / q8act::kB;
+    q8act::quantize_row(x, H, s.qx.data() + t * H, s.dx.data() + t * NBH, s.dsx.data() + t * NBH);
+  }
+  void gate_up(const int64_t* ids, int64_t k, int64_t b0, int64_t b1, Scratch& s) const {
+    const int64_t NP1 = np1(), NBH = H / q8act::kB, G1 = g1();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p = b / NP1, pan = b % NP1, e = ids[p], t = p / k;
+      q8act::panels<float, Fmt>(s.qx.data() + t * H, s.dx.data() + t * NBH, s.dsx.data() + t * NBH,
+                                gq + e * G1, gs + e * s1, at(gm, e * s1), group,
+                                gbias ? gbias + e * 2 * I : nullptr, s.h.data() + p * 2 * I, 1, 2 * I, H,
+                                pan, pan + 1, wide);
+    }
+  }
+  void activate(int64_t p0, int64_t p1, Scratch& s) const {
+    const int64_t NBI = I / q8act::kB;
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* hp = s.h.data() + p * 2 * I;
+      float* ap = s.a.data() + p * I;
+      for (int64_t i = 0; i < I; ++i) ap[i] = moe_act(act, hp[i], hp[I + i], limit, alpha);
+      q8act::quantize_row(ap, I, s.qa.data() + p * I, s.da.data() + p * NBI, s.dsa.data() + p * NBI);
+    }
+  }
+  template <typename O>
+  void down(const int64_t* ids, const float* weights, int64_t T, int64_t k, int64_t pan0, int64_t pan1,
+            O* out, Scratch& s) const {
+    if (pan0 >= pan1) return;
+    const int64_t NBI = I / q8act::kB, G2 = g2();
+    for (int64_t p = 0; p < T * k; ++p) {
+      const int64_t e = ids[p];
+      q8act::panels<float, Fmt>(s.qa.data() + p * I, s.da.data() + p * NBI, s.dsa.data() + p * NBI,
+                                dq + e * G2, ds + e * s2, at(dm, e * s2), group,
+                                dbias ? dbias + e * H : nullptr, s.y.data() + p * H, 1, H, I, pan0, pan1,
+                                wide);
+    }
+    moe_weighted_sum(weights, s.y.data(), out, T, k, H, pan0 * q8act::kNR, std::min(H, pan1 * q8act::kNR));
+  }
+};
+
+}  // namespace moe
+}  // namespace
+
+#pragma GCC pop_options
+
+#endif  // AVX2 + FMA + F16C
