@@ -211,6 +211,11 @@ def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
         (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
         assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
     assert max(hi for _, hi in model.decode_stack_ranges()) == 64
+    # The tuner asks before the ops are selected: the layers are the stack's all the same;
+    # bound on the references (no fused op), it declines them.
+    model.select_ops(False)
+    assert isinstance(decode_stack.describe(model), decode_stack.StackDescription)
+    assert isinstance(decode_stack.layer_args(model.layers[0]), str)
     model.moe_fused_rows = 4
     model.select_ops(True)
     assert model.bind_decode_layers(caches)

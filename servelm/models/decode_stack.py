@@ -236,8 +236,8 @@ def describe_layer(layer) -> LayerDescription | str:
         return f"its linear attention is {type(layer.linear_attn).__name__}, not the plain GatedDeltaNet"
     routed = type(mlp) is SparseMoE
     if routed:
-        why = mlp.decode_stack_args()
-        if isinstance(why, str):
+        why = mlp.stack_reason()
+        if why is not None:
             return f"{why} (routed experts run op by op)"
         if getattr(layer, "parallel", False):
             return "its routed experts run in parallel with attention"
@@ -372,6 +372,8 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     mlp = ("gate_up_proj", "down_proj") if hasattr(layer.mlp, "gate_up_proj") else ("c_fc", "c_proj")
     names = (("in_proj_qkvz", "out_proj", *mlp, "in_proj_ba")
              if layer.linear else ("qkv_proj", "o_proj", *mlp, "attn_gate"))
+    if d.routed_experts and isinstance(why := layer.mlp.decode_stack_args(), str):
+        return why
     parts = [([], int(StackFormat.NONE)) if m is None else kernel_weights(m, rows) for m in linears]
     for name, p in zip(names, parts):
         if p is None:

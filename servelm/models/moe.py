@@ -334,30 +334,59 @@ class SparseMoE(OpModule):
                 scale=float(self.routed_scaling))
 
     def _router_weight(self) -> torch.Tensor | None:
-        """The router's weight [E, hidden] as it holds it: an nn.Linear's, or the same values
-        out of a bf16 TiledLinear's tiles (the kernels' bf16 layers); None for others."""
-        from servelm.quantization.formats import TiledLinear
+        """The router's weights [E, hidden] in bf16, where they are bf16 values (an nn.Linear's,
+        or those of the layer a one-row call runs: tiles, a tuned method's layout); None for
+        others (fp32, quantised)."""
+        from servelm.quantization.formats import fp32_weight
 
-        if isinstance(self.gate, nn.Linear):
-            return self.gate.weight.detach()
-        if isinstance(self.gate, TiledLinear) and self.gate.dtype == torch.bfloat16:
-            return self.gate.dequantize(torch.bfloat16)
+        gate = self.gate
+        if hasattr(gate, "module_for"):  # tuned by row bucket
+            gate = gate.module_for(1)
+        if isinstance(gate, nn.Linear):
+            w = gate.weight.detach()
+            return w if w.dtype == torch.bfloat16 else None
+        try:
+            w = fp32_weight(gate)
+        except (AttributeError, TypeError, NotImplementedError):
+            return None
+        wb = w.bfloat16()
+        return wb if torch.equal(wb.float(), w) else None
+
+    def stack_reason(self) -> str | None:
+        """Why the DecodeStack cannot run this layer's router and experts (a short reason),
+        or None: it runs what the fused op and moe_route run for bf16 activations on the
+        CPU, int4 or MXFP4 experts behind the softmax router, without a shared expert. From
+        the layer's own options and formats (the tuner asks before the ops are selected)."""
+        from servelm.layers import q8act
+
+        o = self.options
+        if self.expert_format not in ("int4", "mxfp4"):
+            return f"its routed experts are {self.expert_format or self.act_dtype}, not int4 or MXFP4"
+        if self.shared_expert is not None:
+            return "it has a shared expert beside the routed ones"
+        if (o["router_scoring"] != "softmax" or o["router_input_norm"] or o["per_expert_scale"]
+                or o["expert_input_weighted"]):
+            return "its router is not the plain softmax one"
+        if o["swiglu_limit"] is None and o["act"] not in _ACT_CODES:
+            return f"its experts' activation {o['act']!r} has no fused kernel"
+        if (self.act_dtype != torch.bfloat16 or o["hidden"] % 16
+                or self.experts_gate_up.device.type != "cpu" or not q8act.available()):
+            return "its experts do not run the fused C++ op (bf16 activations on the CPU)"
+        if self._router_weight() is None:
+            return "its router's weights are not bfloat16"
         return None
 
     def decode_stack_args(self) -> tuple | str:
         """What DecodeStack.bind_moe takes of this layer (its router, top k, renormalisation
         and scale; its experts' format code (0 int4, 1 MXFP4), panels, scales, mins,
-        activation code, biases, limit and alpha), or why the stack cannot run it (a short
-        reason): it runs what the fused op and moe_route run, int4 or MXFP4 experts without
-        a shared expert."""
+        activation code, biases, limit and alpha), or why the stack cannot run it
+        (stack_reason's, or the fused op not selected)."""
         o = self.options
-        if self._fused is None or self.expert_format not in ("int4", "mxfp4"):
-            return ("its routed experts are not int4 or MXFP4 ones on the fused C++ op "
-                    f"({self.expert_format or self.act_dtype})")
-        if self._route_op is None:
-            return "its router is not the plain softmax one over bfloat16 weights"
-        if self.shared_expert is not None:
-            return "it has a shared expert beside the routed ones"
+        why = self.stack_reason()
+        if why is not None:
+            return why
+        if self._fused is None or self._route_op is None:
+            return "its routed experts do not run the fused C++ op (the kernels are off)"
         clamped = o["swiglu_limit"] is not None
         mx = self.expert_format == "mxfp4"
         r = self._route_op.keywords
