@@ -5,10 +5,10 @@ embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a lay
 rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries), OLMo 3
 and EXAONE 4 (norms after attention and the MLP alone; OLMo's q / k norms over the whole
 projection), StableLM and Cohere (LayerNorms; Cohere's attention and MLP in parallel) and
-Llama, and routed experts (Qwen3-MoE; gpt-oss with its attention sinks), each against the
-per-op kernel path on tiny random models, int4 and bf16 weights (int4 and MXFP4 experts),
-contexts short of and past the window. A family it cannot describe (bf16 or shared experts)
-runs op by op and says why.
+Llama, and routed experts (Qwen3-MoE; Qwen2-MoE with its gated shared expert; gpt-oss with
+its attention sinks), each against the per-op kernel path on tiny random models, int4 and
+bf16 weights (int4 and MXFP4 experts), contexts short of and past the window. A family it
+cannot describe (bf16 or int8 experts) runs op by op and says why.
 
 Bit for bit: the per-op path's q/k norms run the same row kernel as the stack's (a head a
 row).
@@ -162,6 +162,11 @@ MOE_FAMILIES = {
     # Softmax routing renormalised over the chosen experts, q / k norms.
     "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", family="qwen3_moe", qk_norm=True,
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    # A shared expert gated by sigmoid(shared_expert_gate(x)) beside the routed experts, a
+    # qkv bias (Qwen2-MoE).
+    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", family="qwen2_moe", attention_bias=True,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=False, shared_expert_intermediate_size=96),
     # A router with a bias, experts with biases and the clamped SwiGLU, attention sinks, q/k/v/o
     # biases, sliding and full layers.
     "gpt_oss": dict(architecture="GptOssForCausalLM", family="gpt_oss", num_experts=8,
@@ -223,18 +228,18 @@ def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
 
 
 def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):
-    """Routed experts the stack does not run (bf16 ones; a shared expert beside them) keep the
-    model op by op, and it says why."""
+    """Routed experts the stack does not run (bf16 or int8 ones) keep the model op by op, and
+    it says why."""
     monkeypatch.setattr(decode_stack, "_logged", set())  # said once a process: not yet here
     cfg = ModelConfig(**{**BASE, "architecture": "Qwen3MoeForCausalLM", "family": "qwen3_moe",
                          "qk_norm": True, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 32})
     torch.manual_seed(0)
-    shared = random_bf16_model(dataclasses.replace(cfg, shared_expert_intermediate_size=32))
-    Q.quantize_model(shared.layers, "int4")
-    shared.select_ops(True)
-    assert decode_stack.describe(shared).endswith(
-        "it has a shared expert beside the routed ones (routed experts run op by op)")
+    int8 = random_bf16_model(cfg)
+    Q.quantize_model(int8.layers, "int8")
+    int8.select_ops(True)
+    assert decode_stack.describe(int8).endswith(
+        "its routed experts are int8, not int4 or MXFP4 (routed experts run op by op)")
     model = CausalLM(cfg, max_positions=cfg.max_position_embeddings).to(torch.bfloat16)
     reason = decode_stack.describe(model)
     assert isinstance(reason, str) and "layer 0" in reason and "experts" in reason
@@ -316,6 +321,12 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
         num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         initializer_range=0.1)),
+    # The same layers with routed int4 experts and a gated shared expert in every MLP.
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        initializer_range=0.1, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
 }
 
 

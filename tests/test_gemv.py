@@ -355,16 +355,25 @@ def test_moe_route_op_chooses_and_weighs_as_the_router(options):
     """servelm_q8act.moe_route (the decode steps' router, the DecodeStack's too): per token the
     router's top-k experts, weights renormalised or not, times the routed scaling, rounded
     to bf16; against SparseMoE's softmax router (bf16 logits from its own matmul: at most an
-    ulp apart, ties in any order). A token routed by the layer on a few rows takes it."""
+    ulp apart, ties in any order); a shared expert's gate as an extra row gives its logits
+    and the same choice. A layer routing a few rows takes it."""
     moe = _moe("silu", torch.bfloat16, **options)
     if options.get("router_bias"):
         with torch.no_grad():
             moe.gate.bias.normal_(0, 1.0)  # enough to change which experts win
     x = torch.randn(40, 64).bfloat16()
     want_w, want_ids = moe.route(x)
-    w, ids = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, moe.gate.bias, 3,
-                                               moe.norm_topk_prob, moe.routed_scaling)
+    w, ids, none = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, moe.gate.bias, 3,
+                                                     moe.norm_topk_prob, moe.routed_scaling)
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (40, 3)
+    assert none.shape == (40, 0)
+    # A shared expert's gate as the last row: its logits beside the same choice.
+    g = torch.randn(1, 64).bfloat16()
+    w2, ids2, logit = torch.ops.servelm_q8act.moe_route(
+        x, torch.cat((moe.gate.weight, g)), moe.gate.bias, 3, moe.norm_topk_prob,
+        moe.routed_scaling, True)
+    assert torch.equal(w2, w) and torch.equal(ids2, ids) and logit.dtype == torch.bfloat16
+    torch.testing.assert_close(logit.float(), x.float() @ g.float().T, rtol=0.01, atol=0.01)
     assert torch.equal(w, w.bfloat16().float())  # bf16 values
     for t in range(40):  # the same experts, each with its weight (to an ulp)
         got = dict(zip(ids[t].tolist(), w[t].tolist()))

@@ -23,9 +23,10 @@ GPT-NeoX), a bias on any linear, an embedding scale, and each branch's
 output scaled before the residual add (Granite's residual multiplier); attention's output
 gated by sigmoid(attn_gate(x)), and gated DeltaNet layers over each sequence's recurrent
 state in attention's place (Qwen3.5: set_state_rows before each run); and routed experts in
-a layer's MLP place (SparseMoE with int4 or MXFP4 experts and the softmax router, no shared
-expert: bind_moe; steps of at most the fused op's rows, larger ones read each expert once, op
-by op). What it does not cover (other routers or expert formats, shared experts,
+a layer's MLP place (SparseMoE with int4 or MXFP4 experts and the softmax router, a shared
+expert beside them on the MLP's linears, gated or not: bind_moe; steps of at most the fused
+op's rows, larger ones read each expert once, op by op). What it does not cover (other
+routers or expert formats,
 tensor-parallel layers that all-reduce, a linear layer that does not run on the C++ int4 /
 int8 / bf16 kernels) keeps the model op by op.
 An adapted linear (servelm.layers.lora.LoRALinear) runs its base on those kernels and its
@@ -317,15 +318,19 @@ def describe(model) -> StackDescription | str:
     if first is None:
         return "it has no attention layer"
     attn = model.layers[first].self_attn
-    dense = next((layer.mlp for layer, d in zip(model.layers, layers) if not d.routed_experts), None)
+    # Each layer's MLP on the stack's MLP linears: its own, or a MoE layer's shared expert.
+    mlps = [layer.mlp.shared_expert if d.routed_experts else layer.mlp
+            for layer, d in zip(model.layers, layers)]
+    dense = next((m for m in mlps if m is not None), None)
     for i, layer in enumerate(model.layers):
         a = attn if layer.linear else layer.self_attn
         if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
             return f"layer {i}: its heads, softmax scale or soft-cap differ from layer {first}'s"
-        if not layers[i].routed_experts and dense is not None and (
-                (layer.mlp.act, type(layer.mlp)) != (dense.act, type(dense))):
-            return f"layer {i}: its MLP's kind or activation differs from the first dense one's"
+        if mlps[i] is not None and (mlps[i].act, type(mlps[i]), _width(mlps[i])) != (
+                dense.act, type(dense), _width(dense)):
+            return (f"layer {i}: its MLP's (or shared expert's) kind, activation or width differs "
+                    "from the first one's")
         if layer.residual_scale != model.layers[0].residual_scale:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
@@ -358,6 +363,11 @@ def describe(model) -> StackDescription | str:
         q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
 
 
+def _width(mlp) -> int:
+    """An MLP's (or shared expert's) first linear's outputs."""
+    return (mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.c_fc).out_features
+
+
 def layer_args(layer, rows: int = 1) -> tuple | str:
     """The layer's tensors for a DecodeStack of steps of `rows` rows: (weights, format
     codes, norms in NormSlot order, each linear's bias or an empty tensor), or why not (a
@@ -369,7 +379,7 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
         return d
     # qkv (or in_proj_qkvz), o (out_proj), gate_up (up), down (None, None: routed experts)[, extra]
     linears = layer.linears()
-    mlp = ("gate_up_proj", "down_proj") if hasattr(layer.mlp, "gate_up_proj") else ("c_fc", "c_proj")
+    mlp = ("c_fc", "c_proj") if hasattr(layer.mlp, "c_fc") else ("gate_up_proj", "down_proj")
     names = (("in_proj_qkvz", "out_proj", *mlp, "in_proj_ba")
              if layer.linear else ("qkv_proj", "o_proj", *mlp, "attn_gate"))
     if d.routed_experts and isinstance(why := layer.mlp.decode_stack_args(), str):

@@ -175,12 +175,14 @@ class DecoderLayer(nn.Module):
     def linears(self) -> tuple[nn.Module, ...]:
         """qkv, o, gate_up, down and the attention's output gate where it has one; a
         linear-attention layer's in_proj_qkvz, out_proj, gate_up, down, in_proj_ba: the order
-        the DecodeStack takes them. A layer whose MLP is routed experts has None for gate_up
-        and down."""
+        the DecodeStack takes them. A layer whose MLP is routed experts has its shared
+        expert's gate_up and down, or None for both."""
         mlp = self.mlp
+        if getattr(mlp, "shared_expert", None) is not None:  # routed experts beside it
+            mlp = mlp.shared_expert
         up, down = ((mlp.gate_up_proj, mlp.down_proj) if hasattr(mlp, "gate_up_proj")
                     else (mlp.c_fc, mlp.c_proj) if hasattr(mlp, "c_fc")  # a non-gated MLP's
-                    else (None, None))  # routed experts: no MLP linears
+                    else (None, None))  # routed experts alone: no MLP linears
         if self.linear:
             la = self.linear_attn
             return (la.in_proj_qkvz, la.out_proj, up, down, la.in_proj_ba)

@@ -320,9 +320,14 @@ class SparseMoE(OpModule):
                     limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
         # Its router for those steps: one C++ call (moe_route, the DecodeStack's routing too)
-        # where it is the plain softmax one over bf16 weights.
+        # where it is the plain softmax one over bf16 weights; a shared expert's gate (its
+        # weights bf16 too) as the router's last row.
         self._route_op = None
-        g = self._router_weight()
+        g = self._router_weight(self.gate)
+        shared_gate = self.shared_expert_gate is not None
+        if shared_gate and g is not None:
+            sg = self._router_weight(self.shared_expert_gate)
+            g = None if sg is None else torch.cat((g, sg))
         if (self._fused is not None and o["router_scoring"] == "softmax"
                 and not o["router_input_norm"] and not o["per_expert_scale"]
                 and g is not None and g.dtype == act == torch.bfloat16 and o["hidden"] % 16 == 0
@@ -331,15 +336,15 @@ class SparseMoE(OpModule):
             self._route_op = functools.partial(
                 torch.ops.servelm_q8act.moe_route.default, weight=g.contiguous(),
                 bias=bias, top_k=self.top_k, norm=self.norm_topk_prob,
-                scale=float(self.routed_scaling))
+                scale=float(self.routed_scaling), shared_gate=shared_gate)
 
-    def _router_weight(self) -> torch.Tensor | None:
-        """The router's weights [E, hidden] in bf16, where they are bf16 values (an nn.Linear's,
-        or those of the layer a one-row call runs: tiles, a tuned method's layout); None for
-        others (fp32, quantised)."""
+    @staticmethod
+    def _router_weight(gate: nn.Module) -> torch.Tensor | None:
+        """A router's (or a shared expert's gate's) weights [N, hidden] in bf16, where they are
+        bf16 values (an nn.Linear's, or those of the layer a one-row call runs: tiles, a tuned
+        method's layout); None for others (fp32, quantised)."""
         from servelm.quantization.formats import fp32_weight
 
-        gate = self.gate
         if hasattr(gate, "module_for"):  # tuned by row bucket
             gate = gate.module_for(1)
         if isinstance(gate, nn.Linear):
@@ -355,15 +360,14 @@ class SparseMoE(OpModule):
     def stack_reason(self) -> str | None:
         """Why the DecodeStack cannot run this layer's router and experts (a short reason),
         or None: it runs what the fused op and moe_route run for bf16 activations on the
-        CPU, int4 or MXFP4 experts behind the softmax router, without a shared expert. From
+        CPU, int4 or MXFP4 experts behind the softmax router (a shared expert beside them
+        runs on the stack's MLP linears: DecoderLayer.linears). From
         the layer's own options and formats (the tuner asks before the ops are selected)."""
         from servelm.layers import q8act
 
         o = self.options
         if self.expert_format not in ("int4", "mxfp4"):
             return f"its routed experts are {self.expert_format or self.act_dtype}, not int4 or MXFP4"
-        if self.shared_expert is not None:
-            return "it has a shared expert beside the routed ones"
         if (o["router_scoring"] != "softmax" or o["router_input_norm"] or o["per_expert_scale"]
                 or o["expert_input_weighted"]):
             return "its router is not the plain softmax one"
@@ -372,14 +376,17 @@ class SparseMoE(OpModule):
         if (self.act_dtype != torch.bfloat16 or o["hidden"] % 16
                 or self.experts_gate_up.device.type != "cpu" or not q8act.available()):
             return "its experts do not run the fused C++ op (bf16 activations on the CPU)"
-        if self._router_weight() is None:
+        if self._router_weight(self.gate) is None or (
+                self.shared_expert_gate is not None
+                and self._router_weight(self.shared_expert_gate) is None):
             return "its router's weights are not bfloat16"
         return None
 
     def decode_stack_args(self) -> tuple | str:
         """What DecodeStack.bind_moe takes of this layer (its router, top k, renormalisation
         and scale; its experts' format code (0 int4, 1 MXFP4), panels, scales, mins,
-        activation code, biases, limit and alpha), or why the stack cannot run it
+        activation code, biases, limit and alpha; whether the router's last row gates a
+        shared expert), or why the stack cannot run it
         (stack_reason's, or the fused op not selected)."""
         o = self.options
         why = self.stack_reason()
@@ -400,7 +407,7 @@ class SparseMoE(OpModule):
                 self.experts_down_scale, None if mx else self.experts_down_min,
                 3 if clamped else _ACT_CODES[o["act"]], gbias, dbias,
                 float(o["swiglu_limit"]) if clamped else 0.0,
-                float(o["swiglu_alpha"]) if clamped else 1.0)
+                float(o["swiglu_alpha"]) if clamped else 1.0, r["shared_gate"])
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's
@@ -467,10 +474,18 @@ class SparseMoE(OpModule):
         T, k = x.shape[0], self.top_k
         if self._fused is not None and T <= self._fused_rows:
             x = x.contiguous()
-            weights, ids = (self._route_op(x) if self._route_op is not None
-                            else self.route(x if route is None else route))
+            if self._route_op is None:
+                weights, ids = self.route(x if route is None else route)
+                return self._with_shared(self._fused(x, ids, weights, self.experts_gate_up,
+                                                     self.experts_down), x)
+            weights, ids, gate = self._route_op(x)  # (gate: the shared expert's logits)
             routed = self._fused(x, ids, weights, self.experts_gate_up, self.experts_down)
-            return self._with_shared(routed, x)
+            if self.shared_expert is None:
+                return routed
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(gate) * shared
+            return routed + shared
         weights, ids = self.route(x if route is None else route)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert

@@ -552,6 +552,7 @@ struct StackLayer {
     moe::Panels<q8act::MX4Fmt> mx4;
     const c10::BFloat16* router = nullptr;  // [E, hidden]
     std::vector<float> router_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
+    bool shared_gate = false;  // the router's row E gates the shared expert (the layer's gate_up / down)
     int64_t E = 0, k = 0;
     bool norm = true;
     float scale = 1.f;
@@ -709,15 +710,16 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: only gate_up_proj may be gated amx (-3)");
       TORCH_CHECK(g[0] != format::kNone && g[1] != format::kNone && (!linear || g[4] != format::kNone),
                   "DecodeStack: only an attention layer's extra linear (its output gate) may be absent");
-      TORCH_CHECK((g[2] == format::kNone) == routed && (g[3] == format::kNone) == routed,
-                  "DecodeStack: a layer has gate_up and down linears unless its MLP is routed experts");
+      TORCH_CHECK((g[2] == format::kNone) == (g[3] == format::kNone) && (routed || g[2] != format::kNone),
+                  "DecodeStack: a layer has gate_up and down linears (routed experts: a shared expert's, "
+                  "or none)");
       TORCH_CHECK(g[2] != QLinear::kAmxGated || (act_ == kSilu && !plain_mlp_),
                   "DecodeStack: gated amx is a SiLU-gated MLP's");
       s.qkv = parse_linear(keep_, j, g[0], qkv_n, hidden, linear ? "in_proj_qkvz" : "qkv_proj");
       s.o = parse_linear(keep_, j, g[1], hidden, o_k, linear ? "out_proj" : "o_proj");
       // gate_up's width is implied by its weight: int4 tiles hold 8K bytes each, int8 (and
       // w8a8's panels) 16K bytes, bf16 16K elements.
-      if (!routed) {
+      if (g[2] != format::kNone) {  // (a MoE layer's: its shared expert's)
         TORCH_CHECK(j < keep_.size(), "DecodeStack: too few weight tensors for gate_up_proj");
         const bool amx_gu = g[2] == QLinear::kAmx || g[2] == QLinear::kAmxGated;
         const bool w8_gu = g[2] > QLinear::kW8A8;
@@ -731,8 +733,8 @@ class DecodeStack : public torch::CustomClassHolder {
                              linear ? "in_proj_ba" : "attn_gate");
       // run() sizes its per-step buffers from the first layer's MLP and attention layer's heads.
       for (const StackLayer& d : layers_)
-        TORCH_CHECK(routed || d.mlp_kind == kRoutedExperts || s.gu.N == d.gu.N,
-                    "DecodeStack: every dense MLP must have the same width");
+        TORCH_CHECK(!s.gu.present() || !d.gu.present() || s.gu.N == d.gu.N,
+                    "DecodeStack: every dense MLP (and shared expert) must have the same width");
       TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
                   "DecodeStack: every attention layer must have the same head dim");
       const auto lins = s.linears();
@@ -803,18 +805,22 @@ class DecodeStack : public torch::CustomClassHolder {
   // their scale, as servelm_q8act.moe_route takes them; and its routed experts as
   // servelm_q8act.moe_experts (format 0: int4, scales and mins) or moe_experts_mxfp4 (format
   // 1: MXFP4, exponents as scales, no mins) take them, with act, the experts' biases, limit and
-  // alpha. Held by reference.
+  // alpha. Held by reference. A layer with gate_up and down linears has a shared expert (those
+  // linears, the model's activation) added to the experts' sum: times sigmoid(its gate's
+  // logit) where shared_gate (the router's last row, E + 1 rows), else as it is.
   void bind_moe(int64_t layer, at::Tensor router, c10::optional<at::Tensor> router_bias, int64_t top_k,
                 bool norm, double scale, int64_t format, at::Tensor gate_up_q, at::Tensor gate_up_s,
                 c10::optional<at::Tensor> gate_up_m, at::Tensor down_q, at::Tensor down_s,
                 c10::optional<at::Tensor> down_m, int64_t act, c10::optional<at::Tensor> gate_up_bias,
-                c10::optional<at::Tensor> down_bias, double limit, double alpha) {
+                c10::optional<at::Tensor> down_bias, double limit, double alpha, bool shared_gate) {
     const char* fn = "DecodeStack.bind_moe";
     TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].mlp_kind == kRoutedExperts, fn,
                 ": layer ", layer, " has no routed experts");
     TORCH_CHECK(format == 0 || format == 1, fn, ": format must be 0 (int4) or 1 (MXFP4)");
     TORCH_CHECK(act >= 0 && act <= 3, fn, ": act must be 0, 1, 2 or 3");
-    const int64_t H = hidden_, E = router.size(0);
+    TORCH_CHECK(!shared_gate || layers_[layer].gu.present(), fn, ": a shared expert's gate, but layer ", layer,
+                " has no shared expert (gate_up and down linears)");
+    const int64_t H = hidden_, E = router.size(0) - (shared_gate ? 1 : 0);
     TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kBFloat16 && router.is_contiguous() &&
                     router.size(1) == H && H % 16 == 0,
                 fn, ": the router must be contiguous bfloat16 [E, ", H, "], hidden a multiple of 16");
@@ -873,7 +879,7 @@ class DecodeStack : public torch::CustomClassHolder {
            down_m->data_ptr<c10::Half>());
     }
     x.mx = mx, x.router = router.data_ptr<c10::BFloat16>(), x.E = E, x.k = top_k, x.norm = norm;
-    x.scale = static_cast<float>(scale), x.bound = true;
+    x.scale = static_cast<float>(scale), x.shared_gate = shared_gate, x.bound = true;
     moe_keep_.insert(moe_keep_.end(), {router, gate_up_q, gate_up_s, down_q, down_s});
     if (!mx) moe_keep_.insert(moe_keep_.end(), {*gate_up_m, *down_m});
   }
@@ -1172,6 +1178,10 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<int64_t> moe_ids(M * moe_k);
     std::vector<float> moe_weights(M * moe_k);
     if (has_moe_) moe_scratch_.size(M, M * moe_k, hidden, moe_i);
+    // A shared expert's output and its gate's logit (MoE layers with one).
+    const at::Tensor shared_buf = at::empty({has_moe_ ? M * (hidden + 1) : 0}, residual.options());
+    BF* shared_out = shared_buf.data_ptr<BF>();
+    BF* shared_logit = shared_out + M * hidden;
     moe::Scratch& moe_s = moe_scratch_;
     const auto opts = residual.options();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -1299,7 +1309,7 @@ class DecodeStack : public torch::CustomClassHolder {
         };
       };
       std::vector<float> head_scratch(4 * dv_max);  // delta_rule::head_out's
-      std::vector<float> logits(moe_e);             // moe::route_row's
+      std::vector<float> logits(moe_e + 1);         // moe::route_row's
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1448,18 +1458,50 @@ class DecodeStack : public torch::CustomClassHolder {
             for (int64_t m = m0; m < m1; ++m) {
               moe::route_row(h2 + m * hidden, x.router, x.router_bias.empty() ? nullptr : x.router_bias.data(),
                              x.E, hidden, x.k, x.norm, x.scale, logits.data(), moe_ids.data() + m * x.k,
-                             moe_weights.data() + m * x.k);
+                             moe_weights.data() + m * x.k, x.shared_gate ? shared_logit + m : nullptr);
               x.with([&](const auto& P) { P.quantize(h2 + m * hidden, m, moe_s); });
             }
-          } else {
-            s.gu.sums(h2, M, m0, m1, xs3.data());
           }
+          if (s.gu.present()) s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
+        // The dense MLP (or a MoE layer's shared expert) into out: gate_up, the activation, down.
+        auto dense_mlp = [&](BF* out) {
+          // A gated gate_up writes silu(gate) * up itself, an adapter's delta added before the
+          // SiLU: this thread's pairs' gate and up columns' deltas computed ahead of its tiles.
+          shrink_phase(s.lora[kGateUp], h2, hidden);
+          const bool gu_delta = lora_on && s.gu.gated && s.lora[kGateUp].bound();
+          t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down,
+                   expand(s.lora[kGateUp], s.gu, gu_out, s.gu.N), [&] {
+                     if (!gu_delta) return;
+                     int64_t t0, t1;  // tiles in the packed order: pair q = (gate block q, up block q)
+                     s.gu.share(t.tid, t.n, t0, t1);
+                     const lora::Adapter<BF>& L = s.lora[kGateUp];
+                     for (const int64_t base : {int64_t{0}, inter})
+                       lora::expand<BF>(L, lora_groups, lora_t.data(), gu_out, 2 * inter, 0, L.blocks(),
+                                        base + 8 * t0, base + 8 * t1, lora_d_.data(), 2 * inter);
+                   }, gu_delta ? lora_drows.data() : nullptr);
+          if (!s.gu.gated || s.down.scratch(M))
+            t.rows(M, [&](int64_t m0, int64_t m1) {
+              if (!s.gu.gated) {
+                if (act_ != kSilu || plain_mlp_) act_rows(gu_out, act, m0, m1, inter, act_, plain_mlp_);
+                else
+                  for (int64_t m = m0; m < m1; ++m)
+                    silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+              }
+              s.down.sums(act, M, m0, m1, xs4.data());
+            }, s.down);
+          shrink_phase(s.lora[kDown], act, inter);
+          t.matmul(s.down, act, xs4, out, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
+                   expand(s.lora[kDown], s.down, out, hidden));
+        };
         if (s.mlp_kind == kRoutedExperts) {
-          // The routed experts, as servelm_q8act's fused op runs them: each (row, expert) pair's
-          // gate_up panels, the activations, then the down panels and the weighted sums into
-          // delta, each phase split over the threads.
+          // The shared expert into shared_out; the routed experts, as servelm_q8act's fused op
+          // runs them: each (row, expert) pair's gate_up panels, the activations, then the down
+          // panels and the weighted sums into delta, each phase split over the threads; then
+          // the shared expert's output added (times sigmoid of its gate's logit), as
+          // SparseMoE adds it: PyTorch's operators on each thread's rows.
           const StackLayer::Experts& x = s.moe;
+          if (s.gu.present()) dense_mlp(shared_out);
           const int64_t P = M * x.k;
           x.with([&](const auto& L) {
             t.guarded([&] {
@@ -1477,35 +1519,19 @@ class DecodeStack : public torch::CustomClassHolder {
             });
             t.barrier();
           });
+          if (s.gu.present())
+            t.rows(M, [&](int64_t m0, int64_t m1) {
+              const auto opts = at::TensorOptions().dtype(at::kBFloat16);
+              at::Tensor r = at::from_blob(delta + m0 * hidden, {m1 - m0, hidden}, opts);
+              at::Tensor sh = at::from_blob(shared_out + m0 * hidden, {m1 - m0, hidden}, opts);
+              if (x.shared_gate)
+                at::add_out(r, r, at::mul(at::sigmoid(at::from_blob(shared_logit + m0, {m1 - m0, 1}, opts)), sh));
+              else
+                at::add_out(r, r, sh);
+            }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
           continue;  // (no parallel block: the constructor refuses routed experts in one)
         }
-        // A gated gate_up writes silu(gate) * up itself, an adapter's delta added before the
-        // SiLU: this thread's pairs' gate and up columns' deltas computed ahead of its tiles.
-        shrink_phase(s.lora[kGateUp], h2, hidden);
-        const bool gu_delta = lora_on && s.gu.gated && s.lora[kGateUp].bound();
-        t.matmul(s.gu, h2, xs3, s.gu.gated ? act : gu_out, M, &s.down,
-                 expand(s.lora[kGateUp], s.gu, gu_out, s.gu.N), [&] {
-                   if (!gu_delta) return;
-                   int64_t t0, t1;  // tiles in the packed order: pair q = (gate block q, up block q)
-                   s.gu.share(t.tid, t.n, t0, t1);
-                   const lora::Adapter<BF>& L = s.lora[kGateUp];
-                   for (const int64_t base : {int64_t{0}, inter})
-                     lora::expand<BF>(L, lora_groups, lora_t.data(), gu_out, 2 * inter, 0, L.blocks(),
-                                      base + 8 * t0, base + 8 * t1, lora_d_.data(), 2 * inter);
-                 }, gu_delta ? lora_drows.data() : nullptr);
-        if (!s.gu.gated || s.down.scratch(M))
-          t.rows(M, [&](int64_t m0, int64_t m1) {
-            if (!s.gu.gated) {
-              if (act_ != kSilu || plain_mlp_) act_rows(gu_out, act, m0, m1, inter, act_, plain_mlp_);
-              else
-                for (int64_t m = m0; m < m1; ++m)
-                  silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
-            }
-            s.down.sums(act, M, m0, m1, xs4.data());
-          }, s.down);
-        shrink_phase(s.lora[kDown], act, inter);
-        t.matmul(s.down, act, xs4, delta, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
-                 expand(s.lora[kDown], s.down, delta, hidden));
+        dense_mlp(delta);
         if (parallel_)  // the block's output: attention's plus the MLP's, rounded once
           t.rows(M, [&](int64_t m0, int64_t m1) {
             for (int64_t m = m0; m < m1; ++m) add_row<BF>(o_out + m * hidden, delta + m * hidden, hidden);

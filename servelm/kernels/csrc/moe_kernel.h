@@ -45,13 +45,16 @@ inline float hsum8(__m256 v) {
 // to bf16 as a bf16 linear's output is; their softmax in fp32; the k largest probabilities
 // (ties: the lower expert first), renormalised to sum 1 where norm, times scale, rounded to
 // bf16 (the weights the experts' sum takes): ids [k], weights [k] (fp32 holding bf16 values).
-// logits: scratch [E].
+// gate (or null): w has a row E after the experts', a shared expert's gate (Qwen2-MoE's
+// shared_expert_gate): its logit, rounded to bf16, no bias, outside the softmax. logits:
+// scratch [E + 1].
 __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c10::BFloat16* w,
                                                 const float* bias, int64_t E, int64_t H, int64_t k,
                                                 bool norm, float scale, float* logits, int64_t* ids,
-                                                float* weights) {
+                                                float* weights, c10::BFloat16* gate = nullptr) {
+  const int64_t rows = gate ? E + 1 : E;
   int64_t e = 0;
-  for (; e + 4 <= E; e += 4) {  // four experts at a time: eight independent sums
+  for (; e + 4 <= rows; e += 4) {  // four experts at a time: eight independent sums
     __m256 a[4][2];
     for (auto& r : a) r[0] = r[1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < H; c += 16) {
@@ -64,7 +67,7 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
     }
     for (int j = 0; j < 4; ++j) logits[e + j] = hsum8(_mm256_add_ps(a[j][0], a[j][1]));
   }
-  for (; e < E; ++e) {  // the same operations, one expert
+  for (; e < rows; ++e) {  // the same operations, one expert
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t c = 0; c < H; c += 16) {
       a0 = _mm256_fmadd_ps(bf16x8(x + c), bf16x8(w + e * H + c), a0);
@@ -72,6 +75,7 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
     }
     logits[e] = hsum8(_mm256_add_ps(a0, a1));
   }
+  if (gate) *gate = c10::BFloat16(logits[E]);
   float mx = -INFINITY;
   for (e = 0; e < E; ++e) {
     logits[e] = static_cast<float>(c10::BFloat16(bias ? logits[e] + bias[e] : logits[e]));
