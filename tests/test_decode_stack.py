@@ -179,9 +179,9 @@ MOE_FAMILIES = {
 
 
 def _moe_model(family: str, fmt: str) -> CausalLM:
-    """A tiny random MoE model: int4 weights, its experts int4 or MXFP4 (random codes and
-    exponents, as a checkpoint's); the fused experts' op (hence the stack) for steps of up
-    to 64 rows."""
+    """A tiny random MoE model: int4 weights with int4 or MXFP4 experts (random codes and
+    exponents, as a checkpoint's), int8 weights and experts, or bf16 ones (tiles); the fused
+    experts' op (hence the stack) for steps of up to 64 rows."""
     from servelm.quantization.mxfp4 import MXFP4Weight
 
     model = random_bf16_model(ModelConfig(**{**BASE, **MOE_FAMILIES[family]}))
@@ -195,20 +195,24 @@ def _moe_model(family: str, fmt: str) -> CausalLM:
             mlp.load_mxfp4(which, "all", MXFP4Weight(
                 torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, generator=g),
                 torch.randint(118, 126, shape, dtype=torch.uint8, generator=g), "gguf"))
-    Q.quantize_model(model.layers, "int4")
+    if fmt == "bf16":
+        method_targets(model.layers, Q.TARGETS, "tiles")
+    else:
+        Q.quantize_model(model.layers, "int8" if fmt == "int8" else "int4")
     model.moe_fused_rows = 64
     model.select_ops(True)
     return model.eval()
 
 
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "int8", "bf16"])
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
-    """A MoE layer's router (servelm_q8act.moe_route's) and routed experts (the fused op's
-    phases) on the stack, with gpt-oss's sinks, biases and clamped SwiGLU: the per-op path's
-    bits, for steps up to the fused op's rows (larger ones run op by op)."""
+    """A MoE layer's router (servelm_q8act.moe_route's) and routed experts (the fused ops'
+    phases: int4 / MXFP4 panels, int8 / bf16 rows) on the stack, with gpt-oss's sinks,
+    biases and clamped SwiGLU, Qwen2-MoE's gated shared expert: the per-op path's bits, for
+    steps up to the fused op's rows (larger ones run op by op)."""
     model = _moe_model(family, fmt)
-    assert model.layers[0].mlp.expert_format == fmt
+    assert model.layers[0].mlp.expert_format == (None if fmt == "bf16" else fmt)
     d = decode_stack.describe(model)
     assert all(x.routed_experts and x.sinks == (family == "gpt_oss") for x in d.layers)
     for lens in LENS:
@@ -228,21 +232,21 @@ def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
 
 
 def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):
-    """Routed experts the stack does not run (bf16 or int8 ones) keep the model op by op, and
-    it says why."""
+    """Routed experts the stack does not run (fp32 ones; a router other than the softmax one)
+    keep the model op by op, and it says why."""
     monkeypatch.setattr(decode_stack, "_logged", set())  # said once a process: not yet here
     cfg = ModelConfig(**{**BASE, "architecture": "Qwen3MoeForCausalLM", "family": "qwen3_moe",
                          "qk_norm": True, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 32})
     torch.manual_seed(0)
-    int8 = random_bf16_model(cfg)
-    Q.quantize_model(int8.layers, "int8")
-    int8.select_ops(True)
-    assert decode_stack.describe(int8).endswith(
-        "its routed experts are int8, not int4 or MXFP4 (routed experts run op by op)")
-    model = CausalLM(cfg, max_positions=cfg.max_position_embeddings).to(torch.bfloat16)
+    sigmoid = random_bf16_model(cfg)
+    for layer in sigmoid.layers:  # Llama 4's router: a sigmoid weighting the experts' inputs
+        layer.mlp.options.update(router_scoring="sigmoid", expert_input_weighted=True)
+    fp32 = decode_stack.describe(CausalLM(cfg, max_positions=cfg.max_position_embeddings))
+    assert isinstance(fp32, str) and "layer 0" in fp32 and "float32" in fp32
+    model = sigmoid
     reason = decode_stack.describe(model)
-    assert isinstance(reason, str) and "layer 0" in reason and "experts" in reason
+    assert reason.endswith("its router is not the plain softmax one (routed experts run op by op)")
     assert not model.decode_stack_supported()
     _, _, caches = _setup(cfg, [4])
     with caplog.at_level(logging.INFO, logger="servelm.models.decode_stack"):

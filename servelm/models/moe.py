@@ -360,20 +360,20 @@ class SparseMoE(OpModule):
     def stack_reason(self) -> str | None:
         """Why the DecodeStack cannot run this layer's router and experts (a short reason),
         or None: it runs what the fused op and moe_route run for bf16 activations on the
-        CPU, int4 or MXFP4 experts behind the softmax router (a shared expert beside them
+        CPU, experts of any format behind the softmax router (a shared expert beside them
         runs on the stack's MLP linears: DecoderLayer.linears). From
         the layer's own options and formats (the tuner asks before the ops are selected)."""
         from servelm.layers import q8act
 
         o = self.options
-        if self.expert_format not in ("int4", "mxfp4"):
-            return f"its routed experts are {self.expert_format or self.act_dtype}, not int4 or MXFP4"
+        if self.expert_format is None and self.experts_gate_up.dtype != torch.bfloat16:
+            return f"its routed experts are {self.experts_gate_up.dtype}, not bf16 or quantised"
         if (o["router_scoring"] != "softmax" or o["router_input_norm"] or o["per_expert_scale"]
                 or o["expert_input_weighted"]):
             return "its router is not the plain softmax one"
         if o["swiglu_limit"] is None and o["act"] not in _ACT_CODES:
             return f"its experts' activation {o['act']!r} has no fused kernel"
-        if (self.act_dtype != torch.bfloat16 or o["hidden"] % 16
+        if (self.act_dtype != torch.bfloat16 or o["hidden"] % 16 or o["intermediate"] % 8
                 or self.experts_gate_up.device.type != "cpu" or not q8act.available()):
             return "its experts do not run the fused C++ op (bf16 activations on the CPU)"
         if self._router_weight(self.gate) is None or (
@@ -384,10 +384,11 @@ class SparseMoE(OpModule):
 
     def decode_stack_args(self) -> tuple | str:
         """What DecodeStack.bind_moe takes of this layer (its router, top k, renormalisation
-        and scale; its experts' format code (0 int4, 1 MXFP4), panels, scales, mins,
+        and scale; its experts' format code (0 int4, 1 MXFP4: panels; 2 int8, 3 bf16: rows),
+        weights, scales, mins (where they have them),
         activation code, biases, limit and alpha; whether the router's last row gates a
-        shared expert), or why the stack cannot run it
-        (stack_reason's, or the fused op not selected)."""
+        shared expert; the rows' weight order, tune_fused_experts'), or why the stack cannot
+        run it (stack_reason's, or the fused op not selected)."""
         o = self.options
         why = self.stack_reason()
         if why is not None:
@@ -395,19 +396,19 @@ class SparseMoE(OpModule):
         if self._fused is None or self._route_op is None:
             return "its routed experts do not run the fused C++ op (the kernels are off)"
         clamped = o["swiglu_limit"] is not None
-        mx = self.expert_format == "mxfp4"
+        fmt = {"int4": 0, "mxfp4": 1, "int8": 2, None: 3}[self.expert_format]
         r = self._route_op.keywords
         gbias = dbias = None
         if o["expert_bias"]:
             gbias = self.experts_gate_up_bias.detach().float().contiguous()
             dbias = self.experts_down_bias.detach().float().contiguous()
         return (r["weight"], r["bias"], self.top_k, self.norm_topk_prob, float(self.routed_scaling),
-                int(mx), self.experts_gate_up, self.experts_gate_up_scale,
-                None if mx else self.experts_gate_up_min, self.experts_down,
-                self.experts_down_scale, None if mx else self.experts_down_min,
+                fmt, self.experts_gate_up, self.experts_gate_up_scale, self.experts_gate_up_min,
+                self.experts_down, self.experts_down_scale, self.experts_down_min,
                 3 if clamped else _ACT_CODES[o["act"]], gbias, dbias,
                 float(o["swiglu_limit"]) if clamped else 0.0,
-                float(o["swiglu_alpha"]) if clamped else 1.0, r["shared_gate"])
+                float(o["swiglu_alpha"]) if clamped else 1.0, r["shared_gate"],
+                bool(self._fused.keywords.get("by_row", False)))
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's

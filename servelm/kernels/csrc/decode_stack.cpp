@@ -5,8 +5,9 @@
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
 // a sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), a SiLU, tanh-GELU or
 // GELU MLP, gated or plain, a bias on any linear, attention's output gate, gated DeltaNet layers
-// (Qwen3.5), attention sinks and routed experts (gpt-oss, Qwen3-MoE: int4 or MXFP4 experts
-// in q8act's panels, moe_kernel.h, as servelm_q8act's fused ops run them), an embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
+// (Qwen3.5), attention sinks and routed experts (gpt-oss, Qwen3-MoE, Qwen3.5-MoE: int4 or MXFP4
+// experts in q8act's panels, moe_kernel.h, or int8 / bf16 ones as rows, gemv_kernel.h, as the
+// fused ops run them; a shared expert beside them), an embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
 // of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
 // adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
 // its row steps row_kernels.h's (the servelm_ops operators'), its attention
@@ -46,6 +47,7 @@
 #include "lora_kernels.h"      // LoRA deltas, as servelm_ops.lora_add runs them
 #include "delta_rule_kernel.h"  // linear-attention layers, as servelm_delta_rule.decode runs them
 #include "moe_kernel.h"        // routed experts, as servelm_q8act.moe_route / moe_experts run them
+#include "gemv_kernel.h"       // bf16 / int8 routed experts, as servelm_gemv.moe_experts runs them
 
 namespace {
 
@@ -547,20 +549,27 @@ struct StackLayer {
   std::vector<float> A_log, dt_bias;
   // A MoE layer's router and routed experts (bind_moe's), in one of the panels' formats.
   struct Experts {
-    bool bound = false, mx = false;  // mx: MXFP4 experts (else int4)
+    bool bound = false;
+    int64_t format = 0;  // bind_moe's: 0 int4, 1 MXFP4 (panels), 2 int8, 3 bf16 (rows)
     moe::Panels<q8act::Q4Fmt> q4;
     moe::Panels<q8act::MX4Fmt> mx4;
+    moe::Rows<int8_t> r8;
+    moe::Rows<c10::BFloat16> rb;
     const c10::BFloat16* router = nullptr;  // [E, hidden]
     std::vector<float> router_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
     bool shared_gate = false;  // the router's row E gates the shared expert (the layer's gate_up / down)
     int64_t E = 0, k = 0;
     bool norm = true;
     float scale = 1.f;
-    int64_t I() const { return mx ? mx4.I : q4.I; }
+    int64_t I() const { return format == 0 ? q4.I : format == 1 ? mx4.I : format == 2 ? r8.I : rb.I; }
     template <typename F>
     void with(F&& f) const {
-      if (mx) f(mx4);
-      else f(q4);
+      switch (format) {
+        case 0: f(q4); break;
+        case 1: f(mx4); break;
+        case 2: f(r8); break;
+        default: f(rb); break;
+      }
     }
   };
   int64_t mlp_kind = kDenseMlp;
@@ -802,21 +811,24 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // Once per MoE layer (MLP kind kRoutedExperts): its router (bf16 [E, hidden], hidden a multiple
   // of 16; bias [E] or None), top_k, whether the chosen weights are renormalised (norm) and
-  // their scale, as servelm_q8act.moe_route takes them; and its routed experts as
-  // servelm_q8act.moe_experts (format 0: int4, scales and mins) or moe_experts_mxfp4 (format
-  // 1: MXFP4, exponents as scales, no mins) take them, with act, the experts' biases, limit and
-  // alpha. Held by reference. A layer with gate_up and down linears has a shared expert (those
-  // linears, the model's activation) added to the experts' sum: times sigmoid(its gate's
-  // logit) where shared_gate (the router's last row, E + 1 rows), else as it is.
+  // their scale, as servelm_q8act.moe_route takes them; and its routed experts as the fused
+  // ops take them: format 0, int4 panels with scales and mins (servelm_q8act.moe_experts); 1,
+  // MXFP4 panels with exponents as scales, no mins (moe_experts_mxfp4); 2, int8 rows [E, N, K]
+  // with fp32 scales [E, N], or 3, bf16 rows, no scales (servelm_gemv.moe_experts, by_row its
+  // weight order); with act, the experts' biases, limit and alpha. Held by reference. A layer
+  // with gate_up and down linears has a shared expert (those linears, the model's activation)
+  // added to the experts' sum: times sigmoid(its gate's logit) where shared_gate (the router's
+  // last row, E + 1 rows), else as it is.
   void bind_moe(int64_t layer, at::Tensor router, c10::optional<at::Tensor> router_bias, int64_t top_k,
-                bool norm, double scale, int64_t format, at::Tensor gate_up_q, at::Tensor gate_up_s,
-                c10::optional<at::Tensor> gate_up_m, at::Tensor down_q, at::Tensor down_s,
+                bool norm, double scale, int64_t format, at::Tensor gate_up_q, c10::optional<at::Tensor> gate_up_s,
+                c10::optional<at::Tensor> gate_up_m, at::Tensor down_q, c10::optional<at::Tensor> down_s,
                 c10::optional<at::Tensor> down_m, int64_t act, c10::optional<at::Tensor> gate_up_bias,
-                c10::optional<at::Tensor> down_bias, double limit, double alpha, bool shared_gate) {
+                c10::optional<at::Tensor> down_bias, double limit, double alpha, bool shared_gate,
+                bool by_row) {
     const char* fn = "DecodeStack.bind_moe";
     TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].mlp_kind == kRoutedExperts, fn,
                 ": layer ", layer, " has no routed experts");
-    TORCH_CHECK(format == 0 || format == 1, fn, ": format must be 0 (int4) or 1 (MXFP4)");
+    TORCH_CHECK(format >= 0 && format <= 3, fn, ": format must be 0 (int4), 1 (MXFP4), 2 (int8) or 3 (bf16)");
     TORCH_CHECK(act >= 0 && act <= 3, fn, ": act must be 0, 1, 2 or 3");
     TORCH_CHECK(!shared_gate || layers_[layer].gu.present(), fn, ": a shared expert's gate, but layer ", layer,
                 " has no shared expert (gate_up and down linears)");
@@ -825,35 +837,58 @@ class DecodeStack : public torch::CustomClassHolder {
                     router.size(1) == H && H % 16 == 0,
                 fn, ": the router must be contiguous bfloat16 [E, ", H, "], hidden a multiple of 16");
     TORCH_CHECK(top_k >= 1 && top_k <= E, fn, ": top_k must be in [1, ", E, "]");
-    for (const at::Tensor* t : {&gate_up_q, &down_q})
-      TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 6 && t->size(0) == E && t->size(3) == 2 &&
-                      t->size(4) == 4 && t->size(5) == 32 && t->is_contiguous(),
-                  fn, ": expert panels must be contiguous uint8 [E, N / 16, K / 32, 2, 4, 32]");
-    const int64_t I = down_q.size(2) * q8act::kB;
-    TORCH_CHECK(gate_up_q.size(2) * q8act::kB == H && gate_up_q.size(1) * q8act::kNR == 2 * I &&
-                    down_q.size(1) == (H + q8act::kNR - 1) / q8act::kNR,
-                fn, ": expert shapes do not fit (gate_up [E, 2I, hidden], down [E, hidden, I])");
-    const bool mx = format == 1;
-    const at::ScalarType st = mx ? at::kByte : at::kHalf;
-    for (const auto& [q, sc, mn] : {std::tuple<const at::Tensor*, const at::Tensor*, const c10::optional<at::Tensor>*>{
-                                        &gate_up_q, &gate_up_s, &gate_up_m},
-                                    {&down_q, &down_s, &down_m}}) {
-      TORCH_CHECK(sc->scalar_type() == st && sc->dim() == 4 && sc->is_contiguous() && sc->size(0) == E &&
-                      sc->size(1) == q->size(1) && sc->size(3) == q8act::kNR &&
-                      (mx ? sc->size(2) == q->size(2) : q->size(2) % sc->size(2) == 0),
-                  fn, ": expert scales must be contiguous ", mx ? "uint8" : "float16", " [E, N / 16, K / G, 16]");
-      TORCH_CHECK(mx != (mn->has_value() && (*mn)->defined()), fn, ": int4 experts take mins, MXFP4 ones none");
-      if (!mx)
-        TORCH_CHECK((*mn)->sizes() == sc->sizes() && (*mn)->scalar_type() == at::kHalf && (*mn)->is_contiguous(),
-                    fn, ": expert mins must be as their scales");
+    const bool panels = format <= 1, mx = format == 1;
+    auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+    int64_t I = 0, group = q8act::kB;
+    if (panels) {
+      for (const at::Tensor* t : {&gate_up_q, &down_q})
+        TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 6 && t->size(0) == E && t->size(3) == 2 &&
+                        t->size(4) == 4 && t->size(5) == 32 && t->is_contiguous(),
+                    fn, ": expert panels must be contiguous uint8 [E, N / 16, K / 32, 2, 4, 32]");
+      I = down_q.size(2) * q8act::kB;
+      TORCH_CHECK(gate_up_q.size(2) * q8act::kB == H && gate_up_q.size(1) * q8act::kNR == 2 * I &&
+                      down_q.size(1) == (H + q8act::kNR - 1) / q8act::kNR,
+                  fn, ": expert shapes do not fit (gate_up [E, 2I, hidden], down [E, hidden, I])");
+      const at::ScalarType st = mx ? at::kByte : at::kHalf;
+      for (const auto& [q, sc, mn] : {std::tuple<const at::Tensor*, const c10::optional<at::Tensor>*,
+                                                 const c10::optional<at::Tensor>*>{&gate_up_q, &gate_up_s, &gate_up_m},
+                                      {&down_q, &down_s, &down_m}}) {
+        TORCH_CHECK(given(*sc), fn, ": panels take their scales");
+        const at::Tensor& c = **sc;
+        TORCH_CHECK(c.scalar_type() == st && c.dim() == 4 && c.is_contiguous() && c.size(0) == E &&
+                        c.size(1) == q->size(1) && c.size(3) == q8act::kNR &&
+                        (mx ? c.size(2) == q->size(2) : q->size(2) % c.size(2) == 0),
+                    fn, ": expert scales must be contiguous ", mx ? "uint8" : "float16", " [E, N / 16, K / G, 16]");
+        TORCH_CHECK(mx != given(*mn), fn, ": int4 experts take mins, MXFP4 ones none");
+        if (!mx)
+          TORCH_CHECK((*mn)->sizes() == c.sizes() && (*mn)->scalar_type() == at::kHalf && (*mn)->is_contiguous(),
+                      fn, ": expert mins must be as their scales");
+      }
+      group = mx ? q8act::kB : H / gate_up_s->size(2);
+      TORCH_CHECK(mx || (group % q8act::kB == 0 && I / down_s->size(2) == group), fn,
+                  ": int4 experts need one group size, a multiple of 32, for both projections");
+    } else {
+      const at::ScalarType wt = format == 2 ? at::kChar : at::kBFloat16;
+      TORCH_CHECK(gate_up_q.scalar_type() == wt && down_q.scalar_type() == wt && gate_up_q.dim() == 3 &&
+                      down_q.dim() == 3 && gate_up_q.is_contiguous() && down_q.is_contiguous() &&
+                      gate_up_q.size(0) == E && down_q.size(0) == E,
+                  fn, ": expert rows must be contiguous ", wt, " gate_up [E, 2I, hidden] and down [E, hidden, I]");
+      I = down_q.size(2);
+      TORCH_CHECK(gate_up_q.size(1) == 2 * I && gate_up_q.size(2) == H && down_q.size(1) == H && I % 8 == 0,
+                  fn, ": expert shapes do not fit (gate_up [E, 2I, hidden], down [E, hidden, I], I a multiple of 8)");
+      TORCH_CHECK((format == 2) == given(gate_up_s) && (format == 2) == given(down_s) && !given(gate_up_m) &&
+                      !given(down_m),
+                  fn, ": int8 experts take their rows' scales, bf16 ones none, neither mins");
+      if (format == 2)
+        TORCH_CHECK(gate_up_s->scalar_type() == at::kFloat && gate_up_s->is_contiguous() &&
+                        gate_up_s->numel() == E * 2 * I && down_s->scalar_type() == at::kFloat &&
+                        down_s->is_contiguous() && down_s->numel() == E * H,
+                    fn, ": int8 experts' scales must be contiguous float32 [E, 2I] and [E, hidden]");
     }
-    const int64_t group = mx ? q8act::kB : H / gate_up_s.size(2);
-    TORCH_CHECK(mx || (group % q8act::kB == 0 && I / down_s.size(2) == group), fn,
-                ": int4 experts need one group size, a multiple of 32, for both projections");
     StackLayer::Experts& x = layers_[layer].moe;
     auto floats = [&](const c10::optional<at::Tensor>& t, int64_t n, const char* what) {
       std::vector<float> v;
-      if (!t || !t->defined()) return v;
+      if (!given(t)) return v;
       TORCH_CHECK(t->numel() == n, fn, ": ", what, " must have ", n, " values");
       const at::Tensor f = t->to(at::kFloat).contiguous();
       v.assign(f.data_ptr<float>(), f.data_ptr<float>() + n);
@@ -862,26 +897,37 @@ class DecodeStack : public torch::CustomClassHolder {
     x.router_bias = floats(router_bias, E, "the router's bias");
     x.gate_up_bias = floats(gate_up_bias, E * 2 * I, "gate_up_bias");
     x.down_bias = floats(down_bias, E * H, "down_bias");
+    const float* gb = x.gate_up_bias.empty() ? nullptr : x.gate_up_bias.data();
+    const float* db = x.down_bias.empty() ? nullptr : x.down_bias.data();
     auto fill = [&](auto& P, const auto* gs, const auto* gm, const auto* ds, const auto* dm) {
       P.gq = gate_up_q.data_ptr<uint8_t>(), P.dq = down_q.data_ptr<uint8_t>();
       P.gs = gs, P.gm = gm, P.ds = ds, P.dm = dm;
-      P.s1 = gate_up_s[0].numel(), P.s2 = down_s[0].numel(), P.group = group;
-      P.gbias = x.gate_up_bias.empty() ? nullptr : x.gate_up_bias.data();
-      P.dbias = x.down_bias.empty() ? nullptr : x.down_bias.data();
-      P.act = act, P.limit = static_cast<float>(limit), P.alpha = static_cast<float>(alpha);
-      P.H = H, P.I = I;
+      P.s1 = (*gate_up_s)[0].numel(), P.s2 = (*down_s)[0].numel(), P.group = group;
+      P.gbias = gb, P.dbias = db, P.act = act, P.limit = static_cast<float>(limit);
+      P.alpha = static_cast<float>(alpha), P.H = H, P.I = I;
     };
-    if (mx) {
-      fill(x.mx4, gate_up_s.data_ptr<uint8_t>(), static_cast<const uint8_t*>(nullptr), down_s.data_ptr<uint8_t>(),
-           static_cast<const uint8_t*>(nullptr));
-    } else {
-      fill(x.q4, gate_up_s.data_ptr<c10::Half>(), gate_up_m->data_ptr<c10::Half>(), down_s.data_ptr<c10::Half>(),
+    auto fill_rows = [&](auto& R, const auto* gw, const auto* dw) {
+      R.gw = gw, R.dw = dw;
+      R.gscale = format == 2 ? gate_up_s->data_ptr<float>() : nullptr;
+      R.dscale = format == 2 ? down_s->data_ptr<float>() : nullptr;
+      R.gbias = gb, R.dbias = db, R.act = act, R.limit = static_cast<float>(limit);
+      R.alpha = static_cast<float>(alpha), R.by_row = by_row, R.H = H, R.I = I;
+    };
+    if (format == 0)
+      fill(x.q4, gate_up_s->data_ptr<c10::Half>(), gate_up_m->data_ptr<c10::Half>(), down_s->data_ptr<c10::Half>(),
            down_m->data_ptr<c10::Half>());
-    }
-    x.mx = mx, x.router = router.data_ptr<c10::BFloat16>(), x.E = E, x.k = top_k, x.norm = norm;
+    else if (format == 1)
+      fill(x.mx4, gate_up_s->data_ptr<uint8_t>(), static_cast<const uint8_t*>(nullptr), down_s->data_ptr<uint8_t>(),
+           static_cast<const uint8_t*>(nullptr));
+    else if (format == 2)
+      fill_rows(x.r8, gate_up_q.data_ptr<int8_t>(), down_q.data_ptr<int8_t>());
+    else
+      fill_rows(x.rb, gate_up_q.data_ptr<c10::BFloat16>(), down_q.data_ptr<c10::BFloat16>());
+    x.format = format, x.router = router.data_ptr<c10::BFloat16>(), x.E = E, x.k = top_k, x.norm = norm;
     x.scale = static_cast<float>(scale), x.shared_gate = shared_gate, x.bound = true;
-    moe_keep_.insert(moe_keep_.end(), {router, gate_up_q, gate_up_s, down_q, down_s});
-    if (!mx) moe_keep_.insert(moe_keep_.end(), {*gate_up_m, *down_m});
+    moe_keep_.insert(moe_keep_.end(), {router, gate_up_q, down_q});
+    for (const auto* t : {&gate_up_s, &gate_up_m, &down_s, &down_m})
+      if (given(*t)) moe_keep_.push_back(**t);
   }
 
   // Once per layer whose attention has sinks (layer option kSinks): one logit per query head,
@@ -1505,15 +1551,18 @@ class DecodeStack : public torch::CustomClassHolder {
           const int64_t P = M * x.k;
           x.with([&](const auto& L) {
             t.guarded([&] {
-              const int64_t items = P * L.np1();
+              const int64_t items = L.gate_up_items(P);
               L.gate_up(moe_ids.data(), x.k, items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
             });
             t.barrier();
-            t.guarded([&] { L.activate(P * t.tid / t.n, P * (t.tid + 1) / t.n, moe_s); });
+            t.guarded([&] {
+              const int64_t items = L.act_items(P);
+              L.activate(items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
+            });
             t.barrier();
             t.guarded([&] {
-              const int64_t np = L.np2();
-              L.down(moe_ids.data(), moe_weights.data(), M, x.k, np * t.tid / t.n, np * (t.tid + 1) / t.n,
+              const int64_t items = L.down_items();
+              L.down(moe_ids.data(), moe_weights.data(), M, x.k, items * t.tid / t.n, items * (t.tid + 1) / t.n,
                      delta, moe_s);
               if (l + 1 < layers_.size()) layers_[l + 1].qkv.prefetch(t.tid, t.n, Team::kWarm);
             });

@@ -38,87 +38,15 @@
 // The same float operations for every row-count instantiation (see qdot.cpp).
 #pragma GCC optimize("no-fast-math")
 
-#include "avx2_vec.h"  // load8f: under the pragma
-#include "moe_act.h"   // moe_act, moe_weighted_sum, moe_routing: under the pragma too
+#include "avx2_vec.h"     // load8f: under the pragma
+#include "moe_act.h"      // moe_routing: under the pragma too
+#include "gemv_kernel.h"  // gemv::block, block_rows, moe::Rows
 
 namespace {
 
-constexpr int kRows = 4;
-
-// Lane sums of 4 vectors: {sum a, sum b, sum c, sum d}.
-inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-// out[m0 .. m0 + MT) x [n0, n0 + nr) for one block of up to 4 weight rows.
-// scale (int8 weights): each row's products times its scale, before the bias.
-template <int MT, typename W, typename O>
-void block(const float* x, const W* w, const float* bias, O* out, int64_t m0, int64_t n0,
-           int nr, int64_t K, int64_t N, const float* scale = nullptr) {
-  const W* w0 = w + n0 * K;
-  // Rows past N (the last block) read row 0 again and are not stored.
-  const W* w1 = nr > 1 ? w0 + K : w0;
-  const W* w2 = nr > 2 ? w0 + 2 * K : w0;
-  const W* w3 = nr > 3 ? w0 + 3 * K : w0;
-  __m256 a0[MT], a1[MT], a2[MT], a3[MT];
-  for (int m = 0; m < MT; ++m) a0[m] = a1[m] = a2[m] = a3[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v0 = load8f(w0 + k), v1 = load8f(w1 + k);
-    const __m256 v2 = load8f(w2 + k), v3 = load8f(w3 + k);
-#pragma GCC unroll 2
-    for (int m = 0; m < MT; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
-      a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
-      a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
-      a2[m] = _mm256_fmadd_ps(v2, xv, a2[m]);
-      a3[m] = _mm256_fmadd_ps(v3, xv, a3[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    alignas(16) float s[4];
-    _mm_store_ps(s, hsum4(a0[m], a1[m], a2[m], a3[m]));
-    for (int r = 0; r < nr; ++r)
-      out[(m0 + m) * N + n0 + r] = static_cast<O>((scale ? s[r] * scale[n0 + r] : s[r]) +
-                                                  (bias ? bias[n0 + r] : 0.f));
-  }
-}
-
-// The same outputs as block(), a weight row at a time.
-template <int MT, typename W, typename O>
-void block_rows(const float* x, const W* w, const float* bias, O* out, int64_t m0, int64_t n0,
-                int nr, int64_t K, int64_t N, const float* scale = nullptr) {
-  for (int r = 0; r < nr; ++r) {
-    const W* wr = w + (n0 + r) * K;
-    __m256 a[MT][4];
-    for (int m = 0; m < MT; ++m) a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      const __m256 v0 = load8f(wr + k), v1 = load8f(wr + k + 8);
-      const __m256 v2 = load8f(wr + k + 16), v3 = load8f(wr + k + 24);
-#pragma GCC unroll 2
-      for (int m = 0; m < MT; ++m) {
-        const float* xr = x + (m0 + m) * K + k;
-        a[m][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), a[m][0]);
-        a[m][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), a[m][1]);
-        a[m][2] = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), a[m][2]);
-        a[m][3] = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), a[m][3]);
-      }
-    }
-    for (; k < K; k += 8) {
-      const __m256 v0 = load8f(wr + k);
-      for (int m = 0; m < MT; ++m)
-        a[m][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x + (m0 + m) * K + k), a[m][0]);
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m256 s = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]),
-                                     _mm256_add_ps(a[m][2], a[m][3]));
-      const float d = hsum8(s);
-      out[(m0 + m) * N + n0 + r] = static_cast<O>((scale ? d * scale[n0 + r] : d) +
-                                                  (bias ? bias[n0 + r] : 0.f));
-    }
-  }
-}
+using gemv::block;
+using gemv::block_rows;
+using gemv::kRows;
 
 // y = x weight^T (+ bias) for W = float (x float32) or c10::BFloat16 (x bfloat16 or float32).
 template <typename W>
@@ -232,63 +160,38 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
     gscale = gscale_in->to(at::kFloat).contiguous();
     dscale = dscale_in->to(at::kFloat).contiguous();
   }
-  const float* gsp = q8 ? gscale.data_ptr<float>() : nullptr;
-  const float* dsp = q8 ? dscale.data_ptr<float>() : nullptr;
-  const float* gbp = route.gbias();
-  const float* dbp = route.dbias();
-  const float limit = static_cast<float>(limit_d), alpha = static_cast<float>(alpha_d);
+  moe::Rows<W> L;
+  L.gw = reinterpret_cast<const W*>(gate_up.data_ptr()), L.dw = reinterpret_cast<const W*>(down.data_ptr());
+  L.gscale = q8 ? gscale.data_ptr<float>() : nullptr, L.dscale = q8 ? dscale.data_ptr<float>() : nullptr;
+  L.gbias = route.gbias(), L.dbias = route.dbias(), L.act = act;
+  L.limit = static_cast<float>(limit_d), L.alpha = static_cast<float>(alpha_d), L.by_row = by_row;
+  L.H = H, L.I = I;
   const int64_t k = ids_in.size(1), P = T * k;
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = x_in.contiguous();
   const int64_t* idp = route.id();
+  const float* wp = route.weight();
   at::Tensor out = at::empty({T, H}, x_in.options());
   if (P == 0) return out.zero_();
-  at::Tensor h = at::empty({P, 2 * I}, x.options());
-  at::Tensor a = at::empty({P, I}, x.options());
-  at::Tensor y = at::empty({P, H}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = route.weight();
-  float* hp = h.data_ptr<float>();
-  float* ap = a.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const W* gp = reinterpret_cast<const W*>(gate_up.data_ptr());
-  const W* dp = reinterpret_cast<const W*>(down.data_ptr());
-  auto gemv = [&](const float* xr, const W* w, const float* bias, float* o, int64_t n0, int nr,
-                  int64_t K, int64_t N, const float* scale) {
-    if (by_row) block_rows<1>(xr, w, bias, o, 0, n0, nr, K, N, scale);
-    else block<1>(xr, w, bias, o, 0, n0, nr, K, N, scale);
-  };
+  moe::Scratch s;
+  s.size(T, P, H, I);
+  for (int64_t t = 0; t < T; ++t) {
+    if (x.scalar_type() == at::kFloat) L.quantize(x.data_ptr<float>() + t * H, t, s);
+    else L.quantize(x.data_ptr<c10::BFloat16>() + t * H, t, s);
+  }
   auto store = [&](auto* o) {
     // One parallel region, two barriers (a few tokens' step is short: three regions' fork
-    // and join cost as much as the expert rows' stream). Each thread:
-    //   1. its share of the (pair, block of 4 gate_up rows) items, pair-major: h[p] = gate_up[e] x[t];
-    //   2. its share of the activations a[p] = act(gate) * up;
-    //   3. its share of the output rows: y[p][rows] = down[e][rows] a[p] for every pair in
-    //      turn (one expert's rows stream at a time), then out[t][rows] = sum_j weights[t, j]
-    //      y[t k + j][rows], in slot order.
+    // and join cost as much as the expert rows' stream): moe::Rows' phases, each thread its
+    // share of each phase's items.
     const int nt = std::max(1, at::get_num_threads());
-    const int64_t NB1 = (2 * I + kRows - 1) / kRows, NB2 = (H + kRows - 1) / kRows;
+    const int64_t n1 = L.gate_up_items(P), n2 = L.act_items(P), n3 = L.down_items();
 #pragma omp parallel num_threads(nt)
     {
       const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
-      for (int64_t b = P * NB1 * tid / n, b1 = P * NB1 * (tid + 1) / n; b < b1; ++b) {
-        const int64_t p = b / NB1, n0 = (b % NB1) * kRows;
-        gemv(xp + (p / k) * H, gp + idp[p] * 2 * I * H, gbp ? gbp + idp[p] * 2 * I : nullptr,
-             hp + p * 2 * I, n0, static_cast<int>(std::min<int64_t>(kRows, 2 * I - n0)), H, 2 * I,
-             gsp ? gsp + idp[p] * 2 * I : nullptr);
-      }
+      L.gate_up(idp, k, n1 * tid / n, n1 * (tid + 1) / n, s);
 #pragma omp barrier
-      for (int64_t q = P * I * tid / n, q1 = P * I * (tid + 1) / n; q < q1; ++q) {
-        const int64_t p = q / I, i = q % I;
-        ap[q] = moe_act(act, hp[p * 2 * I + i], hp[p * 2 * I + I + i], limit, alpha);
-      }
+      L.activate(n2 * tid / n, n2 * (tid + 1) / n, s);
 #pragma omp barrier
-      const int64_t c0 = NB2 * tid / n * kRows, c1 = std::min(H, NB2 * (tid + 1) / n * kRows);
-      for (int64_t p = 0; p < P; ++p)
-        for (int64_t n0 = c0; n0 < c1; n0 += kRows)
-          gemv(ap + p * I, dp + idp[p] * H * I, dbp ? dbp + idp[p] * H : nullptr, yp + p * H, n0,
-               static_cast<int>(std::min<int64_t>(kRows, H - n0)), I, H,
-               dsp ? dsp + idp[p] * H : nullptr);
-      moe_weighted_sum(wp, yp, o, T, k, H, c0, c1);
+      L.down(idp, wp, T, k, n3 * tid / n, n3 * (tid + 1) / n, o, s);
     }
   };
   if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -71,4 +72,24 @@ inline void moe_weighted_sum(const float* weights, const float* y, O* out, int64
     }
 }
 
+namespace moe {
+
+// The per-step buffers of a MoE layer's routed experts for T tokens of k experts each (P = T k
+// pairs), for moe_kernel.h's Panels and gemv_kernel.h's Rows: each token's row quantised (qx,
+// dx, dsx) or widened (xf), each pair's gate_up output h, activation a and its quantised row
+// (qa, da, dsa), and each pair's down output y. Grown, never shrunk.
+struct Scratch {
+  std::vector<int8_t> qx, qa;
+  std::vector<float> xf, dx, dsx, da, dsa, h, a, y;
+  void size(int64_t T, int64_t P, int64_t H, int64_t I) {
+    const int64_t NBH = H / 32, NBI = I / 32;  // (the panels' activation blocks)
+    auto grow = [](auto& v, int64_t n) {
+      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(qx, T * H), grow(xf, T * H), grow(qa, P * I), grow(dx, T * NBH), grow(dsx, T * NBH);
+    grow(da, P * NBI), grow(dsa, P * NBI), grow(h, P * 2 * I), grow(a, P * I), grow(y, P * H);
+  }
+};
+
+}  // namespace moe
 }  // namespace

@@ -22,22 +22,10 @@
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 
-#include "moe_act.h"  // moe_act, moe_weighted_sum (under the pragma where this file comes first)
+#include "moe_act.h"  // moe_act, moe_weighted_sum, moe::Scratch (under the pragma where this file comes first)
 
 namespace {
 namespace moe {
-
-// x [H] times 8 bf16 weights at w, widened exactly.
-inline __m256 bf16x8(const c10::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-inline float hsum8(__m256 v) {
-  alignas(32) float s[8];
-  _mm256_store_ps(s, v);
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
 
 // One row's routing, as SparseMoE's softmax router computes it: the logits of the router
 // w bf16 [E, H] (H a multiple of 16) for x bf16 [H], each a dot product in fp32 (two 8-lane
@@ -58,11 +46,11 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
     __m256 a[4][2];
     for (auto& r : a) r[0] = r[1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < H; c += 16) {
-      const __m256 x0 = bf16x8(x + c), x1 = bf16x8(x + c + 8);
+      const __m256 x0 = load8f(x + c), x1 = load8f(x + c + 8);
       for (int j = 0; j < 4; ++j) {
         const c10::BFloat16* wr = w + (e + j) * H + c;
-        a[j][0] = _mm256_fmadd_ps(x0, bf16x8(wr), a[j][0]);
-        a[j][1] = _mm256_fmadd_ps(x1, bf16x8(wr + 8), a[j][1]);
+        a[j][0] = _mm256_fmadd_ps(x0, load8f(wr), a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(x1, load8f(wr + 8), a[j][1]);
       }
     }
     for (int j = 0; j < 4; ++j) logits[e + j] = hsum8(_mm256_add_ps(a[j][0], a[j][1]));
@@ -70,8 +58,8 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
   for (; e < rows; ++e) {  // the same operations, one expert
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t c = 0; c < H; c += 16) {
-      a0 = _mm256_fmadd_ps(bf16x8(x + c), bf16x8(w + e * H + c), a0);
-      a1 = _mm256_fmadd_ps(bf16x8(x + c + 8), bf16x8(w + e * H + c + 8), a1);
+      a0 = _mm256_fmadd_ps(load8f(x + c), load8f(w + e * H + c), a0);
+      a1 = _mm256_fmadd_ps(load8f(x + c + 8), load8f(w + e * H + c + 8), a1);
     }
     logits[e] = hsum8(_mm256_add_ps(a0, a1));
   }
@@ -101,32 +89,17 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
   }
 }
 
-// The per-step buffers of the routed experts for T tokens of k experts each (P = T k pairs):
-// each token's row quantised (qx, dx, dsx), each pair's gate_up output h, activation a and its
-// quantised row (qa, da, dsa), and each pair's down output y. Grown, never shrunk.
-struct Scratch {
-  std::vector<int8_t> qx, qa;
-  std::vector<float> dx, dsx, da, dsa, h, a, y;
-  void size(int64_t T, int64_t P, int64_t H, int64_t I) {
-    const int64_t NBH = H / q8act::kB, NBI = I / q8act::kB;
-    auto grow = [](auto& v, int64_t n) {
-      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-    };
-    grow(qx, T * H), grow(qa, P * I), grow(dx, T * NBH), grow(dsx, T * NBH), grow(da, P * NBI);
-    grow(dsa, P * NBI), grow(h, P * 2 * I), grow(a, P * I), grow(y, P * H);
-  }
-};
-
 // A layer's routed experts in q8act's panels (Fmt: Q4Fmt int4 with scales and mins, MX4Fmt
 // MXFP4 with exponents): gate_up [E, 2I / 16, H / 32, 2, 4, 32] (gate rows, then up), down
 // [E, H / 16, I / 32, 2, 4, 32], each expert's scales (and mins) s1 / s2 apart; the experts'
 // fp32 biases gate_up [E, 2I] and down [E, H] or null; act and limit / alpha as moe_act's.
-// The phases for T tokens whose pair p = t k + j runs expert ids[p], weighted weights[p]:
+// The phases for T tokens whose pair p = t k + j runs expert ids[p], weighted weights[p], each
+// over items [i0, i1) of its count (gate_up_items, act_items, down_items):
 //   quantize(t): token t's row;
-//   gate_up(b0, b1): items [b0, b1) of P * NP1, pair-major: h[p] = gate_up[e] x[t];
-//   activate(p0, p1): a[p] = act(gate, up), quantised;
-//   down(pan0, pan1, out): panels [pan0, pan1) of down for every pair, then out[t][those
-//   columns] = sum_j weights[t k + j] y[t k + j], in slot order, rounded once to O.
+//   gate_up(b0, b1): (pair, panel) items, pair-major: h[p] = gate_up[e] x[t];
+//   activate(p0, p1): pairs, a[p] = act(gate, up), quantised;
+//   down(pan0, pan1, out): panels of down for every pair, then out[t][those columns] =
+//   sum_j weights[t k + j] y[t k + j], in slot order, rounded once to O.
 // Each phase reads only what the one before it wrote in full (a barrier between them).
 template <typename Fmt>
 struct Panels {
@@ -146,6 +119,9 @@ struct Panels {
   int64_t H = 0, I = 0;
 
   int64_t np1() const { return 2 * I / q8act::kNR; }
+  int64_t gate_up_items(int64_t P) const { return P * np1(); }
+  int64_t act_items(int64_t P) const { return P; }
+  int64_t down_items() const { return np2(); }
   int64_t np2() const { return (H + q8act::kNR - 1) / q8act::kNR; }
   int64_t g1() const { return np1() * (H / q8act::kB) * (q8act::kNR * q8act::kB / 2); }
   int64_t g2() const { return np2() * (I / q8act::kB) * (q8act::kNR * q8act::kB / 2); }
