@@ -101,13 +101,19 @@ SLOTS = [0, -1, 1, 0]  # the batch's rows: two adapters, one row without, one ad
 LENS = [5, 17, 40, 9]
 
 
-def _lora_model(fmt: str):
+# Routed experts with a gated shared expert (Qwen2-MoE): the adapters on its attention (the
+# adapter loader wraps no expert).
+MOE_CFG = dict(CFG, architecture="Qwen2MoeForCausalLM", family="qwen2_moe", num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96)
+
+
+def _lora_model(fmt: str, cfg: dict = CFG):
     """A tiny random bf16 model (its linears on the C++ kernels), every adaptable linear
     wrapped, adapters of ranks 8 and 3 in slots 0 and 1 (q, v, o, gate, up, down adapted; k
     not, in slot 1)."""
     from servelm.lora.wrap import apply_lora
 
-    cfg = ModelConfig(**CFG)
+    cfg = ModelConfig(**cfg)
     model = random_bf16_model(cfg, seed=0)
     if fmt == "bf16":
         method_targets(model.layers, Q.TARGETS, "tiles")
@@ -123,6 +129,7 @@ def _lora_model(fmt: str):
             if slot == 1 and len(parts) == 3:
                 parts[1] = None
             layer.set_slot(slot, parts)
+    model.moe_fused_rows = 64  # (a MoE model's: every step here on the stack)
     model.select_ops(True)
     return model.eval(), wrapped
 
@@ -158,6 +165,19 @@ def test_the_stack_adds_each_rows_adapter_as_the_per_op_path(fmt, rows):
     assert torch.equal(base, _forward(model, batch, data, caches, fused=False))
     for m, s in enumerate(slots):
         assert torch.equal(base[m], h1[m]) == (s < 0)
+
+
+@STACK
+def test_the_stack_adapts_a_moe_models_attention():
+    """MoE layers on the stack (the router, routed experts, and the shared expert on the MLP
+    linears) with adapters on their attention: the per-op path's bits."""
+    model, wrapped = _lora_model("int4", MOE_CFG)
+    assert wrapped and all(".self_attn." in name for name in wrapped)
+    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
+    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
+    (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
+    assert model.stack_runs_lora
+    assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
 
 
 @STACK
