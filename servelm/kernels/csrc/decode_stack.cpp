@@ -899,19 +899,20 @@ class DecodeStack : public torch::CustomClassHolder {
     x.down_bias = floats(down_bias, E * H, "down_bias");
     const float* gb = x.gate_up_bias.empty() ? nullptr : x.gate_up_bias.data();
     const float* db = x.down_bias.empty() ? nullptr : x.down_bias.data();
+    moe::ExpertMlp mlp;
+    mlp.gbias = gb, mlp.dbias = db, mlp.act = act, mlp.limit = static_cast<float>(limit);
+    mlp.alpha = static_cast<float>(alpha), mlp.H = H, mlp.I = I;
     auto fill = [&](auto& P, const auto* gs, const auto* gm, const auto* ds, const auto* dm) {
+      static_cast<moe::ExpertMlp&>(P) = mlp;
       P.gq = gate_up_q.data_ptr<uint8_t>(), P.dq = down_q.data_ptr<uint8_t>();
       P.gs = gs, P.gm = gm, P.ds = ds, P.dm = dm;
       P.s1 = (*gate_up_s)[0].numel(), P.s2 = (*down_s)[0].numel(), P.group = group;
-      P.gbias = gb, P.dbias = db, P.act = act, P.limit = static_cast<float>(limit);
-      P.alpha = static_cast<float>(alpha), P.H = H, P.I = I;
     };
     auto fill_rows = [&](auto& R, const auto* gw, const auto* dw) {
-      R.gw = gw, R.dw = dw;
+      static_cast<moe::ExpertMlp&>(R) = mlp;
+      R.gw = gw, R.dw = dw, R.by_row = by_row;
       R.gscale = format == 2 ? gate_up_s->data_ptr<float>() : nullptr;
       R.dscale = format == 2 ? down_s->data_ptr<float>() : nullptr;
-      R.gbias = gb, R.dbias = db, R.act = act, R.limit = static_cast<float>(limit);
-      R.alpha = static_cast<float>(alpha), R.by_row = by_row, R.H = H, R.I = I;
     };
     if (format == 0)
       fill(x.q4, gate_up_s->data_ptr<c10::Half>(), gate_up_m->data_ptr<c10::Half>(), down_s->data_ptr<c10::Half>(),

@@ -105,8 +105,8 @@ namespace moe {
 
 // A layer's routed experts as weight rows (W: c10::BFloat16, or int8_t with each row's fp32
 // scale): gate_up [E, 2I, H] (gate rows, then up), down [E, H, I]; gscale [E, 2I] and dscale
-// [E, H] (int8), the experts' fp32 biases gate_up [E, 2I] and down [E, H] or null; act, limit
-// and alpha as moe_act's; by_row: each block's weight rows one after another. The phases for
+// [E, H] (int8); biases and activation as ExpertMlp's; by_row: each block's weight rows one
+// after another. The phases for
 // T tokens whose pair p = t k + j runs expert ids[p], weighted weights[p] (as Panels'):
 //   quantize(t): token t's row widened to fp32;
 //   gate_up(b0, b1): items of P * NB1 (blocks of kRows gate_up rows), pair-major;
@@ -114,17 +114,12 @@ namespace moe {
 //   down(c0, c1, out): items of NB2 (blocks of kRows down rows) for every pair in turn, then
 //   out[t][those columns] = sum_j weights[t k + j] y[t k + j], in slot order, rounded once to O.
 template <typename W>
-struct Rows {
+struct Rows : ExpertMlp {
   const W* gw = nullptr;
   const W* dw = nullptr;
   const float* gscale = nullptr;
   const float* dscale = nullptr;
-  const float* gbias = nullptr;
-  const float* dbias = nullptr;
-  int64_t act = 0;
-  float limit = 0.f, alpha = 1.f;
   bool by_row = false;
-  int64_t H = 0, I = 0;
 
   int64_t gate_up_items(int64_t P) const { return P * ((2 * I + gemv::kRows - 1) / gemv::kRows); }
   int64_t act_items(int64_t P) const { return P * I; }

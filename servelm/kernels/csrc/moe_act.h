@@ -74,6 +74,17 @@ inline void moe_weighted_sum(const float* weights, const float* y, O* out, int64
 
 namespace moe {
 
+// What a layer's routed experts share whatever their weights' layout: the experts' fp32 biases
+// gate_up [E, 2I] and down [E, H] (or null), the activation (moe_act's act, limit, alpha), the
+// hidden size H and each expert's intermediate size I.
+struct ExpertMlp {
+  const float* gbias = nullptr;
+  const float* dbias = nullptr;
+  int64_t act = 0;
+  float limit = 0.f, alpha = 1.f;
+  int64_t H = 0, I = 0;
+};
+
 // The per-step buffers of a MoE layer's routed experts for T tokens of k experts each (P = T k
 // pairs), for moe_kernel.h's Panels and gemv_kernel.h's Rows: each token's row quantised (qx,
 // dx, dsx) or widened (xf), each pair's gate_up output h, activation a and its quantised row

@@ -91,8 +91,8 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
 
 // A layer's routed experts in q8act's panels (Fmt: Q4Fmt int4 with scales and mins, MX4Fmt
 // MXFP4 with exponents): gate_up [E, 2I / 16, H / 32, 2, 4, 32] (gate rows, then up), down
-// [E, H / 16, I / 32, 2, 4, 32], each expert's scales (and mins) s1 / s2 apart; the experts'
-// fp32 biases gate_up [E, 2I] and down [E, H] or null; act and limit / alpha as moe_act's.
+// [E, H / 16, I / 32, 2, 4, 32], each expert's scales (and mins) s1 / s2 apart; biases and
+// activation as ExpertMlp's.
 // The phases for T tokens whose pair p = t k + j runs expert ids[p], weighted weights[p], each
 // over items [i0, i1) of its count (gate_up_items, act_items, down_items):
 //   quantize(t): token t's row;
@@ -102,7 +102,7 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
 //   sum_j weights[t k + j] y[t k + j], in slot order, rounded once to O.
 // Each phase reads only what the one before it wrote in full (a barrier between them).
 template <typename Fmt>
-struct Panels {
+struct Panels : ExpertMlp {
   using S = typename Fmt::S;
   const uint8_t* gq = nullptr;
   const uint8_t* dq = nullptr;
@@ -111,12 +111,7 @@ struct Panels {
   const S* ds = nullptr;
   const S* dm = nullptr;
   int64_t s1 = 0, s2 = 0, group = 0;
-  const float* gbias = nullptr;
-  const float* dbias = nullptr;
-  int64_t act = 0;
-  float limit = 0.f, alpha = 1.f;
   bool wide = q8act::kVnni;
-  int64_t H = 0, I = 0;
 
   int64_t np1() const { return 2 * I / q8act::kNR; }
   int64_t gate_up_items(int64_t P) const { return P * np1(); }

@@ -189,9 +189,8 @@ at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor
   moe::Panels<Fmt> L;
   L.gq = gq.data_ptr<uint8_t>(), L.dq = dq.data_ptr<uint8_t>();
   L.gs = gsp, L.gm = gmp, L.ds = dsp, L.dm = dmp, L.s1 = s1, L.s2 = s2, L.group = group;
-  L.gbias = route.gbias(), L.dbias = route.dbias(), L.act = act;
+  L.gbias = route.gbias(), L.dbias = route.dbias(), L.act = act, L.H = H, L.I = I;
   L.limit = static_cast<float>(limit_d), L.alpha = static_cast<float>(alpha_d), L.wide = wide;
-  L.H = H, L.I = I;
   const int64_t k = ids_in.size(1), P = T * k, NP1 = L.np1(), NP2 = L.np2();
   const at::Tensor x = x_in.contiguous();
   const int64_t* idp = route.id();
