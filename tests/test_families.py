@@ -62,6 +62,13 @@ FAMILIES = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, mlp_only_layers=[1])),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, pad_token_id=0)),
+    # A dense first layer, then MoE: DeepSeek-V3's grouped sigmoid router (a correction bias,
+    # 2 groups of 4, the best one's experts), a shared expert, q/k norms, q/k/v biases and a
+    # partial rotary.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
         sliding_window=WINDOW, norm_epsilon=1e-5)),
     # Layers sliding, sliding, sliding, global (the global one without rotary).
@@ -87,7 +94,7 @@ FAMILIES = {
 }
 
 # Families with biases on linear layers, which the checkpoints fixture makes non-zero.
-BIASED = ("starcoder2", "glm4", "qwen2_moe", "stablelm", "phi", "gpt_neox")
+BIASED = ("starcoder2", "glm4", "glm4_moe", "qwen2_moe", "stablelm", "phi", "gpt_neox")
 
 PROMPTS = ["The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -109,6 +116,9 @@ def checkpoints(tmp_path_factory, hf_tokenizer):
                 for pname, p in model.named_parameters():
                     if pname.endswith(".bias") and "norm" not in pname:
                         p.normal_(0.0, 0.05)
+                for pname, b in model.named_buffers():  # a router's correction bias (GLM-4-MoE)
+                    if pname.endswith("e_score_correction_bias"):
+                        b.normal_(0.0, 0.1)
             model.save_pretrained(d)
         out[name] = (str(d), model)
     return out
@@ -336,7 +346,8 @@ STACK_DECLINES = {"gemma2": None, "smollm3": None, "granite": None,
                   "cohere": None,
                   "ministral3": None,
                   "gpt_neox": None,
-                  "glm4": None, "ernie4_5": None}
+                  "glm4": None, "ernie4_5": None,
+                  "glm4_moe": "(routed experts run op by op)"}
 
 
 @pytest.mark.parametrize("family", list(STACK_DECLINES))
@@ -513,12 +524,15 @@ _GGUF_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "mlp.shared_expert.up_proj": "ffn_up_shexp",
                "mlp.shared_expert.down_proj": "ffn_down_shexp",
                "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_experts.up_proj": "ffn_up_shexp",
+               "mlp.shared_experts.down_proj": "ffn_down_shexp",
                "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",
                "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down", "self_attn.dense": "attn_output"}
 _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
               "mixtral": "llama", "mistral": "llama", "llama3": "llama", "smollm3": "smollm3",
              "granite": "granite", "granitemoe": "granitemoe", "olmo2": "olmo2", "qwen2_moe": "qwen2moe",
-             "glm4": "glm4", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
+             "glm4": "glm4", "glm4_moe": "glm4moe", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
              "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
              "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4", "olmo3": "olmo2",
              "ministral3": "mistral3"}
@@ -527,6 +541,7 @@ _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm
                                 "post_feedforward_layernorm": "post_ffw_norm"},
                       "olmo3": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
+                      "glm4_moe": {"post_attention_layernorm": "post_attention_norm"},
                       "glm4": {"post_self_attn_layernorm": "post_attention_norm",
                                "post_mlp_layernorm": "post_ffw_norm"},
                       "exaone4": {"post_attention_layernorm": "post_attention_norm",
@@ -607,7 +622,17 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
     if family == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
-    if family in ("phi3", "glm4", "stablelm", "stablelm_parallel", "phi"):
+    if family == "glm4_moe":  # as llama.cpp's converter (no multi-token-prediction layer)
+        for key, value in {"leading_dense_block_count": cfg.first_k_dense_replace,
+                           "expert_shared_count": cfg.n_shared_experts,
+                           "expert_group_count": cfg.n_group,
+                           "expert_group_used_count": cfg.topk_group,
+                           "nextn_predict_layers": 0}.items():
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
+        w.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
+        w.add_uint32(f"{arch}.expert_gating_func", 2)  # sigmoid
+    if family in ("phi3", "glm4", "glm4_moe", "stablelm", "stablelm_parallel", "phi"):
         factor = cfg.rope_parameters.get("partial_rotary_factor") or cfg.partial_rotary_factor
         w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * factor))
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
@@ -646,6 +671,10 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                 gate, up = t.chunk(2, dim=1)
                 add_experts(f"blk.{i}.ffn_gate_exps.weight", gate.contiguous().numpy())
                 add_experts(f"blk.{i}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        bias = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", name)
+        if bias:  # the router's correction bias (GLM-4-MoE)
+            w.add_tensor(f"blk.{bias.group(1)}.exp_probs_b.bias", t.numpy())
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
         i, part, kind = int(m.group(1)), m.group(2), m.group(3)
@@ -695,7 +724,7 @@ def _assert_same_prompt_logits(hf, gg) -> None:
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                     "mixtral", "phi3", "smollm3", "granite", "olmo2",
-                                    "qwen2_moe", "glm4", "starcoder2", "ernie4_5",
+                                    "qwen2_moe", "glm4", "glm4_moe", "starcoder2", "ernie4_5",
                                     "granitemoe", "stablelm", "stablelm_parallel", "phi",
                                     "cohere", "exaone4", "ministral3"])
 def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, gguf_path,

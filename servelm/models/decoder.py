@@ -397,6 +397,7 @@ class CausalLM(nn.Module):
     _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)"
                          r"\.(weight|bias)")
     _FUSED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)")
+    _LAYER = re.compile(r"layers\.(\d+)\.")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in (HF names, in the family's spelling); every parameter
@@ -480,7 +481,11 @@ class CausalLM(nn.Module):
     def _not_read(self, name: str) -> bool:
         """A checkpoint tensor the model has no place for, by design: a KV-shared layer's
         own k / v projections and norms (Gemma 4's checkpoints may hold them; transformers
-        ignores them too)."""
+        ignores them too), and any of a layer after the decoder's (the multi-token-prediction
+        layers DeepSeek-V3's and GLM-4.5's checkpoints hold, which transformers ignores)."""
+        m = self._LAYER.match(name)
+        if m is not None and int(m.group(1)) >= self.config.num_layers:
+            return True
         m = self._KV_PARTS.match(name)
         return m is not None and self.config.kv_source(int(m.group(1))) != int(m.group(1))
 

@@ -15,6 +15,7 @@ from servelm.models.families.gemma2 import Gemma2
 from servelm.models.families.gemma3 import Gemma3
 from servelm.models.families.gemma4 import Gemma4
 from servelm.models.families.glm4 import Glm4
+from servelm.models.families.glm4_moe import Glm4Moe
 from servelm.models.families.gpt_neox import GptNeoX
 from servelm.models.families.gpt_oss import GptOss
 from servelm.models.families.granite import Granite, GraniteMoe
@@ -36,7 +37,7 @@ from servelm.models.families.starcoder2 import Starcoder2
 FAMILIES: tuple[Family, ...] = (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), Mixtral(),
                                 Phi3(), Gemma3(), Gemma2(), SmolLM3(),
                                 Granite(), Olmo2(), Olmo3(), Qwen2Moe(),
-                                Glm4(), Starcoder2(), Exaone4(), Ernie4_5(),
+                                Glm4(), Glm4Moe(), Starcoder2(), Exaone4(), Ernie4_5(),
                                 GraniteMoe(), StableLm(), Phi(), Cohere(), Ministral3(),
                                 GptNeoX(), GptOss(), Llama4(), DeepseekV2(), DeepseekV3(),
                                 Qwen3Next(), Qwen3_5(), Qwen3_5Moe(), Gemma4())
