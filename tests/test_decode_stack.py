@@ -5,8 +5,8 @@ embedding scale), Gemma 2 (soft-capped scores), Qwen2 (qkv bias), SmolLM3 (a lay
 rotary), Granite (scaled residual branches), Ministral 3 (position-scaled queries), OLMo 3
 and EXAONE 4 (norms after attention and the MLP alone; OLMo's q / k norms over the whole
 projection), StableLM and Cohere (LayerNorms; Cohere's attention and MLP in parallel) and
-Llama, and routed experts (Qwen3-MoE; Qwen2-MoE with its gated shared expert; gpt-oss with
-its attention sinks), each against the per-op kernel path on tiny random models, int4 and
+Llama, and routed experts (Qwen3-MoE; Qwen2-MoE with its gated shared expert; GLM-4-MoE
+with its grouped sigmoid router; gpt-oss with its attention sinks), each against the per-op kernel path on tiny random models, int4 and
 bf16 weights (int4 and MXFP4 experts), contexts short of and past the window. A family it
 cannot describe (bf16 or int8 experts) runs op by op and says why.
 
@@ -144,6 +144,24 @@ def test_each_family_on_the_stack_is_the_per_op_path(family, fmt):
             assert not torch.equal(kv0, before)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_layers_of_different_mlp_widths_on_the_stack(fmt):
+    """Each layer's MLP at its own width (Gemma 4's double-wide layers; a MoE model's dense
+    layers beside its shared experts): the per-op path's bits."""
+    cfg = ModelConfig(**{**BASE, **FAMILIES["llama"], "extra": {"intermediate_sizes": (96, 192, 64)}})
+    model = random_bf16_model(cfg)
+    assert [layer.mlp.intermediate for layer in model.layers] == [96, 192, 64]
+    if fmt == "bf16":
+        method_targets(model.layers, Q.TARGETS, "tiles")
+    else:
+        Q.quantize_model(model.layers, fmt)
+    model.select_ops(True)
+    for lens in LENS:
+        batch, data, caches = _setup(model.config, lens)
+        (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
+        assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+
+
 def test_the_description_carries_each_layer_option():
     d = decode_stack.describe(_model("gemma3", "int4"))
     assert [(x.window, x.local_rotary) for x in d.layers] == [(WINDOW, True), (0, False),
@@ -167,6 +185,16 @@ MOE_FAMILIES = {
     "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", family="qwen2_moe", attention_bias=True,
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=False, shared_expert_intermediate_size=96),
+    # DeepSeek-V3's grouped sigmoid router (a correction bias; 2 groups of 4, the best one's
+    # experts chosen), ungated shared experts, a dense first layer of another width, q/k
+    # norms, q/k/v biases, a partial rotary (GLM-4-MoE).
+    "glm4_moe": dict(architecture="Glm4MoeForCausalLM", family="glm4_moe", qk_norm=True,
+                     attention_bias=True, rotary_dim=8, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                     dense_layers=(0,), extra={"router_scoring": "sigmoid_grouped", "n_group": 2,
+                                               "topk_group": 1, "score_bias": True,
+                                               "shared_expert_gate": False,
+                                               "routed_scaling": 2.5}),
     # A router with a bias, experts with biases and the clamped SwiGLU, attention sinks, q/k/v/o
     # biases, sliding and full layers.
     "gpt_oss": dict(architecture="GptOssForCausalLM", family="gpt_oss", num_experts=8,
@@ -188,6 +216,8 @@ def _moe_model(family: str, fmt: str) -> CausalLM:
     g = torch.Generator().manual_seed(3)
     for layer in model.layers if fmt == "mxfp4" else ():
         mlp = layer.mlp
+        if not hasattr(mlp, "to_mxfp4"):  # a dense layer
+            continue
         mlp.to_mxfp4()
         for which in ("gate_up", "down"):
             w = getattr(mlp, f"experts_{which}")
@@ -207,14 +237,17 @@ def _moe_model(family: str, fmt: str) -> CausalLM:
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4", "int8", "bf16"])
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
-    """A MoE layer's router (servelm_q8act.moe_route's) and routed experts (the fused ops'
-    phases: int4 / MXFP4 panels, int8 / bf16 rows) on the stack, with gpt-oss's sinks,
-    biases and clamped SwiGLU, Qwen2-MoE's gated shared expert: the per-op path's bits, for
-    steps up to the fused op's rows (larger ones run op by op)."""
+    """A MoE layer's router (servelm_q8act.moe_route's: softmax, or GLM-4-MoE's grouped
+    sigmoid) and routed experts (the fused ops' phases: int4 / MXFP4 panels, int8 / bf16
+    rows) on the stack, with gpt-oss's sinks, biases and clamped SwiGLU, Qwen2-MoE's gated
+    shared expert, GLM-4-MoE's ungated one beside a dense layer of another width: the per-op
+    path's bits, for steps up to the fused op's rows (larger ones run op by op)."""
     model = _moe_model(family, fmt)
-    assert model.layers[0].mlp.expert_format == (None if fmt == "bf16" else fmt)
+    assert model.layers[-1].mlp.expert_format == (None if fmt == "bf16" else fmt)
     d = decode_stack.describe(model)
-    assert all(x.routed_experts and x.sinks == (family == "gpt_oss") for x in d.layers)
+    dense = model.config.dense_layers
+    assert all(x.routed_experts == (i not in dense) and x.sinks == (family == "gpt_oss")
+               for i, x in enumerate(d.layers))
     for lens in LENS:
         batch, data, caches = _setup(model.config, lens)
         (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)
@@ -224,7 +257,7 @@ def test_routed_experts_on_the_stack_are_the_per_op_path(family, fmt):
     # bound on the references (no fused op), it declines them.
     model.select_ops(False)
     assert isinstance(decode_stack.describe(model), decode_stack.StackDescription)
-    assert isinstance(decode_stack.layer_args(model.layers[0]), str)
+    assert isinstance(decode_stack.layer_args(model.layers[-1]), str)
     model.moe_fused_rows = 4
     model.select_ops(True)
     assert model.bind_decode_layers(caches)
@@ -246,7 +279,8 @@ def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):
     assert isinstance(fp32, str) and "layer 0" in fp32 and "float32" in fp32
     model = sigmoid
     reason = decode_stack.describe(model)
-    assert reason.endswith("its router is not the plain softmax one (routed experts run op by op)")
+    assert reason.endswith("its router is neither the plain softmax one nor the grouped sigmoid "
+                           "one (routed experts run op by op)")
     assert not model.decode_stack_supported()
     _, _, caches = _setup(cfg, [4])
     with caplog.at_level(logging.INFO, logger="servelm.models.decode_stack"):

@@ -390,3 +390,34 @@ def test_moe_route_op_chooses_and_weighs_as_the_router(options):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.servelm_q8act.moe_route(x[:, :56], moe.gate.weight[:, :56].contiguous(),
                                           None, 3, True, 1.0)
+
+
+@pytest.mark.skipif(not lm.q8act.available(), reason="needs the q8act kernel (AVX2, F16C)")
+@pytest.mark.parametrize("groups,topk_group,norm", [(4, 2, True), (1, 1, True), (2, 1, False)])
+def test_moe_route_op_runs_the_grouped_sigmoid_router(groups, topk_group, norm):
+    """moe_route with groups (DeepSeek-V3's and GLM-4-MoE's router: sigmoid scores, the choice
+    biased by the correction bias among the best groups, the weights the unbiased scores)
+    against SparseMoE's PyTorch router; a layer routing a few rows takes it."""
+    moe = _moe("silu", torch.bfloat16, router_scoring="sigmoid_grouped", n_group=groups,
+               topk_group=topk_group, score_bias=True, routed_scaling=2.5,
+               norm_topk_prob=norm)
+    with torch.no_grad():
+        moe.e_score_correction_bias.normal_(0, 0.3)  # enough to change which experts win
+    x = torch.randn(40, 64).bfloat16()
+    want_w, want_ids = moe.route(x)
+    w, ids, _ = torch.ops.servelm_q8act.moe_route(
+        x, moe.gate.weight, None, 3, norm, 2.5, False, groups, topk_group,
+        moe.e_score_correction_bias)
+    for t in range(40):
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
+        assert got.keys() == ref.keys()
+        for e in got:
+            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+    if groups > 1:  # every token's experts in its topk_group groups
+        per = 8 // groups
+        assert all(len({e // per for e in row}) <= topk_group for row in ids.tolist())
+    moe.select(True)
+    assert moe._route_op is not None and moe._route_op.keywords["groups"] == groups
+    with pytest.raises(RuntimeError, match="groups"):
+        torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0, False, 3, 1)

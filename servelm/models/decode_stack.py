@@ -327,10 +327,9 @@ def describe(model) -> StackDescription | str:
         if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
             return f"layer {i}: its heads, softmax scale or soft-cap differ from layer {first}'s"
-        if mlps[i] is not None and (mlps[i].act, type(mlps[i]), _width(mlps[i])) != (
-                dense.act, type(dense), _width(dense)):
-            return (f"layer {i}: its MLP's (or shared expert's) kind, activation or width differs "
-                    "from the first one's")
+        if mlps[i] is not None and (mlps[i].act, type(mlps[i])) != (dense.act, type(dense)):
+            return (f"layer {i}: its MLP's (or shared expert's) kind or activation differs from "
+                    "the first one's")
         if layer.residual_scale != model.layers[0].residual_scale:
             return f"layer {i}: its residual scale differs from layer 0's"
         if (a.q_scale_beta, a.q_scale_period) != (attn.q_scale_beta, attn.q_scale_period):
@@ -361,11 +360,6 @@ def describe(model) -> StackDescription | str:
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
         residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
         q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
-
-
-def _width(mlp) -> int:
-    """An MLP's (or shared expert's) first linear's outputs."""
-    return (mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.c_fc).out_features
 
 
 def layer_args(layer, rows: int = 1) -> tuple | str:

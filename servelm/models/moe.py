@@ -320,23 +320,30 @@ class SparseMoE(OpModule):
                     limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
         # Its router for those steps: one C++ call (moe_route, the DecodeStack's routing too)
-        # where it is the plain softmax one over bf16 weights; a shared expert's gate (its
-        # weights bf16 too) as the router's last row.
+        # where it is the softmax one or DeepSeek-V3's grouped sigmoid, over bf16 weights; a
+        # shared expert's gate (its weights bf16 too) as the router's last row.
         self._route_op = None
         g = self._router_weight(self.gate)
         shared_gate = self.shared_expert_gate is not None
         if shared_gate and g is not None:
             sg = self._router_weight(self.shared_expert_gate)
             g = None if sg is None else torch.cat((g, sg))
-        if (self._fused is not None and o["router_scoring"] == "softmax"
+        grouped = o["router_scoring"] == "sigmoid_grouped"
+        if grouped and not (self.n_group <= 64 and self.top_k <= self.topk_group * (
+                self.num_experts // self.n_group)):
+            g = None  # (the op's limits; the PyTorch router then)
+        if (self._fused is not None and o["router_scoring"] in ("softmax", "sigmoid_grouped")
                 and not o["router_input_norm"] and not o["per_expert_scale"]
                 and g is not None and g.dtype == act == torch.bfloat16 and o["hidden"] % 16 == 0
                 and q8act.available() and hasattr(torch.ops.servelm_q8act, "moe_route")):
             bias = None if self.gate.bias is None else self.gate.bias.detach().float().contiguous()
+            score_bias = self.e_score_correction_bias
             self._route_op = functools.partial(
                 torch.ops.servelm_q8act.moe_route.default, weight=g.contiguous(),
                 bias=bias, top_k=self.top_k, norm=self.norm_topk_prob,
-                scale=float(self.routed_scaling), shared_gate=shared_gate)
+                scale=float(self.routed_scaling), shared_gate=shared_gate,
+                groups=self.n_group if grouped else 0, topk_groups=self.topk_group if grouped else 0,
+                score_bias=None if score_bias is None else score_bias.detach().float().contiguous())
 
     @staticmethod
     def _router_weight(gate: nn.Module) -> torch.Tensor | None:
@@ -360,7 +367,7 @@ class SparseMoE(OpModule):
     def stack_reason(self) -> str | None:
         """Why the DecodeStack cannot run this layer's router and experts (a short reason),
         or None: it runs what the fused op and moe_route run for bf16 activations on the
-        CPU, experts of any format behind the softmax router (a shared expert beside them
+        CPU, experts of any format behind the softmax or grouped sigmoid router (a shared expert beside them
         runs on the stack's MLP linears: DecoderLayer.linears). From
         the layer's own options and formats (the tuner asks before the ops are selected)."""
         from servelm.layers import q8act
@@ -368,9 +375,9 @@ class SparseMoE(OpModule):
         o = self.options
         if self.expert_format is None and self.experts_gate_up.dtype != torch.bfloat16:
             return f"its routed experts are {self.experts_gate_up.dtype}, not bf16 or quantised"
-        if (o["router_scoring"] != "softmax" or o["router_input_norm"] or o["per_expert_scale"]
-                or o["expert_input_weighted"]):
-            return "its router is not the plain softmax one"
+        if (o["router_scoring"] not in ("softmax", "sigmoid_grouped") or o["router_input_norm"]
+                or o["per_expert_scale"] or o["expert_input_weighted"]):
+            return "its router is neither the plain softmax one nor the grouped sigmoid one"
         if o["swiglu_limit"] is None and o["act"] not in _ACT_CODES:
             return f"its experts' activation {o['act']!r} has no fused kernel"
         if (self.act_dtype != torch.bfloat16 or o["hidden"] % 16 or o["intermediate"] % 8
@@ -387,7 +394,8 @@ class SparseMoE(OpModule):
         and scale; its experts' format code (0 int4, 1 MXFP4: panels; 2 int8, 3 bf16: rows),
         weights, scales, mins (where they have them),
         activation code, biases, limit and alpha; whether the router's last row gates a
-        shared expert; the rows' weight order, tune_fused_experts'), or why the stack cannot
+        shared expert; the rows' weight order, tune_fused_experts'; the grouped sigmoid
+        router's groups, chosen groups and score bias (0, 0, None: softmax)), or why the stack cannot
         run it (stack_reason's, or the fused op not selected)."""
         o = self.options
         why = self.stack_reason()
@@ -408,7 +416,8 @@ class SparseMoE(OpModule):
                 3 if clamped else _ACT_CODES[o["act"]], gbias, dbias,
                 float(o["swiglu_limit"]) if clamped else 0.0,
                 float(o["swiglu_alpha"]) if clamped else 1.0, r["shared_gate"],
-                bool(self._fused.keywords.get("by_row", False)))
+                bool(self._fused.keywords.get("by_row", False)), r["groups"], r["topk_groups"],
+                r["score_bias"])
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's

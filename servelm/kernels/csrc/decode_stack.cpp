@@ -556,11 +556,9 @@ struct StackLayer {
     moe::Rows<int8_t> r8;
     moe::Rows<c10::BFloat16> rb;
     const c10::BFloat16* router = nullptr;  // [E, hidden]
-    std::vector<float> router_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
+    moe::Router route;                      // its options (the biases point into the vectors)
+    std::vector<float> router_bias, score_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
     bool shared_gate = false;  // the router's row E gates the shared expert (the layer's gate_up / down)
-    int64_t E = 0, k = 0;
-    bool norm = true;
-    float scale = 1.f;
     int64_t I() const { return format == 0 ? q4.I : format == 1 ? mx4.I : format == 2 ? r8.I : rb.I; }
     template <typename F>
     void with(F&& f) const {
@@ -741,9 +739,6 @@ class DecodeStack : public torch::CustomClassHolder {
       s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
                              linear ? "in_proj_ba" : "attn_gate");
       // run() sizes its per-step buffers from the first layer's MLP and attention layer's heads.
-      for (const StackLayer& d : layers_)
-        TORCH_CHECK(!s.gu.present() || !d.gu.present() || s.gu.N == d.gu.N,
-                    "DecodeStack: every dense MLP (and shared expert) must have the same width");
       TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
                   "DecodeStack: every attention layer must have the same head dim");
       const auto lins = s.linears();
@@ -818,13 +813,14 @@ class DecodeStack : public torch::CustomClassHolder {
   // weight order); with act, the experts' biases, limit and alpha. Held by reference. A layer
   // with gate_up and down linears has a shared expert (those linears, the model's activation)
   // added to the experts' sum: times sigmoid(its gate's logit) where shared_gate (the router's
-  // last row, E + 1 rows), else as it is.
+  // last row, E + 1 rows), else as it is. groups > 0: DeepSeek-V3's grouped sigmoid router
+  // (moe::Router; score_bias [E] or None), as moe_route takes it.
   void bind_moe(int64_t layer, at::Tensor router, c10::optional<at::Tensor> router_bias, int64_t top_k,
                 bool norm, double scale, int64_t format, at::Tensor gate_up_q, c10::optional<at::Tensor> gate_up_s,
                 c10::optional<at::Tensor> gate_up_m, at::Tensor down_q, c10::optional<at::Tensor> down_s,
                 c10::optional<at::Tensor> down_m, int64_t act, c10::optional<at::Tensor> gate_up_bias,
                 c10::optional<at::Tensor> down_bias, double limit, double alpha, bool shared_gate,
-                bool by_row) {
+                bool by_row, int64_t groups, int64_t topk_groups, c10::optional<at::Tensor> score_bias) {
     const char* fn = "DecodeStack.bind_moe";
     TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].mlp_kind == kRoutedExperts, fn,
                 ": layer ", layer, " has no routed experts");
@@ -837,6 +833,10 @@ class DecodeStack : public torch::CustomClassHolder {
                     router.size(1) == H && H % 16 == 0,
                 fn, ": the router must be contiguous bfloat16 [E, ", H, "], hidden a multiple of 16");
     TORCH_CHECK(top_k >= 1 && top_k <= E, fn, ": top_k must be in [1, ", E, "]");
+    TORCH_CHECK(groups == 0 || (groups <= 64 && E % groups == 0 && topk_groups >= 1 && topk_groups <= groups &&
+                                top_k <= topk_groups * (E / groups)),
+                fn, ": groups (at most 64) must divide the ", E, " experts, topk_groups be in [1, groups], and "
+                "those groups hold top_k experts");
     const bool panels = format <= 1, mx = format == 1;
     auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
     int64_t I = 0, group = q8act::kB;
@@ -924,8 +924,12 @@ class DecodeStack : public torch::CustomClassHolder {
       fill_rows(x.r8, gate_up_q.data_ptr<int8_t>(), down_q.data_ptr<int8_t>());
     else
       fill_rows(x.rb, gate_up_q.data_ptr<c10::BFloat16>(), down_q.data_ptr<c10::BFloat16>());
-    x.format = format, x.router = router.data_ptr<c10::BFloat16>(), x.E = E, x.k = top_k, x.norm = norm;
-    x.scale = static_cast<float>(scale), x.shared_gate = shared_gate, x.bound = true;
+    x.score_bias = floats(score_bias, E, "the router's score bias");
+    x.route.E = E, x.route.k = top_k, x.route.norm = norm, x.route.scale = static_cast<float>(scale);
+    x.route.bias = x.router_bias.empty() ? nullptr : x.router_bias.data();
+    x.route.groups = groups, x.route.topk_groups = topk_groups;
+    x.route.score_bias = x.score_bias.empty() ? nullptr : x.score_bias.data();
+    x.format = format, x.router = router.data_ptr<c10::BFloat16>(), x.shared_gate = shared_gate, x.bound = true;
     moe_keep_.insert(moe_keep_.end(), {router, gate_up_q, down_q});
     for (const auto* t : {&gate_up_s, &gate_up_m, &down_s, &down_m})
       if (given(*t)) moe_keep_.push_back(**t);
@@ -1208,7 +1212,8 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t M = residual.size(0), hidden = residual.size(1);
     const int64_t D = layers_[attn0_].k_cache.size(3), R = rot_;
     // The attention layers' qkv width; the widest qkv (or in_proj_qkvz), o input, extra output.
-    // (inter: the dense MLPs' width; moe_*: the routed experts' most experts, chosen, width.)
+    // (inter: the widest dense MLP (or shared expert); moe_*: the routed experts' most experts,
+    // chosen, width.)
     const int64_t qkv_n = layers_[attn0_].qkv.N;
     int64_t qkv_max = 0, o_max = 0, extra_max = 0, inter = 0, moe_e = 0, moe_k = 0, moe_i = 0;
     for (const StackLayer& s : layers_) {
@@ -1218,7 +1223,8 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(!s.has_sinks || !s.sinks.empty(), "DecodeStack: call bind_sinks for every layer with sinks first");
       if (s.mlp_kind == kRoutedExperts) {
         TORCH_CHECK(s.moe.bound, "DecodeStack: call bind_moe for every layer with routed experts first");
-        moe_e = std::max(moe_e, s.moe.E), moe_k = std::max(moe_k, s.moe.k), moe_i = std::max(moe_i, s.moe.I());
+        moe_e = std::max(moe_e, s.moe.route.E), moe_k = std::max(moe_k, s.moe.route.k);
+        moe_i = std::max(moe_i, s.moe.I());
       }
     }
     // Each row's chosen experts and their weights (a MoE layer's router fills them).
@@ -1356,7 +1362,7 @@ class DecodeStack : public torch::CustomClassHolder {
         };
       };
       std::vector<float> head_scratch(4 * dv_max);  // delta_rule::head_out's
-      std::vector<float> logits(moe_e + 1);         // moe::route_row's
+      std::vector<float> logits(4 * (moe_e + 1));   // moe::route_row's scratch
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1503,9 +1509,8 @@ class DecodeStack : public torch::CustomClassHolder {
           if (s.mlp_kind == kRoutedExperts) {  // each row's experts, and its row quantised for them
             const StackLayer::Experts& x = s.moe;
             for (int64_t m = m0; m < m1; ++m) {
-              moe::route_row(h2 + m * hidden, x.router, x.router_bias.empty() ? nullptr : x.router_bias.data(),
-                             x.E, hidden, x.k, x.norm, x.scale, logits.data(), moe_ids.data() + m * x.k,
-                             moe_weights.data() + m * x.k, x.shared_gate ? shared_logit + m : nullptr);
+              moe::route_row(h2 + m * hidden, x.router, hidden, x.route, logits.data(), moe_ids.data() + m * x.route.k,
+                             moe_weights.data() + m * x.route.k, x.shared_gate ? shared_logit + m : nullptr);
               x.with([&](const auto& P) { P.quantize(h2 + m * hidden, m, moe_s); });
             }
           }
@@ -1513,6 +1518,7 @@ class DecodeStack : public torch::CustomClassHolder {
         }, s.gu);
         // The dense MLP (or a MoE layer's shared expert) into out: gate_up, the activation, down.
         auto dense_mlp = [&](BF* out) {
+          const int64_t li = plain_mlp_ ? s.gu.N : s.gu.N / 2;  // this MLP's width
           // A gated gate_up writes silu(gate) * up itself, an adapter's delta added before the
           // SiLU: this thread's pairs' gate and up columns' deltas computed ahead of its tiles.
           shrink_phase(s.lora[kGateUp], h2, hidden);
@@ -1523,21 +1529,21 @@ class DecodeStack : public torch::CustomClassHolder {
                      int64_t t0, t1;  // tiles in the packed order: pair q = (gate block q, up block q)
                      s.gu.share(t.tid, t.n, t0, t1);
                      const lora::Adapter<BF>& L = s.lora[kGateUp];
-                     for (const int64_t base : {int64_t{0}, inter})
-                       lora::expand<BF>(L, lora_groups, lora_t.data(), gu_out, 2 * inter, 0, L.blocks(),
+                     for (const int64_t base : {int64_t{0}, li})
+                       lora::expand<BF>(L, lora_groups, lora_t.data(), gu_out, s.gu.N, 0, L.blocks(),
                                         base + 8 * t0, base + 8 * t1, lora_d_.data(), 2 * inter);
                    }, gu_delta ? lora_drows.data() : nullptr);
           if (!s.gu.gated || s.down.scratch(M))
             t.rows(M, [&](int64_t m0, int64_t m1) {
               if (!s.gu.gated) {
-                if (act_ != kSilu || plain_mlp_) act_rows(gu_out, act, m0, m1, inter, act_, plain_mlp_);
+                if (act_ != kSilu || plain_mlp_) act_rows(gu_out, act, m0, m1, li, act_, plain_mlp_);
                 else
                   for (int64_t m = m0; m < m1; ++m)
-                    silu_row<BF>(gu_out + m * 2 * inter, gu_out + m * 2 * inter + inter, act + m * inter, inter);
+                    silu_row<BF>(gu_out + m * 2 * li, gu_out + m * 2 * li + li, act + m * li, li);
               }
               s.down.sums(act, M, m0, m1, xs4.data());
             }, s.down);
-          shrink_phase(s.lora[kDown], act, inter);
+          shrink_phase(s.lora[kDown], act, li);
           t.matmul(s.down, act, xs4, out, M, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr,
                    expand(s.lora[kDown], s.down, out, hidden));
         };
@@ -1549,11 +1555,11 @@ class DecodeStack : public torch::CustomClassHolder {
           // SparseMoE adds it: PyTorch's operators on each thread's rows.
           const StackLayer::Experts& x = s.moe;
           if (s.gu.present()) dense_mlp(shared_out);
-          const int64_t P = M * x.k;
+          const int64_t P = M * x.route.k;
           x.with([&](const auto& L) {
             t.guarded([&] {
               const int64_t items = L.gate_up_items(P);
-              L.gate_up(moe_ids.data(), x.k, items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
+              L.gate_up(moe_ids.data(), x.route.k, items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
             });
             t.barrier();
             t.guarded([&] {
@@ -1563,7 +1569,7 @@ class DecodeStack : public torch::CustomClassHolder {
             t.barrier();
             t.guarded([&] {
               const int64_t items = L.down_items();
-              L.down(moe_ids.data(), moe_weights.data(), M, x.k, items * t.tid / t.n, items * (t.tid + 1) / t.n,
+              L.down(moe_ids.data(), moe_weights.data(), M, x.route.k, items * t.tid / t.n, items * (t.tid + 1) / t.n,
                      delta, moe_s);
               if (l + 1 < layers_.size()) layers_[l + 1].qkv.prefetch(t.tid, t.n, Team::kWarm);
             });

@@ -27,24 +27,51 @@
 namespace {
 namespace moe {
 
-// One row's routing, as SparseMoE's softmax router computes it: the logits of the router
-// w bf16 [E, H] (H a multiple of 16) for x bf16 [H], each a dot product in fp32 (two 8-lane
-// accumulators over alternate blocks of 8, in order) plus bias (fp32 [E], or null), rounded
-// to bf16 as a bf16 linear's output is; their softmax in fp32; the k largest probabilities
-// (ties: the lower expert first), renormalised to sum 1 where norm, times scale, rounded to
-// bf16 (the weights the experts' sum takes): ids [k], weights [k] (fp32 holding bf16 values).
-// gate (or null): w has a row E after the experts', a shared expert's gate (Qwen2-MoE's
-// shared_expert_gate): its logit, rounded to bf16, no bias, outside the softmax. logits:
-// scratch [E + 1].
-__attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c10::BFloat16* w,
-                                                const float* bias, int64_t E, int64_t H, int64_t k,
-                                                bool norm, float scale, float* logits, int64_t* ids,
+// A MoE layer's router: E experts, k chosen a token, the chosen weights renormalised to sum 1
+// where norm, times scale; bias (fp32 [E], or null) added to the logits; groups > 0: DeepSeek-V3's
+// router instead of the softmax (SparseMoE's sigmoid_grouped: sigmoid scores, the choice by
+// score + score_bias (fp32 [E], or null) among the topk_groups of `groups` groups whose two
+// best biased scores sum highest, the weights the chosen experts' unbiased scores).
+struct Router {
+  int64_t E = 0, k = 0;
+  bool norm = true;
+  float scale = 1.f;
+  const float* bias = nullptr;
+  int64_t groups = 0, topk_groups = 0;
+  const float* score_bias = nullptr;
+};
+
+// The k largest of v[0, n) among those allowed (allowed[i / per], or all where allowed is
+// null): ties to the lower index; each taken is marked in taken (n flags).
+inline void top_k(const float* v, int64_t n, int64_t k, const uint8_t* allowed, int64_t per,
+                  uint8_t* taken, int64_t* ids) {
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < n; ++e)
+      if (!taken[e] && (!allowed || allowed[e / per]) && (best < 0 || v[e] > v[best])) best = e;
+    ids[j] = best;
+    taken[best] = 1;
+  }
+}
+
+// One row's routing, as SparseMoE's softmax (or sigmoid_grouped) router computes it: the
+// logits of the router w bf16 [E, H] (H a multiple of 16) for x bf16 [H], each a dot product in
+// fp32 (two 8-lane accumulators over alternate blocks of 8, in order) plus bias, rounded to
+// bf16 as a bf16 linear's output is; their softmax in fp32 and the k largest probabilities
+// (ties: the lower expert first), or the grouped sigmoid choice (Router); renormalised where
+// norm (the sigmoid's sum plus 1e-20), times scale, rounded to bf16 (the weights the experts'
+// sum takes): ids [k], weights [k] (fp32 holding bf16 values). gate (or null): w has a row E
+// after the experts', a shared expert's gate (Qwen2-MoE's shared_expert_gate): its logit,
+// rounded to bf16, no bias, outside the routing. scratch: [4 (E + 1)] floats.
+__attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t H,
+                                                const Router& r, float* scratch, int64_t* ids,
                                                 float* weights, c10::BFloat16* gate = nullptr) {
-  const int64_t rows = gate ? E + 1 : E;
+  const int64_t E = r.E, k = r.k, rows = gate ? E + 1 : E;
+  float* logits = scratch;
   int64_t e = 0;
   for (; e + 4 <= rows; e += 4) {  // four experts at a time: eight independent sums
     __m256 a[4][2];
-    for (auto& r : a) r[0] = r[1] = _mm256_setzero_ps();
+    for (auto& v : a) v[0] = v[1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < H; c += 16) {
       const __m256 x0 = load8f(x + c), x1 = load8f(x + c + 8);
       for (int j = 0; j < 4; ++j) {
@@ -64,27 +91,44 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
     logits[e] = hsum8(_mm256_add_ps(a0, a1));
   }
   if (gate) *gate = c10::BFloat16(logits[E]);
-  float mx = -INFINITY;
-  for (e = 0; e < E; ++e) {
-    logits[e] = static_cast<float>(c10::BFloat16(bias ? logits[e] + bias[e] : logits[e]));
-    mx = std::max(mx, logits[e]);
-  }
-  float sum = 0.f;
-  for (e = 0; e < E; ++e) sum += logits[e] = std::exp(logits[e] - mx);
-  for (e = 0; e < E; ++e) logits[e] /= sum;
-  for (int64_t j = 0; j < k; ++j) {  // selection: k is a handful
-    int64_t best = -1;
-    for (e = 0; e < E; ++e)
-      if (logits[e] >= 0.f && (best < 0 || logits[e] > logits[best])) best = e;
-    ids[j] = best;
-    weights[j] = logits[best];
-    logits[best] = -1.f;  // taken
+  for (e = 0; e < E; ++e) logits[e] = static_cast<float>(c10::BFloat16(r.bias ? logits[e] + r.bias[e] : logits[e]));
+  uint8_t* taken = reinterpret_cast<uint8_t*>(scratch + 3 * (E + 1));
+  std::fill(taken, taken + E, uint8_t{0});
+  if (r.groups > 0) {
+    float* biased = scratch + (E + 1);
+    float* group = scratch + 2 * (E + 1);
+    const int64_t per = E / r.groups;
+    for (e = 0; e < E; ++e) {
+      logits[e] = 1.f / (1.f + std::exp(-logits[e]));
+      biased[e] = r.score_bias ? logits[e] + r.score_bias[e] : logits[e];
+    }
+    for (int64_t g = 0; g < r.groups; ++g) {  // a group's two best biased scores, summed
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (e = g * per; e < (g + 1) * per; ++e) {
+        if (biased[e] > b1) b2 = b1, b1 = biased[e];
+        else if (biased[e] > b2) b2 = biased[e];
+      }
+      group[g] = per > 1 ? b1 + b2 : b1;
+    }
+    int64_t chosen[64];
+    uint8_t* gtaken = taken + E;  // (scratch past the experts' flags)
+    std::fill(gtaken, gtaken + r.groups, uint8_t{0});
+    top_k(group, r.groups, r.topk_groups, nullptr, 1, gtaken, chosen);
+    top_k(biased, E, k, gtaken, per, taken, ids);
+  } else {
+    float mx = -INFINITY;
+    for (e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+    float sum = 0.f;
+    for (e = 0; e < E; ++e) sum += logits[e] = std::exp(logits[e] - mx);
+    for (e = 0; e < E; ++e) logits[e] /= sum;
+    top_k(logits, E, k, nullptr, 1, taken, ids);
   }
   float total = 0.f;
-  for (int64_t j = 0; j < k; ++j) total += weights[j];
+  for (int64_t j = 0; j < k; ++j) total += weights[j] = logits[ids[j]];
+  if (r.groups > 0) total += 1e-20f;
   for (int64_t j = 0; j < k; ++j) {
-    float v = norm ? weights[j] / total : weights[j];
-    if (scale != 1.f) v *= scale;
+    float v = r.norm ? weights[j] / total : weights[j];
+    if (r.scale != 1.f) v *= r.scale;
     weights[j] = static_cast<float>(c10::BFloat16(v));
   }
 }

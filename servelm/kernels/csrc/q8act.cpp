@@ -26,8 +26,8 @@
 //   moe_experts(x, ids, weights, gate_up_q, gate_up_s, gate_up_m, down_q, down_s, down_m, act, ...)
 // a MoE layer's routed int4 experts for a few tokens in one call (see the function's head).
 //
-//   moe_route(x, weight, bias?, top_k, norm, scale, shared_gate) -> (weights, ids, gate)
-// a MoE layer's softmax router for a few tokens (see the function's head).
+//   moe_route(x, weight, bias?, top_k, norm, scale, shared_gate, groups, topk_groups, score_bias?)
+//   -> (weights, ids, gate): a MoE layer's router for a few tokens (see the function's head).
 //
 //   mxfp4_linear(x, qweight, exps, out_features, bias?) -> y;  moe_experts_mxfp4(...)
 // the same with MXFP4 weights (gpt-oss's experts): E2M1 codes in the panels' nibbles, an E8M0
@@ -220,38 +220,48 @@ at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor
   return out;
 }
 
-// A MoE layer's softmax router for a few tokens (moe::route_row, which the DecodeStack's MoE
-// layers run too): x bfloat16 [T, H], weight bfloat16 [E, H] (H a multiple of 16), bias
-// [E] or None; the top_k experts of each token, their weights renormalised where norm, times
-// scale -> (weights float32 [T, top_k] holding bfloat16 values, ids int64 [T, top_k], gate
-// bfloat16 [T, 1]). shared_gate: weight's last row (E + 1 rows) is a shared expert's gate,
-// whose logits go to gate (else empty [T, 0]).
+// A MoE layer's router for a few tokens (moe::route_row, which the DecodeStack's MoE layers run
+// too): x bfloat16 [T, H], weight bfloat16 [E, H] (H a multiple of 16), bias [E] or None; the
+// top_k experts of each token, their weights renormalised where norm, times scale ->
+// (weights float32 [T, top_k] holding bfloat16 values, ids int64 [T, top_k], gate bfloat16
+// [T, 1]). The softmax router, or with groups > 0 DeepSeek-V3's grouped sigmoid one
+// (topk_groups of them, score_bias [E] or None: moe::Router). shared_gate: weight's last row
+// (E + 1 rows) is a shared expert's gate, whose logits go to gate (else empty [T, 0]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::Tensor& weight,
                                                          const c10::optional<at::Tensor>& bias_in,
                                                          int64_t top_k, bool norm, double scale,
-                                                         bool shared_gate) {
+                                                         bool shared_gate, int64_t groups, int64_t topk_groups,
+                                                         const c10::optional<at::Tensor>& score_bias_in) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "servelm_q8act.moe_route: x must be bfloat16 [T, H] on the CPU");
   const int64_t T = x_in.size(0), H = x_in.size(1);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                   weight.size(1) == H && H % 16 == 0,
               "servelm_q8act.moe_route: weight must be contiguous bfloat16 [E, H], H a multiple of 16");
-  const int64_t E = weight.size(0) - (shared_gate ? 1 : 0);
-  TORCH_CHECK(top_k >= 1 && top_k <= E, "servelm_q8act.moe_route: top_k must be in [1, ", E, "]");
-  at::Tensor bias;
-  if (bias_in && bias_in->defined()) {
-    TORCH_CHECK(bias_in->numel() == E, "servelm_q8act.moe_route: bias must have E = ", E, " values");
-    bias = bias_in->to(at::kFloat).contiguous();
-  }
+  moe::Router r;
+  r.E = weight.size(0) - (shared_gate ? 1 : 0), r.k = top_k, r.norm = norm, r.scale = static_cast<float>(scale);
+  TORCH_CHECK(top_k >= 1 && top_k <= r.E, "servelm_q8act.moe_route: top_k must be in [1, ", r.E, "]");
+  TORCH_CHECK(groups == 0 || (groups <= 64 && r.E % groups == 0 && topk_groups >= 1 && topk_groups <= groups &&
+                              top_k <= topk_groups * (r.E / groups)),
+              "servelm_q8act.moe_route: groups (at most 64) must divide the ", r.E, " experts, topk_groups "
+              "be in [1, groups], and those groups hold top_k experts");
+  at::Tensor bias, score_bias;
+  for (auto [in, out, what] : {std::tuple<const c10::optional<at::Tensor>*, at::Tensor*, const char*>{
+                                   &bias_in, &bias, "bias"}, {&score_bias_in, &score_bias, "score_bias"}})
+    if (in->has_value() && (*in)->defined()) {
+      TORCH_CHECK((*in)->numel() == r.E, "servelm_q8act.moe_route: ", what, " must have E = ", r.E, " values");
+      *out = (*in)->to(at::kFloat).contiguous();
+    }
+  r.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  r.groups = groups, r.topk_groups = topk_groups;
+  r.score_bias = score_bias.defined() ? score_bias.data_ptr<float>() : nullptr;
   const at::Tensor x = x_in.contiguous();
   at::Tensor weights = at::empty({T, top_k}, at::kFloat), ids = at::empty({T, top_k}, at::kLong);
   at::Tensor gate = at::empty({T, shared_gate ? 1 : 0}, x_in.options());
-  std::vector<float> logits(E + 1);
+  std::vector<float> scratch(4 * (r.E + 1));
   for (int64_t t = 0; t < T; ++t)
-    moe::route_row(x.data_ptr<c10::BFloat16>() + t * H, weight.data_ptr<c10::BFloat16>(),
-                   bias.defined() ? bias.data_ptr<float>() : nullptr, E, H, top_k, norm,
-                   static_cast<float>(scale), logits.data(), ids.data_ptr<int64_t>() + t * top_k,
-                   weights.data_ptr<float>() + t * top_k,
+    moe::route_row(x.data_ptr<c10::BFloat16>() + t * H, weight.data_ptr<c10::BFloat16>(), H, r, scratch.data(),
+                   ids.data_ptr<int64_t>() + t * top_k, weights.data_ptr<float>() + t * top_k,
                    shared_gate ? gate.data_ptr<c10::BFloat16>() + t : nullptr);
   return {weights, ids, gate};
 }
@@ -335,7 +345,8 @@ TORCH_LIBRARY(servelm_q8act, m) {
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., float alpha=1., "
         "bool wide=True) -> Tensor");
   m.def("moe_route(Tensor x, Tensor weight, Tensor? bias, int top_k, bool norm, float scale, "
-        "bool shared_gate=False) -> (Tensor, Tensor, Tensor)");
+        "bool shared_gate=False, int groups=0, int topk_groups=0, Tensor? score_bias=None) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("mxfp4_linear(Tensor x, Tensor qweight, Tensor exps, int out_features, Tensor? bias=None, "
         "bool wide=True) -> Tensor");
   m.def("moe_experts_mxfp4(Tensor x, Tensor ids, Tensor weights, Tensor gate_up_q, Tensor gate_up_e, "
