@@ -193,6 +193,15 @@ def test_int8_panels_are_the_codes_and_their_scales():
     assert not mod.wq.reshape(2, 96, 16, 2).transpose(1, 2).reshape(32, 192)[20:].any()
 
 
+def test_dequantize_gives_the_weights_it_computes_with():
+    """BfpLinear.dequantize (what a MoE router on the tuned bfp method is read back as): each
+    mantissa times its block's scale, for bf16 and int8 layers."""
+    for src in (_linear(50, 576, True), _int8(20, 130, False)):
+        mod = bfp.BfpLinear(src)
+        want = _dequantised_weight(mod.wq, mod.ws, src.out_features, src.in_features)
+        assert torch.equal(mod.dequantize(torch.float64), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_activation_blocks_are_the_reference_bit_for_bit(dtype):
     torch.manual_seed(0)

@@ -421,3 +421,21 @@ def test_moe_route_op_runs_the_grouped_sigmoid_router(groups, topk_group, norm):
     assert moe._route_op is not None and moe._route_op.keywords["groups"] == groups
     with pytest.raises(RuntimeError, match="groups"):
         torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0, False, 3, 1)
+
+
+@pytest.mark.skipif(not lm.bfp.available(), reason="needs the bfp kernel (AVX2, F16C)")
+def test_the_router_is_read_back_from_the_layer_the_tuner_chose():
+    """The route op's weights from the router as tuned (the bfp method's blocks read back;
+    plain and gemv layers' own), or none from a layout that is not read back (PyTorch
+    routes then)."""
+    from servelm.layers.bfp import BfpLinear
+
+    moe = _moe("silu", torch.bfloat16)
+    plain = moe.gate.weight.detach().clone()
+    assert torch.equal(moe._router_weight(moe.gate), plain)
+    moe.gate = BfpLinear(moe.gate)
+    w = moe._router_weight(moe.gate)
+    torch.testing.assert_close(w.float(), plain.float(), rtol=0.01, atol=1e-3)  # near bf16
+    moe.select(True)
+    assert moe._route_op is not None and torch.equal(moe._route_op.keywords["weight"], w)
+    assert moe._router_weight(torch.nn.Identity()) is None

@@ -126,6 +126,15 @@ class BfpLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.wq, self.ws, self.out_features, self.bias)
 
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The weights [N, K] this layer computes with: each block's mantissas times its
+        scale (a bf16 source's values where its block's exponents span the mantissa's
+        spare bits)."""
+        p, a, r, g = self.wq.shape  # [ceil(N / 16), Kp / g, 16, g]
+        q = self.wq.permute(0, 2, 1, 3).reshape(p * r, a * g).double()  # (products exact)
+        scale = self.ws.permute(0, 2, 1).reshape(p * r, -1).double().repeat_interleave(BLOCK, dim=1)
+        return (q * scale)[: self.out_features, : self.in_features].to(dtype)
+
     def extra_repr(self) -> str:
         kind = "int8 x int16" if self.wq.dtype == torch.int8 else "bf16 as int16"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -347,22 +347,21 @@ class SparseMoE(OpModule):
 
     @staticmethod
     def _router_weight(gate: nn.Module) -> torch.Tensor | None:
-        """A router's (or a shared expert's gate's) weights [N, hidden] in bf16, where they are
-        bf16 values (an nn.Linear's, or those of the layer a one-row call runs: tiles, a tuned
-        method's layout); None for others (fp32, quantised)."""
-        from servelm.quantization.formats import fp32_weight
+        """A router's (or a shared expert's gate's) weights [N, hidden] in bf16: an
+        nn.Linear's or a gemv layer's, or those the layer a one-row call runs computes with
+        (a weight format's or the bfp method's, read back), rounded to bf16; None for a
+        layout that is not read back (the router then runs in PyTorch)."""
+        from servelm.layers.bfp import BfpLinear
+        from servelm.layers.gemv import GemvLinear
+        from servelm.quantization.formats import QuantLinear
 
         if hasattr(gate, "module_for"):  # tuned by row bucket
             gate = gate.module_for(1)
-        if isinstance(gate, nn.Linear):
-            w = gate.weight.detach()
-            return w if w.dtype == torch.bfloat16 else None
-        try:
-            w = fp32_weight(gate)
-        except (AttributeError, TypeError, NotImplementedError):
-            return None
-        wb = w.bfloat16()
-        return wb if torch.equal(wb.float(), w) else None
+        if isinstance(gate, (nn.Linear, GemvLinear)):
+            return gate.weight.detach().bfloat16()
+        if isinstance(gate, (QuantLinear, BfpLinear)):
+            return gate.dequantize(torch.float32).bfloat16()
+        return None
 
     def stack_reason(self) -> str | None:
         """Why the DecodeStack cannot run this layer's router and experts (a short reason),
@@ -386,7 +385,7 @@ class SparseMoE(OpModule):
         if self._router_weight(self.gate) is None or (
                 self.shared_expert_gate is not None
                 and self._router_weight(self.shared_expert_gate) is None):
-            return "its router's weights are not bfloat16"
+            return "its router's weights cannot be read back"
         return None
 
     def decode_stack_args(self) -> tuple | str:
