@@ -18,15 +18,15 @@ head's or over the whole projection, OLMo 2's), an optional qkv bias,
 full or partial rotary from the model's table or the sliding layers' own (Gemma 3), a
 sliding window per layer, layers without rotary (NoPE: SmolLM3), queries scaled by their
 position after the rotary (Ministral 3; run_tokens, which has the positions), any softmax scale,
-soft-capped scores (Gemma 2), attention sinks (gpt-oss), SiLU, tanh-GELU or GELU, gated or plain MLPs (Starcoder2, Phi,
-GPT-NeoX), a bias on any linear, an embedding scale, and each branch's
-output scaled before the residual add (Granite's residual multiplier); attention's output
-gated by sigmoid(attn_gate(x)), and gated DeltaNet layers over each sequence's recurrent
-state in attention's place (Qwen3.5: set_state_rows before each run); and routed experts in
-a layer's MLP place (SparseMoE with int4 or MXFP4 experts and the softmax router, a shared
-expert beside them on the MLP's linears, gated or not: bind_moe; steps of at most the fused
-op's rows, larger ones read each expert once, op by op). What it does not cover (other
-routers or expert formats,
+soft-capped scores (Gemma 2), attention sinks (gpt-oss), SiLU, tanh-GELU or GELU, gated or
+plain MLPs (Starcoder2, Phi, GPT-NeoX), each layer's MLP at its own width, a bias on any
+linear, an embedding scale, and each branch's output scaled before the residual add
+(Granite's residual multiplier); attention's output gated by sigmoid(attn_gate(x)), and gated
+DeltaNet layers over each sequence's recurrent state in attention's place (Qwen3.5:
+set_state_rows before each run); and routed experts in a layer's MLP place (SparseMoE's
+experts of any format behind the softmax or grouped sigmoid router, a shared expert beside
+them on the MLP's linears, gated or not: bind_moe; steps of at most the fused op's rows,
+larger ones read each expert once, op by op). What it does not cover (other routers,
 tensor-parallel layers that all-reduce, a linear layer that does not run on the C++ int4 /
 int8 / bf16 kernels) keeps the model op by op.
 An adapted linear (servelm.layers.lora.LoRALinear) runs its base on those kernels and its
@@ -89,7 +89,7 @@ class LayerKind(enum.IntEnum):
 
 class MlpKind(enum.IntEnum):
     DENSE = 0
-    ROUTED_EXPERTS = 1  # a router and int4 / MXFP4 experts (bind_moe), no MLP linears
+    ROUTED_EXPERTS = 1  # a router and experts (bind_moe); MLP linears: a shared expert's, or none
 
 
 class ModelOption(enum.IntEnum):

@@ -13,6 +13,9 @@ activation and down over the expert's own rows, summed weighted, in fp32), where
 experts are gated MLPs of bf16 weights on the CPU (gpt-oss's clamped, biased ones too; not
 Llama 4's input-weighted ones): at a few tokens the per-expert
 calls' overhead, not their arithmetic, was the step (k experts a token, two matmuls each).
+Such a step routes its tokens in one C++ call too (servelm_q8act.moe_route: the softmax
+router, or DeepSeek-V3's grouped sigmoid one, a shared expert's gate as the router's last
+row), which the whole-step DecodeStack runs as well (stack_reason, decode_stack_args).
 
 A shared expert (Qwen2-MoE), where the family has one, runs on every token beside them:
 a GatedMLP (so on the C++ ops where they run) whose output, times
@@ -366,9 +369,9 @@ class SparseMoE(OpModule):
     def stack_reason(self) -> str | None:
         """Why the DecodeStack cannot run this layer's router and experts (a short reason),
         or None: it runs what the fused op and moe_route run for bf16 activations on the
-        CPU, experts of any format behind the softmax or grouped sigmoid router (a shared expert beside them
-        runs on the stack's MLP linears: DecoderLayer.linears). From
-        the layer's own options and formats (the tuner asks before the ops are selected)."""
+        CPU, experts of any format behind the softmax or grouped sigmoid router (a shared
+        expert beside them runs on the stack's MLP linears: DecoderLayer.linears). From the
+        layer's own options and formats (the tuner asks before the ops are selected)."""
         from servelm.layers import q8act
 
         o = self.options
@@ -394,8 +397,8 @@ class SparseMoE(OpModule):
         weights, scales, mins (where they have them),
         activation code, biases, limit and alpha; whether the router's last row gates a
         shared expert; the rows' weight order, tune_fused_experts'; the grouped sigmoid
-        router's groups, chosen groups and score bias (0, 0, None: softmax)), or why the stack cannot
-        run it (stack_reason's, or the fused op not selected)."""
+        router's groups, chosen groups and score bias (0, 0, None: softmax)), or why the
+        stack cannot run it (stack_reason's, or the fused op not selected)."""
         o = self.options
         why = self.stack_reason()
         if why is not None:
