@@ -83,7 +83,23 @@ def _mla_config(base, *, nope, rope, v, q_lora, kv_lora, scaling, pairwise, expe
                       **router, "shared_expert_gate": False, "routed_scaling": routed_scaling}}
 
 
-class DeepseekV2(Family):
+class ScoreBiasNames(Family):
+    """The router's correction bias (DeepSeek-V3's grouped sigmoid router, GLM-4-MoE's too):
+    mlp.gate.e_score_correction_bias in an HF checkpoint, blk.N.exp_probs_b.bias in
+    llama.cpp's, SparseMoE's mlp.e_score_correction_bias."""
+
+    def gguf_name(self, gguf_name):
+        m = re.fullmatch(r"blk\.(\d+)\.exp_probs_b\.bias", gguf_name)
+        if m:
+            return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
+        return super().gguf_name(gguf_name)
+
+    def internal_name(self, hf_name):
+        return super().internal_name(hf_name).replace(".mlp.gate.e_score_correction_bias",
+                                                      ".mlp.e_score_correction_bias")
+
+
+class DeepseekV2(ScoreBiasNames):
     name = "deepseek_v2"
     architectures = ("DeepseekV2ForCausalLM",)
     gguf_architectures = ("deepseek2",)  # both versions: gguf_config tells V3 apart
@@ -165,16 +181,6 @@ class DeepseekV2(Family):
         return out
 
     # ---- names and values -----------------------------------------------------------------
-
-    def gguf_name(self, gguf_name):
-        m = re.fullmatch(r"blk\.(\d+)\.exp_probs_b\.bias", gguf_name)
-        if m:
-            return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
-        return super().gguf_name(gguf_name)
-
-    def internal_name(self, hf_name):
-        return super().internal_name(hf_name).replace(".mlp.gate.e_score_correction_bias",
-                                                      ".mlp.e_score_correction_bias")
 
     def split(self, name, tensor, cfg):
         """kv_b_proj's weight [heads * (nope + v), kv_lora_rank] as the absorbed attention's

@@ -14,9 +14,7 @@ correction bias mlp.gate.e_score_correction_bias. Its multi-token-prediction lay
 
 from __future__ import annotations
 
-import re
-
-from servelm.models.family import Family
+from servelm.models.families.deepseek import ScoreBiasNames
 
 _GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm",
                      "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
@@ -35,7 +33,7 @@ def _moe(n: int, *, experts: int, per_tok: int, moe_inter: int, shared: int, den
                       "shared_expert_gate": False, "routed_scaling": scaling}}
 
 
-class Glm4Moe(Family):
+class Glm4Moe(ScoreBiasNames):
     name = "glm4_moe"
     architectures = ("Glm4MoeForCausalLM",)
     gguf_architectures = ("glm4moe",)
@@ -75,12 +73,3 @@ class Glm4Moe(Family):
                        norm_topk=bool(get("expert_weights_norm", True)),
                        scaling=float(get("expert_weights_scale", 1.0)))}
 
-    def gguf_name(self, gguf_name):
-        m = re.fullmatch(r"blk\.(\d+)\.exp_probs_b\.bias", gguf_name)
-        if m:
-            return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
-        return super().gguf_name(gguf_name)
-
-    def internal_name(self, hf_name):
-        return super().internal_name(hf_name).replace(".mlp.gate.e_score_correction_bias",
-                                                      ".mlp.e_score_correction_bias")
