@@ -337,7 +337,7 @@ class SparseMoE(OpModule):
             g = None  # (the op's limits; the PyTorch router then)
         if (self._fused is not None and o["router_scoring"] in ("softmax", "sigmoid_grouped")
                 and not o["router_input_norm"] and not o["per_expert_scale"]
-                and g is not None and g.dtype == act == torch.bfloat16 and o["hidden"] % 16 == 0
+                and g is not None and act == torch.bfloat16 and o["hidden"] % 16 == 0
                 and q8act.available() and hasattr(torch.ops.servelm_q8act, "moe_route")):
             bias = None if self.gate.bias is None else self.gate.bias.detach().float().contiguous()
             score_bias = self.e_score_correction_bias
@@ -486,18 +486,13 @@ class SparseMoE(OpModule):
         T, k = x.shape[0], self.top_k
         if self._fused is not None and T <= self._fused_rows:
             x = x.contiguous()
+            gate = None  # (the route op's: the shared expert's gate logits)
             if self._route_op is None:
                 weights, ids = self.route(x if route is None else route)
-                return self._with_shared(self._fused(x, ids, weights, self.experts_gate_up,
-                                                     self.experts_down), x)
-            weights, ids, gate = self._route_op(x)  # (gate: the shared expert's logits)
+            else:
+                weights, ids, gate = self._route_op(x)
             routed = self._fused(x, ids, weights, self.experts_gate_up, self.experts_down)
-            if self.shared_expert is None:
-                return routed
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(gate) * shared
-            return routed + shared
+            return self._with_shared(routed, x, gate)
         weights, ids = self.route(x if route is None else route)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)              # (token, slot) pairs grouped by expert
@@ -517,12 +512,16 @@ class SparseMoE(OpModule):
         routed = torch.zeros_like(x).index_add_(0, tokens, out)
         return self._with_shared(routed, x)
 
-    def _with_shared(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _with_shared(self, routed: torch.Tensor, x: torch.Tensor,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
+        """routed plus the shared expert's output (times sigmoid of its gate's logits: gate,
+        where the route op gave them, else shared_expert_gate(x))."""
         if self.shared_expert is None:
             return routed
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            logits = self.shared_expert_gate(x) if gate is None else gate
+            shared = torch.sigmoid(logits) * shared
         return routed + shared
 
     def _plain_expert(self, x: torch.Tensor, e: int) -> torch.Tensor:

@@ -5,9 +5,10 @@
 // MLP, full or partial rotary from one of two tables (the model's, or the sliding layers'),
 // a sliding window per layer, any softmax scale, soft-capped scores (Gemma 2), a SiLU, tanh-GELU or
 // GELU MLP, gated or plain, a bias on any linear, attention's output gate, gated DeltaNet layers
-// (Qwen3.5), attention sinks and routed experts (gpt-oss, Qwen3-MoE, Qwen3.5-MoE: int4 or MXFP4
-// experts in q8act's panels, moe_kernel.h, or int8 / bf16 ones as rows, gemv_kernel.h, as the
-// fused ops run them; a shared expert beside them), an embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
+// (Qwen3.5), attention sinks and routed experts (gpt-oss, Qwen3-MoE, Qwen3.5-MoE, GLM-4-MoE: int4
+// or MXFP4 experts in q8act's panels, moe_kernel.h, or int8 / bf16 ones as rows, gemv_kernel.h,
+// as the fused ops run them; a shared expert beside them), each layer's MLP at its own width, an
+// embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
 // of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
 // adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
 // its row steps row_kernels.h's (the servelm_ops operators'), its attention
@@ -74,8 +75,8 @@ enum LayerOption : int64_t {
 // sequence's recurrent state (Qwen3.5: in_proj_qkvz in the qkv linear's place, in_proj_ba the
 // extra linear, out_proj o's; its state and parameters bound by bind_linear_attention).
 enum LayerKind : int64_t { kAttentionLayer, kLinearAttentionLayer };
-// What a layer's MLP is: the dense one (gate_up and down linears), or routed experts (no MLP
-// linears: a router and experts in q8act's panels, bound by bind_moe).
+// What a layer's MLP is: the dense one (gate_up and down linears), or routed experts (a router
+// and experts bound by bind_moe; gate_up and down, where given, a shared expert beside them).
 enum MlpKind : int64_t { kDenseMlp, kRoutedExperts };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
@@ -547,7 +548,8 @@ struct StackLayer {
   int64_t conv_dim() const { return 2 * Hk * Dk + H * Dv; }
   at::Tensor conv_state, ssm_state, conv_weight, norm_weight;
   std::vector<float> A_log, dt_bias;
-  // A MoE layer's router and routed experts (bind_moe's), in one of the panels' formats.
+  // A MoE layer's router and routed experts (bind_moe's): panels (int4, MXFP4) or rows (int8,
+  // bf16), the one `format` names.
   struct Experts {
     bool bound = false;
     int64_t format = 0;  // bind_moe's: 0 int4, 1 MXFP4 (panels), 2 int8, 3 bf16 (rows)
@@ -559,7 +561,11 @@ struct StackLayer {
     moe::Router route;                      // its options (the biases point into the vectors)
     std::vector<float> router_bias, score_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
     bool shared_gate = false;  // the router's row E gates the shared expert (the layer's gate_up / down)
-    int64_t I() const { return format == 0 ? q4.I : format == 1 ? mx4.I : format == 2 ? r8.I : rb.I; }
+    int64_t I() const {
+      int64_t i = 0;
+      with([&](const moe::ExpertMlp& L) { i = L.I; });
+      return i;
+    }
     template <typename F>
     void with(F&& f) const {
       switch (format) {
@@ -738,7 +744,7 @@ class DecodeStack : public torch::CustomClassHolder {
       // of each value head.
       s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
                              linear ? "in_proj_ba" : "attn_gate");
-      // run() sizes its per-step buffers from the first layer's MLP and attention layer's heads.
+      // run() sizes its per-step buffers from the widest layers and the first attention layer's heads.
       TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
                   "DecodeStack: every attention layer must have the same head dim");
       const auto lins = s.linears();
@@ -1555,26 +1561,12 @@ class DecodeStack : public torch::CustomClassHolder {
           // SparseMoE adds it: PyTorch's operators on each thread's rows.
           const StackLayer::Experts& x = s.moe;
           if (s.gu.present()) dense_mlp(shared_out);
-          const int64_t P = M * x.route.k;
-          x.with([&](const auto& L) {
-            t.guarded([&] {
-              const int64_t items = L.gate_up_items(P);
-              L.gate_up(moe_ids.data(), x.route.k, items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
-            });
-            t.barrier();
-            t.guarded([&] {
-              const int64_t items = L.act_items(P);
-              L.activate(items * t.tid / t.n, items * (t.tid + 1) / t.n, moe_s);
-            });
-            t.barrier();
-            t.guarded([&] {
-              const int64_t items = L.down_items();
-              L.down(moe_ids.data(), moe_weights.data(), M, x.route.k, items * t.tid / t.n, items * (t.tid + 1) / t.n,
-                     delta, moe_s);
-              if (l + 1 < layers_.size()) layers_[l + 1].qkv.prefetch(t.tid, t.n, Team::kWarm);
-            });
-            t.barrier();
+          x.with([&](const auto& L) {  // (the phases throw nothing: no guard around the barriers)
+            moe::run_phases(L, moe_ids.data(), moe_weights.data(), M, x.route.k, t.tid, t.n, delta, moe_s,
+                            [&] { t.barrier(); });
           });
+          if (l + 1 < layers_.size()) layers_[l + 1].qkv.prefetch(t.tid, t.n, Team::kWarm);
+          t.barrier();
           if (s.gu.present())
             t.rows(M, [&](int64_t m0, int64_t m1) {
               const auto opts = at::TensorOptions().dtype(at::kBFloat16);

@@ -166,37 +166,7 @@ at::Tensor moe_run(const at::Tensor& x_in, const at::Tensor& ids_in, const at::T
   L.gbias = route.gbias(), L.dbias = route.dbias(), L.act = act;
   L.limit = static_cast<float>(limit_d), L.alpha = static_cast<float>(alpha_d), L.by_row = by_row;
   L.H = H, L.I = I;
-  const int64_t k = ids_in.size(1), P = T * k;
-  const at::Tensor x = x_in.contiguous();
-  const int64_t* idp = route.id();
-  const float* wp = route.weight();
-  at::Tensor out = at::empty({T, H}, x_in.options());
-  if (P == 0) return out.zero_();
-  moe::Scratch s;
-  s.size(T, P, H, I);
-  for (int64_t t = 0; t < T; ++t) {
-    if (x.scalar_type() == at::kFloat) L.quantize(x.data_ptr<float>() + t * H, t, s);
-    else L.quantize(x.data_ptr<c10::BFloat16>() + t * H, t, s);
-  }
-  auto store = [&](auto* o) {
-    // One parallel region, two barriers (a few tokens' step is short: three regions' fork
-    // and join cost as much as the expert rows' stream): moe::Rows' phases, each thread its
-    // share of each phase's items.
-    const int nt = std::max(1, at::get_num_threads());
-    const int64_t n1 = L.gate_up_items(P), n2 = L.act_items(P), n3 = L.down_items();
-#pragma omp parallel num_threads(nt)
-    {
-      const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
-      L.gate_up(idp, k, n1 * tid / n, n1 * (tid + 1) / n, s);
-#pragma omp barrier
-      L.activate(n2 * tid / n, n2 * (tid + 1) / n, s);
-#pragma omp barrier
-      L.down(idp, wp, T, k, n3 * tid / n, n3 * (tid + 1) / n, o, s);
-    }
-  };
-  if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
-  else store(out.data_ptr<c10::BFloat16>());
-  return out;
+  return moe::run_op(L, x_in, route.id(), route.weight(), ids_in.size(1));
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,

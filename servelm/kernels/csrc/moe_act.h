@@ -1,10 +1,14 @@
-// A routed expert's activation of one gate / up pair, the weighted sum of a token's experts
-// and the routing operands' checks, shared by the fused MoE ops (gemv.cpp's moe_experts over bf16 / int8 experts,
-// q8act.cpp's over int4 ones), so both give the same bits for them. act 0: SiLU, 1: GELU (tanh), 2: GELU (erf), 3: gpt-oss's clamped
+// A routed expert's activation of one gate / up pair, the weighted sum of a token's experts,
+// the routing operands' checks and the frame that runs a layer's experts (moe::run_phases,
+// moe::run_op), shared by the fused MoE ops (gemv.cpp's moe_experts over bf16 / int8 experts,
+// q8act.cpp's over int4 and MXFP4 ones) and the DecodeStack, so all give the same bits. act 0: SiLU, 1: GELU (tanh), 2: GELU (erf), 3: gpt-oss's clamped
 // SwiGLU ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -101,6 +105,49 @@ struct Scratch {
     grow(da, P * NBI), grow(dsa, P * NBI), grow(h, P * 2 * I), grow(a, P * I), grow(y, P * H);
   }
 };
+
+// A layer's experts L (moe_kernel.h's Panels, gemv_kernel.h's Rows) for T tokens of k experts
+// each (ids, weights [T k]) on thread tid of n: its share of each phase's items (gate_up,
+// activate, down into out), barrier() between the phases. Each token's row prepared first
+// (L.quantize).
+template <typename Layer, typename O, typename Barrier>
+void run_phases(const Layer& L, const int64_t* ids, const float* weights, int64_t T, int64_t k, int64_t tid,
+                int64_t n, O* out, Scratch& s, Barrier&& barrier) {
+  const int64_t P = T * k, n1 = L.gate_up_items(P), n2 = L.act_items(P), n3 = L.down_items();
+  L.gate_up(ids, k, n1 * tid / n, n1 * (tid + 1) / n, s);
+  barrier();
+  L.activate(n2 * tid / n, n2 * (tid + 1) / n, s);
+  barrier();
+  L.down(ids, weights, T, k, n3 * tid / n, n3 * (tid + 1) / n, out, s);
+}
+
+// A fused op's body: x [T, H] (float32 or bfloat16) through the layer's experts, each token's
+// row prepared once, then the three phases in one parallel region (a few tokens' step is
+// short: three regions' fork and join cost as much as the expert rows' stream); out [T, H] in
+// x's dtype.
+template <typename Layer>
+at::Tensor run_op(const Layer& L, const at::Tensor& x_in, const int64_t* ids, const float* weights, int64_t k) {
+  const int64_t T = x_in.size(0), H = x_in.size(1), P = T * k;
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({T, H}, x_in.options());
+  if (P == 0) return out.zero_();
+  Scratch s;
+  s.size(T, P, H, L.I);
+  for (int64_t t = 0; t < T; ++t) {
+    if (x.scalar_type() == at::kFloat) L.quantize(x.data_ptr<float>() + t * H, t, s);
+    else L.quantize(x.data_ptr<c10::BFloat16>() + t * H, t, s);
+  }
+  auto store = [&](auto* o) {
+    const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+    run_phases(L, ids, weights, T, k, omp_get_thread_num(), omp_get_num_threads(), o, s, [] {
+#pragma omp barrier
+    });
+  };
+  if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
+  else store(out.data_ptr<c10::BFloat16>());
+  return out;
+}
 
 }  // namespace moe
 }  // namespace

@@ -170,10 +170,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x_in) 
 
 bool has_wide() { return q8act::kVnni; }
 
-// The fused routed experts' three phases over the panels of either format (Fmt: moe_kernel.h's
-// moe::Panels, which the DecodeStack's MoE layers run too): each token's row quantised once,
-// each pair's gate_up panels, its activation quantised once, the down panels and the weighted
-// sum, split over the threads of one parallel region; out in x's dtype. gs / gm and ds / dm:
+// The fused routed experts over the panels of either format (Fmt: moe_kernel.h's moe::Panels,
+// which the DecodeStack's MoE layers run too), in moe::run_op's frame: each token's row
+// quantised once, each pair's gate_up panels, its activation quantised once, the down panels
+// and the weighted sum; out in x's dtype. gs / gm and ds / dm:
 // the gate_up and down scales and mins (mins null for MX4), s1 / s2 an expert's count of them,
 // group the group size.
 template <typename Fmt>
@@ -191,33 +191,7 @@ at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor
   L.gs = gsp, L.gm = gmp, L.ds = dsp, L.dm = dmp, L.s1 = s1, L.s2 = s2, L.group = group;
   L.gbias = route.gbias(), L.dbias = route.dbias(), L.act = act, L.H = H, L.I = I;
   L.limit = static_cast<float>(limit_d), L.alpha = static_cast<float>(alpha_d), L.wide = wide;
-  const int64_t k = ids_in.size(1), P = T * k, NP1 = L.np1(), NP2 = L.np2();
-  const at::Tensor x = x_in.contiguous();
-  const int64_t* idp = route.id();
-  const float* wp = route.weight();
-  at::Tensor out = at::empty({T, H}, x_in.options());
-  if (P == 0) return out.zero_();
-  moe::Scratch s;
-  s.size(T, P, H, I);
-  for (int64_t t = 0; t < T; ++t) {
-    if (x.scalar_type() == at::kFloat) L.quantize(x.data_ptr<float>() + t * H, t, s);
-    else L.quantize(x.data_ptr<c10::BFloat16>() + t * H, t, s);
-  }
-  auto store = [&](auto* o) {
-    const int nt = std::max(1, at::get_num_threads());
-#pragma omp parallel num_threads(nt)
-    {
-      const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
-      L.gate_up(idp, k, P * NP1 * tid / n, P * NP1 * (tid + 1) / n, s);
-#pragma omp barrier
-      L.activate(P * tid / n, P * (tid + 1) / n, s);
-#pragma omp barrier
-      L.down(idp, wp, T, k, NP2 * tid / n, NP2 * (tid + 1) / n, o, s);
-    }
-  };
-  if (out.scalar_type() == at::kFloat) store(out.data_ptr<float>());
-  else store(out.data_ptr<c10::BFloat16>());
-  return out;
+  return moe::run_op(L, x_in, route.id(), route.weight(), ids_in.size(1));
 }
 
 // A MoE layer's router for a few tokens (moe::route_row, which the DecodeStack's MoE layers run

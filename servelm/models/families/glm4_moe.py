@@ -60,9 +60,9 @@ class Glm4Moe(ScoreBiasNames):
     def gguf_config(self, get, base, tensor_names):
         # rope.dimension_count (the partial rotary) is read with the common keys.
         n = base["num_layers"] - int(get("nextn_predict_layers", 0) or 0)
-        bias = next((t for t in tensor_names if t.endswith(".attn_q.bias")), None) is not None
-        qk_norm = next((t for t in tensor_names if t.endswith(".attn_q_norm.weight")), None)
-        return {"num_layers": n, "attention_bias": bias, "qk_norm": qk_norm is not None,
+        return {"num_layers": n,
+                "attention_bias": any(t.endswith(".attn_q.bias") for t in tensor_names),
+                "qk_norm": any(t.endswith(".attn_q_norm.weight") for t in tensor_names),
                 **_moe(n, experts=base.get("num_experts", 0),
                        per_tok=base.get("num_experts_per_tok", 0),
                        moe_inter=base.get("moe_intermediate_size", 0),
