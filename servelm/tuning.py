@@ -1164,7 +1164,7 @@ class StackCost:
 
 def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set[int] | None:
     """The ids of the linear layers a DecodeStack would run (every decoder layer's qkv, o,
-    gate_up and down), when the model is one it implements and it can run here (bf16
+    gate_up and down, and its per-layer input's), when the model is one it implements and it can run here (bf16
     activations, the C++ kernels, fused_decode on); else None."""
     from servelm.models import decode_stack
     from servelm.models.decoder import CausalLM
@@ -1172,7 +1172,7 @@ def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set
     if not (kcfg.fused_decode and kcfg.cpu_kernels and act == torch.bfloat16
             and isinstance(model, CausalLM) and decode_stack.unsupported_reason(model) is None):
         return None
-    return {id(m) for layer in model.layers for m in layer.linears() if m is not None}
+    return {id(m) for layer in model.layers for m in decode_stack.stack_linears(layer)}
 
 
 @torch.inference_mode()

@@ -367,6 +367,9 @@ def generate_with_and_without_the_stack(llm, prompts: list[list[int]], sp):
         def set_state_rows(self, *a):
             return self.stack.set_state_rows(*a)
 
+        def set_per_layer_inputs(self, *a):
+            return self.stack.set_per_layer_inputs(*a)
+
     requests = [{"prompt_token_ids": p} for p in prompts]
     try:
         model._decode_stacks = [(lo, hi, Counting(st)) for lo, hi, st in real]
@@ -396,9 +399,17 @@ def decode_rows(cfg, lens: list[int], block_size: int = 16, seed: int = 1):
 
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 4
-    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    data = torch.randn(shape, generator=g).bfloat16()
-    caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
+    if cfg.layer_head_dims or cfg.layer_kv_heads or cfg.kv_source_layers:
+        # Layers of their own shapes, KV-shared ones their source's (the runner's KVCache).
+        from servelm.engine.model_runner import KVCache
+
+        kv = KVCache(cfg, num_blocks, block_size, torch.bfloat16, torch.device("cpu"))
+        data, caches = kv.data, [tuple(entry[:2]) for entry in kv.layers]
+        data.copy_(torch.randn(data.shape, generator=g))
+    else:
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        data = torch.randn(shape, generator=g).bfloat16()
+        caches = [(data[i, 0], data[i, 1]) for i in range(cfg.num_layers)]
     perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
     seqs, at = [], 0
     for i, n in enumerate(lens):

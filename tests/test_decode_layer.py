@@ -223,35 +223,39 @@ def test_decode_stack_rejects_bad_arguments():
             desc.layer_options(), desc.model_options(), desc.model_scalars())
 
     weights = [t for p in parts for t in p[0]]
-    none = StackFormat.NONE  # (no output gate: each layer's fifth linear)
-    with pytest.raises(RuntimeError, match="per layer 8 norms, 5 formats"):
-        stack(groups=[32] * 7)
+    none = StackFormat.NONE  # (no output gate, no per-layer input: each layer's last three linears)
+    with pytest.raises(RuntimeError, match="per layer 10 norms, 7 formats"):
+        stack(groups=[32] * 9)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
         stack(weights=weights[:-1])
     with pytest.raises(RuntimeError, match="left over"):
         stack(weights=weights + [weights[0]])
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: int8 qweight"):  # int4 as int8
-        stack(groups=[32, 0, 32, 32, none] * 2)
+        stack(groups=[32, 0, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: bf16 weight must be"):  # as bf16
-        stack(groups=[32, -1, 32, 32, none] * 2)
+        stack(groups=[32, -1, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="group size -5 is none of int4's"):
-        stack(groups=[32, -5, 32, 32, none] * 2)
+        stack(groups=[32, -5, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="only an attention layer's extra linear"):
-        stack(groups=[32, none, 32, 32, none] * 2)
+        stack(groups=[32, none, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="only gate_up_proj may be gated amx"):
-        stack(groups=[32, StackFormat.AMX_GATED, 32, 32, none] * 2)
+        stack(groups=[32, StackFormat.AMX_GATED, 32, 32, none, none, none] * 2)
     q8 = StackFormat.Q8ACT
     with pytest.raises(RuntimeError, match="none of int4's .* q8act's .* or w8a8's"):  # q8act, no group
-        stack(groups=[32, q8, 32, 32, none] * 2)
+        stack(groups=[32, q8, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: q8act qweight must be"):  # tiles
-        stack(groups=[32, q8 + 32, 32, 32, none] * 2)
+        stack(groups=[32, q8 + 32, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="q8act group size must be a multiple of 32"):
-        stack(groups=[32, q8 + 16, 32, 32, none] * 2)
+        stack(groups=[32, q8 + 16, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="DecodeStack o_proj: amx"):  # int4 tiles as amx
-        stack(groups=[32, StackFormat.AMX, 32, 32, none] * 2)
+        stack(groups=[32, StackFormat.AMX, 32, 32, none, none, none] * 2)
     with pytest.raises(RuntimeError, match="norm weights must be contiguous bfloat16"):
         stack(norms=[t.float() for p in parts for t in p[2]])
+    with pytest.raises(RuntimeError, match="a per-layer input has its gate and projection"):
+        stack(groups=[32, 32, 32, 32, none, 32, 32] * 2, weights=weights + weights[:6])
     s = stack()
+    with pytest.raises(RuntimeError, match="the layers take no per-layer inputs"):
+        s.set_per_layer_inputs(torch.zeros(rows, 2, 16).bfloat16())
     assert s.num_layers() == 2
     x = torch.randn(rows, cfg.hidden_size).bfloat16()
     cos = sin = torch.ones(rows, cfg.head_dim).bfloat16()

@@ -97,6 +97,20 @@ FAMILIES = {
                      parallel_block=True, parallel_mlp_norm=True, mlp_gated=False,
                      mlp_bias=True, hidden_act="gelu", attention_bias=True,
                      attention_out_bias=True, rotary_dim=4),
+    # Gemma 4: global layers of their own head size and KV heads (the third with values from
+    # its keys' projection, the last reading its KV cache), weightless v norms, per-layer inputs,
+    # layer scalars, the last two layers KV-shared with double-wide MLPs.
+    "gemma4": dict(architecture="Gemma4ForCausalLM", family="gemma4", num_layers=6, qk_norm=True,
+                   sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=8.0, attn_scale=1.0,
+                   sliding_window=WINDOW, layer_types=(SLIDING, SLIDING, FULL) * 2,
+                   rope_theta=1e4, rope_local_theta=1e4,
+                   rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                 "rope_theta": 1e4},
+                   layer_head_dims=(16, 16, 32, 16, 16, 32), layer_kv_heads=(2, 2, 1, 2, 2, 1),
+                   kv_source_layers=(0, 1, 2, 3, 3, 2),
+                   extra=dict(v_norm=True, layer_scalar=True, k_eq_v_layers=(2, 5),
+                              intermediate_sizes=(96, 96, 96, 96, 192, 192),
+                              per_layer_input_size=16, per_layer_vocab_size=256)),
     # The same norms' places with per-head q / k norms, its global layer without rotary.
     "exaone4": dict(architecture="Exaone4ForCausalLM", family="exaone4", qk_norm=True,
                     sandwich_norms=True, pre_norms=False, sliding_window=WINDOW,
@@ -107,10 +121,15 @@ FAMILIES = {
 def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
     cfg = ModelConfig(**{**BASE, **FAMILIES[family]})
     model = random_bf16_model(cfg, seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.layer_scalar is not None:  # scalars near 1, each its own
+                layer.layer_scalar.uniform_(0.6, 1.4)
     if fmt == "bf16":  # bf16 weights in the kernels' tiles
         method_targets(model.layers, Q.TARGETS, "tiles")
     else:
         Q.quantize_model(model.layers, fmt)
+    method_targets(model.layers, ("gate", "proj"), "tiles")  # per-layer inputs' (Gemma 4)
     model.select_ops(True)  # the per-op path on servelm's C++ ops, as the runner selects it
     return model.eval()
 
@@ -327,6 +346,11 @@ def test_run_rotary_takes_both_tables_and_the_stack_checks_its_description():
 
 # ---------------------------------------------------------------- through the engine
 
+GEMMA4 = dict(num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8,
+              layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+              rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                               FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                      "rope_theta": 1e4}})
 ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them)
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
@@ -359,6 +383,13 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
         num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         initializer_range=0.1)),
+    # Gemma 4: global layers with their own head size and KV heads, their values their keys'
+    # projection; weightless v norms; per-layer inputs; layer scalars; the last two layers
+    # reading an earlier layer's KV cache, with double-wide MLPs. And its plain form.
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4, num_global_key_value_heads=1,
+               attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+               hidden_size_per_layer_input=16)),
+    "gemma4_dense": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4, hidden_size_per_layer_input=0)),
     # The same layers with routed int4 experts and a gated shared expert in every MLP.
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -376,7 +407,13 @@ def family_llms(tmp_path_factory, hf_tokenizer):
     out = {}
     for i, (name, (config_cls, model_cls, extra)) in enumerate(ENGINE_FAMILIES.items()):
         d = tmp_path_factory.mktemp(f"hf-{name}")
-        tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
+        model = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
+        if name.startswith("gemma4"):  # layer scalars off their init of 1, so that each shows
+            with torch.no_grad():
+                for pname, b in model.named_buffers():
+                    if pname.endswith("layer_scalar"):
+                        b.uniform_(0.6, 1.4)
+            model.save_pretrained(d)
         # No prefix caching: both runs must batch the same rows.
         out[name] = LLM(model=str(d), dtype="bfloat16", quantization="int4",
                         linear_method="tiles", kv_cache_memory=16 << 20, max_model_len=256,

@@ -11,7 +11,8 @@ router scales off their init. `gemma4_dense` is the plain form: global layers wi
 own head size and v_proj, no PLE, no sharing, no experts. Both are served token-exact
 through prefill, chunked prefill, decode, the prefix cache and preemption; the KV pool
 holds each layer's own shape (a view each, shared layers their source's); the whole-step
-DecodeStack and the kernel backends decline what they cannot run, with the reason."""
+DecodeStack takes all but the experts, and the kernel backends decline what they cannot run,
+with the reason."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(checkpoints
     """The C++ ops and attention where they build (the cpu backend runs both head sizes), a
     16-token budget (prompts prefilled in chunks past the window), a second round from the
     prefix cache, then a pool of 5 blocks (each the sum of the layers' own) that preempts:
-    the eager path's tokens each time. Decode steps run op by op (the DecodeStack declines)."""
+    the eager path's tokens each time. Decode steps run op by op (fp32: the DecodeStack runs bf16 models)."""
     path, _ = checkpoints[name]
     fast, _ = assert_chunks_cache_and_preemption_keep_tokens(path, PROMPTS, GREEDY, **KW)
     ex = fast.engine.executor
@@ -177,18 +178,19 @@ def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):
          "model.embed_audio.embedding_projection.weight"], KW, PROMPTS)
 
 
-def test_decode_stack_declines_with_the_reason(checkpoints):
+def test_decode_stack_takes_the_dense_form_and_declines_the_experts(checkpoints):
+    """The whole-step DecodeStack takes Gemma 4's layers (tests/test_decode_stack.py runs them
+    against the per-op path), not its experts beside the MLP."""
     from servelm.models import decode_stack
     from servelm.models.decoder import CausalLM
 
-    reasons = {}
-    for name, (path, _) in checkpoints.items():
-        got = decode_stack.describe(CausalLM(ModelConfig.from_hf_dir(path), max_positions=64))
-        assert isinstance(got, str)
-        reasons[name] = got
-    assert reasons == {"gemma4": "layer 0: it has routed experts beside its MLP (routed "
-                                 "experts run op by op)",
-                       "gemma4_dense": "layer 0: its values are RMS-normalised (v_norm)"}
+    got = {name: decode_stack.describe(CausalLM(ModelConfig.from_hf_dir(path), max_positions=64))
+           for name, (path, _) in checkpoints.items()}
+    assert got["gemma4"] == ("layer 0: it has routed experts beside its MLP (routed experts run "
+                             "op by op)")
+    dense = got["gemma4_dense"]
+    assert isinstance(dense, decode_stack.StackDescription)
+    assert dense.v_norm and dense.local_rotary_dim == 16 and dense.rotary_dim == 32
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

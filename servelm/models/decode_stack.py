@@ -61,6 +61,8 @@ class NormSlot(enum.IntEnum):
     MLP_OUT = 5
     INPUT_BIAS = 6  # a LayerNorm's bias
     POST_ATTENTION_BIAS = 7
+    LAYER_SCALAR = 8  # [1]: the residual stream times it at the layer's end (Gemma 4)
+    PLE_NORM = 9  # the norm of its per-layer input's projection (Gemma 4)
 
 
 class LayerOption(enum.IntEnum):
@@ -80,6 +82,8 @@ class LayerOption(enum.IntEnum):
     CONV_KERNEL = 8
     MLP_KIND = 9  # an MlpKind
     SINKS = 10  # 1: its attention has sinks, a logit per query head in the softmax (bind_sinks)
+    KV_SHARED = 11  # 1: it attends an earlier layer's caches (its own) and writes none; qkv is q
+    K_EQ_V = 12  # 1: its values are its keys as projected; qkv is q | k
 
 
 class LayerKind(enum.IntEnum):
@@ -103,6 +107,9 @@ class ModelOption(enum.IntEnum):
     LAYER_NORM = 7  # 1: the pre-norms and the final norm are LayerNorms (StableLM, Cohere)
     PARALLEL = 8  # 1: attention and the MLP read one normed input, their outputs summed
     PLAIN_MLP = 9  # 1: the MLP is not gated, down(act(up(x))) (Starcoder2, Phi, GPT-NeoX)
+    LOCAL_ROTARY_DIM = 10  # the sliding layers' rotary table's width (0: ROTARY_DIM's)
+    V_NORM = 11  # 1: each head's v over its root mean square, no weight (Gemma 4)
+    PER_LAYER_INPUT = 12  # P > 0: each layer adds a per-layer input of P (Gemma 4; set_per_layer_inputs)
 
 
 class ModelScalar(enum.IntEnum):
@@ -139,6 +146,8 @@ class LayerDescription:
     linear: tuple[int, int, int, int, int] | None = None
     routed_experts: bool = False  # its MLP is routed experts (SparseMoE: bind_moe)
     sinks: bool = False  # its attention has sinks (gpt-oss: bind_sinks)
+    kv_shared: bool = False  # it attends an earlier layer's KV cache (Gemma 4)
+    k_eq_v: bool = False  # its values are its keys' projection (Gemma 4's global layers)
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,9 @@ class StackDescription:
     layer_norm: bool = False
     parallel: bool = False
     plain_mlp: bool = False
+    local_rotary_dim: int = 0  # the sliding layers' table's width (0: rotary_dim)
+    v_norm: bool = False
+    per_layer_input: int = 0  # P: the per-layer inputs' width (0: none)
 
     def layer_options(self) -> list[int]:
         out = []
@@ -179,6 +191,8 @@ class StackDescription:
             opts[LayerOption.MLP_KIND] = (MlpKind.ROUTED_EXPERTS if layer.routed_experts
                                           else MlpKind.DENSE)
             opts[LayerOption.SINKS] = int(layer.sinks)
+            opts[LayerOption.KV_SHARED] = int(layer.kv_shared)
+            opts[LayerOption.K_EQ_V] = int(layer.k_eq_v)
             out += opts
         return out
 
@@ -194,6 +208,9 @@ class StackDescription:
         opts[ModelOption.LAYER_NORM] = int(self.layer_norm)
         opts[ModelOption.PARALLEL] = int(self.parallel)
         opts[ModelOption.PLAIN_MLP] = int(self.plain_mlp)
+        opts[ModelOption.LOCAL_ROTARY_DIM] = self.local_rotary_dim
+        opts[ModelOption.V_NORM] = int(self.v_norm)
+        opts[ModelOption.PER_LAYER_INPUT] = self.per_layer_input
         return opts
 
     def model_scalars(self) -> list[float]:
@@ -264,17 +281,11 @@ def describe_layer(layer) -> LayerDescription | str:
             return "its q and k are L2-normalised after the rotary"
     if getattr(layer, "moe", None) is not None:
         return "it has routed experts beside its MLP (routed experts run op by op)"
-    if not linear:
-        if attn.kv_shared:
-            return "it attends an earlier layer's KV cache (KV sharing)"
-        if attn.k_eq_v:
-            return "its values are its keys' projection (k_eq_v)"
-        if attn.v_norm:
-            return "its values are RMS-normalised (v_norm)"
-    if getattr(layer, "per_layer_input", None) is not None:
-        return "it adds a per-layer input (per-layer embeddings)"
-    if getattr(layer, "layer_scalar", None) is not None:
-        return "it scales its residual stream (layer_scalar)"
+    ple = getattr(layer, "per_layer_input", None)
+    if ple is not None and (routed or ple.act != mlp.act):
+        return "its per-layer input's activation is not its MLP's"
+    if getattr(layer, "closes_stream", False) and getattr(layer, "parallel", False):
+        return "its attention and MLP run in parallel, with a per-layer input or scalar"
     pre = layer.input_layernorm
     if not isinstance(pre, (RMSNorm, NoNorm, LayerNorm)):
         return f"its norms are {type(pre).__name__}s, not RMSNorms or LayerNorms"
@@ -300,7 +311,9 @@ def describe_layer(layer) -> LayerDescription | str:
                             window=attn.window or 0, local_rotary=bool(layer.local_rotary),
                             kv_group=layer.kv_group, rope=bool(attn.rope),
                             output_gate=attn.attn_gate is not None, routed_experts=routed,
-                            sinks=getattr(attn, "sinks", None) is not None)
+                            sinks=getattr(attn, "sinks", None) is not None,
+                            kv_shared=bool(attn.kv_shared),
+                            k_eq_v=bool(attn.k_eq_v and not attn.kv_shared))
 
 
 def describe(model) -> StackDescription | str:
@@ -322,11 +335,21 @@ def describe(model) -> StackDescription | str:
     mlps = [layer.mlp.shared_expert if d.routed_experts else layer.mlp
             for layer, d in zip(model.layers, layers)]
     dense = next((m for m in mlps if m is not None), None)
+    ple = model.per_layer_embed
+    tables = (model.rotary, model.rotary_local)
     for i, layer in enumerate(model.layers):
         a = attn if layer.linear else layer.self_attn
-        if (a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.softcap) != (
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.softcap):
-            return f"layer {i}: its heads, softmax scale or soft-cap differ from layer {first}'s"
+        # (Each layer's KV heads and head dim are its cache's: they may differ, Gemma 4's.)
+        if (a.num_heads, a.scale, a.softcap, a.v_norm) != (
+                attn.num_heads, attn.scale, attn.softcap, attn.v_norm):
+            return (f"layer {i}: its query heads, softmax scale, soft-cap or v norm differ from "
+                    f"layer {first}'s")
+        if not layer.linear and a.rope:
+            table = tables[bool(layer.local_rotary)]
+            if table is None or table.cos.shape[-1] != a.rotary_dim:
+                return f"layer {i}: its rotary table is not its rotary_dim ({a.rotary_dim}) wide"
+        if (getattr(layer, "per_layer_input", None) is None) != (ple is None):
+            return f"layer {i}: it takes no per-layer input where the model makes them"
         if mlps[i] is not None and (mlps[i].act, type(mlps[i])) != (dense.act, type(dense)):
             return (f"layer {i}: its MLP's (or shared expert's) kind or activation differs from "
                     "the first one's")
@@ -340,14 +363,11 @@ def describe(model) -> StackDescription | str:
                 getattr(model.layers[0], "parallel", False),
                 type(model.layers[0].post_attention_layernorm)):
             return f"layer {i}: its norms' kinds or places differ from layer 0's"
-    rotary_dim = cfg.rotary_dim or attn.head_dim
+    rotary_dim = model.rotary.cos.shape[-1]
+    local_dim = model.rotary_local.cos.shape[-1] if model.rotary_local is not None else 0
     pre_norms = hasattr(model.layers[0].input_layernorm, "weight")
     if pre_norms and type(model.norm) is not type(model.layers[0].input_layernorm):
         return "its final norm is of another kind than its layers'"
-    if model.rotary.cos.shape[-1] != rotary_dim:
-        return "its rotary table is not rotary_dim wide"
-    if any(d.local_rotary for d in layers) and model.rotary_local is None:
-        return "a layer takes the sliding layers' rotary table, which the model lacks"
     return StackDescription(
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         rotary_dim=rotary_dim,
@@ -359,7 +379,9 @@ def describe(model) -> StackDescription | str:
         plain_mlp=type(dense) is MLP,
         embed_scale=cfg.embed_scale, layers=tuple(layers), attn_softcap=attn.softcap or 0.0,
         residual_scale=model.layers[0].residual_scale, q_scale_beta=float(attn.q_scale_beta),
-        q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0)
+        q_scale_period=int(attn.q_scale_period or 0) if attn.q_scale_beta else 0,
+        local_rotary_dim=local_dim if local_dim != rotary_dim else 0, v_norm=bool(attn.v_norm),
+        per_layer_input=ple.size if ple is not None else 0)
 
 
 def layer_args(layer, rows: int = 1) -> tuple | str:
@@ -371,11 +393,16 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     d = describe_layer(layer)
     if isinstance(d, str):
         return d
-    # qkv (or in_proj_qkvz), o (out_proj), gate_up (up), down (None, None: routed experts)[, extra]
-    linears = layer.linears()
+    # qkv (or in_proj_qkvz), o (out_proj), gate_up (up), down (None, None: routed experts),
+    # extra (or None), the per-layer input's gate and projection (or None, None)
+    linears = list(layer.linears())
+    linears += [None] * (5 - len(linears))
+    ple = getattr(layer, "per_layer_input", None)
+    linears += [ple.gate, ple.proj] if ple is not None else [None, None]
     mlp = ("c_fc", "c_proj") if hasattr(layer.mlp, "c_fc") else ("gate_up_proj", "down_proj")
     names = (("in_proj_qkvz", "out_proj", *mlp, "in_proj_ba")
              if layer.linear else ("qkv_proj", "o_proj", *mlp, "attn_gate"))
+    names += ("per_layer_input.gate", "per_layer_input.proj")
     if d.routed_experts and isinstance(why := layer.mlp.decode_stack_args(), str):
         return why
     parts = [([], int(StackFormat.NONE)) if m is None else kernel_weights(m, rows) for m in linears]
@@ -384,9 +411,7 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
             return f"its {name} does not run on the C++ int4 / int8 / bf16 kernels at {rows} rows"
     none = torch.empty(0)
     biases = [None if m is None else getattr(base_linear(m), "bias", None) for m in linears]
-    biases = [none if b is None else b for b in biases] + [none] * (len(names) - len(linears))
-    if len(parts) < len(names):  # no extra linear
-        parts.append(([], int(StackFormat.NONE)))
+    biases = [none if b is None else b for b in biases]
     norms = [none] * len(NormSlot)
     for slot, bias_slot, norm in ((NormSlot.INPUT, NormSlot.INPUT_BIAS, layer.input_layernorm),
                                   (NormSlot.POST_ATTENTION, NormSlot.POST_ATTENTION_BIAS,
@@ -398,10 +423,16 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
             norms[bias_slot] = norm.bias
     attn = None if layer.linear else layer.self_attn
     if attn is not None and attn.q_norm is not None:
-        norms[NormSlot.Q], norms[NormSlot.K] = attn.q_norm.weight, attn.k_norm.weight
+        norms[NormSlot.Q] = attn.q_norm.weight
+        if attn.k_norm is not None:  # (a KV-shared layer has none)
+            norms[NormSlot.K] = attn.k_norm.weight
     if layer.attn_out_norm is not None:
         norms[NormSlot.ATTN_OUT] = layer.attn_out_norm.weight
         norms[NormSlot.MLP_OUT] = layer.mlp_out_norm.weight
+    if getattr(layer, "layer_scalar", None) is not None:
+        norms[NormSlot.LAYER_SCALAR] = layer.layer_scalar.detach().to(torch.bfloat16)
+    if ple is not None:
+        norms[NormSlot.PLE_NORM] = ple.norm.weight
     return [t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms, biases
 
 
@@ -454,6 +485,22 @@ def set_state_rows(stack, slots: list[int], fresh: list[bool],
     the step (a prefix-cache snapshot; None or -1: none)."""
     stack.set_state_rows(slots, [int(f) for f in fresh],
                          snapshots if snapshots is not None else [-1] * len(slots))
+
+
+def stack_linears(layer) -> list:
+    """The linear layers a stack runs of this decoder layer: DecoderLayer.linears() and its
+    per-layer input's gate and projection."""
+    out = [m for m in layer.linears() if m is not None]
+    ple = getattr(layer, "per_layer_input", None)
+    return out + ([ple.gate, ple.proj] if ple is not None else [])
+
+
+def set_per_layer_inputs(model, stack, input_ids: torch.Tensor) -> None:
+    """Before a stack run of a model with per-layer inputs (Gemma 4): the step's [M, layers,
+    P], made by the model's PerLayerEmbedding from the ids and their scaled embedding, as the
+    per-op path makes them."""
+    ple = model.per_layer_embed(input_ids, model.embed(input_ids))
+    stack.set_per_layer_inputs(ple.contiguous())
 
 
 def set_lora_rows(model, stack) -> None:
@@ -521,7 +568,7 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     if reason is not None:
         return _not_used(reason)
     desc = describe(model)
-    linears = [base_linear(m) for layer in model.layers for m in layer.linears() if m is not None]
+    linears = [base_linear(m) for layer in model.layers for m in stack_linears(layer)]
     # Per bucket, the module every linear layer runs a call of that many rows on.
     used = [[id(m.module_for(rows)) if hasattr(m, "module_for") else id(m) for m in linears]
             for rows in BUCKET_ROWS]

@@ -315,6 +315,8 @@ class CausalLM(nn.Module):
         bits as forward() on the equivalent batch. states: a model with linear-attention
         layers' (each row's state slot, fresh flag, snapshot row or -1)."""
         stack = self._stack_for(len(input_ids))
+        if self.per_layer_embed is not None:  # Gemma 4's per-layer inputs
+            decode_stack.set_per_layer_inputs(self, stack, torch.tensor(input_ids))
         if states is not None:
             decode_stack.set_state_rows(stack, *states)
         if "lora_step" in self.__dict__:  # adapters: the step's row slots (servelm.lora.wrap)
@@ -355,6 +357,8 @@ class CausalLM(nn.Module):
         if fused:  # a hybrid model's block groups: each group's slots and tables
             slots, block_tables = batch.stack_inputs()
         if fused and rows is None:  # the whole step, embedding to final norm, in one call
+            if self.per_layer_embed is not None:  # Gemma 4's per-layer inputs
+                decode_stack.set_per_layer_inputs(self, self._stack_for(n), batch.input_ids)
             return self._stack_for(n).run_tokens(batch.input_ids, batch.positions, slots,
                                                  block_tables, dec.context_lens)
         # The residual stream x, updated in place by each norm's add.
@@ -365,6 +369,8 @@ class CausalLM(nn.Module):
         if self.rotary_local is not None:
             tables.append(self.rotary_local.cos_sin(batch.positions, x.dtype))
         if fused:
+            if ple is not None:
+                self._stack_for(n).set_per_layer_inputs(ple.contiguous())
             delta = self._stack_for(n).run_rotary(x, [t for cs in tables for t in cs],
                                                   slots, block_tables, dec.context_lens)
             if rows is not None:

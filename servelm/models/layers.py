@@ -343,8 +343,8 @@ class Attention(OpModule):
     rotary (qk_l2_norm, Llama 4; the projection's norms, rotary and KV write then run in
     PyTorch, since the C++ op writes k rotated but not normalised); Gemma 4's a weightless
     RMS norm of each head's v (v_norm), the value taken from the key projection as
-    projected, before the k norm and the rotary (k_eq_v: qkv_proj has q and k rows only;
-    the PyTorch path), and a layer reading an earlier layer's K/V (kv_shared: qkv_proj
+    projected, before the k norm and the rotary (k_eq_v: qkv_proj has q and k rows only),
+    and a layer reading an earlier layer's K/V (kv_shared: qkv_proj
     has q rows only, no k norm, nothing written; the cache it is handed is that layer's).
     The rotary table is
     the caller's (a model may hold one per layer kind); an output gate (output_gate: the
@@ -410,7 +410,7 @@ class Attention(OpModule):
     def select(self, kernels: bool) -> None:
         self.uses_kernels = kernels
         self._qkv = (q_only if self.kv_shared
-                     else qkv_kernels if kernels and not (self.qk_l2_norm or self.k_eq_v)
+                     else qkv_kernels if kernels and not self.qk_l2_norm
                      else qkv_ref)
         # The kernel's rotary turns every dim of a head; a partial rotary runs the reference
         # rotary + KV write on the kernels' in-place layout.
@@ -496,7 +496,9 @@ def qkv_kernels(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, sc
     """`qkv_ref` on the C++ fused ops: q is a view of the projection, rotated in place."""
     T, d = x.shape[0], attn.head_dim
     qkv = attn.qkv_proj(x)
-    if qkv.stride(-1) != 1:
+    if attn.k_eq_v:  # v: the key projection as projected, beside it (q | k | v)
+        qkv = torch.cat([qkv, qkv[:, attn.q_size:]], dim=-1)
+    elif qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     ks, vs = scales or (None, None)  # scales: (k, v) of an int8 cache, else none
     if attn.qk_norm_whole:  # norms of all of q and of k, in place, before the rotary
@@ -507,9 +509,13 @@ def qkv_kernels(attn: Attention, x, cos, sin, slot_mapping, k_cache, v_cache, sc
         q_k = qkv[:, :attn.q_size + attn.kv_size]
         q_k[:, :attn.q_size] = attn.q_norm(q_k[:, :attn.q_size].view(T, -1, d)).view(T, -1)
         q_k[:, attn.q_size:] = attn.k_norm(q_k[:, attn.q_size:].view(T, -1, d)).view(T, -1)
-    if attn.v_norm:  # each head's v over its root mean square, no weight, in place
+    if attn.v_norm:  # each head's v over its root mean square, no weight (the C++ RMSNorm
+        # with a weight of ones: the DecodeStack's arithmetic), in place
         v = qkv[:, attn.q_size + attn.kv_size:]
-        v.copy_(l2_norm(v.reshape(T, -1, d), attn.eps).view(T, -1))
+        ones = attn.__dict__.get("_v_norm_ones")
+        if ones is None or ones.dtype != qkv.dtype:
+            ones = attn._v_norm_ones = torch.ones(d, dtype=qkv.dtype)
+        v.copy_(head_rms_norm(v.reshape(T, -1, d), ones, attn.eps).view(T, -1))
     # Rotary on q (in place) and k, and k/v written into their slots: one pass.
     attn._rotary_kv_write(qkv, cos, sin, k_cache, v_cache, slot_mapping,
                           attn.num_heads, attn.num_kv_heads, ks, vs)

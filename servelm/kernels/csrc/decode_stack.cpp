@@ -27,6 +27,7 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -58,6 +59,8 @@ namespace {
 enum NormSlot : int64_t {
   kInputNorm, kPostAttentionNorm, kQNorm, kKNorm, kAttnOutNorm, kMlpOutNorm,
   kInputNormBias, kPostAttentionNormBias,  // LayerNorms' biases (empty: none)
+  kLayerScalar,  // [1]: the residual stream times it at the layer's end (Gemma 4; empty: none)
+  kPleNorm,      // [hidden]: the norm of its per-layer input's projection (Gemma 4's PLE)
   kNormSlots
 };
 // Per layer, these integers.
@@ -69,6 +72,10 @@ enum LayerOption : int64_t {
   kLinearKeyHeads, kLinearValueHeads, kLinearKeyDim, kLinearValueDim, kConvKernel,
   kMlpKind,  // an MlpKind
   kSinks,    // 1: its attention has sinks, a logit per query head in the softmax (bind_sinks)
+  kKvShared,  // 1: it attends its caches (an earlier layer's, written this step) and writes none;
+              // its qkv linear is q alone (Gemma 4)
+  kKEqV,      // 1: its values are its keys as projected (before the k norm and the rotary); its
+              // qkv linear is q | k (Gemma 4's global layers)
   kLayerOptions
 };
 // What mixes a layer's tokens: attention over its KV cache, or a gated DeltaNet over each
@@ -82,6 +89,9 @@ enum MlpKind : int64_t { kDenseMlp, kRoutedExperts };
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
                               kQkNormWhole, kLayerNorm, kParallel,
                               kPlainMlp,  // 1: the MLP is not gated: down(act(up(x))) (Starcoder2, Phi)
+                              kLocalRotaryDim,  // the sliding layers' table's width (0: kRotaryDim)
+                              kVNorm,  // 1: each head's v over its root mean square, no weight (Gemma 4)
+                              kPerLayerInput,  // P > 0: each layer adds a per-layer input of P (Gemma 4)
                               kModelOptions };
 // ... and these floats.
 enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualScale, kQScaleBeta,
@@ -526,21 +536,71 @@ void sigmoid_gate_rows(c10::BFloat16* x, const c10::BFloat16* gate, int64_t m0, 
 
 // ---------------------------------------------------------------- the stack
 
+// The layers that share an attention plan: their window, head dim, KV heads and q's row
+// stride (their qkv linear's width).
+using AttnKey = std::array<int64_t, 4>;
+
+// A step's attention for the layers of one AttnKey (decode_attention.h's DecodeAttention,
+// compiled for its head dim where the paged_decode_attention op is, so both give the same bits).
+struct StepAttention {
+  virtual ~StepAttention() = default;
+  virtual int64_t items() const = 0;
+  virtual void item_range(int64_t it, int& b, int& t0, int& t1) const = 0;
+  virtual void set_caches(const PagedKV<c10::BFloat16>& kv) = 0;
+  virtual void set_sinks(const float* sinks) = 0;
+  virtual void run_item(int64_t it) = 0;
+  virtual void finish(int b0, int b1) = 0;
+};
+
+template <int DT>
+struct StepAttentionOf final : StepAttention {
+  DecodeAttention<c10::BFloat16, DT> a;
+  template <typename... Args>
+  explicit StepAttentionOf(Args&&... args) : a(std::forward<Args>(args)...) {}
+  int64_t items() const override { return a.items(); }
+  void item_range(int64_t it, int& b, int& t0, int& t1) const override { a.item_range(it, b, t0, t1); }
+  void set_caches(const PagedKV<c10::BFloat16>& kv) override { a.set_caches(kv); }
+  void set_sinks(const float* sinks) override { a.set_sinks(sinks); }
+  void run_item(int64_t it) override { a.run_item(it); }
+  void finish(int b0, int b1) override { a.finish(b0, b1); }
+};
+
+template <typename... Args>
+std::unique_ptr<StepAttention> make_step_attention(int64_t D, Args&&... args) {
+  switch (D) {  // the head dims paged_decode_attention compiles for their width
+    case 64: return std::make_unique<StepAttentionOf<64>>(std::forward<Args>(args)...);
+    case 128: return std::make_unique<StepAttentionOf<128>>(std::forward<Args>(args)...);
+    case 256: return std::make_unique<StepAttentionOf<256>>(std::forward<Args>(args)...);
+    case 512: return std::make_unique<StepAttentionOf<512>>(std::forward<Args>(args)...);
+    default: return std::make_unique<StepAttentionOf<0>>(std::forward<Args>(args)...);
+  }
+}
+
 // A layer's linears in the order the constructor and bind_lora take them; the extra one is
-// an attention layer's output gate (attn_gate, or none) or a linear-attention layer's in_proj_ba.
-enum Linear : int64_t { kQkv, kO, kGateUp, kDown, kExtra, kLinears };
+// an attention layer's output gate (attn_gate, or none) or a linear-attention layer's in_proj_ba;
+// the last two its per-layer input's gate (hidden -> P) and projection (P -> hidden), or none.
+enum Linear : int64_t { kQkv, kO, kGateUp, kDown, kExtra, kPleGate, kPleProj, kLinears };
 
 struct StackLayer {
   at::Tensor norms[kNormSlots];  // bf16 weights; undefined where the layer has none
   at::Tensor k_cache, v_cache;
-  QLinear qkv, o, gu, down, extra;
+  QLinear qkv, o, gu, down, extra, ple_gate, ple_proj;
   lora::Adapter<c10::BFloat16> lora[kLinears];  // bind_lora's; unbound where none
   std::vector<float> bias[kLinears];  // fp32 copies; each linear's bias points into its own
   int64_t window = 0;           // > 0: attends its last `window` keys
   int64_t table = 0;            // its rotary table: 0 the model's, 1 the sliding layers', 2 none (NoPE)
   int64_t kv_group = 0;         // its block group: which of a step's block tables and slots it uses
-  int attention = 0;            // its DecodeAttention in run_impl (one per distinct window)
+  int attention = 0;            // its attention in run_impl (one per distinct window and shape)
   int64_t kind = kAttentionLayer;
+  // An attention layer's shape (its caches'): KV heads and head dim; the width of its rotary
+  // table (0: none turn); whether it reads an earlier layer's caches (writing none) and whether
+  // its values are its keys' projection.
+  int64_t KVH = 0, D = 0, R = 0;
+  bool kv_shared = false, k_eq_v = false;
+  float scalar = 1.f;  // the layer scalar (kLayerScalar), as a float
+  // Whether it ends by adding its MLP's output (and per-layer input) to the residual stream
+  // itself and scaling it (Gemma 4): the next layer then starts from the stream alone.
+  bool closes() const { return norms[kLayerScalar].defined() || ple_gate.present(); }
   // A linear-attention layer's: its shape (layer options), state tensors (conv_state [N, C,
   // K - 1] bf16, ssm_state [N, H, Dk, Dv] fp32 or bf16, a row per state slot) and parameters, bound by
   // bind_linear_attention.
@@ -581,7 +641,7 @@ struct StackLayer {
   bool has_sinks = false;
   std::vector<float> sinks;  // bind_sinks' (fp32, a query head each)
   // Its linears in Linear order (the extra one absent: N = 0).
-  std::array<QLinear*, kLinears> linears() { return {&qkv, &o, &gu, &down, &extra}; }
+  std::array<QLinear*, kLinears> linears() { return {&qkv, &o, &gu, &down, &extra, &ple_gate, &ple_proj}; }
   const c10::BFloat16* norm(NormSlot k) const {
     return norms[k].defined() ? norms[k].data_ptr<c10::BFloat16>() : nullptr;
   }
@@ -618,6 +678,14 @@ class DecodeStack : public torch::CustomClassHolder {
     layer_norm_ = model_options[kLayerNorm] != 0;
     parallel_ = model_options[kParallel] != 0;
     plain_mlp_ = model_options[kPlainMlp] != 0;
+    v_norm_ = model_options[kVNorm] != 0;
+    ple_ = model_options[kPerLayerInput];
+    rot_[0] = model_options[kRotaryDim];
+    rot_[1] = model_options[kLocalRotaryDim] ? model_options[kLocalRotaryDim] : rot_[0];
+    TORCH_CHECK(ple_ >= 0, "DecodeStack: the per-layer input's width must be >= 0 (0: none)");
+    for (const int64_t r : rot_)
+      TORCH_CHECK(r > 0 && r % 2 == 0 && r <= kMaxD, "DecodeStack: rotary_dim must be even and in (0, ",
+                  static_cast<int64_t>(kMaxD), "], got ", r);
     TORCH_CHECK(!parallel_ || pre_norms_, "DecodeStack: a parallel block takes pre-norms");
     q_scale_beta_ = model_scalars[kQScaleBeta];
     TORCH_CHECK(q_scale_beta_ == 0.0 || q_scale_period_ > 0,
@@ -650,7 +718,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t hidden = hidden_;
     layers_.reserve(L);
     size_t j = 0;
-    std::map<int64_t, int> windows;
+    std::map<AttnKey, int> attn_keys;
     attn0_ = -1;
     for (size_t l = 0; l < L; ++l) {
       StackLayer s;
@@ -661,7 +729,12 @@ class DecodeStack : public torch::CustomClassHolder {
       const bool linear = s.kind == kLinearAttentionLayer;
       s.mlp_kind = opt[kMlpKind];
       s.has_sinks = opt[kSinks] != 0;
+      s.kv_shared = opt[kKvShared] != 0, s.k_eq_v = opt[kKEqV] != 0;
       TORCH_CHECK(!s.has_sinks || !linear, "DecodeStack: a linear-attention layer has no sinks");
+      TORCH_CHECK(!linear || (!s.kv_shared && !s.k_eq_v), "DecodeStack: a linear-attention layer has "
+                  "no K/V to share or to take from its keys");
+      TORCH_CHECK(!s.kv_shared || !s.k_eq_v, "DecodeStack: a KV-shared layer projects no keys to take "
+                  "its values from");
       TORCH_CHECK(s.mlp_kind == kDenseMlp || s.mlp_kind == kRoutedExperts, "DecodeStack: MLP kind ",
                   s.mlp_kind, " is neither dense (0) nor routed experts (1)");
       const bool routed = s.mlp_kind == kRoutedExperts;
@@ -682,11 +755,19 @@ class DecodeStack : public torch::CustomClassHolder {
         o_k = s.H * s.Dv;
         has_linear_ = true;
       } else {
+        // Each layer's KV heads and head dim are its caches' (Gemma 4's global layers differ).
         TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
-                        s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) == kv_heads_,
-                    "DecodeStack: K/V caches must be bfloat16 [NB, BS, num_kv_heads, D]");
-        D = s.k_cache.size(3), qkv_n = (heads_ + 2 * kv_heads_) * D, o_k = heads_ * D;
+                        s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) >= 1 &&
+                        heads_ % s.k_cache.size(2) == 0 && s.k_cache.size(3) <= kMaxD,
+                    "DecodeStack: K/V caches must be bfloat16 [NB, BS, KVH, D], num_heads a multiple of "
+                    "KVH, D at most ", static_cast<int64_t>(kMaxD));
+        s.KVH = s.k_cache.size(2), s.D = D = s.k_cache.size(3);
+        // qkv: q, k and v; q and k (values from the keys); q alone (a KV-shared layer).
+        qkv_n = (heads_ + (s.kv_shared ? 0 : s.k_eq_v ? 1 : 2) * s.KVH) * D, o_k = heads_ * D;
         if (attn0_ < 0) attn0_ = static_cast<int64_t>(l);
+        const at::Tensor& k0 = attn0_ == static_cast<int64_t>(l) ? s.k_cache : layers_[attn0_].k_cache;
+        TORCH_CHECK(s.k_cache.size(0) == k0.size(0) && s.k_cache.size(1) == k0.size(1),
+                    "DecodeStack: every layer's caches have the same blocks (one block table)");
       }
       for (int k = 0; k < kNormSlots; ++k) {
         const at::Tensor& t = norms[kNormSlots * l + k];
@@ -699,15 +780,17 @@ class DecodeStack : public torch::CustomClassHolder {
         if (!required && !t.numel()) continue;
         TORCH_CHECK(!linear || (k != kQNorm && k != kKNorm), "DecodeStack: a linear-attention layer "
                     "has no q / k norms");
-        // q / k norms: a head's (D), or over the whole projection (OLMo 2).
+        TORCH_CHECK(k != kKNorm || !s.kv_shared, "DecodeStack: a KV-shared layer has no k norm");
+        // q / k norms: a head's (D), or over the whole projection (OLMo 2); the layer scalar: one.
         const int64_t n = k == kQNorm ? (qk_norm_whole_ ? heads_ * D : D)
-                          : k == kKNorm ? (qk_norm_whole_ ? kv_heads_ * D : D) : hidden;
+                          : k == kKNorm ? (qk_norm_whole_ ? s.KVH * D : D) : k == kLayerScalar ? 1 : hidden;
         TORCH_CHECK(t.dim() == 1 && t.numel() == n && t.is_contiguous() && t.scalar_type() == at::kBFloat16,
                     "DecodeStack: norm weights must be contiguous bfloat16 [", n, "]");
         s.norms[k] = t;
       }
-      TORCH_CHECK(!s.norms[kQNorm].defined() == !s.norms[kKNorm].defined(),
-                  "DecodeStack: q and k norms come together");
+      TORCH_CHECK(!s.norms[kQNorm].defined() == !(s.norms[kKNorm].defined() || s.kv_shared),
+                  "DecodeStack: q and k norms come together (a KV-shared layer's q norm alone)");
+      if (s.norms[kLayerScalar].defined()) s.scalar = static_cast<float>(s.norms[kLayerScalar].data_ptr<c10::BFloat16>()[0]);
       s.window = linear ? 0 : opt[kWindow];
       s.table = opt[kRotaryTable];
       s.kv_group = opt[kKvGroup];
@@ -716,13 +799,27 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(s.window >= 0 && s.window <= INT32_MAX, "DecodeStack: window must be >= 0 (0: none)");
       TORCH_CHECK(s.table >= 0 && s.table <= 2, "DecodeStack: rotary table must be 0, 1 or 2 (none)");
       uses_local_ |= !linear && s.table == 1;
-      if (!linear) s.attention = windows.emplace(s.window, static_cast<int>(windows.size())).first->second;
+      s.R = linear || s.table == 2 ? 0 : rot_[s.table];
+      TORCH_CHECK(linear || (s.R <= D && s.R % 2 == 0), "DecodeStack: layer ", l, "'s rotary table (", s.R,
+                  " dims) is wider than its heads (", D, ") or odd");
+      // One attention a distinct window and shape (its plan and q layout).
+      if (!linear)
+        s.attention = attn_keys.emplace(AttnKey{s.window, D, s.KVH, qkv_n}, static_cast<int>(attn_keys.size()))
+                          .first->second;
       const int64_t* g = formats.data() + kLinears * l;
       TORCH_CHECK(g[0] != QLinear::kAmxGated && g[1] != QLinear::kAmxGated && g[3] != QLinear::kAmxGated &&
                       g[4] != QLinear::kAmxGated,
                   "DecodeStack: only gate_up_proj may be gated amx (-3)");
       TORCH_CHECK(g[0] != format::kNone && g[1] != format::kNone && (!linear || g[4] != format::kNone),
                   "DecodeStack: only an attention layer's extra linear (its output gate) may be absent");
+      TORCH_CHECK(g[5] != QLinear::kAmxGated && g[6] != QLinear::kAmxGated &&
+                      (g[5] == format::kNone) == (g[6] == format::kNone) &&
+                      (g[5] == format::kNone || ple_ > 0) &&
+                      (g[5] == format::kNone) == !norms[kNormSlots * l + kPleNorm].numel(),
+                  "DecodeStack: a per-layer input has its gate and projection (a model's per-layer input "
+                  "width > 0) and its norm");
+      TORCH_CHECK(!parallel_ || (g[5] == format::kNone && !norms[kNormSlots * l + kLayerScalar].numel()),
+                  "DecodeStack: a parallel block has no per-layer input or layer scalar");
       TORCH_CHECK((g[2] == format::kNone) == (g[3] == format::kNone) && (routed || g[2] != format::kNone),
                   "DecodeStack: a layer has gate_up and down linears (routed experts: a shared expert's, "
                   "or none)");
@@ -744,9 +841,8 @@ class DecodeStack : public torch::CustomClassHolder {
       // of each value head.
       s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
                              linear ? "in_proj_ba" : "attn_gate");
-      // run() sizes its per-step buffers from the widest layers and the first attention layer's heads.
-      TORCH_CHECK(linear || attn0_ == static_cast<int64_t>(l) || D == layers_[attn0_].k_cache.size(3),
-                  "DecodeStack: every attention layer must have the same head dim");
+      s.ple_gate = parse_linear(keep_, j, g[5], ple_, hidden, "per_layer_input.gate");
+      s.ple_proj = parse_linear(keep_, j, g[6], hidden, ple_, "per_layer_input.proj");
       const auto lins = s.linears();
       for (int k = 0; k < kLinears; ++k) {
         const at::Tensor& b = biases[kLinears * l + k];
@@ -764,12 +860,8 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     TORCH_CHECK(j == keep_.size(), "DecodeStack: ", keep_.size() - j, " weight tensors left over");
     TORCH_CHECK(attn0_ >= 0, "DecodeStack: at least one layer must be an attention layer");
-    for (const auto& [w, i] : windows) windows_.push_back(w);
-    for (const auto& [w, i] : windows) windows_[i] = w;
-    const int64_t D = layers_[attn0_].k_cache.size(3);
-    rot_ = model_options[kRotaryDim];
-    TORCH_CHECK(rot_ > 0 && rot_ <= D && rot_ % 2 == 0 && rot_ <= kMaxD,
-                "DecodeStack: rotary_dim must be even and in (0, head_dim], got ", rot_);
+    attn_keys_.resize(attn_keys.size());
+    for (const auto& [key, i] : attn_keys) attn_keys_[i] = key;
   }
 
   // Once per linear-attention layer: its recurrent states (conv_state bf16 [N, C, K - 1],
@@ -962,6 +1054,17 @@ class DecodeStack : public torch::CustomClassHolder {
     state_slots_ = std::move(slots), state_fresh_ = std::move(fresh), state_snapshots_ = std::move(snapshots);
   }
 
+  // Before each run of a stack whose layers take per-layer inputs (model option
+  // kPerLayerInput): the step's, bfloat16 [M, layers, P] (read by that run only).
+  void set_per_layer_inputs(at::Tensor inputs) {
+    TORCH_CHECK(ple_ > 0, "DecodeStack.set_per_layer_inputs: the layers take no per-layer inputs");
+    TORCH_CHECK(inputs.dim() == 3 && inputs.is_contiguous() && inputs.scalar_type() == at::kBFloat16 &&
+                    inputs.device().is_cpu() && inputs.size(1) == num_layers() && inputs.size(2) == ple_,
+                "DecodeStack.set_per_layer_inputs: inputs must be contiguous bfloat16 [M, ", num_layers(), ", ",
+                ple_, "] on the CPU");
+    per_layer_inputs_ = inputs;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // The most rows one call takes. From kDecodeOnceRows4 (int4) or kDecodeOnceRows8 (int8) rows
   // on, its matmuls decode each weight tile once, as int4_linear / int8_linear do.
@@ -975,7 +1078,7 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden && embed.is_contiguous() &&
                     embed.scalar_type() == at::kBFloat16,
                 "DecodeStack.bind_io: embed must be contiguous bfloat16 [V, ", hidden, "]");
-    check_table(cos, sin, "bind_io");
+    check_table(cos, sin, 0, "bind_io");
     TORCH_CHECK(final_norm.dim() == 1 && final_norm.numel() == hidden &&
                     final_norm.is_contiguous() && final_norm.scalar_type() == at::kBFloat16,
                 "DecodeStack.bind_io: final_norm must be contiguous bfloat16 [", hidden, "]");
@@ -1026,7 +1129,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // Once, for run_tokens where layers take the sliding layers' rotary table: it, as bind_io's.
   void bind_local_rotary(at::Tensor cos, at::Tensor sin) {
-    check_table(cos, sin, "bind_local_rotary");
+    check_table(cos, sin, 1, "bind_local_rotary");
     cos_[1] = cos, sin_[1] = sin;
   }
 
@@ -1038,7 +1141,7 @@ class DecodeStack : public torch::CustomClassHolder {
                         at::Tensor block_tables, at::Tensor context_lens) {
     TORCH_CHECK(embed_.defined(), "DecodeStack.run_tokens: call bind_io first");
     TORCH_CHECK(!uses_local_ || cos_[1].defined(), "DecodeStack.run_tokens: call bind_local_rotary first");
-    const int64_t M = input_ids.numel(), hidden = embed_.size(1), R = rot_;
+    const int64_t M = input_ids.numel(), hidden = embed_.size(1);
     for (const auto* t : {&input_ids, &positions})
       TORCH_CHECK(t->dim() == 1 && t->numel() == M && t->is_contiguous() && t->scalar_type() == at::kLong,
                   "DecodeStack.run_tokens: input_ids and positions must be contiguous int64 [M]");
@@ -1055,23 +1158,24 @@ class DecodeStack : public torch::CustomClassHolder {
                     "] = ", pos[m], " is outside the rotary table (", cos_[k].size(0), " positions)");
     }
     at::Tensor residual = at::empty({M, hidden}, embed_.options());
-    at::Tensor rot = at::empty({2 * tables, M, R}, embed_.options());
-    BF* res = residual.data_ptr<BF>();
-    BF* rc = rot.data_ptr<BF>();
-    const BF* emb = embed_.data_ptr<BF>();
-    for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(res + m * hidden, emb + ids[m] * hidden, sizeof(BF) * hidden);
-      for (int64_t k = 0; k < tables; ++k) {
-        std::memcpy(rc + ((2 * k) * M + m) * R, cos_[k].data_ptr<BF>() + pos[m] * R, sizeof(BF) * R);
-        std::memcpy(rc + ((2 * k + 1) * M + m) * R, sin_[k].data_ptr<BF>() + pos[m] * R, sizeof(BF) * R);
+    // Each table's cos and sin rows of the step's positions: [cos, sin] of the model's table,
+    // then of the sliding layers'.
+    std::vector<at::Tensor> t;
+    for (int64_t k = 0; k < tables; ++k)
+      for (const at::Tensor* src : {&cos_[k], &sin_[k]}) {
+        const int64_t R = rot_[k];
+        at::Tensor rows = at::empty({M, R}, embed_.options());
+        for (int64_t m = 0; m < M; ++m)
+          std::memcpy(rows.data_ptr<BF>() + m * R, src->data_ptr<BF>() + pos[m] * R, sizeof(BF) * R);
+        t.push_back(rows);
       }
-    }
+    BF* res = residual.data_ptr<BF>();
+    const BF* emb = embed_.data_ptr<BF>();
+    for (int64_t m = 0; m < M; ++m) std::memcpy(res + m * hidden, emb + ids[m] * hidden, sizeof(BF) * hidden);
     if (embed_scale_ != 1.0) {  // the scale rounded to bf16, times each element, rounded
       const float sc = static_cast<float>(BF(static_cast<float>(embed_scale_)));
       for (int64_t i = 0; i < M * hidden; ++i) res[i] = BF(static_cast<float>(res[i]) * sc);
     }
-    std::vector<at::Tensor> t{rot[0], rot[1]};
-    if (tables == 2) t.insert(t.end(), {rot[2], rot[3]});
     // Each row's query scale as the reference computes it: in fp32 from the position, then
     // rounded to bf16.
     std::vector<float> qscale;
@@ -1089,9 +1193,12 @@ class DecodeStack : public torch::CustomClassHolder {
     const BF* fb = final_norm_bias_.defined() ? final_norm_bias_.data_ptr<BF>() : nullptr;
     BF* op = out.data_ptr<BF>();
     const float eps = static_cast<float>(eps_);
+    const bool closed = layers_.back().closes();  // (the stream alone: the last layer added its output)
     at::parallel_for(0, M, std::max<int64_t>(1, 32768 / hidden), [&](int64_t a, int64_t b) {
       for (int64_t m = a; m < b; ++m) {
-        if (layer_norm_) add_ln_row<BF>(dp + m * hidden, res + m * hidden, w, fb, op + m * hidden, hidden, eps);
+        if (layer_norm_ && closed) ln_row<BF>(res + m * hidden, w, fb, op + m * hidden, hidden, eps);
+        else if (layer_norm_) add_ln_row<BF>(dp + m * hidden, res + m * hidden, w, fb, op + m * hidden, hidden, eps);
+        else if (closed) rms_row<BF>(res + m * hidden, w, op + m * hidden, hidden, eps);
         else add_rms_row<BF>(dp + m * hidden, res + m * hidden, w, op + m * hidden, hidden, eps);
       }
     });
@@ -1181,49 +1288,45 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(tables.size() == (uses_local_ ? 4u : 2u), "DecodeStack: ", uses_local_ ? 4 : 2,
                 " rotary tensors (cos, sin", uses_local_ ? ", then the sliding layers' cos, sin)" : ")",
                 ", got ", tables.size());
-    for (const auto& t : tables)
-      TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == rot_ && t.is_contiguous() &&
+    for (size_t k = 0; k < tables.size(); ++k) {
+      const at::Tensor& t = tables[k];
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == rot_[k / 2] && t.is_contiguous() &&
                       t.scalar_type() == at::kBFloat16,
-                  "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", rot_, "]");
+                  "DecodeStack: cos/sin must be contiguous bfloat16 [M, ", rot_[k / 2], "]");
+    }
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
                 "DecodeStack: slot_mapping must be contiguous int64");
     check_slots(slot_mapping.data_ptr<int64_t>(), G * M,
                 layers_[attn0_].k_cache.size(0) * layers_[attn0_].k_cache.size(1), "DecodeStack");
-    const int64_t D = layers_[attn0_].k_cache.size(3);
-    at::Tensor out =
-        D == 64 ? run_impl<64>(residual, tables, slot_mapping, block_tables, context_lens, qscale)
-        : D == 128 ? run_impl<128>(residual, tables, slot_mapping, block_tables, context_lens, qscale)
-                   : run_impl<0>(residual, tables, slot_mapping, block_tables, context_lens, qscale);
-    state_slots_.clear();  // one run's (set_state_rows before each)
+    at::Tensor out = run_impl(residual, tables, slot_mapping, block_tables, context_lens, qscale);
+    state_slots_.clear();  // one run's (set_state_rows, set_per_layer_inputs before each)
+    per_layer_inputs_ = at::Tensor();
     return out;
   }
 
-  void check_table(const at::Tensor& cos, const at::Tensor& sin, const char* fn) const {
-    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == rot_ && cos.sizes() == sin.sizes() &&
+  void check_table(const at::Tensor& cos, const at::Tensor& sin, int k, const char* fn) const {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == rot_[k] && cos.sizes() == sin.sizes() &&
                     cos.is_contiguous() && sin.is_contiguous() &&
                     cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-                "DecodeStack.", fn, ": cos/sin must be contiguous bfloat16 [P, ", rot_, "]");
+                "DecodeStack.", fn, ": cos/sin must be contiguous bfloat16 [P, ", rot_[k], "]");
   }
 
   // One parallel region for the whole step. Per layer: the norm and qkv_proj; q/k norms,
   // rotary + KV write; attention, each thread running its share of the work items; then
   // o_proj .. down_proj, the norms and the activation between them. Row steps split the
   // rows, matmuls the tiles.
-  template <int DT>
   at::Tensor run_impl(at::Tensor& residual, const std::vector<at::Tensor>& tables,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, const float* qscale) {
     using BF = c10::BFloat16;
-    using Attention = DecodeAttention<BF, DT>;
     const int64_t M = residual.size(0), hidden = residual.size(1);
-    const int64_t D = layers_[attn0_].k_cache.size(3), R = rot_;
-    // The attention layers' qkv width; the widest qkv (or in_proj_qkvz), o input, extra output.
+    // The widest qkv (or in_proj_qkvz), o input, extra output; the widest K=V layer's values.
     // (inter: the widest dense MLP (or shared expert); moe_*: the routed experts' most experts,
     // chosen, width.)
-    const int64_t qkv_n = layers_[attn0_].qkv.N;
-    int64_t qkv_max = 0, o_max = 0, extra_max = 0, inter = 0, moe_e = 0, moe_k = 0, moe_i = 0;
+    int64_t qkv_max = 0, o_max = 0, extra_max = 0, inter = 0, moe_e = 0, moe_k = 0, moe_i = 0, kv_max = 0;
     for (const StackLayer& s : layers_) {
       qkv_max = std::max(qkv_max, s.qkv.N), o_max = std::max(o_max, s.o.K);
+      if (s.k_eq_v) kv_max = std::max(kv_max, s.KVH * s.D);
       extra_max = std::max(extra_max, s.extra.N);
       inter = std::max(inter, plain_mlp_ ? s.gu.N : s.gu.N / 2);
       TORCH_CHECK(!s.has_sinks || !s.sinks.empty(), "DecodeStack: call bind_sinks for every layer with sinks first");
@@ -1237,6 +1340,13 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<int64_t> moe_ids(M * moe_k);
     std::vector<float> moe_weights(M * moe_k);
     if (has_moe_) moe_scratch_.size(M, M * moe_k, hidden, moe_i);
+    // The per-layer inputs [M, layers, P] (set_per_layer_inputs, before the run).
+    const bool ple_on = ple_ > 0;
+    if (ple_on)
+      TORCH_CHECK(per_layer_inputs_.defined() && per_layer_inputs_.dim() == 3 && per_layer_inputs_.size(0) == M &&
+                      per_layer_inputs_.size(1) == num_layers() && per_layer_inputs_.size(2) == ple_,
+                  "DecodeStack: set_per_layer_inputs gives each run its [M, ", num_layers(), ", ", ple_,
+                  "] per-layer inputs first");
     // A shared expert's output and its gate's logit (MoE layers with one).
     const at::Tensor shared_buf = at::empty({has_moe_ ? M * (hidden + 1) : 0}, residual.options());
     BF* shared_out = shared_buf.data_ptr<BF>();
@@ -1252,8 +1362,8 @@ class DecodeStack : public torch::CustomClassHolder {
     // The step's activations, one buffer each for all layers (each is consumed before the
     // next layer writes it); `out` is returned.
     at::Tensor out = at::empty({M, hidden}, opts);
-    const at::Tensor bufs =
-        at::empty({M, 2 * hidden + qkv_max + o_max + extra_max + 2 * hidden + 3 * inter}, opts);
+    const at::Tensor bufs = at::empty(
+        {M, 2 * hidden + qkv_max + o_max + extra_max + 2 * hidden + 3 * inter + kv_max + 2 * ple_}, opts);
     BF* h1 = bufs.data_ptr<BF>();
     BF* qkv_out = h1 + M * hidden;
     BF* attn = qkv_out + M * qkv_max;  // attention's output (or the DeltaNet's): o's input
@@ -1262,6 +1372,9 @@ class DecodeStack : public torch::CustomClassHolder {
     BF* h2 = o_out + M * hidden;
     BF* gu_out = h2 + M * hidden;
     BF* act = gu_out + M * 2 * inter;
+    BF* kv_vals = act + M * inter;  // a K=V layer's values, [M, KVH * D]
+    BF* ple_g = kv_vals + M * kv_max;  // the per-layer input's gate, then act(gate) * input, [M, P]
+    BF* ple_a = ple_g + M * ple_;
     BF* res = residual.data_ptr<BF>();
     BF* delta = out.data_ptr<BF>();
     // Each linear's input scratch (QLinear::scratch: group sums or q8act's quantised rows),
@@ -1273,7 +1386,8 @@ class DecodeStack : public torch::CustomClassHolder {
     };
     std::vector<float> xs1(sums_size(&StackLayer::qkv)), xs2(sums_size(&StackLayer::o)),
         xs3(sums_size(&StackLayer::gu)), xs4(sums_size(&StackLayer::down)),
-        xs5(sums_size(&StackLayer::extra));
+        xs5(sums_size(&StackLayer::extra)), xs6(sums_size(&StackLayer::ple_gate)),
+        xs7(sums_size(&StackLayer::ple_proj));
     // Linear-attention layers: each row's state slot (set_state_rows, checked here), and the
     // per-row fp32 buffers between the convolution and the heads (conv_row's a and gb).
     int64_t conv_max = 0, lin_heads_max = 0, dv_max = 0;
@@ -1307,12 +1421,17 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<at::Tensor> group_tables;
     for (int64_t g = 0; g < (block_tables.dim() == 3 ? block_tables.size(0) : 1); ++g)
       group_tables.push_back(block_tables.dim() == 3 ? block_tables[g] : block_tables);
-    const PagedKV<BF> kv0(layers_[attn0_].k_cache, layers_[attn0_].v_cache, group_tables[0]);
-    std::vector<std::unique_ptr<Attention>> atts;
-    for (const int64_t w : windows_)
-      atts.push_back(std::make_unique<Attention>(qkv_out, qkv_n, D, M, heads_, D, kv0, lens, scale,
-                                                 nthreads, attn,
-                                                 AttnOptions{static_cast<int>(w), 0, static_cast<float>(softcap_)}));
+    std::vector<std::unique_ptr<StepAttention>> atts;
+    for (size_t a = 0; a < attn_keys_.size(); ++a) {
+      const auto& [w, D, KVH, qs] = attn_keys_[a];
+      const StackLayer& first = *std::find_if(layers_.begin(), layers_.end(), [&](const StackLayer& s) {
+        return s.kind == kAttentionLayer && s.attention == static_cast<int>(a);
+      });
+      const PagedKV<BF> kv(first.k_cache, first.v_cache, group_tables[first.kv_group]);
+      atts.push_back(make_step_attention(D, qkv_out, qs, D, static_cast<int>(M), static_cast<int>(heads_),
+                                         static_cast<int>(D), kv, lens, scale, nthreads, attn,
+                                         AttnOptions{static_cast<int>(w), 0, static_cast<float>(softcap_)}));
+    }
     const BF* final_mlp_norm = layers_.back().norm(kMlpOutNorm);
     // A branch's output times the residual scale (Granite), rounded as the reference's
     // bf16 tensor times a float is.
@@ -1367,29 +1486,79 @@ class DecodeStack : public torch::CustomClassHolder {
           if (t0 < t1) lora::expand<BF>(*L, lora_groups, lora_t.data(), y, ldy, 0, L->blocks(), 16 * t0, 16 * t1);
         };
       };
+      // A layer that closes the stream itself (Gemma 4), as DecoderLayer.forward does: its MLP's
+      // output (normed, scaled) added to the stream; then its per-layer input,
+      // norm(proj(act(gate(stream)) * input)), added; then the stream times its scalar. The
+      // next layer starts from the stream alone (delta zeroed: run() returns zeros after it).
+      auto close_layer = [&](const StackLayer& s, size_t l) {
+        const BF* on = s.norm(kMlpOutNorm);
+        const bool ple = s.ple_gate.present();
+        const QLinear& next = l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv;
+        auto finish = [&](int64_t m0, int64_t m1) {
+          for (int64_t m = m0; m < m1; ++m) {
+            BF* r = res + m * hidden;
+            if (s.norms[kLayerScalar].defined())
+              for (int64_t i = 0; i < hidden; ++i) r[i] = BF(static_cast<float>(r[i]) * s.scalar);
+            std::memset(static_cast<void*>(delta + m * hidden), 0, sizeof(BF) * hidden);
+          }
+        };
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          for (int64_t m = m0; m < m1; ++m) {
+            if (on) rms_row<BF>(delta + m * hidden, on, delta + m * hidden, hidden, eps);
+            if (rscale != 1.f) scale_row(delta + m * hidden);
+            add_row<BF>(delta + m * hidden, res + m * hidden, hidden);
+          }
+          if (ple) s.ple_gate.sums(res, M, m0, m1, xs6.data());
+          else finish(m0, m1);
+        }, ple ? s.ple_gate : next);
+        if (!ple) return;
+        t.matmul(s.ple_gate, res, xs6, ple_g, M, &s.ple_proj);
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          // act(gate) * the layer's input: PyTorch's operators on this thread's rows, as
+          // PerLayerInput runs them.
+          const auto o = at::TensorOptions().dtype(at::kBFloat16);
+          const int64_t P = ple_, L = num_layers();
+          const at::Tensor g = at::from_blob(ple_g + m0 * P, {m1 - m0, P}, o);
+          const at::Tensor in = at::from_blob(per_layer_inputs_.data_ptr<BF>() + (m0 * L + l) * P, {m1 - m0, P},
+                                              {L * P, 1}, o);
+          at::Tensor a = at::from_blob(ple_a + m0 * P, {m1 - m0, P}, o);
+          at::mul_out(a, act_ == kSilu ? at::silu(g) : at::gelu(g, act_ == kGeluTanh ? "tanh" : "none"), in);
+          s.ple_proj.sums(ple_a, M, m0, m1, xs7.data());
+        }, s.ple_proj);
+        t.matmul(s.ple_proj, ple_a, xs7, o_out, M, &next);
+        t.rows(M, [&](int64_t m0, int64_t m1) {
+          for (int64_t m = m0; m < m1; ++m) {
+            rms_row<BF>(o_out + m * hidden, s.norm(kPleNorm), o_out + m * hidden, hidden, eps);
+            add_row<BF>(o_out + m * hidden, res + m * hidden, hidden);
+          }
+          finish(m0, m1);
+        }, next);
+      };
       std::vector<float> head_scratch(4 * dv_max);  // delta_rule::head_out's
       std::vector<float> logits(4 * (moe_e + 1));   // moe::route_row's scratch
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const StackLayer& s = layers_[l];
-        Attention& att = *atts[s.kind == kAttentionLayer ? s.attention : 0];
+        StepAttention& att = *atts[s.kind == kAttentionLayer ? s.attention : 0];
         const AttnShare& share = shares[s.kind == kAttentionLayer ? s.attention : 0];
-        // (The previous layer's MLP output norm,) residual add, norm, qkv_proj.
-        const BF* prev_out_norm = l ? layers_[l - 1].norm(kMlpOutNorm) : nullptr;
+        // (The previous layer's MLP output norm,) residual add, norm, qkv_proj. After the first
+        // layer, and a layer that closed the stream itself, the stream alone.
+        const bool fresh = l == 0 || layers_[l - 1].closes();
+        const BF* prev_out_norm = fresh ? nullptr : layers_[l - 1].norm(kMlpOutNorm);
         t.rows(M, [&](int64_t m0, int64_t m1) {
           const BF* w = s.norm(kInputNorm);
           for (int64_t m = m0; m < m1; ++m) {
             if (prev_out_norm) rms_row<BF>(delta + m * hidden, prev_out_norm, delta + m * hidden, hidden, eps);
-            if (l && rscale != 1.f) scale_row(delta + m * hidden);
+            if (!fresh && rscale != 1.f) scale_row(delta + m * hidden);
             if (!pre_norms_) {  // attention reads the residual stream itself
-              if (l) add_row<BF>(delta + m * hidden, res + m * hidden, hidden);
+              if (!fresh) add_row<BF>(delta + m * hidden, res + m * hidden, hidden);
               std::memcpy(h1 + m * hidden, res + m * hidden, sizeof(BF) * hidden);
             } else if (layer_norm_) {
               const BF* b = s.norm(kInputNormBias);
-              if (l) add_ln_row<BF>(delta + m * hidden, res + m * hidden, w, b, h1 + m * hidden, hidden, eps);
+              if (!fresh) add_ln_row<BF>(delta + m * hidden, res + m * hidden, w, b, h1 + m * hidden, hidden, eps);
               else ln_row<BF>(res + m * hidden, w, b, h1 + m * hidden, hidden, eps);
-            } else if (l) {
+            } else if (!fresh) {
               add_rms_row<BF>(delta + m * hidden, res + m * hidden, w, h1 + m * hidden, hidden, eps);
             } else {
               rms_row<BF>(res + m * hidden, w, h1 + m * hidden, hidden, eps);
@@ -1453,24 +1622,29 @@ class DecodeStack : public torch::CustomClassHolder {
           BF* vc = s.v_cache.data_ptr<BF>();
           const BF* qn = s.norm(kQNorm);
           const BF* kn = s.norm(kKNorm);
+          const int64_t D = s.D, KVH = s.kv_shared ? 0 : s.KVH, N = s.qkv.N;
           // A NoPE layer (table 2): no dims turn (rotary_token with R = 0 copies K and V).
-          const BF* cp = cos_p[s.table == 2 ? 0 : s.table];
-          const BF* sp = sin_p[s.table == 2 ? 0 : s.table];
-          const int64_t Rl = s.table == 2 ? 0 : R;
+          const int64_t tab = s.table == 2 ? 0 : s.table, R = rot_[tab], Rl = s.R;
           for (int64_t m = m0; m < m1; ++m) {
-            BF* row = qkv_out + m * qkv_n;
+            BF* row = qkv_out + m * N;
+            // A K=V layer's values: its keys as projected; each head's v normalised (v_norm).
+            BF* v = s.k_eq_v ? kv_vals + m * KVH * D : row + (heads_ + KVH) * D;
+            if (s.k_eq_v) std::memcpy(v, row + heads_ * D, sizeof(BF) * KVH * D);
+            if (v_norm_)
+              for (int64_t h = 0; h < KVH; ++h) rms_row<BF>(v + h * D, ones_.data(), v + h * D, D, eps);
             if (qn && qk_norm_whole_) {  // over all of q, then all of k
               rms_row<BF>(row, qn, row, heads_ * D, eps);
-              rms_row<BF>(row + heads_ * D, kn, row + heads_ * D, kv_heads_ * D, eps);
+              rms_row<BF>(row + heads_ * D, kn, row + heads_ * D, KVH * D, eps);
             } else if (qn) {
               for (int64_t h = 0; h < heads_; ++h) rms_row<BF>(row + h * D, qn, row + h * D, D, eps);
-              for (int64_t h = heads_; h < heads_ + kv_heads_; ++h)
+              for (int64_t h = heads_; h < heads_ + KVH; ++h)
                 rms_row<BF>(row + h * D, kn, row + h * D, D, eps);
             }
+            // (A KV-shared layer: q turned alone, nothing written.)
             const int64_t slot = slots[s.kv_group * M + m];
-            BF* kd = kc + slot * kv_heads_ * D;
-            BF* vd = vc + slot * kv_heads_ * D;
-            rotary_token<BF>(row, cp + m * R, sp + m * R, kd, vd, heads_, kv_heads_, D, Rl);
+            BF* kd = kc + slot * KVH * D;
+            BF* vd = vc + slot * KVH * D;
+            rotary_token<BF>(row, cos_p[tab] + m * R, sin_p[tab] + m * R, kd, vd, heads_, KVH, D, Rl, v);
             if (qscale)  // after the KV write, as the reference scales q alone
               for (int64_t i = 0; i < heads_ * D; ++i) row[i] = BF(static_cast<float>(row[i]) * qscale[m]);
           }
@@ -1485,7 +1659,7 @@ class DecodeStack : public torch::CustomClassHolder {
         // o_proj .. down_proj.
         t.rows(M, [&](int64_t m0, int64_t m1) {
           att.finish(static_cast<int>(m0), static_cast<int>(m1));
-          if (s.extra.present()) sigmoid_gate_rows(attn, extra_out, m0, m1, heads_ * D);
+          if (s.extra.present()) sigmoid_gate_rows(attn, extra_out, m0, m1, s.o.K);
           s.o.sums(attn, M, m0, m1, xs2.data());
         }, s.o);
         }
@@ -1577,16 +1751,18 @@ class DecodeStack : public torch::CustomClassHolder {
               else
                 at::add_out(r, r, sh);
             }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
-          continue;  // (no parallel block: the constructor refuses routed experts in one)
+          // (no parallel block: the constructor refuses routed experts in one)
+        } else {
+          dense_mlp(delta);
+          if (parallel_)  // the block's output: attention's plus the MLP's, rounded once
+            t.rows(M, [&](int64_t m0, int64_t m1) {
+              for (int64_t m = m0; m < m1; ++m) add_row<BF>(o_out + m * hidden, delta + m * hidden, hidden);
+            }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
         }
-        dense_mlp(delta);
-        if (parallel_)  // the block's output: attention's plus the MLP's, rounded once
-          t.rows(M, [&](int64_t m0, int64_t m1) {
-            for (int64_t m = m0; m < m1; ++m) add_row<BF>(o_out + m * hidden, delta + m * hidden, hidden);
-          }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
+        if (s.closes()) close_layer(s, l);
       }
       // The last layer's MLP output norm and residual scale (the others' run in the next layer).
-      if (final_mlp_norm || rscale != 1.f)
+      if (!layers_.back().closes() && (final_mlp_norm || rscale != 1.f))
         t.rows(M, [&](int64_t m0, int64_t m1) {
           for (int64_t m = m0; m < m1; ++m) {
             if (final_mlp_norm) rms_row<BF>(delta + m * hidden, final_mlp_norm, delta + m * hidden, hidden, eps);
@@ -1599,7 +1775,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   std::vector<at::Tensor> keep_;  // the quantised weights the layers point into
   std::vector<StackLayer> layers_;
-  std::vector<int64_t> windows_;  // the distinct windows, in the layers' attention order
+  std::vector<AttnKey> attn_keys_;  // the distinct windows and shapes, in the layers' attention order
   int64_t kv_groups_ = 1;         // the block groups the layers read (a step gives each a table)
   double eps_, scale_, embed_scale_, softcap_ = 0.0;
   double residual_scale_ = 1.0;  // each branch's output times this before the residual add (Granite)
@@ -1612,9 +1788,14 @@ class DecodeStack : public torch::CustomClassHolder {
   bool layer_norm_ = false;     // the pre-norms and the final norm are LayerNorms (StableLM, Cohere)
   bool parallel_ = false;       // attention and the MLP read one normed input, outputs summed (Cohere)
   bool plain_mlp_ = false;      // down(act(up(x))), not gated (Starcoder2, Phi, GPT-NeoX)
+  bool v_norm_ = false;         // each head's v over its root mean square, no weight (Gemma 4)
+  std::vector<c10::BFloat16> ones_ = std::vector<c10::BFloat16>(kMaxD, c10::BFloat16(1.f));  // v_norm's weight
+  int64_t ple_ = 0;             // the per-layer inputs' width (0: none)
+  at::Tensor per_layer_inputs_;  // set_per_layer_inputs' [M, layers, P] (one run's)
   at::Tensor final_norm_bias_;  // bind_final_norm_bias's (a LayerNorm's; undefined: none)
   int64_t hidden_ = 0;
-  int64_t heads_, kv_heads_, act_, rot_;
+  int64_t heads_, kv_heads_, act_;
+  int64_t rot_[2] = {0, 0};  // the rotary tables' widths: the model's, the sliding layers'
   bool uses_local_ = false;
   at::Tensor embed_, cos_[2], sin_[2], final_norm_;  // bind_io's / bind_local_rotary's
   std::vector<at::Tensor> lora_keep_;  // bind_lora's stacks, which the layers point into
@@ -1647,6 +1828,7 @@ TORCH_LIBRARY(servelm_stack, m) {
       .def("set_lora_rows", &DecodeStack::set_lora_rows)
       .def("bind_linear_attention", &DecodeStack::bind_linear_attention)
       .def("set_state_rows", &DecodeStack::set_state_rows)
+      .def("set_per_layer_inputs", &DecodeStack::set_per_layer_inputs)
       .def("bind_moe", &DecodeStack::bind_moe)
       .def("bind_sinks", &DecodeStack::bind_sinks)
       .def("run_tokens", &DecodeStack::run_tokens)

@@ -207,10 +207,11 @@ inline bool rotate_vec<c10::BFloat16>(const c10::BFloat16* x, c10::BFloat16* y, 
 
 // One token: its H query heads rotated in place in row (q | k | v, D each), its KVH key heads
 // rotated into kdst and its values copied to vdst (the token's cache rows); cos/sin [R]. A
-// partial rotary (R < D: the first R of each head's D dims turn, the rest pass through).
+// partial rotary (R < D: the first R of each head's D dims turn, the rest pass through). vsrc:
+// the values from there instead (a layer whose values are not in its projection's row).
 template <typename T>
 void rotary_token(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t H, int64_t KVH,
-                  int64_t D, int64_t R = -1) {
+                  int64_t D, int64_t R = -1, const T* vsrc = nullptr) {
   if (R < 0) R = D;
   float c[kMaxD], s[kMaxD];
   for (int64_t i = 0; i < R; ++i) { c[i] = to_f<T>(cos[i]); s[i] = to_f<T>(sin[i]); }
@@ -230,7 +231,7 @@ void rotary_token(T* row, const T* cos, const T* sin, T* kdst, T* vdst, int64_t 
   for (int64_t h = 0; h < H; ++h) rotate(row + h * D, row + h * D);
   const T* ksrc = row + H * D;
   for (int64_t h = 0; h < KVH; ++h) rotate(ksrc + h * D, kdst + h * D);
-  std::memcpy(vdst, row + (H + KVH) * D, sizeof(T) * KVH * D);
+  std::memcpy(vdst, vsrc ? vsrc : row + (H + KVH) * D, sizeof(T) * KVH * D);
 }
 
 // One head's row x [D] into an int8 cache row: q = round(x / s), s = max |x| / 127 (a zero
