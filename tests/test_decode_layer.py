@@ -224,7 +224,7 @@ def test_decode_stack_rejects_bad_arguments():
 
     weights = [t for p in parts for t in p[0]]
     none = StackFormat.NONE  # (no output gate, no per-layer input: each layer's last three linears)
-    with pytest.raises(RuntimeError, match="per layer 10 norms, 7 formats"):
+    with pytest.raises(RuntimeError, match="per layer 13 norms, 7 formats"):
         stack(groups=[32] * 9)
     with pytest.raises(RuntimeError, match="too few weight tensors"):
         stack(weights=weights[:-1])

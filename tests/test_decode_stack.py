@@ -118,6 +118,13 @@ FAMILIES = {
 }
 
 
+# With routed experts beside every dense MLP (Gemma 4's MoE block: the router on the stream,
+# its input normalised and scaled, the chosen weights scaled per expert).
+FAMILIES["gemma4_moe"] = dict(FAMILIES["gemma4"], num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32,
+                              extra=dict(FAMILIES["gemma4"]["extra"], moe_beside_mlp=True))
+
+
 def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
     cfg = ModelConfig(**{**BASE, **FAMILIES[family]})
     model = random_bf16_model(cfg, seed)
@@ -125,6 +132,9 @@ def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
         for layer in model.layers:
             if layer.layer_scalar is not None:  # scalars near 1, each its own
                 layer.layer_scalar.uniform_(0.6, 1.4)
+            if layer.moe is not None:  # router scales near 1
+                layer.moe.experts.router_scale.uniform_(0.6, 1.4)
+                layer.moe.experts.per_expert_scale.uniform_(0.6, 1.4)
     if fmt == "bf16":  # bf16 weights in the kernels' tiles
         method_targets(model.layers, Q.TARGETS, "tiles")
     else:
@@ -298,7 +308,7 @@ def test_a_moe_model_runs_op_by_op_and_says_why(caplog, monkeypatch):
     assert isinstance(fp32, str) and "layer 0" in fp32 and "float32" in fp32
     model = sigmoid
     reason = decode_stack.describe(model)
-    assert reason.endswith("its router is neither the plain softmax one nor the grouped sigmoid "
+    assert reason.endswith("its router is neither the softmax one nor the grouped sigmoid "
                            "one (routed experts run op by op)")
     assert not model.decode_stack_supported()
     _, _, caches = _setup(cfg, [4])
@@ -390,6 +400,9 @@ ENGINE_FAMILIES = {  # tiny HF checkpoints (as tests/test_families.py makes them
                attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
                hidden_size_per_layer_input=16)),
     "gemma4_dense": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4, hidden_size_per_layer_input=0)),
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        GEMMA4, hidden_size_per_layer_input=16, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32)),
     # The same layers with routed int4 experts and a gated shared expert in every MLP.
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -408,11 +421,14 @@ def family_llms(tmp_path_factory, hf_tokenizer):
     for i, (name, (config_cls, model_cls, extra)) in enumerate(ENGINE_FAMILIES.items()):
         d = tmp_path_factory.mktemp(f"hf-{name}")
         model = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
-        if name.startswith("gemma4"):  # layer scalars off their init of 1, so that each shows
+        if name.startswith("gemma4"):  # layer scalars and router scales off their init of 1
             with torch.no_grad():
                 for pname, b in model.named_buffers():
                     if pname.endswith("layer_scalar"):
                         b.uniform_(0.6, 1.4)
+                for pname, p in model.named_parameters():
+                    if pname.endswith(("router.scale", "router.per_expert_scale")):
+                        p.add_(torch.randn_like(p) * 0.3)
             model.save_pretrained(d)
         # No prefix caching: both runs must batch the same rows.
         out[name] = LLM(model=str(d), dtype="bfloat16", quantization="int4",

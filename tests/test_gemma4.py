@@ -11,8 +11,8 @@ router scales off their init. `gemma4_dense` is the plain form: global layers wi
 own head size and v_proj, no PLE, no sharing, no experts. Both are served token-exact
 through prefill, chunked prefill, decode, the prefix cache and preemption; the KV pool
 holds each layer's own shape (a view each, shared layers their source's); the whole-step
-DecodeStack takes all but the experts, and the kernel backends decline what they cannot run,
-with the reason."""
+DecodeStack takes their layers, and the kernel backends decline what they cannot run, with
+the reason."""
 
 from __future__ import annotations
 
@@ -178,19 +178,23 @@ def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):
          "model.embed_audio.embedding_projection.weight"], KW, PROMPTS)
 
 
-def test_decode_stack_takes_the_dense_form_and_declines_the_experts(checkpoints):
-    """The whole-step DecodeStack takes Gemma 4's layers (tests/test_decode_stack.py runs them
-    against the per-op path), not its experts beside the MLP."""
+def test_decode_stack_takes_every_form(checkpoints):
+    """The whole-step DecodeStack takes Gemma 4's layers, the experts beside the MLP too
+    (tests/test_decode_stack.py runs them against the per-op path)."""
     from servelm.models import decode_stack
     from servelm.models.decoder import CausalLM
 
-    got = {name: decode_stack.describe(CausalLM(ModelConfig.from_hf_dir(path), max_positions=64))
+    got = {name: decode_stack.describe(CausalLM(ModelConfig.from_hf_dir(path), max_positions=64)
+                                       .to(torch.bfloat16))  # (fp32 experts run op by op)
            for name, (path, _) in checkpoints.items()}
-    assert got["gemma4"] == ("layer 0: it has routed experts beside its MLP (routed experts run "
-                             "op by op)")
-    dense = got["gemma4_dense"]
-    assert isinstance(dense, decode_stack.StackDescription)
-    assert dense.v_norm and dense.local_rotary_dim == 16 and dense.rotary_dim == 32
+    for d in got.values():
+        assert isinstance(d, decode_stack.StackDescription), d
+        assert d.v_norm and d.local_rotary_dim == 16 and d.rotary_dim == 32
+    full = got["gemma4"]
+    assert all(layer.experts_beside for layer in full.layers) and full.per_layer_input == 8
+    assert [(layer.kv_shared, layer.k_eq_v) for layer in full.layers] == [
+        (False, False), (False, False), (False, True), (False, False), (True, False), (True, False)]
+    assert not any(layer.experts_beside for layer in got["gemma4_dense"].layers)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

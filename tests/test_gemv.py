@@ -423,6 +423,41 @@ def test_moe_route_op_runs_the_grouped_sigmoid_router(groups, topk_group, norm):
         torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0, False, 3, 1)
 
 
+@pytest.mark.skipif(not lm.q8act.available(), reason="needs the q8act kernel (AVX2, F16C)")
+def test_moe_route_op_runs_gemma4s_router():
+    """moe_route with Gemma 4's router: its input normalised, times its learned scale and
+    hidden ** -0.5 (in_scale, in_root, in_eps), the chosen weights times a per-expert scale
+    (expert_scale), against SparseMoE's PyTorch router; a layer routing a few rows takes it,
+    on the stream it is given (ExpertsBesideMLP routes on the stream, not the experts' input)."""
+    moe = _moe("gelu_tanh", torch.bfloat16, router_input_norm=True, per_expert_scale=True)
+    with torch.no_grad():
+        moe.router_scale.uniform_(0.5, 1.5)
+        moe.per_expert_scale.uniform_(0.5, 1.5)
+    x = torch.randn(40, 64).bfloat16() * 3
+    want_w, want_ids = moe.route(x)
+    args = dict(in_scale=moe.router_scale.float(), in_root=64 ** -0.5, in_eps=moe.eps,
+                expert_scale=moe.per_expert_scale.float())
+    w, ids, _ = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0, **args)
+    for t in range(40):
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
+        assert got.keys() == ref.keys()
+        for e in got:
+            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+    plain, _, _ = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0)
+    assert not torch.equal(plain, w)  # (each scale shows)
+    moe.select(True)
+    assert moe._route_op is not None and moe._route_op.keywords["in_root"] == 64 ** -0.5
+    experts_input = torch.randn(1, 64).bfloat16()  # (one token: the fused op's rows here)
+    with torch.no_grad():
+        out = moe(experts_input, route=x[:1])
+        want = moe._fused(experts_input, ids[:1], w[:1], moe.experts_gate_up, moe.experts_down)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="in_scale must have H = 64"):
+        torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0,
+                                          in_scale=torch.ones(8))
+
+
 @pytest.mark.skipif(not lm.bfp.available(), reason="needs the bfp kernel (AVX2, F16C)")
 def test_the_router_is_read_back_from_the_layer_the_tuner_chose():
     """The route op's weights from the router as tuned (the bfp method's blocks read back;

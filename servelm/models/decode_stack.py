@@ -63,6 +63,9 @@ class NormSlot(enum.IntEnum):
     POST_ATTENTION_BIAS = 7
     LAYER_SCALAR = 8  # [1]: the residual stream times it at the layer's end (Gemma 4)
     PLE_NORM = 9  # the norm of its per-layer input's projection (Gemma 4)
+    MOE_MLP_NORM = 10  # experts beside the MLP (Gemma 4): the MLP output's norm,
+    MOE_INPUT_NORM = 11  # the experts' input's (of the stream)
+    MOE_OUT_NORM = 12  # and their output's
 
 
 class LayerOption(enum.IntEnum):
@@ -94,6 +97,7 @@ class LayerKind(enum.IntEnum):
 class MlpKind(enum.IntEnum):
     DENSE = 0
     ROUTED_EXPERTS = 1  # a router and experts (bind_moe); MLP linears: a shared expert's, or none
+    EXPERTS_BESIDE = 2  # the dense MLP and routed experts beside it (Gemma 4: bind_moe)
 
 
 class ModelOption(enum.IntEnum):
@@ -146,6 +150,7 @@ class LayerDescription:
     linear: tuple[int, int, int, int, int] | None = None
     routed_experts: bool = False  # its MLP is routed experts (SparseMoE: bind_moe)
     sinks: bool = False  # its attention has sinks (gpt-oss: bind_sinks)
+    experts_beside: bool = False  # routed experts beside its MLP (Gemma 4: bind_moe)
     kv_shared: bool = False  # it attends an earlier layer's KV cache (Gemma 4)
     k_eq_v: bool = False  # its values are its keys' projection (Gemma 4's global layers)
 
@@ -189,6 +194,7 @@ class StackDescription:
                  opts[LayerOption.LINEAR_KEY_DIM], opts[LayerOption.LINEAR_VALUE_DIM],
                  opts[LayerOption.CONV_KERNEL]) = layer.linear
             opts[LayerOption.MLP_KIND] = (MlpKind.ROUTED_EXPERTS if layer.routed_experts
+                                          else MlpKind.EXPERTS_BESIDE if layer.experts_beside
                                           else MlpKind.DENSE)
             opts[LayerOption.SINKS] = int(layer.sinks)
             opts[LayerOption.KV_SHARED] = int(layer.kv_shared)
@@ -279,8 +285,13 @@ def describe_layer(layer) -> LayerDescription | str:
             return "its attention is chunked (keys from the query's own chunk only)"
         if attn.qk_l2_norm:
             return "its q and k are L2-normalised after the rotary"
-    if getattr(layer, "moe", None) is not None:
-        return "it has routed experts beside its MLP (routed experts run op by op)"
+    beside = getattr(layer, "moe", None)
+    if beside is not None:
+        if routed or type(beside.experts) is not SparseMoE:
+            return "it has routed experts beside routed experts"
+        why = beside.experts.stack_reason()
+        if why is not None:
+            return f"{why} (the experts beside its MLP run op by op)"
     ple = getattr(layer, "per_layer_input", None)
     if ple is not None and (routed or ple.act != mlp.act):
         return "its per-layer input's activation is not its MLP's"
@@ -312,6 +323,7 @@ def describe_layer(layer) -> LayerDescription | str:
                             kv_group=layer.kv_group, rope=bool(attn.rope),
                             output_gate=attn.attn_gate is not None, routed_experts=routed,
                             sinks=getattr(attn, "sinks", None) is not None,
+                            experts_beside=beside is not None,
                             kv_shared=bool(attn.kv_shared),
                             k_eq_v=bool(attn.k_eq_v and not attn.kv_shared))
 
@@ -405,6 +417,8 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     names += ("per_layer_input.gate", "per_layer_input.proj")
     if d.routed_experts and isinstance(why := layer.mlp.decode_stack_args(), str):
         return why
+    if d.experts_beside and isinstance(why := layer.moe.experts.decode_stack_args(), str):
+        return why
     parts = [([], int(StackFormat.NONE)) if m is None else kernel_weights(m, rows) for m in linears]
     for name, p in zip(names, parts):
         if p is None:
@@ -433,6 +447,10 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
         norms[NormSlot.LAYER_SCALAR] = layer.layer_scalar.detach().to(torch.bfloat16)
     if ple is not None:
         norms[NormSlot.PLE_NORM] = ple.norm.weight
+    if d.experts_beside:
+        norms[NormSlot.MOE_MLP_NORM] = layer.moe.mlp_norm.weight
+        norms[NormSlot.MOE_INPUT_NORM] = layer.moe.input_norm.weight
+        norms[NormSlot.MOE_OUT_NORM] = layer.moe.out_norm.weight
     return [t for ts, _ in parts for t in ts], [int(g) for _, g in parts], norms, biases
 
 
@@ -458,6 +476,8 @@ def build(description: StackDescription, parts: list[tuple], kv_caches: list[tup
     for i, d in enumerate(description.layers):
         if d.routed_experts:
             stack.bind_moe(i, *model.layers[i].mlp.decode_stack_args())
+        if d.experts_beside:
+            stack.bind_moe(i, *model.layers[i].moe.experts.decode_stack_args())
         if d.sinks:
             stack.bind_sinks(i, model.layers[i].self_attn.sinks.detach())
     return stack
@@ -587,8 +607,9 @@ def bind(model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         local = r.cos.to(bf16).contiguous(), r.sin.to(bf16).contiguous()
     # Routed experts run on the stack for the steps the fused op takes (SparseMoE._fused_rows,
     # measured by tune_fused_experts); larger steps read each expert once, op by op.
-    moe_rows = min((layer.mlp._fused_rows for layer, d in zip(model.layers, desc.layers)
-                    if d.routed_experts), default=1 << 30)
+    moe_rows = min((layer.mlp._fused_rows if d.routed_experts else layer.moe.experts._fused_rows
+                    for layer, d in zip(model.layers, desc.layers)
+                    if d.routed_experts or d.experts_beside), default=1 << 30)
     reasons, adapted = [], 0
     for group in groups:
         parts = [layer_args(layer, BUCKET_ROWS[group[0]]) for layer in model.layers]

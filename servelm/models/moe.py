@@ -323,8 +323,9 @@ class SparseMoE(OpModule):
                     limit, alpha, self.experts_gate_up_scale, self.experts_down_scale)
             self._fused_rows = fused_rows(self.num_experts, self.top_k)
         # Its router for those steps: one C++ call (moe_route, the DecodeStack's routing too)
-        # where it is the softmax one or DeepSeek-V3's grouped sigmoid, over bf16 weights; a
-        # shared expert's gate (its weights bf16 too) as the router's last row.
+        # where it is the softmax one (Gemma 4's, its input normalised and the weights scaled
+        # per expert, too) or DeepSeek-V3's grouped sigmoid, over bf16 weights; a shared
+        # expert's gate (its weights bf16 too) as the router's last row.
         self._route_op = None
         g = self._router_weight(self.gate)
         shared_gate = self.shared_expert_gate is not None
@@ -336,7 +337,7 @@ class SparseMoE(OpModule):
                 self.num_experts // self.n_group)):
             g = None  # (the op's limits; the PyTorch router then)
         if (self._fused is not None and o["router_scoring"] in ("softmax", "sigmoid_grouped")
-                and not o["router_input_norm"] and not o["per_expert_scale"]
+                and not (grouped and (o["router_input_norm"] or o["per_expert_scale"]))
                 and g is not None and act == torch.bfloat16 and o["hidden"] % 16 == 0
                 and q8act.available() and hasattr(torch.ops.servelm_q8act, "moe_route")):
             bias = None if self.gate.bias is None else self.gate.bias.detach().float().contiguous()
@@ -346,7 +347,12 @@ class SparseMoE(OpModule):
                 bias=bias, top_k=self.top_k, norm=self.norm_topk_prob,
                 scale=float(self.routed_scaling), shared_gate=shared_gate,
                 groups=self.n_group if grouped else 0, topk_groups=self.topk_group if grouped else 0,
-                score_bias=None if score_bias is None else score_bias.detach().float().contiguous())
+                score_bias=None if score_bias is None else score_bias.detach().float().contiguous(),
+                in_scale=(None if self.router_scale is None
+                          else self.router_scale.detach().float().contiguous()),
+                in_root=float(self.root_scale), in_eps=float(self.eps),
+                expert_scale=(None if self.per_expert_scale is None
+                              else self.per_expert_scale.detach().float().contiguous()))
 
     @staticmethod
     def _router_weight(gate: nn.Module) -> torch.Tensor | None:
@@ -377,9 +383,10 @@ class SparseMoE(OpModule):
         o = self.options
         if self.expert_format is None and self.experts_gate_up.dtype != torch.bfloat16:
             return f"its routed experts are {self.experts_gate_up.dtype}, not bf16 or quantised"
-        if (o["router_scoring"] not in ("softmax", "sigmoid_grouped") or o["router_input_norm"]
-                or o["per_expert_scale"] or o["expert_input_weighted"]):
-            return "its router is neither the plain softmax one nor the grouped sigmoid one"
+        if (o["router_scoring"] not in ("softmax", "sigmoid_grouped") or o["expert_input_weighted"]
+                or (o["router_scoring"] != "softmax"
+                    and (o["router_input_norm"] or o["per_expert_scale"]))):
+            return "its router is neither the softmax one nor the grouped sigmoid one"
         if o["swiglu_limit"] is None and o["act"] not in _ACT_CODES:
             return f"its experts' activation {o['act']!r} has no fused kernel"
         if (self.act_dtype != torch.bfloat16 or o["hidden"] % 16 or o["intermediate"] % 8
@@ -419,7 +426,7 @@ class SparseMoE(OpModule):
                 float(o["swiglu_limit"]) if clamped else 0.0,
                 float(o["swiglu_alpha"]) if clamped else 1.0, r["shared_gate"],
                 bool(self._fused.keywords.get("by_row", False)), r["groups"], r["topk_groups"],
-                r["score_bias"])
+                r["score_bias"], r["in_scale"], r["in_root"], r["in_eps"], r["expert_scale"])
 
     def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Llama 4's router: the top k logits, each through a sigmoid (in fp32, then x's
@@ -490,7 +497,7 @@ class SparseMoE(OpModule):
             if self._route_op is None:
                 weights, ids = self.route(x if route is None else route)
             else:
-                weights, ids, gate = self._route_op(x)
+                weights, ids, gate = self._route_op(x if route is None else route.contiguous())
             routed = self._fused(x, ids, weights, self.experts_gate_up, self.experts_down)
             return self._with_shared(routed, x, gate)
         weights, ids = self.route(x if route is None else route)

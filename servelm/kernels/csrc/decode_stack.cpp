@@ -61,6 +61,7 @@ enum NormSlot : int64_t {
   kInputNormBias, kPostAttentionNormBias,  // LayerNorms' biases (empty: none)
   kLayerScalar,  // [1]: the residual stream times it at the layer's end (Gemma 4; empty: none)
   kPleNorm,      // [hidden]: the norm of its per-layer input's projection (Gemma 4's PLE)
+  kMoeMlpNorm, kMoeInputNorm, kMoeOutNorm,  // experts beside the MLP: kExpertsBeside's norms
   kNormSlots
 };
 // Per layer, these integers.
@@ -84,7 +85,10 @@ enum LayerOption : int64_t {
 enum LayerKind : int64_t { kAttentionLayer, kLinearAttentionLayer };
 // What a layer's MLP is: the dense one (gate_up and down linears), or routed experts (a router
 // and experts bound by bind_moe; gate_up and down, where given, a shared expert beside them).
-enum MlpKind : int64_t { kDenseMlp, kRoutedExperts };
+// Or (Gemma 4) the dense MLP with routed experts beside it: the experts read the stream's own
+// norm (kMoeInputNorm), routed on the stream itself, and the MLP's output is
+// norm(mlp) + norm(experts) (kMoeMlpNorm, kMoeOutNorm).
+enum MlpKind : int64_t { kDenseMlp, kRoutedExperts, kExpertsBeside };
 // For the model, these integers ...
 enum ModelOption : int64_t { kNumHeads, kNumKvHeads, kRotaryDim, kActivation, kQScalePeriod, kPreNorms,
                               kQkNormWhole, kLayerNorm, kParallel,
@@ -620,6 +624,7 @@ struct StackLayer {
     const c10::BFloat16* router = nullptr;  // [E, hidden]
     moe::Router route;                      // its options (the biases point into the vectors)
     std::vector<float> router_bias, score_bias, gate_up_bias, down_bias;  // fp32 (empty: none)
+    std::vector<float> in_scale, expert_scale;  // Gemma 4's router's (empty: none)
     bool shared_gate = false;  // the router's row E gates the shared expert (the layer's gate_up / down)
     int64_t I() const {
       int64_t i = 0;
@@ -735,11 +740,12 @@ class DecodeStack : public torch::CustomClassHolder {
                   "no K/V to share or to take from its keys");
       TORCH_CHECK(!s.kv_shared || !s.k_eq_v, "DecodeStack: a KV-shared layer projects no keys to take "
                   "its values from");
-      TORCH_CHECK(s.mlp_kind == kDenseMlp || s.mlp_kind == kRoutedExperts, "DecodeStack: MLP kind ",
-                  s.mlp_kind, " is neither dense (0) nor routed experts (1)");
-      const bool routed = s.mlp_kind == kRoutedExperts;
-      TORCH_CHECK(!routed || !parallel_, "DecodeStack: routed experts in a parallel block");
-      has_moe_ |= routed;
+      TORCH_CHECK(s.mlp_kind == kDenseMlp || s.mlp_kind == kRoutedExperts || s.mlp_kind == kExpertsBeside,
+                  "DecodeStack: MLP kind ", s.mlp_kind, " is none of dense (0), routed experts (1) and "
+                  "experts beside the MLP (2)");
+      const bool routed = s.mlp_kind == kRoutedExperts, beside = s.mlp_kind == kExpertsBeside;
+      TORCH_CHECK(!(routed || beside) || !parallel_, "DecodeStack: routed experts in a parallel block");
+      has_moe_ |= routed || beside;
       s.k_cache = k_caches[l];
       s.v_cache = v_caches[l];
       int64_t D = 0, qkv_n = 0, o_k = 0;
@@ -788,6 +794,11 @@ class DecodeStack : public torch::CustomClassHolder {
                     "DecodeStack: norm weights must be contiguous bfloat16 [", n, "]");
         s.norms[k] = t;
       }
+      TORCH_CHECK(beside == (s.norms[kMoeMlpNorm].defined() && s.norms[kMoeInputNorm].defined() &&
+                             s.norms[kMoeOutNorm].defined()) &&
+                      (beside || (!s.norms[kMoeMlpNorm].defined() && !s.norms[kMoeInputNorm].defined() &&
+                                  !s.norms[kMoeOutNorm].defined())),
+                  "DecodeStack: experts beside the MLP, and only they, take their three norms");
       TORCH_CHECK(!s.norms[kQNorm].defined() == !(s.norms[kKNorm].defined() || s.kv_shared),
                   "DecodeStack: q and k norms come together (a KV-shared layer's q norm alone)");
       if (s.norms[kLayerScalar].defined()) s.scalar = static_cast<float>(s.norms[kLayerScalar].data_ptr<c10::BFloat16>()[0]);
@@ -912,16 +923,23 @@ class DecodeStack : public torch::CustomClassHolder {
   // with gate_up and down linears has a shared expert (those linears, the model's activation)
   // added to the experts' sum: times sigmoid(its gate's logit) where shared_gate (the router's
   // last row, E + 1 rows), else as it is. groups > 0: DeepSeek-V3's grouped sigmoid router
-  // (moe::Router; score_bias [E] or None), as moe_route takes it.
+  // (moe::Router; score_bias [E] or None), as moe_route takes it; so are Gemma 4's in_scale [H]
+  // (or None), in_root, in_eps and expert_scale [E] (or None). A layer of MLP kind
+  // kExpertsBeside: the experts beside its dense MLP (no shared gate).
   void bind_moe(int64_t layer, at::Tensor router, c10::optional<at::Tensor> router_bias, int64_t top_k,
                 bool norm, double scale, int64_t format, at::Tensor gate_up_q, c10::optional<at::Tensor> gate_up_s,
                 c10::optional<at::Tensor> gate_up_m, at::Tensor down_q, c10::optional<at::Tensor> down_s,
                 c10::optional<at::Tensor> down_m, int64_t act, c10::optional<at::Tensor> gate_up_bias,
                 c10::optional<at::Tensor> down_bias, double limit, double alpha, bool shared_gate,
-                bool by_row, int64_t groups, int64_t topk_groups, c10::optional<at::Tensor> score_bias) {
+                bool by_row, int64_t groups, int64_t topk_groups, c10::optional<at::Tensor> score_bias,
+                c10::optional<at::Tensor> in_scale, double in_root, double in_eps,
+                c10::optional<at::Tensor> expert_scale) {
     const char* fn = "DecodeStack.bind_moe";
-    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers_[layer].mlp_kind == kRoutedExperts, fn,
-                ": layer ", layer, " has no routed experts");
+    TORCH_CHECK(layer >= 0 && layer < num_layers() &&
+                    (layers_[layer].mlp_kind == kRoutedExperts || layers_[layer].mlp_kind == kExpertsBeside),
+                fn, ": layer ", layer, " has no routed experts");
+    TORCH_CHECK(!shared_gate || layers_[layer].mlp_kind == kRoutedExperts, fn,
+                ": experts beside an MLP have no shared expert's gate");
     TORCH_CHECK(format >= 0 && format <= 3, fn, ": format must be 0 (int4), 1 (MXFP4), 2 (int8) or 3 (bf16)");
     TORCH_CHECK(act >= 0 && act <= 3, fn, ": act must be 0, 1, 2 or 3");
     TORCH_CHECK(!shared_gate || layers_[layer].gu.present(), fn, ": a shared expert's gate, but layer ", layer,
@@ -1023,6 +1041,11 @@ class DecodeStack : public torch::CustomClassHolder {
     else
       fill_rows(x.rb, gate_up_q.data_ptr<c10::BFloat16>(), down_q.data_ptr<c10::BFloat16>());
     x.score_bias = floats(score_bias, E, "the router's score bias");
+    x.in_scale = floats(in_scale, H, "in_scale");
+    x.expert_scale = floats(expert_scale, E, "expert_scale");
+    x.route.in_scale = x.in_scale.empty() ? nullptr : x.in_scale.data();
+    x.route.in_root = static_cast<float>(in_root), x.route.in_eps = static_cast<float>(in_eps);
+    x.route.expert_scale = x.expert_scale.empty() ? nullptr : x.expert_scale.data();
     x.route.E = E, x.route.k = top_k, x.route.norm = norm, x.route.scale = static_cast<float>(scale);
     x.route.bias = x.router_bias.empty() ? nullptr : x.router_bias.data();
     x.route.groups = groups, x.route.topk_groups = topk_groups;
@@ -1330,7 +1353,7 @@ class DecodeStack : public torch::CustomClassHolder {
       extra_max = std::max(extra_max, s.extra.N);
       inter = std::max(inter, plain_mlp_ ? s.gu.N : s.gu.N / 2);
       TORCH_CHECK(!s.has_sinks || !s.sinks.empty(), "DecodeStack: call bind_sinks for every layer with sinks first");
-      if (s.mlp_kind == kRoutedExperts) {
+      if (s.mlp_kind == kRoutedExperts || s.mlp_kind == kExpertsBeside) {
         TORCH_CHECK(s.moe.bound, "DecodeStack: call bind_moe for every layer with routed experts first");
         moe_e = std::max(moe_e, s.moe.route.E), moe_k = std::max(moe_k, s.moe.route.k);
         moe_i = std::max(moe_i, s.moe.I());
@@ -1348,9 +1371,11 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: set_per_layer_inputs gives each run its [M, ", num_layers(), ", ", ple_,
                   "] per-layer inputs first");
     // A shared expert's output and its gate's logit (MoE layers with one).
-    const at::Tensor shared_buf = at::empty({has_moe_ ? M * (hidden + 1) : 0}, residual.options());
+    // (Experts beside an MLP: their input, then their output in shared_out.)
+    const at::Tensor shared_buf = at::empty({has_moe_ ? M * (2 * hidden + 1) : 0}, residual.options());
     BF* shared_out = shared_buf.data_ptr<BF>();
     BF* shared_logit = shared_out + M * hidden;
+    BF* h3 = shared_logit + M;
     moe::Scratch& moe_s = moe_scratch_;
     const auto opts = residual.options();
     const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -1535,7 +1560,7 @@ class DecodeStack : public torch::CustomClassHolder {
         }, next);
       };
       std::vector<float> head_scratch(4 * dv_max);  // delta_rule::head_out's
-      std::vector<float> logits(4 * (moe_e + 1));   // moe::route_row's scratch
+      std::vector<float> logits(4 * (moe_e + 1) + hidden);   // moe::route_row's scratch
       std::vector<AttnShare> shares(atts.size());
       for (size_t a = 0; a < atts.size(); ++a) shares[a].plan(*atts[a], t.tid, t.n);
       for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1693,6 +1718,14 @@ class DecodeStack : public torch::CustomClassHolder {
                              moe_weights.data() + m * x.route.k, x.shared_gate ? shared_logit + m : nullptr);
               x.with([&](const auto& P) { P.quantize(h2 + m * hidden, m, moe_s); });
             }
+          } else if (s.mlp_kind == kExpertsBeside) {  // routed on the stream, the experts on its own norm
+            const StackLayer::Experts& x = s.moe;
+            for (int64_t m = m0; m < m1; ++m) {
+              moe::route_row(res + m * hidden, x.router, hidden, x.route, logits.data(), moe_ids.data() + m * x.route.k,
+                             moe_weights.data() + m * x.route.k);
+              rms_row<BF>(res + m * hidden, s.norm(kMoeInputNorm), h3 + m * hidden, hidden, eps);
+              x.with([&](const auto& P) { P.quantize(h3 + m * hidden, m, moe_s); });
+            }
           }
           if (s.gu.present()) s.gu.sums(h2, M, m0, m1, xs3.data());
         }, s.gu);
@@ -1752,6 +1785,23 @@ class DecodeStack : public torch::CustomClassHolder {
                 at::add_out(r, r, sh);
             }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
           // (no parallel block: the constructor refuses routed experts in one)
+        } else if (s.mlp_kind == kExpertsBeside) {
+          // The dense MLP into delta, the experts (on their input, h3) into shared_out; then
+          // delta = norm(delta) + norm(experts), as ExpertsBesideMLP sums them.
+          const StackLayer::Experts& x = s.moe;
+          dense_mlp(delta);
+          x.with([&](const auto& L) {
+            moe::run_phases(L, moe_ids.data(), moe_weights.data(), M, x.route.k, t.tid, t.n, shared_out, moe_s,
+                            [&] { t.barrier(); });
+          });
+          t.barrier();
+          t.rows(M, [&](int64_t m0, int64_t m1) {
+            for (int64_t m = m0; m < m1; ++m) {
+              rms_row<BF>(delta + m * hidden, s.norm(kMoeMlpNorm), delta + m * hidden, hidden, eps);
+              rms_row<BF>(shared_out + m * hidden, s.norm(kMoeOutNorm), shared_out + m * hidden, hidden, eps);
+              add_row<BF>(shared_out + m * hidden, delta + m * hidden, hidden);
+            }
+          }, l + 1 < layers_.size() ? layers_[l + 1].qkv : layers_[0].qkv);
         } else {
           dense_mlp(delta);
           if (parallel_)  // the block's output: attention's plus the MLP's, rounded once

@@ -39,6 +39,12 @@ struct Router {
   const float* bias = nullptr;
   int64_t groups = 0, topk_groups = 0;
   const float* score_bias = nullptr;
+  // Gemma 4's: the router's input normalised (no weight, in_eps) and times in_scale [H] and
+  // in_root, rounded to bf16 after each as SparseMoE's PyTorch ops round (null: x as it is);
+  // the chosen weights times expert_scale [E] (null: none).
+  const float* in_scale = nullptr;
+  float in_root = 1.f, in_eps = 1e-6f;
+  const float* expert_scale = nullptr;
 };
 
 // The k largest of v[0, n) among those allowed (allowed[i / per], or all where allowed is
@@ -62,12 +68,25 @@ inline void top_k(const float* v, int64_t n, int64_t k, const uint8_t* allowed, 
 // norm (the sigmoid's sum plus 1e-20), times scale, rounded to bf16 (the weights the experts'
 // sum takes): ids [k], weights [k] (fp32 holding bf16 values). gate (or null): w has a row E
 // after the experts', a shared expert's gate (Qwen2-MoE's shared_expert_gate): its logit,
-// rounded to bf16, no bias, outside the routing. scratch: [4 (E + 1)] floats.
+// rounded to bf16, no bias, outside the routing. scratch: [4 (E + 1) + H] floats (the last H
+// for a normalised input: Router::in_scale).
 __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t H,
                                                 const Router& r, float* scratch, int64_t* ids,
                                                 float* weights, c10::BFloat16* gate = nullptr) {
   const int64_t E = r.E, k = r.k, rows = gate ? E + 1 : E;
   float* logits = scratch;
+  if (r.in_scale) {  // bf16(bf16(bf16(x / rms(x)) * in_scale) * in_root), as l2_norm(x) * scale * root
+    auto* xn = reinterpret_cast<c10::BFloat16*>(scratch + 4 * (E + 1));
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + r.in_eps);
+    for (int64_t i = 0; i < H; ++i) {
+      const float n = static_cast<float>(c10::BFloat16(static_cast<float>(x[i]) * inv));
+      const float t = static_cast<float>(c10::BFloat16(n * r.in_scale[i]));
+      xn[i] = c10::BFloat16(t * r.in_root);
+    }
+    x = xn;
+  }
   int64_t e = 0;
   for (; e + 4 <= rows; e += 4) {  // four experts at a time: eight independent sums
     __m256 a[4][2];
@@ -129,6 +148,7 @@ __attribute__((noinline)) inline void route_row(const c10::BFloat16* x, const c1
   for (int64_t j = 0; j < k; ++j) {
     float v = r.norm ? weights[j] / total : weights[j];
     if (r.scale != 1.f) v *= r.scale;
+    if (r.expert_scale) v *= r.expert_scale[ids[j]];
     weights[j] = static_cast<float>(c10::BFloat16(v));
   }
 }

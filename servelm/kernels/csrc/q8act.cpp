@@ -26,7 +26,8 @@
 //   moe_experts(x, ids, weights, gate_up_q, gate_up_s, gate_up_m, down_q, down_s, down_m, act, ...)
 // a MoE layer's routed int4 experts for a few tokens in one call (see the function's head).
 //
-//   moe_route(x, weight, bias?, top_k, norm, scale, shared_gate, groups, topk_groups, score_bias?)
+//   moe_route(x, weight, bias?, top_k, norm, scale, shared_gate, groups, topk_groups, score_bias?,
+//             in_scale?, in_root, in_eps, expert_scale?)
 //   -> (weights, ids, gate): a MoE layer's router for a few tokens (see the function's head).
 //
 //   mxfp4_linear(x, qweight, exps, out_features, bias?) -> y;  moe_experts_mxfp4(...)
@@ -201,11 +202,16 @@ at::Tensor moe_panels(const char* name, const at::Tensor& x_in, const at::Tensor
 // [T, 1]). The softmax router, or with groups > 0 DeepSeek-V3's grouped sigmoid one
 // (topk_groups of them, score_bias [E] or None: moe::Router). shared_gate: weight's last row
 // (E + 1 rows) is a shared expert's gate, whose logits go to gate (else empty [T, 0]).
+// Gemma 4's router: in_scale [H] (its input normalised, times in_scale and in_root; in_eps the
+// norm's) and expert_scale [E] (the chosen weights times it), each or None.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in, const at::Tensor& weight,
                                                          const c10::optional<at::Tensor>& bias_in,
                                                          int64_t top_k, bool norm, double scale,
                                                          bool shared_gate, int64_t groups, int64_t topk_groups,
-                                                         const c10::optional<at::Tensor>& score_bias_in) {
+                                                         const c10::optional<at::Tensor>& score_bias_in,
+                                                         const c10::optional<at::Tensor>& in_scale_in, double in_root,
+                                                         double in_eps,
+                                                         const c10::optional<at::Tensor>& expert_scale_in) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "servelm_q8act.moe_route: x must be bfloat16 [T, H] on the CPU");
   const int64_t T = x_in.size(0), H = x_in.size(1);
@@ -219,20 +225,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& x_in,
                               top_k <= topk_groups * (r.E / groups)),
               "servelm_q8act.moe_route: groups (at most 64) must divide the ", r.E, " experts, topk_groups "
               "be in [1, groups], and those groups hold top_k experts");
-  at::Tensor bias, score_bias;
+  at::Tensor bias, score_bias, in_scale, expert_scale;
   for (auto [in, out, what] : {std::tuple<const c10::optional<at::Tensor>*, at::Tensor*, const char*>{
-                                   &bias_in, &bias, "bias"}, {&score_bias_in, &score_bias, "score_bias"}})
+                                   &bias_in, &bias, "bias"}, {&score_bias_in, &score_bias, "score_bias"},
+                               {&expert_scale_in, &expert_scale, "expert_scale"}})
     if (in->has_value() && (*in)->defined()) {
       TORCH_CHECK((*in)->numel() == r.E, "servelm_q8act.moe_route: ", what, " must have E = ", r.E, " values");
       *out = (*in)->to(at::kFloat).contiguous();
     }
+  if (in_scale_in.has_value() && in_scale_in->defined()) {
+    TORCH_CHECK(in_scale_in->numel() == H, "servelm_q8act.moe_route: in_scale must have H = ", H, " values");
+    in_scale = in_scale_in->to(at::kFloat).contiguous();
+  }
+  r.in_scale = in_scale.defined() ? in_scale.data_ptr<float>() : nullptr;
+  r.in_root = static_cast<float>(in_root), r.in_eps = static_cast<float>(in_eps);
+  r.expert_scale = expert_scale.defined() ? expert_scale.data_ptr<float>() : nullptr;
   r.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
   r.groups = groups, r.topk_groups = topk_groups;
   r.score_bias = score_bias.defined() ? score_bias.data_ptr<float>() : nullptr;
   const at::Tensor x = x_in.contiguous();
   at::Tensor weights = at::empty({T, top_k}, at::kFloat), ids = at::empty({T, top_k}, at::kLong);
   at::Tensor gate = at::empty({T, shared_gate ? 1 : 0}, x_in.options());
-  std::vector<float> scratch(4 * (r.E + 1));
+  std::vector<float> scratch(4 * (r.E + 1) + H);
   for (int64_t t = 0; t < T; ++t)
     moe::route_row(x.data_ptr<c10::BFloat16>() + t * H, weight.data_ptr<c10::BFloat16>(), H, r, scratch.data(),
                    ids.data_ptr<int64_t>() + t * top_k, weights.data_ptr<float>() + t * top_k,
@@ -319,7 +333,8 @@ TORCH_LIBRARY(servelm_q8act, m) {
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, float limit=0., float alpha=1., "
         "bool wide=True) -> Tensor");
   m.def("moe_route(Tensor x, Tensor weight, Tensor? bias, int top_k, bool norm, float scale, "
-        "bool shared_gate=False, int groups=0, int topk_groups=0, Tensor? score_bias=None) "
+        "bool shared_gate=False, int groups=0, int topk_groups=0, Tensor? score_bias=None, "
+        "Tensor? in_scale=None, float in_root=1., float in_eps=1e-6, Tensor? expert_scale=None) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("mxfp4_linear(Tensor x, Tensor qweight, Tensor exps, int out_features, Tensor? bias=None, "
         "bool wide=True) -> Tensor");
