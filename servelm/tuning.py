@@ -1164,8 +1164,8 @@ class StackCost:
 
 def _stack_layers(model: nn.Module, act: torch.dtype, kcfg: KernelConfig) -> set[int] | None:
     """The ids of the linear layers a DecodeStack would run (every decoder layer's qkv, o,
-    gate_up and down, and its per-layer input's), when the model is one it implements and it can run here (bf16
-    activations, the C++ kernels, fused_decode on); else None."""
+    gate_up and down, and its per-layer input's), when the model is one it implements and it
+    can run here (bf16 activations, the C++ kernels, fused_decode on); else None."""
     from servelm.models import decode_stack
     from servelm.models.decoder import CausalLM
 

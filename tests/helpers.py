@@ -452,6 +452,18 @@ def random_bf16_model(cfg, seed: int = 0):
     return model.to(torch.bfloat16)
 
 
+def gemma4_scales_off_one(model) -> None:
+    """A transformers Gemma 4's layer scalars (buffers) and its routers' scales moved off
+    their init of 1, so that each shows."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.6, 1.4)
+        for name, p in model.named_parameters():
+            if name.endswith(("router.scale", "router.per_expert_scale")):
+                p.add_(torch.randn_like(p) * 0.3)
+
+
 # The shape of the tiny random HF checkpoints the family tests make.
 TINY_HF_CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2,

@@ -28,7 +28,7 @@ from servelm.kernels import load_ops
 from servelm.models import decode_stack
 from servelm.models.config import FULL, SLIDING, ModelConfig
 from servelm.models.decoder import CausalLM
-from tests.helpers import (decode_rows, assert_stack_decodes_as_per_op,
+from tests.helpers import (decode_rows, assert_stack_decodes_as_per_op, gemma4_scales_off_one,
                            method_targets, per_op_and_stack, random_bf16_model,
                            tiny_hf_checkpoint)
 
@@ -421,14 +421,8 @@ def family_llms(tmp_path_factory, hf_tokenizer):
     for i, (name, (config_cls, model_cls, extra)) in enumerate(ENGINE_FAMILIES.items()):
         d = tmp_path_factory.mktemp(f"hf-{name}")
         model = tiny_hf_checkpoint(d, config_cls, model_cls, extra, hf_tokenizer, seed=i)
-        if name.startswith("gemma4"):  # layer scalars and router scales off their init of 1
-            with torch.no_grad():
-                for pname, b in model.named_buffers():
-                    if pname.endswith("layer_scalar"):
-                        b.uniform_(0.6, 1.4)
-                for pname, p in model.named_parameters():
-                    if pname.endswith(("router.scale", "router.per_expert_scale")):
-                        p.add_(torch.randn_like(p) * 0.3)
+        if name.startswith("gemma4"):
+            gemma4_scales_off_one(model)
             model.save_pretrained(d)
         # No prefix caching: both runs must batch the same rows.
         out[name] = LLM(model=str(d), dtype="bfloat16", quantization="int4",

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
+                     gemma4_scales_off_one,
                      assert_multimodal_checkpoint_serves_its_text_model,
                      assert_tensor_parallel_matches, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
@@ -64,13 +65,7 @@ def checkpoints(tmp_path_factory, hf_tokenizer):
             extra["vocab_size_per_layer_input"] = hf_tokenizer.vocab_size
         model = tiny_hf_checkpoint(d, "Gemma4TextConfig", "Gemma4ForCausalLM", extra,
                                    hf_tokenizer, seed=11 + seed)
-        with torch.no_grad():
-            for pname, b in model.named_buffers():
-                if pname.endswith("layer_scalar"):
-                    b.uniform_(0.6, 1.4)
-            for pname, p in model.named_parameters():
-                if pname.endswith(("router.scale", "router.per_expert_scale")):
-                    p.add_(torch.randn_like(p) * 0.3)
+        gemma4_scales_off_one(model)
         model.save_pretrained(d)
         out[name] = (str(d), model)
     return out

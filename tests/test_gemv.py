@@ -347,6 +347,16 @@ def test_the_fused_experts_order_is_measured_once_and_bound_in_every_layer():
     assert tune_fused_experts(nn.ModuleList([_moe("silu", torch.float32)])) is None
 
 
+def _assert_same_choice(ids, w, want_ids, want_w) -> None:
+    """Each token's experts are the router's, each with its weight (to an ulp)."""
+    for t in range(ids.shape[0]):
+        got = dict(zip(ids[t].tolist(), w[t].tolist()))
+        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
+        assert got.keys() == ref.keys()
+        for e in got:
+            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+
+
 @pytest.mark.skipif(not lm.q8act.available(), reason="needs the q8act kernel (AVX2, F16C)")
 @pytest.mark.parametrize("options", [dict(), dict(router_bias=True), dict(norm_topk_prob=False),
                                      dict(routed_scaling=2.5)],
@@ -375,12 +385,7 @@ def test_moe_route_op_chooses_and_weighs_as_the_router(options):
     assert torch.equal(w2, w) and torch.equal(ids2, ids) and logit.dtype == torch.bfloat16
     torch.testing.assert_close(logit.float(), x.float() @ g.float().T, rtol=0.01, atol=0.01)
     assert torch.equal(w, w.bfloat16().float())  # bf16 values
-    for t in range(40):  # the same experts, each with its weight (to an ulp)
-        got = dict(zip(ids[t].tolist(), w[t].tolist()))
-        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
-        assert got.keys() == ref.keys()
-        for e in got:
-            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+    _assert_same_choice(ids, w, want_ids, want_w)
     if "norm_topk_prob" not in options and "routed_scaling" not in options:
         torch.testing.assert_close(w.sum(-1), torch.ones(40), rtol=0.02, atol=0.02)
     moe.select(True)  # a few rows: the fused op routes with it
@@ -408,12 +413,7 @@ def test_moe_route_op_runs_the_grouped_sigmoid_router(groups, topk_group, norm):
     w, ids, _ = torch.ops.servelm_q8act.moe_route(
         x, moe.gate.weight, None, 3, norm, 2.5, False, groups, topk_group,
         moe.e_score_correction_bias)
-    for t in range(40):
-        got = dict(zip(ids[t].tolist(), w[t].tolist()))
-        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
-        assert got.keys() == ref.keys()
-        for e in got:
-            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+    _assert_same_choice(ids, w, want_ids, want_w)
     if groups > 1:  # every token's experts in its topk_group groups
         per = 8 // groups
         assert all(len({e // per for e in row}) <= topk_group for row in ids.tolist())
@@ -438,12 +438,7 @@ def test_moe_route_op_runs_gemma4s_router():
     args = dict(in_scale=moe.router_scale.float(), in_root=64 ** -0.5, in_eps=moe.eps,
                 expert_scale=moe.per_expert_scale.float())
     w, ids, _ = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0, **args)
-    for t in range(40):
-        got = dict(zip(ids[t].tolist(), w[t].tolist()))
-        ref = dict(zip(want_ids[t].tolist(), want_w[t].float().tolist()))
-        assert got.keys() == ref.keys()
-        for e in got:
-            assert abs(got[e] - ref[e]) <= 2 ** -7 * abs(ref[e])
+    _assert_same_choice(ids, w, want_ids, want_w)
     plain, _, _ = torch.ops.servelm_q8act.moe_route(x, moe.gate.weight, None, 3, True, 1.0)
     assert not torch.equal(plain, w)  # (each scale shows)
     moe.select(True)

@@ -26,7 +26,11 @@ DeltaNet layers over each sequence's recurrent state in attention's place (Qwen3
 set_state_rows before each run); and routed experts in a layer's MLP place (SparseMoE's
 experts of any format behind the softmax or grouped sigmoid router, a shared expert beside
 them on the MLP's linears, gated or not: bind_moe; steps of at most the fused op's rows,
-larger ones read each expert once, op by op). What it does not cover (other routers,
+larger ones read each expert once, op by op), or beside a dense MLP (Gemma 4); and Gemma 4's
+layers: each its own head size and KV heads (its caches'), weightless v norms, values from
+the keys' projection, layers attending an earlier layer's cache, per-layer inputs
+(set_per_layer_inputs before each run) and a scalar on the stream at each layer's end. What
+it does not cover (other routers,
 tensor-parallel layers that all-reduce, a linear layer that does not run on the C++ int4 /
 int8 / bf16 kernels) keeps the model op by op.
 An adapted linear (servelm.layers.lora.LoRALinear) runs its base on those kernels and its

@@ -7,7 +7,9 @@
 // GELU MLP, gated or plain, a bias on any linear, attention's output gate, gated DeltaNet layers
 // (Qwen3.5), attention sinks and routed experts (gpt-oss, Qwen3-MoE, Qwen3.5-MoE, GLM-4-MoE: int4
 // or MXFP4 experts in q8act's panels, moe_kernel.h, or int8 / bf16 ones as rows, gemv_kernel.h,
-// as the fused ops run them; a shared expert beside them), each layer's MLP at its own width, an
+// as the fused ops run them; a shared expert beside them), each layer's MLP at its own width,
+// Gemma 4's layers (each layer's own head size and KV heads, weightless v norms, values from the
+// keys, KV-shared layers, per-layer inputs, layer scalars, experts beside the dense MLP), an
 // embedding scale, and LoRA adapters on any of a layer's linears (bind_lora; the deltas
 // of set_lora_rows' rows added after the linear's matmul, lora_kernels.h, as servelm_ops.lora_add
 // adds them). Its matmuls are tiled_kernels.h's (the servelm_quant operators' code),
@@ -764,9 +766,11 @@ class DecodeStack : public torch::CustomClassHolder {
         // Each layer's KV heads and head dim are its caches' (Gemma 4's global layers differ).
         TORCH_CHECK(s.k_cache.dim() == 4 && s.k_cache.scalar_type() == at::kBFloat16 &&
                         s.k_cache.sizes() == s.v_cache.sizes() && s.k_cache.size(2) >= 1 &&
-                        heads_ % s.k_cache.size(2) == 0 && s.k_cache.size(3) <= kMaxD,
+                        heads_ % s.k_cache.size(2) == 0 && heads_ / s.k_cache.size(2) <= kMaxG &&
+                        s.k_cache.size(3) <= kMaxD,
                     "DecodeStack: K/V caches must be bfloat16 [NB, BS, KVH, D], num_heads a multiple of "
-                    "KVH, D at most ", static_cast<int64_t>(kMaxD));
+                    "KVH (at most ", static_cast<int64_t>(kMaxG), " a KV head), D at most ",
+                    static_cast<int64_t>(kMaxD));
         s.KVH = s.k_cache.size(2), s.D = D = s.k_cache.size(3);
         // qkv: q, k and v; q and k (values from the keys); q alone (a KV-shared layer).
         qkv_n = (heads_ + (s.kv_shared ? 0 : s.k_eq_v ? 1 : 2) * s.KVH) * D, o_k = heads_ * D;
