@@ -452,6 +452,23 @@ def random_bf16_model(cfg, seed: int = 0):
     return model.to(torch.bfloat16)
 
 
+# Gemma 4's layers as ModelConfig fields (with a 64-wide, 4-head base of 256 tokens): global
+# layers of their own head size and KV heads (the third with values from its keys'
+# projection, the last reading its KV cache), a window of 24, weightless v norms, per-layer
+# inputs, layer scalars, the last two layers KV-shared with double-wide MLPs.
+GEMMA4_LAYERS = dict(
+    architecture="Gemma4ForCausalLM", family="gemma4", num_layers=6, qk_norm=True,
+    sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=8.0, attn_scale=1.0,
+    sliding_window=24, layer_types=("sliding_attention", "sliding_attention", "full_attention") * 2,
+    rope_theta=1e4, rope_local_theta=1e4,
+    rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e4},
+    layer_head_dims=(16, 16, 32, 16, 16, 32), layer_kv_heads=(2, 2, 1, 2, 2, 1),
+    kv_source_layers=(0, 1, 2, 3, 3, 2),
+    extra=dict(v_norm=True, layer_scalar=True, k_eq_v_layers=(2, 5),
+               intermediate_sizes=(96, 96, 96, 96, 192, 192), per_layer_input_size=16,
+               per_layer_vocab_size=256))
+
+
 def gemma4_scales_off_one(model) -> None:
     """A transformers Gemma 4's layer scalars (buffers) and its routers' scales moved off
     their init of 1, so that each shows."""

@@ -28,7 +28,8 @@ from servelm.kernels import load_ops
 from servelm.models import decode_stack
 from servelm.models.config import FULL, SLIDING, ModelConfig
 from servelm.models.decoder import CausalLM
-from tests.helpers import (decode_rows, assert_stack_decodes_as_per_op, gemma4_scales_off_one,
+from tests.helpers import (GEMMA4_LAYERS, decode_rows, assert_stack_decodes_as_per_op,
+                           gemma4_scales_off_one,
                            method_targets, per_op_and_stack, random_bf16_model,
                            tiny_hf_checkpoint)
 
@@ -97,20 +98,8 @@ FAMILIES = {
                      parallel_block=True, parallel_mlp_norm=True, mlp_gated=False,
                      mlp_bias=True, hidden_act="gelu", attention_bias=True,
                      attention_out_bias=True, rotary_dim=4),
-    # Gemma 4: global layers of their own head size and KV heads (the third with values from
-    # its keys' projection, the last reading its KV cache), weightless v norms, per-layer inputs,
-    # layer scalars, the last two layers KV-shared with double-wide MLPs.
-    "gemma4": dict(architecture="Gemma4ForCausalLM", family="gemma4", num_layers=6, qk_norm=True,
-                   sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=8.0, attn_scale=1.0,
-                   sliding_window=WINDOW, layer_types=(SLIDING, SLIDING, FULL) * 2,
-                   rope_theta=1e4, rope_local_theta=1e4,
-                   rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                 "rope_theta": 1e4},
-                   layer_head_dims=(16, 16, 32, 16, 16, 32), layer_kv_heads=(2, 2, 1, 2, 2, 1),
-                   kv_source_layers=(0, 1, 2, 3, 3, 2),
-                   extra=dict(v_norm=True, layer_scalar=True, k_eq_v_layers=(2, 5),
-                              intermediate_sizes=(96, 96, 96, 96, 192, 192),
-                              per_layer_input_size=16, per_layer_vocab_size=256)),
+    # Gemma 4 (its window WINDOW too): see GEMMA4_LAYERS.
+    "gemma4": GEMMA4_LAYERS,
     # The same norms' places with per-head q / k norms, its global layer without rotary.
     "exaone4": dict(architecture="Exaone4ForCausalLM", family="exaone4", qk_norm=True,
                     sandwich_norms=True, pre_norms=False, sliding_window=WINDOW,

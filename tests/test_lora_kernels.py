@@ -13,7 +13,7 @@ from servelm.kernels import load_ops
 from servelm.layers.lora import LoRALinear, lora_add_ref
 from servelm.models import decode_stack
 from servelm.models.config import ModelConfig
-from tests.helpers import (decode_rows, method_targets, per_op_and_stack, random_bf16_model,
+from tests.helpers import (GEMMA4_LAYERS, decode_rows, method_targets, per_op_and_stack, random_bf16_model,
                            random_lora_stacks)
 
 pytestmark = pytest.mark.skipif(not load_ops("ops"), reason="needs servelm's C++ kernels")
@@ -107,6 +107,11 @@ MOE_CFG = dict(CFG, architecture="Qwen2MoeForCausalLM", family="qwen2_moe", num_
                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96)
 
 
+# Gemma 4's layers (K=V and KV-shared ones: their qkv of two parts and of one; per-layer
+# inputs beside the adapted linears).
+GEMMA4_CFG = dict(CFG, **GEMMA4_LAYERS, attention_bias=False)
+
+
 def _lora_model(fmt: str, cfg: dict = CFG):
     """A tiny random bf16 model (its linears on the C++ kernels), every adaptable linear
     wrapped, adapters of ranks 8 and 3 in slots 0 and 1 (q, v, o, gate, up, down adapted; k
@@ -119,6 +124,7 @@ def _lora_model(fmt: str, cfg: dict = CFG):
         method_targets(model.layers, Q.TARGETS, "tiles")
     else:
         Q.quantize_model(model.layers, fmt)
+    method_targets(model.layers, ("gate", "proj"), "tiles")  # per-layer inputs' (Gemma 4)
     wrapped = apply_lora(model, max_loras=2, max_rank=8)
     g = torch.Generator().manual_seed(5)
     for layer in wrapped.values():
@@ -173,6 +179,21 @@ def test_the_stack_adapts_a_moe_models_attention():
     linears) with adapters on their attention: the per-op path's bits."""
     model, wrapped = _lora_model("int4", MOE_CFG)
     assert wrapped and all(".self_attn." in name for name in wrapped)
+    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
+    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
+    (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
+    assert model.stack_runs_lora
+    assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+
+
+@STACK
+def test_the_stack_adapts_gemma4s_layers():
+    """Gemma 4's layers on the stack with adapters on every linear: a K=V layer's qkv of q and
+    k (its values take the adapted keys), a KV-shared layer's of q alone; the per-op path's
+    bits."""
+    model, wrapped = _lora_model("int4", GEMMA4_CFG)
+    widths = {len(wrapped[f"layers.{i}.self_attn.qkv_proj"].bounds) - 1 for i in (2, 4)}
+    assert widths == {1, 2}  # (KV-shared: q; K=V: q and k)
     batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
     model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
     (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
