@@ -128,7 +128,7 @@ def _model(family: str, fmt: str, seed: int = 0) -> CausalLM:
         method_targets(model.layers, Q.TARGETS, "tiles")
     else:
         Q.quantize_model(model.layers, fmt)
-    method_targets(model.layers, ("gate", "proj"), "tiles")  # per-layer inputs' (Gemma 4)
+    method_targets(model.layers, ("input_gate", "input_proj"), "tiles")  # Gemma 4's PLE
     model.select_ops(True)  # the per-op path on servelm's C++ ops, as the runner selects it
     return model.eval()
 

@@ -192,6 +192,20 @@ def test_decode_stack_takes_every_form(checkpoints):
     assert not any(layer.experts_beside for layer in got["gemma4_dense"].layers)
 
 
+def test_weight_quantisation_takes_the_per_layer_inputs_projections(gemma4):
+    """-q int8 quantises the per-layer inputs' projections with the other linear layers
+    (quantization.TARGETS): the model-wide one and each layer's gate and projection."""
+    from servelm.quantization import QuantLinear, quantize_model
+    from servelm.models.decoder import CausalLM
+
+    model = CausalLM(ModelConfig.from_hf_dir(gemma4[0]), max_positions=64)
+    quantize_model(model, "int8", use_kernels=False)
+    ple = [model.per_layer_embed.per_layer_model_projection]
+    ple += [m for layer in model.layers
+            for m in (layer.per_layer_input.input_gate, layer.per_layer_input.input_proj)]
+    assert len(ple) == 13 and all(isinstance(m, QuantLinear) for m in ple)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tensor_parallel_2_matches_tp1(checkpoints, name):
     """Two ranks, each layer split by its own shape: the sliding layers' 2 KV heads one a

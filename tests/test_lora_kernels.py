@@ -124,7 +124,7 @@ def _lora_model(fmt: str, cfg: dict = CFG):
         method_targets(model.layers, Q.TARGETS, "tiles")
     else:
         Q.quantize_model(model.layers, fmt)
-    method_targets(model.layers, ("gate", "proj"), "tiles")  # per-layer inputs' (Gemma 4)
+    method_targets(model.layers, ("input_gate", "input_proj"), "tiles")  # Gemma 4's PLE
     wrapped = apply_lora(model, max_loras=2, max_rank=8)
     g = torch.Generator().manual_seed(5)
     for layer in wrapped.values():

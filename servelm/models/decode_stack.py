@@ -414,11 +414,11 @@ def layer_args(layer, rows: int = 1) -> tuple | str:
     linears = list(layer.linears())
     linears += [None] * (5 - len(linears))
     ple = getattr(layer, "per_layer_input", None)
-    linears += [ple.gate, ple.proj] if ple is not None else [None, None]
+    linears += [ple.input_gate, ple.input_proj] if ple is not None else [None, None]
     mlp = ("c_fc", "c_proj") if hasattr(layer.mlp, "c_fc") else ("gate_up_proj", "down_proj")
     names = (("in_proj_qkvz", "out_proj", *mlp, "in_proj_ba")
              if layer.linear else ("qkv_proj", "o_proj", *mlp, "attn_gate"))
-    names += ("per_layer_input.gate", "per_layer_input.proj")
+    names += ("per_layer_input.input_gate", "per_layer_input.input_proj")
     if d.routed_experts and isinstance(why := layer.mlp.decode_stack_args(), str):
         return why
     if d.experts_beside and isinstance(why := layer.moe.experts.decode_stack_args(), str):
@@ -516,7 +516,7 @@ def stack_linears(layer) -> list:
     per-layer input's gate and projection."""
     out = [m for m in layer.linears() if m is not None]
     ple = getattr(layer, "per_layer_input", None)
-    return out + ([ple.gate, ple.proj] if ple is not None else [])
+    return out + ([ple.input_gate, ple.input_proj] if ple is not None else [])
 
 
 def set_per_layer_inputs(model, stack, input_ids: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ the sqrt(P) rounded to the table's dtype, as transformers' scaled embedding does
 
 Layer side (PerLayerInput), at the end of layer i, after its MLP's output is added:
 
-    x = x + norm(proj(act(gate(x)) * inputs[:, i]))
+    x = x + norm(input_proj(act(input_gate(x)) * inputs[:, i]))
 
 and then (decoder.py) the whole stream times the layer's scalar where it has one.
 """
@@ -52,16 +52,17 @@ class PerLayerEmbedding(nn.Module):
 
 
 class PerLayerInput(nn.Module):
-    """One layer's gated per-layer input (module docstring): gate (hidden -> P), proj
-    (P -> hidden), norm (hidden), the model's activation."""
+    """One layer's gated per-layer input (module docstring): input_gate (hidden -> P),
+    input_proj (P -> hidden), norm (hidden), the model's activation. (Names of their own, which
+    weight quantisation targets: quantization.TARGETS.)"""
 
     def __init__(self, hidden: int, size: int, act: str, eps: float):
         super().__init__()
-        self.gate = nn.Linear(hidden, size, bias=False)
-        self.proj = nn.Linear(size, hidden, bias=False)
+        self.input_gate = nn.Linear(hidden, size, bias=False)
+        self.input_proj = nn.Linear(size, hidden, bias=False)
         self.norm = RMSNorm(hidden, eps)
         self.act = act
 
     def forward(self, x: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], this layer's inputs [T, P] -> what the layer adds to x."""
-        return self.norm(self.proj(activation(self.gate(x), self.act) * inputs))
+        return self.norm(self.input_proj(activation(self.input_gate(x), self.act) * inputs))

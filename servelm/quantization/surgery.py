@@ -12,7 +12,9 @@ from servelm.quantization.numerics import DEFAULT_GROUP_SIZE, GROUP_SIZES, check
 # The linear layers a Llama-family model swaps (by attribute name).
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj", "lm_head",
            # linear attention's projections and an attention output gate (Qwen3-Next)
-           "in_proj_qkvz", "out_proj", "attn_gate")
+           "in_proj_qkvz", "out_proj", "attn_gate",
+           # per-layer inputs' projections (Gemma 4's PLE)
+           "per_layer_model_projection", "input_gate", "input_proj")
 
 
 def quantize_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_GROUP_SIZE,

@@ -856,8 +856,8 @@ class DecodeStack : public torch::CustomClassHolder {
       // of each value head.
       s.extra = parse_linear(keep_, j, g[4], linear ? 2 * s.H : heads_ * D, hidden,
                              linear ? "in_proj_ba" : "attn_gate");
-      s.ple_gate = parse_linear(keep_, j, g[5], ple_, hidden, "per_layer_input.gate");
-      s.ple_proj = parse_linear(keep_, j, g[6], hidden, ple_, "per_layer_input.proj");
+      s.ple_gate = parse_linear(keep_, j, g[5], ple_, hidden, "per_layer_input.input_gate");
+      s.ple_proj = parse_linear(keep_, j, g[6], hidden, ple_, "per_layer_input.input_proj");
       const auto lins = s.linears();
       for (int k = 0; k < kLinears; ++k) {
         const at::Tensor& b = biases[kLinears * l + k];

@@ -135,8 +135,8 @@ class Gemma4(Family):
                "post_feedforward_layernorm_1": "moe.mlp_norm",
                "pre_feedforward_layernorm_2": "moe.input_norm",
                "post_feedforward_layernorm_2": "moe.out_norm",
-               "per_layer_input_gate": "per_layer_input.gate",
-               "per_layer_projection": "per_layer_input.proj",
+               "per_layer_input_gate": "per_layer_input.input_gate",
+               "per_layer_projection": "per_layer_input.input_proj",
                "post_per_layer_input_norm": "per_layer_input.norm"}
     gguf_architectures = ("gemma4",)
     gguf_layer_names = {"post_attention_norm": "post_attention_layernorm",
