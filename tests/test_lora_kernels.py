@@ -155,11 +155,12 @@ WIDE_SLOTS = [(-1, 0, 1, 0, 1, 1, -1)[i % 7] for i in range(len(WIDE))]
 
 
 @STACK
-@pytest.mark.parametrize("rows", ["four", "fifty"])
+@pytest.mark.parametrize("rows", ["one", "four", "fifty"])
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_the_stack_adds_each_rows_adapter_as_the_per_op_path(fmt, rows):
     model, _ = _lora_model(fmt)
-    lens, slots = (LENS, SLOTS) if rows == "four" else (WIDE, WIDE_SLOTS)
+    lens, slots = {"one": (LENS[:1], SLOTS[:1]), "four": (LENS, SLOTS),
+                   "fifty": (WIDE, WIDE_SLOTS)}[rows]
     batch, data, caches = decode_rows(model.config, lens, 16, seed=1)
     model.lora_step.set(torch.tensor(slots, dtype=torch.int32), None)
     (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
