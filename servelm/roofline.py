@@ -77,9 +77,12 @@ class ModelShape:
     # A hybrid model's pool in block groups (ModelConfig.kv_groups): its windowed layers
     # hold only about their window, beside the full layers' every key.
     kv_window_groups: bool = False
+    # Parameters a token only indexes besides the input embedding (within num_params):
+    # Gemma 4's per-layer embedding table (ModelConfig.lookup_params).
+    lookup_params: int = 0
 
     def _read_params(self) -> float:
-        params = self.num_params
+        params = self.num_params - self.lookup_params
         if self.vocab_size and self.hidden_size and not self.tied_embeddings:
             params -= self.vocab_size * self.hidden_size
         return params
@@ -94,7 +97,7 @@ class ModelShape:
     def weight_bytes(self, tokens: int = 1) -> float:
         """Bytes read by a step of `tokens` tokens: every weight once (a MoE model only the
         experts its tokens chose). An untied input embedding is only indexed (one row per
-        token), so it is not read whole."""
+        token), so it is not read whole; nor is a per-layer embedding table (lookup_params)."""
         experts = self.expert_params * self.expert_fraction(tokens)  # (0 for a dense model)
         bits = self.weight_bits if self.expert_bits is None else self.expert_bits
         return ((self._read_params() - self.expert_params) * self.weight_bits / 8
@@ -220,7 +223,8 @@ class ModelShape:
                    num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok,
                    expert_bits=expert_bits, kv_windows=windows if any(windows) else (),
                    kv_window_groups=(cfg.kv_groups is not None if window_groups is None
-                                     else window_groups))
+                                     else window_groups),
+                   lookup_params=cfg.lookup_params)
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,27 @@ def test_moe_reads_its_chosen_experts_and_multiplies_only_active_weights():
     assert rl.quantized_expert_bits(None) is None
 
 
+def test_a_per_layer_embedding_table_is_indexed_not_read():
+    """Gemma 4's per-layer embedding table (vocab x layers x P) is looked up a row a token,
+    as the input embedding is: neither read whole a step nor multiplied."""
+    from servelm.models.config import ModelConfig
+
+    kw = dict(architecture="Gemma4ForCausalLM", family="gemma4", vocab_size=1000,
+              hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=1,
+              head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+    plain = ModelConfig(**kw)
+    ple = ModelConfig(**kw, extra=dict(per_layer_input_size=8, per_layer_vocab_size=1000))
+    table = 1000 * 4 * 8
+    assert ple.lookup_params == table and plain.lookup_params == 0
+    a, b = (rl.ModelShape.from_config(c, weight_bits=16, kv_bits=16) for c in (plain, ple))
+    # The rest of the per-layer inputs (projections, norms, each layer's gate and projection)
+    # are read and multiplied like any weight.
+    rest = ple.num_params - plain.num_params - table
+    assert rest == 64 * 4 * 8 + 8 + 4 * (2 * 64 * 8 + 64)
+    assert b.weight_bytes(1) == pytest.approx(a.weight_bytes(1) + 2 * rest)
+    assert b.flops_per_token() == pytest.approx(a.flops_per_token() + 2 * rest)
+
+
 def test_windowed_layers_read_at_most_their_window():
     """Sliding layers read at most their window of KV (and spend attention FLOPs on it
     alone); a model whose every layer slides holds only about its window in the pool, and a

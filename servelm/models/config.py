@@ -396,6 +396,13 @@ class ModelConfig:
         return self._params(active=False)
 
     @property
+    def lookup_params(self) -> int:
+        """Parameters besides the input embedding that a token only indexes (a row each):
+        Gemma 4's per-layer embedding table (within num_params; 0 elsewhere)."""
+        p = self.extra.get("per_layer_input_size")
+        return self.extra["per_layer_vocab_size"] * self.num_layers * p if p else 0
+
+    @property
     def expert_params(self) -> int:
         """The routed experts' weights (within num_params; 0 dense)."""
         per = 3 * self.hidden_size * self.moe_intermediate_size * self.num_experts
