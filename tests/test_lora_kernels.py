@@ -174,17 +174,23 @@ def test_the_stack_adds_each_rows_adapter_as_the_per_op_path(fmt, rows):
         assert torch.equal(base[m], h1[m]) == (s < 0)
 
 
+def _assert_the_stack_runs_the_adapters_as_per_op(model) -> None:
+    """LENS' rows in SLOTS' adapters: the stack runs the adapters, its hidden states and KV
+    the per-op path's bits."""
+    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
+    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
+    (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
+    assert model.stack_runs_lora
+    assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+
+
 @STACK
 def test_the_stack_adapts_a_moe_models_attention():
     """MoE layers on the stack (the router, routed experts, and the shared expert on the MLP
     linears) with adapters on their attention: the per-op path's bits."""
     model, wrapped = _lora_model("int4", MOE_CFG)
     assert wrapped and all(".self_attn." in name for name in wrapped)
-    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
-    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
-    (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
-    assert model.stack_runs_lora
-    assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+    _assert_the_stack_runs_the_adapters_as_per_op(model)
 
 
 @STACK
@@ -195,11 +201,7 @@ def test_the_stack_adapts_gemma4s_layers():
     model, wrapped = _lora_model("int4", GEMMA4_CFG)
     widths = {len(wrapped[f"layers.{i}.self_attn.qkv_proj"].bounds) - 1 for i in (2, 4)}
     assert widths == {1, 2}  # (KV-shared: q; K=V: q and k)
-    batch, data, caches = decode_rows(model.config, LENS, 16, seed=1)
-    model.lora_step.set(torch.tensor(SLOTS, dtype=torch.int32), None)
-    (h0, kv0), (h1, kv1) = per_op_and_stack(model, batch, data, caches)
-    assert model.stack_runs_lora
-    assert torch.equal(h0, h1) and torch.equal(kv0, kv1)
+    _assert_the_stack_runs_the_adapters_as_per_op(model)
 
 
 @STACK

@@ -798,10 +798,9 @@ class DecodeStack : public torch::CustomClassHolder {
                     "DecodeStack: norm weights must be contiguous bfloat16 [", n, "]");
         s.norms[k] = t;
       }
-      TORCH_CHECK(beside == (s.norms[kMoeMlpNorm].defined() && s.norms[kMoeInputNorm].defined() &&
-                             s.norms[kMoeOutNorm].defined()) &&
-                      (beside || (!s.norms[kMoeMlpNorm].defined() && !s.norms[kMoeInputNorm].defined() &&
-                                  !s.norms[kMoeOutNorm].defined())),
+      const int moe_norms = s.norms[kMoeMlpNorm].defined() + s.norms[kMoeInputNorm].defined() +
+                            s.norms[kMoeOutNorm].defined();
+      TORCH_CHECK(moe_norms == (beside ? 3 : 0),
                   "DecodeStack: experts beside the MLP, and only they, take their three norms");
       TORCH_CHECK(!s.norms[kQNorm].defined() == !(s.norms[kKNorm].defined() || s.kv_shared),
                   "DecodeStack: q and k norms come together (a KV-shared layer's q norm alone)");
@@ -1187,11 +1186,15 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor residual = at::empty({M, hidden}, embed_.options());
     // Each table's cos and sin rows of the step's positions: [cos, sin] of the model's table,
     // then of the sliding layers'.
+    // (One allocation, each [M, R] a contiguous slice of it.)
+    at::Tensor rot = at::empty({2 * M * (rot_[0] + (tables == 2 ? rot_[1] : 0))}, embed_.options());
     std::vector<at::Tensor> t;
+    int64_t off = 0;
     for (int64_t k = 0; k < tables; ++k)
       for (const at::Tensor* src : {&cos_[k], &sin_[k]}) {
         const int64_t R = rot_[k];
-        at::Tensor rows = at::empty({M, R}, embed_.options());
+        at::Tensor rows = rot.narrow(0, off, M * R).view({M, R});
+        off += M * R;
         for (int64_t m = 0; m < M; ++m)
           std::memcpy(rows.data_ptr<BF>() + m * R, src->data_ptr<BF>() + pos[m] * R, sizeof(BF) * R);
         t.push_back(rows);
