@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
-                     gemma4_scales_off_one,
+                     assert_reference_greedy, assert_stack_decodes_as_per_op, gemma4_scales_off_one,
                      assert_multimodal_checkpoint_serves_its_text_model,
                      assert_tensor_parallel_matches, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
@@ -78,6 +78,11 @@ def gemma4(checkpoints):
 
 def _ids(llm, prompt):
     return llm.get_tokenizer().encode(prompt)
+
+
+def _tokens(llm, prompts, sp):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -160,7 +165,85 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(checkpoints
     if load_ops("ops"):
         assert ex.runner.attention.name.startswith("cpu")
     cfg = ex.model.config
-    assert ex.block_bytes == KVCache.bytes_per_block(cfg, ex.kv_cache.block_size, torch.float32)
+    assert ex.kv_groups == cfg.kv_groups is not None  # (test_block_groups_*)
+    assert ex.block_bytes == KVCache.bytes_per_block(cfg, ex.kv_cache.block_size, torch.float32,
+                                                     ex.kv_groups)
+
+
+# ---- the pool in block groups: pages of one size, the sliding layers' window -----------------
+
+GROUPS = {"gemma4": ((2,), (0,), (1,), (3,)), "gemma4_dense": ((2, 5), (0, 1, 3, 4))}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_block_groups_hold_the_sliding_layers_window(checkpoints, name):
+    """Pages of one size: gemma4's global layer (twice the head size, half the KV heads)
+    fills one alone, as each sliding layer does, and its KV-shared layers read their
+    sources' pages; gemma4_dense's two global layers fill one, its four sliding layers
+    another. In memory for 24 blocks of every layer, one table caps a sequence at 96
+    tokens; in groups a block of tokens takes one page of the global group and the sliding
+    groups hold the window and a step's tokens, so a 124-token sequence runs, with
+    transformers' greedy tokens, and the one-table engine's in a larger pool."""
+    path, ref = checkpoints[name]
+    cfg = ModelConfig.from_hf_dir(path)
+    groups = cfg.kv_groups
+    assert groups.layers == GROUPS[name] and groups.reaches[0] == 0
+    assert set(groups.reaches[1:]) == {WINDOW}
+    if name == "gemma4":  # 4 reads 3's pages, 5 reads 2's
+        assert groups.place(4) == groups.place(3) and groups.place(5) == groups.place(2)
+    kw = dict(KW, block_size=4, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=512)
+    block = KVCache.bytes_per_block(cfg, 4, torch.float32)
+    page = KVCache.bytes_per_block(cfg, 4, torch.float32, groups)
+    assert block == page * (4 if name == "gemma4" else 2)  # no page holds padding here
+    one = LLM(model=path, **{**kw, "kv_cache_memory": 24 * block}, hybrid_kv_cache=False)
+    assert one.engine.max_model_len == 96
+    llm = LLM(model=path, **{**kw, "kv_cache_memory": 24 * block})
+    engine = llm.engine
+    bm = engine.block_manager
+    assert bm.num_blocks == 24 * block // page and engine.max_model_len > 124
+    prompt = _ids(llm, PROMPTS[0] * 4)[:100]
+    held = []
+    step = engine.step
+
+    def watched():
+        out = step()
+        held.extend(bm.num_held(r.request_id) for r in engine.scheduler.running)
+        return out
+    engine.step = watched
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    big = LLM(model=path, **{**kw, "kv_cache_memory": 64 * block}, hybrid_kv_cache=False)
+    assert big.generate([{"prompt_token_ids": prompt}], sp,
+                        use_tqdm=False)[0].outputs[0].token_ids == got
+    assert_reference_greedy(ref, prompt, got)
+    # At its longest: 31 pages of the global group, at most 5 in each sliding group.
+    sliding = len(groups.layers) - 1
+    assert max(held) <= 31 + sliding * 5 and bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.skipif(not load_ops("ops"), reason="needs the C++ kernels")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_block_groups_read_as_one_table_on_the_kernel_paths(gemma4, kv_dtype):
+    """bf16 on the C++ kernels, where each layer's K and V are views into pages of another
+    size (a block stride of its own; an int8 pool's scales too): the pool in groups gives
+    the one-table prompt logits exactly, and its decode steps (the DecodeStack writing each
+    layer's rows at its group's slots) the one table's tokens and logprobs, with the per-op
+    path's."""
+    path, _ = gemma4
+    kw = dict(model=path, dtype="bfloat16", kernel_tuning="off", block_size=4,
+              kv_cache_memory=8 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              kv_cache_dtype=kv_dtype)
+    one = LLM(**kw, hybrid_kv_cache=False)
+    llm = LLM(**kw)
+    k = llm.engine.executor.kv_cache.layers[2][0]
+    assert not k.is_contiguous() and k.stride(0) > k[0].numel()
+    prompts = [_ids(llm, p * 2) for p in PROMPTS]
+    assert torch.equal(prompt_logits(llm.engine, prompts), prompt_logits(one.engine, prompts))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    assert _tokens(llm, prompts, sp) == _tokens(one, prompts, sp)
+    if kv_dtype == "auto":
+        assert llm.engine.executor.model.decode_stack_ranges()
+        assert_stack_decodes_as_per_op(llm, prompts, sp)
 
 
 def test_multimodal_checkpoint_serves_its_text_model(gemma4, tmp_path):

@@ -53,16 +53,28 @@ def test_kv_groups_cut_a_hybrid_model_into_groups_of_equal_size(gemma3):
     cfg = ModelConfig.from_hf_dir(gemma3[0])
     groups = cfg.kv_groups
     assert groups.layers == ((2, 5), (0, 1), (3, 4)) and groups.reaches == (0, WINDOW, WINDOW)
-    assert groups.size == 2 and groups.place(3) == (2, 0) and groups.place(5) == (0, 1)
+    assert groups.place(3) == (2, 0) and groups.place(5) == (0, 1)
     # Five sliding layers to one full one: the sliding ones in groups of the full ones' count.
     five = replace(cfg, num_layers=12, layer_types=(("sliding_attention",) * 5
                                                     + ("full_attention",)) * 2)
     assert five.kv_groups.layers == ((5, 11), (0, 1), (2, 3), (4, 6), (7, 8), (9, 10))
     # One reach serves a model whose every layer slides (BlockManager.reach), none a model
-    # of full layers; layers of other shapes keep one table.
+    # of full layers.
     assert replace(cfg, layer_types=("sliding_attention",) * 6).kv_groups is None
     assert replace(cfg, layer_types=("full_attention",) * 6).kv_groups is None
-    assert replace(cfg, layer_kv_heads=(2, 2, 1, 2, 2, 1)).kv_groups is None
+    # Layers of other shapes fill pages of one size (the smaller kind's whole): full layers
+    # of half the KV heads two to a page, the sliding ones one; global layers of twice the
+    # head size two to a page, the sliding ones four.
+    narrow = replace(cfg, layer_kv_heads=(2, 2, 1, 2, 2, 1))
+    assert narrow.kv_groups.layers == ((2, 5), (0,), (1,), (3,), (4,))
+    wide = replace(cfg, layer_head_dims=(32, 32, 64, 32, 32, 64))
+    assert wide.kv_groups.layers == ((2, 5), (0, 1, 3, 4))
+    assert wide.kv_groups.reaches == (0, WINDOW)
+    # A KV-shared layer reads its source's pages, unless their reaches differ.
+    shared = replace(cfg, kv_source_layers=(0, 1, 2, 3, 1, 2))
+    assert shared.kv_groups.layers == ((2,), (0,), (1,), (3,))
+    assert shared.kv_groups.place(4) == (2, 0) and shared.kv_groups.place(5) == (0, 0)
+    assert replace(cfg, kv_source_layers=(0, 1, 2, 3, 4, 4)).kv_groups is None
 
 
 def test_the_pool_in_groups_gives_the_one_table_tokens_and_transformers(gemma3):

@@ -296,7 +296,7 @@ class LLMEngine:
                       "max_model_len %d", time.perf_counter() - t_load,
                       self.kv_capacity_tokens, num_blocks,
                       "blocks" if groups is None else
-                      f"pages in {len(groups.layers)} block groups of {groups.size} layers",
+                      f"pages in {len(groups.layers)} block groups",
                       block_size, num_blocks * self.executor.block_bytes / 2**20,
                       self.max_model_len)
 

@@ -79,10 +79,12 @@ class KVCache:
     layers that hold a cache. Uniform models keep the shapes above.
 
     With `groups` (a hybrid model's KVGroups: windowed and full-attention layers), the
-    pool holds groups.size slabs of num_blocks pages, not a region per layer: the j-th
-    layer of every group reads and writes slab j, at the pages of its group's block table
-    (the block manager hands each group's pages out of one free queue), so a block id
-    names a page of one group's layers."""
+    pool is num_blocks pages of one size (page_layout), not a region per layer: a block id
+    names a page of one group, which holds K and V (then their scales) of block_size tokens
+    in each of that group's layers, so each layer's K and V are views whose block stride is
+    the page (the kernels read any block stride), and `data` / `scales` are the page buffer
+    [pages, page bytes] as rows and as scales. The block manager hands each group's pages
+    out of one free queue."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, spare_block: bool = False,
@@ -95,9 +97,29 @@ class KVCache:
         total = num_blocks + spare_block
         # One allocation; the cache holds only the KV heads (grouped-query attention). On
         # the CPU in 2 MB huge pages: attention reads it through scattered blocks.
-        own = cfg.kv_layers  # not KV-shared layers, not linear attention's
-        if groups is not None:  # the slabs, each of a layer's shape (every layer's the same)
-            own = tuple(range(groups.size))
+        cpu = torch.device(device).type == "cpu"
+        size = total * self.bytes_per_block(cfg, block_size, dtype, groups)
+        if cpu:
+            buf = _hugepages.empty(size, hugepages).view(torch.uint8)
+            # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
+            # nothing to clear, and a page is only committed once a token's KV lands in it.
+        else:
+            # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).
+            buf = torch.zeros(size, dtype=torch.uint8, device=device)
+        if groups is not None:
+            mine = self._pages(cfg, buf, total, block_size, groups)
+        else:
+            mine = self._regions_per_layer(cfg, buf, total, block_size)
+        # (None: a linear-attention layer, whose recurrent state is a StateCache's.)
+        self.layers = [None if cfg.is_linear_layer(i) else mine[cfg.kv_source(i)]
+                       for i in range(cfg.num_layers)]
+        self._uncommitted = self._commit_units() if cpu else []
+
+    def _regions_per_layer(self, cfg: ModelConfig, buf: torch.Tensor, total: int,
+                           block_size: int) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Each layer's K, V (then their scales) a region of buf in layer order, each
+        [total, block_size, KVH, D] (scales [total, block_size, KVH]): layer -> entry."""
+        dtype, own = self.dtype, cfg.kv_layers  # not KV-shared layers, not linear attention's
         # Each layer's K and V (one plane where V is read from K's rows: cache_planes).
         planes = cfg.cache_planes
         shapes = [(total, block_size, *cfg.cache_shape_of(i)) for i in own]
@@ -106,14 +128,6 @@ class KVCache:
         rows = sum(numels) * elem
         # Rows first, then the scales (fp32, 4-byte aligned: rows are a multiple of 4).
         nscales = sum(n // sh[-1] for n, sh in zip(numels, shapes)) if self.quantized else 0
-        if torch.device(device).type == "cpu":
-            n = total * self.bytes_per_block(cfg, block_size, dtype, groups)
-            buf = _hugepages.empty(n, hugepages).view(torch.uint8)
-            # Fresh anonymous memory reads as zeros (the kernel's zero page until written):
-            # nothing to clear, and a page is only committed once a token's KV lands in it.
-        else:
-            # 1-byte rows zeroed as bytes (fp8 fills are not on every device build).
-            buf = torch.zeros(rows + 4 * nscales, dtype=torch.uint8, device=device)
         flat = buf[:rows].view(dtype)
         flat_scales = buf[rows:rows + 4 * nscales].view(torch.float32) if self.quantized else None
         regions, scale_regions, at, sat = [], [], 0, 0
@@ -129,19 +143,57 @@ class KVCache:
                            if self.quantized else None)
         else:
             self.data, self.scales = flat, flat_scales
+        self._regions = [t for r in regions for t in r] + [t for r in scale_regions for t in r]
         v = planes - 1  # V's plane: K's own with one plane
         if self.quantized:
-            mine = {i: (r[0], r[v], s[0], s[v]) for i, r, s in zip(own, regions, scale_regions)}
-        else:
-            mine = {i: (r[0], r[v]) for i, r in zip(own, regions)}
-        # (None: a linear-attention layer, whose recurrent state is a StateCache's.)
-        if groups is not None:
-            self.layers = [mine[groups.place(i)[1]] for i in range(cfg.num_layers)]
-        else:
-            self.layers = [None if cfg.is_linear_layer(i) else mine[cfg.kv_source(i)]
-                           for i in range(cfg.num_layers)]
-        self._regions = [t for r in regions for t in r] + [t for r in scale_regions for t in r]
-        self._uncommitted = self._commit_units() if torch.device(device).type == "cpu" else []
+            return {i: (r[0], r[v], s[0], s[v]) for i, r, s in zip(own, regions, scale_regions)}
+        return {i: (r[0], r[v]) for i, r in zip(own, regions)}
+
+    def _pages(self, cfg: ModelConfig, buf: torch.Tensor, total: int, block_size: int,
+               groups: KVGroups) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Each group layer's K and V (then their scales) as views of buf's pages
+        (page_layout): layer -> entry."""
+        page, offsets = self.page_layout(cfg, block_size, self.dtype, groups)
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        pages = buf.view(total, page)
+        rows = pages.view(self.dtype)
+        self.data = rows
+        self.scales = pages.view(torch.float32) if self.quantized else None
+        self._regions = [pages]
+        mine = {}
+        for i, offs in offsets.items():
+            kvh, d = cfg.cache_shape_of(i)
+            views = [rows.as_strided((total, block_size, kvh, d), (page // elem, kvh * d, d, 1),
+                                     rows.storage_offset() + off // elem) for off in offs[:2]]
+            if self.quantized:
+                views += [self.scales.as_strided((total, block_size, kvh), (page // 4, kvh, 1),
+                                                 self.scales.storage_offset() + off // 4)
+                          for off in offs[2:]]
+            mine[i] = tuple(views)
+        return mine
+
+    @staticmethod
+    def page_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVGroups
+                    ) -> tuple[int, dict[int, tuple[int, ...]]]:
+        """A pool in block groups: the bytes of a page (the largest group's) and, for each
+        group layer, the byte offsets in a page of its K and V rows (the same offset twice
+        where V is read from K's rows), then of their scales in a quantised pool. A group's
+        layers' rows come first, then their scales, each region 64-byte aligned."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        quant = kv_quant.is_quantized(dtype)
+        planes = cfg.cache_planes
+        page, offsets = 0, {}
+        for members in groups.layers:
+            at = 0
+            for scales in ((False, True) if quant else (False,)):
+                for i in members:
+                    kvh, d = cfg.cache_shape_of(i)
+                    n = -(-block_size * kvh * (4 if scales else d * elem) // 64) * 64
+                    offsets.setdefault(i, [])
+                    offsets[i] += [at, at + (planes - 1) * n]
+                    at += planes * n
+            page = max(page, at)
+        return page, {i: tuple(o) for i, o in offsets.items()}
 
     def _commit_units(self) -> list[tuple[int, int]]:
         """The pool's memory as (address, bytes) units in the order blocks are handed out:
@@ -222,12 +274,13 @@ class KVCache:
                         groups: KVGroups | None = None) -> int:
         """K and V of one block in every layer that holds a cache (each its own shape; K
         alone where V is read from it), with the scales of a quantised pool; with block
-        groups, one page: groups.size layers'."""
+        groups, one page (page_layout)."""
+        if groups is not None:
+            return KVCache.page_layout(cfg, block_size, dtype, groups)[0]
         elem = torch.empty(0, dtype=dtype).element_size()
         scale = 4 if kv_quant.is_quantized(dtype) else 0
-        layers = range(groups.size) if groups is not None else cfg.kv_layers
         return sum(cfg.cache_planes * block_size * kvh * (d * elem + scale)
-                   for kvh, d in map(cfg.cache_shape_of, layers))
+                   for kvh, d in map(cfg.cache_shape_of, cfg.kv_layers))
 
 
 def _bytes(region: torch.Tensor) -> torch.Tensor:

@@ -33,23 +33,24 @@ MAX_KV_GROUPS = 16
 
 @dataclass(frozen=True)
 class KVGroups:
-    """A hybrid model's cache layers in groups (ModelConfig.kv_groups): the pool holds
-    `size` slabs of pages, the j-th layer of every group in slab j, and each group's
-    layers read and write the pages of that group's block table."""
+    """A hybrid model's cache layers in groups (ModelConfig.kv_groups): a block id names a
+    page of one group, every page the same bytes, and a page holds K and V of block_size
+    tokens in each of its group's layers (engine.model_runner.KVCache). Each group's
+    layers read and write the pages of that group's block table; a KV-shared layer reads
+    its source layer's (place)."""
 
     layers: tuple[tuple[int, ...], ...]  # each group's layers; group 0's are full attention
     reaches: tuple[int, ...]             # each group's reach (0: full attention)
-
-    @property
-    def size(self) -> int:
-        """Layers a page holds (the largest group's count)."""
-        return max(len(g) for g in self.layers)
+    # Each group's layers in the order they fill a page: every layer's, or a KV-shared
+    # layer's source (ModelConfig.kv_source), so place finds the pages it reads.
+    sources: tuple[int, ...] = ()
 
     def place(self, layer: int) -> tuple[int, int]:
-        """(group, slab) of a layer."""
+        """(group, position in the group) of a layer, or of its source if it shares KV."""
+        src = self.sources[layer] if self.sources else layer
         for g, members in enumerate(self.layers):
-            if layer in members:
-                return g, members.index(layer)
+            if src in members:
+                return g, members.index(src)
         raise KeyError(f"layer {layer} is in no group")
 
 
@@ -248,28 +249,44 @@ class ModelConfig:
 
     @property
     def kv_groups(self) -> KVGroups | None:
-        """A hybrid model's cache layers in groups of equal size for the block manager's
-        block groups: its full-attention layers, then its windowed ones (sliding window or
-        attention chunk), each kind cut into groups of the smaller kind's size; group 0
-        holds full-attention layers. None where it does not apply: every layer full, every
-        layer windowed (one reach serves all: BlockManager.reach), layers of different
-        cache shapes, KV-shared or linear-attention layers."""
-        if self.has_recurrent_state or any(self.kv_source(i) != i
-                                           for i in range(self.num_layers)):
+        """A hybrid model's cache layers in groups for the block manager's block groups:
+        its full-attention layers, then its windowed ones (sliding window or attention
+        chunk), each kind cut, in layer order, into groups whose K and V fill at most a
+        page: the smaller kind's whole (at least the largest layer). Layers of one shape
+        thus go in groups of the smaller kind's count; Gemma 4's global layers, twice as
+        wide as its sliding ones, fill a page with half as many. Group 0 holds full-attention
+        layers; a KV-shared layer reads its source's group. None where it does not apply:
+        every layer full, every layer windowed (one reach serves all: BlockManager.reach),
+        linear-attention layers, a KV-shared layer whose reach is not its source's, or more
+        than MAX_KV_GROUPS groups."""
+        n = self.num_layers
+        if self.has_recurrent_state or any(self.layer_reach(i) != self.layer_reach(self.kv_source(i))
+                                           for i in range(n)):
             return None
-        if len({self.cache_shape_of(i) for i in range(self.num_layers)}) != 1:
-            return None
-        full = [i for i in range(self.num_layers) if self.layer_reach(i) is None]
-        windowed = [i for i in range(self.num_layers) if self.layer_reach(i) is not None]
+        own = self.kv_layers
+        width = {i: self.cache_planes * self.cache_shape_of(i)[0] * self.cache_shape_of(i)[1]
+                 for i in own}
+        full = [i for i in own if self.layer_reach(i) is None]
+        windowed = [i for i in own if self.layer_reach(i) is not None]
         if not full or not windowed:
             return None
-        size = min(len(full), len(windowed))
-        reach = max(self.layer_reach(i) for i in windowed)
-        groups = [tuple(full[k:k + size]) for k in range(0, len(full), size)]
-        groups += [tuple(windowed[k:k + size]) for k in range(0, len(windowed), size)]
+        page = max(min(sum(width[i] for i in full), sum(width[i] for i in windowed)),
+                   max(width.values()))
+        groups: list[tuple[int, ...]] = []
+        for kind in (full, windowed):
+            group: list[int] = []
+            for i in kind:
+                if group and sum(width[j] for j in group) + width[i] > page:
+                    groups.append(tuple(group))
+                    group = []
+                group.append(i)
+            groups.append(tuple(group))
         if len(groups) > MAX_KV_GROUPS:
             return None
-        return KVGroups(tuple(groups), tuple(0 if g[0] in full else reach for g in groups))
+        reach = max(self.layer_reach(i) for i in windowed)
+        sources = tuple(self.kv_source(i) for i in range(n)) if self.kv_source_layers else ()
+        return KVGroups(tuple(groups), tuple(0 if g[0] in full else reach for g in groups),
+                        sources)
 
     def is_linear_layer(self, layer: int) -> bool:
         """Whether the layer is linear attention (a recurrent state, no KV cache)."""

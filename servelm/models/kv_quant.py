@@ -59,13 +59,16 @@ def dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 def write(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
           x: torch.Tensor) -> None:
     """Store x [T, KVH, D] in cache [num_blocks, block_size, KVH, D] at flat `slots`
-    (quantised, with its scales [num_blocks, block_size, KVH], when the cache is)."""
-    kvh, d = cache.shape[-2:]
+    (block * block_size + offset; quantised, with its scales [num_blocks, block_size, KVH],
+    when the cache is). The cache may be a view of pages larger than its blocks (a pool in
+    block groups): any block stride."""
+    bs = cache.shape[1]
+    block, off = slots // bs, slots % bs
     if scales is None:
-        cache.view(-1, kvh, d)[slots] = x
+        cache[block, off] = x
         return
     q, s = quantize(x, cache.dtype)
     if q.dtype == torch.float8_e4m3fn:  # stored as bytes (see gather_rows)
         cache, q = cache.view(torch.uint8), q.view(torch.uint8)
-    cache.view(-1, kvh, d)[slots] = q
-    scales.view(-1, kvh)[slots] = s
+    cache[block, off] = q
+    scales[block, off] = s

@@ -132,10 +132,29 @@ inline float online_softmax_tile(float* s, int n, float& m, float& l) {
   return alpha;
 }
 
+// A K/V cache [NB, BS, KVH, D] whose block's rows are contiguous (strides KVH * D, D, 1)
+// and whose blocks lie any stride >= BS * KVH * D apart: a pool's own region, or a view of
+// pages that hold other layers too (a pool in block groups). K and V share the strides.
+inline void check_paged_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* name) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
+                  k_cache.stride(0) >= k_cache.size(1) * k_cache.stride(1),
+              name, ": caches must be [NB,BS,KVH,D] with contiguous blocks, K and V alike");
+}
+
+// Element offset of a cache slot (block * BS + row) in a cache checked by check_paged_caches.
+inline int64_t slot_offset(const at::Tensor& cache, int64_t slot) {
+  const int64_t bs = cache.size(1);
+  return slot / bs * cache.stride(0) + slot % bs * cache.stride(1);
+}
+
 // A K/V cache pair [NB, BS, KVH, D] read in place through int32 block tables [B, MB]: token
-// t of sequence b is row t % BS of block tables[b][t / BS] (the same element offset in K and V).
-// An int8 cache (T = int8_t) also has fp32 scales [NB, BS, KVH], one per token and KV head
-// (servelm.models.kv_quant): element x of a row stands for x * scale.
+// t of sequence b is row t % BS of block tables[b][t / BS] (the same element offset in K and V;
+// check_paged_caches' layout). An int8 cache (T = int8_t) also has fp32 scales [NB, BS, KVH],
+// one per token and KV head, rows contiguous in a block (servelm.models.kv_quant): element x
+// of a row stands for x * scale.
 template <typename T>
 struct PagedKV {
   const T* k;
@@ -145,6 +164,7 @@ struct PagedKV {
   int64_t blk_stride, tok_stride;
   const float* ks = nullptr;  // scales of a quantised cache, else null
   const float* vs = nullptr;
+  int64_t scale_blk_stride = 0;  // the scales' block stride
   int head_dim = 1;
   PagedKV(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables)
       : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
@@ -156,9 +176,13 @@ struct PagedKV {
       : PagedKV(k_cache, v_cache, block_tables) {
     ks = k_scale.data_ptr<float>();
     vs = v_scale.data_ptr<float>();
+    scale_blk_stride = k_scale.stride(0);
   }
-  // The scale index of the row at element offset off (contiguous caches), head 0.
-  int64_t scale_index(int64_t off) const { return off / head_dim; }
+  // The scale index of the row at element offset off, head 0.
+  int64_t scale_index(int64_t off) const {
+    const int64_t blk = off / blk_stride;
+    return blk * scale_blk_stride + (off - blk * blk_stride) / head_dim;
+  }
   const int32_t* table(int b) const { return tables + static_cast<int64_t>(b) * MB; }
   // Element offset of token t's row (all KV heads) in either cache.
   int64_t offset(const int32_t* table, int t) const {
@@ -831,6 +855,9 @@ class DecodeAttention {
       kv.for_runs(table, base, end, [&](int64_t off, int rows) {
         for (int i = 0; i < rows; ++i) roff[j++] = off + i * kv.tok_stride;
       });
+      alignas(64) int64_t soff[kTile];  // a quantised cache's: the rows' scale indices
+      if constexpr (!std::is_same<C, T>::value)
+        for (int i = 0; i < end - base; ++i) soff[i] = kv.scale_index(roff[i]);
       for (int h = 0; h < KVH; ++h) {
         const int hg = h * G;
         const C* kh = kv.k + static_cast<int64_t>(h) * D;
@@ -838,7 +865,7 @@ class DecodeAttention {
         if constexpr (!std::is_same<C, T>::value) {  // quantised: the tile's scales
           alignas(64) float ksc[kTile], vsc[kTile];
           for (int i = 0; i < end - base; ++i) {
-            const int64_t si = kv.scale_index(roff[i]) + h;
+            const int64_t si = soff[i] + h;
             ksc[i] = kv.ks[si];
             vsc[i] = kv.vs[si];
           }
@@ -942,9 +969,7 @@ inline void check_prefill_args(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& start_pos,
                                const char* name) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, name, ": q must be [T,H,D], last dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              name, ": caches must be contiguous [NB,BS,KVH,D]");
+  check_paged_caches(k_cache, v_cache, name);
   TORCH_CHECK(start_pos.scalar_type() == at::kInt && start_pos.is_contiguous() && start_pos.dim() == 1,
               name, ": start_pos must be contiguous int32 [B]");
   const int64_t B = start_pos.numel();

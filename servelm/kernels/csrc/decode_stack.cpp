@@ -771,6 +771,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     "DecodeStack: K/V caches must be bfloat16 [NB, BS, KVH, D], num_heads a multiple of "
                     "KVH (at most ", static_cast<int64_t>(kMaxG), " a KV head), D at most ",
                     static_cast<int64_t>(kMaxD));
+        check_paged_caches(s.k_cache, s.v_cache, "DecodeStack");
         s.KVH = s.k_cache.size(2), s.D = D = s.k_cache.size(3);
         // qkv: q, k and v; q and k (values from the keys); q alone (a KV-shared layer).
         qkv_n = (heads_ + (s.kv_shared ? 0 : s.k_eq_v ? 1 : 2) * s.KVH) * D, o_k = heads_ * D;
@@ -1674,8 +1675,8 @@ class DecodeStack : public torch::CustomClassHolder {
             }
             // (A KV-shared layer: q turned alone, nothing written.)
             const int64_t slot = slots[s.kv_group * M + m];
-            BF* kd = kc + slot * KVH * D;
-            BF* vd = vc + slot * KVH * D;
+            BF* kd = kc + slot_offset(s.k_cache, slot);
+            BF* vd = vc + slot_offset(s.k_cache, slot);
             rotary_token<BF>(row, cos_p[tab] + m * R, sin_p[tab] + m * R, kd, vd, heads_, KVH, D, Rl, v);
             if (qscale)  // after the KV write, as the reference scales q alone
               for (int64_t i = 0; i < heads_ * D; ++i) row[i] = BF(static_cast<float>(row[i]) * qscale[m]);

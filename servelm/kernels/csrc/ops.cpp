@@ -84,10 +84,12 @@ bool check_kv_dtype(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
               name, ": an int8 cache takes k_scale and v_scale, and only an int8 cache does");
   if (quant)
     for (const at::Tensor* t : {&*k_scale, &*v_scale})
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 &&
                       t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1) &&
-                      t->size(2) == k_cache.size(2),
-                  name, ": scales must be contiguous float32 [NB,BS,KVH]");
+                      t->size(2) == k_cache.size(2) && t->stride(2) == 1 &&
+                      t->stride(1) == t->size(2) && t->stride(0) >= t->size(1) * t->size(2) &&
+                      t->strides() == k_scale->strides(),
+                  name, ": scales must be float32 [NB,BS,KVH] with contiguous blocks, K's and V's alike");
   return quant;
 }
 
@@ -149,9 +151,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const OptTensor& k_scale, const OptTensor& v_scale, int64_t chunk,
                                   double softcap, const OptTensor& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B,H,D], last dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "paged_decode_attention: caches must be contiguous [NB,BS,KVH,D]");
+  check_paged_caches(k_cache, v_cache, "paged_decode_attention");
   const bool quant = check_kv_dtype(q, k_cache, v_cache, k_scale, v_scale, "paged_decode_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
@@ -286,9 +286,7 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
                      int64_t num_heads, int64_t num_kv_heads, const OptTensor& k_scale,
                      const OptTensor& v_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_kv_write: qkv must be [T, W] with contiguous rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "rotary_kv_write: caches must be contiguous [NB,BS,KVH,D]");
+  check_paged_caches(k_cache, v_cache, "rotary_kv_write");
   const int64_t T_ = qkv.size(0), D = k_cache.size(3);
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
               "rotary_kv_write: qkv width does not match the heads");
@@ -315,19 +313,21 @@ void rotary_kv_write(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       float* vs = v_scale->data_ptr<float>();
       at::parallel_for(0, T_, 16, [&](int64_t a, int64_t b) {
         std::vector<scalar_t> tmp(2 * KVH * D);
-        for (int64_t t = a; t < b; ++t)
-          rotary_token_i8<scalar_t>(qp + t * rs, cp + t * D, sp + t * D, kc + slots[t] * KVH * D,
-                                    vc + slots[t] * KVH * D, ks + slots[t] * KVH,
-                                    vs + slots[t] * KVH, H, KVH, D, tmp.data());
+        for (int64_t t = a; t < b; ++t) {
+          const int64_t off = slot_offset(k_cache, slots[t]), soff = slot_offset(*k_scale, slots[t]);
+          rotary_token_i8<scalar_t>(qp + t * rs, cp + t * D, sp + t * D, kc + off, vc + off, ks + soff,
+                                    vs + soff, H, KVH, D, tmp.data());
+        }
       });
       return;
     }
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, T_, 16, [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t)
-        rotary_token<scalar_t>(qp + t * rs, cp + t * D, sp + t * D, kc + slots[t] * KVH * D,
-                               vc + slots[t] * KVH * D, H, KVH, D);
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t off = slot_offset(k_cache, slots[t]);
+        rotary_token<scalar_t>(qp + t * rs, cp + t * D, sp + t * D, kc + off, vc + off, H, KVH, D);
+      }
     });
   });
 }
