@@ -2,7 +2,7 @@
 process: engines with the same KV pool bytes, all requests submitted at once, the engines'
 steps interleaved one by one so each sees the same machine load (as kv_dtype_ab.py).
 
-A hybrid model (sliding-window and full-attention layers: Gemma 2/3, gpt-oss, Llama 4,
+A hybrid model (sliding-window and full-attention layers: Gemma 2/3/4, gpt-oss, Llama 4,
 EXAONE 4, OLMo 3...) keeps in block groups (the default) only the window's keys of its
 sliding layers; with one table (--no-hybrid-kv-cache) every layer keeps every key. With
 prompts longer than the window the groups hold more sequences in the same bytes.
@@ -67,12 +67,13 @@ def main() -> None:
     groups = eng.model_config.kv_groups
     if groups is None:
         raise SystemExit(f"{model}: not a hybrid model (sliding-window and full-attention "
-                         f"layers of one cache shape): nothing to compare")
+                         f"layers): nothing to compare")
     bs = eng.executor.kv_cache.block_size
     blocks = -(-(args.input_len + args.output_len) // bs)
     pool = args.pool_seqs * blocks * eng.executor.block_bytes
     del probe, eng
-    print(f"{model}: {len(groups.layers)} block groups of {groups.size} layers (reaches "
+    sizes = "/".join(str(len(g)) for g in groups.layers)
+    print(f"{model}: {len(groups.layers)} block groups of {sizes} layers (reaches "
           f"{', '.join(map(str, groups.reaches))}); pool {pool / 2**20:.1f} MiB (one table: "
           f"{args.pool_seqs} sequences of {args.input_len} + {args.output_len} tokens); "
           f"{args.requests} requests at once", flush=True)

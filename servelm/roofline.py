@@ -77,6 +77,9 @@ class ModelShape:
     # A hybrid model's pool in block groups (ModelConfig.kv_groups): its windowed layers
     # hold only about their window, beside the full layers' every key.
     kv_window_groups: bool = False
+    # Per layer with a KV cache (kv_windows' order), its KV heads x head dim where the
+    # layers differ (Gemma 4's global layers); () every layer num_kv_heads x head_dim.
+    kv_widths: tuple[int, ...] = ()
     # Parameters a token only indexes besides the input embedding (within num_params):
     # Gemma 4's per-layer embedding table (ModelConfig.lookup_params).
     lookup_params: int = 0
@@ -112,10 +115,19 @@ class ModelShape:
     def kv_bytes_per_token(self) -> float | None:
         """K and V of one token in every layer, counting only the KV heads (K alone where
         V is read from it)."""
+        if self.kv_widths:
+            return self.kv_planes * sum(self.kv_widths) * self.kv_bits / 8
         if None in (self.num_layers, self.num_kv_heads, self.head_dim):
             return None
         return (self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim
                 * self.kv_bits / 8)
+
+    def _layer_keys(self, context: int) -> list[tuple[int, int]]:
+        """(keys read, KV width) of each layer with a KV cache, for a query `context`
+        tokens in (layers of differing widths only: kv_widths)."""
+        windows = self.kv_windows or (0,) * len(self.kv_widths)
+        return [(min(context, w) if w else context, width)
+                for w, width in zip(windows, self.kv_widths)]
 
     @functools.cached_property
     def _window_counts(self) -> tuple[tuple[int, int], ...]:
@@ -145,21 +157,26 @@ class ModelShape:
         return 4.0 * self.num_heads * self.head_dim
 
     def kv_read_bytes(self, context: int) -> float:
-        """K and V a decode step of one sequence `context` tokens long reads."""
+        """K and V a decode step of one sequence `context` tokens long reads (each layer
+        its own width where they differ)."""
+        if self.kv_widths:
+            return (self.kv_planes * self.kv_bits / 8
+                    * sum(keys * width for keys, width in self._layer_keys(context)))
         return self.kv_bytes_per_key * self.attended(context)
 
     def kv_held_tokens(self, context: int) -> int:
         """Tokens of KV (of every layer) a sequence `context` tokens long holds in the pool:
         all of them, or, with every KV layer windowed, about the widest window (the block
         manager gives the blocks behind it back); in block groups, the full layers' every
-        token and the windowed layers' widest window, averaged over the layers."""
+        token and the windowed layers' widest window, averaged over the layers (weighted
+        by their KV widths where they differ: kv_bytes_per_token times this is the bytes)."""
         if self.kv_windows and all(self.kv_windows):
             return min(context, max(self.kv_windows))
         if self.kv_windows and self.kv_window_groups:
-            windowed = sum(1 for w in self.kv_windows if w)
-            full = len(self.kv_windows) - windowed
-            held = full * context + windowed * min(context, max(self.kv_windows))
-            return -(-held // len(self.kv_windows))
+            widths = self.kv_widths or (1,) * len(self.kv_windows)
+            held = sum(width * (min(context, max(self.kv_windows)) if w else context)
+                       for w, width in zip(self.kv_windows, widths))
+            return -(-held // sum(widths))
         return context
 
     def flops_per_token(self, context: int = 0) -> float:
@@ -208,6 +225,7 @@ class ModelShape:
         model's layers in block groups (None: wherever ModelConfig.kv_groups applies)."""
         planes, kv_heads, head_dim = cfg.cache_layout
         windows = tuple(cfg.layer_reach(i) or 0 for i in cfg.kv_layers)
+        widths = tuple(kvh * d for kvh, d in map(cfg.cache_shape_of, cfg.kv_layers))
         state_flops = 0.0
         if cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
             hv, dk, dv = cfg.linear_state_shapes[1]
@@ -224,7 +242,8 @@ class ModelShape:
                    expert_bits=expert_bits, kv_windows=windows if any(windows) else (),
                    kv_window_groups=(cfg.kv_groups is not None if window_groups is None
                                      else window_groups),
-                   lookup_params=cfg.lookup_params)
+                   lookup_params=cfg.lookup_params,
+                   kv_widths=widths if len(set(widths)) > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -419,7 +438,9 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     kv = m.kv_bytes_per_token
     stored = f", {kv_dtype} + scales" if kv_dtype else ""
     shared = f" of {m.head_dim}, V read from K" if m.kv_planes == 1 else ""  # a latent cache
-    lines.append(f"  KV cache per token ({m.num_kv_heads} KV heads{shared}{stored}"
+    heads = (f"{m.num_kv_heads} KV heads" if not m.kv_widths else
+             f"KV heads x head dim {min(m.kv_widths)} to {max(m.kv_widths)} by layer")
+    lines.append(f"  KV cache per token ({heads}{shared}{stored}"
                  + (f", {m.num_layers} attention layer{'s' * (m.num_layers != 1)}"
                     if m.state_bytes_per_seq else "")
                  + f"): {_fmt_bytes(kv)}"

@@ -297,3 +297,31 @@ def test_windowed_layers_read_at_most_their_window():
         weight_bits=16, kv_bits=16, window_groups=False)
     assert rl.max_batch(one_table, pool, 4096) == 100
     assert rl.max_batch(mistral, pool, 4096) == 800
+
+
+def test_layers_of_differing_kv_widths_count_each_its_own():
+    """Gemma 4: global layers of twice the head size beside sliding ones. A token's KV, a
+    step's reads and a sequence's held tokens count each layer at its own width (before,
+    every layer at the model's head size)."""
+    from dataclasses import replace
+
+    from servelm.models.config import ModelConfig
+
+    cfg = ModelConfig(architecture="Gemma4ForCausalLM", family="gemma4", vocab_size=1000,
+                      hidden_size=256, intermediate_size=512, num_layers=6, num_heads=4,
+                      num_kv_heads=1, head_dim=64, max_position_embeddings=8192,
+                      sliding_window=512, layer_types=("sliding_attention",) * 5
+                      + ("full_attention",), layer_head_dims=(64,) * 5 + (128,),
+                      layer_kv_heads=(1,) * 6)
+    m = rl.ModelShape.from_config(cfg, weight_bits=16, kv_bits=16)
+    assert m.kv_widths == (64,) * 5 + (128,)
+    assert m.kv_bytes_per_token == 2 * (5 * 64 + 128) * 2
+    assert m.kv_read_bytes(4096) == 2 * 2 * (5 * 64 * 512 + 128 * 4096)
+    assert m.kv_read_bytes(100) == 100 * m.kv_bytes_per_token  # inside every window
+    # In block groups: the global layer's every token, the sliding ones' window, by bytes.
+    assert m.kv_held_tokens(4096) == -(-(128 * 4096 + 5 * 64 * 512) // (5 * 64 + 128))
+    pool = 10 * 4096 * m.kv_bytes_per_token
+    assert rl.max_batch(m, pool, 4096) == pool // (m.kv_bytes_per_token * m.kv_held_tokens(4096))
+    uniform = rl.ModelShape.from_config(replace(cfg, layer_head_dims=(), layer_kv_heads=()),
+                                        weight_bits=16, kv_bits=16)
+    assert uniform.kv_widths == () and uniform.kv_bytes_per_token == 2 * 6 * 64 * 2

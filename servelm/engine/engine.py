@@ -1030,12 +1030,12 @@ class EngineStats:
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
         num_tokens = prefill_tokens = 0
-        flops = keys = attended = 0.0
+        flops = kv_bytes = attended = 0.0
         for s in sched.scheduled:
             n = s.num_new_tokens
             num_tokens += n
             k = shape.attended(s.start + n)  # the keys its last query reads, over the layers
-            keys += k  # each sequence's context is read once
+            kv_bytes += shape.kv_read_bytes(s.start + n)  # each sequence's context read once
             attended += n * k
             samples = s.samples and s.request.pooling_params is None
             if samples:
@@ -1047,7 +1047,7 @@ class EngineStats:
                 flops += shape.prefill_flops(n, context=s.start + n // 2,
                                              sampled_rows=1 if samples else 0)
         # Every weight once (a MoE model: the experts this many tokens are expected to reach).
-        read = shape.weight_bytes(num_tokens) + keys * shape.kv_bytes_per_key
+        read = shape.weight_bytes(num_tokens) + kv_bytes
         self.num_prefill_tokens += prefill_tokens
         if prefill_tokens:
             self.prefill_seconds += seconds
