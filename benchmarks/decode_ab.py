@@ -70,8 +70,8 @@ def main() -> None:
     elif args.what == "hybrid":
         groups, one = LLM(**kw), LLM(hybrid_kv_cache=False, **kw)
         if groups.engine.executor.kv_groups is None:
-            raise SystemExit("not a hybrid model (sliding-window and full-attention layers "
-                             "of one cache shape): no block groups to compare")
+            raise SystemExit("not a hybrid model (sliding-window and full-attention "
+                             "layers): no block groups to compare")
         engines = {"block groups": groups, "one table": one}
     else:
         huge, plain = LLM(**kw), LLM(hugepages=False, **kw)
