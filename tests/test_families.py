@@ -535,7 +535,7 @@ _GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3
              "glm4": "glm4", "glm4_moe": "glm4moe", "starcoder2": "starcoder2", "ernie4_5": "ernie4_5",
              "stablelm": "stablelm", "stablelm_parallel": "stablelm", "phi": "phi2",
              "cohere": "command-r", "gemma2": "gemma2", "exaone4": "exaone4", "olmo3": "olmo2",
-             "ministral3": "mistral3"}
+             "ministral3": "mistral3", "gpt_neox": "gptneox"}
 # Where a family's llama.cpp names differ from _GGUF_PARTS'.
 _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm",
                                 "post_feedforward_layernorm": "post_ffw_norm"},
@@ -551,6 +551,29 @@ _GGUF_FAMILY_PARTS = {"olmo2": {"post_attention_layernorm": "post_attention_norm
                                  "post_feedforward_layernorm": "post_ffw_norm"}}
 # q/k rows permuted by llama.cpp's converter
 _GGUF_PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
+
+
+_NEOX_NAMES = ((r"^gpt_neox\.embed_in\.", "model.embed_tokens."), (r"^embed_out\.", "lm_head."),
+               (r"^gpt_neox\.final_layer_norm\.", "model.norm."),
+               (r"^gpt_neox\.layers\.", "model.layers."),
+               (r"\.attention\.query_key_value\.", ".self_attn.qkv_proj."),
+               (r"\.attention\.dense\.", ".self_attn.o_proj."),
+               (r"\.mlp\.dense_h_to_4h\.", ".mlp.c_fc."), (r"\.mlp\.dense_4h_to_h\.", ".mlp.c_proj."))
+
+
+def _neox_state(state: dict, heads: int) -> dict:
+    """A GPT-NeoX state dict in the writer's names, its fused query_key_value rows (each
+    head's q, k and v together) reordered to q | k | v, as llama.cpp's converter does."""
+    import re
+
+    out = {}
+    for name, t in state.items():
+        if ".query_key_value." in name:
+            t = t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        for pattern, repl in _NEOX_NAMES:
+            name = re.sub(pattern, repl, name)
+        out[name] = t
+    return out
 
 
 def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool = False) -> None:
@@ -632,7 +655,9 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
         w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
         w.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
         w.add_uint32(f"{arch}.expert_gating_func", 2)  # sigmoid
-    if family in ("phi3", "glm4", "glm4_moe", "stablelm", "stablelm_parallel", "phi"):
+    if family == "gpt_neox":
+        w.add_bool(f"{arch}.use_parallel_residual", cfg.use_parallel_residual)
+    if family in ("phi3", "glm4", "glm4_moe", "stablelm", "stablelm_parallel", "phi", "gpt_neox"):
         factor = cfg.rope_parameters.get("partial_rotary_factor") or cfg.partial_rotary_factor
         w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * factor))
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
@@ -646,6 +671,8 @@ def _write_gguf(path, family: str, model, tokenizer_meta: dict, q8_experts: bool
                          cfg.shared_expert_intermediate_size)
     add_gguf_metadata(w, tokenizer_meta)
     state = {k: v.float() for k, v in model.state_dict().items()}
+    if family == "gpt_neox":
+        state = _neox_state(state, cfg.num_attention_heads)
     stacked: dict[tuple[int, str], list] = {}
     for name, t in state.items():
         if family == "gemma2" and name.endswith("norm.weight"):
@@ -733,6 +760,26 @@ def test_gguf_of_each_family_loads_as_its_hf_checkpoint(checkpoints, family, ggu
     hf, gg = _hf_and_gguf(path, family, ref, gguf_path, tmp_path)
     # llama.cpp writes Mistral as `llama` (the same layer, its window in the metadata).
     assert gg.engine.model_config.family == {"mistral": "llama"}.get(family, hf.engine.model_config.family)
+    _assert_same_prompt_logits(hf, gg)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_gguf_gpt_neox_loads_as_its_hf_checkpoint(hf_tokenizer, gguf_path, tmp_path, parallel):
+    """GPT-NeoX as llama.cpp writes it (`gptneox`): the fused qkv rows as q | k | v, not
+    head by head; use_parallel_residual from the metadata, the exact GELU (the file names
+    no activation: Pythia's)."""
+    config_cls, model_cls, extra = FAMILIES["gpt_neox"]
+    ref = tiny_hf_checkpoint(tmp_path / "hf", config_cls, model_cls,
+                             {**extra, "use_parallel_residual": parallel}, hf_tokenizer, seed=5)
+    with torch.no_grad():  # the biases non-zero, as the checkpoints fixture makes them
+        for name, p in ref.named_parameters():
+            if name.endswith(".bias") and "norm" not in name:
+                p.normal_(0.0, 0.05)
+    ref.save_pretrained(tmp_path / "hf")
+    hf, gg = _hf_and_gguf(str(tmp_path / "hf"), "gpt_neox", ref, gguf_path, tmp_path)
+    got = gg.engine.model_config
+    assert got.family == "gpt_neox" and not got.qkv_per_head and got.attention_bias
+    assert got.parallel_block == parallel and got.rotary_dim == 4
     _assert_same_prompt_logits(hf, gg)
 
 
