@@ -265,16 +265,6 @@ def test_tensor_parallel_2_matches_tp1(qwen3_next, qwen3_5, which):
         two.engine.shutdown()
 
 
-def test_tensor_parallel_refuses_the_hybrid_gguf_files():
-    """llama.cpp's qwen35 files tile the value heads: not split (the HF checkpoint is)."""
-    from servelm.models.registry import family_for_architecture
-
-    for arch in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"):
-        with pytest.raises(ValueError, match="does not read the .* GGUF files"):
-            family_for_architecture(arch).require_tensor_parallel(gguf=True)
-        family_for_architecture(arch).require_tensor_parallel()
-
-
 def test_int8_weights_stay_close(qwen3_next):
     """int8 quantises the DeltaNet's in/out projections, the attention (its gate too), the
     dense MLP, the shared experts and the LM head: the logits stay close (cosine 0.95; this
@@ -453,6 +443,32 @@ def test_qwen35_gguf_loads_as_its_hf_checkpoint(qwen3_5, gguf_path, tmp_path):
                    enable_prefix_caching=False)
         assert_stack_decodes_as_per_op(fast, ids[:2], SamplingParams(
             temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+
+
+def test_qwen35_gguf_tensor_parallel_2_matches_tp1(qwen3_5, gguf_path, tmp_path):
+    """The same split read from llama.cpp's qwen35 file, whose value heads are tiled across
+    the key heads: a rank reads its value heads as a run a value head of each key head
+    (Family.gguf_pieces) and regroups its slice; one device's logits and tokens."""
+    from servelm.models.registry import family_for_architecture
+
+    fam = family_for_architecture("Qwen3_5ForCausalLM")
+    lin = {"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 16}
+    cfg = ModelConfig(architecture="Qwen3_5ForCausalLM", vocab_size=8, hidden_size=8,
+                      intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=4, max_position_embeddings=8, extra={"linear_attn": lin})
+    # Rank 1 of 2: key head 1, value heads 2 and 3, tiled as rows 1 and 3 of each part.
+    assert fam.gguf_pieces("model.layers.0.linear_attn.in_proj_z.weight", [(0, 32, 64)],
+                           cfg) == [(0, 16, 32), (0, 48, 64)]
+    assert fam.gguf_pieces("model.layers.0.linear_attn.in_proj_qkv.weight",
+                           [(0, 16, 32), (0, 48, 64), (0, 96, 128)], cfg) == [
+        (0, 16, 32), (0, 48, 64), (0, 80, 96), (0, 112, 128)]
+    assert fam.gguf_pieces("model.layers.0.linear_attn.out_proj.weight", [(1, 32, 64)],
+                           cfg) == [(1, 16, 32), (1, 48, 64)]
+    assert fam.gguf_pieces("model.layers.0.self_attn.q_proj.weight", [(0, 0, 8)],
+                           cfg) == [(0, 0, 8)]
+    path = tmp_path / "model.gguf"
+    _qwen35_gguf(qwen3_5[1], path, gguf_path)
+    assert_tensor_parallel_matches(dict(model=str(path), num_threads=1, **KW), PROMPTS, GREEDY)
 
 
 def test_qwen3next_gguf_names_and_values():

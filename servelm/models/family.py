@@ -67,18 +67,12 @@ class Family:
     # ShardPlan's shared ones.
     shard_rules: tuple = ()
     hf_shard_rules: tuple = ()
-    # Whether tensor parallelism reads this family's GGUF files (else its HF checkpoints only).
-    gguf_tensor_parallel: bool = True
 
     def require_tensor_parallel(self, gguf: bool = False) -> None:
-        """ValueError unless shard_model can split this family (from a GGUF file: gguf)."""
+        """ValueError unless shard_model can split this family (from a GGUF file too)."""
         if not self.tensor_parallel:
             raise ValueError(f"tensor parallelism does not support the {self.name} "
                              f"family yet (run it with tensor_parallel_size 1)")
-        if gguf and not self.gguf_tensor_parallel:
-            raise ValueError(f"tensor parallelism does not read the {self.name} family's "
-                             f"GGUF files yet: serve its HF checkpoint, or run it with "
-                             f"tensor_parallel_size 1")
 
     def hf_config(self, cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         """ModelConfig fields beyond the common ones, from config.json."""
@@ -99,6 +93,14 @@ class Family:
         """ModelConfig fields beyond the common ones, from GGUF metadata (get(key, default)
         reads '<arch>.<key>')."""
         return {}
+
+    def gguf_pieces(self, hf_name: str, pieces: list[tuple[int, int, int]], cfg
+                    ) -> list[tuple[int, int, int]]:
+        """A tensor-parallel rank's pieces (dim, start, end) of a tensor, given in the HF
+        checkpoint's order, as the GGUF file holds them (where llama.cpp's converter
+        reordered rows: qwen35's tiled value heads); read and joined in order, they make the
+        rank's slice in the file's order, which from_gguf then puts in the HF order."""
+        return pieces
 
     def gguf_rope_freqs(self, cfg, factors: tuple[float, ...]):
         """The config with a GGUF's rope_freqs tensor read in: Llama 3.1+'s rope scaling, one

@@ -115,7 +115,8 @@ class GGUFFile:
                 pieces = slice_of and slice_of(name)
                 yield name, w.pieces(pieces) if pieces else w
                 continue
-            pieces = (slice_of and slice_of(name)) or [None]
+            pieces = slice_of and slice_of(name)
+            pieces = family.gguf_pieces(name, pieces, cfg) if pieces else [None]
             arrs = [self._dequantized(t, qtype, piece) for piece in pieces]
             arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=pieces[0][0])
             # Whole heads of rows (also when sliced): un-permuted head by head.

@@ -69,9 +69,9 @@ class Qwen3Next(Family):
     tiled_v_heads = False  # llama.cpp's qwen35 reorders value heads (see the docstring)
     # Tensor parallelism: attention's q_proj holds each head's query and gate together, so
     # its rows split two head widths a head; the DeltaNet's by the shared rules (key heads
-    # and their value heads). llama.cpp's files are not split: qwen35's tile the value heads.
+    # and their value heads; in a qwen35 file, whose value heads are tiled, a piece a value
+    # head of each key head: gguf_pieces).
     shard_rules = ((r"\.self_attn\.q_proj\.weight$", 0, "q_heads", "qgate_head"),)
-    gguf_tensor_parallel = False
 
     @staticmethod
     def hf_ignored(key: str) -> bool:
@@ -141,6 +141,20 @@ class Qwen3Next(Family):
             arr = _grouped_v_heads(hf_name, arr, cfg.extra["linear_attn"])
         return arr
 
+    def gguf_pieces(self, hf_name, pieces, cfg):
+        """A rank's value heads [k0 r, k1 r) (of its key heads [k0, k1)) lie in a qwen35
+        file as r runs, [j hk + k0, j hk + k1) for each j < r: the value part's piece
+        becomes those r pieces, so the slice read is in the tiled order from_gguf undoes."""
+        value = _value_part(hf_name, cfg.extra.get("linear_attn")) if self.tiled_v_heads else None
+        if value is None:
+            return pieces
+        offset, d, lin = value
+        hk, r = lin["num_k_heads"], lin["num_v_heads"] // lin["num_k_heads"]
+        dim, start, end = pieces[-1]  # the value part: the last piece (in_proj_qkv: q, k, v)
+        k0, k1 = (start - offset) // (r * d), (end - offset) // (r * d)
+        return [*pieces[:-1], *((dim, offset + (j * hk + k0) * d, offset + (j * hk + k1) * d)
+                                for j in range(r))]
+
     def transform(self, name, tensor):
         if name.endswith("linear_attn.norm_weight"):
             return tensor  # the gated norm scales by w itself
@@ -167,28 +181,36 @@ class Qwen3Next(Family):
         return [(name, tensor)]
 
 
+def _value_part(hf_name: str, lin: dict | None) -> tuple[int, int, dict] | None:
+    """Where a DeltaNet tensor runs over value heads: (the offset of the value part along
+    that dim, the rows a value head takes, lin); None for the others (and where a key head
+    has one value head: no tiling)."""
+    if not lin or lin["num_k_heads"] == lin["num_v_heads"]:
+        return None
+    if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return 2 * lin["num_k_heads"] * lin["head_k_dim"], lin["head_v_dim"], lin
+    if hf_name.endswith(("in_proj_z.weight", "out_proj.weight")):
+        return 0, lin["head_v_dim"], lin
+    if hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return 0, 1, lin
+    return None
+
+
 def _grouped_v_heads(hf_name: str, arr: np.ndarray, lin: dict) -> np.ndarray:
     """A qwen35 GGUF tensor's value heads from llama.cpp's tiled order back to key-head
-    groups (transformers'), along the dims that run over value heads."""
-    hk, hv = lin["num_k_heads"], lin["num_v_heads"]
-    if hk == hv:
+    groups (transformers'), along the dim that runs over value heads. arr may be a
+    tensor-parallel rank's slice (gguf_pieces): its key heads are counted from its size."""
+    value = _value_part(hf_name, lin)
+    if value is None:
         return arr
-    r, dv, kd = hv // hk, lin["head_v_dim"], lin["num_k_heads"] * lin["head_k_dim"]
-
-    def regroup(a: np.ndarray, axis: int, d: int) -> np.ndarray:
-        a = np.moveaxis(a, axis, 0)
-        a = a.reshape(r, hk, d, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-        return np.moveaxis(a, 0, axis)
-
-    if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-        return np.concatenate([arr[:2 * kd], regroup(arr[2 * kd:], 0, dv)])
-    if hf_name.endswith("in_proj_z.weight"):
-        return regroup(arr, 0, dv)
-    if hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
-        return regroup(arr, 0, 1)
-    if hf_name.endswith("out_proj.weight"):
-        return regroup(arr, 1, dv)
-    return arr
+    qk, d, _ = value  # (in_proj_qkv / conv1d: q and k rows before the values)
+    r, dk = lin["num_v_heads"] // lin["num_k_heads"], lin["head_k_dim"]
+    a = np.moveaxis(arr, 1 if hf_name.endswith("out_proj.weight") else 0, 0)
+    hk = a.shape[0] // (r * d + (2 * dk if qk else 0))
+    at = 2 * hk * dk if qk else 0
+    v = a[at:].reshape(r, hk, d, *a.shape[1:]).swapaxes(0, 1).reshape(a[at:].shape)
+    out = np.concatenate([a[:at], v]) if at else v
+    return np.moveaxis(out, 0, 1 if hf_name.endswith("out_proj.weight") else 0)
 
 
 def _qkvz_blocks(w: torch.Tensor, lin: dict) -> torch.Tensor:
