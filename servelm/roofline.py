@@ -9,6 +9,7 @@ by matmul throughput. The model: time = max(bytes / bandwidth, FLOPs / peak).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ class ModelShape:
     # Per layer with a KV cache (kv_windows' order), its KV heads x head dim where the
     # layers differ (Gemma 4's global layers); () every layer num_kv_heads x head_dim.
     kv_widths: tuple[int, ...] = ()
+    # Per attention layer (KV-shared ones too, not linear attention's), where they differ
+    # from the KV layers or among themselves (Gemma 4: global layers of their own head
+    # size, the last layers reading earlier layers' caches): (its reach or 0, its query
+    # head dim, the KV heads x head dim of the cache it reads). () otherwise.
+    attn_layers: tuple[tuple[int, int, int], ...] = ()
     # Parameters a token only indexes besides the input embedding (within num_params):
     # Gemma 4's per-layer embedding table (ModelConfig.lookup_params).
     lookup_params: int = 0
@@ -122,13 +128,6 @@ class ModelShape:
         return (self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim
                 * self.kv_bits / 8)
 
-    def _layer_keys(self, context: int) -> list[tuple[int, int]]:
-        """(keys read, KV width) of each layer with a KV cache, for a query `context`
-        tokens in (layers of differing widths only: kv_widths)."""
-        windows = self.kv_windows or (0,) * len(self.kv_widths)
-        return [(min(context, w) if w else context, width)
-                for w, width in zip(windows, self.kv_widths)]
-
     @functools.cached_property
     def _window_counts(self) -> tuple[tuple[int, int], ...]:
         """kv_windows as (window, layers) pairs (0: full), a few at most."""
@@ -157,12 +156,21 @@ class ModelShape:
         return 4.0 * self.num_heads * self.head_dim
 
     def kv_read_bytes(self, context: int) -> float:
-        """K and V a decode step of one sequence `context` tokens long reads (each layer
-        its own width where they differ)."""
-        if self.kv_widths:
+        """K and V a decode step of one sequence `context` tokens long reads (each
+        attention layer its cache's width where they differ: attn_layers)."""
+        if self.attn_layers:
             return (self.kv_planes * self.kv_bits / 8
-                    * sum(keys * width for keys, width in self._layer_keys(context)))
+                    * sum((min(context, w) if w else context) * width
+                          for w, _, width in self.attn_layers))
         return self.kv_bytes_per_key * self.attended(context)
+
+    def attention_flops(self, context: int) -> float:
+        """Attention FLOPs of a query `context` tokens in (QK^T and PV: 4 x heads x head
+        dim a key it reads, over the attention layers)."""
+        if self.attn_layers:
+            return 4.0 * (self.num_heads or 0) * sum(
+                (min(context, w) if w else context) * d for w, d, _ in self.attn_layers)
+        return self.attention_flops_per_key * self.attended(context)
 
     def kv_held_tokens(self, context: int) -> int:
         """Tokens of KV (of every layer) a sequence `context` tokens long holds in the pool:
@@ -185,9 +193,7 @@ class ModelShape:
         a linear-attention layer's state update and readout."""
         # The input embedding is a lookup; a MoE token multiplies only its experts' weights.
         params = self._read_params() - self.expert_params * (1.0 - self.expert_fraction(1))
-        attn = 0.0
-        if self.num_layers is not None:
-            attn = self.attention_flops_per_key * self.attended(context)
+        attn = self.attention_flops(context) if self.num_layers is not None else 0.0
         return 2.0 * params + attn + self.state_flops_per_token
 
     @property
@@ -226,6 +232,11 @@ class ModelShape:
         planes, kv_heads, head_dim = cfg.cache_layout
         windows = tuple(cfg.layer_reach(i) or 0 for i in cfg.kv_layers)
         widths = tuple(kvh * d for kvh, d in map(cfg.cache_shape_of, cfg.kv_layers))
+        attn = tuple((cfg.layer_reach(i) or 0, cfg.head_dim_of(i),
+                      math.prod(cfg.cache_shape_of(cfg.kv_source(i))))
+                     for i in range(cfg.num_layers) if not cfg.is_linear_layer(i))
+        if len(attn) == len(cfg.kv_layers) and len({(d, w) for _, d, w in attn}) == 1:
+            attn = ()  # every attention layer its own cache, of one shape
         state_flops = 0.0
         if cfg.has_recurrent_state:  # per layer: S *= decay, S^T k, k delta^T, S^T q
             hv, dk, dv = cfg.linear_state_shapes[1]
@@ -243,7 +254,7 @@ class ModelShape:
                    kv_window_groups=(cfg.kv_groups is not None if window_groups is None
                                      else window_groups),
                    lookup_params=cfg.lookup_params,
-                   kv_widths=widths if len(set(widths)) > 1 else ())
+                   kv_widths=widths if len(set(widths)) > 1 else (), attn_layers=attn)
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,16 @@ def test_layers_of_differing_kv_widths_count_each_its_own():
     assert m.kv_held_tokens(4096) == -(-(128 * 4096 + 5 * 64 * 512) // (5 * 64 + 128))
     pool = 10 * 4096 * m.kv_bytes_per_token
     assert rl.max_batch(m, pool, 4096) == pool // (m.kv_bytes_per_token * m.kv_held_tokens(4096))
+    assert m.flops_per_token(4096) - m.flops_per_token(0) == 4 * 4 * (5 * 64 * 512 + 128 * 4096)
     uniform = rl.ModelShape.from_config(replace(cfg, layer_head_dims=(), layer_kv_heads=()),
                                         weight_bits=16, kv_bits=16)
-    assert uniform.kv_widths == () and uniform.kv_bytes_per_token == 2 * 6 * 64 * 2
+    assert uniform.kv_widths == uniform.attn_layers == ()
+    assert uniform.kv_bytes_per_token == 2 * 6 * 64 * 2
+    # Layer 4 reads layer 3's cache (KV-shared): it holds none, but reads and attends as
+    # its source does.
+    shared = rl.ModelShape.from_config(replace(cfg, kv_source_layers=(0, 1, 2, 3, 3, 5)),
+                                       weight_bits=16, kv_bits=16)
+    assert shared.kv_bytes_per_token == 2 * (4 * 64 + 128) * 2
+    assert shared.kv_read_bytes(4096) == m.kv_read_bytes(4096)
+    assert shared.flops_per_token(4096) - shared.flops_per_token(0) == (
+        m.flops_per_token(4096) - m.flops_per_token(0))

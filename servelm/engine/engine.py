@@ -1030,13 +1030,12 @@ class EngineStats:
     def record_step(self, sched, seconds: float, shape: ModelShape) -> None:
         self.num_steps += 1
         num_tokens = prefill_tokens = 0
-        flops = kv_bytes = attended = 0.0
+        flops = kv_bytes = attention = 0.0
         for s in sched.scheduled:
             n = s.num_new_tokens
             num_tokens += n
-            k = shape.attended(s.start + n)  # the keys its last query reads, over the layers
             kv_bytes += shape.kv_read_bytes(s.start + n)  # each sequence's context read once
-            attended += n * k
+            attention += n * shape.attention_flops(s.start + n)  # (its last query's, n times)
             samples = s.samples and s.request.pooling_params is None
             if samples:
                 self.num_generated_tokens += 1  # accepted drafts: record_spec
@@ -1058,8 +1057,7 @@ class EngineStats:
             self.decode_seconds += seconds
             self.decode_bytes += read
             # One token a sequence (a verification: its drafts too), each reading its keys.
-            self.decode_flops += (num_tokens * shape.flops_per_token(0)
-                                  + attended * shape.attention_flops_per_key)
+            self.decode_flops += num_tokens * shape.flops_per_token(0) + attention
 
     @property
     def decode_bandwidth(self) -> float | None:
