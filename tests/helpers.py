@@ -196,6 +196,33 @@ def assert_chunks_cache_and_preemption_keep_tokens(path: str, prompts: list[str]
     return fast, tight
 
 
+def assert_prefix_travels_between_engines(kw: dict, prompt: str, greedy) -> None:
+    """Disaggregated prefill between two engines of options kw (a pool in block groups):
+    the sender's cached prefix of the prompt (its blocks and each windowed group's pages
+    in reach of its end, fewer than a page of every group a block) imported by the
+    receiver, whose request then computes only the tokens past it and gives the sender's
+    greedy tokens."""
+    from servelm import LLM
+
+    send, recv = LLM(**kw), LLM(**kw)
+    ids = send.get_tokenizer().encode(prompt)
+    want = send.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
+    assert send.engine.kv_layout() == recv.engine.kv_layout()
+    bm, kv = recv.engine.block_manager, recv.engine.executor.kv_cache
+    n, data = send.engine.export_prefix(ids)
+    blocks = n // bm.block_size
+    assert bm.groups and n >= len(ids) - 2 * bm.block_size
+    assert blocks < bm.prefix_rows(blocks) < (1 + len(bm.groups)) * blocks
+    assert data.numel() == bm.prefix_rows(blocks) * kv.block_bytes
+    assert recv.engine.import_prefix(ids[:n], None, data) == n
+    assert bm.owners() == {}
+    before = recv.engine.stats.num_prefill_tokens
+    got = recv.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
+    assert got.metrics.num_cached_tokens == n
+    assert recv.engine.stats.num_prefill_tokens - before == len(ids) - n
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def assert_tensor_parallel_matches(kw: dict, prompts: list[str], greedy=None) -> None:
     """An engine of options kw (num_threads 1: each rank gets one thread either way, and
     beside the suite's other worker a second one for the single-device engine only

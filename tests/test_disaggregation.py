@@ -60,8 +60,8 @@ def test_block_manager_import_shares_cached_blocks_and_leaks_nothing():
     ids = list(range(12))  # three blocks
     bm.allocate("r", 8)  # a request that computed the first two blocks
     bm.cache_full_blocks("r", ids, 8, "s")
-    new, first = bm.begin_import("imp", ids, "s")
-    assert first == 2 and len(new) == 1  # only the third block is written
+    new, rows = bm.begin_import("imp", ids, "s")
+    assert rows == [2] and len(new) == 1  # only the third block is written
     assert bm.block_table("imp")[:2] == bm.block_table("r")
     bm.end_import("imp", ids, "s")
     bm.free("r")
@@ -78,6 +78,38 @@ def test_block_manager_import_shares_cached_blocks_and_leaks_nothing():
     # Off without a prefix cache, or for a partial block.
     assert BlockManager(4, 4).begin_import("imp", ids, None) is None
     assert bm.begin_import("imp", ids[:5], None) is None
+
+
+def test_block_groups_import_only_the_pages_in_reach():
+    """A pool in block groups (a full group, a windowed one of reach 8): a prefix of five
+    4-token blocks travels as its five blocks and the windowed group's pages of its last
+    two positions (prefix_pages); the receiver shares what it has cached, takes the rest,
+    holds no page out of reach, caches the prefix and leaks nothing."""
+    send, recv = (BlockManager(24, 4, enable_caching=True, groups=(8,)) for _ in range(2))
+    ids = list(range(20))  # five blocks
+    send.allocate("r", 21)
+    send.cache_full_blocks("r", [*ids, 99], 21)
+    hit = send.find_cached_prefix([*ids, 99])
+    assert len(hit) == 5 and send.prefix_rows(5) == 5 + 2
+    pages = send.prefix_pages(hit)
+    assert pages == [*hit, *hit.groups[0][3:]]
+    # The receiver holds the first two blocks already (its own request, freed).
+    recv.allocate("own", 9)
+    recv.cache_full_blocks("own", [*ids[:8], 99], 9)
+    recv.free("own")
+    new, rows = recv.begin_import("imp", ids)
+    assert rows == [2, 3, 4, 5, 6] and len(new) == 5  # 3 blocks, 2 pages; 2 blocks shared
+    assert recv.num_held("imp") == 5 + 2
+    recv.end_import("imp", ids)
+    assert recv.owners() == {} and recv.num_free_blocks == 24
+    again = recv.find_cached_prefix([*ids, 99])
+    assert len(again) == 5 and again.groups[0][3:] == new[3:]
+    # Room for the blocks but not the pages (6 free of the 7): nothing taken.
+    recv.allocate("hog", 9 * 4)  # 9 blocks and 9 pages
+    assert recv.num_free_blocks == 6
+    assert recv.begin_import("imp", list(range(50, 70))) is None
+    recv.free("hog")
+    assert recv.owners() == {} and recv.num_free_blocks == 24
 
 
 # ---- one engine's prefix in another ----------------------------------------------------------

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from helpers import (assert_chunks_cache_and_preemption_keep_tokens, assert_matches_reference,
-                     assert_reference_greedy, assert_stack_decodes_as_per_op, gemma4_scales_off_one,
                      assert_multimodal_checkpoint_serves_its_text_model,
-                     assert_tensor_parallel_matches, prompt_logits, tiny_hf_checkpoint)
+                     assert_prefix_travels_between_engines, assert_reference_greedy,
+                     assert_stack_decodes_as_per_op, assert_tensor_parallel_matches,
+                     gemma4_scales_off_one, prompt_logits, tiny_hf_checkpoint)
 from helpers import TINY_KW as KW, TINY_PROMPTS as PROMPTS
 from servelm import LLM, SamplingParams
 from servelm.attention import AttentionSpec, select
@@ -219,6 +220,13 @@ def test_block_groups_hold_the_sliding_layers_window(checkpoints, name):
     # At its longest: 31 pages of the global group, at most 5 in each sliding group.
     sliding = len(groups.layers) - 1
     assert max(held) <= 31 + sliding * 5 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_prefix_in_block_groups_travels_between_engines(gemma4):
+    """Disaggregated prefill with pages of one size holding layers of two head sizes and
+    KV-shared layers: the receiver runs the prompt from the sender's pages."""
+    assert_prefix_travels_between_engines(dict(model=gemma4[0], **KW, block_size=4),
+                                          PROMPTS[0] * 4, GREEDY)
 
 
 @pytest.mark.skipif(not load_ops("ops"), reason="needs the C++ kernels")

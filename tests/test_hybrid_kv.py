@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import (assert_reference_greedy, assert_stack_decodes_as_per_op, prompt_logits,
-                     tiny_hf_checkpoint)
+from helpers import (assert_prefix_travels_between_engines, assert_reference_greedy,
+                     assert_stack_decodes_as_per_op, prompt_logits, tiny_hf_checkpoint)
 from servelm import LLM, SamplingParams
 from servelm.kernels import load_ops
 from servelm.models.config import ModelConfig
@@ -178,16 +178,11 @@ def test_an_int8_pool_in_groups_reads_as_one_table(gemma3):
         assert _tokens(llm, prompts) == _tokens(one, prompts)
 
 
-def test_a_prefix_in_groups_is_not_exported(gemma3):
-    """Disaggregated prefill sends blocks of every layer: a pool in groups sends none (the
-    receiving engine computes the prompt)."""
-    path, _ = gemma3
-    llm = LLM(model=path, **BASE, kv_cache_memory=8 << 20)
-    ids = _ids(llm)[0]
-    _tokens(llm, [ids], SamplingParams(max_tokens=1))
-    assert llm.engine.block_manager.find_cached_prefix(ids)
-    n, data = llm.engine.export_prefix(ids)
-    assert n == 0 and data.numel() == 0
+def test_a_prefix_in_groups_travels_between_engines(gemma3):
+    """Disaggregated prefill: a pool in groups sends its prefix's blocks and its sliding
+    groups' pages in reach of the end; the receiver runs the prompt from them."""
+    assert_prefix_travels_between_engines(
+        dict(model=gemma3[0], **BASE, kv_cache_memory=8 << 20), PROMPTS[0], GREEDY)
 
 
 def test_a_draft_beside_a_pool_in_groups_takes_a_block_per_block_of_tokens(

@@ -455,26 +455,82 @@ class BlockManager:
         """Snapshots held (each of one cached block)."""
         return len(self._snap)
 
+    def prefix_pages(self, hit: list[int]) -> list[int]:
+        """A cached prefix's pages (find_cached_prefix's hit) in the order another engine
+        imports them (export_prefix): its blocks, then each further group's pages in reach
+        of its end (the others are never read again)."""
+        out = list(hit)
+        for reach, pages in zip(self.groups, getattr(hit, "groups", ())):
+            out += pages[self._reach_start(reach, len(hit)):]
+        return out
+
+    def prefix_rows(self, num_blocks: int) -> int:
+        """How many pages prefix_pages gives for a prefix of num_blocks blocks."""
+        return num_blocks + sum(num_blocks - self._reach_start(reach, num_blocks)
+                                for reach in self.groups)
+
     def begin_import(self, key: str, token_ids: list[int], salt: str | None = None
-                     ) -> tuple[list[int], int] | None:
-        """Blocks to receive a prefix computed by another engine (disaggregated prefill):
-        token_ids fill whole blocks; those of its leading blocks already cached here are
-        shared, the rest taken from the free queue under `key`, a table of their own.
-        Returns (the new blocks, how many leading blocks were cached), or None when caching
-        is off, the model keeps a recurrent state, or the free blocks cannot hold it (the
-        request then computes its prompt).
-        The caller writes the new blocks, then calls end_import."""
+                     ) -> tuple[list[int], list[int]] | None:
+        """Pages to receive a prefix computed by another engine (disaggregated prefill),
+        sent as prefix_pages orders them: token_ids fill whole blocks; the pages of its
+        leading blocks already cached here are shared, the rest taken from the free queue
+        under `key`, a table of its own (with block groups, a further group only takes
+        pages in reach of the prefix's end). Returns (the new pages, the index of each in
+        the sent pages), or None when caching is off, the model keeps a recurrent state, or
+        the free blocks cannot hold it (the request then computes its prompt).
+        The caller writes the new pages, then calls end_import."""
         if (not self.enable_caching or not token_ids or len(token_ids) % self.block_size
-                or self.num_state_slots  # (KV blocks alone carry no recurrent state)
-                or self.groups):  # (nor the pages of a hybrid's block groups)
+                or self.num_state_slots):  # (KV blocks alone carry no recurrent state)
             return None
         if key in self._tables:
             raise ValueError(f"{key!r} already holds blocks")
         # find_cached_prefix leaves one token out: one more makes every full block count.
         cached = self.find_cached_prefix([*token_ids, 0], salt)
-        if not self.can_allocate(key, len(token_ids), cached):
+        n, k = len(token_ids) // self.block_size, len(cached)
+        if not self.groups:
+            if not self.can_allocate(key, len(token_ids), cached):
+                return None
+            return self.allocate(key, len(token_ids), cached), list(range(k, n))
+        # A further group's pages: the cached ones in reach of the prefix's end taken, the
+        # rest in reach new; positions out of reach hold no page (given back from the start).
+        starts = [self._reach_start(reach, n) for reach in self.groups]
+        keep = [pages[start:k] for start, pages in zip(starts, getattr(cached, "groups", [[]] * len(starts)))]
+        taken = sum(1 for b in [*cached, *(p for pages in keep for p in pages)] if self._ref[b] == 0)
+        fresh = [n - k] + [n - max(start, k) for start in starts]
+        if sum(fresh) + taken > len(self._free):
             return None
-        return self.allocate(key, len(token_ids), cached), len(cached)
+        for b in [*cached, *(p for pages in keep for p in pages)]:
+            self._take(b)
+
+        def pop(count: int) -> list[int]:
+            out = []
+            for _ in range(count):
+                block, _ = self._free.popitem(last=False)  # least recently freed first
+                self._evict(block)
+                self._ref[block] = 1
+                out.append(block)
+            return out
+
+        new = pop(fresh[0])
+        self._tables[key] = [*cached, *new]
+        pages, rows = list(new), list(range(k, n))
+        self._gtables[key], self._greleased[key] = [], []
+        row = n
+        for start, held, count, hit in zip(starts, keep, fresh[1:],
+                                           getattr(cached, "groups", [[]] * len(starts))):
+            got = pop(count)
+            # (positions before start: any page id, as a given-back page keeps its place)
+            table = [*hit[:min(start, k)], *([0] * max(0, start - k)), *held, *got]
+            self._gtables[key].append(table)
+            self._greleased[key].append(start)
+            pages += got
+            rows += range(row + max(start, k) - start, row + n - start)
+            row += n - start
+        if k:
+            self._num_registered[key] = k
+            self._chain[key] = self._block_key[cached[-1]][1:]
+            self._cached_at[key] = list(cached)
+        return pages, rows
 
     def end_import(self, key: str, token_ids: list[int], salt: str | None = None,
                    written: bool = True) -> None:

@@ -640,13 +640,12 @@ class LLMEngine:
         """(n, bytes): the KV of the first n tokens of token_ids, the longest prefix of whole
         blocks this engine holds cached under `salt` short of the last token (what a
         receiver's request for the same prompt can take from its cache), as
-        KVCache.read_blocks' bytes. Called after the prompt ran, before its blocks are
-        evicted (0 tokens if they were)."""
-        blocks = self.block_manager.find_cached_prefix(token_ids, salt)
-        if self.block_manager.groups:  # (a hybrid's pages: none sent, the receiver computes)
-            blocks = []
-        return (len(blocks) * self.block_manager.block_size,
-                self.executor.kv_cache.read_blocks(blocks))
+        KVCache.read_blocks' bytes of its pages (BlockManager.prefix_pages: with block
+        groups, a windowed group's in reach of its end only). Called after the prompt ran,
+        before its blocks are evicted (0 tokens if they were)."""
+        bm = self.block_manager
+        hit = bm.find_cached_prefix(token_ids, salt)
+        return len(hit) * bm.block_size, self.executor.kv_cache.read_blocks(bm.prefix_pages(hit))
 
     def import_prefix(self, token_ids: list[int], salt: str | None, data: torch.Tensor) -> int:
         """Put another engine's export_prefix(token_ids, salt) into this engine's prefix
@@ -657,16 +656,17 @@ class LLMEngine:
         bm, kv = self.block_manager, self.executor.kv_cache
         if len(token_ids) % bm.block_size:
             raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {bm.block_size}")
-        if data.numel() != len(token_ids) // bm.block_size * kv.block_bytes:
+        rows = bm.prefix_rows(len(token_ids) // bm.block_size)
+        if data.numel() != rows * kv.block_bytes:
             raise ValueError(f"{data.numel()} bytes are not {len(token_ids)} tokens of "
-                             f"this pool's blocks ({kv.block_bytes} bytes a block)")
+                             f"this pool's blocks ({rows} of {kv.block_bytes} bytes)")
         key = "\x00import"  # a table of its own for the length of this call
         got = bm.begin_import(key, token_ids, salt)
         if got is None:
             return 0
-        new, first = got
+        pages, at = got
         try:
-            kv.write_blocks(new, data, first)
+            kv.write_blocks(pages, data, at)
         except BaseException:
             bm.end_import(key, token_ids, salt, written=False)
             raise

@@ -232,10 +232,14 @@ class KVCache:
     def layout(self) -> dict:
         """What a block holds, for checking that another engine's blocks fit this pool: the
         block size, the storage dtype and each region's shape past its block index (every
-        layer's K, V, then their scales, in pool order)."""
-        return {"block_size": self.block_size, "dtype": str(self.dtype).removeprefix("torch."),
-                "regions": [[str(r.dtype).removeprefix("torch."), list(r.shape[1:])]
-                            for r in self._regions]}
+        layer's K, V, then their scales, in pool order; in block groups, the page and the
+        groups)."""
+        out = {"block_size": self.block_size, "dtype": str(self.dtype).removeprefix("torch."),
+               "regions": [[str(r.dtype).removeprefix("torch."), list(r.shape[1:])]
+                           for r in self._regions]}
+        if self.groups is not None:  # pages of block groups: the same groups' pages
+            out["groups"] = [[list(g) for g in self.groups.layers], list(self.groups.reaches)]
+        return out
 
     @property
     def block_bytes(self) -> int:
@@ -251,22 +255,28 @@ class KVCache:
         parts = [_bytes(r).index_select(0, idx).reshape(-1) for r in self._regions]
         return torch.cat(parts).cpu()
 
-    def write_blocks(self, blocks: list[int], data: torch.Tensor, first: int = 0) -> None:
+    def write_blocks(self, blocks: list[int], data: torch.Tensor,
+                     first: int | list[int] = 0) -> None:
         """Write read_blocks' bytes of some n blocks into `blocks`, which receive the n
-        blocks' entries from index `first` on (those before it are kept as they are)."""
-        n = first + len(blocks)
-        if data.dtype != torch.uint8 or data.numel() != n * self.block_bytes:
+        blocks' entries from index `first` on (those before it are kept as they are), or
+        the entries at the indices `first` lists (one a block)."""
+        rows = first if isinstance(first, list) else None
+        n = data.numel() // max(self.block_bytes, 1) if rows is not None else first + len(blocks)
+        if data.dtype != torch.uint8 or data.numel() != n * self.block_bytes or (
+                rows is not None and (len(rows) != len(blocks) or any(not 0 <= r < n for r in rows))):
             raise ValueError(f"{data.numel()} bytes of {data.dtype} do not hold {n} blocks "
                              f"of {self.block_bytes} bytes")
         if not blocks:
             return
-        idx = torch.tensor(blocks, dtype=torch.long, device=self._regions[0].device)
+        device = self._regions[0].device
+        idx = torch.tensor(blocks, dtype=torch.long, device=device)
+        src = torch.tensor(rows if rows is not None else range(first, n), dtype=torch.long)
         at = 0
         for r in self._regions:
             dst = _bytes(r)
             size = n * dst[0].numel()
-            part = data[at:at + size].view(n, *dst.shape[1:])[first:]
-            dst.index_copy_(0, idx, part.to(dst.device))
+            part = data[at:at + size].view(n, *dst.shape[1:]).index_select(0, src)
+            dst.index_copy_(0, idx, part.to(device))
             at += size
 
     @staticmethod
