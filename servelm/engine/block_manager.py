@@ -494,31 +494,20 @@ class BlockManager:
         # A further group's pages: the cached ones in reach of the prefix's end taken, the
         # rest in reach new; positions out of reach hold no page (given back from the start).
         starts = [self._reach_start(reach, n) for reach in self.groups]
-        keep = [pages[start:k] for start, pages in zip(starts, getattr(cached, "groups", [[]] * len(starts)))]
-        taken = sum(1 for b in [*cached, *(p for pages in keep for p in pages)] if self._ref[b] == 0)
+        keep = [hit[start:k] for start, hit in zip(starts, cached.groups)]
+        shared = [*cached, *(p for pages in keep for p in pages)]
         fresh = [n - k] + [n - max(start, k) for start in starts]
-        if sum(fresh) + taken > len(self._free):
+        if sum(fresh) + sum(1 for b in shared if self._ref[b] == 0) > len(self._free):
             return None
-        for b in [*cached, *(p for pages in keep for p in pages)]:
+        for b in shared:
             self._take(b)
-
-        def pop(count: int) -> list[int]:
-            out = []
-            for _ in range(count):
-                block, _ = self._free.popitem(last=False)  # least recently freed first
-                self._evict(block)
-                self._ref[block] = 1
-                out.append(block)
-            return out
-
-        new = pop(fresh[0])
+        new = self._pop_free(fresh[0])
         self._tables[key] = [*cached, *new]
         pages, rows = list(new), list(range(k, n))
         self._gtables[key], self._greleased[key] = [], []
         row = n
-        for start, held, count, hit in zip(starts, keep, fresh[1:],
-                                           getattr(cached, "groups", [[]] * len(starts))):
-            got = pop(count)
+        for start, held, count, hit in zip(starts, keep, fresh[1:], cached.groups):
+            got = self._pop_free(count)
             # (positions before start: any page id, as a given-back page keeps its place)
             table = [*hit[:min(start, k)], *([0] * max(0, start - k)), *held, *got]
             self._gtables[key].append(table)
@@ -616,15 +605,21 @@ class BlockManager:
                 self._restores.append((sid, self._slot[request_id]))
         first = None
         for t in tables:
-            new = []
-            for _ in range(self.num_blocks_for(num_tokens) - len(t)):
-                block, _ = self._free.popitem(last=False)  # least recently freed first
-                self._evict(block)
-                self._ref[block] = 1
-                new.append(block)
+            new = self._pop_free(self.num_blocks_for(num_tokens) - len(t))
             t.extend(new)
             first = new if first is None else first
         return first
+
+    def _pop_free(self, count: int) -> list[int]:
+        """count blocks out of the free queue, least recently freed first (a cached one's
+        prefix evicted), each held once."""
+        out = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref[block] = 1
+            out.append(block)
+        return out
 
     def _out_of_reach(self, num_blocks: int) -> int:
         """How many leading blocks are out of reach of a next token right after
