@@ -36,7 +36,6 @@ from servelm.engine.executor import (Executor, default_kv_bytes, kv_groups_of, p
 from servelm.engine.state_cache import StateCache
 from servelm.engine.model_runner import KVCache, SeqInput
 from servelm.models import kv_quant
-from servelm.models.loader import GGUFFile
 from servelm.models.registry import family_for_architecture
 
 logger = logging.getLogger(__name__)
@@ -117,8 +116,7 @@ class TPExecutor(Executor):
         tp = config.tensor_parallel_size
         # A model that cannot be split fails here, before any process starts (shard_model
         # checks it again per rank).
-        family_for_architecture(model_config.architecture).require_tensor_parallel(
-            gguf=isinstance(ckpt, GGUFFile))
+        family_for_architecture(model_config.architecture).require_tensor_parallel()
         for rank in range(tp):
             ShardPlan.of(model_config, rank, tp)
         self.ranks = _Ranks()

@@ -68,8 +68,8 @@ class Family:
     shard_rules: tuple = ()
     hf_shard_rules: tuple = ()
 
-    def require_tensor_parallel(self, gguf: bool = False) -> None:
-        """ValueError unless shard_model can split this family (from a GGUF file too)."""
+    def require_tensor_parallel(self) -> None:
+        """ValueError unless shard_model can split this family (from HF or GGUF files)."""
         if not self.tensor_parallel:
             raise ValueError(f"tensor parallelism does not support the {self.name} "
                              f"family yet (run it with tensor_parallel_size 1)")
