@@ -145,10 +145,11 @@ class Qwen3Next(Family):
         """A rank's value heads [k0 r, k1 r) (of its key heads [k0, k1)) lie in a qwen35
         file as r runs, [j hk + k0, j hk + k1) for each j < r: the value part's piece
         becomes those r pieces, so the slice read is in the tiled order from_gguf undoes."""
-        value = _value_part(hf_name, cfg.extra.get("linear_attn")) if self.tiled_v_heads else None
+        lin = cfg.extra.get("linear_attn")
+        value = _value_part(hf_name, lin) if self.tiled_v_heads else None
         if value is None:
             return pieces
-        offset, d, lin = value
+        offset, d = value
         hk, r = lin["num_k_heads"], lin["num_v_heads"] // lin["num_k_heads"]
         dim, start, end = pieces[-1]  # the value part: the last piece (in_proj_qkv: q, k, v)
         k0, k1 = (start - offset) // (r * d), (end - offset) // (r * d)
@@ -181,18 +182,18 @@ class Qwen3Next(Family):
         return [(name, tensor)]
 
 
-def _value_part(hf_name: str, lin: dict | None) -> tuple[int, int, dict] | None:
+def _value_part(hf_name: str, lin: dict | None) -> tuple[int, int] | None:
     """Where a DeltaNet tensor runs over value heads: (the offset of the value part along
-    that dim, the rows a value head takes, lin); None for the others (and where a key head
-    has one value head: no tiling)."""
+    that dim, the rows a value head takes); None for the others (and where a key head has
+    one value head: no tiling)."""
     if not lin or lin["num_k_heads"] == lin["num_v_heads"]:
         return None
     if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-        return 2 * lin["num_k_heads"] * lin["head_k_dim"], lin["head_v_dim"], lin
+        return 2 * lin["num_k_heads"] * lin["head_k_dim"], lin["head_v_dim"]
     if hf_name.endswith(("in_proj_z.weight", "out_proj.weight")):
-        return 0, lin["head_v_dim"], lin
+        return 0, lin["head_v_dim"]
     if hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
-        return 0, 1, lin
+        return 0, 1
     return None
 
 
@@ -203,14 +204,14 @@ def _grouped_v_heads(hf_name: str, arr: np.ndarray, lin: dict) -> np.ndarray:
     value = _value_part(hf_name, lin)
     if value is None:
         return arr
-    qk, d, _ = value  # (in_proj_qkv / conv1d: q and k rows before the values)
+    qk, d = value  # (in_proj_qkv / conv1d: q and k rows before the values)
     r, dk = lin["num_v_heads"] // lin["num_k_heads"], lin["head_k_dim"]
-    a = np.moveaxis(arr, 1 if hf_name.endswith("out_proj.weight") else 0, 0)
+    axis = 1 if hf_name.endswith("out_proj.weight") else 0
+    a = np.moveaxis(arr, axis, 0)
     hk = a.shape[0] // (r * d + (2 * dk if qk else 0))
     at = 2 * hk * dk if qk else 0
     v = a[at:].reshape(r, hk, d, *a.shape[1:]).swapaxes(0, 1).reshape(a[at:].shape)
-    out = np.concatenate([a[:at], v]) if at else v
-    return np.moveaxis(out, 0, 1 if hf_name.endswith("out_proj.weight") else 0)
+    return np.moveaxis(np.concatenate([a[:at], v]) if at else v, 0, axis)
 
 
 def _qkvz_blocks(w: torch.Tensor, lin: dict) -> torch.Tensor:
