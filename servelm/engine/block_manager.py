@@ -516,9 +516,7 @@ class BlockManager:
             rows += range(row + max(start, k) - start, row + n - start)
             row += n - start
         if k:
-            self._num_registered[key] = k
-            self._chain[key] = self._block_key[cached[-1]][1:]
-            self._cached_at[key] = list(cached)
+            self._continue_after(key, cached)
         return pages, rows
 
     def end_import(self, key: str, token_ids: list[int], salt: str | None = None,
@@ -596,9 +594,7 @@ class BlockManager:
                     self._take(p)
                 tables[g + 1].extend(pages)
                 self._greleased[request_id][g] = skip
-            self._num_registered[request_id] = len(cached)
-            self._chain[request_id] = self._block_key[cached[-1]][1:]
-            self._cached_at[request_id] = list(cached)
+            self._continue_after(request_id, cached)
             if self.num_state_slots:  # the state after the prefix, into the request's slot
                 sid = self._snap[cached[-1]]
                 self._snap_block.move_to_end(sid)
@@ -609,6 +605,13 @@ class BlockManager:
             t.extend(new)
             first = new if first is None else first
         return first
+
+    def _continue_after(self, request_id: str, cached: list[int]) -> None:
+        """The request's table starts with the cached blocks `cached`: its registering
+        (cache_full_blocks) goes on from their key chain."""
+        self._num_registered[request_id] = len(cached)
+        self._chain[request_id] = self._block_key[cached[-1]][1:]
+        self._cached_at[request_id] = list(cached)
 
     def _pop_free(self, count: int) -> list[int]:
         """count blocks out of the free queue, least recently freed first (a cached one's
