@@ -42,6 +42,11 @@ def prompt_flops(num_tokens: int, flops_per_token: float, sampled_row_flops: flo
     return num_tokens * (flops_per_token - sampled_row_flops) + sampled_rows * sampled_row_flops
 
 
+def _keys(context: int, reach: int) -> int:
+    """Keys a query `context` tokens in reads in a layer of this reach (0: all of them)."""
+    return min(context, reach) if reach else context
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Just the sizes the roofline needs; weights are not required."""
@@ -138,7 +143,7 @@ class ModelShape:
         (a windowed layer's at most its window)."""
         if not self.kv_windows:
             return float((self.num_layers or 0) * context)
-        return float(sum(n * (min(context, w) if w else context)
+        return float(sum(n * _keys(context, w)
                          for w, n in self._window_counts))
 
     @property
@@ -160,7 +165,7 @@ class ModelShape:
         attention layer its cache's width where they differ: attn_layers)."""
         if self.attn_layers:
             return (self.kv_planes * self.kv_bits / 8
-                    * sum((min(context, w) if w else context) * width
+                    * sum(_keys(context, w) * width
                           for w, _, width in self.attn_layers))
         return self.kv_bytes_per_key * self.attended(context)
 
@@ -169,7 +174,7 @@ class ModelShape:
         dim a key it reads, over the attention layers)."""
         if self.attn_layers:
             return 4.0 * (self.num_heads or 0) * sum(
-                (min(context, w) if w else context) * d for w, d, _ in self.attn_layers)
+                _keys(context, w) * d for w, d, _ in self.attn_layers)
         return self.attention_flops_per_key * self.attended(context)
 
     def kv_held_tokens(self, context: int) -> int:
