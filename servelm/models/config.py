@@ -7,6 +7,7 @@ adds what only it has (q/k norms, sandwich norms, sliding windows, experts...) t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -264,8 +265,7 @@ class ModelConfig:
                                            for i in range(n)):
             return None
         own = self.kv_layers
-        width = {i: self.cache_planes * self.cache_shape_of(i)[0] * self.cache_shape_of(i)[1]
-                 for i in own}
+        width = {i: self.cache_planes * math.prod(self.cache_shape_of(i)) for i in own}
         full = [i for i in own if self.layer_reach(i) is None]
         windowed = [i for i in own if self.layer_reach(i) is not None]
         if not full or not windowed:
@@ -274,12 +274,13 @@ class ModelConfig:
                    max(width.values()))
         groups: list[tuple[int, ...]] = []
         for kind in (full, windowed):
-            group: list[int] = []
+            group, filled = [], 0
             for i in kind:
-                if group and sum(width[j] for j in group) + width[i] > page:
+                if group and filled + width[i] > page:
                     groups.append(tuple(group))
-                    group = []
+                    group, filled = [], 0
                 group.append(i)
+                filled += width[i]
             groups.append(tuple(group))
         if len(groups) > MAX_KV_GROUPS:
             return None
