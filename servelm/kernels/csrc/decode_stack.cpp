@@ -1675,8 +1675,9 @@ class DecodeStack : public torch::CustomClassHolder {
             }
             // (A KV-shared layer: q turned alone, nothing written.)
             const int64_t slot = slots[s.kv_group * M + m];
-            BF* kd = kc + slot_offset(s.k_cache, slot);
-            BF* vd = vc + slot_offset(s.k_cache, slot);
+            const int64_t off = slot_offset(s.k_cache, slot);  // (V's the same: one layout)
+            BF* kd = kc + off;
+            BF* vd = vc + off;
             rotary_token<BF>(row, cos_p[tab] + m * R, sin_p[tab] + m * R, kd, vd, heads_, KVH, D, Rl, v);
             if (qscale)  // after the KV write, as the reference scales q alone
               for (int64_t i = 0; i < heads_ * D; ++i) row[i] = BF(static_cast<float>(row[i]) * qscale[m]);
