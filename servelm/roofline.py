@@ -30,7 +30,7 @@ class Hardware:
     # int8_ops; None where not measured or not built.
     q8act_ops: float | None = None
     # The same of servelm's w8a8 kernel (int8 weights x smoothed int8 activations per block
-    # of up to 128): the roof of the qkv, o and gate_up layers where it runs (AVX-512 VNNI).
+    # of up to 128): the roof of the layers it runs (w8a8_share), where it runs (AVX-512 VNNI).
     w8a8_ops: float | None = None
 
 
@@ -295,10 +295,14 @@ def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Pre
 
 
 def w8a8_share(m: ModelShape) -> float:
-    """The share of a decoder layer's matmul FLOPs in qkv, o and gate_up (the layers w8a8
-    runs; down_proj is the rest), from the model's sizes; 0 where they are not known."""
+    """The share of a decoder layer's matmul FLOPs in the layers w8a8 runs, from the model's
+    sizes: all of them on unquantised weights; qkv, o and gate_up on quantised ones (their
+    down_proj is the rest: servelm.engine.calibration.TARGETS); 0 where they are not
+    known."""
     if not (m.hidden_size and m.intermediate_size and m.num_heads and m.head_dim):
         return 0.0
+    if m.weight_bits >= 16:
+        return 1.0
     kv = m.num_kv_heads or m.num_heads
     attn = m.hidden_size * (2 * m.num_heads + 2 * kv) * m.head_dim
     gate_up = 2 * m.hidden_size * m.intermediate_size
@@ -307,8 +311,8 @@ def w8a8_share(m: ModelShape) -> float:
 
 def int8_hardware(hw: Hardware, m: ModelShape | None = None) -> Hardware | None:
     """The machine with the compute roof of layers on int8 activations: where w8a8's rate is
-    measured and the model's sizes known, its rate on qkv, o and gate_up blended (by their
-    FLOPs) with the rest's (q8act's for quantised weights, else the dtype's); else q8act's
+    measured and the model's sizes known, its rate on the layers it runs (w8a8_share) blended
+    (by their FLOPs) with the rest's (q8act's for quantised weights, else the dtype's); else q8act's
     measured rate, else the int8 matmul's; None where none is known."""
     rate = hw.q8act_ops or hw.int8_ops
     share = w8a8_share(m) if m is not None and hw.w8a8_ops else 0.0
@@ -481,8 +485,8 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     if hw.w8a8_ops:
         share = w8a8_share(m)
         lines.append(f"  w8a8: {hw.w8a8_ops / 1e12:.2f} TOP/s ({hw.w8a8_ops / hw.flops:.1f}x): "
-                     f"the roof of qkv, o and gate_up on int8 activations (blocks of up to "
-                     f"128, smoothed)"
+                     f"the roof of qkv, o, gate_up (and down on unquantised weights) on int8 "
+                     f"activations (blocks of up to 128, smoothed)"
                      + (f"; {share:.0%} of a layer's FLOPs, the int8 column at "
                         f"{int8.flops / 1e12:.2f} TOP/s" if share and int8 else ""))
     lines.append("")

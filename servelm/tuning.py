@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -825,11 +826,14 @@ def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Modul
 
 def _shape_key(src: nn.Module, act: torch.dtype) -> str:
     """The tuner's key of a layer's shape: its format, activations, size, bias and whether
-    it is calibrated (':smooth': the w8a8 method may run it)."""
+    it is calibrated (':smooth': the w8a8 method may run it; ':smooth64': in activation
+    blocks of at most 64)."""
     act_name = str(act).removeprefix("torch.")
+    longest = lm.w8a8.longest_block(src)
     return (f"{lm.weight_format(src)}/{act_name}:{src.in_features}x{src.out_features}"
             + (":bias" if src.bias is not None else "")
-            + (":smooth" if lm.w8a8.calibrated(src) is not None else ""))
+            + ("" if lm.w8a8.calibrated(src) is None else
+               ":smooth" + ("" if longest == lm.w8a8.BLOCKS[0] else str(longest))))
 
 
 @torch.no_grad()
@@ -1112,8 +1116,10 @@ def synthetic_source(shape: PlannedShape, fast: bool) -> nn.Module:
                                   use_kernel=kernels)
     else:
         out = lin.to(dtype)
-    if shape.key.endswith(":smooth"):  # a calibrated shape: any calibration times the same
-        setattr(out, lm.w8a8.AMAX, torch.ones(shape.in_features))
+    # A calibrated shape: any calibration times the same (its longest block as the key says).
+    if smooth := re.search(r":smooth(\d*)$", shape.key):
+        lm.w8a8.set_calibration(out, torch.ones(shape.in_features),
+                                int(smooth.group(1) or lm.w8a8.BLOCKS[0]))
     return out
 
 

@@ -508,15 +508,17 @@ def test_quality_kl_and_perplexity(reference, quant_llms, request):
 
 # A greedy token of the int8-activation path may differ from the bf16 path's only where the
 # bf16 path's own logits nearly tie: ours at most this far below its best (a few of the bf16
-# logits' rounding steps, 0.125 at the logits' magnitude).
-NEAR_TIE = 0.5
+# logits' rounding steps, 0.125 at the logits' magnitude). Measured on SmolLM2 (int4, w8a8 +
+# q8act), teacher-forced over 1,027 tokens of prose: the top-1 differs at 33 positions, where
+# the bf16 logits' gap is at most 0.5; a drift is whole units off.
+NEAR_TIE = 0.625
 
 
 @pytest.fixture(scope="module")
 def w8a8_int4():
-    """int4 weights, bf16 runs: the calibrated layers (qkv, o, gate_up) on w8a8 (whole-row
-    int8 activations, SmoothQuant-smoothed, per-channel int8 weights), the others on q8act,
-    as a tuned prompt runs them."""
+    """int4 weights, bf16 runs: the calibrated layers (qkv, o, gate_up; down_proj only on
+    unquantised weights) on w8a8 (int8 activations per block, SmoothQuant-smoothed, int8
+    weights per channel and block), the others on q8act, as a tuned prompt runs them."""
     from servelm.layers import q8act, w8a8
 
     if not (q8act.available() and w8a8.available() and w8a8.int8_dot()):
@@ -524,6 +526,8 @@ def w8a8_int4():
     llm = _engine("bfloat16", "int4", "w8a8,q8act")
     kinds = {type(m) for m in llm.engine.executor.model.modules()}
     assert {w8a8.W8A8Linear, q8act.Int4Q8Linear} <= kinds
+    downs = [m for n, m in llm.engine.executor.model.named_modules() if n.endswith("down_proj")]
+    assert downs and not any(isinstance(m, w8a8.W8A8Linear) for m in downs)
     return llm
 
 
@@ -535,14 +539,15 @@ def bf16_plain():
 
 @pytest.fixture(scope="module")
 def w8a8_bf16():
-    """bf16 weights, bf16 runs: the calibrated layers (qkv, o, gate_up) on w8a8, the others
-    on the tiles (bf16 activations)."""
+    """bf16 weights, bf16 runs: the calibrated layers (qkv, o, gate_up and down) on w8a8,
+    the LM head on the tiles (bf16 activations)."""
     from servelm.layers import w8a8
 
     if not (w8a8.available() and w8a8.int8_dot()):
         pytest.skip("the w8a8 method does not run here (no AVX-512 VNNI, or no kernel)")
     llm = _engine("bfloat16", "none", "w8a8,tiles")
-    assert any(isinstance(m, w8a8.W8A8Linear) for m in llm.engine.executor.model.modules())
+    downs = [m for n, m in llm.engine.executor.model.named_modules() if n.endswith("down_proj")]
+    assert downs and all(isinstance(m, w8a8.W8A8Linear) and m.block == 64 for m in downs)
     return llm
 
 
@@ -555,8 +560,8 @@ def test_int8_activations_meet_the_accuracy_bar(reference, path, base, request):
     prose; docs/kernels.md has the table): q8act on every layer and the LM head,
     SmolLM2-135M KL 0.0041, perplexity +0.6%; Qwen2.5-Coder-0.5B (Q4_K_M) 0.0014, +0.2%;
     Gemma-3-270M (Q4_K_M) 0.0037, +0.8%. w8a8 on qkv, o and gate_up with q8act on the rest
-    (int4 weights), or with bf16 activations on the rest (bf16 weights): the same bar
-    (docs/kernels.md, "w8a8")."""
+    (int4 weights), or on qkv, o, gate_up and down with bf16 activations on the LM head (bf16
+    weights): the same bar (docs/kernels.md, "w8a8")."""
     from servelm.layers import q8act, w8a8
 
     llm = request.getfixturevalue(path)

@@ -122,9 +122,9 @@ def test_the_int8_column_is_the_q8act_kernels_roof_where_measured():
 
 
 def test_the_int8_column_blends_w8a8_on_its_layers_with_the_rest():
-    """w8a8 runs qkv, o and gate_up (their share of a layer's FLOPs from the model's sizes),
-    down_proj stays on q8act (quantised weights) or bf16 (bf16 weights): the int8 column's
-    rate is the FLOP-weighted harmonic blend of the two."""
+    """On quantised weights w8a8 runs qkv, o and gate_up (their share of a layer's FLOPs from
+    the model's sizes), down_proj stays on q8act: the int8 column's rate is the FLOP-weighted
+    harmonic blend of the two. On bf16 weights it runs down_proj too: w8a8's rate alone."""
     m = rl.ModelShape(num_params=135e6, weight_bits=4.5, num_layers=30, num_kv_heads=3,
                       head_dim=64, num_heads=9, hidden_size=576, vocab_size=49152,
                       tied_embeddings=True, intermediate_size=1536)
@@ -136,8 +136,8 @@ def test_the_int8_column_blends_w8a8_on_its_layers_with_the_rest():
     rate = rl.int8_hardware(hw, m).flops
     assert rate == pytest.approx(1 / (share / 0.75e12 + (1 - share) / 0.5e12))
     bf16 = dataclasses.replace(m, weight_bits=16)
-    assert rl.int8_hardware(hw, bf16).flops == pytest.approx(
-        1 / (share / 0.75e12 + (1 - share) / 0.4e12))
+    assert rl.w8a8_share(bf16) == 1.0
+    assert rl.int8_hardware(hw, bf16).flops == pytest.approx(0.75e12)
     assert rl.int8_hardware(hw).flops == 0.5e12  # no sizes: q8act's
     assert rl.w8a8_share(dataclasses.replace(m, intermediate_size=None)) == 0.0
     text = rl.report(m, hw, prompt_lens=(2048,))

@@ -364,16 +364,21 @@ def test_the_cli_says_a_tuned_table_is_provisional(tmp_path, monkeypatch, capsys
     assert "PROVISIONAL" in out and "not cached" in out
 
 
+@pytest.mark.parametrize("longest", [None, 128, 64])
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
-def test_a_synthetic_source_has_the_shapes_format_and_key(fmt):
-    """What an idle re-tune times in place of a swapped layer has its shape key."""
+def test_a_synthetic_source_has_the_shapes_format_and_key(fmt, longest):
+    """What an idle re-tune times in place of a swapped layer has its shape key, a
+    calibrated layer's longest activation block too."""
     from servelm.quantization.surgery import quantize_linear
 
     lin = nn.Linear(64, 96)
     src = (quantize_linear(lin, fmt) if fmt.startswith("int")
            else lin.to(getattr(torch, fmt)))
+    if longest:
+        lm.w8a8.set_calibration(src, torch.rand(64) + 0.5, longest)
     act = torch.float32
     key = tuning._shape_key(src, act)
+    assert key.endswith({None: ":bias", 128: ":smooth", 64: ":smooth64"}[longest])
     plan = tuning.PlannedShape(key, key, lm.weight_format(src), 64, 96, True, 2, ["torch"],
                                "torch")
     made = tuning.synthetic_source(plan, fast=True)

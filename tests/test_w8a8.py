@@ -55,6 +55,31 @@ def test_pack_puts_each_byte_where_the_kernel_reads_it():
 
 def test_block_size_is_the_largest_dividing_in_features():
     assert [w8a8.block_size(k) for k in (576, 896, 1536, 640, 48, 40)] == [96, 128, 128, 128, 16, 0]
+    # a calibration's longest block (down_proj: 64) caps it
+    assert [w8a8.block_size(k, 64) for k in (576, 1536, 4864, 48)] == [64, 64, 64, 16]
+    src = nn.Linear(1536, 32)
+    w8a8.set_calibration(src, torch.ones(1536), 64)
+    assert w8a8.layer_block(src) == 64 and w8a8.longest_block(src) == 64
+    w8a8.set_calibration(src, torch.ones(1536))
+    assert w8a8.layer_block(src) == 128
+
+
+def test_weights_are_scaled_per_output_channel_and_block():
+    """Each block of an output channel's inputs has its own int8 scale (the activations'
+    blocks): a block of large weights coarsens its own step, not its neighbours'."""
+    w = torch.randn(20, 64) * 0.01
+    w[3, 40] = 5.0  # one large weight in block 2 of row 3
+    q, scale = w8a8.quantize_blocks(w, 16)
+    assert q.shape == (20, 64) and scale.shape == (20, 4)
+    assert scale[3, 2] == pytest.approx(5.0 / 127) and scale[3, 0] < 0.001
+    deq = (q.float().reshape(20, 4, 16) * scale[..., None]).reshape(20, 64)
+    err = (deq - w).abs()
+    assert err[3, :32].max() < 0.01 / 127 and err.max() <= scale.max() / 2 + 1e-7
+    packed = w8a8.pack_scales(scale)
+    assert packed.shape == (2, 4, 16)
+    assert packed[0, 2, 3] == scale[3, 2] and packed[1, 1, 3] == scale[19, 1]
+    assert (packed[1, :, 4:] == 0).all()  # the columns past N
+    assert torch.equal(w8a8.unpack_scales(packed, 20), scale)
 
 
 @runs
@@ -80,7 +105,8 @@ def _want(x, mod):
     qb = q.to(torch.int64).reshape(q.shape[0], -1, mod.block)
     wb = wq.reshape(n, -1, mod.block)
     sums = torch.einsum("mbk,nbk->mnb", qb.double(), wb.double())
-    y = (sums * d.double()[:, None, :]).sum(-1) * mod.weight_scale.double()
+    ws = w8a8.unpack_scales(mod.weight_scale, n).double()  # [n, blocks]
+    y = (sums * d.double()[:, None, :] * ws).sum(-1)
     return y if mod.bias is None else y + mod.bias.double()
 
 
@@ -145,6 +171,27 @@ def test_a_head_keeps_the_calibration():
     head = lm.head(src, 32)
     assert torch.equal(w8a8.calibrated(head), amax) and w8a8.applies(head, torch.bfloat16)
     assert tuning._shape_key(src, torch.bfloat16).endswith(":smooth")
+    w8a8.set_calibration(src, amax, 32)
+    assert w8a8.longest_block(lm.head(src, 32)) == 32
+
+
+def test_down_proj_is_calibrated_only_on_unquantised_weights():
+    """The calibrated layers: qkv, o and gate_up in any format, down_proj (in blocks of at
+    most 64) only where its weights are unquantised."""
+    def layer(fmt):
+        mlp, attn, block = nn.Module(), nn.Module(), nn.Module()
+        for parent, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
+                             (mlp, "down_proj")):
+            lin = nn.Linear(64, 64)
+            setattr(parent, name, Q.Int4Linear.from_linear(lin, 32) if fmt == "int4"
+                    else lin.to(torch.bfloat16))
+        block.self_attn, block.mlp = attn, mlp
+        return block
+    names = lambda m: sorted(n.rsplit(".", 1)[-1] for n in calibration._targets(m))  # noqa: E731
+    assert names(layer("bfloat16")) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert names(layer("int4")) == ["gate_up_proj", "o_proj", "qkv_proj"]
+    assert calibration._longest("layers.3.mlp.down_proj") == 64
+    assert calibration._longest("layers.3.mlp.gate_up_proj") == 128
 
 
 def test_the_tuner_takes_it_for_batches_and_prompts_only():
@@ -223,7 +270,7 @@ def test_calibration_covers_every_target_row_and_is_cached(model, tmp_path, monk
     def record(mod, args):
         seen[id(mod)] = args[0].shape[0]
     targets = list(calibration._targets(m).values())
-    assert len(targets) == 3 * len(m.layers)
+    assert len(targets) == 3 * len(m.layers)  # qkv, o, gate_up: int4 weights keep down_proj off
     hooks = [t.register_forward_pre_hook(record) for t in targets]
     try:
         assert calibration.calibrate(m, ids, KernelConfig(), cache) == len(targets)
@@ -263,7 +310,7 @@ def test_a_short_context_calibrates_on_what_fits():
     llm = LLM(max_model_len=96, kv_cache_memory=16 << 20, enable_prefix_caching=False)
     # The calibrated layers reached the tuner, which timed the w8a8 method on them (which
     # method it then picks is a measurement, not this test's business).
-    smooth = [s for s in llm.engine.executor.tuning.shapes if s.key.endswith(":smooth")]
+    smooth = [s for s in llm.engine.executor.tuning.shapes if ":smooth" in s.key]
     assert smooth
     assert all(min(s.times_us["w8a8"]) < float("inf") for s in smooth)
     out = llm.generate(["The capital of France is"],

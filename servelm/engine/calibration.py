@@ -25,14 +25,19 @@ from torch import nn
 
 from servelm.config import KernelConfig
 from servelm.layers import w8a8
+from servelm.layers.linear_methods import WeightFormat
 from servelm.tuning import _linear_layers
 
 logger = logging.getLogger(__name__)
 
-# The layers calibrated (by attribute name): attention's fused qkv and output projections
-# and the MLP's fused gate_up. down_proj is left out: its inputs (after the gate) keep
-# outliers a whole row of int8 cannot hold (docs/kernels.md, "w8a8").
-TARGETS = ("qkv_proj", "o_proj", "gate_up_proj")
+# The layers calibrated (by attribute name), each with the longest activation block its rows
+# are quantised in: attention's fused qkv and output projections and the MLP's fused gate_up
+# and down projections. down_proj, whose inputs (after the gate) keep the widest outliers, in
+# blocks of at most 64, and only where its weights are unquantised: an int4 / int8 source's
+# int8 copy rounds its codes a second time, which took Gemma-3-270M's int4 past the accuracy
+# bar (docs/kernels.md, "w8a8").
+TARGETS = {"qkv_proj": 128, "o_proj": 128, "gate_up_proj": 128, "down_proj": 64}
+UNQUANTISED_ONLY = ("down_proj",)
 TEXT = Path(__file__).with_name("calibration.txt")
 TOKENS = 512  # the calibration text's first tokens
 BLOCK = 16
@@ -45,8 +50,14 @@ def calibration_ids(tokenizer, tokens: int = TOKENS) -> list[int]:
 
 def _targets(model: nn.Module) -> dict[str, nn.Module]:
     """{qualified name: layer} of the linear layers calibrated (the tuner's sources named in
-    TARGETS)."""
-    return {qname: src for qname, _, name, src in _linear_layers(model) if name in TARGETS}
+    TARGETS, those in UNQUANTISED_ONLY only where their weights are)."""
+    return {qname: src for qname, _, name, src in _linear_layers(model) if name in TARGETS
+            and (name not in UNQUANTISED_ONLY or not WeightFormat.of(src).quantised)}
+
+
+def _longest(qname: str) -> int:
+    """The longest activation block of the target layer named qname."""
+    return TARGETS[qname.rsplit(".", 1)[-1]]
 
 
 def wanted(model: nn.Module, setting: str, device: torch.device, kernels: KernelConfig) -> bool:
@@ -78,7 +89,7 @@ def cache_file(directory: Path, checkpoint: str, dtype: torch.dtype, quantizatio
     files = sorted(p.iterdir()) if p.is_dir() else [p]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     key = json.dumps([VERSION, str(p.resolve()), stats, str(dtype), quantization, TARGETS,
-                      hashlib.sha256(str(token_ids).encode()).hexdigest()])
+                      UNQUANTISED_ONLY, hashlib.sha256(str(token_ids).encode()).hexdigest()])
     return directory / f"calibration-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -94,7 +105,7 @@ def _load(model: nn.Module, path: Path) -> int:
             saved[n].shape != (layers[n].in_features,) for n in saved):
         return 0
     for n, amax in saved.items():
-        setattr(layers[n], w8a8.AMAX, amax.float().contiguous())
+        w8a8.set_calibration(layers[n], amax.float().contiguous(), _longest(n))
     return len(saved)
 
 
@@ -132,7 +143,8 @@ def _measure(model: nn.Module, token_ids: list[int], kernels: KernelConfig) -> i
     from servelm.engine.model_runner import KVCache, ModelRunner, SeqInput
 
     t0 = time.perf_counter()
-    targets = list(_targets(model).values())
+    named = _targets(model)
+    targets = list(named.values())
     seen: dict[int, torch.Tensor] = {}
 
     def record(mod: nn.Module, args) -> None:
@@ -156,10 +168,10 @@ def _measure(model: nn.Module, token_ids: list[int], kernels: KernelConfig) -> i
         for h in hooks:
             h.remove()
     done = 0
-    for t in targets:
+    for n, t in named.items():
         amax = seen.get(id(t))
         if amax is not None and amax.shape[0] == t.in_features and torch.isfinite(amax).all():
-            setattr(t, w8a8.AMAX, amax.contiguous())
+            w8a8.set_calibration(t, amax.contiguous(), _longest(n))
             done += 1
     logger.info("int8 activations: %d layers calibrated on %d tokens in %.2f s", done,
                 len(token_ids), time.perf_counter() - t0)

@@ -18,7 +18,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | panels   | fp32, bf16, int4, int8 | servelm's AVX2 + FMA GEMM over the weight packed into 16-column panels (panels.cpp), 6 rows x 16 outputs in registers; int4 / int8 panels decoded to fp32 a K block at a time, once per call |
 | q8act    | int4 (groups a multiple of 32), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
 | bfp      | bf16 (bf16 activations only), int8 | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32, within bf16's output rounding of the bf16 product; int8 weights are their own mantissas (a byte each, widened as read) against 15-bit activation blocks |
-| w8a8     | calibrated layers (any format), bf16 activations, AVX-512 VNNI; from 23 rows | servelm's VNNI kernel (w8a8.cpp): per-channel int8 weights times activations smoothed (SmoothQuant) and quantised per call to int8 per block of up to 128 inputs; an int8 copy of the weights |
+| w8a8     | calibrated layers (any format), bf16 activations, AVX-512 VNNI; from 23 rows | servelm's VNNI kernel (w8a8.cpp): int8 weights scaled per channel and block times activations smoothed (SmoothQuant) and quantised per call to int8 per block of up to 128 inputs; an int8 copy of the weights |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
 Each method is a `LinearMethod` (its name, whether it applies, how it builds, its flags for
@@ -127,7 +127,7 @@ class WeightFormat:
             raise ValueError(f"head: n must be a multiple of 16 in 1..{src.out_features}, got {n}")
         out = self._head(src, n)
         if w8a8.calibrated(src) is not None:  # the same inputs: the same calibration
-            setattr(out, w8a8.AMAX, w8a8.calibrated(src))
+            w8a8.set_calibration(out, w8a8.calibrated(src), w8a8.longest_block(src))
         return out
 
     def _head(self, src: nn.Module, n: int) -> nn.Module:

@@ -1,26 +1,25 @@
-"""The "w8a8" linear method: int8 activations in blocks of up to 128 inputs times
-per-channel int8 weights, with SmoothQuant's smoothing, on AVX-512 VNNI
+"""The "w8a8" linear method: int8 activations in blocks of up to 128 inputs times int8
+weights scaled per output channel and block, with SmoothQuant's smoothing, on AVX-512 VNNI
 (kernels/csrc/w8a8.cpp), for the compute-bound calls (prompts) of the layers a
 calibration pass measured.
 
 q8act quantises activations per block of 32 inputs against int4 weights with a scale and a
 min per group of 32, and each block's fp32 scaling shares the vector pipes with its 8
 integer multiply-adds, little faster than bf16 arithmetic. Here the weights are int8 with
-one scale per output channel, so a block's int32 sums need only their activation scale,
-once per up to 128 inputs (32 multiply-adds a row): close to the int8 dot product's own
-rate (docs/kernels.md, "w8a8"). Longer activation blocks set a coarser step by their
-largest input, so each
-input channel j is first divided by s_j = amax_j^a / wmax_j^(1 - a) (amax_j: the channel's
-largest |activation| over a calibration text, wmax_j: its weights' largest |w|; a = ALPHA)
-and its weights multiplied by it (SmoothQuant): the same product, the activations'
-outlier channels migrated into the weights, which are quantised per output channel after.
-The division rides in the row's quantisation (no norm weights are rewritten, so o_proj,
-whose input no norm precedes, takes it too).
+one scale per output channel and activation block, so a block's int32 sums are scaled once
+per up to 128 inputs (32 multiply-adds a row): close to the int8 dot product's own rate
+(docs/kernels.md, "w8a8"). Longer activation blocks set a coarser step by their largest
+input, so each input channel j is first divided by s_j = amax_j^a / wmax_j^(1 - a) (amax_j:
+the channel's largest |activation| over a calibration text, wmax_j: its weights' largest
+|w|; a = ALPHA) and its weights multiplied by it (SmoothQuant): the same product, the
+activations' outlier channels migrated into the weights, which are quantised after, each
+block of an output channel to its own scale (so the migrated channels coarsen only their
+block's step). The division rides in the row's quantisation (no norm weights are
+rewritten, so o_proj and down_proj, whose inputs no norm precedes, take it too).
 
-Only layers with a calibration (`calibrated`, set by servelm.engine.calibration: qkv, o
-and gate_up) take it; down_proj, whose inputs (after the gate) keep outliers the blocks
-cannot hold, and the LM head stay on their methods (docs/kernels.md, "w8a8": the measured
-KL of each choice). It runs bf16 activations only, where the CPU has AVX-512 VNNI
+Only layers with a calibration (`calibrated`, set by servelm.engine.calibration: qkv, o,
+gate_up and down) take it; the LM head stays on its method (docs/kernels.md, "w8a8": the
+measured KL of each choice). It runs bf16 activations only, where the CPU has AVX-512 VNNI
 (int8_dot) and the kernel builds; the tuner may choose it for the prompt-sized bucket,
 where it measures fastest, like any method.
 """
@@ -37,6 +36,7 @@ from servelm.quantization.formats import fp32_weight
 
 ALPHA = 0.65          # SmoothQuant's migration strength
 AMAX = "act_amax"     # a source's calibration: fp32 [in_features], max |x| per input channel
+LONGEST = "act_block"  # a source's longest activation block, where its calibration set one
 _FLAGS = ("avx512_vnni",)  # the kernel's vpdpbusd (AMX-INT8 CPUs have it too)
 BLOCKS = (128, 96, 64, 32, 16)  # activation block sizes: the largest dividing K is used
 
@@ -63,9 +63,31 @@ def calibrated(src: nn.Module) -> torch.Tensor | None:
     return getattr(src, AMAX, None)
 
 
-def block_size(k: int) -> int:
-    """The activation block for in_features k: the largest of BLOCKS dividing it (0: none)."""
-    return next((b for b in BLOCKS if k % b == 0), 0)
+def longest_block(src: nn.Module) -> int:
+    """The longest activation block the source's calibration allows (BLOCKS[0] unless it set
+    a shorter one: down_proj, servelm.engine.calibration.TARGETS)."""
+    return getattr(src, LONGEST, BLOCKS[0])
+
+
+def set_calibration(src: nn.Module, amax: torch.Tensor, longest: int = BLOCKS[0]) -> None:
+    """Gives the source its calibration: channel maxima amax [in_features] and the longest
+    activation block its rows are quantised in."""
+    setattr(src, AMAX, amax)
+    if longest != BLOCKS[0]:
+        setattr(src, LONGEST, longest)
+    elif hasattr(src, LONGEST):
+        delattr(src, LONGEST)
+
+
+def block_size(k: int, longest: int = BLOCKS[0]) -> int:
+    """The activation block for in_features k: the largest of BLOCKS up to `longest` dividing
+    it (0: none)."""
+    return next((b for b in BLOCKS if b <= longest and k % b == 0), 0)
+
+
+def layer_block(src: nn.Module) -> int:
+    """The activation block of a calibrated source (0: none fits its in_features)."""
+    return block_size(src.in_features, longest_block(src))
 
 
 def applies(src: nn.Module, act: torch.dtype) -> bool:
@@ -73,7 +95,7 @@ def applies(src: nn.Module, act: torch.dtype) -> bool:
     CPU has AVX-512 VNNI and the kernel builds (the registry asks only for CPU layers:
     LinearMethod.applies)."""
     return (act == torch.bfloat16 and calibrated(src) is not None
-            and block_size(src.in_features) > 0 and int8_dot() and available())
+            and layer_block(src) > 0 and int8_dot() and available())
 
 
 def smoothing(amax: torch.Tensor, w: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
@@ -83,10 +105,30 @@ def smoothing(amax: torch.Tensor, w: torch.Tensor, alpha: float = ALPHA) -> torc
     return (amax.float().clamp_min(1e-5) ** alpha / wmax ** (1 - alpha)).clamp_min(1e-5)
 
 
-def quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] fp32 -> (int8 [N, K], scale fp32 [N]): symmetric, per output channel."""
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.float()
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] fp32 -> (int8 [N, K], scale fp32 [N, K / block]): symmetric, per output channel
+    and block of `block` inputs (the activations' blocks, so the kernel scales each block's
+    int32 sums once: the smoothing's large factors coarsen only their own block's step)."""
+    n, k = w.shape
+    wb = w.reshape(n, k // block, block)
+    scale = (wb.abs().amax(-1) / 127).clamp_min(1e-12)
+    q = torch.round(wb / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scale.float()
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, NB] -> the kernel's [ceil(N / 16), NB, 16] (panel, block, column), the
+    columns past N zeros."""
+    n, nb = scale.shape
+    pad = -n % 16
+    if pad:
+        scale = torch.cat([scale, scale.new_zeros(pad, nb)])
+    return scale.reshape(-1, 16, nb).permute(0, 2, 1).contiguous()
+
+
+def unpack_scales(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_scales' inverse: fp32 [out_features, NB]."""
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features]
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -112,7 +154,8 @@ def reference(x: torch.Tensor, inv: torch.Tensor, block: int) -> tuple[torch.Ten
 
 class W8A8Linear(nn.Module):
     """A calibrated layer on w8a8.cpp: its weights (the source's, dequantised: int4, int8 or
-    plain) smoothed and quantised per output channel to int8, in the kernel's panels (an
+    plain) smoothed and quantised to int8 per output channel and activation block (their
+    scales in pack_scales' order), in the kernel's panels (an
     int8 copy, twice an int4 layer's bytes: the tuner counts it as a dequantised copy),
     1 / s and the bias in fp32."""
 
@@ -135,10 +178,10 @@ class W8A8Linear(nn.Module):
         w = fp32_weight(src)
         alpha = ALPHA if alpha is None else alpha
         s = smoothing(amax, w, alpha)
-        q, scale = quantize_channels(w * s)
-        self.block = block_size(self.in_features)
+        self.block = layer_block(src)
+        q, scale = quantize_blocks(w * s, self.block)
         self.register_buffer("weight", pack(q))
-        self.register_buffer("weight_scale", scale.contiguous())
+        self.register_buffer("weight_scale", pack_scales(scale))
         self.register_buffer("inv_scale", (1.0 / s).float().contiguous())
         b = src.bias
         self.register_buffer("bias", None if b is None else b.detach().float().clone())

@@ -145,8 +145,8 @@ class _EngineCollector:
                                         "with int8 activations.", value=hw.q8act_ops)
             if hw.w8a8_ops:
                 yield GaugeMetricFamily("servelm_roofline_w8a8_ops_per_second",
-                                        "The w8a8 kernel's rate: the compute roof of qkv, o "
-                                        "and gate_up with int8 activations.", value=hw.w8a8_ops)
+                                        "The w8a8 kernel's rate: the compute roof of the "
+                                        "layers on int8 activations.", value=hw.w8a8_ops)
             if s.stats.decode_seconds:
                 yield GaugeMetricFamily(
                     "servelm_decode_bandwidth_utilization",

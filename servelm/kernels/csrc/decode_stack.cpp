@@ -299,8 +299,9 @@ void check_q8act(const at::Tensor& qweight, const at::Tensor& scales, const at::
                 "q8act scales/mins must be contiguous float16 [ceil(N/16), K/group_size, 16]");
 }
 
-// w8a8's panels: uint8 [ceil(N / 16), K / 4, 16, 4], the weight scales and 1 / the
-// smoothing factors float32 [N] and [K] (as servelm_w8a8.linear takes them).
+// w8a8's panels: uint8 [ceil(N / 16), K / 4, 16, 4], the weight scales float32
+// [ceil(N / 16), K / B, 16] and 1 / the smoothing factors float32 [K] (as servelm_w8a8.linear
+// takes them).
 void check_w8a8(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& inv, int64_t N,
                 int64_t B, int64_t K) {
 #ifndef SERVELM_W8A8
@@ -312,8 +313,8 @@ void check_w8a8(const at::Tensor& packed, const at::Tensor& scales, const at::Te
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == NP * 16 * K,
               "w8a8 weight must be contiguous uint8 [ceil(N/16), K/4, 16, 4]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
-              "w8a8 weight scales must be contiguous float32 [N]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == NP * (K / B) * 16,
+              "w8a8 weight scales must be contiguous float32 [ceil(N/16), K/B, 16]");
   TORCH_CHECK(inv.scalar_type() == at::kFloat && inv.is_contiguous() && inv.numel() == K,
               "w8a8 inverse smoothing factors must be contiguous float32 [K]");
 }

@@ -9,10 +9,11 @@
 //   d = max|a| / 127, q = round-to-nearest-even(a * (127 / max|a|)), all in fp32 (a block of
 //   zeros gives d = 0, q = 0).
 // weight: uint8 [ceil(N / 16), K / 4, 16, 4]: panels of 16 outputs; byte (k4, o, t) holds
-//   w[o][4 k4 + t] + 128, w the smoothed weights (w * s) quantised per output channel to int8
-//   (weight_scale fp32 [N]: w * s ~ w_int8 * weight_scale; servelm/layers/w8a8.py packs them).
-//   The columns past N are zeros.
-// y = weight_scale * sum over blocks of d * (the block's int32 sum of w_int8 q) + bias: the
+//   w[o][4 k4 + t] + 128, w the smoothed weights (w * s) quantised to int8 per output channel
+//   and block of `block` inputs, the activations' blocks (weight_scale fp32
+//   [ceil(N / 16), K / block, 16]: panel, block, column; w * s ~ w_int8 * the scale of its
+//   column and block; servelm/layers/w8a8.py packs them). The columns past N are zeros.
+// y = sum over blocks of d * weight_scale * (the block's int32 sum of w_int8 q) + bias: the
 //   block sums exact in int32 (VNNI's vpdpbusd, unsigned weight bytes times signed
 //   activations, less 128 sum(q)), chained over the blocks in fp32 in order, so a row's result
 //   is the same bits whatever the row count and whatever rows share its call; y in x's dtype,
@@ -82,8 +83,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& inv, const at::Tenso
                   weight.is_contiguous() && weight.size(0) == NP && weight.size(1) * 4 == K &&
                   weight.size(2) == w8a8::kNR && weight.size(3) == 4,
               name, ": weight must be contiguous uint8 [ceil(out_features / 16), in_features / 4, 16, 4]");
-  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() && wscale.numel() == N,
-              name, ": weight_scale must be contiguous float32 [out_features]");
+  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() &&
+                  wscale.numel() == NP * (K / block) * w8a8::kNR,
+              name, ": weight_scale must be contiguous float32 [ceil(out_features / 16), in_features / block, 16]");
   at::Tensor bf;
   if (bias && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, name, ": bias must have out_features elements");

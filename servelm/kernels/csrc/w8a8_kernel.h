@@ -70,9 +70,10 @@ inline void store16(c10::BFloat16* c, __m512 v, int n) {
 }
 
 // Rows [0, R) of q (leading dimension K; d, cs: [R, NB]) against one panel w (uint8
-// [K / 4, 16, 4]: byte (k4, o, t) = weight[o][4 k4 + t] + 128) -> c (leading dimension ldc,
-// ncols real columns): per block, the int32 sums less the offset's 128 sum(q), times d,
-// chained in fp32 in block order; then times the columns' weight scales, plus the bias.
+// [K / 4, 16, 4]: byte (k4, o, t) = weight[o][4 k4 + t] + 128; ws fp32 [NB, 16]: each
+// block's weight scales of the panel's columns) -> c (leading dimension ldc, ncols real
+// columns): per block, the int32 sums less the offset's 128 sum(q), times d times the
+// block's weight scales, chained in fp32 in block order; then plus the bias.
 template <int R, typename O>
 inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K, int64_t B,
                   const uint8_t* w, const float* ws, const float* bias, O* c, int64_t ldc, int ncols) {
@@ -92,24 +93,20 @@ inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
         acc[r] = _mm512_dpbusd_epi32(acc[r], wv, _mm512_set1_epi32(a));
       }
     }
+    const __m512 wsv = _mm512_loadu_ps(ws + b * kNR);
     for (int r = 0; r < R; ++r)
       f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], _mm512_set1_epi32(cs[r * NB + b]))),
-                             _mm512_set1_ps(d[r * NB + b]), f[r]);
+                             _mm512_mul_ps(_mm512_set1_ps(d[r * NB + b]), wsv), f[r]);
   }
-  __m512 wsv, bv = _mm512_setzero_ps();
-  if (ncols == kNR) {
-    wsv = _mm512_loadu_ps(ws);
-    if (bias) bv = _mm512_loadu_ps(bias);
-  } else {
-    const __mmask16 m = static_cast<__mmask16>((1u << ncols) - 1);
-    wsv = _mm512_maskz_loadu_ps(m, ws);
-    if (bias) bv = _mm512_maskz_loadu_ps(m, bias);
+  if (bias) {
+    const __m512 bv = ncols == kNR ? _mm512_loadu_ps(bias)
+                                   : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << ncols) - 1), bias);
+    for (int r = 0; r < R; ++r) f[r] = _mm512_add_ps(f[r], bv);
   }
-  for (int r = 0; r < R; ++r)
-    store16(c + r * ldc, bias ? _mm512_fmadd_ps(f[r], wsv, bv) : _mm512_mul_ps(f[r], wsv), ncols);
+  for (int r = 0; r < R; ++r) store16(c + r * ldc, f[r], ncols);
 }
 
-// Panels [p0, p1) of the weights for all M rows of q.
+// Panels [p0, p1) of the weights for all M rows of q (ws fp32 [ceil(N / 16), NB, 16]).
 template <typename O>
 inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0,
@@ -117,14 +114,15 @@ inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uin
   const int64_t NB = K / B;
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* wp = w + p * K * kNR;
+    const float* wsp = ws + p * NB * kNR;
     const int64_t n0 = p * kNR;
     const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - n0));
     const float* bp = bias ? bias + n0 : nullptr;
     int64_t m = 0;
     for (; m + kMR <= M; m += kMR)
-      micro<kMR>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, ws + n0, bp, out + m * N + n0, N, ncols);
+      micro<kMR>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols);
 #define SERVELM_TAIL(r) \
-  case r: micro<r>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, ws + n0, bp, out + m * N + n0, N, ncols); break;
+  case r: micro<r>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
     switch (M - m) {
       SERVELM_TAIL(7) SERVELM_TAIL(6) SERVELM_TAIL(5) SERVELM_TAIL(4)
       SERVELM_TAIL(3) SERVELM_TAIL(2) SERVELM_TAIL(1)
