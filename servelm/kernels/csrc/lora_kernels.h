@@ -180,23 +180,27 @@ template <> inline void st16<c10::BFloat16>(c10::BFloat16* p, __m512 v, __mmask1
 // partial chunk masked), then (acc0 + acc1) + (acc2 + acc3) summed across lanes.
 template <typename T, int NR>
 inline void dot_rows(const T* a, const T* const* x, int64_t K, float* out) {
+  // Every loop over acc unrolled, so its sums live in registers.
   __m512 acc[NR][4];
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64)
+#pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       const __m512 av = ld16<T>(a + k + 16 * u);
+#pragma GCC unroll 16
       for (int r = 0; r < NR; ++r) acc[r][u] = _mm512_fmadd_ps(av, ld16<T>(x[r] + k + 16 * u), acc[r][u]);
     }
-  int u = 0;
-  for (; k + 16 <= K; k += 16, ++u) {
-    const __m512 av = ld16<T>(a + k);
-    for (int r = 0; r < NR; ++r) acc[r][u] = _mm512_fmadd_ps(av, ld16<T>(x[r] + k), acc[r][u]);
-  }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+  // The tail (under 64): chunk u of 16 (the last masked) to accumulator u.
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u, k += 16) {
+    if (k >= K) break;
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
     const __m512 av = ld16<T>(a + k, m);
+#pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) acc[r][u] = _mm512_fmadd_ps(av, ld16<T>(x[r] + k, m), acc[r][u]);
   }
   for (int r = 0; r < NR; ++r)

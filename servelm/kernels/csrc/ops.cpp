@@ -446,7 +446,10 @@ template <bool kDp, int DT>
 inline __m512 prefill_scores16(const void* qpk, const void* kc, int d_rt, float scale, float cap,
                                int key0, const PrefillTile& t, float* s) {
   const int D = DT ? DT : d_rt;
+  // Every loop over a[] unrolled, so the 16 sums live in registers: a rolled one would have
+  // them indexed in memory, and the compiler then stores each sum back after every update.
   __m512 a[16];
+#pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
   if constexpr (kDp) {
@@ -474,6 +477,7 @@ inline __m512 prefill_scores16(const void* qpk, const void* kc, int d_rt, float 
   __m512 mx = _mm512_set1_ps(kNegBig);
   const bool masked = key0 + 15 > t.pos_min || key0 < t.lo_max;
   const __m512i qp = _mm512_loadu_si512(t.pos), lo = _mm512_loadu_si512(t.lo);
+#pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) {
     __m512 x = _mm512_mul_ps(a[j], sv);
     if (cap > 0.f) x = softcap512(x, cap);
@@ -587,7 +591,8 @@ inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float 
   const __m256i lo0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.lo));
   const __m256i lo1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.lo + 8));
   for (int j0 = 0; j0 < 16; j0 += 4) {
-    __m256 a[4][2];
+    __m256 a[4][2];  // every loop over it unrolled: the sums stay in registers
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
     const float* kj = k + j0 * D;
     for (int d = 0; d < D; ++d) {
@@ -600,6 +605,7 @@ inline void prefill_scores16_avx2(const float* qp, const float* k, int D, float 
         a[j][1] = _mm256_fmadd_ps(q1, kv, a[j][1]);
       }
     }
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m256 x0 = _mm256_mul_ps(a[j][0], sv), x1 = _mm256_mul_ps(a[j][1], sv);
       if (cap > 0.f) x0 = softcap256(x0, cap), x1 = softcap256(x1, cap);
@@ -658,7 +664,8 @@ inline void prefill_softmax_avx2(float* s, int nk, int key0, PrefillTile& t, con
 inline void prefill_pv_avx2(float* o, const __m256* al, bool rescale, const float* p, const float* v,
                             int nk, int D) {
   for (int c = 0; c < D; c += 4) {
-    __m256 a[4][2];
+    __m256 a[4][2];  // every loop over it unrolled: the sums stay in registers
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       a[i][0] = _mm256_load_ps(o + (c + i) * 16);
       a[i][1] = _mm256_load_ps(o + (c + i) * 16 + 8);
@@ -675,6 +682,7 @@ inline void prefill_pv_avx2(float* o, const __m256* al, bool rescale, const floa
         a[i][1] = _mm256_fmadd_ps(p1, vb, a[i][1]);
       }
     }
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       _mm256_store_ps(o + (c + i) * 16, a[i][0]);
       _mm256_store_ps(o + (c + i) * 16 + 8, a[i][1]);
