@@ -186,3 +186,33 @@ def test_kv_cache_commits_its_pool_in_block_order_keeping_contents(dtype):
         assert _resident_kb(kv.scales.data_ptr(), scales) >= scales // 1024
     assert int(k0[4999, 3].eq(1).sum()) == k0[4999, 3].numel()
     assert int(kv.data.ne(0).sum()) == k0[4999, 3].numel()
+
+
+def test_the_server_commits_the_pool_at_start_within_its_budget(monkeypatch):
+    """LLMEngine.commit_pool: the pool's units until none is left, or until the time is up
+    (the rest for the idle loop); nothing where commit_while_idle is off."""
+    from types import SimpleNamespace
+
+    from servelm.engine import engine as engine_mod
+    from servelm.engine.engine import LLMEngine
+
+    class Pool:
+        def __init__(self, units):
+            self.units = units
+
+        def commit_next(self):
+            self.units -= 1
+            return self.units > 0
+
+    def fake(units, on=True):
+        cache = SimpleNamespace(commit_while_idle=on)
+        return SimpleNamespace(config=SimpleNamespace(cache=cache),
+                               executor=SimpleNamespace(kv_cache=Pool(units)))
+    e = fake(40)
+    assert LLMEngine.commit_pool(e, 60.0) is False and e.executor.kv_cache.units == 0
+    e = fake(40, on=False)
+    assert LLMEngine.commit_pool(e, 60.0) is False and e.executor.kv_cache.units == 40
+    clock = iter(range(1000))  # one second a call: the budget runs out after 3 units
+    monkeypatch.setattr(engine_mod.time, "monotonic", lambda: next(clock))
+    e = fake(40)
+    assert LLMEngine.commit_pool(e, 3.0) is True and e.executor.kv_cache.units == 37

@@ -684,6 +684,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def commit_pool(self, seconds: float) -> bool:
+        """Commit the KV pool's memory (CacheConfig.commit_while_idle) for at most `seconds`:
+        the server's start, before it reports ready, so the first prompts after it do not
+        pay first-touch faults inside their steps (a fresh pool's blocks are handed out in
+        the order committed). Returns whether any is left for the idle loop."""
+        if not self.config.cache.commit_while_idle:
+            return False
+        deadline = time.monotonic() + seconds
+        while self.executor.kv_cache.commit_next():
+            if time.monotonic() >= deadline:
+                return True
+        return False
+
     def commit_idle(self) -> bool:
         """Idle work, one slice at a time: commit the next part of the KV pool's memory
         (CacheConfig.commit_while_idle), then a piece of re-tuning the linear methods

@@ -68,6 +68,12 @@ def kv_transfer_config(args):
                             timeout=args.kv_transfer_timeout)
 
 
+# The KV pool's memory committed before the server reports ready, for at most this long (the
+# rest while it idles: LLMEngine.commit_pool): a client that starts right away, as a
+# benchmark does, would otherwise pay first-touch faults in its first prompts' steps.
+COMMIT_AT_START_S = 1.0
+
+
 def _build_engine(args, build_llm):
     """The engine, with the machine's roofline figures (given, or measured in about a
     second) so /metrics can report utilisation."""
@@ -89,6 +95,7 @@ def _build_engine(args, build_llm):
         from servelm.roofline import ridge_tokens
 
         engine.speculator.ridge_tokens = ridge_tokens(engine.shape, engine.hardware)
+    engine.commit_pool(COMMIT_AT_START_S)
     return engine
 
 
