@@ -45,7 +45,7 @@ def test_blocks_read_and_written_as_bytes(llm, dtype):
     assert a.layout() == b.layout() and a.block_bytes == KVCache.bytes_per_block(cfg, BS, dtype)
     data = a.read_blocks([4, 1, 2])
     assert data.dtype == torch.uint8 and data.numel() == 3 * a.block_bytes
-    b.write_blocks([0, 5], data, first=1)  # blocks 1 and 2 of the three; the first is kept
+    b.write_blocks([0, 5], data, rows=[1, 2])  # entries 1 and 2 of the three; the first unused
     for ra, rb in zip(a._regions, b._regions):
         assert torch.equal(rb[0].view(torch.uint8), ra[1].view(torch.uint8))
         assert torch.equal(rb[5].view(torch.uint8), ra[2].view(torch.uint8))

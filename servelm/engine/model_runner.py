@@ -256,21 +256,20 @@ class KVCache:
         return torch.cat(parts).cpu()
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor,
-                     first: int | list[int] = 0) -> None:
-        """Write read_blocks' bytes of some n blocks into `blocks`, which receive the n
-        blocks' entries from index `first` on (those before it are kept as they are), or
-        the entries at the indices `first` lists (one a block)."""
-        rows = first if isinstance(first, list) else None
-        n = data.numel() // max(self.block_bytes, 1) if rows is not None else first + len(blocks)
+                     rows: list[int] | None = None) -> None:
+        """Write read_blocks' bytes of some n blocks into `blocks`: block i receives entry
+        rows[i] of the n (default: entry i, the n being the blocks)."""
+        n = len(blocks) if rows is None else data.numel() // max(self.block_bytes, 1)
+        rows = list(range(n)) if rows is None else rows
         if data.dtype != torch.uint8 or data.numel() != n * self.block_bytes or (
-                rows is not None and (len(rows) != len(blocks) or any(not 0 <= r < n for r in rows))):
+                len(rows) != len(blocks) or any(not 0 <= r < n for r in rows)):
             raise ValueError(f"{data.numel()} bytes of {data.dtype} do not hold {n} blocks "
                              f"of {self.block_bytes} bytes")
         if not blocks:
             return
         device = self._regions[0].device
         idx = torch.tensor(blocks, dtype=torch.long, device=device)
-        src = torch.tensor(rows if rows is not None else range(first, n), dtype=torch.long)
+        src = torch.tensor(rows, dtype=torch.long)
         at = 0
         for r in self._regions:
             dst = _bytes(r)
