@@ -67,14 +67,15 @@ def test_block_size_is_the_largest_dividing_in_features():
 def test_weights_are_scaled_per_output_channel_and_block():
     """Each block of an output channel's inputs has its own int8 scale (the activations'
     blocks): a block of large weights coarsens its own step, not its neighbours'."""
-    w = torch.randn(20, 64) * 0.01
+    w = torch.randn(20, 64, generator=torch.Generator().manual_seed(0)) * 0.01
     w[3, 40] = 5.0  # one large weight in block 2 of row 3
     q, scale = w8a8.quantize_blocks(w, 16)
     assert q.shape == (20, 64) and scale.shape == (20, 4)
-    assert scale[3, 2] == pytest.approx(5.0 / 127) and scale[3, 0] < 0.001
+    assert scale[3, 2] == pytest.approx(5.0 / 127) and scale[3, :2].max() < 0.001
     deq = (q.float().reshape(20, 4, 16) * scale[..., None]).reshape(20, 64)
-    err = (deq - w).abs()
-    assert err[3, :32].max() < 0.01 / 127 and err.max() <= scale.max() / 2 + 1e-7
+    err = (deq - w).abs().reshape(20, 4, 16)
+    # each block within half its own step: row 3's first blocks keep their fine one
+    assert (err <= scale[..., None] / 2 + 1e-9).all()
     packed = w8a8.pack_scales(scale)
     assert packed.shape == (2, 4, 16)
     assert packed[0, 2, 3] == scale[3, 2] and packed[1, 1, 3] == scale[19, 1]
