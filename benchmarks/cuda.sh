@@ -3,7 +3,8 @@
 # (captured decode graphs against the eager path, the Triton attention kernels and their
 # model options (windows, chunks, soft-caps, sinks), int4
 # dequantisation and int8 matmul, the int4/int8 CUDA layers, the sampler, the whole engine
-# against transformers, int4 and int8 served),
+# against transformers, int4 and int8 served, int8 activations' Triton kernels and start-up
+# choice),
 # then benchmarks/synthetic.py on random weights of real shapes (the embedded model's file
 # is not needed): CUDA graphs against eager decode, side by side, each weight format, and
 # transformers of the same shape. Runs from a checkout without installing it.
@@ -32,6 +33,9 @@ timeout 150 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_cuda_gra
     "tests/test_quantization.py::test_quantized_layers_take_inputs_without_rows" \
     "tests/test_sampler.py::test_cuda_matches_cpu_paths" tests/test_triton_quant.py \
     tests/test_engine_cuda.py 2>&1 | tee "$out/tests.log"
+# Int8 activations (w8a8's Triton form) and the start-up choice of the layers that run it.
+timeout 90 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_w8a8.py -k "triton or cuda" \
+    2>&1 | tee -a "$out/tests.log"
 # Triton's attention against the reference with windows, chunks, soft-caps and sinks (the
 # cpu backends' cases skip: no C++ kernels here).
 timeout 120 $py -m pytest -q -p no:cacheprovider $pt_timeout tests/test_attention.py \
@@ -54,6 +58,8 @@ bench 90 --shape llama3-8b --batch 1,64 --transformers
 bench 60 --shape llama3-8b --batch 64 --context 1000 --modes eager,gather
 echo "== int4 kernels by rows" | tee -a "$out/synthetic.log"
 timeout 45 $py benchmarks/cuda_int4.py 2>&1 | tee -a "$out/synthetic.log"
+echo "== w8a8 (int8 activations) by rows" | tee -a "$out/synthetic.log"
+timeout 60 $py benchmarks/cuda_w8a8.py 2>&1 | tee -a "$out/synthetic.log"
 bench 60 --shape llama3-8b --quantization int4 --batch 1,64
 bench 40 --shape smollm2-135m --quantization int4 --batch 1,64
 bench 60 --shape llama3-8b --quantization int8 --batch 1,64

@@ -473,14 +473,14 @@ class KernelConfig:
     # gate_up layers (and down_proj on unquantised weights) calibrated at start-up on a
     # built-in text (servelm.engine.calibration),
     # then the w8a8 method (servelm.layers.w8a8) is one more the tuner measures (bf16
-    # activations, AVX-512 VNNI); off: never, and the outputs keep the bf16 (or q8act's)
-    # activations at every row count.
+    # activations, AVX-512 VNNI; on CUDA its Triton form, servelm.tuning_cuda); off: never,
+    # and the outputs keep the bf16 (or q8act's) activations at every row count.
     int8_activations: str = option(
         "auto", choices=INT8_ACTIVATIONS,
         help="int8 activations (SmoothQuant-smoothed, blocks of up to 128 inputs) for the "
              "qkv, o and gate_up layers (and down_proj on bf16 weights) of prompts and "
-             "batches, where the CPU has AVX-512 VNNI and the tuner measures them faster "
-             "(auto), or never (off)")
+             "batches, where the CPU has AVX-512 VNNI (or the GPU int8 tensor cores) and "
+             "they measure faster (auto), or never (off)")
     # Structured outputs: the next-token masks of the step's constrained rows computed on a
     # background thread while the forward runs (structured_outputs.MaskPrefetch).
     overlap_grammar_masks: bool = option(

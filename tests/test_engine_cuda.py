@@ -103,3 +103,31 @@ def test_quantized_weights_serve_on_cuda(checkpoint, quantization):
         [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in q] == [STEPS] * len(prompts)
     assert all(0 <= t < 503 for o in q for t in o.outputs[0].token_ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_int8_activations_on_cuda_are_measured_and_serve(checkpoint, quantization):
+    """bf16 and int4 weights on CUDA: the calibrated layers' shapes timed on w8a8's Triton
+    form at the batch and prompt buckets (none failing its known-answer check), the layers
+    that took it holding it for those rows alone, and every request served, the first
+    greedy tokens those of the engine without int8 activations (peaked logits)."""
+    path, _, prompts = checkpoint
+    kw = dict(model=path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20,
+              max_model_len=512, quantization=quantization)
+    llm = LLM(**kw)
+    smooth = [s for s in llm.engine.executor.tuning.shapes if ":smooth" in s.key]
+    assert smooth and not any(s.failed for s in smooth)
+    assert all(t < float("inf") for s in smooth for t in s.times_us["w8a8"][2:])
+    from servelm.layers import w8a8
+    from servelm.layers.linear_methods import BucketedLinear
+    for m in llm.engine.executor.model.modules():
+        if isinstance(m, BucketedLinear):
+            assert not isinstance(m.module_for(1), w8a8.W8A8TritonLinear)
+            assert isinstance(m.module_for(512), w8a8.W8A8TritonLinear) == (m.methods[3] == "w8a8")
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    off = [o.outputs[0].token_ids for o in LLM(int8_activations="off", **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    assert [len(g) for g in got] == [STEPS] * len(prompts)
+    assert all(g[:4] == o[:4] for g, o in zip(got, off)), (got, off)

@@ -85,3 +85,74 @@ def test_int8_linear_rejects_operands_that_disagree():
         triton_quant.int8_linear(torch.randn(2, 128).to(DEV), q.to(DEV), s.to(DEV))
     empty = triton_quant.int8_linear(torch.randn(0, 128).to(DEV, bf), q.to(DEV), s.to(DEV))
     assert empty.shape == (0, 32)
+
+
+def _w8a8_case(m, n, k, block, seed):
+    g = torch.Generator().manual_seed(seed)
+    inv = torch.rand(k, generator=g) + 0.5
+    x = torch.randn(m, k, generator=g) * (torch.rand(k, generator=g) * 4)
+    x[:, 3] *= 30  # an outlier channel: its blocks' step is coarser
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, k // block, generator=g) / 100
+    return x, inv, q, s, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("m,k,block", [(1, 64, 16), (17, 192, 96), (40, 256, 128),
+                                       (5, 96, 32), (3, 128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_w8a8_quantize_is_the_cpu_rounding(m, k, block, dtype):
+    """Each block's scale d = max|x * inv| / 127 exactly, and its codes round-to-nearest-even
+    of x * inv / d, as servelm.layers.w8a8.reference (and the CPU kernel) computes them; a
+    row of zeros quantises to zeros. On CUDA a fused multiply-add may round a product a
+    hair's breadth from a half the other way: codes within one, rarely."""
+    from servelm.layers import w8a8
+
+    x, inv, *_ = _w8a8_case(m, k, k, block, m * k)
+    x = x.to(dtype)
+    x[0, :block] = 0
+    q, d = triton_quant.w8a8_quantize(x.to(DEV), inv.to(DEV), block)
+    rq, rd = w8a8.reference(x, inv, block)
+    assert q.dtype == torch.int8 and q.shape == (m, k) and d.shape == (m, k // block)
+    assert torch.equal(d.cpu(), rd) and d[0, 0] == 0 and not q[0, :block].any()
+    diff = (q.cpu().int() - rq.int()).abs()
+    assert diff.max() <= 1 and (diff.sum() == 0 if DEV.type == "cpu" else diff.sum() <= 2)
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 40, 64, 16), (17, 33, 192, 96), (70, 130, 256, 128),
+                                         (5, 64, 320, 64), (33, 16, 96, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_linear_is_its_integer_arithmetic(m, n, k, block, dtype, with_bias):
+    """Rows and columns past a tile's end, blocks of 16 to 128 inputs (96: three 32-input
+    dot products a block): each block's exact integer sum times the row's d and the
+    column's block scale, summed over the blocks (+ bias), within fp32's rounding, then the
+    output dtype's (one step: Triton's interpreter truncates to bf16)."""
+    from servelm.layers import w8a8
+
+    x, inv, q, s, b = _w8a8_case(m, n, k, block, m * n + k)
+    x = x.to(dtype)
+    bias = b if with_bias else None
+    y = triton_quant.w8a8_linear(x.to(DEV), inv.to(DEV), q.to(DEV), s.to(DEV), block,
+                                 None if bias is None else bias.to(DEV))
+    assert y.shape == (m, n) and y.dtype == dtype
+    xq, d = w8a8.reference(x, inv, block)
+    sums = torch.einsum("mbk,nbk->mnb", xq.double().reshape(m, -1, block),
+                        q.double().reshape(n, -1, block))
+    want = (sums * d.double()[:, None, :] * s.double()[None]).sum(-1)
+    if bias is not None:
+        want = want + bias.double()
+    step = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    tol = step * want.abs() + 1e-5 * want.abs().max()
+    assert ((y.cpu().double() - want).abs() <= tol).all()
+
+
+def test_w8a8_rejects_operands_that_disagree():
+    x, inv, q, s, b = _w8a8_case(4, 32, 128, 64, 0)
+    with pytest.raises(ValueError, match="do not agree"):
+        triton_quant.w8a8_linear(x, inv, q, s, 32, b)  # scales are per 64 inputs
+    with pytest.raises(ValueError, match="do not agree"):
+        triton_quant.w8a8_linear(x, inv, q.float(), s, 64, b)
+    with pytest.raises(ValueError, match="do not agree"):
+        triton_quant.w8a8_quantize(x, inv, 48)  # not a block that divides K
+    with pytest.raises(ValueError, match="do not agree"):
+        triton_quant.w8a8_quantize(x, inv[:64], 64)

@@ -235,6 +235,114 @@ def test_known_answer_inputs_follow_the_calibration():
     assert tuning.check_input(bare, 4, torch.Generator(), torch.bfloat16).dtype == torch.bfloat16
 
 
+# ---------------------------------------------------------------- the Triton form (CUDA)
+
+triton = pytest.mark.skipif(not __import__("servelm.kernels.triton_quant", fromlist=["x"]).available(),
+                            reason="needs Triton (its interpreter runs it on CPU tensors)")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled there
+
+
+@triton
+@pytest.mark.parametrize("fmt,n,k,bias", [("int4", 48, 576, False), ("int8", 40, 192, True),
+                                          ("bfloat16", 33, 256, True)])
+def test_the_triton_form_holds_the_cpu_kernels_weights_and_arithmetic(fmt, n, k, bias):
+    """W8A8TritonLinear's int8 weights and block scales are the CPU kernel's (unpacked), and
+    it computes the same blocks' integer sums, scaled: the fp64 arithmetic within fp32's
+    rounding, bf16 within one step."""
+    src, amax = _calibrated(n, k, bias, fmt)
+    mod = w8a8.W8A8TritonLinear(src)  # built from the CPU source, run where Triton compiles
+    block, q, scale, inv, b = w8a8.smoothed(src)
+    assert mod.block == block and torch.equal(mod.weight, q) and torch.equal(mod.inv_scale, inv)
+    if w8a8.available() and w8a8.int8_dot():
+        cpu = w8a8.W8A8Linear(src)
+        packed = cpu.weight.permute(0, 2, 1, 3).reshape(-1, k)[:n].to(torch.int16) - 128
+        assert torch.equal(packed.to(torch.int8), mod.weight)
+        assert torch.equal(w8a8.unpack_scales(cpu.weight_scale, n), mod.weight_scale)
+    for dtype, step in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        x = _inputs(21, amax, dtype)
+        xq, d = w8a8.reference(x, inv, block)
+        sums = torch.einsum("mbk,nbk->mnb", xq.double().reshape(21, -1, block),
+                            q.double().reshape(n, -1, block))
+        want = (sums * d.double()[:, None, :] * scale.double()[None]).sum(-1)
+        if b is not None:
+            want = want + b.double()
+        y = mod.to(DEV)(x.to(DEV)).cpu()
+        mod.cpu()
+        assert y.dtype == dtype
+        assert ((y.double() - want).abs() <= step * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+def _cuda_model():
+    """Two calibrated layer shapes (two layers of one) and an uncalibrated head, bf16."""
+    model = nn.Module()
+    model.a0, _ = _calibrated(64, 256, fmt="bfloat16", seed=1)
+    model.a1, _ = _calibrated(64, 256, fmt="bfloat16", seed=2)
+    model.b, _ = _calibrated(32, 128, bias=True, fmt="bfloat16", seed=3)
+    model.head = nn.Linear(256, 48).to(torch.bfloat16)
+    return model.to(DEV)
+
+
+@triton
+def test_cuda_tuning_takes_w8a8_where_it_is_faster(monkeypatch):
+    """The shapes timed faster on w8a8 by more than the tuner's margin run it at those
+    buckets (never one or a few rows), the others keep their own kernels; the swapped layers
+    compute what their sources do, within w8a8's rounding. Timed by a fake clock, on CPU
+    tensors (Triton's interpreter)."""
+    from servelm import tuning_cuda
+
+    monkeypatch.setattr(w8a8, "triton_runs", lambda act, device: True)
+    model = _cuda_model()
+    srcs = {n: getattr(model, n) for n in ("a0", "a1", "b", "head")}
+    timed = []
+
+    def clock(mod, x):
+        timed.append((type(mod).__name__, x.shape[0], mod.out_features))
+        fast = isinstance(mod, w8a8.W8A8TritonLinear)
+        if mod.out_features == 64:  # shape a: w8a8 wins at 512 rows, ties at 64
+            return 50.0 if fast and x.shape[0] == 512 else 100.0
+        return 120.0 if fast else 100.0  # shape b: never
+    shapes = tuning_cuda.apply(model, torch.bfloat16, DEV, 1 << 30, clock)
+    assert {r for _, r, _ in timed} == {64, 512}  # the buckets w8a8 may take, nothing less
+    assert len(shapes) == 2 and all(not s.failed for s in shapes)
+    by_out = {int(s.key.split("x")[1].split(":")[0]): s for s in shapes}
+    assert by_out[64].methods == ["torch", "torch", "torch", "w8a8"]
+    assert by_out[64].names == ["a0", "a1"] and by_out[32].methods == ["torch"] * 4
+    for name in ("a0", "a1"):
+        layer = getattr(model, name)
+        assert isinstance(layer, lm.BucketedLinear)
+        assert layer.module_for(8) is srcs[name] and layer.module_for(64) is srcs[name]
+        assert isinstance(layer.module_for(512), w8a8.W8A8TritonLinear)
+        x = _inputs(200, w8a8.calibrated(srcs[name])).to(DEV)
+        want = srcs[name](x).float()
+        err = (layer(x).float() - want).norm() / want.norm()
+        assert 0 < err < 0.02, err
+    assert model.b is srcs["b"] and model.head is srcs["head"]
+
+
+@triton
+def test_cuda_tuning_keeps_own_kernels_over_budget_or_on_a_wrong_result(monkeypatch):
+    from servelm import tuning_cuda
+
+    monkeypatch.setattr(w8a8, "triton_runs", lambda act, device: True)
+    fast = lambda mod, x: 10.0 if isinstance(mod, w8a8.W8A8TritonLinear) else 100.0  # noqa: E731
+    # The copies' budget holds shape b's int8 copy, not shape a's two.
+    model = _cuda_model()
+    need_a = 2 * tuning_cuda.copy_bytes(model.a0)
+    need_b = tuning_cuda.copy_bytes(model.b)
+    assert need_b < need_a
+    shapes = tuning_cuda.apply(model, torch.bfloat16, DEV, need_b, fast)
+    assert isinstance(model.b, lm.BucketedLinear)
+    assert not isinstance(model.a0, lm.BucketedLinear)
+    assert [s.methods for s in shapes if "256x64" in s.key] == [["torch"] * 4]
+    # A kernel whose result is wrong here is never taken, whatever its time.
+    monkeypatch.setattr(w8a8.W8A8TritonLinear, "forward", lambda self, x: x.new_zeros(
+        *x.shape[:-1], self.out_features))
+    model = _cuda_model()
+    shapes = tuning_cuda.apply(model, torch.bfloat16, DEV, 1 << 30, fast)
+    assert all(s.failed == ["w8a8"] and s.methods == ["torch"] * 4 for s in shapes)
+    assert not any(isinstance(m, lm.BucketedLinear) for m in model.children())
+
+
 # ---------------------------------------------------------------- calibration
 
 @pytest.fixture(scope="module")
@@ -258,6 +366,18 @@ def test_wanted_by_the_setting(model):
     assert not calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="q8act,tiles"))
     assert calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="w8a8,q8act")) is expect
     assert not calibration.wanted(m, "auto", cpu, KernelConfig(cpu_kernels=False))
+
+
+def test_wanted_on_cuda_where_triton_drives_int8_tensor_cores(model, monkeypatch):
+    m, _ = model
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(w8a8, "triton_runs", lambda act, device: False)  # no GPU, or pre-Ampere
+    assert not calibration.wanted(m, "auto", cuda, KernelConfig())
+    monkeypatch.setattr(w8a8, "triton_runs", lambda act, device: device.type == "cuda")
+    assert calibration.wanted(m, "auto", cuda, KernelConfig())
+    assert calibration.wanted(m, "auto", cuda, KernelConfig(cpu_kernels=False))  # CPU-only
+    assert not calibration.wanted(m, "off", cuda, KernelConfig())
+    assert not calibration.wanted(m, "auto", cuda, KernelConfig(tuning="off"))
 
 
 @runs

@@ -3,8 +3,9 @@ calibrated layer's largest |input| per channel, which the w8a8 linear method smo
 (servelm.layers.w8a8, SmoothQuant).
 
 Decided once at start-up by KernelConfig.int8_activations ("auto": wherever the w8a8 method
-can run; "off": never): only on the CPU with servelm's kernels and bf16 activations, a model
-of attention layers alone (no recurrent states), in one process (a tensor-parallel rank's
+can run; "off": never): on the CPU with servelm's kernels and bf16 activations, or on a CUDA
+device whose int8 tensor cores Triton drives (bf16 or fp16 activations), a model of
+attention layers alone (no recurrent states), in one process (a tensor-parallel rank's
 shard would need its peers' forward). The pass runs
 after weight quantisation and before the tuner measures the methods: the layers are still
 their sources, on a KV pool of its own that is freed after.
@@ -61,14 +62,23 @@ def _longest(qname: str) -> int:
 
 
 def wanted(model: nn.Module, setting: str, device: torch.device, kernels: KernelConfig) -> bool:
-    """Whether this model is calibrated (int8_activations `setting`: auto or off)."""
-    if setting == "off" or device.type != "cpu" or not kernels.cpu_kernels:
+    """Whether this model is calibrated (int8_activations `setting`: auto or off): on the
+    CPU for the tuner's w8a8 method (servelm.tuning), on CUDA for its Triton form
+    (servelm.tuning_cuda)."""
+    if setting == "off" or model.config.has_recurrent_state:
         return False
     # The method can never run: nothing measured (tuning off), or a forced list without it.
     if kernels.linear_method == "auto":
         if kernels.tuning == "off":
             return False
     elif "w8a8" not in kernels.linear_method.split(","):
+        return False
+    if device.type == "cuda":
+        p = next(model.parameters(), None)
+        if p is None or not w8a8.triton_runs(p.dtype, device):
+            return False
+        return any(w8a8.block_size(t.in_features) for t in _targets(model).values())
+    if device.type != "cpu" or not kernels.cpu_kernels:
         return False
     if model.config.has_recurrent_state or not w8a8.int8_dot() or not w8a8.available():
         return False

@@ -22,6 +22,10 @@ gate_up and down) take it; the LM head stays on its method (docs/kernels.md, "w8
 measured KL of each choice). It runs bf16 activations only, where the CPU has AVX-512 VNNI
 (int8_dot) and the kernel builds; the tuner may choose it for the prompt-sized bucket,
 where it measures fastest, like any method.
+
+On CUDA the same weights and arithmetic run on int8 tensor cores (W8A8TritonLinear:
+servelm.kernels.triton_quant's w8a8 kernels), where servelm.tuning_cuda measures it faster
+than the layer's own kernel.
 """
 
 from __future__ import annotations
@@ -152,6 +156,25 @@ def reference(x: torch.Tensor, inv: torch.Tensor, block: int) -> tuple[torch.Ten
     return q.to(torch.int8).reshape(x.shape), (amax / 127.0).squeeze(-1)
 
 
+@torch.no_grad()
+def smoothed(src: nn.Module, alpha: float | None = None):
+    """A calibrated source's operands: (block, q int8 [N, K], scale fp32 [N, K / block],
+    1 / s fp32 [K], bias fp32 [N] or None): its weights (dequantised) times the smoothing s,
+    quantised per output channel and activation block, on the source's device."""
+    amax = calibrated(src)
+    if amax is None:
+        raise ValueError("w8a8 needs the layer's calibration (its activations' maxima)")
+    w = fp32_weight(src)
+    s = smoothing(amax.to(w.device), w, ALPHA if alpha is None else alpha)
+    block = layer_block(src)
+    if not block:
+        raise ValueError(f"w8a8: no activation block divides in_features {src.in_features}")
+    q, scale = quantize_blocks(w * s, block)
+    b = src.bias
+    return (block, q, scale, (1.0 / s).float().contiguous(),
+            None if b is None else b.detach().float().clone())
+
+
 class W8A8Linear(nn.Module):
     """A calibrated layer on w8a8.cpp: its weights (the source's, dequantised: int4, int8 or
     plain) smoothed and quantised to int8 per output channel and activation block (their
@@ -171,20 +194,12 @@ class W8A8Linear(nn.Module):
         super().__init__()
         if not available():
             raise RuntimeError("the w8a8 kernel is not built here (AVX-512 VNNI)")
-        amax = calibrated(src)
-        if amax is None:
-            raise ValueError("w8a8 needs the layer's calibration (its activations' maxima)")
         self.in_features, self.out_features = src.in_features, src.out_features
-        w = fp32_weight(src)
-        alpha = ALPHA if alpha is None else alpha
-        s = smoothing(amax, w, alpha)
-        self.block = layer_block(src)
-        q, scale = quantize_blocks(w * s, self.block)
+        self.block, q, scale, inv, bias = smoothed(src, alpha)
         self.register_buffer("weight", pack(q))
         self.register_buffer("weight_scale", pack_scales(scale))
-        self.register_buffer("inv_scale", (1.0 / s).float().contiguous())
-        b = src.bias
-        self.register_buffer("bias", None if b is None else b.detach().float().clone())
+        self.register_buffer("inv_scale", inv)
+        self.register_buffer("bias", bias)
         self._op = torch.ops.servelm_w8a8.linear.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,3 +209,51 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int8 x int8 activations per block of {self.block}, smoothed")
+
+
+def triton_runs(act: torch.dtype, device: torch.device) -> bool:
+    """Whether the Triton form runs here: 16-bit activations on a CUDA device with int8
+    tensor cores that Triton drives (compute capability 8.0 or later)."""
+    from servelm.kernels import triton_quant
+
+    return (device.type == "cuda" and act in (torch.bfloat16, torch.float16)
+            and triton_quant.available()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def triton_applies(src: nn.Module, act: torch.dtype, device: torch.device) -> bool:
+    """The Triton form's conditions for a layer: calibrated, a block dividing its inputs,
+    and triton_runs."""
+    return (calibrated(src) is not None and layer_block(src) > 0
+            and triton_runs(act, device))
+
+
+class W8A8TritonLinear(nn.Module):
+    """The same layer on CUDA's int8 tensor cores (servelm.kernels.triton_quant.w8a8_linear):
+    the weights smoothed and quantised as W8A8Linear's, kept row-major int8 [N, K] with their
+    scales [N, K / block]; the activations quantised per call by a kernel of their own. Any
+    device Triton runs on (its interpreter on CPU tensors, in the tests)."""
+
+    packed_tensors = ("weight", "weight_scale", "inv_scale", "bias")
+
+    def __init__(self, src: nn.Module, alpha: float | None = None):
+        super().__init__()
+        from servelm.kernels import triton_quant
+
+        if not triton_quant.available():
+            raise RuntimeError("w8a8 on CUDA needs Triton")
+        self.in_features, self.out_features = src.in_features, src.out_features
+        self.block, q, scale, inv, bias = smoothed(src, alpha)
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("weight_scale", scale.contiguous())
+        self.register_buffer("inv_scale", inv)
+        self.register_buffer("bias", bias)
+        self._linear = triton_quant.w8a8_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.inv_scale, self.weight, self.weight_scale, self.block,
+                            self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8 x int8 activations per block of {self.block}, smoothed, Triton")

@@ -1,0 +1,127 @@
+"""Int8 activations on CUDA: which calibrated layers run w8a8's Triton form, and from which
+row bucket, measured once at start-up.
+
+On the CPU the tuner (servelm.tuning) times w8a8 beside the other linear methods. CUDA
+keeps each layer's own kernel (cuBLAS for plain weights, tinygemm or the Triton int8 matmul
+for quantised ones), and this is the one choice made there: for each distinct shape of the
+layers calibration reached (servelm.engine.calibration), the layer's own module and
+`W8A8TritonLinear` are timed at the row buckets from w8a8's first (a batch's rows and a
+prompt's: one or a few rows are memory-bound, where the layer's own kernel reads fewer
+bytes or as few), and where w8a8 is faster by the tuner's margin the layers become a
+`BucketedLinear` running it there (a form that fails to compile, or whose result is off the
+layer's own beyond the tuner's known-answer bound, is never taken). Its int8 copies of the weights come out of the same
+budget as the CPU's dequantised copies (KernelConfig.dequantized_copy_bytes; by default a
+quarter of the GPU's free memory), the shapes that save the most time per byte first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import Callable
+
+import torch
+from torch import nn
+
+from servelm.layers import linear_methods as lm
+from servelm.layers import w8a8
+
+logger = logging.getLogger(__name__)
+
+FIRST_BUCKET = lm.by_name("w8a8").first_bucket
+REPEATS = 20  # timed calls a module and bucket (after two warm-up calls), the median kept
+
+
+def cuda_time_us(mod: nn.Module, x: torch.Tensor, repeats: int = REPEATS) -> float:
+    """The median µs of a call of mod(x) on x's CUDA device, timed by CUDA events."""
+    for _ in range(2):
+        mod(x)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        mod(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def copy_bytes(src: nn.Module) -> int:
+    """What W8A8TritonLinear adds for this layer: its int8 weights and their fp32 scales."""
+    n, k = src.out_features, src.in_features
+    return n * k + 4 * n * (k // max(w8a8.layer_block(src), 1)) + 4 * k
+
+
+def default_budget(device: torch.device) -> int:
+    """A quarter of the device's free memory now."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free // 4
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The tuner's known-answer bound: |error| within w8a8's tolerance of max |output|."""
+    err = (got.float() - want.float()).abs().max().item()
+    return err <= w8a8.W8A8Linear.check_tolerance * max(want.float().abs().max().item(), 1e-6)
+
+
+@torch.no_grad()
+def apply(model: nn.Module, act: torch.dtype, device: torch.device, budget: int,
+          timer: Callable[[nn.Module, torch.Tensor], float] = cuda_time_us) -> list:
+    """Times and swaps in w8a8 for the model's calibrated layers where it is faster (see
+    the module's head); returns a ShapeChoice per shape timed (timer: µs a call of a module
+    on an input, injectable for tests)."""
+    from servelm.tuning import MARGIN, ShapeChoice, _linear_layers, _shape_key, choose
+
+    groups: dict[str, list[tuple[str, nn.Module, str, nn.Module]]] = {}
+    for item in _linear_layers(model):
+        if w8a8.triton_applies(item[3], act, device):
+            groups.setdefault(_shape_key(item[3], act), []).append(item)
+    n = len(lm.BUCKET_ROWS)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes, saving = [], {}
+    for key, items in groups.items():
+        src = items[0][3]
+        amax = w8a8.calibrated(src).float()
+        own, fast = [math.inf] * n, [math.inf] * n
+        failed = []
+        try:
+            mod = w8a8.W8A8TritonLinear(src)
+            for b in range(FIRST_BUCKET, n):
+                # Rows shaped like the calibration's activations: each channel up to its
+                # maximum.
+                x = ((torch.rand(lm.BUCKET_ROWS[b], src.in_features, generator=gen) * 2 - 1)
+                     * amax.cpu()).to(device=device, dtype=act)
+                if not _agrees(mod(x), src(x)):
+                    raise ValueError("its result is off the layer's own beyond "
+                                     f"{w8a8.W8A8Linear.check_tolerance} of the largest output")
+                own[b], fast[b] = timer(src, x), timer(mod, x)
+        except Exception as e:  # a kernel that does not compile or computes wrongly here
+            logger.warning("int8 activations on CUDA: %s stays on its own kernel: w8a8 %s",
+                           key, e)
+            failed, fast = ["w8a8"], [math.inf] * n
+        mod = None
+        times = {"torch": own, "w8a8": fast}
+        shape = ShapeChoice(key, [it[0] for it in items], choose(times, "torch", margin=MARGIN),
+                            times, failed)
+        shapes.append(shape)
+        gain = sum(own[b] - fast[b] for b in range(n) if shape.methods[b] == "w8a8")
+        if gain > 0:
+            saving[key] = gain / copy_bytes(src)
+    left = budget
+    for key in sorted(saving, key=saving.get, reverse=True):
+        items = groups[key]
+        need = sum(copy_bytes(it[3]) for it in items)
+        shape = next(s for s in shapes if s.key == key)
+        if need > left:
+            logger.info("int8 activations on CUDA: %s stays on its own kernel (its int8 copies, "
+                        "%d MiB, are over the copies' budget)", key, need >> 20)
+            shape.methods = ["torch"] * n
+            continue
+        left -= need
+        for qname, parent, name, src in items:
+            fast = w8a8.W8A8TritonLinear(src)
+            setattr(parent, name, lm.BucketedLinear(
+                [fast if m == "w8a8" else src for m in shape.methods], shape.methods))
+    return shapes
