@@ -130,6 +130,47 @@ def test_kernel_is_its_integer_arithmetic(n, k, bias, fmt, rows):
 
 
 @runs
+@pytest.mark.skipif(not hasattr(getattr(torch.ops, "servelm_w8a8", None), "linear256"),
+                    reason="the 256-bit form builds beside the wide one with AVX-512 VL")
+@pytest.mark.parametrize("n,k,bias,fmt,longest", [(40, 48, True, "int8", 128),
+                                                  (33, 1536, True, "bfloat16", 64),
+                                                  (64, 576, False, "int4", 128)])
+def test_the_256_bit_form_gives_the_wide_forms_bits(n, k, bias, fmt, longest):
+    """AVX-VNNI's form (two vectors of 8 a panel, 4 rows a call; built here as AVX-512 VL's
+    EVEX encoding of the same instruction) computes every value by the same operations:
+    the same bits as the wide form at any row count, both dtypes, the last panel partial."""
+    src, amax = _calibrated(n, k, bias, fmt)
+    w8a8.set_calibration(src, amax, longest)
+    mod = w8a8.W8A8Linear(src)
+    for rows in (1, 3, 4, 7, 13, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _inputs(rows, amax, dtype, seed=rows)
+            got = torch.ops.servelm_w8a8.linear256(x, mod.inv_scale, mod.weight, mod.weight_scale,
+                                                   mod.block, mod.out_features, mod.bias)
+            assert torch.equal(got, mod(x)), (rows, dtype)
+
+
+def test_avx_vnni_counts_as_an_int8_dot_product(monkeypatch, tmp_path):
+    """A CPU with AVX-VNNI and no AVX-512 (its kernel is the 256-bit form) has the int8 dot
+    product; one with neither does not."""
+    import builtins
+
+    real_open = builtins.open
+    for flags, want in (("fpu avx2 avx_vnni", True), ("fpu avx2 avx512_vnni", True),
+                        ("fpu avx2 fma", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: real_open(
+            info if f == "/proc/cpuinfo" else f, *a, **kw))
+        w8a8.int8_dot.cache_clear()
+        try:
+            assert w8a8.int8_dot() is want, flags
+        finally:
+            monkeypatch.setattr(builtins, "open", real_open)
+            w8a8.int8_dot.cache_clear()
+
+
+@runs
 def test_rows_are_the_same_bits_whatever_the_row_count():
     src, amax = _calibrated(72, 384, True)
     mod = w8a8.W8A8Linear(src)

@@ -1,7 +1,7 @@
 """The "w8a8" linear method: int8 activations in blocks of up to 128 inputs times int8
 weights scaled per output channel and block, with SmoothQuant's smoothing, on AVX-512 VNNI
-(kernels/csrc/w8a8.cpp), for the compute-bound calls (prompts) of the layers a
-calibration pass measured.
+(kernels/csrc/w8a8.cpp; AVX-VNNI's 256-bit vectors on CPUs without AVX-512), for the
+compute-bound calls (prompts) of the layers a calibration pass measured.
 
 q8act quantises activations per block of 32 inputs against int4 weights with a scale and a
 min per group of 32, and each block's fp32 scaling shares the vector pipes with its 8
@@ -41,14 +41,16 @@ from servelm.quantization.formats import fp32_weight
 ALPHA = 0.65          # SmoothQuant's migration strength
 AMAX = "act_amax"     # a source's calibration: fp32 [in_features], max |x| per input channel
 LONGEST = "act_block"  # a source's longest activation block, where its calibration set one
-_FLAGS = ("avx512_vnni",)  # the kernel's vpdpbusd (AMX-INT8 CPUs have it too)
+# The kernel's vpdpbusd: AVX-512 VNNI (AMX-INT8 CPUs have it too), or AVX-VNNI's 256-bit
+# form (w8a8_kernel.h's w8a8_256, on CPUs without AVX-512).
+_FLAGS = ("avx512_vnni", "avx_vnni")
 BLOCKS = (128, 96, 64, 32, 16)  # activation block sizes: the largest dividing K is used
 
 
 @functools.lru_cache(maxsize=1)
 def int8_dot() -> bool:
-    """Whether this CPU has the int8 dot product the kernel runs on (AVX-512 VNNI): without
-    one the method stays out (the kernel is not built for it either)."""
+    """Whether this CPU has the int8 dot product the kernel runs on (AVX-512 VNNI, or
+    AVX-VNNI): without one the method stays out (the kernel is not built for it either)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()

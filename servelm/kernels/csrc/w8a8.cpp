@@ -21,6 +21,10 @@
 //
 //   quantize(x, inv_scale, block) -> (q int8 [M, K], d fp32 [M, K / block]): the rows'
 //   quantisation alone, what the tests check the rounding against.
+//
+// On AVX-512 VNNI the kernel runs 512-bit vectors; on AVX-VNNI without AVX-512 the same
+// panels and arithmetic on 256-bit vectors (w8a8_kernel.h's w8a8_256: the same bits).
+// Where both build (AVX-512 VNNI with VL), linear256 runs the 256-bit form, for the tests.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,9 +36,43 @@
 
 #include "w8a8_kernel.h"
 
-#ifdef SERVELM_W8A8
+#if defined(SERVELM_W8A8) || defined(SERVELM_W8A8_256)
 
 namespace {
+
+// The two forms' entry points, for the templates below.
+#ifdef SERVELM_W8A8
+struct Wide {
+  template <typename T>
+  static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
+    w8a8::quantize_row(x, inv, K, B, q, d, cs);
+  }
+  template <typename O>
+  static void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                     const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
+    w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+  }
+};
+#endif
+#ifdef SERVELM_W8A8_256
+struct Narrow {
+  template <typename T>
+  static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
+    w8a8_256::quantize_row(x, inv, K, B, q, d, cs);
+  }
+  template <typename O>
+  static void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                     const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
+    w8a8_256::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+  }
+};
+#endif
+#ifdef SERVELM_W8A8
+using Best = Wide;
+#else
+using Best = Narrow;
+#endif
+constexpr int64_t kNR = 16;  // outputs per panel, both forms
 
 void check_inputs(const at::Tensor& x, const at::Tensor& inv, int64_t block, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -47,19 +85,19 @@ void check_inputs(const at::Tensor& x, const at::Tensor& inv, int64_t block, con
               " must be a multiple of 16 dividing in_features ", x.size(-1));
 }
 
-template <typename T>
+template <typename Kn, typename T>
 void quantize_rows(const T* x, const float* inv, int64_t M, int64_t K, int64_t B, int8_t* q, float* d,
                    int32_t* cs) {
   const int64_t NB = K / B;
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) w8a8::quantize_row(x + r * K, inv, K, B, q + r * K, d + r * NB, cs + r * NB);
+    for (int64_t r = r0; r < r1; ++r) Kn::quantize_row(x + r * K, inv, K, B, q + r * K, d + r * NB, cs + r * NB);
   });
 }
 
-template <typename T>
+template <typename Kn, typename T>
 void gemm(const T* x, const float* inv, const uint8_t* w, const float* ws, const float* bias, T* out,
           int64_t M, int64_t N, int64_t K, int64_t B) {
-  const int64_t NB = K / B, NP = (N + w8a8::kNR - 1) / w8a8::kNR;
+  const int64_t NB = K / B, NP = (N + kNR - 1) / kNR;
   // The quantised rows in a buffer kept by the calling thread: a fresh allocation of a
   // prompt's rows each call is fresh pages each call, faulted in.
   thread_local std::vector<int32_t> buf;
@@ -68,23 +106,24 @@ void gemm(const T* x, const float* inv, const uint8_t* w, const float* ws, const
   float* d = reinterpret_cast<float*>(buf.data());
   int32_t* cs = buf.data() + M * NB;
   int8_t* q = reinterpret_cast<int8_t*>(buf.data() + 2 * M * NB);
-  quantize_rows(x, inv, M, K, B, q, d, cs);
+  quantize_rows<Kn>(x, inv, M, K, B, q, d, cs);
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+    Kn::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
   });
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& inv, const at::Tensor& weight,
-                  const at::Tensor& wscale, int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
-  const char* name = "servelm_w8a8.linear";
+template <typename Kn>
+at::Tensor linear_with(const at::Tensor& x_in, const at::Tensor& inv, const at::Tensor& weight,
+                       const at::Tensor& wscale, int64_t block, int64_t N, const c10::optional<at::Tensor>& bias,
+                       const char* name) {
   check_inputs(x_in, inv, block, name);
-  const int64_t K = x_in.size(-1), NP = (N + w8a8::kNR - 1) / w8a8::kNR;
+  const int64_t K = x_in.size(-1), NP = (N + kNR - 1) / kNR;
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 4 &&
                   weight.is_contiguous() && weight.size(0) == NP && weight.size(1) * 4 == K &&
-                  weight.size(2) == w8a8::kNR && weight.size(3) == 4,
+                  weight.size(2) == kNR && weight.size(3) == 4,
               name, ": weight must be contiguous uint8 [ceil(out_features / 16), in_features / 4, 16, 4]");
   TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() &&
-                  wscale.numel() == NP * (K / block) * w8a8::kNR,
+                  wscale.numel() == NP * (K / block) * kNR,
               name, ": weight_scale must be contiguous float32 [ceil(out_features / 16), in_features / block, 16]");
   at::Tensor bf;
   if (bias && bias->defined()) {
@@ -99,14 +138,26 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& inv, const at::Tenso
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0) {
     if (x.scalar_type() == at::kFloat)
-      gemm(x.data_ptr<float>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(), wscale.data_ptr<float>(), b,
-           y.data_ptr<float>(), M, N, K, block);
+      gemm<Kn>(x.data_ptr<float>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(), wscale.data_ptr<float>(), b,
+               y.data_ptr<float>(), M, N, K, block);
     else
-      gemm(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(),
-           wscale.data_ptr<float>(), b, y.data_ptr<c10::BFloat16>(), M, N, K, block);
+      gemm<Kn>(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(),
+               wscale.data_ptr<float>(), b, y.data_ptr<c10::BFloat16>(), M, N, K, block);
   }
   return y.reshape(shape);
 }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight, const at::Tensor& wscale,
+                  int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return linear_with<Best>(x, inv, weight, wscale, block, N, bias, "servelm_w8a8.linear");
+}
+
+#if defined(SERVELM_W8A8) && defined(SERVELM_W8A8_256)
+at::Tensor linear256(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight, const at::Tensor& wscale,
+                     int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return linear_with<Narrow>(x, inv, weight, wscale, block, N, bias, "servelm_w8a8.linear256");
+}
+#endif
 
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in, const at::Tensor& inv, int64_t block) {
   check_inputs(x_in, inv, block, "servelm_w8a8.quantize");
@@ -116,11 +167,11 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x_in, const at::Te
   at::Tensor q = at::empty({M, K}, at::kChar), d = at::empty({M, NB}, at::kFloat);
   std::vector<int32_t> cs(M * NB);
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), inv.data_ptr<float>(), M, K, block, q.data_ptr<int8_t>(),
-                  d.data_ptr<float>(), cs.data());
+    quantize_rows<Best>(x.data_ptr<float>(), inv.data_ptr<float>(), M, K, block, q.data_ptr<int8_t>(),
+                        d.data_ptr<float>(), cs.data());
   else
-    quantize_rows(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), M, K, block, q.data_ptr<int8_t>(),
-                  d.data_ptr<float>(), cs.data());
+    quantize_rows<Best>(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), M, K, block, q.data_ptr<int8_t>(),
+                        d.data_ptr<float>(), cs.data());
   return {q, d};
 }
 
@@ -130,11 +181,18 @@ TORCH_LIBRARY(servelm_w8a8, m) {
   m.def("linear(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
         "int out_features, Tensor? bias=None) -> Tensor");
   m.def("quantize(Tensor x, Tensor inv_scale, int block) -> (Tensor, Tensor)");
+#if defined(SERVELM_W8A8) && defined(SERVELM_W8A8_256)
+  m.def("linear256(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
+        "int out_features, Tensor? bias=None) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(servelm_w8a8, CPU, m) {
   m.impl("linear", &linear);
   m.impl("quantize", &quantize);
+#if defined(SERVELM_W8A8) && defined(SERVELM_W8A8_256)
+  m.impl("linear256", &linear256);
+#endif
 }
 
-#endif  // SERVELM_W8A8
+#endif  // SERVELM_W8A8 || SERVELM_W8A8_256

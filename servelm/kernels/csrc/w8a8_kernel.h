@@ -1,7 +1,8 @@
 // The w8a8 kernel's inner parts (the layouts: w8a8.cpp's head): an activation row smoothed
 // and quantised per block of B inputs to int8, and int8 weight panels times those rows with
-// AVX-512 VNNI. Inline, in an anonymous namespace (each extension compiles its own copy),
-// names inside `w8a8`, strict float semantics whatever the including file's.
+// AVX-512 VNNI (namespace w8a8), or on 256-bit vectors with AVX-VNNI (w8a8_256, below).
+// Inline, in an anonymous namespace (each extension compiles its own copy), strict float
+// semantics whatever the including file's.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -138,3 +139,190 @@ inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uin
 #pragma GCC pop_options
 
 #endif  // AVX-512 VNNI
+
+// The same kernel on 256-bit vectors, for CPUs with AVX-VNNI and no AVX-512 (Alder Lake and
+// later client cores, Sierra Forest): the weights in the same panels of 16 outputs (two
+// vectors of 8 int32 sums a row), the rows in the same blocks, every value computed by the
+// same fp32 operations in the same order, so its results are the AVX-512 form's bits. Built
+// where the compiler targets AVX-VNNI (VEX vpdpbusd, 16 registers), or AVX-512 VNNI with VL
+// (the EVEX form of the same instruction), where the tests check it against the wide form.
+#if defined(__AVX2__) && defined(__FMA__) && \
+    (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define SERVELM_W8A8_256 1
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+namespace {
+namespace w8a8_256 {
+
+constexpr int kNR = 16;  // outputs per panel (the wide form's panels): two vectors of 8
+constexpr int kMR = 4;   // rows per micro-kernel call: 8 int32 sums in registers (16 on VEX)
+
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The wide form's quantize_row (B a multiple of 16): the same products, maxima and rounding.
+template <typename T>
+inline void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / B; ++b) {
+    const int64_t k0 = b * B;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k0 + B; k += 8)
+      amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_mul_ps(load8f(x + k), _mm256_loadu_ps(inv + k)), absmask));
+    const float m = hmax(amax);
+    const __m256 id = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k0 + B; k += 16) {
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(load8f(x + k), _mm256_loadu_ps(inv + k)), id));
+      const __m256i q1 =
+          _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(load8f(x + k + 8), _mm256_loadu_ps(inv + k + 8)), id));
+      sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
+      // int32 -> int16 -> int8 (|q| <= 127: no saturation), the lanes put back in order.
+      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                       _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
+    }
+    d[b] = m / 127.f;
+    cs[b] = 128 * hsum(sum);
+  }
+}
+
+inline void store16(float* c, __m256 lo, __m256 hi, int n) {
+  if (n == kNR) {
+    _mm256_storeu_ps(c, lo);
+    _mm256_storeu_ps(c + 8, hi);
+    return;
+  }
+  alignas(32) float tmp[kNR];
+  _mm256_store_ps(tmp, lo);
+  _mm256_store_ps(tmp + 8, hi);
+  std::memcpy(c, tmp, sizeof(float) * n);
+}
+inline __m256i round_bf16(__m256 v) {  // as c10::BFloat16(float): round to nearest even (finite)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                          _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  return _mm256_srli_epi32(r, 16);
+}
+inline void store16(c10::BFloat16* c, __m256 lo, __m256 hi, int n) {
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(lo), round_bf16(hi)), 0xd8);
+  if (n == kNR) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), h);
+    return;
+  }
+  alignas(32) uint16_t tmp[kNR];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), h);
+  std::memcpy(c, tmp, sizeof(uint16_t) * n);
+}
+
+// The wide form's micro: per block, the int32 sums less 128 sum(q), times d times the block's
+// weight scales, chained in fp32 in block order; then plus the bias.
+template <int R, typename O>
+inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K, int64_t B,
+                  const uint8_t* w, const float* ws, const float* bias, O* c, int64_t ldc, int ncols) {
+  const int64_t NB = K / B;
+  __m256 f[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    __m256i acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const uint8_t* wb = w + b * B * kNR;
+    const int8_t* qb = q + b * B;
+    for (int64_t k4 = 0; k4 < B / 4; ++k4) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k4 * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k4 * 64 + 32));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, qb + r * K + 4 * k4, 4);
+        const __m256i av = _mm256_set1_epi32(a);
+        acc[r][0] = dpbusd(acc[r][0], w0, av);
+        acc[r][1] = dpbusd(acc[r][1], w1, av);
+      }
+    }
+    const __m256 ws0 = _mm256_loadu_ps(ws + b * kNR), ws1 = _mm256_loadu_ps(ws + b * kNR + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i cv = _mm256_set1_epi32(cs[r * NB + b]);
+      const __m256 dv = _mm256_set1_ps(d[r * NB + b]);
+      f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][0], cv)), _mm256_mul_ps(dv, ws0), f[r][0]);
+      f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][1], cv)), _mm256_mul_ps(dv, ws1), f[r][1]);
+    }
+  }
+  if (bias) {
+    alignas(32) float bb[kNR] = {};
+    std::memcpy(bb, bias, sizeof(float) * ncols);
+    const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) f[r][0] = _mm256_add_ps(f[r][0], b0), f[r][1] = _mm256_add_ps(f[r][1], b1);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store16(c + r * ldc, f[r][0], f[r][1], ncols);
+}
+
+// Panels [p0, p1) of the weights for all M rows of q, as the wide form's panels().
+template <typename O>
+inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0,
+                   int64_t p1) {
+  const int64_t NB = K / B;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * K * kNR;
+    const float* wsp = ws + p * NB * kNR;
+    const int64_t n0 = p * kNR;
+    const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - n0));
+    const float* bp = bias ? bias + n0 : nullptr;
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR)
+      micro<kMR>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols);
+    switch (M - m) {
+      case 3: micro<3>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
+      case 2: micro<2>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
+      case 1: micro<1>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace w8a8_256
+}  // namespace
+
+#pragma GCC pop_options
+
+#endif  // AVX-VNNI (or AVX-512 VNNI with VL)
