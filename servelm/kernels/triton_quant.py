@@ -134,6 +134,12 @@ if triton is not None:
         tl.store(dst, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as rows [M, K] whose elements are adjacent (the kernels take a row stride)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def w8a8_quantize(x: torch.Tensor, inv: torch.Tensor,
                   block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows x [..., K] (fp32, bf16 or fp16) times inv [K] (fp32: 1 / the smoothing factors),
@@ -146,9 +152,7 @@ def w8a8_quantize(x: torch.Tensor, inv: torch.Tensor,
             or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         raise ValueError(f"w8a8 operands do not agree: x {tuple(x.shape)} {x.dtype}, inv "
                          f"{tuple(inv.shape)} {inv.dtype}, block {block}")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     M = x2.shape[0]
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     d = torch.empty(M, K // block, dtype=torch.float32, device=x.device)
@@ -201,9 +205,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"int8 operands do not agree: x {tuple(x.shape)} {x.dtype}, q {tuple(q.shape)} "
                          f"{q.dtype}, scales {tuple(scales.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)}")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:

@@ -5,6 +5,47 @@
 // semantics whatever the including file's.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+namespace w8a8_loop {
+
+template <int R, typename F>
+inline void tail(int64_t r, int64_t m, F& f) {
+  if constexpr (R > 0) {
+    if (r == R) f(std::integral_constant<int, R>{}, m);
+    else tail<R - 1>(r, m, f);
+  }
+}
+
+// Panels [p0, p1) of NR outputs (the weights' layout, w ws: w8a8.cpp's head) for all M rows
+// of q (d, cs: [M, K / B]) into out [M, N], MR rows a Micro::run<R> call (the last call the
+// rest of the rows).
+template <int NR, int MR, typename Micro, typename O>
+inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
+  const int64_t NB = K / B;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * K * NR;
+    const float* wsp = ws + p * NB * NR;
+    const int64_t n0 = p * NR;
+    const int ncols = static_cast<int>(std::min<int64_t>(NR, N - n0));
+    const float* bp = bias ? bias + n0 : nullptr;
+    auto call = [&](auto rows, int64_t m) {
+      Micro::template run<decltype(rows)::value>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp,
+                                                 out + m * N + n0, N, ncols);
+    };
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) call(std::integral_constant<int, MR>{}, m);
+    tail<MR - 1>(M - m, m, call);
+  }
+}
+
+}  // namespace w8a8_loop
+}  // namespace
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SERVELM_W8A8 1
 
@@ -75,9 +116,11 @@ inline void store16(c10::BFloat16* c, __m512 v, int n) {
 // block's weight scales of the panel's columns) -> c (leading dimension ldc, ncols real
 // columns): per block, the int32 sums less the offset's 128 sum(q), times d times the
 // block's weight scales, chained in fp32 in block order; then plus the bias.
+struct Micro {
 template <int R, typename O>
-inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K, int64_t B,
-                  const uint8_t* w, const float* ws, const float* bias, O* c, int64_t ldc, int ncols) {
+__attribute__((noinline)) static void run(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
+                                          int64_t B, const uint8_t* w, const float* ws, const float* bias, O* c,
+                                          int64_t ldc, int ncols) {
   const int64_t NB = K / B;
   __m512 f[R];
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
@@ -106,31 +149,13 @@ inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
   }
   for (int r = 0; r < R; ++r) store16(c + r * ldc, f[r], ncols);
 }
+};
 
 // Panels [p0, p1) of the weights for all M rows of q (ws fp32 [ceil(N / 16), NB, 16]).
 template <typename O>
 inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0,
-                   int64_t p1) {
-  const int64_t NB = K / B;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* wp = w + p * K * kNR;
-    const float* wsp = ws + p * NB * kNR;
-    const int64_t n0 = p * kNR;
-    const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - n0));
-    const float* bp = bias ? bias + n0 : nullptr;
-    int64_t m = 0;
-    for (; m + kMR <= M; m += kMR)
-      micro<kMR>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols);
-#define SERVELM_TAIL(r) \
-  case r: micro<r>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
-    switch (M - m) {
-      SERVELM_TAIL(7) SERVELM_TAIL(6) SERVELM_TAIL(5) SERVELM_TAIL(4)
-      SERVELM_TAIL(3) SERVELM_TAIL(2) SERVELM_TAIL(1)
-      default: break;
-    }
-#undef SERVELM_TAIL
-  }
+                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
+  w8a8_loop::panels<kNR, kMR, Micro>(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
 }
 
 }  // namespace w8a8
@@ -251,9 +276,11 @@ inline void store16(c10::BFloat16* c, __m256 lo, __m256 hi, int n) {
 
 // The wide form's micro: per block, the int32 sums less 128 sum(q), times d times the block's
 // weight scales, chained in fp32 in block order; then plus the bias.
+struct Micro {
 template <int R, typename O>
-inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K, int64_t B,
-                  const uint8_t* w, const float* ws, const float* bias, O* c, int64_t ldc, int ncols) {
+__attribute__((noinline)) static void run(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
+                                          int64_t B, const uint8_t* w, const float* ws, const float* bias, O* c,
+                                          int64_t ldc, int ncols) {
   const int64_t NB = K / B;
   __m256 f[R][2];
 #pragma GCC unroll 8
@@ -295,29 +322,13 @@ inline void micro(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) store16(c + r * ldc, f[r][0], f[r][1], ncols);
 }
+};
 
 // Panels [p0, p1) of the weights for all M rows of q, as the wide form's panels().
 template <typename O>
 inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0,
-                   int64_t p1) {
-  const int64_t NB = K / B;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* wp = w + p * K * kNR;
-    const float* wsp = ws + p * NB * kNR;
-    const int64_t n0 = p * kNR;
-    const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - n0));
-    const float* bp = bias ? bias + n0 : nullptr;
-    int64_t m = 0;
-    for (; m + kMR <= M; m += kMR)
-      micro<kMR>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols);
-    switch (M - m) {
-      case 3: micro<3>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
-      case 2: micro<2>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
-      case 1: micro<1>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp, out + m * N + n0, N, ncols); break;
-      default: break;
-    }
-  }
+                   const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
+  w8a8_loop::panels<kNR, kMR, Micro>(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
 }
 
 }  // namespace w8a8_256
