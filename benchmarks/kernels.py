@@ -20,6 +20,9 @@ methods interleaved round by round (the best round counts) so drift weighs on al
 
     .venv/bin/python benchmarks/kernels.py --methods panels,q8act,qdot --format int4 \
         --dtype bfloat16 --rows 1,8,64,512
+
+(`w8a8_256` among them: the w8a8 kernel's AVX-VNNI form, where AVX-512 VL builds it beside
+the wide one.)
 """
 
 from __future__ import annotations
@@ -89,13 +92,24 @@ def methods_table(ws, methods: list[str], fmt: str, act: torch.dtype, rows: list
         return lin
 
     srcs = [source(w) for w in ws]
-    if "w8a8" in methods:  # a unit calibration on every layer: the speed does not depend on it
-        for s in srcs:
+    if any(m.startswith("w8a8") for m in methods):  # a unit calibration on every layer: the
+        for s in srcs:                               # speed does not depend on it
             setattr(s, lm.w8a8.AMAX, torch.ones(s.in_features))
+
+    def w8a8_256(s):  # w8a8's 256-bit (AVX-VNNI) form, where it builds beside the wide one
+        mod = lm.w8a8.W8A8Linear(s)
+        op = torch.ops.servelm_w8a8.linear256
+        return lambda x: op(x, mod.inv_scale, mod.weight, mod.weight_scale, mod.block,
+                            mod.out_features, mod.bias)
     for m in methods:
-        if not all(lm.applies(m, s, act, True) for s in srcs):
+        if m == "w8a8_256":
+            if not (lm.applies("w8a8", srcs[0], act, True)
+                    and hasattr(torch.ops.servelm_w8a8, "linear256")):
+                raise SystemExit("w8a8's 256-bit form is not built beside the wide one here")
+        elif not all(lm.applies(m, s, act, True) for s in srcs):
             raise SystemExit(f"method {m!r} does not run {fmt} weights with {act} activations here")
-    built = {m: [lm.build(m, s, act) for s in srcs] for m in methods}
+    built = {m: [w8a8_256(s) if m == "w8a8_256" else lm.build(m, s, act) for s in srcs]
+             for m in methods}
     print(f"\n{fmt} weights, {str(act).removeprefix('torch.')} activations: ms per pass over "
           f"all {len(ws)} layers (best of {rounds} interleaved rounds); x: against {methods[0]}")
     print(f"{'rows':>6s}" + "".join(f"{m:>18s}" for m in methods))
@@ -129,9 +143,10 @@ def main() -> None:
     if args.methods:
         from servelm.layers.linear_methods import METHODS
 
-        bad = [m for m in args.methods.split(",") if m not in METHODS]
+        known = (*METHODS, "w8a8_256")
+        bad = [m for m in args.methods.split(",") if m not in known]
         if bad:
-            ap.error(f"--methods: unknown {', '.join(bad)}; one of {', '.join(METHODS)}")
+            ap.error(f"--methods: unknown {', '.join(bad)}; one of {', '.join(known)}")
         try:
             rows = [int(r) for r in args.rows.split(",")]
         except ValueError:

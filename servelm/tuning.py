@@ -859,19 +859,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     fast = kcfg.cpu_kernels and device.type == "cpu"
     if quantization:
         quantize_model(model, quantization, use_kernels=fast and kernels_available())
-    if device.type != "cpu":  # CUDA keeps its layers' own kernels (cuBLAS, tinygemm)...
-        if device.type != "cuda" or calibrate is None:
-            return TuningReport([])
-        # ... but for the calibrated layers' int8 activations, where faster (tuning_cuda).
-        t0 = time.perf_counter()
-        calibrate(model)
-        from servelm import tuning_cuda
-
-        budget = (kcfg.dequantized_copy_bytes if kcfg.dequantized_copy_bytes is not None
-                  else tuning_cuda.default_budget(device))
-        shapes = tuning_cuda.apply(model, act, device, budget)
-        return TuningReport(shapes, time.perf_counter() - t0,
-                            source="measured" if shapes else "off")
+    if device.type != "cpu":  # CUDA keeps its layers' own kernels (cuBLAS, tinygemm; the
+        return TuningReport([])  # int8 activations where faster: servelm.tuning_cuda, after)
     t0 = time.perf_counter()
     if calibrate is not None and fast:
         calibrate(model)

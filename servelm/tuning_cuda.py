@@ -2,7 +2,7 @@
 row bucket, measured once at start-up.
 
 On the CPU the tuner (servelm.tuning) times w8a8 beside the other linear methods. CUDA
-keeps each layer's own kernel (cuBLAS for plain weights, tinygemm or the Triton int8 matmul
+(`finalize`, after servelm.tuning.finalize_linears) keeps each layer's own kernel (cuBLAS for plain weights, tinygemm or the Triton int8 matmul
 for quantised ones), and this is the one choice made there: for each distinct shape of the
 layers calibration reached (servelm.engine.calibration), the layer's own module and
 `W8A8TritonLinear` are timed at the row buckets from w8a8's first (a batch's rows and a
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from servelm.layers import linear_methods as lm
 from servelm.layers import w8a8
+from servelm.tuning import MARGIN, ShapeChoice, TuningReport, _linear_layers, _shape_key, choose
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +68,27 @@ def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     return err <= w8a8.W8A8Linear.check_tolerance * max(want.float().abs().max().item(), 1e-6)
 
 
+def finalize(model: nn.Module, kernels, calibrate: Callable[[nn.Module], object]):
+    """On CUDA, after servelm.tuning.finalize_linears (the weights quantised): the caller's
+    calibrate (servelm.engine.calibration: the layers it reaches), then apply. Returns the
+    TuningReport of the shapes timed (none elsewhere than CUDA)."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return TuningReport([])
+    t0 = time.perf_counter()
+    calibrate(model)
+    budget = (kernels.dequantized_copy_bytes if kernels.dequantized_copy_bytes is not None
+              else default_budget(p.device))
+    shapes = apply(model, p.dtype, p.device, budget)
+    return TuningReport(shapes, time.perf_counter() - t0, source="measured" if shapes else "off")
+
+
 @torch.no_grad()
 def apply(model: nn.Module, act: torch.dtype, device: torch.device, budget: int,
           timer: Callable[[nn.Module, torch.Tensor], float] = cuda_time_us) -> list:
     """Times and swaps in w8a8 for the model's calibrated layers where it is faster (see
     the module's head); returns a ShapeChoice per shape timed (timer: µs a call of a module
     on an input, injectable for tests)."""
-    from servelm.tuning import MARGIN, ShapeChoice, _linear_layers, _shape_key, choose
-
     groups: dict[str, list[tuple[str, nn.Module, str, nn.Module]]] = {}
     for item in _linear_layers(model):
         if w8a8.triton_applies(item[3], act, device):

@@ -35,6 +35,7 @@ from servelm.models import kv_quant
 from servelm.models.config import KVGroups, ModelConfig
 from servelm.lora.wrap import apply_lora
 from servelm.models.loader import load_model
+from servelm import tuning_cuda
 from servelm.tuning import TuningReport, finalize_linears
 from servelm.tuning_cache import cache_dir
 
@@ -114,6 +115,8 @@ class ModelWorker:
         # (or read back): module swaps.
         self.tuning: TuningReport = finalize_linears(self.model, quantization, kernels,
                                                      calibrate=calibrate)
+        if device.type == "cuda":  # the calibrated layers' int8 activations, where faster
+            self.tuning = tuning_cuda.finalize(self.model, kernels or KernelConfig(), calibrate)
         # LoRA: the adaptable layers wrapped, with max_loras empty slots each.
         self.lora_layers = (apply_lora(self.model, lora.max_loras, lora.max_lora_rank)
                             if lora is not None else None)
