@@ -1,15 +1,16 @@
 """Int8 activations on CUDA: which calibrated layers run w8a8's Triton form, and from which
 row bucket, measured once at start-up.
 
-On the CPU the tuner (servelm.tuning) times w8a8 beside the other linear methods. CUDA
-(`finalize`, after servelm.tuning.finalize_linears) keeps each layer's own kernel (cuBLAS for plain weights, tinygemm or the Triton int8 matmul
-for quantised ones), and this is the one choice made there: for each distinct shape of the
-layers calibration reached (servelm.engine.calibration), the layer's own module and
-`W8A8TritonLinear` are timed at the row buckets from w8a8's first (a batch's rows and a
-prompt's: one or a few rows are memory-bound, where the layer's own kernel reads fewer
-bytes or as few), and where w8a8 is faster by the tuner's margin the layers become a
-`BucketedLinear` running it there (a form that fails to compile, or whose result is off the
-layer's own beyond the tuner's known-answer bound, is never taken). Its int8 copies of the weights come out of the same
+On the CPU the tuner (servelm.tuning) times w8a8 beside the other linear methods. CUDA keeps
+each layer's own kernel (cuBLAS for plain weights, tinygemm or the Triton int8 matmul for
+quantised ones), and this is the one choice made there (`finalize`, after
+servelm.tuning.finalize_linears): for each distinct shape of the layers calibration reached
+(servelm.engine.calibration), the layer's own module and `W8A8TritonLinear` are timed at the
+row buckets from w8a8's first (a batch's rows and a prompt's: one or a few rows are
+memory-bound, where the layer's own kernel reads fewer bytes or as few), and where w8a8 is
+faster by the tuner's margin the layers become a `BucketedLinear` running it there. A form
+that fails to compile, or whose result is off the layer's own beyond the tuner's
+known-answer bound, is never taken. The int8 copies of the weights come out of the same
 budget as the CPU's dequantised copies (KernelConfig.dequantized_copy_bytes; by default a
 quarter of the GPU's free memory), the shapes that save the most time per byte first.
 """

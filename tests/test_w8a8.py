@@ -14,6 +14,7 @@ from servelm import quantization as Q
 from servelm import tuning
 from servelm.config import KernelConfig
 from servelm.engine import calibration
+from servelm.kernels import triton_quant
 from servelm.layers import linear_methods as lm
 from servelm.layers import w8a8
 
@@ -278,7 +279,7 @@ def test_known_answer_inputs_follow_the_calibration():
 
 # ---------------------------------------------------------------- the Triton form (CUDA)
 
-triton = pytest.mark.skipif(not __import__("servelm.kernels.triton_quant", fromlist=["x"]).available(),
+triton = pytest.mark.skipif(not triton_quant.available(),
                             reason="needs Triton (its interpreter runs it on CPU tensors)")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled there
 

@@ -80,7 +80,7 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
         return any(w8a8.block_size(t.in_features) for t in _targets(model).values())
     if device.type != "cpu" or not kernels.cpu_kernels:
         return False
-    if model.config.has_recurrent_state or not w8a8.int8_dot() or not w8a8.available():
+    if not w8a8.int8_dot() or not w8a8.available():
         return False
     p = next(model.parameters(), None)
     if p is None or p.dtype != torch.bfloat16:  # the method runs bf16 activations only

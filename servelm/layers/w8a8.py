@@ -195,7 +195,7 @@ class W8A8Linear(nn.Module):
     def __init__(self, src: nn.Module, alpha: float | None = None):
         super().__init__()
         if not available():
-            raise RuntimeError("the w8a8 kernel is not built here (AVX-512 VNNI)")
+            raise RuntimeError("the w8a8 kernel is not built here (AVX-512 VNNI or AVX-VNNI)")
         self.in_features, self.out_features = src.in_features, src.out_features
         self.block, q, scale, inv, bias = smoothed(src, alpha)
         self.register_buffer("weight", pack(q))
