@@ -464,6 +464,45 @@ def test_calibration_covers_every_target_row_and_is_cached(model, tmp_path, monk
     assert other != cache
 
 
+@triton
+def test_the_triton_form_on_the_embedded_models_layers(model):
+    """Real weights and activations: the embedded model's (int4) qkv layers of its first and
+    last decoder layers and the last one's gate_up, calibrated on the built-in text, run on
+    the Triton form on the inputs that text gives them: within a few percent of the fp32
+    product (outlier channels and all), and the CPU kernel's results where it runs."""
+    m, ck = model
+    ids = calibration.calibration_ids(ck.tokenizer(), 64)
+    last = len(m.layers) - 1
+    names = ["layers.0.self_attn.qkv_proj", f"layers.{last}.self_attn.qkv_proj",
+             f"layers.{last}.mlp.gate_up_proj"]
+    layers = {n: m.get_submodule(n) for n in names}
+    targets = calibration._targets(m)  # the fixture's calibration state, restored after
+    before = {n: (w8a8.calibrated(t), w8a8.longest_block(t)) for n, t in targets.items()}
+    seen = {}
+    hooks = [t.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, args[0].detach()))
+             for n, t in layers.items()]
+    try:
+        assert calibration.calibrate(m, ids, KernelConfig(), None) > 0
+        for n, src in layers.items():
+            x = seen[n].reshape(-1, src.in_features)[:48].contiguous()
+            got = w8a8.W8A8TritonLinear(src).to(DEV)(x.to(DEV)).float().cpu()
+            want = x.float() @ lm.reference_weight(src).T
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 0.03, (n, err)
+            if w8a8.available() and w8a8.int8_dot():
+                cpu = w8a8.W8A8Linear(src)(x).float()
+                assert ((got - cpu).abs() <= 2 ** -7 * cpu.abs() + 1e-3 * cpu.abs().max()).all(), n
+    finally:
+        for h in hooks:
+            h.remove()
+        for n, (amax, longest) in before.items():
+            if amax is None:
+                if w8a8.calibrated(targets[n]) is not None:
+                    delattr(targets[n], w8a8.AMAX)
+            else:
+                w8a8.set_calibration(targets[n], amax, longest)
+
+
 @runs
 def test_a_short_context_calibrates_on_what_fits():
     """An engine with max_model_len under the calibration text's 512 tokens (its rotary
