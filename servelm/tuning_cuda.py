@@ -69,18 +69,30 @@ def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     return err <= w8a8.W8A8Linear.check_tolerance * max(want.float().abs().max().item(), 1e-6)
 
 
-def finalize(model: nn.Module, kernels, calibrate: Callable[[nn.Module], object]):
+def finalize(model: nn.Module, kernels, calibrate: Callable[[nn.Module], object],
+             device: torch.device | None = None):
     """On CUDA, after servelm.tuning.finalize_linears (the weights quantised): the caller's
     calibrate (servelm.engine.calibration: the layers it reaches), then apply. Returns the
-    TuningReport of the shapes timed (none elsewhere than CUDA)."""
+    TuningReport of the shapes timed (none elsewhere than CUDA). An optimisation: where the
+    calibration pass fails, the engine starts without it (a warning says why). device: the
+    model's (the tests name another)."""
     p = next(model.parameters(), None)
-    if p is None or p.device.type != "cuda":
+    device = device or (p.device if p is not None else None)
+    if p is None or device.type != "cuda":
         return TuningReport([])
     t0 = time.perf_counter()
-    calibrate(model)
+    try:
+        calibrate(model)
+    except Exception as e:  # noqa: BLE001 - int8 activations are optional
+        logger.warning("int8 activations on CUDA: the calibration pass failed (%s: %s); "
+                       "every layer keeps its own kernel", type(e).__name__, e)
+        for layer in model.modules():
+            if w8a8.calibrated(layer) is not None:
+                delattr(layer, w8a8.AMAX)
+        return TuningReport([])
     budget = (kernels.dequantized_copy_bytes if kernels.dequantized_copy_bytes is not None
-              else default_budget(p.device))
-    shapes = apply(model, p.dtype, p.device, budget)
+              else default_budget(device))
+    shapes = apply(model, p.dtype, device, budget)
     return TuningReport(shapes, time.perf_counter() - t0, source="measured" if shapes else "off")
 
 

@@ -385,6 +385,27 @@ def test_cuda_tuning_keeps_own_kernels_over_budget_or_on_a_wrong_result(monkeypa
     assert not any(isinstance(m, lm.BucketedLinear) for m in model.children())
 
 
+def test_a_failed_calibration_on_cuda_leaves_every_layer_its_own(caplog):
+    """int8 activations are an optimisation: a calibration pass that fails on the GPU (here
+    faked: the pass raises after reaching one layer) leaves every layer as it was and the
+    engine's start-up going, with a warning that says why."""
+    from servelm import tuning_cuda
+
+    model = _cuda_model()
+    before = {n: m for n, m in model.named_children()}
+
+    def fails(m):
+        setattr(m.head, w8a8.AMAX, torch.ones(256))
+        raise RuntimeError("no kernel image is available")
+    with caplog.at_level("WARNING", logger="servelm.tuning_cuda"):
+        report = tuning_cuda.finalize(model, KernelConfig(), fails, torch.device("cuda"))
+    assert report.shapes == [] and "no kernel image" in caplog.text
+    assert dict(model.named_children()) == before
+    assert w8a8.calibrated(model.head) is None  # the half-done pass's maxima dropped
+    # elsewhere than CUDA nothing runs
+    assert tuning_cuda.finalize(model, KernelConfig(), fails).shapes == []
+
+
 # ---------------------------------------------------------------- calibration
 
 @pytest.fixture(scope="module")
