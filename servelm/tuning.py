@@ -289,8 +289,8 @@ def check_input(src: nn.Module, rows: int, g: torch.Generator, act: torch.dtype)
     method smooths by it: on inputs of equal channels, the channels it shrinks would hold
     the row's range and those it widens lose their bits, an error no real input shows)."""
     x = torch.randn(rows, src.in_features, generator=g)
-    profile = lm.w8a8.calibrated(src)
-    return (x if profile is None else x * profile.float()).to(act)
+    profile = lm.w8a8.calibrated(src)  # (on the layer's device: CUDA's calibrations are)
+    return (x if profile is None else x * profile.float().cpu()).to(act)
 
 
 def _check_rows(n: int) -> torch.Tensor | None:

@@ -9,8 +9,8 @@ servelm.tuning.finalize_linears): for each distinct shape of the layers calibrat
 row buckets from w8a8's first (a batch's rows and a prompt's: one or a few rows are
 memory-bound, where the layer's own kernel reads fewer bytes or as few), and where w8a8 is
 faster by the tuner's margin the layers become a `BucketedLinear` running it there. A form
-that fails to compile, or whose result is off the layer's own beyond the tuner's
-known-answer bound, is never taken. The int8 copies of the weights come out of the same
+that fails to compile, or fails the tuner's known-answer check on the timed rows (against
+the fp32 product, on inputs scaled by the calibration: servelm.tuning), is never taken. The int8 copies of the weights come out of the same
 budget as the CPU's dequantised copies (KernelConfig.dequantized_copy_bytes; by default a
 quarter of the GPU's free memory), the shapes that save the most time per byte first.
 """
@@ -28,7 +28,8 @@ from torch import nn
 
 from servelm.layers import linear_methods as lm
 from servelm.layers import w8a8
-from servelm.tuning import MARGIN, ShapeChoice, TuningReport, _linear_layers, _shape_key, choose
+from servelm.tuning import (ShapeChoice, TuningReport, _linear_layers, _shape_key, check_input,
+                            choose, known_answer)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,6 @@ def default_budget(device: torch.device) -> int:
     """A quarter of the device's free memory now."""
     free, _ = torch.cuda.mem_get_info(device)
     return free // 4
-
-
-def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """The tuner's known-answer bound: |error| within w8a8's tolerance of max |output|."""
-    err = (got.float() - want.float()).abs().max().item()
-    return err <= w8a8.W8A8Linear.check_tolerance * max(want.float().abs().max().item(), 1e-6)
 
 
 def finalize(model: nn.Module, kernels, calibrate: Callable[[nn.Module], object],
@@ -111,19 +106,15 @@ def apply(model: nn.Module, act: torch.dtype, device: torch.device, budget: int,
     shapes, saving = [], {}
     for key, items in groups.items():
         src = items[0][3]
-        amax = w8a8.calibrated(src).float()
         own, fast = [math.inf] * n, [math.inf] * n
         failed = []
         try:
             mod = w8a8.W8A8TritonLinear(src)
+            ref = lm.reference_weight(src)
             for b in range(FIRST_BUCKET, n):
-                # Rows shaped like the calibration's activations: each channel up to its
-                # maximum.
-                x = ((torch.rand(lm.BUCKET_ROWS[b], src.in_features, generator=gen) * 2 - 1)
-                     * amax.cpu()).to(device=device, dtype=act)
-                if not _agrees(mod(x), src(x)):
-                    raise ValueError("its result is off the layer's own beyond "
-                                     f"{w8a8.W8A8Linear.check_tolerance} of the largest output")
+                x = check_input(src, lm.BUCKET_ROWS[b], gen, act).to(device)
+                if not known_answer(mod, ref, src.bias, x):
+                    raise ValueError("it failed its known-answer check")
                 own[b], fast[b] = timer(src, x), timer(mod, x)
         except Exception as e:  # a kernel that does not compile or computes wrongly here
             logger.warning("int8 activations on CUDA: %s stays on its own kernel: w8a8 %s",
@@ -131,8 +122,7 @@ def apply(model: nn.Module, act: torch.dtype, device: torch.device, budget: int,
             failed, fast = ["w8a8"], [math.inf] * n
         mod = None
         times = {"torch": own, "w8a8": fast}
-        shape = ShapeChoice(key, [it[0] for it in items], choose(times, "torch", margin=MARGIN),
-                            times, failed)
+        shape = ShapeChoice(key, [it[0] for it in items], choose(times, "torch"), times, failed)
         shapes.append(shape)
         gain = sum(own[b] - fast[b] for b in range(n) if shape.methods[b] == "w8a8")
         if gain > 0:

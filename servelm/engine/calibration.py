@@ -73,19 +73,15 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
             return False
     elif "w8a8" not in kernels.linear_method.split(","):
         return False
-    if device.type == "cuda":
-        p = next(model.parameters(), None)
-        if p is None or not w8a8.triton_runs(p.dtype, device):
-            return False
-        return any(w8a8.block_size(t.in_features) for t in _targets(model).values())
-    if device.type != "cpu" or not kernels.cpu_kernels:
-        return False
-    if not w8a8.int8_dot() or not w8a8.available():
-        return False
     p = next(model.parameters(), None)
-    if p is None or p.dtype != torch.bfloat16:  # the method runs bf16 activations only
+    if p is None:
         return False
-    return any(w8a8.block_size(t.in_features) for t in _targets(model).values())
+    if device.type == "cuda":
+        runs = w8a8.triton_runs(p.dtype, device)
+    else:  # the CPU kernel runs bf16 activations only
+        runs = (device.type == "cpu" and kernels.cpu_kernels and p.dtype == torch.bfloat16
+                and w8a8.int8_dot() and w8a8.available())
+    return runs and any(w8a8.block_size(t.in_features) for t in _targets(model).values())
 
 
 VERSION = 1  # of what a cached calibration holds and how it was measured

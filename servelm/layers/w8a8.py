@@ -237,6 +237,7 @@ class W8A8TritonLinear(nn.Module):
     device Triton runs on (its interpreter on CPU tensors, in the tests)."""
 
     packed_tensors = ("weight", "weight_scale", "inv_scale", "bias")
+    check_tolerance = W8A8Linear.check_tolerance  # the same arithmetic, the same bound
 
     def __init__(self, src: nn.Module, alpha: float | None = None):
         super().__init__()
