@@ -1265,7 +1265,7 @@ def _limit_dequantised_copies(shapes: list[ShapeChoice],
     size = torch.empty(0, dtype=act).element_size()
 
     def copies(sc: ShapeChoice) -> set[str]:
-        return set(lm.DEQUANTISED) if sc.quantised else {"w8a8"}
+        return _copies(sc)
     cost = {sc.key: (size if sc.quantised else 1)
             * sum(it[3].in_features * it[3].out_features for it in groups[sc.key])
             for sc in shapes if copies(sc) & set(sc.times_us)}
@@ -1286,13 +1286,20 @@ def _limit_dequantised_copies(shapes: list[ShapeChoice],
     return dropped
 
 
+def _copies(sc: ShapeChoice) -> set[str]:
+    """The methods that hold a copy of the shape's weights: a quantised shape's dequantised
+    ones (lm.DEQUANTISED, w8a8's forms among them), an unquantised shape's w8a8 forms (an
+    int8 copy)."""
+    return set(lm.DEQUANTISED) if sc.quantised else set(lm.W8A8_FORMS)
+
+
 def _one_dequantised_copy(sc: ShapeChoice, methods: list[str]) -> list[str]:
-    """methods (one per bucket), a quantised shape's buckets holding at most one dequantised
-    copy of its weights (lm.DEQUANTISED): where they chose two such methods, the one whose
-    worst bucket among theirs is least behind that bucket's choice takes them all (two
-    copies in bf16 hold 8x an int4 layer's bytes)."""
-    dense = sorted({m for m in methods if m in lm.DEQUANTISED})
-    if not sc.quantised or len(dense) < 2:
+    """methods (one per bucket), the shape's buckets holding at most one copy of its weights
+    (_copies): where they chose two such methods, the one whose worst bucket among theirs is
+    least behind that bucket's choice takes them all (two copies in bf16 hold 8x an int4
+    layer's bytes; w8a8 and its tile form would hold the same int8 weights twice)."""
+    dense = sorted({m for m in methods if m in _copies(sc)})
+    if len(dense) < 2:
         return methods
     buckets = [b for b, m in enumerate(methods) if m in dense]
     none = [math.inf] * len(lm.BUCKET_ROWS)
@@ -1411,7 +1418,7 @@ def linear_summary(model: nn.Module) -> str:
         if isinstance(m, lm.amx.AmxLinear):
             return "amx"
         if isinstance(m, lm.w8a8.W8A8Linear):
-            return "w8a8"
+            return "w8a8_amx" if m.tiles else "w8a8"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")

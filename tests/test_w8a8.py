@@ -171,6 +171,110 @@ def test_avx_vnni_counts_as_an_int8_dot_product(monkeypatch, tmp_path):
             w8a8.int8_dot.cache_clear()
 
 
+def _tile_op(name):
+    return getattr(torch.ops.servelm_w8a8, name)
+
+
+# (n, k, bias, format, longest block): blocks of 128, 96, 64, 32 and 16 (kt 64, 32, 64, 32,
+# 16), one panel, an odd panel count, a partial last panel.
+TILE_CASES = [(40, 48, True, "int8", 128), (33, 1536, True, "bfloat16", 64),
+              (64, 576, False, "int4", 128), (48, 96, True, "int8", 128),
+              (16, 32, False, "int8", 32), (80, 160, True, "int8", 32)]
+TILE_ROWS = (1, 3, 16, 17, 31, 32, 33, 64, 70)
+
+
+@runs
+@pytest.mark.parametrize("n,k,bias,fmt,longest", TILE_CASES)
+def test_the_tile_form_gives_the_wide_forms_bits(n, k, bias, fmt, longest):
+    """AMX-INT8's form (w8a8_tiles.h: the panels as B tiles, the quantised rows as A tiles,
+    each block's int32 tiles scaled and chained as the wide form's registers), its loop on
+    tiles emulated in C++: the same bits as the wide form at any row count (one and two row
+    tiles, a partial one), both dtypes, every block length."""
+    src, amax = _calibrated(n, k, bias, fmt)
+    w8a8.set_calibration(src, amax, longest)
+    mod = w8a8.W8A8Linear(src)
+    for rows in TILE_ROWS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _inputs(rows, amax, dtype, seed=rows)
+            got = _tile_op("linear_tiles_emulated")(x, mod.inv_scale, mod.weight, mod.weight_scale,
+                                                    mod.block, mod.out_features, mod.bias)
+            assert torch.equal(got, mod(x)), (rows, dtype)
+
+
+@runs
+@pytest.mark.skipif(not w8a8.tiles_available(), reason="AMX-INT8 tiles do not run here")
+@pytest.mark.parametrize("n,k,bias,fmt,longest", TILE_CASES)
+def test_amx_int8_tiles_give_the_wide_forms_bits(n, k, bias, fmt, longest):
+    src, amax = _calibrated(n, k, bias, fmt)
+    w8a8.set_calibration(src, amax, longest)
+    mod, tiles = w8a8.W8A8Linear(src), w8a8.W8A8Linear(src, tiles=True)
+    for rows in TILE_ROWS + (512,):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _inputs(rows, amax, dtype, seed=rows)
+            assert torch.equal(tiles(x), mod(x)), (rows, dtype)
+            assert torch.equal(tiles(x), _tile_op("linear_tiles_emulated")(
+                x, mod.inv_scale, mod.weight, mod.weight_scale, mod.block, mod.out_features,
+                mod.bias)), (rows, dtype)
+
+
+def test_the_tile_form_applies_only_with_amx_int8(monkeypatch, tmp_path):
+    """AMX-INT8 in /proc/cpuinfo (faked here) and the form running here (built for AMX-INT8,
+    the OS granting the tile state) are both needed; without either the tuner never sees it."""
+    import builtins
+
+    real_open = builtins.open
+    for flags, want in (("fpu avx512_vnni amx_tile amx_bf16 amx_int8", True),
+                        ("fpu avx512_vnni amx_tile amx_bf16", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: real_open(
+            info if f == "/proc/cpuinfo" else f, *a, **kw))
+        w8a8.int8_tiles.cache_clear()
+        try:
+            assert w8a8.int8_tiles() is want, flags
+        finally:
+            monkeypatch.setattr(builtins, "open", real_open)
+            w8a8.int8_tiles.cache_clear()
+    src, _ = _calibrated(32, 64)
+    monkeypatch.setattr(w8a8, "int8_tiles", lambda: False)
+    monkeypatch.setattr(w8a8, "tiles_available", lambda: True)
+    assert not w8a8.tiles_apply(src, torch.bfloat16)
+    assert "w8a8_amx" not in lm.WeightFormat.of(src).methods(src, torch.bfloat16, True)
+    monkeypatch.setattr(w8a8, "int8_tiles", lambda: True)
+    monkeypatch.setattr(w8a8, "tiles_available", lambda: False)
+    assert not w8a8.tiles_apply(src, torch.bfloat16)
+    if w8a8.available() and w8a8.int8_dot():
+        monkeypatch.setattr(w8a8, "tiles_available", lambda: True)
+        assert w8a8.tiles_apply(src, torch.bfloat16)
+        assert not w8a8.tiles_apply(src, torch.float32)
+
+
+@runs
+def test_the_tile_method_is_a_layer_of_its_own_off_the_stack(monkeypatch):
+    """Built as the tuner builds it (its op the emulated loop here): w8a8's results, the
+    tuner reads its name back, the DecodeStack leaves it to the per-op path, and a layer
+    never holds both forms' int8 copies."""
+    from servelm.layers import stack
+
+    monkeypatch.setattr(w8a8, "tiles_available", lambda: True)
+    monkeypatch.setattr(w8a8, "TILE_OP", "linear_tiles_emulated")
+    src, amax = _calibrated(48, 192, True)
+    mod = lm.build("w8a8_amx", src, torch.bfloat16)
+    wide = lm.build("w8a8", src, torch.bfloat16)
+    assert mod.tiles and "AMX-INT8" in repr(mod)
+    x = _inputs(40, amax)
+    assert torch.equal(mod(x), wide(x))
+    summary = tuning.linear_summary(nn.ModuleList([mod, wide]))
+    assert "512 rows: w8a8 1, w8a8_amx 1" in summary, summary
+    assert stack.kernel_weights(mod) is None and stack.kernel_weights(wide) is not None
+    times = {"w8a8": [math.inf, math.inf, 5.0, 9.0], "w8a8_amx": [math.inf, math.inf, 6.0, 4.0],
+             "tiles": [1.0, 2.0, 20.0, 30.0]}
+    for key in ("int4g32:48x192:smooth", "bfloat16:48x192:smooth"):  # quantised or not
+        sc = tuning.ShapeChoice(key, ["a"], ["tiles"] * 4, times, [])
+        got = tuning._one_dequantised_copy(sc, ["tiles", "tiles", "w8a8", "w8a8_amx"])
+        assert got == ["tiles", "tiles", "w8a8_amx", "w8a8_amx"], key
+
+
 @runs
 def test_rows_are_the_same_bits_whatever_the_row_count():
     src, amax = _calibrated(72, 384, True)

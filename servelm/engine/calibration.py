@@ -26,7 +26,7 @@ from torch import nn
 
 from servelm.config import KernelConfig
 from servelm.layers import w8a8
-from servelm.layers.linear_methods import WeightFormat
+from servelm.layers.linear_methods import W8A8_FORMS, WeightFormat
 from servelm.tuning import _linear_layers
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def wanted(model: nn.Module, setting: str, device: torch.device, kernels: Kernel
     if kernels.linear_method == "auto":
         if kernels.tuning == "off":
             return False
-    elif "w8a8" not in kernels.linear_method.split(","):
+    elif not set(W8A8_FORMS) & set(kernels.linear_method.split(",")):
         return False
     p = next(model.parameters(), None)
     if p is None:

@@ -61,7 +61,7 @@ def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor]
                 StackFormat.q8act_code(module.group_size))
     if isinstance(module, AmxLinear):
         return [module.packed], StackFormat.AMX_GATED if module.gated else StackFormat.AMX
-    if isinstance(module, W8A8Linear):
+    if isinstance(module, W8A8Linear) and not module.tiles:  # the tile form: per op
         return ([module.weight, module.weight_scale, module.inv_scale],
                 StackFormat.w8a8_code(module.block))
     if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:

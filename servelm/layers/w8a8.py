@@ -23,6 +23,10 @@ measured KL of each choice). It runs bf16 activations only, where the CPU has AV
 (int8_dot) and the kernel builds; the tuner may choose it for the prompt-sized bucket,
 where it measures fastest, like any method.
 
+On CPUs with AMX-INT8 the same weights and arithmetic also run on tiles ("w8a8_amx":
+W8A8Linear(src, tiles=True), kernels/csrc/w8a8_tiles.h: the same bits), a method the tuner
+measures beside the VNNI one.
+
 On CUDA the same weights and arithmetic run on int8 tensor cores (W8A8TritonLinear:
 servelm.kernels.triton_quant's w8a8 kernels), where servelm.tuning_cuda measures it faster
 than the layer's own kernel.
@@ -47,21 +51,43 @@ _FLAGS = ("avx512_vnni", "avx_vnni")
 BLOCKS = (128, 96, 64, 32, 16)  # activation block sizes: the largest dividing K is used
 
 
+_TILE_FLAG = "amx_int8"  # AMX's int8 tile products (tdpbsud), the tile form's
+# The tile form's op: linear_tiles (the tests of a machine without AMX run
+# linear_tiles_emulated, the same loop on tiles emulated in C++).
+TILE_OP = "linear_tiles"
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return []
+
+
 @functools.lru_cache(maxsize=1)
 def int8_dot() -> bool:
     """Whether this CPU has the int8 dot product the kernel runs on (AVX-512 VNNI, or
     AVX-VNNI): without one the method stays out (the kernel is not built for it either)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(fl in flags for fl in _FLAGS)
+    return any(fl in _cpu_flags() for fl in _FLAGS)
+
+
+@functools.lru_cache(maxsize=1)
+def int8_tiles() -> bool:
+    """Whether this CPU has AMX-INT8, the tile form's instructions."""
+    return _TILE_FLAG in _cpu_flags()
 
 
 def available() -> bool:
     """Whether the kernel is built here."""
     return load_ops("w8a8") and hasattr(torch.ops.servelm_w8a8, "linear")
+
+
+def tiles_available() -> bool:
+    """Whether the tile form is built here (the compiler targets AMX-INT8) and the OS grants
+    this process AMX's tile state."""
+    return (available() and hasattr(torch.ops.servelm_w8a8, "tiles_available")
+            and bool(torch.ops.servelm_w8a8.tiles_available()))
 
 
 def calibrated(src: nn.Module) -> torch.Tensor | None:
@@ -102,6 +128,11 @@ def applies(src: nn.Module, act: torch.dtype) -> bool:
     LinearMethod.applies)."""
     return (act == torch.bfloat16 and calibrated(src) is not None
             and layer_block(src) > 0 and int8_dot() and available())
+
+
+def tiles_apply(src: nn.Module, act: torch.dtype) -> bool:
+    """The tile form's conditions: applies', on a CPU with AMX-INT8 where the form runs."""
+    return applies(src, act) and int8_tiles() and tiles_available()
 
 
 def smoothing(amax: torch.Tensor, w: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
@@ -182,7 +213,8 @@ class W8A8Linear(nn.Module):
     plain) smoothed and quantised to int8 per output channel and activation block (their
     scales in pack_scales' order), in the kernel's panels (an
     int8 copy, twice an int4 layer's bytes: the tuner counts it as a dequantised copy),
-    1 / s and the bias in fp32."""
+    1 / s and the bias in fp32. tiles: run on AMX-INT8 tiles (the same bits; the DecodeStack
+    leaves such a layer to the per-op path)."""
 
     packed_tensors = ("weight", "weight_scale", "inv_scale", "bias")
     compute_dtype = torch.bfloat16
@@ -192,17 +224,21 @@ class W8A8Linear(nn.Module):
     # output's own magnitude.
     check_tolerance = 0.06
 
-    def __init__(self, src: nn.Module, alpha: float | None = None):
+    def __init__(self, src: nn.Module, alpha: float | None = None, tiles: bool = False):
         super().__init__()
         if not available():
             raise RuntimeError("the w8a8 kernel is not built here (AVX-512 VNNI or AVX-VNNI)")
+        if tiles and not tiles_available():
+            raise RuntimeError("w8a8's tile form does not run here (AMX-INT8)")
+        self.tiles = tiles
         self.in_features, self.out_features = src.in_features, src.out_features
         self.block, q, scale, inv, bias = smoothed(src, alpha)
         self.register_buffer("weight", pack(q))
         self.register_buffer("weight_scale", pack_scales(scale))
         self.register_buffer("inv_scale", inv)
         self.register_buffer("bias", bias)
-        self._op = torch.ops.servelm_w8a8.linear.default
+        ops = torch.ops.servelm_w8a8
+        self._op = (getattr(ops, TILE_OP) if tiles else ops.linear).default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.inv_scale, self.weight, self.weight_scale, self.block,
@@ -210,7 +246,8 @@ class W8A8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int8 x int8 activations per block of {self.block}, smoothed")
+                f"int8 x int8 activations per block of {self.block}, smoothed"
+                + (", AMX-INT8 tiles" if self.tiles else ""))
 
 
 def triton_runs(act: torch.dtype, device: torch.device) -> bool:

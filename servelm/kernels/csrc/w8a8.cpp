@@ -25,6 +25,12 @@
 // On AVX-512 VNNI the kernel runs 512-bit vectors; on AVX-VNNI without AVX-512 the same
 // panels and arithmetic on 256-bit vectors (w8a8_kernel.h's w8a8_256: the same bits).
 // Where both build (AVX-512 VNNI with VL), linear256 runs the 256-bit form, for the tests.
+//
+//   linear_tiles(...): linear's arguments and result, on AMX-INT8 tiles (w8a8_tiles.h: the
+//   same weights, rows and bits); where the compiler targets AMX-INT8, run where the OS
+//   grants the tile state (tiles_available()).
+//   linear_tiles_emulated(...): the same loop on tiles emulated in C++, for the tests of a
+//   machine without AMX (wherever the wide form builds).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,35 +41,59 @@
 #include <vector>
 
 #include "w8a8_kernel.h"
+#include "w8a8_tiles.h"  // the AMX-INT8 form (and its emulation)
 
 #if defined(SERVELM_W8A8) || defined(SERVELM_W8A8_256)
 
 namespace {
 
-// The two forms' entry points, for the templates below.
+constexpr int64_t kNR = 16;  // outputs per panel, every form
+
+// The forms, for the templates below: each quantises a row (quantize_row) and runs the
+// quantised rows against the weights (run), its rows padded to a multiple of kRowPad.
 #ifdef SERVELM_W8A8
 struct Wide {
+  static constexpr int64_t kRowPad = 1;
   template <typename T>
   static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
     w8a8::quantize_row(x, inv, K, B, q, d, cs);
   }
   template <typename O>
-  static void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                     const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
-    w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+  static void run(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B) {
+    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) {
+      w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+    });
+  }
+};
+// The tile form on Tiles (w8a8_tiles::AmxTiles or EmulatedTiles): the wide form's rows, a
+// thread's pairs of panels on its own tiles.
+template <class Tiles>
+struct TileForm : Wide {
+  static constexpr int64_t kRowPad = w8a8_tiles::kRows;
+  template <typename O>
+  static void run(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B) {
+    at::parallel_for(0, ((N + kNR - 1) / kNR + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+      Tiles tiles;
+      w8a8_tiles::pairs(tiles, q, d, cs, w, ws, bias, out, M, N, K, B, g0, g1);
+    });
   }
 };
 #endif
 #ifdef SERVELM_W8A8_256
 struct Narrow {
+  static constexpr int64_t kRowPad = 1;
   template <typename T>
   static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
     w8a8_256::quantize_row(x, inv, K, B, q, d, cs);
   }
   template <typename O>
-  static void panels(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                     const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
-    w8a8_256::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+  static void run(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B) {
+    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) {
+      w8a8_256::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
+    });
   }
 };
 #endif
@@ -72,7 +102,6 @@ using Best = Wide;
 #else
 using Best = Narrow;
 #endif
-constexpr int64_t kNR = 16;  // outputs per panel, both forms
 
 void check_inputs(const at::Tensor& x, const at::Tensor& inv, int64_t block, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -97,19 +126,18 @@ void quantize_rows(const T* x, const float* inv, int64_t M, int64_t K, int64_t B
 template <typename Kn, typename T>
 void gemm(const T* x, const float* inv, const uint8_t* w, const float* ws, const float* bias, T* out,
           int64_t M, int64_t N, int64_t K, int64_t B) {
-  const int64_t NB = K / B, NP = (N + kNR - 1) / kNR;
+  const int64_t NB = K / B, padded = (M + Kn::kRowPad - 1) / Kn::kRowPad * Kn::kRowPad;
   // The quantised rows in a buffer kept by the calling thread: a fresh allocation of a
   // prompt's rows each call is fresh pages each call, faulted in.
   thread_local std::vector<int32_t> buf;
-  const int64_t words = (M * K + 3) / 4 + 2 * M * NB;
+  const int64_t words = (padded * K + 3) / 4 + 2 * M * NB;
   if (static_cast<int64_t>(buf.size()) < words) buf.resize(words);
   float* d = reinterpret_cast<float*>(buf.data());
   int32_t* cs = buf.data() + M * NB;
   int8_t* q = reinterpret_cast<int8_t*>(buf.data() + 2 * M * NB);
   quantize_rows<Kn>(x, inv, M, K, B, q, d, cs);
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    Kn::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
-  });
+  std::fill(q + M * K, q + padded * K, int8_t{0});  // the last tile's rows past M
+  Kn::run(q, d, cs, w, ws, bias, out, M, N, K, B);
 }
 
 template <typename Kn>
@@ -152,6 +180,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& 
   return linear_with<Best>(x, inv, weight, wscale, block, N, bias, "servelm_w8a8.linear");
 }
 
+#ifdef SERVELM_W8A8
+at::Tensor linear_tiles_emulated(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight,
+                                 const at::Tensor& wscale, int64_t block, int64_t N,
+                                 const c10::optional<at::Tensor>& bias) {
+  return linear_with<TileForm<w8a8_tiles::EmulatedTiles>>(x, inv, weight, wscale, block, N, bias,
+                                                          "servelm_w8a8.linear_tiles_emulated");
+}
+#endif
+
+#ifdef SERVELM_W8A8_AMX
+bool tiles_available() { return w8a8_tiles::amx_permitted(); }
+
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight,
+                        const at::Tensor& wscale, int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles_available(), "servelm_w8a8.linear_tiles: the OS does not grant this process AMX's tile state");
+  return linear_with<TileForm<w8a8_tiles::AmxTiles>>(x, inv, weight, wscale, block, N, bias,
+                                                     "servelm_w8a8.linear_tiles");
+}
+#endif
+
 #if defined(SERVELM_W8A8) && defined(SERVELM_W8A8_256)
 at::Tensor linear256(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight, const at::Tensor& wscale,
                      int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
@@ -181,6 +229,15 @@ TORCH_LIBRARY(servelm_w8a8, m) {
   m.def("linear(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
         "int out_features, Tensor? bias=None) -> Tensor");
   m.def("quantize(Tensor x, Tensor inv_scale, int block) -> (Tensor, Tensor)");
+#ifdef SERVELM_W8A8
+  m.def("linear_tiles_emulated(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
+        "int out_features, Tensor? bias=None) -> Tensor");
+#endif
+#ifdef SERVELM_W8A8_AMX
+  m.def("linear_tiles(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
+        "int out_features, Tensor? bias=None) -> Tensor");
+  m.def("tiles_available() -> bool", &tiles_available);
+#endif
 #if defined(SERVELM_W8A8) && defined(SERVELM_W8A8_256)
   m.def("linear256(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
         "int out_features, Tensor? bias=None) -> Tensor");
@@ -190,6 +247,12 @@ TORCH_LIBRARY(servelm_w8a8, m) {
 TORCH_LIBRARY_IMPL(servelm_w8a8, CPU, m) {
   m.impl("linear", &linear);
   m.impl("quantize", &quantize);
+#ifdef SERVELM_W8A8
+  m.impl("linear_tiles_emulated", &linear_tiles_emulated);
+#endif
+#ifdef SERVELM_W8A8_AMX
+  m.impl("linear_tiles", &linear_tiles);
+#endif
 #if defined(SERVELM_W8A8) && defined(SERVELM_W8A8_256)
   m.impl("linear256", &linear256);
 #endif
