@@ -6,11 +6,10 @@
 
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_state.h"  // amx_permitted, TileConfig, load_config
+
+#if defined(SERVELM_AMX_TILE) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SERVELM_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -19,36 +18,15 @@ constexpr int kBlk = 256;  // dwords in one 16 x 16 dword tile (1 KB)
 
 #ifdef SERVELM_AMX
 
-// Linux keeps the AMX tile data state off until a process asks for it (arch_prctl).
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ok;
-}
-
-// Palette 1: 8 tiles, each `rows` rows of 64 bytes (A: 16 x 32 bf16; B: 16 rows of K pairs x
-// 16 dwords; C: 16 x 16 fp32). Loaded per thread, before its first tile instruction.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// 8 tiles, each `rows` rows of 64 bytes (A: 16 x 32 bf16; B: 16 rows of K pairs x 16 dwords;
+// C: 16 x 16 fp32). Loaded per thread, before its first tile instruction.
 inline void load_tile_config(const uint8_t (&rows)[8]) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
     cfg.rows[i] = rows[i];
   }
-  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, which then drops
-  // the stores to the rest as dead (ldtilecfg faults on the garbage): a memory barrier
-  // keeps them.
-  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // One B tile from 16 rows of 16 dwords (row n at rows[n] + off): K pair p of row n lands at

@@ -505,8 +505,7 @@ inline void expand_amx(const Adapter<c10::BFloat16>& L, const RowGroups& G, cons
   cfg.colsb[0] = static_cast<uint16_t>(4 * P), cfg.rows[0] = static_cast<uint8_t>(tr);  // A: T's rows
   for (int i = 1; i < 3; ++i) cfg.colsb[i] = 64, cfg.rows[i] = static_cast<uint8_t>(P);  // B: P pairs
   for (int i = 4; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = static_cast<uint8_t>(tr);  // C
-  __asm__ __volatile__("" : : "r"(&cfg) : "memory");  // (as load_tile_config: keep the stores)
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
   alignas(64) float cbuf[4 * 256];
   // Slot by slot, its panels in column order: one adapter's B pair rows stream at a time, the
   // panel after next's prefetched (all slots' at once, panel by panel, are more streams than

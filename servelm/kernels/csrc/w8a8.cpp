@@ -190,7 +190,7 @@ at::Tensor linear_tiles_emulated(const at::Tensor& x, const at::Tensor& inv, con
 #endif
 
 #ifdef SERVELM_W8A8_AMX
-bool tiles_available() { return w8a8_tiles::amx_permitted(); }
+bool tiles_available() { return amx_permitted(); }
 
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight,
                         const at::Tensor& wscale, int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {

@@ -31,10 +31,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include "amx_state.h"  // amx_permitted, TileConfig, load_config
+
+#if defined(SERVELM_AMX_TILE) && defined(__AMX_INT8__)
 #define SERVELM_W8A8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #pragma GCC push_options
@@ -78,36 +78,16 @@ struct EmulatedTiles {
 
 #ifdef SERVELM_W8A8_AMX
 
-// Linux keeps the AMX tile data state off until a process asks for it (arch_prctl).
-inline bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) Config {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-3: C (16 rows x 64 bytes); tmm4, 5: A (16 rows x kt bytes); tmm6, 7: B (kt / 4 rows x
 // 64 bytes).
 struct AmxTiles {
   void configure(int kt) {
-    Config cfg;
+    TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.colsb[t] = static_cast<uint16_t>(t == 4 || t == 5 ? kt : 64);
       cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? kt / 4 : kRows);
     }
-    // As amx_tiles.h: GCC's _tile_loadconfig claims to read 8 bytes of cfg; the barrier keeps
-    // the stores to the rest.
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    load_config(cfg);
   }
   void zero() {
     _tile_zero(0);
