@@ -86,6 +86,18 @@ def test_measure_hardware_gives_positive_rates():
                                                                and w8a8.int8_dot())
 
 
+def test_the_w8a8_roof_is_its_fastest_form(monkeypatch):
+    """Where AMX-INT8 runs the tile form too, the roof is the faster form's rate; a form that
+    does not run here (None) is left out, and none running gives None."""
+    rates = {"w8a8": 0.8e12, "w8a8_amx": 3.2e12}
+    monkeypatch.setattr(rl, "_method_ops", lambda dev, best, m: rates[m])
+    assert rl._w8a8_ops(None, None) == 3.2e12
+    rates["w8a8_amx"] = None
+    assert rl._w8a8_ops(None, None) == 0.8e12
+    rates["w8a8"] = None
+    assert rl._w8a8_ops(None, None) is None
+
+
 def test_the_int8_roof_bounds_prompts_on_int8_activations():
     m = rl.ModelShape(num_params=135e6, weight_bits=4.5, num_layers=30, num_kv_heads=3,
                       head_dim=64, num_heads=9, hidden_size=576, vocab_size=49152,

@@ -532,6 +532,7 @@ def test_wanted_by_the_setting(model):
     assert not calibration.wanted(m, "auto", cpu, KernelConfig(tuning="off"))  # never chosen
     assert not calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="q8act,tiles"))
     assert calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="w8a8,q8act")) is expect
+    assert calibration.wanted(m, "auto", cpu, KernelConfig(linear_method="w8a8_amx,q8act")) is expect
     assert not calibration.wanted(m, "auto", cpu, KernelConfig(cpu_kernels=False))
 
 
