@@ -154,21 +154,26 @@ def test_the_256_bit_form_gives_the_wide_forms_bits(n, k, bias, fmt, longest):
 def test_avx_vnni_counts_as_an_int8_dot_product(monkeypatch, tmp_path):
     """A CPU with AVX-VNNI and no AVX-512 (its kernel is the 256-bit form) has the int8 dot
     product; one with neither does not."""
+    for flags, want in (("fpu avx2 avx_vnni", True), ("fpu avx2 avx512_vnni", True),
+                        ("fpu avx2 fma", False)):
+        assert _read_with_flags(monkeypatch, tmp_path, flags, w8a8.int8_dot) is want, flags
+
+
+def _read_with_flags(monkeypatch, tmp_path, flags, probe):
+    """probe() (a cached test of the CPU's flags) with /proc/cpuinfo faked to list `flags`."""
     import builtins
 
     real_open = builtins.open
-    for flags, want in (("fpu avx2 avx_vnni", True), ("fpu avx2 avx512_vnni", True),
-                        ("fpu avx2 fma", False)):
-        info = tmp_path / "cpuinfo"
-        info.write_text(f"processor: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: real_open(
-            info if f == "/proc/cpuinfo" else f, *a, **kw))
-        w8a8.int8_dot.cache_clear()
-        try:
-            assert w8a8.int8_dot() is want, flags
-        finally:
-            monkeypatch.setattr(builtins, "open", real_open)
-            w8a8.int8_dot.cache_clear()
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: real_open(
+        info if f == "/proc/cpuinfo" else f, *a, **kw))
+    probe.cache_clear()
+    try:
+        return probe()
+    finally:
+        monkeypatch.setattr(builtins, "open", real_open)
+        probe.cache_clear()
 
 
 def _tile_op(name):
@@ -220,21 +225,9 @@ def test_amx_int8_tiles_give_the_wide_forms_bits(n, k, bias, fmt, longest):
 def test_the_tile_form_applies_only_with_amx_int8(monkeypatch, tmp_path):
     """AMX-INT8 in /proc/cpuinfo (faked here) and the form running here (built for AMX-INT8,
     the OS granting the tile state) are both needed; without either the tuner never sees it."""
-    import builtins
-
-    real_open = builtins.open
     for flags, want in (("fpu avx512_vnni amx_tile amx_bf16 amx_int8", True),
                         ("fpu avx512_vnni amx_tile amx_bf16", False)):
-        info = tmp_path / "cpuinfo"
-        info.write_text(f"processor: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: real_open(
-            info if f == "/proc/cpuinfo" else f, *a, **kw))
-        w8a8.int8_tiles.cache_clear()
-        try:
-            assert w8a8.int8_tiles() is want, flags
-        finally:
-            monkeypatch.setattr(builtins, "open", real_open)
-            w8a8.int8_tiles.cache_clear()
+        assert _read_with_flags(monkeypatch, tmp_path, flags, w8a8.int8_tiles) is want, flags
     src, _ = _calibrated(32, 64)
     monkeypatch.setattr(w8a8, "int8_tiles", lambda: False)
     monkeypatch.setattr(w8a8, "tiles_available", lambda: True)
