@@ -84,8 +84,11 @@ def test_compare_rejects_an_unknown_format_variant(capsys):
                                    capsys=capsys)
     assert code != 0
     assert "unknown format variant 'bogus' in 'int4/bogus'" in err
-    assert ("tiles, onednn, qdot, int4pack, int8pack, gemv, gemv_rows, panels, q8act, bfp, amx, "
-            "w8a8, torch, untuned, unfused, smallpages, eager, noint8act") in err
+    from servelm.layers.linear_methods import METHODS
+
+    # every linear method, then the other variants
+    assert ", ".join(METHODS + ("untuned", "unfused", "smallpages", "eager", "noint8act")) in err
+    assert "w8a8, w8a8_amx, torch, untuned" in err
 
 
 def test_compare_rejects_an_unknown_transformers_dtype(capsys):
