@@ -17,6 +17,9 @@ machine: the throughput each start then serves, alternating in one run.
    twice after a warm-up; the side's figure is its faster run's output tokens per second
    (startup_ab.py's child, the same workload).
 
+After the tunings it lists where the two tables' fastest methods differ (shape, row bucket,
+each table's fastest and its time); `--keep DIR` keeps both tables there.
+
 The target: a table tuned under load serves within 1.1x of a quiet one's speed.
 """
 
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import glob
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,14 +60,42 @@ def child(kernel_tuning: str, cache: str, args, streams: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def differences(quiet: str, loaded: str) -> tuple[int, list[str]]:
+    """How many (shape, row bucket) pairs both cache directories' tables hold (0 where one
+    was not cached), and where they disagree on the fastest method (the tuner's choice adds
+    its margins and the DecodeStack's saving on top)."""
+    def table(d: str) -> dict:
+        files = glob.glob(os.path.join(d, "**", "linear-methods-*.json"), recursive=True)
+        return json.loads(Path(files[0]).read_text())["shapes"] if files else {}
+
+    def fastest(entry: dict, b: int) -> tuple[str, float]:
+        times = {m: ts[b] for m, ts in entry["times_us"].items() if b < len(ts) and ts[b] is not None}
+        m = min(times, key=times.get) if times else "-"
+        return m, times.get(m, float("nan"))
+    q, n = table(quiet), table(loaded)
+    common = sorted(k for k in set(q) & set(n) if "times_us" in q[k] and "attention" not in k)
+    out = []
+    for shape in common:
+        for b, rows in enumerate((1, 8, 64, 512)):
+            (mq, tq), (mn, tn) = fastest(q[shape], b), fastest(n[shape], b)
+            if mq != mn:
+                out.append(f"  {shape} at {rows} rows: quiet {mq} {tq:.0f} us, loaded {mn} {tn:.0f} us"
+                           f" (the loaded table times {mq} at "
+                           f"{(n[shape]['times_us'].get(mq) or [None] * 4)[b] or float('nan'):.0f} us)")
+    return len(common) * 4, out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="at least 1")
+    ap.add_argument("--keep", default=None, help="a directory to keep both tables in")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     with tempfile.TemporaryDirectory(prefix="servelm-noisy-") as tmp:
         dirs = {"quiet": os.path.join(tmp, "quiet"), "loaded": os.path.join(tmp, "loaded")}
         tuned = {"quiet": child("fresh", dirs["quiet"], args, 0)}
@@ -77,6 +110,14 @@ def main() -> int:
         for side, r in tuned.items():
             print(f"{side} tuning: {r['start']:.1f} s to start, table "
                   f"{'provisional (not cached)' if r['provisional'] else 'trusted (cached)'}")
+        pairs, diff = differences(dirs["quiet"], dirs["loaded"])
+        print(f"the tables' fastest methods differ at {len(diff)} of {pairs} (shape, bucket) pairs"
+              + (" (a table was not cached)" if not pairs else "")
+              + (":\n" + "\n".join(diff) if diff else ""))
+        if args.keep:
+            for side, d in dirs.items():
+                if os.path.isdir(d):
+                    shutil.copytree(d, os.path.join(args.keep, side), dirs_exist_ok=True)
         rates: dict[str, list[float]] = {"quiet": [], "loaded": []}
         for rnd in range(args.rounds):
             order = ["quiet", "loaded"] if rnd % 2 == 0 else ["loaded", "quiet"]

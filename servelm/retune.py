@@ -219,6 +219,7 @@ class IdleRetuner:
         t0 = time.perf_counter()
         evict = tuning._Evictor(tuning.llc_bytes()) if plan.from_memory else None
         results, unstable = {}, []
+        window = tuning._load_window()
         for ps in plan.shapes:
             yield
             src = tuning.synthetic_source(ps, plan.fast)
@@ -234,6 +235,8 @@ class IdleRetuner:
                                      ps.out_features) for ps in plan.shapes)
         unstable += [f"{key}: {tuning._rate_reason(ratio)}"
                      for key, ratio in tuning._slow_shapes(rates, set(rates)).items()]
+        busy = tuning._busy_reason(window)
+        unstable += [f"the table: {busy}"] * bool(busy)
         extra = {}
         for width in sorted({ps.silu_width for ps in plan.shapes if ps.silu_width}):
             yield

@@ -26,7 +26,9 @@ Timings a busy machine spoiled are not cached: a bucket whose rounds disagree, o
 timed faster at more rows than at fewer, is timed again (a few times at most); a shape
 still unstable makes the table provisional (TuningReport.provisional): served, not
 cached, and measured again when the engine is idle (servelm.retune, from the report's
-RetunePlan).
+RetunePlan). So is a table measured while other processes took more than BUSY_SHARE of the
+CPU time its threads could use (servelm.cpu_load): their jobs can slow one method's every
+round alike, which no check of the rounds sees.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from servelm import cpu_load
 from servelm.config import INVARIANCE_COST, KernelConfig
 from servelm.layers import linear_methods as lm
 from servelm.quantization.numerics import unpacked_once
@@ -119,6 +122,27 @@ STACK_CALLS = 20
 RATE_SPREAD = 2.0
 RATE_SHAPES = 3
 RATE_MIN_OPS = 1e8
+# Other processes that took more than this share of the CPU time the tuner's threads could
+# use while it measured (servelm.cpu_load) make the table provisional. Two jobs beside a
+# tuning on this Zen 4's two cores slowed w8a8's 64-row calls 150x in every round (a parallel
+# region waits for a thread the scheduler parked), and the cached table then served 64
+# streams 1.13x slower than a quiet one (benchmarks/noisy_tuning.py).
+BUSY_SHARE = 0.1
+
+
+def _load_window() -> cpu_load.LoadWindow:
+    """A window over the machine's load while the tuner measures (its own threads apart)."""
+    return cpu_load.LoadWindow(torch.get_num_threads())
+
+
+def _busy_reason(window: cpu_load.LoadWindow) -> str | None:
+    """Why a window's measurements are not trusted: other processes took over BUSY_SHARE
+    of the CPU time the threads could use (None: they did not, or it cannot be told)."""
+    share = window.contention()
+    if share is None or share <= BUSY_SHARE:
+        return None
+    return (f"other processes took {share:.0%} of the CPU time its {window.threads} threads "
+            "could use while it measured")
 
 
 @dataclasses.dataclass
@@ -181,9 +205,11 @@ class TuningReport:
     from_memory: bool = False
     # Quantised shapes that may not hold a dequantised copy (over the copies' memory budget).
     copies_dropped: list[str] = dataclasses.field(default_factory=list)
-    # Some shape's timings stayed unstable (ShapeChoice.unstable): the table is served but
-    # not cached, and re-measured when the engine is idle (servelm.retune).
+    # Some shape's timings stayed unstable (ShapeChoice.unstable), or the machine was busy
+    # (busy: why): the table is served but not cached, and re-measured when the engine is
+    # idle (servelm.retune).
     provisional: bool = False
+    busy: str | None = None
     # What an idle re-tune needs to measure this table's shapes again (servelm.retune;
     # None where nothing was tuned: tuning off, a forced method, not the CPU).
     plan: "RetunePlan | None" = None
@@ -194,9 +220,12 @@ class TuningReport:
             inv += ", invariant methods cost " + " | ".join(
                 f"{r}: {c:.2f}x" for r, c in zip(lm.BUCKET_ROWS, self.invariance_cost))
         unstable = sum(1 for s in self.shapes if s.unstable)
+        why = f"{unstable} shapes timed unstably" if unstable else ""
+        if self.busy:
+            why += (", " if why else "") + self.busy
         head = (f"linear methods ({self.source}, {self.seconds:.2f} s"
-                + (f"; PROVISIONAL: {unstable} shapes timed unstably, not cached, re-tuned "
-                   "when idle" if self.provisional else "")
+                + (f"; PROVISIONAL: {why}, not cached, re-tuned when idle"
+                   if self.provisional else "")
                 + (f", cache {self.cache_path}" if self.cache_path else "")
                 + ("; 1 and 8 rows timed from memory" if self.from_memory else "")
                 + (f"; {len(self.copies_dropped)} shapes without dequantised copies (budget)"
@@ -888,6 +917,7 @@ def finalize_linears(model: nn.Module, quantization: str | None,
                       "from memory" if evict else "timed", cache.path)
     bar = tqdm(total=len(todo), desc="tuning matmuls", unit="shape", file=sys.stderr,
                disable=not todo or None, leave=False)
+    window = _load_window() if todo else None
     for key, items in groups.items():
         src = items[0][3]
         default = lm.default_method(src, act, fast, auto=not forced)
@@ -945,11 +975,12 @@ def finalize_linears(model: nn.Module, quantization: str | None,
     bar.close()
     if fresh:
         _retime_slow_shapes(shapes, groups, fresh, cache, cache_keys)
+    busy = _busy_reason(window) if window is not None and fresh else None
     report = TuningReport(shapes, source=("forced" if forced else "off" if not tune
                                           else "measured" if measured else "cached"),
                           cache_path=str(cache.path) if cache else None,
                           from_memory=evict is not None,
-                          provisional=any(s.unstable for s in shapes))
+                          provisional=bool(busy) or any(s.unstable for s in shapes), busy=busy)
     if tune:
         stack = None
         on_stack = _stack_layers(model, act, kcfg)
@@ -994,7 +1025,8 @@ def finalize_linears(model: nn.Module, quantization: str | None,
         logger.warning("the linear methods' timings stayed unstable (the machine is busy?): "
                        "serving this table without caching it, to be measured again when "
                        "the engine is idle:\n  %s",
-                       "\n  ".join(f"{s.key}: {r}" for s in shapes for r in s.unstable))
+                       "\n  ".join([f"the table: {busy}"] * bool(busy)
+                                   + [f"{s.key}: {r}" for s in shapes for r in s.unstable]))
     if fast:  # SwiGLU gate_up layers on amx: SiLU in the matmul's epilogue
         for m in model.modules():
             if hasattr(m, "fuse_activation"):

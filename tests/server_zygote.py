@@ -35,6 +35,11 @@ def _preload() -> None:
     import servelm.server.api  # noqa: F401
     import servelm.server.launcher  # noqa: F401
     import servelm.server.transport  # noqa: F401
+    import servelm.tuning
+
+    # The suite's other worker keeps the CPUs busy: a server's table measured beside it is
+    # cached as measured, as the in-process engines' are (conftest's _steady_kernel_timings).
+    servelm.tuning._busy_reason = lambda window: None
 
 
 def _run_child(req: dict) -> None:

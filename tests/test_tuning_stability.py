@@ -23,13 +23,28 @@ ROWS = lm.BUCKET_ROWS
 # rest of the suite while it runs).
 _REAL_CHECKS = {"_unstable_rounds": tuning._unstable_rounds,
                 "_non_monotone": tuning._non_monotone,
-                "_slow_shapes": tuning._slow_shapes}
+                "_slow_shapes": tuning._slow_shapes,
+                "_busy_reason": tuning._busy_reason}
+
+
+class _Window:
+    """tuning._load_window faked: the machine's contention over every window (a share of
+    the tuner's threads' CPU time other processes took)."""
+
+    share = 0.0
+    threads = 2
+
+    def contention(self):
+        return _Window.share
 
 
 @pytest.fixture(autouse=True)
 def _real_stability_checks(monkeypatch):
     for name, fn in _REAL_CHECKS.items():
         monkeypatch.setattr(tuning, name, fn)
+    # The machine quiet unless a test says otherwise (the suite's other worker is not).
+    monkeypatch.setattr(_Window, "share", 0.0)
+    monkeypatch.setattr(tuning, "_load_window", _Window)
     # The re-tuners alive in this process: only this test's (the suite's other engines, a
     # session fixture's among them, would make every window "not alone").
     monkeypatch.setattr(retune, "_LIVE", weakref.WeakSet())
@@ -351,6 +366,27 @@ def test_a_stable_table_is_cached_as_before(tmp_path, monkeypatch):
     assert [s.methods for s in again.shapes] == [s.methods for s in report.shapes]
 
 
+def test_a_table_measured_beside_other_jobs_is_served_not_cached(tmp_path, monkeypatch, caplog):
+    """Rounds that agree, but other processes took half of what the tuner's threads could
+    run: their jobs may have slowed one method's every round alike (a parallel region
+    waiting on a parked thread), so the table is provisional; a little background is not."""
+    _FakeSweeps(monkeypatch)
+    monkeypatch.setattr(_Window, "share", 0.5)
+    with caplog.at_level("WARNING", logger="servelm.tuning"):
+        report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert report.provisional and not _cache_files(tmp_path)
+    assert not any(s.unstable for s in report.shapes)  # no shape's rounds disagreed
+    assert "other processes took 50%" in report.busy and "other processes took 50%" in caplog.text
+    assert "PROVISIONAL: other processes took 50% of the CPU time its 2 threads" in report.table()
+    assert report.plan is not None  # measured again when idle
+    monkeypatch.setattr(_Window, "share", tuning.BUSY_SHARE / 2)
+    report = tuning.finalize_linears(_Block(), None, _cfg(tmp_path, tuning="fresh"))
+    assert not report.provisional and report.busy is None and len(_cache_files(tmp_path)) == 1
+    monkeypatch.setattr(_Window, "share", 0.9)  # a cached table: nothing measured, no verdict
+    again = tuning.finalize_linears(_Block(), None, _cfg(tmp_path))
+    assert again.source == "cached" and not again.provisional
+
+
 def test_the_cli_says_a_tuned_table_is_provisional(tmp_path, monkeypatch, capsys):
     from servelm import cli
 
@@ -556,6 +592,19 @@ def test_an_idle_retune_unstable_again_is_not_cached_and_gives_up(tmp_path, monk
         _run_idle(r, clock)
         assert r.attempts == attempt and not r.written and not _cache_files(tmp_path)
     assert r.pending is None and not r.idle_piece()
+
+
+def test_an_idle_retune_beside_other_jobs_is_not_cached(tmp_path, monkeypatch):
+    _FakeSweeps(monkeypatch)
+    monkeypatch.setattr(_Window, "share", 0.5)
+    r, clock = _retuner(tmp_path)
+    clock.now += 100.0
+    _run_idle(r, clock)
+    assert r.attempts == 1 and not r.written and not _cache_files(tmp_path)
+    monkeypatch.setattr(_Window, "share", 0.0)  # the jobs are gone at the next idle spell
+    clock.now += 100.0
+    _run_idle(r, clock)
+    assert r.attempts == 2 and r.written and len(_cache_files(tmp_path)) == 1
 
 
 @pytest.mark.parametrize("slow", [False, True])
