@@ -123,10 +123,10 @@ RATE_SPREAD = 2.0
 RATE_SHAPES = 3
 RATE_MIN_OPS = 1e8
 # Other processes that took more than this share of the CPU time the tuner's threads could
-# use while it measured (servelm.cpu_load) make the table provisional. Two jobs beside a
-# tuning on this Zen 4's two cores slowed w8a8's 64-row calls 150x in every round (a parallel
-# region waits for a thread the scheduler parked), and the cached table then served 64
-# streams 1.13x slower than a quiet one (benchmarks/noisy_tuning.py).
+# use while it measured (servelm.cpu_load) make the table provisional: jobs beside a tuning
+# slow a method whose calls run parallel regions in every round alike (each waits for a
+# thread the scheduler parked), which the checks of the rounds cannot see (docs/kernels.md,
+# "Choose the kernels"; benchmarks/noisy_tuning.py).
 BUSY_SHARE = 0.1
 
 
