@@ -50,50 +50,45 @@ namespace {
 constexpr int64_t kNR = 16;  // outputs per panel, every form
 
 // The forms, for the templates below: each quantises a row (quantize_row) and runs the
-// quantised rows against the weights (run), its rows padded to a multiple of kRowPad.
+// quantised rows against items [i0, i1) of the weights (items: kItem panels each), its rows
+// padded to a multiple of kRowPad.
 #ifdef SERVELM_W8A8
 struct Wide {
-  static constexpr int64_t kRowPad = 1;
+  static constexpr int64_t kRowPad = 1, kItem = 1;
   template <typename T>
   static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
     w8a8::quantize_row(x, inv, K, B, q, d, cs);
   }
   template <typename O>
-  static void run(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B) {
-    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) {
-      w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
-    });
+  static void items(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t i0, int64_t i1) {
+    w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, i0, i1);
   }
 };
-// The tile form on Tiles (w8a8_tiles::AmxTiles or EmulatedTiles): the wide form's rows, a
-// thread's pairs of panels on its own tiles.
+// The tile form on Tiles (w8a8_tiles::AmxTiles or EmulatedTiles): the wide form's rows, an
+// item a pair of panels, a thread's items on its own tiles.
 template <class Tiles>
 struct TileForm : Wide {
-  static constexpr int64_t kRowPad = w8a8_tiles::kRows;
+  static constexpr int64_t kRowPad = w8a8_tiles::kRows, kItem = 2;
   template <typename O>
-  static void run(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B) {
-    at::parallel_for(0, ((N + kNR - 1) / kNR + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
-      Tiles tiles;
-      w8a8_tiles::pairs(tiles, q, d, cs, w, ws, bias, out, M, N, K, B, g0, g1);
-    });
+  static void items(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t i0, int64_t i1) {
+    Tiles tiles;
+    w8a8_tiles::pairs(tiles, q, d, cs, w, ws, bias, out, M, N, K, B, i0, i1);
   }
 };
 #endif
 #ifdef SERVELM_W8A8_256
 struct Narrow {
-  static constexpr int64_t kRowPad = 1;
+  static constexpr int64_t kRowPad = 1, kItem = 1;
   template <typename T>
   static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
     w8a8_256::quantize_row(x, inv, K, B, q, d, cs);
   }
   template <typename O>
-  static void run(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
-                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B) {
-    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) {
-      w8a8_256::panels(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
-    });
+  static void items(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t i0, int64_t i1) {
+    w8a8_256::panels(q, d, cs, w, ws, bias, out, M, N, K, B, i0, i1);
   }
 };
 #endif
@@ -137,7 +132,10 @@ void gemm(const T* x, const float* inv, const uint8_t* w, const float* ws, const
   int8_t* q = reinterpret_cast<int8_t*>(buf.data() + 2 * M * NB);
   quantize_rows<Kn>(x, inv, M, K, B, q, d, cs);
   std::fill(q + M * K, q + padded * K, int8_t{0});  // the last tile's rows past M
-  Kn::run(q, d, cs, w, ws, bias, out, M, N, K, B);
+  const int64_t NP = (N + kNR - 1) / kNR;
+  at::parallel_for(0, (NP + Kn::kItem - 1) / Kn::kItem, 1, [&](int64_t i0, int64_t i1) {
+    Kn::items(q, d, cs, w, ws, bias, out, M, N, K, B, i0, i1);
+  });
 }
 
 template <typename Kn>
