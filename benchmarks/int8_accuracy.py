@@ -16,7 +16,7 @@ model, the perplexity's change and the top-1 agreement:
 - q8act-like: activations per block of 32, the weights as they are;
 - per-token int8 activations and per-output-channel int8 weights, unsmoothed;
 - the same after SmoothQuant: per input channel j, s_j = max|X_j|^a / max|W_j|^(1-a) with
-  max|X_j| from one forward pass over a calibration text (docs/structure.md and README.md,
+  max|X_j| from one forward pass over a calibration text (docs/modules.md and README.md,
   not the evaluation text), X / s quantised per token and W * s per channel;
 - each with the LM head, or down_proj and the LM head, left unquantised.
 
@@ -177,7 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     tok, model = load(args.model)
     evalu = tok((ROOT / "tests/data/prose.txt").read_text(), return_tensors="pt").input_ids
-    calib_text = (ROOT / "docs/structure.md").read_text() + (ROOT / "README.md").read_text()
+    calib_text = (ROOT / "docs/modules.md").read_text() + (ROOT / "README.md").read_text()
     calib = tok(calib_text, return_tensors="pt").input_ids[:, :args.tokens]
     sim = Simulation(model, calib, evalu[:, :args.tokens])
     alphas = [float(a) for a in args.alphas.split(",") if a]
