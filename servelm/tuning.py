@@ -1295,18 +1295,15 @@ def _limit_dequantised_copies(shapes: list[ShapeChoice],
     choose one would hold more, the largest shape loses those methods. Returns the shapes'
     keys that lost them."""
     size = torch.empty(0, dtype=act).element_size()
-
-    def copies(sc: ShapeChoice) -> set[str]:
-        return _copies(sc)
     cost = {sc.key: (size if sc.quantised else 1)
             * sum(it[3].in_features * it[3].out_features for it in groups[sc.key])
-            for sc in shapes if copies(sc) & set(sc.times_us)}
+            for sc in shapes if _copies(sc) & set(sc.times_us)}
     dropped = []
     for key in sorted(cost, key=cost.get, reverse=True):
         if sum(cost[k] for k in cost if k not in dropped) <= budget:
             break
         sc = next(sc for sc in shapes if sc.key == key)
-        drop = copies(sc)
+        drop = _copies(sc)
         sc.times_us = {m: t for m, t in sc.times_us.items() if m not in drop}
         sc.invariant = [m for m in sc.invariant if m not in drop]
         sc.candidates = [m for m in sc.candidates if m not in drop]
