@@ -782,15 +782,22 @@ def test_bodies_over_the_limit_get_413(server):
 
 
 def test_tokenising_a_big_prompt_does_not_stall_other_clients(server):
-    """Long prompts (each ~0.15 s to tokenise; refused afterwards as too long) are tokenised
-    off the event loop: /health keeps answering meanwhile."""
+    """Long prompts (refused afterwards as too long) are tokenised off the event loop: /health
+    keeps answering meanwhile. Tokenised on the loop, the six would hold it for about as long as
+    the slowest of them took (a health check waits nearly that long); off it, a health check
+    waits a small part of that. The bound is that ratio, so a slow or busy machine, which
+    stretches both, does not fail it."""
     text = "hello world " * 13000  # under the can't-fit-whatever-it-tokenises bound
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
 
     async def main():
         async with httpx.AsyncClient(headers=AUTH, timeout=60) as http:
-            big = [asyncio.create_task(http.post(f"{server.url}/v1/chat/completions", json=body))
-                   for _ in range(6)]
+            async def big_request():
+                start = time.perf_counter()
+                response = await http.post(f"{server.url}/v1/chat/completions", json=body)
+                return response, time.perf_counter() - start
+
+            big = [asyncio.create_task(big_request()) for _ in range(6)]
             worst = 0.0
             while not all(t.done() for t in big):
                 t = time.perf_counter()
@@ -799,10 +806,11 @@ def test_tokenising_a_big_prompt_does_not_stall_other_clients(server):
                 await asyncio.sleep(0.01)
             return worst, [await t for t in big]
 
-    worst, responses = asyncio.run(main())
+    worst, answered = asyncio.run(main())
     assert all(r.status_code == 400 and "prompt is 2" in r.json()["error"]["message"]
-               for r in responses)
-    assert worst < 0.25, worst
+               for r, _ in answered)
+    slowest = max(seconds for _, seconds in answered)
+    assert worst < 0.5 * slowest, (worst, slowest)
 
 
 def test_each_key_and_cache_salt_has_its_own_prefix_cache(server):
