@@ -24,7 +24,8 @@ QUANTIZATIONS = (None, "none", "int8", "int4")
 # How a linear layer's matmul runs (servelm.layers.linear_methods); "auto": chosen per layer
 # shape and row bucket by measuring this machine (servelm.tuning).
 LINEAR_METHODS = ("auto", "tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows",
-                  "panels", "q8act", "bfp", "amx", "w8a8", "w8a8_amx", "torch")
+                  "panels", "q8act", "bfp", "amx", "w8a8", "w8a8_pairs", "w8a8_amx",
+                  "torch")
 KERNEL_TUNING = ("off", "cached", "fresh")
 INT8_ACTIVATIONS = ("auto", "off")
 # How the KV pool stores K and V: "auto" in the model's dtype; "int8" (symmetric) and "fp8"

@@ -1447,7 +1447,7 @@ def linear_summary(model: nn.Module) -> str:
         if isinstance(m, lm.amx.AmxLinear):
             return "amx"
         if isinstance(m, lm.w8a8.W8A8Linear):
-            return "w8a8_amx" if m.tiles else "w8a8"
+            return "w8a8_amx" if m.tiles else "w8a8_pairs" if m.pairs else "w8a8"
         if isinstance(m, QuantLinear):
             tiled = m.use_kernel and getattr(m, "tiled", True)
             return "tiles" if tiled else ("int8pack" if m.method == "int8" else "torch")

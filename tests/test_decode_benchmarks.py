@@ -88,7 +88,7 @@ def test_compare_rejects_an_unknown_format_variant(capsys):
 
     # every linear method, then the other variants
     assert ", ".join(METHODS + ("untuned", "unfused", "smallpages", "eager", "noint8act")) in err
-    assert "w8a8, w8a8_amx, torch, untuned" in err
+    assert "w8a8, w8a8_pairs, w8a8_amx, torch, untuned" in err
 
 
 def test_compare_rejects_an_unknown_transformers_dtype(capsys):

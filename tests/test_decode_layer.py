@@ -153,7 +153,7 @@ def _bucketed(model, methods: list[str], down: list[str] | None = None) -> None:
                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
             src = getattr(owner, name)
             ms = down if down is not None and name == "down_proj" else methods
-            if "w8a8" in ms:
+            if any(m.startswith("w8a8") for m in ms):
                 amax = torch.rand(src.in_features, generator=g) + 0.5
                 amax[:2] *= 30
                 setattr(src, w8a8.AMAX, amax)
@@ -161,17 +161,21 @@ def _bucketed(model, methods: list[str], down: list[str] | None = None) -> None:
             setattr(owner, name, lm.BucketedLinear([built[m] for m in ms], ms))
 
 
-def test_w8a8_batches_get_a_stack_of_their_own():
+@pytest.mark.parametrize("form", ["w8a8", "w8a8_pairs"])
+def test_w8a8_batches_get_a_stack_of_their_own(form):
     """The tuner's int4 choice on a Zen 4: q8act for one and a few rows, w8a8 (int8 weights
-    and activations) from 23 on the calibrated layers, down_proj on q8act throughout: a stack
-    for each run, each bit for bit the per-op path on its rows."""
+    and activations) from 23 on the calibrated layers, down_proj on q8act throughout (on a
+    Zen 5: w8a8's pair form): a stack for each run, each bit for bit the per-op path on its
+    rows."""
     if not (q8act.available() and w8a8.available() and w8a8.int8_dot()):
         pytest.skip("the w8a8 kernel needs AVX-512 VNNI")
+    if form == "w8a8_pairs" and not w8a8.pairs_available():
+        pytest.skip("w8a8's pair form needs AVX-512 VNNI")
     for cfg in (_config(num_layers=2),
                 _config(hidden_size=320, num_heads=5, num_kv_heads=1, head_dim=64,
                         intermediate_size=128, attention_bias=True, num_layers=2)):
         model = _model(cfg, {})
-        _bucketed(model, ["q8act", "q8act", "w8a8", "w8a8"], down=["q8act"] * 4)
+        _bucketed(model, ["q8act", "q8act", form, form], down=["q8act"] * 4)
         for lens in ([5, 30, 9], [3] * 30, list(range(1, 800, 4))):
             batch, data, caches = _setup(cfg, lens)
             (h0, kv0), (h1, kv1) = _both(model, batch, data, caches)

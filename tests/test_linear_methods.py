@@ -16,9 +16,9 @@ from servelm.layers import linear_methods as lm
 # The constants as they stood before the registry: the tuner, its cached table and the CLI
 # depend on this order and these flags.
 WANT_METHODS = ("tiles", "onednn", "qdot", "int4pack", "int8pack", "gemv", "gemv_rows",
-                "panels", "q8act", "bfp", "amx", "w8a8", "w8a8_amx", "torch")
+                "panels", "q8act", "bfp", "amx", "w8a8", "w8a8_pairs", "w8a8_amx", "torch")
 WANT_BF16_INSIDE = ("int4pack",)
-WANT_DEQUANTISED = ("onednn", "amx", "w8a8", "w8a8_amx")
+WANT_DEQUANTISED = ("onednn", "amx", "w8a8", "w8a8_pairs", "w8a8_amx")
 
 
 torch.manual_seed(0)

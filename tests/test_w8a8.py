@@ -222,6 +222,62 @@ def test_amx_int8_tiles_give_the_wide_forms_bits(n, k, bias, fmt, longest):
                 mod.bias)), (rows, dtype)
 
 
+pairs_run = pytest.mark.skipif(not w8a8.pairs_available(),
+                               reason="w8a8's pair form needs AVX-512 VNNI")
+
+
+@runs
+@pairs_run
+@pytest.mark.parametrize("n,k,bias,fmt,longest", TILE_CASES)
+def test_the_pair_form_gives_the_wide_forms_bits(n, k, bias, fmt, longest):
+    """Two panels a call, 7 rows at a time (w8a8_kernel.h's pairs): the wide form's bits at
+    any row count (whole calls and each shorter tail), both dtypes, every block length, with
+    one panel, an odd panel count (its last panel by the wide form's micro-kernel) and a
+    partial last panel."""
+    src, amax = _calibrated(n, k, bias, fmt)
+    w8a8.set_calibration(src, amax, longest)
+    mod = w8a8.W8A8Linear(src)
+    pairs = lm.build("w8a8_pairs", src, torch.bfloat16)
+    assert pairs.pairs and "two panels a call" in repr(pairs)
+    for rows in TILE_ROWS + (2, 4, 5, 6, 7, 8, 14, 512):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _inputs(rows, amax, dtype, seed=rows)
+            assert torch.equal(pairs(x), mod(x)), (rows, dtype)
+
+
+def test_the_pair_form_applies_where_it_is_built(monkeypatch):
+    src, _ = _calibrated(32, 64)
+    monkeypatch.setattr(w8a8, "pairs_available", lambda: False)
+    assert not w8a8.pairs_apply(src, torch.bfloat16)
+    assert "w8a8_pairs" not in lm.WeightFormat.of(src).methods(src, torch.bfloat16, True)
+    if w8a8.available() and w8a8.int8_dot():
+        monkeypatch.setattr(w8a8, "pairs_available", lambda: True)
+        assert w8a8.pairs_apply(src, torch.bfloat16)
+        assert not w8a8.pairs_apply(src, torch.float32)
+    with pytest.raises(ValueError, match="not both"):
+        w8a8.W8A8Linear(src, tiles=True, pairs=True)
+
+
+@runs
+@pairs_run
+def test_the_pair_method_is_a_w8a8_form_on_the_stack():
+    """The tuner reads its name back, the DecodeStack runs it (its own format code), and a
+    layer never holds two forms' int8 copies."""
+    from servelm.layers import stack
+
+    src, _ = _calibrated(48, 192, True)
+    pairs, wide = lm.build("w8a8_pairs", src, torch.bfloat16), lm.build("w8a8", src, torch.bfloat16)
+    summary = tuning.linear_summary(nn.ModuleList([pairs, wide]))
+    assert "512 rows: w8a8 1, w8a8_pairs 1" in summary, summary
+    assert stack.kernel_weights(pairs)[1] == stack.StackFormat.W8A8_PAIRS + pairs.block
+    assert stack.kernel_weights(wide)[1] == stack.StackFormat.W8A8 + wide.block
+    times = {"w8a8": [math.inf, math.inf, 5.0, 9.0], "w8a8_pairs": [math.inf, math.inf, 6.0, 4.0],
+             "tiles": [1.0, 2.0, 20.0, 30.0]}
+    sc = tuning.ShapeChoice("int4g32:48x192:smooth", ["a"], ["tiles"] * 4, times, [])
+    assert (tuning._one_dequantised_copy(sc, ["tiles", "tiles", "w8a8", "w8a8_pairs"])
+            == ["tiles", "tiles", "w8a8_pairs", "w8a8_pairs"])
+
+
 def test_the_tile_form_applies_only_with_amx_int8(monkeypatch, tmp_path):
     """AMX-INT8 in /proc/cpuinfo (faked here) and the form running here (built for AMX-INT8,
     the OS granting the tile state) are both needed; without either the tuner never sees it."""

@@ -19,6 +19,7 @@ the source, a module computing the same function (up to its rounding) in its own
 | q8act    | int4 (groups a multiple of 32), bf16 activations only | servelm's AVX2 byte multiply-add over activations quantised per call to int8 per block of 32 (q8act.cpp): llama.cpp's Q4_0 x Q8_0, OpenVINO's dynamic quantisation; ~8-bit activations |
 | bfp      | bf16 (bf16 activations only), int8 | servelm's AVX2 int16 multiply-add (bfp.cpp): weights and activations as block floating point, 12- and 13-bit mantissas sharing a power-of-two exponent per block of 64 inputs, the block sums exact in int32, within bf16's output rounding of the bf16 product; int8 weights are their own mantissas (a byte each, widened as read) against 15-bit activation blocks |
 | w8a8     | calibrated layers (any format), bf16 activations, AVX-512 VNNI or AVX-VNNI; from 23 rows | servelm's VNNI kernel (w8a8.cpp): int8 weights scaled per channel and block times activations smoothed (SmoothQuant) and quantised per call to int8 per block of up to 128 inputs; an int8 copy of the weights |
+| w8a8_pairs | w8a8's, AVX-512 VNNI | the same weights and arithmetic, two panels (7 rows x 32 outputs) a micro-kernel call (the same bits) |
 | w8a8_amx | w8a8's, on CPUs with AMX-INT8 | the same weights and arithmetic on AMX-INT8 tiles (w8a8_tiles.h: 32 rows x 32 outputs a step, the same bits) |
 | torch    | all            | plain `F.linear` (quantised: dequantise + matmul): the reference |
 
@@ -278,6 +279,9 @@ LINEAR_METHODS: tuple[LinearMethod, ...] = (
     LinearMethod("amx", amx.applies, lambda src, act: amx.AmxLinear(src), dequantised=True),
     LinearMethod("w8a8", w8a8.applies, lambda src, act: w8a8.W8A8Linear(src), dequantised=True,
                  untuned_quantised=False, first_bucket=2),
+    LinearMethod("w8a8_pairs", w8a8.pairs_apply,
+                 lambda src, act: w8a8.W8A8Linear(src, pairs=True), dequantised=True,
+                 untuned_quantised=False, first_bucket=2),
     LinearMethod("w8a8_amx", w8a8.tiles_apply, lambda src, act: w8a8.W8A8Linear(src, tiles=True),
                  dequantised=True, untuned_quantised=False, first_bucket=2),
     LinearMethod("torch", lambda src, act: True, _torch_make, anywhere=True),
@@ -289,7 +293,7 @@ METHODS = tuple(METHODS_BY_NAME)
 BF16_INSIDE = tuple(m.name for m in LINEAR_METHODS if m.bf16_inside)
 DEQUANTISED = tuple(m.name for m in LINEAR_METHODS if m.dequantised)
 # The w8a8 forms: each holds an int8 copy of a layer's weights (of any format), a layer one.
-W8A8_FORMS = ("w8a8", "w8a8_amx")
+W8A8_FORMS = ("w8a8", "w8a8_pairs", "w8a8_amx")
 
 
 def by_name(name: str) -> LinearMethod:

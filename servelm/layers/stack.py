@@ -29,6 +29,7 @@ class StackFormat(enum.IntEnum):
     NONE = -4  # no such linear (a layer's absent extra linear: an attention without output gate)
     Q8ACT = 1 << 20
     W8A8 = 2 << 20
+    W8A8_PAIRS = 3 << 20  # w8a8's panels, run by its pair form
 
     @staticmethod
     def int4_code(group_size: int) -> int:
@@ -39,8 +40,8 @@ class StackFormat(enum.IntEnum):
         return StackFormat.Q8ACT + group_size
 
     @staticmethod
-    def w8a8_code(block: int) -> int:
-        return StackFormat.W8A8 + block
+    def w8a8_code(block: int, pairs: bool = False) -> int:
+        return (StackFormat.W8A8_PAIRS if pairs else StackFormat.W8A8) + block
 
 
 def base_linear(module: nn.Module) -> nn.Module:
@@ -63,7 +64,7 @@ def kernel_weights(module: nn.Module, rows: int = 1) -> tuple[list[torch.Tensor]
         return [module.packed], StackFormat.AMX_GATED if module.gated else StackFormat.AMX
     if isinstance(module, W8A8Linear) and not module.tiles:  # the tile form: per op
         return ([module.weight, module.weight_scale, module.inv_scale],
-                StackFormat.w8a8_code(module.block))
+                StackFormat.w8a8_code(module.block, module.pairs))
     if isinstance(module, TiledLinear) and module.use_kernel and module.dtype == torch.bfloat16:
         return [module.qweight], StackFormat.BF16
     if isinstance(module, Int4Linear) and module.use_kernel:

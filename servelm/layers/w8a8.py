@@ -23,9 +23,12 @@ measured KL of each choice). It runs bf16 activations only, where the CPU has AV
 (int8_dot) and the kernel builds; the tuner may choose it for the prompt-sized bucket,
 where it measures fastest, like any method.
 
-On CPUs with AMX-INT8 the same weights and arithmetic also run on tiles ("w8a8_amx":
-W8A8Linear(src, tiles=True), kernels/csrc/w8a8_tiles.h: the same bits), a method the tuner
-measures beside the VNNI one.
+On AVX-512 VNNI the same weights and arithmetic also run two panels (32 outputs) a
+micro-kernel call ("w8a8_pairs": W8A8Linear(src, pairs=True), w8a8_kernel.h's pairs: the same
+bits): twice the independent sums per step and one row broadcast for two products, for cores
+that retire two 512-bit vpdpbusd a cycle. On CPUs with AMX-INT8 they run on tiles ("w8a8_amx":
+W8A8Linear(src, tiles=True), kernels/csrc/w8a8_tiles.h: the same bits). The tuner measures each
+form beside the VNNI one.
 
 On CUDA the same weights and arithmetic run on int8 tensor cores (W8A8TritonLinear:
 servelm.kernels.triton_quant's w8a8 kernels), where servelm.tuning_cuda measures it faster
@@ -55,6 +58,7 @@ _TILE_FLAG = "amx_int8"  # AMX's int8 tile products (tdpbsud), the tile form's
 # The tile form's op: linear_tiles (the tests of a machine without AMX run
 # linear_tiles_emulated, the same loop on tiles emulated in C++).
 TILE_OP = "linear_tiles"
+PAIR_OP = "linear_pairs"  # the pair form's op (AVX-512 VNNI)
 
 
 def _cpu_flags() -> list[str]:
@@ -128,6 +132,16 @@ def applies(src: nn.Module, act: torch.dtype) -> bool:
     LinearMethod.applies)."""
     return (act == torch.bfloat16 and calibrated(src) is not None
             and layer_block(src) > 0 and int8_dot() and available())
+
+
+def pairs_available() -> bool:
+    """Whether the pair form is built here (AVX-512 VNNI: not on AVX-VNNI's 256-bit form)."""
+    return available() and hasattr(torch.ops.servelm_w8a8, PAIR_OP)
+
+
+def pairs_apply(src: nn.Module, act: torch.dtype) -> bool:
+    """The pair form's conditions: applies', where the pair form is built."""
+    return applies(src, act) and pairs_available()
 
 
 def tiles_apply(src: nn.Module, act: torch.dtype) -> bool:
@@ -213,8 +227,9 @@ class W8A8Linear(nn.Module):
     plain) smoothed and quantised to int8 per output channel and activation block (their
     scales in pack_scales' order), in the kernel's panels (an
     int8 copy, twice an int4 layer's bytes: the tuner counts it as a dequantised copy),
-    1 / s and the bias in fp32. tiles: run on AMX-INT8 tiles (the same bits; the DecodeStack
-    leaves such a layer to the per-op path)."""
+    1 / s and the bias in fp32. pairs: run two panels a micro-kernel call (the same bits);
+    tiles: run on AMX-INT8 tiles (the same bits; the DecodeStack leaves such a layer to the
+    per-op path)."""
 
     packed_tensors = ("weight", "weight_scale", "inv_scale", "bias")
     compute_dtype = torch.bfloat16
@@ -224,13 +239,18 @@ class W8A8Linear(nn.Module):
     # output's own magnitude.
     check_tolerance = 0.06
 
-    def __init__(self, src: nn.Module, alpha: float | None = None, tiles: bool = False):
+    def __init__(self, src: nn.Module, alpha: float | None = None, tiles: bool = False,
+                 pairs: bool = False):
         super().__init__()
+        if tiles and pairs:
+            raise ValueError("w8a8: the tile form or the pair form, not both")
         if not available():
             raise RuntimeError("the w8a8 kernel is not built here (AVX-512 VNNI or AVX-VNNI)")
         if tiles and not tiles_available():
             raise RuntimeError("w8a8's tile form does not run here (AMX-INT8)")
-        self.tiles = tiles
+        if pairs and not pairs_available():
+            raise RuntimeError("w8a8's pair form does not run here (AVX-512 VNNI)")
+        self.tiles, self.pairs = tiles, pairs
         self.in_features, self.out_features = src.in_features, src.out_features
         self.block, q, scale, inv, bias = smoothed(src, alpha)
         self.register_buffer("weight", pack(q))
@@ -238,7 +258,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("inv_scale", inv)
         self.register_buffer("bias", bias)
         ops = torch.ops.servelm_w8a8
-        self._op = (getattr(ops, TILE_OP) if tiles else ops.linear).default
+        self._op = getattr(ops, TILE_OP if tiles else PAIR_OP if pairs else "linear").default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.inv_scale, self.weight, self.weight_scale, self.block,
@@ -247,7 +267,8 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int8 x int8 activations per block of {self.block}, smoothed"
-                + (", AMX-INT8 tiles" if self.tiles else ""))
+                + (", AMX-INT8 tiles" if self.tiles else "")
+                + (", two panels a call" if self.pairs else ""))
 
 
 def triton_runs(act: torch.dtype, device: torch.device) -> bool:

@@ -106,10 +106,10 @@ enum ModelScalar : int64_t { kEps, kScale, kEmbedScale, kAttnSoftcap, kResidualS
 enum Activation : int64_t { kSilu, kGeluTanh, kGelu /* erf */ };
 // The weight format codes (servelm.layers.stack.StackFormat): > 0 int4 with that group
 // size, kInt8, kBf16 (tiles), kAmx, kAmxGated, kQ8Act + the group size, kW8A8 + the
-// activation block.
+// activation block (kW8A8Pairs + the block: the same panels run by w8a8's pair form).
 namespace format {
 constexpr int64_t kInt8 = 0, kBf16 = -1, kAmx = -2, kAmxGated = -3, kQ8Act = int64_t{1} << 20,
-                  kW8A8 = int64_t{2} << 20;
+                  kW8A8 = int64_t{2} << 20, kW8A8Pairs = int64_t{3} << 20;
 constexpr int64_t kNone = -4;  // no such linear (the extra linear of a layer without one)
 }
 
@@ -146,9 +146,11 @@ struct QLinear {
   // A calibrated layer in w8a8's int8 panels (activations smoothed and quantised per block
   // of inputs to int8, w8a8_kernel.h): this plus the block.
   static constexpr int64_t kW8A8 = format::kW8A8;
+  static constexpr int64_t kW8A8Pairs = format::kW8A8Pairs;  // ... run two panels a call
   int64_t G = 0;  // int4 group size; 0: int8; kBf16: bf16; w8a8: the activation block
   bool q8 = false;  // int4 in q8act's panels (G its group size)
   bool w8 = false;  // w8a8's panels (G the activation block; sc: the weight scales)
+  bool w8_pairs = false;  // w8, run by w8a8::pairs (the same bits)
   const float* inv = nullptr;  // w8a8: 1 / the smoothing factors
   bool amx = false;  // bf16 in AMX tile order (amx_linear_kernel.h; G is kBf16)
   bool gated = false;  // amx, a gated gate_up: out gets silu(gate) * up
@@ -207,9 +209,11 @@ struct QLinear {
 #ifdef SERVELM_W8A8
     if (w8) {
       const int64_t NB = K / G;
-      w8a8::panels(reinterpret_cast<const int8_t*>(xs + 2 * M * NB), xs,
-                   reinterpret_cast<const int32_t*>(xs + M * NB), qw, static_cast<const float*>(sc), bias,
-                   out, M, N, K, G, t0, t1);
+      const auto* q = reinterpret_cast<const int8_t*>(xs + 2 * M * NB);
+      const auto* cs = reinterpret_cast<const int32_t*>(xs + M * NB);
+      const auto* ws = static_cast<const float*>(sc);
+      if (w8_pairs) w8a8::pairs(q, xs, cs, qw, ws, bias, out, M, N, K, G, t0, t1);
+      else w8a8::panels(q, xs, cs, qw, ws, bias, out, M, N, K, G, t0, t1);
       return;
     }
 #endif
@@ -333,17 +337,23 @@ QLinear parse_linear(const std::vector<at::Tensor>& w, size_t& j, int64_t G, int
   QLinear L;
   if (G == format::kNone) return L;  // absent: N = 0, no tensors
   L.w8 = G > QLinear::kW8A8;
+  L.w8_pairs = G > QLinear::kW8A8Pairs;
   L.q8 = !L.w8 && G > QLinear::kQ8Act;
   L.amx = G == QLinear::kAmx || G == QLinear::kAmxGated;
   L.gated = G == QLinear::kAmxGated;
-  L.G = L.w8 ? G - QLinear::kW8A8 : L.q8 ? G - QLinear::kQ8Act : L.amx ? QLinear::kBf16 : G;
+  L.G = L.w8_pairs ? G - QLinear::kW8A8Pairs
+        : L.w8     ? G - QLinear::kW8A8
+        : L.q8     ? G - QLinear::kQ8Act
+        : L.amx    ? QLinear::kBf16
+                   : G;
   L.N = N;
   L.K = K;
   TORCH_CHECK(G >= QLinear::kAmxGated && G != QLinear::kQ8Act && G != QLinear::kW8A8 &&
-                  (L.w8 || G < QLinear::kW8A8),
+                  G != QLinear::kW8A8Pairs && (L.w8 || G < QLinear::kW8A8),
               "DecodeStack ", name, ": group size ", G,
               " is none of int4's (> 0), int8's (0), bf16's (-1), amx's (-2), gated amx's (-3), q8act's (",
-              QLinear::kQ8Act, " + group size) or w8a8's (", QLinear::kW8A8, " + block)");
+              QLinear::kQ8Act, " + group size) or w8a8's (", QLinear::kW8A8, " + block; ", QLinear::kW8A8Pairs,
+              " + block: its pair form)");
   const size_t n = G > 0 ? 3 : G == 0 ? 2 : 1;
   TORCH_CHECK(j + n <= w.size(), "DecodeStack: too few weight tensors for ", name);
   try {

@@ -26,6 +26,10 @@
 // panels and arithmetic on 256-bit vectors (w8a8_kernel.h's w8a8_256: the same bits).
 // Where both build (AVX-512 VNNI with VL), linear256 runs the 256-bit form, for the tests.
 //
+//   linear_pairs(...): linear's arguments and result on AVX-512 VNNI, two panels a
+//   micro-kernel call (w8a8_kernel.h's w8a8::pairs: the same bits), a form the tuner
+//   measures beside linear's (linear_methods' "w8a8_pairs").
+//
 //   linear_tiles(...): linear's arguments and result, on AMX-INT8 tiles (w8a8_tiles.h: the
 //   same weights, rows and bits); where the compiler targets AMX-INT8, run where the OS
 //   grants the tile state (tiles_available()).
@@ -63,6 +67,15 @@ struct Wide {
   static void items(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
                     const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t i0, int64_t i1) {
     w8a8::panels(q, d, cs, w, ws, bias, out, M, N, K, B, i0, i1);
+  }
+};
+// The pair form: the same rows, an item a pair of panels (w8a8::pairs).
+struct WidePairs : Wide {
+  static constexpr int64_t kItem = 2;
+  template <typename O>
+  static void items(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                    const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t i0, int64_t i1) {
+    w8a8::pairs(q, d, cs, w, ws, bias, out, M, N, K, B, 2 * i0, std::min(2 * i1, (N + kNR - 1) / kNR));
   }
 };
 // The tile form on Tiles (w8a8_tiles::AmxTiles or EmulatedTiles): the wide form's rows, an
@@ -179,6 +192,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& 
 }
 
 #ifdef SERVELM_W8A8
+at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight, const at::Tensor& wscale,
+                        int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return linear_with<WidePairs>(x, inv, weight, wscale, block, N, bias, "servelm_w8a8.linear_pairs");
+}
+
 at::Tensor linear_tiles_emulated(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight,
                                  const at::Tensor& wscale, int64_t block, int64_t N,
                                  const c10::optional<at::Tensor>& bias) {
@@ -228,6 +246,8 @@ TORCH_LIBRARY(servelm_w8a8, m) {
         "int out_features, Tensor? bias=None) -> Tensor");
   m.def("quantize(Tensor x, Tensor inv_scale, int block) -> (Tensor, Tensor)");
 #ifdef SERVELM_W8A8
+  m.def("linear_pairs(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
+        "int out_features, Tensor? bias=None) -> Tensor");
   m.def("linear_tiles_emulated(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
         "int out_features, Tensor? bias=None) -> Tensor");
 #endif
@@ -246,6 +266,7 @@ TORCH_LIBRARY_IMPL(servelm_w8a8, CPU, m) {
   m.impl("linear", &linear);
   m.impl("quantize", &quantize);
 #ifdef SERVELM_W8A8
+  m.impl("linear_pairs", &linear_pairs);
   m.impl("linear_tiles_emulated", &linear_tiles_emulated);
 #endif
 #ifdef SERVELM_W8A8_AMX

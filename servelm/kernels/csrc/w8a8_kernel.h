@@ -158,6 +158,99 @@ inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uin
   w8a8_loop::panels<kNR, kMR, Micro>(q, d, cs, w, ws, bias, out, M, N, K, B, p0, p1);
 }
 
+// The pair form: two panels (32 outputs) a micro-kernel call, kPairMR rows, so each row's
+// broadcast serves two products and a step holds 2 kPairMR independent sums, for cores that
+// retire two 512-bit vpdpbusd a cycle. Per column, the same operations in the same order as
+// Micro: the same bits.
+constexpr int kPairMR = 7;  // 14 int32 + 14 fp32 accumulators, two weight vectors, a broadcast
+
+// vpdpbusd on a sum that stays in its register: through the intrinsic, in the pair form's
+// unrolled loop, GCC copies every sum out and back around each product, and the copies
+// (three instructions a product) hold a wide core's front end under its vector units' rate.
+inline __m512i dpbusd_in_place(__m512i acc, __m512i u, __m512i s) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
+// Rows [0, R) of q against panels w and w + K * 16 (their scales ws and ws + NB * 16) -> c's
+// 32 columns, the second panel's first ncols real; the bias (if any) covers both panels.
+struct PairMicro {
+template <int R, typename O>
+__attribute__((noinline)) static void run(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
+                                          int64_t B, const uint8_t* w, const float* ws, const float* bias, O* c,
+                                          int64_t ldc, int ncols) {
+  const int64_t NB = K / B;
+  const uint8_t* w1 = w + K * kNR;
+  const float* ws1 = ws + NB * kNR;
+  __m512 f[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    __m512i acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    const uint8_t* wb0 = w + b * B * kNR;
+    const uint8_t* wb1 = w1 + b * B * kNR;
+    const int8_t* qb = q + b * B;
+    for (int64_t k4 = 0; k4 < B / 4; ++k4) {
+      const __m512i wv0 = _mm512_loadu_si512(wb0 + k4 * 64);
+      const __m512i wv1 = _mm512_loadu_si512(wb1 + k4 * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, qb + r * K + 4 * k4, 4);
+        const __m512i av = _mm512_set1_epi32(a);
+        acc[r][0] = dpbusd_in_place(acc[r][0], wv0, av);
+        acc[r][1] = dpbusd_in_place(acc[r][1], wv1, av);
+      }
+    }
+    const __m512 wsv0 = _mm512_loadu_ps(ws + b * kNR), wsv1 = _mm512_loadu_ps(ws1 + b * kNR);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i cv = _mm512_set1_epi32(cs[r * NB + b]);
+      const __m512 dv = _mm512_set1_ps(d[r * NB + b]);
+      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], cv)), _mm512_mul_ps(dv, wsv0), f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], cv)), _mm512_mul_ps(dv, wsv1), f[r][1]);
+    }
+  }
+  if (bias) {
+    const __m512 bv0 = _mm512_loadu_ps(bias);
+    const __m512 bv1 = ncols == kNR ? _mm512_loadu_ps(bias + kNR)
+                                    : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << ncols) - 1), bias + kNR);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) f[r][0] = _mm512_add_ps(f[r][0], bv0), f[r][1] = _mm512_add_ps(f[r][1], bv1);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    store16(c + r * ldc, f[r][0], kNR);
+    store16(c + r * ldc + kNR, f[r][1], ncols);
+  }
+}
+};
+
+// panels' work in the pair form: panels [p0, p1) two at a time, an odd last one by Micro.
+template <typename O>
+inline void pairs(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                  const float* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t p0, int64_t p1) {
+  const int64_t NB = K / B;
+  int64_t p = p0;
+  for (; p + 1 < p1; p += 2) {
+    const uint8_t* wp = w + p * K * kNR;
+    const float* wsp = ws + p * NB * kNR;
+    const int64_t n0 = p * kNR;
+    const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - n0 - kNR));
+    const float* bp = bias ? bias + n0 : nullptr;
+    auto call = [&](auto rows, int64_t m) {
+      PairMicro::template run<decltype(rows)::value>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp,
+                                                     out + m * N + n0, N, ncols);
+    };
+    int64_t m = 0;
+    for (; m + kPairMR <= M; m += kPairMR) call(std::integral_constant<int, kPairMR>{}, m);
+    w8a8_loop::tail<kPairMR - 1>(M - m, m, call);
+  }
+  if (p < p1) panels(q, d, cs, w, ws, bias, out, M, N, K, B, p, p1);
+}
+
 }  // namespace w8a8
 }  // namespace
 
