@@ -371,23 +371,26 @@ def test_a_head_keeps_the_calibration():
     assert w8a8.longest_block(lm.head(src, 32)) == 32
 
 
-def test_down_proj_is_calibrated_only_on_unquantised_weights():
-    """The calibrated layers: qkv, o and gate_up in any format, down_proj (in blocks of at
-    most 64) only where its weights are unquantised."""
+def test_down_proj_is_calibrated_in_shorter_blocks():
+    """The calibrated layers: qkv, o, gate_up and down_proj in any format; down_proj in blocks
+    of at most 64, and of at most 32 where its weights are quantised (their int8 copy rounds
+    the codes again)."""
     def layer(fmt):
         mlp, attn, block = nn.Module(), nn.Module(), nn.Module()
         for parent, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
                              (mlp, "down_proj")):
-            lin = nn.Linear(64, 64)
+            lin = nn.Linear(256, 256)
             setattr(parent, name, Q.Int4Linear.from_linear(lin, 32) if fmt == "int4"
                     else lin.to(torch.bfloat16))
         block.self_attn, block.mlp = attn, mlp
         return block
-    names = lambda m: sorted(n.rsplit(".", 1)[-1] for n in calibration._targets(m))  # noqa: E731
-    assert names(layer("bfloat16")) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    assert names(layer("int4")) == ["gate_up_proj", "o_proj", "qkv_proj"]
-    assert calibration._longest("layers.3.mlp.down_proj") == 64
-    assert calibration._longest("layers.3.mlp.gate_up_proj") == 128
+    for fmt, down in (("bfloat16", 64), ("int4", 32)):
+        targets = calibration._targets(layer(fmt))
+        assert sorted(n.rsplit(".", 1)[-1] for n in targets) == [
+            "down_proj", "gate_up_proj", "o_proj", "qkv_proj"], fmt
+        longest = {n.rsplit(".", 1)[-1]: calibration._longest(n, m) for n, m in targets.items()}
+        assert longest == {"qkv_proj": 128, "o_proj": 128, "gate_up_proj": 128,
+                           "down_proj": down}, fmt
 
 
 def test_the_tuner_takes_it_for_batches_and_prompts_only():
@@ -608,7 +611,7 @@ def test_calibration_covers_every_target_row_and_is_cached(model, tmp_path, monk
     def record(mod, args):
         seen[id(mod)] = args[0].shape[0]
     targets = list(calibration._targets(m).values())
-    assert len(targets) == 3 * len(m.layers)  # qkv, o, gate_up: int4 weights keep down_proj off
+    assert len(targets) == 4 * len(m.layers)  # qkv, o, gate_up, down
     hooks = [t.register_forward_pre_hook(record) for t in targets]
     try:
         assert calibration.calibrate(m, ids, KernelConfig(), cache) == len(targets)
@@ -620,6 +623,9 @@ def test_calibration_covers_every_target_row_and_is_cached(model, tmp_path, monk
     amax = {id(t): w8a8.calibrated(t).clone() for t in targets}
     assert all(a.shape == (t.in_features,) and (a >= 0).all() and a.max() > 0
                for t, a in zip(targets, amax.values()))
+    assert {n.rsplit(".", 1)[-1]: w8a8.longest_block(t)
+            for n, t in calibration._targets(m).items()} == {
+        "qkv_proj": 128, "o_proj": 128, "gate_up_proj": 128, "down_proj": 32}  # int4 weights
     assert cache.exists()
     for t in targets:
         delattr(t, w8a8.AMAX)

@@ -34,11 +34,12 @@ logger = logging.getLogger(__name__)
 # The layers calibrated (by attribute name), each with the longest activation block its rows
 # are quantised in: attention's fused qkv and output projections and the MLP's fused gate_up
 # and down projections. down_proj, whose inputs (after the gate) keep the widest outliers, in
-# blocks of at most 64, and only where its weights are unquantised: an int4 / int8 source's
-# int8 copy rounds its codes a second time, which took Gemma-3-270M's int4 past the accuracy
-# bar (docs/kernels.md, "w8a8").
+# blocks of at most 64, and of at most 32 where its weights are quantised (QUANTISED_LONGEST):
+# an int4 / int8 source's int8 copy rounds its codes a second time, which in blocks of 64 left
+# Gemma-3-270M's int4 just under the accuracy bar, and in blocks of 32 reads as q8act's
+# (docs/kernels.md, "w8a8"); the tuner then takes it only where it measures faster than q8act.
 TARGETS = {"qkv_proj": 128, "o_proj": 128, "gate_up_proj": 128, "down_proj": 64}
-UNQUANTISED_ONLY = ("down_proj",)
+QUANTISED_LONGEST = {"down_proj": 32}
 TEXT = Path(__file__).with_name("calibration.txt")
 TOKENS = 512  # the calibration text's first tokens
 BLOCK = 16
@@ -51,14 +52,16 @@ def calibration_ids(tokenizer, tokens: int = TOKENS) -> list[int]:
 
 def _targets(model: nn.Module) -> dict[str, nn.Module]:
     """{qualified name: layer} of the linear layers calibrated (the tuner's sources named in
-    TARGETS, those in UNQUANTISED_ONLY only where their weights are)."""
-    return {qname: src for qname, _, name, src in _linear_layers(model) if name in TARGETS
-            and (name not in UNQUANTISED_ONLY or not WeightFormat.of(src).quantised)}
+    TARGETS)."""
+    return {qname: src for qname, _, name, src in _linear_layers(model) if name in TARGETS}
 
 
-def _longest(qname: str) -> int:
-    """The longest activation block of the target layer named qname."""
-    return TARGETS[qname.rsplit(".", 1)[-1]]
+def _longest(qname: str, src: nn.Module) -> int:
+    """The longest activation block of the target layer named qname, source src."""
+    name = qname.rsplit(".", 1)[-1]
+    if WeightFormat.of(src).quantised and name in QUANTISED_LONGEST:
+        return QUANTISED_LONGEST[name]
+    return TARGETS[name]
 
 
 def wanted(model: nn.Module, setting: str, device: torch.device, kernels: KernelConfig) -> bool:
@@ -95,7 +98,7 @@ def cache_file(directory: Path, checkpoint: str, dtype: torch.dtype, quantizatio
     files = sorted(p.iterdir()) if p.is_dir() else [p]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     key = json.dumps([VERSION, str(p.resolve()), stats, str(dtype), quantization, TARGETS,
-                      UNQUANTISED_ONLY, hashlib.sha256(str(token_ids).encode()).hexdigest()])
+                      QUANTISED_LONGEST, hashlib.sha256(str(token_ids).encode()).hexdigest()])
     return directory / f"calibration-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -111,7 +114,7 @@ def _load(model: nn.Module, path: Path) -> int:
             saved[n].shape != (layers[n].in_features,) for n in saved):
         return 0
     for n, amax in saved.items():
-        w8a8.set_calibration(layers[n], amax.float().contiguous(), _longest(n))
+        w8a8.set_calibration(layers[n], amax.float().contiguous(), _longest(n, layers[n]))
     return len(saved)
 
 
@@ -177,7 +180,7 @@ def _measure(model: nn.Module, token_ids: list[int], kernels: KernelConfig) -> i
     for n, t in named.items():
         amax = seen.get(id(t))
         if amax is not None and amax.shape[0] == t.in_features and torch.isfinite(amax).all():
-            w8a8.set_calibration(t, amax.contiguous(), _longest(n))
+            w8a8.set_calibration(t, amax.contiguous(), _longest(n, t))
             done += 1
     logger.info("int8 activations: %d layers calibrated on %d tokens in %.2f s", done,
                 len(token_ids), time.perf_counter() - t0)
