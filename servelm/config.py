@@ -470,8 +470,8 @@ class KernelConfig:
              "amx and onednn methods keep a layer's weight in the activation dtype too, for "
              "faster prompts; w8a8 an int8 copy, a bf16 model's too); 0: none (default: a "
              "quarter of the memory available at start-up)")
-    # Int8 activations for the compute-bound calls (prompts, batches): the qkv, o and
-    # gate_up layers (and down_proj on unquantised weights) calibrated at start-up on a
+    # Int8 activations for the compute-bound calls (prompts, batches): the qkv, o, gate_up
+    # and down_proj layers calibrated at start-up on a
     # built-in text (servelm.engine.calibration),
     # then the w8a8 method (servelm.layers.w8a8) is one more the tuner measures (bf16
     # activations, AVX-512 VNNI; on CUDA its Triton form, servelm.tuning_cuda); off: never,

@@ -297,8 +297,9 @@ def predict_decode(m: ModelShape, hw: Hardware, batch: int, context: int) -> Pre
 def w8a8_share(m: ModelShape) -> float:
     """The share of a decoder layer's matmul FLOPs in the layers w8a8 runs, from the model's
     sizes: all of them on unquantised weights; qkv, o and gate_up on quantised ones (their
-    down_proj is the rest: servelm.engine.calibration.TARGETS); 0 where they are not
-    known."""
+    down_proj, in blocks of 32, is counted at the rest's rate: the tuner keeps it on q8act
+    where that measures faster; servelm.engine.calibration.QUANTISED_LONGEST); 0 where they
+    are not known."""
     if not (m.hidden_size and m.intermediate_size and m.num_heads and m.head_dim):
         return 0.0
     if m.weight_bits >= 16:
@@ -493,7 +494,8 @@ def report(m: ModelShape, hw: Hardware, prompt_lens=(128, 512, 2048),
     if hw.w8a8_ops:
         share = w8a8_share(m)
         lines.append(f"  w8a8: {hw.w8a8_ops / 1e12:.2f} TOP/s ({hw.w8a8_ops / hw.flops:.1f}x): "
-                     f"the roof of qkv, o, gate_up (and down on unquantised weights) on int8 "
+                     f"the roof of qkv, o, gate_up (and down on unquantised weights; a quantised "
+                     f"one's counted at the rest's rate) on int8 "
                      f"activations (blocks of up to 128, smoothed)"
                      + (f"; {share:.0%} of a layer's FLOPs, the int8 column at "
                         f"{int8.flops / 1e12:.2f} TOP/s" if share and int8 else ""))

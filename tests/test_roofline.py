@@ -87,12 +87,15 @@ def test_measure_hardware_gives_positive_rates():
 
 
 def test_the_w8a8_roof_is_its_fastest_form(monkeypatch):
-    """Where AMX-INT8 runs the tile form too, the roof is the faster form's rate; a form that
-    does not run here (None) is left out, and none running gives None."""
-    rates = {"w8a8": 0.8e12, "w8a8_amx": 3.2e12}
+    """Where another form runs too (the pair form, AMX-INT8's tiles), the roof is the fastest
+    form's rate; a form that does not run here (None) is left out, and none running gives
+    None."""
+    rates = {"w8a8": 0.8e12, "w8a8_pairs": 1.1e12, "w8a8_amx": 3.2e12}
     monkeypatch.setattr(rl, "_method_ops", lambda dev, best, m: rates[m])
     assert rl._w8a8_ops(None, None) == 3.2e12
     rates["w8a8_amx"] = None
+    assert rl._w8a8_ops(None, None) == 1.1e12
+    rates["w8a8_pairs"] = None
     assert rl._w8a8_ops(None, None) == 0.8e12
     rates["w8a8"] = None
     assert rl._w8a8_ops(None, None) is None
