@@ -424,8 +424,15 @@ inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, 
       }
     }
   }
-  if (dr) store_rows<NR, NV>(acc, dr, pm);
-  else add_rows<T, NR, NV>(acc, yr, pm);
+  // The sums handed on by reference from a copy: with acc's own address taken, GCC stored
+  // every sum to the stack after each product.
+  __m512 sums[NR][NV];
+#pragma GCC unroll 4
+  for (int p = 0; p < NR; ++p)
+#pragma GCC unroll 4
+    for (int k = 0; k < NV; ++k) sums[p][k] = acc[p][k];
+  if (dr) store_rows<NR, NV>(sums, dr, pm);
+  else add_rows<T, NR, NV>(sums, yr, pm);
 }
 
 template <typename T, int NV>
