@@ -245,6 +245,42 @@ def test_the_pair_form_gives_the_wide_forms_bits(n, k, bias, fmt, longest):
             assert torch.equal(pairs(x), mod(x)), (rows, dtype)
 
 
+@runs
+@pairs_run
+@pytest.mark.parametrize("n,k,fmt,longest", [(64, 576, "int4", 128), (96, 160, "int8", 32),
+                                             (3072, 576, "int4", 128)])
+def test_the_pair_form_writes_silu_mul_as_the_two_ops_would(n, k, fmt, longest):
+    """A SwiGLU gate_up on the pair form writes silu(gate) * up itself (gate panel f and up
+    panel f + n / 32 in one call): the bits of its output then servelm_ops.silu_and_mul, at
+    any row count; a SiLU MLP whose gate_up runs it takes it. With a bias, or halves that are
+    not whole panels, the layer does not offer it."""
+    from servelm.kernels import load_ops
+    from servelm.layers.linear_methods import BucketedLinear
+    from servelm.models.layers import GatedMLP
+
+    src, amax = _calibrated(n, k, False, fmt)
+    w8a8.set_calibration(src, amax, longest)
+    mod = lm.build("w8a8_pairs", src, torch.bfloat16)
+    if not hasattr(torch.ops.servelm_w8a8, w8a8.PAIR_SILU_OP):
+        pytest.skip("the gated epilogue needs AVX512-BF16")
+    assert mod.writes_silu_mul and load_ops("ops")
+    for rows in (1, 3, 7, 8, 13, 64, 100):
+        x = _inputs(rows, amax, seed=rows)
+        assert torch.equal(mod.silu_mul(x), torch.ops.servelm_ops.silu_and_mul(mod(x))), rows
+    mlp = GatedMLP(k, n // 2)
+    mlp.gate_up_proj = BucketedLinear([src, src, mod, mod], ["torch", "torch", "w8a8_pairs",
+                                                              "w8a8_pairs"])
+    mlp.down_proj = nn.Linear(n // 2, k, bias=False).to(torch.bfloat16)
+    mlp.select(True)
+    assert mlp._gated_ids == {id(mod)}
+    x = _inputs(64, amax)
+    assert torch.equal(mlp(x), mlp.down_proj(torch.ops.servelm_ops.silu_and_mul(mod(x))))
+    biased, amax = _calibrated(n, k, True, fmt)
+    assert not lm.build("w8a8_pairs", biased, torch.bfloat16).writes_silu_mul
+    odd, _ = _calibrated(48, k, False, fmt)  # halves of 24 outputs
+    assert not lm.build("w8a8_pairs", odd, torch.bfloat16).writes_silu_mul
+
+
 def test_the_pair_form_applies_where_it_is_built(monkeypatch):
     src, _ = _calibrated(32, 64)
     monkeypatch.setattr(w8a8, "pairs_available", lambda: False)

@@ -59,6 +59,7 @@ _TILE_FLAG = "amx_int8"  # AMX's int8 tile products (tdpbsud), the tile form's
 # linear_tiles_emulated, the same loop on tiles emulated in C++).
 TILE_OP = "linear_tiles"
 PAIR_OP = "linear_pairs"  # the pair form's op (AVX-512 VNNI)
+PAIR_SILU_OP = "linear_pairs_silu"  # ... a SwiGLU gate_up's, SiLU in its epilogue (+ AVX512-BF16)
 
 
 def _cpu_flags() -> list[str]:
@@ -259,10 +260,22 @@ class W8A8Linear(nn.Module):
         self.register_buffer("bias", bias)
         ops = torch.ops.servelm_w8a8
         self._op = getattr(ops, TILE_OP if tiles else PAIR_OP if pairs else "linear").default
+        # The pair form can write a SwiGLU gate_up's silu(gate) * up itself (silu_mul):
+        # GatedMLP.select takes it for a SiLU MLP's gate_up, its output [gate; up] halves of
+        # whole panels and no bias.
+        self.writes_silu_mul = (pairs and hasattr(ops, PAIR_SILU_OP) and bias is None
+                                and self.out_features % 32 == 0)
+        self._silu_op = getattr(ops, PAIR_SILU_OP).default if self.writes_silu_mul else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.inv_scale, self.weight, self.weight_scale, self.block,
                         self.out_features, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer as a SwiGLU gate_up ([gate; up]; writes_silu_mul):
+        [.., out_features / 2], the bits of forward() then servelm_ops.silu_and_mul."""
+        return self._silu_op(x, self.inv_scale, self.weight, self.weight_scale, self.block,
+                             self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -536,8 +536,9 @@ class GatedMLP(OpModule):
     """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is SiLU (SwiGLU)
     or tanh-approximated GELU (GeGLU, Gemma). The op chosen once (select): the activation
     in PyTorch (mlp_ref), or a SwiGLU's on the C++ silu_and_mul (mlp_kernels), or written
-    by an amx gate_up itself (mlp_gated, or mlp_bucket_gated where only some of its row
-    buckets run a gated amx module)."""
+    by the gate_up itself where it can (a gated amx module, or w8a8's pair form:
+    writes_silu_mul; mlp_gated, or mlp_bucket_gated where only some of its row buckets
+    run such a module)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
@@ -563,7 +564,8 @@ class GatedMLP(OpModule):
         gu = self.gate_up_proj
         bucketed = isinstance(gu, BucketedLinear)
         mods = list(gu.impls) if bucketed else [gu]
-        gated = [m for m in mods if isinstance(m, AmxLinear) and m.gated]
+        gated = [m for m in mods if (isinstance(m, AmxLinear) and m.gated)
+                 or getattr(m, "writes_silu_mul", False)]
         if not gated:
             self._mlp = mlp_kernels
         elif not bucketed:
@@ -605,13 +607,13 @@ def mlp_kernels(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def mlp_gated(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    """gate_up is one gated amx module: it writes silu(gate) * up itself."""
+    """gate_up is one module that writes silu(gate) * up itself."""
     return mlp.down_proj(mlp.gate_up_proj.silu_mul(x))
 
 
 def mlp_bucket_gated(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
-    """Some of gate_up's row buckets run a gated amx module: the one for x's rows
-    writes the activation itself where it is gated."""
+    """Some of gate_up's row buckets run a module that writes the activation itself: the
+    one for x's rows does where it is one."""
     gu = mlp.gate_up_proj.module_for(x.numel() // mlp.gate_up_proj.in_features)
     if id(gu) in mlp._gated_ids:
         return mlp.down_proj(gu.silu_mul(x))

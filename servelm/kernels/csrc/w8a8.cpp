@@ -29,6 +29,9 @@
 //   linear_pairs(...): linear's arguments and result on AVX-512 VNNI, two panels a
 //   micro-kernel call (w8a8_kernel.h's w8a8::pairs: the same bits), a form the tuner
 //   measures beside linear's (linear_methods' "w8a8_pairs").
+//   linear_pairs_silu(x, inv_scale, weight, weight_scale, block, out_features) -> [..., N / 2]:
+//   a SwiGLU gate_up's ([gate; up], no bias, bf16 x) silu(gate) * up, the pair form with the
+//   SiLU in its epilogue: the bits of linear_pairs then servelm_ops.silu_and_mul.
 //
 //   linear_tiles(...): linear's arguments and result, on AMX-INT8 tiles (w8a8_tiles.h: the
 //   same weights, rows and bits); where the compiler targets AMX-INT8, run where the OS
@@ -58,7 +61,7 @@ constexpr int64_t kNR = 16;  // outputs per panel, every form
 // padded to a multiple of kRowPad.
 #ifdef SERVELM_W8A8
 struct Wide {
-  static constexpr int64_t kRowPad = 1, kItem = 1;
+  static constexpr int64_t kRowPad = 1, kItem = 1, kOutDiv = 1;  // kOutDiv: N / the outputs
   template <typename T>
   static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
     w8a8::quantize_row(x, inv, K, B, q, d, cs);
@@ -78,6 +81,22 @@ struct WidePairs : Wide {
     w8a8::pairs(q, d, cs, w, ws, bias, out, M, N, K, B, 2 * i0, std::min(2 * i1, (N + kNR - 1) / kNR));
   }
 };
+#ifdef SERVELM_W8A8_SILU
+// The pair form of a SwiGLU gate_up with SiLU in its epilogue: out [M, N / 2], an item 16
+// features (their gate panel and up panel).
+struct WidePairsSilu : Wide {
+  static constexpr int64_t kItem = 2, kOutDiv = 2;
+  static void items(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                    const float*, c10::BFloat16* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t i0,
+                    int64_t i1) {
+    w8a8::pairs_silu(q, d, cs, w, ws, out, M, N, K, B, i0, i1);
+  }
+  static void items(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*, const float*,
+                    float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
+    TORCH_CHECK(false, "servelm_w8a8.linear_pairs_silu: bf16 activations only");
+  }
+};
+#endif
 // The tile form on Tiles (w8a8_tiles::AmxTiles or EmulatedTiles): the wide form's rows, an
 // item a pair of panels, a thread's items on its own tiles.
 template <class Tiles>
@@ -93,7 +112,7 @@ struct TileForm : Wide {
 #endif
 #ifdef SERVELM_W8A8_256
 struct Narrow {
-  static constexpr int64_t kRowPad = 1, kItem = 1;
+  static constexpr int64_t kRowPad = 1, kItem = 1, kOutDiv = 1;
   template <typename T>
   static void quantize_row(const T* x, const float* inv, int64_t K, int64_t B, int8_t* q, float* d, int32_t* cs) {
     w8a8_256::quantize_row(x, inv, K, B, q, d, cs);
@@ -173,8 +192,8 @@ at::Tensor linear_with(const at::Tensor& x_in, const at::Tensor& inv, const at::
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
+  shape.back() = N / Kn::kOutDiv;
+  at::Tensor y = at::empty({M, N / Kn::kOutDiv}, x.options());
   if (M > 0) {
     if (x.scalar_type() == at::kFloat)
       gemm<Kn>(x.data_ptr<float>(), inv.data_ptr<float>(), weight.data_ptr<uint8_t>(), wscale.data_ptr<float>(), b,
@@ -190,6 +209,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& 
                   int64_t block, int64_t N, const c10::optional<at::Tensor>& bias) {
   return linear_with<Best>(x, inv, weight, wscale, block, N, bias, "servelm_w8a8.linear");
 }
+
+#ifdef SERVELM_W8A8_SILU
+at::Tensor linear_pairs_silu(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight,
+                             const at::Tensor& wscale, int64_t block, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "servelm_w8a8.linear_pairs_silu: x must be bfloat16");
+  TORCH_CHECK(N % 32 == 0, "servelm_w8a8.linear_pairs_silu: out_features ", N,
+              " must be twice a multiple of 16 (a gate_up's [gate; up])");
+  return linear_with<WidePairsSilu>(x, inv, weight, wscale, block, N, c10::nullopt,
+                                    "servelm_w8a8.linear_pairs_silu");
+}
+#endif
 
 #ifdef SERVELM_W8A8
 at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& weight, const at::Tensor& wscale,
@@ -245,6 +275,10 @@ TORCH_LIBRARY(servelm_w8a8, m) {
   m.def("linear(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
         "int out_features, Tensor? bias=None) -> Tensor");
   m.def("quantize(Tensor x, Tensor inv_scale, int block) -> (Tensor, Tensor)");
+#ifdef SERVELM_W8A8_SILU
+  m.def("linear_pairs_silu(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
+        "int out_features) -> Tensor");
+#endif
 #ifdef SERVELM_W8A8
   m.def("linear_pairs(Tensor x, Tensor inv_scale, Tensor weight, Tensor weight_scale, int block, "
         "int out_features, Tensor? bias=None) -> Tensor");
@@ -265,6 +299,9 @@ TORCH_LIBRARY(servelm_w8a8, m) {
 TORCH_LIBRARY_IMPL(servelm_w8a8, CPU, m) {
   m.impl("linear", &linear);
   m.impl("quantize", &quantize);
+#ifdef SERVELM_W8A8_SILU
+  m.impl("linear_pairs_silu", &linear_pairs_silu);
+#endif
 #ifdef SERVELM_W8A8
   m.impl("linear_pairs", &linear_pairs);
   m.impl("linear_tiles_emulated", &linear_tiles_emulated);

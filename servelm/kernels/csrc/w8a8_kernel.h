@@ -52,6 +52,11 @@ inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uin
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#if defined(__AVX512BF16__)
+#define SERVELM_W8A8_SILU 1  // the pair form's gated epilogue (silu16: row_kernels.h)
+#include "row_kernels.h"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -172,16 +177,17 @@ inline __m512i dpbusd_in_place(__m512i acc, __m512i u, __m512i s) {
   return acc;
 }
 
-// Rows [0, R) of q against panels w and w + K * 16 (their scales ws and ws + NB * 16) -> c's
-// 32 columns, the second panel's first ncols real; the bias (if any) covers both panels.
+// Rows [0, R) of q against panels w and w1 (their scales ws and ws1) -> c's 32 columns, the
+// second panel's first ncols real; the bias (if any) covers both panels. Gated (a SwiGLU
+// gate_up's gate panel and the up panel of the same features): c gets silu(g) * u for the
+// 16 features instead, g and u rounded to bf16 first, as the layer's output is stored and
+// silu_row reads it back (the same bits as the two ops, without the round trip).
 struct PairMicro {
-template <int R, typename O>
+template <int R, bool Gated, typename O>
 __attribute__((noinline)) static void run(const int8_t* q, const float* d, const int32_t* cs, int64_t K,
-                                          int64_t B, const uint8_t* w, const float* ws, const float* bias, O* c,
-                                          int64_t ldc, int ncols) {
+                                          int64_t B, const uint8_t* w, const uint8_t* w1, const float* ws,
+                                          const float* ws1, const float* bias, O* c, int64_t ldc, int ncols) {
   const int64_t NB = K / B;
-  const uint8_t* w1 = w + K * kNR;
-  const float* ws1 = ws + NB * kNR;
   __m512 f[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
@@ -213,6 +219,14 @@ __attribute__((noinline)) static void run(const int8_t* q, const float* d, const
       f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], cv)), _mm512_mul_ps(dv, wsv1), f[r][1]);
     }
   }
+#ifdef SERVELM_W8A8_SILU
+  if constexpr (Gated) {
+    static_assert(std::is_same<O, c10::BFloat16>::value, "the gated form writes bf16");
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) silu_mul_store(c + r * ldc, silu16(as_bf16(f[r][0])), as_bf16(f[r][1]));
+    return;
+  }
+#endif
   if (bias) {
     const __m512 bv0 = _mm512_loadu_ps(bias);
     const __m512 bv1 = ncols == kNR ? _mm512_loadu_ps(bias + kNR)
@@ -225,6 +239,13 @@ __attribute__((noinline)) static void run(const int8_t* q, const float* d, const
     store16(c + r * ldc, f[r][0], kNR);
     store16(c + r * ldc + kNR, f[r][1], ncols);
   }
+}
+// v rounded to bf16 as store16 rounds it (to nearest even, denormals kept), read back as fp32.
+static __m512 as_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 };
 
@@ -241,8 +262,9 @@ inline void pairs(const int8_t* q, const float* d, const int32_t* cs, const uint
     const int ncols = static_cast<int>(std::min<int64_t>(kNR, N - n0 - kNR));
     const float* bp = bias ? bias + n0 : nullptr;
     auto call = [&](auto rows, int64_t m) {
-      PairMicro::template run<decltype(rows)::value>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp,
-                                                     out + m * N + n0, N, ncols);
+      PairMicro::template run<decltype(rows)::value, false>(q + m * K, d + m * NB, cs + m * NB, K, B, wp,
+                                                            wp + K * kNR, wsp, wsp + NB * kNR, bp,
+                                                            out + m * N + n0, N, ncols);
     };
     int64_t m = 0;
     for (; m + kPairMR <= M; m += kPairMR) call(std::integral_constant<int, kPairMR>{}, m);
@@ -250,6 +272,28 @@ inline void pairs(const int8_t* q, const float* d, const int32_t* cs, const uint
   }
   if (p < p1) panels(q, d, cs, w, ws, bias, out, M, N, K, B, p, p1);
 }
+
+#ifdef SERVELM_W8A8_SILU
+// A SwiGLU gate_up ([gate; up], N = 2 I, I a multiple of 16, no bias) in the pair form with
+// SiLU in its epilogue: features [16 f0, 16 f1) of out [M, I] get silu(gate) * up, each a
+// call over gate panel f and up panel f + I / 16.
+inline void pairs_silu(const int8_t* q, const float* d, const int32_t* cs, const uint8_t* w, const float* ws,
+                       c10::BFloat16* out, int64_t M, int64_t N, int64_t K, int64_t B, int64_t f0, int64_t f1) {
+  const int64_t NB = K / B, I = N / 2, half = I / kNR;
+  for (int64_t f = f0; f < f1; ++f) {
+    const uint8_t* wg = w + f * K * kNR;
+    const float* wsg = ws + f * NB * kNR;
+    auto call = [&](auto rows, int64_t m) {
+      PairMicro::template run<decltype(rows)::value, true>(q + m * K, d + m * NB, cs + m * NB, K, B, wg,
+                                                           wg + half * K * kNR, wsg, wsg + half * NB * kNR,
+                                                           nullptr, out + m * I + f * kNR, I, kNR);
+    };
+    int64_t m = 0;
+    for (; m + kPairMR <= M; m += kPairMR) call(std::integral_constant<int, kPairMR>{}, m);
+    w8a8_loop::tail<kPairMR - 1>(M - m, m, call);
+  }
+}
+#endif
 
 }  // namespace w8a8
 }  // namespace
