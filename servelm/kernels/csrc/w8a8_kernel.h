@@ -20,6 +20,15 @@ inline void tail(int64_t r, int64_t m, F& f) {
   }
 }
 
+// Rows [0, M) of a panel (or pair) in calls of MR rows, the last call the rest: f(rows, m)
+// with rows an integral_constant.
+template <int MR, typename F>
+inline void rows(int64_t M, F& f) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) f(std::integral_constant<int, MR>{}, m);
+  tail<MR - 1>(M - m, m, f);
+}
+
 // Panels [p0, p1) of NR outputs (the weights' layout, w ws: w8a8.cpp's head) for all M rows
 // of q (d, cs: [M, K / B]) into out [M, N], MR rows a Micro::run<R> call (the last call the
 // rest of the rows).
@@ -37,9 +46,7 @@ inline void panels(const int8_t* q, const float* d, const int32_t* cs, const uin
       Micro::template run<decltype(rows)::value>(q + m * K, d + m * NB, cs + m * NB, K, B, wp, wsp, bp,
                                                  out + m * N + n0, N, ncols);
     };
-    int64_t m = 0;
-    for (; m + MR <= M; m += MR) call(std::integral_constant<int, MR>{}, m);
-    tail<MR - 1>(M - m, m, call);
+    rows<MR>(M, call);
   }
 }
 
@@ -106,12 +113,19 @@ inline void store16(float* c, __m512 v, int n) {
   if (n == kNR) _mm512_storeu_ps(c, v);
   else _mm512_mask_storeu_ps(c, static_cast<__mmask16>((1u << n) - 1), v);
 }
-inline void store16(c10::BFloat16* c, __m512 v, int n) {
-  // Round to nearest even, as c10::BFloat16(float) does (NaN: none here, the sums are finite).
+// v rounded to bf16 in each lane's high half (low half: garbage), to nearest even as
+// c10::BFloat16(float) does, denormals kept (NaN: none here, the sums are finite).
+inline __m512i bf16_high(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                              _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+}
+// v rounded to bf16 as store16 stores it, read back as fp32.
+inline __m512 as_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_high(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store16(c10::BFloat16* c, __m512 v, int n) {
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(v), 16));
   if (n == kNR) _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), h);
   else _mm256_mask_storeu_epi16(c, static_cast<__mmask16>((1u << n) - 1), h);
 }
@@ -240,13 +254,6 @@ __attribute__((noinline)) static void run(const int8_t* q, const float* d, const
     store16(c + r * ldc + kNR, f[r][1], ncols);
   }
 }
-// v rounded to bf16 as store16 rounds it (to nearest even, denormals kept), read back as fp32.
-static __m512 as_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
 };
 
 // panels' work in the pair form: panels [p0, p1) two at a time, an odd last one by Micro.
@@ -266,9 +273,7 @@ inline void pairs(const int8_t* q, const float* d, const int32_t* cs, const uint
                                                             wp + K * kNR, wsp, wsp + NB * kNR, bp,
                                                             out + m * N + n0, N, ncols);
     };
-    int64_t m = 0;
-    for (; m + kPairMR <= M; m += kPairMR) call(std::integral_constant<int, kPairMR>{}, m);
-    w8a8_loop::tail<kPairMR - 1>(M - m, m, call);
+    w8a8_loop::rows<kPairMR>(M, call);
   }
   if (p < p1) panels(q, d, cs, w, ws, bias, out, M, N, K, B, p, p1);
 }
@@ -288,9 +293,7 @@ inline void pairs_silu(const int8_t* q, const float* d, const int32_t* cs, const
                                                            wg + half * K * kNR, wsg, wsg + half * NB * kNR,
                                                            nullptr, out + m * I + f * kNR, I, kNR);
     };
-    int64_t m = 0;
-    for (; m + kPairMR <= M; m += kPairMR) call(std::integral_constant<int, kPairMR>{}, m);
-    w8a8_loop::tail<kPairMR - 1>(M - m, m, call);
+    w8a8_loop::rows<kPairMR>(M, call);
   }
 }
 #endif
