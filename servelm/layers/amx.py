@@ -58,6 +58,11 @@ class AmxLinear(nn.Module):
         self._op = ops.linear.default
         self.gated = False  # gate_silu(): the weight's gate and up blocks alternate
 
+    @property
+    def writes_silu_mul(self) -> bool:
+        """Whether silu_mul runs (GatedMLP.select takes it): once gate_silu() has gated it."""
+        return self.gated
+
     @torch.no_grad()
     def gate_silu(self) -> None:
         """Make this layer, a SwiGLU MLP's fused [gate; up] projection, run silu(gate) * up

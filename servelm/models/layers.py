@@ -557,15 +557,14 @@ class GatedMLP(OpModule):
         if not kernels or self.act != "silu":
             self._mlp = mlp_ref
             return
-        from servelm.layers.amx import AmxLinear
         from servelm.layers.linear_methods import BucketedLinear
 
         self._silu_mul = _ops().silu_and_mul
         gu = self.gate_up_proj
         bucketed = isinstance(gu, BucketedLinear)
         mods = list(gu.impls) if bucketed else [gu]
-        gated = [m for m in mods if (isinstance(m, AmxLinear) and m.gated)
-                 or getattr(m, "writes_silu_mul", False)]
+        # A module writing silu(gate) * up itself (silu_mul): a gated amx layer, w8a8's pair form.
+        gated = [m for m in mods if getattr(m, "writes_silu_mul", False)]
         if not gated:
             self._mlp = mlp_kernels
         elif not bucketed:
