@@ -32,12 +32,12 @@ def _close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("parts", [(40,), (48, 16, 16), (35, 35)])
+@pytest.mark.parametrize("parts", [(40,), (48, 16, 16), (35, 35), (64, 32, 80)])
 @pytest.mark.parametrize("M", [1, 7, 64, 300])
 @pytest.mark.parametrize("R", [8, 5])  # an odd R: the bf16 expand's last rank pair half zero
 def test_lora_add_is_the_reference(dtype, parts, M, R):
     g = torch.Generator().manual_seed(M * 7 + len(parts))
-    K, S = 72, 3  # K and the parts not multiples of 16: the masked tails
+    K, S = 72, 3  # K and most parts not multiples of 16: the masked tails (64, 32, 80: whole vectors)
     a, b, bounds = random_lora_stacks(S, parts, K, R, dtype, ranks=(R, 3, 5), g=g)
     x = torch.randn(M, K, generator=g).to(dtype)
     slots = torch.randint(-1, S, (M,), generator=g, dtype=torch.int32)

@@ -339,7 +339,7 @@ inline void rank_pair(const c10::BFloat16* bp, const PanelMasks& pm, int k, __m5
 
 // y[p][16k ..] = round(y + acc[p][k]) for NR rows' NV vectors; bf16 with AVX512-BF16: two vectors
 // a vcvtne2ps2bf16 (round to nearest even, as st16; fp32 denormals read as zero).
-template <typename T, int NR, int NV>
+template <typename T, int NR, int NV, bool Full = false>
 inline void add_rows(__m512 (&acc)[NR][NV], T* const* yr, const PanelMasks& pm) {
 #ifdef SERVELM_LORA_PAIRED
   if constexpr (std::is_same<T, c10::BFloat16>::value) {
@@ -349,18 +349,20 @@ inline void add_rows(__m512 (&acc)[NR][NV], T* const* yr, const PanelMasks& pm) 
       for (int k = 0; k + 1 < NV; k += 2) {
         T* yp = yr[p] + 16 * k;
         const __mmask32 m = static_cast<__mmask32>(pm.m16[k]) | (static_cast<__mmask32>(pm.m16[k + 1]) << 16);
-        const __m512i v = _mm512_maskz_loadu_epi16(m, yp);
+        const __m512i v = Full ? _mm512_loadu_si512(yp) : _mm512_maskz_loadu_epi16(m, yp);
         const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
         const __m512 hi =
             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
         const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_add_ps(hi, acc[p][k + 1]), _mm512_add_ps(lo, acc[p][k]));
-        _mm512_mask_storeu_epi16(yp, m, (__m512i)r);
+        if (Full) _mm512_storeu_si512(yp, (__m512i)r);
+        else _mm512_mask_storeu_epi16(yp, m, (__m512i)r);
       }
       if (NV % 2) {
         T* yp = yr[p] + 16 * (NV - 1);
         const __mmask16 m = pm.m16[NV - 1];
-        const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(ld16<T>(yp, m), acc[p][NV - 1]));
-        _mm256_mask_storeu_epi16(yp, m, (__m256i)r);
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(Full ? ld16<T>(yp) : ld16<T>(yp, m), acc[p][NV - 1]));
+        if (Full) _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp), (__m256i)r);
+        else _mm256_mask_storeu_epi16(yp, m, (__m256i)r);
       }
     }
     return;
@@ -385,7 +387,7 @@ inline void store_rows(__m512 (&acc)[NR][NV], float* const* dr, const PanelMasks
 
 // NR rows x NV vectors of a panel: acc over the rank pairs in order, then into y (or, dr not
 // null, stored at dr: the delta itself, for a kernel that adds it later, lora::Deltas).
-template <typename T, int NR, int NV>
+template <typename T, int NR, int NV, bool Full = false>
 inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, T* const* yr,
                         const PanelMasks& pm, float* const* dr = nullptr) {
   __m512 acc[NR][NV];
@@ -398,7 +400,9 @@ inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, 
     for (int64_t i = 0; i < P; ++i) {
       __m512bh bv[NV];
 #pragma GCC unroll 4
-      for (int k = 0; k < NV; ++k) bv[k] = (__m512bh)_mm512_maskz_loadu_epi16(pm.m32[k], b + i * ldb + 32 * k);
+      for (int k = 0; k < NV; ++k)
+        bv[k] = Full ? (__m512bh)_mm512_loadu_si512(b + i * ldb + 32 * k)
+                     : (__m512bh)_mm512_maskz_loadu_epi16(pm.m32[k], b + i * ldb + 32 * k);
 #pragma GCC unroll 4
       for (int p = 0; p < NR; ++p) {
         uint32_t v;
@@ -432,10 +436,10 @@ inline void expand_tile(const T* b, int64_t ldb, const T* const* tr, int64_t P, 
 #pragma GCC unroll 4
     for (int k = 0; k < NV; ++k) sums[p][k] = acc[p][k];
   if (dr) store_rows<NR, NV>(sums, dr, pm);
-  else add_rows<T, NR, NV>(sums, yr, pm);
+  else add_rows<T, NR, NV, Full>(sums, yr, pm);
 }
 
-template <typename T, int NV>
+template <typename T, int NV, bool Full = false>
 inline void expand_rows(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
                         int64_t P, T* y, int64_t ldy, const PanelMasks& pm, float* d, int64_t ldd) {
   int64_t q = 0;
@@ -445,27 +449,35 @@ inline void expand_rows(const T* b, int64_t ldb, const T* t, int64_t ldt, const 
     float* dr[kNR];
     for (int p = 0; p < kNR; ++p)
       tr[p] = t + rows[q + p] * ldt, yr[p] = y + rows[q + p] * ldy, dr[p] = d ? d + rows[q + p] * ldd : nullptr;
-    expand_tile<T, kNR, NV>(b, ldb, tr, P, yr, pm, d ? dr : nullptr);
+    expand_tile<T, kNR, NV, Full>(b, ldb, tr, P, yr, pm, d ? dr : nullptr);
   }
   for (; q < n; ++q) {
     const T* tr[1] = {t + rows[q] * ldt};
     T* yr[1] = {y + rows[q] * ldy};
     float* dr[1] = {d ? d + rows[q] * ldd : nullptr};
-    expand_tile<T, 1, NV>(b, ldb, tr, P, yr, pm, d ? dr : nullptr);
+    expand_tile<T, 1, NV, Full>(b, ldb, tr, P, yr, pm, d ? dr : nullptr);
   }
 }
 
-// The vector form over a panel of w columns.
+// The vector form over a panel of w columns. A panel of whole vectors (w a multiple of 16)
+// loads B and y and stores y unmasked (Full): a step's expand waited on its masked loads of
+// B (docs/benchmarks.md, LoRA adapters); a partial panel masks its last vector.
+template <typename T, bool Full>
+inline void expand_vectors(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
+                           int64_t P, T* y, int64_t ldy, const PanelMasks& pm, int nv, float* d, int64_t ldd) {
+  switch (nv) {
+    case 1: expand_rows<T, 1, Full>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+    case 2: expand_rows<T, 2, Full>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+    case 3: expand_rows<T, 3, Full>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+    default: expand_rows<T, 4, Full>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
+  }
+}
 template <typename T>
 inline void expand_panel(const T* b, int64_t ldb, const T* t, int64_t ldt, const int32_t* rows, int64_t n,
                          int64_t P, T* y, int64_t ldy, int w, float* d = nullptr, int64_t ldd = 0) {
   const PanelMasks pm(w);
-  switch ((w + 15) / 16) {
-    case 1: expand_rows<T, 1>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
-    case 2: expand_rows<T, 2>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
-    case 3: expand_rows<T, 3>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
-    default: expand_rows<T, 4>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, d, ldd); break;
-  }
+  if (w % 16 == 0) expand_vectors<T, true>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, w / 16, d, ldd);
+  else expand_vectors<T, false>(b, ldb, t, ldt, rows, n, P, y, ldy, pm, (w + 15) / 16, d, ldd);
 }
 #endif
 
