@@ -500,8 +500,8 @@ class KernelConfig:
         True, help="the PyTorch eager reference instead of servelm's C++ CPU kernels")
     fused_decode: bool = option(  # decode-only steps on the DecodeStack (one C++ call)
         True, help="decode steps op by op instead of on the one-call DecodeStack")
-    hugepages: bool = option(  # weights and KV cache in 2 MB transparent huge pages
-        True, help="weights and KV cache in plain pages, not 2 MB huge pages")
+    hugepages: bool = option(  # weights, LoRA slots and KV cache in 2 MB transparent huge pages
+        True, help="weights, LoRA slots and KV cache in plain pages, not 2 MB huge pages")
     # CPU tensor parallelism: the model's all-reduces and gathers between ranks on one host
     # through a shared-memory segment (servelm.distributed.shm); False, or ranks on several
     # hosts: gloo for all of them.

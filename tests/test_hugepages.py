@@ -216,3 +216,34 @@ def test_the_server_commits_the_pool_at_start_within_its_budget(monkeypatch):
     monkeypatch.setattr(engine_mod.time, "monotonic", lambda: next(clock))
     e = fake(40)
     assert LLMEngine.commit_pool(e, 3.0) is True and e.executor.kv_cache.units == 37
+
+
+def test_lora_slots_lie_in_one_region_in_step_order():
+    """apply_lora puts every adapted layer's slots (A, then B, layer by layer) in one huge-page
+    region, empty; an adapter copied into a slot reads back from there."""
+    from helpers import random_bf16_model
+
+    from servelm.lora.wrap import apply_lora
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
+                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    model = random_bf16_model(cfg, seed=0)
+    wrapped = apply_lora(model, max_loras=2, max_rank=4)
+    ts = [t for m in wrapped.values() for t in (m.lora_a, m.lora_b)]
+    assert len(ts) == 16 and all(t.is_contiguous() and not t.any() for t in ts)  # 2 x (qkv, o, gate_up, down)
+    assert len({t.untyped_storage().data_ptr() for t in ts}) == 1
+    ptrs = [t.data_ptr() for t in ts]
+    assert ptrs == sorted(ptrs)
+    assert ts[0].untyped_storage().data_ptr() % hugepages.HUGE_PAGE == 0
+    o = wrapped["layers.0.self_attn.o_proj"]
+    a, b = torch.randn(3, 32), torch.randn(32, 3)
+    o.set_slot(1, [(a, b)])
+    assert torch.equal(o.lora_a[1, :3], a.bfloat16()) and not o.lora_a[0].any()
+    plain = apply_lora(random_bf16_model(cfg, seed=0), max_loras=2, max_rank=4, huge=False)
+    if _thp_allowed():
+        ts[0].fill_(0)  # fault the region in
+        assert _smaps_kb(ts[0].data_ptr()) >= 2048
+        p = next(iter(plain.values())).lora_a
+        p.fill_(0)
+        assert _smaps_kb(p.data_ptr()) == 0

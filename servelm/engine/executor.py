@@ -118,7 +118,8 @@ class ModelWorker:
         if device.type == "cuda":  # the calibrated layers' int8 activations, where faster
             self.tuning = tuning_cuda.finalize(self.model, kernels or KernelConfig(), calibrate)
         # LoRA: the adaptable layers wrapped, with max_loras empty slots each.
-        self.lora_layers = (apply_lora(self.model, lora.max_loras, lora.max_lora_rank)
+        self.lora_layers = (apply_lora(self.model, lora.max_loras, lora.max_lora_rank,
+                                       huge=kernels.hugepages if kernels else True)
                             if lora is not None else None)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None

@@ -50,11 +50,15 @@ def adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[
     return out
 
 
-def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
+def apply_lora(model: nn.Module, max_loras: int, max_rank: int,
+               huge: bool = True) -> dict[str, LoRALinear]:
     """Wrap every adaptable linear layer of `model` (weights final: loaded, quantised, tuned;
     a SwiGLU gate_up gated by its amx method too: its forward still returns gate and up, and
     the DecodeStack adds the delta before the SiLU) in a LoRALinear with
     max_loras empty slots of rank max_rank; `model.lora_step` is their shared LoRAStep.
+    On the CPU the slots lie in one region of 2 MB huge pages (plain pages if not `huge`),
+    in the order a step reads them, as the weights do (servelm.hugepages): an adapted step
+    streams its adapters' A and B beside the weights.
     Returns the wrapped layers by module path (the adapter loader's names)."""
     step = LoRAStep()
     dtype = model.norm.weight.dtype
@@ -65,5 +69,12 @@ def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoR
         mod = LoRALinear(base, parts, k, max_loras, max_rank, dtype, device, step)
         setattr(parent, attr, mod)
         wrapped[path] = mod
+    if device.type == "cpu" and wrapped:
+        from servelm.hugepages import pack
+
+        mods = list(wrapped.values())
+        views = pack([t for m in mods for t in (m.lora_a, m.lora_b)], huge=huge)
+        for i, m in enumerate(mods):
+            m.lora_a, m.lora_b = views[2 * i], views[2 * i + 1]
     model.lora_step = step
     return wrapped
